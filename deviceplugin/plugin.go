@@ -1,0 +1,52 @@
+// Package deviceplugin is the SDK for device plugin authors.
+//
+// A plugin author implements Plugin (and, optionally, Releaser) and calls Serve from
+// main. The messages are the protocol's own protobuf types (package devicepluginv1), so
+// what a plugin builds is exactly what goes on the wire and what the host validates.
+//
+// The same package holds the go-plugin glue the host uses to talk to a plugin: the
+// handshake, the plugin set and the gRPC client side.
+package deviceplugin
+
+import (
+	"context"
+	"time"
+
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// ProtocolVersion is the plugin protocol version this SDK speaks, as sent in
+// GetPluginInfo and SetConfig.
+const ProtocolVersion = "v1"
+
+// Info describes a plugin.
+type Info struct {
+	Name    string // e.g. "nvidia-example"
+	Version string // the plugin's own version, e.g. "0.1.0"
+}
+
+// Plugin is what a device plugin implements.
+//
+// Every method may be called concurrently with the others. Fingerprint and Stats are
+// long-lived: they block, calling send for each message, until ctx ends (return nil or
+// ctx.Err()) or they fail (return the error). They must return promptly once ctx ends.
+type Plugin interface {
+	// Info names the plugin.
+	Info() Info
+	// SetConfig receives the plugin's config block as a JSON object (nil or empty when
+	// the host has none). An error rejects the config: the host reports it and does not
+	// run the plugin. Called once, before any other call but Info.
+	SetConfig(ctx context.Context, configJSON []byte) error
+	// Fingerprint sends the full inventory at once, then again whenever it changes.
+	Fingerprint(ctx context.Context, send func(*pb.FingerprintResponse) error) error
+	// Stats sends device stats every interval.
+	Stats(ctx context.Context, interval time.Duration, send func(*pb.StatsResponse) error) error
+	// Reserve prepares devices for a container. An error naming the bad IDs refuses it.
+	Reserve(ctx context.Context, deviceIDs []string) (*pb.ContainerReservation, error)
+}
+
+// Releaser is implemented by plugins that clean up after a reservation ends. Plugins
+// without it answer Release with UNIMPLEMENTED, which the host treats as done.
+type Releaser interface {
+	Release(ctx context.Context, reservationID string, deviceIDs []string) error
+}

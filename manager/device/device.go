@@ -1,0 +1,307 @@
+// Package device is the device manager's contract: the Manager interface, the domain
+// types it speaks in, the Factory that builds one, and the sentinel errors callers test
+// with errors.Is.
+//
+// It imports only the standard library and hclog, so that the gRPC server, a simulator or
+// a test double can depend on it without pulling in plugins, stores or the real manager.
+//
+// The data model keeps the static apart from the dynamic:
+//   - Inventory (static): device groups, their attributes, device IDs and locality. It
+//     changes only when hardware or plugins change.
+//   - State (dynamic): per-device health, reason, since-when and holder; per-plugin status.
+//   - Stats (dynamic, sampled): per-device typed values with units and a timestamp.
+//
+// Every value a Manager hands out (a Snapshot, an Inventory, a State, a StatsSnapshot) is
+// immutable once returned: its maps and slices are never written again, so it may be
+// shared between goroutines and must not be modified by the receiver.
+package device
+
+import (
+	"context"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+)
+
+// Manager owns a node's devices through their plugins.
+//
+// All methods are safe for concurrent use. Watch channels are closed when their context
+// ends or the manager shuts down; the manager never blocks on a slow reader.
+type Manager interface {
+	// Inventory returns the current static inventory of every plugin.
+	Inventory() Inventory
+	// State returns current device health and holders, and plugin status.
+	State() State
+	// Watch delivers a Snapshot at once and then on every change. Delivery is
+	// latest-value: a reader that falls behind gets the newest snapshot, never a backlog.
+	// The channel is closed when ctx ends or the manager shuts down.
+	Watch(ctx context.Context) <-chan Snapshot
+	// WatchStats delivers the latest stats of every plugin each interval (rounded up to
+	// the manager's sampling interval; zero means the sampling interval). Latest-value
+	// delivery, closed like Watch.
+	WatchStats(ctx context.Context, interval time.Duration) <-chan StatsSnapshot
+	// Reserve reserves devices of one group for an owner and returns the reservation,
+	// durable before it returns. Errors wrap ErrInvalidRequest, ErrUnknownDevice,
+	// ErrUnhealthyDevice, ErrDeviceHeld, ErrPluginUnavailable or ErrPluginResponse.
+	Reserve(ctx context.Context, req ReserveRequest) (Reservation, error)
+	// Release ends the live reservations named by req and returns their IDs. Releasing
+	// an already released reservation is not an error; an unknown reservation ID wraps
+	// ErrNotFound.
+	Release(ctx context.Context, req ReleaseRequest) ([]string, error)
+	// Reservations lists the ledger's reservations that match f.
+	Reservations(ctx context.Context, f ReservationFilter) ([]Reservation, error)
+	// Ready is closed once every configured plugin has fingerprinted, failed, or
+	// exceeded the readiness timeout.
+	Ready() <-chan struct{}
+	// Shutdown stops every plugin and goroutine the manager started and closes every
+	// watch channel. It returns when all of them are gone or ctx ends.
+	Shutdown(ctx context.Context) error
+}
+
+// Factory builds a Manager. cmd/devicehost passes one that wraps manager.New with the
+// configuration it read; tests and simulators pass their own.
+type Factory func(log hclog.Logger) (Manager, error)
+
+// GroupKey names a group of identical devices.
+type GroupKey struct {
+	Vendor string // e.g. "nvidia"
+	Type   string // e.g. "gpu"
+	Name   string // model, e.g. "NVIDIA H100 80GB HBM3"
+}
+
+// String renders the key as vendor/type/name.
+func (k GroupKey) String() string { return k.Vendor + "/" + k.Type + "/" + k.Name }
+
+// ValueKind says which field of a Value is set.
+type ValueKind int
+
+// The kinds of Value. The zero value is an unset value.
+const (
+	KindUnset ValueKind = iota
+	KindInt
+	KindFloat
+	KindString
+	KindBool
+)
+
+// Value is a typed attribute or statistic with an optional unit ("MiB", "W", "%"...).
+type Value struct {
+	Kind  ValueKind
+	Int   int64
+	Float float64
+	Str   string
+	Bool  bool
+	Unit  string
+}
+
+// Locality says where a device sits on the machine.
+type Locality struct {
+	PCIBusID string // e.g. "0000:17:00.0"; empty when unknown
+	NUMANode int    // -1 when unknown
+}
+
+// Inventory is the static description of every plugin's devices.
+type Inventory struct {
+	Groups []Group // sorted by plugin, then GroupKey
+}
+
+// Group is a set of identical devices owned by one plugin.
+type Group struct {
+	GroupKey
+	Plugin     string
+	Attributes map[string]Value
+	Devices    []DeviceInfo // sorted by ID
+}
+
+// DeviceInfo is the static part of one device.
+type DeviceInfo struct {
+	ID       string
+	Locality Locality
+}
+
+// Health of a device. The zero value is HealthUnknown.
+type Health int
+
+// Device health values.
+const (
+	HealthUnknown Health = iota
+	HealthHealthy
+	HealthUnhealthy
+)
+
+// String returns "unknown", "healthy" or "unhealthy".
+func (h Health) String() string {
+	switch h {
+	case HealthHealthy:
+		return "healthy"
+	case HealthUnhealthy:
+		return "unhealthy"
+	default:
+		return "unknown"
+	}
+}
+
+// State is the dynamic state of every device and plugin.
+type State struct {
+	Devices map[string]DeviceState // by device ID
+	Plugins []PluginState          // sorted by name
+}
+
+// DeviceState is the dynamic part of one device.
+type DeviceState struct {
+	Health Health
+	Reason string    // why it is not healthy; empty when healthy
+	Since  time.Time // when Health last changed
+	Holder *Holder   // the live reservation holding it; nil when free
+}
+
+// Holder names the live reservation that holds a device.
+type Holder struct {
+	ReservationID string
+	OwnerID       string
+}
+
+// PluginStatus is where a plugin is in its life. The zero value is PluginStarting.
+type PluginStatus int
+
+// Plugin status values.
+const (
+	PluginStarting PluginStatus = iota
+	PluginRunning
+	PluginRestarting
+	PluginFailed
+)
+
+// String returns "starting", "running", "restarting" or "failed".
+func (s PluginStatus) String() string {
+	switch s {
+	case PluginRunning:
+		return "running"
+	case PluginRestarting:
+		return "restarting"
+	case PluginFailed:
+		return "failed"
+	default:
+		return "starting"
+	}
+}
+
+// PluginState is the dynamic state of one plugin.
+type PluginState struct {
+	Name        string
+	Version     string
+	Path        string
+	Status      PluginStatus
+	Restarts    int
+	LastError   string
+	LastErrorAt time.Time
+	NextRetry   time.Time // zero unless Status is PluginRestarting
+	DeviceCount int
+}
+
+// Snapshot is one consistent view of the inventory and its state, as Watch delivers it.
+type Snapshot struct {
+	Seq       uint64 // grows by one or more with every change
+	Time      time.Time
+	Inventory Inventory
+	State     State
+}
+
+// StatsSnapshot is the latest stats of every plugin, as WatchStats delivers it.
+type StatsSnapshot struct {
+	Time   time.Time
+	Groups []GroupStats
+}
+
+// GroupStats holds the stats of one group's devices.
+type GroupStats struct {
+	GroupKey
+	Plugin  string
+	Devices []DeviceStats
+}
+
+// DeviceStats holds the sampled values of one device.
+type DeviceStats struct {
+	ID     string
+	Values map[string]Value // by metric name, e.g. "gpu_utilization"
+	Time   time.Time        // when the plugin sampled them
+}
+
+// ReserveRequest asks for devices of one group for one owner.
+type ReserveRequest struct {
+	OwnerID   string
+	Group     GroupKey
+	DeviceIDs []string
+}
+
+// ContainerReservation says how a container gets the reserved devices.
+type ContainerReservation struct {
+	Envs       map[string]string
+	Mounts     []Mount
+	Devices    []DeviceSpec
+	CDIDevices []string // e.g. "nvidia.com/gpu=GPU-<uuid>"
+}
+
+// Mount is a bind mount into the container.
+type Mount struct {
+	HostPath      string
+	ContainerPath string
+	ReadOnly      bool
+}
+
+// DeviceSpec is a device node to expose in the container.
+type DeviceSpec struct {
+	HostPath      string
+	ContainerPath string
+	Permissions   string // subset of "rwm"
+}
+
+// ReservationState is where a reservation is in its life. The zero value matches any
+// state in a ReservationFilter.
+type ReservationState int
+
+// Reservation states.
+const (
+	ReservationAny ReservationState = iota
+	ReservationActive
+	ReservationReleased
+)
+
+// String returns "any", "active" or "released".
+func (s ReservationState) String() string {
+	switch s {
+	case ReservationActive:
+		return "active"
+	case ReservationReleased:
+		return "released"
+	default:
+		return "any"
+	}
+}
+
+// Reservation is one entry of the reservation ledger.
+type Reservation struct {
+	ID             string
+	OwnerID        string
+	Group          GroupKey
+	Plugin         string
+	DeviceIDs      []string
+	Container      ContainerReservation
+	State          ReservationState
+	CreatedAt      time.Time
+	ReleasedAt     time.Time // zero while active
+	CleanupPending bool      // released, plugin cleanup not yet done
+}
+
+// ReleaseRequest names what to release: exactly one of the two fields is set.
+type ReleaseRequest struct {
+	ReservationID string
+	OwnerID       string
+}
+
+// ReservationFilter selects reservations; zero fields match anything.
+type ReservationFilter struct {
+	OwnerID  string
+	DeviceID string
+	State    ReservationState
+}
