@@ -18,8 +18,9 @@ import (
 
 // Binary is a plugin executable found in the plugin dir.
 type Binary struct {
-	Name string // file name, used as the plugin's name in logs and config
-	Path string // absolute path
+	Name string   // file name, used as the plugin's name in logs and config
+	Path string   // absolute path
+	Args []string // extra arguments (e.g. "plugin nvidia-example" when the host re-executes itself)
 }
 
 // Options says how to launch one plugin. The zero value launches with defaults.

@@ -1,0 +1,105 @@
+// Package devicetest provides Fake, a function-field device.Manager: the least an
+// alternative manager (a simulator, a test double) has to implement.
+package devicetest
+
+import (
+	"context"
+	"time"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// Fake implements device.Manager by calling its function fields. A nil field answers
+// with a zero value (a closed channel for the Watch methods and for Ready), so a test
+// sets just the fields it exercises.
+type Fake struct {
+	InventoryFunc    func() device.Inventory
+	StateFunc        func() device.State
+	WatchFunc        func(ctx context.Context) <-chan device.Snapshot
+	WatchStatsFunc   func(ctx context.Context, interval time.Duration) <-chan device.StatsSnapshot
+	ReserveFunc      func(ctx context.Context, req device.ReserveRequest) (device.Reservation, error)
+	ReleaseFunc      func(ctx context.Context, req device.ReleaseRequest) ([]string, error)
+	ReservationsFunc func(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)
+	ReadyFunc        func() <-chan struct{}
+	ShutdownFunc     func(ctx context.Context) error
+}
+
+var _ device.Manager = (*Fake)(nil)
+
+// Inventory calls InventoryFunc.
+func (f *Fake) Inventory() device.Inventory {
+	if f.InventoryFunc == nil {
+		return device.Inventory{}
+	}
+	return f.InventoryFunc()
+}
+
+// State calls StateFunc.
+func (f *Fake) State() device.State {
+	if f.StateFunc == nil {
+		return device.State{}
+	}
+	return f.StateFunc()
+}
+
+// Watch calls WatchFunc; without one it returns a closed channel.
+func (f *Fake) Watch(ctx context.Context) <-chan device.Snapshot {
+	if f.WatchFunc == nil {
+		ch := make(chan device.Snapshot)
+		close(ch)
+		return ch
+	}
+	return f.WatchFunc(ctx)
+}
+
+// WatchStats calls WatchStatsFunc; without one it returns a closed channel.
+func (f *Fake) WatchStats(ctx context.Context, interval time.Duration) <-chan device.StatsSnapshot {
+	if f.WatchStatsFunc == nil {
+		ch := make(chan device.StatsSnapshot)
+		close(ch)
+		return ch
+	}
+	return f.WatchStatsFunc(ctx, interval)
+}
+
+// Reserve calls ReserveFunc.
+func (f *Fake) Reserve(ctx context.Context, req device.ReserveRequest) (device.Reservation, error) {
+	if f.ReserveFunc == nil {
+		return device.Reservation{}, device.ErrUnknownDevice
+	}
+	return f.ReserveFunc(ctx, req)
+}
+
+// Release calls ReleaseFunc.
+func (f *Fake) Release(ctx context.Context, req device.ReleaseRequest) ([]string, error) {
+	if f.ReleaseFunc == nil {
+		return nil, device.ErrNotFound
+	}
+	return f.ReleaseFunc(ctx, req)
+}
+
+// Reservations calls ReservationsFunc.
+func (f *Fake) Reservations(ctx context.Context, filter device.ReservationFilter) ([]device.Reservation, error) {
+	if f.ReservationsFunc == nil {
+		return nil, nil
+	}
+	return f.ReservationsFunc(ctx, filter)
+}
+
+// Ready calls ReadyFunc; without one it returns a closed channel (ready at once).
+func (f *Fake) Ready() <-chan struct{} {
+	if f.ReadyFunc == nil {
+		ch := make(chan struct{})
+		close(ch)
+		return ch
+	}
+	return f.ReadyFunc()
+}
+
+// Shutdown calls ShutdownFunc.
+func (f *Fake) Shutdown(ctx context.Context) error {
+	if f.ShutdownFunc == nil {
+		return nil
+	}
+	return f.ShutdownFunc(ctx)
+}
