@@ -3,10 +3,14 @@
 // anything is converted or stored) and host API requests (in the manager contract's
 // domain types).
 //
-// Every function returns nil or the errors.Join of every violation, each naming the item
-// and the rule it broke.
+// Every function returns nil or the errors.Join of every violation it found (up to
+// MaxViolations), each naming the item and the rule it broke. Plugin-output violations
+// are *Violation values, request violations *device.FieldError values; in both the rule
+// is one of the Rule constants, so callers can test with errors.Is(err, RuleX), list
+// them with Violations, and log "plugin X: rule Y" without parsing text.
 //
-// THIS FILE IS THE AGREED API; bodies marked TODO(validate) are being written.
+// The functions keep no state, do not modify their input, and are safe for concurrent
+// use. Their work is bounded by the Max* limits whatever the input's size.
 package validate
 
 import (
@@ -14,18 +18,71 @@ import (
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
-// Fingerprint checks a plugin's fingerprint.
-func Fingerprint(resp *pb.FingerprintResponse) error { return nil } // TODO(validate)
+// Fingerprint checks a plugin's fingerprint. It reports:
+//   - a nil response or nil group or device (RuleMissing);
+//   - per group: vendor, type and name non-empty, at most MaxNameLen bytes, valid UTF-8
+//     and printable; no two groups with the same vendor, type and name (RuleDuplicate);
+//     at most MaxAttributes attributes;
+//   - per attribute: a name like a group's vendor; a value with its kind set, a finite
+//     float, a string of at most MaxStringValueLen valid UTF-8 bytes, a unit in
+//     KnownUnits;
+//   - per device: an ID like a group's vendor and unique across the whole response
+//     (RuleDuplicate, with where it was first seen); a health value of the enum; a
+//     health reason of at most MaxStringValueLen valid UTF-8 bytes; a NUMA node of -1
+//     or more; a PCI bus ID either empty or dddd:bb:dd.f (or NVML's
+//     dddddddd:bb:dd.f);
+//   - more than MaxGroups groups, MaxDevicesPerGroup devices in a group, or MaxDevices
+//     devices in all.
+//
+// An unhealthy device without a reason is not a violation: rejecting the fingerprint
+// would keep the last good inventory, which may show that device healthy, a worse
+// outcome than a missing reason. The caller fills in a reason of its own.
+func Fingerprint(resp *pb.FingerprintResponse) error { return fingerprint(resp) }
 
 // Stats checks a plugin's stats message; known reports whether a device ID is one the
-// plugin fingerprinted.
-func Stats(resp *pb.StatsResponse, known func(deviceID string) bool) error { return nil } // TODO(validate)
+// plugin fingerprinted (nil means none is). It reports a nil response or entry; an
+// empty, unknown (RuleUnknownDevice) or repeated (RuleDuplicate) device ID; an invalid
+// timestamp; more than MaxDevices entries or MaxStatsValues values in one; and each
+// value's name and value by the rules of Fingerprint's attributes (no NaN or Inf,
+// known units, valid UTF-8, kind set).
+func Stats(resp *pb.StatsResponse, known func(deviceID string) bool) error {
+	return stats(resp, known)
+}
 
-// Reservation checks a plugin's answer to Reserve(requested).
-func Reservation(res *pb.ContainerReservation, requested []string) error { return nil } // TODO(validate)
+// Reservation checks a plugin's answer to Reserve(requested). It reports:
+//   - a nil reservation, mount or device node (RuleMissing);
+//   - an env name that is not [A-Za-z_][A-Za-z0-9_]* (RuleEnvName), is longer than
+//     MaxNameLen, or that EnvDenied rejects (RuleEnvDenied); an env value longer than
+//     MaxEnvValueLen, not valid UTF-8 or holding a NUL;
+//   - a mount or device node path, host or container side, that is empty, longer than
+//     MaxPathLen, not valid UTF-8, holds a NUL, is relative (RuleNotAbsolute), has a
+//     ".." element (RuleDotDot) or is not clean (RuleNotClean);
+//   - device node permissions that are empty or not a subset of "rwm" without repeats
+//     (RulePermissions);
+//   - a CDI device name that is not vendor.tld/class=name (RuleCDIName) or whose name
+//     part is not one of requested (RuleNotRequested);
+//   - more than MaxEnvs envs, MaxMounts mounts, MaxDeviceNodes device nodes or
+//     MaxCDIDevices CDI names.
+func Reservation(res *pb.ContainerReservation, requested []string) error {
+	return reservation(res, requested)
+}
 
-// ReserveRequest checks a host API Reserve request; violations are *device.FieldError.
-func ReserveRequest(req device.ReserveRequest) error { return nil } // TODO(validate)
+// ReserveRequest checks a host API Reserve request; violations are *device.FieldError
+// (so errors.Is(err, device.ErrInvalidRequest) holds) with the proto field names
+// "owner_id", "vendor", "type", "name", "device_ids" and "device_ids[i]", and a Rule
+// that starts with one of the Rule constants. owner_id, vendor, type, name and every
+// device ID must be non-empty, at most MaxNameLen bytes, valid UTF-8 and printable;
+// device_ids must hold 1 to MaxDevicesPerGroup IDs, none repeated.
+func ReserveRequest(req device.ReserveRequest) error { return reserveRequest(req) }
 
 // ReleaseRequest checks a host API Release request; violations are *device.FieldError.
-func ReleaseRequest(req device.ReleaseRequest) error { return nil } // TODO(validate)
+// Exactly one of reservation_id and owner_id must be set (RuleExactlyOne, reported on
+// "reservation_id"); the one set must be at most MaxNameLen bytes, valid UTF-8 and
+// printable.
+func ReleaseRequest(req device.ReleaseRequest) error { return releaseRequest(req) }
+
+// ReservationFilter checks a host API ListReservations filter; violations are
+// *device.FieldError. owner_id and device_id may be empty but otherwise follow
+// ReserveRequest's rules for IDs; state must be one of the ReservationState values
+// (RuleState).
+func ReservationFilter(f device.ReservationFilter) error { return reservationFilter(f) }

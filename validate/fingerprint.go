@@ -1,0 +1,184 @@
+package validate
+
+import (
+	"fmt"
+	"math"
+	"slices"
+
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// fingerprint is Fingerprint's body; see its doc comment for the rules.
+func fingerprint(resp *pb.FingerprintResponse) error {
+	var c collector
+	if resp == nil {
+		c.add("fingerprint", RuleMissing, "")
+		return c.err()
+	}
+	groups := resp.GetGroups()
+	if len(groups) > MaxGroups {
+		c.add("groups", RuleTooMany, tooMany(len(groups), MaxGroups))
+		groups = groups[:MaxGroups]
+	}
+	type groupKey struct{ vendor, typ, name string }
+	seenGroup := make(map[groupKey]int, len(groups))
+	seenID := make(map[string]string) // device ID -> where first seen
+	total := 0                        // devices checked so far, all groups
+	for gi, g := range groups {
+		if g == nil {
+			c.add(fmt.Sprintf("group[%d]", gi), RuleMissing, "")
+			continue
+		}
+		gItem := fmt.Sprintf("group[%d] %s", gi, q(g.GetVendor()+"/"+g.GetType()+"/"+g.GetName()))
+		c.checkName(at(gItem, "vendor"), g.GetVendor())
+		c.checkName(at(gItem, "type"), g.GetType())
+		c.checkName(at(gItem, "name"), g.GetName())
+		k := groupKey{g.GetVendor(), g.GetType(), g.GetName()}
+		if first, dup := seenGroup[k]; dup {
+			c.add(gItem, RuleDuplicate, fmt.Sprintf("first seen at group[%d]", first))
+		} else {
+			seenGroup[k] = gi
+		}
+		c.checkValues(gItem, "attribute", g.GetAttributes(), MaxAttributes)
+
+		devices := g.GetDevices()
+		if len(devices) > MaxDevicesPerGroup {
+			c.add(at(gItem, "devices"), RuleTooMany, tooMany(len(devices), MaxDevicesPerGroup))
+			devices = devices[:MaxDevicesPerGroup]
+		}
+		for di, d := range devices {
+			if total == MaxDevices {
+				break // reported once, after the loop
+			}
+			total++
+			where := fmt.Sprintf("group[%d] device[%d]", gi, di)
+			if d == nil {
+				c.add(at(gItem, fmt.Sprintf("device[%d]", di)), RuleMissing, "")
+				continue
+			}
+			dItem := at(gItem, fmt.Sprintf("device[%d] %s", di, q(d.GetId())))
+			c.checkName(at(dItem, "id"), d.GetId())
+			if d.GetId() != "" {
+				if first, dup := seenID[d.GetId()]; dup {
+					c.add(dItem, RuleDuplicate, "first seen at "+first)
+				} else {
+					seenID[d.GetId()] = where
+				}
+			}
+			if _, ok := pb.Health_name[int32(d.GetHealth())]; !ok {
+				c.add(at(dItem, "health"), RuleHealth, fmt.Sprintf("value %d", d.GetHealth()))
+			}
+			c.checkText(at(dItem, "health_reason"), d.GetHealthReason(), MaxStringValueLen)
+			if loc := d.GetLocality(); loc != nil {
+				if loc.GetNumaNode() < -1 {
+					c.add(at(dItem, "numa_node"), RuleNUMANode, fmt.Sprintf("%d, want -1 or more", loc.GetNumaNode()))
+				}
+				if id := loc.GetPciBusId(); id != "" && !validPCIBusID(id) {
+					c.add(at(dItem, "pci_bus_id"), RulePCIBusID, q(id)+", want dddd:bb:dd.f")
+				}
+			}
+		}
+	}
+	if n := countDevices(resp.GetGroups()); n > MaxDevices {
+		c.add("devices", RuleTooMany, tooMany(n, MaxDevices))
+	}
+	return c.err()
+}
+
+func countDevices(groups []*pb.DeviceGroup) int {
+	n := 0
+	for _, g := range groups {
+		n += len(g.GetDevices())
+	}
+	return n
+}
+
+// checkValues checks a map of typed values (group attributes, stats values): at most
+// limit entries, each with a valid name and a valid value. kind names an entry in items
+// ("attribute", "value"). Names are visited sorted, so the result is deterministic.
+func (c *collector) checkValues(parent, kind string, values map[string]*pb.Value, limit int) {
+	names := make([]string, 0, len(values))
+	for n := range values {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	if len(names) > limit {
+		c.add(at(parent, kind+"s"), RuleTooMany, tooMany(len(names), limit))
+		names = names[:limit]
+	}
+	for _, n := range names {
+		item := at(parent, kind+" "+q(n))
+		c.checkName(item, n)
+		c.checkValue(item, values[n])
+	}
+}
+
+// checkValue checks one typed value: its kind is set, a float is finite, a string is
+// bounded UTF-8, and its unit is known.
+func (c *collector) checkValue(item string, v *pb.Value) {
+	if v == nil {
+		c.add(item, RuleValueUnset, "")
+		return
+	}
+	switch k := v.GetKind().(type) {
+	case *pb.Value_IntValue:
+		if k == nil {
+			c.add(item, RuleValueUnset, "")
+		}
+	case *pb.Value_BoolValue:
+		if k == nil {
+			c.add(item, RuleValueUnset, "")
+		}
+	case *pb.Value_FloatValue:
+		if k == nil {
+			c.add(item, RuleValueUnset, "")
+		} else if math.IsNaN(k.FloatValue) || math.IsInf(k.FloatValue, 0) {
+			c.add(item, RuleNotFinite, fmt.Sprint(k.FloatValue))
+		}
+	case *pb.Value_StringValue:
+		if k == nil {
+			c.add(item, RuleValueUnset, "")
+		} else {
+			c.checkText(item, k.StringValue, MaxStringValueLen)
+		}
+	default: // no kind set
+		c.add(item, RuleValueUnset, "")
+	}
+	if !KnownUnit(v.GetUnit()) {
+		c.add(item, RuleUnknownUnit, "unit "+q(v.GetUnit()))
+	}
+}
+
+// validPCIBusID reports whether id has the form dddd:bb:dd.f in hex (domain, bus,
+// device, function), or the 8-digit-domain form NVML returns (00000000:17:00.0). Either
+// case of hex digit is accepted; the device is at most 0x1f and the function at most 7.
+func validPCIBusID(id string) bool {
+	var domainLen int
+	switch len(id) {
+	case len("0000:00:00.0"):
+		domainLen = 4
+	case len("00000000:00:00.0"):
+		domainLen = 8
+	default:
+		return false
+	}
+	domain, rest := id[:domainLen], id[domainLen:]
+	if !allHex(domain) || len(rest) != 8 || rest[0] != ':' || rest[3] != ':' || rest[6] != '.' {
+		return false
+	}
+	bus, dev, fn := rest[1:3], rest[4:6], rest[7]
+	if !allHex(bus) || !allHex(dev) || fn < '0' || fn > '7' {
+		return false
+	}
+	return dev[0] == '0' || dev[0] == '1' // device number is 5 bits: 00-1f
+}
+
+func allHex(s string) bool {
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F') {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,102 @@
+package validate
+
+import (
+	"errors"
+	"fmt"
+	"unicode/utf8"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// fields gathers *device.FieldError values for a request.
+type fields struct{ errs []error }
+
+func (f *fields) add(field string, rule Rule, detail string) {
+	r := string(rule)
+	if detail != "" {
+		r += " (" + detail + ")"
+	}
+	f.errs = append(f.errs, &device.FieldError{Field: field, Rule: r})
+}
+
+func (f *fields) err() error { return errors.Join(f.errs...) }
+
+// checkID checks an identifier field that must be set: non-empty, at most MaxNameLen
+// bytes, valid UTF-8, printable.
+func (f *fields) checkID(field, s string) {
+	if s == "" {
+		f.add(field, RuleEmpty, "")
+		return
+	}
+	f.checkOptionalID(field, s)
+}
+
+// checkOptionalID checks an identifier field that may be empty.
+func (f *fields) checkOptionalID(field, s string) {
+	if len(s) > MaxNameLen {
+		f.add(field, RuleTooLong, tooLong(len(s), MaxNameLen))
+	}
+	if !utf8.ValidString(s) {
+		f.add(field, RuleInvalidUTF8, "")
+	} else if !printable(s) {
+		f.add(field, RuleNotPrintable, "")
+	}
+}
+
+// reserveRequest is ReserveRequest's body; see its doc comment for the rules.
+func reserveRequest(req device.ReserveRequest) error {
+	var f fields
+	f.checkID("owner_id", req.OwnerID)
+	f.checkID("vendor", req.Group.Vendor)
+	f.checkID("type", req.Group.Type)
+	f.checkID("name", req.Group.Name)
+	ids := req.DeviceIDs
+	switch {
+	case len(ids) == 0:
+		f.add("device_ids", RuleEmpty, "")
+	case len(ids) > MaxDevicesPerGroup:
+		f.add("device_ids", RuleTooMany, tooMany(len(ids), MaxDevicesPerGroup))
+		ids = ids[:MaxDevicesPerGroup]
+	}
+	seen := make(map[string]int, len(ids))
+	for i, id := range ids {
+		field := fmt.Sprintf("device_ids[%d]", i)
+		f.checkID(field, id)
+		if id == "" {
+			continue
+		}
+		if first, dup := seen[id]; dup {
+			f.add(field, RuleDuplicate, fmt.Sprintf("of device_ids[%d]", first))
+		} else {
+			seen[id] = i
+		}
+	}
+	return f.err()
+}
+
+// releaseRequest is ReleaseRequest's body; see its doc comment for the rules.
+func releaseRequest(req device.ReleaseRequest) error {
+	var f fields
+	switch {
+	case req.ReservationID == "" && req.OwnerID == "":
+		f.add("reservation_id", RuleExactlyOne, "neither is set")
+	case req.ReservationID != "" && req.OwnerID != "":
+		f.add("reservation_id", RuleExactlyOne, "both are set")
+	}
+	f.checkOptionalID("reservation_id", req.ReservationID)
+	f.checkOptionalID("owner_id", req.OwnerID)
+	return f.err()
+}
+
+// reservationFilter is ReservationFilter's body; see its doc comment for the rules.
+func reservationFilter(flt device.ReservationFilter) error {
+	var f fields
+	f.checkOptionalID("owner_id", flt.OwnerID)
+	f.checkOptionalID("device_id", flt.DeviceID)
+	switch flt.State {
+	case device.ReservationAny, device.ReservationActive, device.ReservationReleased:
+	default:
+		f.add("state", RuleState, fmt.Sprintf("value %d", int(flt.State)))
+	}
+	return f.err()
+}

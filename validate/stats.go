@@ -1,0 +1,50 @@
+package validate
+
+import (
+	"fmt"
+
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// stats is Stats' body; see its doc comment for the rules.
+func stats(resp *pb.StatsResponse, known func(string) bool) error {
+	var c collector
+	if resp == nil {
+		c.add("stats", RuleMissing, "")
+		return c.err()
+	}
+	devices := resp.GetDevices()
+	if len(devices) > MaxDevices {
+		c.add("devices", RuleTooMany, tooMany(len(devices), MaxDevices))
+		devices = devices[:MaxDevices]
+	}
+	seen := make(map[string]int, len(devices))
+	for i, d := range devices {
+		if d == nil {
+			c.add(fmt.Sprintf("device[%d]", i), RuleMissing, "")
+			continue
+		}
+		id := d.GetDeviceId()
+		item := fmt.Sprintf("device[%d] %s", i, q(id))
+		switch {
+		case id == "":
+			c.add(at(item, "device_id"), RuleEmpty, "")
+		case known == nil || !known(id):
+			c.add(item, RuleUnknownDevice, "")
+		}
+		if id != "" {
+			if first, dup := seen[id]; dup {
+				c.add(item, RuleDuplicate, fmt.Sprintf("first seen at device[%d]", first))
+			} else {
+				seen[id] = i
+			}
+		}
+		if ts := d.GetTimestamp(); ts != nil {
+			if err := ts.CheckValid(); err != nil {
+				c.add(at(item, "timestamp"), RuleTimestamp, err.Error())
+			}
+		}
+		c.checkValues(item, "value", d.GetValues(), MaxStatsValues)
+	}
+	return c.err()
+}
