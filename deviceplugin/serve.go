@@ -1,0 +1,50 @@
+package deviceplugin
+
+import (
+	"os"
+	"sync"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/hashicorp/go-plugin"
+)
+
+// stderr is the process's stderr as it was before go-plugin's Serve swaps os.Stderr for
+// a pipe: the file the host reads log lines from.
+var stderr = os.Stderr
+
+var logger = sync.OnceValue(func() hclog.Logger {
+	return hclog.New(&hclog.LoggerOptions{
+		// The host decides what it keeps: it drops lines below its own level.
+		Level:      hclog.Trace,
+		Output:     stderr,
+		JSONFormat: true,
+	})
+})
+
+// Logger is the logger a plugin logs with: hclog JSON lines on the process's stderr,
+// which go-plugin on the host parses and re-logs through the host's logger (named after
+// the plugin), keeping each line's level. It is unnamed on purpose: the host names the
+// lines. Safe for concurrent use; the same logger on every call.
+//
+// Do not write to stdout before Serve: go-plugin's handshake uses it.
+func Logger() hclog.Logger { return logger() }
+
+// Serve serves impl to the host that launched this process, over go-plugin gRPC, and
+// returns when the host shuts the plugin down (the process should then exit). It makes
+// Logger the hclog default. Run by hand, outside a host, it prints a note and exits 1.
+func Serve(impl Plugin) {
+	hclog.SetDefault(Logger())
+	plugin.Serve(ServeConfig(impl))
+}
+
+// ServeConfig is the go-plugin configuration Serve uses, for callers that need to
+// adjust it before calling plugin.Serve themselves (test fixtures, ServeConfig.Test).
+// A fresh value on every call.
+func ServeConfig(impl Plugin) *plugin.ServeConfig {
+	return &plugin.ServeConfig{
+		HandshakeConfig:  Handshake,
+		VersionedPlugins: VersionedPlugins(NewServer(impl)),
+		GRPCServer:       plugin.DefaultGRPCServer,
+		Logger:           Logger(),
+	}
+}
