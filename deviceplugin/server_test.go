@@ -158,7 +158,10 @@ func TestCallsBeforeSetConfigAreRefused(t *testing.T) {
 			called <- "Stats"
 			return nil
 		},
-		reserve: func(context.Context, []string) (*pb.ContainerReservation, error) { called <- "Reserve"; return nil, nil },
+		reserve: func(context.Context, []string) (*pb.ContainerReservation, error) {
+			called <- "Reserve"
+			return nil, nil
+		},
 	})
 	ctx := testContext(t)
 
