@@ -1,0 +1,456 @@
+// Package fixtureplugin is a device plugin for tests of the loader and the manager,
+// whose behaviour is set by its config. It runs in-process (New, with
+// deviceplugintest.Connect) or as a real plugin process (Build, then launch the binary).
+//
+// Knobs, all in the JSON config block handed over with SetConfig (Config's fields):
+//
+//   - groups: device groups {vendor, type, name, ids, unhealthy_ids}; default one group
+//     fixture/widget/"Widget 1000" with devices w0 and w1. Every group carries an
+//     attribute "memory" (1024 MiB).
+//   - report_env: names of environment variables; each one that is set in the plugin
+//     process appears as a string attribute "env_<NAME>" on every group (so a test can
+//     see the environment the host gave the plugin).
+//   - log_info / log_debug: messages logged at INFO / DEBUG by SetConfig.
+//   - exit_after (duration string, e.g. "200ms"): the process exits with status 3 that
+//     long after SetConfig (crash and crash-loop tests).
+//   - reject_config: SetConfig fails with this message (the host gets INVALID_ARGUMENT).
+//   - fingerprint_hang: Fingerprint never sends; it waits for its context.
+//   - fingerprint_end_after (N): after its N-th inventory message Fingerprint ends the
+//     stream with an error (the bad message of fingerprint_bad_after does not count).
+//     N > 1 needs fingerprint_change_every to produce the later messages.
+//   - fingerprint_bad_after (bool): right after the first good message, Fingerprint
+//     sends an invalid one (the first group's first device ID twice), then carries on.
+//   - fingerprint_change_every (duration): every period the first group's first device
+//     toggles between healthy and unhealthy (reason "fixture: toggled") and a new full
+//     message is sent.
+//   - stats_hang: Stats never sends. stats_error: Stats fails at once with this message.
+//     Otherwise Stats sends one message at once and one per interval, with, for every
+//     device, the values "seq" (1, 2, 3... per stream), "stats_streams" (Stats streams
+//     opened in this process so far) and "temperature" (40 C).
+//   - reserve_hang: Reserve waits for its context. reserve_error: Reserve fails with this
+//     message. reserve_bad: the reservation also sets LD_PRELOAD=/x (which the host must
+//     refuse). Unknown or no IDs are refused with an error naming them. A normal
+//     reservation sets FIXTURE_DEVICES=<ids joined by ",">, the device node /dev/null as
+//     /dev/fixture0 with permissions "rw", and CDI names fixture.example/widget=<id>.
+//   - release_error: Release fails with this message; otherwise it does nothing.
+//
+// Environment knobs, read by the binary (cmd/fixture) before it serves:
+//
+//   - FIXTURE_HANG_START=1: sleep forever before serving (start-timeout tests);
+//   - FIXTURE_PROTOCOL=2: serve only go-plugin protocol version 2 (handshake mismatch);
+//   - FIXTURE_INFO_PROTOCOLS=v2,v3: GetPluginInfo claims these protocol versions instead
+//     of the SDK's (protocol-version mismatch after the handshake).
+package fixtureplugin
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/devicehost/devicehost/deviceplugin"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// Name is the fixture's plugin name (GetPluginInfo) and the binary's file name.
+const Name = "fixture"
+
+// Version is the fixture's plugin version.
+const Version = "0.0.1-test"
+
+// ExitCode is the status the process exits with when exit_after fires.
+const ExitCode = 3
+
+// Group is one device group of the fixture's inventory.
+type Group struct {
+	Vendor       string   `json:"vendor"`
+	Type         string   `json:"type"`
+	Name         string   `json:"name"`
+	IDs          []string `json:"ids"`
+	UnhealthyIDs []string `json:"unhealthy_ids,omitempty"`
+}
+
+// Duration is a time.Duration that reads and writes JSON as a string ("250ms").
+type Duration time.Duration
+
+// MarshalJSON writes d as a duration string.
+func (d Duration) MarshalJSON() ([]byte, error) {
+	return json.Marshal(time.Duration(d).String())
+}
+
+// UnmarshalJSON reads a duration string.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf("duration must be a string like \"250ms\": %w", err)
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// Config is the fixture's config block; see the package doc for what each knob does.
+// The zero value is the default fixture.
+type Config struct {
+	Groups    []Group  `json:"groups,omitempty"`
+	ReportEnv []string `json:"report_env,omitempty"`
+
+	LogInfo      string   `json:"log_info,omitempty"`
+	LogDebug     string   `json:"log_debug,omitempty"`
+	ExitAfter    Duration `json:"exit_after,omitempty"`
+	RejectConfig string   `json:"reject_config,omitempty"`
+
+	FingerprintHang        bool     `json:"fingerprint_hang,omitempty"`
+	FingerprintEndAfter    int      `json:"fingerprint_end_after,omitempty"`
+	FingerprintBadAfter    bool     `json:"fingerprint_bad_after,omitempty"`
+	FingerprintChangeEvery Duration `json:"fingerprint_change_every,omitempty"`
+
+	StatsHang  bool   `json:"stats_hang,omitempty"`
+	StatsError string `json:"stats_error,omitempty"`
+
+	ReserveHang  bool   `json:"reserve_hang,omitempty"`
+	ReserveBad   bool   `json:"reserve_bad,omitempty"`
+	ReserveError string `json:"reserve_error,omitempty"`
+
+	ReleaseError string `json:"release_error,omitempty"`
+}
+
+// JSON encodes c as the config block a host hands over.
+func (c Config) JSON() []byte {
+	b, err := json.Marshal(c)
+	if err != nil {
+		panic(fmt.Sprintf("fixtureplugin: encoding Config: %v", err)) // only plain fields: cannot happen
+	}
+	return b
+}
+
+// DefaultGroups is the inventory used when the config has no groups.
+func DefaultGroups() []Group {
+	return []Group{{Vendor: "fixture", Type: "widget", Name: "Widget 1000", IDs: []string{"w0", "w1"}}}
+}
+
+// Plugin is the fixture plugin. Set the exported fields before the first call; the
+// methods are safe for concurrent use.
+type Plugin struct {
+	// Log is where log_info / log_debug go; nil means deviceplugin.Logger().
+	Log hclog.Logger
+	// Exit ends the process for exit_after; nil means os.Exit. In-process tests set it.
+	Exit func(code int)
+	// InfoProtocolVersions, when set, replaces the protocol versions GetPluginInfo
+	// claims (the binary sets it from FIXTURE_INFO_PROTOCOLS). Used by the server that
+	// Server returns.
+	InfoProtocolVersions []string
+
+	mu        sync.Mutex
+	cfg       Config
+	exitTimer *time.Timer
+
+	statsStreams atomic.Int64
+}
+
+var (
+	_ deviceplugin.Plugin   = (*Plugin)(nil)
+	_ deviceplugin.Releaser = (*Plugin)(nil)
+)
+
+// New returns a fixture plugin with the default config.
+func New() *Plugin {
+	return &Plugin{}
+}
+
+// Info names the fixture.
+func (p *Plugin) Info() deviceplugin.Info {
+	return deviceplugin.Info{Name: Name, Version: Version}
+}
+
+// SetConfig reads the knobs. Unknown knobs are refused, so a typo in a test fails loudly.
+func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
+	var cfg Config
+	if len(bytes.TrimSpace(configJSON)) > 0 {
+		dec := json.NewDecoder(bytes.NewReader(configJSON))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&cfg); err != nil {
+			return fmt.Errorf("fixture config: %w", err)
+		}
+	}
+	if cfg.RejectConfig != "" {
+		return errors.New(cfg.RejectConfig)
+	}
+	if len(cfg.Groups) == 0 {
+		cfg.Groups = DefaultGroups()
+	}
+	if cfg.FingerprintEndAfter < 0 {
+		return fmt.Errorf("fixture config: fingerprint_end_after: must be 0 or more, got %d", cfg.FingerprintEndAfter)
+	}
+
+	p.mu.Lock()
+	p.cfg = cfg
+	if p.exitTimer != nil {
+		p.exitTimer.Stop()
+		p.exitTimer = nil
+	}
+	if cfg.ExitAfter > 0 {
+		exit := p.Exit
+		if exit == nil {
+			exit = os.Exit
+		}
+		p.exitTimer = time.AfterFunc(time.Duration(cfg.ExitAfter), func() { exit(ExitCode) })
+	}
+	p.mu.Unlock()
+
+	log := p.logger()
+	if cfg.LogInfo != "" {
+		log.Info(cfg.LogInfo)
+	}
+	if cfg.LogDebug != "" {
+		log.Debug(cfg.LogDebug)
+	}
+	return nil
+}
+
+// Stop cancels a pending exit_after. In-process tests call it in cleanup.
+func (p *Plugin) Stop() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.exitTimer != nil {
+		p.exitTimer.Stop()
+		p.exitTimer = nil
+	}
+}
+
+func (p *Plugin) logger() hclog.Logger {
+	if p.Log != nil {
+		return p.Log
+	}
+	return deviceplugin.Logger()
+}
+
+func (p *Plugin) config() Config {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cfg
+}
+
+// Fingerprint sends the configured inventory, then changes per the knobs.
+func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintResponse) error) error {
+	cfg := p.config()
+	if cfg.FingerprintHang {
+		<-ctx.Done()
+		return ctx.Err()
+	}
+
+	toggled := false
+	sent := 0
+	sendInventory := func() error {
+		if err := send(inventory(cfg, toggled)); err != nil {
+			return err
+		}
+		sent++
+		if cfg.FingerprintEndAfter > 0 && sent >= cfg.FingerprintEndAfter {
+			return fmt.Errorf("fixture: fingerprint stream ended after %d messages", sent)
+		}
+		return nil
+	}
+
+	if err := sendInventory(); err != nil {
+		return err
+	}
+	if cfg.FingerprintBadAfter {
+		bad := inventory(cfg, toggled)
+		g := bad.Groups[0]
+		if len(g.Devices) > 0 {
+			dup := &pb.Device{Id: g.Devices[0].Id, Health: pb.Health_HEALTH_HEALTHY, Locality: &pb.Locality{NumaNode: -1}}
+			g.Devices = append(g.Devices, dup)
+		}
+		if err := send(bad); err != nil {
+			return err
+		}
+	}
+
+	var tick <-chan time.Time
+	if cfg.FingerprintChangeEvery > 0 {
+		t := time.NewTicker(time.Duration(cfg.FingerprintChangeEvery))
+		defer t.Stop()
+		tick = t.C
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick:
+			toggled = !toggled
+			if err := sendInventory(); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// inventory builds a full fingerprint from cfg; toggled flips the first device's health.
+func inventory(cfg Config, toggled bool) *pb.FingerprintResponse {
+	var env map[string]*pb.Value
+	for _, name := range cfg.ReportEnv {
+		if v, ok := os.LookupEnv(name); ok {
+			if env == nil {
+				env = make(map[string]*pb.Value)
+			}
+			env["env_"+name] = &pb.Value{Kind: &pb.Value_StringValue{StringValue: v}}
+		}
+	}
+
+	resp := &pb.FingerprintResponse{}
+	for gi, g := range cfg.Groups {
+		attrs := map[string]*pb.Value{"memory": {Kind: &pb.Value_IntValue{IntValue: 1024}, Unit: "MiB"}}
+		for k, v := range env {
+			attrs[k] = v
+		}
+		group := &pb.DeviceGroup{Vendor: g.Vendor, Type: g.Type, Name: g.Name, Attributes: attrs}
+		for di, id := range g.IDs {
+			d := &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: &pb.Locality{NumaNode: -1}}
+			if slices.Contains(g.UnhealthyIDs, id) {
+				d.Health, d.HealthReason = pb.Health_HEALTH_UNHEALTHY, "fixture: configured unhealthy"
+			}
+			if toggled && gi == 0 && di == 0 {
+				if d.Health == pb.Health_HEALTH_HEALTHY {
+					d.Health, d.HealthReason = pb.Health_HEALTH_UNHEALTHY, "fixture: toggled"
+				} else {
+					d.Health, d.HealthReason = pb.Health_HEALTH_HEALTHY, ""
+				}
+			}
+			group.Devices = append(group.Devices, d)
+		}
+		resp.Groups = append(resp.Groups, group)
+	}
+	return resp
+}
+
+// Stats sends the counters described in the package doc.
+func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*pb.StatsResponse) error) error {
+	cfg := p.config()
+	if cfg.StatsError != "" {
+		return errors.New(cfg.StatsError)
+	}
+	streams := p.statsStreams.Add(1)
+	if cfg.StatsHang {
+		<-ctx.Done()
+		return ctx.Err()
+	}
+
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for seq := int64(1); ; seq++ {
+		now := time.Now()
+		resp := &pb.StatsResponse{}
+		for _, g := range cfg.Groups {
+			for _, id := range g.IDs {
+				resp.Devices = append(resp.Devices, &pb.DeviceStats{
+					DeviceId:  id,
+					Timestamp: timestamppb.New(now),
+					Values: map[string]*pb.Value{
+						"seq":           {Kind: &pb.Value_IntValue{IntValue: seq}},
+						"stats_streams": {Kind: &pb.Value_IntValue{IntValue: streams}},
+						"temperature":   {Kind: &pb.Value_FloatValue{FloatValue: 40}, Unit: "C"},
+					},
+				})
+			}
+		}
+		if err := send(resp); err != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+// Reserve answers per the knobs; see the package doc.
+func (p *Plugin) Reserve(ctx context.Context, ids []string) (*pb.ContainerReservation, error) {
+	cfg := p.config()
+	if cfg.ReserveHang {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	if cfg.ReserveError != "" {
+		return nil, errors.New(cfg.ReserveError)
+	}
+	if len(ids) == 0 {
+		return nil, errors.New("fixture: no device IDs to reserve")
+	}
+	var unknown []string
+	for _, id := range ids {
+		if !knownID(cfg, id) {
+			unknown = append(unknown, id)
+		}
+	}
+	if len(unknown) > 0 {
+		return nil, fmt.Errorf("fixture: unknown device IDs: %s", strings.Join(unknown, ", "))
+	}
+
+	res := &pb.ContainerReservation{
+		Envs:    map[string]string{"FIXTURE_DEVICES": strings.Join(ids, ",")},
+		Devices: []*pb.DeviceSpec{{HostPath: "/dev/null", ContainerPath: "/dev/fixture0", Permissions: "rw"}},
+	}
+	for _, id := range ids {
+		res.CdiDevices = append(res.CdiDevices, "fixture.example/widget="+id)
+	}
+	if cfg.ReserveBad {
+		res.Envs["LD_PRELOAD"] = "/x"
+	}
+	return res, nil
+}
+
+func knownID(cfg Config, id string) bool {
+	for _, g := range cfg.Groups {
+		if slices.Contains(g.IDs, id) {
+			return true
+		}
+	}
+	return false
+}
+
+// Release fails with release_error when set, else does nothing.
+func (p *Plugin) Release(context.Context, string, []string) error {
+	if msg := p.config().ReleaseError; msg != "" {
+		return errors.New(msg)
+	}
+	return nil
+}
+
+// Server returns the gRPC server for p: the SDK's adapter, with GetPluginInfo's
+// protocol versions replaced when InfoProtocolVersions is set.
+func (p *Plugin) Server() pb.DevicePluginServer {
+	s := deviceplugin.NewServer(p)
+	if len(p.InfoProtocolVersions) == 0 {
+		return s
+	}
+	return &infoOverride{Server: s, versions: slices.Clone(p.InfoProtocolVersions)}
+}
+
+type infoOverride struct {
+	*deviceplugin.Server
+	versions []string
+}
+
+func (s *infoOverride) GetPluginInfo(ctx context.Context, req *pb.GetPluginInfoRequest) (*pb.GetPluginInfoResponse, error) {
+	resp, err := s.Server.GetPluginInfo(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	resp.ProtocolVersions = s.versions
+	return resp, nil
+}
