@@ -1,0 +1,135 @@
+package server
+
+import (
+	"context"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/devicehost/devicehost/manager/device"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/validate"
+)
+
+// Fingerprint sends the full snapshot at once and then on every change. The Manager's
+// latest-value delivery means a slow client skips to the newest snapshot.
+func (s *Server) Fingerprint(_ *pb.FingerprintRequest, stream grpc.ServerStreamingServer[pb.FingerprintResponse]) error {
+	ctx := stream.Context()
+	snaps := s.mgr.Watch(ctx)
+	for {
+		select {
+		case <-s.quit:
+			return errServerShutdown
+		case <-ctx.Done():
+			return status.FromContextError(ctx.Err()).Err()
+		case snap, ok := <-snaps:
+			if !ok {
+				return streamClosed(ctx)
+			}
+			if err := stream.Send(snapshotToProto(snap.Inventory, snap.State, snap.Time)); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// Stats sends the stats of the groups that match the request's filters at the requested
+// interval.
+func (s *Server) Stats(req *pb.StatsRequest, stream grpc.ServerStreamingServer[pb.StatsResponse]) error {
+	var interval = req.GetInterval().AsDuration()
+	if req.GetInterval() != nil {
+		if err := req.GetInterval().CheckValid(); err != nil {
+			return toStatus(&device.FieldError{Field: "interval", Rule: err.Error()})
+		}
+	}
+	if interval < 0 {
+		return toStatus(&device.FieldError{Field: "interval", Rule: "must not be negative"})
+	}
+	ctx := stream.Context()
+	filters := req.GetGroups()
+	stats := s.mgr.WatchStats(ctx, interval)
+	for {
+		select {
+		case <-s.quit:
+			return errServerShutdown
+		case <-ctx.Done():
+			return status.FromContextError(ctx.Err()).Err()
+		case snap, ok := <-stats:
+			if !ok {
+				return streamClosed(ctx)
+			}
+			if err := stream.Send(statsToProto(snap, filters)); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// streamClosed says why a Manager closed a watch channel: the caller went away, or the
+// manager is shutting down.
+func streamClosed(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return status.FromContextError(err).Err()
+	}
+	return status.Error(codes.Unavailable, "device manager closed the stream: "+device.ErrShuttingDown.Error())
+}
+
+// Reserve validates the request and reserves the devices.
+func (s *Server) Reserve(ctx context.Context, in *pb.ReserveRequest) (*pb.ReserveResponse, error) {
+	req := reserveRequestFromProto(in)
+	if err := validate.ReserveRequest(req); err != nil {
+		return nil, toStatus(err)
+	}
+	res, err := s.mgr.Reserve(ctx, req)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &pb.ReserveResponse{
+		ReservationId: res.ID,
+		Reservation:   containerToProto(res.Container),
+	}, nil
+}
+
+// Release validates the request and ends the reservations it names.
+func (s *Server) Release(ctx context.Context, in *pb.ReleaseRequest) (*pb.ReleaseResponse, error) {
+	req := releaseRequestFromProto(in)
+	if err := validate.ReleaseRequest(req); err != nil {
+		return nil, toStatus(err)
+	}
+	ids, err := s.mgr.Release(ctx, req)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &pb.ReleaseResponse{ReleasedReservationIds: ids}, nil
+}
+
+// ListReservations lists the ledger's reservations that match the request's filters.
+func (s *Server) ListReservations(ctx context.Context, in *pb.ListReservationsRequest) (*pb.ListReservationsResponse, error) {
+	f, err := reservationFilterFromProto(in)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	if err := validate.ReservationFilter(f); err != nil {
+		return nil, toStatus(err)
+	}
+	rs, err := s.mgr.Reservations(ctx, f)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	out := &pb.ListReservationsResponse{Reservations: make([]*pb.Reservation, 0, len(rs))}
+	for _, r := range rs {
+		out.Reservations = append(out.Reservations, reservationToProto(r))
+	}
+	return out, nil
+}
+
+// ListPlugins reports every plugin's status.
+func (s *Server) ListPlugins(context.Context, *pb.ListPluginsRequest) (*pb.ListPluginsResponse, error) {
+	st := s.mgr.State()
+	out := &pb.ListPluginsResponse{Plugins: make([]*pb.Plugin, 0, len(st.Plugins))}
+	for _, p := range st.Plugins {
+		out.Plugins = append(out.Plugins, pluginToProto(p))
+	}
+	return out, nil
+}

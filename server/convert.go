@@ -1,0 +1,263 @@
+package server
+
+import (
+	"fmt"
+	"time"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/devicehost/devicehost/manager/device"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// Conversions between the host API's protobuf messages and the device contract's domain
+// types. They are pure; snapshots from the manager are read, never modified.
+
+func timeToProto(t time.Time) *timestamppb.Timestamp {
+	if t.IsZero() {
+		return nil
+	}
+	return timestamppb.New(t)
+}
+
+func valueToProto(v device.Value) *pb.Value {
+	out := &pb.Value{Unit: v.Unit}
+	switch v.Kind {
+	case device.KindInt:
+		out.Kind = &pb.Value_IntValue{IntValue: v.Int}
+	case device.KindFloat:
+		out.Kind = &pb.Value_FloatValue{FloatValue: v.Float}
+	case device.KindString:
+		out.Kind = &pb.Value_StringValue{StringValue: v.Str}
+	case device.KindBool:
+		out.Kind = &pb.Value_BoolValue{BoolValue: v.Bool}
+	}
+	return out
+}
+
+func valuesToProto(in map[string]device.Value) map[string]*pb.Value {
+	if len(in) == 0 {
+		return nil
+	}
+	out := make(map[string]*pb.Value, len(in))
+	for k, v := range in {
+		out[k] = valueToProto(v)
+	}
+	return out
+}
+
+func healthToProto(h device.Health) pb.Health {
+	switch h {
+	case device.HealthHealthy:
+		return pb.Health_HEALTH_HEALTHY
+	case device.HealthUnhealthy:
+		return pb.Health_HEALTH_UNHEALTHY
+	default:
+		return pb.Health_HEALTH_UNKNOWN
+	}
+}
+
+// snapshotToProto joins the static inventory with the dynamic state. A device the state
+// does not mention is reported with unknown health.
+func snapshotToProto(inv device.Inventory, st device.State, at time.Time) *pb.FingerprintResponse {
+	out := &pb.FingerprintResponse{
+		Groups:    make([]*pb.DeviceGroup, 0, len(inv.Groups)),
+		Timestamp: timeToProto(at),
+	}
+	for _, g := range inv.Groups {
+		pg := &pb.DeviceGroup{
+			Vendor:     g.Vendor,
+			Type:       g.Type,
+			Name:       g.Name,
+			Plugin:     g.Plugin,
+			Attributes: valuesToProto(g.Attributes),
+			Devices:    make([]*pb.Device, 0, len(g.Devices)),
+		}
+		for _, d := range g.Devices {
+			ds := st.Devices[d.ID]
+			pd := &pb.Device{
+				Id:           d.ID,
+				Health:       healthToProto(ds.Health),
+				HealthReason: ds.Reason,
+				HealthSince:  timeToProto(ds.Since),
+				Locality: &pb.Locality{
+					PciBusId: d.Locality.PCIBusID,
+					NumaNode: int32(d.Locality.NUMANode),
+				},
+			}
+			if ds.Holder != nil {
+				pd.Holder = &pb.Holder{
+					ReservationId: ds.Holder.ReservationID,
+					OwnerId:       ds.Holder.OwnerID,
+				}
+			}
+			pg.Devices = append(pg.Devices, pd)
+		}
+		out.Groups = append(out.Groups, pg)
+	}
+	return out
+}
+
+// groupMatches reports whether key matches one of the filters; no filters match all. An
+// empty filter field matches anything.
+func groupMatches(key device.GroupKey, filters []*pb.GroupFilter) bool {
+	if len(filters) == 0 {
+		return true
+	}
+	for _, f := range filters {
+		if (f.GetVendor() == "" || f.GetVendor() == key.Vendor) &&
+			(f.GetType() == "" || f.GetType() == key.Type) &&
+			(f.GetName() == "" || f.GetName() == key.Name) {
+			return true
+		}
+	}
+	return false
+}
+
+func statsToProto(s device.StatsSnapshot, filters []*pb.GroupFilter) *pb.StatsResponse {
+	out := &pb.StatsResponse{Timestamp: timeToProto(s.Time)}
+	for _, g := range s.Groups {
+		if !groupMatches(g.GroupKey, filters) {
+			continue
+		}
+		pg := &pb.GroupStats{
+			Vendor:  g.Vendor,
+			Type:    g.Type,
+			Name:    g.Name,
+			Plugin:  g.Plugin,
+			Devices: make([]*pb.DeviceStats, 0, len(g.Devices)),
+		}
+		for _, d := range g.Devices {
+			pg.Devices = append(pg.Devices, &pb.DeviceStats{
+				DeviceId:  d.ID,
+				Values:    valuesToProto(d.Values),
+				Timestamp: timeToProto(d.Time),
+			})
+		}
+		out.Groups = append(out.Groups, pg)
+	}
+	return out
+}
+
+func reserveRequestFromProto(in *pb.ReserveRequest) device.ReserveRequest {
+	return device.ReserveRequest{
+		OwnerID: in.GetOwnerId(),
+		Group: device.GroupKey{
+			Vendor: in.GetVendor(),
+			Type:   in.GetType(),
+			Name:   in.GetName(),
+		},
+		DeviceIDs: append([]string(nil), in.GetDeviceIds()...),
+	}
+}
+
+func containerToProto(c device.ContainerReservation) *pb.ContainerReservation {
+	out := &pb.ContainerReservation{
+		CdiDevices: append([]string(nil), c.CDIDevices...),
+	}
+	if len(c.Envs) > 0 {
+		out.Envs = make(map[string]string, len(c.Envs))
+		for k, v := range c.Envs {
+			out.Envs[k] = v
+		}
+	}
+	for _, m := range c.Mounts {
+		out.Mounts = append(out.Mounts, &pb.Mount{
+			HostPath:      m.HostPath,
+			ContainerPath: m.ContainerPath,
+			ReadOnly:      m.ReadOnly,
+		})
+	}
+	for _, d := range c.Devices {
+		out.Devices = append(out.Devices, &pb.DeviceSpec{
+			HostPath:      d.HostPath,
+			ContainerPath: d.ContainerPath,
+			Permissions:   d.Permissions,
+		})
+	}
+	return out
+}
+
+func releaseRequestFromProto(in *pb.ReleaseRequest) device.ReleaseRequest {
+	return device.ReleaseRequest{
+		ReservationID: in.GetReservationId(),
+		OwnerID:       in.GetOwnerId(),
+	}
+}
+
+func reservationStateToProto(s device.ReservationState) pb.ReservationState {
+	switch s {
+	case device.ReservationActive:
+		return pb.ReservationState_RESERVATION_STATE_ACTIVE
+	case device.ReservationReleased:
+		return pb.ReservationState_RESERVATION_STATE_RELEASED
+	default:
+		return pb.ReservationState_RESERVATION_STATE_UNSPECIFIED
+	}
+}
+
+// reservationFilterFromProto converts a ListReservations request. An unknown state is a
+// *device.FieldError.
+func reservationFilterFromProto(in *pb.ListReservationsRequest) (device.ReservationFilter, error) {
+	f := device.ReservationFilter{OwnerID: in.GetOwnerId(), DeviceID: in.GetDeviceId()}
+	switch in.GetState() {
+	case pb.ReservationState_RESERVATION_STATE_UNSPECIFIED:
+		f.State = device.ReservationAny
+	case pb.ReservationState_RESERVATION_STATE_ACTIVE:
+		f.State = device.ReservationActive
+	case pb.ReservationState_RESERVATION_STATE_RELEASED:
+		f.State = device.ReservationReleased
+	default:
+		return f, &device.FieldError{
+			Field: "state",
+			Rule:  fmt.Sprintf("unknown reservation state %d", int32(in.GetState())),
+		}
+	}
+	return f, nil
+}
+
+func reservationToProto(r device.Reservation) *pb.Reservation {
+	return &pb.Reservation{
+		ReservationId:  r.ID,
+		OwnerId:        r.OwnerID,
+		Vendor:         r.Group.Vendor,
+		Type:           r.Group.Type,
+		Name:           r.Group.Name,
+		Plugin:         r.Plugin,
+		DeviceIds:      append([]string(nil), r.DeviceIDs...),
+		State:          reservationStateToProto(r.State),
+		Reservation:    containerToProto(r.Container),
+		CreatedAt:      timeToProto(r.CreatedAt),
+		ReleasedAt:     timeToProto(r.ReleasedAt),
+		CleanupPending: r.CleanupPending,
+	}
+}
+
+func pluginStatusToProto(s device.PluginStatus) pb.PluginStatus {
+	switch s {
+	case device.PluginStarting:
+		return pb.PluginStatus_PLUGIN_STATUS_STARTING
+	case device.PluginRunning:
+		return pb.PluginStatus_PLUGIN_STATUS_RUNNING
+	case device.PluginRestarting:
+		return pb.PluginStatus_PLUGIN_STATUS_RESTARTING
+	case device.PluginFailed:
+		return pb.PluginStatus_PLUGIN_STATUS_FAILED
+	default:
+		return pb.PluginStatus_PLUGIN_STATUS_UNSPECIFIED
+	}
+}
+
+func pluginToProto(p device.PluginState) *pb.Plugin {
+	return &pb.Plugin{
+		Name:        p.Name,
+		Version:     p.Version,
+		Status:      pluginStatusToProto(p.Status),
+		Restarts:    uint32(max(p.Restarts, 0)),
+		LastError:   p.LastError,
+		LastErrorAt: timeToProto(p.LastErrorAt),
+		NextRetry:   timeToProto(p.NextRetry),
+		Path:        p.Path,
+		DeviceCount: uint32(max(p.DeviceCount, 0)),
+	}
+}

@@ -1,0 +1,348 @@
+package endpoint_test
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"errors"
+	"math/big"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/devicehost/devicehost/server/endpoint"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+func TestParse(t *testing.T) {
+	cwd, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		in      string
+		want    endpoint.Address
+		wantErr string
+	}{
+		{in: "unix:///run/devicehost/devicehost.sock", want: endpoint.Address{Network: "unix", Path: "/run/devicehost/devicehost.sock"}},
+		{in: "unix://dh.sock", want: endpoint.Address{Network: "unix", Path: filepath.Join(cwd, "dh.sock")}},
+		{in: "tcp://127.0.0.1:7070", want: endpoint.Address{Network: "tcp", Host: "127.0.0.1:7070"}},
+		{in: "tcp://[::1]:7070", want: endpoint.Address{Network: "tcp", Host: "[::1]:7070"}},
+		{in: "tcp://:7070", want: endpoint.Address{Network: "tcp", Host: ":7070"}},
+		{in: "unix://", wantErr: "no socket path"},
+		{in: "tcp://localhost", wantErr: "want tcp://host:port"},
+		{in: "tcp://localhost:", wantErr: "no port"},
+		{in: "/run/devicehost.sock", wantErr: "want unix:///path.sock or tcp://host:port"},
+		{in: "http://localhost:80", wantErr: "want unix:///path.sock or tcp://host:port"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.in, func(t *testing.T) {
+			got, err := endpoint.Parse(tt.in)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("Parse(%q) error = %v, want one containing %q", tt.in, err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("Parse(%q): %v", tt.in, err)
+			}
+			if got != tt.want {
+				t.Errorf("Parse(%q) = %+v, want %+v", tt.in, got, tt.want)
+			}
+			if again, err := endpoint.Parse(got.String()); err != nil || again != got {
+				t.Errorf("Parse(%q.String()) = %+v, %v; want a round trip", tt.in, again, err)
+			}
+		})
+	}
+}
+
+// socketDir returns a fresh directory short enough for socket paths.
+func socketDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "ep")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// listen calls endpoint.Listen and closes the listener at cleanup.
+func listen(t *testing.T, a endpoint.Address, tlsFiles endpoint.TLS) *endpoint.Listener {
+	t.Helper()
+	l, err := endpoint.Listen(a, tlsFiles)
+	if err != nil {
+		t.Fatalf("Listen(%s): %v", a, err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+func TestListenUnixModes(t *testing.T) {
+	dir := filepath.Join(socketDir(t), "run", "devicehost")
+	a := endpoint.Address{Network: "unix", Path: filepath.Join(dir, "devicehost.sock")}
+	l := listen(t, a, endpoint.TLS{})
+
+	for _, tt := range []struct {
+		path string
+		want os.FileMode
+	}{{dir, endpoint.DirMode}, {a.Path, endpoint.SocketMode}} {
+		fi, err := os.Stat(tt.path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := fi.Mode().Perm(); got != tt.want {
+			t.Errorf("%s mode = %v, want %v", tt.path, got, tt.want)
+		}
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(a.Path); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("socket still there after Close: %v", err)
+	}
+}
+
+func TestListenUnixReplacesStaleSocket(t *testing.T) {
+	a := endpoint.Address{Network: "unix", Path: filepath.Join(socketDir(t), "dh.sock")}
+	// A host that died leaves its socket file behind with nobody accepting on it.
+	dead, err := net.ListenUnix("unix", &net.UnixAddr{Name: a.Path, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead.SetUnlinkOnClose(false)
+	dead.Close()
+	if _, err := os.Stat(a.Path); err != nil {
+		t.Fatalf("stale socket not left behind: %v", err)
+	}
+
+	l := listen(t, a, endpoint.TLS{})
+	conn, err := net.Dial("unix", a.Path)
+	if err != nil {
+		t.Fatalf("dial the new socket: %v", err)
+	}
+	conn.Close()
+	accepted, err := l.Accept()
+	if err != nil {
+		t.Fatalf("the new listener did not get the connection: %v", err)
+	}
+	accepted.Close()
+}
+
+func TestListenUnixDoesNotStealLiveSocket(t *testing.T) {
+	a := endpoint.Address{Network: "unix", Path: filepath.Join(socketDir(t), "dh.sock")}
+	listen(t, a, endpoint.TLS{})
+
+	_, err := endpoint.Listen(a, endpoint.TLS{})
+	want := "another devicehost is listening on " + a.Path
+	if err == nil || err.Error() != want {
+		t.Errorf("second Listen: %v, want %q", err, want)
+	}
+}
+
+func TestListenUnixKeepsNonSocketFile(t *testing.T) {
+	a := endpoint.Address{Network: "unix", Path: filepath.Join(socketDir(t), "dh.sock")}
+	if err := os.WriteFile(a.Path, []byte("precious"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, err := endpoint.Listen(a, endpoint.TLS{})
+	if err == nil || !strings.Contains(err.Error(), "not a socket") {
+		t.Errorf("Listen over a regular file: %v, want a 'not a socket' error", err)
+	}
+	if data, err := os.ReadFile(a.Path); err != nil || string(data) != "precious" {
+		t.Errorf("the file was touched: %q, %v", data, err)
+	}
+}
+
+func TestTransportPolicy(t *testing.T) {
+	files := writeTestPKI(t)
+	tests := []struct {
+		name    string
+		addr    string
+		tls     endpoint.TLS
+		wantErr string
+	}{
+		{"tcp without TLS", "tcp://127.0.0.1:0", endpoint.TLS{}, "needs mutual TLS"},
+		{"tcp with a cert but no CA", "tcp://127.0.0.1:0", endpoint.TLS{Cert: files.serverCert, Key: files.serverKey}, "needs mutual TLS"},
+		{"insecure on all interfaces", "tcp://:0", endpoint.TLS{Insecure: true}, "refused on a non-loopback address"},
+		{"insecure on a routable IP", "tcp://10.1.2.3:0", endpoint.TLS{Insecure: true}, "refused on a non-loopback address"},
+		{"insecure on a hostname", "tcp://example.com:0", endpoint.TLS{Insecure: true}, "refused on a non-loopback address"},
+		{"insecure and TLS", "tcp://127.0.0.1:0", endpoint.TLS{Insecure: true, CA: files.ca}, "mutually exclusive"},
+		{"TLS on unix", "unix:///tmp/x.sock", endpoint.TLS{CA: files.ca}, "tcp addresses only"},
+		{"a CA that is not PEM", "tcp://127.0.0.1:0", endpoint.TLS{Cert: files.serverCert, Key: files.serverKey, CA: files.serverKey}, "no PEM certificate"},
+		{"insecure on IPv4 loopback", "tcp://127.0.0.1:0", endpoint.TLS{Insecure: true}, ""},
+		{"insecure on localhost", "tcp://localhost:0", endpoint.TLS{Insecure: true}, ""},
+		{"mutual TLS anywhere", "tcp://127.0.0.1:0", endpoint.TLS{Cert: files.serverCert, Key: files.serverKey, CA: files.ca}, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			a, err := endpoint.Parse(tt.addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			l, err := endpoint.Listen(a, tt.tls)
+			if tt.wantErr == "" {
+				if err != nil {
+					t.Fatalf("Listen: %v, want success", err)
+				}
+				l.Close()
+				return
+			}
+			if err == nil {
+				l.Close()
+				t.Fatalf("Listen succeeded, want an error containing %q", tt.wantErr)
+			}
+			if !strings.Contains(err.Error(), tt.wantErr) {
+				t.Errorf("Listen: %v, want an error containing %q", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+func TestMutualTLSRoundTrip(t *testing.T) {
+	files := writeTestPKI(t)
+	a, err := endpoint.Parse("tcp://127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := listen(t, a, endpoint.TLS{Cert: files.serverCert, Key: files.serverKey, CA: files.ca})
+	srv := grpc.NewServer(l.ServerOptions()...)
+	healthpb.RegisterHealthServer(srv, health.NewServer())
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(l) }()
+	t.Cleanup(func() {
+		srv.Stop()
+		<-served
+	})
+
+	check := func(t *testing.T, tlsFiles endpoint.TLS) error {
+		t.Helper()
+		conn, err := endpoint.Dial(l.Address, tlsFiles)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_, err = healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
+		return err
+	}
+	t.Run("client with a certificate from the CA", func(t *testing.T) {
+		if err := check(t, endpoint.TLS{Cert: files.clientCert, Key: files.clientKey, CA: files.ca}); err != nil {
+			t.Errorf("Check: %v", err)
+		}
+	})
+	t.Run("client with a certificate from another CA", func(t *testing.T) {
+		if err := check(t, endpoint.TLS{Cert: files.strangerCert, Key: files.strangerKey, CA: files.ca}); err == nil {
+			t.Error("Check succeeded, want the server to refuse a certificate it did not issue")
+		}
+	})
+	t.Run("client that does not trust the server", func(t *testing.T) {
+		if err := check(t, endpoint.TLS{Cert: files.clientCert, Key: files.clientKey, CA: files.strangerCA}); err == nil {
+			t.Error("Check succeeded, want the client to refuse the server's certificate")
+		}
+	})
+}
+
+// pki holds the paths of PEM files made for one test.
+type pki struct {
+	ca, serverCert, serverKey, clientCert, clientKey string
+	strangerCA, strangerCert, strangerKey            string
+}
+
+// writeTestPKI makes two CAs, a server certificate for 127.0.0.1 and localhost and a
+// client certificate from the first, a client certificate from the second, and writes
+// them as PEM files into a temporary directory.
+func writeTestPKI(t *testing.T) pki {
+	t.Helper()
+	dir := t.TempDir()
+	write := func(name, typ string, der []byte) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	newKey := func() *ecdsa.PrivateKey {
+		k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return k
+	}
+	serial := int64(0)
+	issue := func(tmpl *x509.Certificate, parent *x509.Certificate, parentKey, key *ecdsa.PrivateKey) *x509.Certificate {
+		serial++
+		tmpl.SerialNumber = big.NewInt(serial)
+		tmpl.NotBefore = time.Now().Add(-time.Hour)
+		tmpl.NotAfter = time.Now().Add(time.Hour)
+		if parent == nil {
+			parent, parentKey = tmpl, key
+		}
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, &key.PublicKey, parentKey)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := x509.ParseCertificate(der)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	keyDER := func(k *ecdsa.PrivateKey) []byte {
+		der, err := x509.MarshalPKCS8PrivateKey(k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return der
+	}
+	newCA := func(name string) (*x509.Certificate, *ecdsa.PrivateKey) {
+		k := newKey()
+		c := issue(&x509.Certificate{
+			Subject: pkix.Name{CommonName: name}, IsCA: true, BasicConstraintsValid: true,
+			KeyUsage: x509.KeyUsageCertSign,
+		}, nil, nil, k)
+		return c, k
+	}
+	var p pki
+	ca, caKey := newCA("devicehost test CA")
+	p.ca = write("ca.pem", "CERTIFICATE", ca.Raw)
+	stranger, strangerKey := newCA("stranger CA")
+	p.strangerCA = write("stranger-ca.pem", "CERTIFICATE", stranger.Raw)
+
+	sk := newKey()
+	sc := issue(&x509.Certificate{
+		Subject: pkix.Name{CommonName: "devicehost"}, DNSNames: []string{"localhost"},
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, KeyUsage: x509.KeyUsageDigitalSignature,
+	}, ca, caKey, sk)
+	p.serverCert, p.serverKey = write("server.pem", "CERTIFICATE", sc.Raw), write("server-key.pem", "PRIVATE KEY", keyDER(sk))
+
+	client := func(name string, parent *x509.Certificate, parentKey *ecdsa.PrivateKey) (string, string) {
+		k := newKey()
+		c := issue(&x509.Certificate{
+			Subject:     pkix.Name{CommonName: name},
+			ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}, KeyUsage: x509.KeyUsageDigitalSignature,
+		}, parent, parentKey, k)
+		return write(name+".pem", "CERTIFICATE", c.Raw), write(name+"-key.pem", "PRIVATE KEY", keyDER(k))
+	}
+	p.clientCert, p.clientKey = client("runtime", ca, caKey)
+	p.strangerCert, p.strangerKey = client("stranger", stranger, strangerKey)
+	return p
+}

@@ -1,0 +1,158 @@
+package server_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"go.uber.org/goleak"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/protobuf/encoding/prototext"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/devicehost/devicehost/manager/device"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/server/endpoint"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// testHost is a real Server on a unix socket, with a client connected to it.
+type testHost struct {
+	srv    *server.Server
+	client pb.DeviceHostClient
+	health healthpb.HealthClient
+	logs   *logRecorder
+	addr   endpoint.Address
+}
+
+// startHost serves mgr on a socket in a fresh temporary directory and returns the
+// server and its clients. Cleanup closes the client and shuts the server down.
+func startHost(t *testing.T, mgr device.Manager) *testHost {
+	t.Helper()
+	// Not t.TempDir: socket paths are limited to 108 bytes and test names are long.
+	dir, err := os.MkdirTemp("", "dh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	addr := endpoint.Address{Network: "unix", Path: filepath.Join(dir, "devicehost.sock")}
+	lis, err := endpoint.Listen(addr, endpoint.TLS{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := &logRecorder{}
+	log := hclog.New(&hclog.LoggerOptions{Output: logs, Level: hclog.Debug, JSONFormat: true})
+	srv, err := server.New(server.Config{Manager: mgr, Logger: log})
+	if err != nil {
+		lis.Close()
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(lis) }()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		srv.Shutdown(ctx)
+		if err := <-served; err != nil {
+			t.Errorf("Serve returned %v, want nil after Shutdown", err)
+		}
+	})
+	conn, err := endpoint.Dial(addr, endpoint.TLS{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return &testHost{
+		srv:    srv,
+		client: pb.NewDeviceHostClient(conn),
+		health: healthpb.NewHealthClient(conn),
+		logs:   logs,
+		addr:   addr,
+	}
+}
+
+// testContext is a context that ends with the test or after a generous deadline, so a
+// broken stream fails the test instead of hanging it.
+func testContext(t *testing.T) context.Context {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// watchFeed is a Manager.Watch the test drives: the server's watch gets snaps, and the
+// context it was called with arrives on ctxs.
+type watchFeed struct {
+	snaps chan device.Snapshot
+	ctxs  chan context.Context
+}
+
+func newWatchFeed() *watchFeed {
+	return &watchFeed{snaps: make(chan device.Snapshot, 1), ctxs: make(chan context.Context, 1)}
+}
+
+func (w *watchFeed) Watch(ctx context.Context) <-chan device.Snapshot {
+	w.ctxs <- ctx
+	return w.snaps
+}
+
+// logRecorder is a mutex-guarded io.Writer for a JSON hclog logger.
+type logRecorder struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (r *logRecorder) Write(p []byte) (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.buf.Write(p)
+}
+
+// lines returns every line logged so far, decoded.
+func (r *logRecorder) lines(t *testing.T) []map[string]any {
+	t.Helper()
+	r.mu.Lock()
+	data := append([]byte(nil), r.buf.Bytes()...)
+	r.mu.Unlock()
+	var out []map[string]any
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		var m map[string]any
+		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
+			t.Fatalf("log line %q is not JSON: %v", sc.Text(), err)
+		}
+		out = append(out, m)
+	}
+	return out
+}
+
+// callLines returns the log lines written for calls of method.
+func (r *logRecorder) callLines(t *testing.T, method string) []map[string]any {
+	t.Helper()
+	var out []map[string]any
+	for _, l := range r.lines(t) {
+		if l["method"] == method && l["@message"] == "finished call" {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+func assertProtoEqual(t *testing.T, what string, got, want proto.Message) {
+	t.Helper()
+	if !proto.Equal(got, want) {
+		t.Errorf("%s:\ngot  %s\nwant %s", what, prototext.Format(got), prototext.Format(want))
+	}
+}

@@ -1,0 +1,161 @@
+// Package server serves the devicehost host API (devicehost.v1.DeviceHost) over gRPC as a
+// thin adapter over a device.Manager: it converts between protobuf and the domain types,
+// maps domain errors to gRPC codes, and adds the standard health service, server
+// reflection and the logging and panic-recovery interceptors.
+//
+// It depends on the manager's contract package only, so any device.Manager (the real one,
+// a simulator, devicetest.Fake) can be served.
+package server
+
+import (
+	"context"
+	"errors"
+	"net"
+	"sync"
+
+	"github.com/hashicorp/go-hclog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
+
+	"github.com/devicehost/devicehost/manager/device"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// ServiceName is the host API's gRPC service name, also the name its health is reported
+// under in grpc.health.v1.Health.
+const ServiceName = "devicehost.v1.DeviceHost"
+
+// DefaultMaxRecvMsgSize is the largest request the server accepts when
+// Config.MaxRecvMsgSize is zero. Host API requests are small; this bounds what a broken
+// or hostile client can make the server buffer.
+const DefaultMaxRecvMsgSize = 4 << 20
+
+// Config configures a Server.
+type Config struct {
+	// Manager serves the devices. Required.
+	Manager device.Manager
+	// Logger receives one line per call and panics caught in handlers. Nil means no
+	// logging.
+	Logger hclog.Logger
+	// MaxRecvMsgSize bounds the size of a request in bytes. Zero means
+	// DefaultMaxRecvMsgSize.
+	MaxRecvMsgSize int
+	// ServerOptions are added to the gRPC server's options, e.g. grpc.Creds for TLS.
+	ServerOptions []grpc.ServerOption
+}
+
+// Server is the gRPC host API server.
+//
+// Serve may be called once per listener, from any goroutine; Shutdown ends every Serve.
+// Shutdown must be called to release the goroutine Serve starts for health reporting.
+type Server struct {
+	pb.UnimplementedDeviceHostServer
+
+	mgr    device.Manager
+	log    hclog.Logger
+	grpc   *grpc.Server
+	health *health.Server
+
+	readyOnce    sync.Once
+	shutdownOnce sync.Once
+	quit         chan struct{} // closed by Shutdown: streams end, health stays NOT_SERVING
+	wg           sync.WaitGroup
+}
+
+var _ pb.DeviceHostServer = (*Server)(nil)
+
+// New builds a Server for cfg. The health of ServiceName (and of the whole server, "")
+// is NOT_SERVING until the Manager is ready. cfg is not modified.
+func New(cfg Config) (*Server, error) {
+	if cfg.Manager == nil {
+		return nil, errors.New("server: Config.Manager is nil")
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = hclog.NewNullLogger()
+	}
+	maxRecv := cfg.MaxRecvMsgSize
+	if maxRecv == 0 {
+		maxRecv = DefaultMaxRecvMsgSize
+	}
+	s := &Server{
+		mgr:    cfg.Manager,
+		log:    log,
+		health: health.NewServer(),
+		quit:   make(chan struct{}),
+	}
+	unary, stream := interceptors(log)
+	opts := []grpc.ServerOption{
+		grpc.MaxRecvMsgSize(maxRecv),
+		grpc.ChainUnaryInterceptor(unary...),
+		grpc.ChainStreamInterceptor(stream...),
+	}
+	opts = append(opts, cfg.ServerOptions...)
+	s.grpc = grpc.NewServer(opts...)
+
+	s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_NOT_SERVING)
+	pb.RegisterDeviceHostServer(s.grpc, s)
+	healthpb.RegisterHealthServer(s.grpc, s.health)
+	reflection.Register(s.grpc)
+	return s, nil
+}
+
+// Serve accepts connections on lis until Shutdown, and closes lis when it returns. It
+// returns nil after Shutdown. The first call starts reporting SERVING once the Manager's
+// Ready channel closes.
+func (s *Server) Serve(lis net.Listener) error {
+	s.readyOnce.Do(func() {
+		s.wg.Add(1)
+		go s.reportReady()
+	})
+	err := s.grpc.Serve(lis)
+	if errors.Is(err, grpc.ErrServerStopped) {
+		return nil
+	}
+	return err
+}
+
+// reportReady turns health to SERVING once the manager is ready, unless Shutdown comes
+// first. After Shutdown the health server ignores status changes, so a late SERVING
+// cannot undo NOT_SERVING.
+func (s *Server) reportReady() {
+	defer s.wg.Done()
+	select {
+	case <-s.mgr.Ready():
+		s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_SERVING)
+		s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+		s.log.Info("serving", "service", ServiceName)
+	case <-s.quit:
+	}
+}
+
+// Shutdown reports NOT_SERVING, ends the open Fingerprint and Stats streams, stops
+// accepting connections and waits for running calls to finish. When ctx ends first,
+// the remaining calls and connections are cut. It returns when the server has stopped;
+// it does not shut the Manager down. Safe to call more than once.
+func (s *Server) Shutdown(ctx context.Context) {
+	s.shutdownOnce.Do(func() {
+		s.health.Shutdown()
+		close(s.quit)
+	})
+	stopped := make(chan struct{})
+	go func() {
+		s.grpc.GracefulStop()
+		close(stopped)
+	}()
+	select {
+	case <-stopped:
+	case <-ctx.Done():
+		s.grpc.Stop()
+		<-stopped
+	}
+	s.wg.Wait()
+}
+
+// errServerShutdown ends streams when the server shuts down.
+var errServerShutdown = status.Error(codes.Unavailable, "devicehost is shutting down")

@@ -1,0 +1,678 @@
+package server_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/device/devicetest"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/server"
+)
+
+var (
+	t0 = time.Date(2025, 3, 1, 12, 0, 0, 0, time.UTC)
+	t1 = t0.Add(time.Minute)
+
+	h100 = device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3"}
+
+	testInventory = device.Inventory{Groups: []device.Group{{
+		GroupKey: h100,
+		Plugin:   "nvidia",
+		Attributes: map[string]device.Value{
+			"memory":        {Kind: device.KindInt, Int: 81559, Unit: "MiB"},
+			"driver":        {Kind: device.KindString, Str: "550.54"},
+			"clock":         {Kind: device.KindFloat, Float: 1.98, Unit: "GHz"},
+			"mig_supported": {Kind: device.KindBool, Bool: true},
+		},
+		Devices: []device.DeviceInfo{
+			{ID: "GPU-0", Locality: device.Locality{PCIBusID: "0000:17:00.0", NUMANode: 0}},
+			{ID: "GPU-1", Locality: device.Locality{PCIBusID: "0000:2a:00.0", NUMANode: -1}},
+		},
+	}}}
+)
+
+func TestFingerprintStreamsSnapshots(t *testing.T) {
+	feed := newWatchFeed()
+	h := startHost(t, &devicetest.Fake{WatchFunc: feed.Watch})
+	ctx, cancel := context.WithCancel(testContext(t))
+
+	feed.snaps <- device.Snapshot{Time: t0, Inventory: testInventory, State: device.State{
+		Devices: map[string]device.DeviceState{
+			"GPU-0": {Health: device.HealthHealthy, Since: t0},
+			"GPU-1": {Health: device.HealthHealthy, Since: t0},
+		},
+	}}
+	stream, err := h.client.Fingerprint(ctx, &pb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := stream.Recv()
+	if err != nil {
+		t.Fatalf("first Recv: %v", err)
+	}
+	group := func(devs ...*pb.Device) *pb.FingerprintResponse {
+		return &pb.FingerprintResponse{Groups: []*pb.DeviceGroup{{
+			Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia",
+			Attributes: map[string]*pb.Value{
+				"memory":        {Kind: &pb.Value_IntValue{IntValue: 81559}, Unit: "MiB"},
+				"driver":        {Kind: &pb.Value_StringValue{StringValue: "550.54"}},
+				"clock":         {Kind: &pb.Value_FloatValue{FloatValue: 1.98}, Unit: "GHz"},
+				"mig_supported": {Kind: &pb.Value_BoolValue{BoolValue: true}},
+			},
+			Devices: devs,
+		}}}
+	}
+	want := group(
+		&pb.Device{Id: "GPU-0", Health: pb.Health_HEALTH_HEALTHY, HealthSince: timestamppb.New(t0),
+			Locality: &pb.Locality{PciBusId: "0000:17:00.0", NumaNode: 0}},
+		&pb.Device{Id: "GPU-1", Health: pb.Health_HEALTH_HEALTHY, HealthSince: timestamppb.New(t0),
+			Locality: &pb.Locality{PciBusId: "0000:2a:00.0", NumaNode: -1}},
+	)
+	want.Timestamp = timestamppb.New(t0)
+	assertProtoEqual(t, "first snapshot", first, want)
+
+	// A change: GPU-0 held, GPU-1 unhealthy. The next message is the full snapshot again.
+	feed.snaps <- device.Snapshot{Time: t1, Inventory: testInventory, State: device.State{
+		Devices: map[string]device.DeviceState{
+			"GPU-0": {Health: device.HealthHealthy, Since: t0, Holder: &device.Holder{ReservationID: "r1", OwnerID: "alloc-1"}},
+			"GPU-1": {Health: device.HealthUnhealthy, Reason: "plugin nvidia exited: signal: killed", Since: t1},
+		},
+	}}
+	second, err := stream.Recv()
+	if err != nil {
+		t.Fatalf("second Recv: %v", err)
+	}
+	want = group(
+		&pb.Device{Id: "GPU-0", Health: pb.Health_HEALTH_HEALTHY, HealthSince: timestamppb.New(t0),
+			Locality: &pb.Locality{PciBusId: "0000:17:00.0", NumaNode: 0},
+			Holder:   &pb.Holder{ReservationId: "r1", OwnerId: "alloc-1"}},
+		&pb.Device{Id: "GPU-1", Health: pb.Health_HEALTH_UNHEALTHY, HealthReason: "plugin nvidia exited: signal: killed",
+			HealthSince: timestamppb.New(t1), Locality: &pb.Locality{PciBusId: "0000:2a:00.0", NumaNode: -1}},
+	)
+	want.Timestamp = timestamppb.New(t1)
+	assertProtoEqual(t, "second snapshot", second, want)
+
+	// The client going away ends the manager watch's context.
+	watchCtx := <-feed.ctxs
+	cancel()
+	select {
+	case <-watchCtx.Done():
+	case <-testContext(t).Done():
+		t.Fatal("watch context not cancelled after the client cancelled the stream")
+	}
+}
+
+func TestFingerprintDeviceWithoutStateIsUnknown(t *testing.T) {
+	feed := newWatchFeed()
+	h := startHost(t, &devicetest.Fake{WatchFunc: feed.Watch})
+	feed.snaps <- device.Snapshot{Inventory: testInventory}
+	stream, err := h.client.Fingerprint(testContext(t), &pb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range got.GetGroups()[0].GetDevices() {
+		if d.GetHealth() != pb.Health_HEALTH_UNKNOWN {
+			t.Errorf("device %s health = %v, want %v", d.GetId(), d.GetHealth(), pb.Health_HEALTH_UNKNOWN)
+		}
+	}
+}
+
+func TestStreamEndsUnavailableWhenManagerClosesIt(t *testing.T) {
+	feed := newWatchFeed()
+	h := startHost(t, &devicetest.Fake{WatchFunc: feed.Watch})
+	close(feed.snaps)
+	stream, err := h.client.Fingerprint(testContext(t), &pb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = stream.Recv()
+	if got, want := status.Code(err), codes.Unavailable; got != want {
+		t.Errorf("Recv after the manager closed the watch: code %v (%v), want %v", got, err, want)
+	}
+}
+
+func TestStatsFiltersGroupsAndPassesInterval(t *testing.T) {
+	a100 := device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA A100"}
+	fpga := device.GroupKey{Vendor: "acme", Type: "fpga", Name: "Widget"}
+	snap := device.StatsSnapshot{Time: t1, Groups: []device.GroupStats{
+		{GroupKey: h100, Plugin: "nvidia", Devices: []device.DeviceStats{{
+			ID: "GPU-0", Time: t0,
+			Values: map[string]device.Value{"gpu_utilization": {Kind: device.KindFloat, Float: 42, Unit: "%"}},
+		}}},
+		{GroupKey: a100, Plugin: "nvidia", Devices: []device.DeviceStats{{ID: "GPU-9", Time: t0}}},
+		{GroupKey: fpga, Plugin: "acme", Devices: []device.DeviceStats{{ID: "fpga0", Time: t0}}},
+	}}
+	intervals := make(chan time.Duration, 1)
+	mgr := &devicetest.Fake{WatchStatsFunc: func(ctx context.Context, interval time.Duration) <-chan device.StatsSnapshot {
+		intervals <- interval
+		ch := make(chan device.StatsSnapshot, 1)
+		ch <- snap
+		return ch
+	}}
+	h := startHost(t, mgr)
+
+	tests := []struct {
+		name      string
+		req       *pb.StatsRequest
+		wantIvl   time.Duration
+		wantGroup []string
+	}{
+		{"no filter, default interval", &pb.StatsRequest{}, 0,
+			[]string{h100.String(), a100.String(), fpga.String()}},
+		{"vendor filter", &pb.StatsRequest{Interval: durationpb.New(5 * time.Second),
+			Groups: []*pb.GroupFilter{{Vendor: "nvidia"}}}, 5 * time.Second,
+			[]string{h100.String(), a100.String()}},
+		{"two filters, name and type", &pb.StatsRequest{
+			Groups: []*pb.GroupFilter{{Name: "NVIDIA A100"}, {Type: "fpga"}}}, 0,
+			[]string{a100.String(), fpga.String()}},
+		{"filter matching nothing", &pb.StatsRequest{
+			Groups: []*pb.GroupFilter{{Vendor: "amd"}}}, 0, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(testContext(t))
+			defer cancel()
+			stream, err := h.client.Stats(ctx, tt.req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := stream.Recv()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ivl := <-intervals; ivl != tt.wantIvl {
+				t.Errorf("manager asked for interval %v, want %v", ivl, tt.wantIvl)
+			}
+			var names []string
+			for _, g := range got.GetGroups() {
+				names = append(names, g.GetVendor()+"/"+g.GetType()+"/"+g.GetName())
+			}
+			if fmt.Sprint(names) != fmt.Sprint(tt.wantGroup) {
+				t.Errorf("groups = %q, want %q", names, tt.wantGroup)
+			}
+		})
+	}
+
+	t.Run("values converted", func(t *testing.T) {
+		stream, err := h.client.Stats(testContext(t), &pb.StatsRequest{Groups: []*pb.GroupFilter{{Name: h100.Name}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := stream.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		<-intervals
+		want := &pb.StatsResponse{Timestamp: timestamppb.New(t1), Groups: []*pb.GroupStats{{
+			Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, Plugin: "nvidia",
+			Devices: []*pb.DeviceStats{{
+				DeviceId:  "GPU-0",
+				Timestamp: timestamppb.New(t0),
+				Values:    map[string]*pb.Value{"gpu_utilization": {Kind: &pb.Value_FloatValue{FloatValue: 42}, Unit: "%"}},
+			}},
+		}}}
+		assertProtoEqual(t, "stats", got, want)
+	})
+
+	t.Run("negative interval", func(t *testing.T) {
+		stream, err := h.client.Stats(testContext(t), &pb.StatsRequest{Interval: durationpb.New(-time.Second)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = stream.Recv()
+		assertInvalidField(t, err, "interval")
+	})
+}
+
+func TestReserveConvertsRequestAndAnswer(t *testing.T) {
+	got := make(chan device.ReserveRequest, 1)
+	mgr := &devicetest.Fake{ReserveFunc: func(_ context.Context, req device.ReserveRequest) (device.Reservation, error) {
+		got <- req
+		return device.Reservation{ID: "res-7", Container: device.ContainerReservation{
+			Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-0,GPU-1"},
+			Mounts:     []device.Mount{{HostPath: "/usr/lib/x", ContainerPath: "/usr/lib/x", ReadOnly: true}},
+			Devices:    []device.DeviceSpec{{HostPath: "/dev/nvidia0", ContainerPath: "/dev/nvidia0", Permissions: "rw"}},
+			CDIDevices: []string{"nvidia.com/gpu=GPU-0", "nvidia.com/gpu=GPU-1"},
+		}}, nil
+	}}
+	h := startHost(t, mgr)
+	resp, err := h.client.Reserve(testContext(t), &pb.ReserveRequest{
+		OwnerId: "alloc-1", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name,
+		DeviceIds: []string{"GPU-0", "GPU-1"},
+	})
+	if err != nil {
+		t.Fatalf("Reserve: %v", err)
+	}
+	req := <-got
+	wantReq := device.ReserveRequest{OwnerID: "alloc-1", Group: h100, DeviceIDs: []string{"GPU-0", "GPU-1"}}
+	if fmt.Sprint(req) != fmt.Sprint(wantReq) {
+		t.Errorf("manager got %+v, want %+v", req, wantReq)
+	}
+	assertProtoEqual(t, "Reserve response", resp, &pb.ReserveResponse{
+		ReservationId: "res-7",
+		Reservation: &pb.ContainerReservation{
+			Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-0,GPU-1"},
+			Mounts:     []*pb.Mount{{HostPath: "/usr/lib/x", ContainerPath: "/usr/lib/x", ReadOnly: true}},
+			Devices:    []*pb.DeviceSpec{{HostPath: "/dev/nvidia0", ContainerPath: "/dev/nvidia0", Permissions: "rw"}},
+			CdiDevices: []string{"nvidia.com/gpu=GPU-0", "nvidia.com/gpu=GPU-1"},
+		},
+	})
+}
+
+// assertInvalidField checks that err is INVALID_ARGUMENT naming field in its message and
+// in its google.rpc.BadRequest detail.
+func assertInvalidField(t *testing.T, err error, field string) {
+	t.Helper()
+	st := status.Convert(err)
+	if st.Code() != codes.InvalidArgument {
+		t.Fatalf("code %v (%v), want %v", st.Code(), err, codes.InvalidArgument)
+	}
+	if !strings.Contains(st.Message(), field) {
+		t.Errorf("message %q does not name field %q", st.Message(), field)
+	}
+	var fields []string
+	for _, d := range st.Details() {
+		if br, ok := d.(*errdetails.BadRequest); ok {
+			for _, v := range br.GetFieldViolations() {
+				fields = append(fields, v.GetField())
+			}
+		}
+	}
+	for _, f := range fields {
+		if f == field {
+			return
+		}
+	}
+	t.Errorf("BadRequest detail fields %q do not include %q", fields, field)
+}
+
+func TestRequestValidation(t *testing.T) {
+	var called atomic.Int32
+	mgr := &devicetest.Fake{
+		ReserveFunc: func(context.Context, device.ReserveRequest) (device.Reservation, error) {
+			called.Add(1)
+			return device.Reservation{}, nil
+		},
+		ReleaseFunc: func(context.Context, device.ReleaseRequest) ([]string, error) {
+			called.Add(1)
+			return nil, nil
+		},
+		ReservationsFunc: func(context.Context, device.ReservationFilter) ([]device.Reservation, error) {
+			called.Add(1)
+			return nil, nil
+		},
+	}
+	h := startHost(t, mgr)
+	ctx := testContext(t)
+	good := func() *pb.ReserveRequest {
+		return &pb.ReserveRequest{OwnerId: "alloc-1", Vendor: "nvidia", Type: "gpu", Name: "H100", DeviceIds: []string{"GPU-0"}}
+	}
+	tests := []struct {
+		name  string
+		call  func() error
+		field string
+	}{
+		{"reserve without owner", func() error {
+			r := good()
+			r.OwnerId = ""
+			_, err := h.client.Reserve(ctx, r)
+			return err
+		}, "owner_id"},
+		{"reserve without group vendor", func() error {
+			r := good()
+			r.Vendor = ""
+			_, err := h.client.Reserve(ctx, r)
+			return err
+		}, "vendor"},
+		{"reserve without devices", func() error {
+			r := good()
+			r.DeviceIds = nil
+			_, err := h.client.Reserve(ctx, r)
+			return err
+		}, "device_ids"},
+		{"reserve with an empty device ID", func() error {
+			r := good()
+			r.DeviceIds = []string{"GPU-0", ""}
+			_, err := h.client.Reserve(ctx, r)
+			return err
+		}, "device_ids[1]"},
+		{"release naming nothing", func() error {
+			_, err := h.client.Release(ctx, &pb.ReleaseRequest{})
+			return err
+		}, "reservation_id"},
+		{"list with an unknown state", func() error {
+			_, err := h.client.ListReservations(ctx, &pb.ListReservationsRequest{State: pb.ReservationState(99)})
+			return err
+		}, "state"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			assertInvalidField(t, tt.call(), tt.field)
+		})
+	}
+	if n := called.Load(); n != 0 {
+		t.Errorf("manager called %d times for invalid requests, want 0", n)
+	}
+}
+
+func TestErrorCodes(t *testing.T) {
+	tests := []struct {
+		name string
+		err  error
+		want codes.Code
+	}{
+		{"field error", &device.FieldError{Field: "device_ids[0]", Rule: "unknown"}, codes.InvalidArgument},
+		{"invalid request", fmt.Errorf("group: %w", device.ErrInvalidRequest), codes.InvalidArgument},
+		{"unknown device", fmt.Errorf("GPU-9: %w", device.ErrUnknownDevice), codes.NotFound},
+		{"unknown reservation", fmt.Errorf("reservation r9: %w", device.ErrNotFound), codes.NotFound},
+		{"unhealthy", fmt.Errorf("GPU-0: %w", device.ErrUnhealthyDevice), codes.FailedPrecondition},
+		{"held", fmt.Errorf("GPU-0 held by r1 of alloc-2: %w", device.ErrDeviceHeld), codes.FailedPrecondition},
+		{"plugin down", fmt.Errorf("plugin nvidia: %w", device.ErrPluginUnavailable), codes.Unavailable},
+		{"plugin answer rejected", fmt.Errorf("plugin nvidia: env LD_PRELOAD: %w", device.ErrPluginResponse), codes.Internal},
+		{"shutting down", device.ErrShuttingDown, codes.Unavailable},
+		{"shutting down wins over plugin down", errors.Join(device.ErrPluginUnavailable, device.ErrShuttingDown), codes.Unavailable},
+		{"joined: bad request wins", errors.Join(device.ErrUnhealthyDevice, &device.FieldError{Field: "owner_id", Rule: "empty"}), codes.InvalidArgument},
+		{"deadline", fmt.Errorf("reserve: %w", context.DeadlineExceeded), codes.DeadlineExceeded},
+		{"a gRPC status passes through", status.Error(codes.ResourceExhausted, "too many"), codes.ResourceExhausted},
+		{"anything else", errors.New("disk on fire"), codes.Unknown},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			mgr := &devicetest.Fake{ReserveFunc: func(context.Context, device.ReserveRequest) (device.Reservation, error) {
+				return device.Reservation{}, tt.err
+			}}
+			h := startHost(t, mgr)
+			_, err := h.client.Reserve(testContext(t), &pb.ReserveRequest{
+				OwnerId: "alloc-1", Vendor: "nvidia", Type: "gpu", Name: "H100", DeviceIds: []string{"GPU-0"},
+			})
+			st := status.Convert(err)
+			if st.Code() != tt.want {
+				t.Errorf("code = %v, want %v (err %v)", st.Code(), tt.want, err)
+			}
+			if tt.want != codes.ResourceExhausted && st.Message() != tt.err.Error() {
+				t.Errorf("message = %q, want the domain error's %q", st.Message(), tt.err.Error())
+			}
+		})
+	}
+}
+
+func TestPanicInHandlerBecomesInternalAndServerKeepsServing(t *testing.T) {
+	var calls atomic.Int32
+	mgr := &devicetest.Fake{
+		ReserveFunc: func(context.Context, device.ReserveRequest) (device.Reservation, error) {
+			if calls.Add(1) == 1 {
+				panic("reserve exploded")
+			}
+			return device.Reservation{ID: "res-2"}, nil
+		},
+		WatchFunc: func(context.Context) <-chan device.Snapshot {
+			panic("watch exploded")
+		},
+	}
+	h := startHost(t, mgr)
+	ctx := testContext(t)
+	req := &pb.ReserveRequest{OwnerId: "alloc-1", Vendor: "nvidia", Type: "gpu", Name: "H100", DeviceIds: []string{"GPU-0"}}
+
+	_, err := h.client.Reserve(ctx, req)
+	if got := status.Code(err); got != codes.Internal {
+		t.Errorf("Reserve that panics: code %v (%v), want %v", got, err, codes.Internal)
+	}
+	stream, err := h.client.Fingerprint(ctx, &pb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.Recv(); status.Code(err) != codes.Internal {
+		t.Errorf("Fingerprint that panics: code %v (%v), want %v", status.Code(err), err, codes.Internal)
+	}
+
+	res, err := h.client.Reserve(ctx, req)
+	if err != nil {
+		t.Fatalf("Reserve after a panic: %v, want the server still serving", err)
+	}
+	if got, want := res.GetReservationId(), "res-2"; got != want {
+		t.Errorf("reservation ID = %q, want %q", got, want)
+	}
+
+	var sawPanic bool
+	for _, l := range h.logs.lines(t) {
+		if l["@message"] == "panic in handler" && l["panic"] == "reserve exploded" {
+			sawPanic = true
+		}
+	}
+	if !sawPanic {
+		t.Error(`no "panic in handler" log line with the panic value`)
+	}
+}
+
+func TestHealthFollowsReadinessAndShutdown(t *testing.T) {
+	ready := make(chan struct{})
+	h := startHost(t, &devicetest.Fake{ReadyFunc: func() <-chan struct{} { return ready }})
+	ctx, cancel := context.WithCancel(testContext(t))
+	defer cancel()
+
+	check := func(service string) healthpb.HealthCheckResponse_ServingStatus {
+		t.Helper()
+		resp, err := h.health.Check(ctx, &healthpb.HealthCheckRequest{Service: service})
+		if err != nil {
+			t.Fatalf("Check(%q): %v", service, err)
+		}
+		return resp.GetStatus()
+	}
+	for _, svc := range []string{"", server.ServiceName} {
+		if got, want := check(svc), healthpb.HealthCheckResponse_NOT_SERVING; got != want {
+			t.Errorf("before ready, Check(%q) = %v, want %v", svc, got, want)
+		}
+	}
+
+	watch, err := h.health.Watch(ctx, &healthpb.HealthCheckRequest{Service: server.ServiceName})
+	if err != nil {
+		t.Fatal(err)
+	}
+	next := func() healthpb.HealthCheckResponse_ServingStatus {
+		t.Helper()
+		resp, err := watch.Recv()
+		if err != nil {
+			t.Fatalf("health Watch Recv: %v", err)
+		}
+		return resp.GetStatus()
+	}
+	if got, want := next(), healthpb.HealthCheckResponse_NOT_SERVING; got != want {
+		t.Fatalf("health Watch first = %v, want %v", got, want)
+	}
+	close(ready)
+	if got, want := next(), healthpb.HealthCheckResponse_SERVING; got != want {
+		t.Fatalf("after ready, health Watch = %v, want %v", got, want)
+	}
+	if got, want := check(""), healthpb.HealthCheckResponse_SERVING; got != want {
+		t.Errorf(`after ready, Check("") = %v, want %v`, got, want)
+	}
+
+	shutdownDone := make(chan struct{})
+	go func() {
+		defer close(shutdownDone)
+		h.srv.Shutdown(ctx)
+	}()
+	if got, want := next(), healthpb.HealthCheckResponse_NOT_SERVING; got != want {
+		t.Errorf("during shutdown, health Watch = %v, want %v", got, want)
+	}
+	cancel() // the health Watch is the last open call; Shutdown waits for it
+	<-shutdownDone
+}
+
+func TestShutdownEndsOpenStreams(t *testing.T) {
+	feed := newWatchFeed()
+	statsCh := make(chan device.StatsSnapshot, 1)
+	statsCh <- device.StatsSnapshot{Time: t0}
+	h := startHost(t, &devicetest.Fake{
+		WatchFunc:      feed.Watch,
+		WatchStatsFunc: func(context.Context, time.Duration) <-chan device.StatsSnapshot { return statsCh },
+	})
+	ctx := testContext(t)
+	feed.snaps <- device.Snapshot{Inventory: testInventory}
+	fp, err := h.client.Fingerprint(ctx, &pb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fp.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	st, err := h.client.Stats(ctx, &pb.StatsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Recv(); err != nil {
+		t.Fatal(err)
+	}
+
+	// Neither manager channel closes: only the server's shutdown can end the streams
+	// before the deadline.
+	shutdownCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	h.srv.Shutdown(shutdownCtx)
+	if shutdownCtx.Err() != nil {
+		t.Errorf("Shutdown waited for its deadline: open streams were not ended")
+	}
+	for name, recv := range map[string]func() error{
+		"Fingerprint": func() error { _, err := fp.Recv(); return err },
+		"Stats":       func() error { _, err := st.Recv(); return err },
+	} {
+		if err := recv(); status.Code(err) != codes.Unavailable {
+			t.Errorf("%s after Shutdown: code %v (%v), want %v", name, status.Code(err), err, codes.Unavailable)
+		}
+	}
+}
+
+func TestReleaseAndListReservations(t *testing.T) {
+	releases := make(chan device.ReleaseRequest, 1)
+	filters := make(chan device.ReservationFilter, 1)
+	mgr := &devicetest.Fake{
+		ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) ([]string, error) {
+			releases <- req
+			return []string{"r1", "r2"}, nil
+		},
+		ReservationsFunc: func(_ context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
+			filters <- f
+			return []device.Reservation{{
+				ID: "r1", OwnerID: "alloc-1", Group: h100, Plugin: "nvidia", DeviceIDs: []string{"GPU-0"},
+				Container: device.ContainerReservation{Envs: map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-0"}},
+				State:     device.ReservationReleased, CreatedAt: t0, ReleasedAt: t1, CleanupPending: true,
+			}}, nil
+		},
+	}
+	h := startHost(t, mgr)
+	ctx := testContext(t)
+
+	rel, err := h.client.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_OwnerId{OwnerId: "alloc-1"}})
+	if err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	if got, want := <-releases, (device.ReleaseRequest{OwnerID: "alloc-1"}); got != want {
+		t.Errorf("manager Release got %+v, want %+v", got, want)
+	}
+	assertProtoEqual(t, "Release", rel, &pb.ReleaseResponse{ReleasedReservationIds: []string{"r1", "r2"}})
+
+	list, err := h.client.ListReservations(ctx, &pb.ListReservationsRequest{
+		DeviceId: "GPU-0", State: pb.ReservationState_RESERVATION_STATE_RELEASED,
+	})
+	if err != nil {
+		t.Fatalf("ListReservations: %v", err)
+	}
+	if got, want := <-filters, (device.ReservationFilter{DeviceID: "GPU-0", State: device.ReservationReleased}); got != want {
+		t.Errorf("manager Reservations got %+v, want %+v", got, want)
+	}
+	assertProtoEqual(t, "ListReservations", list, &pb.ListReservationsResponse{Reservations: []*pb.Reservation{{
+		ReservationId: "r1", OwnerId: "alloc-1", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name,
+		Plugin: "nvidia", DeviceIds: []string{"GPU-0"}, State: pb.ReservationState_RESERVATION_STATE_RELEASED,
+		Reservation: &pb.ContainerReservation{Envs: map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-0"}},
+		CreatedAt:   timestamppb.New(t0), ReleasedAt: timestamppb.New(t1), CleanupPending: true,
+	}}})
+}
+
+func TestListPlugins(t *testing.T) {
+	mgr := &devicetest.Fake{StateFunc: func() device.State {
+		return device.State{Plugins: []device.PluginState{
+			{Name: "acme", Version: "1.0.0", Path: "/opt/p/acme", Status: device.PluginFailed, Restarts: 5,
+				LastError: "exit status 2", LastErrorAt: t0},
+			{Name: "nvidia", Version: "0.1.0", Path: "/opt/p/nvidia", Status: device.PluginRestarting, Restarts: 1,
+				NextRetry: t1, DeviceCount: 8},
+		}}
+	}}
+	h := startHost(t, mgr)
+	got, err := h.client.ListPlugins(testContext(t), &pb.ListPluginsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	assertProtoEqual(t, "ListPlugins", got, &pb.ListPluginsResponse{Plugins: []*pb.Plugin{
+		{Name: "acme", Version: "1.0.0", Path: "/opt/p/acme", Status: pb.PluginStatus_PLUGIN_STATUS_FAILED,
+			Restarts: 5, LastError: "exit status 2", LastErrorAt: timestamppb.New(t0)},
+		{Name: "nvidia", Version: "0.1.0", Path: "/opt/p/nvidia", Status: pb.PluginStatus_PLUGIN_STATUS_RESTARTING,
+			Restarts: 1, NextRetry: timestamppb.New(t1), DeviceCount: 8},
+	}})
+}
+
+func TestOneLogLinePerCall(t *testing.T) {
+	h := startHost(t, &devicetest.Fake{})
+	ctx := testContext(t)
+	if _, err := h.client.ListPlugins(ctx, &pb.ListPluginsRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := h.client.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: "nope"}})
+	if status.Code(err) != codes.NotFound {
+		t.Fatalf("Release of an unknown reservation: %v, want NotFound", err)
+	}
+
+	tests := []struct {
+		method    string
+		wantCode  string
+		wantLevel string
+		wantError bool
+	}{
+		{"/devicehost.v1.DeviceHost/ListPlugins", "OK", "info", false},
+		{"/devicehost.v1.DeviceHost/Release", "NotFound", "info", true},
+	}
+	for _, tt := range tests {
+		lines := h.logs.callLines(t, tt.method)
+		if len(lines) != 1 {
+			t.Errorf("%s: %d log lines, want 1: %v", tt.method, len(lines), lines)
+			continue
+		}
+		l := lines[0]
+		if l["code"] != tt.wantCode || l["@level"] != tt.wantLevel {
+			t.Errorf("%s: code %v level %v, want %v %v", tt.method, l["code"], l["@level"], tt.wantCode, tt.wantLevel)
+		}
+		if d, ok := l["duration"].(string); !ok {
+			t.Errorf("%s: no duration in %v", tt.method, l)
+		} else if _, err := time.ParseDuration(d); err != nil {
+			t.Errorf("%s: duration %q: %v", tt.method, d, err)
+		}
+		if _, has := l["error"]; has != tt.wantError {
+			t.Errorf("%s: error field present = %v, want %v", tt.method, has, tt.wantError)
+		}
+	}
+}
+
+func TestMaxRecvMsgSize(t *testing.T) {
+	h := startHost(t, &devicetest.Fake{})
+	big := strings.Repeat("x", server.DefaultMaxRecvMsgSize)
+	_, err := h.client.Reserve(testContext(t), &pb.ReserveRequest{OwnerId: big})
+	if got, want := status.Code(err), codes.ResourceExhausted; got != want {
+		t.Errorf("oversized request: code %v (%v), want %v", got, err, want)
+	}
+}
