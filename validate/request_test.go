@@ -1,0 +1,215 @@
+package validate_test
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/validate"
+)
+
+// fieldErrors returns the *device.FieldError values joined in err, in order, and fails
+// t if err holds anything else or does not match device.ErrInvalidRequest.
+func fieldErrors(t *testing.T, err error) []device.FieldError {
+	t.Helper()
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, device.ErrInvalidRequest) {
+		t.Errorf("errors.Is(%v, ErrInvalidRequest) = false, want true", err)
+	}
+	joined, ok := err.(interface{ Unwrap() []error })
+	if !ok {
+		t.Fatalf("error %T is not a join", err)
+	}
+	var out []device.FieldError
+	for _, e := range joined.Unwrap() {
+		fe, ok := e.(*device.FieldError)
+		if !ok {
+			t.Fatalf("joined error %T (%v), want *device.FieldError", e, e)
+		}
+		out = append(out, *fe)
+	}
+	return out
+}
+
+// fe builds a wanted FieldError from a rule and an optional detail, as the package
+// renders them.
+func fe(field string, rule validate.Rule, detail ...string) device.FieldError {
+	r := string(rule)
+	if len(detail) > 0 {
+		r += " (" + detail[0] + ")"
+	}
+	return device.FieldError{Field: field, Rule: r}
+}
+
+func checkFieldErrors(t *testing.T, err error, want []device.FieldError) {
+	t.Helper()
+	if got := fieldErrors(t, err); !slices.Equal(got, want) {
+		t.Errorf("field errors:\n got  %+v\n want %+v", got, want)
+	}
+}
+
+func TestReserveRequest(t *testing.T) {
+	good := func() device.ReserveRequest {
+		return device.ReserveRequest{
+			OwnerID:   "alloc-1f2e",
+			Group:     device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3"},
+			DeviceIDs: []string{"GPU-0", "GPU-1"},
+		}
+	}
+	long := strings.Repeat("o", validate.MaxNameLen+1)
+	tests := []struct {
+		name   string
+		mutate func(*device.ReserveRequest)
+		want   []device.FieldError
+	}{
+		{name: "good", mutate: func(*device.ReserveRequest) {}},
+		{name: "owner_id empty", mutate: func(r *device.ReserveRequest) { r.OwnerID = "" }, want: []device.FieldError{fe("owner_id", validate.RuleEmpty)}},
+		{
+			name:   "owner_id too long",
+			mutate: func(r *device.ReserveRequest) { r.OwnerID = long },
+			want:   []device.FieldError{fe("owner_id", validate.RuleTooLong, fmt.Sprintf("%d bytes, limit %d", len(long), validate.MaxNameLen))},
+		},
+		{name: "owner_id not UTF-8", mutate: func(r *device.ReserveRequest) { r.OwnerID = "a\xff" }, want: []device.FieldError{fe("owner_id", validate.RuleInvalidUTF8)}},
+		{name: "owner_id with newline", mutate: func(r *device.ReserveRequest) { r.OwnerID = "a\nb" }, want: []device.FieldError{fe("owner_id", validate.RuleNotPrintable)}},
+		{name: "owner_id with tab", mutate: func(r *device.ReserveRequest) { r.OwnerID = "a\tb" }, want: []device.FieldError{fe("owner_id", validate.RuleNotPrintable)}},
+		{name: "owner_id not ASCII is fine", mutate: func(r *device.ReserveRequest) { r.OwnerID = "job-é" }},
+		{name: "vendor empty", mutate: func(r *device.ReserveRequest) { r.Group.Vendor = "" }, want: []device.FieldError{fe("vendor", validate.RuleEmpty)}},
+		{name: "type empty", mutate: func(r *device.ReserveRequest) { r.Group.Type = "" }, want: []device.FieldError{fe("type", validate.RuleEmpty)}},
+		{name: "name empty", mutate: func(r *device.ReserveRequest) { r.Group.Name = "" }, want: []device.FieldError{fe("name", validate.RuleEmpty)}},
+		{name: "device_ids nil", mutate: func(r *device.ReserveRequest) { r.DeviceIDs = nil }, want: []device.FieldError{fe("device_ids", validate.RuleEmpty)}},
+		{
+			name:   "device ID empty",
+			mutate: func(r *device.ReserveRequest) { r.DeviceIDs = []string{"GPU-0", ""} },
+			want:   []device.FieldError{fe("device_ids[1]", validate.RuleEmpty)},
+		},
+		{
+			name:   "device ID duplicate",
+			mutate: func(r *device.ReserveRequest) { r.DeviceIDs = []string{"GPU-0", "GPU-1", "GPU-2", "GPU-0"} },
+			want:   []device.FieldError{fe("device_ids[3]", validate.RuleDuplicate, "of device_ids[0]")},
+		},
+		{
+			name: "too many device IDs",
+			mutate: func(r *device.ReserveRequest) {
+				r.DeviceIDs = nil
+				for i := range validate.MaxDevicesPerGroup + 1 {
+					r.DeviceIDs = append(r.DeviceIDs, fmt.Sprint("GPU-", i))
+				}
+			},
+			want: []device.FieldError{fe("device_ids", validate.RuleTooMany,
+				fmt.Sprintf("%d, limit %d; only the first %[2]d checked", validate.MaxDevicesPerGroup+1, validate.MaxDevicesPerGroup))},
+		},
+		{
+			name: "every violation is reported",
+			mutate: func(r *device.ReserveRequest) {
+				r.OwnerID = ""
+				r.Group = device.GroupKey{}
+				r.DeviceIDs = []string{"a", "", "a\x00", "a"}
+			},
+			want: []device.FieldError{
+				fe("owner_id", validate.RuleEmpty),
+				fe("vendor", validate.RuleEmpty),
+				fe("type", validate.RuleEmpty),
+				fe("name", validate.RuleEmpty),
+				fe("device_ids[1]", validate.RuleEmpty),
+				fe("device_ids[2]", validate.RuleNotPrintable),
+				fe("device_ids[3]", validate.RuleDuplicate, "of device_ids[0]"),
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			req := good()
+			tt.mutate(&req)
+			checkFieldErrors(t, validate.ReserveRequest(req), tt.want)
+		})
+	}
+}
+
+func TestReserveRequestMessage(t *testing.T) {
+	err := validate.ReserveRequest(device.ReserveRequest{
+		OwnerID: "o", Group: device.GroupKey{Vendor: "v", Type: "t", Name: "n"}, DeviceIDs: []string{"a", "a"},
+	})
+	want := "invalid request: device_ids[1]: duplicate (of device_ids[0])"
+	if err == nil || err.Error() != want {
+		t.Errorf("ReserveRequest() = %v, want %s", err, want)
+	}
+}
+
+func TestReleaseRequest(t *testing.T) {
+	tests := []struct {
+		name string
+		req  device.ReleaseRequest
+		want []device.FieldError
+	}{
+		{name: "by reservation", req: device.ReleaseRequest{ReservationID: "r-1"}},
+		{name: "by owner", req: device.ReleaseRequest{OwnerID: "alloc-1"}},
+		{name: "neither", want: []device.FieldError{fe("reservation_id", validate.RuleExactlyOne, "neither is set")}},
+		{
+			name: "both",
+			req:  device.ReleaseRequest{ReservationID: "r-1", OwnerID: "alloc-1"},
+			want: []device.FieldError{fe("reservation_id", validate.RuleExactlyOne, "both are set")},
+		},
+		{
+			name: "owner not printable",
+			req:  device.ReleaseRequest{OwnerID: "a\x1b[31m"},
+			want: []device.FieldError{fe("owner_id", validate.RuleNotPrintable)},
+		},
+		{
+			name: "reservation ID too long",
+			req:  device.ReleaseRequest{ReservationID: strings.Repeat("r", validate.MaxNameLen+1)},
+			want: []device.FieldError{fe("reservation_id", validate.RuleTooLong, fmt.Sprintf("%d bytes, limit %d", validate.MaxNameLen+1, validate.MaxNameLen))},
+		},
+		{
+			name: "every violation is reported",
+			req:  device.ReleaseRequest{ReservationID: "\xff", OwnerID: "a\n"},
+			want: []device.FieldError{
+				fe("reservation_id", validate.RuleExactlyOne, "both are set"),
+				fe("reservation_id", validate.RuleInvalidUTF8),
+				fe("owner_id", validate.RuleNotPrintable),
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			checkFieldErrors(t, validate.ReleaseRequest(tt.req), tt.want)
+		})
+	}
+}
+
+func TestReservationFilter(t *testing.T) {
+	tests := []struct {
+		name string
+		f    device.ReservationFilter
+		want []device.FieldError
+	}{
+		{name: "match all"},
+		{name: "all fields", f: device.ReservationFilter{OwnerID: "o", DeviceID: "GPU-0", State: device.ReservationReleased}},
+		{name: "owner not UTF-8", f: device.ReservationFilter{OwnerID: "\xff"}, want: []device.FieldError{fe("owner_id", validate.RuleInvalidUTF8)}},
+		{
+			name: "device ID too long",
+			f:    device.ReservationFilter{DeviceID: strings.Repeat("d", validate.MaxNameLen+1)},
+			want: []device.FieldError{fe("device_id", validate.RuleTooLong, fmt.Sprintf("%d bytes, limit %d", validate.MaxNameLen+1, validate.MaxNameLen))},
+		},
+		{name: "state out of range", f: device.ReservationFilter{State: 9}, want: []device.FieldError{fe("state", validate.RuleState, "value 9")}},
+		{name: "state negative", f: device.ReservationFilter{State: -1}, want: []device.FieldError{fe("state", validate.RuleState, "value -1")}},
+		{
+			name: "every violation is reported",
+			f:    device.ReservationFilter{OwnerID: "\x00", DeviceID: "\xff", State: 3},
+			want: []device.FieldError{
+				fe("owner_id", validate.RuleNotPrintable),
+				fe("device_id", validate.RuleInvalidUTF8),
+				fe("state", validate.RuleState, "value 3"),
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			checkFieldErrors(t, validate.ReservationFilter(tt.f), tt.want)
+		})
+	}
+}
