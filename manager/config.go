@@ -1,0 +1,155 @@
+package manager
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/devicehost/devicehost/pluginloader"
+)
+
+// Defaults and bounds for Config. Every zero duration in Config means the default here.
+const (
+	DefaultStatsInterval      = time.Second
+	MinStatsInterval          = 100 * time.Millisecond
+	DefaultReserveTimeout     = 10 * time.Second
+	DefaultStartTimeout       = 10 * time.Second
+	DefaultReadyTimeout       = 30 * time.Second
+	DefaultFingerprintTimeout = 30 * time.Second
+	DefaultKillTimeout        = 5 * time.Second
+	DefaultRestartBaseDelay   = 200 * time.Millisecond
+	DefaultRestartMaxDelay    = 30 * time.Second
+	DefaultStableRunReset     = time.Minute
+)
+
+// Config configures a Manager. The zero value is a manager with no plugins; every zero
+// field means the documented default. New copies the Config and never modifies the
+// caller's value or anything it points to.
+type Config struct {
+	// Logger is the parent logger; the manager logs through Logger.Named("manager") and
+	// each plugin's own log lines come out of Logger.Named(plugin name). Nil discards logs.
+	Logger hclog.Logger
+
+	// PluginDir is searched for plugin executables with pluginloader.Discover. Empty
+	// means no discovery. An insecure dir (world-writable) makes New fail.
+	PluginDir string
+	// Binaries are plugins to run in addition to those discovered, e.g. the agent's own
+	// executable re-executed as a bundled plugin in -dev mode. A name found twice makes
+	// New fail.
+	Binaries []pluginloader.Binary
+	// Plugins holds per-plugin settings keyed by plugin (binary) name. A plugin without
+	// an entry runs with no config, no checksum pin and an empty environment.
+	Plugins map[string]PluginConfig
+
+	// StateDir is where durable state (the reservation ledger) will live. Unused until
+	// the ledger lands: reservations are kept in memory and lost when the process ends.
+	StateDir string
+
+	// StatsInterval is how often each plugin is asked for stats (one stream per plugin)
+	// and how often WatchStats readers can be served. Zero means 1s; below
+	// MinStatsInterval it is raised to MinStatsInterval with a log line.
+	StatsInterval time.Duration
+	// ReserveTimeout bounds a plugin's Reserve (and Release) call. Zero means 10s.
+	ReserveTimeout time.Duration
+	// StartTimeout bounds a plugin launch: process start, handshake, info and config.
+	// Zero means 10s.
+	StartTimeout time.Duration
+	// ReadyTimeout bounds how long Ready waits for plugins that have neither
+	// fingerprinted nor failed. Zero means 30s.
+	ReadyTimeout time.Duration
+	// FingerprintTimeout is how long a launched plugin may take to send its first
+	// fingerprint; past it the run counts as failed and the plugin is restarted. Zero
+	// means 30s.
+	FingerprintTimeout time.Duration
+	// KillTimeout is the grace a plugin gets to stop before it is killed outright.
+	// Zero means 5s.
+	KillTimeout time.Duration
+
+	// RestartBaseDelay is the delay before the first restart of a plugin (and the first
+	// retry of its stats stream); each further consecutive failure doubles it, up to
+	// RestartMaxDelay, with ±20% jitter. A run that lasted StableRunReset resets it.
+	// Zeros mean 200ms, 30s and 1m.
+	RestartBaseDelay time.Duration
+	RestartMaxDelay  time.Duration
+	StableRunReset   time.Duration
+
+	// Now is the clock used for timestamps (health since-when, plugin errors,
+	// reservations). Nil means time.Now.
+	Now func() time.Time
+}
+
+// PluginConfig is the configuration of one plugin.
+type PluginConfig struct {
+	// ConfigJSON is the plugin's config block, handed over with SetConfig. Nil means
+	// none; the plugin decides whether that is acceptable.
+	ConfigJSON []byte
+	// SHA256 pins the binary's checksum (hex); empty means no pinning.
+	SHA256 string
+	// Env is the plugin's environment ("KEY=value"). The host's environment is passed
+	// on only when InheritEnv is true, and then Env is added to it.
+	Env        []string
+	InheritEnv bool
+}
+
+// withDefaults returns a copy of c with every zero field set to its default and every
+// reference field copied, plus the log lines a caller should emit about adjustments.
+func (c Config) withDefaults() (Config, []string, error) {
+	var notes []string
+	if c.Logger == nil {
+		c.Logger = hclog.NewNullLogger()
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	c.Binaries = slices.Clone(c.Binaries)
+	for i := range c.Binaries {
+		c.Binaries[i].Args = slices.Clone(c.Binaries[i].Args)
+	}
+	plugins := make(map[string]PluginConfig, len(c.Plugins))
+	for name, pc := range c.Plugins {
+		pc.ConfigJSON = slices.Clone(pc.ConfigJSON)
+		pc.Env = slices.Clone(pc.Env)
+		plugins[name] = pc
+	}
+	c.Plugins = plugins
+
+	durations := []struct {
+		name string
+		p    *time.Duration
+		def  time.Duration
+	}{
+		{"StatsInterval", &c.StatsInterval, DefaultStatsInterval},
+		{"ReserveTimeout", &c.ReserveTimeout, DefaultReserveTimeout},
+		{"StartTimeout", &c.StartTimeout, DefaultStartTimeout},
+		{"ReadyTimeout", &c.ReadyTimeout, DefaultReadyTimeout},
+		{"FingerprintTimeout", &c.FingerprintTimeout, DefaultFingerprintTimeout},
+		{"KillTimeout", &c.KillTimeout, DefaultKillTimeout},
+		{"RestartBaseDelay", &c.RestartBaseDelay, DefaultRestartBaseDelay},
+		{"RestartMaxDelay", &c.RestartMaxDelay, DefaultRestartMaxDelay},
+		{"StableRunReset", &c.StableRunReset, DefaultStableRunReset},
+	}
+	for _, d := range durations {
+		switch {
+		case *d.p < 0:
+			return Config{}, nil, fmt.Errorf("manager config: %s is negative (%v)", d.name, *d.p)
+		case *d.p == 0:
+			*d.p = d.def
+		}
+	}
+	if c.StatsInterval < MinStatsInterval {
+		notes = append(notes, fmt.Sprintf("stats interval %v is below the lower bound, using %v", c.StatsInterval, MinStatsInterval))
+		c.StatsInterval = MinStatsInterval
+	}
+	if c.RestartMaxDelay < c.RestartBaseDelay {
+		return Config{}, nil, fmt.Errorf("manager config: RestartMaxDelay (%v) is below RestartBaseDelay (%v)", c.RestartMaxDelay, c.RestartBaseDelay)
+	}
+	return c, notes, nil
+}
+
+// pluginNames returns the names in Plugins, sorted.
+func (c Config) pluginNames() []string {
+	return slices.Sorted(maps.Keys(c.Plugins))
+}

@@ -1,0 +1,454 @@
+package manager
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/test/bufconn"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/devicehost/devicehost/deviceplugin"
+	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/pluginloader"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// This file holds the in-process test harness: fakeDevices, a deviceplugin.Plugin whose
+// devices and misbehaviour a test controls, served by the SDK's real server over an
+// in-memory gRPC connection; a launcher that starts one per launch; a log recorder; and
+// startManager. Real plugin processes are in process_test.go.
+
+// testTimeout bounds every wait in these tests.
+const testTimeout = 10 * time.Second
+
+// fakeDevices is a device plugin whose state outlives its "processes", like hardware: a
+// relaunched plugin reports the same devices. Safe for concurrent use.
+type fakeDevices struct {
+	name string
+
+	mu           sync.Mutex
+	groups       []*pb.DeviceGroup // what Fingerprint sends; replaced, never modified
+	changed      chan struct{}     // closed and replaced by setGroups
+	hangStart    bool              // launch blocks until its deadline
+	hangFP       bool              // Fingerprint sends nothing
+	statsErr     string            // Stats fails at once with this message
+	rejectConfig string            // SetConfig fails with this message
+	reserve      func(ctx context.Context, ids []string) (*pb.ContainerReservation, error)
+	statsStreams int // Stats streams opened, over all processes
+	released     []string
+}
+
+func newFakeDevices(name string, groups ...*pb.DeviceGroup) *fakeDevices {
+	return &fakeDevices{name: name, groups: groups, changed: make(chan struct{})}
+}
+
+// set changes a knob under the lock.
+func (f *fakeDevices) set(fn func(f *fakeDevices)) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	fn(f)
+}
+
+// setGroups replaces the inventory; open Fingerprint streams send it.
+func (f *fakeDevices) setGroups(groups ...*pb.DeviceGroup) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.groups = groups
+	close(f.changed)
+	f.changed = make(chan struct{})
+}
+
+func (f *fakeDevices) streams() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.statsStreams
+}
+
+func (f *fakeDevices) Info() deviceplugin.Info {
+	return deviceplugin.Info{Name: f.name, Version: "1.2.3"}
+}
+
+func (f *fakeDevices) SetConfig(context.Context, []byte) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.rejectConfig != "" {
+		return errors.New(f.rejectConfig)
+	}
+	return nil
+}
+
+func (f *fakeDevices) Fingerprint(ctx context.Context, send func(*pb.FingerprintResponse) error) error {
+	for {
+		f.mu.Lock()
+		groups, changed, hang := f.groups, f.changed, f.hangFP
+		f.mu.Unlock()
+		if !hang {
+			if err := send(&pb.FingerprintResponse{Groups: groups}); err != nil {
+				return err
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-changed:
+		}
+	}
+}
+
+func (f *fakeDevices) Stats(ctx context.Context, interval time.Duration, send func(*pb.StatsResponse) error) error {
+	f.mu.Lock()
+	f.statsStreams++
+	streams, statsErr := f.statsStreams, f.statsErr
+	f.mu.Unlock()
+	if statsErr != "" {
+		return status.Error(codes.Internal, statsErr)
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for seq := int64(1); ; seq++ {
+		f.mu.Lock()
+		groups := f.groups
+		f.mu.Unlock()
+		resp := &pb.StatsResponse{}
+		for _, g := range groups {
+			for _, d := range g.GetDevices() {
+				resp.Devices = append(resp.Devices, &pb.DeviceStats{
+					DeviceId: d.GetId(),
+					Values: map[string]*pb.Value{
+						"seq":           {Kind: &pb.Value_IntValue{IntValue: seq}},
+						"stats_streams": {Kind: &pb.Value_IntValue{IntValue: int64(streams)}},
+					},
+					Timestamp: timestamppb.Now(),
+				})
+			}
+		}
+		if err := send(resp); err != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+func (f *fakeDevices) Reserve(ctx context.Context, ids []string) (*pb.ContainerReservation, error) {
+	f.mu.Lock()
+	fn := f.reserve
+	f.mu.Unlock()
+	if fn != nil {
+		return fn(ctx, ids)
+	}
+	return &pb.ContainerReservation{Envs: map[string]string{"FAKE_VISIBLE_DEVICES": strings.Join(ids, ",")}}, nil
+}
+
+func (f *fakeDevices) Release(_ context.Context, reservationID string, _ []string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.released = append(f.released, reservationID)
+	return nil
+}
+
+// group builds a device group of healthy devices with the given IDs.
+func group(vendor, typ, name string, ids ...string) *pb.DeviceGroup {
+	g := &pb.DeviceGroup{Vendor: vendor, Type: typ, Name: name}
+	for _, id := range ids {
+		g.Devices = append(g.Devices, &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: &pb.Locality{NumaNode: -1}})
+	}
+	return g
+}
+
+// withUnhealthy returns a copy of g in which device id is unhealthy for reason.
+func withUnhealthy(g *pb.DeviceGroup, id, reason string) *pb.DeviceGroup {
+	g = proto.Clone(g).(*pb.DeviceGroup)
+	for _, d := range g.Devices {
+		if d.Id == id {
+			d.Health, d.HealthReason = pb.Health_HEALTH_UNHEALTHY, reason
+		}
+	}
+	return g
+}
+
+// inproc is a plugin "process" served in-process: the SDK's server on a gRPC server over
+// an in-memory listener. exit stands in for the process dying.
+type inproc struct {
+	srv    *grpc.Server
+	conn   *grpc.ClientConn
+	client pb.DevicePluginClient
+	info   *pb.GetPluginInfoResponse
+	serve  sync.WaitGroup
+	exited chan struct{}
+
+	mu     sync.Mutex
+	reason string
+	once   sync.Once
+}
+
+var _ plugin = (*inproc)(nil)
+
+func startInproc(impl deviceplugin.Plugin) (*inproc, error) {
+	lis := bufconn.Listen(1 << 20)
+	p := &inproc{srv: grpc.NewServer(), exited: make(chan struct{})}
+	pb.RegisterDevicePluginServer(p.srv, deviceplugin.NewServer(impl))
+	p.serve.Go(func() { _ = p.srv.Serve(lis) })
+	conn, err := grpc.NewClient("passthrough:///inproc",
+		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
+		grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		p.srv.Stop()
+		p.serve.Wait()
+		return nil, err
+	}
+	p.conn, p.client = conn, pb.NewDevicePluginClient(conn)
+	return p, nil
+}
+
+func (p *inproc) Client() pb.DevicePluginClient   { return p.client }
+func (p *inproc) Info() *pb.GetPluginInfoResponse { return p.info }
+func (p *inproc) Exited() <-chan struct{}         { return p.exited }
+
+func (p *inproc) ExitReason() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.reason
+}
+
+// exit makes the plugin "die": Exited closes with reason and its server stops.
+func (p *inproc) exit(reason string) {
+	p.once.Do(func() {
+		p.mu.Lock()
+		p.reason = reason
+		p.mu.Unlock()
+		close(p.exited)
+		p.srv.Stop()
+	})
+}
+
+func (p *inproc) Kill(context.Context) {
+	p.exit("killed")
+	_ = p.conn.Close()
+	p.serve.Wait()
+}
+
+// launcher launches fakeDevices in-process by plugin name and remembers every launch.
+// Safe for concurrent use.
+type launcher struct {
+	devices map[string]*fakeDevices
+
+	mu       sync.Mutex
+	launches map[string][]*inproc
+}
+
+func newLauncher(devices ...*fakeDevices) *launcher {
+	l := &launcher{devices: make(map[string]*fakeDevices), launches: make(map[string][]*inproc)}
+	for _, d := range devices {
+		l.devices[d.name] = d
+	}
+	return l
+}
+
+// launch does what pluginloader.Launch does, in-process: start, info, config.
+func (l *launcher) launch(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error) {
+	d, ok := l.devices[bin.Name]
+	if !ok {
+		return nil, fmt.Errorf("no fake plugin %q", bin.Name)
+	}
+	d.mu.Lock()
+	hang := d.hangStart
+	d.mu.Unlock()
+	if hang {
+		<-ctx.Done()
+		return nil, fmt.Errorf("plugin did not start: %w", ctx.Err())
+	}
+	p, err := startInproc(d)
+	if err != nil {
+		return nil, err
+	}
+	if p.info, err = p.client.GetPluginInfo(ctx, &pb.GetPluginInfoRequest{}); err != nil {
+		p.Kill(ctx)
+		return nil, fmt.Errorf("get plugin info: %w", err)
+	}
+	if _, err := p.client.SetConfig(ctx, &pb.SetConfigRequest{ConfigJson: opts.ConfigJSON, ProtocolVersion: deviceplugin.ProtocolVersion}); err != nil {
+		p.Kill(ctx)
+		if status.Code(err) == codes.InvalidArgument {
+			return nil, fmt.Errorf("%w: %s", pluginloader.ErrConfigRejected, status.Convert(err).Message())
+		}
+		return nil, fmt.Errorf("set config: %w", err)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.launches[bin.Name] = append(l.launches[bin.Name], p)
+	return p, nil
+}
+
+// latest returns the plugin's most recent launch and how many there were.
+func (l *launcher) latest(name string) (*inproc, int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ps := l.launches[name]
+	if len(ps) == 0 {
+		return nil, 0
+	}
+	return ps[len(ps)-1], len(ps)
+}
+
+// logRecorder is an hclog sink that keeps every line. Safe for concurrent use.
+type logRecorder struct {
+	mu     sync.Mutex
+	buf    bytes.Buffer
+	notify chan struct{} // gets a value after each write
+}
+
+func newLogRecorder() *logRecorder { return &logRecorder{notify: make(chan struct{}, 1)} }
+
+func (r *logRecorder) Write(p []byte) (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.buf.Write(p)
+	select {
+	case r.notify <- struct{}{}:
+	default:
+	}
+	return len(p), nil
+}
+
+func (r *logRecorder) String() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.buf.String()
+}
+
+// lines returns the lines holding every one of subs.
+func (r *logRecorder) lines(subs ...string) []string {
+	var out []string
+	for _, line := range strings.Split(r.String(), "\n") {
+		all := true
+		for _, s := range subs {
+			all = all && strings.Contains(line, s)
+		}
+		if all && line != "" {
+			out = append(out, line)
+		}
+	}
+	return out
+}
+
+// waitLine waits until a log line holds every one of subs and returns it.
+func (r *logRecorder) waitLine(t *testing.T, subs ...string) string {
+	t.Helper()
+	deadline := time.NewTimer(testTimeout)
+	defer deadline.Stop()
+	for {
+		if ls := r.lines(subs...); len(ls) > 0 {
+			return ls[0]
+		}
+		select {
+		case <-r.notify:
+		case <-deadline.C:
+			t.Fatalf("no log line with %q within %v; log:\n%s", subs, testTimeout, r.String())
+		}
+	}
+}
+
+// testConfig is a Config with short timings for tests, logging into a new recorder.
+func testConfig(t *testing.T) (Config, *logRecorder) {
+	t.Helper()
+	rec := newLogRecorder()
+	return Config{
+		Logger:             hclog.New(&hclog.LoggerOptions{Name: "test", Level: hclog.Debug, Output: rec}),
+		StatsInterval:      MinStatsInterval,
+		ReserveTimeout:     2 * time.Second,
+		StartTimeout:       2 * time.Second,
+		ReadyTimeout:       5 * time.Second,
+		FingerprintTimeout: 3 * time.Second,
+		KillTimeout:        2 * time.Second,
+		RestartBaseDelay:   20 * time.Millisecond,
+		RestartMaxDelay:    200 * time.Millisecond,
+		StableRunReset:     time.Minute,
+	}, rec
+}
+
+// startInprocManager starts a manager whose plugins are the given fakes, run in-process,
+// and shuts it down in t.Cleanup. It returns the manager and the launcher.
+func startInprocManager(t *testing.T, cfg Config, devices ...*fakeDevices) (*Manager, *launcher) {
+	t.Helper()
+	l := newLauncher(devices...)
+	for _, d := range devices {
+		cfg.Binaries = append(cfg.Binaries, pluginloader.Binary{Name: d.name, Path: "/inproc/" + d.name})
+	}
+	m, err := newManager(cfg, newMemStore(), l.launch)
+	if err != nil {
+		t.Fatalf("newManager: %v", err)
+	}
+	t.Cleanup(func() { shutdown(t, m) })
+	return m, l
+}
+
+// shutdown stops m within testTimeout.
+func shutdown(t *testing.T, m *Manager) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	if err := m.Shutdown(ctx); err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+}
+
+// waitFor reads snapshots from m until ok accepts one, and returns it.
+func waitFor(t *testing.T, m *Manager, what string, ok func(device.Snapshot) bool) device.Snapshot {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	var last device.Snapshot
+	for snap := range m.Watch(ctx) {
+		if ok(snap) {
+			return snap
+		}
+		last = snap
+	}
+	t.Fatalf("no snapshot with %s within %v; last: %+v", what, testTimeout, last)
+	return device.Snapshot{}
+}
+
+// healthIs reports whether every listed device has health h.
+func healthIs(h device.Health, ids ...string) func(device.Snapshot) bool {
+	return func(s device.Snapshot) bool {
+		for _, id := range ids {
+			st, ok := s.State.Devices[id]
+			if !ok || st.Health != h {
+				return false
+			}
+		}
+		return true
+	}
+}
+
+// pluginOf returns the named plugin's state in s.
+func pluginOf(s device.Snapshot, name string) device.PluginState {
+	return pluginState(s, name)
+}
+
+// deviceIDs lists the IDs in inv, in inventory order, as "plugin/id".
+func deviceIDs(inv device.Inventory) []string {
+	var out []string
+	for _, g := range inv.Groups {
+		for _, d := range g.Devices {
+			out = append(out, g.Plugin+"/"+d.ID)
+		}
+	}
+	return out
+}

@@ -1,0 +1,206 @@
+package manager
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// reservationStore is where the manager keeps reservations. memStore keeps them in
+// memory; the bbolt ledger (manager/ledger) implements the same methods durably. It speaks
+// only the contract's types, so an implementation need not import this package.
+//
+// Implementations are safe for concurrent use and never call back into the manager.
+// Returned values are copies the caller may keep.
+type reservationStore interface {
+	// Check says whether owner may reserve deviceIDs: (r, nil) when owner already holds
+	// exactly those devices in live reservation r (a retried Reserve), (nil, nil) when
+	// none of them is held, and an error wrapping device.ErrDeviceHeld naming the holder
+	// or the overlap otherwise.
+	Check(ownerID string, deviceIDs []string) (*device.Reservation, error)
+	// Commit records r as live, durably before it returns. It re-checks as Check does,
+	// atomically with the write: a retry by the same owner returns the existing
+	// reservation instead, a conflict is an error wrapping device.ErrDeviceHeld.
+	Commit(ctx context.Context, r device.Reservation) (device.Reservation, error)
+	// Release marks the reservations named by req released at time at, with their
+	// plugin cleanup pending, and returns every reservation req named (those released
+	// before too). An unknown reservation ID wraps device.ErrNotFound; an owner with no
+	// reservations matches nothing.
+	Release(ctx context.Context, req device.ReleaseRequest, at time.Time) ([]device.Reservation, error)
+	// CleanupDone records that the plugin cleaned up after a released reservation.
+	CleanupDone(ctx context.Context, reservationID string) error
+	// List returns the reservations matching f, oldest first.
+	List(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)
+	// Holders returns the live reservation holding each held device, by device ID.
+	Holders() map[string]device.Holder
+}
+
+// memStore is a reservationStore in memory: reservations end with the process.
+type memStore struct {
+	mu     sync.Mutex
+	byID   map[string]*device.Reservation
+	order  []string          // IDs, oldest first
+	holder map[string]string // device ID -> live reservation ID
+}
+
+var _ reservationStore = (*memStore)(nil)
+
+func newMemStore() *memStore {
+	return &memStore{byID: make(map[string]*device.Reservation), holder: make(map[string]string)}
+}
+
+func (s *memStore) Check(ownerID string, deviceIDs []string) (*device.Reservation, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r, err := s.checkLocked(ownerID, deviceIDs)
+	if r != nil {
+		c := cloneReservation(*r)
+		return &c, err
+	}
+	return nil, err
+}
+
+func (s *memStore) checkLocked(ownerID string, deviceIDs []string) (*device.Reservation, error) {
+	var held []string // "dev (reservation R of owner O)"
+	var same *device.Reservation
+	for _, id := range deviceIDs {
+		rid, ok := s.holder[id]
+		if !ok {
+			continue
+		}
+		r := s.byID[rid]
+		if r.OwnerID == ownerID && sameSet(r.DeviceIDs, deviceIDs) {
+			same = r
+			continue
+		}
+		held = append(held, fmt.Sprintf("%s (reservation %s of owner %s)", id, r.ID, r.OwnerID))
+	}
+	switch {
+	case len(held) > 0:
+		return nil, fmt.Errorf("held by live reservations: %s: %w", strings.Join(held, ", "), device.ErrDeviceHeld)
+	case same != nil:
+		return same, nil
+	}
+	return nil, nil
+}
+
+func (s *memStore) Commit(_ context.Context, r device.Reservation) (device.Reservation, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	existing, err := s.checkLocked(r.OwnerID, r.DeviceIDs)
+	if err != nil {
+		return device.Reservation{}, err
+	}
+	if existing != nil {
+		return cloneReservation(*existing), nil
+	}
+	if _, dup := s.byID[r.ID]; dup {
+		return device.Reservation{}, fmt.Errorf("reservation ID %s already used", r.ID)
+	}
+	r = cloneReservation(r)
+	r.State = device.ReservationActive
+	s.byID[r.ID] = &r
+	s.order = append(s.order, r.ID)
+	for _, id := range r.DeviceIDs {
+		s.holder[id] = r.ID
+	}
+	return cloneReservation(r), nil
+}
+
+func (s *memStore) Release(_ context.Context, req device.ReleaseRequest, at time.Time) ([]device.Reservation, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var ids []string
+	switch {
+	case req.ReservationID != "":
+		if _, ok := s.byID[req.ReservationID]; !ok {
+			return nil, fmt.Errorf("reservation %s: %w", req.ReservationID, device.ErrNotFound)
+		}
+		ids = []string{req.ReservationID}
+	default:
+		for _, id := range s.order {
+			if s.byID[id].OwnerID == req.OwnerID {
+				ids = append(ids, id)
+			}
+		}
+	}
+	out := make([]device.Reservation, 0, len(ids))
+	for _, id := range ids {
+		r := s.byID[id]
+		if r.State == device.ReservationActive {
+			r.State, r.ReleasedAt, r.CleanupPending = device.ReservationReleased, at, true
+			for _, d := range r.DeviceIDs {
+				if s.holder[d] == r.ID {
+					delete(s.holder, d)
+				}
+			}
+		}
+		out = append(out, cloneReservation(*r))
+	}
+	return out, nil
+}
+
+func (s *memStore) CleanupDone(_ context.Context, reservationID string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r, ok := s.byID[reservationID]
+	if !ok {
+		return fmt.Errorf("reservation %s: %w", reservationID, device.ErrNotFound)
+	}
+	r.CleanupPending = false
+	return nil
+}
+
+func (s *memStore) List(_ context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []device.Reservation
+	for _, id := range s.order {
+		r := s.byID[id]
+		if (f.OwnerID == "" || r.OwnerID == f.OwnerID) &&
+			(f.DeviceID == "" || slices.Contains(r.DeviceIDs, f.DeviceID)) &&
+			(f.State == device.ReservationAny || r.State == f.State) {
+			out = append(out, cloneReservation(*r))
+		}
+	}
+	return out, nil
+}
+
+func (s *memStore) Holders() map[string]device.Holder {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[string]device.Holder, len(s.holder))
+	for dev, rid := range s.holder {
+		out[dev] = device.Holder{ReservationID: rid, OwnerID: s.byID[rid].OwnerID}
+	}
+	return out
+}
+
+// sameSet reports whether a and b hold the same IDs (each list has no duplicates).
+func sameSet(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	x, y := slices.Clone(a), slices.Clone(b)
+	slices.Sort(x)
+	slices.Sort(y)
+	return slices.Equal(x, y)
+}
+
+// cloneReservation deep-copies r, so no two holders share a map or slice.
+func cloneReservation(r device.Reservation) device.Reservation {
+	r.DeviceIDs = slices.Clone(r.DeviceIDs)
+	c := r.Container
+	c.Envs = maps.Clone(c.Envs)
+	c.Mounts = slices.Clone(c.Mounts)
+	c.Devices = slices.Clone(c.Devices)
+	c.CDIDevices = slices.Clone(c.CDIDevices)
+	r.Container = c
+	return r
+}

@@ -1,0 +1,411 @@
+package manager
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/pluginloader"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/validate"
+)
+
+// plugin is what a supervisor needs of a launched plugin process. *pluginloader.Plugin
+// implements it; tests substitute in-process plugins.
+type plugin interface {
+	Client() pb.DevicePluginClient
+	Info() *pb.GetPluginInfoResponse
+	// Exited is closed once the process has exited; ExitReason then says why.
+	Exited() <-chan struct{}
+	ExitReason() string
+	// Kill stops the process (gracefully, then forcefully when ctx ends); called exactly
+	// once per launched plugin.
+	Kill(ctx context.Context)
+}
+
+// launchFunc starts (or, with opts.Reattach, reattaches to) a plugin. ctx bounds the
+// launch only. It is the seam where reattaching to plugins that survived a host restart
+// plugs in.
+type launchFunc func(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error)
+
+// launchProcess launches a real plugin process with pluginloader.
+func launchProcess(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error) {
+	p, err := pluginloader.Launch(ctx, bin, opts)
+	if err != nil {
+		return nil, err // not a typed nil inside the interface
+	}
+	return p, nil
+}
+
+// permanent reports whether a launch error will not go away by retrying: the operator
+// has to fix the binary, its checksum pin or its config, and restart the host.
+func permanent(err error) bool {
+	return errors.Is(err, pluginloader.ErrChecksumMismatch) ||
+		errors.Is(err, pluginloader.ErrProtocolVersion) ||
+		errors.Is(err, pluginloader.ErrConfigRejected) ||
+		errors.Is(err, pluginloader.ErrInsecurePath)
+}
+
+const (
+	// exitGrace is how long an RPC error that looks like a dead connection waits for the
+	// process exit to be reported, so the exit's own reason is the one recorded.
+	exitGrace = 500 * time.Millisecond
+	// statsStallFactor × the sampling interval without a stats message ends the stats
+	// stream as stalled; it is then retried with backoff.
+	statsStallFactor = 5
+)
+
+var (
+	errNoFirstFingerprint = errors.New("no first fingerprint in time")
+	errStatsStalled       = errors.New("stats stream stalled")
+	errReserveTimeout     = errors.New("reserve timed out")
+	errPluginExited       = errors.New("plugin exited")
+)
+
+// supervisor owns one plugin: it launches it, consumes its fingerprints and stats, and
+// restarts it with backoff when it fails. Run is its only long-lived goroutine (with the
+// per-run stream goroutines it starts and joins). reserve and release may be called from
+// any goroutine.
+type supervisor struct {
+	name   string
+	bin    pluginloader.Binary
+	opts   pluginloader.Options
+	cfg    Config // with defaults
+	launch launchFunc
+	reg    *registry
+	stats  *statsHub
+	log    hclog.Logger
+	jitter func() float64 // nil: random
+
+	mu  sync.Mutex
+	cur plugin // the running plugin; nil between runs
+}
+
+func (s *supervisor) current() plugin {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cur
+}
+
+func (s *supervisor) setCurrent(p plugin) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.cur = p
+}
+
+func (s *supervisor) backoff() backoff {
+	return backoff{base: s.cfg.RestartBaseDelay, max: s.cfg.RestartMaxDelay, stable: s.cfg.StableRunReset, jitter: s.jitter}
+}
+
+// Run supervises the plugin until ctx ends, restarting it with exponential backoff and
+// jitter whenever a run fails. It returns nil when ctx ends, or the error of a launch
+// that failed permanently (see permanent), after which the plugin is not restarted. No
+// plugin process or goroutine it started outlives it.
+func (s *supervisor) Run(ctx context.Context) error {
+	bo := s.backoff()
+	for restarts := 0; ; restarts++ {
+		s.reg.launching(s.name, restarts)
+		started := time.Now()
+		err := s.runOnce(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if permanent(err) {
+			return err
+		}
+		delay := bo.next(time.Since(started))
+		s.reg.restarting(s.name, err, s.cfg.Now().Add(delay))
+		s.log.Warn("plugin stopped; restarting", "error", err, "restart_in", delay, "restarts", restarts+1)
+		t := time.NewTimer(delay)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// runOnce launches the plugin and serves it until it exits, its fingerprint stream
+// fails, or ctx ends. The plugin's devices are marked unhealthy with the reason before
+// it returns, and the process is killed.
+func (s *supervisor) runOnce(ctx context.Context) error {
+	lctx, cancel := context.WithTimeout(ctx, s.cfg.StartTimeout)
+	p, err := s.launch(lctx, s.bin, s.opts)
+	cancel()
+	if err != nil {
+		s.reg.down(s.name, "plugin not running: "+err.Error())
+		return fmt.Errorf("launch: %w", err)
+	}
+	defer func() {
+		s.setCurrent(nil)
+		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.KillTimeout)
+		defer cancel()
+		p.Kill(kctx)
+	}()
+	s.setCurrent(p)
+	s.reg.running(s.name, p.Info().GetPluginVersion())
+	s.log.Info("plugin running", "version", p.Info().GetPluginVersion())
+
+	g, gctx := errgroup.WithContext(ctx)
+	fingerprinted := make(chan struct{})
+	g.Go(func() error {
+		select {
+		case <-p.Exited():
+			return exitError(p)
+		case <-gctx.Done():
+			return nil
+		}
+	})
+	g.Go(func() error { return s.fingerprint(gctx, p, fingerprinted) })
+	g.Go(func() error {
+		select {
+		case <-fingerprinted:
+			return s.statsLoop(gctx, p)
+		case <-gctx.Done():
+			return nil
+		}
+	})
+	err = g.Wait()
+	if err == nil { // ctx ended
+		err = fmt.Errorf("plugin stopped: %w", context.Cause(ctx))
+	}
+	s.reg.down(s.name, err.Error())
+	s.stats.clear(s.name)
+	return err
+}
+
+func exitError(p plugin) error {
+	return fmt.Errorf("%w: %s", errPluginExited, p.ExitReason())
+}
+
+// rpcError explains why an RPC to p failed: the plugin exited (go-plugin's done-context
+// rule: Unavailable or Canceled while the process is gone), ctx ended, or the RPC itself
+// failed. Only a live-looking connection error waits, up to exitGrace, for the exit.
+func rpcError(ctx context.Context, p plugin, what string, err error) error {
+	if ctx.Err() != nil {
+		return context.Cause(ctx)
+	}
+	if c := status.Code(err); c == codes.Unavailable || c == codes.Canceled {
+		t := time.NewTimer(exitGrace)
+		defer t.Stop()
+		select {
+		case <-p.Exited():
+			return exitError(p)
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case <-t.C:
+		}
+	}
+	return fmt.Errorf("%s: %w", what, err)
+}
+
+// fingerprint consumes the fingerprint stream for one run. The first message must come
+// within FingerprintTimeout. Each message is validated: a rejected one is logged naming
+// the rules and the last good inventory stays; a good one replaces the plugin's
+// inventory. The first good one closes fingerprinted. It returns only with an error: the
+// stream is the plugin's lifeline, so its end ends the run (and the plugin is restarted).
+func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted chan<- struct{}) error {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	firstTimer := time.AfterFunc(s.cfg.FingerprintTimeout, func() { cancel(errNoFirstFingerprint) })
+	defer firstTimer.Stop()
+
+	stream, err := p.Client().Fingerprint(ctx, &pb.FingerprintRequest{})
+	if err != nil {
+		return s.fingerprintError(ctx, p, err)
+	}
+	for {
+		resp, err := stream.Recv()
+		if err != nil {
+			return s.fingerprintError(ctx, p, err)
+		}
+		firstTimer.Stop()
+		if verr := validate.Fingerprint(resp); verr != nil {
+			s.log.Error("fingerprint rejected; keeping the last good inventory", "violations", oneLine(verr))
+			continue
+		}
+		s.reg.setFingerprint(s.name, fromFingerprint(s.name, resp))
+		if fingerprinted != nil {
+			close(fingerprinted)
+			fingerprinted = nil
+		}
+	}
+}
+
+func (s *supervisor) fingerprintError(ctx context.Context, p plugin, err error) error {
+	switch {
+	case context.Cause(ctx) == errNoFirstFingerprint:
+		return fmt.Errorf("no fingerprint within %v of start: %w", s.cfg.FingerprintTimeout, errNoFirstFingerprint)
+	case errors.Is(err, io.EOF):
+		return errors.New("fingerprint stream ended")
+	}
+	return rpcError(ctx, p, "fingerprint stream", err)
+}
+
+// statsLoop keeps one stats stream open to the plugin for the run, reopening it with
+// backoff when it fails or stalls. Every failure is logged with the plugin's error and
+// recorded as the plugin's last error. It returns when ctx ends (nil) or the plugin
+// exits (that error, ending the run).
+func (s *supervisor) statsLoop(ctx context.Context, p plugin) error {
+	bo := s.backoff()
+	for {
+		started := time.Now()
+		err := s.statsStream(ctx, p)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if errors.Is(err, errPluginExited) {
+			return err
+		}
+		delay := bo.next(time.Since(started))
+		s.reg.pluginError(s.name, err)
+		s.log.Warn("stats stream failed; retrying", "error", err, "retry_in", delay)
+		t := time.NewTimer(delay)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// statsStream opens one stats stream and stores every message that validates, until
+// the stream fails, stalls or ctx ends. Rejected messages are logged (once per distinct
+// error in a row) and the last good stats stay.
+func (s *supervisor) statsStream(ctx context.Context, p plugin) error {
+	stall := statsStallFactor * s.cfg.StatsInterval
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	watchdog := time.AfterFunc(stall, func() { cancel(errStatsStalled) })
+	defer watchdog.Stop()
+
+	stream, err := p.Client().Stats(ctx, &pb.StatsRequest{Interval: durationpb.New(s.cfg.StatsInterval)})
+	if err != nil {
+		return s.statsError(ctx, p, err, stall)
+	}
+	var lastRejection string
+	for {
+		resp, err := stream.Recv()
+		if err != nil {
+			return s.statsError(ctx, p, err, stall)
+		}
+		watchdog.Reset(stall)
+		if verr := validate.Stats(resp, s.reg.known(s.name)); verr != nil {
+			if msg := oneLine(verr); msg != lastRejection {
+				lastRejection = msg
+				s.log.Error("stats rejected; keeping the last good stats", "violations", msg)
+			}
+			continue
+		}
+		lastRejection = ""
+		s.stats.set(s.name, fromStats(resp, s.cfg.Now()))
+	}
+}
+
+func (s *supervisor) statsError(ctx context.Context, p plugin, err error, stall time.Duration) error {
+	switch {
+	case context.Cause(ctx) == errStatsStalled:
+		return fmt.Errorf("no stats within %v: %w", stall, errStatsStalled)
+	case errors.Is(err, io.EOF):
+		return errors.New("stats stream ended")
+	}
+	return rpcError(ctx, p, "stats stream", err)
+}
+
+// reserve asks the running plugin to prepare deviceIDs. The call is bounded by ctx,
+// ReserveTimeout and the plugin's exit; errors wrap device.ErrPluginUnavailable when the
+// plugin is down or silent, and device.ErrPluginResponse when it refused. The answer is
+// not validated here.
+func (s *supervisor) reserve(ctx context.Context, deviceIDs []string) (*pb.ContainerReservation, error) {
+	var resp *pb.ReserveResponse
+	err := s.call(ctx, "reserve", func(ctx context.Context, c pb.DevicePluginClient) error {
+		var err error
+		resp, err = c.Reserve(ctx, &pb.ReserveRequest{DeviceIds: deviceIDs})
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return resp.GetReservation(), nil
+}
+
+// release asks the running plugin to clean up after a reservation. A plugin without
+// cleanup (UNIMPLEMENTED) counts as done. Bounded and wrapped like reserve.
+func (s *supervisor) release(ctx context.Context, reservationID string, deviceIDs []string) error {
+	err := s.call(ctx, "release", func(ctx context.Context, c pb.DevicePluginClient) error {
+		_, err := c.Release(ctx, &pb.ReleaseRequest{ReservationId: reservationID, DeviceIds: deviceIDs})
+		return err
+	})
+	if status.Code(errors.Unwrap(err)) == codes.Unimplemented {
+		return nil
+	}
+	return err
+}
+
+// call runs one unary RPC on the running plugin, bounded by ctx, ReserveTimeout and the
+// plugin's exit, and wraps its failure with the manager's sentinel errors.
+func (s *supervisor) call(ctx context.Context, what string, rpc func(context.Context, pb.DevicePluginClient) error) error {
+	p := s.current()
+	if p == nil {
+		return fmt.Errorf("plugin %q is not running: %w", s.name, device.ErrPluginUnavailable)
+	}
+	cctx, cancel := context.WithTimeoutCause(ctx, s.cfg.ReserveTimeout, errReserveTimeout)
+	defer cancel()
+	cctx, stop := cancelOnClose(cctx, p.Exited(), errPluginExited)
+	defer stop()
+
+	err := rpc(cctx, p.Client())
+	if err == nil {
+		return nil
+	}
+	switch cause := context.Cause(cctx); {
+	case ctx.Err() != nil:
+		return fmt.Errorf("%s on plugin %q: %w", what, s.name, context.Cause(ctx))
+	case cause == errReserveTimeout || status.Code(err) == codes.DeadlineExceeded:
+		// The plugin's side may see the propagated deadline a moment before ours fires.
+		return fmt.Errorf("plugin %q did not answer %s within %v: %w", s.name, what, s.cfg.ReserveTimeout, device.ErrPluginUnavailable)
+	case cause == errPluginExited:
+		return fmt.Errorf("plugin %q exited during %s (%s): %w", s.name, what, p.ExitReason(), device.ErrPluginUnavailable)
+	}
+	switch status.Code(err) {
+	case codes.Unavailable, codes.Canceled:
+		return fmt.Errorf("%s on plugin %q: %v: %w", what, s.name, err, device.ErrPluginUnavailable)
+	case codes.Unimplemented:
+		return fmt.Errorf("%s on plugin %q: %w", what, s.name, err)
+	}
+	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, status.Convert(err).Message(), device.ErrPluginResponse)
+}
+
+// oneLine renders err, which may be an errors.Join of many, on one line.
+func oneLine(err error) string { return strings.ReplaceAll(err.Error(), "\n", "; ") }
+
+// cancelOnClose returns a context that is also cancelled, with cause, when done closes.
+// stop releases its goroutine and must be called.
+func cancelOnClose(ctx context.Context, done <-chan struct{}, cause error) (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		select {
+		case <-done:
+			cancel(cause)
+		case <-ctx.Done():
+		}
+	})
+	return ctx, func() {
+		cancel(nil)
+		wg.Wait()
+	}
+}
