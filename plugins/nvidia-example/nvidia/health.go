@@ -1,0 +1,196 @@
+package nvidia
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/hashicorp/go-hclog"
+)
+
+// applicationXIDs are XIDs that an application's own bug or exit causes; the GPU is
+// fine afterwards, so they do not make it unhealthy. NVIDIA's Kubernetes device plugin
+// ignores the same set:
+// 13 graphics engine exception, 31 GPU memory page fault, 43 GPU stopped processing,
+// 45 preemptive cleanup, 68 video processor exception, 109 context switch timeout.
+var applicationXIDs = map[uint64]bool{13: true, 31: true, 43: true, 45: true, 68: true, 109: true}
+
+// healthBook remembers, per device ID, the last event that made the device unhealthy.
+// A device is unhealthy from that event until quiet has passed with no new one. It is
+// safe for concurrent use; changes wakes everyone waiting for a change.
+type healthBook struct {
+	quiet time.Duration
+
+	mu      sync.Mutex
+	last    map[string]healthEvent
+	changed chan struct{} // closed and replaced on every change
+}
+
+type healthEvent struct {
+	at     time.Time
+	reason string
+}
+
+func newHealthBook(quiet time.Duration) *healthBook {
+	return &healthBook{quiet: quiet, last: make(map[string]healthEvent), changed: make(chan struct{})}
+}
+
+// inherit copies old's events into h, which nobody uses yet.
+func (h *healthBook) inherit(old *healthBook) {
+	old.mu.Lock()
+	defer old.mu.Unlock()
+	for id, ev := range old.last {
+		h.last[id] = ev
+	}
+}
+
+// markUnhealthy records that id went bad at at for reason. An event older than the one
+// already recorded is ignored.
+func (h *healthBook) markUnhealthy(id string, at time.Time, reason string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if prev, ok := h.last[id]; ok && prev.at.After(at) {
+		return
+	}
+	h.last[id] = healthEvent{at: at, reason: reason}
+	close(h.changed)
+	h.changed = make(chan struct{})
+}
+
+// status reports id's health at now. While unhealthy, until is when it turns healthy
+// again unless another event comes first.
+func (h *healthBook) status(id string, now time.Time) (healthy bool, reason string, until time.Time) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	ev, ok := h.last[id]
+	if !ok {
+		return true, "", time.Time{}
+	}
+	until = ev.at.Add(h.quiet)
+	if !now.Before(until) {
+		return true, "", time.Time{}
+	}
+	return false, ev.reason, until
+}
+
+// changes returns a channel that is closed at the next change. Take it before reading
+// the state, so no change between the read and the wait is missed.
+func (h *healthBook) changes() <-chan struct{} {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.changed
+}
+
+// xidReason is the health reason for a critical XID.
+func xidReason(xid uint64, at time.Time) string {
+	return fmt.Sprintf("XID %d (critical) at %s", xid, at.UTC().Format(time.RFC3339))
+}
+
+// xidWatch turns NVML critical-XID events for a fixed set of GPUs into health book
+// entries. Its event set belongs to the goroutine running run.
+type xidWatch struct {
+	logger hclog.Logger
+	clock  clock
+	health *healthBook
+	set    nvml.EventSet
+	gpus   map[string]bool // IDs registered on set
+	poll   time.Duration   // how long one Wait may block
+}
+
+// waitErrorBackoff is how long the watch pauses after a failed Wait before the next.
+const waitErrorBackoff = 5 * time.Second
+
+// startXIDWatch creates an event set and registers gpus for critical XID events. A GPU
+// that cannot register is marked unhealthy (except when it simply does not support
+// events, which is logged). It returns nil when no event set can be made; the caller
+// must call run on a non-nil result, which frees the set.
+func startXIDWatch(rt *runtime, gpus []gpu, poll time.Duration) *xidWatch {
+	set, ret := rt.lib.EventSetCreate()
+	if ret != nvml.SUCCESS {
+		rt.logger.Warn("cannot watch GPU health: NVML event set not created; XIDs will not be seen", "error", ret)
+		return nil
+	}
+	w := &xidWatch{logger: rt.logger, clock: rt.clock, health: rt.health, set: set,
+		gpus: make(map[string]bool), poll: poll}
+	for _, g := range gpus {
+		supported, ret := g.dev.GetSupportedEventTypes()
+		if ret == nvml.SUCCESS {
+			if supported&nvml.EventTypeXidCriticalError == 0 {
+				ret = nvml.ERROR_NOT_SUPPORTED
+			} else {
+				ret = g.dev.RegisterEvents(nvml.EventTypeXidCriticalError, set)
+			}
+		}
+		switch ret {
+		case nvml.SUCCESS:
+			w.gpus[g.uuid] = true
+		case nvml.ERROR_NOT_SUPPORTED:
+			rt.logger.Warn("GPU does not report XID events; its health is not watched", "gpu", g.uuid)
+		default:
+			now := rt.clock.Now()
+			rt.health.markUnhealthy(g.uuid, now, fmt.Sprintf("cannot watch XID events: %v", ret))
+		}
+	}
+	return w
+}
+
+// run waits for XID events until ctx ends, then frees the event set. Each Wait blocks
+// at most poll, so run returns within about poll of ctx ending.
+func (w *xidWatch) run(ctx context.Context) {
+	defer w.set.Free()
+	timeoutMS := uint32(max(w.poll.Milliseconds(), 1))
+	for ctx.Err() == nil {
+		ev, ret := w.set.Wait(timeoutMS)
+		switch ret {
+		case nvml.SUCCESS:
+			w.handle(ev)
+		case nvml.ERROR_TIMEOUT:
+		default:
+			now := w.clock.Now()
+			w.logger.Error("waiting for NVML events failed; marking watched GPUs unhealthy", "error", ret)
+			for id := range w.gpus {
+				w.health.markUnhealthy(id, now, fmt.Sprintf("NVML event wait failed at %s: %v", now.UTC().Format(time.RFC3339), ret))
+			}
+			t := w.clock.TimerAt(now.Add(waitErrorBackoff))
+			select {
+			case <-ctx.Done():
+			case <-t.C():
+			}
+			t.Stop()
+		}
+	}
+}
+
+func (w *xidWatch) handle(ev nvml.EventData) {
+	if ev.EventType != nvml.EventTypeXidCriticalError {
+		return
+	}
+	xid := ev.EventData
+	if applicationXIDs[xid] {
+		w.logger.Info("application XID; GPU stays healthy", "xid", xid)
+		return
+	}
+	now := w.clock.Now()
+	reason := xidReason(xid, now)
+	var id string
+	ret := nvml.ERROR_INVALID_ARGUMENT
+	if ev.Device != nil {
+		id, ret = ev.Device.GetUUID()
+	}
+	if ret != nvml.SUCCESS {
+		// NVML could not say which GPU: like NVIDIA's device plugins, distrust them all.
+		w.logger.Warn("critical XID on an unidentified GPU; marking all watched GPUs unhealthy", "xid", xid)
+		for id := range w.gpus {
+			w.health.markUnhealthy(id, now, reason+" on an unidentified GPU")
+		}
+		return
+	}
+	if !w.gpus[id] {
+		w.logger.Debug("critical XID on a GPU this plugin does not report", "gpu", id, "xid", xid)
+		return
+	}
+	w.logger.Warn("critical XID; GPU marked unhealthy", "gpu", id, "xid", xid)
+	w.health.markUnhealthy(id, now, reason)
+}

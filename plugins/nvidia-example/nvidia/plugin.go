@@ -1,0 +1,360 @@
+// Package nvidia is devicehost's example NVIDIA GPU plugin, on go-nvml's nvml.Interface.
+//
+// With real NVML (libnvidia-ml loads and initialises) it reports the machine's GPUs;
+// with config simulate = "dgxa100" | "dgxh100" | "dgxh200" | "dgxb200" it runs the same
+// code on go-nvml's mock servers, extended so stats move over time, GPU UUIDs stay the
+// same across restarts and XID faults can be injected. Without either it reports zero
+// devices. See Config for the keys.
+//
+// Fingerprint groups GPUs by product name and re-reads them every fingerprint_period,
+// sending only on change. While a Fingerprint stream runs, critical XID events make a
+// GPU unhealthy until health_quiet_period passes without another one. Reserve hands
+// out NVIDIA_VISIBLE_DEVICES and CDI names. MIG devices are not handled; GPUs that
+// appear after a Fingerprint stream started are reported but their XIDs are watched
+// only from the next stream on.
+package nvidia
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"reflect"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/hashicorp/go-hclog"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/devicehost/devicehost/deviceplugin"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// Name and Version identify the plugin.
+const (
+	Name    = "nvidia-example"
+	Version = "0.1.0"
+)
+
+// defaultEventPoll bounds one NVML event wait, and so how long a Fingerprint stream
+// takes to stop once its context ends.
+const defaultEventPoll = 500 * time.Millisecond
+
+// minStatsInterval is the shortest stats interval the plugin honours.
+const minStatsInterval = 100 * time.Millisecond
+
+// Plugin is the NVIDIA GPU device plugin. It implements deviceplugin.Plugin; make one
+// with New. SetConfig must succeed before the other calls, which may then run
+// concurrently. Fingerprint and Stats run only while called and stop every goroutine
+// they start before returning. Close releases NVML once no call is running.
+type Plugin struct {
+	logger hclog.Logger
+
+	// Seams for tests; New sets them.
+	clock     clock
+	openNVML  func() nvml.Interface
+	eventPoll time.Duration
+
+	mu     sync.Mutex
+	rt     *runtime       // nil until SetConfig succeeds
+	nvml   nvml.Interface // the real library once opened, shared by every runtime
+	nvmlUp bool           // nvml initialised
+	closed bool
+}
+
+var _ deviceplugin.Plugin = (*Plugin)(nil)
+
+// New returns an unconfigured plugin that logs to logger (hclog.NewNullLogger when nil).
+func New(logger hclog.Logger) *Plugin {
+	if logger == nil {
+		logger = hclog.NewNullLogger()
+	}
+	return &Plugin{
+		logger:    logger,
+		clock:     realClock{},
+		openNVML:  func() nvml.Interface { return nvml.New() },
+		eventPoll: defaultEventPoll,
+	}
+}
+
+// Main serves the plugin to the host that launched this process, logging through the
+// SDK's logger, and returns when the host is done with it. The plugin binary's main,
+// and the devicehost binary re-executed as this plugin, call it.
+func Main() {
+	p := New(deviceplugin.Logger())
+	defer p.Close()
+	deviceplugin.Serve(p)
+}
+
+// runtime is everything one successful SetConfig decided. It never changes; a later
+// SetConfig with a different config makes a new one, and calls already running keep
+// the one they started with.
+type runtime struct {
+	settings
+	logger hclog.Logger
+	clock  clock
+	lib    nvml.Interface // nil: no NVML and no simulation, so no devices
+	health *healthBook
+	// numaFromNVML says whether the library has nvmlDeviceGetNumaNodeId; calling a
+	// symbol the loaded driver lacks would crash the process.
+	numaFromNVML bool
+}
+
+// Info names the plugin.
+func (p *Plugin) Info() deviceplugin.Info { return deviceplugin.Info{Name: Name, Version: Version} }
+
+// SetConfig checks the config block (see Config) and opens NVML or builds the simulated
+// machine. A bad config is refused and leaves any earlier one in force. Calling it
+// again with the same config (a host reattaching) changes nothing; a different config
+// takes effect for calls made afterwards, keeping the GPUs' health, and restarts any
+// injected faults' clock.
+func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
+	s, err := parseConfig(configJSON)
+	if err != nil {
+		return err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return errors.New("plugin closed")
+	}
+	if p.rt != nil && reflect.DeepEqual(p.rt.settings, s) {
+		return nil
+	}
+	rt := &runtime{settings: s, logger: p.logger, clock: p.clock, health: newHealthBook(s.quietPeriod)}
+	if p.rt != nil {
+		rt.health.inherit(p.rt.health)
+	}
+	if s.simulate != "" {
+		sim := newSimLib(s.simulate, p.clock)
+		if err := sim.scheduleFaults(p.clock.Now(), s.faults); err != nil {
+			return err
+		}
+		if ret := sim.Init(); ret != nvml.SUCCESS {
+			return fmt.Errorf("simulate %s: init: %w", s.simulate, ret)
+		}
+		rt.lib = sim
+		rt.numaFromNVML = true
+		p.logger.Info("running on simulated GPUs", "machine", s.simulate, "gpus", len(sim.devices),
+			"injected_faults", len(sim.faults))
+	} else if lib := p.openRealNVML(); lib != nil {
+		rt.lib = lib
+		rt.numaFromNVML = lib.Extensions().LookupSymbol("nvmlDeviceGetNumaNodeId") == nil
+	}
+	p.rt = rt
+	return nil
+}
+
+// openRealNVML returns the initialised NVML library, or nil with one log line when
+// there is none. Called with p.mu held.
+//
+// go-nvml does not panic when libnvidia-ml is missing: Init returns
+// ERROR_LIBRARY_NOT_FOUND. Any other call before a successful Init would jump to an
+// unresolved symbol and crash, so a library that did not initialise is never used.
+func (p *Plugin) openRealNVML() nvml.Interface {
+	if p.nvmlUp {
+		return p.nvml
+	}
+	if p.nvml == nil {
+		p.nvml = p.openNVML()
+	}
+	if ret := p.nvml.Init(); ret != nvml.SUCCESS {
+		p.logger.Warn(`NVML is not available, so this plugin reports no GPUs; set simulate = "dgxh100" (or dgxa100, dgxh200, dgxb200) to run on simulated GPUs`,
+			"error", ret.Error())
+		return nil
+	}
+	p.nvmlUp = true
+	driver, _ := p.nvml.SystemGetDriverVersion()
+	p.logger.Info("using NVML", "driver_version", driver)
+	return p.nvml
+}
+
+// Close shuts NVML down. Call it once every other call has returned; the plugin
+// refuses calls afterwards.
+func (p *Plugin) Close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return
+	}
+	p.closed = true
+	if p.nvmlUp {
+		if ret := p.nvml.Shutdown(); ret != nvml.SUCCESS {
+			p.logger.Warn("NVML shutdown failed", "error", ret)
+		}
+		p.nvmlUp = false
+	}
+}
+
+func (p *Plugin) runtime() (*runtime, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, errors.New("plugin closed")
+	}
+	if p.rt == nil {
+		return nil, errors.New("not configured: SetConfig has not succeeded")
+	}
+	return p.rt, nil
+}
+
+// Fingerprint sends the inventory at once, then whenever it changes: on a re-read every
+// fingerprint_period, on a critical XID, and when a GPU's quiet period ends. Without
+// NVML it sends one empty inventory and waits for ctx to end.
+func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintResponse) error) error {
+	rt, err := p.runtime()
+	if err != nil {
+		return err
+	}
+	if rt.lib == nil {
+		if err := send(&pb.FingerprintResponse{}); err != nil {
+			return err
+		}
+		<-ctx.Done()
+		return nil
+	}
+
+	inv, err := rt.scan()
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
+	if w := startXIDWatch(rt, inv.gpus, p.eventPoll); w != nil {
+		wg.Go(func() { w.run(ctx) })
+	}
+
+	var last *pb.FingerprintResponse
+	nextScan := rt.clock.Now().Add(rt.fingerprintPeriod)
+	for {
+		changed := rt.health.changes()
+		now := rt.clock.Now()
+		if !now.Before(nextScan) {
+			if inv, err = rt.scan(); err != nil {
+				return err
+			}
+			nextScan = now.Add(rt.fingerprintPeriod)
+		}
+		resp, recovery := inv.fingerprint(rt.health, now)
+		if last == nil || !protoEqual(resp, last) {
+			if err := send(resp); err != nil {
+				return err
+			}
+			last = resp
+		}
+		wake := nextScan
+		if !recovery.IsZero() && recovery.Before(wake) {
+			wake = recovery
+		}
+		t := rt.clock.TimerAt(wake)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-changed:
+		case <-t.C():
+		}
+		t.Stop()
+	}
+}
+
+// Stats sends one sample of every GPU at once and then every interval (at least
+// minStatsInterval). A sample that cannot be taken is logged and skipped. Without NVML
+// it sends nothing and waits for ctx to end.
+func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*pb.StatsResponse) error) error {
+	rt, err := p.runtime()
+	if err != nil {
+		return err
+	}
+	if rt.lib == nil {
+		<-ctx.Done()
+		return nil
+	}
+	interval = max(interval, minStatsInterval)
+	next := rt.clock.Now()
+	for {
+		now := rt.clock.Now()
+		if resp, err := rt.sample(now); err != nil {
+			rt.logger.Warn("stats sample skipped", "error", err)
+		} else if err := send(resp); err != nil {
+			return err
+		}
+		next = next.Add(interval)
+		if !next.After(now) { // fell behind: skip the missed ticks
+			next = now.Add(interval)
+		}
+		t := rt.clock.TimerAt(next)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C():
+		}
+	}
+}
+
+// Reserve exposes the GPUs to a container: NVIDIA_VISIBLE_DEVICES lists their UUIDs in
+// request order, and each gets the CDI name nvidia.com/gpu=<UUID>. IDs that are
+// unknown, ignored or repeated refuse the whole request with an error naming them, as
+// a gRPC status: NOT_FOUND for unknown or ignored IDs, else INVALID_ARGUMENT.
+func (p *Plugin) Reserve(_ context.Context, deviceIDs []string) (*pb.ContainerReservation, error) {
+	rt, err := p.runtime()
+	if err != nil {
+		return nil, err
+	}
+	if len(deviceIDs) == 0 {
+		return nil, status.Error(codes.InvalidArgument, "reserve: no device IDs")
+	}
+	known := make(map[string]bool)
+	if rt.lib != nil {
+		gpus, _, err := rt.listGPUs()
+		if err != nil {
+			return nil, fmt.Errorf("reserve: %w", err)
+		}
+		for _, g := range gpus {
+			known[g.uuid] = true
+		}
+	}
+	var unknown, ignored, repeated []string
+	seen := make(map[string]bool)
+	for _, id := range deviceIDs {
+		switch {
+		case seen[id]:
+			repeated = append(repeated, id)
+		case rt.ignored[id]:
+			ignored = append(ignored, id)
+		case !known[id]:
+			unknown = append(unknown, id)
+		}
+		seen[id] = true
+	}
+	var problems []string
+	if len(unknown) > 0 {
+		problems = append(problems, "unknown GPU IDs "+strings.Join(unknown, ", "))
+	}
+	if len(ignored) > 0 {
+		problems = append(problems, "ignored GPU IDs (ignored_gpu_ids) "+strings.Join(ignored, ", "))
+	}
+	if len(repeated) > 0 {
+		problems = append(problems, "GPU IDs given more than once "+strings.Join(repeated, ", "))
+	}
+	if len(problems) > 0 {
+		code := codes.InvalidArgument
+		if len(unknown)+len(ignored) > 0 {
+			code = codes.NotFound
+		}
+		return nil, status.Error(code, "reserve: "+strings.Join(problems, "; "))
+	}
+	cdi := make([]string, len(deviceIDs))
+	for i, id := range deviceIDs {
+		cdi[i] = "nvidia.com/gpu=" + id
+	}
+	return &pb.ContainerReservation{
+		Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": strings.Join(deviceIDs, ",")},
+		CdiDevices: cdi,
+	}, nil
+}
