@@ -1,0 +1,158 @@
+package ledger
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"go.uber.org/goleak"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// t0 is a fixed clock reading for tests that compare times.
+var t0 = time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
+
+// statePath returns a fresh state file path in a test's temp dir.
+func statePath(t *testing.T) string {
+	t.Helper()
+	return filepath.Join(t.TempDir(), DefaultFileName)
+}
+
+// openLedger opens the ledger at path and closes it when the test ends.
+func openLedger(t *testing.T, path string) *Ledger {
+	t.Helper()
+	l, err := Open(path, Options{})
+	if err != nil {
+		t.Fatalf("Open(%s): %v", path, err)
+	}
+	t.Cleanup(func() {
+		if err := l.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return l
+}
+
+// newLedger opens a ledger on a fresh state file.
+func newLedger(t *testing.T) *Ledger {
+	t.Helper()
+	return openLedger(t, statePath(t))
+}
+
+// res returns a reservation request of owner for devs, with a full container answer so
+// that round trips through the file cover every field.
+func res(owner string, devs ...string) device.Reservation {
+	return device.Reservation{
+		OwnerID:   owner,
+		Group:     device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "H100"},
+		Plugin:    "nvidia-example",
+		DeviceIDs: devs,
+		Container: device.ContainerReservation{
+			Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": strings.Join(devs, ",")},
+			Mounts:     []device.Mount{{HostPath: "/usr/lib/x", ContainerPath: "/usr/lib/x", ReadOnly: true}},
+			Devices:    []device.DeviceSpec{{HostPath: "/dev/nvidia0", ContainerPath: "/dev/nvidia0", Permissions: "rw"}},
+			CDIDevices: []string{"nvidia.com/gpu=" + devs[0]},
+		},
+		CreatedAt: t0,
+	}
+}
+
+// reserve reserves a new reservation of owner for devs and fails the test otherwise.
+func reserve(t *testing.T, l *Ledger, owner string, devs ...string) device.Reservation {
+	t.Helper()
+	r, existing, err := l.Reserve(context.Background(), res(owner, devs...))
+	if err != nil || existing {
+		t.Fatalf("Reserve(%s, %v) = existing %v, err %v; want a new reservation", owner, devs, existing, err)
+	}
+	return r
+}
+
+func release(t *testing.T, l *Ledger, id string, at time.Time) device.Reservation {
+	t.Helper()
+	rs, err := l.Release(context.Background(), device.ReleaseRequest{ReservationID: id}, at)
+	if err != nil || len(rs) != 1 {
+		t.Fatalf("Release(%s) = %v, %v; want one reservation", id, rs, err)
+	}
+	return rs[0]
+}
+
+func listAll(t *testing.T, l *Ledger) []device.Reservation {
+	t.Helper()
+	rs, err := l.List(context.Background(), device.ReservationFilter{})
+	if err != nil {
+		t.Fatalf("List: %v", err)
+	}
+	return rs
+}
+
+func ids(rs []device.Reservation) []string {
+	out := make([]string, len(rs))
+	for i, r := range rs {
+		out[i] = r.ID
+	}
+	return out
+}
+
+// waitFor polls cond until it holds or the deadline passes; it is for state that
+// another goroutine changes and offers no event to wait on.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// logCapture is an hclog logger writing JSON lines into a mutex-guarded buffer.
+type logCapture struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (c *logCapture) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.buf.Write(p)
+}
+
+func newLogCapture() (*logCapture, hclog.Logger) {
+	c := &logCapture{}
+	return c, hclog.New(&hclog.LoggerOptions{Output: c, Level: hclog.Debug, JSONFormat: true})
+}
+
+// lines returns the logged lines whose message is msg (or starts with it, when prefix).
+func (c *logCapture) lines(t *testing.T, msg string, prefix bool) []map[string]any {
+	t.Helper()
+	c.mu.Lock()
+	text := c.buf.String()
+	c.mu.Unlock()
+	var out []map[string]any
+	for _, line := range strings.Split(strings.TrimSpace(text), "\n") {
+		if line == "" {
+			continue
+		}
+		var m map[string]any
+		if err := json.Unmarshal([]byte(line), &m); err != nil {
+			t.Fatalf("log line %q: %v", line, err)
+		}
+		got, _ := m["@message"].(string)
+		if got == msg || (prefix && strings.HasPrefix(got, msg)) {
+			out = append(out, m)
+		}
+	}
+	return out
+}

@@ -1,0 +1,245 @@
+// Package ledger is devicehost's durable reservation ledger: every reservation the host has
+// acknowledged, its release, the plugin cleanup still owed for it, and the go-plugin
+// reattach data of running plugins, kept in one bbolt file under the state dir.
+//
+// Durability: a write method returns only after its change is fsynced. Writes from many
+// goroutines share commits (group commit): one writer goroutine takes every request that
+// queued while the previous commit was syncing and applies them, in arrival order, in a
+// single bbolt transaction, so N concurrent callers share one fsync instead of paying N.
+// Each caller still gets its own result; one caller's refused request (a conflict, an
+// unknown ID) does not affect the others in its batch.
+//
+// Reads (Check, Get, List, Holders, Counts, PendingCleanups) are answered from an
+// in-memory index that the writer updates after each successful commit: they never wait
+// for the disk, and they only ever see durable state.
+//
+// Corruption is never repaired silently. Open refuses a file that is not a bbolt database,
+// fails bbolt's consistency check, holds a reservation record whose checksum or content is
+// wrong, or carries a schema version this build does not know, with a *StateFileError
+// that says what is wrong and how to recover, and leaves the file as it found it.
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	bolt "go.etcd.io/bbolt"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// DefaultFileName is the ledger file's name inside the state dir.
+const DefaultFileName = "devicehost.db"
+
+// DefaultLockTimeout is how long Open waits for another process to let go of the file.
+const DefaultLockTimeout = time.Second
+
+// Errors of this package, matched with errors.Is. Domain errors (a held device, an unknown
+// reservation, a malformed request) wrap the sentinels of manager/device instead.
+var (
+	// ErrCorrupt: the state file is not a bbolt file, fails its consistency check, or
+	// holds a record that cannot be read. Returned by Open inside a *StateFileError.
+	ErrCorrupt = errors.New("state file corrupt")
+	// ErrSchemaVersion: the state file was written with a schema this build does not
+	// know. Returned by Open inside a *StateFileError.
+	ErrSchemaVersion = errors.New("unsupported state schema version")
+	// ErrLocked: another process (another devicehost) has the state file open.
+	// Returned by Open inside a *StateFileError.
+	ErrLocked = errors.New("state dir in use by another devicehost")
+	// ErrClosed: the ledger was closed. It also matches device.ErrShuttingDown.
+	ErrClosed = fmt.Errorf("ledger closed: %w", device.ErrShuttingDown)
+	// ErrNotReleased: CleanupDone or Delete named a reservation that is still live.
+	ErrNotReleased = errors.New("reservation not released")
+	// ErrCleanupPending: Delete named a released reservation whose plugin cleanup has
+	// not been recorded as done; deleting it would drop the cleanup.
+	ErrCleanupPending = errors.New("reservation cleanup pending")
+)
+
+// StateFileError is why Open refused a state file: what is wrong with it and what an
+// operator can do about it. It matches its Kind (ErrCorrupt, ErrSchemaVersion or
+// ErrLocked) and its underlying cause under errors.Is.
+type StateFileError struct {
+	Path     string
+	Kind     error  // ErrCorrupt, ErrSchemaVersion or ErrLocked
+	Problem  string // what is wrong, e.g. `reservation record "res-1f..": checksum mismatch`
+	Recovery string // what to do about it
+	Err      error  // the underlying error, if any
+}
+
+// Error renders "state file PATH: PROBLEM; RECOVERY".
+func (e *StateFileError) Error() string {
+	return fmt.Sprintf("state file %s: %s; %s", e.Path, e.Problem, e.Recovery)
+}
+
+// Unwrap returns the Kind and the underlying error.
+func (e *StateFileError) Unwrap() []error {
+	if e.Err == nil {
+		return []error{e.Kind}
+	}
+	return []error{e.Kind, e.Err}
+}
+
+func corruptError(path, problem string, err error) *StateFileError {
+	return &StateFileError{
+		Path:    path,
+		Kind:    ErrCorrupt,
+		Problem: problem,
+		Recovery: fmt.Sprintf("the file was left untouched: restore it from a backup, or move it aside "+
+			"(mv %s %s.corrupt) to start with an empty ledger (held devices will be forgotten)", path, path),
+		Err: err,
+	}
+}
+
+// Options configures Open. The zero value is ready to use.
+type Options struct {
+	// Logger receives one INFO line when the ledger is opened. Nil means no logging.
+	Logger hclog.Logger
+	// LockTimeout bounds how long Open waits for another process holding the file.
+	// Zero means DefaultLockTimeout.
+	LockTimeout time.Duration
+	// Now stamps CreatedAt when a reservation comes without one, and ReleasedAt when
+	// Release is given a zero time. Nil means time.Now.
+	Now func() time.Time
+}
+
+// Ledger is an open state file. All methods are safe for concurrent use. Values it
+// returns are deep copies the caller may keep and modify; values passed in are copied
+// before they are stored.
+//
+// Open starts one writer goroutine; Close stops it. Writes (Reserve, Commit, Release,
+// CleanupDone, Delete, SaveReattach, DeleteReattach) take a context: it bounds only the
+// wait for the writer to accept the request and is checked once more just before the
+// request is applied; a request the writer has applied is not abandoned, the call
+// returns when the commit is durable or has failed.
+type Ledger struct {
+	path string
+	db   *bolt.DB
+	now  func() time.Time
+	log  hclog.Logger
+
+	reqs      chan *request // to the writer; unbuffered so Close can refuse senders
+	quit      chan struct{} // closed by Close
+	closeOnce sync.Once
+	closeErr  error
+	wg        sync.WaitGroup // the writer
+
+	// mu guards idx. Only the writer goroutine mutates idx (under mu.Lock); it may read
+	// idx without mu, since no one else writes it.
+	mu  sync.RWMutex
+	idx *index
+
+	subMu sync.Mutex
+	subs  map[chan struct{}]struct{} // woken after each commit that changed reservations
+}
+
+// Open opens the ledger at path (normally filepath.Join(stateDir, DefaultFileName)),
+// creating the file and its directory (mode 0750) when missing, and loads every record,
+// checking each one.
+//
+// Open returns a *StateFileError (matching ErrLocked, ErrCorrupt or ErrSchemaVersion)
+// when the file is held by another process past opts.LockTimeout, is damaged, or was
+// written by an unknown schema version; in each case the file is left as it was.
+func Open(path string, opts Options) (*Ledger, error) {
+	if opts.LockTimeout <= 0 {
+		opts.LockTimeout = DefaultLockTimeout
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	if opts.Logger == nil {
+		opts.Logger = hclog.NewNullLogger()
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		return nil, fmt.Errorf("state dir of %s: %w", path, err)
+	}
+	db, err := openBolt(path, opts.LockTimeout)
+	if err != nil {
+		return nil, err
+	}
+	idx, err := loadOrInit(db, path)
+	if err != nil {
+		_ = db.Close() // the load error is the one that matters; nothing was written
+		return nil, err
+	}
+	l := &Ledger{
+		path: path,
+		db:   db,
+		now:  opts.Now,
+		log:  opts.Logger,
+		reqs: make(chan *request),
+		quit: make(chan struct{}),
+		idx:  idx,
+		subs: make(map[chan struct{}]struct{}),
+	}
+	c := idx.counts()
+	l.log.Info("opened reservation ledger", "path", path, "reservations", c.Total,
+		"live", c.Live, "released", c.Released, "cleanup_pending", c.CleanupPending)
+	l.wg.Add(1)
+	go l.writeLoop()
+	return l, nil
+}
+
+// Path returns the state file's path.
+func (l *Ledger) Path() string { return l.path }
+
+// Close stops the writer once the requests it has accepted are committed, refuses later
+// writes with ErrClosed, and closes the file. Reads keep answering from memory. Close
+// is idempotent; stop any GC running on the ledger first.
+func (l *Ledger) Close() error {
+	l.closeOnce.Do(func() {
+		close(l.quit)
+		l.wg.Wait()
+		if err := l.db.Close(); err != nil {
+			l.closeErr = fmt.Errorf("close state file %s: %w", l.path, err)
+		}
+	})
+	return l.closeErr
+}
+
+// subscribe returns a channel that receives (coalesced, never blocking the writer) after
+// every commit that changed a reservation, and a func that ends the subscription.
+func (l *Ledger) subscribe() (<-chan struct{}, func()) {
+	ch := make(chan struct{}, 1)
+	l.subMu.Lock()
+	l.subs[ch] = struct{}{}
+	l.subMu.Unlock()
+	return ch, func() {
+		l.subMu.Lock()
+		delete(l.subs, ch)
+		l.subMu.Unlock()
+	}
+}
+
+func (l *Ledger) notify() {
+	l.subMu.Lock()
+	defer l.subMu.Unlock()
+	for ch := range l.subs {
+		select {
+		case ch <- struct{}{}:
+		default: // already woken; it will read the latest state
+		}
+	}
+}
+
+// normTime drops the monotonic reading and the location, so a time read back from the
+// file compares equal (==, reflect.DeepEqual) to the one that was stored.
+func normTime(t time.Time) time.Time {
+	if t.IsZero() {
+		return time.Time{}
+	}
+	return t.Round(0).UTC()
+}
+
+// ctxErr reports a context that ended, naming the operation.
+func ctxErr(op string, ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("%s: %w", op, err)
+	}
+	return nil
+}

@@ -1,0 +1,85 @@
+package ledger
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// Counts is how many reservations the ledger holds.
+type Counts struct {
+	Total          int // Live + Released
+	Live           int
+	Released       int // listed until garbage collection deletes them
+	CleanupPending int // released, plugin cleanup not yet done
+}
+
+// Counts returns the current counts.
+func (l *Ledger) Counts() Counts {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return l.idx.counts()
+}
+
+// Get returns reservation id, live or released; an unknown id wraps device.ErrNotFound.
+func (l *Ledger) Get(id string) (device.Reservation, error) {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	r := l.idx.get(id)
+	if r == nil {
+		return device.Reservation{}, fmt.Errorf("reservation %q: %w", id, device.ErrNotFound)
+	}
+	return clone(r), nil
+}
+
+// List returns the reservations matching f, oldest first (by CreatedAt, then ID).
+// Released reservations are listed until they are deleted. A State outside the known
+// values is a *device.FieldError. ctx is unused: List never waits.
+func (l *Ledger) List(_ context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
+	switch f.State {
+	case device.ReservationAny, device.ReservationActive, device.ReservationReleased:
+	default:
+		return nil, &device.FieldError{Field: "state", Rule: fmt.Sprintf("unknown state %d", f.State)}
+	}
+	match := func(r *device.Reservation) bool {
+		return (f.OwnerID == "" || r.OwnerID == f.OwnerID) &&
+			(f.State == device.ReservationAny || r.State == f.State) &&
+			(f.DeviceID == "" || slices.Contains(r.DeviceIDs, f.DeviceID))
+	}
+	var rs []*device.Reservation
+	l.mu.RLock()
+	if f.OwnerID != "" {
+		for id := range l.idx.owners[f.OwnerID] {
+			if r := l.idx.recs[id]; match(r) {
+				rs = append(rs, r)
+			}
+		}
+	} else {
+		for _, r := range l.idx.recs {
+			if match(r) {
+				rs = append(rs, r)
+			}
+		}
+	}
+	l.mu.RUnlock()
+	sortReservations(rs)
+	out := make([]device.Reservation, len(rs))
+	for i, r := range rs {
+		out[i] = clone(r)
+	}
+	return out, nil
+}
+
+// Holders returns, by device ID, the live reservation holding each held device. The map
+// is the caller's.
+func (l *Ledger) Holders() map[string]device.Holder {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	out := make(map[string]device.Holder, len(l.idx.held))
+	for dev, id := range l.idx.held {
+		out[dev] = device.Holder{ReservationID: id, OwnerID: l.idx.recs[id].OwnerID}
+	}
+	return out
+}

@@ -1,0 +1,142 @@
+package ledger
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// Release ends the live reservations req names, durably before it returns: each is
+// marked released at now (the ledger's clock when now is zero) with its plugin cleanup
+// pending, and its devices are free for others at once. It returns every reservation
+// req names, oldest first, in its state after the call: one released earlier keeps its
+// first release time and is not released twice.
+//
+// req names either one reservation (an unknown ID wraps device.ErrNotFound) or every
+// reservation of one owner (an owner with none is not an error: the result is empty).
+// Setting both fields or neither is a *device.FieldError.
+func (l *Ledger) Release(ctx context.Context, req device.ReleaseRequest, now time.Time) ([]device.Reservation, error) {
+	if (req.ReservationID == "") == (req.OwnerID == "") {
+		return nil, &device.FieldError{Field: "reservation_id", Rule: "set exactly one of reservation_id and owner_id"}
+	}
+	if now.IsZero() {
+		now = l.now()
+	}
+	now = normTime(now)
+	val, err := l.submit(ctx, func(w *txn) (any, error) {
+		var ids []string
+		if req.ReservationID != "" {
+			if w.get(req.ReservationID) == nil {
+				return nil, fmt.Errorf("reservation %q: %w", req.ReservationID, device.ErrNotFound)
+			}
+			ids = []string{req.ReservationID}
+		} else {
+			ids = w.ov.ownerIDs(req.OwnerID)
+		}
+		out := make([]*device.Reservation, 0, len(ids))
+		for _, id := range ids {
+			r := w.get(id)
+			if r.State == device.ReservationActive {
+				nr := *r // shares r's immutable slices and maps
+				nr.State, nr.ReleasedAt, nr.CleanupPending = device.ReservationReleased, now, true
+				if err := w.putReservation(&nr); err != nil {
+					return nil, err
+				}
+				r = &nr
+			}
+			out = append(out, r)
+		}
+		return out, nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("release: %w", err)
+	}
+	rs := val.([]*device.Reservation)
+	out := make([]device.Reservation, len(rs))
+	for i, r := range rs {
+		out[i] = clone(r)
+	}
+	return out, nil
+}
+
+// CleanupDone records, durably, that the plugin has cleaned up after the released
+// reservation id. Recording it twice is not an error. An unknown id wraps
+// device.ErrNotFound; a live one wraps ErrNotReleased.
+func (l *Ledger) CleanupDone(ctx context.Context, id string) error {
+	_, err := l.submit(ctx, func(w *txn) (any, error) {
+		r := w.get(id)
+		switch {
+		case r == nil:
+			return nil, fmt.Errorf("reservation %q: %w", id, device.ErrNotFound)
+		case r.State == device.ReservationActive:
+			return nil, fmt.Errorf("reservation %q: %w", id, ErrNotReleased)
+		case !r.CleanupPending:
+			return nil, nil
+		}
+		nr := *r
+		nr.CleanupPending = false
+		return nil, w.putReservation(&nr)
+	})
+	if err != nil {
+		return fmt.Errorf("record cleanup done: %w", err)
+	}
+	return nil
+}
+
+// Delete removes released reservations whose cleanup is done, all or none, durably.
+// IDs the ledger does not have are skipped (already deleted). A live reservation wraps
+// ErrNotReleased and one whose cleanup is pending wraps ErrCleanupPending; then nothing
+// is deleted.
+func (l *Ledger) Delete(ctx context.Context, ids ...string) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	_, err := l.submit(ctx, func(w *txn) (any, error) {
+		for _, id := range ids {
+			switch r := w.get(id); {
+			case r == nil:
+			case r.State == device.ReservationActive:
+				return nil, fmt.Errorf("reservation %q: %w", id, ErrNotReleased)
+			case r.CleanupPending:
+				return nil, fmt.Errorf("reservation %q: %w", id, ErrCleanupPending)
+			}
+		}
+		for _, id := range ids {
+			if w.get(id) != nil {
+				if err := w.deleteReservation(id); err != nil {
+					return nil, err
+				}
+			}
+		}
+		return nil, nil
+	})
+	if err != nil {
+		return fmt.Errorf("delete reservations: %w", err)
+	}
+	return nil
+}
+
+// PendingCleanups returns the released reservations whose plugin cleanup is not yet
+// recorded as done, oldest release first.
+func (l *Ledger) PendingCleanups() []device.Reservation {
+	l.mu.RLock()
+	var rs []*device.Reservation
+	for _, r := range l.idx.recs {
+		if r.CleanupPending {
+			rs = append(rs, r)
+		}
+	}
+	l.mu.RUnlock()
+	slices.SortFunc(rs, func(a, b *device.Reservation) int {
+		return cmp.Or(a.ReleasedAt.Compare(b.ReleasedAt), cmp.Compare(a.ID, b.ID))
+	})
+	out := make([]device.Reservation, len(rs))
+	for i, r := range rs {
+		out[i] = clone(r)
+	}
+	return out
+}

@@ -1,0 +1,368 @@
+package ledger
+
+import (
+	"bytes"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"runtime/debug"
+	"strings"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+	berrors "go.etcd.io/bbolt/errors"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// The file layout, schema version 1:
+//
+//	meta/schema_version       4-byte big-endian uint32
+//	reservations/<ID>         record envelope around a JSON recordV1
+//	reattach/<plugin name>    record envelope around the opaque reattach bytes
+//
+// A record envelope is a 4-byte big-endian CRC-32C of the payload followed by the
+// payload. bbolt checksums only its meta pages, so the CRC is what names a record whose
+// bytes changed under us.
+const schemaVersion uint32 = 1
+
+var (
+	bucketMeta         = []byte("meta")
+	bucketReservations = []byte("reservations")
+	bucketReattach     = []byte("reattach")
+	keySchemaVersion   = []byte("schema_version")
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// maxCheckProblems is how many consistency problems Open names before summarising.
+const maxCheckProblems = 3
+
+func seal(payload []byte) []byte {
+	out := make([]byte, 4+len(payload))
+	binary.BigEndian.PutUint32(out, crc32.Checksum(payload, castagnoli))
+	copy(out[4:], payload)
+	return out
+}
+
+// unseal checks an envelope and returns its payload, which aliases v.
+func unseal(v []byte) ([]byte, error) {
+	if len(v) < 4 {
+		return nil, fmt.Errorf("%d bytes, shorter than its checksum", len(v))
+	}
+	stored, payload := binary.BigEndian.Uint32(v), v[4:]
+	if got := crc32.Checksum(payload, castagnoli); got != stored {
+		return nil, fmt.Errorf("checksum mismatch (stored %08x, computed %08x)", stored, got)
+	}
+	return payload, nil
+}
+
+// recordV1 is a reservation as schema version 1 stores it. It is kept apart from
+// device.Reservation so that a change to the domain type cannot silently change the
+// file format.
+type recordV1 struct {
+	ID             string      `json:"id"`
+	OwnerID        string      `json:"owner_id"`
+	Group          groupV1     `json:"group"`
+	Plugin         string      `json:"plugin"`
+	DeviceIDs      []string    `json:"device_ids"`
+	Container      containerV1 `json:"container"`
+	State          string      `json:"state"` // "active" or "released"
+	CreatedAt      time.Time   `json:"created_at"`
+	ReleasedAt     time.Time   `json:"released_at"`
+	CleanupPending bool        `json:"cleanup_pending"`
+}
+
+type groupV1 struct {
+	Vendor string `json:"vendor"`
+	Type   string `json:"type"`
+	Name   string `json:"name"`
+}
+
+type containerV1 struct {
+	Envs       map[string]string `json:"envs"`
+	Mounts     []mountV1         `json:"mounts"`
+	Devices    []deviceSpecV1    `json:"devices"`
+	CDIDevices []string          `json:"cdi_devices"`
+}
+
+type mountV1 struct {
+	HostPath      string `json:"host_path"`
+	ContainerPath string `json:"container_path"`
+	ReadOnly      bool   `json:"read_only"`
+}
+
+type deviceSpecV1 struct {
+	HostPath      string `json:"host_path"`
+	ContainerPath string `json:"container_path"`
+	Permissions   string `json:"permissions"`
+}
+
+func encodeReservation(r *device.Reservation) ([]byte, error) {
+	rec := recordV1{
+		ID:             r.ID,
+		OwnerID:        r.OwnerID,
+		Group:          groupV1{Vendor: r.Group.Vendor, Type: r.Group.Type, Name: r.Group.Name},
+		Plugin:         r.Plugin,
+		DeviceIDs:      r.DeviceIDs,
+		Container:      containerV1{Envs: r.Container.Envs, CDIDevices: r.Container.CDIDevices},
+		CreatedAt:      r.CreatedAt,
+		ReleasedAt:     r.ReleasedAt,
+		CleanupPending: r.CleanupPending,
+	}
+	switch r.State {
+	case device.ReservationActive:
+		rec.State = "active"
+	case device.ReservationReleased:
+		rec.State = "released"
+	default:
+		return nil, fmt.Errorf("reservation %q: cannot store state %v", r.ID, r.State)
+	}
+	if r.Container.Mounts != nil {
+		rec.Container.Mounts = make([]mountV1, len(r.Container.Mounts))
+		for i, m := range r.Container.Mounts {
+			rec.Container.Mounts[i] = mountV1(m)
+		}
+	}
+	if r.Container.Devices != nil {
+		rec.Container.Devices = make([]deviceSpecV1, len(r.Container.Devices))
+		for i, d := range r.Container.Devices {
+			rec.Container.Devices[i] = deviceSpecV1(d)
+		}
+	}
+	payload, err := json.Marshal(rec)
+	if err != nil {
+		return nil, fmt.Errorf("encode reservation %q: %w", r.ID, err)
+	}
+	return seal(payload), nil
+}
+
+// decodeReservation reads the record stored under key, checking its envelope, its
+// fields (no unknown ones) and that it is a reservation the ledger could have written.
+func decodeReservation(key, v []byte) (*device.Reservation, error) {
+	payload, err := unseal(v)
+	if err != nil {
+		return nil, err
+	}
+	dec := json.NewDecoder(bytes.NewReader(payload))
+	dec.DisallowUnknownFields()
+	var rec recordV1
+	if err := dec.Decode(&rec); err != nil {
+		return nil, fmt.Errorf("undecodable: %w", err)
+	}
+	if dec.More() {
+		return nil, errors.New("undecodable: trailing data after the record")
+	}
+	r := &device.Reservation{
+		ID:             rec.ID,
+		OwnerID:        rec.OwnerID,
+		Group:          device.GroupKey{Vendor: rec.Group.Vendor, Type: rec.Group.Type, Name: rec.Group.Name},
+		Plugin:         rec.Plugin,
+		DeviceIDs:      rec.DeviceIDs,
+		Container:      device.ContainerReservation{Envs: rec.Container.Envs, CDIDevices: rec.Container.CDIDevices},
+		CreatedAt:      normTime(rec.CreatedAt),
+		ReleasedAt:     normTime(rec.ReleasedAt),
+		CleanupPending: rec.CleanupPending,
+	}
+	if rec.Container.Mounts != nil {
+		r.Container.Mounts = make([]device.Mount, len(rec.Container.Mounts))
+		for i, m := range rec.Container.Mounts {
+			r.Container.Mounts[i] = device.Mount(m)
+		}
+	}
+	if rec.Container.Devices != nil {
+		r.Container.Devices = make([]device.DeviceSpec, len(rec.Container.Devices))
+		for i, d := range rec.Container.Devices {
+			r.Container.Devices[i] = device.DeviceSpec(d)
+		}
+	}
+	switch rec.State {
+	case "active":
+		r.State = device.ReservationActive
+	case "released":
+		r.State = device.ReservationReleased
+	default:
+		return nil, fmt.Errorf("unknown state %q", rec.State)
+	}
+	switch {
+	case r.ID != string(key):
+		return nil, fmt.Errorf("stored under key %q but its ID is %q", key, r.ID)
+	case r.OwnerID == "":
+		return nil, errors.New("no owner ID")
+	case len(r.DeviceIDs) == 0:
+		return nil, errors.New("no device IDs")
+	case r.State == device.ReservationActive && (!r.ReleasedAt.IsZero() || r.CleanupPending):
+		return nil, errors.New("active but carries release data")
+	case r.State == device.ReservationReleased && r.ReleasedAt.IsZero():
+		return nil, errors.New("released without a release time")
+	}
+	if err := checkDeviceIDs(r.DeviceIDs); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// openBolt opens the bbolt file and turns bbolt's errors into ones that say what to do.
+func openBolt(path string, timeout time.Duration) (db *bolt.DB, err error) {
+	// A damaged file can make bbolt fault on its memory map or panic on a bad page;
+	// either is a corrupt file, not a reason to crash.
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if r := recover(); r != nil {
+			db, err = nil, corruptError(path, fmt.Sprintf("bbolt cannot read it (%v)", r), nil)
+		}
+	}()
+	db, err = bolt.Open(path, 0o600, &bolt.Options{Timeout: timeout})
+	switch {
+	case err == nil:
+		return db, nil
+	case errors.Is(err, berrors.ErrTimeout):
+		return nil, &StateFileError{
+			Path:    path,
+			Kind:    ErrLocked,
+			Problem: fmt.Sprintf("locked by another process (waited %s)", timeout),
+			Recovery: "the state dir is in use by another devicehost: stop that agent, " +
+				"or give this one a different -state-dir",
+			Err: err,
+		}
+	case errors.Is(err, berrors.ErrInvalid), errors.Is(err, berrors.ErrChecksum),
+		errors.Is(err, berrors.ErrVersionMismatch),
+		strings.HasPrefix(err.Error(), "file size too small"): // bbolt has no sentinel for this one
+		return nil, corruptError(path, fmt.Sprintf("not a readable bbolt database (%v)", err), err)
+	default:
+		return nil, fmt.Errorf("open state file %s: %w", path, err)
+	}
+}
+
+// loadOrInit checks the file and loads its reservations, or initialises a new file. It
+// writes only to a file that has no buckets at all.
+func loadOrInit(db *bolt.DB, path string) (idx *index, err error) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if r := recover(); r != nil {
+			idx, err = nil, corruptError(path, fmt.Sprintf("bbolt cannot read it (%v)", r), nil)
+		}
+	}()
+	if err := checkConsistency(db, path); err != nil {
+		return nil, err
+	}
+	idx = newIndex()
+	fresh := false
+	err = db.View(func(tx *bolt.Tx) error {
+		if k, _ := tx.Cursor().First(); k == nil {
+			fresh = true
+			return nil
+		}
+		if err := checkSchema(tx, path); err != nil {
+			return err
+		}
+		return tx.Bucket(bucketReservations).ForEach(func(k, v []byte) error {
+			r, err := decodeReservation(k, v)
+			if err != nil {
+				return corruptError(path, fmt.Sprintf("reservation record %q: %v", k, err), err)
+			}
+			if dev, other := idx.clash(r); other != "" {
+				return corruptError(path, fmt.Sprintf("live reservations %q and %q both hold device %s",
+					other, r.ID, dev), nil)
+			}
+			idx.add(r)
+			return nil
+		})
+	})
+	if err != nil {
+		var sfe *StateFileError
+		if errors.As(err, &sfe) {
+			return nil, sfe
+		}
+		return nil, fmt.Errorf("read state file %s: %w", path, err)
+	}
+	if !fresh {
+		return idx, nil
+	}
+	err = db.Update(func(tx *bolt.Tx) error {
+		meta, err := tx.CreateBucket(bucketMeta)
+		if err != nil {
+			return err
+		}
+		var v [4]byte
+		binary.BigEndian.PutUint32(v[:], schemaVersion)
+		if err := meta.Put(keySchemaVersion, v[:]); err != nil {
+			return err
+		}
+		if _, err := tx.CreateBucket(bucketReservations); err != nil {
+			return err
+		}
+		_, err = tx.CreateBucket(bucketReattach)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("initialise state file %s: %w", path, err)
+	}
+	return idx, nil
+}
+
+// checkConsistency runs bbolt's page-level check: every page reachable or free, no page
+// twice, keys in order.
+func checkConsistency(db *bolt.DB, path string) error {
+	var problems []string
+	n := 0
+	err := db.View(func(tx *bolt.Tx) error {
+		for e := range tx.Check() { // drained to the end: Check's goroutine closes it
+			if n++; len(problems) < maxCheckProblems {
+				problems = append(problems, e.Error())
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("check state file %s: %w", path, err)
+	}
+	if n == 0 {
+		return nil
+	}
+	msg := "bbolt consistency check failed: " + strings.Join(problems, "; ")
+	if n > len(problems) {
+		msg += fmt.Sprintf(" (and %d more)", n-len(problems))
+	}
+	return corruptError(path, msg, nil)
+}
+
+func checkSchema(tx *bolt.Tx, path string) error {
+	meta := tx.Bucket(bucketMeta)
+	if meta == nil {
+		return corruptError(path, "no devicehost meta bucket: it is not a devicehost state file "+
+			"(or its meta data is lost)", nil)
+	}
+	v := meta.Get(keySchemaVersion)
+	if len(v) != 4 {
+		return corruptError(path, fmt.Sprintf("schema version record is %d bytes, want 4", len(v)), nil)
+	}
+	switch got := binary.BigEndian.Uint32(v); {
+	case got == schemaVersion:
+	case got > schemaVersion:
+		return &StateFileError{
+			Path: path,
+			Kind: ErrSchemaVersion,
+			Problem: fmt.Sprintf("schema version %d is newer than this devicehost understands (%d)",
+				got, schemaVersion),
+			Recovery: "run a newer devicehost, or move the file aside to start with an empty " +
+				"ledger (held devices will be forgotten)",
+		}
+	default:
+		return &StateFileError{
+			Path:    path,
+			Kind:    ErrSchemaVersion,
+			Problem: fmt.Sprintf("schema version %d is not one devicehost ever wrote (this one writes %d)", got, schemaVersion),
+			Recovery: fmt.Sprintf("the file was left untouched: restore it from a backup, or move it aside "+
+				"(mv %s %s.corrupt) to start with an empty ledger (held devices will be forgotten)", path, path),
+		}
+	}
+	for _, b := range [][]byte{bucketReservations, bucketReattach} {
+		if tx.Bucket(b) == nil {
+			return corruptError(path, fmt.Sprintf("schema 1 file without its %s bucket", b), nil)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,187 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	bolt "go.etcd.io/bbolt"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// maxBatch caps how many requests share one transaction, bounding its size.
+const maxBatch = 256
+
+// request is one write handed to the writer goroutine.
+type request struct {
+	ctx  context.Context
+	run  func(w *txn) (any, error) // decides first, then writes; see txn
+	done chan response             // buffered(1): the writer never blocks on it
+}
+
+type response struct {
+	val any
+	err error
+}
+
+// storageError marks an error from bbolt itself inside a batch: it aborts the whole
+// transaction, while any other error a request returns refuses only that request.
+type storageError struct{ err error }
+
+func (e *storageError) Error() string { return e.err.Error() }
+func (e *storageError) Unwrap() error { return e.err }
+
+// errNothingWritten rolls back a batch in which every request was refused, saving the
+// commit's fsync.
+var errNothingWritten = errors.New("nothing written")
+
+// txn is what a request's run func sees: the batch's view of the reservations (the
+// index plus the batch's earlier changes) and the bbolt transaction. A run func must
+// make every decision before its first write, so a refused request leaves nothing
+// behind; errors from the write helpers are storageErrors, which abort the batch.
+type txn struct {
+	tx    *bolt.Tx
+	ov    *overlay
+	dirty bool
+}
+
+func (w *txn) get(id string) *device.Reservation { return w.ov.get(id) }
+func (w *txn) holder(dev string) string          { return w.ov.holder(dev) }
+
+// putReservation stores r (never modified afterwards) in the file and the batch view.
+func (w *txn) putReservation(r *device.Reservation) error {
+	v, err := encodeReservation(r)
+	if err != nil {
+		return &storageError{err}
+	}
+	if err := w.tx.Bucket(bucketReservations).Put([]byte(r.ID), v); err != nil {
+		return &storageError{fmt.Errorf("store reservation %q: %w", r.ID, err)}
+	}
+	w.ov.put(r)
+	w.dirty = true
+	return nil
+}
+
+func (w *txn) deleteReservation(id string) error {
+	if err := w.tx.Bucket(bucketReservations).Delete([]byte(id)); err != nil {
+		return &storageError{fmt.Errorf("delete reservation %q: %w", id, err)}
+	}
+	w.ov.drop(id)
+	w.dirty = true
+	return nil
+}
+
+func (w *txn) putReattach(plugin string, data []byte) error {
+	if err := w.tx.Bucket(bucketReattach).Put([]byte(plugin), seal(data)); err != nil {
+		return &storageError{fmt.Errorf("store reattach data of plugin %q: %w", plugin, err)}
+	}
+	w.dirty = true
+	return nil
+}
+
+func (w *txn) deleteReattach(plugin string) error {
+	if err := w.tx.Bucket(bucketReattach).Delete([]byte(plugin)); err != nil {
+		return &storageError{fmt.Errorf("delete reattach data of plugin %q: %w", plugin, err)}
+	}
+	w.dirty = true
+	return nil
+}
+
+// submit hands run to the writer and waits for its durable result. ctx bounds only the
+// wait to be accepted (see Ledger).
+func (l *Ledger) submit(ctx context.Context, run func(w *txn) (any, error)) (any, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	req := &request{ctx: ctx, run: run, done: make(chan response, 1)}
+	select {
+	case l.reqs <- req:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-l.quit:
+		return nil, ErrClosed
+	}
+	resp := <-req.done
+	return resp.val, resp.err
+}
+
+// writeLoop is the writer goroutine: it takes one request, then every other request
+// already waiting (those that queued during the previous commit), and commits them
+// together.
+func (l *Ledger) writeLoop() {
+	defer l.wg.Done()
+	batch := make([]*request, 0, maxBatch)
+	for {
+		select {
+		case req := <-l.reqs:
+			batch = append(batch[:0], req)
+		case <-l.quit:
+			return
+		}
+	gather:
+		for len(batch) < maxBatch {
+			select {
+			case req := <-l.reqs:
+				batch = append(batch, req)
+			default:
+				break gather
+			}
+		}
+		l.commit(batch)
+		clear(batch) // drop references to answered requests
+	}
+}
+
+// commit runs batch in one transaction and answers every request. When the transaction
+// fails, each request is retried in a transaction of its own, so one request's storage
+// failure does not fail the others.
+func (l *Ledger) commit(batch []*request) {
+	resps, ov, err := l.runBatch(batch)
+	if err != nil && len(batch) > 1 {
+		for _, req := range batch {
+			l.commit([]*request{req})
+		}
+		return
+	}
+	if err != nil {
+		batch[0].done <- response{err: fmt.Errorf("state file %s: commit: %w", l.path, err)}
+		return
+	}
+	if len(ov.recs) > 0 {
+		l.mu.Lock()
+		l.idx.apply(ov)
+		l.mu.Unlock()
+		l.notify()
+	}
+	for i, req := range batch {
+		req.done <- resps[i]
+	}
+}
+
+func (l *Ledger) runBatch(batch []*request) ([]response, *overlay, error) {
+	resps := make([]response, len(batch))
+	ov := newOverlay(l.idx) // only this goroutine writes l.idx, so reading it unlocked is safe
+	err := l.db.Update(func(tx *bolt.Tx) error {
+		w := &txn{tx: tx, ov: ov}
+		for i, req := range batch {
+			if err := req.ctx.Err(); err != nil {
+				resps[i].err = err
+				continue
+			}
+			val, err := req.run(w)
+			if se := (*storageError)(nil); errors.As(err, &se) {
+				return se.err
+			}
+			resps[i] = response{val: val, err: err}
+		}
+		if !w.dirty {
+			return errNothingWritten
+		}
+		return nil
+	})
+	if errors.Is(err, errNothingWritten) {
+		err = nil
+	}
+	return resps, ov, err
+}
