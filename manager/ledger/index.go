@@ -13,9 +13,9 @@ import (
 // slices and maps may be shared between index entries, so every value leaving the
 // package is deep-copied with clone.
 type index struct {
-	recs   map[string]*device.Reservation     // by reservation ID, every state
-	held   map[string]string                  // device ID -> live reservation ID
-	owners map[string]map[string]struct{}     // owner ID -> reservation IDs, every state
+	recs   map[string]*device.Reservation        // by reservation ID, every state
+	held   map[string]string                     // device ID -> live reservation ID
+	owners map[string]map[string]struct{}        // owner ID -> reservation IDs, every state
 	n      struct{ live, released, pending int } // counts over recs
 }
 
