@@ -1,11 +1,40 @@
 package manager
 
 import (
+	"fmt"
+	"os"
 	"testing"
 
 	"go.uber.org/goleak"
+
+	"github.com/devicehost/devicehost/internal/fixtureplugin"
 )
 
+// fixtureBin is the fixture plugin binary, built once for the real-process tests.
+var fixtureBin string
+
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m)
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	dir, err := os.MkdirTemp("", "manager-fixture-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	if fixtureBin, err = fixtureplugin.Build(dir); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	if code := m.Run(); code != 0 {
+		return code
+	}
+	// Every test shuts its manager down: nothing it started may be left running.
+	if err := goleak.Find(); err != nil {
+		fmt.Fprintf(os.Stderr, "goroutines leaked: %v\n", err)
+		return 1
+	}
+	return 0
 }

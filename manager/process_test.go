@@ -1,0 +1,346 @@
+package manager
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/devicehost/devicehost/internal/fixtureplugin"
+	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/pluginloader"
+)
+
+// These tests run the fixture plugin as real processes (built once in TestMain).
+
+// fixture is one fixture plugin process to run under its own name.
+type fixture struct {
+	name string
+	cfg  fixtureplugin.Config
+	env  []string
+}
+
+// widgets is a fixture inventory: one group named after the plugin with the given IDs.
+func widgets(plugin string, ids ...string) []fixtureplugin.Group {
+	return []fixtureplugin.Group{{Vendor: "fixture", Type: "widget", Name: plugin, IDs: ids}}
+}
+
+func widgetKey(plugin string) device.GroupKey {
+	return device.GroupKey{Vendor: "fixture", Type: "widget", Name: plugin}
+}
+
+// startManager starts a manager with New running the given fixtures, shuts it down in
+// t.Cleanup, and returns it.
+func startManager(t *testing.T, cfg Config, fixtures ...fixture) *Manager {
+	t.Helper()
+	cfg.Plugins = make(map[string]PluginConfig)
+	for _, f := range fixtures {
+		cfg.Binaries = append(cfg.Binaries, pluginloader.Binary{Name: f.name, Path: fixtureBin})
+		cfg.Plugins[f.name] = PluginConfig{ConfigJSON: f.cfg.JSON(), Env: f.env}
+	}
+	m, err := New(cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { shutdown(t, m) })
+	return m
+}
+
+// pid returns the running plugin's process ID.
+func pid(t *testing.T, m *Manager, plugin string) int {
+	t.Helper()
+	p, ok := m.sups[plugin].current().(interface{ PID() int })
+	if !ok {
+		t.Fatalf("plugin %q is not running as a process", plugin)
+	}
+	return p.PID()
+}
+
+// waitWithin reads snapshots from ch until ok accepts one or d passes.
+func waitWithin(t *testing.T, ch <-chan device.Snapshot, d time.Duration, what string, ok func(device.Snapshot) bool) device.Snapshot {
+	t.Helper()
+	deadline := time.NewTimer(d)
+	defer deadline.Stop()
+	for {
+		select {
+		case snap, open := <-ch:
+			if !open {
+				t.Fatalf("watch closed before %s", what)
+			}
+			if ok(snap) {
+				return snap
+			}
+		case <-deadline.C:
+			t.Fatalf("no snapshot with %s within %v", what, d)
+		}
+	}
+}
+
+func TestProcessSIGKILLIsSeenAtOnceAndRecovers(t *testing.T) {
+	cfg, _ := testConfig(t)
+	m := startManager(t, cfg, fixture{name: "fx", cfg: fixtureplugin.Config{Groups: widgets("fx", "k0", "k1")}})
+	waitFor(t, m, "fx healthy", healthIs(device.HealthHealthy, "k0", "k1"))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	watch := m.Watch(ctx)
+	<-watch // the current snapshot
+	killed := time.Now()
+	if err := syscall.Kill(pid(t, m, "fx"), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	snap := waitWithin(t, watch, time.Second, "k0, k1 unhealthy", healthIs(device.HealthUnhealthy, "k0", "k1"))
+	seen := time.Since(killed)
+	if got, want := snap.State.Devices["k0"].Reason, "plugin exited: signal: killed"; got != want {
+		t.Errorf("k0 reason = %q, want %q", got, want)
+	}
+	snap = waitWithin(t, watch, testTimeout, "healthy again", healthIs(device.HealthHealthy, "k0", "k1"))
+	t.Logf("SIGKILL: unhealthy seen after %v, healthy again after %v", seen, time.Since(killed))
+	ps := pluginOf(snap, "fx")
+	if ps.Status != device.PluginRunning || ps.Restarts != 1 || ps.LastError != "plugin exited: signal: killed" {
+		t.Errorf("plugin state = %+v, want running, 1 restart, last error from the kill", ps)
+	}
+}
+
+func TestProcessCrashLoopShowsRestartsAndRecovers(t *testing.T) {
+	cfg, _ := testConfig(t)
+	m := startManager(t, cfg, fixture{name: "crashy", cfg: fixtureplugin.Config{
+		Groups:    widgets("crashy", "c0"),
+		ExitAfter: fixtureplugin.Duration(700 * time.Millisecond),
+	}})
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	watch := m.Watch(ctx)
+	waitWithin(t, watch, testTimeout, "c0 healthy", healthIs(device.HealthHealthy, "c0"))
+	snap := waitWithin(t, watch, testTimeout, "c0 unhealthy", healthIs(device.HealthUnhealthy, "c0"))
+	if got, want := snap.State.Devices["c0"].Reason, "plugin exited: exit status 3"; got != want {
+		t.Errorf("c0 reason = %q, want %q", got, want)
+	}
+	snap = waitWithin(t, watch, testTimeout, "restarting with a next retry", func(s device.Snapshot) bool {
+		return pluginOf(s, "crashy").Status == device.PluginRestarting
+	})
+	if ps := pluginOf(snap, "crashy"); ps.NextRetry.IsZero() || ps.LastError != "plugin exited: exit status 3" || ps.LastErrorAt.IsZero() {
+		t.Errorf("restarting plugin state = %+v, want next retry and last error", ps)
+	}
+	snap = waitWithin(t, watch, testTimeout, "healthy after a restart", func(s device.Snapshot) bool {
+		return healthIs(device.HealthHealthy, "c0")(s) && pluginOf(s, "crashy").Restarts >= 1
+	})
+	// It keeps crashing and keeps being restarted.
+	waitWithin(t, watch, testTimeout, "a second restart", func(s device.Snapshot) bool { return pluginOf(s, "crashy").Restarts >= 2 })
+}
+
+func TestProcessFingerprintStreamEndIsRetried(t *testing.T) {
+	cfg, _ := testConfig(t)
+	m := startManager(t, cfg, fixture{name: "ender", cfg: fixtureplugin.Config{
+		Groups:              widgets("ender", "e0"),
+		FingerprintEndAfter: 1,
+	}})
+	snap := waitFor(t, m, "two restarts", func(s device.Snapshot) bool { return pluginOf(s, "ender").Restarts >= 2 })
+	if got := pluginOf(snap, "ender").LastError; !strings.Contains(got, "fingerprint stream ended after 1 messages") {
+		t.Errorf("LastError = %q, want the plugin's stream error", got)
+	}
+	// Each restart fingerprints again.
+	waitFor(t, m, "e0 healthy after restarts", func(s device.Snapshot) bool {
+		return healthIs(device.HealthHealthy, "e0")(s) && pluginOf(s, "ender").Restarts >= 2
+	})
+}
+
+// TestProcessHangsAreBoundedAndIsolated runs a healthy plugin beside plugins that hang
+// at start, in Fingerprint, in Stats and in Reserve: each hang is cut by its deadline,
+// and the healthy plugin fingerprints, streams stats and reserves meanwhile.
+func TestProcessHangsAreBoundedAndIsolated(t *testing.T) {
+	cfg, logs := testConfig(t)
+	cfg.StartTimeout = time.Second
+	cfg.FingerprintTimeout = time.Second
+	cfg.ReadyTimeout = 1500 * time.Millisecond
+	cfg.ReserveTimeout = 500 * time.Millisecond
+	start := time.Now()
+	m := startManager(t, cfg,
+		fixture{name: "good", cfg: fixtureplugin.Config{Groups: widgets("good", "g0")}},
+		fixture{name: "hangstart", cfg: fixtureplugin.Config{Groups: widgets("hangstart", "h0")}, env: []string{"FIXTURE_HANG_START=1"}},
+		fixture{name: "fphang", cfg: fixtureplugin.Config{Groups: widgets("fphang", "f0"), FingerprintHang: true}},
+		fixture{name: "statshang", cfg: fixtureplugin.Config{Groups: widgets("statshang", "s0"), StatsHang: true}},
+		fixture{name: "reservehang", cfg: fixtureplugin.Config{Groups: widgets("reservehang", "r0"), ReserveHang: true}},
+	)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+
+	// The healthy plugin is not held up.
+	waitFor(t, m, "g0 healthy", healthIs(device.HealthHealthy, "g0"))
+	t.Logf("healthy plugin fingerprinted after %v", time.Since(start))
+	if _, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "o1", Group: widgetKey("good"), DeviceIDs: []string{"g0"}}); err != nil {
+		t.Errorf("Reserve on the healthy plugin: %v", err)
+	}
+	waitStats(t, m.WatchStats(ctx, 0), func(s device.StatsSnapshot) bool { return statValue(s, "g0", "seq") >= 2 }, "stats from the healthy plugin")
+
+	// Readiness does not wait for the plugins that never fingerprint.
+	inv, err := m.WaitForFirstFingerprint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("ready after %v with ReadyTimeout %v", time.Since(start), cfg.ReadyTimeout)
+	if !slices.Contains(deviceIDs(inv), "good/g0") {
+		t.Errorf("inventory at ready = %v, want good/g0 in it", deviceIDs(inv))
+	}
+
+	// Reserve on a hung plugin ends at ReserveTimeout.
+	waitFor(t, m, "r0 healthy", healthIs(device.HealthHealthy, "r0"))
+	called := time.Now()
+	_, err = m.Reserve(ctx, device.ReserveRequest{OwnerID: "o2", Group: widgetKey("reservehang"), DeviceIDs: []string{"r0"}})
+	took := time.Since(called)
+	if !errors.Is(err, device.ErrPluginUnavailable) || took > cfg.ReserveTimeout+time.Second {
+		t.Errorf("Reserve on a hung plugin = %v after %v, want ErrPluginUnavailable after about %v", err, took, cfg.ReserveTimeout)
+	}
+	t.Logf("hung Reserve answered after %v (ReserveTimeout %v): %v", took, cfg.ReserveTimeout, err)
+
+	// A hung start and a silent fingerprint stream are failed runs, retried.
+	snap := waitFor(t, m, "hangstart and fphang restarted", func(s device.Snapshot) bool {
+		return pluginOf(s, "hangstart").Restarts >= 1 && pluginOf(s, "fphang").Restarts >= 1
+	})
+	if got := pluginOf(snap, "hangstart").LastError; !strings.Contains(got, "launch") {
+		t.Errorf("hangstart LastError = %q, want a launch failure", got)
+	}
+	if got := pluginOf(snap, "fphang").LastError; !strings.Contains(got, "no fingerprint within 1s") {
+		t.Errorf("fphang LastError = %q, want no first fingerprint", got)
+	}
+	// A silent stats stream is cut and reopened; the plugin's devices stay healthy.
+	logs.waitLine(t, "stats stream failed", "plugin=statshang", "no stats within")
+	if st := m.State().Devices["s0"]; st.Health != device.HealthHealthy {
+		t.Errorf("s0 = %+v, want healthy: a stats hang is not a device fault", st)
+	}
+}
+
+func TestProcessStatsAreSampledOncePerPlugin(t *testing.T) {
+	cfg, _ := testConfig(t)
+	m := startManager(t, cfg,
+		fixture{name: "one", cfg: fixtureplugin.Config{Groups: widgets("one", "o0")}},
+		fixture{name: "two", cfg: fixtureplugin.Config{Groups: widgets("two", "t0")}},
+	)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
+		t.Fatal(err)
+	}
+	watchers := make([]<-chan device.StatsSnapshot, 20)
+	for i := range watchers {
+		watchers[i] = m.WatchStats(ctx, 0)
+	}
+	slow := m.WatchStats(ctx, 5*cfg.StatsInterval)
+	var last device.StatsSnapshot
+	for i, ch := range watchers {
+		last = waitStats(t, ch, func(s device.StatsSnapshot) bool {
+			return statValue(s, "o0", "seq") >= 5 && statValue(s, "t0", "seq") >= 5
+		}, "watcher %d: seq 5 from both plugins", i)
+	}
+	for _, id := range []string{"o0", "t0"} {
+		if got := statValue(last, id, "stats_streams"); got != 1 {
+			t.Errorf("%s: the plugin saw %d stats streams with %d watchers, want 1", id, got, len(watchers))
+		}
+	}
+	// The slow watcher got the first snapshot at once and then at most one per 5 ticks.
+	waitStats(t, slow, func(device.StatsSnapshot) bool { return true }, "first slow snapshot")
+	second := waitStats(t, slow, func(device.StatsSnapshot) bool { return true }, "second slow snapshot")
+	third := waitStats(t, slow, func(device.StatsSnapshot) bool { return true }, "third slow snapshot")
+	if gap := third.Time.Sub(second.Time); gap < 4*cfg.StatsInterval {
+		t.Errorf("slow watcher's snapshots %v apart, want about %v", gap, 5*cfg.StatsInterval)
+	}
+}
+
+func TestProcessStatsErrorIsLoggedAndRetried(t *testing.T) {
+	cfg, logs := testConfig(t)
+	m := startManager(t, cfg, fixture{name: "sick", cfg: fixtureplugin.Config{
+		Groups: widgets("sick", "x0"), StatsError: "thermal sensor unreadable",
+	}})
+	first := logs.waitLine(t, "stats stream failed", "plugin=sick")
+	if !strings.Contains(first, "thermal sensor unreadable") {
+		t.Errorf("log line %q does not carry the plugin's error", first)
+	}
+	// Retried: a second failure is logged, and the plugin is not restarted for it.
+	deadline := time.Now().Add(testTimeout)
+	for len(logs.lines("stats stream failed", "plugin=sick", "thermal sensor unreadable")) < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the stats stream was not retried within %v", testTimeout)
+		}
+		select {
+		case <-logs.notify:
+		case <-time.After(time.Until(deadline)):
+		}
+	}
+	if ps := pluginOf(m.Snapshot(), "sick"); ps.Restarts != 0 || ps.Status != device.PluginRunning {
+		t.Errorf("plugin state = %+v, want running without restarts", ps)
+	}
+}
+
+func TestProcessReserve(t *testing.T) {
+	cfg, _ := testConfig(t)
+	m := startManager(t, cfg,
+		fixture{name: "fx", cfg: fixtureplugin.Config{Groups: widgets("fx", "w0", "w1")}},
+		fixture{name: "evil", cfg: fixtureplugin.Config{Groups: widgets("evil", "v0"), ReserveBad: true}},
+		fixture{name: "grumpy", cfg: fixtureplugin.Config{Groups: widgets("grumpy", "u0"), ReserveError: "widget u0 is calibrating"}},
+	)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	r, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "alloc-7", Group: widgetKey("fx"), DeviceIDs: []string{"w1", "w0"}})
+	if err != nil {
+		t.Fatalf("Reserve: %v", err)
+	}
+	if got, want := r.Container.Envs["FIXTURE_DEVICES"], "w1,w0"; got != want {
+		t.Errorf("FIXTURE_DEVICES = %q, want %q", got, want)
+	}
+	if got, want := r.Container.CDIDevices, []string{"fixture.example/widget=w1", "fixture.example/widget=w0"}; !slices.Equal(got, want) {
+		t.Errorf("CDI devices = %v, want %v", got, want)
+	}
+	if h := m.State().Devices["w0"].Holder; h == nil || h.OwnerID != "alloc-7" || h.ReservationID != r.ID {
+		t.Errorf("w0 holder = %v, want reservation %s of alloc-7", h, r.ID)
+	}
+
+	tests := []struct {
+		name    string
+		plugin  string
+		id      string
+		wantErr error
+		want    []string
+	}{
+		{"LD_PRELOAD in the answer", "evil", "v0", device.ErrPluginResponse, []string{`"evil"`, "LD_PRELOAD", "env name denied"}},
+		{"plugin error", "grumpy", "u0", device.ErrPluginResponse, []string{`"grumpy"`, "widget u0 is calibrating"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "o", Group: widgetKey(tc.plugin), DeviceIDs: []string{tc.id}})
+			if !errors.Is(err, tc.wantErr) {
+				t.Fatalf("Reserve error = %v, want %v", err, tc.wantErr)
+			}
+			for _, s := range tc.want {
+				if !strings.Contains(err.Error(), s) {
+					t.Errorf("error %q does not name %s", err, s)
+				}
+			}
+		})
+	}
+}
+
+func TestProcessRejectedConfigFailsThePluginOnce(t *testing.T) {
+	cfg, logs := testConfig(t)
+	cfg.ReadyTimeout = time.Hour
+	m := startManager(t, cfg,
+		fixture{name: "picky", cfg: fixtureplugin.Config{RejectConfig: "simulate: no such machine"}},
+		fixture{name: "fine", cfg: fixtureplugin.Config{Groups: widgets("fine", "n0")}},
+	)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
+		t.Fatalf("a failed plugin held Ready: %v", err)
+	}
+	ps := pluginOf(m.Snapshot(), "picky")
+	if ps.Status != device.PluginFailed || !strings.Contains(ps.LastError, "simulate: no such machine") || ps.Restarts != 0 {
+		t.Errorf("picky = %+v, want failed with the plugin's reason, no restarts", ps)
+	}
+	logs.waitLine(t, "will not be restarted", "plugin=picky", "simulate: no such machine")
+}
