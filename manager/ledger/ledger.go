@@ -26,6 +26,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -128,6 +129,7 @@ type Ledger struct {
 	closeOnce sync.Once
 	closeErr  error
 	wg        sync.WaitGroup // the writer
+	commits   atomic.Int64   // successful batches, for tests and the benchmark
 
 	// mu guards idx. Only the writer goroutine mutates idx (under mu.Lock); it may read
 	// idx without mu, since no one else writes it.

@@ -148,6 +148,7 @@ func (l *Ledger) commit(batch []*request) {
 		batch[0].done <- response{err: fmt.Errorf("state file %s: commit: %w", l.path, err)}
 		return
 	}
+	l.commits.Add(1)
 	if len(ov.recs) > 0 {
 		l.mu.Lock()
 		l.idx.apply(ov)
