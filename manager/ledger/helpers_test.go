@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -29,10 +30,11 @@ func statePath(t *testing.T) string {
 	return filepath.Join(t.TempDir(), DefaultFileName)
 }
 
-// openLedger opens the ledger at path and closes it when the test ends.
+// openLedger opens the ledger at path, on a tickingClock, and closes it when the test
+// ends.
 func openLedger(t *testing.T, path string) *Ledger {
 	t.Helper()
-	l, err := Open(path, Options{})
+	l, err := Open(path, Options{Now: tickingClock()})
 	if err != nil {
 		t.Fatalf("Open(%s): %v", path, err)
 	}
@@ -64,8 +66,14 @@ func res(owner string, devs ...string) device.Reservation {
 			Devices:    []device.DeviceSpec{{HostPath: "/dev/nvidia0", ContainerPath: "/dev/nvidia0", Permissions: "rw"}},
 			CDIDevices: []string{"nvidia.com/gpu=" + devs[0]},
 		},
-		CreatedAt: t0,
 	}
+}
+
+// tickingClock returns a clock that reads t0, then one second later on each call, so
+// that reservations made one after another sort in that order.
+func tickingClock() func() time.Time {
+	var n atomic.Int64
+	return func() time.Time { return t0.Add(time.Duration(n.Add(1)) * time.Second) }
 }
 
 // reserve reserves a new reservation of owner for devs and fails the test otherwise.

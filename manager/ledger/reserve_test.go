@@ -202,7 +202,7 @@ func TestReserveRefusesMalformedRequests(t *testing.T) {
 func TestReserveKeepsCallerID(t *testing.T) {
 	l := newLedger(t)
 	r := res("a", "GPU-1")
-	r.ID = NewID()
+	r.ID, r.CreatedAt = NewID(), t0
 	got, _, err := l.Reserve(context.Background(), r)
 	if err != nil || got.ID != r.ID {
 		t.Fatalf("Reserve with ID %s = %s, %v", r.ID, got.ID, err)
