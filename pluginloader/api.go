@@ -1,18 +1,32 @@
 // Package pluginloader finds device plugin binaries and launches them with go-plugin.
 //
-// THIS FILE IS THE AGREED API (written first so the manager can be built against it).
-// Bodies marked "TODO(loader)" are filled in by the loader work; signatures change only
-// by agreement.
+// Discover lists the plugin dir; Launch starts one binary (or reattaches to a running
+// plugin), checks its protocol version, hands it its config and returns a *Plugin: the
+// gRPC client, a channel closed when the process exits, and Kill. Each plugin's log
+// lines come out of the host's logger, named after the plugin, in the host's format.
 package pluginloader
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/go-plugin"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
+	"github.com/devicehost/devicehost/deviceplugin"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
@@ -23,24 +37,34 @@ type Binary struct {
 	Args []string // extra arguments (e.g. "plugin nvidia-example" when the host re-executes itself)
 }
 
+// DefaultStartTimeout is the StartTimeout used when Options leaves it zero.
+const DefaultStartTimeout = 10 * time.Second
+
 // Options says how to launch one plugin. The zero value launches with defaults.
+// Launch does not modify it.
 type Options struct {
 	// Logger is the host's logger; the plugin's log lines come out of
 	// Logger.Named(binary name). Nil means hclog.NewNullLogger().
 	Logger hclog.Logger
 	// StartTimeout bounds the launch: process start, handshake, GetPluginInfo and
-	// SetConfig. Zero means 10s.
+	// SetConfig. Zero means DefaultStartTimeout (10s).
 	StartTimeout time.Duration
 	// SHA256 pins the binary's checksum (hex). Empty means no pinning. A mismatch is
 	// refused before the binary runs.
 	SHA256 string
 	// Env is the plugin process's environment. The host's environment is not passed
-	// on unless InheritEnv is true (then Env is added to it).
+	// on unless InheritEnv is true (then Env is added to it, and wins over it). Without
+	// InheritEnv the plugin gets Env plus go-plugin's own variables and nothing else
+	// (no PATH, no HOME: put them in Env if the plugin needs them).
 	Env        []string
 	InheritEnv bool
 	// ConfigJSON is the plugin's config block, handed over with SetConfig.
 	ConfigJSON []byte
+	// HostVersion is sent with SetConfig, for the plugin's logs. Optional.
+	HostVersion string
 	// Reattach, when set, attaches to an already running plugin instead of launching.
+	// Only a plugin launched with DisableAutoMTLS can be reattached (go-plugin keeps the
+	// TLS keys in memory only); Binary.Path is then used for SHA256 only and may be empty.
 	Reattach *plugin.ReattachConfig
 	// AutoMTLS turns on go-plugin's mutual TLS between host and plugin. Default true is
 	// expressed as DisableAutoMTLS=false.
@@ -50,10 +74,19 @@ type Options struct {
 // Plugin is a launched, configured plugin process.
 //
 // Client's RPCs fail with codes.Unavailable or codes.Canceled once the process has exited;
-// use Exited to tell that from a caller's own cancellation. Kill must be called exactly
-// once to release the process and its goroutines, even after it has exited.
+// use Exited (or RPCError) to tell that from a caller's own cancellation. Kill must be
+// called to release the process and its goroutines, even after it has exited; it may be
+// called more than once. All methods are safe for concurrent use.
 type Plugin struct {
-	// TODO(loader): fields.
+	name     string
+	client   *plugin.Client
+	rpc      *deviceplugin.Client
+	info     *pb.GetPluginInfoResponse
+	cmd      *exec.Cmd          // nil when reattached
+	stopProc context.CancelFunc // SIGKILLs cmd (exec.CommandContext); no-op when reattached
+	pid      int
+	reattach *plugin.ReattachConfig // nil when the plugin cannot be reattached
+	killOnce sync.Once
 }
 
 // ErrChecksumMismatch, ErrProtocolVersion, ErrConfigRejected, ErrInsecurePath are wrapped
@@ -66,39 +99,417 @@ var (
 	ErrInsecurePath     = errors.New("insecure plugin path")
 )
 
+// ErrExited is wrapped by errors that are due to the plugin process having exited: from
+// Launch when the plugin dies while starting, and from RPCError.
+var ErrExited = errors.New("plugin process exited")
+
 // Discover lists the executables in dir, sorted by name. Folders and non-executable
 // files are skipped with a log line; a world-writable dir or binary is an error wrapping
 // ErrInsecurePath that names the path.
+//
+// A world-writable dir refuses everything (nil, err). World-writable binaries are left
+// out and reported together in err, while the other binaries are still returned, so a
+// caller may run those and report the error. Symlinks are followed: the target's mode
+// counts, the link's path is returned.
 func Discover(dir string, log hclog.Logger) ([]Binary, error) {
-	return nil, errors.New("TODO(loader)")
+	if log == nil {
+		log = hclog.NewNullLogger()
+	}
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return nil, fmt.Errorf("plugin dir %s: %w", dir, err)
+	}
+	fi, err := os.Stat(abs)
+	if err != nil {
+		return nil, fmt.Errorf("plugin dir: %w", err)
+	}
+	if !fi.IsDir() {
+		return nil, fmt.Errorf("plugin dir %s: not a directory", abs)
+	}
+	if fi.Mode().Perm()&0o002 != 0 {
+		return nil, fmt.Errorf("plugin dir %s is world-writable (mode %s): %w", abs, fi.Mode().Perm(), ErrInsecurePath)
+	}
+	entries, err := os.ReadDir(abs) // sorted by name
+	if err != nil {
+		return nil, fmt.Errorf("plugin dir: %w", err)
+	}
+
+	var bins []Binary
+	var errs []error
+	for _, e := range entries {
+		path := filepath.Join(abs, e.Name())
+		fi, err := os.Stat(path)
+		switch {
+		case err != nil:
+			log.Warn("skipping plugin dir entry", "path", path, "error", err)
+		case fi.IsDir():
+			log.Info("skipping folder in plugin dir", "path", path)
+		case !fi.Mode().IsRegular():
+			log.Info("skipping plugin dir entry: not a regular file", "path", path, "mode", fi.Mode().String())
+		case fi.Mode().Perm()&0o111 == 0:
+			log.Info("skipping plugin dir entry: not executable", "path", path, "mode", fi.Mode().Perm().String())
+		case fi.Mode().Perm()&0o002 != 0:
+			errs = append(errs, fmt.Errorf("plugin %s is world-writable (mode %s): %w", path, fi.Mode().Perm(), ErrInsecurePath))
+		default:
+			bins = append(bins, Binary{Name: e.Name(), Path: path})
+		}
+	}
+	return bins, errors.Join(errs...)
 }
 
 // Launch starts bin (or reattaches per opts.Reattach), does the handshake, checks the
 // protocol version, calls GetPluginInfo and SetConfig, and returns the running plugin.
 // ctx bounds the launch only, not the plugin's life.
+//
+// Errors wrap ErrInsecurePath (world-writable binary), ErrChecksumMismatch (checked
+// before the binary runs), ErrProtocolVersion (go-plugin handshake or GetPluginInfo
+// without "v1"; the message names both sides' versions), ErrConfigRejected (SetConfig
+// answered INVALID_ARGUMENT; the message is the plugin's), ErrExited (the plugin died
+// while starting), or context.DeadlineExceeded when StartTimeout passed. On error
+// nothing is left running.
 func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
-	return nil, errors.New("TODO(loader)")
+	log := opts.Logger
+	if log == nil {
+		log = hclog.NewNullLogger()
+	}
+	timeout := opts.StartTimeout
+	if timeout <= 0 {
+		timeout = DefaultStartTimeout
+	}
+	name := bin.Name
+	if name == "" {
+		name = filepath.Base(bin.Path)
+	}
+	launchCtx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+
+	cfg := &plugin.ClientConfig{
+		HandshakeConfig:  deviceplugin.Handshake,
+		VersionedPlugins: deviceplugin.VersionedPlugins(nil),
+		AllowedProtocols: []plugin.Protocol{plugin.ProtocolGRPC},
+		Logger:           log.Named(name),
+		StartTimeout:     timeout,
+		// The environment is built here (processEnv): go-plugin's own inheritance would
+		// put the host's variables after Env, so they would win over it.
+		SkipHostEnv: true,
+		Stderr:      io.Discard,
+	}
+	p := &Plugin{name: name, stopProc: func() {}}
+	if opts.SHA256 != "" {
+		want, err := checkSHA256(bin.Path, opts.SHA256)
+		if err != nil {
+			return nil, err
+		}
+		if opts.Reattach == nil {
+			// go-plugin checks again right before exec, narrowing the window for a swap.
+			cfg.SecureConfig = &plugin.SecureConfig{Checksum: want, Hash: sha256.New()}
+		}
+	}
+	if opts.Reattach != nil {
+		rc := *opts.Reattach
+		if rc.Protocol != "" && rc.Protocol != plugin.ProtocolGRPC {
+			return nil, fmt.Errorf("reattach plugin %q: protocol %q, host speaks only %q", name, rc.Protocol, plugin.ProtocolGRPC)
+		}
+		if rc.ProtocolVersion != 0 && rc.ProtocolVersion != deviceplugin.HandshakeVersion {
+			return nil, fmt.Errorf("reattach plugin %q: plugin speaks go-plugin protocol %d, host speaks %d: %w",
+				name, rc.ProtocolVersion, deviceplugin.HandshakeVersion, ErrProtocolVersion)
+		}
+		rc.Protocol, rc.ProtocolVersion = plugin.ProtocolGRPC, deviceplugin.HandshakeVersion
+		cfg.Reattach = &rc
+		cfg.Plugins = cfg.VersionedPlugins[deviceplugin.HandshakeVersion]
+		p.pid = rc.Pid
+		p.reattach = &rc
+	} else {
+		if err := checkBinary(bin.Path); err != nil {
+			return nil, err
+		}
+		procCtx, stop := context.WithCancel(context.Background())
+		cmd := exec.CommandContext(procCtx, bin.Path, bin.Args...)
+		cmd.Env = processEnv(opts)
+		cfg.Cmd = cmd
+		cfg.AutoMTLS = !opts.DisableAutoMTLS
+		p.cmd, p.stopProc = cmd, stop
+	}
+	p.client = plugin.NewClient(cfg)
+
+	if err := p.start(ctx, launchCtx, timeout); err != nil {
+		p.abort()
+		return nil, err
+	}
+	if err := p.handshake(ctx, launchCtx, timeout, opts); err != nil {
+		p.abort()
+		return nil, err
+	}
+	if p.cmd != nil {
+		p.pid = p.cmd.Process.Pid
+		if opts.DisableAutoMTLS {
+			if rc := p.client.ReattachConfig(); rc != nil {
+				rc.ProtocolVersion = deviceplugin.HandshakeVersion
+				p.reattach = rc
+			}
+		}
+	}
+	return p, nil
+}
+
+// start runs go-plugin's start (process, handshake, connection) bounded by launchCtx.
+func (p *Plugin) start(ctx, launchCtx context.Context, timeout time.Duration) error {
+	type started struct {
+		cp  plugin.ClientProtocol
+		err error
+	}
+	ch := make(chan started, 1)
+	go func() {
+		cp, err := p.client.Client()
+		ch <- started{cp, err}
+	}()
+	var st started
+	select {
+	case st = <-ch:
+	case <-launchCtx.Done():
+		p.stopProc() // go-plugin's Start takes no context: kill the process to end it
+		st = <-ch
+	}
+	if st.err != nil {
+		switch {
+		case launchCtx.Err() != nil:
+			return p.launchCtxError(ctx, timeout)
+		case strings.Contains(st.err.Error(), "incompatible API version"):
+			// go-plugin has no sentinel for this; its message names both versions.
+			// TestLaunchRefusesHandshakeVersionMismatch pins the text.
+			return fmt.Errorf("plugin %q speaks none of the host's go-plugin protocol versions (%v): %w",
+				p.name, st.err, ErrProtocolVersion)
+		case errors.Is(st.err, plugin.ErrChecksumsDoNotMatch):
+			return fmt.Errorf("plugin %q changed after its checksum was checked: %w", p.name, ErrChecksumMismatch)
+		default:
+			return fmt.Errorf("starting plugin %q: %w", p.name, st.err)
+		}
+	}
+	raw, err := st.cp.Dispense(deviceplugin.PluginKey)
+	if err != nil {
+		return fmt.Errorf("plugin %q: %w", p.name, err)
+	}
+	rpc, ok := raw.(*deviceplugin.Client)
+	if !ok {
+		return fmt.Errorf("plugin %q: dispensed %T, want *deviceplugin.Client", p.name, raw)
+	}
+	p.rpc = rpc
+	return nil
+}
+
+// handshake asks for the plugin's info, checks its protocol versions and configures it.
+func (p *Plugin) handshake(ctx, launchCtx context.Context, timeout time.Duration, opts Options) error {
+	callCtx, cancel := p.CallContext(launchCtx)
+	defer cancel()
+
+	info, err := p.rpc.GetPluginInfo(callCtx, &pb.GetPluginInfoRequest{})
+	if err != nil {
+		return p.launchRPCError(ctx, launchCtx, timeout, "GetPluginInfo", err)
+	}
+	if !slices.Contains(info.GetProtocolVersions(), deviceplugin.ProtocolVersion) {
+		return fmt.Errorf("plugin %q speaks protocol versions [%s], host speaks [%s]: %w",
+			p.name, strings.Join(info.GetProtocolVersions(), ", "), deviceplugin.ProtocolVersion, ErrProtocolVersion)
+	}
+	p.info = info
+
+	_, err = p.rpc.SetConfig(callCtx, &pb.SetConfigRequest{
+		ConfigJson:      opts.ConfigJSON,
+		ProtocolVersion: deviceplugin.ProtocolVersion,
+		HostVersion:     opts.HostVersion,
+	})
+	if status.Code(err) == codes.InvalidArgument {
+		return fmt.Errorf("plugin %q: %s: %w", p.name, status.Convert(err).Message(), ErrConfigRejected)
+	}
+	if err != nil {
+		return p.launchRPCError(ctx, launchCtx, timeout, "SetConfig", err)
+	}
+	return nil
+}
+
+func (p *Plugin) launchCtxError(ctx context.Context, timeout time.Duration) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("launching plugin %q: %w", p.name, err)
+	}
+	return fmt.Errorf("plugin %q did not start within %s: %w", p.name, timeout, context.DeadlineExceeded)
+}
+
+func (p *Plugin) launchRPCError(ctx, launchCtx context.Context, timeout time.Duration, rpc string, err error) error {
+	if exited := p.RPCError(launchCtx, err); errors.Is(exited, ErrExited) {
+		return fmt.Errorf("plugin %q during launch (%s): %w", p.name, rpc, exited)
+	}
+	if launchCtx.Err() != nil {
+		return p.launchCtxError(ctx, timeout)
+	}
+	return fmt.Errorf("plugin %q: %s: %w", p.name, rpc, err)
+}
+
+// abort stops what a failed launch started, without a graceful wait.
+func (p *Plugin) abort() {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	p.Kill(ctx)
+}
+
+// processEnv is the plugin's environment before go-plugin appends its own variables.
+// exec.Cmd keeps the last of duplicate names, so Env wins over the inherited ones.
+func processEnv(opts Options) []string {
+	var env []string
+	if opts.InheritEnv {
+		env = os.Environ()
+	}
+	return append(env, opts.Env...) // a fresh slice: never the caller's backing array
+}
+
+// checkBinary refuses a path that is not a regular, executable, not world-writable file.
+func checkBinary(path string) error {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return fmt.Errorf("plugin binary: %w", err)
+	}
+	switch perm := fi.Mode().Perm(); {
+	case !fi.Mode().IsRegular():
+		return fmt.Errorf("plugin binary %s: not a regular file", path)
+	case perm&0o111 == 0:
+		return fmt.Errorf("plugin binary %s: not executable (mode %s)", path, perm)
+	case perm&0o002 != 0:
+		return fmt.Errorf("plugin %s is world-writable (mode %s): %w", path, perm, ErrInsecurePath)
+	}
+	return nil
+}
+
+// checkSHA256 compares the file's SHA-256 with wantHex and returns the decoded sum.
+func checkSHA256(path, wantHex string) ([]byte, error) {
+	want, err := hex.DecodeString(wantHex)
+	if err != nil || len(want) != sha256.Size {
+		return nil, fmt.Errorf("plugin %s: pinned sha256 %q is not 64 hex digits", path, wantHex)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("plugin checksum: %w", err)
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return nil, fmt.Errorf("plugin checksum %s: %w", path, err)
+	}
+	if got := h.Sum(nil); !slices.Equal(got, want) {
+		return nil, fmt.Errorf("plugin %s: sha256 is %x, want %x: %w", path, got, want, ErrChecksumMismatch)
+	}
+	return want, nil
 }
 
 // Client is the plugin's gRPC client.
-func (p *Plugin) Client() pb.DevicePluginClient { return nil }
+func (p *Plugin) Client() pb.DevicePluginClient { return p.rpc }
 
 // Info is what the plugin said in GetPluginInfo.
-func (p *Plugin) Info() *pb.GetPluginInfoResponse { return nil }
+func (p *Plugin) Info() *pb.GetPluginInfoResponse { return p.info }
+
+// Name is the plugin's name as the host knows it (Binary.Name).
+func (p *Plugin) Name() string { return p.name }
 
 // Exited is closed as soon as the plugin process has exited (go-plugin's done context).
-func (p *Plugin) Exited() <-chan struct{} { return nil }
+// A reattached plugin's exit is noticed by polling, within about a second.
+func (p *Plugin) Exited() <-chan struct{} { return p.rpc.ExitContext().Done() }
 
 // ExitReason says why the process ended ("exit status 2", "signal: killed"); empty while
 // it runs.
-func (p *Plugin) ExitReason() string { return "" }
+func (p *Plugin) ExitReason() string {
+	select {
+	case <-p.Exited():
+	default:
+		return ""
+	}
+	// go-plugin cancels its done context after cmd.Wait has set ProcessState, so this
+	// read is ordered after that write.
+	if p.cmd != nil && p.cmd.ProcessState != nil {
+		return p.cmd.ProcessState.String()
+	}
+	return "exited"
+}
 
 // PID is the plugin process's ID.
-func (p *Plugin) PID() int { return 0 }
+func (p *Plugin) PID() int { return p.pid }
 
-// ReattachConfig is what a later host needs to reattach to this process.
-func (p *Plugin) ReattachConfig() *plugin.ReattachConfig { return nil }
+// ReattachConfig is what a later host needs to reattach to this process. It is nil for
+// a plugin launched with AutoMTLS, which cannot be reattached. The caller may keep and
+// change the returned value.
+func (p *Plugin) ReattachConfig() *plugin.ReattachConfig {
+	if p.reattach == nil {
+		return nil
+	}
+	rc := *p.reattach
+	return &rc
+}
 
-// Kill stops the plugin: gracefully first, then forcefully after a grace period bounded
-// by ctx. Safe to call after the process has exited; returns once it is gone.
-func (p *Plugin) Kill(ctx context.Context) {}
+// CallContext returns a context for an RPC to p: it ends when ctx does or when the
+// plugin process exits (then context.Cause is ErrExited). Call cancel when the RPC is done.
+func (p *Plugin) CallContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	cctx, cancel := context.WithCancelCause(ctx)
+	stop := context.AfterFunc(p.rpc.ExitContext(), func() { cancel(ErrExited) })
+	return cctx, func() {
+		stop()
+		cancel(context.Canceled)
+	}
+}
+
+// exitWait bounds how long RPCError waits for the exit to be noticed: the connection
+// breaks a moment before the process has been reaped.
+const exitWait = time.Second
+
+// RPCError classifies err, returned by an RPC to p that was made with ctx. When err is
+// Unavailable or Canceled, ctx has not ended, and the process has exited (or exits
+// within a second), it returns an error wrapping ErrExited with the exit reason; else err.
+func (p *Plugin) RPCError(ctx context.Context, err error) error {
+	if err == nil {
+		return nil
+	}
+	if code := status.Code(err); code != codes.Unavailable && code != codes.Canceled {
+		return err
+	}
+	if ctx.Err() != nil && !errors.Is(context.Cause(ctx), ErrExited) {
+		return err
+	}
+	t := time.NewTimer(exitWait)
+	defer t.Stop()
+	select {
+	case <-p.Exited():
+		return fmt.Errorf("plugin %q: %s: %w", p.name, p.ExitReason(), ErrExited)
+	case <-t.C:
+		return err
+	}
+}
+
+// Kill stops the plugin: gracefully first (go-plugin asks it to shut down and waits up
+// to 2s), then forcefully (SIGKILL) once that or ctx runs out. Safe to call after the
+// process has exited and more than once (later calls wait for the first); returns once
+// the process is gone and go-plugin's goroutines have ended.
+func (p *Plugin) Kill(ctx context.Context) {
+	p.killOnce.Do(func() {
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			p.client.Kill()
+		}()
+		select {
+		case <-done:
+		case <-ctx.Done():
+			p.forceKill()
+			<-done
+		}
+		p.stopProc()
+	})
+}
+
+func (p *Plugin) forceKill() {
+	if p.cmd != nil {
+		p.stopProc() // exec.CommandContext kills the process; safe after it was reaped
+		return
+	}
+	if p.rpc != nil && p.rpc.ExitContext().Err() != nil {
+		return // reattached and already gone: its PID may belong to someone else now
+	}
+	if proc, err := os.FindProcess(p.pid); err == nil && p.pid > 0 {
+		_ = proc.Kill()
+		_ = proc.Release()
+	}
+}

@@ -10,7 +10,8 @@
 //   - report_env: names of environment variables; each one that is set in the plugin
 //     process appears as a string attribute "env_<NAME>" on every group (so a test can
 //     see the environment the host gave the plugin).
-//   - log_info / log_debug: messages logged at INFO / DEBUG by SetConfig.
+//   - log_info / log_debug: messages logged at INFO / DEBUG by SetConfig, the DEBUG one
+//     first (so a host that has the INFO line has already seen, or dropped, the DEBUG one).
 //   - exit_after (duration string, e.g. "200ms"): the process exits with status 3 that
 //     long after SetConfig (crash and crash-loop tests).
 //   - reject_config: SetConfig fails with this message (the host gets INVALID_ARGUMENT).
@@ -211,12 +212,13 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 	}
 	p.mu.Unlock()
 
+	// DEBUG first: once a host has the INFO line, it has had the DEBUG line too.
 	log := p.logger()
-	if cfg.LogInfo != "" {
-		log.Info(cfg.LogInfo)
-	}
 	if cfg.LogDebug != "" {
 		log.Debug(cfg.LogDebug)
+	}
+	if cfg.LogInfo != "" {
+		log.Info(cfg.LogInfo)
 	}
 	return nil
 }
