@@ -80,12 +80,12 @@ func New(logger hclog.Logger) *Plugin {
 }
 
 // Main serves the plugin to the host that launched this process, logging through the
-// SDK's logger, and returns when the host is done with it. The plugin binary's main,
-// and the devicehost binary re-executed as this plugin, call it.
+// SDK's logger, and returns when the host is done with it; the process should then
+// exit. The plugin binary's main, and the devicehost binary re-executed as this plugin,
+// call it. It does not Close the plugin: a stream may still be inside an NVML event
+// wait, and process exit releases NVML anyway.
 func Main() {
-	p := New(deviceplugin.Logger())
-	defer p.Close()
-	deviceplugin.Serve(p)
+	deviceplugin.Serve(New(deviceplugin.Logger()))
 }
 
 // runtime is everything one successful SetConfig decided. It never changes; a later
@@ -138,7 +138,7 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 		rt.lib = sim
 		rt.numaFromNVML = true
 		p.logger.Info("running on simulated GPUs", "machine", s.simulate, "gpus", len(sim.devices),
-			"injected_faults", len(sim.faults))
+			"xid_events_scheduled", len(sim.faults))
 	} else if lib := p.openRealNVML(); lib != nil {
 		rt.lib = lib
 		rt.numaFromNVML = lib.Extensions().LookupSymbol("nvmlDeviceGetNumaNodeId") == nil

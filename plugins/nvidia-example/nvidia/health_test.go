@@ -1,0 +1,237 @@
+package nvidia
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock"
+	"github.com/hashicorp/go-hclog"
+
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// wantHealth is what a fingerprint must say about some GPUs; the rest must be healthy.
+type wantHealth map[int]string // GPU index -> substring of its reason
+
+func checkHealth(t *testing.T, step string, resp *pb.FingerprintResponse, machine string, want wantHealth) {
+	t.Helper()
+	devs := devices(resp)
+	if len(devs) != 8 {
+		t.Fatalf("%s: %d devices, want 8", step, len(devs))
+	}
+	for i := range 8 {
+		d := devs[simulatedUUID(machine, i)]
+		reason, bad := want[i]
+		switch {
+		case bad && (d.GetHealth() != pb.Health_HEALTH_UNHEALTHY || !strings.Contains(d.GetHealthReason(), reason)):
+			t.Errorf("%s: GPU %d is %v %q, want unhealthy with %q", step, i, d.GetHealth(), d.GetHealthReason(), reason)
+		case !bad && (d.GetHealth() != pb.Health_HEALTH_HEALTHY || d.GetHealthReason() != ""):
+			t.Errorf("%s: GPU %d is %v %q, want healthy", step, i, d.GetHealth(), d.GetHealthReason())
+		}
+	}
+}
+
+// Injected faults drive the same XID path real NVML does: a critical XID makes a GPU
+// unhealthy with the XID in the reason, an application XID does not, a lasting fault
+// keeps it unhealthy, and each GPU recovers a quiet period after its last XID.
+func TestInjectedFaultsDriveHealth(t *testing.T) {
+	const m = "dgxh100"
+	stamp := func(d time.Duration) string { return t0.Add(d).Format(time.RFC3339) }
+	p, clk := newTestPlugin(t, Config{
+		Simulate:          m,
+		FingerprintPeriod: "1h",
+		HealthQuietPeriod: "5m",
+		InjectFaults: []FaultConfig{
+			{GPUIndex: ptr(0), XID: 79, After: "10s"},
+			{GPUIndex: ptr(1), XID: 13, After: "5s"}, // application error
+			{GPUID: simulatedUUID(m, 2), XID: 48, After: "20s", For: "1m"},
+		},
+	})
+	s := startFingerprint(t, p)
+	checkHealth(t, "start", s.next(t), m, nil)
+
+	clk.Advance(10 * time.Second) // XID 13 on GPU 1 at 5s, XID 79 on GPU 0 at 10s
+	checkHealth(t, "t=10s", s.next(t), m, wantHealth{0: "XID 79 (critical) at " + stamp(10*time.Second)})
+
+	clk.Advance(10 * time.Second) // GPU 2's fault starts
+	checkHealth(t, "t=20s", s.next(t), m, wantHealth{
+		0: "XID 79", 2: "XID 48 (critical) at " + stamp(20*time.Second)})
+
+	clk.Advance(time.Minute) // and ends: its last XID
+	checkHealth(t, "t=80s", s.next(t), m, wantHealth{
+		0: "XID 79", 2: "XID 48 (critical) at " + stamp(80*time.Second)})
+
+	clk.Advance(3*time.Minute + 50*time.Second) // five minutes after GPU 0's XID
+	checkHealth(t, "t=5m10s", s.next(t), m, wantHealth{2: "XID 48"})
+
+	clk.Advance(10 * time.Second) // five minutes after GPU 2's first XID: not enough
+	if healthy, _, until := p.rt.health.status(simulatedUUID(m, 2), clk.Now()); healthy || !until.Equal(t0.Add(6*time.Minute+20*time.Second)) {
+		t.Errorf("t=5m20s: GPU 2 healthy=%v until %v, want unhealthy until t0+6m20s", healthy, until)
+	}
+
+	clk.Advance(time.Minute) // five minutes after its last one
+	checkHealth(t, "t=6m20s", s.next(t), m, nil)
+}
+
+func TestFaultsNameRealGPUs(t *testing.T) {
+	tests := []struct {
+		name   string
+		fault  FaultConfig
+		wantIn string
+	}{
+		{"index past the end", FaultConfig{GPUIndex: ptr(8), XID: 79, After: "1s"}, "inject_faults[0].gpu_index = 8"},
+		{"unknown ID", FaultConfig{GPUID: "GPU-nope", XID: 79, After: "1s"}, `inject_faults[0].gpu_id = "GPU-nope"`},
+		{"other machine's ID", FaultConfig{GPUID: simulatedUUID("dgxa100", 0), XID: 79, After: "1s"}, "gpu_id"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, _ := newUnconfigured(t)
+			err := p.SetConfig(context.Background(), mustJSON(t, Config{Simulate: "dgxh100", InjectFaults: []FaultConfig{tt.fault}}))
+			if err == nil || !strings.Contains(err.Error(), tt.wantIn) {
+				t.Errorf("SetConfig error = %v, want one mentioning %q", err, tt.wantIn)
+			}
+		})
+	}
+}
+
+func TestHealthBook(t *testing.T) {
+	h := newHealthBook(5 * time.Minute)
+	at := t0.Add(time.Minute)
+	changed := h.changes()
+	h.markUnhealthy("GPU-a", at, "XID 79")
+	select {
+	case <-changed:
+	default:
+		t.Fatalf("markUnhealthy did not signal a change")
+	}
+	h.markUnhealthy("GPU-a", at.Add(-time.Second), "older event") // ignored
+
+	tests := []struct {
+		name        string
+		id          string
+		now         time.Time
+		wantHealthy bool
+		wantReason  string
+	}{
+		{"never failed", "GPU-b", at, true, ""},
+		{"at the XID", "GPU-a", at, false, "XID 79"},
+		{"just before the quiet period ends", "GPU-a", at.Add(5*time.Minute - time.Nanosecond), false, "XID 79"},
+		{"quiet period over", "GPU-a", at.Add(5 * time.Minute), true, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			healthy, reason, until := h.status(tt.id, tt.now)
+			if healthy != tt.wantHealthy || reason != tt.wantReason {
+				t.Errorf("status = %v %q, want %v %q", healthy, reason, tt.wantHealthy, tt.wantReason)
+			}
+			if !healthy && !until.Equal(at.Add(5*time.Minute)) {
+				t.Errorf("until = %v, want %v", until, at.Add(5*time.Minute))
+			}
+		})
+	}
+}
+
+// scriptedEventSet answers Wait from a list, then reports timeouts; it records Free.
+type scriptedEventSet struct {
+	nvml.EventSet
+	mu      sync.Mutex
+	results []waitResult
+	freed   bool
+}
+
+type waitResult struct {
+	ev  nvml.EventData
+	ret nvml.Return
+}
+
+func (s *scriptedEventSet) Wait(uint32) (nvml.EventData, nvml.Return) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.results) == 0 {
+		return nvml.EventData{}, nvml.ERROR_TIMEOUT
+	}
+	r := s.results[0]
+	s.results = s.results[1:]
+	return r.ev, r.ret
+}
+
+func (s *scriptedEventSet) Free() nvml.Return {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.freed = true
+	return nvml.SUCCESS
+}
+
+func (s *scriptedEventSet) drained() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.results) == 0
+}
+
+func deviceWithUUID(id string, ret nvml.Return) nvml.Device {
+	return &mock.Device{GetUUIDFunc: func() (string, nvml.Return) { return id, ret }}
+}
+
+// The real-NVML corner cases the simulation never produces.
+func TestXIDWatchCornerCases(t *testing.T) {
+	xid := func(dev nvml.Device, n uint64) waitResult {
+		return waitResult{ev: nvml.EventData{Device: dev, EventType: nvml.EventTypeXidCriticalError, EventData: n}}
+	}
+	tests := []struct {
+		name    string
+		results []waitResult
+		want    map[string]string // GPU -> reason substring; others healthy
+	}{
+		{"critical XID", []waitResult{xid(deviceWithUUID("GPU-a", nvml.SUCCESS), 79)},
+			map[string]string{"GPU-a": "XID 79 (critical)"}},
+		{"application XIDs", []waitResult{
+			xid(deviceWithUUID("GPU-a", nvml.SUCCESS), 13), xid(deviceWithUUID("GPU-a", nvml.SUCCESS), 31),
+			xid(deviceWithUUID("GPU-a", nvml.SUCCESS), 43), xid(deviceWithUUID("GPU-a", nvml.SUCCESS), 45),
+			xid(deviceWithUUID("GPU-a", nvml.SUCCESS), 68), xid(deviceWithUUID("GPU-b", nvml.SUCCESS), 109)}, nil},
+		{"other event type", []waitResult{{ev: nvml.EventData{Device: deviceWithUUID("GPU-a", nvml.SUCCESS),
+			EventType: nvml.EventTypeSingleBitEccError}}}, nil},
+		{"GPU not watched", []waitResult{xid(deviceWithUUID("GPU-ignored", nvml.SUCCESS), 79)}, nil},
+		{"unidentified GPU", []waitResult{xid(deviceWithUUID("", nvml.ERROR_UNKNOWN), 79)},
+			map[string]string{"GPU-a": "unidentified GPU", "GPU-b": "unidentified GPU"}},
+		{"no device", []waitResult{xid(nil, 79)},
+			map[string]string{"GPU-a": "XID 79", "GPU-b": "XID 79"}},
+		{"wait fails", []waitResult{{ret: nvml.ERROR_GPU_IS_LOST}},
+			map[string]string{"GPU-a": "NVML event wait failed", "GPU-b": "NVML event wait failed"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			clk := newFakeClock()
+			set := &scriptedEventSet{results: tt.results}
+			w := &xidWatch{logger: hclog.NewNullLogger(), clock: clk, health: newHealthBook(time.Minute),
+				set: set, gpus: map[string]bool{"GPU-a": true, "GPU-b": true}, poll: time.Millisecond}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() { defer close(done); w.run(ctx) }()
+
+			deadline := time.Now().Add(10 * time.Second)
+			for !set.drained() && time.Now().Before(deadline) {
+				time.Sleep(time.Millisecond)
+			}
+			if tt.results[len(tt.results)-1].ret != nvml.SUCCESS {
+				clk.waitForTimerAt(t, t0.Add(waitErrorBackoff)) // backing off, not spinning
+			}
+			cancel()
+			<-done
+			if !set.freed {
+				t.Errorf("event set not freed")
+			}
+			// Wait until the last scripted result has been handled: run has returned.
+			for _, id := range []string{"GPU-a", "GPU-b"} {
+				healthy, reason, _ := w.health.status(id, clk.Now())
+				want, bad := tt.want[id]
+				if bad != !healthy || (bad && !strings.Contains(reason, want)) {
+					t.Errorf("%s: healthy=%v %q, want unhealthy=%v with %q", id, healthy, reason, bad, want)
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,125 @@
+package nvidia
+
+import (
+	"testing"
+	"time"
+
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// wantStats are the values every GPU's stats must carry, with their units and bounds.
+var wantStats = map[string]struct {
+	unit     string
+	min, max float64
+}{
+	"gpu_utilization":        {"%", 0, 100},
+	"memory_utilization":     {"%", 0, 100},
+	"memory_used":            {"MiB", 1, 81920},
+	"memory_total":           {"MiB", 81920, 81920},
+	"temperature":            {"C", 20, 90},
+	"power":                  {"W", 50, 700},
+	"ecc_errors_corrected":   {"count", 0, 0},
+	"ecc_errors_uncorrected": {"count", 0, 0},
+}
+
+func number(v *pb.Value) float64 {
+	if f, ok := v.GetKind().(*pb.Value_FloatValue); ok {
+		return f.FloatValue
+	}
+	return float64(v.GetIntValue())
+}
+
+func TestStatsMoveOverTime(t *testing.T) {
+	p, clk := newTestPlugin(t, Config{Simulate: "dgxh100"})
+	s := startStats(t, p, time.Second)
+
+	first := s.next(t)
+	clk.Advance(7 * time.Second)
+	second := s.next(t)
+
+	for i, resp := range []*pb.StatsResponse{first, second} {
+		wantTime := t0.Add(time.Duration(i) * 7 * time.Second)
+		if got := len(resp.GetDevices()); got != 8 {
+			t.Fatalf("sample %d has %d devices, want 8", i, got)
+		}
+		for j, d := range resp.GetDevices() {
+			if want := simulatedUUID("dgxh100", j); d.GetDeviceId() != want {
+				t.Errorf("sample %d device %d ID = %q, want %q", i, j, d.GetDeviceId(), want)
+			}
+			if got := d.GetTimestamp().AsTime(); !got.Equal(wantTime) {
+				t.Errorf("sample %d timestamp = %v, want %v", i, got, wantTime)
+			}
+			for name, want := range wantStats {
+				v, ok := d.GetValues()[name]
+				if !ok {
+					t.Errorf("sample %d device %d lacks %q", i, j, name)
+					continue
+				}
+				if v.GetUnit() != want.unit || number(v) < want.min || number(v) > want.max {
+					t.Errorf("sample %d device %d %s = %v %q, want %q within [%v, %v]",
+						i, j, name, number(v), v.GetUnit(), want.unit, want.min, want.max)
+				}
+			}
+		}
+	}
+
+	// Seven seconds later every GPU's load, memory, temperature and power have moved.
+	for j := range first.GetDevices() {
+		a, b := first.GetDevices()[j].GetValues(), second.GetDevices()[j].GetValues()
+		for _, name := range []string{"gpu_utilization", "memory_used", "power"} {
+			if number(a[name]) == number(b[name]) {
+				t.Errorf("device %d %s stayed at %v over 7 s", j, name, number(a[name]))
+			}
+		}
+	}
+	// And the GPUs do not all move in step.
+	if a, b := first.GetDevices()[0].GetValues(), first.GetDevices()[1].GetValues(); number(a["power"]) == number(b["power"]) {
+		t.Errorf("GPUs 0 and 1 draw the same power %v", number(a["power"]))
+	}
+
+	if err := s.stop(t); err != nil {
+		t.Errorf("Stats returned %v after cancel, want nil", err)
+	}
+}
+
+// A second plugin instance at the same time reports the same samples: the simulation
+// is a function of time, not of the process.
+func TestStatsAreDeterministic(t *testing.T) {
+	sample := func() *pb.StatsResponse {
+		p, _ := newTestPlugin(t, Config{Simulate: "dgxb200"})
+		s := startStats(t, p, time.Second)
+		resp := s.next(t)
+		s.stop(t)
+		return resp
+	}
+	if a, b := sample(), sample(); !protoEqual(a, b) {
+		t.Errorf("two plugins at the same time disagree:\n%v\n%v", a, b)
+	}
+}
+
+// Falling behind skips the missed ticks instead of sending a burst.
+func TestStatsTicksAfterLongPause(t *testing.T) {
+	p, clk := newTestPlugin(t, Config{Simulate: "dgxa100"})
+	s := startStats(t, p, time.Second)
+	s.next(t)
+	clk.Advance(time.Hour)
+	if got, want := s.next(t).GetDevices()[0].GetTimestamp().AsTime(), t0.Add(time.Hour); !got.Equal(want) {
+		t.Errorf("sample after the pause stamped %v, want %v", got, want)
+	}
+	// The next tick is one interval after the late one, not a backlog of 3600.
+	clk.waitForTimerAt(t, t0.Add(time.Hour+time.Second))
+}
+
+func TestStatsLeaveOutIgnoredGPUs(t *testing.T) {
+	ignored := simulatedUUID("dgxh200", 0)
+	p, _ := newTestPlugin(t, Config{Simulate: "dgxh200", IgnoredGPUIDs: []string{ignored}})
+	resp := startStats(t, p, time.Second).next(t)
+	if got := len(resp.GetDevices()); got != 7 {
+		t.Errorf("got %d devices, want 7", got)
+	}
+	for _, d := range resp.GetDevices() {
+		if d.GetDeviceId() == ignored {
+			t.Errorf("stats for ignored GPU %s", ignored)
+		}
+	}
+}
