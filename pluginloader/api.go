@@ -401,7 +401,7 @@ func checkSHA256(path, wantHex string) ([]byte, error) {
 // Client is the plugin's gRPC client.
 func (p *Plugin) Client() pb.DevicePluginClient { return p.rpc }
 
-// Info is what the plugin said in GetPluginInfo.
+// Info is what the plugin said in GetPluginInfo. Shared: do not modify it.
 func (p *Plugin) Info() *pb.GetPluginInfoResponse { return p.info }
 
 // Name is the plugin's name as the host knows it (Binary.Name).
