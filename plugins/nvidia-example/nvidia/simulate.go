@@ -60,9 +60,11 @@ func simulatedUUID(machineName string, index int) string {
 // and injected faults come out of EventSet.Wait as XID events, so the plugin runs the
 // same code as on real NVML.
 //
-// The calls the plugin makes repeatedly are all answered here rather than by the
-// mock: go-nvml's mocks record every call with its arguments, which would grow without
-// bound in a long-running simulation.
+// Every call with arguments that the plugin makes repeatedly is answered here rather
+// than by the mock: go-nvml's mocks record each call with its arguments, which would
+// grow without bound in a long-running simulation. (Recording an argument-less call
+// appends a zero-size value and allocates nothing, so GetName and friends go to the
+// mock.)
 type simLib struct {
 	nvml.Interface // the mock server: Init, Shutdown, SystemGetDriverVersion, ...
 
