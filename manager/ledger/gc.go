@@ -91,8 +91,9 @@ type GC struct {
 	retry   chan struct{} // RetryNow's wake-up, coalesced
 	running atomic.Bool
 
-	// onPass, when set (by tests), is called by Run after each planning pass.
-	onPass func()
+	// onPass, when set (by tests), is called by Run after each planning pass; tick says
+	// whether the pass was due to the Interval tick.
+	onPass func(tick bool)
 }
 
 // NewGC returns a GC for l; nothing runs until Run.
@@ -139,7 +140,8 @@ type gcItem struct {
 
 type gcJob struct {
 	entry  GCEntry
-	delete bool // destroy: delete the record once its cleanup is done
+	delete bool   // destroy: delete the record once its cleanup is done
+	epoch  uint64 // gcRun.retryEpoch when the job started
 }
 
 type gcResult struct {
@@ -154,6 +156,9 @@ type gcRun struct {
 	inflight  map[string]bool // reservation ID -> job deletes
 	queue     []gcJob
 	lastSkipN int // the count last logged as over the limit with nothing released; -1: none
+	// retryEpoch counts RetryNow calls; a job started before the latest one that fails
+	// is retried at once, since RetryNow came after it began.
+	retryEpoch uint64
 }
 
 // Run works until ctx ends, then waits for the cleanups and destroys it started (they
@@ -183,20 +188,21 @@ func (g *GC) Run(ctx context.Context) error {
 	dirty, tick := true, false
 	for {
 		if len(r.queue) == 0 && dirty {
-			now := time.Now()
-			r.queue = r.plan(now, tick)
+			now, planTick := time.Now(), tick
+			r.queue = r.plan(now, planTick)
 			dirty, tick = false, false
 			if next, ok := r.nextRetry(now); ok {
 				retryTimer.Reset(next.Sub(now))
 			}
 			if g.onPass != nil {
-				g.onPass()
+				g.onPass(planTick)
 			}
 		}
 		for len(r.inflight) < g.cfg.Parallel && len(r.queue) > 0 {
 			job := r.queue[0]
 			r.queue = r.queue[1:]
 			job.entry.Attempt = r.items[job.entry.ReservationID].attempts + 1
+			job.epoch = r.retryEpoch
 			r.inflight[job.entry.ReservationID] = job.delete
 			workers.Add(1)
 			go func() {
@@ -214,6 +220,7 @@ func (g *GC) Run(ctx context.Context) error {
 		case <-retryTimer.C:
 			dirty = true
 		case <-g.retry:
+			r.retryEpoch++
 			for _, it := range r.items {
 				it.next = time.Time{}
 			}
@@ -325,6 +332,9 @@ func (r *gcRun) finish(res gcResult, now time.Time) {
 	}
 	it.attempts++
 	wait := r.backoff(it.attempts)
+	if res.job.epoch < r.retryEpoch {
+		wait = 0
+	}
 	it.next = now.Add(wait)
 	r.log.Warn("reservation cleanup failed; will retry", "reservation_id", e.ReservationID,
 		"owner_id", e.OwnerID, "plugin", e.Plugin, "attempt", it.attempts, "retry_in", wait, "error", res.err)

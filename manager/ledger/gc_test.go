@@ -1,0 +1,409 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"reflect"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// gcHarness runs a GC for a test and lets the test wait on its passes.
+type gcHarness struct {
+	g      *GC
+	passes atomic.Int64
+	ticks  atomic.Int64  // passes due to the Interval tick
+	wake   chan struct{} // coalesced: a pass happened
+	stop   func()        // cancels Run and waits for it; idempotent
+}
+
+// startGC runs a GC on l until the test ends (before l is closed).
+func startGC(t *testing.T, l *Ledger, cfg GCConfig) *gcHarness {
+	t.Helper()
+	g, err := NewGC(l, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &gcHarness{g: g, wake: make(chan struct{}, 1)}
+	g.onPass = func(tick bool) {
+		h.passes.Add(1)
+		if tick {
+			h.ticks.Add(1)
+		}
+		select {
+		case h.wake <- struct{}{}:
+		default:
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- g.Run(ctx) }()
+	var once sync.Once
+	h.stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("GC.Run: %v", err)
+			}
+		})
+	}
+	t.Cleanup(h.stop)
+	return h
+}
+
+// waitUntil waits, pass by pass, until cond holds.
+func (h *gcHarness) waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.NewTimer(10 * time.Second)
+	defer deadline.Stop()
+	for !cond() {
+		select {
+		case <-h.wake:
+		case <-deadline.C:
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+// waitTicks waits for n more passes due to the Interval tick.
+func (h *gcHarness) waitTicks(t *testing.T, n int64) {
+	t.Helper()
+	want := h.ticks.Load() + n
+	h.waitUntil(t, fmt.Sprintf("%d interval passes", n), func() bool { return h.ticks.Load() >= want })
+}
+
+// releasedN makes n released reservations, released at t0, t0+1s..., and returns them.
+func releasedN(t *testing.T, l *Ledger, n int) []device.Reservation {
+	t.Helper()
+	out := make([]device.Reservation, n)
+	for i := range n {
+		r := reserve(t, l, fmt.Sprint("owner-", i), fmt.Sprint("GPU-", i))
+		out[i] = release(t, l, r.ID, t0.Add(time.Duration(i)*time.Second))
+	}
+	return out
+}
+
+// TestGCParallelBound: no more than Parallel cleanups and destroys run at once, however
+// many are due.
+func TestGCParallelBound(t *testing.T) {
+	l := newLedger(t)
+	const n, parallel = 12, 2
+	releasedN(t, l, n)
+	var inflight, most atomic.Int32
+	started := make(chan GCEntry, n)
+	gate := make(chan struct{})
+	cleanup := func(ctx context.Context, e GCEntry) error {
+		cur := inflight.Add(1)
+		defer inflight.Add(-1)
+		for m := most.Load(); cur > m && !most.CompareAndSwap(m, cur); m = most.Load() {
+		}
+		started <- e
+		select {
+		case <-gate:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	// MaxReservations 1: eleven are destroyed (cleanup, then deletion), the newest is
+	// only cleaned up.
+	h := startGC(t, l, GCConfig{Cleanup: cleanup, Parallel: parallel, MaxReservations: 1})
+
+	timeout := time.After(10 * time.Second)
+	next := func() GCEntry {
+		t.Helper()
+		select {
+		case e := <-started:
+			return e
+		case <-timeout:
+			t.Fatalf("timed out waiting for a cleanup to start")
+			return GCEntry{}
+		}
+	}
+	var seen []string
+	for range parallel {
+		seen = append(seen, next().ReservationID)
+	}
+	for range n - parallel {
+		gate <- struct{}{} // one finishes...
+		e := next()        // ...and the next starts
+		if e.OwnerID == "" || len(e.DeviceIDs) != 1 || e.Plugin != "nvidia-example" || !e.CleanupPending {
+			t.Errorf("cleanup entry %+v lacks what the cleanup needs", e)
+		}
+		seen = append(seen, e.ReservationID)
+	}
+	for range parallel {
+		gate <- struct{}{}
+	}
+	h.waitUntil(t, "every cleanup and destroy", func() bool {
+		c := l.Counts()
+		return c.Total == 1 && c.CleanupPending == 0
+	})
+	if got := most.Load(); got != parallel {
+		t.Errorf("at most %d cleanups ran at once, want %d", got, parallel)
+	}
+	slices.Sort(seen)
+	if len(slices.Compact(seen)) != n {
+		t.Errorf("cleanups ran for %d distinct reservations, want %d (each once)", len(seen), n)
+	}
+}
+
+func TestGCOverLimitDestroysOldestReleasedFirst(t *testing.T) {
+	l := newLedger(t)
+	live := []device.Reservation{reserve(t, l, "live-1", "GPU-L1"), reserve(t, l, "live-2", "GPU-L2")}
+	released := releasedN(t, l, 6)
+	h := startGC(t, l, GCConfig{MaxReservations: 5})
+	h.waitUntil(t, "the ledger down to the limit, cleanups done", func() bool {
+		c := l.Counts()
+		return c.Total <= 5 && c.CleanupPending == 0
+	})
+	// One more pass, to see it destroys no more.
+	before := h.passes.Load()
+	h.g.RetryNow()
+	h.waitUntil(t, "one more pass", func() bool { return h.passes.Load() > before })
+
+	want := append(slices.Clone(live), released[3:]...)
+	got := listAll(t, l)
+	if !reflect.DeepEqual(ids(got), ids(want)) {
+		t.Errorf("after GC the ledger lists %v, want the live ones and the three newest released %v", ids(got), ids(want))
+	}
+}
+
+func TestGCIntervalDestroysOldReleases(t *testing.T) {
+	l := newLedger(t)
+	live := reserve(t, l, "live", "GPU-L")
+	old := release(t, l, reserve(t, l, "old", "GPU-O").ID, time.Now().Add(-time.Hour))
+	fresh := release(t, l, reserve(t, l, "fresh", "GPU-F").ID, time.Now().Add(time.Hour))
+	h := startGC(t, l, GCConfig{Interval: 5 * time.Millisecond})
+	h.waitUntil(t, "the old release destroyed", func() bool {
+		_, err := l.Get(old.ID)
+		return errors.Is(err, device.ErrNotFound)
+	})
+	h.waitTicks(t, 3)
+	if got := ids(listAll(t, l)); !reflect.DeepEqual(got, []string{live.ID, fresh.ID}) {
+		t.Errorf("after interval passes the ledger lists %v, want the live %s and the recent release %s", got, live.ID, fresh.ID)
+	}
+	if p := l.PendingCleanups(); len(p) != 0 {
+		t.Errorf("pending cleanups %v, want none: a nil Cleanup records each release cleaned", ids(p))
+	}
+}
+
+func TestGCSkipLoggedOncePerCount(t *testing.T) {
+	logs, logger := newLogCapture()
+	l := newLedger(t)
+	for i := range 3 {
+		reserve(t, l, fmt.Sprint("o", i), fmt.Sprint("GPU-", i))
+	}
+	h := startGC(t, l, GCConfig{Logger: logger, MaxReservations: 2, Interval: 2 * time.Millisecond})
+	const msg = "garbage collection due to number of reservations"
+	want := func(n int) string {
+		return fmt.Sprintf("%s (%d) is over the limit (2) skipped because no released reservations", msg, n)
+	}
+
+	h.waitTicks(t, 5)
+	lines := logs.lines(t, msg, true)
+	if len(lines) != 1 || lines[0]["@message"] != want(3) || lines[0]["@level"] != "info" {
+		t.Fatalf("after 5 passes over the limit, skip lines = %v; want one at info: %q", lines, want(3))
+	}
+
+	reserve(t, l, "o3", "GPU-3")
+	h.waitTicks(t, 5)
+	lines = logs.lines(t, msg, true)
+	if len(lines) != 2 || lines[1]["@message"] != want(4) {
+		t.Errorf("after the count changed to 4, skip lines = %v; want a second one: %q", lines, want(4))
+	}
+}
+
+func TestGCMarksOncePerReservation(t *testing.T) {
+	logs, logger := newLogCapture()
+	l := newLedger(t)
+	released := releasedN(t, l, 3)
+	var calls sync.Map // reservation ID -> *atomic.Int32
+	cleanup := func(_ context.Context, e GCEntry) error {
+		n, _ := calls.LoadOrStore(e.ReservationID, new(atomic.Int32))
+		if n.(*atomic.Int32).Add(1) <= 2 {
+			return errors.New("plugin down")
+		}
+		return nil
+	}
+	h := startGC(t, l, GCConfig{Logger: logger, Cleanup: cleanup, RetryMin: time.Millisecond, RetryMax: 2 * time.Millisecond})
+	h.waitUntil(t, "every cleanup done", func() bool { return l.Counts().CleanupPending == 0 })
+
+	marked := map[string]int{}
+	for _, line := range logs.lines(t, "marked for GC", false) {
+		if line["@level"] != "info" {
+			t.Errorf("marked for GC logged at %v, want info", line["@level"])
+		}
+		marked[line["reservation_id"].(string)]++
+	}
+	want := map[string]int{}
+	for _, r := range released {
+		want[r.ID] = 1
+	}
+	if !reflect.DeepEqual(marked, want) {
+		t.Errorf("marked for GC lines per reservation = %v, want one each %v", marked, want)
+	}
+	if warns := logs.lines(t, "reservation cleanup failed; will retry", false); len(warns) != 6 {
+		t.Errorf("%d failed-cleanup lines, want 6 (two per reservation)", len(warns))
+	}
+}
+
+func TestGCRetriesFailedCleanupWithBackoff(t *testing.T) {
+	l := newLedger(t)
+	r := releasedN(t, l, 1)[0]
+	var mu sync.Mutex
+	var attempts []int
+	cleanup := func(_ context.Context, e GCEntry) error {
+		mu.Lock()
+		defer mu.Unlock()
+		attempts = append(attempts, e.Attempt)
+		if len(attempts) <= 3 {
+			if p := l.PendingCleanups(); len(p) != 1 || p[0].ID != r.ID {
+				t.Errorf("during attempt %d, pending cleanups = %v, want [%s]", e.Attempt, ids(p), r.ID)
+			}
+			return fmt.Errorf("attempt %d: %w", e.Attempt, device.ErrPluginUnavailable)
+		}
+		return nil
+	}
+	h := startGC(t, l, GCConfig{Cleanup: cleanup, RetryMin: time.Millisecond, RetryMax: 4 * time.Millisecond})
+	h.waitUntil(t, "the cleanup to succeed", func() bool { return l.Counts().CleanupPending == 0 })
+	mu.Lock()
+	defer mu.Unlock()
+	if want := []int{1, 2, 3, 4}; !reflect.DeepEqual(attempts, want) {
+		t.Errorf("cleanup attempts %v, want %v", attempts, want)
+	}
+	if got, err := l.Get(r.ID); err != nil || got.CleanupPending {
+		t.Errorf("after the cleanup succeeded: %+v, %v; want it recorded done", got, err)
+	}
+}
+
+// TestGCPendingCleanupSurvivesRestart: a cleanup that keeps failing is still owed after
+// the GC stops and the ledger is reopened, and the next GC does it.
+func TestGCPendingCleanupSurvivesRestart(t *testing.T) {
+	path := statePath(t)
+	l, err := Open(path, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := releasedN(t, l, 1)[0]
+	failed := make(chan struct{}, 1)
+	h := startGC(t, l, GCConfig{
+		Cleanup: func(context.Context, GCEntry) error {
+			select {
+			case failed <- struct{}{}:
+			default:
+			}
+			return device.ErrPluginUnavailable
+		},
+		RetryMin: time.Hour,
+	})
+	select {
+	case <-failed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("timed out waiting for the cleanup attempt")
+	}
+	h.stop()
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	l = openLedger(t, path)
+	if p := l.PendingCleanups(); len(p) != 1 || p[0].ID != r.ID {
+		t.Fatalf("after a restart pending cleanups = %v, want [%s]", ids(p), r.ID)
+	}
+	done := make(chan GCEntry, 1)
+	h = startGC(t, l, GCConfig{Cleanup: func(_ context.Context, e GCEntry) error { done <- e; return nil }})
+	h.waitUntil(t, "the cleanup after the restart", func() bool { return l.Counts().CleanupPending == 0 })
+	if e := <-done; e.ReservationID != r.ID || e.OwnerID != r.OwnerID {
+		t.Errorf("cleanup after the restart got %+v, want reservation %s of %s", e, r.ID, r.OwnerID)
+	}
+}
+
+func TestGCRetryNowSkipsBackoff(t *testing.T) {
+	l := newLedger(t)
+	releasedN(t, l, 1)
+	var calls atomic.Int32
+	h := startGC(t, l, GCConfig{
+		Cleanup: func(context.Context, GCEntry) error {
+			if calls.Add(1) == 1 {
+				return device.ErrPluginUnavailable
+			}
+			return nil
+		},
+		RetryMin: time.Hour,
+	})
+	h.waitUntil(t, "the first attempt", func() bool { return calls.Load() == 1 })
+	h.g.RetryNow()
+	h.waitUntil(t, "the retry RetryNow asked for", func() bool { return l.Counts().CleanupPending == 0 })
+}
+
+func TestGCStopsOnCancel(t *testing.T) {
+	l := newLedger(t)
+	releasedN(t, l, 3)
+	started := make(chan struct{}, 3)
+	var canceled atomic.Int32
+	h := startGC(t, l, GCConfig{Cleanup: func(ctx context.Context, _ GCEntry) error {
+		started <- struct{}{}
+		<-ctx.Done()
+		canceled.Add(1)
+		return ctx.Err()
+	}})
+	for range 2 {
+		select {
+		case <-started:
+		case <-time.After(10 * time.Second):
+			t.Fatal("timed out waiting for cleanups to start")
+		}
+	}
+	h.stop() // returns only once Run and its workers are done; goleak checks the rest
+	if got := canceled.Load(); got != 2 {
+		t.Errorf("%d cleanups saw the cancel, want the 2 in flight", got)
+	}
+	if got := l.Counts().CleanupPending; got != 3 {
+		t.Errorf("%d cleanups pending after the stop, want all 3 still owed", got)
+	}
+}
+
+func TestGCRunTwice(t *testing.T) {
+	l := newLedger(t)
+	h := startGC(t, l, GCConfig{})
+	h.waitUntil(t, "the first pass", func() bool { return h.passes.Load() > 0 })
+	if err := h.g.Run(context.Background()); err == nil || !strings.Contains(err.Error(), "already running") {
+		t.Errorf("second Run: err = %v, want already running", err)
+	}
+}
+
+func TestNewGCRefusesNegativeConfig(t *testing.T) {
+	l := newLedger(t)
+	for _, cfg := range []GCConfig{
+		{MaxReservations: -1}, {Interval: -time.Second}, {Parallel: -1},
+		{CleanupTimeout: -1}, {RetryMin: -1}, {RetryMax: -1},
+	} {
+		if _, err := NewGC(l, cfg); err == nil {
+			t.Errorf("NewGC(%+v) succeeded, want an error", cfg)
+		}
+	}
+}
+
+func TestGCBackoff(t *testing.T) {
+	g, err := NewGC(nil, GCConfig{RetryMin: time.Second, RetryMax: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		failures int
+		base     time.Duration
+	}{{1, time.Second}, {2, 2 * time.Second}, {3, 4 * time.Second}, {4, 8 * time.Second}, {5, 10 * time.Second}, {40, 10 * time.Second}} {
+		lo, hi := time.Duration(float64(tt.base)*0.8), time.Duration(float64(tt.base)*1.2)
+		if got := g.backoff(tt.failures); got < lo || got > hi {
+			t.Errorf("backoff(%d) = %s, want within [%s, %s]", tt.failures, got, lo, hi)
+		}
+	}
+}
