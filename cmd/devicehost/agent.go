@@ -1,0 +1,229 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/server/endpoint"
+)
+
+// How long shutdown may take: the API first (open calls get this long to finish before
+// they are cut), then the manager (plugins get a graceful stop, then are killed).
+const (
+	serverShutdownTimeout  = 3 * time.Second
+	managerShutdownTimeout = 10 * time.Second
+)
+
+const agentUsage = `[-config FILE] [-dev] [flags]
+
+Runs the device host: launches the plugins, serves the host API on -listen, and stops
+cleanly on SIGINT or SIGTERM. Flags override the config file.`
+
+// agentArgs is the agent's command line, resolved.
+type agentArgs struct {
+	cfg agentConfig
+	dev bool
+	// set holds the flags given explicitly; they win over -dev's settings too.
+	set map[string]bool
+}
+
+// parseAgentArgs reads the agent's flags and config file: defaults, then the file,
+// then the flags given.
+func parseAgentArgs(env *cmdEnv, args []string) (agentArgs, error) {
+	fs := newFlagSet(env, "agent", agentUsage)
+	def := defaultAgentConfig()
+	configPath := fs.String("config", "", "HCL config `file` (flags override it)")
+	dev := fs.Bool("dev", false, "development mode: temporary state dir and socket, bundled nvidia-example plugin simulating a DGX H100")
+	listen := fs.String("listen", def.Listen, "`address` to serve on: unix:///path.sock or tcp://host:port")
+	pluginDir := fs.String("plugin-dir", def.PluginDir, "`dir`ectory of plugin executables")
+	stateDir := fs.String("state-dir", def.StateDir, "`dir`ectory for durable state")
+	logLevel := fs.String("log-level", def.LogLevel, "log `level`: trace, debug, info, warn or error")
+	logJSON := fs.Bool("log-json", false, "log JSON lines")
+	var tlsFlags endpoint.TLS
+	registerTLSFlags(fs, &tlsFlags, "the agent's certificate", "the agent's key", "CA that client certificates must chain to")
+	if err := parseFlags(fs, args); err != nil {
+		return agentArgs{}, err
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+
+	cfg := def
+	if *configPath != "" {
+		if err := loadConfigFile(*configPath, &cfg); err != nil {
+			return agentArgs{}, err
+		}
+	}
+	override := func(name string, apply func()) {
+		if set[name] {
+			apply()
+		}
+	}
+	override("listen", func() { cfg.Listen = *listen })
+	override("plugin-dir", func() { cfg.PluginDir = *pluginDir })
+	override("state-dir", func() { cfg.StateDir = *stateDir })
+	override("log-level", func() { cfg.LogLevel = *logLevel })
+	override("log-json", func() { cfg.LogJSON = *logJSON })
+	override("tls-cert", func() { cfg.TLS.Cert = tlsFlags.Cert })
+	override("tls-key", func() { cfg.TLS.Key = tlsFlags.Key })
+	override("tls-ca", func() { cfg.TLS.CA = tlsFlags.CA })
+	override("insecure", func() { cfg.TLS.Insecure = tlsFlags.Insecure })
+	if err := checkLogLevel(cfg.LogLevel); err != nil {
+		return agentArgs{}, usageError{err.Error()}
+	}
+	if _, err := endpoint.Parse(cfg.Listen); err != nil {
+		return agentArgs{}, usageError{err.Error()}
+	}
+	return agentArgs{cfg: cfg, dev: *dev, set: set}, nil
+}
+
+// runAgent is `devicehost agent`.
+func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
+	a, err := parseAgentArgs(env, args)
+	if err != nil {
+		return err
+	}
+	cfg := a.cfg
+	log := hclog.New(&hclog.LoggerOptions{
+		Level:      hclog.LevelFromString(cfg.LogLevel),
+		JSONFormat: cfg.LogJSON,
+		Output:     env.stderr,
+		Color:      hclog.ColorOff,
+	})
+
+	var banner func(endpoint.Address)
+	if a.dev {
+		dir, err := os.MkdirTemp("", "devicehost-dev-")
+		if err != nil {
+			return fmt.Errorf("dev mode: %w", err)
+		}
+		defer func() {
+			if err := os.RemoveAll(dir); err != nil {
+				log.Warn("dev mode: could not remove the temporary directory", "path", dir, "error", err)
+			}
+		}()
+		devConfig(&cfg, a.set, dir)
+		banner = func(addr endpoint.Address) { printDevBanner(env.stdout, addr, cfg.StateDir, dir) }
+	}
+	return serveAgent(ctx, cfg, log, banner)
+}
+
+// devConfig turns cfg into -dev's: socket and state in dir, no plugin dir, and the
+// bundled nvidia-example plugin simulating a DGX H100. Flags given explicitly win.
+func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
+	if !set["listen"] {
+		cfg.Listen = "unix://" + filepath.Join(dir, "devicehost.sock")
+	}
+	if !set["state-dir"] {
+		cfg.StateDir = filepath.Join(dir, "state")
+	}
+	if !set["plugin-dir"] {
+		cfg.PluginDir = ""
+	}
+	cfg.Bundled = append(cfg.Bundled, devPluginName)
+	if _, ok := cfg.Plugins[devPluginName]; !ok {
+		cfg.Plugins[devPluginName] = pluginSettings{ConfigJSON: []byte(devPluginConfig)}
+	}
+}
+
+// serveAgent runs the host until ctx ends or the API server fails. banner, if set, is
+// called once the API is listening.
+func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, banner func(endpoint.Address)) error {
+	addr, err := endpoint.Parse(cfg.Listen)
+	if err != nil {
+		return err
+	}
+	// Listen before starting any plugin, so a second agent fails at once.
+	lis, err := endpoint.Listen(addr, cfg.TLS)
+	if err != nil {
+		return err
+	}
+	mgr, err := newManager(cfg, log)
+	if err != nil {
+		lis.Close()
+		return fmt.Errorf("start the device manager: %w", err)
+	}
+	srv, err := server.New(server.Config{
+		Manager:       mgr,
+		Logger:        log.Named("server"),
+		ServerOptions: lis.ServerOptions(),
+	})
+	if err != nil {
+		lis.Close()
+		shutdownManager(mgr, log)
+		return err
+	}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(lis) }()
+	log.Info("listening", "address", lis.Address.String())
+	if banner != nil {
+		banner(lis.Address)
+	}
+
+	var serveErr error
+	select {
+	case <-ctx.Done():
+		log.Info("shutting down")
+		sctx, cancel := context.WithTimeout(context.Background(), serverShutdownTimeout)
+		srv.Shutdown(sctx)
+		cancel()
+		serveErr = <-served
+	case serveErr = <-served:
+		if serveErr == nil {
+			serveErr = errors.New("the API server stopped")
+		}
+		srv.Shutdown(context.Background())
+	}
+	shutdownManager(mgr, log)
+	if serveErr != nil {
+		return fmt.Errorf("serve the host API on %s: %w", lis.Address, serveErr)
+	}
+	log.Info("stopped")
+	return nil
+}
+
+// shutdownManager stops the manager and its plugins within managerShutdownTimeout.
+func shutdownManager(mgr interface{ Shutdown(context.Context) error }, log hclog.Logger) {
+	ctx, cancel := context.WithTimeout(context.Background(), managerShutdownTimeout)
+	defer cancel()
+	if err := mgr.Shutdown(ctx); err != nil {
+		log.Warn("device manager did not shut down cleanly", "error", err)
+	}
+}
+
+// printDevBanner tells a person where the dev agent is and what to try.
+func printDevBanner(w io.Writer, a endpoint.Address, stateDir, tmp string) {
+	self := "devicehost"
+	if exe, err := os.Executable(); err == nil && strings.Contains(exe, "go-build") {
+		self = "go run ./cmd/devicehost" // started with go run
+	}
+	addr := a.String()
+	grpcurl := "grpcurl -plaintext -unix " + a.Path
+	if a.Network == "tcp" {
+		grpcurl = "grpcurl -plaintext " + a.Host
+	}
+	fmt.Fprintf(w, `devicehost agent -dev: 8 simulated NVIDIA H100 GPUs (nvidia-example plugin, DGX H100)
+  API:    %s
+  state:  %s
+  (%s is removed on exit)
+
+Try, in another terminal:
+  export DEVICEHOST_ADDRESS=%s
+  %s devices
+  %s stats
+  %s reserve -owner demo -device <GPU ID from devices>
+  %s reservations
+  %s list
+  %s devicehost.v1.DeviceHost/Fingerprint
+
+`, addr, stateDir, tmp, addr, self, self, self, self, grpcurl, grpcurl)
+}

@@ -1,0 +1,436 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"google.golang.org/protobuf/encoding/protojson"
+
+	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/device/devicetest"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/server/endpoint"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	cleanupE2E()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintf(os.Stderr, "goleak: %v\n", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+var (
+	h100 = device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3"}
+	a100 = device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA A100"}
+	t0   = time.Date(2025, 3, 1, 12, 0, 0, 0, time.UTC)
+)
+
+// twoGroups is a snapshot of an H100 group (one device held, one unhealthy) and an A100.
+func twoGroups() device.Snapshot {
+	return device.Snapshot{
+		Time: t0,
+		Inventory: device.Inventory{Groups: []device.Group{
+			{GroupKey: a100, Plugin: "nvidia", Devices: []device.DeviceInfo{{ID: "GPU-a0"}}},
+			{GroupKey: h100, Plugin: "nvidia", Devices: []device.DeviceInfo{{ID: "GPU-0"}, {ID: "GPU-1"}, {ID: "GPU-2"}}},
+		}},
+		State: device.State{Devices: map[string]device.DeviceState{
+			"GPU-a0": {Health: device.HealthHealthy},
+			"GPU-0":  {Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "r1", OwnerID: "alloc-1"}},
+			"GPU-1":  {Health: device.HealthUnhealthy, Reason: "XID 79: fell off the bus"},
+			"GPU-2":  {Health: device.HealthHealthy},
+		}},
+	}
+}
+
+// watchOnce is a Manager.Watch that delivers snap and nothing more.
+func watchOnce(snap device.Snapshot) func(context.Context) <-chan device.Snapshot {
+	return func(context.Context) <-chan device.Snapshot {
+		ch := make(chan device.Snapshot, 1)
+		ch <- snap
+		return ch
+	}
+}
+
+// startAgent serves mgr in-process on a socket in a fresh directory and returns its
+// address. Cleanup stops the server.
+func startAgent(t *testing.T, mgr device.Manager) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "dhcli")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	addr := endpoint.Address{Network: "unix", Path: filepath.Join(dir, "devicehost.sock")}
+	lis, err := endpoint.Listen(addr, endpoint.TLS{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := server.New(server.Config{Manager: mgr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(lis) }()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		srv.Shutdown(ctx)
+		<-served
+	})
+	return addr.String()
+}
+
+// cliResult is what one in-process run of the command line produced.
+type cliResult struct {
+	stdout, stderr string
+	code           int
+}
+
+// runCLI runs devicehost with args in-process.
+func runCLI(t *testing.T, args ...string) cliResult {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	code := run(ctx, &cmdEnv{stdout: &stdout, stderr: &stderr, getenv: func(string) string { return "" }}, args)
+	return cliResult{stdout: stdout.String(), stderr: stderr.String(), code: code}
+}
+
+// mustRunCLI runs devicehost with args and fails the test unless it exits 0.
+func mustRunCLI(t *testing.T, args ...string) string {
+	t.Helper()
+	r := runCLI(t, args...)
+	if r.code != 0 {
+		t.Fatalf("devicehost %s: exit %d, stderr:\n%s", strings.Join(args, " "), r.code, r.stderr)
+	}
+	return r.stdout
+}
+
+func TestDevicesTable(t *testing.T) {
+	addr := startAgent(t, &devicetest.Fake{WatchFunc: watchOnce(twoGroups())})
+	got := mustRunCLI(t, "devices", "-address", addr)
+	want := strings.Join([]string{
+		"GROUP                             DEVICE  HEALTH     REASON                    HOLDER",
+		"nvidia/gpu/NVIDIA A100            GPU-a0  healthy    -                         -",
+		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0   healthy    -                         alloc-1 (r1)",
+		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-1   unhealthy  XID 79: fell off the bus  -",
+		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-2   healthy    -                         -",
+		"",
+	}, "\n")
+	if got != want {
+		t.Errorf("devices:\ngot\n%s\nwant\n%s", got, want)
+	}
+}
+
+func TestDevicesJSON(t *testing.T) {
+	addr := startAgent(t, &devicetest.Fake{WatchFunc: watchOnce(twoGroups())})
+	out := mustRunCLI(t, "devices", "-json", "-address", addr)
+	var fp pb.FingerprintResponse
+	if err := protojson.Unmarshal([]byte(out), &fp); err != nil {
+		t.Fatalf("devices -json output is not a FingerprintResponse: %v\n%s", err, out)
+	}
+	if got := len(fp.GetGroups()); got != 2 {
+		t.Fatalf("%d groups, want 2", got)
+	}
+	if h := fp.GetGroups()[1].GetDevices()[0].GetHolder(); h.GetOwnerId() != "alloc-1" {
+		t.Errorf("GPU-0 holder = %v, want owner alloc-1", h)
+	}
+}
+
+func TestReserveInfersGroup(t *testing.T) {
+	got := make(chan device.ReserveRequest, 1)
+	mgr := &devicetest.Fake{
+		WatchFunc: watchOnce(twoGroups()),
+		ReserveFunc: func(_ context.Context, req device.ReserveRequest) (device.Reservation, error) {
+			got <- req
+			return device.Reservation{ID: "r2", Container: device.ContainerReservation{
+				Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": strings.Join(req.DeviceIDs, ",")},
+				CDIDevices: []string{"nvidia.com/gpu=GPU-2", "nvidia.com/gpu=GPU-1"},
+				Devices:    []device.DeviceSpec{{HostPath: "/dev/nvidia2", ContainerPath: "/dev/nvidia2", Permissions: "rw"}},
+				Mounts:     []device.Mount{{HostPath: "/usr/lib/nv", ContainerPath: "/usr/lib/nv", ReadOnly: true}},
+			}}, nil
+		},
+	}
+	addr := startAgent(t, mgr)
+	out := mustRunCLI(t, "reserve", "-address", addr, "-owner", "alloc-2", "-device", "GPU-2", "-device", "GPU-1")
+	req := <-got
+	want := device.ReserveRequest{OwnerID: "alloc-2", Group: h100, DeviceIDs: []string{"GPU-2", "GPU-1"}}
+	if fmt.Sprint(req) != fmt.Sprint(want) {
+		t.Errorf("Reserve request = %+v, want %+v", req, want)
+	}
+	wantOut := strings.Join([]string{
+		"RESERVATION  r2",
+		"env          NVIDIA_VISIBLE_DEVICES=GPU-2,GPU-1",
+		"cdi          nvidia.com/gpu=GPU-2",
+		"cdi          nvidia.com/gpu=GPU-1",
+		"mount        /usr/lib/nv -> /usr/lib/nv (ro)",
+		"device       /dev/nvidia2 -> /dev/nvidia2 (rw)",
+		"",
+	}, "\n")
+	if out != wantOut {
+		t.Errorf("reserve output:\ngot\n%s\nwant\n%s", out, wantOut)
+	}
+}
+
+func TestReserveGroupChoice(t *testing.T) {
+	dup := twoGroups()
+	dup.Inventory.Groups[0].Devices = append(dup.Inventory.Groups[0].Devices, device.DeviceInfo{ID: "GPU-2"})
+	tests := []struct {
+		name      string
+		snap      device.Snapshot
+		args      []string
+		wantGroup device.GroupKey
+		wantErr   string
+	}{
+		{"unknown device", twoGroups(), []string{"-device", "GPU-9"}, device.GroupKey{},
+			"device GPU-9: the agent reports no such device"},
+		{"devices of two groups", twoGroups(), []string{"-device", "GPU-a0", "-device", "GPU-0"}, device.GroupKey{},
+			"are not all in one group"},
+		{"ambiguous ID", dup, []string{"-device", "GPU-2"}, device.GroupKey{},
+			"in more than one group (nvidia/gpu/NVIDIA A100, nvidia/gpu/NVIDIA H100 80GB HBM3); choose with -vendor, -type and -name"},
+		{"ambiguity resolved by -name", dup, []string{"-device", "GPU-2", "-name", "NVIDIA A100"}, a100, ""},
+		{"comma-separated devices", twoGroups(), []string{"-device", "GPU-0,GPU-2"}, h100, ""},
+		{"group forced: no look-up", device.Snapshot{}, []string{"-device", "X", "-vendor", "v", "-type", "t", "-name", "n"},
+			device.GroupKey{Vendor: "v", Type: "t", Name: "n"}, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := make(chan device.ReserveRequest, 1)
+			mgr := &devicetest.Fake{
+				ReserveFunc: func(_ context.Context, req device.ReserveRequest) (device.Reservation, error) {
+					got <- req
+					return device.Reservation{ID: "r"}, nil
+				},
+			}
+			if tt.snap.Inventory.Groups != nil {
+				mgr.WatchFunc = watchOnce(tt.snap)
+			} // else Watch's stream ends at once: a look-up would fail
+			addr := startAgent(t, mgr)
+			r := runCLI(t, append([]string{"reserve", "-address", addr, "-owner", "o"}, tt.args...)...)
+			if tt.wantErr != "" {
+				if r.code != 1 || !strings.Contains(r.stderr, tt.wantErr) {
+					t.Errorf("exit %d stderr %q, want exit 1 and %q", r.code, r.stderr, tt.wantErr)
+				}
+				if len(got) != 0 {
+					t.Errorf("Reserve was called: %+v", <-got)
+				}
+				return
+			}
+			if r.code != 0 {
+				t.Fatalf("exit %d: %s", r.code, r.stderr)
+			}
+			if req := <-got; req.Group != tt.wantGroup {
+				t.Errorf("group = %v, want %v", req.Group, tt.wantGroup)
+			}
+		})
+	}
+}
+
+func TestCallErrorsAreOneLineAndExit1(t *testing.T) {
+	mgr := &devicetest.Fake{
+		WatchFunc: watchOnce(twoGroups()),
+		ReserveFunc: func(context.Context, device.ReserveRequest) (device.Reservation, error) {
+			return device.Reservation{}, fmt.Errorf("GPU-0 held by reservation r1 of owner alloc-1: %w", device.ErrDeviceHeld)
+		},
+	}
+	addr := startAgent(t, mgr)
+	r := runCLI(t, "reserve", "-address", addr, "-owner", "alloc-2", "-device", "GPU-0")
+	want := "devicehost: reserve: GPU-0 held by reservation r1 of owner alloc-1: device held (FailedPrecondition)\n"
+	if r.code != 1 || r.stderr != want {
+		t.Errorf("exit %d stderr %q, want exit 1 and %q", r.code, r.stderr, want)
+	}
+}
+
+func TestUnreachableAgent(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "nobody.sock")
+	for _, cmd := range []string{"devices", "stats", "plugins", "reservations"} {
+		t.Run(cmd, func(t *testing.T) {
+			start := time.Now()
+			r := runCLI(t, cmd, "-address", "unix://"+sock)
+			prefix := "devicehost: cannot reach agent at unix://" + sock + ": "
+			if r.code != 1 || !strings.HasPrefix(r.stderr, prefix) || strings.Count(r.stderr, "\n") != 1 {
+				t.Errorf("exit %d stderr %q, want exit 1 and one line starting %q", r.code, r.stderr, prefix)
+			}
+			if !strings.Contains(r.stderr, "no such file or directory") {
+				t.Errorf("stderr %q does not say why", r.stderr)
+			}
+			if elapsed := time.Since(start); elapsed >= reachTimeout {
+				t.Errorf("took %v: waited for the reach timeout instead of failing at once", elapsed)
+			}
+		})
+	}
+}
+
+func TestPluginsTable(t *testing.T) {
+	mgr := &devicetest.Fake{StateFunc: func() device.State {
+		return device.State{Plugins: []device.PluginState{
+			{Name: "acme", Version: "1.2.0", Status: device.PluginFailed, Restarts: 5, LastError: "exit status 2\nbad config"},
+			{Name: "nvidia-example", Version: "0.1.0", Status: device.PluginRunning, DeviceCount: 8},
+		}}
+	}}
+	addr := startAgent(t, mgr)
+	got := mustRunCLI(t, "plugins", "-address", addr)
+	want := strings.Join([]string{
+		"PLUGIN          VERSION  STATUS   DEVICES  RESTARTS  NEXT RETRY  LAST ERROR",
+		"acme            1.2.0    failed   0        5         -           exit status 2 bad config",
+		"nvidia-example  0.1.0    running  8        0         -           -",
+		"",
+	}, "\n")
+	if got != want {
+		t.Errorf("plugins:\ngot\n%s\nwant\n%s", got, want)
+	}
+}
+
+func TestReleaseAndReservations(t *testing.T) {
+	var mu sync.Mutex
+	var releases []device.ReleaseRequest
+	var filters []device.ReservationFilter
+	mgr := &devicetest.Fake{
+		ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) ([]string, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			releases = append(releases, req)
+			if req.ReservationID == "gone" {
+				return nil, fmt.Errorf("reservation gone: %w", device.ErrNotFound)
+			}
+			return []string{"r1"}, nil
+		},
+		ReservationsFunc: func(_ context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			filters = append(filters, f)
+			return []device.Reservation{{ID: "r1", OwnerID: "alloc-1", Group: h100, DeviceIDs: []string{"GPU-0", "GPU-2"},
+				State: device.ReservationReleased, CleanupPending: true}}, nil
+		},
+	}
+	addr := startAgent(t, mgr)
+
+	if got, want := mustRunCLI(t, "release", "-address", addr, "-owner", "alloc-1"), "released r1\n"; got != want {
+		t.Errorf("release output %q, want %q", got, want)
+	}
+	r := runCLI(t, "release", "-address", addr, "-reservation", "gone")
+	if r.code != 1 || !strings.Contains(r.stderr, "(NotFound)") {
+		t.Errorf("release of an unknown reservation: exit %d stderr %q, want exit 1 and NotFound", r.code, r.stderr)
+	}
+	got := mustRunCLI(t, "reservations", "-address", addr, "-device", "GPU-2", "-state", "released")
+	want := strings.Join([]string{
+		"RESERVATION  OWNER    GROUP                             DEVICES      STATE                       CREATED  RELEASED",
+		"r1           alloc-1  nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0,GPU-2  released (cleanup pending)  -        -",
+		"",
+	}, "\n")
+	if got != want {
+		t.Errorf("reservations:\ngot\n%s\nwant\n%s", got, want)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	wantReleases := []device.ReleaseRequest{{OwnerID: "alloc-1"}, {ReservationID: "gone"}}
+	if fmt.Sprint(releases) != fmt.Sprint(wantReleases) {
+		t.Errorf("releases = %+v, want %+v", releases, wantReleases)
+	}
+	wantFilters := []device.ReservationFilter{{DeviceID: "GPU-2", State: device.ReservationReleased}}
+	if fmt.Sprint(filters) != fmt.Sprint(wantFilters) {
+		t.Errorf("filters = %+v, want %+v", filters, wantFilters)
+	}
+}
+
+func TestUsageErrorsExit2(t *testing.T) {
+	tests := [][]string{
+		{"reserve", "-device", "GPU-0"},
+		{"reserve", "-owner", "o"},
+		{"release"},
+		{"release", "-owner", "o", "-reservation", "r"},
+		{"reservations", "-state", "pending"},
+		{"stats", "-interval", "-1s"},
+		{"devices", "-address", "localhost:80"},
+		{"devices", "extra"},
+		{"frobnicate"},
+		{},
+	}
+	for _, args := range tests {
+		t.Run(strings.Join(args, " "), func(t *testing.T) {
+			if r := runCLI(t, args...); r.code != 2 {
+				t.Errorf("exit %d (stderr %q), want 2", r.code, r.stderr)
+			}
+		})
+	}
+}
+
+func TestStatsOnce(t *testing.T) {
+	snap := device.StatsSnapshot{Time: t0, Groups: []device.GroupStats{{
+		GroupKey: h100, Plugin: "nvidia",
+		Devices: []device.DeviceStats{
+			{ID: "GPU-0", Values: map[string]device.Value{
+				"gpu_utilization": {Kind: device.KindInt, Int: 42, Unit: "%"},
+				"power":           {Kind: device.KindFloat, Float: 301.256, Unit: "W"},
+			}},
+			{ID: "GPU-2", Values: map[string]device.Value{
+				"gpu_utilization":      {Kind: device.KindInt, Int: 7, Unit: "%"},
+				"ecc_errors_corrected": {Kind: device.KindInt, Int: 3, Unit: "count"},
+			}},
+		},
+	}}}
+	intervals := make(chan time.Duration, 2)
+	mgr := &devicetest.Fake{WatchStatsFunc: func(_ context.Context, interval time.Duration) <-chan device.StatsSnapshot {
+		intervals <- interval
+		ch := make(chan device.StatsSnapshot, 1)
+		ch <- snap
+		return ch
+	}}
+	addr := startAgent(t, mgr)
+
+	out := mustRunCLI(t, "stats", "-once", "-interval", "2s", "-address", addr)
+	if got := <-intervals; got != 2*time.Second {
+		t.Errorf("interval asked = %v, want 2s", got)
+	}
+	wantTable := strings.Join([]string{
+		"",
+		"nvidia/gpu/NVIDIA H100 80GB HBM3 (plugin nvidia)",
+		"DEVICE  ecc_errors_corrected  gpu_utilization  power",
+		"GPU-0   -                     42 %             301.26 W",
+		"GPU-2   3                     7 %              -",
+		"",
+	}, "\n")
+	if _, table, ok := strings.Cut(out, "\n"); !ok || table != wantTable {
+		t.Errorf("stats -once:\ngot\n%s\nwant (after the time line)\n%s", out, wantTable)
+	}
+
+	out = mustRunCLI(t, "stats", "-once", "-json", "-address", addr)
+	<-intervals
+	if strings.Count(out, "\n") != 1 {
+		t.Errorf("stats -once -json printed %d lines, want 1:\n%s", strings.Count(out, "\n"), out)
+	}
+	var resp pb.StatsResponse
+	if err := protojson.Unmarshal([]byte(out), &resp); err != nil {
+		t.Fatalf("not a StatsResponse: %v", err)
+	}
+	if got := resp.GetGroups()[0].GetDevices()[0].GetValues()["gpu_utilization"].GetIntValue(); got != 42 {
+		t.Errorf("GPU-0 gpu_utilization = %d, want 42", got)
+	}
+}
+
+func TestStatsEndsWhenTheAgentGoesAway(t *testing.T) {
+	mgr := &devicetest.Fake{WatchStatsFunc: func(context.Context, time.Duration) <-chan device.StatsSnapshot {
+		ch := make(chan device.StatsSnapshot)
+		close(ch) // the manager shut down
+		return ch
+	}}
+	addr := startAgent(t, mgr)
+	r := runCLI(t, "stats", "-address", addr)
+	if r.code != 1 || !strings.Contains(r.stderr, "(Unavailable)") {
+		t.Errorf("exit %d stderr %q, want exit 1 and Unavailable", r.code, r.stderr)
+	}
+}

@@ -1,0 +1,406 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/big"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/hashicorp/hcl/v2"
+	"github.com/hashicorp/hcl/v2/gohcl"
+	"github.com/hashicorp/hcl/v2/hclparse"
+	"github.com/zclconf/go-cty/cty"
+	"github.com/zclconf/go-cty/cty/convert"
+
+	"github.com/devicehost/devicehost/server/endpoint"
+)
+
+// Defaults of the agent's settings. Durations left zero are the manager's defaults.
+const (
+	defaultPluginDir          = "/opt/devicehost/plugins"
+	defaultStateDir           = "/var/lib/devicehost"
+	defaultLogLevel           = "info"
+	defaultGCParallelDestroys = 2
+)
+
+// agentConfig is the agent's configuration: defaults, then the config file, then flags.
+// Zero durations and GCMaxReservations mean the manager's defaults.
+type agentConfig struct {
+	Listen    string
+	PluginDir string
+	StateDir  string
+	LogLevel  string
+	LogJSON   bool
+	TLS       endpoint.TLS
+
+	StatsInterval  time.Duration
+	ReserveTimeout time.Duration
+	StartTimeout   time.Duration
+	ReadyTimeout   time.Duration
+
+	// Garbage collection of released reservations (issue 5); read and checked here,
+	// handed to the manager once it takes them.
+	GCInterval         time.Duration
+	GCMaxReservations  int
+	GCParallelDestroys int
+
+	// Plugins by plugin (binary) name.
+	Plugins map[string]pluginSettings
+	// Bundled names plugins built into this binary to run by re-executing it
+	// (`devicehost plugin <name>`); agent -dev sets it.
+	Bundled []string
+}
+
+// pluginSettings is one `plugin "name" { ... }` block.
+type pluginSettings struct {
+	SHA256     string
+	Env        []string
+	InheritEnv bool
+	// ConfigJSON is the block's `config { ... }` as a JSON object; nil without one.
+	ConfigJSON []byte
+}
+
+func defaultAgentConfig() agentConfig {
+	return agentConfig{
+		Listen:             endpoint.DefaultAddress,
+		PluginDir:          defaultPluginDir,
+		StateDir:           defaultStateDir,
+		LogLevel:           defaultLogLevel,
+		GCParallelDestroys: defaultGCParallelDestroys,
+		Plugins:            map[string]pluginSettings{},
+	}
+}
+
+// fileSchema is the top level of the config file. Every attribute is decoded as an
+// *hcl.Attribute (nil when absent) so that a bad value is reported at its own line.
+type fileSchema struct {
+	Listen             *hcl.Attribute `hcl:"listen,optional"`
+	PluginDir          *hcl.Attribute `hcl:"plugin_dir,optional"`
+	StateDir           *hcl.Attribute `hcl:"state_dir,optional"`
+	StatsInterval      *hcl.Attribute `hcl:"stats_interval,optional"`
+	LogLevel           *hcl.Attribute `hcl:"log_level,optional"`
+	LogJSON            *hcl.Attribute `hcl:"log_json,optional"`
+	ReserveTimeout     *hcl.Attribute `hcl:"reserve_timeout,optional"`
+	StartTimeout       *hcl.Attribute `hcl:"start_timeout,optional"`
+	ReadyTimeout       *hcl.Attribute `hcl:"ready_timeout,optional"`
+	GCInterval         *hcl.Attribute `hcl:"gc_interval,optional"`
+	GCMaxReservations  *hcl.Attribute `hcl:"gc_max_reservations,optional"`
+	GCParallelDestroys *hcl.Attribute `hcl:"gc_parallel_destroys,optional"`
+	TLSCert            *hcl.Attribute `hcl:"tls_cert,optional"`
+	TLSKey             *hcl.Attribute `hcl:"tls_key,optional"`
+	TLSCA              *hcl.Attribute `hcl:"tls_ca,optional"`
+	Insecure           *hcl.Attribute `hcl:"insecure,optional"`
+	Plugins            []pluginSchema `hcl:"plugin,block"`
+}
+
+type pluginSchema struct {
+	Name       string         `hcl:"name,label"`
+	SHA256     *hcl.Attribute `hcl:"sha256,optional"`
+	Env        *hcl.Attribute `hcl:"env,optional"`
+	InheritEnv *hcl.Attribute `hcl:"inherit_env,optional"`
+	Config     *configSchema  `hcl:"config,block"`
+	DefRange   hcl.Range      `hcl:",def_range"`
+}
+
+// configSchema is a plugin's free-form config block, handed to the plugin as JSON.
+type configSchema struct {
+	Body hcl.Body `hcl:",remain"`
+}
+
+// loadConfigFile reads an HCL (or, for a .json name, HCL JSON) config file over cfg.
+// Every problem is reported with the file, line and key.
+func loadConfigFile(path string, cfg *agentConfig) error {
+	parser := hclparse.NewParser()
+	var file *hcl.File
+	var diags hcl.Diagnostics
+	if strings.HasSuffix(path, ".json") {
+		file, diags = parser.ParseJSONFile(path)
+	} else {
+		file, diags = parser.ParseHCLFile(path)
+	}
+	if diags.HasErrors() {
+		return diagError(path, diags)
+	}
+	var fs fileSchema
+	if diags := gohcl.DecodeBody(file.Body, nil, &fs); diags.HasErrors() {
+		return diagError(path, diags)
+	}
+	var d decoder
+	d.str(fs.Listen, &cfg.Listen)
+	d.str(fs.PluginDir, &cfg.PluginDir)
+	d.str(fs.StateDir, &cfg.StateDir)
+	d.logLevel(fs.LogLevel, &cfg.LogLevel)
+	d.boolean(fs.LogJSON, &cfg.LogJSON)
+	d.duration(fs.StatsInterval, &cfg.StatsInterval)
+	d.duration(fs.ReserveTimeout, &cfg.ReserveTimeout)
+	d.duration(fs.StartTimeout, &cfg.StartTimeout)
+	d.duration(fs.ReadyTimeout, &cfg.ReadyTimeout)
+	d.duration(fs.GCInterval, &cfg.GCInterval)
+	d.integer(fs.GCMaxReservations, 0, &cfg.GCMaxReservations)
+	d.integer(fs.GCParallelDestroys, 1, &cfg.GCParallelDestroys)
+	d.str(fs.TLSCert, &cfg.TLS.Cert)
+	d.str(fs.TLSKey, &cfg.TLS.Key)
+	d.str(fs.TLSCA, &cfg.TLS.CA)
+	d.boolean(fs.Insecure, &cfg.TLS.Insecure)
+	if fs.Listen != nil && !d.diags.HasErrors() {
+		if _, err := endpoint.Parse(cfg.Listen); err != nil {
+			d.fail(fs.Listen, "Invalid address", err.Error())
+		}
+	}
+
+	seen := map[string]hcl.Range{}
+	for _, p := range fs.Plugins {
+		if first, dup := seen[p.Name]; dup {
+			d.diags = append(d.diags, &hcl.Diagnostic{
+				Severity: hcl.DiagError,
+				Summary:  "Duplicate plugin block",
+				Detail:   fmt.Sprintf("plugin %q is already configured at line %d.", p.Name, first.Start.Line),
+				Subject:  p.DefRange.Ptr(),
+			})
+			continue
+		}
+		seen[p.Name] = p.DefRange
+		var ps pluginSettings
+		d.str(p.SHA256, &ps.SHA256)
+		d.env(p.Env, &ps.Env)
+		d.boolean(p.InheritEnv, &ps.InheritEnv)
+		if p.Config != nil {
+			ps.ConfigJSON = d.configJSON(p.Config.Body)
+		}
+		cfg.Plugins[p.Name] = ps
+	}
+	if d.diags.HasErrors() {
+		return diagError(path, d.diags)
+	}
+	return nil
+}
+
+// decoder converts attributes to Go values, collecting diagnostics that point at the
+// attribute's value and name its key.
+type decoder struct {
+	diags hcl.Diagnostics
+}
+
+func (d *decoder) fail(a *hcl.Attribute, summary, detail string) {
+	d.diags = append(d.diags, &hcl.Diagnostic{
+		Severity: hcl.DiagError,
+		Summary:  summary,
+		Detail:   fmt.Sprintf("%s: %s", a.Name, detail),
+		Subject:  a.Expr.Range().Ptr(),
+	})
+}
+
+// value evaluates a as type ty; ok is false (with a diagnostic) when it cannot.
+func (d *decoder) value(a *hcl.Attribute, ty cty.Type) (cty.Value, bool) {
+	v, diags := a.Expr.Value(nil)
+	if diags.HasErrors() {
+		d.diags = append(d.diags, diags...)
+		return cty.NilVal, false
+	}
+	if v.IsNull() {
+		d.fail(a, "Invalid value", "must not be null")
+		return cty.NilVal, false
+	}
+	cv, err := convert.Convert(v, ty)
+	if err != nil {
+		d.fail(a, "Invalid value", fmt.Sprintf("want a %s: %v", ty.FriendlyName(), err))
+		return cty.NilVal, false
+	}
+	return cv, true
+}
+
+func (d *decoder) str(a *hcl.Attribute, out *string) {
+	if a == nil {
+		return
+	}
+	if v, ok := d.value(a, cty.String); ok {
+		*out = v.AsString()
+	}
+}
+
+func (d *decoder) boolean(a *hcl.Attribute, out *bool) {
+	if a == nil {
+		return
+	}
+	if v, ok := d.value(a, cty.Bool); ok {
+		*out = v.True()
+	}
+}
+
+func (d *decoder) duration(a *hcl.Attribute, out *time.Duration) {
+	if a == nil {
+		return
+	}
+	v, ok := d.value(a, cty.String)
+	if !ok {
+		return
+	}
+	dur, err := time.ParseDuration(v.AsString())
+	switch {
+	case err != nil:
+		d.fail(a, "Invalid duration", fmt.Sprintf("%q is not a duration; want e.g. \"500ms\", \"1s\" or \"2m\"", v.AsString()))
+	case dur < 0:
+		d.fail(a, "Invalid duration", fmt.Sprintf("%q is negative", v.AsString()))
+	default:
+		*out = dur
+	}
+}
+
+func (d *decoder) integer(a *hcl.Attribute, min int, out *int) {
+	if a == nil {
+		return
+	}
+	v, ok := d.value(a, cty.Number)
+	if !ok {
+		return
+	}
+	bf := v.AsBigFloat()
+	n, acc := bf.Int64()
+	if !bf.IsInt() || acc != big.Exact || n < int64(min) || n > 1<<31 {
+		d.fail(a, "Invalid number", fmt.Sprintf("%s is not a whole number of at least %d", bf.Text('g', -1), min))
+		return
+	}
+	*out = int(n)
+}
+
+func (d *decoder) logLevel(a *hcl.Attribute, out *string) {
+	if a == nil {
+		return
+	}
+	var s string
+	d.str(a, &s)
+	if s == "" {
+		return
+	}
+	if err := checkLogLevel(s); err != nil {
+		d.fail(a, "Invalid log level", err.Error())
+		return
+	}
+	*out = s
+}
+
+var envName = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*=`)
+
+func (d *decoder) env(a *hcl.Attribute, out *[]string) {
+	if a == nil {
+		return
+	}
+	v, ok := d.value(a, cty.List(cty.String))
+	if !ok {
+		return
+	}
+	var env []string
+	for i, e := range v.AsValueSlice() {
+		s := e.AsString()
+		if !envName.MatchString(s) {
+			d.fail(a, "Invalid environment", fmt.Sprintf("entry %d (%q) is not NAME=value", i, s))
+			return
+		}
+		env = append(env, s)
+	}
+	*out = env
+}
+
+// configJSON converts a plugin's config block to a JSON object. Its attributes may hold
+// any HCL value (strings, numbers, bools, lists, objects); nested blocks are not
+// allowed, write `name = { ... }` instead.
+func (d *decoder) configJSON(body hcl.Body) []byte {
+	attrs, diags := body.JustAttributes()
+	if diags.HasErrors() {
+		d.diags = append(d.diags, diags...)
+		return nil
+	}
+	obj := make(map[string]any, len(attrs))
+	for name, a := range attrs {
+		v, diags := a.Expr.Value(nil)
+		if diags.HasErrors() {
+			d.diags = append(d.diags, diags...)
+			continue
+		}
+		gv, err := ctyToJSON(v)
+		if err != nil {
+			d.fail(a, "Invalid plugin config value", err.Error())
+			continue
+		}
+		obj[name] = gv
+	}
+	data, err := json.Marshal(obj) // map keys are sorted: the same file gives the same JSON
+	if err != nil {
+		d.diags = append(d.diags, &hcl.Diagnostic{Severity: hcl.DiagError, Summary: "Invalid plugin config", Detail: err.Error()})
+		return nil
+	}
+	return data
+}
+
+// ctyToJSON converts a known cty value to what encoding/json marshals to the same JSON.
+func ctyToJSON(v cty.Value) (any, error) {
+	if !v.IsKnown() {
+		return nil, errors.New("value is not known")
+	}
+	if v.IsNull() {
+		return nil, nil
+	}
+	ty := v.Type()
+	switch {
+	case ty == cty.String:
+		return v.AsString(), nil
+	case ty == cty.Bool:
+		return v.True(), nil
+	case ty == cty.Number:
+		return json.Number(v.AsBigFloat().Text('g', -1)), nil
+	case ty.IsListType() || ty.IsTupleType() || ty.IsSetType():
+		out := []any{}
+		for _, e := range v.AsValueSlice() {
+			ge, err := ctyToJSON(e)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, ge)
+		}
+		return out, nil
+	case ty.IsMapType() || ty.IsObjectType():
+		out := map[string]any{}
+		for k, e := range v.AsValueMap() {
+			ge, err := ctyToJSON(e)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", k, err)
+			}
+			out[k] = ge
+		}
+		return out, nil
+	default:
+		return nil, fmt.Errorf("a %s cannot be passed to a plugin", ty.FriendlyName())
+	}
+}
+
+// diagError renders diagnostics as "file:line,column: summary; detail", one per line.
+func diagError(path string, diags hcl.Diagnostics) error {
+	var lines []string
+	for _, d := range diags {
+		if d.Severity != hcl.DiagError {
+			continue
+		}
+		where := path
+		if d.Subject != nil {
+			where = fmt.Sprintf("%s:%d,%d", d.Subject.Filename, d.Subject.Start.Line, d.Subject.Start.Column)
+		}
+		line := where + ": " + d.Summary
+		if d.Detail != "" {
+			line += "; " + d.Detail
+		}
+		lines = append(lines, line)
+	}
+	return fmt.Errorf("config %s:\n  %s", path, strings.Join(lines, "\n  "))
+}
+
+// checkLogLevel accepts the levels hclog knows.
+func checkLogLevel(s string) error {
+	if hclog.LevelFromString(s) == hclog.NoLevel {
+		return fmt.Errorf("%q is not a log level; want trace, debug, info, warn or error", s)
+	}
+	return nil
+}

@@ -1,0 +1,252 @@
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/devicehost/devicehost/server/endpoint"
+)
+
+// writeConfig writes content to a config file in a temporary directory and returns
+// its path.
+func writeConfig(t *testing.T, name, content string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), name)
+	if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestLoadConfigFile(t *testing.T) {
+	path := writeConfig(t, "devicehost.hcl", `
+listen               = "tcp://127.0.0.1:7070"
+plugin_dir           = "/srv/plugins"
+state_dir            = "/srv/state"
+stats_interval       = "500ms"
+log_level            = "debug"
+log_json             = true
+reserve_timeout      = "5s"
+start_timeout        = "20s"
+ready_timeout        = "1m"
+gc_interval          = "10m"
+gc_max_reservations  = 5000
+gc_parallel_destroys = 4
+tls_cert             = "/etc/dh/cert.pem"
+tls_key              = "/etc/dh/key.pem"
+tls_ca               = "/etc/dh/ca.pem"
+
+plugin "nvidia-example" {
+  sha256      = "abc123"
+  env         = ["NVIDIA_DRIVER_ROOT=/run/nvidia", "DEBUG=1"]
+  inherit_env = true
+  config {
+    simulate      = "dgxh100"
+    health_period = "5s"
+    ignored_xids  = [13, 31]
+    limits        = { max = 8, strict = true }
+  }
+}
+
+plugin "fpga" {}
+`)
+	cfg := defaultAgentConfig()
+	if err := loadConfigFile(path, &cfg); err != nil {
+		t.Fatalf("loadConfigFile: %v", err)
+	}
+	want := agentConfig{
+		Listen:             "tcp://127.0.0.1:7070",
+		PluginDir:          "/srv/plugins",
+		StateDir:           "/srv/state",
+		LogLevel:           "debug",
+		LogJSON:            true,
+		TLS:                endpoint.TLS{Cert: "/etc/dh/cert.pem", Key: "/etc/dh/key.pem", CA: "/etc/dh/ca.pem"},
+		StatsInterval:      500 * time.Millisecond,
+		ReserveTimeout:     5 * time.Second,
+		StartTimeout:       20 * time.Second,
+		ReadyTimeout:       time.Minute,
+		GCInterval:         10 * time.Minute,
+		GCMaxReservations:  5000,
+		GCParallelDestroys: 4,
+		Plugins: map[string]pluginSettings{
+			"nvidia-example": {
+				SHA256:     "abc123",
+				Env:        []string{"NVIDIA_DRIVER_ROOT=/run/nvidia", "DEBUG=1"},
+				InheritEnv: true,
+				ConfigJSON: []byte(`{"health_period":"5s","ignored_xids":[13,31],"limits":{"max":8,"strict":true},"simulate":"dgxh100"}`),
+			},
+			"fpga": {},
+		},
+	}
+	if !reflect.DeepEqual(cfg, want) {
+		t.Errorf("config:\ngot  %+v\nwant %+v", cfg, want)
+		for name := range want.Plugins {
+			t.Logf("plugin %s config JSON: got %s want %s", name, cfg.Plugins[name].ConfigJSON, want.Plugins[name].ConfigJSON)
+		}
+	}
+}
+
+func TestLoadConfigFileKeepsDefaults(t *testing.T) {
+	path := writeConfig(t, "devicehost.hcl", `plugin "nvidia-example" {
+  config { simulate = "dgxa100" }
+}
+`)
+	cfg := defaultAgentConfig()
+	if err := loadConfigFile(path, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	want := defaultAgentConfig()
+	want.Plugins["nvidia-example"] = pluginSettings{ConfigJSON: []byte(`{"simulate":"dgxa100"}`)}
+	if !reflect.DeepEqual(cfg, want) {
+		t.Errorf("config:\ngot  %+v\nwant %+v", cfg, want)
+	}
+}
+
+func TestLoadConfigFileJSON(t *testing.T) {
+	path := writeConfig(t, "devicehost.json", `{
+  "listen": "unix:///tmp/dh.sock",
+  "stats_interval": "2s",
+  "plugin": {"nvidia-example": {"config": {"simulate": "dgxb200"}}}
+}`)
+	cfg := defaultAgentConfig()
+	if err := loadConfigFile(path, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Listen != "unix:///tmp/dh.sock" || cfg.StatsInterval != 2*time.Second {
+		t.Errorf("listen %q stats_interval %v, want unix:///tmp/dh.sock and 2s", cfg.Listen, cfg.StatsInterval)
+	}
+	if got, want := string(cfg.Plugins["nvidia-example"].ConfigJSON), `{"simulate":"dgxb200"}`; got != want {
+		t.Errorf("plugin config JSON = %s, want %s", got, want)
+	}
+}
+
+func TestLoadConfigFileErrors(t *testing.T) {
+	tests := []struct {
+		name    string
+		content string
+		line    int      // the line the error must point at
+		want    []string // and what it must say (the key, the problem)
+	}{
+		{"unknown key", "listen = \"unix:///x.sock\"\nlisten_adress = \"x\"\n", 2,
+			[]string{"Unsupported argument", `"listen_adress"`}},
+		{"bad duration", "log_level = \"info\"\n\nstats_interval = \"fast\"\n", 3,
+			[]string{"stats_interval", `"fast" is not a duration`}},
+		{"negative duration", "reserve_timeout = \"-1s\"\n", 1, []string{"reserve_timeout", "negative"}},
+		{"number where a duration goes", "ready_timeout = 30\n", 1, []string{"ready_timeout", "not a duration"}},
+		{"wrong type", "log_json = \"very\"\n", 1, []string{"log_json", "want a bool"}},
+		{"bad log level", "\nlog_level = \"loud\"\n", 2, []string{"log_level", `"loud" is not a log level`}},
+		{"bad address", "listen = \"/run/dh.sock\"\n", 1, []string{"listen", "want unix:///path.sock"}},
+		{"fractional count", "gc_max_reservations = 1.5\n", 1, []string{"gc_max_reservations", "whole number"}},
+		{"zero parallel destroys", "gc_parallel_destroys = 0\n", 1, []string{"gc_parallel_destroys", "at least 1"}},
+		{"unknown plugin key", "plugin \"p\" {\n  sha = \"x\"\n}\n", 2, []string{"Unsupported argument", `"sha"`}},
+		{"bad env entry", "plugin \"p\" {\n  env = [\"A=1\", \"oops\"]\n}\n", 2, []string{"env", `entry 1 ("oops") is not NAME=value`}},
+		{"duplicate plugin", "plugin \"p\" {}\n\nplugin \"p\" {}\n", 3, []string{"Duplicate plugin block", "line 1"}},
+		{"nested block in plugin config", "plugin \"p\" {\n  config {\n    limits {\n      max = 1\n    }\n  }\n}\n", 3,
+			[]string{"Unexpected \"limits\" block"}},
+		{"syntax error", "listen = \n", 1, []string{"Invalid expression"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := writeConfig(t, "devicehost.hcl", tt.content)
+			cfg := defaultAgentConfig()
+			err := loadConfigFile(path, &cfg)
+			if err == nil {
+				t.Fatalf("loadConfigFile succeeded, want an error at line %d", tt.line)
+			}
+			msg := err.Error()
+			for _, w := range append([]string{fmt.Sprintf("%s:%d,", path, tt.line)}, tt.want...) {
+				if !strings.Contains(msg, w) {
+					t.Errorf("error %q does not contain %q", msg, w)
+				}
+			}
+		})
+	}
+}
+
+func TestFlagsOverrideConfigFile(t *testing.T) {
+	path := writeConfig(t, "devicehost.hcl", `
+listen     = "unix:///from/file.sock"
+plugin_dir = "/file/plugins"
+state_dir  = "/file/state"
+log_level  = "warn"
+`)
+	var stderr bytes.Buffer
+	env := &cmdEnv{stdout: &stderr, stderr: &stderr, getenv: func(string) string { return "" }}
+	a, err := parseAgentArgs(env, []string{"-config", path, "-listen", "tcp://127.0.0.1:9", "-insecure",
+		"-state-dir", "/flag/state", "-log-json"})
+	if err != nil {
+		t.Fatalf("parseAgentArgs: %v (%s)", err, stderr.String())
+	}
+	want := defaultAgentConfig()
+	want.Listen = "tcp://127.0.0.1:9" // flag
+	want.TLS.Insecure = true          // flag
+	want.StateDir = "/flag/state"     // flag
+	want.LogJSON = true               // flag
+	want.PluginDir = "/file/plugins"  // file
+	want.LogLevel = "warn"            // file
+	if !reflect.DeepEqual(a.cfg, want) {
+		t.Errorf("config:\ngot  %+v\nwant %+v", a.cfg, want)
+	}
+}
+
+func TestAgentArgsErrors(t *testing.T) {
+	tests := []struct {
+		name  string
+		args  []string
+		want  string
+		usage bool
+	}{
+		{"bad log level flag", []string{"-log-level", "chatty"}, `"chatty" is not a log level`, true},
+		{"bad listen flag", []string{"-listen", "localhost:80"}, "want unix:///path.sock or tcp://host:port", true},
+		{"stray argument", []string{"now"}, `unexpected argument "now"`, true},
+		{"missing config file", []string{"-config", "/nonexistent/devicehost.hcl"}, "/nonexistent/devicehost.hcl", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var out bytes.Buffer
+			env := &cmdEnv{stdout: &out, stderr: &out, getenv: func(string) string { return "" }}
+			_, err := parseAgentArgs(env, tt.args)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("parseAgentArgs(%q) = %v, want an error containing %q", tt.args, err, tt.want)
+			}
+			if _, isUsage := err.(usageError); isUsage != tt.usage {
+				t.Errorf("usage error = %v, want %v", isUsage, tt.usage)
+			}
+		})
+	}
+}
+
+func TestDevConfig(t *testing.T) {
+	t.Run("defaults", func(t *testing.T) {
+		cfg := defaultAgentConfig()
+		devConfig(&cfg, map[string]bool{}, "/tmp/dev")
+		if cfg.Listen != "unix:///tmp/dev/devicehost.sock" || cfg.StateDir != "/tmp/dev/state" || cfg.PluginDir != "" {
+			t.Errorf("listen %q state %q plugin dir %q, want the temp dir's socket and state and no plugin dir",
+				cfg.Listen, cfg.StateDir, cfg.PluginDir)
+		}
+		if !reflect.DeepEqual(cfg.Bundled, []string{"nvidia-example"}) {
+			t.Errorf("bundled = %q, want [nvidia-example]", cfg.Bundled)
+		}
+		if got := string(cfg.Plugins["nvidia-example"].ConfigJSON); got != `{"simulate":"dgxh100"}` {
+			t.Errorf("nvidia-example config = %s, want the DGX H100 simulation", got)
+		}
+	})
+	t.Run("explicit flags and plugin config win", func(t *testing.T) {
+		cfg := defaultAgentConfig()
+		cfg.Listen = "unix:///mine.sock"
+		cfg.Plugins["nvidia-example"] = pluginSettings{ConfigJSON: []byte(`{"simulate":"dgxb200"}`)}
+		devConfig(&cfg, map[string]bool{"listen": true}, "/tmp/dev")
+		if cfg.Listen != "unix:///mine.sock" {
+			t.Errorf("listen = %q, want the -listen flag's", cfg.Listen)
+		}
+		if got := string(cfg.Plugins["nvidia-example"].ConfigJSON); got != `{"simulate":"dgxb200"}` {
+			t.Errorf("nvidia-example config = %s, want the config file's", got)
+		}
+	})
+}

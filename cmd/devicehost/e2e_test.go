@@ -1,0 +1,399 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/server/endpoint"
+)
+
+// The end-to-end test builds the devicehost binary once and runs `agent -dev` as a
+// real process: plugin re-executed from the same binary, real sockets, real signals.
+
+var e2eBuild struct {
+	once sync.Once
+	dir  string
+	bin  string
+	err  error
+}
+
+// devicehostBinary builds ./cmd/devicehost once per test run (with -race when the
+// tests run with it) and returns the binary's path.
+func devicehostBinary(t *testing.T) string {
+	t.Helper()
+	e2eBuild.once.Do(func() {
+		goTool, err := exec.LookPath("go")
+		if err != nil {
+			e2eBuild.err = err
+			return
+		}
+		dir, err := os.MkdirTemp("", "dhbin")
+		if err != nil {
+			e2eBuild.err = err
+			return
+		}
+		e2eBuild.dir = dir
+		e2eBuild.bin = filepath.Join(dir, "devicehost")
+		args := []string{"build", "-o", e2eBuild.bin}
+		if raceEnabled {
+			args = append(args, "-race")
+		}
+		out, err := exec.Command(goTool, append(args, ".")...).CombinedOutput()
+		if err != nil {
+			e2eBuild.err = errors.New("go build: " + err.Error() + "\n" + string(out))
+		}
+	})
+	if e2eBuild.err != nil {
+		t.Fatalf("build devicehost: %v", e2eBuild.err)
+	}
+	return e2eBuild.bin
+}
+
+func cleanupE2E() {
+	if e2eBuild.dir != "" {
+		os.RemoveAll(e2eBuild.dir)
+	}
+}
+
+// lineRecorder collects the lines of a process's output as they come.
+type lineRecorder struct {
+	mu      sync.Mutex
+	lines   []string
+	changed chan struct{} // gets a value (non-blocking) after each new line
+}
+
+func newLineRecorder() *lineRecorder { return &lineRecorder{changed: make(chan struct{}, 1)} }
+
+// consume reads r to EOF.
+func (r *lineRecorder) consume(rd io.Reader) {
+	sc := bufio.NewScanner(rd)
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		r.mu.Lock()
+		r.lines = append(r.lines, sc.Text())
+		r.mu.Unlock()
+		select {
+		case r.changed <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (r *lineRecorder) snapshot() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.lines...)
+}
+
+// wait returns the first line that match accepts, waiting for it until ctx ends.
+func (r *lineRecorder) wait(ctx context.Context, match func(string) bool) (string, error) {
+	for {
+		for _, l := range r.snapshot() {
+			if match(l) {
+				return l, nil
+			}
+		}
+		select {
+		case <-r.changed:
+		case <-ctx.Done():
+			return "", ctx.Err()
+		}
+	}
+}
+
+// agentProcess is a running `devicehost agent`.
+type agentProcess struct {
+	cmd    *exec.Cmd
+	addr   endpoint.Address
+	stdout *lineRecorder
+	stderr *lineRecorder
+	exited chan struct{} // closed once the process has exited and its output is read
+	err    error         // cmd.Wait's result, set before exited closes
+}
+
+// startDevAgent runs `devicehost agent -dev -log-json` on a socket in a fresh directory.
+// Cleanup kills the agent and its plugins (its whole process group) if still running.
+func startDevAgent(t *testing.T) *agentProcess {
+	t.Helper()
+	bin := devicehostBinary(t)
+	dir, err := os.MkdirTemp("", "dhe2e")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	a := &agentProcess{
+		addr:   endpoint.Address{Network: "unix", Path: filepath.Join(dir, "devicehost.sock")},
+		stdout: newLineRecorder(),
+		stderr: newLineRecorder(),
+		exited: make(chan struct{}),
+	}
+	a.cmd = exec.Command(bin, "agent", "-dev", "-log-json", "-listen", a.addr.String())
+	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	outPipe, err := a.cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	errPipe, err := a.cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		var wg sync.WaitGroup
+		wg.Add(2)
+		go func() { defer wg.Done(); a.stdout.consume(outPipe) }()
+		go func() { defer wg.Done(); a.stderr.consume(errPipe) }()
+		wg.Wait()
+		a.err = a.cmd.Wait()
+		close(a.exited)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-a.exited:
+		default:
+			syscall.Kill(-a.cmd.Process.Pid, syscall.SIGKILL)
+			<-a.exited
+		}
+		if t.Failed() {
+			t.Logf("agent stdout:\n%s", strings.Join(a.stdout.snapshot(), "\n"))
+			t.Logf("agent stderr:\n%s", strings.Join(a.stderr.snapshot(), "\n"))
+		}
+	})
+	return a
+}
+
+// client connects to the agent and waits until its health is SERVING.
+func (a *agentProcess) client(t *testing.T, ctx context.Context) pb.DeviceHostClient {
+	t.Helper()
+	conn, err := endpoint.Dial(a.addr, endpoint.TLS{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	// The socket may not exist yet: wait for it rather than fail.
+	watch, err := healthpb.NewHealthClient(conn).Watch(ctx, &healthpb.HealthCheckRequest{Service: server.ServiceName}, grpc.WaitForReady(true))
+	if err != nil {
+		t.Fatalf("health Watch: %v", err)
+	}
+	for {
+		resp, err := watch.Recv()
+		if err != nil {
+			t.Fatalf("waiting for SERVING: %v", err)
+		}
+		if resp.GetStatus() == healthpb.HealthCheckResponse_SERVING {
+			return pb.NewDeviceHostClient(conn)
+		}
+	}
+}
+
+// waitFingerprint reads stream until a snapshot satisfies ok and returns it.
+func waitFingerprint(t *testing.T, what string, stream grpc.ServerStreamingClient[pb.FingerprintResponse], ok func(*pb.FingerprintResponse) bool) *pb.FingerprintResponse {
+	t.Helper()
+	for {
+		fp, err := stream.Recv()
+		if err != nil {
+			t.Fatalf("waiting for %s: %v", what, err)
+		}
+		if ok(fp) {
+			return fp
+		}
+	}
+}
+
+// devicesWithHealth returns the IDs of the devices with health h, if every device of
+// every group has it; otherwise nil.
+func devicesWithHealth(fp *pb.FingerprintResponse, h pb.Health) []string {
+	var ids []string
+	for _, g := range fp.GetGroups() {
+		for _, d := range g.GetDevices() {
+			if d.GetHealth() != h {
+				return nil
+			}
+			ids = append(ids, d.GetId())
+		}
+	}
+	return ids
+}
+
+// childPID finds the child of parent whose command line contains all of args.
+func childPID(t *testing.T, parent int, args ...string) int {
+	t.Helper()
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...; comm may hold spaces and parentheses.
+		rest := string(stat[strings.LastIndexByte(string(stat), ')')+1:])
+		fields := strings.Fields(rest)
+		if len(fields) < 2 || fields[1] != strconv.Itoa(parent) {
+			continue
+		}
+		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		argv := strings.Split(string(cmdline), "\x00")
+		all := true
+		for _, a := range args {
+			all = all && strings.Contains(strings.Join(argv, " "), a)
+		}
+		if all {
+			return pid
+		}
+	}
+	t.Fatalf("no child of %d runs %q", parent, args)
+	return 0
+}
+
+func TestEndToEndDevAgent(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the devicehost binary")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	agent := startDevAgent(t)
+	client := agent.client(t, ctx)
+
+	// Fingerprint: 8 healthy simulated H100s.
+	fpStream, err := client.Fingerprint(ctx, &pb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fp := waitFingerprint(t, "8 healthy GPUs", fpStream, func(fp *pb.FingerprintResponse) bool {
+		return len(devicesWithHealth(fp, pb.Health_HEALTH_HEALTHY)) == 8
+	})
+	gpus := devicesWithHealth(fp, pb.Health_HEALTH_HEALTHY)
+	g := fp.GetGroups()[0]
+	if g.GetVendor() != "nvidia" || !strings.Contains(g.GetName(), "H100") {
+		t.Errorf("group %s/%s/%s, want nvidia H100s", g.GetVendor(), g.GetType(), g.GetName())
+	}
+
+	// Reserve two: NVIDIA_VISIBLE_DEVICES names both.
+	res, err := client.Reserve(ctx, &pb.ReserveRequest{
+		OwnerId: "e2e-alloc", Vendor: g.GetVendor(), Type: g.GetType(), Name: g.GetName(),
+		DeviceIds: gpus[:2],
+	})
+	if err != nil {
+		t.Fatalf("Reserve: %v", err)
+	}
+	visible := res.GetReservation().GetEnvs()["NVIDIA_VISIBLE_DEVICES"]
+	for _, id := range gpus[:2] {
+		if !strings.Contains(visible, id) {
+			t.Errorf("NVIDIA_VISIBLE_DEVICES = %q, does not name %s", visible, id)
+		}
+	}
+
+	// Stats: values for all 8.
+	statsCtx, stopStats := context.WithCancel(ctx)
+	stats, err := client.Stats(statsCtx, &pb.StatsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		resp, err := stats.Recv()
+		if err != nil {
+			t.Fatalf("waiting for stats of 8 GPUs: %v", err)
+		}
+		withValues := 0
+		for _, gs := range resp.GetGroups() {
+			for _, d := range gs.GetDevices() {
+				if len(d.GetValues()) > 0 {
+					withValues++
+				}
+			}
+		}
+		if withValues == 8 {
+			break
+		}
+	}
+	stopStats()
+
+	// SIGKILL the plugin: its devices turn unhealthy, then healthy after the restart.
+	pluginPID := childPID(t, agent.cmd.Process.Pid, "plugin", "nvidia-example")
+	if err := syscall.Kill(pluginPID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	waitFingerprint(t, "8 unhealthy GPUs after the plugin was killed", fpStream, func(fp *pb.FingerprintResponse) bool {
+		return len(devicesWithHealth(fp, pb.Health_HEALTH_UNHEALTHY)) == 8
+	})
+	waitFingerprint(t, "8 healthy GPUs after the plugin restarted", fpStream, func(fp *pb.FingerprintResponse) bool {
+		return len(devicesWithHealth(fp, pb.Health_HEALTH_HEALTHY)) == 8
+	})
+	if restarted := childPID(t, agent.cmd.Process.Pid, "plugin", "nvidia-example"); restarted == pluginPID {
+		t.Errorf("plugin PID %d unchanged after SIGKILL", restarted)
+	}
+
+	// A line the plugin itself logged comes out of the agent's log, as JSON, under the
+	// plugin's name (go-plugin adds the binary's name below it).
+	if _, err := agent.stderr.wait(ctx, func(l string) bool {
+		var m struct {
+			Level  string `json:"@level"`
+			Module string `json:"@module"`
+		}
+		return json.Unmarshal([]byte(l), &m) == nil && m.Level == "info" && strings.HasPrefix(m.Module, "nvidia-example.")
+	}); err != nil {
+		t.Errorf("no INFO line from the plugin under nvidia-example in the agent's log: %v", err)
+	}
+
+	// SIGTERM: exit 0 within a few seconds, socket and dev directory removed, plugin gone.
+	banner, err := agent.stdout.wait(ctx, func(l string) bool { return strings.Contains(l, "is removed on exit") })
+	if err != nil {
+		t.Fatalf("no dev banner: %v", err)
+	}
+	devDir := regexp.MustCompile(`\((\S+) is removed on exit\)`).FindStringSubmatch(banner)[1]
+	pluginPID = childPID(t, agent.cmd.Process.Pid, "plugin", "nvidia-example")
+	if err := agent.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-agent.exited:
+	case <-time.After(15 * time.Second):
+		t.Fatal("agent still running 15s after SIGTERM")
+	}
+	if agent.err != nil {
+		t.Errorf("agent exit: %v, want exit status 0", agent.err)
+	}
+	if _, err := os.Stat(agent.addr.Path); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("socket %s still there after exit (%v)", agent.addr.Path, err)
+	}
+	if _, err := os.Stat(devDir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("dev directory %s still there after exit (%v)", devDir, err)
+	}
+	if err := syscall.Kill(pluginPID, 0); !errors.Is(err, syscall.ESRCH) {
+		t.Errorf("plugin process %d still exists after the agent exited (kill 0: %v)", pluginPID, err)
+	}
+	for _, l := range agent.stderr.snapshot() {
+		if strings.Contains(l, "DATA RACE") || strings.Contains(l, "panic:") {
+			t.Errorf("agent log: %s", l)
+		}
+	}
+}

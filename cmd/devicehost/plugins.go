@@ -1,0 +1,44 @@
+package main
+
+import (
+	"context"
+	"strconv"
+
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// runPlugins is `devicehost plugins`.
+func runPlugins(ctx context.Context, env *cmdEnv, args []string) error {
+	fs := newFlagSet(env, "plugins", "[-json] [-address ADDR]\n\nLists the plugins with their status, restarts and last error.")
+	var cf clientFlags
+	cf.register(fs, env)
+	asJSON := fs.Bool("json", false, "print the response as JSON")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, cf.timeout)
+	defer cancel()
+	c, err := cf.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	resp, err := c.ListPlugins(ctx, &pb.ListPluginsRequest{})
+	if err != nil {
+		return callError("list plugins", err)
+	}
+	if *asJSON {
+		return printJSON(env.stdout, resp)
+	}
+	t := newTable(env.stdout, "PLUGIN", "VERSION", "STATUS", "DEVICES", "RESTARTS", "NEXT RETRY", "LAST ERROR")
+	for _, p := range resp.GetPlugins() {
+		lastErr := p.GetLastError()
+		if lastErr != "" && p.GetLastErrorAt() != nil {
+			lastErr = formatTime(p.GetLastErrorAt()) + ": " + lastErr
+		}
+		t.row(p.GetName(), p.GetVersion(), pluginStatusName(p.GetStatus()),
+			strconv.FormatUint(uint64(p.GetDeviceCount()), 10), strconv.FormatUint(uint64(p.GetRestarts()), 10),
+			formatTime(p.GetNextRetry()), oneLine(lastErr))
+	}
+	return t.flush()
+}
