@@ -378,10 +378,8 @@ func (g *GC) destroy(ctx context.Context, job gcJob) error {
 func (l *Ledger) gcEntries() ([]GCEntry, Counts) {
 	l.mu.RLock()
 	out := make([]GCEntry, 0, l.idx.n.released)
-	for _, r := range l.idx.recs {
-		if r.State != device.ReservationReleased {
-			continue
-		}
+	for id := range l.idx.gone {
+		r := l.idx.recs[id]
 		out = append(out, GCEntry{
 			ReservationID:  r.ID,
 			OwnerID:        r.OwnerID,

@@ -15,6 +15,7 @@ import (
 type index struct {
 	recs   map[string]*device.Reservation        // by reservation ID, every state
 	held   map[string]string                     // device ID -> live reservation ID
+	gone   map[string]struct{}                   // IDs of the released reservations
 	owners map[string]map[string]struct{}        // owner ID -> reservation IDs, every state
 	n      struct{ live, released, pending int } // counts over recs
 }
@@ -23,6 +24,7 @@ func newIndex() *index {
 	return &index{
 		recs:   make(map[string]*device.Reservation),
 		held:   make(map[string]string),
+		gone:   make(map[string]struct{}),
 		owners: make(map[string]map[string]struct{}),
 	}
 }
@@ -59,6 +61,8 @@ func (x *index) add(r *device.Reservation) {
 		for _, d := range r.DeviceIDs {
 			x.held[d] = r.ID
 		}
+	} else {
+		x.gone[r.ID] = struct{}{}
 	}
 }
 
@@ -68,6 +72,7 @@ func (x *index) remove(id string) {
 		return
 	}
 	delete(x.recs, id)
+	delete(x.gone, id)
 	if ids := x.owners[old.OwnerID]; ids != nil {
 		delete(ids, id)
 		if len(ids) == 0 {

@@ -20,7 +20,6 @@
 package ledger
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -236,12 +235,4 @@ func normTime(t time.Time) time.Time {
 		return time.Time{}
 	}
 	return t.Round(0).UTC()
-}
-
-// ctxErr reports a context that ended, naming the operation.
-func ctxErr(op string, ctx context.Context) error {
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("%s: %w", op, err)
-	}
-	return nil
 }

@@ -461,3 +461,16 @@ func TestLoadReattachNamesCorruptData(t *testing.T) {
 		t.Errorf("LoadReattach of damaged data = %v, %v; want ErrCorrupt naming plugin p1", ok, err)
 	}
 }
+
+// reservationStore is the method set the manager's reservation store asks for
+// (manager/reservations.go); the ledger is meant to drop in for its in-memory one.
+type reservationStore interface {
+	Check(ownerID string, deviceIDs []string) (*device.Reservation, error)
+	Commit(ctx context.Context, r device.Reservation) (device.Reservation, error)
+	Release(ctx context.Context, req device.ReleaseRequest, at time.Time) ([]device.Reservation, error)
+	CleanupDone(ctx context.Context, reservationID string) error
+	List(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)
+	Holders() map[string]device.Holder
+}
+
+var _ reservationStore = (*Ledger)(nil)

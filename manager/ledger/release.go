@@ -125,8 +125,8 @@ func (l *Ledger) Delete(ctx context.Context, ids ...string) error {
 func (l *Ledger) PendingCleanups() []device.Reservation {
 	l.mu.RLock()
 	var rs []*device.Reservation
-	for _, r := range l.idx.recs {
-		if r.CleanupPending {
+	for id := range l.idx.gone {
+		if r := l.idx.recs[id]; r.CleanupPending {
 			rs = append(rs, r)
 		}
 	}
