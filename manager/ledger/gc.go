@@ -48,7 +48,10 @@ type GCConfig struct {
 	Logger hclog.Logger
 	// Cleanup undoes a released reservation on the plugin side. It gets a context with
 	// CleanupTimeout; an error leaves the cleanup pending, to be retried with backoff.
-	// Nil means there is nothing to clean up: releases are recorded as cleaned at once.
+	// It must be idempotent: a cleanup whose success was not yet recorded when the
+	// agent stopped runs again. It may be called from several goroutines at once (at
+	// most Parallel). Nil means there is nothing to clean up: releases are recorded as
+	// cleaned at once.
 	Cleanup func(ctx context.Context, e GCEntry) error
 	// MaxReservations: when the ledger holds more reservations than this (live and
 	// released), the oldest released ones are destroyed until it does not. Zero means

@@ -206,10 +206,13 @@ func (l *Ledger) Reserve(ctx context.Context, r device.Reservation) (res device.
 			return result{prior, true}, err
 		}
 		nr := rec // a fresh copy per run: the batch may be retried
-		if nr.ID == "" {
-			for nr.ID = NewID(); w.get(nr.ID) != nil; nr.ID = NewID() {
+		switch {
+		case nr.ID == "":
+			nr.ID = NewID()
+			for w.get(nr.ID) != nil { // 64 random bits: all but impossible
+				nr.ID = NewID()
 			}
-		} else if w.get(nr.ID) != nil {
+		case w.get(nr.ID) != nil:
 			return nil, &device.FieldError{Field: "reservation_id",
 				Rule: fmt.Sprintf("%q is already used by another reservation", nr.ID)}
 		}

@@ -7,6 +7,8 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"os"
+	"path/filepath"
 	"runtime/debug"
 	"strings"
 	"time"
@@ -300,7 +302,27 @@ func loadOrInit(db *bolt.DB, path string) (idx *index, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("initialise state file %s: %w", path, err)
 	}
+	// The file may be new: make its directory entry durable too, or a power cut could
+	// lose the whole file along with the reservations committed to it.
+	if err := syncDir(filepath.Dir(path)); err != nil {
+		return nil, fmt.Errorf("initialise state file %s: %w", path, err)
+	}
 	return idx, nil
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	err = d.Sync()
+	if cerr := d.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("sync directory %s: %w", dir, err)
+	}
+	return nil
 }
 
 // checkConsistency runs bbolt's page-level check: every page reachable or free, no page
