@@ -110,6 +110,36 @@ func ledgerFileN(t *testing.T, path string, n int) {
 	}
 }
 
+// leafPage returns the number of a bbolt leaf page in use in the file at path.
+func leafPage(t *testing.T, path string) int {
+	t.Helper()
+	db, err := bolt.Open(path, 0o600, &bolt.Options{ReadOnly: true, Timeout: time.Second, PreLoadFreelist: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	page := -1
+	err = db.View(func(tx *bolt.Tx) error {
+		for id := 2; page < 0; id++ {
+			info, err := tx.Page(id)
+			if err != nil {
+				return err
+			}
+			if info == nil {
+				return errors.New("no leaf page in use")
+			}
+			if info.Type == "leaf" {
+				page = id
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return page
+}
+
 func truncateFile(t *testing.T, path string, size int) {
 	t.Helper()
 	if err := os.Truncate(path, int64(size)); err != nil {
@@ -251,9 +281,10 @@ func TestOpenRefusesDamagedFiles(t *testing.T) {
 		name: "data page overwritten",
 		make: func(t *testing.T, path string) []string {
 			ledgerFileN(t, path, 50)
+			page := leafPage(t, path)
 			b := readFile(t, path)
 			ps := os.Getpagesize()
-			for i := 4 * ps; i < 5*ps; i++ {
+			for i := page * ps; i < (page+1)*ps; i++ {
 				b[i] = byte(i * 7)
 			}
 			writeFile(t, path, b)
