@@ -386,11 +386,17 @@ func testConfig(t *testing.T) (Config, *logRecorder) {
 // and shuts it down in t.Cleanup. It returns the manager and the launcher.
 func startInprocManager(t *testing.T, cfg Config, devices ...*fakeDevices) (*Manager, *launcher) {
 	t.Helper()
+	return startInprocManagerWithStore(t, cfg, newMemStore(), devices...)
+}
+
+// startInprocManagerWithStore is startInprocManager keeping reservations in store.
+func startInprocManagerWithStore(t *testing.T, cfg Config, store reservationStore, devices ...*fakeDevices) (*Manager, *launcher) {
+	t.Helper()
 	l := newLauncher(devices...)
 	for _, d := range devices {
 		cfg.Binaries = append(cfg.Binaries, pluginloader.Binary{Name: d.name, Path: "/inproc/" + d.name})
 	}
-	m, err := newManager(cfg, newMemStore(), l.launch)
+	m, err := newManager(cfg, store, l.launch)
 	if err != nil {
 		t.Fatalf("newManager: %v", err)
 	}

@@ -268,7 +268,7 @@ func TestRestartBackoffGrowsAndIsCapped(t *testing.T) {
 	cfg.RestartMaxDelay = 80 * time.Millisecond
 	m, _ := startInprocManager(t, cfg, crashy)
 
-	// NextRetry - LastErrorAt is the delay chosen after each failure: 20, 40, 80, 80 ms ±20%.
+	// NextRetry - LastErrorAt is the delay chosen after each failure: 20, 40, 80, 80, 80 ms ±20%.
 	want := []time.Duration{20, 40, 80, 80, 80}
 	var got []time.Duration
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)

@@ -153,7 +153,7 @@ func TestProcessFingerprintStreamEndIsRetried(t *testing.T) {
 // and the healthy plugin fingerprints, streams stats and reserves meanwhile.
 func TestProcessHangsAreBoundedAndIsolated(t *testing.T) {
 	cfg, logs := testConfig(t)
-	cfg.StartTimeout = time.Second
+	cfg.StartTimeout = 2 * time.Second
 	cfg.FingerprintTimeout = time.Second
 	cfg.ReadyTimeout = 1500 * time.Millisecond
 	cfg.ReserveTimeout = 500 * time.Millisecond

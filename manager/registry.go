@@ -127,13 +127,13 @@ func (r *registry) down(name, reason string) {
 	r.update(name, func(rec *pluginRecord) { rec.down = reason })
 }
 
-// restarting records a failed run and when the next attempt is due.
-func (r *registry) restarting(name string, err error, next time.Time) {
+// restarting records a failed run and that the next attempt is due after delay.
+func (r *registry) restarting(name string, err error, delay time.Duration) {
 	now := r.now()
 	r.update(name, func(rec *pluginRecord) {
 		rec.state.Status = device.PluginRestarting
 		rec.state.LastError, rec.state.LastErrorAt = err.Error(), now
-		rec.state.NextRetry = next
+		rec.state.NextRetry = now.Add(delay)
 	})
 }
 

@@ -61,9 +61,10 @@ const (
 	// exitGrace is how long an RPC error that looks like a dead connection waits for the
 	// process exit to be reported, so the exit's own reason is the one recorded.
 	exitGrace = 500 * time.Millisecond
-	// statsStallFactor × the sampling interval without a stats message ends the stats
-	// stream as stalled; it is then retried with backoff.
+	// statsStallFactor × the sampling interval (at least minStatsStall) without a stats
+	// message ends the stats stream as stalled; it is then retried with backoff.
 	statsStallFactor = 5
+	minStatsStall    = 2 * time.Second
 )
 
 var (
@@ -125,7 +126,7 @@ func (s *supervisor) Run(ctx context.Context) error {
 			return err
 		}
 		delay := bo.next(time.Since(started))
-		s.reg.restarting(s.name, err, s.cfg.Now().Add(delay))
+		s.reg.restarting(s.name, err, delay)
 		s.log.Warn("plugin stopped; restarting", "error", err, "restart_in", delay, "restarts", restarts+1)
 		t := time.NewTimer(delay)
 		select {
@@ -286,7 +287,7 @@ func (s *supervisor) statsLoop(ctx context.Context, p plugin) error {
 // the stream fails, stalls or ctx ends. Rejected messages are logged (once per distinct
 // error in a row) and the last good stats stay.
 func (s *supervisor) statsStream(ctx context.Context, p plugin) error {
-	stall := statsStallFactor * s.cfg.StatsInterval
+	stall := max(statsStallFactor*s.cfg.StatsInterval, minStatsStall)
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	watchdog := time.AfterFunc(stall, func() { cancel(errStatsStalled) })

@@ -1,0 +1,128 @@
+package manager
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/device/devicetest"
+)
+
+// TestFakeManagerContract drives every method of device.Manager on devicetest.Fake: the
+// least an alternative manager (a simulator, a test double for the server) implements.
+// Each row sets the one function the method calls and checks that the call and its
+// answer pass through; the zero row checks the Fake's documented answers without them.
+func TestFakeManagerContract(t *testing.T) {
+	inv := device.Inventory{Groups: []device.Group{{GroupKey: device.GroupKey{Vendor: "v", Type: "t", Name: "n"}, Plugin: "p",
+		Devices: []device.DeviceInfo{{ID: "d0", Locality: device.Locality{NUMANode: -1}}}}}}
+	state := device.State{Devices: map[string]device.DeviceState{"d0": {Health: device.HealthHealthy}}}
+	res := device.Reservation{ID: "r1", OwnerID: "o1", DeviceIDs: []string{"d0"}}
+	snapCh := make(chan device.Snapshot, 1)
+	snapCh <- device.Snapshot{Seq: 1, Inventory: inv, State: state}
+	statsCh := make(chan device.StatsSnapshot, 1)
+	statsCh <- device.StatsSnapshot{Groups: []device.GroupStats{{Plugin: "p"}}}
+	ready := make(chan struct{})
+	close(ready)
+	errStop := errors.New("stop refused")
+
+	tests := []struct {
+		name  string
+		fake  *devicetest.Fake
+		drive func(ctx context.Context, m device.Manager) error // nil error means as expected
+	}{
+		{"Inventory", &devicetest.Fake{InventoryFunc: func() device.Inventory { return inv }},
+			func(_ context.Context, m device.Manager) error {
+				return expect(m.Inventory().Groups[0].Devices[0].ID == "d0", "inventory not passed through")
+			}},
+		{"State", &devicetest.Fake{StateFunc: func() device.State { return state }},
+			func(_ context.Context, m device.Manager) error {
+				return expect(m.State().Devices["d0"].Health == device.HealthHealthy, "state not passed through")
+			}},
+		{"Watch", &devicetest.Fake{WatchFunc: func(context.Context) <-chan device.Snapshot { return snapCh }},
+			func(ctx context.Context, m device.Manager) error {
+				return expect((<-m.Watch(ctx)).Seq == 1, "snapshot not passed through")
+			}},
+		{"WatchStats", &devicetest.Fake{WatchStatsFunc: func(_ context.Context, iv time.Duration) <-chan device.StatsSnapshot {
+			if iv != time.Second {
+				return nil
+			}
+			return statsCh
+		}},
+			func(ctx context.Context, m device.Manager) error {
+				return expect((<-m.WatchStats(ctx, time.Second)).Groups[0].Plugin == "p", "stats or interval not passed through")
+			}},
+		{"Reserve", &devicetest.Fake{ReserveFunc: func(_ context.Context, req device.ReserveRequest) (device.Reservation, error) {
+			if req.OwnerID != "o1" {
+				return device.Reservation{}, device.ErrInvalidRequest
+			}
+			return res, nil
+		}},
+			func(ctx context.Context, m device.Manager) error {
+				got, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "o1", DeviceIDs: []string{"d0"}})
+				return errors.Join(err, expect(got.ID == "r1", "reservation not passed through"))
+			}},
+		{"Release", &devicetest.Fake{ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) ([]string, error) {
+			return []string{req.ReservationID}, nil
+		}},
+			func(ctx context.Context, m device.Manager) error {
+				got, err := m.Release(ctx, device.ReleaseRequest{ReservationID: "r1"})
+				return errors.Join(err, expect(len(got) == 1 && got[0] == "r1", "release not passed through"))
+			}},
+		{"Reservations", &devicetest.Fake{ReservationsFunc: func(_ context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
+			if f.OwnerID != "o1" {
+				return nil, nil
+			}
+			return []device.Reservation{res}, nil
+		}},
+			func(ctx context.Context, m device.Manager) error {
+				got, err := m.Reservations(ctx, device.ReservationFilter{OwnerID: "o1"})
+				return errors.Join(err, expect(len(got) == 1, "filter or list not passed through"))
+			}},
+		{"Ready", &devicetest.Fake{ReadyFunc: func() <-chan struct{} { return ready }},
+			func(ctx context.Context, m device.Manager) error {
+				select {
+				case <-m.Ready():
+					return nil
+				case <-ctx.Done():
+					return errors.New("ready channel not passed through")
+				}
+			}},
+		{"Shutdown", &devicetest.Fake{ShutdownFunc: func(context.Context) error { return errStop }},
+			func(ctx context.Context, m device.Manager) error {
+				return expect(errors.Is(m.Shutdown(ctx), errStop), "shutdown error not passed through")
+			}},
+		{"zero Fake", &devicetest.Fake{},
+			func(ctx context.Context, m device.Manager) error {
+				_, watchOpen := <-m.Watch(ctx)
+				_, statsOpen := <-m.WatchStats(ctx, 0)
+				_, reserveErr := m.Reserve(ctx, device.ReserveRequest{})
+				_, releaseErr := m.Release(ctx, device.ReleaseRequest{})
+				<-m.Ready()
+				return errors.Join(
+					expect(len(m.Inventory().Groups) == 0 && m.State().Devices == nil, "zero inventory and state"),
+					expect(!watchOpen && !statsOpen, "closed watch channels"),
+					expect(errors.Is(reserveErr, device.ErrUnknownDevice), "Reserve answers ErrUnknownDevice"),
+					expect(errors.Is(releaseErr, device.ErrNotFound), "Release answers ErrNotFound"),
+					m.Shutdown(ctx))
+			}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			defer cancel()
+			var m device.Manager = tc.fake
+			if err := tc.drive(ctx, m); err != nil {
+				t.Errorf("%s: %v", tc.name, err)
+			}
+		})
+	}
+}
+
+func expect(ok bool, what string) error {
+	if ok {
+		return nil
+	}
+	return errors.New(what)
+}

@@ -1,0 +1,294 @@
+package manager
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/ledger"
+	"github.com/devicehost/devicehost/pluginloader"
+)
+
+func TestConfigDefaults(t *testing.T) {
+	tests := []struct {
+		name      string
+		in        Config
+		want      func(c Config) bool
+		wantNote  string
+		wantError string
+	}{
+		{name: "zero means defaults", in: Config{}, want: func(c Config) bool {
+			return c.StatsInterval == DefaultStatsInterval && c.ReserveTimeout == DefaultReserveTimeout &&
+				c.StartTimeout == DefaultStartTimeout && c.ReadyTimeout == DefaultReadyTimeout &&
+				c.FingerprintTimeout == DefaultFingerprintTimeout && c.KillTimeout == DefaultKillTimeout &&
+				c.RestartBaseDelay == DefaultRestartBaseDelay && c.RestartMaxDelay == DefaultRestartMaxDelay &&
+				c.StableRunReset == DefaultStableRunReset && c.Logger != nil && c.Now != nil
+		}},
+		{name: "stats interval below the bound is raised", in: Config{StatsInterval: time.Millisecond},
+			want:     func(c Config) bool { return c.StatsInterval == MinStatsInterval },
+			wantNote: "below the lower bound"},
+		{name: "set values are kept", in: Config{StatsInterval: 3 * time.Second, ReserveTimeout: time.Second},
+			want: func(c Config) bool { return c.StatsInterval == 3*time.Second && c.ReserveTimeout == time.Second }},
+		{name: "negative is refused", in: Config{ReadyTimeout: -time.Second}, wantError: "ReadyTimeout is negative"},
+		{name: "cap below base is refused", in: Config{RestartBaseDelay: time.Second, RestartMaxDelay: time.Millisecond}, wantError: "RestartMaxDelay"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got, notes, err := tc.in.withDefaults()
+			if tc.wantError != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantError) {
+					t.Fatalf("withDefaults error = %v, want one about %q", err, tc.wantError)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("withDefaults: %v", err)
+			}
+			if !tc.want(got) {
+				t.Errorf("withDefaults(%+v) = %+v", tc.in, got)
+			}
+			if gotNote := strings.Join(notes, "\n"); !strings.Contains(gotNote, tc.wantNote) || (tc.wantNote == "") != (gotNote == "") {
+				t.Errorf("notes = %q, want %q", gotNote, tc.wantNote)
+			}
+		})
+	}
+}
+
+func TestConfigIsCopiedNotMutated(t *testing.T) {
+	in := Config{
+		Binaries: []pluginloader.Binary{{Path: "/bin/p", Args: []string{"plugin"}}},
+		Plugins:  map[string]PluginConfig{"p": {ConfigJSON: []byte(`{}`), Env: []string{"A=1"}}},
+	}
+	got, _, err := in.withDefaults()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got.Binaries[0].Args[0] = "changed"
+	got.Plugins["p"].Env[0] = "changed"
+	got.Plugins["p"].ConfigJSON[0] = 'X'
+	got.Plugins["q"] = PluginConfig{}
+	if in.Binaries[0].Args[0] != "plugin" || in.Plugins["p"].Env[0] != "A=1" || string(in.Plugins["p"].ConfigJSON) != "{}" || len(in.Plugins) != 1 {
+		t.Errorf("caller's config changed: %+v", in)
+	}
+	if in.StatsInterval != 0 || in.Logger != nil {
+		t.Errorf("caller's config got defaults: %+v", in)
+	}
+}
+
+func TestNewRefusesDuplicatePluginNames(t *testing.T) {
+	_, err := New(Config{Binaries: []pluginloader.Binary{{Name: "p", Path: "/a/p"}, {Path: "/b/p"}}})
+	if err == nil || !strings.Contains(err.Error(), `two plugins named "p"`) {
+		t.Errorf("New with two plugins named p: %v, want an error naming it", err)
+	}
+}
+
+func TestBackoff(t *testing.T) {
+	none := func() float64 { return 0 }
+	b := backoff{base: 200 * time.Millisecond, max: time.Second, stable: time.Minute, jitter: none}
+	var got []time.Duration
+	for range 6 {
+		got = append(got, b.next(time.Second))
+	}
+	want := []time.Duration{200 * time.Millisecond, 400 * time.Millisecond, 800 * time.Millisecond, time.Second, time.Second, time.Second}
+	if !slices.Equal(got, want) {
+		t.Errorf("delays = %v, want %v (first fast, doubling, capped)", got, want)
+	}
+	if got, want := b.next(time.Minute), 200*time.Millisecond; got != want {
+		t.Errorf("delay after a stable run = %v, want %v", got, want)
+	}
+
+	for _, j := range []float64{-1, 1} {
+		b := backoff{base: time.Second, max: time.Second, stable: time.Minute, jitter: func() float64 { return j }}
+		if got, want := b.next(0), time.Duration(float64(time.Second)*(1+0.2*j)); got != want {
+			t.Errorf("jitter %v: delay = %v, want %v", j, got, want)
+		}
+	}
+	r := backoff{base: time.Second, max: time.Second, stable: time.Minute}
+	for range 100 {
+		if d := r.next(0); d < 800*time.Millisecond || d > 1200*time.Millisecond {
+			t.Fatalf("random jitter delay %v outside ±20%% of 1s", d)
+		}
+	}
+}
+
+func TestBroadcastDownsamplesAndReplaces(t *testing.T) {
+	var b broadcast[int]
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	first := 0
+	every := b.subscribe(ctx, 1, &first)
+	third := b.subscribe(ctx, 3, nil)
+
+	for v := 1; v <= 7; v++ {
+		b.publish(v)
+	}
+	// The every-one watcher never read: it holds only the latest value.
+	if got := drain(every); !slices.Equal(got, []int{7}) {
+		t.Errorf("every-1 watcher holds %v, want [7]", got)
+	}
+	if got := drain(third); !slices.Equal(got, []int{6}) {
+		t.Errorf("every-3 watcher holds %v, want [6] (publications 3 and 6, latest kept)", got)
+	}
+	var got []int
+	for v := 8; v <= 12; v++ {
+		b.publish(v)
+		got = append(got, drain(third)...)
+	}
+	if !slices.Equal(got, []int{9, 12}) {
+		t.Errorf("every-3 watcher read %v, want [9 12]", got)
+	}
+
+	b.close()
+	waitClosed(t, every)
+	waitClosed(t, third)
+	if _, ok := <-b.subscribe(ctx, 1, &first); ok {
+		t.Error("subscribe after close delivered a value, want a closed channel")
+	}
+}
+
+// drain returns what ch holds now without waiting.
+func drain[T any](ch <-chan T) []T {
+	var out []T
+	for {
+		select {
+		case v, ok := <-ch:
+			if !ok {
+				return out
+			}
+			out = append(out, v)
+		default:
+			return out
+		}
+	}
+}
+
+func TestStatsEvery(t *testing.T) {
+	h := newStatsHub(100*time.Millisecond, time.Now)
+	for _, tc := range []struct {
+		in   time.Duration
+		want int
+	}{{0, 1}, {10 * time.Millisecond, 1}, {100 * time.Millisecond, 1}, {150 * time.Millisecond, 2}, {time.Second, 10}} {
+		if got := h.every(tc.in); got != tc.want {
+			t.Errorf("every(%v) = %d, want %d", tc.in, got, tc.want)
+		}
+	}
+}
+
+// The reservation stores the manager can run on: in memory, and the bbolt ledger.
+var (
+	_ reservationStore = (*memStore)(nil)
+	_ reservationStore = (*ledger.Ledger)(nil)
+)
+
+func TestReservationStores(t *testing.T) {
+	stores := map[string]func(t *testing.T) reservationStore{
+		"memory": func(*testing.T) reservationStore { return newMemStore() },
+		"ledger": func(t *testing.T) reservationStore {
+			l, err := ledger.Open(filepath.Join(t.TempDir(), "state.db"), ledger.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = l.Close() })
+			return l
+		},
+	}
+	for name, open := range stores {
+		t.Run(name, func(t *testing.T) {
+			s := open(t)
+			ctx := context.Background()
+			r1, err := s.Commit(ctx, device.Reservation{ID: "r1", OwnerID: "o1", Plugin: "p", DeviceIDs: []string{"d0", "d1"}, CreatedAt: time.Unix(1, 0)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			checks := []struct {
+				name    string
+				owner   string
+				ids     []string
+				wantID  string
+				wantErr error
+			}{
+				{"free devices", "o2", []string{"d2"}, "", nil},
+				{"same owner, same devices", "o1", []string{"d1", "d0"}, "r1", nil},
+				{"another owner", "o2", []string{"d1"}, "", device.ErrDeviceHeld},
+				{"same owner, overlap", "o1", []string{"d0", "d2"}, "", device.ErrDeviceHeld},
+			}
+			for _, c := range checks {
+				got, err := s.Check(c.owner, c.ids)
+				gotID := ""
+				if got != nil {
+					gotID = got.ID
+				}
+				if gotID != c.wantID || !errors.Is(err, c.wantErr) {
+					t.Errorf("%s: Check = %q, %v; want %q, %v", c.name, gotID, err, c.wantID, c.wantErr)
+				}
+			}
+			if again, err := s.Commit(ctx, device.Reservation{ID: "r-other", OwnerID: "o1", DeviceIDs: []string{"d0", "d1"}}); err != nil || again.ID != r1.ID {
+				t.Errorf("retried Commit = %q, %v; want %q", again.ID, err, r1.ID)
+			}
+			if _, err := s.Commit(ctx, device.Reservation{ID: "r2", OwnerID: "o2", DeviceIDs: []string{"d1"}}); !errors.Is(err, device.ErrDeviceHeld) || !strings.Contains(err.Error(), "o1") {
+				t.Errorf("conflicting Commit: %v, want ErrDeviceHeld naming o1", err)
+			}
+			if got, want := s.Holders()["d0"], (device.Holder{ReservationID: "r1", OwnerID: "o1"}); got != want {
+				t.Errorf("holder of d0 = %+v, want %+v", got, want)
+			}
+
+			rel, err := s.Release(ctx, device.ReleaseRequest{ReservationID: "r1"}, time.Unix(2, 0))
+			if err != nil || len(rel) != 1 || rel[0].State != device.ReservationReleased || !rel[0].CleanupPending {
+				t.Fatalf("Release = %+v, %v; want r1 released with cleanup pending", rel, err)
+			}
+			if err := s.CleanupDone(ctx, "r1"); err != nil {
+				t.Fatal(err)
+			}
+			if len(s.Holders()) != 0 {
+				t.Errorf("holders after release = %v, want none", s.Holders())
+			}
+			if _, err := s.Release(ctx, device.ReleaseRequest{ReservationID: "nope"}, time.Unix(3, 0)); !errors.Is(err, device.ErrNotFound) {
+				t.Errorf("Release(unknown) = %v, want ErrNotFound", err)
+			}
+			list, err := s.List(ctx, device.ReservationFilter{OwnerID: "o1", State: device.ReservationReleased})
+			if err != nil || len(list) != 1 || list[0].CleanupPending {
+				t.Errorf("List(o1, released) = %+v, %v; want r1, cleaned up", list, err)
+			}
+		})
+	}
+}
+
+// TestLedgerPlugsIntoReserve runs the manager's Reserve and Release on the bbolt ledger.
+func TestLedgerPlugsIntoReserve(t *testing.T) {
+	l, err := ledger.Open(filepath.Join(t.TempDir(), "state.db"), ledger.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = l.Close() }) // after the manager's shutdown (cleanups run last-in first-out)
+	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
+	cfg, _ := testConfig(t)
+	m, _ := startInprocManagerWithStore(t, cfg, l, alpha)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
+		t.Fatal(err)
+	}
+	req := device.ReserveRequest{OwnerID: "alloc-1", Group: device.GroupKey{Vendor: "acme", Type: "gpu", Name: "A1"}, DeviceIDs: []string{"a0"}}
+	r, err := m.Reserve(ctx, req)
+	if err != nil {
+		t.Fatalf("Reserve: %v", err)
+	}
+	if h := m.State().Devices["a0"].Holder; h == nil || h.ReservationID != r.ID {
+		t.Errorf("a0 holder = %v, want %s", h, r.ID)
+	}
+	stored, err := l.Get(r.ID)
+	if err != nil || stored.Container.Envs["FAKE_VISIBLE_DEVICES"] != "a0" {
+		t.Errorf("ledger has %+v, %v; want the plugin's container reservation", stored, err)
+	}
+	if _, err := m.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	if got, err := l.Get(r.ID); err != nil || got.State != device.ReservationReleased || got.CleanupPending {
+		t.Errorf("ledger after Release: %+v, %v; want released and cleaned up", got, err)
+	}
+}
