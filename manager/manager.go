@@ -5,6 +5,23 @@
 //
 // It implements the contract in manager/device; the gRPC server depends on that contract
 // only.
+//
+// Failure rules, per plugin:
+//   - The process exiting, its fingerprint stream ending or failing, or no first
+//     fingerprint within FingerprintTimeout ends the run: the plugin's devices turn
+//     unhealthy at once with the reason ("plugin exited: signal: killed"), the process is
+//     killed, and it is relaunched after a backoff (RestartBaseDelay doubling up to
+//     RestartMaxDelay, ±20% jitter, reset after a run of StableRunReset). The fingerprint
+//     stream is the plugin's health signal, so losing it is treated like a crash rather
+//     than retried on a process the manager can no longer vouch for.
+//   - A launch refused for a reason retrying cannot fix (pluginloader's
+//     ErrChecksumMismatch, ErrProtocolVersion, ErrConfigRejected, ErrInsecurePath) marks
+//     the plugin failed and it is not restarted: the operator fixes the binary or config
+//     and restarts the host.
+//   - A stats stream that fails or stays silent is reopened with the same backoff on the
+//     running process; stats are not a health signal.
+//   - A fingerprint or stats message that breaks a validation rule is logged with the
+//     plugin and the rules and dropped; the last good one stays.
 package manager
 
 import (
@@ -134,8 +151,12 @@ func pluginBinaries(cfg Config, log hclog.Logger) ([]pluginloader.Binary, error)
 	var bins []pluginloader.Binary
 	if cfg.PluginDir != "" {
 		found, err := pluginloader.Discover(cfg.PluginDir, log)
-		if err != nil {
+		switch {
+		case err != nil && len(found) == 0:
 			return nil, fmt.Errorf("discover plugins in %s: %w", cfg.PluginDir, err)
+		case err != nil:
+			// Some binaries were refused (world-writable); run the others.
+			log.Error("plugins refused and not run", "plugin_dir", cfg.PluginDir, "error", oneLine(err))
 		}
 		bins = append(bins, found...)
 	}

@@ -3,6 +3,8 @@ package manager
 import (
 	"context"
 	"errors"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
@@ -343,4 +345,69 @@ func TestProcessRejectedConfigFailsThePluginOnce(t *testing.T) {
 		t.Errorf("picky = %+v, want failed with the plugin's reason, no restarts", ps)
 	}
 	logs.waitLine(t, "will not be restarted", "plugin=picky", "simulate: no such machine")
+}
+
+func TestProcessPluginDirDiscovery(t *testing.T) {
+	bin, err := os.ReadFile(fixtureBin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	write := func(name string, mode os.FileMode) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, bin, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(path, mode); err != nil { // past the umask
+			t.Fatal(err)
+		}
+		return path
+	}
+	write("found", 0o755)
+	unsafe := write("unsafe", 0o777)
+
+	cfg, logs := testConfig(t)
+	cfg.PluginDir = dir
+	cfg.Plugins = map[string]PluginConfig{"found": {ConfigJSON: fixtureplugin.Config{Groups: widgets("found", "d0")}.JSON()}}
+	m, err := New(cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { shutdown(t, m) })
+	snap := waitFor(t, m, "d0 from the discovered plugin", healthIs(device.HealthHealthy, "d0"))
+	if got := len(snap.State.Plugins); got != 1 {
+		t.Errorf("plugins = %+v, want only the safe one", snap.State.Plugins)
+	}
+	logs.waitLine(t, "plugins refused", unsafe)
+
+	if err := os.Chmod(dir, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	cfg.Plugins = nil
+	if _, err := New(cfg); !errors.Is(err, pluginloader.ErrInsecurePath) {
+		t.Errorf("New with a world-writable plugin dir: %v, want ErrInsecurePath", err)
+	}
+}
+
+func TestShutdownStopsPluginProcesses(t *testing.T) {
+	cfg, _ := testConfig(t)
+	cfg.Binaries = []pluginloader.Binary{{Name: "a", Path: fixtureBin}, {Name: "b", Path: fixtureBin}}
+	cfg.Plugins = map[string]PluginConfig{
+		"a": {ConfigJSON: fixtureplugin.Config{Groups: widgets("a", "a0")}.JSON()},
+		"b": {ConfigJSON: fixtureplugin.Config{Groups: widgets("b", "b0")}.JSON()},
+	}
+	m, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, m, "both plugins", healthIs(device.HealthHealthy, "a0", "b0"))
+	pids := []int{pid(t, m, "a"), pid(t, m, "b")}
+	start := time.Now()
+	shutdown(t, m)
+	t.Logf("Shutdown with 2 plugins took %v", time.Since(start))
+	for _, p := range pids {
+		if err := syscall.Kill(p, 0); !errors.Is(err, syscall.ESRCH) {
+			t.Errorf("plugin process %d after Shutdown: kill(0) = %v, want ESRCH (gone)", p, err)
+		}
+	}
 }
