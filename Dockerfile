@@ -1,0 +1,34 @@
+# devicehost: the agent binary, the nvidia-example plugin in the plugin dir, and
+# grpc_health_probe for the health check. Builds as the README's "Build and Docker" says.
+#
+#   docker build -t devicehost .
+#   docker run --rm -v /run/devicehost:/run/devicehost devicehost agent -dev -listen unix:///run/devicehost/devicehost.sock
+
+FROM golang:1.26-trixie AS build
+WORKDIR /src
+# go-nvml needs cgo; libnvidia-ml itself is loaded at run time, not linked.
+ENV CGO_ENABLED=1
+COPY go.mod go.sum ./
+RUN go mod download
+COPY . .
+RUN go build -trimpath -o /out/devicehost ./cmd/devicehost \
+ && go build -trimpath -o /out/plugins/nvidia-example ./plugins/nvidia-example \
+ && GOBIN=/out CGO_ENABLED=0 go install github.com/grpc-ecosystem/grpc-health-probe@v0.4.62
+
+FROM debian:trixie-slim
+COPY --from=build /out/devicehost /usr/local/bin/devicehost
+COPY --from=build /out/grpc-health-probe /usr/local/bin/grpc_health_probe
+COPY --from=build /out/plugins/ /opt/devicehost/plugins/
+RUN mkdir -p /var/lib/devicehost /run/devicehost \
+ && chmod 0755 /opt/devicehost/plugins /opt/devicehost/plugins/nvidia-example \
+ && chmod 0750 /var/lib/devicehost /run/devicehost
+# Plugins are dropped in here; state survives restarts there; the API socket is shared
+# with the host (and the runtime that calls it) through the last.
+VOLUME ["/opt/devicehost/plugins", "/var/lib/devicehost", "/run/devicehost"]
+# SERVING once every plugin has fingerprinted or failed; NOT_SERVING while shutting down.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=40s --retries=3 \
+  CMD ["grpc_health_probe", "-addr", "unix:///run/devicehost/devicehost.sock", "-service", "devicehost.v1.DeviceHost"]
+# The agent stops cleanly on SIGTERM (docker stop): API first, then plugins.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["/usr/local/bin/devicehost"]
+CMD ["agent"]
