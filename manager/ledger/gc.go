@@ -205,6 +205,7 @@ func (g *GC) Run(ctx context.Context) error {
 			job := r.queue[0]
 			r.queue = r.queue[1:]
 			job.entry.Attempt = r.items[job.entry.ReservationID].attempts + 1
+			job.entry.DeviceIDs = slices.Clone(job.entry.DeviceIDs) // each call gets its own
 			job.epoch = r.retryEpoch
 			r.inflight[job.entry.ReservationID] = job.delete
 			workers.Add(1)

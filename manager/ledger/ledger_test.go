@@ -345,6 +345,10 @@ func TestOpenRefusesDamagedFiles(t *testing.T) {
 			if after := readFile(t, path); !bytes.Equal(before, after) {
 				t.Errorf("Open changed the refused file (%d bytes before, %d after)", len(before), len(after))
 			}
+			// The refused file is not left locked: opening it again says the same.
+			if _, again := Open(path, Options{LockTimeout: 100 * time.Millisecond}); !errors.Is(again, tt.wantKind) {
+				t.Errorf("second Open: err = %v, want %v again (not a lock left behind)", again, tt.wantKind)
+			}
 		})
 	}
 }

@@ -210,13 +210,25 @@ func decodeReservation(key, v []byte) (*device.Reservation, error) {
 func openBolt(path string, timeout time.Duration) (db *bolt.DB, err error) {
 	// A damaged file can make bbolt fault on its memory map or panic on a bad page;
 	// either is a corrupt file, not a reason to crash.
+	var file *os.File // kept to release the file and its lock should bbolt panic
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if r := recover(); r != nil {
+			if file != nil { // bbolt's memory map of it leaks: this path ends the agent
+				unlockFile(file)
+				_ = file.Close() // the panic is the error to report
+			}
 			db, err = nil, corruptError(path, fmt.Sprintf("bbolt cannot read it (%v)", r), nil)
 		}
 	}()
-	db, err = bolt.Open(path, 0o600, &bolt.Options{Timeout: timeout})
+	db, err = bolt.Open(path, 0o600, &bolt.Options{
+		Timeout: timeout,
+		OpenFile: func(name string, flag int, perm os.FileMode) (*os.File, error) {
+			f, err := os.OpenFile(name, flag, perm)
+			file = f
+			return f, err
+		},
+	})
 	switch {
 	case err == nil:
 		return db, nil

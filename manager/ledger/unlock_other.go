@@ -1,0 +1,8 @@
+//go:build !unix
+
+package ledger
+
+import "os"
+
+// unlockFile does nothing where bbolt locks differently; closing the file is all there is.
+func unlockFile(*os.File) {}
