@@ -243,9 +243,12 @@ func (m *Manager) Shutdown(ctx context.Context) error {
 
 // Reserve reserves req's devices for req.OwnerID through the plugin that owns them. A
 // retried request (same owner, same devices) gets the live reservation back. Checks, in
-// order: the request, holders, the inventory (unknown devices or group), health, and the
-// plugin; then the plugin is asked (bounded by ctx, ReserveTimeout and its exit), its
-// answer validated, and the reservation recorded.
+// order: the request (ErrInvalidRequest), holders (ErrDeviceHeld), the inventory
+// (ErrUnknownDevice: unknown group, devices not in it or spread over two plugins), the
+// plugin (ErrPluginUnavailable) and health (ErrUnhealthyDevice); then the plugin is asked,
+// bounded by ctx, ReserveTimeout and its exit; its answer is validated
+// (ErrPluginResponse) and the reservation recorded in the store. A concurrent Reserve
+// touching the same devices is refused with ErrDeviceHeld while the first is in flight.
 func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (device.Reservation, error) {
 	if m.stopping.Load() {
 		return device.Reservation{}, fmt.Errorf("reserve: %w", device.ErrShuttingDown)

@@ -3,6 +3,7 @@ package manager
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -96,7 +97,7 @@ func TestStalledWatcherSlowsNobody(t *testing.T) {
 	// Many changes; the last one makes a0 unhealthy with reason "change 20".
 	const changes = 20
 	for i := 1; i <= changes; i++ {
-		alpha.setGroups(withUnhealthy(group("acme", "gpu", "A1", "a0"), "a0", "change "+string(rune('0'+i/10))+string(rune('0'+i%10))))
+		alpha.setGroups(withUnhealthy(group("acme", "gpu", "A1", "a0"), "a0", fmt.Sprintf("change %d", i)))
 	}
 	wantReason := "change 20"
 	deadline := time.NewTimer(testTimeout)
