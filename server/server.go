@@ -51,7 +51,7 @@ type Config struct {
 // Server is the gRPC host API server.
 //
 // Serve may be called once per listener, from any goroutine; Shutdown ends every Serve.
-// Shutdown must be called to release the goroutine Serve starts for health reporting.
+// Shutdown must be called: it also ends the goroutine New starts to report readiness.
 type Server struct {
 	pb.UnimplementedDeviceHostServer
 
@@ -60,7 +60,6 @@ type Server struct {
 	grpc   *grpc.Server
 	health *health.Server
 
-	readyOnce    sync.Once
 	shutdownOnce sync.Once
 	quit         chan struct{} // closed by Shutdown: streams end, health stays NOT_SERVING
 	wg           sync.WaitGroup
@@ -69,7 +68,8 @@ type Server struct {
 var _ pb.DeviceHostServer = (*Server)(nil)
 
 // New builds a Server for cfg. The health of ServiceName (and of the whole server, "")
-// is NOT_SERVING until the Manager is ready. cfg is not modified.
+// is NOT_SERVING until the Manager's Ready channel closes, then SERVING until Shutdown.
+// cfg is not modified.
 func New(cfg Config) (*Server, error) {
 	if cfg.Manager == nil {
 		return nil, errors.New("server: Config.Manager is nil")
@@ -102,17 +102,15 @@ func New(cfg Config) (*Server, error) {
 	pb.RegisterDeviceHostServer(s.grpc, s)
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
+
+	s.wg.Add(1)
+	go s.reportReady()
 	return s, nil
 }
 
 // Serve accepts connections on lis until Shutdown, and closes lis when it returns. It
-// returns nil after Shutdown. The first call starts reporting SERVING once the Manager's
-// Ready channel closes.
+// returns nil after Shutdown.
 func (s *Server) Serve(lis net.Listener) error {
-	s.readyOnce.Do(func() {
-		s.wg.Add(1)
-		go s.reportReady()
-	})
 	err := s.grpc.Serve(lis)
 	if errors.Is(err, grpc.ErrServerStopped) {
 		return nil

@@ -122,6 +122,7 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
 	if !set["listen"] {
 		cfg.Listen = "unix://" + filepath.Join(dir, "devicehost.sock")
+		cfg.TLS = endpoint.TLS{} // a config file's tcp settings do not apply to the socket
 	}
 	if !set["state-dir"] {
 		cfg.StateDir = filepath.Join(dir, "state")

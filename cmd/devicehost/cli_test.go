@@ -259,17 +259,14 @@ func TestUnreachableAgent(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "nobody.sock")
 	for _, cmd := range []string{"devices", "stats", "plugins", "reservations"} {
 		t.Run(cmd, func(t *testing.T) {
-			start := time.Now()
 			r := runCLI(t, cmd, "-address", "unix://"+sock)
 			prefix := "devicehost: cannot reach agent at unix://" + sock + ": "
 			if r.code != 1 || !strings.HasPrefix(r.stderr, prefix) || strings.Count(r.stderr, "\n") != 1 {
 				t.Errorf("exit %d stderr %q, want exit 1 and one line starting %q", r.code, r.stderr, prefix)
 			}
+			// The reason, not a deadline: the call failed at once instead of waiting.
 			if !strings.Contains(r.stderr, "no such file or directory") {
 				t.Errorf("stderr %q does not say why", r.stderr)
-			}
-			if elapsed := time.Since(start); elapsed >= reachTimeout {
-				t.Errorf("took %v: waited for the reach timeout instead of failing at once", elapsed)
 			}
 		})
 	}

@@ -225,7 +225,11 @@ func TestAgentArgsErrors(t *testing.T) {
 func TestDevConfig(t *testing.T) {
 	t.Run("defaults", func(t *testing.T) {
 		cfg := defaultAgentConfig()
+		cfg.Listen, cfg.TLS.CA = "tcp://10.0.0.1:7070", "/etc/dh/ca.pem" // from a config file
 		devConfig(&cfg, map[string]bool{}, "/tmp/dev")
+		if cfg.TLS != (endpoint.TLS{}) {
+			t.Errorf("TLS = %+v, want none for the dev socket", cfg.TLS)
+		}
 		if cfg.Listen != "unix:///tmp/dev/devicehost.sock" || cfg.StateDir != "/tmp/dev/state" || cfg.PluginDir != "" {
 			t.Errorf("listen %q state %q plugin dir %q, want the temp dir's socket and state and no plugin dir",
 				cfg.Listen, cfg.StateDir, cfg.PluginDir)
