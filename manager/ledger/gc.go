@@ -189,7 +189,7 @@ func (g *GC) Run(ctx context.Context) error {
 	defer workers.Wait()
 
 	dirty, tick := true, false
-	for {
+	for ctx.Err() == nil { // select may take a finished job over ctx.Done: start nothing after
 		if len(r.queue) == 0 && dirty {
 			now, planTick := time.Now(), tick
 			r.queue = r.plan(now, planTick)
@@ -235,6 +235,7 @@ func (g *GC) Run(ctx context.Context) error {
 			dirty = true
 		}
 	}
+	return nil
 }
 
 // plan brings the marked set up to date with the ledger and returns the jobs now due,
