@@ -13,6 +13,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"go.uber.org/goleak"
+	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/protobuf/encoding/prototext"
 	"google.golang.org/protobuf/proto"
@@ -30,6 +31,7 @@ func TestMain(m *testing.M) {
 // testHost is a real Server on a unix socket, with a client connected to it.
 type testHost struct {
 	srv    *server.Server
+	conn   *grpc.ClientConn
 	client pb.DeviceHostClient
 	health healthpb.HealthClient
 	logs   *logRecorder
@@ -75,6 +77,7 @@ func startHost(t *testing.T, mgr device.Manager) *testHost {
 	t.Cleanup(func() { conn.Close() })
 	return &testHost{
 		srv:    srv,
+		conn:   conn,
 		client: pb.NewDeviceHostClient(conn),
 		health: healthpb.NewHealthClient(conn),
 		logs:   logs,

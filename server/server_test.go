@@ -12,6 +12,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -674,5 +675,34 @@ func TestMaxRecvMsgSize(t *testing.T) {
 	_, err := h.client.Reserve(testContext(t), &pb.ReserveRequest{OwnerId: big})
 	if got, want := status.Code(err), codes.ResourceExhausted; got != want {
 		t.Errorf("oversized request: code %v (%v), want %v", got, err, want)
+	}
+}
+
+func TestReflectionListsServices(t *testing.T) {
+	h := startHost(t, &devicetest.Fake{})
+	stream, err := reflectionpb.NewServerReflectionClient(h.conn).ServerReflectionInfo(testContext(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&reflectionpb.ServerReflectionRequest{
+		MessageRequest: &reflectionpb.ServerReflectionRequest_ListServices{},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]bool{}
+	for _, s := range resp.GetListServicesResponse().GetService() {
+		got[s.GetName()] = true
+	}
+	for _, want := range []string{server.ServiceName, "grpc.health.v1.Health"} {
+		if !got[want] {
+			t.Errorf("reflection lists %v, missing %s", got, want)
+		}
 	}
 }
