@@ -13,6 +13,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
+	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/endpoint"
 )
@@ -114,7 +115,7 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 		devConfig(&cfg, a.set, dir)
 		banner = func(addr endpoint.Address) { printDevBanner(env.stdout, addr, cfg.StateDir, dir) }
 	}
-	return serveAgent(ctx, cfg, log, banner)
+	return serveAgent(ctx, cfg, log, managerFactory(cfg), banner)
 }
 
 // devConfig turns cfg into -dev's: socket and state in dir, no plugin dir, and the
@@ -136,9 +137,11 @@ func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
 	}
 }
 
-// serveAgent runs the host until ctx ends or the API server fails. banner, if set, is
-// called once the API is listening.
-func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, banner func(endpoint.Address)) error {
+// serveAgent runs the host until ctx ends or the API server fails: it listens on
+// cfg.Listen, builds the manager with newManager, serves the API, and on the way out
+// shuts the API down and then the manager. banner, if set, is called once the API is
+// listening.
+func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManager device.Factory, banner func(endpoint.Address)) error {
 	addr, err := endpoint.Parse(cfg.Listen)
 	if err != nil {
 		return err
@@ -148,7 +151,7 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, banner f
 	if err != nil {
 		return err
 	}
-	mgr, err := newManager(cfg, log)
+	mgr, err := newManager(log)
 	if err != nil {
 		lis.Close()
 		return fmt.Errorf("start the device manager: %w", err)
@@ -193,7 +196,7 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, banner f
 }
 
 // shutdownManager stops the manager and its plugins within managerShutdownTimeout.
-func shutdownManager(mgr interface{ Shutdown(context.Context) error }, log hclog.Logger) {
+func shutdownManager(mgr device.Manager, log hclog.Logger) {
 	ctx, cancel := context.WithTimeout(context.Background(), managerShutdownTimeout)
 	defer cancel()
 	if err := mgr.Shutdown(ctx); err != nil {

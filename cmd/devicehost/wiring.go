@@ -7,11 +7,27 @@ import (
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/devicehost/devicehost/manager"
+	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
-// newManager builds the real device manager from the agent's configuration. It is the
-// only place the agent depends on package manager; the rest speaks device.Manager.
+// managerFactory returns the factory of the real device manager for the agent's
+// configuration. It is the only place the agent depends on package manager; the rest
+// speaks device.Manager, so tests run the agent on a fake.
+//
+// The gc_* settings are not passed on yet: manager.Config does not take them (issue 5).
+func managerFactory(cfg agentConfig) device.Factory {
+	return func(log hclog.Logger) (device.Manager, error) {
+		m, err := newManager(cfg, log)
+		if err != nil {
+			return nil, err
+		}
+		return m, nil
+	}
+}
+
+// newManager builds the real device manager. log is the root logger: the manager names
+// its own lines "manager" and each plugin's after the plugin.
 func newManager(cfg agentConfig, log hclog.Logger) (*manager.Manager, error) {
 	mc := manager.Config{
 		Logger:         log,

@@ -1,0 +1,151 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/device/devicetest"
+	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/server/endpoint"
+)
+
+// runningAgent is serveAgent running in-process on a fake manager.
+type runningAgent struct {
+	addr   endpoint.Address
+	cancel context.CancelFunc
+	done   chan struct{} // closed when serveAgent has returned err
+	err    error
+}
+
+// stop ends the agent as SIGTERM does and returns serveAgent's result. Safe to call
+// more than once.
+func (a *runningAgent) stop() error {
+	a.cancel()
+	<-a.done
+	return a.err
+}
+
+// startInProcessAgent runs serveAgent on mgr in a goroutine, listening on a socket in
+// a fresh directory, and returns once it listens. Cleanup stops it.
+func startInProcessAgent(t *testing.T, mgr device.Manager) *runningAgent {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "dhag")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	cfg := defaultAgentConfig()
+	cfg.Listen = "unix://" + filepath.Join(dir, "devicehost.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	a := &runningAgent{cancel: cancel, done: make(chan struct{})}
+	listening := make(chan endpoint.Address, 1)
+	factory := func(hclog.Logger) (device.Manager, error) { return mgr, nil }
+	go func() {
+		defer close(a.done)
+		a.err = serveAgent(ctx, cfg, hclog.NewNullLogger(), factory, func(addr endpoint.Address) { listening <- addr })
+	}()
+	t.Cleanup(func() { a.stop() })
+	select {
+	case a.addr = <-listening:
+	case <-a.done:
+		t.Fatalf("serveAgent: %v", a.err)
+	}
+	return a
+}
+
+func TestAgentShutsTheAPIDownBeforeTheManager(t *testing.T) {
+	ready := make(chan struct{})
+	shutdown := make(chan bool, 1) // whether the socket still existed when the manager was shut down
+	var sock string
+	mgr := &devicetest.Fake{
+		ReadyFunc: func() <-chan struct{} { return ready },
+		StateFunc: func() device.State {
+			return device.State{Plugins: []device.PluginState{{Name: "fake", Status: device.PluginRunning}}}
+		},
+		ShutdownFunc: func(context.Context) error {
+			_, err := os.Stat(sock)
+			shutdown <- err == nil
+			return nil
+		},
+	}
+	a := startInProcessAgent(t, mgr)
+	sock = a.addr.Path
+
+	// Reachable, and NOT_SERVING until the manager is ready.
+	conn, err := endpoint.Dial(a.addr, endpoint.TLS{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	health := healthpb.NewHealthClient(conn)
+	watch, err := health.Watch(ctx, &healthpb.HealthCheckRequest{Service: server.ServiceName})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []healthpb.HealthCheckResponse_ServingStatus{healthpb.HealthCheckResponse_NOT_SERVING, healthpb.HealthCheckResponse_SERVING} {
+		resp, err := watch.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.GetStatus() != want {
+			t.Fatalf("health = %v, want %v", resp.GetStatus(), want)
+		}
+		if want == healthpb.HealthCheckResponse_NOT_SERVING {
+			close(ready)
+		}
+	}
+	if out := mustRunCLI(t, "plugins", "-address", a.addr.String()); !strings.Contains(out, "fake") {
+		t.Errorf("plugins output %q does not list the fake plugin", out)
+	}
+
+	if err := a.stop(); err != nil {
+		t.Errorf("serveAgent after the signal: %v, want nil (exit 0)", err)
+	}
+	if socketThere := <-shutdown; socketThere {
+		t.Error("the manager was shut down while the API socket still existed; want the API stopped first")
+	}
+	if _, err := os.Stat(sock); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("socket still there after shutdown: %v", err)
+	}
+}
+
+func TestAgentStartFailures(t *testing.T) {
+	t.Run("manager fails to start", func(t *testing.T) {
+		dir := t.TempDir()
+		cfg := defaultAgentConfig()
+		sock := filepath.Join(dir, "dh.sock")
+		cfg.Listen = "unix://" + sock
+		factory := func(hclog.Logger) (device.Manager, error) { return nil, errors.New("plugin dir /nope: no such file") }
+		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil)
+		if err == nil || !strings.Contains(err.Error(), "start the device manager: plugin dir /nope") {
+			t.Errorf("serveAgent: %v, want the manager's error", err)
+		}
+		if _, err := os.Stat(sock); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("socket left behind: %v", err)
+		}
+	})
+	t.Run("another agent listens", func(t *testing.T) {
+		first := startInProcessAgent(t, &devicetest.Fake{})
+		cfg := defaultAgentConfig()
+		cfg.Listen = first.addr.String()
+		factory := func(hclog.Logger) (device.Manager, error) {
+			t.Error("the manager was started although the socket is taken")
+			return &devicetest.Fake{}, nil
+		}
+		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil)
+		if want := "another devicehost is listening on " + first.addr.Path; err == nil || err.Error() != want {
+			t.Errorf("serveAgent: %v, want %q", err, want)
+		}
+	})
+}
