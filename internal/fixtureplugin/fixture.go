@@ -10,6 +10,9 @@
 //   - report_env: names of environment variables; each one that is set in the plugin
 //     process appears as a string attribute "env_<NAME>" on every group (so a test can
 //     see the environment the host gave the plugin).
+//   - report_pid (bool): every group carries an int attribute "pid", the plugin's own
+//     process ID (so a test can tell which process the host is talking to, e.g. after
+//     a reattach, without trusting the host's idea of it).
 //   - log_info / log_debug: messages logged at INFO / DEBUG by SetConfig, the DEBUG one
 //     first (so a host that has the INFO line has already seen, or dropped, the DEBUG one).
 //   - exit_after (duration string, e.g. "200ms"): the process exits with status 3 that
@@ -33,7 +36,10 @@
 //     refuse). Unknown or no IDs are refused with an error naming them. A normal
 //     reservation sets FIXTURE_DEVICES=<ids joined by ",">, the device node /dev/null as
 //     /dev/fixture0 with permissions "rw", and CDI names fixture.example/widget=<id>.
-//   - release_error: Release fails with this message; otherwise it does nothing.
+//   - release_error: Release fails with this message; otherwise it succeeds.
+//   - log_release (bool): every Release call logs, at INFO, "fixture: release" with
+//     reservation_id and device_ids (and whether it failed), so a host test can see which
+//     cleanups reached the plugin.
 //
 // Environment knobs, read by the binary (cmd/fixture) before it serves:
 //
@@ -108,6 +114,7 @@ func (d *Duration) UnmarshalJSON(b []byte) error {
 type Config struct {
 	Groups    []Group  `json:"groups,omitempty"`
 	ReportEnv []string `json:"report_env,omitempty"`
+	ReportPID bool     `json:"report_pid,omitempty"`
 
 	LogInfo      string   `json:"log_info,omitempty"`
 	LogDebug     string   `json:"log_debug,omitempty"`
@@ -127,6 +134,7 @@ type Config struct {
 	ReserveError string `json:"reserve_error,omitempty"`
 
 	ReleaseError string `json:"release_error,omitempty"`
+	LogRelease   bool   `json:"log_release,omitempty"`
 }
 
 // JSON encodes c as the config block a host hands over.
@@ -319,6 +327,9 @@ func inventory(cfg Config, toggled bool) *pb.FingerprintResponse {
 		for k, v := range env {
 			attrs[k] = v
 		}
+		if cfg.ReportPID {
+			attrs["pid"] = &pb.Value{Kind: &pb.Value_IntValue{IntValue: int64(os.Getpid())}}
+		}
 		group := &pb.DeviceGroup{Vendor: g.Vendor, Type: g.Type, Name: g.Name, Attributes: attrs}
 		for di, id := range g.IDs {
 			d := &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: &pb.Locality{NumaNode: -1}}
@@ -425,12 +436,19 @@ func knownID(cfg Config, id string) bool {
 	return false
 }
 
-// Release fails with release_error when set, else does nothing.
-func (p *Plugin) Release(context.Context, string, []string) error {
-	if msg := p.config().ReleaseError; msg != "" {
-		return errors.New(msg)
+// Release fails with release_error when set, else succeeds; with log_release it logs
+// the call either way.
+func (p *Plugin) Release(_ context.Context, reservationID string, deviceIDs []string) error {
+	cfg := p.config()
+	var err error
+	if cfg.ReleaseError != "" {
+		err = errors.New(cfg.ReleaseError)
 	}
-	return nil
+	if cfg.LogRelease {
+		p.logger().Info("fixture: release", "reservation_id", reservationID,
+			"device_ids", strings.Join(deviceIDs, ","), "failed", err != nil)
+	}
+	return err
 }
 
 // Server returns the gRPC server for p: the SDK's adapter, with GetPluginInfo's

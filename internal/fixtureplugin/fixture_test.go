@@ -1,12 +1,15 @@
 package fixtureplugin_test
 
 import (
+	"bytes"
 	"context"
+	"os"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/hashicorp/go-hclog"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -107,6 +110,23 @@ func TestFingerprintReportEnv(t *testing.T) {
 	}
 	if v, ok := attrs["env_FIXTURE_TEST_UNSET"]; ok {
 		t.Errorf("env_FIXTURE_TEST_UNSET: got %v, want no attribute", v)
+	}
+}
+
+func TestFingerprintReportPID(t *testing.T) {
+	for _, report := range []bool{false, true} {
+		c, _ := start(t, fixtureplugin.Config{ReportPID: report})
+		m, err := fingerprints(t, c)()
+		if err != nil {
+			t.Fatalf("Recv: %v", err)
+		}
+		v, ok := m.GetGroups()[0].GetAttributes()["pid"]
+		switch {
+		case report && v.GetIntValue() != int64(os.Getpid()):
+			t.Errorf("report_pid: pid attribute = %v, want %d", v, os.Getpid())
+		case !report && ok:
+			t.Errorf("no report_pid: pid attribute = %v, want none", v)
+		}
 	}
 }
 
@@ -303,6 +323,25 @@ func TestRelease(t *testing.T) {
 	_, err := c.Release(testContext(t), &pb.ReleaseRequest{ReservationId: "r", DeviceIds: []string{"w0"}})
 	if status.Convert(err).Message() != "stuck" {
 		t.Errorf("Release: got %v, want the release_error message", err)
+	}
+}
+
+func TestReleaseLog(t *testing.T) {
+	var buf bytes.Buffer // written by the plugin while it serves Release; read after the call returned
+	p := fixtureplugin.New()
+	p.Log = hclog.New(&hclog.LoggerOptions{Output: &buf, Level: hclog.Info})
+	c := deviceplugintest.Connect(t, p)
+	if _, err := c.SetConfig(testContext(t), &pb.SetConfigRequest{ConfigJson: fixtureplugin.Config{LogRelease: true}.JSON()}); err != nil {
+		t.Fatalf("SetConfig: %v", err)
+	}
+	if _, err := c.Release(testContext(t), &pb.ReleaseRequest{ReservationId: "res-1", DeviceIds: []string{"w0", "w1"}}); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	got := buf.String()
+	for _, want := range []string{"fixture: release", "reservation_id=res-1", `device_ids="w0,w1"`, "failed=false"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("log %q does not hold %q", got, want)
+		}
 	}
 }
 
