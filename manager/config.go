@@ -8,6 +8,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
+	"github.com/devicehost/devicehost/manager/ledger"
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
@@ -23,6 +24,10 @@ const (
 	DefaultRestartBaseDelay   = 200 * time.Millisecond
 	DefaultRestartMaxDelay    = 30 * time.Second
 	DefaultStableRunReset     = time.Minute
+
+	DefaultGCInterval         = ledger.DefaultGCInterval
+	DefaultGCMaxReservations  = ledger.DefaultGCMaxReservations
+	DefaultGCParallelDestroys = ledger.DefaultGCParallel
 )
 
 // Config configures a Manager. The zero value is a manager with no plugins; every zero
@@ -46,15 +51,38 @@ type Config struct {
 	// an entry runs with no config, no checksum pin and an empty environment.
 	Plugins map[string]PluginConfig
 
-	// StateDir is where durable state (the reservation ledger) will live. Unused until
-	// the ledger lands: reservations are kept in memory and lost when the process ends.
+	// StateDir holds the durable state: the reservation ledger (ledger.DefaultFileName,
+	// created with the dir, mode 0700, when missing). A state file that is damaged, from an
+	// unknown schema version or in use by another process makes New fail with the
+	// ledger's error, which says what is wrong and how to recover; it is never wiped.
+	//
+	// Empty means no durable state, with a warning logged: reservations live in memory
+	// and are forgotten when the process ends, and nothing garbage-collects them, so
+	// released reservations stay listed, with their plugin cleanup pending and never
+	// run, until then.
 	StateDir string
+
+	// GCInterval: every GCInterval the garbage collector deletes the released
+	// reservations (plugin cleanup first, when still pending) released at least
+	// GCInterval ago, so a released reservation stays listed one to two intervals.
+	// Zero means DefaultGCInterval (1m). Unused without StateDir.
+	GCInterval time.Duration
+	// GCMaxReservations: when the ledger holds more reservations than this (live and
+	// released), the oldest released ones are deleted at once until it does not; with
+	// none released it says so at INFO, once per change of the count. Zero means
+	// DefaultGCMaxReservations (1000). Unused without StateDir.
+	GCMaxReservations int
+	// GCParallelDestroys bounds how many plugin cleanups and deletions the garbage
+	// collector runs at once, so that releasing thousands at once causes no spike. Zero
+	// means DefaultGCParallelDestroys (2). Unused without StateDir.
+	GCParallelDestroys int
 
 	// StatsInterval is how often each plugin is asked for stats (one stream per plugin)
 	// and how often WatchStats readers can be served. Zero means 1s; below
 	// MinStatsInterval it is raised to MinStatsInterval with a log line.
 	StatsInterval time.Duration
-	// ReserveTimeout bounds a plugin's Reserve (and Release) call. Zero means 10s.
+	// ReserveTimeout bounds a plugin's Reserve call, and its Release (the cleanup after a
+	// released reservation). Zero means 10s.
 	ReserveTimeout time.Duration
 	// StartTimeout bounds a plugin launch: process start, handshake, info and config.
 	// Zero means 10s.
@@ -81,6 +109,10 @@ type Config struct {
 	// Now is the clock used for timestamps (health since-when, plugin errors,
 	// reservations). Nil means time.Now.
 	Now func() time.Time
+
+	// gcRetryMin, set by tests only, is the GC's delay before retrying a failed plugin
+	// cleanup (doubling from there); zero means the ledger's default.
+	gcRetryMin time.Duration
 }
 
 // PluginConfig is the configuration of one plugin.
@@ -132,6 +164,7 @@ func (c Config) withDefaults() (Config, []string, error) {
 		{"RestartBaseDelay", &c.RestartBaseDelay, DefaultRestartBaseDelay},
 		{"RestartMaxDelay", &c.RestartMaxDelay, DefaultRestartMaxDelay},
 		{"StableRunReset", &c.StableRunReset, DefaultStableRunReset},
+		{"GCInterval", &c.GCInterval, DefaultGCInterval},
 	}
 	for _, d := range durations {
 		switch {
@@ -144,6 +177,22 @@ func (c Config) withDefaults() (Config, []string, error) {
 	if c.StatsInterval < MinStatsInterval {
 		notes = append(notes, fmt.Sprintf("stats interval %v is below the lower bound, using %v", c.StatsInterval, MinStatsInterval))
 		c.StatsInterval = MinStatsInterval
+	}
+	counts := []struct {
+		name string
+		p    *int
+		def  int
+	}{
+		{"GCMaxReservations", &c.GCMaxReservations, DefaultGCMaxReservations},
+		{"GCParallelDestroys", &c.GCParallelDestroys, DefaultGCParallelDestroys},
+	}
+	for _, n := range counts {
+		switch {
+		case *n.p < 0:
+			return Config{}, nil, fmt.Errorf("manager config: %s is negative (%d)", n.name, *n.p)
+		case *n.p == 0:
+			*n.p = n.def
+		}
 	}
 	if c.RestartMaxDelay < c.RestartBaseDelay {
 		return Config{}, nil, fmt.Errorf("manager config: RestartMaxDelay (%v) is below RestartBaseDelay (%v)", c.RestartMaxDelay, c.RestartBaseDelay)

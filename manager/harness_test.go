@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -43,16 +44,20 @@ type fakeDevices struct {
 	groups       []*pb.DeviceGroup // what Fingerprint sends; replaced, never modified
 	changed      chan struct{}     // closed and replaced by setGroups
 	hangStart    bool              // launch blocks until its deadline
+	launchErr    string            // launch fails at once with this message (the binary is gone)
 	hangFP       bool              // Fingerprint sends nothing
 	statsErr     string            // Stats fails at once with this message
 	rejectConfig string            // SetConfig fails with this message
 	reserve      func(ctx context.Context, ids []string) (*pb.ContainerReservation, error)
-	statsStreams int // Stats streams opened, over all processes
-	released     []string
+	release      func(ctx context.Context, reservationID string, ids []string) error // nil: succeed
+	statsStreams int                                                                 // Stats streams opened, over all processes
+	reserves     int                                                                 // Reserve calls, over all processes
+	released     []string                                                            // reservation IDs of successful Release calls, in order
+	releasedCh   chan struct{}                                                       // closed and replaced on each successful Release
 }
 
 func newFakeDevices(name string, groups ...*pb.DeviceGroup) *fakeDevices {
-	return &fakeDevices{name: name, groups: groups, changed: make(chan struct{})}
+	return &fakeDevices{name: name, groups: groups, changed: make(chan struct{}), releasedCh: make(chan struct{})}
 }
 
 // set changes a knob under the lock.
@@ -149,6 +154,7 @@ func (f *fakeDevices) Stats(ctx context.Context, interval time.Duration, send fu
 func (f *fakeDevices) Reserve(ctx context.Context, ids []string) (*pb.ContainerReservation, error) {
 	f.mu.Lock()
 	fn := f.reserve
+	f.reserves++
 	f.mu.Unlock()
 	if fn != nil {
 		return fn(ctx, ids)
@@ -156,11 +162,49 @@ func (f *fakeDevices) Reserve(ctx context.Context, ids []string) (*pb.ContainerR
 	return &pb.ContainerReservation{Envs: map[string]string{"FAKE_VISIBLE_DEVICES": strings.Join(ids, ",")}}, nil
 }
 
-func (f *fakeDevices) Release(_ context.Context, reservationID string, _ []string) error {
+func (f *fakeDevices) Release(ctx context.Context, reservationID string, ids []string) error {
+	f.mu.Lock()
+	fn := f.release
+	f.mu.Unlock()
+	if fn != nil {
+		if err := fn(ctx, reservationID, ids); err != nil {
+			return err
+		}
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.released = append(f.released, reservationID)
+	close(f.releasedCh)
+	f.releasedCh = make(chan struct{})
 	return nil
+}
+
+// reserveCalls returns how many Reserve calls the plugin got.
+func (f *fakeDevices) reserveCalls() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.reserves
+}
+
+// waitReleased waits until the plugin has cleaned up after every one of ids, and
+// returns every reservation ID it cleaned up after, in order.
+func (f *fakeDevices) waitReleased(t *testing.T, ids ...string) []string {
+	t.Helper()
+	deadline := time.NewTimer(testTimeout)
+	defer deadline.Stop()
+	for {
+		f.mu.Lock()
+		got, ch := slices.Clone(f.released), f.releasedCh
+		f.mu.Unlock()
+		if !slices.ContainsFunc(ids, func(id string) bool { return !slices.Contains(got, id) }) {
+			return got
+		}
+		select {
+		case <-ch:
+		case <-deadline.C:
+			t.Fatalf("plugin %s cleaned up after %v within %v, want %v among them", f.name, got, testTimeout, ids)
+		}
+	}
 }
 
 // group builds a device group of healthy devices with the given IDs.
@@ -268,8 +312,11 @@ func (l *launcher) launch(ctx context.Context, bin pluginloader.Binary, opts plu
 		return nil, fmt.Errorf("no fake plugin %q", bin.Name)
 	}
 	d.mu.Lock()
-	hang := d.hangStart
+	hang, launchErr := d.hangStart, d.launchErr
 	d.mu.Unlock()
+	if launchErr != "" {
+		return nil, errors.New(launchErr)
+	}
 	if hang {
 		<-ctx.Done()
 		return nil, fmt.Errorf("plugin did not start: %w", ctx.Err())
@@ -383,20 +430,15 @@ func testConfig(t *testing.T) (Config, *logRecorder) {
 }
 
 // startInprocManager starts a manager whose plugins are the given fakes, run in-process,
-// and shuts it down in t.Cleanup. It returns the manager and the launcher.
+// and shuts it down in t.Cleanup. It returns the manager and the launcher. Reservations
+// go to the ledger in cfg.StateDir when it is set, else to memory.
 func startInprocManager(t *testing.T, cfg Config, devices ...*fakeDevices) (*Manager, *launcher) {
-	t.Helper()
-	return startInprocManagerWithStore(t, cfg, newMemStore(), devices...)
-}
-
-// startInprocManagerWithStore is startInprocManager keeping reservations in store.
-func startInprocManagerWithStore(t *testing.T, cfg Config, store reservationStore, devices ...*fakeDevices) (*Manager, *launcher) {
 	t.Helper()
 	l := newLauncher(devices...)
 	for _, d := range devices {
 		cfg.Binaries = append(cfg.Binaries, pluginloader.Binary{Name: d.name, Path: "/inproc/" + d.name})
 	}
-	m, err := newManager(cfg, store, l.launch)
+	m, err := newManager(cfg, l.launch)
 	if err != nil {
 		t.Fatalf("newManager: %v", err)
 	}

@@ -22,13 +22,24 @@
 //     running process; stats are not a health signal.
 //   - A fingerprint or stats message that breaks a validation rule is logged with the
 //     plugin and the rules and dropped; the last good one stays.
+//
+// Reservations, with StateDir set, live in the durable ledger (manager/ledger): Reserve
+// answers once the reservation is fsynced, and Release once the release is. The ledger's
+// garbage collector, run by the manager, owns the plugin side of a release: it calls the
+// owning plugin's Release RPC (bounded by ReserveTimeout) for every released reservation
+// whose cleanup is pending, keeps the cleanup pending and retries it with backoff while
+// the plugin is down or refuses, retries at once when the plugin fingerprints again, and
+// deletes released reservations per GCInterval and GCMaxReservations. A plugin answering
+// UNIMPLEMENTED has nothing to clean. A reservation whose plugin is no longer configured
+// is logged once and counted as cleaned: no plugin of this host can do it, and keeping
+// it pending would keep it from ever being deleted.
 package manager
 
 import (
 	"context"
-	"crypto/rand"
 	"fmt"
 	"maps"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -39,6 +50,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/ledger"
 	"github.com/devicehost/devicehost/pluginloader"
 	"github.com/devicehost/devicehost/validate"
 )
@@ -46,16 +58,19 @@ import (
 // Manager is the device manager. New starts it; Shutdown stops it. All methods are safe
 // for concurrent use.
 type Manager struct {
-	cfg   Config
-	log   hclog.Logger
-	reg   *registry
-	stats *statsHub
-	store reservationStore
-	sups  map[string]*supervisor // by plugin name; fixed after New
+	cfg    Config
+	log    hclog.Logger
+	reg    *registry
+	stats  *statsHub
+	store  reservationStore
+	ledger *ledger.Ledger         // the durable store behind store; nil without StateDir
+	gc     *ledger.GC             // runs on ledger; nil without it
+	sups   map[string]*supervisor // by plugin name; fixed after New
 
 	cancel   context.CancelFunc // ends every goroutine New started
-	wg       sync.WaitGroup     // supervisors, the stats tick and the readiness timer
-	stopped  chan struct{}      // closed when wg is done
+	wg       sync.WaitGroup     // supervisors, the GC, the stats tick and the readiness timer
+	stopped  chan struct{}      // closed when wg is done and the ledger closed
+	closeErr error              // closing the ledger; written before stopped is closed
 	stopping atomic.Bool
 
 	claimMu sync.Mutex
@@ -64,17 +79,19 @@ type Manager struct {
 
 var _ device.Manager = (*Manager)(nil)
 
-// New finds the plugins (cfg.PluginDir plus cfg.Binaries) and starts the manager: one
-// supervisor per plugin, the stats fan-out and the readiness timer. It fails when the
-// config is invalid, the plugin dir cannot be read safely, or two plugins share a name.
-// The caller must call Shutdown.
+// New finds the plugins (cfg.PluginDir plus cfg.Binaries), opens the reservation ledger
+// in cfg.StateDir, and starts the manager: one supervisor per plugin, the ledger's
+// garbage collector, the stats fan-out and the readiness timer. It fails when the config
+// is invalid, the plugin dir cannot be read safely, two plugins share a name, or the
+// state file cannot be used (a *ledger.StateFileError says why and how to recover). The
+// caller must call Shutdown.
 func New(cfg Config) (*Manager, error) {
-	return newManager(cfg, newMemStore(), launchProcess)
+	return newManager(cfg, launchProcess)
 }
 
-// newManager is New with the reservation store and the plugin launcher chosen by the
-// caller (tests, and later the durable ledger and reattaching launcher).
-func newManager(cfg Config, store reservationStore, launch launchFunc) (*Manager, error) {
+// newManager is New with the plugin launcher chosen by the caller (tests run plugins
+// in-process).
+func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 	cfg, notes, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
@@ -97,16 +114,38 @@ func newManager(cfg Config, store reservationStore, launch launchFunc) (*Manager
 		cfg:     cfg,
 		log:     log,
 		stats:   newStatsHub(cfg.StatsInterval, cfg.Now),
-		store:   store,
 		sups:    make(map[string]*supervisor, len(bins)),
 		stopped: make(chan struct{}),
 		claims:  make(map[string]string),
 	}
-	m.reg = newRegistry(log, cfg.Now, store.Holders)
+	if cfg.StateDir == "" {
+		log.Warn("no state dir: reservations are kept in memory only, lost when the process ends, and never garbage-collected or cleaned up by their plugins")
+		m.store = newMemStore()
+	} else {
+		if m.ledger, err = openLedger(cfg); err != nil {
+			return nil, err
+		}
+		m.store = m.ledger
+		m.gc, err = ledger.NewGC(m.ledger, ledger.GCConfig{
+			Logger:          log.Named("gc"),
+			Cleanup:         m.cleanup,
+			MaxReservations: cfg.GCMaxReservations,
+			Interval:        cfg.GCInterval,
+			Parallel:        cfg.GCParallelDestroys,
+			CleanupTimeout:  cfg.ReserveTimeout,
+			RetryMin:        cfg.gcRetryMin,
+		})
+		if err != nil { // withDefaults refused what NewGC would
+			_ = m.ledger.Close() // nothing was written; the config error is the one to report
+			return nil, fmt.Errorf("manager config: %w", err)
+		}
+	}
+
+	m.reg = newRegistry(log, cfg.Now, m.store.Holders)
 	for _, bin := range bins {
 		pc := cfg.Plugins[bin.Name]
 		m.reg.addPlugin(bin.Name, bin.Path)
-		m.sups[bin.Name] = &supervisor{
+		s := &supervisor{
 			name: bin.Name,
 			bin:  bin,
 			opts: pluginloader.Options{
@@ -123,11 +162,22 @@ func newManager(cfg Config, store reservationStore, launch launchFunc) (*Manager
 			stats:  m.stats,
 			log:    log.With("plugin", bin.Name),
 		}
+		if m.gc != nil {
+			s.onUp = m.gc.RetryNow
+		}
+		m.sups[bin.Name] = s
 	}
 	m.reg.checkReady()
 
 	ctx, cancel := context.WithCancel(context.Background())
 	m.cancel = cancel
+	if m.gc != nil {
+		m.wg.Go(func() {
+			if err := m.gc.Run(ctx); err != nil {
+				m.log.Error("garbage collector stopped", "error", err)
+			}
+		})
+	}
 	for _, s := range m.sups {
 		m.wg.Go(func() {
 			if err := s.Run(ctx); err != nil {
@@ -140,9 +190,38 @@ func newManager(cfg Config, store reservationStore, launch launchFunc) (*Manager
 	m.wg.Go(func() { m.readyTimer(ctx) })
 	go func() { // ends when the goroutines above have; Shutdown waits for it
 		m.wg.Wait()
+		if m.ledger != nil {
+			m.closeErr = m.ledger.Close()
+		}
 		close(m.stopped)
 	}()
 	return m, nil
+}
+
+// openLedger opens the reservation ledger in cfg.StateDir, creating the dir (0700).
+func openLedger(cfg Config) (*ledger.Ledger, error) {
+	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+		return nil, fmt.Errorf("state dir: %w", err)
+	}
+	return ledger.Open(filepath.Join(cfg.StateDir, ledger.DefaultFileName), ledger.Options{
+		Logger: cfg.Logger.Named("manager").Named("ledger"),
+		Now:    cfg.Now,
+	})
+}
+
+// cleanup is the GC's plugin cleanup: the owning plugin's Release RPC for e, bounded by
+// ctx (the GC's CleanupTimeout, which is ReserveTimeout) and the plugin's exit. An error
+// (plugin down, silent or refusing) keeps the cleanup pending for a retry. A plugin this
+// manager does not run any more cannot clean up: that is logged, once, and counted done.
+// Called by the GC's workers, at most GCParallelDestroys at once.
+func (m *Manager) cleanup(ctx context.Context, e ledger.GCEntry) error {
+	s, ok := m.sups[e.Plugin]
+	if !ok {
+		m.log.Warn("plugin cleanup of a released reservation skipped: its plugin is not configured any more",
+			"plugin", e.Plugin, "reservation_id", e.ReservationID, "owner_id", e.OwnerID, "devices", strings.Join(e.DeviceIDs, ","))
+		return nil
+	}
+	return s.release(ctx, e.ReservationID, e.DeviceIDs)
 }
 
 // pluginBinaries lists the discovered plugins and the explicit ones, refusing a name
@@ -225,9 +304,10 @@ func (m *Manager) WaitForFirstFingerprint(ctx context.Context) (device.Inventory
 	}
 }
 
-// Shutdown stops every plugin and goroutine the manager started and closes every watch
-// channel. It returns when they are all gone, or with ctx's error when ctx ends first
-// (the plugins are still being stopped then; a later Shutdown waits again).
+// Shutdown stops every plugin and goroutine the manager started, closes every watch
+// channel and, once all of that has stopped, the ledger. It returns when they
+// are all gone (with the ledger's close error, if any), or with ctx's error when ctx ends
+// first (the plugins are still being stopped then; a later Shutdown waits again).
 func (m *Manager) Shutdown(ctx context.Context) error {
 	m.stopping.Store(true)
 	m.cancel()
@@ -235,7 +315,7 @@ func (m *Manager) Shutdown(ctx context.Context) error {
 	m.stats.watchers.close()
 	select {
 	case <-m.stopped:
-		return nil
+		return m.closeErr
 	case <-ctx.Done():
 		return fmt.Errorf("manager shutdown: %w", context.Cause(ctx))
 	}
@@ -283,7 +363,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		return device.Reservation{}, fmt.Errorf("plugin %q answered Reserve with a reservation that breaks the rules: %s: %w", plugin, oneLine(err), device.ErrPluginResponse)
 	}
 	r, err := m.store.Commit(ctx, device.Reservation{
-		ID:        rand.Text(),
+		ID:        ledger.NewID(),
 		OwnerID:   req.OwnerID,
 		Group:     req.Group,
 		Plugin:    plugin,
@@ -382,11 +462,15 @@ func (m *Manager) claim(owner string, ids []string) (func(), error) {
 	}, nil
 }
 
-// Release ends the reservations req names and returns their IDs, then asks each plugin
-// to clean up after the ones whose cleanup is pending. A cleanup that fails (the plugin
-// is down or refuses) stays pending and is tried again by the next Release naming the
-// reservation.
+// Release ends the reservations req names, durably, frees their devices (watchers get a
+// snapshot without the holder) and returns their IDs, oldest first; a reservation
+// released before is named again, not released twice. The plugin cleanup is not done
+// here: it is left pending in the ledger for the garbage collector, which runs it once,
+// with retries (see the package doc). Without StateDir no cleanup ever runs.
 func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) ([]string, error) {
+	if m.stopping.Load() {
+		return nil, fmt.Errorf("release: %w", device.ErrShuttingDown)
+	}
 	if err := validate.ReleaseRequest(req); err != nil {
 		return nil, err
 	}
@@ -398,20 +482,6 @@ func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) ([]str
 	ids := make([]string, 0, len(released))
 	for _, r := range released {
 		ids = append(ids, r.ID)
-		if !r.CleanupPending {
-			continue
-		}
-		sup, ok := m.sups[r.Plugin]
-		if !ok {
-			continue
-		}
-		if err := sup.release(ctx, r.ID, r.DeviceIDs); err != nil {
-			m.log.Warn("plugin cleanup after release failed; it stays pending", "plugin", r.Plugin, "reservation", r.ID, "error", err)
-			continue
-		}
-		if err := m.store.CleanupDone(ctx, r.ID); err != nil {
-			return ids, fmt.Errorf("record cleanup of reservation %s: %w", r.ID, err)
-		}
 	}
 	return ids, nil
 }

@@ -469,21 +469,25 @@ func TestReserve(t *testing.T) {
 		t.Errorf("State a1 holder = %v, want none", got)
 	}
 
-	// Release frees it, calls the plugin's cleanup, and lists it as released.
+	// Release frees it and lists it as released. Without a state dir there is no
+	// garbage collector, so its plugin cleanup stays pending and the plugin is not
+	// called (TestGCCleansUpThroughThePlugin has the ledger's way).
 	ids, err := m.Release(ctx, device.ReleaseRequest{OwnerID: "alloc-1"})
 	if err != nil || !slices.Equal(ids, []string{held.ID}) {
 		t.Fatalf("Release = %v, %v; want [%s]", ids, err, held.ID)
 	}
-	waitFor(t, m, "a0 free", func(s device.Snapshot) bool { return s.State.Devices["a0"].Holder == nil })
+	if got := m.State().Devices["a0"].Holder; got != nil {
+		t.Errorf("State a0 holder after Release = %v, want none", got)
+	}
 	list, err := m.Reservations(ctx, device.ReservationFilter{DeviceID: "a0"})
-	if err != nil || len(list) != 1 || list[0].State != device.ReservationReleased || list[0].CleanupPending {
-		t.Errorf("Reservations(a0) = %+v, %v; want one released, cleaned up", list, err)
+	if err != nil || len(list) != 1 || list[0].State != device.ReservationReleased || !list[0].CleanupPending {
+		t.Errorf("Reservations(a0) = %+v, %v; want one released, cleanup pending", list, err)
 	}
 	alpha.mu.Lock()
 	released := slices.Clone(alpha.released)
 	alpha.mu.Unlock()
-	if !slices.Equal(released, []string{held.ID}) {
-		t.Errorf("plugin cleanups = %v, want [%s]", released, held.ID)
+	if len(released) != 0 {
+		t.Errorf("plugin cleanups without a ledger = %v, want none", released)
 	}
 	if _, err := m.Release(ctx, device.ReleaseRequest{ReservationID: "no-such"}); !errors.Is(err, device.ErrNotFound) {
 		t.Errorf("Release(unknown) = %v, want ErrNotFound", err)

@@ -34,16 +34,22 @@ func widgetKey(plugin string) device.GroupKey {
 	return device.GroupKey{Vendor: "fixture", Type: "widget", Name: plugin}
 }
 
-// startManager starts a manager with New running the given fixtures, shuts it down in
-// t.Cleanup, and returns it.
-func startManager(t *testing.T, cfg Config, fixtures ...fixture) *Manager {
-	t.Helper()
+// withFixtures returns cfg running the given fixtures (and no other plugins).
+func withFixtures(cfg Config, fixtures ...fixture) Config {
+	cfg.Binaries = nil
 	cfg.Plugins = make(map[string]PluginConfig)
 	for _, f := range fixtures {
 		cfg.Binaries = append(cfg.Binaries, pluginloader.Binary{Name: f.name, Path: fixtureBin})
 		cfg.Plugins[f.name] = PluginConfig{ConfigJSON: f.cfg.JSON(), Env: f.env}
 	}
-	m, err := New(cfg)
+	return cfg
+}
+
+// startManager starts a manager with New running the given fixtures, shuts it down in
+// t.Cleanup, and returns it.
+func startManager(t *testing.T, cfg Config, fixtures ...fixture) *Manager {
+	t.Helper()
+	m, err := New(withFixtures(cfg, fixtures...))
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}
@@ -409,5 +415,39 @@ func TestShutdownStopsPluginProcesses(t *testing.T) {
 		if err := syscall.Kill(p, 0); !errors.Is(err, syscall.ESRCH) {
 			t.Errorf("plugin process %d after Shutdown: kill(0) = %v, want ESRCH (gone)", p, err)
 		}
+	}
+}
+
+// TestProcessGCCleanupReachesThePlugin releases reservations of two fixture processes:
+// the garbage collector cleans up through each plugin's Release RPC; the one whose
+// Release fails (release_error) keeps its cleanup pending and is retried, not dropped.
+func TestProcessGCCleanupReachesThePlugin(t *testing.T) {
+	cfg, logs := durableConfig(t)
+	cfg.gcRetryMin = 50 * time.Millisecond
+	m := startManager(t, cfg,
+		fixture{name: "fx", cfg: fixtureplugin.Config{Groups: widgets("fx", "w0", "w1"), LogRelease: true}},
+		fixture{name: "busy", cfg: fixtureplugin.Config{Groups: widgets("busy", "b0"), LogRelease: true, ReleaseError: "widget b0 still draining"}},
+	)
+	waitReady(t, m)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	r1, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "o1", Group: widgetKey("fx"), DeviceIDs: []string{"w0", "w1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r2, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "o2", Group: widgetKey("busy"), DeviceIDs: []string{"b0"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	release(t, m, device.ReleaseRequest{OwnerID: "o1"})
+	release(t, m, device.ReleaseRequest{OwnerID: "o2"})
+
+	logs.waitLine(t, "test.fx.fixture: fixture: release", "reservation_id="+r1.ID, `device_ids="w0,w1"`, "failed=false")
+	waitReservation(t, m, r1.ID, "cleaned up", cleanedUp)
+
+	logs.waitLine(t, "test.busy.fixture: fixture: release", "reservation_id="+r2.ID, "failed=true")
+	logs.waitLine(t, "reservation cleanup failed; will retry", "reservation_id="+r2.ID, "attempt=2", "widget b0 still draining")
+	if got, _ := reservation(t, m, r2.ID); got.State != device.ReservationReleased || !got.CleanupPending {
+		t.Errorf("reservation whose plugin cleanup keeps failing = %+v, want released with the cleanup pending", got)
 	}
 }

@@ -88,6 +88,7 @@ type supervisor struct {
 	stats  *statsHub
 	log    hclog.Logger
 	jitter func() float64 // nil: random
+	onUp   func()         // nil, or called after each run's first good fingerprint
 
 	mu  sync.Mutex
 	cur plugin // the running plugin; nil between runs
@@ -215,8 +216,9 @@ func rpcError(ctx context.Context, p plugin, what string, err error) error {
 // fingerprint consumes the fingerprint stream for one run. The first message must come
 // within FingerprintTimeout. Each message is validated: a rejected one is logged naming
 // the rules and the last good inventory stays; a good one replaces the plugin's
-// inventory. The first good one closes fingerprinted. It returns only with an error: the
-// stream is the plugin's lifeline, so its end ends the run (and the plugin is restarted).
+// inventory. The first good one closes fingerprinted and calls onUp. It returns only
+// with an error: the stream is the plugin's lifeline, so its end ends the run (and the
+// plugin is restarted).
 func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted chan<- struct{}) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -241,6 +243,9 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 		if fingerprinted != nil {
 			close(fingerprinted)
 			fingerprinted = nil
+			if s.onUp != nil {
+				s.onUp()
+			}
 		}
 	}
 }

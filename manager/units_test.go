@@ -27,7 +27,8 @@ func TestConfigDefaults(t *testing.T) {
 				c.StartTimeout == DefaultStartTimeout && c.ReadyTimeout == DefaultReadyTimeout &&
 				c.FingerprintTimeout == DefaultFingerprintTimeout && c.KillTimeout == DefaultKillTimeout &&
 				c.RestartBaseDelay == DefaultRestartBaseDelay && c.RestartMaxDelay == DefaultRestartMaxDelay &&
-				c.StableRunReset == DefaultStableRunReset && c.Logger != nil && c.Now != nil
+				c.StableRunReset == DefaultStableRunReset && c.Logger != nil && c.Now != nil &&
+				c.GCInterval == time.Minute && c.GCMaxReservations == 1000 && c.GCParallelDestroys == 2
 		}},
 		{name: "stats interval below the bound is raised", in: Config{StatsInterval: time.Millisecond},
 			want:     func(c Config) bool { return c.StatsInterval == MinStatsInterval },
@@ -36,6 +37,13 @@ func TestConfigDefaults(t *testing.T) {
 			want: func(c Config) bool { return c.StatsInterval == 3*time.Second && c.ReserveTimeout == time.Second }},
 		{name: "negative is refused", in: Config{ReadyTimeout: -time.Second}, wantError: "ReadyTimeout is negative"},
 		{name: "cap below base is refused", in: Config{RestartBaseDelay: time.Second, RestartMaxDelay: time.Millisecond}, wantError: "RestartMaxDelay"},
+		{name: "GC settings are kept", in: Config{GCInterval: time.Hour, GCMaxReservations: 5, GCParallelDestroys: 7},
+			want: func(c Config) bool {
+				return c.GCInterval == time.Hour && c.GCMaxReservations == 5 && c.GCParallelDestroys == 7
+			}},
+		{name: "negative GC interval is refused", in: Config{GCInterval: -time.Second}, wantError: "GCInterval is negative"},
+		{name: "negative GC limit is refused", in: Config{GCMaxReservations: -1}, wantError: "GCMaxReservations is negative"},
+		{name: "negative GC parallelism is refused", in: Config{GCParallelDestroys: -1}, wantError: "GCParallelDestroys is negative"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -255,40 +263,5 @@ func TestReservationStores(t *testing.T) {
 				t.Errorf("List(o1, released) = %+v, %v; want r1, cleaned up", list, err)
 			}
 		})
-	}
-}
-
-// TestLedgerPlugsIntoReserve runs the manager's Reserve and Release on the bbolt ledger.
-func TestLedgerPlugsIntoReserve(t *testing.T) {
-	l, err := ledger.Open(filepath.Join(t.TempDir(), "state.db"), ledger.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = l.Close() }) // after the manager's shutdown (cleanups run last-in first-out)
-	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
-	cfg, _ := testConfig(t)
-	m, _ := startInprocManagerWithStore(t, cfg, l, alpha)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-	defer cancel()
-	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
-		t.Fatal(err)
-	}
-	req := device.ReserveRequest{OwnerID: "alloc-1", Group: device.GroupKey{Vendor: "acme", Type: "gpu", Name: "A1"}, DeviceIDs: []string{"a0"}}
-	r, err := m.Reserve(ctx, req)
-	if err != nil {
-		t.Fatalf("Reserve: %v", err)
-	}
-	if h := m.State().Devices["a0"].Holder; h == nil || h.ReservationID != r.ID {
-		t.Errorf("a0 holder = %v, want %s", h, r.ID)
-	}
-	stored, err := l.Get(r.ID)
-	if err != nil || stored.Container.Envs["FAKE_VISIBLE_DEVICES"] != "a0" {
-		t.Errorf("ledger has %+v, %v; want the plugin's container reservation", stored, err)
-	}
-	if _, err := m.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}); err != nil {
-		t.Fatalf("Release: %v", err)
-	}
-	if got, err := l.Get(r.ID); err != nil || got.State != device.ReservationReleased || got.CleanupPending {
-		t.Errorf("ledger after Release: %+v, %v; want released and cleaned up", got, err)
 	}
 }
