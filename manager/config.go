@@ -52,14 +52,15 @@ type Config struct {
 	Plugins map[string]PluginConfig
 
 	// StateDir holds the durable state: the reservation ledger (ledger.DefaultFileName,
-	// created with the dir, mode 0700, when missing). A state file that is damaged, from an
+	// created with the dir, mode 0700, when missing) and the sockets of plugins kept
+	// across restarts (PluginConfig.Reattach). A state file that is damaged, from an
 	// unknown schema version or in use by another process makes New fail with the
 	// ledger's error, which says what is wrong and how to recover; it is never wiped.
 	//
 	// Empty means no durable state, with a warning logged: reservations live in memory
 	// and are forgotten when the process ends, and nothing garbage-collects them, so
 	// released reservations stay listed, with their plugin cleanup pending and never
-	// run, until then.
+	// run, until then. Reattach needs a StateDir.
 	StateDir string
 
 	// GCInterval: every GCInterval the garbage collector deletes the released
@@ -126,6 +127,31 @@ type PluginConfig struct {
 	// on only when InheritEnv is true, and then Env is added to it.
 	Env        []string
 	InheritEnv bool
+
+	// Reattach keeps the plugin's process running across a crash of the host: the
+	// plugin is launched with go-plugin's AutoMTLS off, its reattach data (address,
+	// PID, binary) is saved in the ledger, and a host started after a crash on the same
+	// StateDir reconnects to it instead of starting a second one. It needs StateDir.
+	// Default false, because:
+	//
+	//   - go-plugin keeps the AutoMTLS keys in the launching process's memory only, so
+	//     no later process could reconnect to a plugin launched with them: reattaching
+	//     needs AutoMTLS off. The plugin's gRPC listener is then a Unix socket whose
+	//     only protection is file permissions. The manager puts it in StateDir/sockets
+	//     (mode 0700) when that path is short enough for a socket name, else in the
+	//     plugin's temp dir (owner-only by default umask); anyone who can open it can
+	//     drive the plugin.
+	//   - The host reattaches only to a process it can vouch for: on Linux,
+	//     /proc/<pid> must be alive (not a zombie), started at the recorded time since
+	//     the same boot, and running the same binary path as before. Anything else is
+	//     left alone and the plugin started fresh; a process that passed the check but
+	//     cannot be reattached is killed first. Off Linux the check always fails.
+	//
+	// A graceful Shutdown still stops the plugin (and forgets its record): only a
+	// host that ends without Shutdown leaves it running. Whatever supervises the host
+	// must then let the plugin outlive it (systemd: KillMode=process, for example), and
+	// the plugin must survive losing its stderr pipe to the dead host.
+	Reattach bool
 }
 
 // withDefaults returns a copy of c with every zero field set to its default and every
@@ -192,6 +218,13 @@ func (c Config) withDefaults() (Config, []string, error) {
 			return Config{}, nil, fmt.Errorf("manager config: %s is negative (%d)", n.name, *n.p)
 		case *n.p == 0:
 			*n.p = n.def
+		}
+	}
+	if c.StateDir == "" {
+		for _, name := range c.pluginNames() {
+			if c.Plugins[name].Reattach {
+				return Config{}, nil, fmt.Errorf("manager config: plugin %q: Reattach needs a StateDir to keep the reattach data in", name)
+			}
 		}
 	}
 	if c.RestartMaxDelay < c.RestartBaseDelay {

@@ -48,6 +48,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/go-hclog"
+	goplugin "github.com/hashicorp/go-plugin"
 
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/ledger"
@@ -80,17 +81,17 @@ type Manager struct {
 var _ device.Manager = (*Manager)(nil)
 
 // New finds the plugins (cfg.PluginDir plus cfg.Binaries), opens the reservation ledger
-// in cfg.StateDir, and starts the manager: one supervisor per plugin, the ledger's
-// garbage collector, the stats fan-out and the readiness timer. It fails when the config
-// is invalid, the plugin dir cannot be read safely, two plugins share a name, or the
-// state file cannot be used (a *ledger.StateFileError says why and how to recover). The
-// caller must call Shutdown.
+// in cfg.StateDir, and starts the manager: one supervisor per plugin (reattaching to
+// kept plugins a crashed host left running), the ledger's garbage collector, the stats
+// fan-out and the readiness timer. It fails when the config is invalid, the plugin dir
+// cannot be read safely, two plugins share a name, or the state file cannot be used (a
+// *ledger.StateFileError says why and how to recover). The caller must call Shutdown.
 func New(cfg Config) (*Manager, error) {
 	return newManager(cfg, launchProcess)
 }
 
 // newManager is New with the plugin launcher chosen by the caller (tests run plugins
-// in-process).
+// in-process, or keep processes alive to play a crashed host).
 func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 	cfg, notes, err := cfg.withDefaults()
 	if err != nil {
@@ -141,6 +142,20 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		}
 	}
 
+	var saved map[string]*reattachRecord
+	var sockets string
+	if m.ledger != nil {
+		kept := make(map[string]bool)
+		for _, bin := range bins {
+			if cfg.Plugins[bin.Name].Reattach {
+				kept[bin.Name] = true
+			}
+		}
+		saved = loadReattachRecords(m.ledger, kept, log)
+		if len(kept) > 0 {
+			sockets = socketDir(cfg.StateDir, log)
+		}
+	}
 	m.reg = newRegistry(log, cfg.Now, m.store.Holders)
 	for _, bin := range bins {
 		pc := cfg.Plugins[bin.Name]
@@ -149,12 +164,13 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 			name: bin.Name,
 			bin:  bin,
 			opts: pluginloader.Options{
-				Logger:       cfg.Logger,
-				StartTimeout: cfg.StartTimeout,
-				SHA256:       pc.SHA256,
-				Env:          pc.Env,
-				InheritEnv:   pc.InheritEnv,
-				ConfigJSON:   pc.ConfigJSON,
+				Logger:          cfg.Logger,
+				StartTimeout:    cfg.StartTimeout,
+				SHA256:          pc.SHA256,
+				Env:             pc.Env,
+				InheritEnv:      pc.InheritEnv,
+				ConfigJSON:      pc.ConfigJSON,
+				DisableAutoMTLS: pc.Reattach,
 			},
 			cfg:    cfg,
 			launch: launch,
@@ -164,6 +180,12 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		}
 		if m.gc != nil {
 			s.onUp = m.gc.RetryNow
+		}
+		if pc.Reattach {
+			s.keep = &keeper{name: bin.Name, led: m.ledger, log: s.log, saved: saved[bin.Name]}
+			if sockets != "" {
+				s.opts.Env = append(slices.Clone(pc.Env), goplugin.EnvUnixSocketDir+"="+sockets)
+			}
 		}
 		m.sups[bin.Name] = s
 	}
@@ -305,7 +327,8 @@ func (m *Manager) WaitForFirstFingerprint(ctx context.Context) (device.Inventory
 }
 
 // Shutdown stops every plugin and goroutine the manager started, closes every watch
-// channel and, once all of that has stopped, the ledger. It returns when they
+// channel and, once all of that has stopped, the ledger (kept plugins are stopped too,
+// and their reattach records deleted: a graceful stop means stop). It returns when they
 // are all gone (with the ledger's close error, if any), or with ctx's error when ctx ends
 // first (the plugins are still being stopped then; a later Shutdown waits again).
 func (m *Manager) Shutdown(ctx context.Context) error {

@@ -20,9 +20,10 @@ import (
 
 // fixture is one fixture plugin process to run under its own name.
 type fixture struct {
-	name string
-	cfg  fixtureplugin.Config
-	env  []string
+	name     string
+	cfg      fixtureplugin.Config
+	env      []string
+	reattach bool // PluginConfig.Reattach
 }
 
 // widgets is a fixture inventory: one group named after the plugin with the given IDs.
@@ -40,7 +41,7 @@ func withFixtures(cfg Config, fixtures ...fixture) Config {
 	cfg.Plugins = make(map[string]PluginConfig)
 	for _, f := range fixtures {
 		cfg.Binaries = append(cfg.Binaries, pluginloader.Binary{Name: f.name, Path: fixtureBin})
-		cfg.Plugins[f.name] = PluginConfig{ConfigJSON: f.cfg.JSON(), Env: f.env}
+		cfg.Plugins[f.name] = PluginConfig{ConfigJSON: f.cfg.JSON(), Env: f.env, Reattach: f.reattach}
 	}
 	return cfg
 }

@@ -88,6 +88,7 @@ type supervisor struct {
 	stats  *statsHub
 	log    hclog.Logger
 	jitter func() float64 // nil: random
+	keep   *keeper        // nil: the plugin is not kept across host crashes
 	onUp   func()         // nil, or called after each run's first good fingerprint
 
 	mu  sync.Mutex
@@ -119,7 +120,7 @@ func (s *supervisor) Run(ctx context.Context) error {
 	for restarts := 0; ; restarts++ {
 		s.reg.launching(s.name, restarts)
 		started := time.Now()
-		err := s.runOnce(ctx)
+		err := s.runOnce(ctx, restarts == 0)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -139,13 +140,12 @@ func (s *supervisor) Run(ctx context.Context) error {
 	}
 }
 
-// runOnce launches the plugin and serves it until it exits, its fingerprint stream
-// fails, or ctx ends. The plugin's devices are marked unhealthy with the reason before
-// it returns, and the process is killed.
-func (s *supervisor) runOnce(ctx context.Context) error {
-	lctx, cancel := context.WithTimeout(ctx, s.cfg.StartTimeout)
-	p, err := s.launch(lctx, s.bin, s.opts)
-	cancel()
+// runOnce launches the plugin (on the first run, perhaps reattaches to it) and serves it
+// until it exits, its fingerprint stream fails, or ctx ends. The plugin's devices are
+// marked unhealthy with the reason before it returns, the process is killed and its
+// reattach record, if any, deleted.
+func (s *supervisor) runOnce(ctx context.Context, first bool) error {
+	p, err := s.start(ctx, first)
 	if err != nil {
 		s.reg.down(s.name, "plugin not running: "+err.Error())
 		return fmt.Errorf("launch: %w", err)
@@ -155,6 +155,9 @@ func (s *supervisor) runOnce(ctx context.Context) error {
 		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.KillTimeout)
 		defer cancel()
 		p.Kill(kctx)
+		if s.keep != nil {
+			s.keep.forget(ctx)
+		}
 	}()
 	s.setCurrent(p)
 	s.reg.running(s.name, p.Info().GetPluginVersion())
@@ -186,6 +189,30 @@ func (s *supervisor) runOnce(ctx context.Context) error {
 	s.reg.down(s.name, err.Error())
 	s.stats.clear(s.name)
 	return err
+}
+
+// start launches the plugin, bounded by StartTimeout. On the first run of a kept plugin
+// it first tries, within another StartTimeout, to reattach to the process a crashed host
+// left running; a freshly launched kept plugin gets its reattach record saved.
+func (s *supervisor) start(ctx context.Context, first bool) (plugin, error) {
+	if s.keep != nil && first {
+		rctx, cancel := context.WithTimeout(ctx, s.cfg.StartTimeout)
+		p := s.keep.reattach(rctx, s.bin, s.opts, s.launch)
+		cancel()
+		if p != nil {
+			return p, nil
+		}
+	}
+	lctx, cancel := context.WithTimeout(ctx, s.cfg.StartTimeout)
+	p, err := s.launch(lctx, s.bin, s.opts)
+	cancel()
+	if err != nil {
+		return nil, err
+	}
+	if s.keep != nil {
+		s.keep.save(ctx, s.bin.Path, p)
+	}
+	return p, nil
 }
 
 func exitError(p plugin) error {

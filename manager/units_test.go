@@ -44,6 +44,10 @@ func TestConfigDefaults(t *testing.T) {
 		{name: "negative GC interval is refused", in: Config{GCInterval: -time.Second}, wantError: "GCInterval is negative"},
 		{name: "negative GC limit is refused", in: Config{GCMaxReservations: -1}, wantError: "GCMaxReservations is negative"},
 		{name: "negative GC parallelism is refused", in: Config{GCParallelDestroys: -1}, wantError: "GCParallelDestroys is negative"},
+		{name: "reattach needs a state dir", in: Config{Plugins: map[string]PluginConfig{"p": {Reattach: true}}},
+			wantError: `plugin "p": Reattach needs a StateDir`},
+		{name: "reattach with a state dir", in: Config{StateDir: "/state", Plugins: map[string]PluginConfig{"p": {Reattach: true}}},
+			want: func(c Config) bool { return c.Plugins["p"].Reattach }},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
