@@ -317,7 +317,7 @@ func (k *keeper) forget(ctx context.Context) {
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ledgerWriteTimeout)
 	defer cancel()
 	if err := k.led.DeleteReattach(wctx, k.name); err != nil {
-		k.log.Warn("cannot delete the reattach record; the next host will check it and start the plugin afresh", "error", err)
+		k.log.Warn("cannot delete the reattach record; the next host will check the recorded process before using it", "error", err)
 	}
 }
 
