@@ -2,7 +2,9 @@ package deviceplugin
 
 import (
 	"os"
+	"os/signal"
 	"sync"
+	"syscall"
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/go-plugin"
@@ -32,7 +34,11 @@ func Logger() hclog.Logger { return logger() }
 // Serve serves impl to the host that launched this process, over go-plugin gRPC, and
 // returns when the host shuts the plugin down (the process should then exit). It makes
 // Logger the hclog default. Run by hand, outside a host, it prints a note and exits 1.
+//
+// Serve ignores SIGPIPE: once a host has died, writing a log line to the dead host's
+// stderr pipe must not kill a plugin that a restarted host is about to reattach to.
 func Serve(impl Plugin) {
+	signal.Ignore(syscall.SIGPIPE)
 	hclog.SetDefault(Logger())
 	plugin.Serve(ServeConfig(impl))
 }

@@ -171,6 +171,7 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 				InheritEnv:      pc.InheritEnv,
 				ConfigJSON:      pc.ConfigJSON,
 				DisableAutoMTLS: pc.Reattach,
+				SurviveHost:     pc.Reattach,
 			},
 			cfg:    cfg,
 			launch: launch,

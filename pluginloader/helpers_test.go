@@ -27,6 +27,9 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	if bin := os.Getenv(hostModeEnv); bin != "" {
+		os.Exit(runAsHost(bin))
+	}
 	os.Exit(run(m))
 }
 

@@ -69,6 +69,11 @@ type Options struct {
 	// AutoMTLS turns on go-plugin's mutual TLS between host and plugin. Default true is
 	// expressed as DisableAutoMTLS=false.
 	DisableAutoMTLS bool
+	// SurviveHost lets the plugin process outlive the host. By default a launched plugin
+	// is tied to the host's life (on Linux, the kernel SIGKILLs it when the host dies), so
+	// a crashed host leaks no plugin process. Set it only for plugins a restarted host
+	// will reattach to (with DisableAutoMTLS).
+	SurviveHost bool
 }
 
 // Plugin is a launched, configured plugin process.
@@ -226,6 +231,9 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 		procCtx, stop := context.WithCancel(context.Background())
 		cmd := exec.CommandContext(procCtx, bin.Path, bin.Args...)
 		cmd.Env = processEnv(opts)
+		if !opts.SurviveHost {
+			tieToHost(cmd)
+		}
 		cfg.Cmd = cmd
 		cfg.AutoMTLS = !opts.DisableAutoMTLS
 		p.cmd, p.stopProc = cmd, stop
