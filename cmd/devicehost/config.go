@@ -19,16 +19,16 @@ import (
 	"github.com/devicehost/devicehost/server/endpoint"
 )
 
-// Defaults of the agent's settings. Durations left zero are the manager's defaults.
+// Defaults of the agent's settings. Durations and counts left zero are the manager's
+// defaults.
 const (
-	defaultPluginDir          = "/opt/devicehost/plugins"
-	defaultStateDir           = "/var/lib/devicehost"
-	defaultLogLevel           = "info"
-	defaultGCParallelDestroys = 2
+	defaultPluginDir = "/opt/devicehost/plugins"
+	defaultStateDir  = "/var/lib/devicehost"
+	defaultLogLevel  = "info"
 )
 
 // agentConfig is the agent's configuration: defaults, then the config file, then flags.
-// Zero durations and GCMaxReservations mean the manager's defaults.
+// Zero durations and counts mean the manager's defaults.
 type agentConfig struct {
 	Listen    string
 	PluginDir string
@@ -42,8 +42,7 @@ type agentConfig struct {
 	StartTimeout   time.Duration
 	ReadyTimeout   time.Duration
 
-	// Garbage collection of released reservations (issue 5); read and checked here,
-	// handed to the manager once it takes them.
+	// Garbage collection of released reservations.
 	GCInterval         time.Duration
 	GCMaxReservations  int
 	GCParallelDestroys int
@@ -60,18 +59,19 @@ type pluginSettings struct {
 	SHA256     string
 	Env        []string
 	InheritEnv bool
+	// Reattach keeps the plugin process across an agent crash (see manager.PluginConfig).
+	Reattach bool
 	// ConfigJSON is the block's `config { ... }` as a JSON object; nil without one.
 	ConfigJSON []byte
 }
 
 func defaultAgentConfig() agentConfig {
 	return agentConfig{
-		Listen:             endpoint.DefaultAddress,
-		PluginDir:          defaultPluginDir,
-		StateDir:           defaultStateDir,
-		LogLevel:           defaultLogLevel,
-		GCParallelDestroys: defaultGCParallelDestroys,
-		Plugins:            map[string]pluginSettings{},
+		Listen:    endpoint.DefaultAddress,
+		PluginDir: defaultPluginDir,
+		StateDir:  defaultStateDir,
+		LogLevel:  defaultLogLevel,
+		Plugins:   map[string]pluginSettings{},
 	}
 }
 
@@ -102,6 +102,7 @@ type pluginSchema struct {
 	SHA256     *hcl.Attribute `hcl:"sha256,optional"`
 	Env        *hcl.Attribute `hcl:"env,optional"`
 	InheritEnv *hcl.Attribute `hcl:"inherit_env,optional"`
+	Reattach   *hcl.Attribute `hcl:"reattach,optional"`
 	Config     *configSchema  `hcl:"config,block"`
 	DefRange   hcl.Range      `hcl:",def_range"`
 }
@@ -140,7 +141,7 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 	d.duration(fs.StartTimeout, &cfg.StartTimeout)
 	d.duration(fs.ReadyTimeout, &cfg.ReadyTimeout)
 	d.duration(fs.GCInterval, &cfg.GCInterval)
-	d.integer(fs.GCMaxReservations, 0, &cfg.GCMaxReservations)
+	d.integer(fs.GCMaxReservations, 1, &cfg.GCMaxReservations)
 	d.integer(fs.GCParallelDestroys, 1, &cfg.GCParallelDestroys)
 	d.str(fs.TLSCert, &cfg.TLS.Cert)
 	d.str(fs.TLSKey, &cfg.TLS.Key)
@@ -168,6 +169,7 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 		d.str(p.SHA256, &ps.SHA256)
 		d.env(p.Env, &ps.Env)
 		d.boolean(p.InheritEnv, &ps.InheritEnv)
+		d.boolean(p.Reattach, &ps.Reattach)
 		if p.Config != nil {
 			ps.ConfigJSON = d.configJSON(p.Config.Body)
 		}

@@ -46,6 +46,7 @@ plugin "nvidia-example" {
   sha256      = "abc123"
   env         = ["NVIDIA_DRIVER_ROOT=/run/nvidia", "DEBUG=1"]
   inherit_env = true
+  reattach    = true
   config {
     simulate      = "dgxh100"
     health_period = "5s"
@@ -79,6 +80,7 @@ plugin "fpga" {}
 				SHA256:     "abc123",
 				Env:        []string{"NVIDIA_DRIVER_ROOT=/run/nvidia", "DEBUG=1"},
 				InheritEnv: true,
+				Reattach:   true,
 				ConfigJSON: []byte(`{"health_period":"5s","ignored_xids":[13,31],"limits":{"max":8,"strict":true},"simulate":"dgxh100"}`),
 			},
 			"fpga": {},
@@ -143,6 +145,7 @@ func TestLoadConfigFileErrors(t *testing.T) {
 		{"bad log level", "\nlog_level = \"loud\"\n", 2, []string{"log_level", `"loud" is not a log level`}},
 		{"bad address", "listen = \"/run/dh.sock\"\n", 1, []string{"listen", "want unix:///path.sock"}},
 		{"fractional count", "gc_max_reservations = 1.5\n", 1, []string{"gc_max_reservations", "whole number"}},
+		{"zero max reservations", "gc_max_reservations = 0\n", 1, []string{"gc_max_reservations", "at least 1"}},
 		{"zero parallel destroys", "gc_parallel_destroys = 0\n", 1, []string{"gc_parallel_destroys", "at least 1"}},
 		{"unknown plugin key", "plugin \"p\" {\n  sha = \"x\"\n}\n", 2, []string{"Unsupported argument", `"sha"`}},
 		{"bad env entry", "plugin \"p\" {\n  env = [\"A=1\", \"oops\"]\n}\n", 2, []string{"env", `entry 1 ("oops") is not NAME=value`}},

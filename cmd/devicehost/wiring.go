@@ -14,8 +14,6 @@ import (
 // managerFactory returns the factory of the real device manager for the agent's
 // configuration. It is the only place the agent depends on package manager; the rest
 // speaks device.Manager, so tests run the agent on a fake.
-//
-// The gc_* settings are not passed on yet: manager.Config does not take them (issue 5).
 func managerFactory(cfg agentConfig) device.Factory {
 	return func(log hclog.Logger) (device.Manager, error) {
 		m, err := newManager(cfg, log)
@@ -37,7 +35,12 @@ func newManager(cfg agentConfig, log hclog.Logger) (*manager.Manager, error) {
 		ReserveTimeout: cfg.ReserveTimeout,
 		StartTimeout:   cfg.StartTimeout,
 		ReadyTimeout:   cfg.ReadyTimeout,
-		Plugins:        make(map[string]manager.PluginConfig, len(cfg.Plugins)),
+
+		GCInterval:         cfg.GCInterval,
+		GCMaxReservations:  cfg.GCMaxReservations,
+		GCParallelDestroys: cfg.GCParallelDestroys,
+
+		Plugins: make(map[string]manager.PluginConfig, len(cfg.Plugins)),
 	}
 	for name, p := range cfg.Plugins {
 		mc.Plugins[name] = manager.PluginConfig{
@@ -45,6 +48,7 @@ func newManager(cfg agentConfig, log hclog.Logger) (*manager.Manager, error) {
 			SHA256:     p.SHA256,
 			Env:        p.Env,
 			InheritEnv: p.InheritEnv,
+			Reattach:   p.Reattach,
 		}
 	}
 	if len(cfg.Bundled) > 0 {
