@@ -477,8 +477,8 @@ func TestParentLogger(t *testing.T) {
 			t.Errorf("@level: got %v, want info", got)
 		}
 		module, _ := entry["@module"].(string)
-		if !strings.HasPrefix(module, "host."+fixtureplugin.Name) {
-			t.Errorf("@module: got %q, want the host logger named after the plugin (host.%s...)", module, fixtureplugin.Name)
+		if want := "host." + fixtureplugin.Name; module != want {
+			t.Errorf("@module: got %q, want the host logger named after the plugin (%s)", module, want)
 		}
 		// The plugin logs the DEBUG line before the INFO one, on the same pipe.
 		if strings.Contains(logs.String(), debugMsg) {

@@ -192,7 +192,7 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 		HandshakeConfig:  deviceplugin.Handshake,
 		VersionedPlugins: deviceplugin.VersionedPlugins(nil),
 		AllowedProtocols: []plugin.Protocol{plugin.ProtocolGRPC},
-		Logger:           log.Named(name),
+		Logger:           pluginLogger{log.Named(name)},
 		StartTimeout:     timeout,
 		// The environment is built here (processEnv): go-plugin's own inheritance would
 		// put the host's variables after Env, so they would win over it.
@@ -231,9 +231,7 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 		procCtx, stop := context.WithCancel(context.Background())
 		cmd := exec.CommandContext(procCtx, bin.Path, bin.Args...)
 		cmd.Env = processEnv(opts)
-		if !opts.SurviveHost {
-			tieToHost(cmd)
-		}
+		setProcAttrs(cmd, opts.SurviveHost)
 		cfg.Cmd = cmd
 		cfg.AutoMTLS = !opts.DisableAutoMTLS
 		p.cmd, p.stopProc = cmd, stop
@@ -521,3 +519,13 @@ func (p *Plugin) forceKill() {
 		_ = proc.Release()
 	}
 }
+
+// pluginLogger is the logger go-plugin gets: the host's logger named after the plugin.
+// go-plugin names the plugin's stderr lines once more after the binary's file name,
+// which says nothing new ("nvidia-example.nvidia-example") or something wrong when the
+// host re-executes itself ("nvidia-example.devicehost"), so naming it again keeps the
+// plugin's name.
+type pluginLogger struct{ hclog.Logger }
+
+func (l pluginLogger) Named(string) hclog.Logger      { return l }
+func (l pluginLogger) ResetNamed(string) hclog.Logger { return l }

@@ -4,6 +4,6 @@ package pluginloader
 
 import "os/exec"
 
-// tieToHost does nothing off Linux: there is no parent-death signal, and a plugin
-// outlives a host that was killed.
-func tieToHost(cmd *exec.Cmd) {}
+// setProcAttrs does nothing off Linux: there is no parent-death signal there, so a
+// plugin outlives a host that was killed.
+func setProcAttrs(cmd *exec.Cmd, surviveHost bool) {}
