@@ -412,7 +412,7 @@ func (r *logRecorder) waitLine(t *testing.T, subs ...string) string {
 }
 
 // testConfig is a Config with short timings for tests, logging into a new recorder.
-func testConfig(t *testing.T) (Config, *logRecorder) {
+func testConfig(t testing.TB) (Config, *logRecorder) {
 	t.Helper()
 	rec := newLogRecorder()
 	return Config{
@@ -432,7 +432,7 @@ func testConfig(t *testing.T) (Config, *logRecorder) {
 // startInprocManager starts a manager whose plugins are the given fakes, run in-process,
 // and shuts it down in t.Cleanup. It returns the manager and the launcher. Reservations
 // go to the ledger in cfg.StateDir when it is set, else to memory.
-func startInprocManager(t *testing.T, cfg Config, devices ...*fakeDevices) (*Manager, *launcher) {
+func startInprocManager(t testing.TB, cfg Config, devices ...*fakeDevices) (*Manager, *launcher) {
 	t.Helper()
 	l := newLauncher(devices...)
 	for _, d := range devices {
@@ -447,7 +447,7 @@ func startInprocManager(t *testing.T, cfg Config, devices ...*fakeDevices) (*Man
 }
 
 // shutdown stops m within testTimeout.
-func shutdown(t *testing.T, m *Manager) {
+func shutdown(t testing.TB, m *Manager) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
