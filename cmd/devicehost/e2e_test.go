@@ -352,16 +352,17 @@ func TestEndToEndDevAgent(t *testing.T) {
 		t.Errorf("plugin PID %d unchanged after SIGKILL", restarted)
 	}
 
-	// A line the plugin itself logged comes out of the agent's log, as JSON, under the
-	// plugin's name (go-plugin adds the binary's name below it).
+	// A line the plugin itself logged (its "simulated GPUs" line, with the machine it
+	// simulates) comes out of the agent's log, as JSON, under the plugin's name alone.
 	if _, err := agent.stderr.wait(ctx, func(l string) bool {
 		var m struct {
-			Level  string `json:"@level"`
-			Module string `json:"@module"`
+			Level   string `json:"@level"`
+			Module  string `json:"@module"`
+			Machine string `json:"machine"`
 		}
-		return json.Unmarshal([]byte(l), &m) == nil && m.Level == "info" && strings.HasPrefix(m.Module, "nvidia-example.")
+		return json.Unmarshal([]byte(l), &m) == nil && m.Level == "info" && m.Module == devPluginName && m.Machine == "dgxh100"
 	}); err != nil {
-		t.Errorf("no INFO line from the plugin under nvidia-example in the agent's log: %v", err)
+		t.Errorf("no INFO line from the plugin under %s in the agent's log: %v", devPluginName, err)
 	}
 
 	// SIGTERM: exit 0 within a few seconds, socket and dev directory removed, plugin gone.
