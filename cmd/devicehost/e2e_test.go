@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -130,22 +131,39 @@ type agentProcess struct {
 }
 
 // startDevAgent runs `devicehost agent -dev -log-json` on a socket in a fresh directory.
-// Cleanup kills the agent and its plugins (its whole process group) if still running.
 func startDevAgent(t *testing.T) *agentProcess {
 	t.Helper()
-	bin := devicehostBinary(t)
-	dir, err := os.MkdirTemp("", "dhe2e")
+	addr := endpoint.Address{Network: "unix", Path: filepath.Join(tempDir(t, "dhe2e"), "devicehost.sock")}
+	return startAgentProcess(t, addr, "agent", "-dev", "-log-json", "-listen", addr.String())
+}
+
+// tempDir makes a fresh directory under the system's temp dir, with a name short
+// enough for Unix socket paths (t.TempDir's names carry the test's name), and removes it
+// in Cleanup.
+func tempDir(t *testing.T, prefix string) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", prefix)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// startAgentProcess runs the devicehost binary with args, a command line that serves
+// on addr, in a process group of its own, and records its output. Cleanup SIGKILLs
+// the group if the agent still runs (its plugins die with it through their parent-death
+// signal, unless kept for reattach) and, if the test failed, logs the agent's output.
+func startAgentProcess(t *testing.T, addr endpoint.Address, args ...string) *agentProcess {
+	t.Helper()
+	bin := devicehostBinary(t)
 	a := &agentProcess{
-		addr:   endpoint.Address{Network: "unix", Path: filepath.Join(dir, "devicehost.sock")},
+		addr:   addr,
 		stdout: newLineRecorder(),
 		stderr: newLineRecorder(),
 		exited: make(chan struct{}),
 	}
-	a.cmd = exec.Command(bin, "agent", "-dev", "-log-json", "-listen", a.addr.String())
+	a.cmd = exec.Command(bin, args...)
 	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	outPipe, err := a.cmd.StdoutPipe()
 	if err != nil {
@@ -175,11 +193,22 @@ func startDevAgent(t *testing.T) *agentProcess {
 			<-a.exited
 		}
 		if t.Failed() {
-			t.Logf("agent stdout:\n%s", strings.Join(a.stdout.snapshot(), "\n"))
-			t.Logf("agent stderr:\n%s", strings.Join(a.stderr.snapshot(), "\n"))
+			t.Logf("agent %v stdout:\n%s", args, strings.Join(a.stdout.snapshot(), "\n"))
+			t.Logf("agent %v stderr:\n%s", args, strings.Join(a.stderr.snapshot(), "\n"))
 		}
 	})
 	return a
+}
+
+// waitExit waits until the agent has exited, or ctx ends, and returns cmd.Wait's
+// result.
+func (a *agentProcess) waitExit(ctx context.Context) error {
+	select {
+	case <-a.exited:
+		return a.err
+	case <-ctx.Done():
+		return fmt.Errorf("agent still running: %w", ctx.Err())
+	}
 }
 
 // client connects to the agent and waits until its health is SERVING.
@@ -238,9 +267,22 @@ func devicesWithHealth(fp *pb.FingerprintResponse, h pb.Health) []string {
 // childPID finds the child of parent whose command line contains all of args.
 func childPID(t *testing.T, parent int, args ...string) int {
 	t.Helper()
-	entries, err := os.ReadDir("/proc")
+	pid, err := findChildPID(parent, args...)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if pid == 0 {
+		t.Fatalf("no child of %d runs %q", parent, args)
+	}
+	return pid
+}
+
+// findChildPID returns the child of parent whose command line contains all of args, or
+// 0 when there is none.
+func findChildPID(parent int, args ...string) (int, error) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, err
 	}
 	for _, e := range entries {
 		pid, err := strconv.Atoi(e.Name())
@@ -261,17 +303,16 @@ func childPID(t *testing.T, parent int, args ...string) int {
 		if err != nil {
 			continue
 		}
-		argv := strings.Split(string(cmdline), "\x00")
+		argv := strings.Join(strings.Split(string(cmdline), "\x00"), " ")
 		all := true
 		for _, a := range args {
-			all = all && strings.Contains(strings.Join(argv, " "), a)
+			all = all && strings.Contains(argv, a)
 		}
 		if all {
-			return pid
+			return pid, nil
 		}
 	}
-	t.Fatalf("no child of %d runs %q", parent, args)
-	return 0
+	return 0, nil
 }
 
 func TestEndToEndDevAgent(t *testing.T) {
