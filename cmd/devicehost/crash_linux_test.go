@@ -629,3 +629,77 @@ func TestAgentRefusesACorruptStateFile(t *testing.T) {
 		})
 	}
 }
+
+// reattachConfig keeps the bundled plugin across agent crashes.
+const reattachConfig = `
+plugin "nvidia-example" {
+  reattach = true
+  config {
+    simulate = "dgxh100"
+  }
+}
+`
+
+func TestAgentSIGKILLLeavesAKeptPluginToReattach(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the devicehost binary")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	setup := newAgentSetup(t, reattachConfig)
+	first := setup.start(t)
+	client := first.client(t, ctx)
+	group, gpus := healthyGPUs(t, ctx, client)
+	held, err := client.Reserve(ctx, reserveRequest(group, "keep", gpus[0]))
+	if err != nil {
+		t.Fatalf("Reserve: %v", err)
+	}
+	pluginPID := childPID(t, first.cmd.Process.Pid, "plugin", devPluginName)
+	plugin := watchProcess(t, pluginPID)
+	// The kept plugin listens on a Unix socket in the state dir, in a dir only the
+	// agent's user may enter: with AutoMTLS off, that is its only protection.
+	sockets := filepath.Join(setup.stateDir, "sockets")
+	if fi, err := os.Stat(sockets); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Errorf("plugin socket dir %s: %v, mode %v; want mode 0700", sockets, err, fi.Mode().Perm())
+	}
+	if entries, _ := os.ReadDir(sockets); len(entries) == 0 {
+		t.Errorf("no plugin socket in %s", sockets)
+	}
+
+	first.kill(t, ctx)
+	second := setup.start(t)
+	client = second.client(t, ctx)
+	if _, err := second.stderr.wait(ctx, func(l string) bool {
+		return strings.Contains(l, "reattached to the plugin process left running by the previous host") &&
+			strings.Contains(l, fmt.Sprintf(`"pid":%d`, pluginPID))
+	}); err != nil {
+		t.Errorf("no log line saying the restarted agent reattached to plugin process %d: %v", pluginPID, err)
+	}
+	if plugin.exited(0) {
+		t.Fatalf("kept plugin process %d did not outlive the agent", pluginPID)
+	}
+	if pid, err := findChildPID(second.cmd.Process.Pid, "plugin", devPluginName); pid != 0 || err != nil {
+		t.Errorf("the restarted agent started plugin process %d (%v) instead of reattaching to %d", pid, err, pluginPID)
+	}
+
+	// It serves through the plugin it reattached to, and the hold survived.
+	healthyGPUs(t, ctx, client)
+	if _, err := client.Reserve(ctx, reserveRequest(group, "after-restart", gpus[1])); err != nil {
+		t.Errorf("Reserve through the reattached plugin: %v", err)
+	}
+	_, err = client.Reserve(ctx, reserveRequest(group, "intruder", gpus[0]))
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), held.GetReservationId()) {
+		t.Errorf("Reserve of the held %s by another owner: %v, want FailedPrecondition naming %s", gpus[0], err, held.GetReservationId())
+	}
+
+	// A clean stop stops the kept plugin as well.
+	if err := second.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := second.waitExit(ctx); err != nil {
+		t.Errorf("agent exit after SIGTERM: %v, want exit status 0", err)
+	}
+	if !plugin.exited(15 * time.Second) {
+		t.Errorf("kept plugin process %d still running 15s after the agent stopped cleanly", pluginPID)
+	}
+}
