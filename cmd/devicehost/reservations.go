@@ -148,7 +148,7 @@ func runRelease(ctx context.Context, env *cmdEnv, args []string) error {
 		return printJSON(env.stdout, resp)
 	}
 	if len(resp.GetReleasedReservationIds()) == 0 {
-		fmt.Fprintln(env.stdout, "nothing released: no live reservation matched (already released?)")
+		fmt.Fprintln(env.stdout, "nothing released: the owner has no reservations")
 		return nil
 	}
 	for _, id := range resp.GetReleasedReservationIds() {

@@ -44,9 +44,10 @@ type Manager interface {
 	// durable before it returns. Errors wrap ErrInvalidRequest, ErrUnknownDevice,
 	// ErrUnhealthyDevice, ErrDeviceHeld, ErrPluginUnavailable or ErrPluginResponse.
 	Reserve(ctx context.Context, req ReserveRequest) (Reservation, error)
-	// Release ends the live reservations named by req and returns their IDs. Releasing
-	// an already released reservation is not an error; an unknown reservation ID wraps
-	// ErrNotFound.
+	// Release ends the reservations named by req and returns the IDs of all of them,
+	// each now released. It is idempotent: releasing an already released reservation is
+	// not an error, returns its ID again and keeps its first release time. An unknown
+	// reservation ID wraps ErrNotFound; an owner with no reservations gives no IDs.
 	Release(ctx context.Context, req ReleaseRequest) ([]string, error)
 	// Reservations lists the ledger's reservations that match f.
 	Reservations(ctx context.Context, f ReservationFilter) ([]Reservation, error)

@@ -1380,7 +1380,9 @@ func (*ReleaseRequest_OwnerId) isReleaseRequest_Target() {}
 
 type ReleaseResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// IDs of the reservations this call released (empty if they were already released).
+	// IDs of every reservation the request named, each now released. Idempotent: a retried
+	// Release answers the same IDs, and a reservation released earlier keeps its first
+	// release time. Empty when an owner has no reservations.
 	ReleasedReservationIds []string `protobuf:"bytes,1,rep,name=released_reservation_ids,json=releasedReservationIds,proto3" json:"released_reservation_ids,omitempty"`
 	unknownFields          protoimpl.UnknownFields
 	sizeCache              protoimpl.SizeCache
