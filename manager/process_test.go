@@ -443,10 +443,10 @@ func TestProcessGCCleanupReachesThePlugin(t *testing.T) {
 	release(t, m, device.ReleaseRequest{OwnerID: "o1"})
 	release(t, m, device.ReleaseRequest{OwnerID: "o2"})
 
-	logs.waitLine(t, "test.fx.fixture: fixture: release", "reservation_id="+r1.ID, `device_ids="w0,w1"`, "failed=false")
+	logs.waitLine(t, "test.fx: fixture: release", "reservation_id="+r1.ID, `device_ids="w0,w1"`, "failed=false")
 	waitReservation(t, m, r1.ID, "cleaned up", cleanedUp)
 
-	logs.waitLine(t, "test.busy.fixture: fixture: release", "reservation_id="+r2.ID, "failed=true")
+	logs.waitLine(t, "test.busy: fixture: release", "reservation_id="+r2.ID, "failed=true")
 	logs.waitLine(t, "reservation cleanup failed; will retry", "reservation_id="+r2.ID, "attempt=2", "widget b0 still draining")
 	if got, _ := reservation(t, m, r2.ID); got.State != device.ReservationReleased || !got.CleanupPending {
 		t.Errorf("reservation whose plugin cleanup keeps failing = %+v, want released with the cleanup pending", got)
