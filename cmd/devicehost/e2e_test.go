@@ -165,6 +165,15 @@ func startAgentProcess(t *testing.T, addr endpoint.Address, args ...string) *age
 	}
 	a.cmd = exec.Command(bin, args...)
 	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// A SIGKILLed -dev agent cannot remove its temporary directory: give it a TMPDIR the
+	// test removes. Not t.TempDir: its long name would push the socket path past the
+	// 108-byte limit of a Unix socket name.
+	tmp, err := os.MkdirTemp("", "dh-e2e")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(tmp) })
+	a.cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
 	outPipe, err := a.cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
