@@ -38,6 +38,3 @@ func (b *backoff) next(ran time.Duration) time.Duration {
 	}
 	return time.Duration(float64(d) * (1 + jitterFraction*j()))
 }
-
-// reset forgets past failures, so the next delay is base again.
-func (b *backoff) reset() { b.failures = 0 }

@@ -112,19 +112,6 @@ func ids(rs []device.Reservation) []string {
 	return out
 }
 
-// waitFor polls cond until it holds or the deadline passes; it is for state that
-// another goroutine changes and offers no event to wait on.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
-}
-
 // logCapture is an hclog logger writing JSON lines into a mutex-guarded buffer.
 type logCapture struct {
 	mu  sync.Mutex
