@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the pinned code-generation tools into $(go env GOPATH)/bin.
+# Installs the pinned code-generation and lint tools into $(go env GOPATH)/bin.
 # Source it or run it; CI runs it from .ci/run.
 set -euo pipefail
 go install github.com/bufbuild/buf/cmd/buf@v1.75.0
