@@ -36,6 +36,15 @@ type clientFlags struct {
 	timeout time.Duration
 }
 
+// newClientFlagSet is newFlagSet with the flags every client subcommand has,
+// registered into the returned clientFlags.
+func newClientFlagSet(env *cmdEnv, name, usage string) (*flag.FlagSet, *clientFlags) {
+	fs := newFlagSet(env, name, usage)
+	var cf clientFlags
+	cf.register(fs, env)
+	return fs, &cf
+}
+
 func (c *clientFlags) register(fs *flag.FlagSet, env *cmdEnv) {
 	def := endpoint.DefaultAddress
 	if v := env.getenv(addressEnv); v != "" {
@@ -79,6 +88,22 @@ func (c *clientFlags) connect(ctx context.Context) (*agentClient, error) {
 		return nil, fmt.Errorf("cannot reach agent at %s: %s", addr, oneLine(status.Convert(err).Message()))
 	}
 	return &agentClient{DeviceHostClient: pb.NewDeviceHostClient(conn), addr: addr, conn: conn}, nil
+}
+
+// dial is connect under a context that ends after -timeout, for a subcommand that
+// makes one request: it returns that context for the calls, and done, which the caller
+// must call to close the connection and end the context. On error nothing is left open.
+func (c *clientFlags) dial(ctx context.Context) (_ context.Context, _ *agentClient, done func(), _ error) {
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	ac, err := c.connect(ctx)
+	if err != nil {
+		cancel()
+		return nil, nil, nil, err
+	}
+	return ctx, ac, func() {
+		ac.Close()
+		cancel()
+	}, nil
 }
 
 // callError renders a failed call as "what: message (Code)".

@@ -27,20 +27,16 @@ func firstFingerprint(ctx context.Context, c *agentClient) (*pb.FingerprintRespo
 
 // runDevices is `devicehost devices`.
 func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
-	fs := newFlagSet(env, "devices", "[-json] [-address ADDR]\n\nLists every device with its group, health and holder.")
-	var cf clientFlags
-	cf.register(fs, env)
+	fs, cf := newClientFlagSet(env, "devices", "[-json] [-address ADDR]\n\nLists every device with its group, health and holder.")
 	asJSON := fs.Bool("json", false, "print the Fingerprint snapshot as JSON")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(ctx, cf.timeout)
-	defer cancel()
-	c, err := cf.connect(ctx)
+	ctx, c, done, err := cf.dial(ctx)
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer done()
 	fp, err := firstFingerprint(ctx, c)
 	if err != nil {
 		return err

@@ -9,20 +9,16 @@ import (
 
 // runPlugins is `devicehost plugins`.
 func runPlugins(ctx context.Context, env *cmdEnv, args []string) error {
-	fs := newFlagSet(env, "plugins", "[-json] [-address ADDR]\n\nLists the plugins with their status, restarts and last error.")
-	var cf clientFlags
-	cf.register(fs, env)
+	fs, cf := newClientFlagSet(env, "plugins", "[-json] [-address ADDR]\n\nLists the plugins with their status, restarts and last error.")
 	asJSON := fs.Bool("json", false, "print the response as JSON")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(ctx, cf.timeout)
-	defer cancel()
-	c, err := cf.connect(ctx)
+	ctx, c, done, err := cf.dial(ctx)
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer done()
 	resp, err := c.ListPlugins(ctx, &pb.ListPluginsRequest{})
 	if err != nil {
 		return callError("list plugins", err)

@@ -32,9 +32,7 @@ inventory when the devices are in exactly one; -vendor, -type and -name narrow i
 
 // runReserve is `devicehost reserve`.
 func runReserve(ctx context.Context, env *cmdEnv, args []string) error {
-	fs := newFlagSet(env, "reserve", reserveUsage)
-	var cf clientFlags
-	cf.register(fs, env)
+	fs, cf := newClientFlagSet(env, "reserve", reserveUsage)
 	owner := fs.String("owner", "", "owner `ID` (the allocation), required")
 	var devices stringList
 	fs.Var(&devices, "device", "device `ID` to reserve; repeat for more (or separate with commas)")
@@ -51,13 +49,11 @@ func runReserve(ctx context.Context, env *cmdEnv, args []string) error {
 	if len(devices) == 0 {
 		return usagef("at least one -device is required")
 	}
-	ctx, cancel := context.WithTimeout(ctx, cf.timeout)
-	defer cancel()
-	c, err := cf.connect(ctx)
+	ctx, c, done, err := cf.dial(ctx)
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer done()
 
 	req := &pb.ReserveRequest{OwnerId: *owner, Vendor: *vendor, Type: *typ, Name: *name, DeviceIds: devices}
 	if *vendor == "" || *typ == "" || *name == "" {
@@ -115,9 +111,7 @@ already released is not an error.`
 
 // runRelease is `devicehost release`.
 func runRelease(ctx context.Context, env *cmdEnv, args []string) error {
-	fs := newFlagSet(env, "release", releaseUsage)
-	var cf clientFlags
-	cf.register(fs, env)
+	fs, cf := newClientFlagSet(env, "release", releaseUsage)
 	reservation := fs.String("reservation", "", "reservation `ID` to release")
 	owner := fs.String("owner", "", "release every live reservation of this owner `ID`")
 	asJSON := fs.Bool("json", false, "print the response as JSON")
@@ -133,13 +127,11 @@ func runRelease(ctx context.Context, env *cmdEnv, args []string) error {
 	default:
 		req.Target = &pb.ReleaseRequest_OwnerId{OwnerId: *owner}
 	}
-	ctx, cancel := context.WithTimeout(ctx, cf.timeout)
-	defer cancel()
-	c, err := cf.connect(ctx)
+	ctx, c, done, err := cf.dial(ctx)
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer done()
 	resp, err := c.Release(ctx, req)
 	if err != nil {
 		return callError("release", err)
@@ -166,9 +158,7 @@ var reservationStates = map[string]pb.ReservationState{
 
 // runReservations is `devicehost reservations`.
 func runReservations(ctx context.Context, env *cmdEnv, args []string) error {
-	fs := newFlagSet(env, "reservations", "[-owner ID] [-device ID] [-state active|released|any] [-json]\n\nLists the reservation ledger.")
-	var cf clientFlags
-	cf.register(fs, env)
+	fs, cf := newClientFlagSet(env, "reservations", "[-owner ID] [-device ID] [-state active|released|any] [-json]\n\nLists the reservation ledger.")
 	owner := fs.String("owner", "", "only this owner's reservations")
 	dev := fs.String("device", "", "only reservations of this device")
 	state := fs.String("state", "any", "only reservations in this `state`: active, released or any")
@@ -180,13 +170,11 @@ func runReservations(ctx context.Context, env *cmdEnv, args []string) error {
 	if !ok {
 		return usagef("-state %q: want active, released or any", *state)
 	}
-	ctx, cancel := context.WithTimeout(ctx, cf.timeout)
-	defer cancel()
-	c, err := cf.connect(ctx)
+	ctx, c, done, err := cf.dial(ctx)
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer done()
 	resp, err := c.ListReservations(ctx, &pb.ListReservationsRequest{OwnerId: *owner, DeviceId: *dev, State: st})
 	if err != nil {
 		return callError("list reservations", err)

@@ -26,9 +26,7 @@ const clearScreen = "\x1b[H\x1b[2J"
 
 // runStats is `devicehost stats`.
 func runStats(ctx context.Context, env *cmdEnv, args []string) error {
-	fs := newFlagSet(env, "stats", statsUsage)
-	var cf clientFlags
-	cf.register(fs, env)
+	fs, cf := newClientFlagSet(env, "stats", statsUsage)
 	interval := fs.Duration("interval", 0, "how often to refresh (0: the agent's sampling interval)")
 	once := fs.Bool("once", false, "print one sample and exit")
 	asJSON := fs.Bool("json", false, "print each sample as one line of JSON")
