@@ -16,22 +16,9 @@ import (
 // latest-value delivery means a slow client skips to the newest snapshot.
 func (s *Server) Fingerprint(_ *pb.FingerprintRequest, stream grpc.ServerStreamingServer[pb.FingerprintResponse]) error {
 	ctx := stream.Context()
-	snaps := s.mgr.Watch(ctx)
-	for {
-		select {
-		case <-s.quit:
-			return errServerShutdown
-		case <-ctx.Done():
-			return status.FromContextError(ctx.Err()).Err()
-		case snap, ok := <-snaps:
-			if !ok {
-				return streamClosed(ctx)
-			}
-			if err := stream.Send(snapshotToProto(snap.Inventory, snap.State, snap.Time)); err != nil {
-				return err
-			}
-		}
-	}
+	return forward(ctx, s.quit, s.mgr.Watch(ctx), func(snap device.Snapshot) error {
+		return stream.Send(snapshotToProto(snap.Inventory, snap.State, snap.Time))
+	})
 }
 
 // Stats sends the stats of the groups that match the request's filters at the requested
@@ -48,18 +35,26 @@ func (s *Server) Stats(req *pb.StatsRequest, stream grpc.ServerStreamingServer[p
 	}
 	ctx := stream.Context()
 	filters := req.GetGroups()
-	stats := s.mgr.WatchStats(ctx, interval)
+	return forward(ctx, s.quit, s.mgr.WatchStats(ctx, interval), func(snap device.StatsSnapshot) error {
+		return stream.Send(statsToProto(snap, filters))
+	})
+}
+
+// forward calls send with each value from ch, a Manager watch channel, until send
+// fails, ch closes, ctx ends or quit is closed; it returns the error that ends the
+// stream.
+func forward[T any](ctx context.Context, quit <-chan struct{}, ch <-chan T, send func(T) error) error {
 	for {
 		select {
-		case <-s.quit:
+		case <-quit:
 			return errServerShutdown
 		case <-ctx.Done():
 			return status.FromContextError(ctx.Err()).Err()
-		case snap, ok := <-stats:
+		case v, ok := <-ch:
 			if !ok {
 				return streamClosed(ctx)
 			}
-			if err := stream.Send(statsToProto(snap, filters)); err != nil {
+			if err := send(v); err != nil {
 				return err
 			}
 		}
