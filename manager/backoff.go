@@ -1,6 +1,7 @@
 package manager
 
 import (
+	"context"
 	"math/rand/v2"
 	"time"
 )
@@ -37,4 +38,17 @@ func (b *backoff) next(ran time.Duration) time.Duration {
 		j = func() float64 { return rand.Float64()*2 - 1 }
 	}
 	return time.Duration(float64(d) * (1 + jitterFraction*j()))
+}
+
+// sleep waits for d to pass or ctx to end, and reports whether d passed (false: ctx
+// ended first).
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	select {
+	case <-ctx.Done():
+		t.Stop()
+		return false
+	case <-t.C:
+		return true
+	}
 }

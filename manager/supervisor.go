@@ -130,12 +130,8 @@ func (s *supervisor) Run(ctx context.Context) error {
 		delay := bo.next(time.Since(started))
 		s.reg.restarting(s.name, err, delay)
 		s.log.Warn("plugin stopped; restarting", "error", err, "restart_in", delay, "restarts", restarts+1)
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !sleep(ctx, delay) {
 			return nil
-		case <-t.C:
 		}
 	}
 }
@@ -305,12 +301,8 @@ func (s *supervisor) statsLoop(ctx context.Context, p plugin) error {
 		delay := bo.next(time.Since(started))
 		s.reg.pluginError(s.name, err)
 		s.log.Warn("stats stream failed; retrying", "error", err, "retry_in", delay)
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !sleep(ctx, delay) {
 			return nil
-		case <-t.C:
 		}
 	}
 }
