@@ -35,7 +35,8 @@ type Plugin interface {
 	Info() Info
 	// SetConfig receives the plugin's config block as a JSON object (nil or empty when
 	// the host has none). An error rejects the config: the host reports it and does not
-	// run the plugin. Called once, before any other call but Info.
+	// run the plugin. Called before any other call but Info, and again, possibly with a
+	// different config, each time a host reattaches to the running process.
 	SetConfig(ctx context.Context, configJSON []byte) error
 	// Fingerprint sends the full inventory at once, then again whenever it changes.
 	Fingerprint(ctx context.Context, send func(*pb.FingerprintResponse) error) error
