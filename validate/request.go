@@ -8,18 +8,42 @@ import (
 	"github.com/devicehost/devicehost/manager/device"
 )
 
-// fields gathers *device.FieldError values for a request.
-type fields struct{ errs []error }
+// fields gathers *device.FieldError values for a request, up to MaxViolations; past
+// it, it counts the rest and remembers the field where the cut fell.
+type fields struct {
+	errs      []error
+	dropped   int
+	firstDrop string
+}
 
 func (f *fields) add(field string, rule Rule, detail string) {
+	if len(f.errs) >= MaxViolations {
+		if f.dropped == 0 {
+			f.firstDrop = field
+		}
+		f.dropped++
+		return
+	}
+	f.errs = append(f.errs, fieldError(field, rule, detail))
+}
+
+// err returns nil or the join of everything gathered, ending with one RuleTruncated
+// error when some were left out.
+func (f *fields) err() error {
+	if f.dropped > 0 {
+		f.errs = append(f.errs, fieldError(f.firstDrop, RuleTruncated, fmt.Sprintf("%d more", f.dropped)))
+		f.dropped = 0
+	}
+	return errors.Join(f.errs...)
+}
+
+func fieldError(field string, rule Rule, detail string) *device.FieldError {
 	r := string(rule)
 	if detail != "" {
 		r += " (" + detail + ")"
 	}
-	f.errs = append(f.errs, &device.FieldError{Field: field, Rule: r})
+	return &device.FieldError{Field: field, Rule: r}
 }
-
-func (f *fields) err() error { return errors.Join(f.errs...) }
 
 // checkID checks an identifier field that must be set: non-empty, at most MaxNameLen
 // bytes, valid UTF-8, printable.

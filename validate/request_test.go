@@ -130,6 +130,23 @@ func TestReserveRequest(t *testing.T) {
 	}
 }
 
+// TestReserveRequestViolationCap checks that a request with more than MaxViolations
+// violations reports the first MaxViolations and one RuleTruncated naming the field
+// where the cut fell and counting the rest, as plugin-output checks do.
+func TestReserveRequestViolationCap(t *testing.T) {
+	const extra = 30
+	req := device.ReserveRequest{OwnerID: "o", Group: device.GroupKey{Vendor: "v", Type: "t", Name: "n"}}
+	req.DeviceIDs = make([]string, validate.MaxViolations+extra) // every one empty
+	got := fieldErrors(t, validate.ReserveRequest(req))
+	if len(got) != validate.MaxViolations+1 {
+		t.Fatalf("got %d field errors, want %d", len(got), validate.MaxViolations+1)
+	}
+	want := fe(fmt.Sprintf("device_ids[%d]", validate.MaxViolations), validate.RuleTruncated, fmt.Sprintf("%d more", extra))
+	if last := got[len(got)-1]; last != want {
+		t.Errorf("last field error = %+v, want %+v", last, want)
+	}
+}
+
 func TestReserveRequestMessage(t *testing.T) {
 	err := validate.ReserveRequest(device.ReserveRequest{
 		OwnerID: "o", Group: device.GroupKey{Vendor: "v", Type: "t", Name: "n"}, DeviceIDs: []string{"a", "a"},
