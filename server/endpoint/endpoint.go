@@ -114,7 +114,7 @@ type TLS struct {
 
 func (t TLS) anySet() bool { return t.Cert != "" || t.Key != "" || t.CA != "" }
 
-// credentials checks the policy for a and loads the TLS files. Nil means plaintext.
+// config checks the policy for a and loads the TLS files. Nil means plaintext.
 func (t TLS) config(a Address, server bool) (*tls.Config, error) {
 	if a.Network == "unix" {
 		if t.anySet() || t.Insecure {
@@ -220,8 +220,13 @@ func listenUnix(path string) (net.Listener, error) {
 			return nil, fmt.Errorf("create socket directory: %w", err)
 		}
 	}
-	// Binding fails with EADDRINUSE when anything exists at path, so two hosts starting
-	// at once cannot both get the socket.
+	// Binding fails with EADDRINUSE when anything exists at path. The directory lock makes
+	// check-remove-bind one step, so two hosts starting at once cannot both get the socket.
+	unlock, err := lockDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	lis, err := net.Listen("unix", path)
 	if errors.Is(err, syscall.EADDRINUSE) {
 		if err := removeStale(path); err != nil {

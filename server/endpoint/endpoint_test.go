@@ -346,3 +346,46 @@ func writeTestPKI(t *testing.T) pki {
 	p.strangerCert, p.strangerKey = client("stranger", stranger, strangerKey)
 	return p
 }
+
+// Agents that start together over a stale socket must not both get it: the one that
+// loses the race would otherwise remove the winner's live socket and bind its own, and
+// the first agent would serve on a path nobody can reach any more.
+func TestListenUnixStaleSocketOneWinner(t *testing.T) {
+	a := endpoint.Address{Network: "unix", Path: filepath.Join(socketDir(t), "dh.sock")}
+	dead, err := net.ListenUnix("unix", &net.UnixAddr{Name: a.Path, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead.SetUnlinkOnClose(false)
+	dead.Close()
+	const racers = 8
+	for round := 0; round < 300; round++ {
+		start := make(chan struct{})
+		got := make(chan *endpoint.Listener, racers)
+		for range racers {
+			go func() {
+				<-start
+				l, err := endpoint.Listen(a, endpoint.TLS{})
+				if err != nil {
+					l = nil
+				}
+				got <- l
+			}()
+		}
+		close(start)
+		var won []*endpoint.Listener
+		for range racers {
+			if l := <-got; l != nil {
+				won = append(won, l)
+			}
+		}
+		for _, l := range won {
+			// Keep the file for the next round: it is stale again once closed.
+			l.Listener.(*net.UnixListener).SetUnlinkOnClose(false)
+			l.Close()
+		}
+		if len(won) != 1 {
+			t.Fatalf("round %d: %d of %d concurrent Listens over a stale socket succeeded, want 1", round, len(won), racers)
+		}
+	}
+}
