@@ -177,15 +177,17 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManag
 	select {
 	case <-ctx.Done():
 		log.Info("shutting down")
-		sctx, cancel := context.WithTimeout(context.Background(), serverShutdownTimeout)
-		srv.Shutdown(sctx)
-		cancel()
-		serveErr = <-served
 	case serveErr = <-served:
 		if serveErr == nil {
 			serveErr = errors.New("the API server stopped")
 		}
-		srv.Shutdown(context.Background())
+	}
+	// Open calls get serverShutdownTimeout to finish however Serve ended.
+	sctx, cancel := context.WithTimeout(context.Background(), serverShutdownTimeout)
+	srv.Shutdown(sctx)
+	cancel()
+	if serveErr == nil {
+		serveErr = <-served
 	}
 	shutdownManager(mgr, log)
 	if serveErr != nil {
