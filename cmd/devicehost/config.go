@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"math/big"
 	"regexp"
 	"strings"
@@ -262,8 +263,8 @@ func (d *decoder) integer(a *hcl.Attribute, min int, out *int) {
 	}
 	bf := v.AsBigFloat()
 	n, acc := bf.Int64()
-	if !bf.IsInt() || acc != big.Exact || n < int64(min) || n > 1<<31 {
-		d.fail(a, "Invalid number", fmt.Sprintf("%s is not a whole number of at least %d", bf.Text('g', -1), min))
+	if !bf.IsInt() || acc != big.Exact || n < int64(min) || n > math.MaxInt32 {
+		d.fail(a, "Invalid number", fmt.Sprintf("%s is not a whole number of at least %d and at most %d", bf.Text('g', -1), min, math.MaxInt32))
 		return
 	}
 	*out = int(n)

@@ -147,6 +147,7 @@ func TestLoadConfigFileErrors(t *testing.T) {
 		{"fractional count", "gc_max_reservations = 1.5\n", 1, []string{"gc_max_reservations", "whole number"}},
 		{"zero max reservations", "gc_max_reservations = 0\n", 1, []string{"gc_max_reservations", "at least 1"}},
 		{"zero parallel destroys", "gc_parallel_destroys = 0\n", 1, []string{"gc_parallel_destroys", "at least 1"}},
+		{"huge max reservations", "gc_max_reservations = 2147483648\n", 1, []string{"gc_max_reservations", "at most 2147483647"}},
 		{"unknown plugin key", "plugin \"p\" {\n  sha = \"x\"\n}\n", 2, []string{"Unsupported argument", `"sha"`}},
 		{"bad env entry", "plugin \"p\" {\n  env = [\"A=1\", \"oops\"]\n}\n", 2, []string{"env", `entry 1 ("oops") is not NAME=value`}},
 		{"duplicate plugin", "plugin \"p\" {}\n\nplugin \"p\" {}\n", 3, []string{"Duplicate plugin block", "line 1"}},
