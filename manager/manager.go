@@ -361,6 +361,13 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		return device.Reservation{}, err
 	}
 	ids := slices.Clone(req.DeviceIDs)
+	// Claim before checking the store: a Reserve that commits between the check and the
+	// claim would otherwise leave this one asking the plugin for a device already held.
+	release, err := m.claim(req.OwnerID, ids)
+	if err != nil {
+		return device.Reservation{}, err
+	}
+	defer release()
 	if existing, err := m.store.Check(req.OwnerID, ids); err != nil || existing != nil {
 		if existing != nil {
 			return *existing, nil
@@ -371,15 +378,8 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if err != nil {
 		return device.Reservation{}, err
 	}
-	sup := m.sups[plugin]
 
-	release, err := m.claim(req.OwnerID, ids)
-	if err != nil {
-		return device.Reservation{}, err
-	}
-	defer release()
-
-	res, err := sup.reserve(ctx, ids)
+	res, err := m.sups[plugin].reserve(ctx, ids)
 	if err != nil {
 		return device.Reservation{}, err
 	}

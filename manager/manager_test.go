@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -512,5 +513,68 @@ func TestReserveWhilePluginDownIsUnavailable(t *testing.T) {
 	_, err := m.Reserve(context.Background(), device.ReserveRequest{OwnerID: "o", Group: device.GroupKey{Vendor: "acme", Type: "gpu", Name: "A1"}, DeviceIDs: []string{"a0"}})
 	if !errors.Is(err, device.ErrPluginUnavailable) || !strings.Contains(err.Error(), "plugin exited: signal: killed") {
 		t.Errorf("Reserve on a down plugin = %v, want ErrPluginUnavailable saying the plugin exited", err)
+	}
+}
+
+// gatedStore holds the first Check's answer until gate is closed, so that another
+// Reserve can run from start to end between one Reserve's Check and what follows it.
+type gatedStore struct {
+	reservationStore
+	checked chan struct{} // closed once the first Check has read the store
+	gate    chan struct{}
+	calls   atomic.Int32
+}
+
+func (s *gatedStore) Check(ownerID string, deviceIDs []string) (*device.Reservation, error) {
+	r, err := s.reservationStore.Check(ownerID, deviceIDs)
+	if s.calls.Add(1) == 1 {
+		close(s.checked)
+		<-s.gate
+	}
+	return r, err
+}
+
+func TestReserveNeverAsksThePluginForAHeldDevice(t *testing.T) {
+	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0"))
+	cfg, _ := testConfig(t)
+	m, _ := startInprocManager(t, cfg, alpha)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
+		t.Fatal(err)
+	}
+	gs := &gatedStore{reservationStore: m.store, checked: make(chan struct{}), gate: make(chan struct{})}
+	m.store = gs // before any Reserve; no goroutine of the manager reads m.store
+	a1 := device.GroupKey{Vendor: "acme", Type: "gpu", Name: "A1"}
+
+	firstErr := make(chan error, 1)
+	go func() {
+		_, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "first", Group: a1, DeviceIDs: []string{"a0"}})
+		firstErr <- err
+	}()
+	select {
+	case <-gs.checked:
+	case <-ctx.Done():
+		t.Fatal("first Reserve never checked the store")
+	}
+	_, errSecond := m.Reserve(ctx, device.ReserveRequest{OwnerID: "second", Group: a1, DeviceIDs: []string{"a0"}})
+	close(gs.gate)
+	var errFirst error
+	select {
+	case errFirst = <-firstErr:
+	case <-ctx.Done():
+		t.Fatal("first Reserve never returned")
+	}
+
+	if (errFirst == nil) == (errSecond == nil) {
+		t.Fatalf("Reserve errors = %v and %v, want exactly one to succeed", errFirst, errSecond)
+	}
+	for _, err := range []error{errFirst, errSecond} {
+		if err != nil && !errors.Is(err, device.ErrDeviceHeld) {
+			t.Errorf("refused Reserve error = %v, want ErrDeviceHeld", err)
+		}
+	}
+	if got := alpha.reserveCalls(); got != 1 {
+		t.Errorf("plugin Reserve calls = %d, want 1: the refused Reserve must not ask the plugin for a0 while it is held or being reserved", got)
 	}
 }
