@@ -44,6 +44,24 @@ func TestInventoryAggregatesPluginsAndRejectsDuplicateIDs(t *testing.T) {
 	}
 }
 
+// A plugin whose every fingerprint is rejected is not left "running" with no devices:
+// its first-fingerprint deadline still applies, so it is restarted, and its status says
+// why.
+func TestOnlyRejectedFingerprintsRestartThePlugin(t *testing.T) {
+	bad := newFakeDevices("bad", group("acme", "gpu", "A1", "x0", "x0")) // duplicate ID
+	cfg, logs := testConfig(t)
+	cfg.FingerprintTimeout = 300 * time.Millisecond
+	m, _ := startInprocManager(t, cfg, bad)
+	logs.waitLine(t, "fingerprint rejected", "plugin=bad", "duplicate")
+	snap := waitFor(t, m, "bad restarted", func(s device.Snapshot) bool { return pluginOf(s, "bad").Restarts >= 1 })
+	if got := pluginOf(snap, "bad").LastError; !strings.Contains(got, "no fingerprint within") && !strings.Contains(got, "fingerprint rejected") {
+		t.Errorf("last error = %q, want it to say the fingerprint was rejected or never came", got)
+	}
+	if got := deviceIDs(snap.Inventory); len(got) != 0 {
+		t.Errorf("inventory = %v, want none from a plugin whose fingerprints are all rejected", got)
+	}
+}
+
 func TestRejectedFingerprintKeepsLastGoodInventory(t *testing.T) {
 	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
 	cfg, logs := testConfig(t)

@@ -257,11 +257,15 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 		if err != nil {
 			return s.fingerprintError(ctx, p, err)
 		}
-		firstTimer.Stop()
 		if verr := validate.Fingerprint(resp); verr != nil {
+			// Handled here, once: logged with the rules, and shown as the plugin's last
+			// error. Only a valid fingerprint stops the first-fingerprint timer, so a
+			// plugin that never sends one is restarted, not left running deviceless.
 			s.log.Error("fingerprint rejected; keeping the last good inventory", "violations", oneLine(verr))
+			s.reg.pluginError(s.name, fmt.Errorf("fingerprint rejected: %s", oneLine(verr)))
 			continue
 		}
+		firstTimer.Stop()
 		s.reg.setFingerprint(s.name, fromFingerprint(s.name, resp))
 		if fingerprinted != nil {
 			close(fingerprinted)
