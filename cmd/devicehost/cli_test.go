@@ -297,14 +297,14 @@ func TestReleaseAndReservations(t *testing.T) {
 	var releases []device.ReleaseRequest
 	var filters []device.ReservationFilter
 	mgr := &devicetest.Fake{
-		ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) ([]string, error) {
+		ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
 			mu.Lock()
 			defer mu.Unlock()
 			releases = append(releases, req)
 			if req.ReservationID == "gone" {
-				return nil, fmt.Errorf("reservation gone: %w", device.ErrNotFound)
+				return device.ReleaseResult{}, fmt.Errorf("reservation gone: %w", device.ErrNotFound)
 			}
-			return []string{"r1"}, nil
+			return device.ReleaseResult{Released: []string{"r2"}, AlreadyReleased: []string{"r1"}}, nil
 		},
 		ReservationsFunc: func(_ context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
 			mu.Lock()
@@ -316,7 +316,7 @@ func TestReleaseAndReservations(t *testing.T) {
 	}
 	addr := startAgent(t, mgr)
 
-	if got, want := mustRunCLI(t, "release", "-address", addr, "-owner", "alloc-1"), "released r1\n"; got != want {
+	if got, want := mustRunCLI(t, "release", "-address", addr, "-owner", "alloc-1"), "released r2\nalready released r1 (nothing done)\n"; got != want {
 		t.Errorf("release output %q, want %q", got, want)
 	}
 	r := runCLI(t, "release", "-address", addr, "-reservation", "gone")

@@ -139,12 +139,15 @@ func runRelease(ctx context.Context, env *cmdEnv, args []string) error {
 	if *asJSON {
 		return printJSON(env.stdout, resp)
 	}
-	if len(resp.GetReleasedReservationIds()) == 0 {
+	if len(resp.GetReleasedReservationIds()) == 0 && len(resp.GetAlreadyReleasedReservationIds()) == 0 {
 		fmt.Fprintln(env.stdout, "nothing released: the owner has no reservations")
 		return nil
 	}
 	for _, id := range resp.GetReleasedReservationIds() {
 		fmt.Fprintf(env.stdout, "released %s\n", id)
+	}
+	for _, id := range resp.GetAlreadyReleasedReservationIds() {
+		fmt.Fprintf(env.stdout, "already released %s (nothing done)\n", id)
 	}
 	return nil
 }
