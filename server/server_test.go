@@ -337,6 +337,22 @@ func TestRequestValidation(t *testing.T) {
 			_, err := h.client.Reserve(ctx, r)
 			return err
 		}, "owner_id"},
+		{"reserve with a blank owner", func() error {
+			r := good()
+			r.OwnerId = "   "
+			_, err := h.client.Reserve(ctx, r)
+			return err
+		}, "owner_id"},
+		{"reserve with a space-padded owner", func() error {
+			r := good()
+			r.OwnerId = " job-lead"
+			_, err := h.client.Reserve(ctx, r)
+			return err
+		}, "owner_id"},
+		{"release of a space-padded owner", func() error {
+			_, err := h.client.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_OwnerId{OwnerId: "job-lead "}})
+			return err
+		}, "owner_id"},
 		{"reserve without group vendor", func() error {
 			r := good()
 			r.Vendor = ""
