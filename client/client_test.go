@@ -450,3 +450,20 @@ func TestCalls(t *testing.T) {
 		t.Errorf("Plugins = %v, %v", ps, err)
 	}
 }
+
+func TestWatchEndsQuietlyAtItsDeadline(t *testing.T) {
+	path := socketPath(t)
+	startAgent(t, &devicetest.Fake{WatchFunc: watchHolding(inventory("GPU-0"))}, path)
+	c := dial(t, path)
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	for u := range c.WatchDevices(ctx) {
+		// The end of the watch is the channel closing, not a disconnection.
+		if u.Disconnected() {
+			t.Errorf("update %+v at the watch's deadline, want the channel to close", u)
+		}
+	}
+	if ctx.Err() == nil {
+		t.Error("watch channel closed before its context ended")
+	}
+}

@@ -108,10 +108,17 @@ func watch[T any](c *Client, ctx context.Context, open func(context.Context) (fu
 // receive opens one stream and calls deliver with each message until it fails or ctx
 // ends, and returns why it ended. Closing the Client closes the connection, which ends
 // the stream too.
+//
+// The stream's context carries ctx's values but not its deadline, and is canceled only
+// after ctx is done: a deadline sent to the agent could end the stream there a moment
+// before ctx is done here, and the watch would report a disconnection for what is the
+// end of the watch.
 func receive[T any](ctx context.Context, open func(context.Context) (func() (T, error), error), deliver func(T)) error {
-	ctx, cancel := context.WithCancel(ctx)
+	sctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
-	recv, err := open(ctx)
+	stop := context.AfterFunc(ctx, cancel)
+	defer stop()
+	recv, err := open(sctx)
 	if err != nil {
 		return err
 	}

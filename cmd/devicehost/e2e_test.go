@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -20,7 +21,9 @@ import (
 
 	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/protobuf/proto"
 
+	dhclient "github.com/devicehost/devicehost/client"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/endpoint"
@@ -360,6 +363,37 @@ func TestEndToEndDevAgent(t *testing.T) {
 		if !strings.Contains(visible, id) {
 			t.Errorf("NVIDIA_VISIBLE_DEVICES = %q, does not name %s", visible, id)
 		}
+	}
+
+	// Another owner asking for one of them learns who holds it: the holder travels typed
+	// from the ledger through the manager and the server to the client.
+	cl, err := dhclient.Dial(ctx, agent.addr.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	_, err = cl.Reserve(ctx, &pb.ReserveRequest{
+		OwnerId: "e2e-other", Vendor: g.GetVendor(), Type: g.GetType(), Name: g.GetName(), DeviceIds: gpus[:1],
+	})
+	held, ok := dhclient.IsHeld(err)
+	wantHeld := &pb.DeviceHeld{OwnerId: "e2e-other", Conflicts: []*pb.DeviceConflict{{
+		ReservationId: res.GetReservationId(), OwnerId: "e2e-alloc", DeviceIds: gpus[:1], HeldDeviceIds: slices.Sorted(slices.Values(gpus[:2])),
+	}}}
+	if !ok || !proto.Equal(held, wantHeld) {
+		t.Errorf("Reserve of a held GPU: IsHeld = %v, %v (err %v); want %v", held, ok, err, wantHeld)
+	}
+
+	// Released twice: the second time says it was released already.
+	address := agent.addr.String()
+	if got, want := mustRunCLI(t, "release", "-address", address, "-owner", "e2e-alloc"), "released "+res.GetReservationId()+"\n"; got != want {
+		t.Errorf("first release: %q, want %q", got, want)
+	}
+	if got, want := mustRunCLI(t, "release", "-address", address, "-owner", "e2e-alloc"), "already released "+res.GetReservationId()+" (nothing done)\n"; got != want {
+		t.Errorf("second release: %q, want %q", got, want)
+	}
+	if r := runCLI(t, "release", "-address", address, "-reservation", "res-nope"); r.code != 1 ||
+		r.stderr != "devicehost: release: reservation \"res-nope\": not found (NotFound)\n" {
+		t.Errorf("release of an unknown ID: exit %d stderr %q, want one release: prefix and NotFound", r.code, r.stderr)
 	}
 
 	// Stats: values for all 8.

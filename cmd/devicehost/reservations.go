@@ -57,9 +57,9 @@ func runReserve(ctx context.Context, env *cmdEnv, args []string) error {
 
 	req := &pb.ReserveRequest{OwnerId: *owner, Vendor: *vendor, Type: *typ, Name: *name, DeviceIds: devices}
 	if *vendor == "" || *typ == "" || *name == "" {
-		fp, err := firstFingerprint(ctx, c)
+		fp, err := c.Devices(ctx)
 		if err != nil {
-			return err
+			return callError("fingerprint", err)
 		}
 		g, err := inferGroup(fp, devices, *vendor, *typ, *name)
 		if err != nil {
@@ -178,15 +178,15 @@ func runReservations(ctx context.Context, env *cmdEnv, args []string) error {
 		return err
 	}
 	defer done()
-	resp, err := c.ListReservations(ctx, &pb.ListReservationsRequest{OwnerId: *owner, DeviceId: *dev, State: st})
+	rs, err := c.Reservations(ctx, &pb.ListReservationsRequest{OwnerId: *owner, DeviceId: *dev, State: st})
 	if err != nil {
 		return callError("list reservations", err)
 	}
 	if *asJSON {
-		return printJSON(env.stdout, resp)
+		return printJSON(env.stdout, &pb.ListReservationsResponse{Reservations: rs})
 	}
 	t := newTable(env.stdout, "RESERVATION", "OWNER", "GROUP", "DEVICES", "STATE", "CREATED", "RELEASED")
-	for _, r := range resp.GetReservations() {
+	for _, r := range rs {
 		stateText := reservationStateName(r.GetState())
 		if r.GetCleanupPending() {
 			stateText += " (cleanup pending)"
