@@ -159,6 +159,15 @@ func tempDir(t *testing.T, prefix string) string {
 // signal, unless kept for reattach) and, if the test failed, logs the agent's output.
 func startAgentProcess(t *testing.T, addr endpoint.Address, args ...string) *agentProcess {
 	t.Helper()
+	// A SIGKILLed -dev agent cannot remove its temporary directory: give it a TMPDIR the
+	// test removes. Not t.TempDir: its long name would push the socket path past the
+	// 108-byte limit of a Unix socket name.
+	return startAgentProcessIn(t, tempDir(t, "dh-e2e"), addr, args...)
+}
+
+// startAgentProcessIn is startAgentProcess with TMPDIR set to tmp.
+func startAgentProcessIn(t *testing.T, tmp string, addr endpoint.Address, args ...string) *agentProcess {
+	t.Helper()
 	bin := devicehostBinary(t)
 	a := &agentProcess{
 		addr:   addr,
@@ -168,14 +177,6 @@ func startAgentProcess(t *testing.T, addr endpoint.Address, args ...string) *age
 	}
 	a.cmd = exec.Command(bin, args...)
 	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	// A SIGKILLed -dev agent cannot remove its temporary directory: give it a TMPDIR the
-	// test removes. Not t.TempDir: its long name would push the socket path past the
-	// 108-byte limit of a Unix socket name.
-	tmp, err := os.MkdirTemp("", "dh-e2e")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(tmp) })
 	a.cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
 	outPipe, err := a.cmd.StdoutPipe()
 	if err != nil {
