@@ -46,6 +46,11 @@ const (
 	DefaultBackoffMax  = 5 * time.Second
 )
 
+// MaxRecvMsgSize bounds an answer the client accepts (gRPC's default is 4 MiB). A
+// ListReservations of a ledger allowed to keep many thousand reservations
+// (gc_max_reservations) passes 4 MiB: about 2 KiB each with their container data.
+const MaxRecvMsgSize = 64 << 20
+
 // Option configures Dial.
 type Option func(*options)
 
@@ -127,7 +132,7 @@ func Dial(ctx context.Context, address string, opts ...Option) (*Client, error) 
 	if err != nil {
 		return nil, err
 	}
-	dialOpts := append([]grpc.DialOption{grpc.WithConnectParams(grpc.ConnectParams{
+	dialOpts := append([]grpc.DialOption{grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxRecvMsgSize)), grpc.WithConnectParams(grpc.ConnectParams{
 		Backoff: backoff.Config{
 			BaseDelay:  o.backoffBase,
 			Multiplier: 2,

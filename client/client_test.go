@@ -467,3 +467,25 @@ func TestWatchEndsQuietlyAtItsDeadline(t *testing.T) {
 		t.Error("watch channel closed before its context ended")
 	}
 }
+
+func TestReservationsPastFourMiB(t *testing.T) {
+	// A ledger allowed to keep many reservations answers ListReservations with more than
+	// gRPC's default 4 MiB.
+	path := socketPath(t)
+	big := strings.Repeat("x", 2048)
+	startAgent(t, &devicetest.Fake{ReservationsFunc: func(context.Context, device.ReservationFilter) ([]device.Reservation, error) {
+		rs := make([]device.Reservation, 3000)
+		for i := range rs {
+			rs[i] = device.Reservation{ID: fmt.Sprint("res-", i), OwnerID: "o", DeviceIDs: []string{"GPU-0"},
+				Container: device.ContainerReservation{Envs: map[string]string{"PAD": big}}}
+		}
+		return rs, nil
+	}}, path)
+	c := dial(t, path)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	rs, err := c.Reservations(ctx, nil)
+	if err != nil || len(rs) != 3000 {
+		t.Errorf("Reservations of ~6 MiB: %d, %v; want all 3000", len(rs), err)
+	}
+}
