@@ -545,6 +545,10 @@ func TestStatsFilterMatchingNoGroup(t *testing.T) {
 		},
 	}
 	addr := startAgent(t, mgr)
+	r := runCLI(t, "stats", "-once", "-vendor", "nope", "-address", addr)
+	if want := "devicehost: stats: no device group matches -vendor \"nope\"; the agent's groups: nvidia/gpu/NVIDIA A100, nvidia/gpu/NVIDIA H100 80GB HBM3\n"; r.stderr != want {
+		t.Errorf("stderr %q, want %q", r.stderr, want)
+	}
 	for _, args := range [][]string{
 		{"stats", "-once", "-vendor", "nope"},
 		{"stats", "-once", "-json", "-vendor", "nope"},
@@ -552,7 +556,7 @@ func TestStatsFilterMatchingNoGroup(t *testing.T) {
 	} {
 		t.Run(strings.Join(args, " "), func(t *testing.T) {
 			r := runCLI(t, append(args, "-address", addr)...)
-			if r.code != 1 || !strings.Contains(r.stderr, "no device group matches") ||
+			if r.code != 1 || !strings.HasPrefix(r.stderr, "devicehost: stats: no device group matches -") ||
 				!strings.Contains(r.stderr, "the agent's groups: nvidia/gpu/NVIDIA A100, nvidia/gpu/NVIDIA H100 80GB HBM3") {
 				t.Errorf("exit %d stderr %q stdout %q, want exit 1 saying no group matched and which there are", r.code, r.stderr, r.stdout)
 			}

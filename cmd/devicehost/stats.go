@@ -134,7 +134,13 @@ func checkFilterMatches(ctx context.Context, c *client.Client, f *pb.GroupFilter
 	if len(names) > 0 {
 		have = "the agent's groups: " + strings.Join(names, ", ")
 	}
-	return fmt.Errorf("no device group matches%s; %s", filterNote(f.GetVendor(), f.GetType(), f.GetName()), have)
+	var asked []string
+	for _, kv := range [][2]string{{"vendor", f.GetVendor()}, {"type", f.GetType()}, {"name", f.GetName()}} {
+		if kv[1] != "" {
+			asked = append(asked, fmt.Sprintf("-%s %q", kv[0], kv[1]))
+		}
+	}
+	return fmt.Errorf("stats: no device group matches %s; %s", strings.Join(asked, " "), have)
 }
 
 // printStatsTable prints one table per group: a row per device, a column per metric.
