@@ -63,12 +63,13 @@ func TestFakeManagerContract(t *testing.T) {
 				got, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "o1", DeviceIDs: []string{"d0"}})
 				return errors.Join(err, expect(got.ID == "r1", "reservation not passed through"))
 			}},
-		{"Release", &devicetest.Fake{ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) ([]string, error) {
-			return []string{req.ReservationID}, nil
+		{"Release", &devicetest.Fake{ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
+			return device.ReleaseResult{Released: []string{req.ReservationID}, AlreadyReleased: []string{"r0"}}, nil
 		}},
 			func(ctx context.Context, m device.Manager) error {
 				got, err := m.Release(ctx, device.ReleaseRequest{ReservationID: "r1"})
-				return errors.Join(err, expect(len(got) == 1 && got[0] == "r1", "release not passed through"))
+				return errors.Join(err, expect(len(got.Released) == 1 && got.Released[0] == "r1" &&
+					len(got.AlreadyReleased) == 1 && got.AlreadyReleased[0] == "r0", "release not passed through"))
 			}},
 		{"Reservations", &devicetest.Fake{ReservationsFunc: func(_ context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
 			if f.OwnerID != "o1" {

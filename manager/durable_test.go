@@ -50,13 +50,13 @@ func reserve(t *testing.T, m *Manager, owner string, ids ...string) device.Reser
 }
 
 // release releases req and fails the test on error.
-func release(t *testing.T, m *Manager, req device.ReleaseRequest) []string {
+func release(t *testing.T, m *Manager, req device.ReleaseRequest) device.ReleaseResult {
 	t.Helper()
-	ids, err := m.Release(context.Background(), req)
+	res, err := m.Release(context.Background(), req)
 	if err != nil {
 		t.Fatalf("Release(%+v): %v", req, err)
 	}
-	return ids
+	return res
 }
 
 // reservation returns reservation id as m lists it, and whether it is listed.
@@ -310,8 +310,8 @@ func TestGCCleansUpThroughThePlugin(t *testing.T) {
 			return nil
 		}
 	})
-	if ids := release(t, m, device.ReleaseRequest{OwnerID: "o1"}); !slices.Equal(ids, []string{r.ID}) {
-		t.Fatalf("Release = %v, want [%s]", ids, r.ID)
+	if got := release(t, m, device.ReleaseRequest{OwnerID: "o1"}); !slices.Equal(got.Released, []string{r.ID}) || len(got.AlreadyReleased) != 0 {
+		t.Fatalf("Release = %+v, want [%s] released now", got, r.ID)
 	}
 	if got := alpha.waitReleased(t, r.ID); !slices.Equal(got, []string{r.ID}) {
 		t.Errorf("plugin cleanups = %v, want [%s] once", got, r.ID)
@@ -320,9 +320,9 @@ func TestGCCleansUpThroughThePlugin(t *testing.T) {
 		t.Errorf("plugin Release got devices and ID %v, want %v", gotIDs, want)
 	}
 	waitReservation(t, m, r.ID, "cleaned up", cleanedUp)
-	// Releasing it again names it and owes no second cleanup.
-	if ids := release(t, m, device.ReleaseRequest{ReservationID: r.ID}); !slices.Equal(ids, []string{r.ID}) {
-		t.Errorf("second Release = %v, want [%s]", ids, r.ID)
+	// Releasing it again names it as released before and owes no second cleanup.
+	if got := release(t, m, device.ReleaseRequest{ReservationID: r.ID}); len(got.Released) != 0 || !slices.Equal(got.AlreadyReleased, []string{r.ID}) {
+		t.Errorf("second Release = %+v, want [%s] already released", got, r.ID)
 	}
 	if got, _ := reservation(t, m, r.ID); got.CleanupPending {
 		t.Errorf("after a second Release: %+v, want no cleanup pending", got)
@@ -471,7 +471,7 @@ func TestGCSkipsCleanupsOfPluginsNoLongerConfigured(t *testing.T) {
 	if _, err := l.Commit(ctx, device.Reservation{ID: "res-old", OwnerID: "o1", Plugin: "gone", Group: acmeA1, DeviceIDs: []string{"x0"}}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := l.Release(ctx, device.ReleaseRequest{ReservationID: "res-old"}, time.Time{}); err != nil {
+	if _, _, err := l.Release(ctx, device.ReleaseRequest{ReservationID: "res-old"}, time.Time{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := l.Close(); err != nil {

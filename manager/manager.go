@@ -461,18 +461,25 @@ func pluginState(snap device.Snapshot, name string) device.PluginState {
 }
 
 // claim marks ids as being reserved by owner until the returned func is called, so two
-// concurrent Reserves never both ask a plugin for the same device.
+// concurrent Reserves never both ask a plugin for the same device. A device already
+// claimed is a *device.HeldError whose holder has no reservation ID yet.
 func (m *Manager) claim(owner string, ids []string) (func(), error) {
 	m.claimMu.Lock()
 	defer m.claimMu.Unlock()
-	var busy []string
+	busy := make(map[string][]string) // claiming owner -> requested devices it claims
 	for _, id := range ids {
 		if o, ok := m.claims[id]; ok {
-			busy = append(busy, fmt.Sprintf("%s (being reserved for owner %s)", id, o))
+			busy[o] = append(busy[o], id)
 		}
 	}
 	if len(busy) > 0 {
-		return nil, fmt.Errorf("reserve in progress: %s: %w", strings.Join(busy, ", "), device.ErrDeviceHeld)
+		e := &device.HeldError{OwnerID: owner}
+		for _, o := range slices.Sorted(maps.Keys(busy)) {
+			devs := busy[o]
+			slices.Sort(devs)
+			e.Conflicts = append(e.Conflicts, device.Conflict{Holder: device.Holder{OwnerID: o}, Overlap: devs, Held: devs})
+		}
+		return nil, e
 	}
 	for _, id := range ids {
 		m.claims[id] = owner
@@ -487,27 +494,32 @@ func (m *Manager) claim(owner string, ids []string) (func(), error) {
 }
 
 // Release ends the reservations req names, durably, frees their devices (watchers get a
-// snapshot without the holder) and returns their IDs, oldest first; a reservation
-// released before is named again, not released twice. The plugin cleanup is not done
-// here: it is left pending in the ledger for the garbage collector, which runs it once,
-// with retries (see the package doc). Without StateDir no cleanup ever runs.
-func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) ([]string, error) {
+// snapshot without the holder) and says which it released and which were released
+// before (those are not released twice), each list oldest first. The plugin cleanup is
+// not done here: it is left pending in the ledger for the garbage collector, which runs
+// it once, with retries (see the package doc). Without StateDir no cleanup ever runs.
+func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
 	if m.stopping.Load() {
-		return nil, fmt.Errorf("release: %w", device.ErrShuttingDown)
+		return device.ReleaseResult{}, fmt.Errorf("release: %w", device.ErrShuttingDown)
 	}
 	if err := validate.ReleaseRequest(req); err != nil {
-		return nil, err
+		return device.ReleaseResult{}, err
 	}
-	released, err := m.store.Release(ctx, req, m.cfg.Now())
+	released, already, err := m.store.Release(ctx, req, m.cfg.Now())
 	if err != nil {
-		return nil, err
+		return device.ReleaseResult{}, err
 	}
-	m.reg.refresh()
-	ids := make([]string, 0, len(released))
+	if len(released) > 0 {
+		m.reg.refresh()
+	}
+	var res device.ReleaseResult
 	for _, r := range released {
-		ids = append(ids, r.ID)
+		res.Released = append(res.Released, r.ID)
 	}
-	return ids, nil
+	for _, r := range already {
+		res.AlreadyReleased = append(res.AlreadyReleased, r.ID)
+	}
+	return res, nil
 }
 
 // Reservations lists the reservations matching f, oldest first.

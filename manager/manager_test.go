@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -491,9 +492,9 @@ func TestReserve(t *testing.T) {
 	// Release frees it and lists it as released. Without a state dir there is no
 	// garbage collector, so its plugin cleanup stays pending and the plugin is not
 	// called (TestGCCleansUpThroughThePlugin has the ledger's way).
-	ids, err := m.Release(ctx, device.ReleaseRequest{OwnerID: "alloc-1"})
-	if err != nil || !slices.Equal(ids, []string{held.ID}) {
-		t.Fatalf("Release = %v, %v; want [%s]", ids, err, held.ID)
+	rel, err := m.Release(ctx, device.ReleaseRequest{OwnerID: "alloc-1"})
+	if err != nil || !slices.Equal(rel.Released, []string{held.ID}) || len(rel.AlreadyReleased) != 0 {
+		t.Fatalf("Release = %+v, %v; want [%s] released now", rel, err, held.ID)
 	}
 	if got := m.State().Devices["a0"].Holder; got != nil {
 		t.Errorf("State a0 holder after Release = %v, want none", got)
@@ -594,5 +595,15 @@ func TestReserveNeverAsksThePluginForAHeldDevice(t *testing.T) {
 	}
 	if got := alpha.reserveCalls(); got != 1 {
 		t.Errorf("plugin Reserve calls = %d, want 1: the refused Reserve must not ask the plugin for a0 while it is held or being reserved", got)
+	}
+	// The second came while the first was in flight: its holder is the first owner,
+	// with no reservation ID yet.
+	var held *device.HeldError
+	want := []device.Conflict{{Holder: device.Holder{OwnerID: "first"}, Overlap: []string{"a0"}, Held: []string{"a0"}}}
+	if !errors.As(errSecond, &held) || held.OwnerID != "second" || !reflect.DeepEqual(held.Conflicts, want) {
+		t.Errorf("second Reserve error = %#v, want a *device.HeldError for owner second with %+v", errSecond, want)
+	}
+	if want := `owner "second": a0 being reserved for owner "first": device held`; errSecond != nil && errSecond.Error() != want {
+		t.Errorf("second Reserve error = %q, want %q", errSecond, want)
 	}
 }

@@ -21,18 +21,19 @@ import (
 type reservationStore interface {
 	// Check says whether owner may reserve deviceIDs: (r, nil) when owner already holds
 	// exactly those devices in live reservation r (a retried Reserve), (nil, nil) when
-	// none of them is held, and an error wrapping device.ErrDeviceHeld naming the holder
-	// or the overlap otherwise.
+	// none of them is held, and a *device.HeldError naming the holders and the overlap
+	// otherwise.
 	Check(ownerID string, deviceIDs []string) (*device.Reservation, error)
 	// Commit records r as live, durably before it returns. It re-checks as Check does,
 	// atomically with the write: a retry by the same owner returns the existing
-	// reservation instead, a conflict is an error wrapping device.ErrDeviceHeld.
+	// reservation instead, a conflict is a *device.HeldError.
 	Commit(ctx context.Context, r device.Reservation) (device.Reservation, error)
-	// Release marks the reservations named by req released at time at, with their
-	// plugin cleanup pending, and returns every reservation req named (those released
-	// before too). An unknown reservation ID wraps device.ErrNotFound; an owner with no
-	// reservations matches nothing.
-	Release(ctx context.Context, req device.ReleaseRequest, at time.Time) ([]device.Reservation, error)
+	// Release marks the live reservations named by req released at time at, with their
+	// plugin cleanup pending, and returns them; those req named that were released
+	// before come back apart, in already, unchanged. Both are oldest first. An unknown
+	// reservation ID wraps device.ErrNotFound; an owner with no reservations matches
+	// nothing.
+	Release(ctx context.Context, req device.ReleaseRequest, at time.Time) (released, already []device.Reservation, err error)
 	// CleanupDone records that the plugin cleaned up after a released reservation.
 	CleanupDone(ctx context.Context, reservationID string) error
 	// List returns the reservations matching f, oldest first.
@@ -66,28 +67,42 @@ func (s *memStore) Check(ownerID string, deviceIDs []string) (*device.Reservatio
 	return nil, err
 }
 
+// checkLocked applies the conflict rules the ledger applies: (r, nil) when ownerID's
+// live reservation r holds exactly deviceIDs, (nil, nil) when none of them is held, and
+// a *device.HeldError naming each holder otherwise.
 func (s *memStore) checkLocked(ownerID string, deviceIDs []string) (*device.Reservation, error) {
-	var held []string // "dev (reservation R of owner O)"
-	var same *device.Reservation
+	overlap := make(map[string][]string) // holder reservation ID -> requested devices it holds
 	for _, id := range deviceIDs {
-		rid, ok := s.holder[id]
-		if !ok {
-			continue
+		if rid, ok := s.holder[id]; ok {
+			overlap[rid] = append(overlap[rid], id)
 		}
+	}
+	if len(overlap) == 0 {
+		return nil, nil
+	}
+	if len(overlap) == 1 {
+		for rid := range overlap {
+			if r := s.byID[rid]; r.OwnerID == ownerID && sameSet(r.DeviceIDs, deviceIDs) {
+				return r, nil
+			}
+		}
+	}
+	e := &device.HeldError{OwnerID: ownerID}
+	for rid, devs := range overlap {
 		r := s.byID[rid]
-		if r.OwnerID == ownerID && sameSet(r.DeviceIDs, deviceIDs) {
-			same = r
-			continue
-		}
-		held = append(held, fmt.Sprintf("%s (reservation %s of owner %s)", id, r.ID, r.OwnerID))
+		held := slices.Clone(r.DeviceIDs)
+		slices.Sort(held)
+		slices.Sort(devs)
+		e.Conflicts = append(e.Conflicts, device.Conflict{
+			Holder:  device.Holder{ReservationID: rid, OwnerID: r.OwnerID},
+			Overlap: devs,
+			Held:    held,
+		})
 	}
-	switch {
-	case len(held) > 0:
-		return nil, fmt.Errorf("held by live reservations: %s: %w", strings.Join(held, ", "), device.ErrDeviceHeld)
-	case same != nil:
-		return same, nil
-	}
-	return nil, nil
+	slices.SortFunc(e.Conflicts, func(a, b device.Conflict) int {
+		return strings.Compare(a.Holder.ReservationID, b.Holder.ReservationID)
+	})
+	return nil, e
 }
 
 func (s *memStore) Commit(_ context.Context, r device.Reservation) (device.Reservation, error) {
@@ -113,14 +128,14 @@ func (s *memStore) Commit(_ context.Context, r device.Reservation) (device.Reser
 	return cloneReservation(r), nil
 }
 
-func (s *memStore) Release(_ context.Context, req device.ReleaseRequest, at time.Time) ([]device.Reservation, error) {
+func (s *memStore) Release(_ context.Context, req device.ReleaseRequest, at time.Time) (released, already []device.Reservation, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var ids []string
 	switch {
 	case req.ReservationID != "":
 		if _, ok := s.byID[req.ReservationID]; !ok {
-			return nil, fmt.Errorf("reservation %s: %w", req.ReservationID, device.ErrNotFound)
+			return nil, nil, fmt.Errorf("reservation %s: %w", req.ReservationID, device.ErrNotFound)
 		}
 		ids = []string{req.ReservationID}
 	default:
@@ -130,20 +145,21 @@ func (s *memStore) Release(_ context.Context, req device.ReleaseRequest, at time
 			}
 		}
 	}
-	out := make([]device.Reservation, 0, len(ids))
 	for _, id := range ids {
 		r := s.byID[id]
-		if r.State == device.ReservationActive {
-			r.State, r.ReleasedAt, r.CleanupPending = device.ReservationReleased, at, true
-			for _, d := range r.DeviceIDs {
-				if s.holder[d] == r.ID {
-					delete(s.holder, d)
-				}
+		if r.State != device.ReservationActive {
+			already = append(already, cloneReservation(*r))
+			continue
+		}
+		r.State, r.ReleasedAt, r.CleanupPending = device.ReservationReleased, at, true
+		for _, d := range r.DeviceIDs {
+			if s.holder[d] == r.ID {
+				delete(s.holder, d)
 			}
 		}
-		out = append(out, cloneReservation(*r))
+		released = append(released, cloneReservation(*r))
 	}
-	return out, nil
+	return released, already, nil
 }
 
 func (s *memStore) CleanupDone(_ context.Context, reservationID string) error {

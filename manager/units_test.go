@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -242,16 +243,27 @@ func TestReservationStores(t *testing.T) {
 			if again, err := s.Commit(ctx, device.Reservation{ID: "r-other", OwnerID: "o1", DeviceIDs: []string{"d0", "d1"}}); err != nil || again.ID != r1.ID {
 				t.Errorf("retried Commit = %q, %v; want %q", again.ID, err, r1.ID)
 			}
-			if _, err := s.Commit(ctx, device.Reservation{ID: "r2", OwnerID: "o2", DeviceIDs: []string{"d1"}}); !errors.Is(err, device.ErrDeviceHeld) || !strings.Contains(err.Error(), "o1") {
+			_, err = s.Commit(ctx, device.Reservation{ID: "r2", OwnerID: "o2", DeviceIDs: []string{"d1", "d9"}})
+			if !errors.Is(err, device.ErrDeviceHeld) || !strings.Contains(err.Error(), "o1") {
 				t.Errorf("conflicting Commit: %v, want ErrDeviceHeld naming o1", err)
+			}
+			// The holder comes typed, for the server's error details: no one parses the text.
+			var held *device.HeldError
+			wantConflicts := []device.Conflict{{Holder: device.Holder{ReservationID: "r1", OwnerID: "o1"}, Overlap: []string{"d1"}, Held: []string{"d0", "d1"}}}
+			if !errors.As(err, &held) || held.OwnerID != "o2" || !reflect.DeepEqual(held.Conflicts, wantConflicts) {
+				t.Errorf("conflicting Commit: %#v, want a *device.HeldError for o2 with %+v", err, wantConflicts)
 			}
 			if got, want := s.Holders()["d0"], (device.Holder{ReservationID: "r1", OwnerID: "o1"}); got != want {
 				t.Errorf("holder of d0 = %+v, want %+v", got, want)
 			}
 
-			rel, err := s.Release(ctx, device.ReleaseRequest{ReservationID: "r1"}, time.Unix(2, 0))
-			if err != nil || len(rel) != 1 || rel[0].State != device.ReservationReleased || !rel[0].CleanupPending {
-				t.Fatalf("Release = %+v, %v; want r1 released with cleanup pending", rel, err)
+			rel, already, err := s.Release(ctx, device.ReleaseRequest{ReservationID: "r1"}, time.Unix(2, 0))
+			if err != nil || len(rel) != 1 || len(already) != 0 || rel[0].State != device.ReservationReleased || !rel[0].CleanupPending {
+				t.Fatalf("Release = %+v, %+v, %v; want r1 released now with cleanup pending", rel, already, err)
+			}
+			rel, already, err = s.Release(ctx, device.ReleaseRequest{OwnerID: "o1"}, time.Unix(3, 0))
+			if err != nil || len(rel) != 0 || len(already) != 1 || !already[0].ReleasedAt.Equal(time.Unix(2, 0)) {
+				t.Fatalf("second Release = %+v, %+v, %v; want r1 already released at its first release time", rel, already, err)
 			}
 			if err := s.CleanupDone(ctx, "r1"); err != nil {
 				t.Fatal(err)
@@ -259,7 +271,7 @@ func TestReservationStores(t *testing.T) {
 			if len(s.Holders()) != 0 {
 				t.Errorf("holders after release = %v, want none", s.Holders())
 			}
-			if _, err := s.Release(ctx, device.ReleaseRequest{ReservationID: "nope"}, time.Unix(3, 0)); !errors.Is(err, device.ErrNotFound) {
+			if _, _, err := s.Release(ctx, device.ReleaseRequest{ReservationID: "nope"}, time.Unix(3, 0)); !errors.Is(err, device.ErrNotFound) {
 				t.Errorf("Release(unknown) = %v, want ErrNotFound", err)
 			}
 			list, err := s.List(ctx, device.ReservationFilter{OwnerID: "o1", State: device.ReservationReleased})

@@ -86,17 +86,21 @@ func (s *Server) Reserve(ctx context.Context, in *pb.ReserveRequest) (*pb.Reserv
 	}, nil
 }
 
-// Release validates the request and ends the reservations it names.
+// Release validates the request, ends the reservations it names and says which it
+// released and which were released before.
 func (s *Server) Release(ctx context.Context, in *pb.ReleaseRequest) (*pb.ReleaseResponse, error) {
 	req := releaseRequestFromProto(in)
 	if err := validate.ReleaseRequest(req); err != nil {
 		return nil, toStatus(err)
 	}
-	ids, err := s.mgr.Release(ctx, req)
+	res, err := s.mgr.Release(ctx, req)
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	return &pb.ReleaseResponse{ReleasedReservationIds: ids}, nil
+	return &pb.ReleaseResponse{
+		ReleasedReservationIds:        res.Released,
+		AlreadyReleasedReservationIds: res.AlreadyReleased,
+	}, nil
 }
 
 // ListReservations lists the ledger's reservations that match the request's filters.

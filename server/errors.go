@@ -7,38 +7,60 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/protoadapt"
 
 	"github.com/devicehost/devicehost/manager/device"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
 // This file is the one place that maps the device contract's errors to gRPC codes.
 
-// errorCodes is checked in order: the first sentinel an error wraps decides its code, so
-// an error that wraps more than one (errors.Join) gets the most specific answer a caller
-// can act on: fix the request, pick other devices, retry later.
+// Reasons of the google.rpc.ErrorInfo detail every mapped error carries, in ErrorDomain.
+// They are part of the API (listed in devicehost.proto): callers branch on them where a
+// code alone is ambiguous (FAILED_PRECONDITION is a held or an unhealthy device).
+const (
+	ErrorDomain = ServiceName
+
+	ReasonInvalidRequest      = "INVALID_REQUEST"
+	ReasonDeviceUnknown       = "DEVICE_UNKNOWN"
+	ReasonReservationNotFound = "RESERVATION_NOT_FOUND"
+	ReasonDeviceUnhealthy     = "DEVICE_UNHEALTHY"
+	ReasonDeviceHeld          = "DEVICE_HELD"
+	ReasonPluginUnavailable   = "PLUGIN_UNAVAILABLE"
+	ReasonShuttingDown        = "SHUTTING_DOWN"
+	ReasonPluginResponse      = "PLUGIN_RESPONSE_INVALID"
+)
+
+// errorCodes is checked in order: the first sentinel an error wraps decides its code and
+// reason, so an error that wraps more than one (errors.Join) gets the most specific
+// answer a caller can act on: fix the request, pick other devices, retry later.
 var errorCodes = []struct {
 	sentinel error
 	code     codes.Code
+	reason   string // "" for none
 }{
-	{device.ErrShuttingDown, codes.Unavailable},
-	{device.ErrInvalidRequest, codes.InvalidArgument},
-	{device.ErrUnknownDevice, codes.NotFound},
-	{device.ErrNotFound, codes.NotFound},
-	{device.ErrUnhealthyDevice, codes.FailedPrecondition},
-	{device.ErrDeviceHeld, codes.FailedPrecondition},
-	{device.ErrPluginUnavailable, codes.Unavailable},
+	{device.ErrShuttingDown, codes.Unavailable, ReasonShuttingDown},
+	{device.ErrInvalidRequest, codes.InvalidArgument, ReasonInvalidRequest},
+	{device.ErrUnknownDevice, codes.NotFound, ReasonDeviceUnknown},
+	{device.ErrNotFound, codes.NotFound, ReasonReservationNotFound},
+	{device.ErrUnhealthyDevice, codes.FailedPrecondition, ReasonDeviceUnhealthy},
+	{device.ErrDeviceHeld, codes.FailedPrecondition, ReasonDeviceHeld},
+	{device.ErrPluginUnavailable, codes.Unavailable, ReasonPluginUnavailable},
 	// The plugin answered but broke a validation rule. The caller cannot fix that by
 	// changing its request, and an immediate retry usually gets the same answer, so it is
 	// reported as the host's own fault rather than UNAVAILABLE (which invites retries).
-	{device.ErrPluginResponse, codes.Internal},
-	{context.DeadlineExceeded, codes.DeadlineExceeded},
-	{context.Canceled, codes.Canceled},
+	{device.ErrPluginResponse, codes.Internal, ReasonPluginResponse},
+	{context.DeadlineExceeded, codes.DeadlineExceeded, ""},
+	{context.Canceled, codes.Canceled, ""},
 }
 
 // toStatus converts a domain error into a gRPC status error. The message is err.Error(),
-// which names the devices, holder, plugin or rule; an invalid request also carries a
-// google.rpc.BadRequest detail listing every offending field. An error that is already a
-// gRPC status passes through; anything unrecognised is UNKNOWN.
+// which names the devices, holder, plugin or rule. The status carries a
+// google.rpc.ErrorInfo with the reason for the sentinel err wraps; an invalid request
+// also a google.rpc.BadRequest listing every offending field, and a held device a
+// DeviceHeld naming every holder (from the *device.HeldError in err, never from its
+// text). An error that is already a gRPC status passes through; anything unrecognised is
+// UNKNOWN.
 func toStatus(err error) error {
 	if err == nil {
 		return nil
@@ -46,20 +68,43 @@ func toStatus(err error) error {
 	if _, ok := err.(interface{ GRPCStatus() *status.Status }); ok {
 		return err
 	}
-	code := codes.Unknown
+	code, reason := codes.Unknown, ""
 	for _, m := range errorCodes {
 		if errors.Is(err, m.sentinel) {
-			code = m.code
+			code, reason = m.code, m.reason
 			break
 		}
 	}
 	st := status.New(code, err.Error())
-	if code != codes.InvalidArgument {
+	var details []protoadapt.MessageV1
+	if reason != "" {
+		details = append(details, &errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain})
+	}
+	switch reason {
+	case ReasonInvalidRequest:
+		if br := badRequest(err); br != nil {
+			details = append(details, br)
+		}
+	case ReasonDeviceHeld:
+		var held *device.HeldError
+		if errors.As(err, &held) {
+			details = append(details, heldToProto(held))
+		}
+	}
+	if len(details) == 0 {
 		return st.Err()
 	}
+	if withDetails, derr := st.WithDetails(details...); derr == nil {
+		st = withDetails
+	}
+	return st.Err()
+}
+
+// badRequest lists err's field errors, or returns nil when it has none.
+func badRequest(err error) *errdetails.BadRequest {
 	fields := fieldErrors(err)
 	if len(fields) == 0 {
-		return st.Err()
+		return nil
 	}
 	br := &errdetails.BadRequest{}
 	for _, fe := range fields {
@@ -68,10 +113,21 @@ func toStatus(err error) error {
 			Description: fe.Rule,
 		})
 	}
-	if withDetails, derr := st.WithDetails(br); derr == nil {
-		st = withDetails
+	return br
+}
+
+// heldToProto is the DeviceHeld detail of e.
+func heldToProto(e *device.HeldError) *pb.DeviceHeld {
+	out := &pb.DeviceHeld{OwnerId: e.OwnerID}
+	for _, c := range e.Conflicts {
+		out.Conflicts = append(out.Conflicts, &pb.DeviceConflict{
+			ReservationId: c.Holder.ReservationID,
+			OwnerId:       c.Holder.OwnerID,
+			DeviceIds:     c.Overlap,
+			HeldDeviceIds: c.Held,
+		})
 	}
-	return st.Err()
+	return out
 }
 
 // fieldErrors collects every *device.FieldError in err's tree, in order.

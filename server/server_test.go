@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -311,9 +312,9 @@ func TestRequestValidation(t *testing.T) {
 			called.Add(1)
 			return device.Reservation{}, nil
 		},
-		ReleaseFunc: func(context.Context, device.ReleaseRequest) ([]string, error) {
+		ReleaseFunc: func(context.Context, device.ReleaseRequest) (device.ReleaseResult, error) {
 			called.Add(1)
-			return nil, nil
+			return device.ReleaseResult{}, nil
 		},
 		ReservationsFunc: func(context.Context, device.ReservationFilter) ([]device.Reservation, error) {
 			called.Add(1)
@@ -334,6 +335,22 @@ func TestRequestValidation(t *testing.T) {
 			r := good()
 			r.OwnerId = ""
 			_, err := h.client.Reserve(ctx, r)
+			return err
+		}, "owner_id"},
+		{"reserve with a blank owner", func() error {
+			r := good()
+			r.OwnerId = "   "
+			_, err := h.client.Reserve(ctx, r)
+			return err
+		}, "owner_id"},
+		{"reserve with a space-padded owner", func() error {
+			r := good()
+			r.OwnerId = " job-lead"
+			_, err := h.client.Reserve(ctx, r)
+			return err
+		}, "owner_id"},
+		{"release of a space-padded owner", func() error {
+			_, err := h.client.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_OwnerId{OwnerId: "job-lead "}})
 			return err
 		}, "owner_id"},
 		{"reserve without group vendor", func() error {
@@ -374,25 +391,31 @@ func TestRequestValidation(t *testing.T) {
 }
 
 func TestErrorCodes(t *testing.T) {
+	held := &device.HeldError{OwnerID: "alloc-1", Conflicts: []device.Conflict{
+		{Holder: device.Holder{ReservationID: "r1", OwnerID: "alloc-2"}, Overlap: []string{"GPU-0"}, Held: []string{"GPU-0", "GPU-1"}},
+		{Holder: device.Holder{OwnerID: "alloc-3"}, Overlap: []string{"GPU-2"}, Held: []string{"GPU-2"}},
+	}}
 	tests := []struct {
-		name string
-		err  error
-		want codes.Code
+		name       string
+		err        error
+		want       codes.Code
+		wantReason string // the ErrorInfo reason; "" for no ErrorInfo
 	}{
-		{"field error", &device.FieldError{Field: "device_ids[0]", Rule: "unknown"}, codes.InvalidArgument},
-		{"invalid request", fmt.Errorf("group: %w", device.ErrInvalidRequest), codes.InvalidArgument},
-		{"unknown device", fmt.Errorf("GPU-9: %w", device.ErrUnknownDevice), codes.NotFound},
-		{"unknown reservation", fmt.Errorf("reservation r9: %w", device.ErrNotFound), codes.NotFound},
-		{"unhealthy", fmt.Errorf("GPU-0: %w", device.ErrUnhealthyDevice), codes.FailedPrecondition},
-		{"held", fmt.Errorf("GPU-0 held by r1 of alloc-2: %w", device.ErrDeviceHeld), codes.FailedPrecondition},
-		{"plugin down", fmt.Errorf("plugin nvidia: %w", device.ErrPluginUnavailable), codes.Unavailable},
-		{"plugin answer rejected", fmt.Errorf("plugin nvidia: env LD_PRELOAD: %w", device.ErrPluginResponse), codes.Internal},
-		{"shutting down", device.ErrShuttingDown, codes.Unavailable},
-		{"shutting down wins over plugin down", errors.Join(device.ErrPluginUnavailable, device.ErrShuttingDown), codes.Unavailable},
-		{"joined: bad request wins", errors.Join(device.ErrUnhealthyDevice, &device.FieldError{Field: "owner_id", Rule: "empty"}), codes.InvalidArgument},
-		{"deadline", fmt.Errorf("reserve: %w", context.DeadlineExceeded), codes.DeadlineExceeded},
-		{"a gRPC status passes through", status.Error(codes.ResourceExhausted, "too many"), codes.ResourceExhausted},
-		{"anything else", errors.New("disk on fire"), codes.Unknown},
+		{"field error", &device.FieldError{Field: "device_ids[0]", Rule: "unknown"}, codes.InvalidArgument, server.ReasonInvalidRequest},
+		{"invalid request", fmt.Errorf("group: %w", device.ErrInvalidRequest), codes.InvalidArgument, server.ReasonInvalidRequest},
+		{"unknown device", fmt.Errorf("GPU-9: %w", device.ErrUnknownDevice), codes.NotFound, server.ReasonDeviceUnknown},
+		{"unknown reservation", fmt.Errorf("reservation r9: %w", device.ErrNotFound), codes.NotFound, server.ReasonReservationNotFound},
+		{"unhealthy", fmt.Errorf("GPU-0: %w", device.ErrUnhealthyDevice), codes.FailedPrecondition, server.ReasonDeviceUnhealthy},
+		{"held, untyped", fmt.Errorf("GPU-0 held by r1 of alloc-2: %w", device.ErrDeviceHeld), codes.FailedPrecondition, server.ReasonDeviceHeld},
+		{"held, typed and wrapped", fmt.Errorf("record reservation: %w", held), codes.FailedPrecondition, server.ReasonDeviceHeld},
+		{"plugin down", fmt.Errorf("plugin nvidia: %w", device.ErrPluginUnavailable), codes.Unavailable, server.ReasonPluginUnavailable},
+		{"plugin answer rejected", fmt.Errorf("plugin nvidia: env LD_PRELOAD: %w", device.ErrPluginResponse), codes.Internal, server.ReasonPluginResponse},
+		{"shutting down", device.ErrShuttingDown, codes.Unavailable, server.ReasonShuttingDown},
+		{"shutting down wins over plugin down", errors.Join(device.ErrPluginUnavailable, device.ErrShuttingDown), codes.Unavailable, server.ReasonShuttingDown},
+		{"joined: bad request wins", errors.Join(device.ErrUnhealthyDevice, &device.FieldError{Field: "owner_id", Rule: "empty"}), codes.InvalidArgument, server.ReasonInvalidRequest},
+		{"deadline", fmt.Errorf("reserve: %w", context.DeadlineExceeded), codes.DeadlineExceeded, ""},
+		{"a gRPC status passes through", status.Error(codes.ResourceExhausted, "too many"), codes.ResourceExhausted, ""},
+		{"anything else", errors.New("disk on fire"), codes.Unknown, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -409,6 +432,35 @@ func TestErrorCodes(t *testing.T) {
 			}
 			if tt.want != codes.ResourceExhausted && st.Message() != tt.err.Error() {
 				t.Errorf("message = %q, want the domain error's %q", st.Message(), tt.err.Error())
+			}
+			var reasons []string
+			var gotHeld *pb.DeviceHeld
+			for _, d := range st.Details() {
+				switch d := d.(type) {
+				case *errdetails.ErrorInfo:
+					if d.GetDomain() != server.ErrorDomain {
+						t.Errorf("ErrorInfo domain = %q, want %q", d.GetDomain(), server.ErrorDomain)
+					}
+					reasons = append(reasons, d.GetReason())
+				case *pb.DeviceHeld:
+					gotHeld = d
+				}
+			}
+			var wantReasons []string
+			if tt.wantReason != "" {
+				wantReasons = []string{tt.wantReason}
+			}
+			if !slices.Equal(reasons, wantReasons) {
+				t.Errorf("ErrorInfo reasons = %q, want %q", reasons, wantReasons)
+			}
+			// The holders come from the typed error, whole; an untyped one has none.
+			if errors.As(tt.err, new(*device.HeldError)) {
+				assertProtoEqual(t, "DeviceHeld detail", gotHeld, &pb.DeviceHeld{OwnerId: "alloc-1", Conflicts: []*pb.DeviceConflict{
+					{ReservationId: "r1", OwnerId: "alloc-2", DeviceIds: []string{"GPU-0"}, HeldDeviceIds: []string{"GPU-0", "GPU-1"}},
+					{OwnerId: "alloc-3", DeviceIds: []string{"GPU-2"}, HeldDeviceIds: []string{"GPU-2"}},
+				}})
+			} else if gotHeld != nil {
+				t.Errorf("DeviceHeld detail %v on a status that is not a typed held error", gotHeld)
 			}
 		})
 	}
@@ -564,9 +616,9 @@ func TestReleaseAndListReservations(t *testing.T) {
 	releases := make(chan device.ReleaseRequest, 1)
 	filters := make(chan device.ReservationFilter, 1)
 	mgr := &devicetest.Fake{
-		ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) ([]string, error) {
+		ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
 			releases <- req
-			return []string{"r1", "r2"}, nil
+			return device.ReleaseResult{Released: []string{"r2"}, AlreadyReleased: []string{"r1"}}, nil
 		},
 		ReservationsFunc: func(_ context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
 			filters <- f
@@ -587,7 +639,9 @@ func TestReleaseAndListReservations(t *testing.T) {
 	if got, want := <-releases, (device.ReleaseRequest{OwnerID: "alloc-1"}); got != want {
 		t.Errorf("manager Release got %+v, want %+v", got, want)
 	}
-	assertProtoEqual(t, "Release", rel, &pb.ReleaseResponse{ReleasedReservationIds: []string{"r1", "r2"}})
+	assertProtoEqual(t, "Release", rel, &pb.ReleaseResponse{
+		ReleasedReservationIds: []string{"r2"}, AlreadyReleasedReservationIds: []string{"r1"},
+	})
 
 	list, err := h.client.ListReservations(ctx, &pb.ListReservationsRequest{
 		DeviceId: "GPU-0", State: pb.ReservationState_RESERVATION_STATE_RELEASED,

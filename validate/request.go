@@ -3,6 +3,7 @@ package validate
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"unicode/utf8"
 
 	"github.com/devicehost/devicehost/manager/device"
@@ -67,10 +68,28 @@ func (f *fields) checkOptionalID(field, s string) {
 	}
 }
 
+// checkOwner checks an owner ID: an identifier (checkOptionalID) that is not blank and
+// has no leading or trailing space, so that an owner never shows as blank or as another
+// owner in a listing. Other white space is already not printable.
+func (f *fields) checkOwner(field, s string) {
+	f.checkOptionalID(field, s)
+	switch {
+	case s == "" || !utf8.ValidString(s) || !printable(s):
+	case strings.Trim(s, " ") == "":
+		f.add(field, RuleSpaces, "only spaces")
+	case s[0] == ' ' || s[len(s)-1] == ' ':
+		f.add(field, RuleSpaces, "")
+	}
+}
+
 // reserveRequest is ReserveRequest's body; see its doc comment for the rules.
 func reserveRequest(req device.ReserveRequest) error {
 	var f fields
-	f.checkID("owner_id", req.OwnerID)
+	if req.OwnerID == "" {
+		f.add("owner_id", RuleEmpty, "")
+	} else {
+		f.checkOwner("owner_id", req.OwnerID)
+	}
 	f.checkID("vendor", req.Group.Vendor)
 	f.checkID("type", req.Group.Type)
 	f.checkID("name", req.Group.Name)
@@ -108,7 +127,7 @@ func releaseRequest(req device.ReleaseRequest) error {
 		f.add("reservation_id", RuleExactlyOne, "both are set")
 	}
 	f.checkOptionalID("reservation_id", req.ReservationID)
-	f.checkOptionalID("owner_id", req.OwnerID)
+	f.checkOwner("owner_id", req.OwnerID)
 	return f.err()
 }
 

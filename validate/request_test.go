@@ -78,6 +78,11 @@ func TestReserveRequest(t *testing.T) {
 		{name: "owner_id with newline", mutate: func(r *device.ReserveRequest) { r.OwnerID = "a\nb" }, want: []device.FieldError{fe("owner_id", validate.RuleNotPrintable)}},
 		{name: "owner_id with tab", mutate: func(r *device.ReserveRequest) { r.OwnerID = "a\tb" }, want: []device.FieldError{fe("owner_id", validate.RuleNotPrintable)}},
 		{name: "owner_id not ASCII is fine", mutate: func(r *device.ReserveRequest) { r.OwnerID = "job-é" }},
+		{name: "owner_id inner spaces are fine", mutate: func(r *device.ReserveRequest) { r.OwnerID = "k8s/ns/my pod" }},
+		{name: "owner_id only spaces", mutate: func(r *device.ReserveRequest) { r.OwnerID = "   " }, want: []device.FieldError{fe("owner_id", validate.RuleSpaces, "only spaces")}},
+		{name: "owner_id leading space", mutate: func(r *device.ReserveRequest) { r.OwnerID = " job-lead" }, want: []device.FieldError{fe("owner_id", validate.RuleSpaces)}},
+		{name: "owner_id trailing space", mutate: func(r *device.ReserveRequest) { r.OwnerID = "job-lead " }, want: []device.FieldError{fe("owner_id", validate.RuleSpaces)}},
+		{name: "owner_id no-break space", mutate: func(r *device.ReserveRequest) { r.OwnerID = "\u00a0job" }, want: []device.FieldError{fe("owner_id", validate.RuleNotPrintable)}},
 		{name: "vendor empty", mutate: func(r *device.ReserveRequest) { r.Group.Vendor = "" }, want: []device.FieldError{fe("vendor", validate.RuleEmpty)}},
 		{name: "type empty", mutate: func(r *device.ReserveRequest) { r.Group.Type = "" }, want: []device.FieldError{fe("type", validate.RuleEmpty)}},
 		{name: "name empty", mutate: func(r *device.ReserveRequest) { r.Group.Name = "" }, want: []device.FieldError{fe("name", validate.RuleEmpty)}},
@@ -170,6 +175,16 @@ func TestReleaseRequest(t *testing.T) {
 			name: "both",
 			req:  device.ReleaseRequest{ReservationID: "r-1", OwnerID: "alloc-1"},
 			want: []device.FieldError{fe("reservation_id", validate.RuleExactlyOne, "both are set")},
+		},
+		{
+			name: "owner only spaces",
+			req:  device.ReleaseRequest{OwnerID: "   "},
+			want: []device.FieldError{fe("owner_id", validate.RuleSpaces, "only spaces")},
+		},
+		{
+			name: "owner space-padded",
+			req:  device.ReleaseRequest{OwnerID: " job-lead"},
+			want: []device.FieldError{fe("owner_id", validate.RuleSpaces)},
 		},
 		{
 			name: "owner not printable",

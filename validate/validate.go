@@ -72,13 +72,14 @@ func Reservation(res *pb.ContainerReservation, requested []string) error {
 // "owner_id", "vendor", "type", "name", "device_ids" and "device_ids[i]", and a Rule
 // that starts with one of the Rule constants. owner_id, vendor, type, name and every
 // device ID must be non-empty, at most MaxNameLen bytes, valid UTF-8 and printable;
+// owner_id must also not be blank or start or end with a space (RuleSpaces);
 // device_ids must hold 1 to MaxDevicesPerGroup IDs, none repeated.
 func ReserveRequest(req device.ReserveRequest) error { return reserveRequest(req) }
 
 // ReleaseRequest checks a host API Release request; violations are *device.FieldError.
 // Exactly one of reservation_id and owner_id must be set (RuleExactlyOne, reported on
 // "reservation_id"); the one set must be at most MaxNameLen bytes, valid UTF-8 and
-// printable.
+// printable, and an owner_id not blank or space-padded (RuleSpaces).
 func ReleaseRequest(req device.ReleaseRequest) error { return releaseRequest(req) }
 
 // ReservationFilter checks a host API ListReservations filter; violations are

@@ -24,6 +24,7 @@ const (
 	RuleTooMany       Rule = "too many"           // a list or map over its count limit
 	RuleInvalidUTF8   Rule = "not valid UTF-8"    // a string that is not UTF-8
 	RuleNotPrintable  Rule = "not printable"      // an identifier with control or non-printing characters
+	RuleSpaces        Rule = "padded with spaces" // an owner ID that is blank or starts or ends with a space
 	RuleDuplicate     Rule = "duplicate"          // an ID, group or device entry seen before
 	RuleValueUnset    Rule = "value not set"      // a Value with no kind set
 	RuleNotFinite     Rule = "not finite"         // a float that is NaN or ±Inf

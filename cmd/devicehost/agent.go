@@ -103,7 +103,16 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 
 	var banner func(endpoint.Address)
 	if a.dev {
-		dir, err := os.MkdirTemp("", "devicehost-dev-")
+		// A dev agent that was killed could not remove its directory: remove those
+		// whose agent is provably gone, then make ours.
+		removed, err := cleanDeadDevDirs(os.TempDir())
+		for _, d := range removed {
+			log.Info("dev mode: removed the temporary directory of a dev agent that is no longer running", "path", d)
+		}
+		if err != nil {
+			log.Warn("dev mode: could not clean up after dead dev agents", "error", err)
+		}
+		dir, release, err := makeDevDir(os.TempDir())
 		if err != nil {
 			return fmt.Errorf("dev mode: %w", err)
 		}
@@ -111,6 +120,7 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 			if err := os.RemoveAll(dir); err != nil {
 				log.Warn("dev mode: could not remove the temporary directory", "path", dir, "error", err)
 			}
+			release()
 		}()
 		devConfig(&cfg, a.set, dir)
 		banner = func(addr endpoint.Address) { printDevBanner(env.stdout, addr, cfg.StateDir, dir) }
@@ -122,11 +132,11 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 // bundled nvidia-example plugin simulating a DGX H100. Flags given explicitly win.
 func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
 	if !set["listen"] {
-		cfg.Listen = "unix://" + filepath.Join(dir, "devicehost.sock")
+		cfg.Listen = "unix://" + filepath.Join(dir, devSocketName)
 		cfg.TLS = endpoint.TLS{} // a config file's tcp settings do not apply to the socket
 	}
 	if !set["state-dir"] {
-		cfg.StateDir = filepath.Join(dir, "state")
+		cfg.StateDir = filepath.Join(dir, devStateName)
 	}
 	if !set["plugin-dir"] {
 		cfg.PluginDir = ""

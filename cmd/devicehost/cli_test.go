@@ -297,14 +297,14 @@ func TestReleaseAndReservations(t *testing.T) {
 	var releases []device.ReleaseRequest
 	var filters []device.ReservationFilter
 	mgr := &devicetest.Fake{
-		ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) ([]string, error) {
+		ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
 			mu.Lock()
 			defer mu.Unlock()
 			releases = append(releases, req)
 			if req.ReservationID == "gone" {
-				return nil, fmt.Errorf("reservation gone: %w", device.ErrNotFound)
+				return device.ReleaseResult{}, fmt.Errorf("reservation gone: %w", device.ErrNotFound)
 			}
-			return []string{"r1"}, nil
+			return device.ReleaseResult{Released: []string{"r2"}, AlreadyReleased: []string{"r1"}}, nil
 		},
 		ReservationsFunc: func(_ context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
 			mu.Lock()
@@ -316,7 +316,7 @@ func TestReleaseAndReservations(t *testing.T) {
 	}
 	addr := startAgent(t, mgr)
 
-	if got, want := mustRunCLI(t, "release", "-address", addr, "-owner", "alloc-1"), "released r1\n"; got != want {
+	if got, want := mustRunCLI(t, "release", "-address", addr, "-owner", "alloc-1"), "released r2\nalready released r1 (nothing done)\n"; got != want {
 		t.Errorf("release output %q, want %q", got, want)
 	}
 	r := runCLI(t, "release", "-address", addr, "-reservation", "gone")
@@ -353,6 +353,10 @@ func TestUsageErrorsExit2(t *testing.T) {
 		{"reservations", "-state", "pending"},
 		{"stats", "-interval", "-1s"},
 		{"devices", "-address", "localhost:80"},
+		{"devices", "-address", "tcp://127.0.0.1:1"},                        // tcp without TLS flags
+		{"plugins", "-address", "tcp://10.0.0.1:1", "-insecure"},            // plaintext off loopback
+		{"reservations", "-address", "unix:///x.sock", "-tls-ca", "ca.pem"}, // TLS on a socket
+		{"stats", "-timeout", "-1s"},
 		{"devices", "extra"},
 		{"frobnicate"},
 		{},
@@ -429,5 +433,194 @@ func TestStatsEndsWhenTheAgentGoesAway(t *testing.T) {
 	r := runCLI(t, "stats", "-address", addr)
 	if r.code != 1 || !strings.Contains(r.stderr, "(Unavailable)") {
 		t.Errorf("exit %d stderr %q, want exit 1 and Unavailable", r.code, r.stderr)
+	}
+}
+
+func TestTablesEscapeCellsThatCouldFakeColumnsOrRows(t *testing.T) {
+	spoof := "job-7  GPU-37c4  healthy  spoof"
+	snap := device.Snapshot{
+		Time: t0,
+		Inventory: device.Inventory{Groups: []device.Group{
+			{GroupKey: h100, Plugin: "nvidia", Devices: []device.DeviceInfo{{ID: "GPU-0"}, {ID: "GPU-1"}, {ID: "GPU-2"}}},
+		}},
+		State: device.State{Devices: map[string]device.DeviceState{
+			"GPU-0": {Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "r1", OwnerID: spoof}},
+			"GPU-1": {Health: device.HealthUnhealthy, Reason: "XID 79\nnvidia/gpu/x  GPU-99  healthy  -  -"},
+			"GPU-2": {Health: device.HealthUnhealthy, Reason: "\x1b[2Jcleared"},
+		}},
+	}
+	mgr := &devicetest.Fake{
+		WatchFunc: watchOnce(snap),
+		ReservationsFunc: func(context.Context, device.ReservationFilter) ([]device.Reservation, error) {
+			return []device.Reservation{
+				{ID: "r1", OwnerID: spoof, Group: h100, DeviceIDs: []string{"GPU-0"}, State: device.ReservationActive},
+				{ID: "r2", OwnerID: "-", Group: h100, DeviceIDs: []string{"GPU-1"}, State: device.ReservationActive},
+			}, nil
+		},
+		StateFunc: func() device.State {
+			return device.State{Plugins: []device.PluginState{{Name: "acme", Version: "1.0", Status: device.PluginFailed,
+				LastError: "boom \x1b]0;owned\x07 done"}}}
+		},
+	}
+	addr := startAgent(t, mgr)
+	tests := []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"devices"}, []string{
+			`GROUP                             DEVICE  HEALTH     REASON                                         HOLDER`,
+			`nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0   healthy    -                                              "job-7  GPU-37c4  healthy  spoof" (r1)`,
+			`nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-1   unhealthy  "XID 79\nnvidia/gpu/x  GPU-99  healthy  -  -"  -`,
+			`nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-2   unhealthy  "\x1b[2Jcleared"                               -`,
+		}},
+		{[]string{"reservations"}, []string{
+			`RESERVATION  OWNER                              GROUP                             DEVICES  STATE   CREATED  RELEASED`,
+			`r1           "job-7  GPU-37c4  healthy  spoof"  nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0    active  -        -`,
+			`r2           "-"                                nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-1    active  -        -`,
+		}},
+		{[]string{"plugins"}, []string{
+			`PLUGIN  VERSION  STATUS  DEVICES  RESTARTS  NEXT RETRY  LAST ERROR`,
+			`acme    1.0      failed  0        0         -           "boom \x1b]0;owned\a done"`,
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.args[0], func(t *testing.T) {
+			got := mustRunCLI(t, append(tt.args, "-address", addr)...)
+			want := strings.Join(tt.want, "\n") + "\n"
+			if got != want {
+				t.Errorf("%s:\ngot\n%s\nwant\n%s", tt.args[0], got, want)
+			}
+		})
+	}
+}
+
+func TestCellQuotesOnlyWhatCouldBeMisread(t *testing.T) {
+	tests := []struct{ in, want string }{
+		{"", "-"},
+		{"NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"},
+		{"k8s/ns/pod/c", "k8s/ns/pod/c"},
+		{"job-é", "job-é"},
+		{"-", `"-"`},
+		{"a  b", `"a  b"`},
+		{" lead", `" lead"`},
+		{"trail ", `"trail "`},
+		{"tab\there", `"tab\there"`},
+		{"new\nline", `"new\nline"`},
+		{"\u00a0nbsp", `"\u00a0nbsp"`},
+		{"bidi\u202eevil", `"bidi\u202eevil"`},
+		{"bad\xffutf8", `"bad\xffutf8"`},
+		{`"quoted"`, `"\"quoted\""`},
+	}
+	for _, tt := range tests {
+		if got := cell(tt.in); got != tt.want {
+			t.Errorf("cell(%q) = %s, want %s", tt.in, got, tt.want)
+		}
+	}
+}
+
+func TestCallErrorsDoNotStutter(t *testing.T) {
+	mgr := &devicetest.Fake{
+		ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
+			// The ledger's own wording for an unknown ID.
+			return device.ReleaseResult{}, fmt.Errorf("release: reservation %q: %w", req.ReservationID, device.ErrNotFound)
+		},
+	}
+	addr := startAgent(t, mgr)
+	r := runCLI(t, "release", "-address", addr, "-reservation", "gone")
+	want := "devicehost: release: reservation \"gone\": not found (NotFound)\n"
+	if r.code != 1 || r.stderr != want {
+		t.Errorf("exit %d stderr %q, want exit 1 and %q", r.code, r.stderr, want)
+	}
+}
+
+func TestStatsFilterMatchingNoGroup(t *testing.T) {
+	// The server filters the agent's stats: a filter that matches nothing gets samples
+	// with no groups at all.
+	mgr := &devicetest.Fake{
+		WatchFunc: watchOnce(twoGroups()),
+		WatchStatsFunc: func(context.Context, time.Duration) <-chan device.StatsSnapshot {
+			ch := make(chan device.StatsSnapshot, 1)
+			ch <- device.StatsSnapshot{Time: t0, Groups: []device.GroupStats{{GroupKey: h100, Plugin: "nvidia"}}}
+			return ch
+		},
+	}
+	addr := startAgent(t, mgr)
+	r := runCLI(t, "stats", "-once", "-vendor", "nope", "-address", addr)
+	if want := "devicehost: stats: no device group matches -vendor \"nope\"; the agent's groups: nvidia/gpu/NVIDIA A100, nvidia/gpu/NVIDIA H100 80GB HBM3\n"; r.stderr != want {
+		t.Errorf("stderr %q, want %q", r.stderr, want)
+	}
+	for _, args := range [][]string{
+		{"stats", "-once", "-vendor", "nope"},
+		{"stats", "-once", "-json", "-vendor", "nope"},
+		{"stats", "-vendor", "nvidia", "-type", "fpga"},
+	} {
+		t.Run(strings.Join(args, " "), func(t *testing.T) {
+			r := runCLI(t, append(args, "-address", addr)...)
+			if r.code != 1 || !strings.HasPrefix(r.stderr, "devicehost: stats: no device group matches -") ||
+				!strings.Contains(r.stderr, "the agent's groups: nvidia/gpu/NVIDIA A100, nvidia/gpu/NVIDIA H100 80GB HBM3") {
+				t.Errorf("exit %d stderr %q stdout %q, want exit 1 saying no group matched and which there are", r.code, r.stderr, r.stdout)
+			}
+		})
+	}
+}
+
+func TestStatsOnceWaitsForAGroupNotSampledYet(t *testing.T) {
+	// The H100 group is in the inventory but its plugin has not been sampled in the first
+	// stats snapshot: -once waits for the next instead of printing an empty table.
+	mgr := &devicetest.Fake{
+		WatchFunc: watchOnce(twoGroups()),
+		WatchStatsFunc: func(context.Context, time.Duration) <-chan device.StatsSnapshot {
+			ch := make(chan device.StatsSnapshot, 2)
+			ch <- device.StatsSnapshot{Time: t0}
+			ch <- device.StatsSnapshot{Time: t0, Groups: []device.GroupStats{{GroupKey: h100, Plugin: "nvidia",
+				Devices: []device.DeviceStats{{ID: "GPU-0", Values: map[string]device.Value{"power": {Kind: device.KindInt, Int: 300, Unit: "W"}}}}}}}
+			return ch
+		},
+	}
+	addr := startAgent(t, mgr)
+	out := mustRunCLI(t, "stats", "-once", "-json", "-name", h100.Name, "-address", addr)
+	var resp pb.StatsResponse
+	if err := protojson.Unmarshal([]byte(out), &resp); err != nil || len(resp.GetGroups()) != 1 {
+		t.Errorf("stats -once -name H100 = %q (%v), want the second sample, with the H100 group", out, err)
+	}
+}
+
+func TestStatsTimeoutEndsTheLiveStream(t *testing.T) {
+	// A sample every 20ms, for as long as the stream is open.
+	mgr := &devicetest.Fake{WatchStatsFunc: func(ctx context.Context, _ time.Duration) <-chan device.StatsSnapshot {
+		ch := make(chan device.StatsSnapshot)
+		go func() {
+			defer close(ch)
+			tick := time.NewTicker(20 * time.Millisecond)
+			defer tick.Stop()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case <-tick.C:
+				}
+				select {
+				case ch <- device.StatsSnapshot{Time: t0, Groups: []device.GroupStats{{GroupKey: h100, Plugin: "nvidia"}}}:
+				case <-ctx.Done():
+					return
+				}
+			}
+		}()
+		return ch
+	}}
+	addr := startAgent(t, mgr)
+	// runCLI's own deadline is 30s: without -timeout honoured, this would run into it
+	// and fail (exit 1, DeadlineExceeded).
+	r := runCLI(t, "stats", "-json", "-timeout", "300ms", "-address", addr)
+	if r.code != 0 || strings.Count(r.stdout, "\n") < 1 {
+		t.Errorf("stats -timeout 300ms: exit %d, %d lines, stderr %q; want exit 0 after some samples", r.code, strings.Count(r.stdout, "\n"), r.stderr)
+	}
+
+	silent := startAgent(t, &devicetest.Fake{WatchStatsFunc: func(context.Context, time.Duration) <-chan device.StatsSnapshot {
+		return make(chan device.StatsSnapshot) // never a sample
+	}})
+	r = runCLI(t, "stats", "-timeout", "200ms", "-address", silent)
+	if r.code != 1 || !strings.Contains(r.stderr, "no sample within -timeout 200ms") {
+		t.Errorf("stats -timeout with no sample: exit %d stderr %q, want exit 1 saying so", r.code, r.stderr)
 	}
 }

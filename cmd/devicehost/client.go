@@ -2,17 +2,15 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"strings"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
-	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/server/endpoint"
 )
 
@@ -37,79 +35,65 @@ type clientFlags struct {
 }
 
 // newClientFlagSet is newFlagSet with the flags every client subcommand has,
-// registered into the returned clientFlags.
+// registered into the returned clientFlags; -timeout is the deadline of the request.
 func newClientFlagSet(env *cmdEnv, name, usage string) (*flag.FlagSet, *clientFlags) {
 	fs := newFlagSet(env, name, usage)
 	var cf clientFlags
 	cf.register(fs, env)
+	fs.DurationVar(&cf.timeout, "timeout", 30*time.Second, "deadline for the request")
 	return fs, &cf
 }
 
+// register adds -address and the TLS flags (not -timeout, whose meaning differs).
 func (c *clientFlags) register(fs *flag.FlagSet, env *cmdEnv) {
 	def := endpoint.DefaultAddress
 	if v := env.getenv(addressEnv); v != "" {
 		def = v
 	}
 	fs.StringVar(&c.address, "address", def, "agent `address`: unix:///path.sock or tcp://host:port (default from $"+addressEnv+" when set)")
-	fs.DurationVar(&c.timeout, "timeout", 30*time.Second, "deadline for a request")
 	registerTLSFlags(fs, &c.tls, "client certificate", "client key", "CA that the agent's certificate must chain to")
 }
 
-// agentClient is a connection to a running agent.
-type agentClient struct {
-	pb.DeviceHostClient
-	addr endpoint.Address
-	conn *grpc.ClientConn
-}
-
-func (c *agentClient) Close() error { return c.conn.Close() }
-
-// connect dials the agent and checks that it answers, so that an agent that is not
-// running gives one clear error at once rather than a failed call later.
-func (c *clientFlags) connect(ctx context.Context) (*agentClient, error) {
-	addr, err := endpoint.Parse(c.address)
-	if err != nil {
-		return nil, usageError{err.Error()}
-	}
-	conn, err := endpoint.Dial(addr, c.tls)
-	if err != nil {
-		return nil, err
-	}
+// connect dials the agent and checks, within reachTimeout, that it answers, so that an
+// agent that is not running gives one clear error at once rather than a failed call
+// later. An address or TLS flags the transport policy refuses are a usage error.
+func (c *clientFlags) connect(ctx context.Context) (*client.Client, error) {
 	rctx, cancel := context.WithTimeout(ctx, reachTimeout)
 	defer cancel()
-	// Not WaitForReady: a refused or missing socket fails the call at once.
-	_, err = healthpb.NewHealthClient(conn).Check(rctx, &healthpb.HealthCheckRequest{})
-	switch status.Code(err) {
-	case codes.OK, codes.Unimplemented, codes.NotFound:
-		// Reached: something answered (a server without health, or one that does not
-		// know the overall service, still answers).
-	default:
-		conn.Close()
-		return nil, fmt.Errorf("cannot reach agent at %s: %s", addr, oneLine(status.Convert(err).Message()))
+	cl, err := client.Dial(rctx, c.address, client.WithTLS(c.tls))
+	var ce *endpoint.ConfigError
+	if errors.As(err, &ce) {
+		return nil, usageError{err.Error()}
 	}
-	return &agentClient{DeviceHostClient: pb.NewDeviceHostClient(conn), addr: addr, conn: conn}, nil
+	return cl, err
 }
 
 // dial is connect under a context that ends after -timeout, for a subcommand that
 // makes one request: it returns that context for the calls, and done, which the caller
 // must call to close the connection and end the context. On error nothing is left open.
-func (c *clientFlags) dial(ctx context.Context) (_ context.Context, _ *agentClient, done func(), _ error) {
+func (c *clientFlags) dial(ctx context.Context) (_ context.Context, _ *client.Client, done func(), _ error) {
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
-	ac, err := c.connect(ctx)
+	cl, err := c.connect(ctx)
 	if err != nil {
 		cancel()
 		return nil, nil, nil, err
 	}
-	return ctx, ac, func() {
-		ac.Close()
+	return ctx, cl, func() {
+		cl.Close()
 		cancel()
 	}, nil
 }
 
-// callError renders a failed call as "what: message (Code)".
+// callError renders a failed call as "what: message (Code)" on one line. A message
+// that already starts with "what: " (the agent named the operation itself) is not
+// prefixed again.
 func callError(what string, err error) error {
 	st := status.Convert(err)
-	return fmt.Errorf("%s: %s (%s)", what, oneLine(st.Message()), st.Code())
+	msg := oneLine(st.Message())
+	for strings.HasPrefix(msg, what+": ") {
+		msg = strings.TrimPrefix(msg, what+": ")
+	}
+	return fmt.Errorf("%s: %s (%s)", what, msg, st.Code())
 }
 
 func oneLine(s string) string {

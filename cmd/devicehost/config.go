@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/hcl/v2"
@@ -17,6 +18,7 @@ import (
 	"github.com/zclconf/go-cty/cty"
 	"github.com/zclconf/go-cty/cty/convert"
 
+	"github.com/devicehost/devicehost/manager"
 	"github.com/devicehost/devicehost/server/endpoint"
 )
 
@@ -26,6 +28,17 @@ const (
 	defaultPluginDir = "/opt/devicehost/plugins"
 	defaultStateDir  = "/var/lib/devicehost"
 	defaultLogLevel  = "info"
+)
+
+// The least a duration in the config file may be (other than "0s", the default): below
+// these the agent cannot do its job (a plugin cannot start or answer in time, the
+// manager would sample faster than it allows), so such a value stops the agent at
+// load, with the file and line, rather than being raised with a warning.
+const (
+	minStatsInterval  = manager.MinStatsInterval // 100ms
+	minReserveTimeout = 100 * time.Millisecond
+	minStartTimeout   = time.Second
+	minGCInterval     = time.Second
 )
 
 // agentConfig is the agent's configuration: defaults, then the config file, then flags.
@@ -137,11 +150,11 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 	d.str(fs.StateDir, &cfg.StateDir)
 	d.logLevel(fs.LogLevel, &cfg.LogLevel)
 	d.boolean(fs.LogJSON, &cfg.LogJSON)
-	d.duration(fs.StatsInterval, &cfg.StatsInterval)
-	d.duration(fs.ReserveTimeout, &cfg.ReserveTimeout)
-	d.duration(fs.StartTimeout, &cfg.StartTimeout)
-	d.duration(fs.ReadyTimeout, &cfg.ReadyTimeout)
-	d.duration(fs.GCInterval, &cfg.GCInterval)
+	d.duration(fs.StatsInterval, minStatsInterval, &cfg.StatsInterval)
+	d.duration(fs.ReserveTimeout, minReserveTimeout, &cfg.ReserveTimeout)
+	d.duration(fs.StartTimeout, minStartTimeout, &cfg.StartTimeout)
+	d.duration(fs.ReadyTimeout, 0, &cfg.ReadyTimeout)
+	d.duration(fs.GCInterval, minGCInterval, &cfg.GCInterval)
 	d.integer(fs.GCMaxReservations, 1, &cfg.GCMaxReservations)
 	d.integer(fs.GCParallelDestroys, 1, &cfg.GCParallelDestroys)
 	d.str(fs.TLSCert, &cfg.TLS.Cert)
@@ -167,7 +180,7 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 		}
 		seen[p.Name] = p.DefRange
 		var ps pluginSettings
-		d.str(p.SHA256, &ps.SHA256)
+		d.sha256(p.SHA256, &ps.SHA256)
 		d.env(p.Env, &ps.Env)
 		d.boolean(p.InheritEnv, &ps.InheritEnv)
 		d.boolean(p.Reattach, &ps.Reattach)
@@ -234,7 +247,9 @@ func (d *decoder) boolean(a *hcl.Attribute, out *bool) {
 	}
 }
 
-func (d *decoder) duration(a *hcl.Attribute, out *time.Duration) {
+// duration decodes a duration of at least min; zero ("0s") is allowed too and means the
+// default.
+func (d *decoder) duration(a *hcl.Attribute, min time.Duration, out *time.Duration) {
 	if a == nil {
 		return
 	}
@@ -248,9 +263,43 @@ func (d *decoder) duration(a *hcl.Attribute, out *time.Duration) {
 		d.fail(a, "Invalid duration", fmt.Sprintf("%q is not a duration; want e.g. \"500ms\", \"1s\" or \"2m\"", v.AsString()))
 	case dur < 0:
 		d.fail(a, "Invalid duration", fmt.Sprintf("%q is negative", v.AsString()))
+	case dur > 0 && dur < min:
+		d.fail(a, "Invalid duration", fmt.Sprintf("%q is below the minimum of %v (or \"0s\" for the default)", v.AsString(), min))
 	default:
 		*out = dur
 	}
+}
+
+// sha256Hex is a SHA-256 pin: 64 hex digits.
+var sha256Hex = regexp.MustCompile(`^[0-9a-fA-F]{64}$`)
+
+// sha256 decodes a plugin's checksum pin: 64 hex digits (sha256sum's output), stored
+// in lower case. Anything else would make every launch of the plugin fail.
+func (d *decoder) sha256(a *hcl.Attribute, out *string) {
+	if a == nil {
+		return
+	}
+	var s string
+	d.str(a, &s)
+	if s == "" {
+		return
+	}
+	if !sha256Hex.MatchString(s) {
+		d.fail(a, "Invalid checksum", fmt.Sprintf("%q is not a SHA-256: want 64 hex digits, as `sha256sum` prints them", truncate(s, 80)))
+		return
+	}
+	*out = strings.ToLower(s)
+}
+
+// truncate cuts s to at most n bytes (on a rune boundary) for a message.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n] + "..."
 }
 
 func (d *decoder) integer(a *hcl.Attribute, min int, out *int) {

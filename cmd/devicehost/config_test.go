@@ -43,7 +43,7 @@ tls_key              = "/etc/dh/key.pem"
 tls_ca               = "/etc/dh/ca.pem"
 
 plugin "nvidia-example" {
-  sha256      = "abc123"
+  sha256      = "9F86D081884C7D659A2FEAA0C55AD015A3BF4F1B2B0B822CD15D6C15B0F00A08"
   env         = ["NVIDIA_DRIVER_ROOT=/run/nvidia", "DEBUG=1"]
   inherit_env = true
   reattach    = true
@@ -77,7 +77,7 @@ plugin "fpga" {}
 		GCParallelDestroys: 4,
 		Plugins: map[string]pluginSettings{
 			"nvidia-example": {
-				SHA256:     "abc123",
+				SHA256:     "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
 				Env:        []string{"NVIDIA_DRIVER_ROOT=/run/nvidia", "DEBUG=1"},
 				InheritEnv: true,
 				Reattach:   true,
@@ -149,6 +149,12 @@ func TestLoadConfigFileErrors(t *testing.T) {
 		{"zero parallel destroys", "gc_parallel_destroys = 0\n", 1, []string{"gc_parallel_destroys", "at least 1"}},
 		{"huge max reservations", "gc_max_reservations = 2147483648\n", 1, []string{"gc_max_reservations", "at most 2147483647"}},
 		{"unknown plugin key", "plugin \"p\" {\n  sha = \"x\"\n}\n", 2, []string{"Unsupported argument", `"sha"`}},
+		{"sha256 not hex", "plugin \"p\" {\n  sha256 = \"xyz\"\n}\n", 2, []string{"sha256", `"xyz" is not a SHA-256: want 64 hex digits`}},
+		{"sha256 one digit short", "\nplugin \"p\" {\n  sha256 = \"" + strings.Repeat("a", 63) + "\"\n}\n", 3, []string{"sha256", "64 hex digits"}},
+		{"stats interval below the minimum", "stats_interval = \"10ms\"\n", 1, []string{"stats_interval", `"10ms" is below the minimum of 100ms`}},
+		{"reserve timeout below the minimum", "reserve_timeout = \"1ms\"\n", 1, []string{"reserve_timeout", "below the minimum of 100ms"}},
+		{"start timeout below the minimum", "start_timeout = \"500ms\"\n", 1, []string{"start_timeout", "below the minimum of 1s"}},
+		{"gc interval below the minimum", "\n\ngc_interval = \"1ns\"\n", 3, []string{"gc_interval", "below the minimum of 1s"}},
 		{"bad env entry", "plugin \"p\" {\n  env = [\"A=1\", \"oops\"]\n}\n", 2, []string{"env", `entry 1 ("oops") is not NAME=value`}},
 		{"duplicate plugin", "plugin \"p\" {}\n\nplugin \"p\" {}\n", 3, []string{"Duplicate plugin block", "line 1"}},
 		{"nested block in plugin config", "plugin \"p\" {\n  config {\n    limits {\n      max = 1\n    }\n  }\n}\n", 3,
@@ -170,6 +176,23 @@ func TestLoadConfigFileErrors(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+func TestConfigZeroDurationsMeanTheDefaults(t *testing.T) {
+	path := writeConfig(t, "devicehost.hcl", `
+stats_interval  = "0s"
+reserve_timeout = "0s"
+start_timeout   = "0s"
+ready_timeout   = "0s"
+gc_interval     = "0s"
+`)
+	cfg := defaultAgentConfig()
+	if err := loadConfigFile(path, &cfg); err != nil {
+		t.Fatalf("loadConfigFile: %v", err)
+	}
+	if !reflect.DeepEqual(cfg, defaultAgentConfig()) {
+		t.Errorf("config = %+v, want the defaults", cfg)
 	}
 }
 

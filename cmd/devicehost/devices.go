@@ -9,22 +9,6 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
-// firstFingerprint returns the agent's current inventory: the first message of a
-// Fingerprint stream.
-func firstFingerprint(ctx context.Context, c *agentClient) (*pb.FingerprintResponse, error) {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	stream, err := c.Fingerprint(ctx, &pb.FingerprintRequest{})
-	if err != nil {
-		return nil, callError("fingerprint", err)
-	}
-	fp, err := stream.Recv()
-	if err != nil {
-		return nil, callError("fingerprint", err)
-	}
-	return fp, nil
-}
-
 // runDevices is `devicehost devices`.
 func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
 	fs, cf := newClientFlagSet(env, "devices", "[-json] [-address ADDR]\n\nLists every device with its group, health and holder.")
@@ -37,9 +21,9 @@ func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
 		return err
 	}
 	defer done()
-	fp, err := firstFingerprint(ctx, c)
+	fp, err := c.Devices(ctx)
 	if err != nil {
-		return err
+		return callError("fingerprint", err)
 	}
 	if *asJSON {
 		return printJSON(env.stdout, fp)
@@ -47,12 +31,12 @@ func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
 	t := newTable(env.stdout, "GROUP", "DEVICE", "HEALTH", "REASON", "HOLDER")
 	for _, g := range fp.GetGroups() {
 		for _, d := range g.GetDevices() {
-			holder := ""
+			holder := cell("")
 			if h := d.GetHolder(); h != nil {
-				holder = fmt.Sprintf("%s (%s)", h.GetOwnerId(), h.GetReservationId())
+				holder = fmt.Sprintf("%s (%s)", cell(h.GetOwnerId()), cell(h.GetReservationId()))
 			}
-			t.row(groupName(g.GetVendor(), g.GetType(), g.GetName()), d.GetId(),
-				healthName(d.GetHealth()), d.GetHealthReason(), holder)
+			t.rowEscaped(cell(groupName(g.GetVendor(), g.GetType(), g.GetName())), cell(d.GetId()),
+				cell(healthName(d.GetHealth())), cell(d.GetHealthReason()), holder)
 		}
 	}
 	return t.flush()

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -20,7 +21,9 @@ import (
 
 	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/protobuf/proto"
 
+	dhclient "github.com/devicehost/devicehost/client"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/endpoint"
@@ -156,6 +159,15 @@ func tempDir(t *testing.T, prefix string) string {
 // signal, unless kept for reattach) and, if the test failed, logs the agent's output.
 func startAgentProcess(t *testing.T, addr endpoint.Address, args ...string) *agentProcess {
 	t.Helper()
+	// A SIGKILLed -dev agent cannot remove its temporary directory: give it a TMPDIR the
+	// test removes. Not t.TempDir: its long name would push the socket path past the
+	// 108-byte limit of a Unix socket name.
+	return startAgentProcessIn(t, tempDir(t, "dh-e2e"), addr, args...)
+}
+
+// startAgentProcessIn is startAgentProcess with TMPDIR set to tmp.
+func startAgentProcessIn(t *testing.T, tmp string, addr endpoint.Address, args ...string) *agentProcess {
+	t.Helper()
 	bin := devicehostBinary(t)
 	a := &agentProcess{
 		addr:   addr,
@@ -165,14 +177,6 @@ func startAgentProcess(t *testing.T, addr endpoint.Address, args ...string) *age
 	}
 	a.cmd = exec.Command(bin, args...)
 	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	// A SIGKILLed -dev agent cannot remove its temporary directory: give it a TMPDIR the
-	// test removes. Not t.TempDir: its long name would push the socket path past the
-	// 108-byte limit of a Unix socket name.
-	tmp, err := os.MkdirTemp("", "dh-e2e")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(tmp) })
 	a.cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
 	outPipe, err := a.cmd.StdoutPipe()
 	if err != nil {
@@ -360,6 +364,37 @@ func TestEndToEndDevAgent(t *testing.T) {
 		if !strings.Contains(visible, id) {
 			t.Errorf("NVIDIA_VISIBLE_DEVICES = %q, does not name %s", visible, id)
 		}
+	}
+
+	// Another owner asking for one of them learns who holds it: the holder travels typed
+	// from the ledger through the manager and the server to the client.
+	cl, err := dhclient.Dial(ctx, agent.addr.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	_, err = cl.Reserve(ctx, &pb.ReserveRequest{
+		OwnerId: "e2e-other", Vendor: g.GetVendor(), Type: g.GetType(), Name: g.GetName(), DeviceIds: gpus[:1],
+	})
+	held, ok := dhclient.IsHeld(err)
+	wantHeld := &pb.DeviceHeld{OwnerId: "e2e-other", Conflicts: []*pb.DeviceConflict{{
+		ReservationId: res.GetReservationId(), OwnerId: "e2e-alloc", DeviceIds: gpus[:1], HeldDeviceIds: slices.Sorted(slices.Values(gpus[:2])),
+	}}}
+	if !ok || !proto.Equal(held, wantHeld) {
+		t.Errorf("Reserve of a held GPU: IsHeld = %v, %v (err %v); want %v", held, ok, err, wantHeld)
+	}
+
+	// Released twice: the second time says it was released already.
+	address := agent.addr.String()
+	if got, want := mustRunCLI(t, "release", "-address", address, "-owner", "e2e-alloc"), "released "+res.GetReservationId()+"\n"; got != want {
+		t.Errorf("first release: %q, want %q", got, want)
+	}
+	if got, want := mustRunCLI(t, "release", "-address", address, "-owner", "e2e-alloc"), "already released "+res.GetReservationId()+" (nothing done)\n"; got != want {
+		t.Errorf("second release: %q, want %q", got, want)
+	}
+	if r := runCLI(t, "release", "-address", address, "-reservation", "res-nope"); r.code != 1 ||
+		r.stderr != "devicehost: release: reservation \"res-nope\": not found (NotFound)\n" {
+		t.Errorf("release of an unknown ID: exit %d stderr %q, want one release: prefix and NotFound", r.code, r.stderr)
 	}
 
 	// Stats: values for all 8.

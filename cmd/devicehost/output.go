@@ -8,6 +8,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
@@ -16,7 +18,9 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
-// table writes aligned columns; rows are tab-separated.
+// table writes aligned columns, separated by at least two spaces. Every cell goes
+// through cell, so no value (an owner ID, a health reason, a plugin's error) can make
+// a row look like more columns or more rows than it is.
 type table struct {
 	tw *tabwriter.Writer
 }
@@ -27,13 +31,34 @@ func newTable(w io.Writer, header ...string) *table {
 	return t
 }
 
+// row adds a row of raw values, each escaped with cell.
 func (t *table) row(cols ...string) {
+	out := make([]string, len(cols))
 	for i, c := range cols {
-		if c == "" {
-			cols[i] = "-"
-		}
+		out[i] = cell(c)
 	}
+	t.rowEscaped(out...)
+}
+
+// rowEscaped adds a row whose cells are already escaped (built from cell's results).
+func (t *table) rowEscaped(cols ...string) {
 	fmt.Fprintln(t.tw, strings.Join(cols, "\t"))
+}
+
+// cell renders a value for a table cell: "-" for an empty one, and Go-quoted (with
+// escapes such as \n, \t, \x1b, \u00a0) when it could be misread: a run of spaces or a
+// leading or trailing space (columns are two spaces apart), a character that is not
+// printable (a newline would start a fake row; a terminal escape could rewrite the
+// screen), invalid UTF-8, a leading quote, or the text "-" itself.
+func cell(s string) string {
+	if s == "" {
+		return "-"
+	}
+	if s == "-" || strings.Contains(s, "  ") || s[0] == ' ' || s[0] == '"' || s[len(s)-1] == ' ' || !utf8.ValidString(s) ||
+		strings.IndexFunc(s, func(r rune) bool { return !unicode.IsPrint(r) }) >= 0 {
+		return strconv.Quote(s)
+	}
+	return s
 }
 
 func (t *table) flush() error { return t.tw.Flush() }

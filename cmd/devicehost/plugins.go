@@ -19,15 +19,15 @@ func runPlugins(ctx context.Context, env *cmdEnv, args []string) error {
 		return err
 	}
 	defer done()
-	resp, err := c.ListPlugins(ctx, &pb.ListPluginsRequest{})
+	plugins, err := c.Plugins(ctx)
 	if err != nil {
 		return callError("list plugins", err)
 	}
 	if *asJSON {
-		return printJSON(env.stdout, resp)
+		return printJSON(env.stdout, &pb.ListPluginsResponse{Plugins: plugins})
 	}
 	t := newTable(env.stdout, "PLUGIN", "VERSION", "STATUS", "DEVICES", "RESTARTS", "NEXT RETRY", "LAST ERROR")
-	for _, p := range resp.GetPlugins() {
+	for _, p := range plugins {
 		lastErr := p.GetLastError()
 		if lastErr != "" && p.GetLastErrorAt() != nil {
 			lastErr = formatTime(p.GetLastErrorAt()) + ": " + lastErr

@@ -57,9 +57,9 @@ func runReserve(ctx context.Context, env *cmdEnv, args []string) error {
 
 	req := &pb.ReserveRequest{OwnerId: *owner, Vendor: *vendor, Type: *typ, Name: *name, DeviceIds: devices}
 	if *vendor == "" || *typ == "" || *name == "" {
-		fp, err := firstFingerprint(ctx, c)
+		fp, err := c.Devices(ctx)
 		if err != nil {
-			return err
+			return callError("fingerprint", err)
 		}
 		g, err := inferGroup(fp, devices, *vendor, *typ, *name)
 		if err != nil {
@@ -139,12 +139,15 @@ func runRelease(ctx context.Context, env *cmdEnv, args []string) error {
 	if *asJSON {
 		return printJSON(env.stdout, resp)
 	}
-	if len(resp.GetReleasedReservationIds()) == 0 {
+	if len(resp.GetReleasedReservationIds()) == 0 && len(resp.GetAlreadyReleasedReservationIds()) == 0 {
 		fmt.Fprintln(env.stdout, "nothing released: the owner has no reservations")
 		return nil
 	}
 	for _, id := range resp.GetReleasedReservationIds() {
 		fmt.Fprintf(env.stdout, "released %s\n", id)
+	}
+	for _, id := range resp.GetAlreadyReleasedReservationIds() {
+		fmt.Fprintf(env.stdout, "already released %s (nothing done)\n", id)
 	}
 	return nil
 }
@@ -175,15 +178,15 @@ func runReservations(ctx context.Context, env *cmdEnv, args []string) error {
 		return err
 	}
 	defer done()
-	resp, err := c.ListReservations(ctx, &pb.ListReservationsRequest{OwnerId: *owner, DeviceId: *dev, State: st})
+	rs, err := c.Reservations(ctx, &pb.ListReservationsRequest{OwnerId: *owner, DeviceId: *dev, State: st})
 	if err != nil {
 		return callError("list reservations", err)
 	}
 	if *asJSON {
-		return printJSON(env.stdout, resp)
+		return printJSON(env.stdout, &pb.ListReservationsResponse{Reservations: rs})
 	}
 	t := newTable(env.stdout, "RESERVATION", "OWNER", "GROUP", "DEVICES", "STATE", "CREATED", "RELEASED")
-	for _, r := range resp.GetReservations() {
+	for _, r := range rs {
 		stateText := reservationStateName(r.GetState())
 		if r.GetCleanupPending() {
 			stateText += " (cleanup pending)"

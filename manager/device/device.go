@@ -42,13 +42,15 @@ type Manager interface {
 	WatchStats(ctx context.Context, interval time.Duration) <-chan StatsSnapshot
 	// Reserve reserves devices of one group for an owner and returns the reservation,
 	// durable before it returns. Errors wrap ErrInvalidRequest, ErrUnknownDevice,
-	// ErrUnhealthyDevice, ErrDeviceHeld, ErrPluginUnavailable or ErrPluginResponse.
+	// ErrUnhealthyDevice, ErrDeviceHeld, ErrPluginUnavailable or ErrPluginResponse; a
+	// held device is a *HeldError naming the holders.
 	Reserve(ctx context.Context, req ReserveRequest) (Reservation, error)
-	// Release ends the reservations named by req and returns the IDs of all of them,
-	// each now released. It is idempotent: releasing an already released reservation is
-	// not an error, returns its ID again and keeps its first release time. An unknown
-	// reservation ID wraps ErrNotFound; an owner with no reservations gives no IDs.
-	Release(ctx context.Context, req ReleaseRequest) ([]string, error)
+	// Release ends the reservations named by req, durably before it returns, and says
+	// which of them this call released and which were released already. It is
+	// idempotent: releasing an already released reservation is not an error, lists it
+	// in AlreadyReleased and keeps its first release time. An unknown reservation ID
+	// wraps ErrNotFound; an owner with no reservations gives an empty result.
+	Release(ctx context.Context, req ReleaseRequest) (ReleaseResult, error)
 	// Reservations lists the ledger's reservations that match f.
 	Reservations(ctx context.Context, f ReservationFilter) ([]Reservation, error)
 	// Ready is closed once every configured plugin has fingerprinted, failed, or
@@ -298,6 +300,13 @@ type Reservation struct {
 type ReleaseRequest struct {
 	ReservationID string
 	OwnerID       string
+}
+
+// ReleaseResult is what a Release did with the reservations its request named. Every
+// named reservation is in exactly one of the two lists, each oldest first.
+type ReleaseResult struct {
+	Released        []string // IDs of the reservations this call released
+	AlreadyReleased []string // IDs of those that were released before it
 }
 
 // ReservationFilter selects reservations; zero fields match anything.

@@ -3,6 +3,7 @@ package device
 import (
 	"errors"
 	"fmt"
+	"strings"
 )
 
 // Sentinel errors. A Manager wraps them with the details (device IDs, holder, plugin,
@@ -42,3 +43,46 @@ func (e *FieldError) Error() string {
 
 // Is makes errors.Is(err, ErrInvalidRequest) true for any *FieldError.
 func (e *FieldError) Is(target error) bool { return target == ErrInvalidRequest }
+
+// HeldError says which live reservations, or Reserves still in flight, hold devices a
+// Reserve asked for: a device held by another owner, or a request that overlaps a
+// reservation of its own owner without asking for exactly its devices. It matches
+// ErrDeviceHeld under errors.Is, so callers that need the holders use errors.As and
+// never parse the message.
+type HeldError struct {
+	OwnerID   string     // the requesting owner
+	Conflicts []Conflict // sorted by reservation ID
+}
+
+// Conflict is one holder a request collides with.
+type Conflict struct {
+	// Holder is the live reservation holding the devices. Its ReservationID is empty
+	// while a Reserve for Holder.OwnerID is still in flight (not yet a reservation).
+	Holder  Holder
+	Overlap []string // the requested devices it holds, sorted
+	Held    []string // every device it holds (or is being reserved), sorted
+}
+
+// Error names each holder and the devices in question, e.g. `owner "a": GPU-1 held by
+// reservation res-0f.. of owner "b": device held`.
+func (e *HeldError) Error() string {
+	parts := make([]string, 0, len(e.Conflicts))
+	for _, c := range e.Conflicts {
+		switch {
+		case c.Holder.ReservationID == "":
+			parts = append(parts, fmt.Sprintf("%s being reserved for owner %q",
+				strings.Join(c.Overlap, ", "), c.Holder.OwnerID))
+		case c.Holder.OwnerID != e.OwnerID:
+			parts = append(parts, fmt.Sprintf("%s held by reservation %s of owner %q",
+				strings.Join(c.Overlap, ", "), c.Holder.ReservationID, c.Holder.OwnerID))
+		default:
+			parts = append(parts, fmt.Sprintf("%s overlap reservation %s of the same owner, which holds %s "+
+				"(a retry must ask for exactly the devices reserved, or release them first)",
+				strings.Join(c.Overlap, ", "), c.Holder.ReservationID, strings.Join(c.Held, ", ")))
+		}
+	}
+	return fmt.Sprintf("owner %q: %s: %v", e.OwnerID, strings.Join(parts, "; "), ErrDeviceHeld)
+}
+
+// Unwrap returns ErrDeviceHeld.
+func (e *HeldError) Unwrap() error { return ErrDeviceHeld }

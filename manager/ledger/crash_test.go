@@ -54,7 +54,7 @@ func TestHelperProcess(t *testing.T) {
 				}
 				ack("reserved %s %s", r.ID, dev)
 				if i%3 == 2 {
-					if _, err := l.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}, time.Time{}); err != nil {
+					if _, _, err := l.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}, time.Time{}); err != nil {
 						fmt.Fprintln(os.Stderr, err)
 						os.Exit(4)
 					}

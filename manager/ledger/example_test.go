@@ -48,7 +48,7 @@ func Example() {
 	fmt.Println(l.Holders()["GPU-a"])
 
 	// Release: the devices are free at once, the plugin cleanup is owed.
-	released, _ := l.Release(ctx, device.ReleaseRequest{OwnerID: "alloc-1"}, time.Time{})
+	released, _, _ := l.Release(ctx, device.ReleaseRequest{OwnerID: "alloc-1"}, time.Time{})
 	fmt.Println(len(released), released[0].State, released[0].CleanupPending)
 
 	// The GC does the cleanup (and, past MaxReservations or on Interval, deletes).

@@ -88,9 +88,9 @@ func reserve(t *testing.T, l *Ledger, owner string, devs ...string) device.Reser
 
 func release(t *testing.T, l *Ledger, id string, at time.Time) device.Reservation {
 	t.Helper()
-	rs, err := l.Release(context.Background(), device.ReleaseRequest{ReservationID: id}, at)
-	if err != nil || len(rs) != 1 {
-		t.Fatalf("Release(%s) = %v, %v; want one reservation", id, rs, err)
+	rs, already, err := l.Release(context.Background(), device.ReleaseRequest{ReservationID: id}, at)
+	if err != nil || len(rs) != 1 || len(already) != 0 {
+		t.Fatalf("Release(%s) = %v, %v, %v; want one reservation released now", id, rs, already, err)
 	}
 	return rs[0]
 }

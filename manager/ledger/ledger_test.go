@@ -413,7 +413,7 @@ func TestClosedLedgerRefusesWrites(t *testing.T) {
 	ctx := context.Background()
 	checks := map[string]error{}
 	_, _, checks["Reserve"] = l.Reserve(ctx, res("b", "GPU-2"))
-	_, checks["Release"] = l.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}, time.Time{})
+	_, _, checks["Release"] = l.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}, time.Time{})
 	checks["SaveReattach"] = l.SaveReattach(ctx, "p", nil)
 	_, _, checks["LoadReattach"] = l.LoadReattach("p")
 	for name, err := range checks {
@@ -502,7 +502,7 @@ func TestLoadReattachNamesCorruptData(t *testing.T) {
 type reservationStore interface {
 	Check(ownerID string, deviceIDs []string) (*device.Reservation, error)
 	Commit(ctx context.Context, r device.Reservation) (device.Reservation, error)
-	Release(ctx context.Context, req device.ReleaseRequest, at time.Time) ([]device.Reservation, error)
+	Release(ctx context.Context, req device.ReleaseRequest, at time.Time) (released, already []device.Reservation, err error)
 	CleanupDone(ctx context.Context, reservationID string) error
 	List(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)
 	Holders() map[string]device.Holder

@@ -12,21 +12,23 @@ import (
 
 // Release ends the live reservations req names, durably before it returns: each is
 // marked released at now (the ledger's clock when now is zero) with its plugin cleanup
-// pending, and its devices are free for others at once. It returns every reservation
-// req names, oldest first, in its state after the call: one released earlier keeps its
-// first release time and is not released twice.
+// pending, and its devices are free for others at once. It returns, in their state after
+// the call and oldest first, the reservations this call released and, apart, those req
+// named that were released before: those keep their first release time and are not
+// released twice.
 //
 // req names either one reservation (an unknown ID wraps device.ErrNotFound) or every
-// reservation of one owner (an owner with none is not an error: the result is empty).
+// reservation of one owner (an owner with none is not an error: both results are empty).
 // Setting both fields or neither is a *device.FieldError.
-func (l *Ledger) Release(ctx context.Context, req device.ReleaseRequest, now time.Time) ([]device.Reservation, error) {
+func (l *Ledger) Release(ctx context.Context, req device.ReleaseRequest, now time.Time) (released, already []device.Reservation, err error) {
 	if (req.ReservationID == "") == (req.OwnerID == "") {
-		return nil, &device.FieldError{Field: "reservation_id", Rule: "set exactly one of reservation_id and owner_id"}
+		return nil, nil, &device.FieldError{Field: "reservation_id", Rule: "set exactly one of reservation_id and owner_id"}
 	}
 	if now.IsZero() {
 		now = l.now()
 	}
 	now = normTime(now)
+	type result struct{ released, already []*device.Reservation }
 	val, err := l.submit(ctx, func(w *txn) (any, error) {
 		var ids []string
 		if req.ReservationID != "" {
@@ -37,30 +39,39 @@ func (l *Ledger) Release(ctx context.Context, req device.ReleaseRequest, now tim
 		} else {
 			ids = w.ov.ownerIDs(req.OwnerID)
 		}
-		out := make([]*device.Reservation, 0, len(ids))
+		var out result
 		for _, id := range ids {
 			r := w.get(id)
-			if r.State == device.ReservationActive {
-				nr := *r // shares r's immutable slices and maps
-				nr.State, nr.ReleasedAt, nr.CleanupPending = device.ReservationReleased, now, true
-				if err := w.putReservation(&nr); err != nil {
-					return nil, err
-				}
-				r = &nr
+			if r.State != device.ReservationActive {
+				out.already = append(out.already, r)
+				continue
 			}
-			out = append(out, r)
+			nr := *r // shares r's immutable slices and maps
+			nr.State, nr.ReleasedAt, nr.CleanupPending = device.ReservationReleased, now, true
+			if err := w.putReservation(&nr); err != nil {
+				return nil, err
+			}
+			out.released = append(out.released, &nr)
 		}
 		return out, nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("release: %w", err)
+		return nil, nil, fmt.Errorf("release: %w", err)
 	}
-	rs := val.([]*device.Reservation)
+	res := val.(result)
+	return cloneAll(res.released), cloneAll(res.already), nil
+}
+
+// cloneAll deep-copies rs for a caller; nil stays nil.
+func cloneAll(rs []*device.Reservation) []device.Reservation {
+	if rs == nil {
+		return nil
+	}
 	out := make([]device.Reservation, len(rs))
 	for i, r := range rs {
 		out[i] = clone(r)
 	}
-	return out, nil
+	return out
 }
 
 // CleanupDone records, durably, that the plugin has cleaned up after the released

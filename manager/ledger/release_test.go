@@ -56,23 +56,26 @@ func TestRelease(t *testing.T) {
 				}
 			}
 
-			got, err := l.Release(context.Background(), req, t2)
+			gotReleased, gotAlready, err := l.Release(context.Background(), req, t2)
 			if !errors.Is(err, tt.wantErr) || (err == nil) != (tt.wantErr == nil) {
 				t.Fatalf("Release(%+v): err = %v, want %v", req, err, tt.wantErr)
 			}
-			var want []device.Reservation
-			if tt.want != nil {
-				want = []device.Reservation{}
-			}
+			// Those live before the call are released by it (at t2); a0 was released
+			// before and comes back apart, unchanged.
+			var want, wantReleased, wantAlready []device.Reservation
 			for _, k := range tt.want {
 				w := setup[k]
 				if w.State == device.ReservationActive {
 					w.State, w.ReleasedAt, w.CleanupPending = device.ReservationReleased, t2, true
+					wantReleased = append(wantReleased, w)
+				} else {
+					wantAlready = append(wantAlready, w)
 				}
 				want = append(want, w)
 			}
-			if !reflect.DeepEqual(got, want) {
-				t.Errorf("Release(%+v) =\n%+v\nwant\n%+v", req, got, want)
+			if !reflect.DeepEqual(gotReleased, wantReleased) || !reflect.DeepEqual(gotAlready, wantAlready) {
+				t.Errorf("Release(%+v) =\nreleased %+v\nalready  %+v\nwant\nreleased %+v\nalready  %+v",
+					req, gotReleased, gotAlready, wantReleased, wantAlready)
 			}
 
 			// Durable, and the released devices are free.

@@ -25,41 +25,12 @@ func NewID() string {
 	return "res-" + hex.EncodeToString(b[:])
 }
 
+// ConflictError is the contract's device.HeldError: it says which live reservations
+// hold devices a request asked for, and matches device.ErrDeviceHeld under errors.Is.
+type ConflictError = device.HeldError
+
 // Conflict is one live reservation a request collides with.
-type Conflict struct {
-	Holder  device.Holder
-	Overlap []string // the requested devices it holds, sorted
-	Held    []string // every device it holds, sorted
-}
-
-// ConflictError says which live reservations hold devices a request asked for: a
-// device held by another owner, or a request that overlaps a reservation of its own
-// owner without asking for exactly its devices. It matches device.ErrDeviceHeld under
-// errors.Is.
-type ConflictError struct {
-	OwnerID   string     // the requesting owner
-	Conflicts []Conflict // sorted by reservation ID
-}
-
-// Error names each holder and the devices in question, e.g. `owner "a": GPU-1 held by
-// reservation res-0f.. of owner "b": device held`.
-func (e *ConflictError) Error() string {
-	parts := make([]string, 0, len(e.Conflicts))
-	for _, c := range e.Conflicts {
-		if c.Holder.OwnerID != e.OwnerID {
-			parts = append(parts, fmt.Sprintf("%s held by reservation %s of owner %q",
-				strings.Join(c.Overlap, ", "), c.Holder.ReservationID, c.Holder.OwnerID))
-			continue
-		}
-		parts = append(parts, fmt.Sprintf("%s overlap reservation %s of the same owner, which holds %s "+
-			"(a retry must ask for exactly the devices reserved, or release them first)",
-			strings.Join(c.Overlap, ", "), c.Holder.ReservationID, strings.Join(c.Held, ", ")))
-	}
-	return fmt.Sprintf("owner %q: %s: %v", e.OwnerID, strings.Join(parts, "; "), device.ErrDeviceHeld)
-}
-
-// Unwrap returns device.ErrDeviceHeld.
-func (e *ConflictError) Unwrap() error { return device.ErrDeviceHeld }
+type Conflict = device.Conflict
 
 // view is what the conflict rules read: the index, or a batch's overlay on it.
 type view interface {

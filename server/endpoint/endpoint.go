@@ -6,6 +6,13 @@
 //     host is replaced; a live one is never taken over.
 //   - tcp://host:port: mutual TLS (server certificate, client certificates verified
 //     against a CA). Plaintext (Insecure) is allowed on loopback addresses only.
+//
+// Both sides get matching keepalive settings: Dial pings an idle connection that has
+// streams open every ClientKeepalive.Time, so a client notices a dead agent (or network)
+// within Time+Timeout; Listener.ServerOptions lets clients ping that often.
+//
+// A malformed address and TLS settings the policy refuses are a *ConfigError, so a
+// command line can tell a usage mistake from a failure to connect or to read a file.
 package endpoint
 
 import (
@@ -17,12 +24,14 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/keepalive"
 )
 
 // DefaultSocket is the agent's socket path when none is configured.
@@ -37,6 +46,39 @@ const (
 	DirMode    os.FileMode = 0o750
 )
 
+// ClientKeepalive is what Dial sets: with streams open, an idle connection is pinged
+// every Time and given up Timeout after an unanswered ping. A unary-only client sends no
+// pings (nothing waits on the connection).
+var ClientKeepalive = keepalive.ClientParameters{
+	Time:                30 * time.Second,
+	Timeout:             10 * time.Second,
+	PermitWithoutStream: false,
+}
+
+// ServerKeepalivePolicy is the enforcement policy of Listener.ServerOptions: it lets
+// clients ping as often as ClientKeepalive does, with room to spare. A server with gRPC's
+// default policy (5 minutes) would answer ClientKeepalive's pings on an idle stream with
+// GOAWAY "too_many_pings" after a few minutes.
+var ServerKeepalivePolicy = keepalive.EnforcementPolicy{
+	MinTime:             ClientKeepalive.Time / 2,
+	PermitWithoutStream: true,
+}
+
+// ConfigError is an address or transport setting that is wrong in itself: a malformed
+// address, or TLS settings the transport policy refuses. It is a mistake of
+// configuration, unlike a file that cannot be read or a peer that cannot be reached.
+type ConfigError struct{ Err error }
+
+// Error returns the wrapped error's text.
+func (e *ConfigError) Error() string { return e.Err.Error() }
+
+// Unwrap returns the wrapped error.
+func (e *ConfigError) Unwrap() error { return e.Err }
+
+func configErrorf(format string, args ...any) error {
+	return &ConfigError{Err: fmt.Errorf(format, args...)}
+}
+
 // Address is a parsed host API address.
 type Address struct {
 	Network string // "unix" or "tcp"
@@ -45,13 +87,13 @@ type Address struct {
 }
 
 // Parse reads "unix:///path.sock" (a relative path is made absolute) or
-// "tcp://host:port".
+// "tcp://host:port". A malformed address is a *ConfigError.
 func Parse(s string) (Address, error) {
 	switch {
 	case strings.HasPrefix(s, "unix://"):
 		p := strings.TrimPrefix(s, "unix://")
 		if p == "" {
-			return Address{}, fmt.Errorf("address %q: no socket path (want unix:///path.sock)", s)
+			return Address{}, configErrorf("address %q: no socket path (want unix:///path.sock)", s)
 		}
 		abs, err := filepath.Abs(p)
 		if err != nil {
@@ -62,14 +104,14 @@ func Parse(s string) (Address, error) {
 		hp := strings.TrimPrefix(s, "tcp://")
 		host, port, err := net.SplitHostPort(hp)
 		if err != nil {
-			return Address{}, fmt.Errorf("address %q: want tcp://host:port: %w", s, err)
+			return Address{}, configErrorf("address %q: want tcp://host:port: %w", s, err)
 		}
 		if port == "" {
-			return Address{}, fmt.Errorf("address %q: no port (want tcp://host:port)", s)
+			return Address{}, configErrorf("address %q: no port (want tcp://host:port)", s)
 		}
 		return Address{Network: "tcp", Host: net.JoinHostPort(host, port)}, nil
 	default:
-		return Address{}, fmt.Errorf("address %q: want unix:///path.sock or tcp://host:port", s)
+		return Address{}, configErrorf("address %q: want unix:///path.sock or tcp://host:port", s)
 	}
 }
 
@@ -114,25 +156,38 @@ type TLS struct {
 
 func (t TLS) anySet() bool { return t.Cert != "" || t.Key != "" || t.CA != "" }
 
-// config checks the policy for a and loads the TLS files. Nil means plaintext.
-func (t TLS) config(a Address, server bool) (*tls.Config, error) {
+// Check applies the transport policy to t for a without reading any file: TLS settings
+// on a unix address, tcp without mutual TLS or insecure, insecure off loopback, and
+// insecure with TLS files are a *ConfigError.
+func (t TLS) Check(a Address) error {
 	if a.Network == "unix" {
 		if t.anySet() || t.Insecure {
-			return nil, fmt.Errorf("%s: TLS settings and insecure apply to tcp addresses only", a)
+			return configErrorf("%s: TLS settings and insecure apply to tcp addresses only", a)
 		}
-		return nil, nil
+		return nil
 	}
 	if t.Insecure {
 		if t.anySet() {
-			return nil, fmt.Errorf("%s: insecure and TLS files are mutually exclusive", a)
+			return configErrorf("%s: insecure and TLS files are mutually exclusive", a)
 		}
 		if !a.IsLoopback() {
-			return nil, fmt.Errorf("%s: insecure (plaintext) tcp is refused on a non-loopback address; use TLS with a certificate, key and CA", a)
+			return configErrorf("%s: insecure (plaintext) tcp is refused on a non-loopback address; use TLS with a certificate, key and CA", a)
 		}
-		return nil, nil
+		return nil
 	}
 	if t.Cert == "" || t.Key == "" || t.CA == "" {
-		return nil, fmt.Errorf("%s: tcp needs mutual TLS: a certificate, a key and a CA (or insecure, on a loopback address only)", a)
+		return configErrorf("%s: tcp needs mutual TLS: a certificate, a key and a CA (or insecure, on a loopback address only)", a)
+	}
+	return nil
+}
+
+// config checks the policy for a and loads the TLS files. Nil means plaintext.
+func (t TLS) config(a Address, server bool) (*tls.Config, error) {
+	if err := t.Check(a); err != nil {
+		return nil, err
+	}
+	if a.Network == "unix" || t.Insecure {
+		return nil, nil
 	}
 	cert, err := tls.LoadX509KeyPair(t.Cert, t.Key)
 	if err != nil {
@@ -167,28 +222,57 @@ type Listener struct {
 	// Address is where it listens; for tcp port 0, the port chosen.
 	Address Address
 	creds   credentials.TransportCredentials
+
+	closeOnce sync.Once
+	closeErr  error
+	madeDirs  []string // directories Listen created for a unix socket, deepest first
 }
 
-// ServerOptions are the gRPC server options the endpoint needs (TLS credentials for
-// tcp; none otherwise).
+// ServerOptions are the gRPC server options the endpoint needs: the keepalive policy
+// that matches Dial's pings, and TLS credentials for tcp.
 func (l *Listener) ServerOptions() []grpc.ServerOption {
-	if l.creds == nil {
-		return nil
+	opts := []grpc.ServerOption{grpc.KeepaliveEnforcementPolicy(ServerKeepalivePolicy)}
+	if l.creds != nil {
+		opts = append(opts, grpc.Creds(l.creds))
 	}
-	return []grpc.ServerOption{grpc.Creds(l.creds)}
+	return opts
+}
+
+// Close stops listening (gRPC's Serve calls it on stop). For a unix address it removes
+// the socket and then the directories Listen created for it, deepest first, as long as
+// they are empty: a directory something else has put a file in stays. Safe to call more
+// than once.
+func (l *Listener) Close() error {
+	l.closeOnce.Do(func() {
+		l.closeErr = l.Listener.Close()
+		removeDirs(l.madeDirs)
+	})
+	return l.closeErr
+}
+
+// removeDirs removes dirs, deepest first, stopping at the first that cannot be removed
+// (not empty: its parents are not empty either).
+func removeDirs(dirs []string) {
+	for _, d := range dirs {
+		if err := os.Remove(d); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return
+		}
+	}
 }
 
 // Listen opens a for the agent under the transport policy (see the package comment).
-// Closing the listener (gRPC's Serve does on stop) removes a unix socket.
+// Closing the listener (gRPC's Serve does on stop) removes a unix socket, and the
+// directories Listen created for it.
 func Listen(a Address, t TLS) (*Listener, error) {
 	cfg, err := t.config(a, true)
 	if err != nil {
 		return nil, err
 	}
 	var lis net.Listener
+	var made []string
 	switch a.Network {
 	case "unix":
-		lis, err = listenUnix(a.Path)
+		lis, made, err = listenUnix(a.Path)
 	case "tcp":
 		lis, err = net.Listen("tcp", a.Host)
 		if err == nil {
@@ -200,7 +284,7 @@ func Listen(a Address, t TLS) (*Listener, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Listener{Listener: lis, Address: a}
+	l := &Listener{Listener: lis, Address: a, madeDirs: made}
 	if cfg != nil {
 		l.creds = credentials.NewTLS(cfg)
 	}
@@ -208,40 +292,75 @@ func Listen(a Address, t TLS) (*Listener, error) {
 }
 
 // listenUnix binds path, replacing a stale socket but never a live one or a file that is
-// not a socket.
-func listenUnix(path string) (net.Listener, error) {
+// not a socket. It returns the directories it created for path, deepest first; on error
+// it has removed them again.
+func listenUnix(path string) (_ net.Listener, made []string, err error) {
 	dir := filepath.Dir(path)
-	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
-		if err := os.MkdirAll(dir, DirMode); err != nil {
-			return nil, fmt.Errorf("create socket directory: %w", err)
+	made, err = makeDirs(dir)
+	defer func() {
+		if err != nil {
+			removeDirs(made)
+			made = nil
 		}
-		// MkdirAll's mode is reduced by the umask; the directory gets exactly DirMode.
-		if err := os.Chmod(dir, DirMode); err != nil {
-			return nil, fmt.Errorf("create socket directory: %w", err)
-		}
+	}()
+	if err != nil {
+		return nil, made, err
 	}
 	// Binding fails with EADDRINUSE when anything exists at path. The directory lock makes
 	// check-remove-bind one step, so two hosts starting at once cannot both get the socket.
 	unlock, err := lockDir(dir)
 	if err != nil {
-		return nil, err
+		return nil, made, err
 	}
 	defer unlock()
 	lis, err := net.Listen("unix", path)
 	if errors.Is(err, syscall.EADDRINUSE) {
 		if err := removeStale(path); err != nil {
-			return nil, err
+			return nil, made, err
 		}
 		lis, err = net.Listen("unix", path)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("listen on %s: %w", path, err)
+		return nil, made, fmt.Errorf("listen on %s: %w", path, err)
 	}
 	if err := os.Chmod(path, SocketMode); err != nil {
 		lis.Close()
-		return nil, fmt.Errorf("set socket mode: %w", err)
+		return nil, made, fmt.Errorf("set socket mode: %w", err)
 	}
-	return lis, nil
+	return lis, made, nil
+}
+
+// makeDirs creates dir and its missing parents, each mode DirMode exactly, and returns
+// the ones it created, deepest first. A directory another process creates at the same
+// moment is not counted as made here.
+func makeDirs(dir string) ([]string, error) {
+	var missing []string // shallowest last
+	for d := dir; ; d = filepath.Dir(d) {
+		if _, err := os.Stat(d); !errors.Is(err, os.ErrNotExist) {
+			break
+		}
+		missing = append(missing, d)
+		if filepath.Dir(d) == d {
+			break
+		}
+	}
+	var made []string
+	for i := len(missing) - 1; i >= 0; i-- {
+		d := missing[i]
+		err := os.Mkdir(d, DirMode)
+		if errors.Is(err, os.ErrExist) {
+			continue
+		}
+		if err == nil {
+			made = append([]string{d}, made...)
+			// Mkdir's mode is reduced by the umask; the directory gets exactly DirMode.
+			err = os.Chmod(d, DirMode)
+		}
+		if err != nil {
+			return made, fmt.Errorf("create socket directory: %w", err)
+		}
+	}
+	return made, nil
 }
 
 // removeStale removes the socket at path if nothing accepts connections on it.
@@ -267,8 +386,9 @@ func removeStale(path string) error {
 	return nil
 }
 
-// Dial makes a gRPC client for a under the transport policy. Like grpc.NewClient it does
-// not connect; the first call does.
+// Dial makes a gRPC client for a under the transport policy, with ClientKeepalive (opts
+// come after, so they may override it). Like grpc.NewClient it does not connect; the
+// first call does.
 func Dial(a Address, t TLS, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 	cfg, err := t.config(a, false)
 	if err != nil {
@@ -278,7 +398,10 @@ func Dial(a Address, t TLS, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 	if cfg != nil {
 		creds = credentials.NewTLS(cfg)
 	}
-	all := append([]grpc.DialOption{grpc.WithTransportCredentials(creds)}, opts...)
+	all := append([]grpc.DialOption{
+		grpc.WithTransportCredentials(creds),
+		grpc.WithKeepaliveParams(ClientKeepalive),
+	}, opts...)
 	conn, err := grpc.NewClient(a.Target(), all...)
 	if err != nil {
 		return nil, fmt.Errorf("dial %s: %w", a, err)

@@ -389,3 +389,98 @@ func TestListenUnixStaleSocketOneWinner(t *testing.T) {
 		}
 	}
 }
+
+func TestListenUnixRemovesTheDirectoriesItMade(t *testing.T) {
+	base := socketDir(t)
+	deep := filepath.Join(base, "nonexistent-dir", "deep")
+	a := endpoint.Address{Network: "unix", Path: filepath.Join(deep, "x.sock")}
+	l, err := endpoint.Listen(a, endpoint.TLS{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []string{filepath.Join(base, "nonexistent-dir"), deep} {
+		if fi, err := os.Stat(d); err != nil || fi.Mode().Perm() != endpoint.DirMode {
+			t.Errorf("%s: %v, %v; want a directory mode %v", d, fi, err, endpoint.DirMode)
+		}
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(base, "nonexistent-dir")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a directory Listen created is still there after Close: %v", err)
+	}
+	if _, err := os.Stat(base); err != nil {
+		t.Errorf("the directory that was there before Listen is gone: %v", err)
+	}
+}
+
+func TestListenUnixKeepsMadeDirectoriesSomeoneUses(t *testing.T) {
+	base := socketDir(t)
+	top := filepath.Join(base, "a")
+	a := endpoint.Address{Network: "unix", Path: filepath.Join(top, "b", "x.sock")}
+	l, err := endpoint.Listen(a, endpoint.TLS{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Someone else keeps a file beside b: a stays, b (empty) goes.
+	if err := os.WriteFile(filepath.Join(top, "notes"), []byte("mine"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(top, "b")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("empty made directory b still there: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(top, "notes")); err != nil {
+		t.Errorf("another's file was removed: %v", err)
+	}
+}
+
+func TestListenUnixFailureLeavesNoDirectories(t *testing.T) {
+	base := socketDir(t)
+	// A path too long for a socket name: the bind fails after the directories were made.
+	deep := filepath.Join(base, "made", strings.Repeat("d", 100))
+	a := endpoint.Address{Network: "unix", Path: filepath.Join(deep, "x.sock")}
+	if l, err := endpoint.Listen(a, endpoint.TLS{}); err == nil {
+		l.Close()
+		t.Fatal("Listen on a 200-byte socket path succeeded")
+	}
+	if _, err := os.Stat(filepath.Join(base, "made")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("directory made for a failed Listen is still there: %v", err)
+	}
+}
+
+func TestConfigErrors(t *testing.T) {
+	files := writeTestPKI(t)
+	check := func(name string, err error, want bool) {
+		t.Helper()
+		var ce *endpoint.ConfigError
+		if got := errors.As(err, &ce); got != want || err == nil {
+			t.Errorf("%s: %v: ConfigError = %v, want %v", name, err, got, want)
+		}
+	}
+	_, err := endpoint.Parse("localhost:80")
+	check("address without scheme", err, true)
+	_, err = endpoint.Parse("tcp://localhost")
+	check("tcp without port", err, true)
+	tcp, _ := endpoint.Parse("tcp://127.0.0.1:1")
+	_, err = endpoint.Dial(tcp, endpoint.TLS{})
+	check("tcp without TLS flags", err, true)
+	wide, _ := endpoint.Parse("tcp://10.0.0.1:1")
+	_, err = endpoint.Dial(wide, endpoint.TLS{Insecure: true})
+	check("insecure off loopback", err, true)
+	_, err = endpoint.Dial(tcp, endpoint.TLS{Cert: "/nonexistent/cert.pem", Key: files.clientKey, CA: files.ca})
+	check("a certificate file that is missing", err, false)
+}
+
+func TestServerKeepalivePolicyAllowsClientPings(t *testing.T) {
+	// A client pinging more often than the server's MinTime is sent GOAWAY
+	// "too_many_pings"; Dial's pings must stay within Listen's policy.
+	if endpoint.ServerKeepalivePolicy.MinTime > endpoint.ClientKeepalive.Time {
+		t.Errorf("server MinTime %v > client ping interval %v", endpoint.ServerKeepalivePolicy.MinTime, endpoint.ClientKeepalive.Time)
+	}
+	if endpoint.ClientKeepalive.PermitWithoutStream && !endpoint.ServerKeepalivePolicy.PermitWithoutStream {
+		t.Error("clients ping without streams but the server does not permit it")
+	}
+}

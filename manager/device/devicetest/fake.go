@@ -18,7 +18,7 @@ type Fake struct {
 	WatchFunc        func(ctx context.Context) <-chan device.Snapshot
 	WatchStatsFunc   func(ctx context.Context, interval time.Duration) <-chan device.StatsSnapshot
 	ReserveFunc      func(ctx context.Context, req device.ReserveRequest) (device.Reservation, error)
-	ReleaseFunc      func(ctx context.Context, req device.ReleaseRequest) ([]string, error)
+	ReleaseFunc      func(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error)
 	ReservationsFunc func(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)
 	ReadyFunc        func() <-chan struct{}
 	ShutdownFunc     func(ctx context.Context) error
@@ -71,9 +71,9 @@ func (f *Fake) Reserve(ctx context.Context, req device.ReserveRequest) (device.R
 }
 
 // Release calls ReleaseFunc.
-func (f *Fake) Release(ctx context.Context, req device.ReleaseRequest) ([]string, error) {
+func (f *Fake) Release(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
 	if f.ReleaseFunc == nil {
-		return nil, device.ErrNotFound
+		return device.ReleaseResult{}, device.ErrNotFound
 	}
 	return f.ReleaseFunc(ctx, req)
 }

@@ -1378,14 +1378,19 @@ func (*ReleaseRequest_ReservationId) isReleaseRequest_Target() {}
 
 func (*ReleaseRequest_OwnerId) isReleaseRequest_Target() {}
 
+// ReleaseResponse says what the call did with each reservation the request named; each
+// is in exactly one of the two lists, oldest first. Both are empty when an owner has no
+// reservations. Idempotent: a retried Release answers the IDs it released the first time
+// in already_released_reservation_ids, and a reservation keeps its first release time.
 type ReleaseResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// IDs of every reservation the request named, each now released. Idempotent: a retried
-	// Release answers the same IDs, and a reservation released earlier keeps its first
-	// release time. Empty when an owner has no reservations.
+	// Reservations this call released: their devices are free from now on.
 	ReleasedReservationIds []string `protobuf:"bytes,1,rep,name=released_reservation_ids,json=releasedReservationIds,proto3" json:"released_reservation_ids,omitempty"`
-	unknownFields          protoimpl.UnknownFields
-	sizeCache              protoimpl.SizeCache
+	// Reservations the request named that were released before this call; nothing
+	// changed for them.
+	AlreadyReleasedReservationIds []string `protobuf:"bytes,2,rep,name=already_released_reservation_ids,json=alreadyReleasedReservationIds,proto3" json:"already_released_reservation_ids,omitempty"`
+	unknownFields                 protoimpl.UnknownFields
+	sizeCache                     protoimpl.SizeCache
 }
 
 func (x *ReleaseResponse) Reset() {
@@ -1421,6 +1426,13 @@ func (*ReleaseResponse) Descriptor() ([]byte, []int) {
 func (x *ReleaseResponse) GetReleasedReservationIds() []string {
 	if x != nil {
 		return x.ReleasedReservationIds
+	}
+	return nil
+}
+
+func (x *ReleaseResponse) GetAlreadyReleasedReservationIds() []string {
+	if x != nil {
+		return x.AlreadyReleasedReservationIds
 	}
 	return nil
 }
@@ -1854,6 +1866,138 @@ func (x *ListPluginsResponse) GetPlugins() []*Plugin {
 	return nil
 }
 
+// DeviceHeld is an error detail of a FAILED_PRECONDITION status with ErrorInfo reason
+// DEVICE_HELD: the Reserve asked for devices held by live reservations, or by a Reserve
+// still in flight.
+type DeviceHeld struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The owner that asked.
+	OwnerId string `protobuf:"bytes,1,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
+	// One entry per holder, sorted by reservation ID.
+	Conflicts     []*DeviceConflict `protobuf:"bytes,2,rep,name=conflicts,proto3" json:"conflicts,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeviceHeld) Reset() {
+	*x = DeviceHeld{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeviceHeld) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeviceHeld) ProtoMessage() {}
+
+func (x *DeviceHeld) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeviceHeld.ProtoReflect.Descriptor instead.
+func (*DeviceHeld) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *DeviceHeld) GetOwnerId() string {
+	if x != nil {
+		return x.OwnerId
+	}
+	return ""
+}
+
+func (x *DeviceHeld) GetConflicts() []*DeviceConflict {
+	if x != nil {
+		return x.Conflicts
+	}
+	return nil
+}
+
+// DeviceConflict is one holder of devices a Reserve asked for.
+type DeviceConflict struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The live reservation holding the devices; empty while a Reserve for owner_id is
+	// still in flight.
+	ReservationId string `protobuf:"bytes,1,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
+	// The holder's owner: another owner, or the asking owner itself when the request
+	// overlaps its reservation without asking for exactly its devices.
+	OwnerId string `protobuf:"bytes,2,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
+	// The requested devices it holds, sorted.
+	DeviceIds []string `protobuf:"bytes,3,rep,name=device_ids,json=deviceIds,proto3" json:"device_ids,omitempty"`
+	// Every device it holds, sorted.
+	HeldDeviceIds []string `protobuf:"bytes,4,rep,name=held_device_ids,json=heldDeviceIds,proto3" json:"held_device_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeviceConflict) Reset() {
+	*x = DeviceConflict{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeviceConflict) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeviceConflict) ProtoMessage() {}
+
+func (x *DeviceConflict) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeviceConflict.ProtoReflect.Descriptor instead.
+func (*DeviceConflict) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *DeviceConflict) GetReservationId() string {
+	if x != nil {
+		return x.ReservationId
+	}
+	return ""
+}
+
+func (x *DeviceConflict) GetOwnerId() string {
+	if x != nil {
+		return x.OwnerId
+	}
+	return ""
+}
+
+func (x *DeviceConflict) GetDeviceIds() []string {
+	if x != nil {
+		return x.DeviceIds
+	}
+	return nil
+}
+
+func (x *DeviceConflict) GetHeldDeviceIds() []string {
+	if x != nil {
+		return x.HeldDeviceIds
+	}
+	return nil
+}
+
 var File_devicehost_v1_devicehost_proto protoreflect.FileDescriptor
 
 const file_devicehost_v1_devicehost_proto_rawDesc = "" +
@@ -1953,9 +2097,10 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x0eReleaseRequest\x12'\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tH\x00R\rreservationId\x12\x1b\n" +
 	"\bowner_id\x18\x02 \x01(\tH\x00R\aownerIdB\b\n" +
-	"\x06target\"K\n" +
+	"\x06target\"\x94\x01\n" +
 	"\x0fReleaseResponse\x128\n" +
-	"\x18released_reservation_ids\x18\x01 \x03(\tR\x16releasedReservationIds\"\xe5\x03\n" +
+	"\x18released_reservation_ids\x18\x01 \x03(\tR\x16releasedReservationIds\x12G\n" +
+	" already_released_reservation_ids\x18\x02 \x03(\tR\x1dalreadyReleasedReservationIds\"\xe5\x03\n" +
 	"\vReservation\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x19\n" +
 	"\bowner_id\x18\x02 \x01(\tR\aownerId\x12\x16\n" +
@@ -1993,7 +2138,17 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x04path\x18\b \x01(\tR\x04path\x12!\n" +
 	"\fdevice_count\x18\t \x01(\rR\vdeviceCount\"F\n" +
 	"\x13ListPluginsResponse\x12/\n" +
-	"\aplugins\x18\x01 \x03(\v2\x15.devicehost.v1.PluginR\aplugins*^\n" +
+	"\aplugins\x18\x01 \x03(\v2\x15.devicehost.v1.PluginR\aplugins\"d\n" +
+	"\n" +
+	"DeviceHeld\x12\x19\n" +
+	"\bowner_id\x18\x01 \x01(\tR\aownerId\x12;\n" +
+	"\tconflicts\x18\x02 \x03(\v2\x1d.devicehost.v1.DeviceConflictR\tconflicts\"\x99\x01\n" +
+	"\x0eDeviceConflict\x12%\n" +
+	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x19\n" +
+	"\bowner_id\x18\x02 \x01(\tR\aownerId\x12\x1d\n" +
+	"\n" +
+	"device_ids\x18\x03 \x03(\tR\tdeviceIds\x12&\n" +
+	"\x0fheld_device_ids\x18\x04 \x03(\tR\rheldDeviceIds*^\n" +
 	"\x06Health\x12\x16\n" +
 	"\x12HEALTH_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eHEALTH_HEALTHY\x10\x01\x12\x14\n" +
@@ -2031,7 +2186,7 @@ func file_devicehost_v1_devicehost_proto_rawDescGZIP() []byte {
 }
 
 var file_devicehost_v1_devicehost_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
+var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	(Health)(0),                      // 0: devicehost.v1.Health
 	(ReservationState)(0),            // 1: devicehost.v1.ReservationState
@@ -2061,61 +2216,64 @@ var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	(*ListPluginsRequest)(nil),       // 25: devicehost.v1.ListPluginsRequest
 	(*Plugin)(nil),                   // 26: devicehost.v1.Plugin
 	(*ListPluginsResponse)(nil),      // 27: devicehost.v1.ListPluginsResponse
-	nil,                              // 28: devicehost.v1.DeviceGroup.AttributesEntry
-	nil,                              // 29: devicehost.v1.DeviceStats.ValuesEntry
-	nil,                              // 30: devicehost.v1.ContainerReservation.EnvsEntry
-	(*timestamppb.Timestamp)(nil),    // 31: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 32: google.protobuf.Duration
+	(*DeviceHeld)(nil),               // 28: devicehost.v1.DeviceHeld
+	(*DeviceConflict)(nil),           // 29: devicehost.v1.DeviceConflict
+	nil,                              // 30: devicehost.v1.DeviceGroup.AttributesEntry
+	nil,                              // 31: devicehost.v1.DeviceStats.ValuesEntry
+	nil,                              // 32: devicehost.v1.ContainerReservation.EnvsEntry
+	(*timestamppb.Timestamp)(nil),    // 33: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 34: google.protobuf.Duration
 }
 var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
 	5,  // 0: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
-	31, // 1: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
-	28, // 2: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
+	33, // 1: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
+	30, // 2: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
 	6,  // 3: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
 	0,  // 4: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
-	31, // 5: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
+	33, // 5: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
 	7,  // 6: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
 	8,  // 7: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
-	32, // 8: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	34, // 8: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
 	10, // 9: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
 	13, // 10: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
-	31, // 11: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
+	33, // 11: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
 	14, // 12: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
-	29, // 13: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
-	31, // 14: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	31, // 13: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
+	33, // 14: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
 	17, // 15: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
-	30, // 16: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
+	32, // 16: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
 	18, // 17: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
 	19, // 18: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
 	1,  // 19: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
 	17, // 20: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
-	31, // 21: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	31, // 22: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
+	33, // 21: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	33, // 22: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
 	1,  // 23: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
 	22, // 24: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
 	2,  // 25: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
-	31, // 26: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
-	31, // 27: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
+	33, // 26: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
+	33, // 27: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
 	26, // 28: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
-	9,  // 29: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
-	9,  // 30: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
-	3,  // 31: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
-	11, // 32: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
-	15, // 33: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
-	20, // 34: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
-	23, // 35: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
-	25, // 36: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
-	4,  // 37: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
-	12, // 38: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
-	16, // 39: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
-	21, // 40: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
-	24, // 41: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
-	27, // 42: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
-	37, // [37:43] is the sub-list for method output_type
-	31, // [31:37] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	29, // 29: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
+	9,  // 30: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
+	9,  // 31: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
+	3,  // 32: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
+	11, // 33: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
+	15, // 34: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
+	20, // 35: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
+	23, // 36: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
+	25, // 37: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
+	4,  // 38: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
+	12, // 39: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
+	16, // 40: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
+	21, // 41: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
+	24, // 42: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
+	27, // 43: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
+	38, // [38:44] is the sub-list for method output_type
+	32, // [32:38] is the sub-list for method input_type
+	32, // [32:32] is the sub-list for extension type_name
+	32, // [32:32] is the sub-list for extension extendee
+	0,  // [0:32] is the sub-list for field type_name
 }
 
 func init() { file_devicehost_v1_devicehost_proto_init() }
@@ -2139,7 +2297,7 @@ func file_devicehost_v1_devicehost_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_devicehost_v1_devicehost_proto_rawDesc), len(file_devicehost_v1_devicehost_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   28,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

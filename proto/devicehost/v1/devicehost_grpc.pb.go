@@ -35,6 +35,18 @@ const (
 // For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
 //
 // DeviceHost serves the node's devices.
+//
+// Errors carry a google.rpc.ErrorInfo detail (domain "devicehost.v1.DeviceHost") whose
+// reason a caller can branch on:
+//
+//	INVALID_REQUEST          INVALID_ARGUMENT (with google.rpc.BadRequest naming the fields)
+//	DEVICE_UNKNOWN           NOT_FOUND: a device or group no plugin reports
+//	RESERVATION_NOT_FOUND    NOT_FOUND: a reservation ID the ledger does not have
+//	DEVICE_UNHEALTHY         FAILED_PRECONDITION: a requested device is not healthy
+//	DEVICE_HELD              FAILED_PRECONDITION, with a DeviceHeld detail naming the holders
+//	PLUGIN_UNAVAILABLE       UNAVAILABLE: the owning plugin is down or did not answer in time
+//	SHUTTING_DOWN            UNAVAILABLE: the host is shutting down
+//	PLUGIN_RESPONSE_INVALID  INTERNAL: the plugin's answer broke a validation rule
 type DeviceHostClient interface {
 	// Fingerprint streams the inventory with its state: the first message is the full
 	// current snapshot, then a full snapshot on every change. A slow reader skips to the
@@ -45,7 +57,8 @@ type DeviceHostClient interface {
 	// Reserve reserves devices of one group for an owner (an allocation) and returns how to
 	// expose them to a container. Durable before it is answered.
 	Reserve(ctx context.Context, in *ReserveRequest, opts ...grpc.CallOption) (*ReserveResponse, error)
-	// Release ends reservations, by reservation ID or by owner ID.
+	// Release ends reservations, by reservation ID or by owner ID, and says which this
+	// call released and which were released already. Durable before it is answered.
 	Release(ctx context.Context, in *ReleaseRequest, opts ...grpc.CallOption) (*ReleaseResponse, error)
 	// ListReservations lists reservations in the ledger.
 	ListReservations(ctx context.Context, in *ListReservationsRequest, opts ...grpc.CallOption) (*ListReservationsResponse, error)
@@ -144,6 +157,18 @@ func (c *deviceHostClient) ListPlugins(ctx context.Context, in *ListPluginsReque
 // for forward compatibility.
 //
 // DeviceHost serves the node's devices.
+//
+// Errors carry a google.rpc.ErrorInfo detail (domain "devicehost.v1.DeviceHost") whose
+// reason a caller can branch on:
+//
+//	INVALID_REQUEST          INVALID_ARGUMENT (with google.rpc.BadRequest naming the fields)
+//	DEVICE_UNKNOWN           NOT_FOUND: a device or group no plugin reports
+//	RESERVATION_NOT_FOUND    NOT_FOUND: a reservation ID the ledger does not have
+//	DEVICE_UNHEALTHY         FAILED_PRECONDITION: a requested device is not healthy
+//	DEVICE_HELD              FAILED_PRECONDITION, with a DeviceHeld detail naming the holders
+//	PLUGIN_UNAVAILABLE       UNAVAILABLE: the owning plugin is down or did not answer in time
+//	SHUTTING_DOWN            UNAVAILABLE: the host is shutting down
+//	PLUGIN_RESPONSE_INVALID  INTERNAL: the plugin's answer broke a validation rule
 type DeviceHostServer interface {
 	// Fingerprint streams the inventory with its state: the first message is the full
 	// current snapshot, then a full snapshot on every change. A slow reader skips to the
@@ -154,7 +179,8 @@ type DeviceHostServer interface {
 	// Reserve reserves devices of one group for an owner (an allocation) and returns how to
 	// expose them to a container. Durable before it is answered.
 	Reserve(context.Context, *ReserveRequest) (*ReserveResponse, error)
-	// Release ends reservations, by reservation ID or by owner ID.
+	// Release ends reservations, by reservation ID or by owner ID, and says which this
+	// call released and which were released already. Durable before it is answered.
 	Release(context.Context, *ReleaseRequest) (*ReleaseResponse, error)
 	// ListReservations lists reservations in the ledger.
 	ListReservations(context.Context, *ListReservationsRequest) (*ListReservationsResponse, error)

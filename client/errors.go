@@ -1,0 +1,84 @@
+package client
+
+import (
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// The google.rpc.ErrorInfo reasons the agent attaches to its errors, in ErrorDomain (the
+// list is in devicehost.proto).
+const (
+	ErrorDomain = ServiceName
+
+	ReasonInvalidRequest      = "INVALID_REQUEST"
+	ReasonDeviceUnknown       = "DEVICE_UNKNOWN"
+	ReasonReservationNotFound = "RESERVATION_NOT_FOUND"
+	ReasonDeviceUnhealthy     = "DEVICE_UNHEALTHY"
+	ReasonDeviceHeld          = "DEVICE_HELD"
+	ReasonPluginUnavailable   = "PLUGIN_UNAVAILABLE"
+	ReasonShuttingDown        = "SHUTTING_DOWN"
+	ReasonPluginResponse      = "PLUGIN_RESPONSE_INVALID"
+)
+
+// Reason returns the ErrorInfo reason of the agent's error err (one of the Reason
+// constants), or "" when err carries none: nil, not a gRPC status, or a failure of the
+// connection rather than an answer of the agent.
+func Reason(err error) string {
+	if info := errorInfo(err); info != nil {
+		return info.GetReason()
+	}
+	return ""
+}
+
+func errorInfo(err error) *errdetails.ErrorInfo {
+	if err == nil {
+		return nil
+	}
+	st, ok := status.FromError(err)
+	if !ok {
+		return nil
+	}
+	for _, d := range st.Details() {
+		if info, ok := d.(*errdetails.ErrorInfo); ok && info.GetDomain() == ErrorDomain {
+			return info
+		}
+	}
+	return nil
+}
+
+// IsHeld reports whether err is a Reserve refused because requested devices are held:
+// by live reservations of other owners, by a reservation of the same owner that the
+// request overlaps without asking for exactly its devices, or by a Reserve still in
+// flight. The detail names each holder (reservation ID, empty while in flight; owner ID;
+// the requested devices it holds). An agent that sent no detail gives an empty one.
+func IsHeld(err error) (*pb.DeviceHeld, bool) {
+	if Reason(err) != ReasonDeviceHeld {
+		return nil, false
+	}
+	st, _ := status.FromError(err)
+	for _, d := range st.Details() {
+		if held, ok := d.(*pb.DeviceHeld); ok {
+			return held, true
+		}
+	}
+	return &pb.DeviceHeld{}, true
+}
+
+// IsUnknownDevice reports whether err says a requested device, or its group, is not
+// reported by any plugin.
+func IsUnknownDevice(err error) bool { return Reason(err) == ReasonDeviceUnknown }
+
+// IsUnhealthy reports whether err says a requested device is not healthy.
+func IsUnhealthy(err error) bool { return Reason(err) == ReasonDeviceUnhealthy }
+
+// IsReservationNotFound reports whether err says the agent has no reservation by the
+// ID given (never made, or garbage-collected after its release).
+func IsReservationNotFound(err error) bool { return Reason(err) == ReasonReservationNotFound }
+
+// IsUnavailable reports whether err is worth retrying later: the agent cannot be reached
+// or is shutting down, or the plugin that owns the devices is down or did not answer in
+// time (status UNAVAILABLE).
+func IsUnavailable(err error) bool { return err != nil && status.Code(err) == codes.Unavailable }
