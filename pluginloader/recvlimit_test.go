@@ -47,6 +47,7 @@ func TestRecvLimit(t *testing.T) {
 		t.Fatalf("Recv of a 64 MiB fingerprint: got %v, want ResourceExhausted", err)
 	}
 	msg := status.Convert(err).Message()
+	t.Logf("Recv: %s", msg)
 	for _, want := range []string{`plugin "fixture"`, "Fingerprint", "over the host's limit of 4194304 bytes"} {
 		if !strings.Contains(msg, want) {
 			t.Errorf("error %q does not say %q", msg, want)
