@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hashicorp/go-hclog"
+
 	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/pluginloader"
 )
@@ -200,4 +202,35 @@ func TestLaunchReachesProcessGroup(t *testing.T) {
 			t.Errorf("the plugin's child after Kill: %v", err)
 		}
 	})
+}
+
+// TestLaunchChildOutsideGroup: a child that leaves the plugin's process group (setsid)
+// escapes the kill; while it holds the plugin's stdout, the launch still ends, 2s after
+// the kill, with an ERROR that says why.
+func TestLaunchChildOutsideGroup(t *testing.T) {
+	const setsid = "/usr/bin/setsid"
+	if _, err := os.Stat(setsid); err != nil {
+		t.Skip("needs " + setsid)
+	}
+	childFile := filepath.Join(t.TempDir(), "child")
+	logs := newLogBuffer()
+	host := hclog.New(&hclog.LoggerOptions{Name: "host", Level: hclog.Info, Output: logs})
+
+	start := time.Now()
+	_, err := pluginloader.Launch(testContext(t), script(t, setsid+` /bin/sh -c 'echo $$ > "$CHILD"; exec /bin/sleep 100' & until [ -s "$CHILD" ]; do /bin/sleep 0.01; done; echo starting; wait`),
+		pluginloader.Options{Logger: host, Env: []string{"CHILD=" + childFile}, StartTimeout: 500 * time.Millisecond})
+	elapsed := time.Since(start)
+	child := readPID(waitContext(t), t, childFile)
+	// Once it is gone, go-plugin's goroutines end (TestMain checks for leaks).
+	defer func() { _ = syscall.Kill(child, syscall.SIGKILL) }()
+
+	if err == nil || !strings.Contains(err.Error(), `printed "starting"`) {
+		t.Errorf("Launch: got %v, want the not-a-handshake error", err)
+	}
+	if elapsed > 2*time.Second+5*time.Second {
+		t.Errorf("Launch took %v, want about 2s: it must not wait for a process outside the plugin's group", elapsed)
+	}
+	if !strings.Contains(logs.String(), "[ERROR] host: plugin killed, but a process outside its process group still holds its stdout or stderr") {
+		t.Errorf("no ERROR about the escaped process in:\n%s", logs)
+	}
 }

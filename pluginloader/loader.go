@@ -296,8 +296,9 @@ func (p *Plugin) start(ctx, launchCtx context.Context, timeout time.Duration) er
 		st = <-ch
 	}
 	if st.err != nil {
+		timedOut := launchCtx.Err() != nil // before abort, which may take a while
 		p.abort()
-		if launchCtx.Err() != nil {
+		if timedOut {
 			return p.timeoutError(ctx, "", timeout)
 		}
 		return p.startError(st.err, p.exitReason(), p.plog.sawCookieNote())
@@ -337,7 +338,7 @@ func (p *Plugin) handshake(ctx, launchCtx context.Context, timeout time.Duration
 		ProtocolVersion: deviceplugin.ProtocolVersion,
 		HostVersion:     opts.HostVersion,
 	})
-	if status.Code(err) == codes.InvalidArgument {
+	if status.Code(err) == codes.InvalidArgument && !deadlineReached(launchCtx) {
 		return fmt.Errorf("plugin %q: %s: %w", p.name, clip(status.Convert(err).Message(), maxQuoted), ErrConfigRejected)
 	}
 	if err != nil {
@@ -350,10 +351,23 @@ func (p *Plugin) launchRPCError(ctx, launchCtx context.Context, timeout time.Dur
 	if exited := p.RPCError(launchCtx, err); errors.Is(exited, ErrExited) {
 		return p.exitedError("during "+rpc, p.ExitReason())
 	}
-	if launchCtx.Err() != nil {
+	if deadlineReached(launchCtx) {
 		return p.timeoutError(ctx, rpc, timeout)
 	}
 	return fmt.Errorf("plugin %q: %s failed: %s", p.name, rpc, rpcText(err))
+}
+
+// deadlineReached reports whether ctx has ended or its deadline is less than 100ms
+// away. gRPC hands the deadline to the plugin, whose answer to it (DeadlineExceeded, or
+// the SDK's INVALID_ARGUMENT "context deadline exceeded" from SetConfig) can arrive a
+// moment before ctx itself ends (the deadline travels rounded down): that is the
+// timeout, not the plugin's own error.
+func deadlineReached(ctx context.Context) bool {
+	if ctx.Err() != nil {
+		return true
+	}
+	deadline, ok := ctx.Deadline()
+	return ok && time.Until(deadline) < 100*time.Millisecond
 }
 
 // abort stops what a failed launch started, without a graceful wait.
