@@ -179,7 +179,7 @@ func TestLaunchRefusesProtocolMismatch(t *testing.T) {
 		wantMsg []string // both sides' versions
 	}{
 		{name: "go-plugin handshake", env: "FIXTURE_PROTOCOL=2",
-			wantMsg: []string{"Plugin version: 2", "Client versions: [1]"}},
+			wantMsg: []string{"speaks go-plugin protocol version 2", "the host speaks 1"}},
 		{name: "GetPluginInfo", env: "FIXTURE_INFO_PROTOCOLS=v2,v3",
 			wantMsg: []string{"speaks protocol versions [v2, v3]", "host speaks [v1]"}},
 	}
@@ -267,7 +267,7 @@ func TestLaunchStartTimeout(t *testing.T) {
 		Env:          []string{"FIXTURE_HANG_START=1"},
 		StartTimeout: 300 * time.Millisecond,
 	})
-	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "did not start within 300ms") {
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "did not complete its go-plugin handshake within 300ms") {
 		t.Errorf("Launch: got %v, want a start timeout wrapping context.DeadlineExceeded", err)
 	}
 }

@@ -403,7 +403,7 @@ func ctyToJSON(v cty.Value) (any, error) {
 	case ty == cty.Bool:
 		return v.True(), nil
 	case ty == cty.Number:
-		return json.Number(v.AsBigFloat().Text('g', -1)), nil
+		return jsonNumber(v.AsBigFloat()), nil
 	case ty.IsListType() || ty.IsTupleType() || ty.IsSetType():
 		out := []any{}
 		for _, e := range v.AsValueSlice() {
@@ -427,6 +427,19 @@ func ctyToJSON(v cty.Value) (any, error) {
 	default:
 		return nil, fmt.Errorf("a %s cannot be passed to a plugin", ty.FriendlyName())
 	}
+}
+
+// jsonNumber writes a cty number (a big.Float) as JSON. A whole number is written with
+// all its digits (1000000, 9007199254740993), never in exponent form ("1e+06"), which
+// encoding/json refuses for an integer field; other numbers in the shortest form that
+// reads back the same ("0.1", "1.5e+300"). Whole numbers of 2^64 and more, which no Go
+// integer holds and whose decimal digits the big.Float may not hold exactly either, are
+// written that way too.
+func jsonNumber(f *big.Float) json.Number {
+	if f.IsInt() && f.MantExp(nil) <= 64 {
+		return json.Number(f.Text('f', 0))
+	}
+	return json.Number(f.Text('g', -1))
 }
 
 // diagError renders diagnostics as "file:line,column: summary; detail", one per line.
