@@ -14,6 +14,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"maps"
 	"os"
 	"path/filepath"
@@ -121,13 +122,13 @@ func (w *Writer) Path() string { return filepath.Join(w.dir, w.name+".yaml") }
 
 // Write makes the spec file describe s: it replaces the file when its content would
 // change (devices that left s leave the file) or the file is gone, and removes it when
-// s has no devices.
-// A spec that CDI would reject is refused with the rule it broke, before anything is
-// written. On error the file is as it was, and the next Write tries again.
-func (w *Writer) Write(s Spec) error {
+// s has no devices. changed says whether the file was written or removed. A spec that
+// CDI would reject is refused with the rule it broke, before anything is written. On
+// error the file is as it was, and the next Write tries again.
+func (w *Writer) Write(s Spec) (changed bool, err error) {
 	raw, err := s.toCDI()
 	if err != nil {
-		return err
+		return false, err
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -136,41 +137,47 @@ func (w *Writer) Write(s Spec) error {
 	}
 	data, err := json.Marshal(raw)
 	if err != nil {
-		return fmt.Errorf("cdi: encode spec %s: %w", w.Path(), err)
+		return false, fmt.Errorf("cdi: encode spec %s: %w", w.Path(), err)
 	}
 	if w.last != nil && slices.Equal(data, w.last) {
 		if _, err := os.Stat(w.Path()); err == nil {
-			return nil
+			return false, nil
 		}
 		// Someone removed it (a cleaned /var/run/cdi): write it again.
 	}
 	// The library validates the spec (names, env, nodes, mounts) and writes it to a
 	// temporary file in dir that it renames over the old one.
 	if err := w.cache.WriteSpec(raw, w.name+".yaml"); err != nil {
-		return fmt.Errorf("cdi: write spec %s: %w", w.Path(), err)
+		return false, fmt.Errorf("cdi: write spec %s: %w", w.Path(), err)
 	}
 	// The library creates the file 0600 (os.CreateTemp); readers other than root
 	// need it readable.
 	if err := os.Chmod(w.Path(), specFileMode); err != nil {
-		return fmt.Errorf("cdi: write spec %s: %w", w.Path(), err)
+		return false, fmt.Errorf("cdi: write spec %s: %w", w.Path(), err)
 	}
 	w.last = data
-	return nil
+	return true, nil
 }
 
 // Remove deletes the spec file; a missing one is not an error.
 func (w *Writer) Remove() error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return w.removeLocked()
+	_, err := w.removeLocked()
+	return err
 }
 
-func (w *Writer) removeLocked() error {
+// removeLocked deletes the file; removed says whether there was one.
+func (w *Writer) removeLocked() (removed bool, err error) {
+	if _, err := os.Lstat(w.Path()); errors.Is(err, fs.ErrNotExist) {
+		w.last = nil
+		return false, nil
+	}
 	if err := w.cache.RemoveSpec(w.name + ".yaml"); err != nil {
-		return fmt.Errorf("cdi: remove spec %s: %w", w.Path(), err)
+		return false, fmt.Errorf("cdi: remove spec %s: %w", w.Path(), err)
 	}
 	w.last = nil
-	return nil
+	return true, nil
 }
 
 // toCDI converts s to a CDI spec at the lowest CDI version that can express it, so

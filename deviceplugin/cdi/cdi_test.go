@@ -74,7 +74,7 @@ func newOCISpec() *oci.Spec {
 
 func TestWriteThenInject(t *testing.T) {
 	w, dir := newWriter(t)
-	if err := w.Write(widgetSpec("w0", "w1", "w2")); err != nil {
+	if _, err := w.Write(widgetSpec("w0", "w1", "w2")); err != nil {
 		t.Fatalf("Write: %v", err)
 	}
 	if got, want := w.Path(), filepath.Join(dir, "devicehost-widgets.yaml"); got != want {
@@ -128,7 +128,7 @@ func TestNodeWithoutNumbersMustExistOnHost(t *testing.T) {
 	w, dir := newWriter(t)
 	s := widgetSpec("w0")
 	delete(s.Nodes, "/dev/widgetw0")
-	if err := w.Write(s); err != nil {
+	if _, err := w.Write(s); err != nil {
 		t.Fatalf("Write: %v", err)
 	}
 	_, err := runtimeCache(t, dir).InjectDevices(newOCISpec(), cdi.Name(kind, "w0"))
@@ -139,10 +139,10 @@ func TestNodeWithoutNumbersMustExistOnHost(t *testing.T) {
 
 func TestDevicesThatLeaveLeaveTheSpec(t *testing.T) {
 	w, dir := newWriter(t)
-	if err := w.Write(widgetSpec("w0", "w1")); err != nil {
+	if _, err := w.Write(widgetSpec("w0", "w1")); err != nil {
 		t.Fatalf("Write: %v", err)
 	}
-	if err := w.Write(widgetSpec("w0")); err != nil {
+	if _, err := w.Write(widgetSpec("w0")); err != nil {
 		t.Fatalf("Write: %v", err)
 	}
 	cache := runtimeCache(t, dir)
@@ -153,7 +153,7 @@ func TestDevicesThatLeaveLeaveTheSpec(t *testing.T) {
 		t.Errorf("injecting the departed w1 = %v, %v; want it unresolved", unresolved, err)
 	}
 
-	if err := w.Write(widgetSpec()); err != nil {
+	if _, err := w.Write(widgetSpec()); err != nil {
 		t.Fatalf("Write with no devices: %v", err)
 	}
 	if _, err := os.Stat(w.Path()); !os.IsNotExist(err) {
@@ -181,25 +181,30 @@ func statFile(t *testing.T, path string) fileID {
 }
 
 // A change replaces the file by rename (a new inode: a reader has the old file or the
-// new one, never half of one); no change leaves it alone; no temporary file is left.
+// new one, never half of one); no change leaves it alone; no temporary file is left;
+// changed tells which happened.
 func TestWriteReplacesOnlyOnChange(t *testing.T) {
 	w, dir := newWriter(t)
-	if err := w.Write(widgetSpec("w0", "w1")); err != nil {
-		t.Fatalf("Write: %v", err)
+	write := func(s cdi.Spec, wantChanged bool) {
+		t.Helper()
+		changed, err := w.Write(s)
+		if err != nil {
+			t.Fatalf("Write: %v", err)
+		}
+		if changed != wantChanged {
+			t.Errorf("Write of %d devices: changed = %v, want %v", len(s.Devices), changed, wantChanged)
+		}
 	}
+	write(widgetSpec("w0", "w1"), true)
 	first := statFile(t, w.Path())
 	if first.mode != 0o644 {
 		t.Errorf("mode = %v, want 0644 (readable by every runtime)", first.mode)
 	}
-	if err := w.Write(widgetSpec("w0", "w1")); err != nil {
-		t.Fatalf("Write: %v", err)
-	}
+	write(widgetSpec("w0", "w1"), false)
 	if again := statFile(t, w.Path()); again != first {
 		t.Errorf("unchanged spec: file changed from %+v to %+v, want untouched", first, again)
 	}
-	if err := w.Write(widgetSpec("w0")); err != nil {
-		t.Fatalf("Write: %v", err)
-	}
+	write(widgetSpec("w0"), true)
 	if changed := statFile(t, w.Path()); changed.ino == first.ino {
 		t.Errorf("changed spec was written in place (inode %d kept), want a new file renamed over it", first.ino)
 	}
@@ -214,18 +219,20 @@ func TestWriteReplacesOnlyOnChange(t *testing.T) {
 		}
 		t.Errorf("spec dir holds %q, want only devicehost-widgets.yaml", names)
 	}
+	write(widgetSpec(), true) // removed
+	write(widgetSpec(), false)
 }
 
 // A spec file someone removed (a cleaned /var/run/cdi) comes back on the next Write.
 func TestWriteRestoresARemovedFile(t *testing.T) {
 	w, _ := newWriter(t)
-	if err := w.Write(widgetSpec("w0")); err != nil {
+	if _, err := w.Write(widgetSpec("w0")); err != nil {
 		t.Fatalf("Write: %v", err)
 	}
 	if err := os.Remove(w.Path()); err != nil {
 		t.Fatal(err)
 	}
-	if err := w.Write(widgetSpec("w0")); err != nil {
+	if _, err := w.Write(widgetSpec("w0")); err != nil {
 		t.Fatalf("Write: %v", err)
 	}
 	if _, err := os.Stat(w.Path()); err != nil {
@@ -275,7 +282,7 @@ func TestWriteRefusesBadSpecs(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			w, _ := newWriter(t)
-			if err := w.Write(widgetSpec("w0")); err != nil {
+			if _, err := w.Write(widgetSpec("w0")); err != nil {
 				t.Fatalf("Write: %v", err)
 			}
 			before, err := os.ReadFile(w.Path())
@@ -284,7 +291,7 @@ func TestWriteRefusesBadSpecs(t *testing.T) {
 			}
 			s := widgetSpec("w0")
 			tt.change(&s)
-			err = w.Write(s)
+			_, err = w.Write(s)
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("Write = %v, want an error containing %q", err, tt.want)
 			}
@@ -307,14 +314,14 @@ func TestWriteUnwritableDir(t *testing.T) {
 	if err != nil {
 		t.Fatalf("NewWriter: %v", err)
 	}
-	err = w.Write(widgetSpec("w0"))
+	_, err = w.Write(widgetSpec("w0"))
 	if err == nil || !strings.Contains(err.Error(), w.Path()) || !strings.Contains(err.Error(), "not a directory") {
 		t.Fatalf("Write = %v, want an error naming %s and why", err, w.Path())
 	}
 	if err := os.Remove(blocker); err != nil {
 		t.Fatal(err)
 	}
-	if err := w.Write(widgetSpec("w0")); err != nil {
+	if _, err := w.Write(widgetSpec("w0")); err != nil {
 		t.Fatalf("Write after the dir became writable: %v", err)
 	}
 	if _, err := os.Stat(w.Path()); err != nil {
