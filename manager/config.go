@@ -73,9 +73,10 @@ type Config struct {
 	// none released it says so at INFO, once per change of the count. Zero means
 	// DefaultGCMaxReservations (1000). Unused without StateDir.
 	GCMaxReservations int
-	// GCParallelDestroys bounds how many plugin cleanups and deletions the garbage
-	// collector runs at once, so that releasing thousands at once causes no spike. Zero
-	// means DefaultGCParallelDestroys (2). Unused without StateDir.
+	// GCParallelDestroys bounds how many plugin cleanups the garbage collector runs at
+	// once, so that releasing thousands at once causes no spike (its deletions share
+	// ledger commits, a batch at a time). Zero means DefaultGCParallelDestroys (2).
+	// Unused without StateDir.
 	GCParallelDestroys int
 
 	// StatsInterval is how often each plugin is asked for stats (one stream per plugin)

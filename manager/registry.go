@@ -85,10 +85,25 @@ func (r *registry) watch(ctx context.Context) <-chan device.Snapshot {
 }
 
 // refresh republishes after a change outside the registry (a reservation's holder).
+// Only the holders changed: the current snapshot's inventory and plugin states (never
+// written once made) are kept, and only the device states are rebuilt; Reserve and
+// Release call it on every reservation change.
 func (r *registry) refresh() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.publishLocked()
+	r.seq++
+	snap := r.snap
+	snap.Seq, snap.Time = r.seq, r.now()
+	snap.State.Devices = make(map[string]device.DeviceState, len(r.devState))
+	holders := r.holders()
+	for id, st := range r.devState {
+		if h, ok := holders[id]; ok {
+			st.Holder = &h
+		}
+		snap.State.Devices[id] = st
+	}
+	r.snap = snap
+	r.watchers.publish(snap)
 }
 
 // update runs fn on the named plugin's record and republishes.
