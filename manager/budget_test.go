@@ -187,6 +187,12 @@ func TestStatsStayWithinClientLimit(t *testing.T) {
 		}
 	}
 	logs.waitLine(t, "[ERROR]", "stats refused", "limit of 3670016 bytes")
+	// Refused again every second, logged once.
+	for _, name := range names {
+		if n := len(logs.lines("[ERROR]", "stats refused", "plugin="+name+" ")); n > 1 {
+			t.Errorf("%d \"stats refused\" lines for %s, want one while it stays refused", n, name)
+		}
+	}
 }
 
 // TestRefusedFingerprintKeepsTheLastGoodInventory: a plugin whose new fingerprint would

@@ -363,8 +363,8 @@ func (m *Manager) WatchStats(ctx context.Context, interval time.Duration) <-chan
 	return m.stats.watch(ctx, interval, m.Inventory())
 }
 
-// Ready is closed once every plugin has fingerprinted or failed, or ReadyTimeout has
-// passed.
+// Ready is closed once every plugin has had its first attempt (fingerprinted, had a
+// fingerprint refused, or failed a run), or ReadyTimeout has passed.
 func (m *Manager) Ready() <-chan struct{} { return m.reg.ready }
 
 // WaitForFirstFingerprint waits for Ready and returns the inventory then. It fails only

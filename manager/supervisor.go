@@ -69,6 +69,10 @@ const (
 	minStatsStall    = 2 * time.Second
 )
 
+// budgetRefusal stands for every byte-budget refusal in a row of refusals, whose texts
+// differ only in sizes.
+const budgetRefusal = "\x00over the byte budget"
+
 var (
 	errNoFirstFingerprint = errors.New("no first fingerprint in time")
 	errStatsStalled       = errors.New("stats stream stalled")
@@ -312,7 +316,8 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 		}
 		claimed, err := s.reg.setFingerprint(s.name, fromFingerprint(s.name, resp))
 		if err != nil {
-			if isNew, _, _ := refusals.see(err.Error()); isNew {
+			// Keyed by kind, not text: the sizes in it change with every message.
+			if isNew, _, _ := refusals.see(budgetRefusal); isNew {
 				s.log.Error("fingerprint refused; keeping the last good inventory", "error", err)
 				s.reg.rejected(s.name, err)
 			}
@@ -418,9 +423,9 @@ func (s *supervisor) statsStream(ctx context.Context, p plugin) error {
 			continue
 		}
 		if err := s.stats.set(s.name, fromStats(resp, s.cfg.Now()), statsCost(resp, s.reg.statsGroupCost(s.name))); err != nil {
-			if msg := err.Error(); msg != lastRejection {
-				lastRejection = msg
-				s.log.Error("stats refused; keeping the last good stats", "error", msg)
+			if lastRejection != budgetRefusal { // logged once in a row: the sizes change every message
+				lastRejection = budgetRefusal
+				s.log.Error("stats refused; keeping the last good stats", "error", err)
 				s.reg.pluginError(s.name, err)
 			}
 			continue
