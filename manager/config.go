@@ -24,6 +24,7 @@ const (
 	DefaultRestartBaseDelay   = 200 * time.Millisecond
 	DefaultRestartMaxDelay    = 30 * time.Second
 	DefaultStableRunReset     = time.Minute
+	DefaultServedReset        = time.Second
 
 	DefaultGCInterval         = ledger.DefaultGCInterval
 	DefaultGCMaxReservations  = ledger.DefaultGCMaxReservations
@@ -102,11 +103,15 @@ type Config struct {
 
 	// RestartBaseDelay is the delay before the first restart of a plugin (and the first
 	// retry of its stats stream); each further consecutive failure doubles it, up to
-	// RestartMaxDelay, with ±20% jitter. A run that lasted StableRunReset resets it.
-	// Zeros mean 200ms, 30s and 1m.
+	// RestartMaxDelay, with ±20% jitter. A run that lasted StableRunReset resets it,
+	// and so does a run in which the plugin served (its first fingerprint accepted) for
+	// ServedReset: a plugin killed after it served is back after RestartBaseDelay, while
+	// one that crash-loops before it ever serves keeps backing off. Zeros mean 200ms,
+	// 30s, 1m and 1s.
 	RestartBaseDelay time.Duration
 	RestartMaxDelay  time.Duration
 	StableRunReset   time.Duration
+	ServedReset      time.Duration
 
 	// Now is the clock used for timestamps (health since-when, plugin errors,
 	// reservations). Nil means time.Now.
@@ -191,6 +196,7 @@ func (c Config) withDefaults() (Config, []string, error) {
 		{"RestartBaseDelay", &c.RestartBaseDelay, DefaultRestartBaseDelay},
 		{"RestartMaxDelay", &c.RestartMaxDelay, DefaultRestartMaxDelay},
 		{"StableRunReset", &c.StableRunReset, DefaultStableRunReset},
+		{"ServedReset", &c.ServedReset, DefaultServedReset},
 		{"GCInterval", &c.GCInterval, DefaultGCInterval},
 	}
 	for _, d := range durations {

@@ -48,6 +48,22 @@
 //     reservation_id and device_ids (and whether it failed), so a host test can see which
 //     cleanups reached the plugin.
 //
+// Hostile-plugin knobs (issue 9: what one plugin must not be able to do to the others):
+//
+//   - fingerprint_invalid (bool): every Fingerprint message is invalid (the first
+//     group's first device ID twice), so the host never accepts one.
+//   - fingerprint_error: Fingerprint fails at once with this message (it may span
+//     lines and be long: the host must keep one bounded line of it).
+//   - fingerprint_delay (duration): Fingerprint waits this long before its first
+//     message (lets a test choose which of two plugins reports first).
+//   - attribute_bytes (N): every group also carries string attributes "pad_000",
+//     "pad_001"... of at most MaxStringValueLen bytes each, N bytes of values in all:
+//     a fingerprint that breaks no per-field rule but is as big as asked.
+//   - stats_value_bytes (N): likewise every device's stats carry string values
+//     "pad_000"... of N bytes in all.
+//   - reserve_tag: a normal reservation also sets FIXTURE_TAG=<tag>, so a test can see
+//     which plugin answered a Reserve.
+//
 // Environment knobs, read by the binary (cmd/fixture) before it serves:
 //
 //   - FIXTURE_PID_FILE=path: write the process's PID to path first thing (so a test can
@@ -81,6 +97,7 @@ import (
 
 	"github.com/devicehost/devicehost/deviceplugin"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/validate"
 )
 
 // Name is the fixture's plugin name (GetPluginInfo) and the binary's file name.
@@ -153,6 +170,33 @@ type Config struct {
 
 	ReleaseError string `json:"release_error,omitempty"`
 	LogRelease   bool   `json:"log_release,omitempty"`
+
+	// Hostile-plugin knobs of the manager's tests (issue 9).
+	FingerprintInvalid bool     `json:"fingerprint_invalid,omitempty"`
+	FingerprintError   string   `json:"fingerprint_error,omitempty"`
+	FingerprintDelay   Duration `json:"fingerprint_delay,omitempty"`
+	AttributeBytes     int      `json:"attribute_bytes,omitempty"`
+	StatsValueBytes    int      `json:"stats_value_bytes,omitempty"`
+	ReserveTag         string   `json:"reserve_tag,omitempty"`
+}
+
+// Bounds of the padding knobs: what fits in the attributes of a group and the values of
+// a device without breaking validate's count and length limits.
+const (
+	MaxAttributeBytes  = (validate.MaxAttributes - 8) * validate.MaxStringValueLen
+	MaxStatsValueBytes = (validate.MaxStatsValues - 8) * validate.MaxStringValueLen
+)
+
+// padding returns string values named prefix+index holding n bytes in all, each at most
+// validate.MaxStringValueLen bytes.
+func padding(prefix string, n int) map[string]*pb.Value {
+	out := make(map[string]*pb.Value)
+	for i := 0; n > 0; i++ {
+		size := min(n, validate.MaxStringValueLen)
+		out[fmt.Sprintf("%s%03d", prefix, i)] = &pb.Value{Kind: &pb.Value_StringValue{StringValue: strings.Repeat("p", size)}}
+		n -= size
+	}
+	return out
 }
 
 // JSON encodes c as the config block a host hands over.
@@ -232,6 +276,12 @@ func (p *Plugin) SetConfig(ctx context.Context, configJSON []byte) error {
 	if cfg.FingerprintEndAfter < 0 {
 		return fmt.Errorf("fixture config: fingerprint_end_after: must be 0 or more, got %d", cfg.FingerprintEndAfter)
 	}
+	if cfg.AttributeBytes < 0 || cfg.AttributeBytes > MaxAttributeBytes {
+		return fmt.Errorf("fixture config: attribute_bytes: must be 0 to %d, got %d", MaxAttributeBytes, cfg.AttributeBytes)
+	}
+	if cfg.StatsValueBytes < 0 || cfg.StatsValueBytes > MaxStatsValueBytes {
+		return fmt.Errorf("fixture config: stats_value_bytes: must be 0 to %d, got %d", MaxStatsValueBytes, cfg.StatsValueBytes)
+	}
 
 	p.mu.Lock()
 	p.cfg = cfg
@@ -302,6 +352,18 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 	if cfg.FingerprintHang {
 		<-ctx.Done()
 		return ctx.Err()
+	}
+	if cfg.FingerprintError != "" {
+		return errors.New(cfg.FingerprintError)
+	}
+	if cfg.FingerprintDelay > 0 {
+		t := time.NewTimer(time.Duration(cfg.FingerprintDelay))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
 	}
 
 	toggled := false
@@ -375,6 +437,9 @@ func inventory(cfg Config, toggled bool) *pb.FingerprintResponse {
 		if gi == 0 && cfg.FingerprintPadBytes > 0 {
 			attrs["pad"] = &pb.Value{Kind: &pb.Value_StringValue{StringValue: strings.Repeat("x", cfg.FingerprintPadBytes)}}
 		}
+		for k, v := range padding("pad_", cfg.AttributeBytes) {
+			attrs[k] = v
+		}
 		group := &pb.DeviceGroup{Vendor: g.Vendor, Type: g.Type, Name: g.Name, Attributes: attrs}
 		for di, id := range g.IDs {
 			d := &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: &pb.Locality{NumaNode: -1}}
@@ -389,6 +454,9 @@ func inventory(cfg Config, toggled bool) *pb.FingerprintResponse {
 				}
 			}
 			group.Devices = append(group.Devices, d)
+		}
+		if cfg.FingerprintInvalid && gi == 0 && len(group.Devices) > 0 {
+			group.Devices = append(group.Devices, group.Devices[0])
 		}
 		resp.Groups = append(resp.Groups, group)
 	}
@@ -414,14 +482,14 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*p
 		resp := &pb.StatsResponse{}
 		for _, g := range cfg.Groups {
 			for _, id := range g.IDs {
+				values := padding("pad_", cfg.StatsValueBytes)
+				values["seq"] = &pb.Value{Kind: &pb.Value_IntValue{IntValue: seq}}
+				values["stats_streams"] = &pb.Value{Kind: &pb.Value_IntValue{IntValue: streams}}
+				values["temperature"] = &pb.Value{Kind: &pb.Value_FloatValue{FloatValue: 40}, Unit: "C"}
 				resp.Devices = append(resp.Devices, &pb.DeviceStats{
 					DeviceId:  id,
 					Timestamp: timestamppb.New(now),
-					Values: map[string]*pb.Value{
-						"seq":           {Kind: &pb.Value_IntValue{IntValue: seq}},
-						"stats_streams": {Kind: &pb.Value_IntValue{IntValue: streams}},
-						"temperature":   {Kind: &pb.Value_FloatValue{FloatValue: 40}, Unit: "C"},
-					},
+					Values:    values,
 				})
 			}
 		}
@@ -468,6 +536,9 @@ func (p *Plugin) Reserve(ctx context.Context, ids []string) (*pb.ContainerReserv
 	}
 	if cfg.ReserveBad {
 		res.Envs["LD_PRELOAD"] = "/x"
+	}
+	if cfg.ReserveTag != "" {
+		res.Envs["FIXTURE_TAG"] = cfg.ReserveTag
 	}
 	return res, nil
 }
