@@ -40,9 +40,10 @@ type Config struct {
 	Logger hclog.Logger
 
 	// PluginDir is searched for plugin executables with pluginloader.Discover. Empty
-	// means no discovery. New fails when the dir cannot be read or is world-writable, or
-	// when it holds no usable plugin and some were refused; world-writable binaries beside
-	// good ones are left out with an error log line and the others run.
+	// means no discovery. New fails when the dir cannot be read or fails the trust check
+	// (pluginloader.CheckPath), or when it holds no usable plugin and some were refused;
+	// refused binaries beside good ones are left out with an error log line and the
+	// others run.
 	PluginDir string
 	// Binaries are plugins to run in addition to those discovered, e.g. the agent's own
 	// executable re-executed as a bundled plugin in -dev mode. A name found twice makes

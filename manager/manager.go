@@ -16,7 +16,7 @@
 //     stream is the plugin's health signal, so losing it is treated like a crash rather
 //     than retried on a process the manager can no longer vouch for.
 //   - A launch refused for a reason retrying cannot fix (pluginloader's
-//     ErrChecksumMismatch, ErrProtocolVersion, ErrConfigRejected, ErrInsecurePath) marks
+//     ErrChecksumMismatch, ErrProtocolVersion, ErrConfigRejected, ErrInsecurePath, ErrNotPlugin) marks
 //     the plugin failed and it is not restarted: the operator fixes the binary or config
 //     and restarts the host.
 //   - A stats stream that fails or stays silent is reopened with the same backoff on the
@@ -308,7 +308,7 @@ func pluginBinaries(cfg Config, log hclog.Logger) ([]pluginloader.Binary, error)
 		case err != nil && len(found) == 0:
 			return nil, fmt.Errorf("discover plugins in %s: %w", cfg.PluginDir, err)
 		case err != nil:
-			// Some binaries were refused (world-writable); run the others.
+			// Some binaries were refused (the trust check); run the others.
 			log.Error("plugins refused and not run", "plugin_dir", cfg.PluginDir, "error", oneLine(err))
 		}
 		bins = append(bins, found...)

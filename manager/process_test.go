@@ -447,3 +447,30 @@ func TestProcessGCCleanupReachesThePlugin(t *testing.T) {
 		t.Errorf("reservation whose plugin cleanup keeps failing = %+v, want released with the cleanup pending", got)
 	}
 }
+
+func TestProcessNotAPluginFailsOnceWithoutRestarts(t *testing.T) {
+	cfg, logs := testConfig(t)
+	cfg.ReadyTimeout = time.Hour
+	path := filepath.Join(t.TempDir(), "chatty")
+	if err := os.WriteFile(path, []byte("#!/bin/sh\necho hello\nexec sleep 30\n"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	cfg = withFixtures(cfg, fixture{name: "fine", cfg: fixtureplugin.Config{Groups: widgets("fine", "n0")}})
+	cfg.Binaries = append(cfg.Binaries, pluginloader.Binary{Name: "chatty", Path: path})
+	m, err := New(cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { shutdown(t, m) })
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
+		t.Fatalf("a binary that is not a plugin held Ready: %v", err)
+	}
+	snap := waitFor(t, m, "chatty failed", func(s device.Snapshot) bool { return pluginOf(s, "chatty").Status == device.PluginFailed })
+	ps := pluginOf(snap, "chatty")
+	if !strings.Contains(ps.LastError, `printed "hello" instead of a go-plugin handshake`) || ps.Restarts != 0 {
+		t.Errorf("chatty = %+v, want failed naming what it printed, no restarts", ps)
+	}
+	logs.waitLine(t, "will not be restarted", "plugin=chatty")
+}

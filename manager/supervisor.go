@@ -56,7 +56,8 @@ func permanent(err error) bool {
 	return errors.Is(err, pluginloader.ErrChecksumMismatch) ||
 		errors.Is(err, pluginloader.ErrProtocolVersion) ||
 		errors.Is(err, pluginloader.ErrConfigRejected) ||
-		errors.Is(err, pluginloader.ErrInsecurePath)
+		errors.Is(err, pluginloader.ErrInsecurePath) ||
+		errors.Is(err, pluginloader.ErrNotPlugin)
 }
 
 const (
