@@ -20,6 +20,8 @@ const (
 	maxTicks = 120
 	// minSparkWidth is the narrowest sparkline drawn, however narrow the terminal.
 	minSparkWidth = 12
+	// fixedSparkWidth is a sparkline's width when the terminal's width is unknown.
+	fixedSparkWidth = 30
 )
 
 // sparkBlocks are the eight levels of a sparkline, lowest first.

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -373,5 +374,48 @@ func TestHistoryPerTick(t *testing.T) {
 				t.Errorf("perTick = %v, want %v", got, tt.want)
 			}
 		})
+	}
+}
+
+func TestLiveTableFitsTheTerminal(t *testing.T) {
+	// A minute of 1s samples; the table without sparklines is 23 columns wide:
+	//   DEVICE  gpu_utilization
+	//   d       42 %
+	h := newStatsHistory(0)
+	var resp *pb.StatsResponse
+	for i := range 60 {
+		resp = statsAt(time.Duration(i)*time.Second, map[string]map[string]*pb.Value{"d": util(42)})
+		h.add(resp)
+	}
+	tests := []struct {
+		termWidth int
+		spark     int    // characters
+		per       string // each character's time
+	}{
+		{200, 60, "1s"},
+		{74, 60, "1s"}, // 8 + 60 + 1 + 4 = 73: fits, with the last column free
+		{73, 30, "2s"}, // one short: two ticks a character
+		{60, 30, "2s"},
+		{40, 20, "3s"},
+		{10, minSparkWidth, "5s"},  // narrower than the table: the narrowest line
+		{0, fixedSparkWidth, "2s"}, // width unknown
+	}
+	for _, tt := range tests {
+		var b strings.Builder
+		if err := writeStatsTables(&b, resp, "", h, tt.termWidth); err != nil {
+			t.Fatal(err)
+		}
+		lines := strings.Split(strings.TrimSuffix(b.String(), "\n"), "\n")
+		if want := "  sparklines: the last 1m0s, " + tt.per + " a character"; !strings.HasSuffix(lines[2], want) {
+			t.Errorf("terminal %d: title %q, want it to end %q", tt.termWidth, lines[2], want)
+		}
+		if want := "d       " + strings.Repeat("▄", tt.spark) + " 42 %"; lines[4] != want {
+			t.Errorf("terminal %d: row %q, want %q", tt.termWidth, lines[4], want)
+		}
+		for _, line := range lines[3:] {
+			if n := utf8.RuneCountInString(line); tt.termWidth > 0 && tt.spark > minSparkWidth && n >= tt.termWidth {
+				t.Errorf("terminal %d: line %q is %d columns, want fewer", tt.termWidth, line, n)
+			}
+		}
 	}
 }
