@@ -234,26 +234,35 @@ func (h *statsHistory) layout(budget int) sparkLayout {
 }
 
 // points returns a series' characters under l, oldest first: the highest sample of each
-// character's ticks within the window, NaN where there is none.
+// character's ticks within the window; NaN where there is none, and where one of its
+// ticks is a disconnection, so that one shows however many ticks a character holds.
 func (h *statsHistory) points(key string, l sparkLayout) []float64 {
 	out := make([]float64, l.width)
 	for i := range out {
 		out[i] = math.NaN()
 	}
-	s := h.series[key]
-	if s == nil {
-		return out
-	}
 	start, newest := h.windowStart(), h.now/uint64(l.perChar)
-	for i := range s.len() {
-		p := s.at(i)
-		back := newest - p.tick/uint64(l.perChar)
-		if p.tick < start || back >= uint64(l.width) {
-			continue
+	// column is the character of tick n, or -1 when n is not drawn.
+	column := func(n uint64) int {
+		back := newest - n/uint64(l.perChar)
+		if n < start || back >= uint64(l.width) {
+			return -1
 		}
-		j := l.width - 1 - int(back)
-		if math.IsNaN(out[j]) || p.v > out[j] {
-			out[j] = p.v
+		return l.width - 1 - int(back)
+	}
+	if s := h.series[key]; s != nil {
+		for i := range s.len() {
+			p := s.at(i)
+			if j := column(p.tick); j >= 0 && (math.IsNaN(out[j]) || p.v > out[j]) {
+				out[j] = p.v
+			}
+		}
+	}
+	for i := range h.ticks.len() {
+		if t := h.ticks.at(i); t.gap {
+			if j := column(t.n); j >= 0 {
+				out[j] = math.NaN()
+			}
 		}
 	}
 	return out

@@ -242,6 +242,16 @@ func TestHistoryDrawsTheLastMinute(t *testing.T) {
 		if got, want := h.spark(sparkGroup, "d", utilChart, h.layout(5)), strings.Repeat("█", 11)+"▅"; got != want {
 			t.Errorf("spark after one more tick = %q, want %q", got, want)
 		}
+		// A disconnection blanks its character, samples or not, and the line goes on.
+		h.disconnected()
+		h.add(statsAt(61*time.Second, map[string]map[string]*pb.Value{"d": util(50)}))
+		for range 3 {
+			h.add(statsAt(62*time.Second, map[string]map[string]*pb.Value{"d": util(100)}))
+		}
+		// Ticks 60..64 (0, 50, gap, 50, 100) and 65..66 (100, 100).
+		if got, want := h.spark(sparkGroup, "d", utilChart, h.layout(5)), strings.Repeat("█", 10)+" █"; got != want {
+			t.Errorf("spark after a disconnection = %q, want %q", got, want)
+		}
 	})
 
 	t.Run("only the last minute, however long ago the rest was", func(t *testing.T) {
