@@ -28,6 +28,16 @@ func newTestFeeds(t *testing.T) *testFeeds {
 
 func (tf *testFeeds) subscribe(context.Context) <-chan int { return tf.ch }
 
+// send hands v to the feed, as the Manager would.
+func (tf *testFeeds) send(t *testing.T, ctx context.Context, v int) {
+	t.Helper()
+	select {
+	case tf.ch <- v:
+	case <-ctx.Done():
+		t.Fatalf("the feed did not take value %d", v)
+	}
+}
+
 // countingEncoder encodes an int as one byte and counts its calls.
 type countingEncoder struct{ calls atomic.Int32 }
 
@@ -101,7 +111,7 @@ func TestFeedEncodesOncePerFilterAndChange(t *testing.T) {
 		readers = append(readers, tf.join(t, ctx, &wg, "b", &encB))
 	}
 	for v := 1; v <= 3; v++ {
-		tf.ch <- v
+		tf.send(t, ctx, v)
 		for _, r := range readers {
 			r.want(t, ctx, v)
 		}
@@ -146,7 +156,7 @@ func TestFeedSkipsStuckAndBusyStreams(t *testing.T) {
 	r := tf.join(t, ctx, &wg, "", &enc)
 
 	for v := 1; v <= 20; v++ {
-		tf.ch <- v
+		tf.send(t, ctx, v)
 		r.want(t, ctx, v)
 	}
 	// The busy stream is woken without being waited for, and when it is done it finds
