@@ -86,7 +86,11 @@ func (h *statsHub) every(interval time.Duration) int {
 	if interval <= h.interval {
 		return 1
 	}
-	return int((interval + h.interval - 1) / h.interval)
+	n := interval / h.interval // rounded up without adding, which could overflow
+	if interval%h.interval != 0 {
+		n++
+	}
+	return int(n)
 }
 
 // watch subscribes to stats snapshots at interval, starting with the current one.

@@ -168,9 +168,11 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManag
 		return fmt.Errorf("start the device manager: %w", err)
 	}
 	srv, err := server.New(server.Config{
-		Manager:       mgr,
-		Logger:        log.Named("server"),
-		ServerOptions: lis.ServerOptions(),
+		Manager:           mgr,
+		Logger:            log.Named("server"),
+		MaxStreams:        cfg.MaxStreams,
+		MaxStreamsPerConn: cfg.MaxStreamsPerConn,
+		ServerOptions:     lis.ServerOptions(),
 	})
 	if err != nil {
 		lis.Close()

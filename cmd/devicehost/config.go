@@ -61,6 +61,11 @@ type agentConfig struct {
 	GCMaxReservations  int
 	GCParallelDestroys int
 
+	// Fingerprint and Stats streams open at once, in all and per connection; zero means
+	// the server's defaults.
+	MaxStreams        int
+	MaxStreamsPerConn int
+
 	// Plugins by plugin (binary) name.
 	Plugins map[string]pluginSettings
 	// Bundled names plugins built into this binary to run by re-executing it
@@ -104,6 +109,8 @@ type fileSchema struct {
 	GCInterval         *hcl.Attribute `hcl:"gc_interval,optional"`
 	GCMaxReservations  *hcl.Attribute `hcl:"gc_max_reservations,optional"`
 	GCParallelDestroys *hcl.Attribute `hcl:"gc_parallel_destroys,optional"`
+	MaxStreams         *hcl.Attribute `hcl:"max_streams,optional"`
+	MaxStreamsPerConn  *hcl.Attribute `hcl:"max_streams_per_connection,optional"`
 	TLSCert            *hcl.Attribute `hcl:"tls_cert,optional"`
 	TLSKey             *hcl.Attribute `hcl:"tls_key,optional"`
 	TLSCA              *hcl.Attribute `hcl:"tls_ca,optional"`
@@ -157,6 +164,8 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 	d.duration(fs.GCInterval, minGCInterval, &cfg.GCInterval)
 	d.integer(fs.GCMaxReservations, 1, &cfg.GCMaxReservations)
 	d.integer(fs.GCParallelDestroys, 1, &cfg.GCParallelDestroys)
+	d.integer(fs.MaxStreams, 1, &cfg.MaxStreams)
+	d.integer(fs.MaxStreamsPerConn, 1, &cfg.MaxStreamsPerConn)
 	d.str(fs.TLSCert, &cfg.TLS.Cert)
 	d.str(fs.TLSKey, &cfg.TLS.Key)
 	d.str(fs.TLSCA, &cfg.TLS.CA)

@@ -327,3 +327,22 @@ func TestDevConfig(t *testing.T) {
 		}
 	})
 }
+
+func TestLoadConfigFileStreamLimits(t *testing.T) {
+	path := writeConfig(t, "devicehost.hcl", "max_streams = 10000\nmax_streams_per_connection = 500\n")
+	cfg := defaultAgentConfig()
+	if err := loadConfigFile(path, &cfg); err != nil {
+		t.Fatalf("loadConfigFile: %v", err)
+	}
+	if cfg.MaxStreams != 10000 || cfg.MaxStreamsPerConn != 500 {
+		t.Errorf("max_streams %d, max_streams_per_connection %d, want 10000 and 500", cfg.MaxStreams, cfg.MaxStreamsPerConn)
+	}
+	for _, content := range []string{"max_streams = 0\n", "max_streams_per_connection = -1\n"} {
+		path := writeConfig(t, "devicehost.hcl", content)
+		key, _, _ := strings.Cut(content, " ")
+		err := loadConfigFile(path, &cfg)
+		if err == nil || !strings.Contains(err.Error(), key) || !strings.Contains(err.Error(), "at least 1") {
+			t.Errorf("%q: %v, want an error naming %s and its lower bound", content, err, key)
+		}
+	}
+}
