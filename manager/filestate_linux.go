@@ -28,7 +28,8 @@ func statFile(path string) (fileState, error) {
 // agent to own the file (or CAP_LEASE) and a file system with leases; elsewhere known is
 // false. A writer opening the file in the microseconds the lease is held waits that long.
 func beingWritten(path string) (writing, known bool) {
-	f, err := os.Open(path)
+	// Non-blocking: a FIFO swapped in since the listing must not hang the watcher.
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return false, false
 	}

@@ -403,6 +403,12 @@ func TestPluginDirFailedPluginGetsAnotherChanceWhenItsFileChanges(t *testing.T) 
 	}
 	logs.waitLine(t, "will not be restarted until its binary or settings change", "plugin=fx", "plugin dir")
 
+	// Any change of its file is another try, a chmod included (it fails the same way).
+	if err := os.Chmod(filepath.Join(dir, "fx"), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	waitLines(t, logs, 2, "will not be restarted until its binary or settings change", "plugin=fx")
+
 	moveIn(t, dir, "fx")
 	snap = waitFor(t, m, "fx running the real plugin", healthIs(device.HealthHealthy, "d0"))
 	if ps := pluginOf(snap, "fx"); ps.Status != device.PluginRunning || ps.LastError != "" {
@@ -470,8 +476,16 @@ func TestPluginDirReserveOfAPluginRemovedMidCall(t *testing.T) {
 	// The call is under way (the fixture hangs in it) when the binary goes.
 	claimed := time.NewTicker(5 * time.Millisecond)
 	defer claimed.Stop()
+	deadline := time.NewTimer(testTimeout)
+	defer deadline.Stop()
 	for !isClaimed(m, "h0") {
-		<-claimed.C
+		select {
+		case <-claimed.C:
+		case res := <-done:
+			t.Fatalf("Reserve returned before the plugin was removed: %+v, %v", res.r, res.err)
+		case <-deadline.C:
+			t.Fatal("Reserve never claimed h0")
+		}
 	}
 	if err := os.Remove(filepath.Join(dir, "hang")); err != nil {
 		t.Fatal(err)
@@ -486,6 +500,20 @@ func TestPluginDirReserveOfAPluginRemovedMidCall(t *testing.T) {
 	}
 	if all, _ := m.Reservations(context.Background(), device.ReservationFilter{}); len(all) != 0 {
 		t.Errorf("reservations after a failed Reserve: %+v, want none", all)
+	}
+}
+
+// waitLines waits until n log lines hold every one of subs.
+func waitLines(t *testing.T, r *logRecorder, n int, subs ...string) {
+	t.Helper()
+	deadline := time.NewTimer(testTimeout)
+	defer deadline.Stop()
+	for len(r.lines(subs...)) < n {
+		select {
+		case <-r.notify:
+		case <-deadline.C:
+			t.Fatalf("%d log lines with %q within %v, want %d; log:\n%s", len(r.lines(subs...)), subs, testTimeout, n, r.String())
+		}
 	}
 }
 

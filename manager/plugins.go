@@ -195,6 +195,11 @@ func (m *Manager) reconcileLocked(retryFailed bool) {
 	// supervisor has stopped. Every supervisor to stop is told at once, then waited for.
 	now := m.cfg.Now()
 	m.supsMu.Lock()
+	for name, at := range m.gone {
+		if now.Sub(at) >= m.cfg.RemovedPluginGrace {
+			delete(m.gone, name) // given up on: the same as never seen
+		}
+	}
 	for _, c := range changes {
 		if c.old == nil {
 			continue
