@@ -1,8 +1,10 @@
 package manager
 
 import (
+	"bytes"
 	"fmt"
 	"maps"
+	"path/filepath"
 	"slices"
 	"time"
 
@@ -26,6 +28,10 @@ const (
 	DefaultStableRunReset     = time.Minute
 	DefaultServedReset        = time.Second
 
+	DefaultPluginDirSettle    = 250 * time.Millisecond
+	DefaultPluginDirRescan    = 2 * time.Second
+	DefaultRemovedPluginGrace = 10 * time.Minute
+
 	DefaultGCInterval         = ledger.DefaultGCInterval
 	DefaultGCMaxReservations  = ledger.DefaultGCMaxReservations
 	DefaultGCParallelDestroys = ledger.DefaultGCParallel
@@ -44,7 +50,27 @@ type Config struct {
 	// (pluginloader.CheckPath), or when it holds no usable plugin and some were refused;
 	// refused binaries beside good ones are left out with an error log line and the
 	// others run.
+	//
+	// The dir is watched while the manager runs (see plugindir.go): a binary added is
+	// launched, one replaced is restarted on the new file, one removed is stopped, each
+	// once the change has settled (PluginDirSettle).
 	PluginDir string
+	// PluginDirSettle is how long a plugin binary must have been left alone (no write,
+	// chmod or rename: its ctime is that old) before a change of it is acted on, and
+	// how long a binary must stay gone before its plugin is stopped. A binary some
+	// process still has open for writing waits longer, where that can be told (Linux:
+	// a read lease). Zero means DefaultPluginDirSettle (250ms).
+	PluginDirSettle time.Duration
+	// PluginDirRescan is how often the plugin dir is listed again while it cannot be
+	// watched (inotify limit reached, dir removed); while it is watched, it is listed on
+	// every change in it and every 30s. Zero means DefaultPluginDirRescan (2s).
+	PluginDirRescan time.Duration
+	// RemovedPluginGrace is how long a plugin removed from the host (its binary gone,
+	// no config block left) may come back before the plugin cleanups of its released
+	// reservations are given up on (logged and counted done); until then they stay
+	// pending and are retried. A plugin with a config block is never given up on. Zero
+	// means DefaultRemovedPluginGrace (10m).
+	RemovedPluginGrace time.Duration
 	// Binaries are plugins to run in addition to those discovered, e.g. the agent's own
 	// executable re-executed as a bundled plugin in -dev mode. A name found twice makes
 	// New fail.
@@ -121,6 +147,9 @@ type Config struct {
 	// gcRetryMin, set by tests only, is the GC's delay before retrying a failed plugin
 	// cleanup (doubling from there); zero means the ledger's default.
 	gcRetryMin time.Duration
+	// watchErr, set by tests only, makes every attempt to watch the plugin dir fail
+	// with it (as reaching the inotify limit would).
+	watchErr error
 }
 
 // PluginConfig is the configuration of one plugin.
@@ -174,14 +203,11 @@ func (c Config) withDefaults() (Config, []string, error) {
 	c.Binaries = slices.Clone(c.Binaries)
 	for i := range c.Binaries {
 		c.Binaries[i].Args = slices.Clone(c.Binaries[i].Args)
+		if c.Binaries[i].Name == "" {
+			c.Binaries[i].Name = filepath.Base(c.Binaries[i].Path)
+		}
 	}
-	plugins := make(map[string]PluginConfig, len(c.Plugins))
-	for name, pc := range c.Plugins {
-		pc.ConfigJSON = slices.Clone(pc.ConfigJSON)
-		pc.Env = slices.Clone(pc.Env)
-		plugins[name] = pc
-	}
-	c.Plugins = plugins
+	c.Plugins = clonePlugins(c.Plugins)
 
 	durations := []struct {
 		name string
@@ -199,6 +225,9 @@ func (c Config) withDefaults() (Config, []string, error) {
 		{"StableRunReset", &c.StableRunReset, DefaultStableRunReset},
 		{"ServedReset", &c.ServedReset, DefaultServedReset},
 		{"GCInterval", &c.GCInterval, DefaultGCInterval},
+		{"PluginDirSettle", &c.PluginDirSettle, DefaultPluginDirSettle},
+		{"PluginDirRescan", &c.PluginDirRescan, DefaultPluginDirRescan},
+		{"RemovedPluginGrace", &c.RemovedPluginGrace, DefaultRemovedPluginGrace},
 	}
 	for _, d := range durations {
 		switch {
@@ -228,12 +257,8 @@ func (c Config) withDefaults() (Config, []string, error) {
 			*n.p = n.def
 		}
 	}
-	if c.StateDir == "" {
-		for _, name := range c.pluginNames() {
-			if c.Plugins[name].Reattach {
-				return Config{}, nil, fmt.Errorf("manager config: plugin %q: Reattach needs a StateDir to keep the reattach data in", name)
-			}
-		}
+	if err := checkPlugins(c.StateDir, c.Plugins); err != nil {
+		return Config{}, nil, err
 	}
 	if c.RestartMaxDelay < c.RestartBaseDelay {
 		return Config{}, nil, fmt.Errorf("manager config: RestartMaxDelay (%v) is below RestartBaseDelay (%v)", c.RestartMaxDelay, c.RestartBaseDelay)
@@ -241,7 +266,32 @@ func (c Config) withDefaults() (Config, []string, error) {
 	return c, notes, nil
 }
 
-// pluginNames returns the names in Plugins, sorted.
-func (c Config) pluginNames() []string {
-	return slices.Sorted(maps.Keys(c.Plugins))
+// clonePlugins deep-copies per-plugin settings, so that no caller's slice is shared.
+func clonePlugins(in map[string]PluginConfig) map[string]PluginConfig {
+	out := make(map[string]PluginConfig, len(in))
+	for name, pc := range in {
+		pc.ConfigJSON = slices.Clone(pc.ConfigJSON)
+		pc.Env = slices.Clone(pc.Env)
+		out[name] = pc
+	}
+	return out
+}
+
+// checkPlugins refuses per-plugin settings the manager cannot honour.
+func checkPlugins(stateDir string, plugins map[string]PluginConfig) error {
+	if stateDir != "" {
+		return nil
+	}
+	for _, name := range slices.Sorted(maps.Keys(plugins)) {
+		if plugins[name].Reattach {
+			return fmt.Errorf("manager config: plugin %q: Reattach needs a StateDir to keep the reattach data in", name)
+		}
+	}
+	return nil
+}
+
+// equal reports whether two plugin settings launch the plugin the same way.
+func (pc PluginConfig) equal(o PluginConfig) bool {
+	return bytes.Equal(pc.ConfigJSON, o.ConfigJSON) && pc.SHA256 == o.SHA256 &&
+		slices.Equal(pc.Env, o.Env) && pc.InheritEnv == o.InheritEnv && pc.Reattach == o.Reattach
 }

@@ -17,8 +17,8 @@
 //     than retried on a process the manager can no longer vouch for.
 //   - A launch refused for a reason retrying cannot fix (pluginloader's
 //     ErrChecksumMismatch, ErrProtocolVersion, ErrConfigRejected, ErrInsecurePath, ErrNotPlugin) marks
-//     the plugin failed and it is not restarted: the operator fixes the binary or config
-//     and restarts the host.
+//     the plugin failed and it is not restarted until the operator fixes it: its file
+//     in the plugin dir changes in any way, or SetPlugins is called.
 //   - A stats stream that fails or stays silent is reopened with the same backoff on the
 //     running process; stats are not a health signal.
 //   - A fingerprint or stats message that breaks a validation rule is logged with the
@@ -38,7 +38,15 @@
 //   - Ready waits for each plugin's first attempt only: a plugin settles when it
 //     fingerprints, when a fingerprint of it is refused, or when its first run fails
 //     (its start and first-fingerprint deadlines bound a hang). A configured plugin
-//     without a binary is listed failed and settled from the start.
+//     without a binary is listed failed and settled from the start. Once closed, Ready
+//     stays closed: a plugin added later does not hold it.
+//
+// The plugin set is not fixed (plugins.go, plugindir.go): the plugin dir is watched, and
+// SetPlugins replaces the per-plugin settings. A plugin added is started; one whose
+// binary or settings changed is restarted on the new ones, its devices kept (unhealthy
+// until it fingerprints again); one removed is stopped and its devices leave the
+// inventory. Device ownership is by plugin name and outlives all of that; reservations
+// are the ledger's and are never touched by it.
 //
 // Reservations, with StateDir set, live in the durable ledger (manager/ledger): Reserve
 // answers once the reservation is fsynced, and Release once the release is. The ledger's
@@ -47,9 +55,11 @@
 // whose cleanup is pending, keeps the cleanup pending and retries it with backoff while
 // the plugin is down or refuses, retries at once when the plugin fingerprints again, and
 // deletes released reservations per GCInterval and GCMaxReservations. A plugin answering
-// UNIMPLEMENTED has nothing to clean. A reservation whose plugin is no longer configured
-// is logged once and counted as cleaned: no plugin of this host can do it, and keeping
-// it pending would keep it from ever being deleted.
+// UNIMPLEMENTED has nothing to clean. The cleanup of a plugin that is not running but
+// may come back stays pending: a plugin with a config block but no binary, and one
+// removed less than RemovedPluginGrace ago (a binary being replaced, a plugin dir being
+// swapped). Any other plugin is not this host's: the cleanup is logged once and counted
+// as done, since keeping it pending would keep the reservation from ever being deleted.
 package manager
 
 import (
@@ -65,7 +75,6 @@ import (
 	"time"
 
 	"github.com/hashicorp/go-hclog"
-	goplugin "github.com/hashicorp/go-plugin"
 
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/ledger"
@@ -81,12 +90,32 @@ type Manager struct {
 	reg    *registry
 	stats  *statsHub
 	store  reservationStore
-	ledger *ledger.Ledger         // the durable store behind store; nil without StateDir
-	gc     *ledger.GC             // runs on ledger; nil without it
-	sups   map[string]*supervisor // by plugin name; fixed after New
+	ledger *ledger.Ledger // the durable store behind store; nil without StateDir
+	gc     *ledger.GC     // runs on ledger; nil without it
+	launch launchFunc
+	dir    *dirWatch // follows PluginDir; nil without one
 
-	cancel   context.CancelFunc // ends every goroutine New started
-	wg       sync.WaitGroup     // supervisors, the GC, the stats tick and the readiness timer
+	// reconfMu serialises changes to the plugin set (New, SetPlugins, the dir watcher);
+	// it is held while they wait for stopped supervisors. It guards the fields below
+	// down to supsMu.
+	reconfMu    sync.Mutex
+	pluginCfg   map[string]PluginConfig    // the per-plugin settings in force
+	dirBins     map[string]dirBinary       // the plugin dir's settled binaries
+	dupLogged   map[string]string          // dir binary not run for its name -> its path, logged
+	saved       map[string]*reattachRecord // reattach records for kept plugins' first supervisors
+	sockets     string                     // socketDir's answer, once socketsMade
+	socketsMade bool
+	started     bool // New's first plugins are running: later ones are logged as added
+
+	// supsMu guards slots, gone and closed. Lookups take it briefly; it is never held
+	// while waiting for a plugin.
+	supsMu sync.RWMutex
+	slots  map[string]*slot     // this host's plugins, by name
+	gone   map[string]time.Time // plugins removed (not configured), by name -> when
+	closed bool                 // Shutdown has begun: no supervisor is started any more
+
+	cancel   context.CancelFunc // ends the GC, the stats tick, the readiness timer and the dir watcher
+	wg       sync.WaitGroup     // supervisors, the GC, the stats tick, the readiness timer and the dir watcher
 	stopped  chan struct{}      // closed when wg is done and the ledger closed
 	closeErr error              // closing the ledger; written before stopped is closed
 	stopping atomic.Bool
@@ -99,10 +128,11 @@ var _ device.Manager = (*Manager)(nil)
 
 // New finds the plugins (cfg.PluginDir plus cfg.Binaries), opens the reservation ledger
 // in cfg.StateDir, and starts the manager: one supervisor per plugin (reattaching to
-// kept plugins a crashed host left running), the ledger's garbage collector, the stats
-// fan-out and the readiness timer. It fails when the config is invalid, the plugin dir
-// cannot be read safely, two plugins share a name, or the state file cannot be used (a
-// *ledger.StateFileError says why and how to recover). The caller must call Shutdown.
+// kept plugins a crashed host left running), the plugin dir watcher, the ledger's
+// garbage collector, the stats fan-out and the readiness timer. It fails when the config
+// is invalid, the plugin dir cannot be read safely, two plugins share a name, or the
+// state file cannot be used (a *ledger.StateFileError says why and how to recover). The
+// caller must call Shutdown, which also stops the plugins started later.
 func New(cfg Config) (*Manager, error) {
 	return newManager(cfg, launchProcess)
 }
@@ -118,31 +148,43 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 	for _, n := range notes {
 		log.Warn(n)
 	}
-	bins, err := pluginBinaries(cfg, log)
-	if err != nil {
-		return nil, err
+	m := &Manager{
+		cfg:       cfg,
+		log:       log,
+		launch:    launch,
+		stats:     newStatsHub(cfg.StatsInterval, cfg.Now),
+		pluginCfg: cfg.Plugins,
+		dupLogged: make(map[string]string),
+		slots:     make(map[string]*slot),
+		gone:      make(map[string]time.Time),
+		stopped:   make(chan struct{}),
+		claims:    make(map[string]string),
 	}
-	missing := make(map[string]string) // configured plugin without a binary -> why
-	for _, name := range cfg.pluginNames() {
-		if !slices.ContainsFunc(bins, func(b pluginloader.Binary) bool { return b.Name == name }) {
-			missing[name] = missingReason(cfg.PluginDir)
-			log.Error("plugin configured but not found; listed as failed", "plugin", name, "error", missing[name])
+	var dirBins []pluginloader.Binary
+	var refused string
+	if cfg.PluginDir != "" {
+		abs, err := filepath.Abs(cfg.PluginDir)
+		if err != nil {
+			return nil, fmt.Errorf("plugin dir %s: %w", cfg.PluginDir, err)
+		}
+		// Watch before listing, so that nothing added meanwhile is missed.
+		m.dir = newDirWatch(abs, cfg, log, m.setDirBinaries)
+		if dirBins, refused, err = discoverDir(cfg.PluginDir, log); err != nil {
+			m.dir.close()
+			return nil, err
 		}
 	}
-
-	m := &Manager{
-		cfg:     cfg,
-		log:     log,
-		stats:   newStatsHub(cfg.StatsInterval, cfg.Now),
-		sups:    make(map[string]*supervisor, len(bins)),
-		stopped: make(chan struct{}),
-		claims:  make(map[string]string),
+	if err := checkNames(dirBins, cfg.Binaries); err != nil {
+		m.closeDir()
+		return nil, err
 	}
+
 	if cfg.StateDir == "" {
 		log.Warn("no state dir: reservations are kept in memory only, lost when the process ends, and never garbage-collected or cleaned up by their plugins")
 		m.store = newMemStore()
 	} else {
 		if m.ledger, err = openLedger(cfg); err != nil {
+			m.closeDir()
 			return nil, err
 		}
 		m.store = m.ledger
@@ -157,23 +199,19 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		})
 		if err != nil { // withDefaults refused what NewGC would
 			_ = m.ledger.Close() // nothing was written; the config error is the one to report
+			m.closeDir()
 			return nil, fmt.Errorf("manager config: %w", err)
 		}
 	}
 
-	var saved map[string]*reattachRecord
-	var sockets string
 	if m.ledger != nil {
 		kept := make(map[string]bool)
-		for _, bin := range bins {
+		for _, bin := range append(slices.Clone(cfg.Binaries), dirBins...) {
 			if cfg.Plugins[bin.Name].Reattach {
 				kept[bin.Name] = true
 			}
 		}
-		saved = loadReattachRecords(m.ledger, kept, log)
-		if len(kept) > 0 {
-			sockets = socketDir(cfg.StateDir, log)
-		}
+		m.saved = loadReattachRecords(m.ledger, kept, log)
 	}
 	var owners map[string]string
 	var ownerRecords ownerStore
@@ -185,42 +223,16 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		}
 	}
 	m.reg = newRegistry(log, cfg.Now, m.store.Holders, ownerRecords, owners)
-	for name, reason := range missing {
-		m.reg.addMissing(name, missingPath(cfg.PluginDir, name), reason)
+
+	// The first plugins: every record is made before any supervisor starts, so none of
+	// them settles Ready alone.
+	m.reconfMu.Lock()
+	if m.dir != nil {
+		m.dirBins = m.dir.start(dirBins, refused)
 	}
-	for _, bin := range bins {
-		pc := cfg.Plugins[bin.Name]
-		m.reg.addPlugin(bin.Name, bin.Path)
-		s := &supervisor{
-			name: bin.Name,
-			bin:  bin,
-			opts: pluginloader.Options{
-				Logger:          cfg.Logger,
-				StartTimeout:    cfg.StartTimeout,
-				SHA256:          pc.SHA256,
-				Env:             pc.Env,
-				InheritEnv:      pc.InheritEnv,
-				ConfigJSON:      pc.ConfigJSON,
-				DisableAutoMTLS: pc.Reattach,
-				SurviveHost:     pc.Reattach,
-			},
-			cfg:    cfg,
-			launch: launch,
-			reg:    m.reg,
-			stats:  m.stats,
-			log:    log.With("plugin", bin.Name),
-		}
-		if m.gc != nil {
-			s.onUp = m.gc.RetryNow
-		}
-		if pc.Reattach {
-			s.keep = &keeper{name: bin.Name, led: m.ledger, log: s.log, saved: saved[bin.Name]}
-			if sockets != "" {
-				s.opts.Env = append(slices.Clone(pc.Env), goplugin.EnvUnixSocketDir+"="+sockets)
-			}
-		}
-		m.sups[bin.Name] = s
-	}
+	m.reconcileLocked(false)
+	m.started = true
+	m.reconfMu.Unlock()
 	m.reg.checkReady()
 	for plugin, n := range m.reg.orphans() {
 		log.Info("device IDs owned by a plugin this host does not run; the first plugin to report them will own them",
@@ -236,13 +248,8 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 			}
 		})
 	}
-	for _, s := range m.sups {
-		m.wg.Go(func() {
-			if err := s.Run(ctx); err != nil {
-				m.reg.failed(s.name, err)
-				s.log.Error("plugin failed and will not be restarted; fix it and restart the host", "error", err)
-			}
-		})
+	if m.dir != nil {
+		m.wg.Go(func() { m.dir.run(ctx) })
 	}
 	m.wg.Go(func() { m.stats.run(ctx, func() device.Inventory { return m.reg.snapshot().Inventory }) })
 	m.wg.Go(func() { m.readyTimer(ctx) })
@@ -254,6 +261,13 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		close(m.stopped)
 	}()
 	return m, nil
+}
+
+// closeDir stops watching the plugin dir, for a New that fails.
+func (m *Manager) closeDir() {
+	if m.dir != nil {
+		m.dir.close()
+	}
 }
 
 // openLedger opens the reservation ledger in cfg.StateDir, creating the dir (0700).
@@ -269,17 +283,22 @@ func openLedger(cfg Config) (*ledger.Ledger, error) {
 
 // cleanup is the GC's plugin cleanup: the owning plugin's Release RPC for e, bounded by
 // ctx (the GC's CleanupTimeout, which is ReserveTimeout) and the plugin's exit. An error
-// (plugin down, silent or refusing) keeps the cleanup pending for a retry. A plugin this
-// manager does not run any more cannot clean up: that is logged, once, and counted done.
-// Called by the GC's workers, at most GCParallelDestroys at once.
+// (plugin down, silent or refusing) keeps the cleanup pending for a retry. So does a
+// plugin that is not running but may come back: one configured without a binary, or
+// one removed less than RemovedPluginGrace ago. Any other plugin cannot clean up: that
+// is logged, once, and counted done. Called by the GC's workers, at most
+// GCParallelDestroys at once.
 func (m *Manager) cleanup(ctx context.Context, e ledger.GCEntry) error {
-	s, ok := m.sups[e.Plugin]
-	if !ok {
-		m.log.Warn("plugin cleanup of a released reservation skipped: its plugin is not configured any more",
-			"plugin", e.Plugin, "reservation_id", e.ReservationID, "owner_id", e.OwnerID, "devices", strings.Join(e.DeviceIDs, ","))
-		return nil
+	s, wait := m.cleanupTarget(e.Plugin)
+	switch {
+	case s != nil:
+		return s.release(ctx, e.ReservationID, e.DeviceIDs)
+	case wait != nil:
+		return wait
 	}
-	return s.release(ctx, e.ReservationID, e.DeviceIDs)
+	m.log.Warn("plugin cleanup of a released reservation skipped: its plugin is not one of this host's any more",
+		"plugin", e.Plugin, "reservation_id", e.ReservationID, "owner_id", e.OwnerID, "devices", strings.Join(e.DeviceIDs, ","))
+	return nil
 }
 
 // missingReason is why a configured plugin has no binary, as its last error.
@@ -298,35 +317,33 @@ func missingPath(pluginDir, name string) string {
 	return filepath.Join(pluginDir, name)
 }
 
-// pluginBinaries lists the discovered plugins and the explicit ones, refusing a name
-// that appears twice.
-func pluginBinaries(cfg Config, log hclog.Logger) ([]pluginloader.Binary, error) {
-	var bins []pluginloader.Binary
-	if cfg.PluginDir != "" {
-		found, err := pluginloader.Discover(cfg.PluginDir, log)
-		switch {
-		case err != nil && len(found) == 0:
-			return nil, fmt.Errorf("discover plugins in %s: %w", cfg.PluginDir, err)
-		case err != nil:
-			// Some binaries were refused (the trust check); run the others.
-			log.Error("plugins refused and not run", "plugin_dir", cfg.PluginDir, "error", oneLine(err))
-		}
-		bins = append(bins, found...)
+// discoverDir lists the plugins in dir. It fails when none is usable and the dir or
+// some binaries were refused; refused binaries beside usable ones are logged and left
+// out, and refused is the error logged about them.
+func discoverDir(dir string, log hclog.Logger) (bins []pluginloader.Binary, refused string, err error) {
+	found, err := pluginloader.Discover(dir, log)
+	switch {
+	case err != nil && len(found) == 0:
+		return nil, "", fmt.Errorf("discover plugins in %s: %w", dir, err)
+	case err != nil:
+		// Some binaries were refused (the trust check); run the others.
+		log.Error("plugins refused and not run", "plugin_dir", dir, "error", oneLine(err))
+		refused = oneLine(err)
 	}
-	for _, b := range cfg.Binaries {
-		if b.Name == "" {
-			b.Name = filepath.Base(b.Path)
-		}
-		bins = append(bins, b)
-	}
-	seen := make(map[string]string, len(bins))
-	for _, b := range bins {
+	return found, refused, nil
+}
+
+// checkNames refuses a plugin name that appears twice among the discovered and the
+// explicit binaries.
+func checkNames(found, explicit []pluginloader.Binary) error {
+	seen := make(map[string]string)
+	for _, b := range append(slices.Clone(found), explicit...) {
 		if prev, dup := seen[b.Name]; dup {
-			return nil, fmt.Errorf("two plugins named %q: %s and %s", b.Name, prev, b.Path)
+			return fmt.Errorf("two plugins named %q: %s and %s", b.Name, prev, b.Path)
 		}
 		seen[b.Name] = b.Path
 	}
-	return bins, nil
+	return nil
 }
 
 // readyTimer closes Ready after ReadyTimeout if the plugins have not settled by then.
@@ -385,6 +402,14 @@ func (m *Manager) WaitForFirstFingerprint(ctx context.Context) (device.Inventory
 // first (the plugins are still being stopped then; a later Shutdown waits again).
 func (m *Manager) Shutdown(ctx context.Context) error {
 	m.stopping.Store(true)
+	m.supsMu.Lock()
+	m.closed = true
+	for _, sl := range m.slots {
+		if sl.cancel != nil {
+			sl.cancel(nil)
+		}
+	}
+	m.supsMu.Unlock()
 	m.cancel()
 	m.reg.watchers.close()
 	m.stats.watchers.close()
@@ -430,7 +455,11 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		return device.Reservation{}, err
 	}
 
-	res, err := m.sups[plugin].reserve(ctx, ids)
+	s := m.supervisor(plugin)
+	if s == nil { // removed since the snapshot was taken
+		return device.Reservation{}, fmt.Errorf("plugin %q was removed: %w", plugin, device.ErrPluginUnavailable)
+	}
+	res, err := s.reserve(ctx, ids)
 	if err != nil {
 		return device.Reservation{}, err
 	}

@@ -61,7 +61,11 @@ func startManager(t *testing.T, cfg Config, fixtures ...fixture) *Manager {
 // pid returns the running plugin's process ID.
 func pid(t *testing.T, m *Manager, plugin string) int {
 	t.Helper()
-	p, ok := m.sups[plugin].current().(interface{ PID() int })
+	s := m.supervisor(plugin)
+	if s == nil {
+		t.Fatalf("plugin %q is not one of the manager's", plugin)
+	}
+	p, ok := s.current().(interface{ PID() int })
 	if !ok {
 		t.Fatalf("plugin %q is not running as a process", plugin)
 	}

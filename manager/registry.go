@@ -40,7 +40,7 @@ type registry struct {
 	claimMu sync.Mutex
 
 	mu       sync.Mutex
-	plugins  map[string]*pluginRecord      // fixed set after New
+	plugins  map[string]*pluginRecord      // this host's plugins; the manager adds and removes them
 	names    []string                      // sorted plugin names
 	owner    map[string]string             // device ID -> owning plugin, perhaps one not in plugins
 	owned    map[string]int                // plugin -> how many IDs it owns
@@ -133,7 +133,9 @@ func (r *registry) orphans() map[string]int {
 	return out
 }
 
-// addPlugin registers a plugin before its supervisor starts.
+// addPlugin registers a plugin before its supervisor starts, replacing a record of that
+// name (a configured plugin whose binary was missing). A plugin added after Ready is
+// closed does not hold anything up; one added before it holds Ready like the others.
 func (r *registry) addPlugin(name, path string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -142,7 +144,42 @@ func (r *registry) addPlugin(name, path string) {
 		down:  "plugin starting",
 	}
 	r.names = slices.Sorted(maps.Keys(r.plugins))
+	r.recomputeLocked()
 	r.publishLocked()
+}
+
+// restartPlugin readies the record of a plugin whose supervisor is being replaced (its
+// binary or settings changed) for the new one: its devices stay in the inventory,
+// unhealthy with reason, until the new process fingerprints; its status starts over
+// (starting, no restarts, no last error) with the new path.
+func (r *registry) restartPlugin(name, path, reason string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	rec, ok := r.plugins[name]
+	if !ok {
+		return
+	}
+	rec.state = device.PluginState{Name: name, Path: path, Status: device.PluginStarting}
+	rec.down = errorLine(reason)
+	r.recomputeLocked()
+	r.publishLocked()
+}
+
+// removePlugin forgets a plugin that left the host: its devices leave the inventory and
+// their states go, while the IDs stay its own (another plugin reporting them may take
+// them over, as for any plugin this host does not run). Its reservations are the
+// store's and stay. Removing the last plugin that held Ready closes it.
+func (r *registry) removePlugin(name string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.plugins[name]; !ok {
+		return
+	}
+	delete(r.plugins, name)
+	r.names = slices.Sorted(maps.Keys(r.plugins))
+	r.recomputeLocked()
+	r.publishLocked()
+	r.checkReadyLocked()
 }
 
 // addMissing registers a configured plugin that has no binary: it is listed as failed
@@ -156,6 +193,7 @@ func (r *registry) addMissing(name, path, reason string) {
 		settled: true,
 	}
 	r.names = slices.Sorted(maps.Keys(r.plugins))
+	r.recomputeLocked()
 	r.publishLocked()
 }
 
@@ -388,7 +426,10 @@ func (r *registry) setFingerprint(name string, fp fingerprint) (*claimError, err
 func (r *registry) known(name string) func(id string) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	devices := r.plugins[name].fp.devices // replaced, never modified: safe to read unlocked
+	var devices map[string]reportedDevice // replaced, never modified: safe to read unlocked
+	if rec, ok := r.plugins[name]; ok {
+		devices = rec.fp.devices
+	}
 	return func(id string) bool { _, ok := devices[id]; return ok }
 }
 

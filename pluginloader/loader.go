@@ -165,6 +165,13 @@ func Discover(dir string, log hclog.Logger) ([]Binary, error) {
 	return bins, errors.Join(errs...)
 }
 
+// CheckDir is CheckPath for a plugin dir, as Discover checks it: the dir itself gets no
+// sticky-bit exception, since anyone who can add a file to it could add a plugin. It
+// returns the resolved path; a refusal wraps ErrInsecurePath.
+func CheckDir(path string) (string, error) {
+	return checkDir(path)
+}
+
 // Launch starts bin (or reattaches per opts.Reattach), does the handshake, checks the
 // protocol version, calls GetPluginInfo and SetConfig, and returns the running plugin.
 // ctx bounds the launch only, not the plugin's life. The whole launch, the kill of a

@@ -7,8 +7,10 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/coreos/go-systemd/v22/daemon"
@@ -29,7 +31,8 @@ const (
 const agentUsage = `[-config FILE] [-dev] [flags]
 
 Runs the device host: launches the plugins, serves the host API on -listen, and stops
-cleanly on SIGINT or SIGTERM. Flags override the config file.`
+cleanly on SIGINT or SIGTERM. Flags override the config file. SIGHUP re-reads the config
+file and applies its plugin blocks and log_level at once.`
 
 // agentArgs is the agent's command line, resolved.
 type agentArgs struct {
@@ -90,6 +93,11 @@ func parseAgentArgs(env *cmdEnv, args []string) (agentArgs, error) {
 
 // runAgent is `devicehost agent`.
 func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
+	// SIGHUP reloads from now on (its default would end the process).
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+
 	a, err := parseAgentArgs(env, args)
 	if err != nil {
 		return err
@@ -103,6 +111,7 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 	})
 
 	var banner func(endpoint.Address)
+	var devDir string
 	if a.dev {
 		// A dev agent that was killed could not remove its directory: remove those
 		// whose agent is provably gone, then make ours.
@@ -124,9 +133,11 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 			release()
 		}()
 		devConfig(&cfg, a.set, dir)
+		devDir = dir
 		banner = func(addr endpoint.Address) { printDevBanner(env.stdout, addr, cfg.StateDir, dir) }
 	}
-	return serveAgent(ctx, cfg, log, managerFactory(cfg), banner)
+	r := &reloader{env: env, args: args, devDir: devDir, log: log, cur: cfg}
+	return serveAgent(ctx, cfg, log, managerFactory(cfg), banner, reloadHook{signals: hup, apply: r.reload})
 }
 
 // devConfig turns cfg into -dev's: socket and state in dir, no plugin dir, and the
@@ -151,8 +162,9 @@ func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
 // serveAgent runs the host until ctx ends or the API server fails: it listens on
 // cfg.Listen, builds the manager with newManager, serves the API, and on the way out
 // shuts the API down and then the manager. banner, if set, is called once the API is
-// listening.
-func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManager device.Factory, banner func(endpoint.Address)) error {
+// listening. reload.apply runs for each reload signal, between the other events (under
+// systemd, between RELOADING=1 and READY=1 once the agent was ready).
+func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManager device.Factory, banner func(endpoint.Address), reload reloadHook) error {
 	addr, err := endpoint.Parse(cfg.Listen)
 	if err != nil {
 		return err
@@ -196,6 +208,17 @@ wait:
 		case <-ready:
 			ready = nil
 			sdNotify(log, daemon.SdNotifyReady)
+		case <-reload.signals:
+			if reload.apply == nil {
+				continue
+			}
+			if ready == nil { // READY=1 was sent: say the reload is under way until it is done
+				sdNotify(log, daemon.SdNotifyReloading)
+			}
+			reload.apply(mgr)
+			if ready == nil {
+				sdNotify(log, daemon.SdNotifyReady)
+			}
 		case <-ctx.Done():
 			log.Info("shutting down")
 			break wait

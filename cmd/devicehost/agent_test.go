@@ -35,8 +35,9 @@ func (a *runningAgent) stop() error {
 }
 
 // startInProcessAgent runs serveAgent on mgr in a goroutine, listening on a socket in
-// a fresh directory, and returns once it listens. Cleanup stops it.
-func startInProcessAgent(t *testing.T, mgr device.Manager) *runningAgent {
+// a fresh directory, and returns once it listens. Cleanup stops it. reload, if given,
+// is the agent's reload hook (by default it never reloads).
+func startInProcessAgent(t *testing.T, mgr device.Manager, reload ...reloadHook) *runningAgent {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "dhag")
 	if err != nil {
@@ -49,9 +50,13 @@ func startInProcessAgent(t *testing.T, mgr device.Manager) *runningAgent {
 	a := &runningAgent{cancel: cancel, done: make(chan struct{})}
 	listening := make(chan endpoint.Address, 1)
 	factory := func(hclog.Logger) (device.Manager, error) { return mgr, nil }
+	var hook reloadHook
+	if len(reload) > 0 {
+		hook = reload[0]
+	}
 	go func() {
 		defer close(a.done)
-		a.err = serveAgent(ctx, cfg, hclog.NewNullLogger(), factory, func(addr endpoint.Address) { listening <- addr })
+		a.err = serveAgent(ctx, cfg, hclog.NewNullLogger(), factory, func(addr endpoint.Address) { listening <- addr }, hook)
 	}()
 	t.Cleanup(func() { a.stop() })
 	select {
@@ -131,7 +136,7 @@ func TestAgentStartFailures(t *testing.T) {
 		sock := filepath.Join(dir, "dh.sock")
 		cfg.Listen = "unix://" + sock
 		factory := func(hclog.Logger) (device.Manager, error) { return nil, errors.New("plugin dir /nope: no such file") }
-		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil)
+		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil, reloadHook{})
 		if err == nil || !strings.Contains(err.Error(), "start the device manager: plugin dir /nope") {
 			t.Errorf("serveAgent: %v, want the manager's error", err)
 		}
@@ -147,7 +152,7 @@ func TestAgentStartFailures(t *testing.T) {
 			t.Error("the manager was started although the socket is taken")
 			return &devicetest.Fake{}, nil
 		}
-		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil)
+		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil, reloadHook{})
 		if want := "another devicehost is listening on " + first.addr.Path; err == nil || err.Error() != want {
 			t.Errorf("serveAgent: %v, want %q", err, want)
 		}

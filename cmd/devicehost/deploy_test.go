@@ -57,6 +57,9 @@ func TestSystemdExampleConfigMatchesTheUnit(t *testing.T) {
 	if got := one("Type"); got != "notify" {
 		t.Errorf("Type=%s, want notify (the agent sends READY=1 and STOPPING=1)", got)
 	}
+	if got := one("ExecReload"); got != "/bin/kill -HUP $MAINPID" {
+		t.Errorf("ExecReload=%s, want /bin/kill -HUP $MAINPID (SIGHUP reloads the config)", got)
+	}
 	if got := one("KillMode"); got != "process" {
 		t.Errorf("KillMode=%s, want process (kept plugins must outlive a crashed agent)", got)
 	}

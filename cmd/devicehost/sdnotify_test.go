@@ -6,11 +6,13 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/device/devicetest"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/endpoint"
@@ -108,6 +110,46 @@ func TestAgentNotifiesSystemd(t *testing.T) {
 	}
 	if msg := sd.next(t, 50*time.Millisecond); msg != "" {
 		t.Errorf("after STOPPING=1 the agent notified %q, want nothing more", msg)
+	}
+}
+
+// A reload (SIGHUP) of a ready agent is framed by RELOADING=1 and READY=1, so systemd
+// shows the unit reloading until it is done; one before READY=1 says nothing (READY=1
+// would claim readiness too early).
+func TestAgentNotifiesSystemdAroundAReload(t *testing.T) {
+	sd := listenNotify(t)
+	ready := make(chan struct{})
+	signals := make(chan os.Signal, 1)
+	applying := make(chan struct{})
+	finish := make(chan struct{})
+	hook := reloadHook{signals: signals, apply: func(device.Manager) {
+		applying <- struct{}{}
+		<-finish
+	}}
+	a := startInProcessAgent(t, &devicetest.Fake{ReadyFunc: func() <-chan struct{} { return ready }}, hook)
+
+	signals <- syscall.SIGHUP
+	<-applying
+	finish <- struct{}{}
+	if msg := sd.next(t, 200*time.Millisecond); msg != "" {
+		t.Fatalf("a reload before the agent was ready notified %q, want nothing", msg)
+	}
+	close(ready)
+	if msg := sd.next(t, 10*time.Second); msg != "READY=1" {
+		t.Fatalf("after the manager is ready the agent notified %q, want READY=1", msg)
+	}
+
+	signals <- syscall.SIGHUP
+	<-applying
+	if msg := sd.next(t, 10*time.Second); msg != "RELOADING=1" {
+		t.Errorf("while reloading the agent notified %q, want RELOADING=1", msg)
+	}
+	finish <- struct{}{}
+	if msg := sd.next(t, 10*time.Second); msg != "READY=1" {
+		t.Errorf("after the reload the agent notified %q, want READY=1", msg)
+	}
+	if err := a.stop(); err != nil {
+		t.Errorf("serveAgent: %v", err)
 	}
 }
 

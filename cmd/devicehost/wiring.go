@@ -24,6 +24,35 @@ func managerFactory(cfg agentConfig) device.Factory {
 	}
 }
 
+// pluginSetter is what of the real manager a reload needs: *manager.Manager has it.
+type pluginSetter interface {
+	SetPlugins(map[string]manager.PluginConfig) error
+}
+
+// applyPlugins hands cfg's plugin blocks to a running manager (see manager.SetPlugins).
+func applyPlugins(mgr device.Manager, cfg agentConfig) error {
+	ps, ok := mgr.(pluginSetter)
+	if !ok {
+		return fmt.Errorf("the device manager (%T) does not take plugin settings while it runs", mgr)
+	}
+	return ps.SetPlugins(pluginConfigs(cfg))
+}
+
+// pluginConfigs maps the config file's plugin blocks onto the manager's settings.
+func pluginConfigs(cfg agentConfig) map[string]manager.PluginConfig {
+	out := make(map[string]manager.PluginConfig, len(cfg.Plugins))
+	for name, p := range cfg.Plugins {
+		out[name] = manager.PluginConfig{
+			ConfigJSON: p.ConfigJSON,
+			SHA256:     p.SHA256,
+			Env:        p.Env,
+			InheritEnv: p.InheritEnv,
+			Reattach:   p.Reattach,
+		}
+	}
+	return out
+}
+
 // newManager builds the real device manager. log is the root logger: the manager names
 // its own lines "manager" and each plugin's after the plugin.
 func newManager(cfg agentConfig, log hclog.Logger) (*manager.Manager, error) {
@@ -40,16 +69,7 @@ func newManager(cfg agentConfig, log hclog.Logger) (*manager.Manager, error) {
 		GCMaxReservations:  cfg.GCMaxReservations,
 		GCParallelDestroys: cfg.GCParallelDestroys,
 
-		Plugins: make(map[string]manager.PluginConfig, len(cfg.Plugins)),
-	}
-	for name, p := range cfg.Plugins {
-		mc.Plugins[name] = manager.PluginConfig{
-			ConfigJSON: p.ConfigJSON,
-			SHA256:     p.SHA256,
-			Env:        p.Env,
-			InheritEnv: p.InheritEnv,
-			Reattach:   p.Reattach,
-		}
+		Plugins: pluginConfigs(cfg),
 	}
 	if len(cfg.Bundled) > 0 {
 		self, err := os.Executable()

@@ -1,0 +1,96 @@
+package main
+
+import (
+	"fmt"
+	"maps"
+	"os"
+	"slices"
+	"strings"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// reloadHook is how serveAgent re-reads its configuration: apply runs, in serveAgent's
+// own goroutine, for each value from signals (SIGHUP). The zero value never reloads.
+type reloadHook struct {
+	signals <-chan os.Signal
+	apply   func(mgr device.Manager)
+}
+
+// reloader re-reads the agent's configuration on SIGHUP: the command line again (so the
+// flags given keep winning over the file), the config file, and -dev's settings. What
+// can change live is applied: the plugin blocks (through the manager's SetPlugins) and
+// log_level (on the root logger, so every logger named from it follows). The rest is
+// logged as needing a restart and left as it runs. A file that does not load is refused
+// with the same file:line message as at start, and nothing changes.
+//
+// Used from serveAgent's goroutine only.
+type reloader struct {
+	env    *cmdEnv
+	args   []string // the agent's command line
+	devDir string   // -dev's temporary dir; "" without -dev
+	log    hclog.Logger
+	cur    agentConfig // the running configuration
+}
+
+// reload re-reads the configuration and applies it to mgr.
+func (r *reloader) reload(mgr device.Manager) {
+	r.log.Info("SIGHUP: re-reading the configuration")
+	a, err := parseAgentArgs(r.env, r.args)
+	if err != nil {
+		r.log.Error("configuration reload refused; the running configuration is kept", "error", err.Error())
+		return
+	}
+	next := a.cfg
+	if r.devDir != "" {
+		devConfig(&next, a.set, r.devDir)
+	}
+	running := r.cur
+
+	if next.LogLevel != running.LogLevel {
+		r.log.SetLevel(hclog.LevelFromString(next.LogLevel))
+		r.log.Info("log level changed", "from", running.LogLevel, "to", next.LogLevel)
+		running.LogLevel = next.LogLevel
+	}
+	if err := applyPlugins(mgr, next); err != nil {
+		r.log.Error("plugin settings not applied; the running ones are kept", "error", err)
+	} else {
+		running.Plugins = next.Plugins
+	}
+	r.cur = running
+
+	restart := restartOnly(running, next)
+	if len(restart) > 0 {
+		r.log.Warn("configuration changes that need an agent restart are ignored until then", "settings", strings.Join(restart, ", "))
+	}
+	r.log.Info("configuration reloaded", "plugins", strings.Join(slices.Sorted(maps.Keys(running.Plugins)), ", "), "needs_restart", strings.Join(restart, ", "))
+}
+
+// restartOnly names the settings, by their config file keys, that differ between the
+// running configuration and next and cannot change without a restart.
+func restartOnly(running, next agentConfig) []string {
+	var out []string
+	check := func(key string, a, b any) {
+		if fmt.Sprint(a) != fmt.Sprint(b) {
+			out = append(out, key)
+		}
+	}
+	check("listen", running.Listen, next.Listen)
+	check("plugin_dir", running.PluginDir, next.PluginDir)
+	check("state_dir", running.StateDir, next.StateDir)
+	check("log_json", running.LogJSON, next.LogJSON)
+	check("tls_cert", running.TLS.Cert, next.TLS.Cert)
+	check("tls_key", running.TLS.Key, next.TLS.Key)
+	check("tls_ca", running.TLS.CA, next.TLS.CA)
+	check("insecure", running.TLS.Insecure, next.TLS.Insecure)
+	check("stats_interval", running.StatsInterval, next.StatsInterval)
+	check("reserve_timeout", running.ReserveTimeout, next.ReserveTimeout)
+	check("start_timeout", running.StartTimeout, next.StartTimeout)
+	check("ready_timeout", running.ReadyTimeout, next.ReadyTimeout)
+	check("gc_interval", running.GCInterval, next.GCInterval)
+	check("gc_max_reservations", running.GCMaxReservations, next.GCMaxReservations)
+	check("gc_parallel_destroys", running.GCParallelDestroys, next.GCParallelDestroys)
+	return out
+}
