@@ -245,26 +245,26 @@ func (a *Adapter) launch(ctx context.Context, cfg Config) (_ *instance, err erro
 	}
 	raw, err := rpc.Dispense(base.PluginTypeBase)
 	if err != nil {
-		return nil, fmt.Errorf("Nomad plugin %s: %w", cfg.NomadPlugin, err)
+		return nil, fmt.Errorf("the Nomad plugin %s: %w", cfg.NomadPlugin, err)
 	}
 	bp, ok := raw.(base.BasePlugin)
 	if !ok {
-		return nil, fmt.Errorf("Nomad plugin %s: base plugin of type %T", cfg.NomadPlugin, raw)
+		return nil, fmt.Errorf("the Nomad plugin %s: base plugin of type %T", cfg.NomadPlugin, raw)
 	}
 	info, err := bp.PluginInfo()
 	if err != nil {
-		return nil, fmt.Errorf("Nomad plugin %s: plugin info: %w", cfg.NomadPlugin, err)
+		return nil, fmt.Errorf("the Nomad plugin %s: plugin info: %w", cfg.NomadPlugin, err)
 	}
 	if info.Type != base.PluginTypeDevice {
-		return nil, fmt.Errorf("Nomad plugin %s (%q) is a %q plugin, not a device plugin", cfg.NomadPlugin, info.Name, info.Type)
+		return nil, fmt.Errorf("the Nomad plugin %s (%q) is a %q plugin, not a device plugin", cfg.NomadPlugin, info.Name, info.Type)
 	}
 	if !slices.Contains(info.PluginApiVersions, device.ApiVersion010) {
-		return nil, fmt.Errorf("Nomad plugin %s (%q) speaks device API %q; the adapter speaks %s",
+		return nil, fmt.Errorf("the Nomad plugin %s (%q) speaks device API %q; the adapter speaks %s",
 			cfg.NomadPlugin, info.Name, info.PluginApiVersions, device.ApiVersion010)
 	}
 	schema, err := bp.ConfigSchema()
 	if err != nil {
-		return nil, fmt.Errorf("Nomad plugin %s (%q): config schema: %w", cfg.NomadPlugin, info.Name, err)
+		return nil, fmt.Errorf("the Nomad plugin %s (%q): config schema: %w", cfg.NomadPlugin, info.Name, err)
 	}
 	packed, err := nomadconfig.Encode(schema, cfg.NomadConfig)
 	if err != nil {
@@ -272,14 +272,14 @@ func (a *Adapter) launch(ctx context.Context, cfg Config) (_ *instance, err erro
 	}
 	raw, err = rpc.Dispense(base.PluginTypeDevice)
 	if err != nil {
-		return nil, fmt.Errorf("Nomad plugin %s (%q): %w", cfg.NomadPlugin, info.Name, err)
+		return nil, fmt.Errorf("the Nomad plugin %s (%q): %w", cfg.NomadPlugin, info.Name, err)
 	}
 	dev, ok := raw.(*nomadDevice)
 	if !ok {
-		return nil, fmt.Errorf("Nomad plugin %s: device plugin of type %T", cfg.NomadPlugin, raw)
+		return nil, fmt.Errorf("the Nomad plugin %s: device plugin of type %T", cfg.NomadPlugin, raw)
 	}
 	if err := dev.SetConfig(&base.Config{ApiVersion: device.ApiVersion010, PluginConfig: packed}); err != nil {
-		return nil, fmt.Errorf("Nomad plugin %q rejected its config: %w", info.Name, err)
+		return nil, fmt.Errorf("the Nomad plugin %q rejected its config: %w", info.Name, err)
 	}
 	a.log.Info("Nomad plugin running", "nomad_plugin", info.Name, "version", info.PluginVersion, "path", cfg.NomadPlugin)
 	return &instance{client: client, dev: dev, path: cfg.NomadPlugin, stopping: make(chan struct{})}, nil
@@ -314,7 +314,7 @@ func (a *Adapter) watchExit(in *instance) {
 		return
 	default:
 	}
-	err := fmt.Errorf("Nomad plugin %s exited", in.path)
+	err := fmt.Errorf("the Nomad plugin %s exited", in.path)
 	a.log.Error("Nomad plugin exited; the adapter exits so that devicehost restarts it with backoff", "path", in.path)
 	a.onExit(err)
 }

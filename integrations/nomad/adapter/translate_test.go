@@ -213,3 +213,17 @@ func TestParseConfig(t *testing.T) {
 		t.Fatalf("parseConfig = %+v, %v, %v", cfg, wait, err)
 	}
 }
+
+// The Nomad plugin does not see what go-plugin told the adapter (its AutoMTLS
+// certificate, ports, socket dir, devicehost's handshake cookie): it would serve by
+// those instead of the adapter's own client's.
+func TestPluginEnv(t *testing.T) {
+	got := pluginEnv([]string{
+		"PATH=/usr/bin", "PLUGIN_CLIENT_CERT=pem", "PLUGIN_MIN_PORT=1", "PLUGIN_UNIX_SOCKET_DIR=/var/lib/devicehost/sockets",
+		"DEVICEHOST_PLUGIN=cookie", "NVIDIA_DRIVER_CAPABILITIES=all", "PLUGINS=kept",
+	})
+	want := []string{"PATH=/usr/bin", "NVIDIA_DRIVER_CAPABILITIES=all", "PLUGINS=kept"}
+	if strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Errorf("pluginEnv = %q, want %q", got, want)
+	}
+}

@@ -72,6 +72,12 @@ plugin "nomad-broken" {
 		t.Fatal(err)
 	}
 	e.agent = startAgent(t, bins[agentName], tmp, "agent", "-config", cfgPath, "-log-json", "-log-level", "debug")
+	t.Cleanup(func() {
+		// The agent's plugins die with it (parent-death signal), and the example plugin
+		// with the adapter: nothing may be left behind.
+		e.agent.kill()
+		noProcesses(t, "after the agent was killed", bins[exampleName])
+	})
 	return e
 }
 

@@ -35,12 +35,13 @@ type nomadDevices struct {
 	log  *lineRecorder
 }
 
-func startNomadDevices(t testing.TB, shimBin, address string) *nomadDevices {
+// Its log is kept from level on, and shown if the test fails.
+func startNomadDevices(t testing.TB, shimBin, address string, level hclog.Level) *nomadDevices {
 	t.Helper()
 	dir := tempDir(t, "dhnp")
 	install(t, shimBin, dir, shim.BinaryName)
 	logs := &lineRecorder{}
-	log := hclog.New(&hclog.LoggerOptions{Name: "nomad", Level: hclog.Debug, Output: logs})
+	log := hclog.New(&hclog.LoggerOptions{Name: "nomad", Level: level, Output: logs})
 	l, err := loader.NewPluginLoader(&loader.PluginLoaderConfig{
 		Logger:    log,
 		PluginDir: dir,
@@ -201,7 +202,7 @@ func TestNomadDeviceManagerOnDevAgent(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 
-	n := startNomadDevices(t, bins[shim.BinaryName], address)
+	n := startNomadDevices(t, bins[shim.BinaryName], address, hclog.Debug)
 	node := n.node.wait(t, "8 healthy H100s", eightH100s(func(d *structs.NodeDevice) bool { return d.Healthy }))
 	g := h100s(node)
 	if mem := g.Attributes["memory"]; mem == nil || mem.Int == nil || mem.Unit != "MiB" || *mem.Int < 80000 {

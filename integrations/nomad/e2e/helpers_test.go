@@ -358,6 +358,24 @@ func onlyProcess(t testing.TB, exe string, args ...string) int {
 	}
 }
 
+// noProcesses fails the test unless, within a few seconds (a process being killed
+// takes a moment to go), no process runs exe.
+func noProcesses(t testing.TB, when, exe string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		pids := processes(exe)
+		if len(pids) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("%s: processes of %s still running: %v", when, exe, pids)
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // errContains reports whether err's text holds every one of want.
 func errContains(err error, want ...string) bool {
 	if err == nil {

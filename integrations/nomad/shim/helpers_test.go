@@ -120,37 +120,16 @@ func snapshot(ids ...string) dev.Snapshot {
 	return dev.Snapshot{Time: time.Now(), Inventory: dev.Inventory{Groups: []dev.Group{g}}, State: st}
 }
 
-// snapshots is a Manager.Watch that delivers what the test sends on the channel it
-// returns (latest first, as the real manager does), until the caller goes away.
-type snapshots struct {
-	mu  sync.Mutex
-	cur dev.Snapshot
-	sub []chan dev.Snapshot
-}
+// snapshots is a Manager.Watch that delivers one snapshot to each watcher and holds
+// the stream open, as the real manager does while nothing changes.
+type snapshots struct{ snap dev.Snapshot }
 
-func newSnapshots(first dev.Snapshot) *snapshots { return &snapshots{cur: first} }
+func newSnapshots(snap dev.Snapshot) *snapshots { return &snapshots{snap: snap} }
 
-func (s *snapshots) watch(ctx context.Context) <-chan dev.Snapshot {
+func (s *snapshots) watch(context.Context) <-chan dev.Snapshot {
 	ch := make(chan dev.Snapshot, 1)
-	s.mu.Lock()
-	ch <- s.cur
-	s.sub = append(s.sub, ch)
-	s.mu.Unlock()
+	ch <- s.snap
 	return ch
-}
-
-// publish sends snap to every watcher, replacing what a watcher has not read.
-func (s *snapshots) publish(snap dev.Snapshot) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.cur = snap
-	for _, ch := range s.sub {
-		select {
-		case <-ch:
-		default:
-		}
-		ch <- snap
-	}
 }
 
 // fakeLedger is a Manager's Reserve and Release over an in-memory ledger with the
