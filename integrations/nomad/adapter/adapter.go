@@ -197,6 +197,14 @@ func parseConfig(configJSON []byte) (Config, time.Duration, error) {
 	if !st.Mode().IsRegular() || st.Mode().Perm()&0o111 == 0 {
 		return cfg, 0, fmt.Errorf("nomad_plugin: %s is not an executable file", cfg.NomadPlugin)
 	}
+	// As devicehost refuses for its own plugins: anyone could replace such a binary,
+	// and it runs as the agent's user with the devices.
+	if st.Mode().Perm()&0o002 != 0 {
+		return cfg, 0, fmt.Errorf("nomad_plugin: %s is world-writable (mode %s)", cfg.NomadPlugin, st.Mode().Perm())
+	}
+	if dir, err := os.Stat(filepath.Dir(cfg.NomadPlugin)); err == nil && dir.Mode().Perm()&0o002 != 0 && dir.Mode()&os.ModeSticky == 0 {
+		return cfg, 0, fmt.Errorf("nomad_plugin: its directory %s is world-writable (mode %s)", filepath.Dir(cfg.NomadPlugin), dir.Mode().Perm())
+	}
 	emptyAfter := DefaultEmptyInventoryAfter
 	if cfg.EmptyInventoryAfter != "" {
 		if emptyAfter, err = time.ParseDuration(cfg.EmptyInventoryAfter); err != nil || emptyAfter < 0 {

@@ -24,11 +24,12 @@ func (a *Adapter) Fingerprint(ctx context.Context, send func(*pb.FingerprintResp
 		return err
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
 	ch, err := in.dev.Fingerprint(ctx)
 	if err != nil {
+		cancel()
 		return pluginError(in, "fingerprint", err)
 	}
+	defer stopStream(cancel, ch)
 	var quiet <-chan time.Time
 	if in.emptyAfter > 0 {
 		t := time.NewTimer(in.emptyAfter)
@@ -77,11 +78,12 @@ func (a *Adapter) Stats(ctx context.Context, interval time.Duration, send func(*
 		return err
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
 	ch, err := in.dev.Stats(ctx, interval)
 	if err != nil {
+		cancel()
 		return pluginError(in, "stats", err)
 	}
+	defer stopStream(cancel, ch)
 	for {
 		select {
 		case <-ctx.Done():
@@ -121,6 +123,17 @@ func (a *Adapter) Reserve(ctx context.Context, deviceIDs []string) (*pb.Containe
 		return nil, err // a gRPC status: the host keeps its code and message
 	}
 	return reservationFromNomad(resp.GetContainerRes()), nil
+}
+
+// stopStream ends a stream of Nomad's device client: it cancels the stream's context
+// and reads what is left until the client closes the channel. The client's goroutine
+// sends the stream's final error without watching the context, so a channel nobody
+// reads would keep it forever. Canceling ends the gRPC stream at once, so this returns
+// promptly.
+func stopStream[T any](cancel context.CancelFunc, ch <-chan T) {
+	cancel()
+	for range ch {
+	}
 }
 
 // knownDevices is the set of device IDs of the last fingerprint sent, for Stats. Safe

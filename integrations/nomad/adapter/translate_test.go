@@ -3,6 +3,7 @@ package adapter
 import (
 	"fmt"
 	"math"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -191,12 +192,25 @@ func TestReservationFromNomad(t *testing.T) {
 func TestParseConfig(t *testing.T) {
 	bin := t.TempDir() + "/plugin"
 	writeExec(t, bin)
+	open := t.TempDir() + "/open"
+	writeExec(t, open)
+	if err := os.Chmod(open, 0o757); err != nil {
+		t.Fatal(err)
+	}
+	openDir := t.TempDir()
+	inOpenDir := openDir + "/plugin"
+	writeExec(t, inOpenDir)
+	if err := os.Chmod(openDir, 0o777); err != nil {
+		t.Fatal(err)
+	}
 	for _, tc := range []struct{ name, config, want string }{
 		{"empty", ``, "nomad_plugin is required"},
 		{"no plugin", `{}`, "nomad_plugin: required"},
 		{"relative", `{"nomad_plugin": "plugin"}`, "not an absolute path"},
 		{"missing", `{"nomad_plugin": "/nonexistent/p"}`, "no such file"},
 		{"not executable", `{"nomad_plugin": "` + t.TempDir() + `"}`, "not an executable file"},
+		{"world-writable", `{"nomad_plugin": "` + open + `"}`, "is world-writable (mode -rwxr-xrwx)"},
+		{"world-writable dir", `{"nomad_plugin": "` + inOpenDir + `"}`, "its directory " + openDir + " is world-writable"},
 		{"unknown key", `{"nomad_plugin": "` + bin + `", "nomad_cfg": {}}`, `unknown field "nomad_cfg"`},
 		{"config not object", `{"nomad_plugin": "` + bin + `", "nomad_config": [1]}`, "nomad_config: must be an object"},
 		{"bad wait", `{"nomad_plugin": "` + bin + `", "empty_inventory_after": "later"}`, `empty_inventory_after: "later"`},

@@ -169,10 +169,23 @@ func TestAdapterFingerprintReserve(t *testing.T) {
 	if _, err := a.Reserve(ctx, []string{"nope"}); !errContains(err, `unknown device "nope"`) {
 		t.Errorf("Reserve of an unknown device: %v; want the example's refusal", err)
 	}
+	sctx, stopStats := context.WithCancel(ctx)
+	statsDone := make(chan error, 1)
+	go func() {
+		statsDone <- a.Stats(sctx, 50*time.Millisecond, func(*dpb.StatsResponse) error { return nil })
+	}()
 	stop()
 	if err := <-done; err != nil {
 		t.Errorf("Fingerprint after its ctx ended: %v; want nil", err)
 	}
+	stopStats()
+	if err := <-statsDone; err != nil {
+		t.Errorf("Stats after its ctx ended: %v; want nil", err)
+	}
+	// Nomad's device client sends a stream's last error without watching the context:
+	// the adapter must read it, or that goroutine stays forever.
+	noGoroutineIn(t, "devicePluginClient).handleFingerprint")
+	noGoroutineIn(t, "devicePluginClient).handleStats")
 }
 
 // A Nomad plugin that dies is reported through OnExit (the binary exits there, so the

@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -370,6 +371,25 @@ func noProcesses(t testing.TB, when, exe string) {
 		}
 		if time.Now().After(deadline) {
 			t.Errorf("%s: processes of %s still running: %v", when, exe, pids)
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// noGoroutineIn fails the test unless, within a few seconds, no goroutine has fn on
+// its stack.
+func noGoroutineIn(t testing.TB, fn string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		buf := make([]byte, 1<<20)
+		stacks := string(buf[:runtime.Stack(buf, true)])
+		if !strings.Contains(stacks, fn) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("a goroutine in %s is left over:\n%s", fn, stacks)
 			return
 		}
 		time.Sleep(20 * time.Millisecond)
