@@ -1,0 +1,410 @@
+// Package e2e proves the Nomad integration with real third-party code: Nomad's
+// example device plugin under the real devicehost agent through the adapter, and
+// Nomad's own client device manager driving nomad-device-devicehost against a real
+// `devicehost agent -dev`. Every binary is built from source by the tests, once per
+// run (with -race when the tests run with it).
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	// Nomad's example device plugin: built as a binary by the tests; imported here so
+	// its dependencies stay in go.mod and go.sum.
+	_ "github.com/hashicorp/nomad/plugins/device/cmd/example"
+
+	"github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/integrations/nomad/shim"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+const testTimeout = 60 * time.Second
+
+// Main packages the tests build, and the file names they get.
+const (
+	examplePkg  = "github.com/hashicorp/nomad/plugins/device/cmd/example/cmd"
+	exampleName = "nomad-example-device"
+	adapterPkg  = "./cmd/devicehost-plugin-nomad"
+	adapterName = "devicehost-plugin-nomad"
+	shimPkg     = "./cmd/nomad-device-devicehost"
+	agentPkg    = "./cmd/devicehost"
+	agentName   = "devicehost"
+)
+
+// binaries are the built programs, by name.
+var binaries struct {
+	once  sync.Once
+	dir   string
+	paths map[string]string
+	err   error
+}
+
+// build builds every binary the tests use once per test run and returns its path by
+// file name: devicehost (from the main module, as its own tests build it), Nomad's
+// example device plugin (unmodified, from the Nomad v1.6.3 module), the adapter and
+// the shim.
+func build(t testing.TB) map[string]string {
+	t.Helper()
+	binaries.once.Do(func() {
+		binaries.paths, binaries.err = buildAll()
+	})
+	if binaries.err != nil {
+		t.Fatalf("build: %v", binaries.err)
+	}
+	return binaries.paths
+}
+
+func buildAll() (map[string]string, error) {
+	goTool, err := exec.LookPath("go")
+	if err != nil {
+		return nil, err
+	}
+	here, err := goEnv(goTool, "", "GOMOD")
+	if err != nil {
+		return nil, err
+	}
+	nomadRoot := filepath.Dir(here)
+	mainRoot := filepath.Join(nomadRoot, "..", "..")
+	dir, err := os.MkdirTemp("", "dhnomad-bin")
+	if err != nil {
+		return nil, err
+	}
+	binaries.dir = dir
+	flags := []string{"build"}
+	if raceEnabled {
+		flags = append(flags, "-race")
+	}
+	run := func(root, pkg, name string) error {
+		args := append(append([]string{}, flags...), "-o", filepath.Join(dir, name), pkg)
+		cmd := exec.Command(goTool, args...)
+		cmd.Dir = root
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("go %s (in %s): %w\n%s", strings.Join(args, " "), root, err, out)
+		}
+		return nil
+	}
+	for _, b := range []struct{ root, pkg, name string }{
+		{mainRoot, agentPkg, agentName},
+		{nomadRoot, examplePkg, exampleName},
+		{nomadRoot, adapterPkg, adapterName},
+		{nomadRoot, shimPkg, shim.BinaryName},
+	} {
+		if err := run(b.root, b.pkg, b.name); err != nil {
+			return nil, err
+		}
+	}
+	return map[string]string{
+		agentName:       filepath.Join(dir, agentName),
+		exampleName:     filepath.Join(dir, exampleName),
+		adapterName:     filepath.Join(dir, adapterName),
+		shim.BinaryName: filepath.Join(dir, shim.BinaryName),
+	}, nil
+}
+
+func goEnv(goTool, dir, key string) (string, error) {
+	cmd := exec.Command(goTool, "env", key)
+	cmd.Dir = dir
+	out, err := cmd.Output()
+	if err != nil {
+		return "", fmt.Errorf("go env %s: %w", key, err)
+	}
+	v := strings.TrimSpace(string(out))
+	if v == "" || v == os.DevNull {
+		return "", fmt.Errorf("go env %s: not in a module", key)
+	}
+	return v, nil
+}
+
+func cleanupBinaries() {
+	if binaries.dir != "" {
+		os.RemoveAll(binaries.dir)
+	}
+}
+
+// tempDir makes a fresh directory with a name short enough for Unix socket paths
+// (t.TempDir's names carry the test's name), removed at cleanup.
+func tempDir(t testing.TB, prefix string) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// install copies the binary src to dir/name, mode 0755.
+func install(t testing.TB, src, dir, name string) string {
+	t.Helper()
+	b, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst := filepath.Join(dir, name)
+	if err := os.WriteFile(dst, b, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return dst
+}
+
+// lineRecorder collects the lines of a process's output as they come.
+type lineRecorder struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (r *lineRecorder) consume(rd io.Reader) {
+	sc := bufio.NewScanner(rd)
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		r.add(sc.Text())
+	}
+}
+
+func (r *lineRecorder) add(line string) {
+	r.mu.Lock()
+	r.lines = append(r.lines, line)
+	r.mu.Unlock()
+}
+
+// Write records p's lines (for loggers).
+func (r *lineRecorder) Write(p []byte) (int, error) {
+	for _, l := range strings.Split(strings.TrimRight(string(p), "\n"), "\n") {
+		r.add(l)
+	}
+	return len(p), nil
+}
+
+func (r *lineRecorder) String() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return strings.Join(r.lines, "\n")
+}
+
+// agentProcess is a running `devicehost agent`.
+type agentProcess struct {
+	cmd    *exec.Cmd
+	out    *lineRecorder
+	exited chan struct{}
+}
+
+// startAgent runs the devicehost binary with args in a process group of its own, with
+// TMPDIR set to tmp (a SIGKILLed -dev agent cannot remove its temporary directory), and
+// records its output. Cleanup SIGKILLs the group if the agent still runs (its plugins
+// die with it through their parent-death signal) and, if the test failed, logs the
+// agent's output.
+func startAgent(t testing.TB, bin, tmp string, args ...string) *agentProcess {
+	t.Helper()
+	a := &agentProcess{out: &lineRecorder{}, exited: make(chan struct{})}
+	a.cmd = exec.Command(bin, args...)
+	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	a.cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
+	pipe, err := a.cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.cmd.Stderr = a.cmd.Stdout
+	if err := a.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		a.out.consume(pipe)
+		a.cmd.Wait()
+		close(a.exited)
+	}()
+	t.Cleanup(func() {
+		a.kill()
+		if t.Failed() {
+			t.Logf("agent %v output:\n%s", args, a.out)
+		}
+	})
+	return a
+}
+
+// kill SIGKILLs the agent's process group and waits for it to exit.
+func (a *agentProcess) kill() {
+	select {
+	case <-a.exited:
+	default:
+		syscall.Kill(-a.cmd.Process.Pid, syscall.SIGKILL)
+		<-a.exited
+	}
+}
+
+// dial connects a client to address, waits until the agent serves, and closes it at
+// cleanup.
+func dial(t testing.TB, address string) *client.Client {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	c, err := client.Dial(ctx, address, client.WithoutReachCheck())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	if err := c.WaitServing(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// waitDevices reads the agent's inventory until ok accepts a snapshot, and returns it.
+func waitDevices(t testing.TB, c *client.Client, what string, ok func(*pb.FingerprintResponse) bool) *pb.FingerprintResponse {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	var last *pb.FingerprintResponse
+	for u := range c.WatchDevices(ctx) {
+		if u.Disconnected() {
+			continue
+		}
+		last = u.Snapshot
+		if ok(u.Snapshot) {
+			return u.Snapshot
+		}
+	}
+	t.Fatalf("no inventory with %s; last: %v", what, last)
+	return nil
+}
+
+// findDevice returns the device id of group vendor/type/name in snap, or nil.
+func findDevice(snap *pb.FingerprintResponse, group, id string) *pb.Device {
+	for _, g := range snap.GetGroups() {
+		if g.GetVendor()+"/"+g.GetType()+"/"+g.GetName() != group {
+			continue
+		}
+		for _, d := range g.GetDevices() {
+			if d.GetId() == id {
+				return d
+			}
+		}
+	}
+	return nil
+}
+
+// processes returns the IDs of the running processes whose executable is exe and
+// whose arguments after the program name start with args.
+func processes(exe string, args ...string) []int {
+	entries, _ := os.ReadDir("/proc")
+	var pids []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		link, err := os.Readlink(filepath.Join("/proc", e.Name(), "exe"))
+		if err != nil || link != exe {
+			continue
+		}
+		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		argv := strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00")
+		if len(argv) < 1+len(args) || !equal(argv[1:1+len(args)], args) {
+			continue
+		}
+		if st, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil && zombie(st) {
+			continue
+		}
+		pids = append(pids, pid)
+	}
+	return pids
+}
+
+func equal(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// zombie reports whether /proc/PID/stat says the process is a zombie.
+func zombie(stat []byte) bool {
+	i := bytes.LastIndexByte(stat, ')')
+	return i >= 0 && i+2 < len(stat) && stat[i+2] == 'Z'
+}
+
+// onlyProcess waits until exactly one process runs exe with args and returns it.
+func onlyProcess(t testing.TB, exe string, args ...string) int {
+	t.Helper()
+	deadline := time.Now().Add(testTimeout)
+	for {
+		pids := processes(exe, args...)
+		if len(pids) == 1 {
+			return pids[0]
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("processes of %s %q: %v; want exactly one", exe, args, pids)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// noProcesses fails the test unless, within a few seconds (a process being killed
+// takes a moment to go), no process runs exe.
+func noProcesses(t testing.TB, when, exe string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		pids := processes(exe)
+		if len(pids) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("%s: processes of %s still running: %v", when, exe, pids)
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// noGoroutineIn fails the test unless, within a few seconds, no goroutine has fn on
+// its stack.
+func noGoroutineIn(t testing.TB, fn string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		buf := make([]byte, 1<<20)
+		stacks := string(buf[:runtime.Stack(buf, true)])
+		if !strings.Contains(stacks, fn) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("a goroutine in %s is left over:\n%s", fn, stacks)
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// errContains reports whether err's text holds every one of want.
+func errContains(err error, want ...string) bool {
+	if err == nil {
+		return false
+	}
+	for _, w := range want {
+		if !strings.Contains(err.Error(), w) {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,189 @@
+// Package shim is a Nomad device plugin that forwards to a devicehost agent: a Nomad
+// client loads it (the binary nomad-device-devicehost) from its plugin_dir, and sees
+// the agent's devices, health and statistics as its own, and reserves them through the
+// agent's ledger.
+//
+// Nomad never tells a device plugin that an allocation ended (hashicorp/nomad#6258), so
+// the shim cannot release what it reserved. Every Reserve is made for a fresh owner
+// "nomad/<random>"; when Nomad hands a device to a new allocation while an earlier
+// reservation of a "nomad/" owner still holds it, that reservation is released and the
+// new one made, in the one Reserve call Nomad sees. A device held by any other owner is
+// refused, naming the holder.
+package shim
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/hashicorp/nomad/plugins/base"
+	"github.com/hashicorp/nomad/plugins/device"
+	"github.com/hashicorp/nomad/plugins/shared/hclspec"
+
+	"github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/server/endpoint"
+)
+
+// Name is the plugin's name in Nomad (PluginInfo); Nomad matches its config block by
+// the binary's file name, BinaryName.
+const (
+	Name       = "devicehost"
+	BinaryName = "nomad-device-devicehost"
+	Version    = "0.1.0"
+)
+
+// DefaultAddress is the agent's default API socket.
+const DefaultAddress = "unix:///run/devicehost/devicehost.sock"
+
+// DefaultReserveTimeout bounds a Reserve, including a takeover.
+const DefaultReserveTimeout = 30 * time.Second
+
+// OwnerPrefix starts the owner ID of every reservation the shim makes; only
+// reservations of such owners are taken over.
+const OwnerPrefix = "nomad/"
+
+// Config is the plugin's configuration, the Nomad client's
+// plugin "nomad-device-devicehost" { config { ... } } block.
+type Config struct {
+	// Address of the agent: unix:///path.sock or tcp://host:port.
+	Address string `codec:"address"`
+	// TLSCert, TLSKey and TLSCA are PEM files for tcp:// (mutual TLS).
+	TLSCert string `codec:"tls_cert"`
+	TLSKey  string `codec:"tls_key"`
+	TLSCA   string `codec:"tls_ca"`
+	// Insecure allows plaintext tcp:// to a loopback address.
+	Insecure bool `codec:"insecure"`
+	// ReserveTimeout bounds a Reserve, e.g. "30s".
+	ReserveTimeout string `codec:"reserve_timeout"`
+}
+
+// configSpec is the schema Nomad decodes the config block with, defaults included.
+var configSpec = hclspec.NewObject(map[string]*hclspec.Spec{
+	"address":         hclspec.NewDefault(hclspec.NewAttr("address", "string", false), hclspec.NewLiteral(fmt.Sprintf("%q", DefaultAddress))),
+	"tls_cert":        hclspec.NewDefault(hclspec.NewAttr("tls_cert", "string", false), hclspec.NewLiteral(`""`)),
+	"tls_key":         hclspec.NewDefault(hclspec.NewAttr("tls_key", "string", false), hclspec.NewLiteral(`""`)),
+	"tls_ca":          hclspec.NewDefault(hclspec.NewAttr("tls_ca", "string", false), hclspec.NewLiteral(`""`)),
+	"insecure":        hclspec.NewDefault(hclspec.NewAttr("insecure", "bool", false), hclspec.NewLiteral("false")),
+	"reserve_timeout": hclspec.NewDefault(hclspec.NewAttr("reserve_timeout", "string", false), hclspec.NewLiteral(fmt.Sprintf("%q", DefaultReserveTimeout.String()))),
+})
+
+// Plugin is the Nomad device plugin. Its methods are safe for concurrent use; Close
+// ends its streams and closes its connection.
+type Plugin struct {
+	log      hclog.Logger
+	newOwner func() string
+
+	mu             sync.Mutex
+	cfg            Config
+	c              *client.Client
+	reserveTimeout time.Duration
+
+	inv inventory // device → group, from the latest snapshot
+}
+
+var _ device.DevicePlugin = (*Plugin)(nil)
+
+// New returns an unconfigured Plugin; Nomad calls SetConfig before anything else.
+func New(log hclog.Logger) *Plugin {
+	if log == nil {
+		log = hclog.NewNullLogger()
+	}
+	return &Plugin{log: log, newOwner: randomOwner}
+}
+
+// randomOwner returns a fresh owner ID: Nomad does not tell a plugin the allocation.
+func randomOwner() string { return OwnerPrefix + rand.Text() }
+
+// PluginInfo describes the plugin to Nomad.
+func (p *Plugin) PluginInfo() (*base.PluginInfoResponse, error) {
+	return &base.PluginInfoResponse{
+		Type:              base.PluginTypeDevice,
+		PluginApiVersions: []string{device.ApiVersion010},
+		PluginVersion:     Version,
+		Name:              Name,
+	}, nil
+}
+
+// ConfigSchema returns the config schema, with its defaults.
+func (p *Plugin) ConfigSchema() (*hclspec.Spec, error) { return configSpec, nil }
+
+// SetConfig reads the config and prepares the connection to the agent. It does not
+// need the agent to be running (the Nomad client may start first): an agent that is
+// not there shows as no devices, or every device unhealthy, until it is. A malformed
+// address, TLS settings the transport policy refuses and a bad reserve_timeout are
+// errors naming the key.
+func (p *Plugin) SetConfig(c *base.Config) error {
+	var cfg Config
+	if len(c.PluginConfig) > 0 {
+		if err := base.MsgPackDecode(c.PluginConfig, &cfg); err != nil {
+			return fmt.Errorf("decode config: %w", err)
+		}
+	}
+	if cfg.Address == "" {
+		cfg.Address = DefaultAddress
+	}
+	timeout := DefaultReserveTimeout
+	if cfg.ReserveTimeout != "" {
+		d, err := time.ParseDuration(cfg.ReserveTimeout)
+		if err != nil || d <= 0 {
+			return fmt.Errorf("reserve_timeout: %q is not a positive duration like \"30s\"", cfg.ReserveTimeout)
+		}
+		timeout = d
+	}
+	opts := []client.Option{client.WithoutReachCheck()}
+	if cfg.Insecure {
+		opts = append(opts, client.WithInsecure())
+	} else if cfg.TLSCert != "" || cfg.TLSKey != "" || cfg.TLSCA != "" {
+		opts = append(opts, client.WithTLS(endpoint.TLS{Cert: cfg.TLSCert, Key: cfg.TLSKey, CA: cfg.TLSCA}))
+	}
+
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.c != nil && p.cfg == cfg {
+		p.reserveTimeout = timeout
+		return nil
+	}
+	nc, err := client.Dial(context.Background(), cfg.Address, opts...)
+	if err != nil {
+		return fmt.Errorf("address %q: %w", cfg.Address, err)
+	}
+	if p.c != nil {
+		p.c.Close()
+	}
+	p.c, p.cfg, p.reserveTimeout = nc, cfg, timeout
+	p.log.Info("forwarding to devicehost", "address", cfg.Address)
+	return nil
+}
+
+// conn returns the agent's client and the config's Reserve deadline.
+func (p *Plugin) conn() (*client.Client, time.Duration, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.c == nil {
+		return nil, 0, errors.New("devicehost plugin: not configured")
+	}
+	return p.c, p.reserveTimeout, nil
+}
+
+// address returns the configured agent address, for messages.
+func (p *Plugin) address() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cfg.Address
+}
+
+// Close closes the connection to the agent; open Fingerprint and Stats channels
+// close. Safe to call more than once.
+func (p *Plugin) Close() {
+	p.mu.Lock()
+	c := p.c
+	p.c = nil
+	p.mu.Unlock()
+	if c != nil {
+		c.Close()
+	}
+}
