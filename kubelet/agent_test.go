@@ -58,7 +58,7 @@ func eightGPUs() device.Group {
 
 // startAgent serves groups, every device healthy, on a socket in a fresh directory.
 // Cleanup stops it.
-func startAgent(t *testing.T, groups ...device.Group) *fakeAgent {
+func startAgent(t testing.TB, groups ...device.Group) *fakeAgent {
 	t.Helper()
 	a := &fakeAgent{
 		addr:     endpoint.Address{Network: "unix", Path: filepath.Join(shortTempDir(t, "dhk"), "agent.sock")},
@@ -77,7 +77,7 @@ func startAgent(t *testing.T, groups ...device.Group) *fakeAgent {
 }
 
 // start serves the host API on a.addr.
-func (a *fakeAgent) start(t *testing.T) {
+func (a *fakeAgent) start(t testing.TB) {
 	t.Helper()
 	lis, err := endpoint.Listen(a.addr, endpoint.TLS{})
 	if err != nil {

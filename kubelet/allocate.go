@@ -94,7 +94,7 @@ func (b *Bridge) allocate(ctx context.Context, resource string, ids []string) (*
 	if err != nil {
 		return nil, reserveError(resource, ids, err)
 	}
-	now := time.Now()
+	now := b.now()
 	bk := b.bookingLocked(res.GetReservationId())
 	bk.freeSince, bk.touched = now, now
 	b.log.Debug("allocated", "resource", resource, "devices", ids, "reservation", res.GetReservationId(), "owner", req.OwnerId)

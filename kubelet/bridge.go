@@ -84,6 +84,9 @@ type Bridge struct {
 	// reservation the kubelet has just allocated again is never released under it.
 	allocMu  sync.Mutex
 	bookings map[string]*booking // by reservation ID; guarded by allocMu
+
+	// now is the clock of the release decisions (time.Now; tests set their own).
+	now func() time.Time
 }
 
 // New checks cfg and returns a Bridge for it.
@@ -92,7 +95,7 @@ func New(cfg Config) (*Bridge, error) {
 		return nil, errors.New("kubelet bridge: Config.Client is nil")
 	}
 	cfg.Resources = slices.Clone(cfg.Resources)
-	if err := validateResources(cfg.Resources); err != nil {
+	if err := ValidateResources(cfg.Resources); err != nil {
 		return nil, fmt.Errorf("kubelet bridge: %w", err)
 	}
 	if cfg.ReleaseGrace < 0 || cfg.PodResourcesInterval < 0 {
@@ -125,6 +128,7 @@ func New(cfg Config) (*Bridge, error) {
 		state:    newState(cfg.Resources),
 		pcieRoot: root,
 		bookings: map[string]*booking{},
+		now:      time.Now,
 	}, nil
 }
 
@@ -168,7 +172,8 @@ func (b *Bridge) Run(ctx context.Context) error {
 // watchDevices feeds the agent's device watch into state until ctx ends, and kicks the
 // registrar when a new resource is to be served.
 func (b *Bridge) watchDevices(ctx context.Context, kick func()) {
-	connected := true // so that a first failure is logged
+	connected := true         // so that a first failure is logged
+	mixed := map[string]int{} // resources of several groups: the number last logged
 	for u := range b.c.WatchDevices(ctx) {
 		ch := b.state.update(u)
 		switch {
@@ -188,6 +193,21 @@ func (b *Bridge) watchDevices(ctx context.Context, kick func()) {
 		}
 		if len(ch.added) > 0 {
 			kick()
+		}
+		if !u.Disconnected() {
+			v := b.state.view()
+			for _, r := range v.resources {
+				gs := v.groups(r)
+				if len(gs) > 1 && mixed[r.Name] != len(gs) {
+					names := make([]string, len(gs))
+					for i, g := range gs {
+						names[i] = g.GetName()
+					}
+					b.log.Info("resource covers several device groups: each container gets devices of one of them; "+
+						"configure a resource per model to let pods choose", "resource", r.Name, "groups", names)
+				}
+				mixed[r.Name] = len(gs)
+			}
 		}
 	}
 }

@@ -40,7 +40,13 @@ type harness struct {
 // startBridge runs a bridge for agent with the stand-ins, its config changed by opts
 // (ReleaseGrace 1s and PodResourcesInterval 20ms unless set). Cleanup stops it (and
 // checks Run returned nil) and the stand-ins.
-func startBridge(t *testing.T, agent *fakeAgent, opts ...func(*kubelet.Config)) *harness {
+func startBridge(t testing.TB, agent *fakeAgent, opts ...func(*kubelet.Config)) *harness {
+	t.Helper()
+	return startBridgeWith(t, agent, nil, opts...)
+}
+
+// startBridgeWith is startBridge with setup called on the Bridge before it runs.
+func startBridgeWith(t testing.TB, agent *fakeAgent, setup func(*kubelet.Bridge), opts ...func(*kubelet.Config)) *harness {
 	t.Helper()
 	dir := shortTempDir(t, "dpk")
 	k, err := kubelettest.Start(dir)
@@ -76,6 +82,9 @@ func startBridge(t *testing.T, agent *fakeAgent, opts ...func(*kubelet.Config)) 
 	b, err := kubelet.New(h.cfg)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if setup != nil {
+		setup(b)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	h.cancel = cancel
@@ -179,4 +188,24 @@ func (b *syncBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
+}
+
+// fakeClock is a clock a test moves by hand.
+type fakeClock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func newFakeClock() *fakeClock { return &fakeClock{now: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)} }
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *fakeClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(d)
 }

@@ -13,6 +13,10 @@ import (
 const (
 	maxContainerRequests = 256
 	maxRequestDevices    = 4096
+	// maxPreferredDevices bounds the devices of one GetPreferredAllocation container
+	// request (available and must-include together), which keeps its search fast;
+	// no node has more devices of one resource.
+	maxPreferredDevices = 1024
 )
 
 // resourcePlugin is the DevicePlugin service of one resource. It holds no state of its
@@ -79,8 +83,8 @@ func (p *resourcePlugin) GetPreferredAllocation(_ context.Context, req *dpapi.Pr
 	resp := &dpapi.PreferredAllocationResponse{}
 	for i, cr := range req.GetContainerRequests() {
 		avail, must := cr.GetAvailableDeviceIDs(), cr.GetMustIncludeDeviceIDs()
-		if len(avail)+len(must) > maxRequestDevices {
-			return nil, status.Errorf(codes.InvalidArgument, "container request %d: %d devices; at most %d", i, len(avail)+len(must), maxRequestDevices)
+		if len(avail)+len(must) > maxPreferredDevices {
+			return nil, status.Errorf(codes.InvalidArgument, "container request %d: %d devices; at most %d", i, len(avail)+len(must), maxPreferredDevices)
 		}
 		if cr.GetAllocationSize() < 0 {
 			return nil, status.Errorf(codes.InvalidArgument, "container request %d: allocation size %d is negative", i, cr.GetAllocationSize())

@@ -85,7 +85,7 @@ func pick(devs []placement, must map[string]bool, level, want int) []placement {
 		key    string
 		devs   []placement
 		forced int
-		take   int // how many that are not must-include to take from it
+		take   int // how many that are not must-include fill takes from it
 	}
 	var bins []*bin
 	byKey := map[string]*bin{}
@@ -105,53 +105,85 @@ func pick(devs []placement, must map[string]bool, level, want int) []placement {
 	slices.SortFunc(bins, func(a, b *bin) int { return cmp.Compare(a.key, b.key) })
 	free := func(b *bin) int { return len(b.devs) - b.forced - b.take }
 
-	// fill takes need devices from bins, opening as few as it can: the one bin where
-	// all of them fit most tightly, else all of the largest bin and on.
-	fill := func(bins []*bin, need int) int {
+	// fill takes need devices from bins, opening as few as it can: one bin that
+	// holds them all if there is one, else all of the largest bin and on. Among bins
+	// that do equally well here, it takes the one where the devices it would take
+	// span the fewest places at the next levels, then (when it fits) the one with the
+	// fewest free devices, leaving larger blocks whole for later requests.
+	fill := func(bins []*bin, need int) {
 		for need > 0 {
-			var fit, largest *bin
+			var best *bin
+			var bestSpread []int
+			bestFits := false
 			for _, b := range bins {
 				n := free(b)
 				if n == 0 {
 					continue
 				}
-				if n >= need && (fit == nil || n < free(fit)) {
-					fit = b
+				fits := n >= need
+				var sp []int // nil at the last level: nothing below to compare
+				if level+1 < len(placementLevels) {
+					sp = spread(pick(b.devs, must, level+1, b.forced+b.take+min(n, need)), level+1)
 				}
-				if largest == nil || n > free(largest) {
-					largest = b
+				better := false
+				switch {
+				case best == nil:
+					better = true
+				case fits != bestFits:
+					better = fits
+				case fits:
+					c := slices.Compare(sp, bestSpread)
+					better = c < 0 || c == 0 && n < free(best)
+				default:
+					better = n > free(best) || n == free(best) && slices.Compare(sp, bestSpread) < 0
+				}
+				if better {
+					best, bestSpread, bestFits = b, sp, fits
 				}
 			}
-			switch {
-			case fit != nil:
-				fit.take += need
-				need = 0
-			case largest != nil:
-				need -= free(largest)
-				largest.take += free(largest)
-			default:
-				return need
+			if best == nil {
+				return // not enough devices: all there are
 			}
+			take := min(free(best), need)
+			best.take += take
+			need -= take
 		}
-		return 0
 	}
-	// Bins with must-include devices are used anyway: fill them first.
-	var open, closed []*bin
+	// Bins with must-include devices are used anyway: take what they hold first,
+	// then open as few other bins as possible for the rest.
+	var closed []*bin
+	openFree := 0
 	for _, b := range bins {
 		if b.forced > 0 {
-			open = append(open, b)
+			openFree += free(b)
 		} else {
 			closed = append(closed, b)
 		}
 	}
-	need := fill(open, max(want-forced, 0))
-	fill(closed, need)
+	fill(closed, max(want-forced-openFree, 0))
 
-	var out []placement
+	// Any choice within the chosen bins spans no more of them: let the next levels
+	// choose among all their devices together.
+	var chosen []placement
 	for _, b := range bins {
-		if b.forced+b.take > 0 {
-			out = append(out, pick(b.devs, must, level+1, b.forced+b.take)...)
+		if b.forced > 0 || b.take > 0 {
+			chosen = append(chosen, b.devs...)
 		}
+	}
+	slices.SortFunc(chosen, func(a, b placement) int { return cmp.Compare(a.id, b.id) })
+	return pick(chosen, must, level+1, want)
+}
+
+// spread counts, for each placement level from level on, the distinct places devs
+// occupy.
+func spread(devs []placement, level int) []int {
+	out := make([]int, 0, len(placementLevels)-level)
+	for _, key := range placementLevels[level:] {
+		seen := map[string]bool{}
+		for _, d := range devs {
+			seen[key(d)] = true
+		}
+		out = append(out, len(seen))
 	}
 	return out
 }

@@ -73,7 +73,7 @@ func (p *releasePass) run(ctx context.Context) {
 		p.fail(ctx, "cannot list PodResources: releasing nothing until it answers", err)
 		return
 	}
-	listed := time.Now()
+	listed := p.b.now()
 	rs, err := p.b.c.Reservations(ctx, &pb.ListReservationsRequest{State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
 	if err != nil {
 		p.fail(ctx, "cannot list the agent's reservations", err)
@@ -130,7 +130,7 @@ func (b *Bridge) releaseUnheld(ctx context.Context, held map[string]map[string]s
 	}
 	b.allocMu.Lock()
 	defer b.allocMu.Unlock()
-	now := time.Now()
+	now := b.now()
 	live := map[string]bool{}
 	for _, r := range rs {
 		resource, ours := resourceOfOwner(r.GetOwnerId())

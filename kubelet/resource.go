@@ -100,10 +100,11 @@ func DefaultResourceName(vendor, typ string) string {
 	return vendor + ".com/" + typ
 }
 
-// validateResources checks configured resources: each name valid and used once, vendor
-// and type set, and no group able to match two of them (its devices would be offered
-// to the kubelet twice).
-func validateResources(rs []Resource) error {
+// ValidateResources checks configured resources: each name valid
+// (ValidateResourceName) and used once, vendor and type set, and no device group able
+// to match two of them (its devices would be offered to the kubelet twice). The error
+// joins one error per problem.
+func ValidateResources(rs []Resource) error {
 	var errs []error
 	for i, r := range rs {
 		if err := ValidateResourceName(r.Name); err != nil {

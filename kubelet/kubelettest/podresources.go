@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -24,8 +25,8 @@ type PodResources struct {
 
 	mu      sync.Mutex
 	pods    []*prapi.PodResources
-	failing error // List fails with it while set
-	lists   int   // List calls answered
+	failing error       // List fails with it while set
+	lists   []time.Time // when each List call was answered
 	changed chan struct{}
 }
 
@@ -70,24 +71,39 @@ func (p *PodResources) SetFailing(err error) {
 func (p *PodResources) Lists() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.lists
+	return len(p.lists)
 }
 
 // WaitLists waits until at least n List calls were answered. A plugin that lists
 // PodResources and then acts on the answer before it lists again has finished acting
 // on answer n-1 once call n arrived.
 func (p *PodResources) WaitLists(ctx context.Context, n int) error {
+	_, err := p.waitList(ctx, func(i int, _ time.Time) bool { return i+1 >= n })
+	return err
+}
+
+// WaitListAfter waits for a List call answered at or after t and returns its number
+// (the first call is 1).
+func (p *PodResources) WaitListAfter(ctx context.Context, t time.Time) (int, error) {
+	return p.waitList(ctx, func(_ int, at time.Time) bool { return !at.Before(t) })
+}
+
+// waitList waits until the i-th call (from 0), answered at at, satisfies ok, and
+// returns i+1.
+func (p *PodResources) waitList(ctx context.Context, ok func(i int, at time.Time) bool) (int, error) {
 	for {
 		p.mu.Lock()
-		got, ch := p.lists, p.changed
+		lists, ch := p.lists, p.changed
 		p.mu.Unlock()
-		if got >= n {
-			return nil
+		for i, at := range lists {
+			if ok(i, at) {
+				return i + 1, nil
+			}
 		}
 		select {
 		case <-ch:
 		case <-ctx.Done():
-			return fmt.Errorf("waiting for PodResources List call %d (have %d): %w", n, got, ctx.Err())
+			return 0, fmt.Errorf("waiting for a PodResources List call (have %d): %w", len(lists), ctx.Err())
 		}
 	}
 }
@@ -114,7 +130,7 @@ func (l *lister) List(context.Context, *prapi.ListPodResourcesRequest) (*prapi.L
 	p := l.p
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.lists++
+	p.lists = append(p.lists, time.Now())
 	close(p.changed)
 	p.changed = make(chan struct{})
 	if p.failing != nil {
