@@ -123,6 +123,9 @@ func (a *fakeAgent) manager() *devicetest.Fake {
 		ReservationsFunc: func(_ context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
 			return a.reservations(f), nil
 		},
+		ReownFunc: func(_ context.Context, req device.ReownRequest) (device.Reservation, error) {
+			return a.reown(req)
+		},
 	}
 }
 
@@ -269,6 +272,28 @@ func (a *fakeAgent) release(req device.ReleaseRequest) (device.ReleaseResult, er
 	}
 	a.publishLocked()
 	return out, nil
+}
+
+func (a *fakeAgent) reown(req device.ReownRequest) (device.Reservation, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, r := range a.res {
+		if r.ID != req.ReservationID {
+			continue
+		}
+		switch {
+		case r.OwnerID == req.NewOwnerID:
+		case r.State != device.ReservationActive:
+			return device.Reservation{}, &device.FieldError{Field: "reservation_id", Rule: "released"}
+		case r.OwnerID != req.OwnerID:
+			return device.Reservation{}, &device.FieldError{Field: "owner_id", Rule: "owned by " + r.OwnerID}
+		default:
+			r.OwnerID = req.NewOwnerID
+			a.publishLocked()
+		}
+		return *r, nil
+	}
+	return device.Reservation{}, fmt.Errorf("reservation %q: %w", req.ReservationID, device.ErrNotFound)
 }
 
 func (a *fakeAgent) reservations(f device.ReservationFilter) []device.Reservation {

@@ -78,7 +78,7 @@ func (b *Bridge) allocate(ctx context.Context, resource string, ids []string) (*
 	b.allocMu.Lock()
 	defer b.allocMu.Unlock()
 	res, err := b.c.Reserve(ctx, req)
-	if held, ok := client.IsHeld(err); ok && staleOwn(held, resource) {
+	if held, ok := client.IsHeld(err); ok && staleOwn(held, r, keyOf(g)) {
 		for _, c := range held.GetConflicts() {
 			if _, err := b.c.ReleaseReservation(ctx, c.GetReservationId()); err != nil && !client.IsReservationNotFound(err) {
 				return nil, reserveError(resource, ids, fmt.Errorf("release the earlier reservation %s of %s: %w",
@@ -108,15 +108,15 @@ func (bk *booking) podOrNone() string {
 	return bk.pod
 }
 
-// staleOwn reports whether every holder in held is a reservation the bridge made for
-// resource: held only because the release loop has not caught up with the kubelet.
-func staleOwn(held *pb.DeviceHeld, resource string) bool {
+// staleOwn reports whether every holder in held, of devices of group g, is a
+// reservation the bridge made for r: held only because the release loop has not caught
+// up with the kubelet.
+func staleOwn(held *pb.DeviceHeld, r Resource, g groupKey) bool {
 	if len(held.GetConflicts()) == 0 {
 		return false
 	}
 	for _, c := range held.GetConflicts() {
-		res, ours := resourceOfOwner(c.GetOwnerId())
-		if !ours || res != resource || c.GetReservationId() == "" {
+		if !r.ownedBy(c.GetOwnerId(), g) || c.GetReservationId() == "" {
 			return false
 		}
 	}

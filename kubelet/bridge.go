@@ -8,10 +8,12 @@
 // it serves the DevicePlugin service on a socket of its own in the kubelet's
 // device-plugins directory and registers it with the kubelet, again whenever the
 // kubelet restarts. It reports the devices with their health and NUMA node
-// (ListAndWatch), proposes devices close together (GetPreferredAllocation), turns each
-// container's Allocate into a Reserve at the agent, and, since the kubelet never says
-// when a device is free again, releases a reservation once no pod in the kubelet's
-// PodResources API holds its devices for a grace period.
+// (ListAndWatch), proposes devices close together (GetPreferredAllocation) and turns
+// each container's Allocate into a Reserve at the agent. Since the kubelet says neither
+// which pod an Allocate is for nor when a device is free again, it watches the
+// kubelet's PodResources API: a reservation whose devices a container holds is handed
+// to that container (owner "k8s/<namespace>/<pod>/<container>", see PodName), and one
+// whose devices no pod has held for a grace period is released.
 package kubelet
 
 import (

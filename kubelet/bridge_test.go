@@ -320,3 +320,31 @@ func TestStopRemovesSockets(t *testing.T) {
 		t.Errorf("the kubelet's socket after the bridge stopped: %v, want it left alone", err)
 	}
 }
+
+// A careless kubelet cannot make the bridge do unbounded work: too many container
+// requests or devices are refused before anything is reserved.
+func TestAllocateBounds(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	h := startBridge(t, agent)
+	c := h.plugin(t, ctx)
+	many := make([]*dpapi.ContainerAllocateRequest, 257)
+	for i := range many {
+		many[i] = &dpapi.ContainerAllocateRequest{DevicesIds: []string{gpuID(0)}}
+	}
+	_, err := c.Allocate(ctx, &dpapi.AllocateRequest{ContainerRequests: many})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "257 container requests; at most 256") {
+		t.Errorf("257 container requests: %v, want InvalidArgument", err)
+	}
+	ids := make([]string, 4097)
+	for i := range ids {
+		ids[i] = "X"
+	}
+	_, err = allocate(ctx, c, ids...)
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "4097 devices; at most 4096") {
+		t.Errorf("4097 devices: %v, want InvalidArgument", err)
+	}
+	if n := agent.reserveCount(); n != 0 {
+		t.Errorf("%d reservations made, want none", n)
+	}
+}

@@ -2,6 +2,7 @@ package kubelet
 
 import (
 	"context"
+	"slices"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -68,12 +69,14 @@ type releasePass struct {
 func (p *releasePass) run(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, podResourcesTimeout)
 	defer cancel()
+	// The answer may reflect any moment after this one: an Allocate from now on is too
+	// late to be judged by it.
+	listed := p.b.now()
 	pods, err := p.lister.List(ctx, &prapi.ListPodResourcesRequest{})
 	if err != nil {
 		p.fail(ctx, "cannot list PodResources: releasing nothing until it answers", err)
 		return
 	}
-	listed := p.b.now()
 	rs, err := p.b.c.Reservations(ctx, &pb.ListReservationsRequest{State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
 	if err != nil {
 		p.fail(ctx, "cannot list the agent's reservations", err)
@@ -118,28 +121,33 @@ func holders(resp *prapi.ListPodResourcesResponse) map[string]map[string]string 
 }
 
 // releaseUnheld goes through the live reservations rs, listed after the PodResources
-// answer held was read at listed: a reservation of the bridge whose devices a pod
-// holds is recorded as that pod's; one whose devices no pod has held for ReleaseGrace
+// answer held, which was asked for at listed: a reservation of the bridge whose devices a pod
+// holds is handed to that pod's container (Reown to PodName), so that the agent's
+// ledger says which pod it serves; one whose devices no pod has held for ReleaseGrace
 // is released. Runs under allocMu, so an Allocate that returns a reservation again
 // (setting its freeSince) is never overtaken by a release decision made before it.
 func (b *Bridge) releaseUnheld(ctx context.Context, held map[string]map[string]string, rs []*pb.Reservation, listed time.Time) {
 	log := b.log.Named("release")
-	served := map[string]bool{}
-	for _, r := range b.state.view().resources {
-		served[r.Name] = true
-	}
+	resources := b.state.view().resources
 	b.allocMu.Lock()
 	defer b.allocMu.Unlock()
 	now := b.now()
 	live := map[string]bool{}
 	for _, r := range rs {
-		resource, ours := resourceOfOwner(r.GetOwnerId())
-		if !ours || !served[resource] {
-			continue
+		g := groupKey{r.GetVendor(), r.GetType(), r.GetName()}
+		i := slices.IndexFunc(resources, func(res Resource) bool { return res.ownedBy(r.GetOwnerId(), g) })
+		if i < 0 {
+			continue // not the bridge's, or of a resource it no longer serves
 		}
+		resource := resources[i].Name
 		id := r.GetReservationId()
 		live[id] = true
 		bk := b.bookingLocked(id)
+		if bk.touched.After(listed) {
+			// Allocated (again) since PodResources was asked: the answer may still
+			// show the devices' previous pod, and cannot show the new one.
+			continue
+		}
 		pod := ""
 		for _, dev := range r.GetDeviceIds() {
 			if pod = held[resource][dev]; pod != "" {
@@ -148,14 +156,19 @@ func (b *Bridge) releaseUnheld(ctx context.Context, held map[string]map[string]s
 		}
 		if pod != "" {
 			bk.freeSince = time.Time{}
-			if pod != bk.pod {
-				bk.pod = pod
-				log.Info("reservation serves a pod", "reservation", id, "pod", pod, "resource", resource, "devices", r.GetDeviceIds())
+			if pod != r.GetOwnerId() {
+				if _, err := b.c.Reown(ctx, id, r.GetOwnerId(), pod); err != nil {
+					if pod != bk.pod {
+						log.Warn("cannot record which pod a reservation serves; trying again next pass",
+							"reservation", id, "pod", pod, "error", err)
+						bk.pod = pod
+					}
+					continue
+				}
+				log.Info("reservation serves a pod", "reservation", id, "pod", pod, "resource", resource,
+					"devices", r.GetDeviceIds(), "was_owner", r.GetOwnerId())
 			}
-			continue
-		}
-		// Allocated after PodResources was read: its pod cannot be in the answer yet.
-		if bk.touched.After(listed) {
+			bk.pod = pod
 			continue
 		}
 		if bk.freeSince.IsZero() {

@@ -67,14 +67,17 @@ func TestReleasesWhenPodIsGone(t *testing.T) {
 	res := agent.active()[0]
 	h.pods.SetPods(kubelettest.Pod("ml", "trainer-0", "main", gpuResource, gpuID(0), gpuID(1)))
 
-	// Twice the grace period with the pod there: still held.
+	// Twice the grace period with the pod there: still held, and handed to the pod's
+	// container, so the agent's ledger says which pod it serves.
 	h.passDoneAfter(t, ctx, allocated.Add(2*grace))
-	if rs := agent.active(); len(rs) != 1 || rs[0].ID != res.ID {
-		t.Fatalf("active reservations while the pod holds the GPUs: %+v, want %s", rs, res.ID)
+	if rs := agent.active(); len(rs) != 1 || rs[0].ID != res.ID || rs[0].OwnerID != "k8s/ml/trainer-0/main" {
+		t.Fatalf("active reservations while the pod holds the GPUs: %+v, want %s owned by k8s/ml/trainer-0/main", rs, res.ID)
 	}
 	if !strings.Contains(h.logs.String(), "reservation serves a pod: reservation="+res.ID+" pod=k8s/ml/trainer-0/main") {
 		t.Errorf("no log line recording the pod of %s", res.ID)
 	}
+	// The kubelet still sees the GPUs as its own: healthy.
+	h.waitGPUs(t, ctx, "8 healthy GPUs with two held by the pod", kubelettest.AllHealth(8, dpapi.Healthy))
 
 	h.pods.SetPods()
 	gone := time.Now()
@@ -163,10 +166,10 @@ func TestReleasesOnlyItsOwn(t *testing.T) {
 	}
 }
 
-// The kubelet allocating the same devices again (to a new pod, after the old pod's
-// went) gets the same reservation back, and its grace period starts again: the new
-// pod has ReleaseGrace to show up in PodResources, however long the devices had been
-// unheld before.
+// The kubelet allocating the same devices again before any pod held them (its pod
+// failed admission, the next pod gets the same devices) gets the same reservation
+// back, and its grace period starts again: the new pod has ReleaseGrace to show up in
+// PodResources, however long the devices had gone unheld before.
 func TestAllocateAgainRestartsTheGracePeriod(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
@@ -181,26 +184,57 @@ func TestAllocateAgainRestartsTheGracePeriod(t *testing.T) {
 		}
 	}
 
-	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
+	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil { // for pod a, which never shows up
 		t.Fatal(err)
 	}
 	res := agent.active()[0]
-	h.pods.SetPods(kubelettest.Pod("ml", "a", "main", gpuResource, gpuID(0), gpuID(1)))
 	pass()
-	h.pods.SetPods() // pod a is gone
-	pass()           // the bridge noticed: unheld since now
 	clock.Advance(grace * 9 / 10)
+	pass()
 	if _, err := allocate(ctx, c, gpuID(1), gpuID(0)); err != nil { // for pod b
 		t.Fatal(err)
 	}
 	if rs := agent.active(); len(rs) != 1 || rs[0].ID != res.ID {
 		t.Fatalf("active reservations after allocating the same GPUs again: %+v, want %s", rs, res.ID)
 	}
-	clock.Advance(grace / 2) // 1.4 grace since pod a went, 0.5 since Allocate
+	clock.Advance(grace / 2) // 1.4 grace since the first Allocate, 0.5 since the second
 	pass()
 	if rs := agent.active(); len(rs) != 1 {
 		t.Fatalf("%s released %v after it was allocated again, before pod b could show up", res.ID, grace/2)
 	}
 	clock.Advance(grace / 2)
 	h.waitReleased(t, ctx, res.ID)
+}
+
+// A reservation handed to a pod that is gone, whose devices the kubelet allocates
+// again (to another pod), is released and a new one made: the new pod's reservation is
+// not the old pod's.
+func TestAllocateAfterPodGoneMakesNewReservation(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
+	c := h.plugin(t, ctx)
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+
+	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
+		t.Fatal(err)
+	}
+	old := agent.active()[0]
+	h.pods.SetPods(kubelettest.Pod("ml", "a", "main", gpuResource, gpuID(0), gpuID(1)))
+	for {
+		if err := h.pods.WaitLists(ctx, h.pods.Lists()+1); err != nil {
+			t.Fatal(err)
+		}
+		if rs := agent.active(); len(rs) == 1 && rs[0].OwnerID == "k8s/ml/a/main" {
+			break
+		}
+	}
+	h.pods.SetPods()
+	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
+		t.Fatal(err)
+	}
+	rs := agent.active()
+	if len(rs) != 1 || rs[0].ID == old.ID || !strings.HasPrefix(rs[0].OwnerID, "kubelet/nvidia.com/gpu/") {
+		t.Errorf("active reservations: %+v, want a new one owned by kubelet/nvidia.com/gpu/..., %s (pod a's) released", rs, old.ID)
+	}
 }

@@ -26,8 +26,10 @@ type Resource struct {
 }
 
 // matches reports whether the group g belongs to r.
-func (r Resource) matches(g *pb.DeviceGroup) bool {
-	return g.GetVendor() == r.Vendor && g.GetType() == r.Type && (r.Model == "" || g.GetName() == r.Model)
+func (r Resource) matches(g *pb.DeviceGroup) bool { return r.matchesKey(keyOf(g)) }
+
+func (r Resource) matchesKey(g groupKey) bool {
+	return g.Vendor == r.Vendor && g.Type == r.Type && (r.Model == "" || g.Name == r.Model)
 }
 
 // overlaps reports whether some group could match both r and o.
@@ -125,8 +127,13 @@ func ValidateResources(rs []Resource) error {
 	return errors.Join(errs...)
 }
 
-// ownerPrefix is the start of the owner ID of every reservation the bridge makes.
-const ownerPrefix = "kubelet/"
+// ownerPrefix is the start of the owner ID of every reservation the bridge makes. Once
+// PodResources says which container holds its devices, the bridge hands the
+// reservation to that container's owner ID, PodName (podOwnerPrefix...).
+const (
+	ownerPrefix    = "kubelet/"
+	podOwnerPrefix = "k8s/"
+)
 
 // ownerID is the owner of the reservation for a container request of resource for
 // deviceIDs: the same for the same resource and set of devices in any order, so that
@@ -157,4 +164,21 @@ func resourceOfOwner(owner string) (string, bool) {
 		return "", false
 	}
 	return rest[:i], true
+}
+
+// ownedBy reports whether owner, of a reservation of devices of group g, is the
+// bridge's for r: made by Allocate for r ("kubelet/<r>/..."), or handed to a pod's
+// container ("k8s/...") on a group of r.
+func (r Resource) ownedBy(owner string, g groupKey) bool {
+	if res, ok := resourceOfOwner(owner); ok {
+		return res == r.Name
+	}
+	return strings.HasPrefix(owner, podOwnerPrefix) && r.matchesKey(g)
+}
+
+// groupKey names a device group.
+type groupKey struct{ Vendor, Type, Name string }
+
+func keyOf(g *pb.DeviceGroup) groupKey {
+	return groupKey{g.GetVendor(), g.GetType(), g.GetName()}
 }

@@ -141,7 +141,8 @@ func (v view) devices(r Resource) []*dpapi.Device {
 	for _, g := range v.groups(r) {
 		for _, d := range g.GetDevices() {
 			dev := &dpapi.Device{ID: d.GetId(), Health: dpapi.Unhealthy}
-			if v.connected && d.GetHealth() == pb.Health_HEALTH_HEALTHY && !heldByOther(d, r) {
+			owner := d.GetHolder().GetOwnerId()
+			if v.connected && d.GetHealth() == pb.Health_HEALTH_HEALTHY && (owner == "" || r.ownedBy(owner, keyOf(g))) {
 				dev.Health = dpapi.Healthy
 			}
 			if n := d.GetLocality().GetNumaNode(); n >= 0 {
@@ -151,17 +152,6 @@ func (v view) devices(r Resource) []*dpapi.Device {
 		}
 	}
 	return out
-}
-
-// heldByOther reports whether d is held by a reservation that is not one of the
-// bridge's own for r.
-func heldByOther(d *pb.Device, r Resource) bool {
-	owner := d.GetHolder().GetOwnerId()
-	if owner == "" {
-		return false
-	}
-	res, ours := resourceOfOwner(owner)
-	return !ours || res != r.Name
 }
 
 // listAndWatchResponse is devices(r) as the message ListAndWatch sends.

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -198,15 +199,27 @@ func TestKubeletPluginEndToEnd(t *testing.T) {
 			down.At.Sub(healthChanged(fp)), down.At.Sub(fp.GetTimestamp().AsTime()))
 	}
 
-	// PodResources reports the pod, which is recorded; once the pod is gone the
-	// reservation is released after the grace period.
+	// PodResources reports the pod: the reservation is handed to the pod's container,
+	// so `devicehost reservations` and `devicehost devices` say which pod holds the GPUs.
+	// Once the pod is gone the reservation is released after the grace period.
+	const podOwner = "k8s/ml/trainer-0/main"
 	pods.SetPods(kubelettest.Pod("ml", "trainer-0", "main", e2eGPUResource, pair...))
 	if _, err := bridge.stderr.wait(ctx, func(l string) bool {
 		var m map[string]any
 		return json.Unmarshal([]byte(l), &m) == nil && m["@message"] == "reservation serves a pod" &&
-			m["reservation"] == res.GetReservationId() && m["pod"] == "k8s/ml/trainer-0/main"
+			m["reservation"] == res.GetReservationId() && m["pod"] == podOwner
 	}); err != nil {
 		t.Fatalf("no log line recording the pod of the reservation: %v", err)
+	}
+	table := mustRunCLI(t, "reservations", "-address", addr.String(), "-state", "active")
+	if !regexp.MustCompile(`(?m)^` + res.GetReservationId() + `\s+` + podOwner + `\s`).MatchString(table) {
+		t.Errorf("devicehost reservations does not show %s serving %s:\n%s", res.GetReservationId(), podOwner, table)
+	}
+	if devices := mustRunCLI(t, "devices", "-address", addr.String()); strings.Count(devices, podOwner+" ("+res.GetReservationId()+")") != 2 {
+		t.Errorf("devicehost devices does not show the pair held by %s:\n%s", podOwner, devices)
+	}
+	if _, err := k.WaitDevices(ctx, e2eGPUResource, kubelettest.AllHealth(8, dpapi.Healthy)); err != nil {
+		t.Errorf("the kubelet's devices after the reservation went to the pod: %v", err)
 	}
 	pods.SetPods()
 	gone := time.Now()
@@ -214,7 +227,7 @@ func TestKubeletPluginEndToEnd(t *testing.T) {
 		if err := pods.WaitLists(ctx, pods.Lists()+1); err != nil {
 			t.Fatalf("waiting for the release of %s: %v", res.GetReservationId(), err)
 		}
-		all, err := api.ListReservations(ctx, &pb.ListReservationsRequest{OwnerId: res.GetOwnerId()})
+		all, err := api.ListReservations(ctx, &pb.ListReservationsRequest{OwnerId: podOwner})
 		if err != nil {
 			t.Fatal(err)
 		}
