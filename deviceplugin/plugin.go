@@ -48,6 +48,10 @@ type Plugin interface {
 
 // Releaser is implemented by plugins that clean up after a reservation ends. Plugins
 // without it answer Release with UNIMPLEMENTED, which the host treats as done.
+//
+// Release must be idempotent: the host records a successful cleanup in a later commit
+// of its ledger, so after a host crash (or an answer lost on the way) it calls Release
+// again for the same reservation, and that call must succeed and change nothing.
 type Releaser interface {
 	Release(ctx context.Context, reservationID string, deviceIDs []string) error
 }

@@ -10,20 +10,23 @@ import (
 const jitterFraction = 0.2
 
 // backoff computes restart delays: base, 2×base, 4×base ... capped at max, each spread by
-// ±20% jitter, and reset to base after a run that lasted at least stable. It is owned by
-// one goroutine and not safe for concurrent use.
+// ±20% jitter, and reset to base after a run that lasted at least stable, or that served
+// (after its first good fingerprint) for at least served: a plugin that crash-loops
+// before it ever serves backs off, one killed after it served restarts at once. It is
+// owned by one goroutine and not safe for concurrent use.
 type backoff struct {
 	base, max, stable time.Duration
+	served            time.Duration // zero: serving never resets
 	// jitter returns a value in [-1, 1]; nil means uniformly random.
 	jitter func() float64
 
 	failures int // consecutive failed runs
 }
 
-// next records a failed run that lasted ran and returns how long to wait before the next
-// attempt.
-func (b *backoff) next(ran time.Duration) time.Duration {
-	if ran >= b.stable {
+// next records a failed run that lasted ran, of which it served for served, and returns
+// how long to wait before the next attempt.
+func (b *backoff) next(ran, served time.Duration) time.Duration {
+	if ran >= b.stable || b.served > 0 && served >= b.served {
 		b.failures = 0
 	}
 	d := b.base

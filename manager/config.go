@@ -24,6 +24,7 @@ const (
 	DefaultRestartBaseDelay   = 200 * time.Millisecond
 	DefaultRestartMaxDelay    = 30 * time.Second
 	DefaultStableRunReset     = time.Minute
+	DefaultServedReset        = time.Second
 
 	DefaultGCInterval         = ledger.DefaultGCInterval
 	DefaultGCMaxReservations  = ledger.DefaultGCMaxReservations
@@ -39,9 +40,10 @@ type Config struct {
 	Logger hclog.Logger
 
 	// PluginDir is searched for plugin executables with pluginloader.Discover. Empty
-	// means no discovery. New fails when the dir cannot be read or is world-writable, or
-	// when it holds no usable plugin and some were refused; world-writable binaries beside
-	// good ones are left out with an error log line and the others run.
+	// means no discovery. New fails when the dir cannot be read or fails the trust check
+	// (pluginloader.CheckPath), or when it holds no usable plugin and some were refused;
+	// refused binaries beside good ones are left out with an error log line and the
+	// others run.
 	PluginDir string
 	// Binaries are plugins to run in addition to those discovered, e.g. the agent's own
 	// executable re-executed as a bundled plugin in -dev mode. A name found twice makes
@@ -73,9 +75,10 @@ type Config struct {
 	// none released it says so at INFO, once per change of the count. Zero means
 	// DefaultGCMaxReservations (1000). Unused without StateDir.
 	GCMaxReservations int
-	// GCParallelDestroys bounds how many plugin cleanups and deletions the garbage
-	// collector runs at once, so that releasing thousands at once causes no spike. Zero
-	// means DefaultGCParallelDestroys (2). Unused without StateDir.
+	// GCParallelDestroys bounds how many plugin cleanups the garbage collector runs at
+	// once, so that releasing thousands at once causes no spike (its deletions share
+	// ledger commits, a batch at a time). Zero means DefaultGCParallelDestroys (2).
+	// Unused without StateDir.
 	GCParallelDestroys int
 
 	// StatsInterval is how often each plugin is asked for stats (one stream per plugin)
@@ -101,11 +104,15 @@ type Config struct {
 
 	// RestartBaseDelay is the delay before the first restart of a plugin (and the first
 	// retry of its stats stream); each further consecutive failure doubles it, up to
-	// RestartMaxDelay, with ±20% jitter. A run that lasted StableRunReset resets it.
-	// Zeros mean 200ms, 30s and 1m.
+	// RestartMaxDelay, with ±20% jitter. A run that lasted StableRunReset resets it,
+	// and so does a run in which the plugin served (its first fingerprint accepted) for
+	// ServedReset: a plugin killed after it served is back after RestartBaseDelay, while
+	// one that crash-loops before it ever serves keeps backing off. Zeros mean 200ms,
+	// 30s, 1m and 1s.
 	RestartBaseDelay time.Duration
 	RestartMaxDelay  time.Duration
 	StableRunReset   time.Duration
+	ServedReset      time.Duration
 
 	// Now is the clock used for timestamps (health since-when, plugin errors,
 	// reservations). Nil means time.Now.
@@ -190,6 +197,7 @@ func (c Config) withDefaults() (Config, []string, error) {
 		{"RestartBaseDelay", &c.RestartBaseDelay, DefaultRestartBaseDelay},
 		{"RestartMaxDelay", &c.RestartMaxDelay, DefaultRestartMaxDelay},
 		{"StableRunReset", &c.StableRunReset, DefaultStableRunReset},
+		{"ServedReset", &c.ServedReset, DefaultServedReset},
 		{"GCInterval", &c.GCInterval, DefaultGCInterval},
 	}
 	for _, d := range durations {

@@ -24,11 +24,18 @@ type reportedDevice struct {
 type fingerprint struct {
 	groups  []device.Group            // Plugin is set; Devices hold every reported device
 	devices map[string]reportedDevice // by device ID
+
+	cost           int // charged against MaxSnapshotBytes: fingerprintCost
+	statsGroupCost int // added to the plugin's stats' charge: statsGroupCost
 }
 
 // fromFingerprint converts a fingerprint that validate.Fingerprint accepted.
 func fromFingerprint(plugin string, resp *pb.FingerprintResponse) fingerprint {
-	fp := fingerprint{devices: make(map[string]reportedDevice)}
+	fp := fingerprint{
+		devices:        make(map[string]reportedDevice),
+		cost:           fingerprintCost(plugin, resp),
+		statsGroupCost: statsGroupCost(plugin, resp),
+	}
 	for _, g := range resp.GetGroups() {
 		key := device.GroupKey{Vendor: g.GetVendor(), Type: g.GetType(), Name: g.GetName()}
 		grp := device.Group{

@@ -11,17 +11,34 @@
 //     fingerprint within FingerprintTimeout ends the run: the plugin's devices turn
 //     unhealthy at once with the reason ("plugin exited: signal: killed"), the process is
 //     killed, and it is relaunched after a backoff (RestartBaseDelay doubling up to
-//     RestartMaxDelay, ±20% jitter, reset after a run of StableRunReset). The fingerprint
+//     RestartMaxDelay, ±20% jitter, reset after a run of StableRunReset or one that
+//     served, after its first accepted fingerprint, for ServedReset). The fingerprint
 //     stream is the plugin's health signal, so losing it is treated like a crash rather
 //     than retried on a process the manager can no longer vouch for.
 //   - A launch refused for a reason retrying cannot fix (pluginloader's
-//     ErrChecksumMismatch, ErrProtocolVersion, ErrConfigRejected, ErrInsecurePath) marks
+//     ErrChecksumMismatch, ErrProtocolVersion, ErrConfigRejected, ErrInsecurePath, ErrNotPlugin) marks
 //     the plugin failed and it is not restarted: the operator fixes the binary or config
 //     and restarts the host.
 //   - A stats stream that fails or stays silent is reopened with the same backoff on the
 //     running process; stats are not a health signal.
 //   - A fingerprint or stats message that breaks a validation rule is logged with the
-//     plugin and the rules and dropped; the last good one stays.
+//     plugin and the rules and dropped; the last good one stays. So is one that would
+//     take the host API's Fingerprint or Stats message over MaxSnapshotBytes or
+//     MaxStatsSnapshotBytes (see budget.go), with the plugin, its size and the limit.
+//   - A device ID belongs to the first plugin that reported it, for good: across that
+//     plugin's restarts, while it does not report it, and, with StateDir, across host
+//     restarts (the ledger's owners records). Another plugin reporting it gets it
+//     refused (logged at ERROR with both plugins and the IDs, and its last error), so
+//     Reserve of it only ever reaches the owner. An ID whose owner is not one of this
+//     host's plugins any more (no binary and no config block) goes to the next plugin
+//     that reports it.
+//   - A plugin's last error and its devices' down reason are kept as one line of at
+//     most 300 bytes. A run or stats stream that fails with the same error as the one
+//     before is logged at DEBUG; the count is logged when the error changes.
+//   - Ready waits for each plugin's first attempt only: a plugin settles when it
+//     fingerprints, when a fingerprint of it is refused, or when its first run fails
+//     (its start and first-fingerprint deadlines bound a hang). A configured plugin
+//     without a binary is listed failed and settled from the start.
 //
 // Reservations, with StateDir set, live in the durable ledger (manager/ledger): Reserve
 // answers once the reservation is fsynced, and Release once the release is. The ledger's
@@ -105,9 +122,11 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 	if err != nil {
 		return nil, err
 	}
+	missing := make(map[string]string) // configured plugin without a binary -> why
 	for _, name := range cfg.pluginNames() {
 		if !slices.ContainsFunc(bins, func(b pluginloader.Binary) bool { return b.Name == name }) {
-			log.Warn("config given for a plugin that was not found", "plugin", name)
+			missing[name] = missingReason(cfg.PluginDir)
+			log.Error("plugin configured but not found; listed as failed", "plugin", name, "error", missing[name])
 		}
 	}
 
@@ -156,7 +175,19 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 			sockets = socketDir(cfg.StateDir, log)
 		}
 	}
-	m.reg = newRegistry(log, cfg.Now, m.store.Holders)
+	var owners map[string]string
+	var ownerRecords ownerStore
+	if m.ledger != nil {
+		ownerRecords = m.ledger
+		if owners, err = m.ledger.DeviceOwners(); err != nil {
+			// The readable records still hold; a damaged one costs its ID's protection.
+			log.Error("device owner records unreadable; the first plugin to report those IDs will own them", "error", oneLine(err))
+		}
+	}
+	m.reg = newRegistry(log, cfg.Now, m.store.Holders, ownerRecords, owners)
+	for name, reason := range missing {
+		m.reg.addMissing(name, missingPath(cfg.PluginDir, name), reason)
+	}
 	for _, bin := range bins {
 		pc := cfg.Plugins[bin.Name]
 		m.reg.addPlugin(bin.Name, bin.Path)
@@ -191,6 +222,10 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		m.sups[bin.Name] = s
 	}
 	m.reg.checkReady()
+	for plugin, n := range m.reg.orphans() {
+		log.Info("device IDs owned by a plugin this host does not run; the first plugin to report them will own them",
+			"previous_owner", plugin, "devices", n)
+	}
 
 	ctx, cancel := context.WithCancel(context.Background())
 	m.cancel = cancel
@@ -247,6 +282,22 @@ func (m *Manager) cleanup(ctx context.Context, e ledger.GCEntry) error {
 	return s.release(ctx, e.ReservationID, e.DeviceIDs)
 }
 
+// missingReason is why a configured plugin has no binary, as its last error.
+func missingReason(pluginDir string) string {
+	if pluginDir == "" {
+		return "no such plugin binary: no plugin dir is set"
+	}
+	return "no such plugin binary in " + pluginDir
+}
+
+// missingPath is where a configured plugin's binary would be; "" without a plugin dir.
+func missingPath(pluginDir, name string) string {
+	if pluginDir == "" {
+		return ""
+	}
+	return filepath.Join(pluginDir, name)
+}
+
 // pluginBinaries lists the discovered plugins and the explicit ones, refusing a name
 // that appears twice.
 func pluginBinaries(cfg Config, log hclog.Logger) ([]pluginloader.Binary, error) {
@@ -257,7 +308,7 @@ func pluginBinaries(cfg Config, log hclog.Logger) ([]pluginloader.Binary, error)
 		case err != nil && len(found) == 0:
 			return nil, fmt.Errorf("discover plugins in %s: %w", cfg.PluginDir, err)
 		case err != nil:
-			// Some binaries were refused (world-writable); run the others.
+			// Some binaries were refused (the trust check); run the others.
 			log.Error("plugins refused and not run", "plugin_dir", cfg.PluginDir, "error", oneLine(err))
 		}
 		bins = append(bins, found...)
@@ -312,8 +363,8 @@ func (m *Manager) WatchStats(ctx context.Context, interval time.Duration) <-chan
 	return m.stats.watch(ctx, interval, m.Inventory())
 }
 
-// Ready is closed once every plugin has fingerprinted or failed, or ReadyTimeout has
-// passed.
+// Ready is closed once every plugin has had its first attempt (fingerprinted, had a
+// fingerprint refused, or failed a run), or ReadyTimeout has passed.
 func (m *Manager) Ready() <-chan struct{} { return m.reg.ready }
 
 // WaitForFirstFingerprint waits for Ready and returns the inventory then. It fails only

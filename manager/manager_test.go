@@ -15,7 +15,7 @@ import (
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
-func TestInventoryAggregatesPluginsAndRejectsDuplicateIDs(t *testing.T) {
+func TestInventoryAggregatesPluginsAndKeepsDeviceOwners(t *testing.T) {
 	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "shared"))
 	beta := newFakeDevices("beta", group("acme", "fpga", "B1", "b0", "shared"))
 	beta.hangFP = true // beta reports only after alpha owns "shared"
@@ -28,20 +28,29 @@ func TestInventoryAggregatesPluginsAndRejectsDuplicateIDs(t *testing.T) {
 	snap := waitFor(t, m, "beta's devices", healthIs(device.HealthHealthy, "b0"))
 
 	if got, want := deviceIDs(snap.Inventory), []string{"alpha/a0", "alpha/shared", "beta/b0"}; !slices.Equal(got, want) {
-		t.Errorf("inventory = %v, want %v (first owner keeps a duplicate ID)", got, want)
+		t.Errorf("inventory = %v, want %v (the first owner keeps a duplicate ID)", got, want)
 	}
 	if got, want := pluginOf(snap, "beta").DeviceCount, 1; got != want {
 		t.Errorf("beta DeviceCount = %d, want %d", got, want)
 	}
-	logs.waitLine(t, "already owned by another plugin", "device=shared", "plugin=beta", "owner=alpha")
+	logs.waitLine(t, "[ERROR]", "device IDs owned by another plugin refused", "plugin=beta", "owner=alpha", "devices=shared")
+	if got := pluginOf(m.Snapshot(), "beta").LastError; !strings.Contains(got, `shared owned by plugin "alpha"`) {
+		t.Errorf("beta LastError = %q, want it to name the refused ID and its owner", got)
+	}
 
-	// When alpha stops reporting the ID, beta, which still reports it, gets it.
+	// When alpha stops reporting the ID, it is still alpha's: beta, which still reports
+	// it, does not get it.
 	alpha.setGroups(group("acme", "gpu", "A1", "a0"))
-	snap = waitFor(t, m, "shared handed to beta", func(s device.Snapshot) bool {
-		return slices.Contains(deviceIDs(s.Inventory), "beta/shared")
+	snap = waitFor(t, m, "alpha without shared", func(s device.Snapshot) bool {
+		return !slices.Contains(deviceIDs(s.Inventory), "alpha/shared")
 	})
-	if got, want := deviceIDs(snap.Inventory), []string{"alpha/a0", "beta/b0", "beta/shared"}; !slices.Equal(got, want) {
+	beta.setGroups(group("acme", "fpga", "B1", "b0", "shared"), group("acme", "fpga", "B2", "b1"))
+	snap = waitFor(t, m, "beta's new group", healthIs(device.HealthHealthy, "b1"))
+	if got, want := deviceIDs(snap.Inventory), []string{"alpha/a0", "beta/b0", "beta/b1"}; !slices.Equal(got, want) {
 		t.Errorf("inventory after alpha dropped shared = %v, want %v", got, want)
+	}
+	if _, ok := snap.State.Devices["shared"]; ok {
+		t.Errorf("shared has a state %+v though no plugin serves it", snap.State.Devices["shared"])
 	}
 }
 

@@ -2,38 +2,88 @@ package manager
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/validate"
 )
 
 // registry is the manager's inventory and state: the last good fingerprint of every
 // plugin, which plugin owns which device ID, device health and plugin status. Every change
 // makes a new immutable device.Snapshot and offers it to the watchers.
 //
-// Safe for concurrent use. Lock order: registry.mu, then the reservation store's lock
-// (through holders), then the broadcast's lock.
+// Device ownership: the first plugin to report a device ID owns it, and keeps it across
+// its own restarts, while it no longer reports it, and (with an ownerStore) across
+// restarts of the host. Another plugin reporting that ID gets it refused, unless the
+// owner is not one of this host's plugins any more: then the reporter takes it over.
+//
+// Safe for concurrent use. Lock order: registry.claimMu, then registry.mu, then the
+// reservation store's lock (through holders), then the broadcast's lock.
 type registry struct {
 	log     hclog.Logger
 	now     func() time.Time
 	holders func() map[string]device.Holder // the live reservations, by device ID
+	store   ownerStore                      // nil: ownership is kept in memory only
 
 	watchers broadcast[device.Snapshot]
 	ready    chan struct{} // closed by markReadyLocked
 
+	// claimMu serialises ownership decisions with their write to the store, which is
+	// done without mu so that readers of the snapshot never wait for the disk.
+	claimMu sync.Mutex
+
 	mu       sync.Mutex
-	plugins  map[string]*pluginRecord
+	plugins  map[string]*pluginRecord      // fixed set after New
 	names    []string                      // sorted plugin names
-	owner    map[string]string             // device ID -> owning plugin; first claim wins
-	devState map[string]device.DeviceState // by owned device ID; Holder unset
+	owner    map[string]string             // device ID -> owning plugin, perhaps one not in plugins
+	owned    map[string]int                // plugin -> how many IDs it owns
+	devState map[string]device.DeviceState // by device ID owned and reported by its owner; Holder unset
 	seq      uint64
 	snap     device.Snapshot
 	isReady  bool
+}
+
+// ownerStore keeps device ownership across host restarts; *ledger.Ledger is one.
+type ownerStore interface {
+	RecordDeviceOwners(ctx context.Context, owners map[string]string, forget []string) error
+}
+
+// maxOwnedPerPlugin bounds the device IDs one plugin may own. A plugin reporting new IDs
+// all the time would otherwise grow the ownership records without end; past the bound
+// it loses the IDs it no longer reports.
+const maxOwnedPerPlugin = 2 * validate.MaxDevices
+
+// claimError names the device IDs of a fingerprint that other plugins own, which were
+// left out of the plugin's inventory.
+type claimError struct {
+	plugin  string
+	byOwner map[string][]string // owning plugin -> refused IDs, sorted
+}
+
+func (e *claimError) Error() string {
+	var parts []string
+	for _, owner := range slices.Sorted(maps.Keys(e.byOwner)) {
+		parts = append(parts, fmt.Sprintf("%s owned by plugin %q", listIDs(e.byOwner[owner]), owner))
+	}
+	return fmt.Sprintf("device IDs of other plugins refused: %s (an ID stays with the plugin that reported it first)", strings.Join(parts, "; "))
+}
+
+// maxListedIDs is how many device IDs a log line or error lists before "and N more".
+const maxListedIDs = 8
+
+// listIDs joins ids for a message, at most maxListedIDs of them.
+func listIDs(ids []string) string {
+	if len(ids) <= maxListedIDs {
+		return strings.Join(ids, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(ids[:maxListedIDs], ", "), len(ids)-maxListedIDs)
 }
 
 // pluginRecord is what the registry keeps per plugin.
@@ -44,18 +94,43 @@ type pluginRecord struct {
 	settled bool               // fingerprinted or failed once: no longer holds Ready
 }
 
-func newRegistry(log hclog.Logger, now func() time.Time, holders func() map[string]device.Holder) *registry {
+// newRegistry returns a registry with no plugins. owners are the device owners recorded
+// by an earlier host (device ID -> plugin); store, when not nil, is where new ones are
+// recorded.
+func newRegistry(log hclog.Logger, now func() time.Time, holders func() map[string]device.Holder, store ownerStore, owners map[string]string) *registry {
 	r := &registry{
 		log:      log,
 		now:      now,
 		holders:  holders,
+		store:    store,
 		ready:    make(chan struct{}),
 		plugins:  make(map[string]*pluginRecord),
-		owner:    make(map[string]string),
+		owner:    maps.Clone(owners),
+		owned:    make(map[string]int),
 		devState: make(map[string]device.DeviceState),
+	}
+	if r.owner == nil {
+		r.owner = make(map[string]string)
+	}
+	for _, p := range r.owner {
+		r.owned[p]++
 	}
 	r.publishLocked()
 	return r
+}
+
+// orphans returns, by plugin, how many device IDs are owned by plugins that are not
+// this host's: any plugin that reports them takes them over.
+func (r *registry) orphans() map[string]int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make(map[string]int)
+	for p, n := range r.owned {
+		if _, ok := r.plugins[p]; !ok && n > 0 {
+			out[p] = n
+		}
+	}
+	return out
 }
 
 // addPlugin registers a plugin before its supervisor starts.
@@ -65,6 +140,20 @@ func (r *registry) addPlugin(name, path string) {
 	r.plugins[name] = &pluginRecord{
 		state: device.PluginState{Name: name, Path: path, Status: device.PluginStarting},
 		down:  "plugin starting",
+	}
+	r.names = slices.Sorted(maps.Keys(r.plugins))
+	r.publishLocked()
+}
+
+// addMissing registers a configured plugin that has no binary: it is listed as failed
+// with reason, runs no supervisor, and does not hold Ready. Its devices, if an earlier
+// host recorded any, stay its own.
+func (r *registry) addMissing(name, path, reason string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.plugins[name] = &pluginRecord{
+		state:   device.PluginState{Name: name, Path: path, Status: device.PluginFailed, LastError: errorLine(reason), LastErrorAt: r.now()},
+		settled: true,
 	}
 	r.names = slices.Sorted(maps.Keys(r.plugins))
 	r.publishLocked()
@@ -85,10 +174,25 @@ func (r *registry) watch(ctx context.Context) <-chan device.Snapshot {
 }
 
 // refresh republishes after a change outside the registry (a reservation's holder).
+// Only the holders changed: the current snapshot's inventory and plugin states (never
+// written once made) are kept, and only the device states are rebuilt; Reserve and
+// Release call it on every reservation change.
 func (r *registry) refresh() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.publishLocked()
+	r.seq++
+	snap := r.snap
+	snap.Seq, snap.Time = r.seq, r.now()
+	snap.State.Devices = make(map[string]device.DeviceState, len(r.devState))
+	holders := r.holders()
+	for id, st := range r.devState {
+		if h, ok := holders[id]; ok {
+			st.Holder = &h
+		}
+		snap.State.Devices[id] = st
+	}
+	r.snap = snap
+	r.watchers.publish(snap)
 }
 
 // update runs fn on the named plugin's record and republishes.
@@ -122,19 +226,24 @@ func (r *registry) running(name, version string) {
 	})
 }
 
-// down marks every device of a plugin unhealthy with reason, at once.
+// down marks every device of a plugin unhealthy with reason (made one bounded line), at
+// once.
 func (r *registry) down(name, reason string) {
-	r.update(name, func(rec *pluginRecord) { rec.down = reason })
+	r.update(name, func(rec *pluginRecord) { rec.down = errorLine(reason) })
 }
 
-// restarting records a failed run and that the next attempt is due after delay.
+// restarting records a failed run and that the next attempt is due after delay. A
+// failed run settles the plugin for Ready: it has had its try, and the other plugins'
+// devices need not wait for its next one.
 func (r *registry) restarting(name string, err error, delay time.Duration) {
 	now := r.now()
 	r.update(name, func(rec *pluginRecord) {
 		rec.state.Status = device.PluginRestarting
-		rec.state.LastError, rec.state.LastErrorAt = err.Error(), now
+		rec.state.LastError, rec.state.LastErrorAt = errorLine(err.Error()), now
 		rec.state.NextRetry = now.Add(delay)
+		rec.settled = true
 	})
+	r.checkReady()
 }
 
 // failed records a permanent failure: the plugin will not be restarted.
@@ -142,10 +251,10 @@ func (r *registry) failed(name string, err error) {
 	now := r.now()
 	r.update(name, func(rec *pluginRecord) {
 		rec.state.Status = device.PluginFailed
-		rec.state.LastError, rec.state.LastErrorAt = err.Error(), now
+		rec.state.LastError, rec.state.LastErrorAt = errorLine(err.Error()), now
 		rec.state.NextRetry = time.Time{}
 		if rec.down == "" {
-			rec.down = "plugin failed: " + err.Error()
+			rec.down = errorLine("plugin failed: " + err.Error())
 		}
 		rec.settled = true
 	})
@@ -156,51 +265,123 @@ func (r *registry) failed(name string, err error) {
 func (r *registry) pluginError(name string, err error) {
 	now := r.now()
 	r.update(name, func(rec *pluginRecord) {
-		rec.state.LastError, rec.state.LastErrorAt = err.Error(), now
+		rec.state.LastError, rec.state.LastErrorAt = errorLine(err.Error()), now
 	})
 }
 
-// setFingerprint installs a validated fingerprint as the plugin's inventory. Device IDs
-// another plugin already owns are left out, with a log line naming both plugins; IDs
-// the plugin no longer reports are freed and may go to another plugin that reports them.
-func (r *registry) setFingerprint(name string, fp fingerprint) {
+// rejected records a fingerprint of the plugin that was refused (broke a rule, or the
+// byte budget) as its last error. Like a failed run, it settles the plugin for Ready.
+func (r *registry) rejected(name string, err error) {
+	now := r.now()
+	r.update(name, func(rec *pluginRecord) {
+		rec.state.LastError, rec.state.LastErrorAt = errorLine(err.Error()), now
+		rec.settled = true
+	})
+	r.checkReady()
+}
+
+// statsGroupCost returns the statsGroupCost of the plugin's last good fingerprint.
+func (r *registry) statsGroupCost(name string) int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if rec, ok := r.plugins[name]; ok {
+		return rec.fp.statsGroupCost
+	}
+	return 0
+}
+
+// setFingerprint installs a validated fingerprint as the plugin's inventory, unless its
+// charge (fp.cost) would take the host's Fingerprint message over MaxSnapshotBytes: then
+// nothing changes and a *budgetError says so. Device IDs nobody owns become the
+// plugin's, recorded in the store before they are published; IDs owned by a plugin this
+// host does not run any more are taken over, with a log line; IDs owned by another of
+// its plugins are left out of the inventory, and the returned *claimError names them
+// and their owners.
+func (r *registry) setFingerprint(name string, fp fingerprint) (*claimError, error) {
+	r.claimMu.Lock()
+	defer r.claimMu.Unlock()
+
+	r.mu.Lock()
 	rec, ok := r.plugins[name]
 	if !ok {
-		return
+		r.mu.Unlock()
+		return nil, nil
 	}
-	rec.fp, rec.down, rec.settled = fp, "", true
-
-	var freed bool
-	for id, owner := range r.owner {
-		if _, still := fp.devices[id]; owner == name && !still {
-			delete(r.owner, id)
-			freed = true
+	others := 0
+	for other, p := range r.plugins {
+		if other != name {
+			others += p.fp.cost
 		}
 	}
+	if others+fp.cost+timestampBytes > MaxSnapshotBytes {
+		r.mu.Unlock()
+		return nil, &budgetError{plugin: name, what: "fingerprint", cost: fp.cost, others: others, limit: MaxSnapshotBytes}
+	}
+	claim := make(map[string]string)   // IDs to record as the plugin's
+	taken := make(map[string][]string) // owner no longer configured -> IDs
+	refused := make(map[string][]string)
 	for _, id := range slices.Sorted(maps.Keys(fp.devices)) {
-		switch owner, taken := r.owner[id]; {
-		case !taken:
-			r.owner[id] = name
-		case owner != name:
-			r.log.Error("device ID already owned by another plugin; ignoring it", "device", id, "plugin", name, "owner", owner)
+		switch owner, ok := r.owner[id]; {
+		case !ok:
+			claim[id] = name
+		case owner == name:
+		case r.plugins[owner] == nil:
+			claim[id] = name
+			taken[owner] = append(taken[owner], id)
+		default:
+			refused[owner] = append(refused[owner], id)
 		}
 	}
-	if freed {
-		// Hand freed IDs to the first other plugin (by name) that reports them.
-		for _, other := range r.names {
-			for id := range r.plugins[other].fp.devices {
-				if _, taken := r.owner[id]; !taken {
-					r.owner[id] = other
-					r.log.Info("device ID freed by one plugin now owned by another", "device", id, "plugin", other, "previous_owner", name)
-				}
+	var forget []string
+	if r.owned[name]+len(claim) > maxOwnedPerPlugin {
+		for id, owner := range r.owner {
+			if _, still := fp.devices[id]; owner == name && !still {
+				forget = append(forget, id)
 			}
 		}
+		slices.Sort(forget)
 	}
+	r.mu.Unlock()
+
+	if r.store != nil && (len(claim) > 0 || len(forget) > 0) {
+		ctx, cancel := context.WithTimeout(context.Background(), ledgerWriteTimeout)
+		err := r.store.RecordDeviceOwners(ctx, claim, forget)
+		cancel()
+		if err != nil {
+			r.log.Error("cannot record device ownership in the state file; it holds until the host stops",
+				"plugin", name, "devices", listIDs(slices.Sorted(maps.Keys(claim))), "error", oneLine(err))
+		}
+	}
+	for _, prev := range slices.Sorted(maps.Keys(taken)) {
+		r.log.Warn("device IDs owned by a plugin this host does not run any more now belong to this plugin",
+			"plugin", name, "previous_owner", prev, "devices", listIDs(taken[prev]))
+	}
+	if len(forget) > 0 {
+		r.log.Warn("plugin reported more distinct device IDs than one plugin may own; it loses those it no longer reports",
+			"plugin", name, "limit", maxOwnedPerPlugin, "forgotten", len(forget))
+	}
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, id := range forget {
+		delete(r.owner, id)
+		r.owned[name]--
+	}
+	for id := range claim {
+		if prev, ok := r.owner[id]; ok {
+			r.owned[prev]--
+		}
+		r.owner[id] = name
+		r.owned[name]++
+	}
+	rec.fp, rec.down, rec.settled = fp, "", true
 	r.recomputeLocked()
 	r.publishLocked()
 	r.checkReadyLocked()
+	if len(refused) > 0 {
+		return &claimError{plugin: name, byOwner: refused}, nil
+	}
+	return nil, nil
 }
 
 // known returns whether the plugin's last good fingerprint reported a device ID.
@@ -255,24 +436,27 @@ func (r *registry) markReadyLocked() {
 // health changes.
 func (r *registry) recomputeLocked() {
 	now := r.now()
-	next := make(map[string]device.DeviceState, len(r.owner))
-	for id, name := range r.owner {
-		rec := r.plugins[name]
-		rd := rec.fp.devices[id]
-		st := device.DeviceState{Health: rd.health, Reason: rd.reason, Since: now}
-		if rec.down != "" {
-			st.Health, st.Reason = device.HealthUnhealthy, rec.down
+	next := make(map[string]device.DeviceState, len(r.devState))
+	for name, rec := range r.plugins {
+		for id, rd := range rec.fp.devices {
+			if r.owner[id] != name {
+				continue
+			}
+			st := device.DeviceState{Health: rd.health, Reason: rd.reason, Since: now}
+			if rec.down != "" {
+				st.Health, st.Reason = device.HealthUnhealthy, rec.down
+			}
+			switch {
+			case st.Health == device.HealthHealthy:
+				st.Reason = ""
+			case st.Reason == "" && st.Health == device.HealthUnhealthy:
+				st.Reason = unhealthyByPlugin + name
+			}
+			if prev, ok := r.devState[id]; ok && prev.Health == st.Health {
+				st.Since = prev.Since
+			}
+			next[id] = st
 		}
-		switch {
-		case st.Health == device.HealthHealthy:
-			st.Reason = ""
-		case st.Reason == "" && st.Health == device.HealthUnhealthy:
-			st.Reason = "reported unhealthy by plugin " + name
-		}
-		if prev, ok := r.devState[id]; ok && prev.Health == st.Health {
-			st.Since = prev.Since
-		}
-		next[id] = st
 	}
 	r.devState = next
 }
@@ -292,6 +476,9 @@ func (r *registry) publishLocked() {
 		count := 0
 		for _, g := range rec.fp.groups {
 			owned := slices.DeleteFunc(slices.Clone(g.Devices), func(d device.DeviceInfo) bool { return r.owner[d.ID] != name })
+			if len(owned) == 0 && len(g.Devices) > 0 {
+				continue // every device of it belongs to other plugins
+			}
 			g.Devices = owned
 			count += len(owned)
 			snap.Inventory.Groups = append(snap.Inventory.Groups, g)

@@ -19,17 +19,35 @@ type statsHub struct {
 
 	mu     sync.Mutex
 	latest map[string]map[string]device.DeviceStats // plugin -> device ID -> stats
+	cost   map[string]int                           // plugin -> charge of its latest stats (statsCost)
 }
 
 func newStatsHub(interval time.Duration, now func() time.Time) *statsHub {
-	return &statsHub{interval: interval, now: now, latest: make(map[string]map[string]device.DeviceStats)}
+	return &statsHub{
+		interval: interval,
+		now:      now,
+		latest:   make(map[string]map[string]device.DeviceStats),
+		cost:     make(map[string]int),
+	}
 }
 
-// set replaces a plugin's latest stats.
-func (h *statsHub) set(plugin string, stats map[string]device.DeviceStats) {
+// set replaces a plugin's latest stats, charged cost bytes of the host's Stats message,
+// unless that would take the message over MaxStatsSnapshotBytes: then the plugin's
+// previous stats stay and a *budgetError says why.
+func (h *statsHub) set(plugin string, stats map[string]device.DeviceStats, cost int) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.latest[plugin] = stats
+	others := 0
+	for p, c := range h.cost {
+		if p != plugin {
+			others += c
+		}
+	}
+	if others+cost+timestampBytes > MaxStatsSnapshotBytes {
+		return &budgetError{plugin: plugin, what: "stats", cost: cost, others: others, limit: MaxStatsSnapshotBytes}
+	}
+	h.latest[plugin], h.cost[plugin] = stats, cost
+	return nil
 }
 
 // clear forgets a plugin's stats, when it stops: they belonged to that process.
@@ -37,6 +55,7 @@ func (h *statsHub) clear(plugin string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	delete(h.latest, plugin)
+	delete(h.cost, plugin)
 }
 
 // build makes a snapshot of the latest stats, grouped as inv groups them; devices
@@ -67,7 +86,11 @@ func (h *statsHub) every(interval time.Duration) int {
 	if interval <= h.interval {
 		return 1
 	}
-	return int((interval + h.interval - 1) / h.interval)
+	n := interval / h.interval // rounded up without adding, which could overflow
+	if interval%h.interval != 0 {
+		n++
+	}
+	return int(n)
 }
 
 // watch subscribes to stats snapshots at interval, starting with the current one.

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -54,7 +56,8 @@ func permanent(err error) bool {
 	return errors.Is(err, pluginloader.ErrChecksumMismatch) ||
 		errors.Is(err, pluginloader.ErrProtocolVersion) ||
 		errors.Is(err, pluginloader.ErrConfigRejected) ||
-		errors.Is(err, pluginloader.ErrInsecurePath)
+		errors.Is(err, pluginloader.ErrInsecurePath) ||
+		errors.Is(err, pluginloader.ErrNotPlugin)
 }
 
 const (
@@ -66,6 +69,10 @@ const (
 	statsStallFactor = 5
 	minStatsStall    = 2 * time.Second
 )
+
+// budgetRefusal stands for every byte-budget refusal in a row of refusals, whose texts
+// differ only in sizes.
+const budgetRefusal = "\x00over the byte budget"
 
 var (
 	errNoFirstFingerprint = errors.New("no first fingerprint in time")
@@ -93,6 +100,9 @@ type supervisor struct {
 
 	mu  sync.Mutex
 	cur plugin // the running plugin; nil between runs
+
+	stopsMu sync.Mutex
+	stops   repeats // the errors that ended runs, in a row: logged once per change
 }
 
 func (s *supervisor) current() plugin {
@@ -108,43 +118,72 @@ func (s *supervisor) setCurrent(p plugin) {
 }
 
 func (s *supervisor) backoff() backoff {
-	return backoff{base: s.cfg.RestartBaseDelay, max: s.cfg.RestartMaxDelay, stable: s.cfg.StableRunReset, jitter: s.jitter}
+	return backoff{
+		base: s.cfg.RestartBaseDelay, max: s.cfg.RestartMaxDelay,
+		stable: s.cfg.StableRunReset, served: s.cfg.ServedReset,
+		jitter: s.jitter,
+	}
 }
 
 // Run supervises the plugin until ctx ends, restarting it with exponential backoff and
 // jitter whenever a run fails. It returns nil when ctx ends, or the error of a launch
 // that failed permanently (see permanent), after which the plugin is not restarted. No
 // plugin process or goroutine it started outlives it.
+//
+// A run that ends with the same error as the one before is logged at DEBUG only; when
+// the error changes, or the plugin fingerprints again, one line gives the count.
 func (s *supervisor) Run(ctx context.Context) error {
 	bo := s.backoff()
 	for restarts := 0; ; restarts++ {
 		s.reg.launching(s.name, restarts)
 		started := time.Now()
-		err := s.runOnce(ctx, restarts == 0)
+		served, err := s.runOnce(ctx, restarts == 0)
 		if ctx.Err() != nil {
 			return nil
 		}
 		if permanent(err) {
 			return err
 		}
-		delay := bo.next(time.Since(started))
+		delay := bo.next(time.Since(started), served)
 		s.reg.restarting(s.name, err, delay)
-		s.log.Warn("plugin stopped; restarting", "error", err, "restart_in", delay, "restarts", restarts+1)
+		line := errorLine(err.Error())
+		s.stopsMu.Lock()
+		isNew, prev, times := s.stops.see(line)
+		s.stopsMu.Unlock()
+		if times > 1 {
+			s.log.Warn("plugin stopped repeatedly with the same error", "error", prev, "times", times)
+		}
+		if isNew {
+			s.log.Warn("plugin stopped; restarting", "error", line, "restart_in", delay, "restarts", restarts+1)
+		} else {
+			s.log.Debug("plugin stopped again with the same error; restarting", "error", line, "restart_in", delay, "restarts", restarts+1)
+		}
 		if !sleep(ctx, delay) {
 			return nil
 		}
 	}
 }
 
+// up notes that the plugin fingerprinted: a streak of identical stops ends.
+func (s *supervisor) up() {
+	s.stopsMu.Lock()
+	prev, times := s.stops.reset()
+	s.stopsMu.Unlock()
+	if times > 1 {
+		s.log.Info("plugin serving again after stopping repeatedly with the same error", "error", prev, "times", times)
+	}
+}
+
 // runOnce launches the plugin (on the first run, perhaps reattaches to it) and serves it
 // until it exits, its fingerprint stream fails, or ctx ends. The plugin's devices are
 // marked unhealthy with the reason before it returns, the process is killed and its
-// reattach record, if any, deleted.
-func (s *supervisor) runOnce(ctx context.Context, first bool) error {
+// reattach record, if any, deleted. served is how long the plugin ran after its first
+// good fingerprint (zero when it sent none).
+func (s *supervisor) runOnce(ctx context.Context, first bool) (served time.Duration, err error) {
 	p, err := s.start(ctx, first)
 	if err != nil {
 		s.reg.down(s.name, "plugin not running: "+err.Error())
-		return fmt.Errorf("launch: %w", err)
+		return 0, fmt.Errorf("launch: %w", err)
 	}
 	defer func() {
 		s.setCurrent(nil)
@@ -161,6 +200,7 @@ func (s *supervisor) runOnce(ctx context.Context, first bool) error {
 
 	g, gctx := errgroup.WithContext(ctx)
 	fingerprinted := make(chan struct{})
+	var upAt time.Time // written by the fingerprint goroutine; read after g.Wait
 	g.Go(func() error {
 		select {
 		case <-p.Exited():
@@ -169,7 +209,7 @@ func (s *supervisor) runOnce(ctx context.Context, first bool) error {
 			return nil
 		}
 	})
-	g.Go(func() error { return s.fingerprint(gctx, p, fingerprinted) })
+	g.Go(func() error { return s.fingerprint(gctx, p, fingerprinted, &upAt) })
 	g.Go(func() error {
 		select {
 		case <-fingerprinted:
@@ -184,7 +224,10 @@ func (s *supervisor) runOnce(ctx context.Context, first bool) error {
 	}
 	s.reg.down(s.name, err.Error())
 	s.stats.clear(s.name)
-	return err
+	if !upAt.IsZero() {
+		served = time.Since(upAt)
+	}
+	return served, err
 }
 
 // start launches the plugin, bounded by StartTimeout. On the first run of a kept plugin
@@ -237,12 +280,14 @@ func rpcError(ctx context.Context, p plugin, what string, err error) error {
 }
 
 // fingerprint consumes the fingerprint stream for one run. The first message must come
-// within FingerprintTimeout. Each message is validated: a rejected one is logged naming
-// the rules and the last good inventory stays; a good one replaces the plugin's
-// inventory. The first good one closes fingerprinted and calls onUp. It returns only
+// within FingerprintTimeout. Each message is validated and charged against the host's
+// byte budget: a refused one is logged (once while the same refusal repeats) and the
+// last good inventory stays; a good one replaces the plugin's inventory, less the
+// device IDs other plugins own (logged once per change, naming them and their owners).
+// The first good one sets *upAt, closes fingerprinted and calls onUp. It returns only
 // with an error: the stream is the plugin's lifeline, so its end ends the run (and the
 // plugin is restarted).
-func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted chan<- struct{}) error {
+func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted chan<- struct{}, upAt *time.Time) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	firstTimer := time.AfterFunc(s.cfg.FingerprintTimeout, func() { cancel(errNoFirstFingerprint) })
@@ -252,24 +297,50 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 	if err != nil {
 		return s.fingerprintError(ctx, p, err)
 	}
+	// Refusals are handled here, once: logged, and shown as the plugin's last error.
+	// Only an accepted fingerprint stops the first-fingerprint timer, so a plugin that
+	// never sends one is restarted, not left running deviceless.
+	var refusals repeats
+	var lastClaim string
 	for {
 		resp, err := stream.Recv()
 		if err != nil {
 			return s.fingerprintError(ctx, p, err)
 		}
 		if verr := validate.Fingerprint(resp); verr != nil {
-			// Handled here, once: logged with the rules, and shown as the plugin's last
-			// error. Only a valid fingerprint stops the first-fingerprint timer, so a
-			// plugin that never sends one is restarted, not left running deviceless.
-			s.log.Error("fingerprint rejected; keeping the last good inventory", "violations", oneLine(verr))
-			s.reg.pluginError(s.name, fmt.Errorf("fingerprint rejected: %s", oneLine(verr)))
+			msg := oneLine(verr)
+			if isNew, _, _ := refusals.see(msg); isNew {
+				s.log.Error("fingerprint rejected; keeping the last good inventory", "violations", msg)
+				s.reg.rejected(s.name, fmt.Errorf("fingerprint rejected: %s", msg))
+			}
 			continue
 		}
+		claimed, err := s.reg.setFingerprint(s.name, fromFingerprint(s.name, resp))
+		if err != nil {
+			// Keyed by kind, not text: the sizes in it change with every message.
+			if isNew, _, _ := refusals.see(budgetRefusal); isNew {
+				s.log.Error("fingerprint refused; keeping the last good inventory", "error", err)
+				s.reg.rejected(s.name, err)
+			}
+			continue
+		}
+		refusals.reset()
+		switch {
+		case claimed == nil:
+			lastClaim = ""
+		case claimed.Error() != lastClaim:
+			lastClaim = claimed.Error()
+			for _, owner := range slices.Sorted(maps.Keys(claimed.byOwner)) {
+				s.log.Error("device IDs owned by another plugin refused", "owner", owner, "devices", listIDs(claimed.byOwner[owner]))
+			}
+			s.reg.pluginError(s.name, claimed)
+		}
 		firstTimer.Stop()
-		s.reg.setFingerprint(s.name, fromFingerprint(s.name, resp))
 		if fingerprinted != nil {
+			*upAt = time.Now()
 			close(fingerprinted)
 			fingerprinted = nil
+			s.up()
 			if s.onUp != nil {
 				s.onUp()
 			}
@@ -291,8 +362,12 @@ func (s *supervisor) fingerprintError(ctx context.Context, p plugin, err error) 
 // backoff when it fails or stalls. Every failure is logged with the plugin's error and
 // recorded as the plugin's last error. It returns when ctx ends (nil) or the plugin
 // exits (that error, ending the run).
+//
+// A failure identical to the one before is logged at DEBUG only, and the plugin's last
+// error is not touched again; when the error changes, one line gives the count.
 func (s *supervisor) statsLoop(ctx context.Context, p plugin) error {
 	bo := s.backoff()
+	var failures repeats
 	for {
 		started := time.Now()
 		err := s.statsStream(ctx, p)
@@ -302,9 +377,18 @@ func (s *supervisor) statsLoop(ctx context.Context, p plugin) error {
 		if errors.Is(err, errPluginExited) {
 			return err
 		}
-		delay := bo.next(time.Since(started))
-		s.reg.pluginError(s.name, err)
-		s.log.Warn("stats stream failed; retrying", "error", err, "retry_in", delay)
+		delay := bo.next(time.Since(started), 0)
+		line := errorLine(err.Error())
+		isNew, prev, times := failures.see(line)
+		if times > 1 {
+			s.log.Warn("stats stream failed repeatedly with the same error", "error", prev, "times", times)
+		}
+		if isNew {
+			s.reg.pluginError(s.name, err)
+			s.log.Warn("stats stream failed; retrying", "error", line, "retry_in", delay)
+		} else {
+			s.log.Debug("stats stream failed again with the same error; retrying", "error", line, "retry_in", delay)
+		}
 		if !sleep(ctx, delay) {
 			return nil
 		}
@@ -339,8 +423,15 @@ func (s *supervisor) statsStream(ctx context.Context, p plugin) error {
 			}
 			continue
 		}
+		if err := s.stats.set(s.name, fromStats(resp, s.cfg.Now()), statsCost(resp, s.reg.statsGroupCost(s.name))); err != nil {
+			if lastRejection != budgetRefusal { // logged once in a row: the sizes change every message
+				lastRejection = budgetRefusal
+				s.log.Error("stats refused; keeping the last good stats", "error", err)
+				s.reg.pluginError(s.name, err)
+			}
+			continue
+		}
 		lastRejection = ""
-		s.stats.set(s.name, fromStats(resp, s.cfg.Now()))
 	}
 }
 
@@ -407,15 +498,17 @@ func (s *supervisor) call(ctx context.Context, what string, rpc func(context.Con
 		// The plugin's side may see the propagated deadline a moment before ours fires.
 		return fmt.Errorf("plugin %q did not answer %s within %v: %w", s.name, what, s.cfg.ReserveTimeout, device.ErrPluginUnavailable)
 	case cause == errPluginExited:
-		return fmt.Errorf("plugin %q exited during %s (%s): %w", s.name, what, p.ExitReason(), device.ErrPluginUnavailable)
+		return fmt.Errorf("plugin %q exited during %s (%s): %w", s.name, what, errorLine(p.ExitReason()), device.ErrPluginUnavailable)
 	}
+	// What the plugin or its connection said is made one bounded line: it ends up in
+	// the caller's answer and in the log line of that call.
 	switch status.Code(err) {
 	case codes.Unavailable, codes.Canceled:
-		return fmt.Errorf("%s on plugin %q: %v: %w", what, s.name, err, device.ErrPluginUnavailable)
+		return fmt.Errorf("%s on plugin %q: %s: %w", what, s.name, errorLine(err.Error()), device.ErrPluginUnavailable)
 	case codes.Unimplemented:
 		return fmt.Errorf("%s on plugin %q: %w", what, s.name, err)
 	}
-	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, status.Convert(err).Message(), device.ErrPluginResponse)
+	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, errorLine(status.Convert(err).Message()), device.ErrPluginResponse)
 }
 
 // oneLine renders err, which may be an errors.Join of many, on one line.

@@ -3,6 +3,7 @@ package manager
 import (
 	"context"
 	"errors"
+	"math"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -28,7 +29,8 @@ func TestConfigDefaults(t *testing.T) {
 				c.StartTimeout == DefaultStartTimeout && c.ReadyTimeout == DefaultReadyTimeout &&
 				c.FingerprintTimeout == DefaultFingerprintTimeout && c.KillTimeout == DefaultKillTimeout &&
 				c.RestartBaseDelay == DefaultRestartBaseDelay && c.RestartMaxDelay == DefaultRestartMaxDelay &&
-				c.StableRunReset == DefaultStableRunReset && c.Logger != nil && c.Now != nil &&
+				c.StableRunReset == DefaultStableRunReset && c.ServedReset == DefaultServedReset &&
+				c.Logger != nil && c.Now != nil &&
 				c.GCInterval == time.Minute && c.GCMaxReservations == 1000 && c.GCParallelDestroys == 2
 		}},
 		{name: "stats interval below the bound is raised", in: Config{StatsInterval: time.Millisecond},
@@ -102,30 +104,68 @@ func TestNewRefusesDuplicatePluginNames(t *testing.T) {
 
 func TestBackoff(t *testing.T) {
 	none := func() float64 { return 0 }
-	b := backoff{base: 200 * time.Millisecond, max: time.Second, stable: time.Minute, jitter: none}
+	b := backoff{base: 200 * time.Millisecond, max: time.Second, stable: time.Minute, served: time.Second, jitter: none}
 	var got []time.Duration
 	for range 6 {
-		got = append(got, b.next(time.Second))
+		got = append(got, b.next(time.Second, 0))
 	}
 	want := []time.Duration{200 * time.Millisecond, 400 * time.Millisecond, 800 * time.Millisecond, time.Second, time.Second, time.Second}
 	if !slices.Equal(got, want) {
 		t.Errorf("delays = %v, want %v (first fast, doubling, capped)", got, want)
 	}
-	if got, want := b.next(time.Minute), 200*time.Millisecond; got != want {
+	if got, want := b.next(time.Minute, 0), 200*time.Millisecond; got != want {
 		t.Errorf("delay after a stable run = %v, want %v", got, want)
 	}
 
 	for _, j := range []float64{-1, 1} {
 		b := backoff{base: time.Second, max: time.Second, stable: time.Minute, jitter: func() float64 { return j }}
-		if got, want := b.next(0), time.Duration(float64(time.Second)*(1+0.2*j)); got != want {
+		if got, want := b.next(0, 0), time.Duration(float64(time.Second)*(1+0.2*j)); got != want {
 			t.Errorf("jitter %v: delay = %v, want %v", j, got, want)
 		}
 	}
 	r := backoff{base: time.Second, max: time.Second, stable: time.Minute}
 	for range 100 {
-		if d := r.next(0); d < 800*time.Millisecond || d > 1200*time.Millisecond {
+		if d := r.next(0, 0); d < 800*time.Millisecond || d > 1200*time.Millisecond {
 			t.Fatalf("random jitter delay %v outside ±20%% of 1s", d)
 		}
+	}
+}
+
+// TestBackoffServedRunDoesNotInheritThePenalty: a plugin killed after it served
+// restarts after the base delay, however long the crash loop before it; one that dies
+// before serving for ServedReset, or never serves, keeps backing off.
+func TestBackoffServedRunDoesNotInheritThePenalty(t *testing.T) {
+	none := func() float64 { return 0 }
+	base, maxDelay := 200*time.Millisecond, 30*time.Second
+	b := backoff{base: base, max: maxDelay, stable: time.Minute, served: time.Second, jitter: none}
+	// A crash loop before the plugin ever fingerprints: 0.2, 0.4, ... 25.6s.
+	var d time.Duration
+	for range 8 {
+		d = b.next(100*time.Millisecond, 0)
+	}
+	if want := 25600 * time.Millisecond; d != want {
+		t.Fatalf("8th delay of a crash loop = %v, want %v", d, want)
+	}
+	// Then it comes up, serves 5s and is killed: back after the base delay.
+	if got := b.next(5500*time.Millisecond, 5*time.Second); got != base {
+		t.Errorf("delay after a run that served 5s = %v, want %v", got, base)
+	}
+	// Killed again and again after serving 1.5s each: never more than the base delay.
+	for i := range 8 {
+		if got := b.next(2*time.Second, 1500*time.Millisecond); got != base {
+			t.Errorf("delay after served run %d = %v, want %v", i, got, base)
+		}
+	}
+	// A run that fingerprints and dies within ServedReset still counts as a failure.
+	b.next(2*time.Second, 1500*time.Millisecond)
+	if got, want := b.next(600*time.Millisecond, 500*time.Millisecond), 2*base; got != want {
+		t.Errorf("delay after a run that served only 0.5s = %v, want %v (still backing off)", got, want)
+	}
+	// Without a served threshold (the stats stream's backoff), serving resets nothing.
+	s := backoff{base: base, max: maxDelay, stable: time.Minute, jitter: none}
+	s.next(0, 0)
+	if got, want := s.next(0, time.Hour), 2*base; got != want {
+		t.Errorf("delay with no served threshold = %v, want %v", got, want)
 	}
 }
 
@@ -185,7 +225,9 @@ func TestStatsEvery(t *testing.T) {
 	for _, tc := range []struct {
 		in   time.Duration
 		want int
-	}{{0, 1}, {10 * time.Millisecond, 1}, {100 * time.Millisecond, 1}, {150 * time.Millisecond, 2}, {time.Second, 10}} {
+	}{{0, 1}, {10 * time.Millisecond, 1}, {100 * time.Millisecond, 1}, {150 * time.Millisecond, 2}, {time.Second, 10},
+		// Near the largest Duration, rounding up must not overflow into "every tick".
+		{math.MaxInt64, math.MaxInt64/int(100*time.Millisecond) + 1}, {24 * time.Hour, 864000}} {
 		if got := h.every(tc.in); got != tc.want {
 			t.Errorf("every(%v) = %d, want %d", tc.in, got, tc.want)
 		}

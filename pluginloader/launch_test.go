@@ -1,6 +1,7 @@
 package pluginloader_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -9,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -179,7 +181,7 @@ func TestLaunchRefusesProtocolMismatch(t *testing.T) {
 		wantMsg []string // both sides' versions
 	}{
 		{name: "go-plugin handshake", env: "FIXTURE_PROTOCOL=2",
-			wantMsg: []string{"Plugin version: 2", "Client versions: [1]"}},
+			wantMsg: []string{"speaks go-plugin protocol version 2", "the host speaks 1"}},
 		{name: "GetPluginInfo", env: "FIXTURE_INFO_PROTOCOLS=v2,v3",
 			wantMsg: []string{"speaks protocol versions [v2, v3]", "host speaks [v1]"}},
 	}
@@ -267,7 +269,7 @@ func TestLaunchStartTimeout(t *testing.T) {
 		Env:          []string{"FIXTURE_HANG_START=1"},
 		StartTimeout: 300 * time.Millisecond,
 	})
-	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "did not start within 300ms") {
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "did not complete its go-plugin handshake within 300ms") {
 		t.Errorf("Launch: got %v, want a start timeout wrapping context.DeadlineExceeded", err)
 	}
 }
@@ -391,6 +393,9 @@ func TestKill(t *testing.T) {
 		if err := syscall.Kill(p.PID(), syscall.SIGSTOP); err != nil {
 			t.Fatalf("SIGSTOP: %v", err)
 		}
+		// kill(2) returns before the stop takes effect; a Kill sent in between could still
+		// be answered gracefully.
+		waitStopped(t, p.PID())
 		ctx, cancel := context.WithTimeout(testContext(t), 100*time.Millisecond)
 		defer cancel()
 		p.Kill(ctx)
@@ -505,4 +510,24 @@ func TestParentLogger(t *testing.T) {
 			t.Errorf("a DEBUG line from the plugin reached a host logging at INFO:\n%s", logs)
 		}
 	})
+}
+
+// waitStopped waits until the process pid is stopped (state T in /proc/pid/stat).
+func waitStopped(t *testing.T, pid int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+		if err != nil {
+			t.Fatalf("process %d: %v", pid, err)
+		}
+		// The state follows the command name, which is in parentheses.
+		if i := bytes.LastIndexByte(b, ')'); i >= 0 && i+2 < len(b) && b[i+2] == 'T' {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("process %d not stopped after SIGSTOP: %s", pid, b)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }

@@ -74,7 +74,19 @@ type Options struct {
 	// a crashed host leaks no plugin process. Set it only for plugins a restarted host
 	// will reattach to (with DisableAutoMTLS).
 	SurviveHost bool
+	// MaxRecvMsgSize bounds one message the host reads from the plugin (a fingerprint,
+	// a stats sample, a reservation). A bigger one fails that call or stream with
+	// codes.ResourceExhausted, naming the plugin and the size, without being read into
+	// memory. Zero means DefaultMaxRecvMsgSize (4 MiB).
+	MaxRecvMsgSize int
+	// LogLimit bounds the plugin's log lines that reach Logger; zero fields mean the
+	// defaults (see LogLimit).
+	LogLimit LogLimit
 }
+
+// DefaultMaxRecvMsgSize is the MaxRecvMsgSize used when Options leaves it zero: 4 MiB,
+// gRPC's own default, which go-plugin lifts to 2 GiB for plugin connections.
+const DefaultMaxRecvMsgSize = 4 << 20
 
 // Plugin is a launched, configured plugin process.
 //
@@ -84,38 +96,31 @@ type Options struct {
 // called more than once. All methods are safe for concurrent use.
 type Plugin struct {
 	name     string
+	log      hclog.Logger // the host's logger
+	plog     *pluginLog   // the plugin's stderr
 	client   *plugin.Client
 	rpc      *deviceplugin.Client
 	info     *pb.GetPluginInfoResponse
 	cmd      *exec.Cmd          // nil when reattached
-	stopProc context.CancelFunc // SIGKILLs cmd (exec.CommandContext); no-op when reattached
+	stopProc context.CancelFunc // SIGKILLs cmd's process group (exec.CommandContext); no-op when reattached
 	pid      int
 	reattach *plugin.ReattachConfig // nil when the plugin cannot be reattached
 	killOnce sync.Once
+	// cleanedUp is set by Kill once go-plugin's goroutines have ended, which orders
+	// cmd.ProcessState (written by them) before a read that checks it.
+	cleanedUp bool
 }
 
-// ErrChecksumMismatch, ErrProtocolVersion, ErrConfigRejected, ErrInsecurePath are wrapped
-// by Launch/Discover errors so callers (the manager) can tell a permanent failure from a
-// crash worth retrying.
-var (
-	ErrChecksumMismatch = errors.New("plugin checksum mismatch")
-	ErrProtocolVersion  = errors.New("no common plugin protocol version")
-	ErrConfigRejected   = errors.New("plugin rejected its config")
-	ErrInsecurePath     = errors.New("insecure plugin path")
-)
-
-// ErrExited is wrapped by errors that are due to the plugin process having exited: from
-// Launch when the plugin dies while starting, and from RPCError.
-var ErrExited = errors.New("plugin process exited")
-
 // Discover lists the executables in dir, sorted by name. Folders and non-executable
-// files are skipped with a log line; a world-writable dir or binary is an error wrapping
-// ErrInsecurePath that names the path.
+// files are skipped with a log line. Every binary, and the dir, must pass CheckPath's
+// trust rules (the dir itself without the sticky-bit exception: anyone who can add a file
+// to it could add a plugin); a refusal is an error wrapping ErrInsecurePath that names the
+// path, its owner and mode, and the fix.
 //
-// A world-writable dir refuses everything (nil, err). World-writable binaries are left
-// out and reported together in err, while the other binaries are still returned, so a
-// caller may run those and report the error. Symlinks are followed: the target's mode
-// counts, the link's path is returned.
+// An untrusted dir refuses everything (nil, err). Untrusted binaries are left out and
+// reported together in err, while the other binaries are still returned, so a caller
+// may run those and report the error. Symlinks are followed (the target and every
+// directory on the way are checked); the link's path is returned.
 func Discover(dir string, log hclog.Logger) ([]Binary, error) {
 	if log == nil {
 		log = hclog.NewNullLogger()
@@ -124,15 +129,8 @@ func Discover(dir string, log hclog.Logger) ([]Binary, error) {
 	if err != nil {
 		return nil, fmt.Errorf("plugin dir %s: %w", dir, err)
 	}
-	fi, err := os.Stat(abs)
-	if err != nil {
+	if _, err := checkDir(abs); err != nil {
 		return nil, fmt.Errorf("plugin dir: %w", err)
-	}
-	if !fi.IsDir() {
-		return nil, fmt.Errorf("plugin dir %s: not a directory", abs)
-	}
-	if fi.Mode().Perm()&0o002 != 0 {
-		return nil, fmt.Errorf("plugin dir %s is world-writable (mode %s): %w", abs, fi.Mode().Perm(), ErrInsecurePath)
 	}
 	entries, err := os.ReadDir(abs) // sorted by name
 	if err != nil {
@@ -147,30 +145,39 @@ func Discover(dir string, log hclog.Logger) ([]Binary, error) {
 		switch {
 		case err != nil:
 			log.Warn("skipping plugin dir entry", "path", path, "error", err)
+			continue
 		case fi.IsDir():
 			log.Info("skipping folder in plugin dir", "path", path)
+			continue
 		case !fi.Mode().IsRegular():
 			log.Info("skipping plugin dir entry: not a regular file", "path", path, "mode", fi.Mode().String())
+			continue
 		case fi.Mode().Perm()&0o111 == 0:
 			log.Info("skipping plugin dir entry: not executable", "path", path, "mode", fi.Mode().Perm().String())
-		case fi.Mode().Perm()&0o002 != 0:
-			errs = append(errs, fmt.Errorf("plugin %s is world-writable (mode %s): %w", path, fi.Mode().Perm(), ErrInsecurePath))
-		default:
-			bins = append(bins, Binary{Name: e.Name(), Path: path})
+			continue
 		}
+		if _, err := CheckPath(path); err != nil {
+			errs = append(errs, fmt.Errorf("plugin %q refused: %w", e.Name(), err))
+			continue
+		}
+		bins = append(bins, Binary{Name: e.Name(), Path: path})
 	}
 	return bins, errors.Join(errs...)
 }
 
 // Launch starts bin (or reattaches per opts.Reattach), does the handshake, checks the
 // protocol version, calls GetPluginInfo and SetConfig, and returns the running plugin.
-// ctx bounds the launch only, not the plugin's life.
+// ctx bounds the launch only, not the plugin's life. The whole launch, the kill of a
+// plugin that failed it included, takes about StartTimeout at most.
 //
-// Errors wrap ErrInsecurePath (world-writable binary), ErrChecksumMismatch (checked
-// before the binary runs), ErrProtocolVersion (go-plugin handshake or GetPluginInfo
+// Errors are one line in the loader's words, name the plugin, and wrap
+// ErrInsecurePath (see CheckPath; checked before the binary runs), ErrChecksumMismatch
+// (checked before the binary runs), ErrNotPlugin (no go-plugin handshake with the
+// host's magic cookie), ErrProtocolVersion (go-plugin handshake or GetPluginInfo
 // without "v1"; the message names both sides' versions), ErrConfigRejected (SetConfig
-// answered INVALID_ARGUMENT; the message is the plugin's), ErrExited (the plugin died
-// while starting), or context.DeadlineExceeded when StartTimeout passed. On error
+// answered INVALID_ARGUMENT; the message is the plugin's, clipped), ErrExited (the
+// plugin died while starting; the message says how), or context.DeadlineExceeded when
+// StartTimeout passed (the message names the step that did not answer). On error
 // nothing is left running.
 func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 	log := opts.Logger
@@ -181,6 +188,10 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 	if timeout <= 0 {
 		timeout = DefaultStartTimeout
 	}
+	maxRecv := opts.MaxRecvMsgSize
+	if maxRecv <= 0 {
+		maxRecv = DefaultMaxRecvMsgSize
+	}
 	name := bin.Name
 	if name == "" {
 		name = filepath.Base(bin.Path)
@@ -188,6 +199,7 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 	launchCtx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 
+	p := &Plugin{name: name, log: log, plog: newPluginLog(name, log, opts.LogLimit), stopProc: func() {}}
 	cfg := &plugin.ClientConfig{
 		HandshakeConfig:  deviceplugin.Handshake,
 		VersionedPlugins: deviceplugin.VersionedPlugins(nil),
@@ -196,10 +208,10 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 		StartTimeout:     timeout,
 		// The environment is built here (processEnv): go-plugin's own inheritance would
 		// put the host's variables after Env, so they would win over it.
-		SkipHostEnv: true,
-		Stderr:      io.Discard,
+		SkipHostEnv:     true,
+		Stderr:          p.plog,
+		GRPCDialOptions: recvLimit(name, maxRecv),
 	}
-	p := &Plugin{name: name, stopProc: func() {}}
 	if opts.SHA256 != "" {
 		want, err := checkSHA256(bin.Path, opts.SHA256)
 		if err != nil {
@@ -225,11 +237,18 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 		p.pid = rc.Pid
 		p.reattach = &rc
 	} else {
-		if err := checkBinary(bin.Path); err != nil {
-			return nil, err
+		real, err := CheckPath(bin.Path)
+		if err != nil {
+			return nil, fmt.Errorf("plugin %q: %w", name, err)
+		}
+		if err := checkExecutable(real); err != nil {
+			return nil, fmt.Errorf("plugin %q: %w", name, err)
 		}
 		procCtx, stop := context.WithCancel(context.Background())
-		cmd := exec.CommandContext(procCtx, bin.Path, bin.Args...)
+		// The checked file is what runs: no symlink on the way can be repointed after
+		// the check. argv[0] stays the name the plugin was found under.
+		cmd := exec.CommandContext(procCtx, real, bin.Args...)
+		cmd.Args[0] = bin.Path
 		cmd.Env = processEnv(opts)
 		setProcAttrs(cmd, opts.SurviveHost)
 		cfg.Cmd = cmd
@@ -239,7 +258,6 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 	p.client = plugin.NewClient(cfg)
 
 	if err := p.start(ctx, launchCtx, timeout); err != nil {
-		p.abort()
 		return nil, err
 	}
 	if err := p.handshake(ctx, launchCtx, timeout, opts); err != nil {
@@ -259,6 +277,7 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 }
 
 // start runs go-plugin's start (process, handshake, connection) bounded by launchCtx.
+// On error the plugin has been killed.
 func (p *Plugin) start(ctx, launchCtx context.Context, timeout time.Duration) error {
 	type started struct {
 		cp  plugin.ClientProtocol
@@ -273,33 +292,29 @@ func (p *Plugin) start(ctx, launchCtx context.Context, timeout time.Duration) er
 	select {
 	case st = <-ch:
 	case <-launchCtx.Done():
-		p.stopProc() // go-plugin's Start takes no context: kill the process to end it
+		p.stopProc() // go-plugin's Start takes no context: kill the process group to end it
 		st = <-ch
 	}
 	if st.err != nil {
-		switch {
-		case launchCtx.Err() != nil:
-			return p.launchCtxError(ctx, timeout)
-		case strings.Contains(st.err.Error(), "incompatible API version"):
-			// go-plugin has no sentinel for this; its message names both versions.
-			// TestLaunchRefusesHandshakeVersionMismatch pins the text.
-			return fmt.Errorf("plugin %q speaks none of the host's go-plugin protocol versions (%v): %w",
-				p.name, st.err, ErrProtocolVersion)
-		case errors.Is(st.err, plugin.ErrChecksumsDoNotMatch):
-			return fmt.Errorf("plugin %q changed after its checksum was checked: %w", p.name, ErrChecksumMismatch)
-		default:
-			return fmt.Errorf("starting plugin %q: %w", p.name, st.err)
+		timedOut := launchCtx.Err() != nil // before abort, which may take a while
+		p.abort()
+		if timedOut {
+			return p.timeoutError(ctx, "", timeout)
 		}
+		return p.startError(st.err, p.exitReason(), p.plog.sawCookieNote())
 	}
 	raw, err := st.cp.Dispense(deviceplugin.PluginKey)
+	if err == nil {
+		rpc, ok := raw.(*deviceplugin.Client)
+		if !ok {
+			err = fmt.Errorf("dispensed %T, want *deviceplugin.Client", raw)
+		}
+		p.rpc = rpc
+	}
 	if err != nil {
-		return fmt.Errorf("plugin %q: %w", p.name, err)
+		p.abort()
+		return fmt.Errorf("plugin %q: %s", p.name, hostText(err.Error()))
 	}
-	rpc, ok := raw.(*deviceplugin.Client)
-	if !ok {
-		return fmt.Errorf("plugin %q: dispensed %T, want *deviceplugin.Client", p.name, raw)
-	}
-	p.rpc = rpc
 	return nil
 }
 
@@ -314,7 +329,7 @@ func (p *Plugin) handshake(ctx, launchCtx context.Context, timeout time.Duration
 	}
 	if !slices.Contains(info.GetProtocolVersions(), deviceplugin.ProtocolVersion) {
 		return fmt.Errorf("plugin %q speaks protocol versions [%s], host speaks [%s]: %w",
-			p.name, strings.Join(info.GetProtocolVersions(), ", "), deviceplugin.ProtocolVersion, ErrProtocolVersion)
+			p.name, clip(strings.Join(info.GetProtocolVersions(), ", "), maxQuoted), deviceplugin.ProtocolVersion, ErrProtocolVersion)
 	}
 	p.info = info
 
@@ -323,8 +338,8 @@ func (p *Plugin) handshake(ctx, launchCtx context.Context, timeout time.Duration
 		ProtocolVersion: deviceplugin.ProtocolVersion,
 		HostVersion:     opts.HostVersion,
 	})
-	if status.Code(err) == codes.InvalidArgument {
-		return fmt.Errorf("plugin %q: %s: %w", p.name, status.Convert(err).Message(), ErrConfigRejected)
+	if status.Code(err) == codes.InvalidArgument && !deadlineReached(launchCtx) {
+		return fmt.Errorf("plugin %q: %s: %w", p.name, clip(status.Convert(err).Message(), maxQuoted), ErrConfigRejected)
 	}
 	if err != nil {
 		return p.launchRPCError(ctx, launchCtx, timeout, "SetConfig", err)
@@ -332,21 +347,27 @@ func (p *Plugin) handshake(ctx, launchCtx context.Context, timeout time.Duration
 	return nil
 }
 
-func (p *Plugin) launchCtxError(ctx context.Context, timeout time.Duration) error {
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("launching plugin %q: %w", p.name, err)
-	}
-	return fmt.Errorf("plugin %q did not start within %s: %w", p.name, timeout, context.DeadlineExceeded)
-}
-
 func (p *Plugin) launchRPCError(ctx, launchCtx context.Context, timeout time.Duration, rpc string, err error) error {
 	if exited := p.RPCError(launchCtx, err); errors.Is(exited, ErrExited) {
-		return fmt.Errorf("plugin %q during launch (%s): %w", p.name, rpc, exited)
+		return p.exitedError("during "+rpc, p.ExitReason())
 	}
-	if launchCtx.Err() != nil {
-		return p.launchCtxError(ctx, timeout)
+	if deadlineReached(launchCtx) {
+		return p.timeoutError(ctx, rpc, timeout)
 	}
-	return fmt.Errorf("plugin %q: %s: %w", p.name, rpc, err)
+	return fmt.Errorf("plugin %q: %s failed: %s", p.name, rpc, rpcText(err))
+}
+
+// deadlineReached reports whether ctx has ended or its deadline is less than 100ms
+// away. gRPC hands the deadline to the plugin, whose answer to it (DeadlineExceeded, or
+// the SDK's INVALID_ARGUMENT "context deadline exceeded" from SetConfig) can arrive a
+// moment before ctx itself ends (the deadline travels rounded down): that is the
+// timeout, not the plugin's own error.
+func deadlineReached(ctx context.Context) bool {
+	if ctx.Err() != nil {
+		return true
+	}
+	deadline, ok := ctx.Deadline()
+	return ok && time.Until(deadline) < 100*time.Millisecond
 }
 
 // abort stops what a failed launch started, without a graceful wait.
@@ -354,6 +375,15 @@ func (p *Plugin) abort() {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	p.Kill(ctx)
+}
+
+// exitReason is the process's exit once Kill has cleaned up ("signal: killed", "exit
+// status 1"); "" for a reattached plugin or before then.
+func (p *Plugin) exitReason() string {
+	if p.cmd == nil || !p.cleanedUp || p.cmd.ProcessState == nil {
+		return ""
+	}
+	return p.cmd.ProcessState.String()
 }
 
 // processEnv is the plugin's environment before go-plugin appends its own variables.
@@ -366,8 +396,8 @@ func processEnv(opts Options) []string {
 	return append(env, opts.Env...) // a fresh slice: never the caller's backing array
 }
 
-// checkBinary refuses a path that is not a regular, executable, not world-writable file.
-func checkBinary(path string) error {
+// checkExecutable refuses a path that is not a regular, executable file.
+func checkExecutable(path string) error {
 	fi, err := os.Stat(path)
 	if err != nil {
 		return fmt.Errorf("plugin binary: %w", err)
@@ -377,8 +407,6 @@ func checkBinary(path string) error {
 		return fmt.Errorf("plugin binary %s: not a regular file", path)
 	case perm&0o111 == 0:
 		return fmt.Errorf("plugin binary %s: not executable (mode %s)", path, perm)
-	case perm&0o002 != 0:
-		return fmt.Errorf("plugin %s is world-writable (mode %s): %w", path, perm, ErrInsecurePath)
 	}
 	return nil
 }
@@ -485,10 +513,22 @@ func (p *Plugin) RPCError(ctx context.Context, err error) error {
 	}
 }
 
+// killGrace bounds go-plugin's graceful stop (it closes the connection and waits 2s for
+// the process to exit) before Kill SIGKILLs the plugin's process group anyway.
+const killGrace = 3 * time.Second
+
+// escapeWait bounds how long Kill waits, after the SIGKILL, for go-plugin to finish:
+// that only takes longer when a process that left the plugin's process group (setsid)
+// still holds the plugin's stdout or stderr.
+const escapeWait = 2 * time.Second
+
 // Kill stops the plugin: gracefully first (go-plugin asks it to shut down and waits up
-// to 2s), then forcefully (SIGKILL) once that or ctx runs out. Safe to call after the
-// process has exited and more than once (later calls wait for the first); returns once
-// the process is gone and go-plugin's goroutines have ended.
+// to 2s), then forcefully, SIGKILLing the plugin's whole process group (its children
+// too), once ctx ends or 3s have passed. Safe to call after the process has exited and
+// more than once (later calls wait for the first); returns once the process group is gone
+// and go-plugin's goroutines have ended, or, when a process that left the plugin's group
+// keeps its stdout or stderr open, 2s after the SIGKILL, with an ERROR logged (go-plugin's
+// goroutines then end when that process closes them).
 func (p *Plugin) Kill(ctx context.Context) {
 	p.killOnce.Do(func() {
 		done := make(chan struct{})
@@ -496,27 +536,45 @@ func (p *Plugin) Kill(ctx context.Context) {
 			defer close(done)
 			p.client.Kill()
 		}()
+		grace := time.NewTimer(killGrace)
+		defer grace.Stop()
 		select {
 		case <-done:
 		case <-ctx.Done():
-			p.forceKill()
-			<-done
+		case <-grace.C:
 		}
+		select {
+		case <-done:
+		default:
+			p.forceKill()
+			wait := time.NewTimer(escapeWait)
+			defer wait.Stop()
+			select {
+			case <-done:
+			case <-wait.C:
+				p.log.Error("plugin killed, but a process outside its process group still holds its stdout or stderr; not waiting for it",
+					"plugin", p.name, "pid", p.pid)
+				p.plog.close()
+				p.stopProc()
+				return
+			}
+		}
+		p.cleanedUp = true
+		p.plog.close()
 		p.stopProc()
 	})
 }
 
 func (p *Plugin) forceKill() {
 	if p.cmd != nil {
-		p.stopProc() // exec.CommandContext kills the process; safe after it was reaped
+		p.stopProc() // exec.CommandContext's Cancel kills the group; a no-op once reaped
 		return
 	}
 	if p.rpc != nil && p.rpc.ExitContext().Err() != nil {
 		return // reattached and already gone: its PID may belong to someone else now
 	}
-	if proc, err := os.FindProcess(p.pid); err == nil && p.pid > 0 {
-		_ = proc.Kill()
-		_ = proc.Release()
+	if p.pid > 0 {
+		killReattached(p.pid)
 	}
 }
 
@@ -525,7 +583,18 @@ func (p *Plugin) forceKill() {
 // which says nothing new ("nvidia-example.nvidia-example") or something wrong when the
 // host re-executes itself ("nvidia-example.devicehost"), so naming it again keeps the
 // plugin's name.
+//
+// go-plugin parses the plugin's stderr lines with the logger Named returns, unless that
+// logger's level is Off. It is, so that pluginLog (ClientConfig.Stderr) alone turns
+// them into log lines; the returned logger still logs what go-plugin says itself.
 type pluginLogger struct{ hclog.Logger }
 
-func (l pluginLogger) Named(string) hclog.Logger      { return l }
-func (l pluginLogger) ResetNamed(string) hclog.Logger { return l }
+func (l pluginLogger) Named(string) hclog.Logger      { return stderrOff(l) }
+func (l pluginLogger) ResetNamed(string) hclog.Logger { return stderrOff(l) }
+
+// stderrOff is pluginLogger reporting level Off to go-plugin's stderr reader.
+type stderrOff pluginLogger
+
+func (l stderrOff) GetLevel() hclog.Level          { return hclog.Off }
+func (l stderrOff) Named(string) hclog.Logger      { return l }
+func (l stderrOff) ResetNamed(string) hclog.Logger { return l }

@@ -2,6 +2,8 @@ package server
 
 import (
 	"context"
+	"fmt"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -12,49 +14,140 @@ import (
 	"github.com/devicehost/devicehost/validate"
 )
 
-// Fingerprint sends the full snapshot at once and then on every change. The Manager's
-// latest-value delivery means a slow client skips to the newest snapshot.
-func (s *Server) Fingerprint(_ *pb.FingerprintRequest, stream grpc.ServerStreamingServer[pb.FingerprintResponse]) error {
+// maxStatsInterval is the longest Stats interval a request may ask for.
+const maxStatsInterval = 24 * time.Hour
+
+// Fingerprint sends the full snapshot of the groups the request selects at once, and
+// then on every change. Every Fingerprint stream shares one Manager watch; a slow
+// client skips to the newest snapshot (see fanout.go).
+func (s *Server) Fingerprint(req *pb.FingerprintRequest, stream grpc.ServerStreamingServer[pb.FingerprintResponse]) error {
+	filter, err := newStreamFilter(req.GetGroups(), req.GetPlugins())
+	if err != nil {
+		return toStatus(err)
+	}
 	ctx := stream.Context()
-	return forward(ctx, s.quit, s.mgr.Watch(ctx), func(snap device.Snapshot) error {
-		return stream.Send(snapshotToProto(snap.Inventory, snap.State, snap.Time))
+	release, err := s.limits.acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer release()
+	f, sb, cur, _, ok := s.fingerprints.join("", s.mgr.Watch, connID(ctx), filter.key(), func(snap device.Snapshot) *frame {
+		return encodeFrame(snapshotToProto(snap, filter))
 	})
+	if !ok {
+		return errServerShutdown
+	}
+	defer f.leave(sb)
+	return s.serveStream(ctx, stream, sb, cur, cur)
 }
 
-// Stats sends the stats of the groups that match the request's filters at the requested
-// interval.
+// Stats sends the stats of the groups the request selects at the requested interval.
+// The streams asking for the same interval share one Manager watch, and those with the
+// same filter too one encoding of each message.
 func (s *Server) Stats(req *pb.StatsRequest, stream grpc.ServerStreamingServer[pb.StatsResponse]) error {
-	var interval = req.GetInterval().AsDuration()
-	if req.GetInterval() != nil {
-		if err := req.GetInterval().CheckValid(); err != nil {
-			return toStatus(&device.FieldError{Field: "interval", Rule: err.Error()})
+	interval, err := statsInterval(req)
+	if err != nil {
+		return toStatus(err)
+	}
+	filter, err := newStreamFilter(req.GetGroups(), req.GetPlugins())
+	if err != nil {
+		return toStatus(err)
+	}
+	ctx := stream.Context()
+	release, err := s.limits.acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer release()
+	encode := func(snap device.StatsSnapshot) *frame { return encodeFrame(statsToProto(snap, filter)) }
+	watch := func(ctx context.Context) <-chan device.StatsSnapshot { return s.mgr.WatchStats(ctx, interval) }
+	f, sb, cur, hadValue, ok := s.stats.join(interval.String(), watch, connID(ctx), filter.key(), encode)
+	if !ok {
+		return errServerShutdown
+	}
+	defer f.leave(sb)
+	first := cur
+	if hadValue {
+		// The shared watch's latest value may be up to an interval old; the first
+		// message is a fresh one.
+		if first, err = s.freshStats(ctx, watch, encode); err != nil {
+			return err
 		}
 	}
-	if interval < 0 {
-		return toStatus(&device.FieldError{Field: "interval", Rule: "must not be negative"})
-	}
-	ctx := stream.Context()
-	filters := req.GetGroups()
-	return forward(ctx, s.quit, s.mgr.WatchStats(ctx, interval), func(snap device.StatsSnapshot) error {
-		return stream.Send(statsToProto(snap, filters))
-	})
+	return s.serveStream(ctx, stream, sb, first, cur)
 }
 
-// forward calls send with each value from ch, a Manager watch channel, until send
-// fails, ch closes, ctx ends or quit is closed; it returns the error that ends the
-// stream.
-func forward[T any](ctx context.Context, quit <-chan struct{}, ch <-chan T, send func(T) error) error {
+// statsInterval checks a Stats request's interval.
+func statsInterval(req *pb.StatsRequest) (time.Duration, error) {
+	if req.GetInterval() == nil {
+		return 0, nil
+	}
+	if err := req.GetInterval().CheckValid(); err != nil {
+		return 0, &device.FieldError{Field: "interval", Rule: err.Error()}
+	}
+	interval := req.GetInterval().AsDuration()
+	if interval < 0 {
+		return 0, &device.FieldError{Field: "interval", Rule: "must not be negative"}
+	}
+	if interval > maxStatsInterval {
+		return 0, &device.FieldError{Field: "interval", Rule: fmt.Sprintf("at most %v; got %v", maxStatsInterval, interval)}
+	}
+	return interval, nil
+}
+
+// freshStats takes the current stats from a watch of its own, which it ends.
+func (s *Server) freshStats(ctx context.Context, watch func(context.Context) <-chan device.StatsSnapshot, encode func(device.StatsSnapshot) *frame) (*frame, error) {
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	select {
+	case <-s.quit:
+		return nil, errServerShutdown
+	case <-ctx.Done():
+		return nil, status.FromContextError(ctx.Err()).Err()
+	case v, ok := <-watch(wctx):
+		if !ok {
+			return nil, streamClosed(ctx)
+		}
+		return encode(v), nil
+	}
+}
+
+// serveStream sends first (unless nil), then its group's latest frame each time the feed
+// wakes sb, skipping a frame already sent (seen: the group's frame when the stream
+// joined), until the stream fails, its context ends, the feed's Manager watch closes or
+// the server shuts down.
+func (s *Server) serveStream(ctx context.Context, stream grpc.ServerStream, sb *sub, first, seen *frame) error {
+	last := seen
+	send := func(fr *frame) error {
+		if fr.err != nil {
+			return fr.err
+		}
+		sb.busy.Store(true)
+		defer sb.busy.Store(false)
+		return stream.SendMsg(fr)
+	}
+	if first != nil {
+		if err := send(first); err != nil {
+			return err
+		}
+	}
+	ctxDone := ctx.Done() // a stream's context is deep: Done walks it on every call
 	for {
 		select {
-		case <-quit:
+		case <-s.quit:
 			return errServerShutdown
-		case <-ctx.Done():
+		case <-ctxDone:
 			return status.FromContextError(ctx.Err()).Err()
-		case v, ok := <-ch:
-			if !ok {
-				return streamClosed(ctx)
+		case <-sb.gone:
+			return streamClosed(ctx)
+		case b := <-sb.wake:
+			var err error
+			if fr := sb.cur.Load(); fr != nil && fr != last {
+				last = fr
+				err = send(fr)
 			}
-			if err := send(v); err != nil {
+			b.done()
+			if err != nil {
 				return err
 			}
 		}

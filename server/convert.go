@@ -57,14 +57,18 @@ func healthToProto(h device.Health) pb.Health {
 	}
 }
 
-// snapshotToProto joins the static inventory with the dynamic state. A device the state
-// does not mention is reported with unknown health.
-func snapshotToProto(inv device.Inventory, st device.State, at time.Time) *pb.FingerprintResponse {
+// snapshotToProto joins the static inventory with the dynamic state, for the groups
+// that pass f. A device the state does not mention is reported with unknown health.
+func snapshotToProto(snap device.Snapshot, f streamFilter) *pb.FingerprintResponse {
+	inv, st := snap.Inventory, snap.State
 	out := &pb.FingerprintResponse{
 		Groups:    make([]*pb.DeviceGroup, 0, len(inv.Groups)),
-		Timestamp: timeToProto(at),
+		Timestamp: timeToProto(snap.Time),
 	}
 	for _, g := range inv.Groups {
+		if !f.matches(g.Plugin, g.GroupKey) {
+			continue
+		}
 		pg := &pb.DeviceGroup{
 			Vendor:     g.Vendor,
 			Type:       g.Type,
@@ -98,26 +102,11 @@ func snapshotToProto(inv device.Inventory, st device.State, at time.Time) *pb.Fi
 	return out
 }
 
-// groupMatches reports whether key matches one of the filters; no filters match all. An
-// empty filter field matches anything.
-func groupMatches(key device.GroupKey, filters []*pb.GroupFilter) bool {
-	if len(filters) == 0 {
-		return true
-	}
-	for _, f := range filters {
-		if (f.GetVendor() == "" || f.GetVendor() == key.Vendor) &&
-			(f.GetType() == "" || f.GetType() == key.Type) &&
-			(f.GetName() == "" || f.GetName() == key.Name) {
-			return true
-		}
-	}
-	return false
-}
-
-func statsToProto(s device.StatsSnapshot, filters []*pb.GroupFilter) *pb.StatsResponse {
+// statsToProto converts the stats of the groups that pass f.
+func statsToProto(s device.StatsSnapshot, f streamFilter) *pb.StatsResponse {
 	out := &pb.StatsResponse{Timestamp: timeToProto(s.Time)}
 	for _, g := range s.Groups {
-		if !groupMatches(g.GroupKey, filters) {
+		if !f.matches(g.Plugin, g.GroupKey) {
 			continue
 		}
 		pg := &pb.GroupStats{

@@ -42,6 +42,13 @@ type testHost struct {
 // server and its clients. Cleanup closes the client and shuts the server down.
 func startHost(t *testing.T, mgr device.Manager) *testHost {
 	t.Helper()
+	return startHostWith(t, server.Config{Manager: mgr})
+}
+
+// startHostWith is startHost with a Config of the test's; its Logger is replaced by the
+// recorder's.
+func startHostWith(t *testing.T, cfg server.Config) *testHost {
+	t.Helper()
 	// Not t.TempDir: socket paths are limited to 108 bytes and test names are long.
 	dir, err := os.MkdirTemp("", "dh")
 	if err != nil {
@@ -55,7 +62,8 @@ func startHost(t *testing.T, mgr device.Manager) *testHost {
 	}
 	logs := &logRecorder{}
 	log := hclog.New(&hclog.LoggerOptions{Output: logs, Level: hclog.Debug, JSONFormat: true})
-	srv, err := server.New(server.Config{Manager: mgr, Logger: log})
+	cfg.Logger = log
+	srv, err := server.New(cfg)
 	if err != nil {
 		lis.Close()
 		t.Fatal(err)
@@ -70,19 +78,22 @@ func startHost(t *testing.T, mgr device.Manager) *testHost {
 			t.Errorf("Serve returned %v, want nil after Shutdown", err)
 		}
 	})
-	conn, err := endpoint.Dial(addr, endpoint.TLS{})
+	h := &testHost{srv: srv, logs: logs, addr: addr}
+	h.conn = h.dial(t)
+	h.client = pb.NewDeviceHostClient(h.conn)
+	h.health = healthpb.NewHealthClient(h.conn)
+	return h
+}
+
+// dial opens a new client connection to the host, closed when the test ends.
+func (h *testHost) dial(t *testing.T) *grpc.ClientConn {
+	t.Helper()
+	conn, err := endpoint.Dial(h.addr, endpoint.TLS{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return &testHost{
-		srv:    srv,
-		conn:   conn,
-		client: pb.NewDeviceHostClient(conn),
-		health: healthpb.NewHealthClient(conn),
-		logs:   logs,
-		addr:   addr,
-	}
+	return conn
 }
 
 // testContext is a context that ends with the test or after a generous deadline, so a
@@ -112,14 +123,48 @@ func (w *watchFeed) Watch(ctx context.Context) <-chan device.Snapshot {
 
 // logRecorder is a mutex-guarded io.Writer for a JSON hclog logger.
 type logRecorder struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
+	mu      sync.Mutex
+	buf     bytes.Buffer
+	written chan struct{} // closed and replaced on every Write
 }
 
 func (r *logRecorder) Write(p []byte) (int, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if r.written != nil {
+		close(r.written)
+		r.written = nil
+	}
 	return r.buf.Write(p)
+}
+
+// changed returns a channel closed by the next Write.
+func (r *logRecorder) changed() <-chan struct{} {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.written == nil {
+		r.written = make(chan struct{})
+	}
+	return r.written
+}
+
+// waitCallLines waits until n lines have been logged for calls of method, and returns
+// them. The server logs a call once it has answered it, so a client can see the answer
+// before the line is written.
+func (r *logRecorder) waitCallLines(t *testing.T, method string, n int) []map[string]any {
+	t.Helper()
+	ctx := testContext(t)
+	for {
+		changed := r.changed()
+		if lines := r.callLines(t, method); len(lines) >= n {
+			return lines
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			t.Fatalf("no %d log lines for %s: %v", n, method, r.callLines(t, method))
+		}
+	}
 }
 
 // lines returns every line logged so far, decoded.

@@ -1,15 +1,20 @@
 // Package server serves the devicehost host API (devicehost.v1.DeviceHost) over gRPC as a
 // thin adapter over a device.Manager: it converts between protobuf and the domain types,
 // maps domain errors to gRPC codes, and adds the standard health service, server
-// reflection and the logging and panic-recovery interceptors.
+// reflection, a log line per call, panic recovery, and the limits that keep many or
+// careless clients from taking the agent down: streams in all and per connection,
+// flow-control windows, keepalive, and a fan-out of Fingerprint and Stats that encodes
+// each message once and paces itself (fanout.go).
 //
 // It depends on the manager's contract package only, so any device.Manager (the real one,
 // a simulator, devicetest.Fake) can be served.
 package server
 
 import (
+	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"sync"
 
@@ -18,6 +23,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/reflection"
 	"google.golang.org/grpc/status"
 
@@ -44,6 +50,23 @@ type Config struct {
 	// MaxRecvMsgSize bounds the size of a request in bytes. Zero means
 	// DefaultMaxRecvMsgSize.
 	MaxRecvMsgSize int
+	// MaxStreams bounds the Fingerprint and Stats streams open at once, over all
+	// connections; a stream beyond it is refused with RESOURCE_EXHAUSTED. Zero means
+	// DefaultMaxStreams; negative is an error.
+	MaxStreams int
+	// MaxStreamsPerConn bounds the Fingerprint and Stats streams open at once on one
+	// client connection, refused beyond like MaxStreams. Zero means
+	// DefaultMaxStreamsPerConn; negative is an error. The connection's HTTP/2
+	// MAX_CONCURRENT_STREAMS is this plus 128, for unary calls beside the streams.
+	MaxStreamsPerConn int
+	// Keepalive is when the server pings an idle connection and how long it waits for
+	// the answer. The zero value means a ping after 1 minute idle, closing the
+	// connection when unanswered for 20 s.
+	Keepalive keepalive.ServerParameters
+	// KeepaliveEnforcement is how often clients may ping. The zero value means every
+	// 10 s at most, with or without open calls; a client that pings more often is
+	// disconnected.
+	KeepaliveEnforcement keepalive.EnforcementPolicy
 	// ServerOptions are added to the gRPC server's options, e.g. grpc.Creds for TLS.
 	ServerOptions []grpc.ServerOption
 }
@@ -59,6 +82,10 @@ type Server struct {
 	log    hclog.Logger
 	grpc   *grpc.Server
 	health *health.Server
+	limits *streamLimits
+
+	fingerprints *feeds[device.Snapshot]      // one feed: key ""
+	stats        *feeds[device.StatsSnapshot] // a feed per interval
 
 	shutdownOnce sync.Once
 	quit         chan struct{} // closed by Shutdown: streams end, health stays NOT_SERVING
@@ -78,30 +105,53 @@ func New(cfg Config) (*Server, error) {
 	if log == nil {
 		log = hclog.NewNullLogger()
 	}
-	maxRecv := cfg.MaxRecvMsgSize
-	if maxRecv == 0 {
-		maxRecv = DefaultMaxRecvMsgSize
+	if cfg.MaxRecvMsgSize < 0 || cfg.MaxStreams < 0 || cfg.MaxStreamsPerConn < 0 {
+		return nil, fmt.Errorf("server: negative limit in Config (MaxRecvMsgSize %d, MaxStreams %d, MaxStreamsPerConn %d)",
+			cfg.MaxRecvMsgSize, cfg.MaxStreams, cfg.MaxStreamsPerConn)
 	}
+	maxRecv := cmp.Or(cfg.MaxRecvMsgSize, DefaultMaxRecvMsgSize)
+	limits := &streamLimits{
+		max:        int64(cmp.Or(cfg.MaxStreams, DefaultMaxStreams)),
+		maxPerConn: int64(cmp.Or(cfg.MaxStreamsPerConn, DefaultMaxStreamsPerConn)),
+	}
+	kp := cfg.Keepalive
+	if kp == (keepalive.ServerParameters{}) {
+		kp = defaultKeepalive
+	}
+	kep := cfg.KeepaliveEnforcement
+	if kep == (keepalive.EnforcementPolicy{}) {
+		kep = defaultKeepaliveEnforcement
+	}
+	quit := make(chan struct{})
 	s := &Server{
-		mgr:    cfg.Manager,
-		log:    log,
-		health: health.NewServer(),
-		quit:   make(chan struct{}),
+		mgr:          cfg.Manager,
+		log:          log,
+		health:       health.NewServer(),
+		limits:       limits,
+		quit:         quit,
+		fingerprints: newFeeds[device.Snapshot](quit),
+		stats:        newFeeds[device.StatsSnapshot](quit),
 	}
 	unary, stream := interceptors(log)
 	opts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(maxRecv),
-		grpc.ChainUnaryInterceptor(unary...),
-		grpc.ChainStreamInterceptor(stream...),
+		grpc.ForceServerCodecV2(newWireCodec()),
+		grpc.StatsHandler(callLog{log: log}),
+		grpc.StatsHandler(limits),
+		grpc.UnknownServiceHandler(unknownMethod),
+		grpc.ChainUnaryInterceptor(unary),
+		grpc.ChainStreamInterceptor(stream),
 	}
+	opts = append(opts, transportOptions(int(limits.maxPerConn), kp, kep)...)
 	opts = append(opts, cfg.ServerOptions...)
 	s.grpc = grpc.NewServer(opts...)
 
 	s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 	s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_NOT_SERVING)
-	pb.RegisterDeviceHostServer(s.grpc, s)
-	healthpb.RegisterHealthServer(s.grpc, s.health)
-	reflection.Register(s.grpc)
+	reg := strictServices{s.grpc}
+	pb.RegisterDeviceHostServer(reg, s)
+	healthpb.RegisterHealthServer(reg, s.health)
+	reflection.Register(reg)
 
 	s.wg.Add(1)
 	go s.reportReady()
@@ -132,8 +182,8 @@ func (s *Server) reportReady() {
 	}
 }
 
-// Shutdown reports NOT_SERVING, ends the open Fingerprint and Stats streams, stops
-// accepting connections and waits for running calls to finish. When ctx ends first,
+// Shutdown reports NOT_SERVING, ends the open Fingerprint and Stats streams (and their
+// Manager watches), stops accepting connections and waits for running calls to finish. When ctx ends first,
 // the remaining calls and connections are cut. It returns when the server has stopped;
 // it does not shut the Manager down. Safe to call more than once.
 func (s *Server) Shutdown(ctx context.Context) {
@@ -152,6 +202,8 @@ func (s *Server) Shutdown(ctx context.Context) {
 		s.grpc.Stop()
 		<-stopped
 	}
+	s.fingerprints.close()
+	s.stats.close()
 	s.wg.Wait()
 }
 

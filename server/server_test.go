@@ -747,6 +747,15 @@ func TestOneLogLinePerCall(t *testing.T) {
 		{"/devicehost.v1.DeviceHost/Release", "NotFound", "info", true},
 	}
 	for _, tt := range tests {
+		h.logs.waitCallLines(t, tt.method, 1)
+	}
+	// Every call is logged as it ends: one more call, answered and logged, and no line
+	// was written twice meanwhile.
+	if _, err := h.client.ListReservations(ctx, &pb.ListReservationsRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	h.logs.waitCallLines(t, "/devicehost.v1.DeviceHost/ListReservations", 1)
+	for _, tt := range tests {
 		lines := h.logs.callLines(t, tt.method)
 		if len(lines) != 1 {
 			t.Errorf("%s: %d log lines, want 1: %v", tt.method, len(lines), lines)

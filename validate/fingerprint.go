@@ -5,6 +5,8 @@ import (
 	"math"
 	"slices"
 
+	"google.golang.org/protobuf/proto"
+
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
@@ -14,6 +16,9 @@ func fingerprint(resp *pb.FingerprintResponse) error {
 	if resp == nil {
 		c.add("fingerprint", RuleMissing, "")
 		return c.err()
+	}
+	if n := proto.Size(resp); n > MaxFingerprintBytes {
+		c.add("fingerprint", RuleTooLarge, tooLarge(n, MaxFingerprintBytes))
 	}
 	groups := resp.GetGroups()
 	if len(groups) > MaxGroups {

@@ -44,6 +44,16 @@ const (
 	MaxCDIDevices = MaxDevicesPerGroup
 	// MaxPathLen bounds, in bytes, a mount or device node path (Linux PATH_MAX).
 	MaxPathLen = 4096
+
+	// MaxFingerprintBytes bounds the encoded size (protobuf wire bytes) of one plugin's
+	// fingerprint message, and MaxStatsBytes of one plugin's stats message. Every other
+	// limit can be met by a message too big for the host's clients (4 MiB is gRPC's
+	// default receive limit, grpcurl's and the CLI's included): 256 groups of 16 devices
+	// with attributes within their limits came to 4,254,525 bytes. These caps keep one
+	// plugin's share small enough that several plugins fit into one host API message;
+	// the manager bounds the sum over plugins.
+	MaxFingerprintBytes = 512 << 10
+	MaxStatsBytes       = 512 << 10
 )
 
 // knownUnits is the set behind KnownUnits and KnownUnit.

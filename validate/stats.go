@@ -3,6 +3,8 @@ package validate
 import (
 	"fmt"
 
+	"google.golang.org/protobuf/proto"
+
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
@@ -12,6 +14,9 @@ func stats(resp *pb.StatsResponse, known func(string) bool) error {
 	if resp == nil {
 		c.add("stats", RuleMissing, "")
 		return c.err()
+	}
+	if n := proto.Size(resp); n > MaxStatsBytes {
+		c.add("stats", RuleTooLarge, tooLarge(n, MaxStatsBytes))
 	}
 	devices := resp.GetDevices()
 	if len(devices) > MaxDevices {

@@ -32,7 +32,8 @@ import (
 //     or more; a PCI bus ID either empty or dddd:bb:dd.f (or NVML's
 //     dddddddd:bb:dd.f);
 //   - more than MaxGroups groups, MaxDevicesPerGroup devices in a group, or MaxDevices
-//     devices in all.
+//     devices in all;
+//   - an encoded size over MaxFingerprintBytes (RuleTooLarge on item "fingerprint").
 //
 // An unhealthy device without a reason is not a violation: rejecting the fingerprint
 // would keep the last good inventory, which may show that device healthy, a worse
@@ -42,7 +43,8 @@ func Fingerprint(resp *pb.FingerprintResponse) error { return fingerprint(resp) 
 // Stats checks a plugin's stats message; known reports whether a device ID is one the
 // plugin fingerprinted (nil means none is). It reports a nil response or entry; an
 // empty, unknown (RuleUnknownDevice) or repeated (RuleDuplicate) device ID; an invalid
-// timestamp; more than MaxDevices entries or MaxStatsValues values in one; and each
+// timestamp; an encoded size over MaxStatsBytes (RuleTooLarge on item "stats"); more
+// than MaxDevices entries or MaxStatsValues values in one; and each
 // value's name and value by the rules of Fingerprint's attributes (no NaN or Inf,
 // known units, valid UTF-8, kind set).
 func Stats(resp *pb.StatsResponse, known func(deviceID string) bool) error {

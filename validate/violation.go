@@ -22,6 +22,7 @@ const (
 	RuleEmpty         Rule = "must not be empty"  // an empty string or list
 	RuleTooLong       Rule = "too long"           // a string over its length limit
 	RuleTooMany       Rule = "too many"           // a list or map over its count limit
+	RuleTooLarge      Rule = "too large"          // a message over its encoded byte limit
 	RuleInvalidUTF8   Rule = "not valid UTF-8"    // a string that is not UTF-8
 	RuleNotPrintable  Rule = "not printable"      // an identifier with control or non-printing characters
 	RuleSpaces        Rule = "padded with spaces" // an owner ID that is blank or starts or ends with a space
@@ -151,6 +152,8 @@ func at(parent, child string) string {
 }
 
 func tooLong(n, limit int) string { return fmt.Sprintf("%d bytes, limit %d", n, limit) }
+
+func tooLarge(n, limit int) string { return fmt.Sprintf("%d bytes encoded, limit %d", n, limit) }
 
 func tooMany(n, limit int) string {
 	return fmt.Sprintf("%d, limit %d; only the first %d checked", n, limit, limit)

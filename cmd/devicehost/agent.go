@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/devicehost/devicehost/manager/device"
@@ -167,9 +168,11 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManag
 		return fmt.Errorf("start the device manager: %w", err)
 	}
 	srv, err := server.New(server.Config{
-		Manager:       mgr,
-		Logger:        log.Named("server"),
-		ServerOptions: lis.ServerOptions(),
+		Manager:           mgr,
+		Logger:            log.Named("server"),
+		MaxStreams:        cfg.MaxStreams,
+		MaxStreamsPerConn: cfg.MaxStreamsPerConn,
+		ServerOptions:     lis.ServerOptions(),
 	})
 	if err != nil {
 		lis.Close()
@@ -183,15 +186,27 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManag
 		banner(lis.Address)
 	}
 
+	// Under systemd (Type=notify): READY=1 when the manager is ready, which is what
+	// turns health SERVING; STOPPING=1 as shutdown begins.
+	ready := mgr.Ready()
 	var serveErr error
-	select {
-	case <-ctx.Done():
-		log.Info("shutting down")
-	case serveErr = <-served:
-		if serveErr == nil {
-			serveErr = errors.New("the API server stopped")
+wait:
+	for {
+		select {
+		case <-ready:
+			ready = nil
+			sdNotify(log, daemon.SdNotifyReady)
+		case <-ctx.Done():
+			log.Info("shutting down")
+			break wait
+		case serveErr = <-served:
+			if serveErr == nil {
+				serveErr = errors.New("the API server stopped")
+			}
+			break wait
 		}
 	}
+	sdNotify(log, daemon.SdNotifyStopping)
 	// Open calls get serverShutdownTimeout to finish however Serve ended.
 	sctx, cancel := context.WithTimeout(context.Background(), serverShutdownTimeout)
 	srv.Shutdown(sctx)

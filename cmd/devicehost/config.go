@@ -61,6 +61,11 @@ type agentConfig struct {
 	GCMaxReservations  int
 	GCParallelDestroys int
 
+	// Fingerprint and Stats streams open at once, in all and per connection; zero means
+	// the server's defaults.
+	MaxStreams        int
+	MaxStreamsPerConn int
+
 	// Plugins by plugin (binary) name.
 	Plugins map[string]pluginSettings
 	// Bundled names plugins built into this binary to run by re-executing it
@@ -104,6 +109,8 @@ type fileSchema struct {
 	GCInterval         *hcl.Attribute `hcl:"gc_interval,optional"`
 	GCMaxReservations  *hcl.Attribute `hcl:"gc_max_reservations,optional"`
 	GCParallelDestroys *hcl.Attribute `hcl:"gc_parallel_destroys,optional"`
+	MaxStreams         *hcl.Attribute `hcl:"max_streams,optional"`
+	MaxStreamsPerConn  *hcl.Attribute `hcl:"max_streams_per_connection,optional"`
 	TLSCert            *hcl.Attribute `hcl:"tls_cert,optional"`
 	TLSKey             *hcl.Attribute `hcl:"tls_key,optional"`
 	TLSCA              *hcl.Attribute `hcl:"tls_ca,optional"`
@@ -157,6 +164,8 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 	d.duration(fs.GCInterval, minGCInterval, &cfg.GCInterval)
 	d.integer(fs.GCMaxReservations, 1, &cfg.GCMaxReservations)
 	d.integer(fs.GCParallelDestroys, 1, &cfg.GCParallelDestroys)
+	d.integer(fs.MaxStreams, 1, &cfg.MaxStreams)
+	d.integer(fs.MaxStreamsPerConn, 1, &cfg.MaxStreamsPerConn)
 	d.str(fs.TLSCert, &cfg.TLS.Cert)
 	d.str(fs.TLSKey, &cfg.TLS.Key)
 	d.str(fs.TLSCA, &cfg.TLS.CA)
@@ -403,7 +412,7 @@ func ctyToJSON(v cty.Value) (any, error) {
 	case ty == cty.Bool:
 		return v.True(), nil
 	case ty == cty.Number:
-		return json.Number(v.AsBigFloat().Text('g', -1)), nil
+		return jsonNumber(v.AsBigFloat()), nil
 	case ty.IsListType() || ty.IsTupleType() || ty.IsSetType():
 		out := []any{}
 		for _, e := range v.AsValueSlice() {
@@ -427,6 +436,19 @@ func ctyToJSON(v cty.Value) (any, error) {
 	default:
 		return nil, fmt.Errorf("a %s cannot be passed to a plugin", ty.FriendlyName())
 	}
+}
+
+// jsonNumber writes a cty number (a big.Float) as JSON. A whole number is written with
+// all its digits (1000000, 9007199254740993), never in exponent form ("1e+06"), which
+// encoding/json refuses for an integer field; other numbers in the shortest form that
+// reads back the same ("0.1", "1.5e+300"). Whole numbers of 2^64 and more, which no Go
+// integer holds and whose decimal digits the big.Float may not hold exactly either, are
+// written that way too.
+func jsonNumber(f *big.Float) json.Number {
+	if f.IsInt() && f.MantExp(nil) <= 64 {
+		return json.Number(f.Text('f', 0))
+	}
+	return json.Number(f.Text('g', -1))
 }
 
 // diagError renders diagnostics as "file:line,column: summary; detail", one per line.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -125,6 +126,51 @@ func TestLoadConfigFileJSON(t *testing.T) {
 	}
 	if got, want := string(cfg.Plugins["nvidia-example"].ConfigJSON), `{"simulate":"dgxb200"}`; got != want {
 		t.Errorf("plugin config JSON = %s, want %s", got, want)
+	}
+}
+
+// TestPluginConfigNumbers: whole numbers reach a plugin as JSON integers, whatever their
+// size (HCL numbers are big floats, and 1000000 used to be written as 1e+06, which
+// encoding/json refuses for an int field); fractions keep their value.
+func TestPluginConfigNumbers(t *testing.T) {
+	for _, tt := range []struct{ name, file string }{
+		{"devicehost.hcl", `plugin "p" {
+  config {
+    million = 1000000
+    big     = 9007199254740993
+    neg     = -2000000
+    frac    = 0.1
+    tiny    = 1.5e-7
+    huge    = 1.5e300
+  }
+}`},
+		{"devicehost.json", `{"plugin": {"p": {"config": {"million": 1000000, "big": 9007199254740993, "neg": -2000000,
+  "frac": 0.1, "tiny": 1.5e-7, "huge": 1.5e300}}}}`},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := defaultAgentConfig()
+			if err := loadConfigFile(writeConfig(t, tt.name, tt.file), &cfg); err != nil {
+				t.Fatal(err)
+			}
+			got := string(cfg.Plugins["p"].ConfigJSON)
+			want := `{"big":9007199254740993,"frac":0.1,"huge":1.5e+300,"million":1000000,"neg":-2000000,"tiny":1.5e-07}`
+			if got != want {
+				t.Errorf("config JSON:\n got %s\nwant %s", got, want)
+			}
+			// What a Go plugin does with it.
+			var v struct {
+				Million, Big, Neg int64
+				Frac, Tiny, Huge  float64
+			}
+			dec := json.NewDecoder(strings.NewReader(got))
+			dec.DisallowUnknownFields()
+			if err := dec.Decode(&v); err != nil {
+				t.Fatalf("a plugin decoding %s: %v", got, err)
+			}
+			if v.Million != 1000000 || v.Big != 1<<53+1 || v.Neg != -2000000 || v.Frac != 0.1 || v.Tiny != 1.5e-7 || v.Huge != 1.5e300 {
+				t.Errorf("a plugin decoded %+v", v)
+			}
+		})
 	}
 }
 
@@ -280,4 +326,23 @@ func TestDevConfig(t *testing.T) {
 			t.Errorf("nvidia-example config = %s, want the config file's", got)
 		}
 	})
+}
+
+func TestLoadConfigFileStreamLimits(t *testing.T) {
+	path := writeConfig(t, "devicehost.hcl", "max_streams = 10000\nmax_streams_per_connection = 500\n")
+	cfg := defaultAgentConfig()
+	if err := loadConfigFile(path, &cfg); err != nil {
+		t.Fatalf("loadConfigFile: %v", err)
+	}
+	if cfg.MaxStreams != 10000 || cfg.MaxStreamsPerConn != 500 {
+		t.Errorf("max_streams %d, max_streams_per_connection %d, want 10000 and 500", cfg.MaxStreams, cfg.MaxStreamsPerConn)
+	}
+	for _, content := range []string{"max_streams = 0\n", "max_streams_per_connection = -1\n"} {
+		path := writeConfig(t, "devicehost.hcl", content)
+		key, _, _ := strings.Cut(content, " ")
+		err := loadConfigFile(path, &cfg)
+		if err == nil || !strings.Contains(err.Error(), key) || !strings.Contains(err.Error(), "at least 1") {
+			t.Errorf("%q: %v, want an error naming %s and its lower bound", content, err, key)
+		}
+	}
 }

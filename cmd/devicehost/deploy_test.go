@@ -1,222 +1,110 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
-	"errors"
-	"io"
-	"maps"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
-	"gopkg.in/yaml.v3"
+	"github.com/devicehost/devicehost/plugins/nvidia-example/nvidia"
+	"github.com/devicehost/devicehost/server/endpoint"
 )
 
-// The Kubernetes manifests in deploy/kubernetes are checked here, with the binary's own
-// flag and config parsing: what a node would run must parse.
-
-// k8sObject is the part of a Kubernetes object the checks read.
-type k8sObject struct {
-	APIVersion string `yaml:"apiVersion"`
-	Kind       string `yaml:"kind"`
-	Metadata   struct {
-		Name      string `yaml:"name"`
-		Namespace string `yaml:"namespace"`
-	} `yaml:"metadata"`
-	Data map[string]string `yaml:"data"`
-	Spec struct {
-		// Pod
-		Containers []k8sContainer `yaml:"containers"`
-		// DaemonSet
-		Template struct {
-			Spec struct {
-				InitContainers []k8sContainer `yaml:"initContainers"`
-				Containers     []k8sContainer `yaml:"containers"`
-				Volumes        []struct {
-					Name     string    `yaml:"name"`
-					EmptyDir *struct{} `yaml:"emptyDir"`
-					HostPath *struct {
-						Path string `yaml:"path"`
-					} `yaml:"hostPath"`
-					ConfigMap *struct {
-						Name string `yaml:"name"`
-					} `yaml:"configMap"`
-				} `yaml:"volumes"`
-			} `yaml:"spec"`
-		} `yaml:"template"`
-	} `yaml:"spec"`
-}
-
-type k8sContainer struct {
-	Name         string   `yaml:"name"`
-	Args         []string `yaml:"args"`
-	VolumeMounts []struct {
-		Name      string `yaml:"name"`
-		MountPath string `yaml:"mountPath"`
-	} `yaml:"volumeMounts"`
-	LivenessProbe *struct {
-		Exec struct {
-			Command []string `yaml:"command"`
-		} `yaml:"exec"`
-	} `yaml:"livenessProbe"`
-	Resources struct {
-		Limits map[string]string `yaml:"limits"`
-	} `yaml:"resources"`
-}
-
-// readManifests decodes every YAML document of file, refusing unknown fields nowhere
-// (Kubernetes objects have many the checks do not read) but any YAML error.
-func readManifests(t *testing.T, file string) []k8sObject {
+// unitSettings reads a systemd unit's Key=Value lines (comments and sections
+// skipped); a key given more than once keeps every value.
+func unitSettings(t *testing.T, path string) map[string][]string {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join("..", "..", "deploy", "kubernetes", file))
+	f, err := os.Open(path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	dec := yaml.NewDecoder(bytes.NewReader(data))
-	var objs []k8sObject
-	for {
-		var o k8sObject
-		err := dec.Decode(&o)
-		if errors.Is(err, io.EOF) {
-			return objs
+	defer f.Close()
+	out := map[string][]string{}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if line == "" || line[0] == '#' || line[0] == '[' {
+			continue
 		}
-		if err != nil {
-			t.Fatalf("%s: %v", file, err)
+		k, v, ok := strings.Cut(line, "=")
+		if !ok {
+			t.Fatalf("%s: not Key=Value: %q", path, line)
 		}
-		if o.APIVersion == "" || o.Kind == "" || o.Metadata.Name == "" {
-			t.Errorf("%s: a document without apiVersion, kind or metadata.name: %+v", file, o)
-		}
-		objs = append(objs, o)
+		out[k] = append(out[k], v)
 	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
 }
 
-func TestDeployDaemonSet(t *testing.T) {
-	objs := readManifests(t, "devicehost.yaml")
-	var config, ds *k8sObject
-	for i := range objs {
-		switch objs[i].Kind {
-		case "ConfigMap":
-			config = &objs[i]
-		case "DaemonSet":
-			ds = &objs[i]
+// The example config in deploy/systemd loads, and its paths are the unit's: the socket
+// in RuntimeDirectory, the ledger in StateDirectory, the config where ExecStart looks,
+// and the nvidia-example plugin's CDI spec dir among the unit's writable paths.
+func TestSystemdExampleConfigMatchesTheUnit(t *testing.T) {
+	unit := unitSettings(t, "../../deploy/systemd/devicehost.service")
+	one := func(key string) string {
+		t.Helper()
+		if len(unit[key]) != 1 {
+			t.Fatalf("unit has %s = %q, want one value", key, unit[key])
 		}
+		return unit[key][0]
 	}
-	if config == nil || ds == nil {
-		t.Fatalf("want a ConfigMap and a DaemonSet, have %d objects", len(objs))
+	if got := one("Type"); got != "notify" {
+		t.Errorf("Type=%s, want notify (the agent sends READY=1 and STOPPING=1)", got)
 	}
-	spec := ds.Spec.Template.Spec
-	volumes := map[string]string{} // name -> "emptyDir", "configMap" or the host path
-	for _, v := range spec.Volumes {
-		switch {
-		case v.EmptyDir != nil:
-			volumes[v.Name] = "emptyDir"
-		case v.ConfigMap != nil:
-			volumes[v.Name] = "configMap"
-			if v.ConfigMap.Name != config.Metadata.Name {
-				t.Errorf("volume %s uses ConfigMap %q, want %q", v.Name, v.ConfigMap.Name, config.Metadata.Name)
-			}
-		case v.HostPath != nil:
-			volumes[v.Name] = v.HostPath.Path
-		}
+	if got := one("KillMode"); got != "process" {
+		t.Errorf("KillMode=%s, want process (kept plugins must outlive a crashed agent)", got)
 	}
-	for _, p := range []string{"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/opt/devicehost/plugins", "/var/lib/devicehost"} {
-		if !slices.Contains(slices.Collect(maps.Values(volumes)), p) {
-			t.Errorf("no hostPath volume for %s", p)
-		}
+	exec := strings.Fields(one("ExecStart"))
+	i := slices.Index(exec, "-config")
+	if i < 0 || i+1 >= len(exec) || !slices.Contains(exec, "agent") {
+		t.Fatalf("ExecStart=%q does not run `agent -config FILE`", exec)
+	}
+	if got, want := filepath.Dir(exec[i+1]), "/etc/"+one("ConfigurationDirectory"); got != want {
+		t.Errorf("ExecStart reads its config from %s, want ConfigurationDirectory %s", got, want)
 	}
 
-	// Each container's command line parses, with the ConfigMap's files where they are
-	// mounted.
-	dir := t.TempDir()
-	for name, content := range config.Data {
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o600); err != nil {
-			t.Fatal(err)
-		}
+	cfg := defaultAgentConfig()
+	if err := loadConfigFile("../../deploy/systemd/devicehost.hcl", &cfg); err != nil {
+		t.Fatalf("example config: %v", err)
 	}
-	env := &cmdEnv{stdout: io.Discard, stderr: io.Discard, getenv: func(string) string { return "" }}
-	containers := map[string]k8sContainer{}
-	for _, c := range append(spec.InitContainers, spec.Containers...) {
-		containers[c.Name] = c
-		for _, m := range c.VolumeMounts {
-			if _, ok := volumes[m.Name]; !ok {
-				t.Errorf("container %s mounts volume %q, which is not declared", c.Name, m.Name)
-			}
-		}
-	}
-	agent, bridge := containers["agent"], containers["kubelet-plugin"]
-	if len(agent.Args) == 0 || len(bridge.Args) == 0 {
-		t.Fatalf("want containers agent and kubelet-plugin with args, have %v", slices.Collect(maps.Keys(containers)))
-	}
-	args := func(c k8sContainer) []string {
-		out := slices.Clone(c.Args[1:])
-		for i, a := range out {
-			if strings.HasPrefix(a, "/etc/devicehost/") {
-				out[i] = filepath.Join(dir, strings.TrimPrefix(a, "/etc/devicehost/"))
-			}
-		}
-		return out
-	}
-	a, err := parseAgentArgs(env, args(agent))
+	addr, err := endpoint.Parse(cfg.Listen)
 	if err != nil {
-		t.Fatalf("agent args %v: %v", agent.Args, err)
+		t.Fatalf("listen: %v", err)
 	}
-	k, err := parseKubeletPluginArgs(env, args(bridge))
-	if err != nil {
-		t.Fatalf("kubelet-plugin args %v: %v", bridge.Args, err)
+	if got, want := filepath.Dir(addr.Path), "/run/"+one("RuntimeDirectory"); got != want {
+		t.Errorf("socket %s is not in RuntimeDirectory %s", addr.Path, want)
 	}
-	if agent.Args[0] != "agent" || bridge.Args[0] != "kubelet-plugin" {
-		t.Errorf("subcommands %q and %q, want agent and kubelet-plugin", agent.Args[0], bridge.Args[0])
+	if got, want := cfg.StateDir, "/var/lib/"+one("StateDirectory"); got != want {
+		t.Errorf("state_dir %s, want StateDirectory %s", got, want)
 	}
-	if k.Address != a.cfg.Listen {
-		t.Errorf("the bridge dials %s, the agent listens on %s", k.Address, a.cfg.Listen)
-	}
-	if len(k.Resources) != 1 || k.Resources[0].Name != "nvidia.com/gpu" {
-		t.Errorf("resources %+v, want nvidia.com/gpu", k.Resources)
-	}
-	// The socket's directory is one emptyDir both containers mount at the same place;
-	// the kubelet's directories are where the bridge's flags say.
-	mountOf := func(c k8sContainer, path string) string {
-		for _, m := range c.VolumeMounts {
-			if strings.HasPrefix(path, m.MountPath+"/") {
-				return m.Name
-			}
-		}
-		return ""
-	}
-	sock := strings.TrimPrefix(a.cfg.Listen, "unix://")
-	if v := mountOf(agent, sock); v == "" || volumes[v] != "emptyDir" || mountOf(bridge, sock) != v {
-		t.Errorf("socket %s: agent's volume %q, bridge's %q; want one shared emptyDir", sock, v, mountOf(bridge, sock))
-	}
-	if v := mountOf(bridge, k.DevicePluginDir+"/x"); volumes[v] != "/var/lib/kubelet/device-plugins" {
-		t.Errorf("-device-plugin-dir %s is not the kubelet's device-plugins hostPath", k.DevicePluginDir)
-	}
-	if v := mountOf(bridge, k.PodResourcesSocket); volumes[v] != "/var/lib/kubelet/pod-resources" {
-		t.Errorf("-pod-resources-socket %s is not in the kubelet's pod-resources hostPath", k.PodResourcesSocket)
-	}
-	if v := mountOf(agent, a.cfg.StateDir+"/x"); volumes[v] != "/var/lib/devicehost" {
-		t.Errorf("state dir %s is not on the state hostPath", a.cfg.StateDir)
-	}
-	if v := mountOf(agent, a.cfg.PluginDir+"/x"); volumes[v] != "/opt/devicehost/plugins" {
-		t.Errorf("plugin dir %s is not on the plugins hostPath", a.cfg.PluginDir)
-	}
-	// Liveness: grpc_health_probe on the agent's socket and service.
-	if agent.LivenessProbe == nil {
-		t.Fatal("the agent has no liveness probe")
-	}
-	want := []string{"grpc_health_probe", "-addr", a.cfg.Listen, "-service", "devicehost.v1.DeviceHost"}
-	if got := agent.LivenessProbe.Exec.Command; !slices.Equal(got, want) {
-		t.Errorf("agent liveness probe %v, want %v", got, want)
-	}
-}
 
-func TestDeployExamplePod(t *testing.T) {
-	objs := readManifests(t, "example-pod.yaml")
-	if len(objs) != 1 || objs[0].Kind != "Pod" || len(objs[0].Spec.Containers) != 1 {
-		t.Fatalf("want one Pod with one container, have %+v", objs)
+	plugin, ok := cfg.Plugins["nvidia-example"]
+	if !ok {
+		t.Fatalf("example config has no nvidia-example block")
 	}
-	if got := objs[0].Spec.Containers[0].Resources.Limits["nvidia.com/gpu"]; got != "2" {
-		t.Errorf("nvidia.com/gpu limit %q, want 2", got)
+	var pc nvidia.Config
+	dec := json.NewDecoder(bytes.NewReader(plugin.ConfigJSON))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&pc); err != nil {
+		t.Fatalf("nvidia-example config %s: %v", plugin.ConfigJSON, err)
+	}
+	if pc.CDISpecDir == nil {
+		t.Fatalf("example config does not set cdi_spec_dir")
+	}
+	cdiDir := filepath.Join("/run", strings.TrimPrefix(*pc.CDISpecDir, "/var/run")) // /var/run is /run
+	var writable []string
+	for _, v := range unit["ReadWritePaths"] {
+		for _, p := range strings.Fields(v) {
+			writable = append(writable, strings.TrimPrefix(p, "-"))
+		}
+	}
+	if !slices.Contains(writable, cdiDir) {
+		t.Errorf("cdi_spec_dir %s (%s) is not among the unit's ReadWritePaths %q", *pc.CDISpecDir, cdiDir, writable)
 	}
 }

@@ -33,6 +33,9 @@ type cmdEnv struct {
 	stdout, stderr io.Writer
 	// getenv reads the environment (os.Getenv in the binary).
 	getenv func(string) string
+	// terminal reports whether w is a terminal and its width in columns (0: unknown);
+	// nil asks the operating system (see terminalOf).
+	terminal func(w io.Writer) (width int, ok bool)
 }
 
 func commands() []command {

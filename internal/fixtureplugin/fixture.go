@@ -15,9 +15,16 @@
 //     a reattach, without trusting the host's idea of it).
 //   - log_info / log_debug: messages logged at INFO / DEBUG by SetConfig, the DEBUG one
 //     first (so a host that has the INFO line has already seen, or dropped, the DEBUG one).
+//   - log_raw: lines SetConfig writes to stderr as they are, after log_info (hand-made
+//     hclog JSON lines, text, escape sequences: what a hostile plugin can send).
+//   - log_flood (N): SetConfig logs N lines at INFO, "fixture: flood line <i>", before it
+//     returns (so once the launch is done, all N are in the pipe to the host).
+//   - fingerprint_pad_bytes (N): the first group carries a string attribute "pad" of N
+//     bytes, making every fingerprint message at least that big.
 //   - exit_after (duration string, e.g. "200ms"): the process exits with status 3 that
 //     long after SetConfig (crash and crash-loop tests).
 //   - reject_config: SetConfig fails with this message (the host gets INVALID_ARGUMENT).
+//   - set_config_hang: SetConfig waits for its context (a launch that never finishes).
 //   - fingerprint_hang: Fingerprint never sends; it waits for its context.
 //   - fingerprint_end_after (N): after its N-th inventory message Fingerprint ends the
 //     stream with an error (the bad message of fingerprint_bad_after does not count).
@@ -41,9 +48,31 @@
 //     reservation_id and device_ids (and whether it failed), so a host test can see which
 //     cleanups reached the plugin.
 //
+// Hostile-plugin knobs (issue 9: what one plugin must not be able to do to the others):
+//
+//   - fingerprint_invalid (bool): every Fingerprint message is invalid (the first
+//     group's first device ID twice), so the host never accepts one.
+//   - fingerprint_error: Fingerprint fails at once with this message (it may span
+//     lines and be long: the host must keep one bounded line of it).
+//   - fingerprint_delay (duration): Fingerprint waits this long before its first
+//     message (lets a test choose which of two plugins reports first).
+//   - attribute_bytes (N): every group also carries string attributes "pad_000",
+//     "pad_001"... of at most MaxStringValueLen bytes each, N bytes of values in all:
+//     a fingerprint that breaks no per-field rule but is as big as asked.
+//   - stats_value_bytes (N): likewise every device's stats carry string values
+//     "pad_000"... of N bytes in all.
+//   - reserve_tag: a normal reservation also sets FIXTURE_TAG=<tag>, so a test can see
+//     which plugin answered a Reserve.
+//
 // Environment knobs, read by the binary (cmd/fixture) before it serves:
 //
+//   - FIXTURE_PID_FILE=path: write the process's PID to path first thing (so a test can
+//     signal a plugin that has not finished its handshake);
 //   - FIXTURE_HANG_START=1: sleep forever before serving (start-timeout tests);
+//   - FIXTURE_CHILD_PID_FILE=path: start /bin/sleep as a child that shares the plugin's
+//     stderr and process group, and write its PID to path (kill tests);
+//   - FIXTURE_MAGIC_COOKIE=value: serve with this magic cookie value instead of the
+//     SDK's (go-plugin then prints its "This binary is a plugin" note and exits 1);
 //   - FIXTURE_PROTOCOL=2: serve only go-plugin protocol version 2 (handshake mismatch);
 //   - FIXTURE_INFO_PROTOCOLS=v2,v3: GetPluginInfo claims these protocol versions instead
 //     of the SDK's (protocol-version mismatch after the handshake).
@@ -55,6 +84,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"slices"
 	"strings"
@@ -67,6 +97,7 @@ import (
 
 	"github.com/devicehost/devicehost/deviceplugin"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/validate"
 )
 
 // Name is the fixture's plugin name (GetPluginInfo) and the binary's file name.
@@ -116,15 +147,19 @@ type Config struct {
 	ReportEnv []string `json:"report_env,omitempty"`
 	ReportPID bool     `json:"report_pid,omitempty"`
 
-	LogInfo      string   `json:"log_info,omitempty"`
-	LogDebug     string   `json:"log_debug,omitempty"`
-	ExitAfter    Duration `json:"exit_after,omitempty"`
-	RejectConfig string   `json:"reject_config,omitempty"`
+	LogInfo       string   `json:"log_info,omitempty"`
+	LogDebug      string   `json:"log_debug,omitempty"`
+	LogRaw        []string `json:"log_raw,omitempty"`
+	LogFlood      int      `json:"log_flood,omitempty"`
+	ExitAfter     Duration `json:"exit_after,omitempty"`
+	RejectConfig  string   `json:"reject_config,omitempty"`
+	SetConfigHang bool     `json:"set_config_hang,omitempty"`
 
 	FingerprintHang        bool     `json:"fingerprint_hang,omitempty"`
 	FingerprintEndAfter    int      `json:"fingerprint_end_after,omitempty"`
 	FingerprintBadAfter    bool     `json:"fingerprint_bad_after,omitempty"`
 	FingerprintChangeEvery Duration `json:"fingerprint_change_every,omitempty"`
+	FingerprintPadBytes    int      `json:"fingerprint_pad_bytes,omitempty"`
 
 	StatsHang  bool   `json:"stats_hang,omitempty"`
 	StatsError string `json:"stats_error,omitempty"`
@@ -135,6 +170,33 @@ type Config struct {
 
 	ReleaseError string `json:"release_error,omitempty"`
 	LogRelease   bool   `json:"log_release,omitempty"`
+
+	// Hostile-plugin knobs of the manager's tests (issue 9).
+	FingerprintInvalid bool     `json:"fingerprint_invalid,omitempty"`
+	FingerprintError   string   `json:"fingerprint_error,omitempty"`
+	FingerprintDelay   Duration `json:"fingerprint_delay,omitempty"`
+	AttributeBytes     int      `json:"attribute_bytes,omitempty"`
+	StatsValueBytes    int      `json:"stats_value_bytes,omitempty"`
+	ReserveTag         string   `json:"reserve_tag,omitempty"`
+}
+
+// Bounds of the padding knobs: what fits in the attributes of a group and the values of
+// a device without breaking validate's count and length limits.
+const (
+	MaxAttributeBytes  = (validate.MaxAttributes - 8) * validate.MaxStringValueLen
+	MaxStatsValueBytes = (validate.MaxStatsValues - 8) * validate.MaxStringValueLen
+)
+
+// padding returns string values named prefix+index holding n bytes in all, each at most
+// validate.MaxStringValueLen bytes.
+func padding(prefix string, n int) map[string]*pb.Value {
+	out := make(map[string]*pb.Value)
+	for i := 0; n > 0; i++ {
+		size := min(n, validate.MaxStringValueLen)
+		out[fmt.Sprintf("%s%03d", prefix, i)] = &pb.Value{Kind: &pb.Value_StringValue{StringValue: strings.Repeat("p", size)}}
+		n -= size
+	}
+	return out
 }
 
 // JSON encodes c as the config block a host hands over.
@@ -154,8 +216,11 @@ func DefaultGroups() []Group {
 // Plugin is the fixture plugin. Set the exported fields before the first call; the
 // methods are safe for concurrent use.
 type Plugin struct {
-	// Log is where log_info / log_debug go; nil means deviceplugin.Logger().
+	// Log is where log_info / log_debug / log_flood go; nil means deviceplugin.Logger().
 	Log hclog.Logger
+	// Stderr is where log_raw goes; nil means os.Stderr (when called). The binary sets it
+	// to the stderr the host reads, before go-plugin's Serve replaces os.Stderr.
+	Stderr io.Writer
 	// Exit ends the process for exit_after; nil means os.Exit. In-process tests set it.
 	Exit func(code int)
 	// InfoProtocolVersions, when set, replaces the protocol versions GetPluginInfo
@@ -186,7 +251,7 @@ func (p *Plugin) Info() deviceplugin.Info {
 }
 
 // SetConfig reads the knobs. Unknown knobs are refused, so a typo in a test fails loudly.
-func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
+func (p *Plugin) SetConfig(ctx context.Context, configJSON []byte) error {
 	var cfg Config
 	if len(bytes.TrimSpace(configJSON)) > 0 {
 		dec := json.NewDecoder(bytes.NewReader(configJSON))
@@ -198,11 +263,24 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 	if cfg.RejectConfig != "" {
 		return errors.New(cfg.RejectConfig)
 	}
+	if cfg.SetConfigHang {
+		<-ctx.Done()
+		return ctx.Err()
+	}
 	if len(cfg.Groups) == 0 {
 		cfg.Groups = DefaultGroups()
 	}
+	if cfg.FingerprintPadBytes < 0 || cfg.LogFlood < 0 {
+		return errors.New("fixture config: fingerprint_pad_bytes and log_flood must be 0 or more")
+	}
 	if cfg.FingerprintEndAfter < 0 {
 		return fmt.Errorf("fixture config: fingerprint_end_after: must be 0 or more, got %d", cfg.FingerprintEndAfter)
+	}
+	if cfg.AttributeBytes < 0 || cfg.AttributeBytes > MaxAttributeBytes {
+		return fmt.Errorf("fixture config: attribute_bytes: must be 0 to %d, got %d", MaxAttributeBytes, cfg.AttributeBytes)
+	}
+	if cfg.StatsValueBytes < 0 || cfg.StatsValueBytes > MaxStatsValueBytes {
+		return fmt.Errorf("fixture config: stats_value_bytes: must be 0 to %d, got %d", MaxStatsValueBytes, cfg.StatsValueBytes)
 	}
 
 	p.mu.Lock()
@@ -228,7 +306,21 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 	if cfg.LogInfo != "" {
 		log.Info(cfg.LogInfo)
 	}
+	for _, line := range cfg.LogRaw {
+		fmt.Fprintln(p.stderr(), line)
+	}
+	for i := range cfg.LogFlood {
+		log.Info(fmt.Sprintf("fixture: flood line %d", i))
+	}
 	return nil
+}
+
+// stderr is where log_raw goes: Stderr, or os.Stderr.
+func (p *Plugin) stderr() io.Writer {
+	if p.Stderr != nil {
+		return p.Stderr
+	}
+	return os.Stderr
 }
 
 // Stop cancels a pending exit_after. In-process tests call it in cleanup.
@@ -260,6 +352,18 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 	if cfg.FingerprintHang {
 		<-ctx.Done()
 		return ctx.Err()
+	}
+	if cfg.FingerprintError != "" {
+		return errors.New(cfg.FingerprintError)
+	}
+	if cfg.FingerprintDelay > 0 {
+		t := time.NewTimer(time.Duration(cfg.FingerprintDelay))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
 	}
 
 	toggled := false
@@ -330,6 +434,12 @@ func inventory(cfg Config, toggled bool) *pb.FingerprintResponse {
 		if cfg.ReportPID {
 			attrs["pid"] = &pb.Value{Kind: &pb.Value_IntValue{IntValue: int64(os.Getpid())}}
 		}
+		if gi == 0 && cfg.FingerprintPadBytes > 0 {
+			attrs["pad"] = &pb.Value{Kind: &pb.Value_StringValue{StringValue: strings.Repeat("x", cfg.FingerprintPadBytes)}}
+		}
+		for k, v := range padding("pad_", cfg.AttributeBytes) {
+			attrs[k] = v
+		}
 		group := &pb.DeviceGroup{Vendor: g.Vendor, Type: g.Type, Name: g.Name, Attributes: attrs}
 		for di, id := range g.IDs {
 			d := &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: &pb.Locality{NumaNode: -1}}
@@ -344,6 +454,9 @@ func inventory(cfg Config, toggled bool) *pb.FingerprintResponse {
 				}
 			}
 			group.Devices = append(group.Devices, d)
+		}
+		if cfg.FingerprintInvalid && gi == 0 && len(group.Devices) > 0 {
+			group.Devices = append(group.Devices, group.Devices[0])
 		}
 		resp.Groups = append(resp.Groups, group)
 	}
@@ -369,14 +482,14 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*p
 		resp := &pb.StatsResponse{}
 		for _, g := range cfg.Groups {
 			for _, id := range g.IDs {
+				values := padding("pad_", cfg.StatsValueBytes)
+				values["seq"] = &pb.Value{Kind: &pb.Value_IntValue{IntValue: seq}}
+				values["stats_streams"] = &pb.Value{Kind: &pb.Value_IntValue{IntValue: streams}}
+				values["temperature"] = &pb.Value{Kind: &pb.Value_FloatValue{FloatValue: 40}, Unit: "C"}
 				resp.Devices = append(resp.Devices, &pb.DeviceStats{
 					DeviceId:  id,
 					Timestamp: timestamppb.New(now),
-					Values: map[string]*pb.Value{
-						"seq":           {Kind: &pb.Value_IntValue{IntValue: seq}},
-						"stats_streams": {Kind: &pb.Value_IntValue{IntValue: streams}},
-						"temperature":   {Kind: &pb.Value_FloatValue{FloatValue: 40}, Unit: "C"},
-					},
+					Values:    values,
 				})
 			}
 		}
@@ -423,6 +536,9 @@ func (p *Plugin) Reserve(ctx context.Context, ids []string) (*pb.ContainerReserv
 	}
 	if cfg.ReserveBad {
 		res.Envs["LD_PRELOAD"] = "/x"
+	}
+	if cfg.ReserveTag != "" {
+		res.Envs["FIXTURE_TAG"] = cfg.ReserveTag
 	}
 	return res, nil
 }

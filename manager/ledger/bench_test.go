@@ -5,13 +5,18 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
+	"time"
+
+	"github.com/devicehost/devicehost/manager/device"
 )
+
+// Set TMPDIR to the filesystem to measure: every state file lives in b.TempDir.
 
 // BenchmarkReserve measures durable Reserve throughput (fsync on, one new reservation
 // per op) with 1 and 64 concurrent callers. With group commit the 64-caller run should
 // reach many times the single caller's reservations/s, since callers share fsyncs.
-// Set TMPDIR to the filesystem to measure: the state file lives in b.TempDir.
 func BenchmarkReserve(b *testing.B) {
 	for _, callers := range []int{1, 64} {
 		b.Run(fmt.Sprintf("callers=%d", callers), func(b *testing.B) {
@@ -23,7 +28,7 @@ func BenchmarkReserve(b *testing.B) {
 			ctx := context.Background()
 			var next atomic.Int64
 			var wg sync.WaitGroup
-			commits0 := l.commits.Load()
+			commits0 := l.Commits()
 			b.ResetTimer()
 			for c := range callers {
 				wg.Add(1)
@@ -45,7 +50,93 @@ func BenchmarkReserve(b *testing.B) {
 			wg.Wait()
 			b.StopTimer()
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "reservations/s")
-			b.ReportMetric(float64(b.N)/float64(l.commits.Load()-commits0), "reservations/commit")
+			b.ReportMetric(float64(b.N)/float64(l.Commits()-commits0), "reservations/commit")
 		})
 	}
+}
+
+// BenchmarkCycleGC measures the ledger and its GC alone (no plugin, no gRPC) at one
+// caller: one op is a Reserve and the Release of that reservation, with a GC running
+// whose cleanup succeeds at once. The ledger starts with N released, cleaned-up
+// reservations and MaxReservations is N, so every cycle puts it over the limit and the
+// GC deletes the oldest. It reports the process's CPU time per cycle, which should not
+// grow with N, and commits per cycle.
+func BenchmarkCycleGC(b *testing.B) {
+	for _, n := range []int{1000, 100_000} {
+		b.Run(fmt.Sprintf("reservations=%d", n), func(b *testing.B) {
+			l, err := Open(b.TempDir()+"/"+DefaultFileName, Options{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer l.Close()
+			ctx := context.Background()
+			var next atomic.Int64
+			var wg sync.WaitGroup
+			for range 256 {
+				wg.Go(func() {
+					for i := next.Add(1); i <= int64(n); i = next.Add(1) {
+						r, _, err := l.Reserve(ctx, res(fmt.Sprint("old-", i), fmt.Sprint("old-GPU-", i)))
+						if err == nil {
+							_, _, err = l.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}, time.Time{})
+						}
+						if err == nil {
+							err = l.CleanupDone(ctx, r.ID)
+						}
+						if err != nil {
+							b.Error(err)
+							return
+						}
+					}
+				})
+			}
+			wg.Wait()
+
+			g, err := NewGC(l, GCConfig{
+				MaxReservations: n,
+				Interval:        time.Hour,
+				Cleanup:         func(context.Context, GCEntry) error { return nil },
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			firstPass := make(chan struct{})
+			var once sync.Once
+			g.onPass = func(bool) { once.Do(func() { close(firstPass) }) }
+			gctx, cancel := context.WithCancel(ctx)
+			done := make(chan error, 1)
+			go func() { done <- g.Run(gctx) }()
+			<-firstPass // it has taken in the ledger: start-up is not measured
+			defer func() {
+				cancel()
+				if err := <-done; err != nil {
+					b.Error(err)
+				}
+			}()
+
+			i := 0
+			commits0, cpu0 := l.Commits(), processCPU(b)
+			for b.Loop() {
+				i++
+				r, _, err := l.Reserve(ctx, res(fmt.Sprint("owner-", i), "GPU-0"))
+				if err != nil {
+					b.Fatal(err)
+				}
+				if _, _, err := l.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}, time.Time{}); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64((processCPU(b)-cpu0).Microseconds())/float64(b.N), "cpu-µs/cycle")
+			b.ReportMetric(float64(l.Commits()-commits0)/float64(b.N), "commits/cycle")
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "cycles/s")
+		})
+	}
+}
+
+// processCPU is the CPU time (user + system) this process has used so far.
+func processCPU(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -176,5 +177,143 @@ func TestCrashKeepsAcknowledged(t *testing.T) {
 		case !released[id] && r.State == device.ReservationActive && holders[dev].ReservationID != id:
 			t.Errorf("live reservation %s does not hold %s: holder %+v", id, dev, holders[dev])
 		}
+	}
+}
+
+// deferredHelperEnv names the state file TestHelperDeferredMark writes to; unset, the
+// helper skips.
+const deferredHelperEnv = "DEVICEHOST_LEDGER_DEFERRED_HELPER"
+
+// deferredCycles is how many Reserve+Release cycles TestHelperDeferredMark runs.
+const deferredCycles = 5
+
+// TestHelperDeferredMark is not a test: TestCrashRedoesCleanupWhoseMarkWasDeferred runs
+// the test binary again with only this test selected. With a GC running (its writes
+// deferred for an hour, so they can only ride on other commits), it runs Reserve+Release
+// cycles one after the other, each after the previous reservation's cleanup, printing
+// "reserved ID", "released ID" and "cleaned ID" as each is acknowledged, then "idle",
+// and waits to be killed: the last cleanup's done mark is still waiting for a commit.
+func TestHelperDeferredMark(t *testing.T) {
+	path := os.Getenv(deferredHelperEnv)
+	if path == "" {
+		t.Skip("helper process for TestCrashRedoesCleanupWhoseMarkWasDeferred")
+	}
+	exit := func(code int, err error) {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(code)
+	}
+	l, err := Open(path, Options{})
+	if err != nil {
+		exit(2, err)
+	}
+	cleaned := make(chan string)
+	g, err := NewGC(l, GCConfig{
+		CommitDelay: time.Hour,
+		Cleanup: func(_ context.Context, e GCEntry) error {
+			fmt.Fprintf(os.Stdout, "cleaned %s\n", e.ReservationID)
+			cleaned <- e.ReservationID
+			return nil
+		},
+	})
+	if err != nil {
+		exit(2, err)
+	}
+	ctx := context.Background()
+	go func() { _ = g.Run(ctx) }()
+	for i := range deferredCycles {
+		r, _, err := l.Reserve(ctx, res(fmt.Sprint("owner-", i), "GPU-0"))
+		if err != nil {
+			exit(3, err)
+		}
+		fmt.Fprintf(os.Stdout, "reserved %s\n", r.ID)
+		if _, _, err := l.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}, time.Time{}); err != nil {
+			exit(4, err)
+		}
+		fmt.Fprintf(os.Stdout, "released %s\n", r.ID)
+		if id := <-cleaned; id != r.ID {
+			exit(5, fmt.Errorf("cleanup of %s, want %s", id, r.ID))
+		}
+	}
+	fmt.Fprintln(os.Stdout, "idle")
+	select {} // until SIGKILL
+}
+
+// TestCrashRedoesCleanupWhoseMarkWasDeferred: the GC records a cleanup as done in a later
+// commit. A crash before that commit loses nothing acknowledged: every reservation and
+// release is still there, and a cleanup whose done mark was lost is still pending and is
+// simply done again by the next GC, once; the others are not redone.
+func TestCrashRedoesCleanupWhoseMarkWasDeferred(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a process")
+	}
+	path := statePath(t)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperDeferredMark$", "-test.count=1", "-test.timeout=2m")
+	cmd.Env = append(os.Environ(), deferredHelperEnv+"="+path)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	killed := false
+	t.Cleanup(func() {
+		if !killed {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+	})
+
+	acked := map[string][]string{} // "reserved", "released", "cleaned" -> IDs in order
+	lines := bufio.NewScanner(stdout)
+	for lines.Scan() && lines.Text() != "idle" {
+		f := strings.Fields(lines.Text())
+		if len(f) != 2 {
+			t.Fatalf("helper printed %q", lines.Text())
+		}
+		acked[f[0]] = append(acked[f[0]], f[1])
+	}
+	if len(acked["cleaned"]) != deferredCycles {
+		t.Fatalf("helper stopped after %v (%v)\n%s", acked, lines.Err(), stderr.String())
+	}
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	killed = true
+	_ = cmd.Wait()
+
+	l := openLedger(t, path)
+	var pending []string
+	for _, id := range acked["reserved"] {
+		r, err := l.Get(id)
+		switch {
+		case err != nil:
+			t.Errorf("acknowledged reservation %s lost: %v", id, err)
+		case r.State != device.ReservationReleased:
+			t.Errorf("acknowledged release of %s lost: %+v", id, r)
+		case r.CleanupPending:
+			pending = append(pending, id)
+		}
+	}
+	last := acked["cleaned"][deferredCycles-1]
+	if !slices.Contains(pending, last) {
+		t.Fatalf("pending cleanups after the crash %v, want the last one %s among them: its done mark had no commit to ride on", pending, last)
+	}
+
+	redone := make(chan string, deferredCycles)
+	h := startGC(t, l, GCConfig{Cleanup: func(_ context.Context, e GCEntry) error { redone <- e.ReservationID; return nil }})
+	h.waitUntil(t, "the lost cleanups redone and recorded", func() bool { return l.Counts().CleanupPending == 0 })
+	h.stop()
+	close(redone)
+	var got []string
+	for id := range redone {
+		got = append(got, id)
+	}
+	slices.Sort(got)
+	slices.Sort(pending)
+	if !slices.Equal(got, pending) {
+		t.Errorf("cleanups redone after the crash: %v, want exactly those still pending, once each: %v", got, pending)
 	}
 }

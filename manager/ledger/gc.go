@@ -24,6 +24,7 @@ const (
 	DefaultCleanupTimeout    = 10 * time.Second
 	DefaultRetryMin          = time.Second
 	DefaultRetryMax          = 5 * time.Minute
+	DefaultGCCommitDelay     = 100 * time.Millisecond
 )
 
 // GCEntry is a released reservation as the GC hands it to the cleanup func: everything
@@ -48,8 +49,9 @@ type GCConfig struct {
 	Logger hclog.Logger
 	// Cleanup undoes a released reservation on the plugin side. It gets a context with
 	// CleanupTimeout; an error leaves the cleanup pending, to be retried with backoff.
-	// It must be idempotent: a cleanup whose success was not yet recorded when the
-	// agent stopped runs again. It may be called from several goroutines at once (at
+	// It must be idempotent: its success is recorded in a later commit (see
+	// CommitDelay), and a cleanup whose success was not yet recorded when the agent
+	// stopped or crashed runs again. It may be called from several goroutines at once (at
 	// most Parallel). Nil means there is nothing to clean up: releases are recorded as
 	// cleaned at once.
 	Cleanup func(ctx context.Context, e GCEntry) error
@@ -61,8 +63,8 @@ type GCConfig struct {
 	// ago are destroyed, so a released reservation stays listed between one and two
 	// intervals when the limit is not reached. Zero means DefaultGCInterval.
 	Interval time.Duration
-	// Parallel bounds how many destroys (cleanup, then deletion) run at once, so that
-	// releasing thousands at once causes no spike. Zero means DefaultGCParallel.
+	// Parallel bounds how many plugin cleanups run at once, so that releasing thousands
+	// at once causes no spike. Zero means DefaultGCParallel.
 	Parallel int
 	// CleanupTimeout bounds each Cleanup call. Zero means DefaultCleanupTimeout.
 	CleanupTimeout time.Duration
@@ -70,6 +72,10 @@ type GCConfig struct {
 	// RetryMin after the first failure, doubling up to RetryMax, with ±20% jitter.
 	// Zero means DefaultRetryMin and DefaultRetryMax.
 	RetryMin, RetryMax time.Duration
+	// CommitDelay is how long the GC's own ledger writes (a cleanup recorded done, a
+	// released reservation deleted) may wait to share a commit with other writes
+	// before they get one of their own. Zero means DefaultGCCommitDelay.
+	CommitDelay time.Duration
 }
 
 // GC cleans up after released reservations and garbage-collects them from a ledger.
@@ -80,7 +86,18 @@ type GCConfig struct {
 // destroyed (cleanup if still pending, then deletion from the ledger) when the ledger
 // holds more than MaxReservations reservations (oldest release first, only as many as
 // needed) or on the Interval tick (those released at least Interval ago). At most
-// Parallel cleanups and destroys run at once.
+// Parallel plugin cleanups run at once.
+//
+// What the GC writes to the ledger (a cleanup done, a deletion) is deferred: it rides on
+// the next commit made for a Reserve or Release, or gets one of its own within
+// CommitDelay, so a Reserve+Release cycle costs two commits, not three or four. A crash
+// may lose such a write; nothing acknowledged is lost by it, since the cleanup is then
+// still pending in the ledger and runs again (Cleanup must be idempotent), and the
+// released reservation is still listed and is deleted again.
+//
+// The GC keeps what it needs incrementally: each ledger commit tells it which
+// reservations changed, and it keeps the released ones in heaps by release time and by
+// next retry, so its cost per change is O(log n) in the number of reservations.
 //
 // The retry schedule (attempt count, next attempt time) is kept in memory: a pending
 // cleanup is in the ledger, so after a restart every pending cleanup is tried again at
@@ -110,6 +127,8 @@ func NewGC(l *Ledger, cfg GCConfig) (*GC, error) {
 		return nil, fmt.Errorf("gc: Parallel %d is negative", cfg.Parallel)
 	case cfg.CleanupTimeout < 0, cfg.RetryMin < 0, cfg.RetryMax < 0:
 		return nil, errors.New("gc: CleanupTimeout, RetryMin and RetryMax must not be negative")
+	case cfg.CommitDelay < 0:
+		return nil, fmt.Errorf("gc: CommitDelay %s is negative", cfg.CommitDelay)
 	}
 	cfg.MaxReservations = cmp.Or(cfg.MaxReservations, DefaultGCMaxReservations)
 	cfg.Interval = cmp.Or(cfg.Interval, DefaultGCInterval)
@@ -117,6 +136,7 @@ func NewGC(l *Ledger, cfg GCConfig) (*GC, error) {
 	cfg.CleanupTimeout = cmp.Or(cfg.CleanupTimeout, DefaultCleanupTimeout)
 	cfg.RetryMin = cmp.Or(cfg.RetryMin, DefaultRetryMin)
 	cfg.RetryMax = max(cmp.Or(cfg.RetryMax, DefaultRetryMax), cfg.RetryMin)
+	cfg.CommitDelay = cmp.Or(cfg.CommitDelay, DefaultGCCommitDelay)
 	log := cfg.Logger
 	if log == nil {
 		log = hclog.NewNullLogger()
@@ -134,48 +154,98 @@ func (g *GC) RetryNow() {
 	}
 }
 
+// maxCommitting bounds the GC's deferred writes waiting for a commit at once: a tick
+// that destroys thousands writes them a batch at a time.
+const maxCommitting = maxBatch
+
+// gcState is where a marked reservation is in the GC.
+type gcState int
+
+const (
+	gcIdle       gcState = iota // in gcRun.clean or gcRun.pending: may get a job
+	gcWaiting                   // in gcRun.waiting: its last attempt failed, backing off
+	gcRunning                   // its plugin cleanup is running in a worker
+	gcCommitting                // its deferred write (cleanup done, or deletion) awaits its commit
+)
+
 // gcItem is what Run remembers about one marked reservation.
 type gcItem struct {
 	entry    GCEntry
+	state    gcState
 	attempts int       // failed attempts in a row
-	next     time.Time // no attempt before; zero: due now
-}
-
-type gcJob struct {
-	entry  GCEntry
-	delete bool   // destroy: delete the record once its cleanup is done
-	epoch  uint64 // gcRun.retryEpoch when the job started
+	next     time.Time // gcWaiting: no attempt before
+	del      bool      // gcRunning, gcCommitting: the job deletes the reservation
+	epoch    uint64    // gcRun.retryEpoch when the job started
+	stale    bool      // the ledger changed it while its job ran: look again after
+	heap     *itemHeap // the heap it is in; nil when none
+	pos      int       // its index in heap
 }
 
 type gcResult struct {
-	job gcJob
+	id  string
 	err error
 }
 
-// gcRun is the state of one Run call, owned by its goroutine.
+// gcRun is the state of one Run call, owned by its goroutine except where noted.
 type gcRun struct {
 	*GC
-	items     map[string]*gcItem
-	inflight  map[string]bool // reservation ID -> job deletes
-	queue     []gcJob
-	lastSkipN int // the count last logged as over the limit with nothing released; -1: none
+	items   map[string]*gcItem // every marked reservation
+	clean   itemHeap           // idle, cleanup done, oldest release first
+	pending itemHeap           // idle, cleanup owed, oldest release first
+	waiting itemHeap           // backing off, earliest next attempt first
+
+	running    int       // items gcRunning (at most Parallel)
+	committing int       // items gcCommitting
+	deleting   int       // items gcRunning or gcCommitting whose job deletes
+	cutoff     time.Time // the last tick's: idle reservations released at or before it are destroyed
+	lastSkipN  int       // the count last logged as over the limit with nothing released; -1: none
 	// retryEpoch counts RetryNow calls; a job started before the latest one that fails
 	// is retried at once, since RetryNow came after it began.
 	retryEpoch uint64
+
+	spawn func(e GCEntry) // starts a worker running the plugin cleanup of e
+
+	committedMu sync.Mutex    // guards committed; the ledger's writer appends to it
+	committed   []gcResult    // outcomes of deferred writes not yet handled
+	commitWake  chan struct{} // buffered(1): committed grew
 }
 
-// Run works until ctx ends, then waits for the cleanups and destroys it started (they
-// get ctx, so a cleanup func that honours it returns promptly) and returns nil. It
-// wakes on every ledger commit that changes reservations, on the Interval tick, when a
-// retry is due, and on RetryNow. Run must not be called twice at once, and should end
-// before the ledger is closed.
+func newGCRun(g *GC) *gcRun {
+	return &gcRun{
+		GC:         g,
+		items:      make(map[string]*gcItem),
+		clean:      itemHeap{less: releasedFirst},
+		pending:    itemHeap{less: releasedFirst},
+		waiting:    itemHeap{less: retryFirst},
+		lastSkipN:  -1,
+		commitWake: make(chan struct{}, 1),
+	}
+}
+
+func releasedFirst(a, b *gcItem) bool {
+	return cmp.Or(a.entry.ReleasedAt.Compare(b.entry.ReleasedAt), cmp.Compare(a.entry.ReservationID, b.entry.ReservationID)) < 0
+}
+
+func retryFirst(a, b *gcItem) bool {
+	if c := a.next.Compare(b.next); c != 0 {
+		return c < 0
+	}
+	return releasedFirst(a, b)
+}
+
+// Run works until ctx ends, then waits for the cleanups it started (they get ctx, so a
+// cleanup func that honours it returns promptly) and returns nil. It wakes on every
+// ledger commit that changes reservations, on the Interval tick, when a retry is due,
+// when a cleanup ends or a deferred write commits, and on RetryNow. Run must not be
+// called twice at once, and should end before the ledger is closed (deferred writes it
+// queued are committed by then, or by Close).
 func (g *GC) Run(ctx context.Context) error {
 	if !g.running.CompareAndSwap(false, true) {
 		return errors.New("gc: already running")
 	}
 	defer g.running.Store(false)
 
-	changed, unsubscribe := g.l.subscribe()
+	changes, unsubscribe := g.l.subscribe()
 	defer unsubscribe()
 	ticker := time.NewTicker(g.cfg.Interval)
 	defer ticker.Stop()
@@ -183,83 +253,201 @@ func (g *GC) Run(ctx context.Context) error {
 	retryTimer.Stop()
 	defer retryTimer.Stop()
 
-	r := &gcRun{GC: g, items: make(map[string]*gcItem), inflight: make(map[string]bool), lastSkipN: -1}
-	done := make(chan gcResult, g.cfg.Parallel) // never more in flight, so workers never block
+	r := newGCRun(g)
+	results := make(chan gcResult, g.cfg.Parallel) // never more in flight, so workers never block
 	var workers sync.WaitGroup
 	defer workers.Wait()
+	r.spawn = func(e GCEntry) {
+		workers.Go(func() {
+			cctx, cancel := context.WithTimeout(ctx, g.cfg.CleanupTimeout)
+			err := g.cfg.Cleanup(cctx, e)
+			cancel()
+			results <- gcResult{id: e.ReservationID, err: err}
+		})
+	}
 
+	// Subscribed first, so a change made while the ledger is read here is seen again.
+	r.sync(g.l.releasedIDs())
 	dirty, tick := true, false
 	for ctx.Err() == nil { // select may take a finished job over ctx.Done: start nothing after
-		if len(r.queue) == 0 && dirty {
-			now, planTick := time.Now(), tick
-			r.queue = r.plan(now, planTick)
-			dirty, tick = false, false
-			if next, ok := r.nextRetry(now); ok {
-				retryTimer.Reset(next.Sub(now))
+		if dirty {
+			now := time.Now()
+			r.sync(changes.drain())
+			r.plan(now)
+			if w := r.waiting.peek(); w != nil {
+				retryTimer.Reset(w.next.Sub(now))
+			} else {
+				retryTimer.Stop()
 			}
 			if g.onPass != nil {
-				g.onPass(planTick)
+				g.onPass(tick)
 			}
-		}
-		for len(r.inflight) < g.cfg.Parallel && len(r.queue) > 0 {
-			job := r.queue[0]
-			r.queue = r.queue[1:]
-			job.entry.Attempt = r.items[job.entry.ReservationID].attempts + 1
-			job.entry.DeviceIDs = slices.Clone(job.entry.DeviceIDs) // each call gets its own
-			job.epoch = r.retryEpoch
-			r.inflight[job.entry.ReservationID] = job.delete
-			workers.Add(1)
-			go func() {
-				defer workers.Done()
-				done <- gcResult{job: job, err: g.destroy(ctx, job)}
-			}()
+			dirty, tick = false, false
 		}
 		select {
 		case <-ctx.Done():
-			return nil // the deferred workers.Wait waits for the jobs in flight
-		case <-changed:
-			dirty = true
+			return nil // the deferred workers.Wait waits for the cleanups in flight
+		case <-changes.wake:
 		case <-ticker.C:
-			dirty, tick = true, true
+			r.cutoff = time.Now().Add(-g.cfg.Interval)
+			tick = true
 		case <-retryTimer.C:
-			dirty = true
 		case <-g.retry:
 			r.retryEpoch++
-			for _, it := range r.items {
-				it.next = time.Time{}
+			for w := r.waiting.peek(); w != nil; w = r.waiting.peek() {
+				r.setIdle(w)
 			}
-			dirty = true
-		case res := <-done:
-			delete(r.inflight, res.job.entry.ReservationID)
-			r.finish(res, time.Now())
-			dirty = true
+		case res := <-results:
+			r.cleaned(res, time.Now())
+		case <-r.commitWake:
+			r.committedMu.Lock()
+			done := r.committed
+			r.committed = nil
+			r.committedMu.Unlock()
+			now := time.Now()
+			for _, res := range done {
+				r.recorded(res, now)
+			}
 		}
+		dirty = true
 	}
 	return nil
 }
 
-// plan brings the marked set up to date with the ledger and returns the jobs now due,
-// oldest release first.
-func (r *gcRun) plan(now time.Time, tick bool) []gcJob {
-	entries, c := r.l.gcEntries()
-	seen := make(map[string]bool, len(entries))
-	for _, e := range entries {
-		seen[e.ReservationID] = true
-		it := r.items[e.ReservationID]
-		if it == nil {
-			it = &gcItem{}
-			r.items[e.ReservationID] = it
-			r.log.Info("marked for GC", "reservation_id", e.ReservationID, "owner_id", e.OwnerID,
-				"plugin", e.Plugin, "released_at", e.ReleasedAt)
-		}
-		it.entry = e
+// releasedIDs returns the IDs of every released reservation.
+func (l *Ledger) releasedIDs() []string {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	out := make([]string, 0, len(l.idx.gone))
+	for id := range l.idx.gone {
+		out = append(out, id)
 	}
-	for id := range r.items {
-		if !seen[id] && !r.inflightHas(id) {
-			delete(r.items, id) // deleted by someone else
-		}
-	}
+	return out
+}
 
+// sync brings the items named by ids up to date with the ledger, oldest release first
+// (so "marked for GC" lines come in that order).
+func (r *gcRun) sync(ids []string) {
+	if len(ids) == 0 {
+		return
+	}
+	type change struct {
+		id  string
+		rec *device.Reservation // nil: deleted
+	}
+	changes := make([]change, len(ids))
+	r.l.mu.RLock()
+	for i, id := range ids {
+		changes[i] = change{id, r.l.idx.get(id)} // never modified once stored: safe to read unlocked
+	}
+	r.l.mu.RUnlock()
+	slices.SortFunc(changes, func(a, b change) int {
+		switch {
+		case a.rec == nil && b.rec == nil:
+			return cmp.Compare(a.id, b.id)
+		case a.rec == nil: // the deleted first
+			return -1
+		case b.rec == nil:
+			return 1
+		}
+		return cmp.Or(a.rec.ReleasedAt.Compare(b.rec.ReleasedAt), cmp.Compare(a.id, b.id))
+	})
+	for _, c := range changes {
+		r.update(c.id, c.rec)
+	}
+}
+
+// update brings item id up to date with rec, its record in the ledger (nil: none).
+func (r *gcRun) update(id string, rec *device.Reservation) {
+	it := r.items[id]
+	if it != nil && (it.state == gcRunning || it.state == gcCommitting) {
+		it.stale = true // its job decides on what it saw; looked at again when it ends
+		return
+	}
+	switch {
+	case rec == nil || rec.State != device.ReservationReleased:
+		if it != nil { // deleted by someone else
+			r.detach(it)
+			delete(r.items, id)
+		}
+	case it == nil:
+		it = &gcItem{entry: entryOf(rec)}
+		r.items[id] = it
+		r.log.Info("marked for GC", "reservation_id", rec.ID, "owner_id", rec.OwnerID,
+			"plugin", rec.Plugin, "released_at", rec.ReleasedAt)
+		r.setIdle(it)
+	default:
+		st := it.state
+		r.detach(it)
+		it.entry = entryOf(rec)
+		if st == gcWaiting {
+			r.waiting.add(it)
+		} else {
+			r.setIdle(it)
+		}
+	}
+}
+
+// recheck updates it from the ledger if the ledger changed it while its job ran.
+func (r *gcRun) recheck(it *gcItem) {
+	if !it.stale {
+		return
+	}
+	it.stale = false
+	r.sync([]string{it.entry.ReservationID})
+}
+
+func entryOf(rec *device.Reservation) GCEntry {
+	return GCEntry{
+		ReservationID:  rec.ID,
+		OwnerID:        rec.OwnerID,
+		Plugin:         rec.Plugin,
+		Group:          rec.Group,
+		DeviceIDs:      rec.DeviceIDs, // immutable in the index; each cleanup call gets a copy
+		ReleasedAt:     rec.ReleasedAt,
+		CleanupPending: rec.CleanupPending,
+	}
+}
+
+// setIdle makes it idle, in the heap its cleanup state says.
+func (r *gcRun) setIdle(it *gcItem) {
+	r.detach(it)
+	it.state = gcIdle
+	if it.entry.CleanupPending {
+		r.pending.add(it)
+	} else {
+		r.clean.add(it)
+	}
+}
+
+func (r *gcRun) detach(it *gcItem) {
+	if it.heap != nil {
+		it.heap.remove(it)
+	}
+}
+
+// oldestIdle returns the idle item released first, or nil.
+func (r *gcRun) oldestIdle() *gcItem {
+	c, p := r.clean.peek(), r.pending.peek()
+	switch {
+	case c == nil:
+		return p
+	case p == nil || releasedFirst(c, p):
+		return c
+	}
+	return p
+}
+
+// plan makes due retries idle, then starts what is due, oldest release first: the
+// destroys that bring the ledger down to MaxReservations, those of reservations released
+// before the last tick's cutoff, then pending cleanups, as far as Parallel allows.
+func (r *gcRun) plan(now time.Time) {
+	for w := r.waiting.peek(); w != nil && !w.next.After(now); w = r.waiting.peek() {
+		r.setIdle(w)
+	}
+	r.l.mu.RLock()
+	c := r.l.idx.counts()
+	r.l.mu.RUnlock()
 	excess := 0
 	switch over := c.Total > r.cfg.MaxReservations; {
 	case over && c.Released == 0:
@@ -270,79 +458,130 @@ func (r *gcRun) plan(now time.Time, tick bool) []gcJob {
 		}
 	case over:
 		r.lastSkipN = -1
-		excess = c.Total - r.cfg.MaxReservations
-		for _, del := range r.inflight {
-			if del {
-				excess--
-			}
-		}
+		excess = c.Total - r.cfg.MaxReservations - r.deleting
 	default:
 		r.lastSkipN = -1
 	}
-
-	var jobs []gcJob
-	cutoff := now.Add(-r.cfg.Interval)
-	for _, e := range entries {
-		it := r.items[e.ReservationID]
-		if r.inflightHas(e.ReservationID) || it.next.After(now) {
+	for {
+		it := r.oldestIdle()
+		if it == nil {
+			return
+		}
+		if excess > 0 || (!r.cutoff.IsZero() && !it.entry.ReleasedAt.After(r.cutoff)) {
+			if !r.start(it, true) {
+				return
+			}
+			excess--
 			continue
 		}
-		del := false
-		if excess > 0 {
-			del = true
-			excess--
-		}
-		if tick && !e.ReleasedAt.After(cutoff) {
-			del = true
-		}
-		if del || e.CleanupPending {
-			jobs = append(jobs, gcJob{entry: e, delete: del})
+		if p := r.pending.peek(); p == nil || !r.start(p, false) {
+			return
 		}
 	}
-	return jobs
 }
 
-func (r *gcRun) inflightHas(id string) bool {
-	_, ok := r.inflight[id]
-	return ok
-}
-
-// nextRetry returns the earliest future attempt time among the marked reservations.
-func (r *gcRun) nextRetry(now time.Time) (time.Time, bool) {
-	var next time.Time
-	for id, it := range r.items {
-		if it.next.After(now) && !r.inflightHas(id) && (next.IsZero() || it.next.Before(next)) {
-			next = it.next
-		}
+// start starts a job on it: a destroy (del) or a cleanup. A cleanup still owed runs in
+// a worker (the plugin's); the ledger write that follows is deferred. It returns false,
+// starting nothing, when the job must wait for a free worker or for deferred writes to
+// commit.
+func (r *gcRun) start(it *gcItem, del bool) bool {
+	plugin := it.entry.CleanupPending && r.cfg.Cleanup != nil
+	if (plugin && r.running >= r.cfg.Parallel) || r.committing >= maxCommitting {
+		return false
 	}
-	return next, !next.IsZero()
+	r.detach(it)
+	it.del, it.epoch = del, r.retryEpoch
+	if del {
+		r.deleting++
+	}
+	if !plugin {
+		// Nothing to clean, or no Cleanup func: a release is recorded as cleaned at once.
+		r.record(it, it.entry.CleanupPending)
+		return true
+	}
+	it.state = gcRunning
+	r.running++
+	e := it.entry
+	e.Attempt = it.attempts + 1
+	e.DeviceIDs = slices.Clone(e.DeviceIDs) // each call gets its own
+	r.spawn(e)
+	return true
 }
 
-// finish records a job's outcome: success resets the backoff (or forgets a destroyed
-// reservation); failure schedules the next attempt.
-func (r *gcRun) finish(res gcResult, now time.Time) {
-	e := res.job.entry
-	it := r.items[e.ReservationID]
-	if res.err == nil {
-		if res.job.delete {
-			delete(r.items, e.ReservationID)
-			r.log.Debug("garbage collected reservation", "reservation_id", e.ReservationID, "owner_id", e.OwnerID)
-		} else if it != nil {
-			it.attempts, it.next = 0, time.Time{}
+// cleaned handles the end of a plugin cleanup.
+func (r *gcRun) cleaned(res gcResult, now time.Time) {
+	it := r.items[res.id] // an item is never dropped while its job runs
+	r.running--
+	if res.err != nil {
+		if it.del {
+			r.deleting--
 		}
+		r.fail(it, "reservation cleanup failed; will retry", res.err, now)
+		r.recheck(it)
 		return
 	}
-	if it == nil {
-		return
+	r.record(it, true)
+}
+
+// record queues the ledger write of the job on it as a deferred write: the deletion
+// (it.del), else the cleanup done. cleaned says the job did the cleanup.
+func (r *gcRun) record(it *gcItem, cleaned bool) {
+	id := it.entry.ReservationID
+	it.state = gcCommitting
+	r.committing++
+	run := cleanupDoneRun(id)
+	if it.del {
+		run = deleteRun([]string{id}, cleaned)
 	}
+	r.l.submitDeferred(r.cfg.CommitDelay, run, func(err error) {
+		r.committedMu.Lock()
+		r.committed = append(r.committed, gcResult{id: id, err: err})
+		r.committedMu.Unlock()
+		select {
+		case r.commitWake <- struct{}{}:
+		default:
+		}
+	})
+}
+
+// recorded handles the commit (or failure) of a deferred write.
+func (r *gcRun) recorded(res gcResult, now time.Time) {
+	it := r.items[res.id] // an item is never dropped while its write is queued
+	r.committing--
+	if it.del {
+		r.deleting--
+	}
+	if errors.Is(res.err, device.ErrNotFound) {
+		res.err = nil // deleted by someone else: nothing left to do
+	}
+	switch {
+	case res.err != nil:
+		r.fail(it, "recording garbage collection in the ledger failed; will retry", res.err, now)
+		r.recheck(it)
+	case it.del:
+		delete(r.items, res.id)
+		r.log.Debug("garbage collected reservation", "reservation_id", res.id, "owner_id", it.entry.OwnerID)
+	default:
+		it.entry.CleanupPending = false
+		it.attempts = 0
+		r.setIdle(it)
+		r.recheck(it)
+	}
+}
+
+// fail schedules the next attempt on it after a failed one, and logs msg.
+func (r *gcRun) fail(it *gcItem, msg string, err error, now time.Time) {
 	it.attempts++
 	wait := r.backoff(it.attempts)
-	if res.job.epoch < r.retryEpoch {
+	if it.epoch < r.retryEpoch {
 		wait = 0
 	}
 	it.next = now.Add(wait)
-	r.log.Warn("reservation cleanup failed; will retry", "reservation_id", e.ReservationID,
-		"owner_id", e.OwnerID, "plugin", e.Plugin, "attempt", it.attempts, "retry_in", wait, "error", res.err)
+	it.state = gcWaiting
+	r.waiting.add(it)
+	e := it.entry
+	r.log.Warn(msg, "reservation_id", e.ReservationID, "owner_id", e.OwnerID, "plugin", e.Plugin,
+		"attempt", it.attempts, "retry_in", wait, "error", err)
 }
 
 // backoff is RetryMin doubled per failure after the first, capped at RetryMax, ±20%.
@@ -353,52 +592,4 @@ func (g *GC) backoff(failures int) time.Duration {
 	}
 	d = min(d, g.cfg.RetryMax)
 	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
-}
-
-// destroy runs one job: the plugin cleanup if it is still owed, recorded in the ledger,
-// then the deletion if the job is a destroy.
-func (g *GC) destroy(ctx context.Context, job gcJob) error {
-	id := job.entry.ReservationID
-	if job.entry.CleanupPending {
-		if g.cfg.Cleanup != nil {
-			cctx, cancel := context.WithTimeout(ctx, g.cfg.CleanupTimeout)
-			err := g.cfg.Cleanup(cctx, job.entry)
-			cancel()
-			if err != nil {
-				return fmt.Errorf("cleanup: %w", err)
-			}
-		}
-		if err := g.l.CleanupDone(ctx, id); err != nil && !errors.Is(err, device.ErrNotFound) {
-			return err
-		}
-	}
-	if job.delete {
-		return g.l.Delete(ctx, id)
-	}
-	return nil
-}
-
-// gcEntries returns the released reservations, oldest release first, and the counts, in
-// one consistent read.
-func (l *Ledger) gcEntries() ([]GCEntry, Counts) {
-	l.mu.RLock()
-	out := make([]GCEntry, 0, l.idx.n.released)
-	for id := range l.idx.gone {
-		r := l.idx.recs[id]
-		out = append(out, GCEntry{
-			ReservationID:  r.ID,
-			OwnerID:        r.OwnerID,
-			Plugin:         r.Plugin,
-			Group:          r.Group,
-			DeviceIDs:      slices.Clone(r.DeviceIDs),
-			ReleasedAt:     r.ReleasedAt,
-			CleanupPending: r.CleanupPending,
-		})
-	}
-	c := l.idx.counts()
-	l.mu.RUnlock()
-	slices.SortFunc(out, func(a, b GCEntry) int {
-		return cmp.Or(a.ReleasedAt.Compare(b.ReleasedAt), cmp.Compare(a.ReservationID, b.ReservationID))
-	})
-	return out, c
 }

@@ -384,7 +384,7 @@ func TestNewGCRefusesNegativeConfig(t *testing.T) {
 	l := newLedger(t)
 	for _, cfg := range []GCConfig{
 		{MaxReservations: -1}, {Interval: -time.Second}, {Parallel: -1},
-		{CleanupTimeout: -1}, {RetryMin: -1}, {RetryMax: -1},
+		{CleanupTimeout: -1}, {RetryMin: -1}, {RetryMax: -1}, {CommitDelay: -1},
 	} {
 		if _, err := NewGC(l, cfg); err == nil {
 			t.Errorf("NewGC(%+v) succeeded, want an error", cfg)
@@ -405,5 +405,86 @@ func TestGCBackoff(t *testing.T) {
 		if got := g.backoff(tt.failures); got < lo || got > hi {
 			t.Errorf("backoff(%d) = %s, want within [%s, %s]", tt.failures, got, lo, hi)
 		}
+	}
+}
+
+// TestGCDestroysManyInFewCommits: destroying hundreds of released reservations at once
+// (more than one batch) shares commits instead of paying one per reservation, and still
+// destroys the oldest first.
+func TestGCDestroysManyInFewCommits(t *testing.T) {
+	l := newLedger(t)
+	const n = maxBatch + 44
+	var wg sync.WaitGroup
+	for w := range 16 { // concurrent, so that filling the ledger shares commits too
+		wg.Go(func() {
+			for i := w; i < n; i += 16 {
+				r, _, err := l.Reserve(context.Background(), res(fmt.Sprint("o", i), fmt.Sprint("GPU-", i)))
+				if err == nil {
+					_, _, err = l.Release(context.Background(), device.ReleaseRequest{ReservationID: r.ID}, t0.Add(time.Duration(i)*time.Second))
+				}
+				if err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	newest := listAll(t, l)
+	slices.SortFunc(newest, func(a, b device.Reservation) int { return a.ReleasedAt.Compare(b.ReleasedAt) })
+	newest = newest[n-1:]
+
+	commits := l.Commits()
+	h := startGC(t, l, GCConfig{MaxReservations: 1, CommitDelay: 50 * time.Millisecond})
+	h.waitUntil(t, "the ledger down to the limit, cleanups done", func() bool {
+		c := l.Counts()
+		return c.Total == 1 && c.CleanupPending == 0
+	})
+	if got := ids(listAll(t, l)); !reflect.DeepEqual(got, ids(newest)) {
+		t.Errorf("after GC the ledger lists %v, want the newest release %v", got, ids(newest))
+	}
+	// One commit per batch of maxBatch, give or take those the CommitDelay split off.
+	if got := l.Commits() - commits; got > 10 {
+		t.Errorf("destroying %d reservations took %d commits, want them to share a few", n-1, got)
+	}
+}
+
+// TestGCForgetsAReservationDeletedWhileItsCleanupRuns: a reservation whose cleanup is
+// recorded and which is deleted by someone else while the GC's own cleanup of it runs is
+// forgotten once that cleanup ends, with no error, and the GC goes on working.
+func TestGCForgetsAReservationDeletedWhileItsCleanupRuns(t *testing.T) {
+	logs, logger := newLogCapture()
+	l := newLedger(t)
+	r := releasedN(t, l, 1)[0]
+	entered, gate := make(chan struct{}), make(chan struct{})
+	var calls atomic.Int32
+	h := startGC(t, l, GCConfig{Logger: logger, Cleanup: func(context.Context, GCEntry) error {
+		if calls.Add(1) == 1 {
+			close(entered)
+			<-gate
+		}
+		return nil
+	}})
+	<-entered
+	ctx := context.Background()
+	if err := l.CleanupDone(ctx, r.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Delete(ctx, r.ID); err != nil {
+		t.Fatal(err)
+	}
+	close(gate)
+
+	next := reserve(t, l, "next", "GPU-next")
+	release(t, l, next.ID, time.Time{})
+	h.waitUntil(t, "the next reservation's cleanup", func() bool { return l.Counts().CleanupPending == 0 })
+	if got := calls.Load(); got != 2 {
+		t.Errorf("%d cleanups, want 2: the deleted reservation's once, the next one's", got)
+	}
+	if warns := logs.lines(t, "recording garbage collection in the ledger failed; will retry", false); len(warns) != 0 {
+		t.Errorf("warnings %v, want none", warns)
+	}
+	if got := ids(listAll(t, l)); !reflect.DeepEqual(got, []string{next.ID}) {
+		t.Errorf("ledger lists %v, want [%s]", got, next.ID)
 	}
 }

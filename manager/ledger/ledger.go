@@ -7,7 +7,9 @@
 // queued while the previous commit was syncing and applies them, in arrival order, in a
 // single bbolt transaction, so N concurrent callers share one fsync instead of paying N.
 // Each caller still gets its own result; one caller's refused request (a conflict, an
-// unknown ID) does not affect the others in its batch.
+// unknown ID) does not affect the others in its batch. The GC's own bookkeeping (a
+// cleanup recorded done, a released reservation deleted) is written deferred: it rides
+// on the next commit made for a caller, or gets its own within GCConfig.CommitDelay.
 //
 // Reads (Check, Get, List, Holders, Counts, PendingCleanups) are answered from an
 // in-memory index that the writer updates after each successful commit: they never wait
@@ -136,7 +138,13 @@ type Ledger struct {
 	idx *index
 
 	subMu sync.Mutex
-	subs  map[chan struct{}]struct{} // woken after each commit that changed reservations
+	subs  map[*feed]struct{} // told after each commit that changed reservations
+
+	deferMu     sync.Mutex
+	deferred    []*request    // deferred writes, oldest first (see submitDeferred)
+	deferDue    time.Time     // when the oldest must be committed; zero: at once
+	deferClosed bool          // the writer has stopped taking deferred writes
+	deferWake   chan struct{} // buffered(1): tells the writer deferDue changed
 }
 
 // Open opens the ledger at path (normally filepath.Join(stateDir, DefaultFileName)),
@@ -176,7 +184,9 @@ func Open(path string, opts Options) (*Ledger, error) {
 		reqs: make(chan *request),
 		quit: make(chan struct{}),
 		idx:  idx,
-		subs: make(map[chan struct{}]struct{}),
+		subs: make(map[*feed]struct{}),
+
+		deferWake: make(chan struct{}, 1),
 	}
 	c := idx.counts()
 	l.log.Info("opened reservation ledger", "path", path, "reservations", c.Total,
@@ -189,9 +199,15 @@ func Open(path string, opts Options) (*Ledger, error) {
 // Path returns the state file's path.
 func (l *Ledger) Path() string { return l.path }
 
-// Close stops the writer once the requests it has accepted are committed, refuses later
-// writes with ErrClosed, and closes the file. Reads keep answering from memory. Close
-// is idempotent; stop any GC running on the ledger first.
+// Commits returns how many write transactions the ledger has committed since Open. Each
+// is one bbolt commit: two fdatasyncs of the file (its data pages, then its meta page).
+// For benchmarks and metrics; safe for concurrent use.
+func (l *Ledger) Commits() int64 { return l.commits.Load() }
+
+// Close stops the writer once the requests it has accepted, and the deferred writes
+// waiting, are committed, refuses later writes with ErrClosed, and closes the file.
+// Reads keep answering from memory. Close is idempotent; stop any GC running on the
+// ledger first.
 func (l *Ledger) Close() error {
 	l.closeOnce.Do(func() {
 		close(l.quit)
@@ -203,27 +219,54 @@ func (l *Ledger) Close() error {
 	return l.closeErr
 }
 
-// subscribe returns a channel that receives (coalesced, never blocking the writer) after
-// every commit that changed a reservation, and a func that ends the subscription.
-func (l *Ledger) subscribe() (<-chan struct{}, func()) {
-	ch := make(chan struct{}, 1)
+// feed is one subscriber's view of the commits: the IDs of the reservations that
+// changed since it last drained them, and a coalesced wake-up. It never blocks the
+// writer.
+type feed struct {
+	wake chan struct{} // buffered(1)
+	mu   sync.Mutex
+	ids  map[string]struct{}
+}
+
+// drain returns the IDs changed since the last drain, in no order.
+func (f *feed) drain() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := make([]string, 0, len(f.ids))
+	for id := range f.ids {
+		out = append(out, id)
+	}
+	clear(f.ids)
+	return out
+}
+
+// subscribe returns a feed told, after every commit that changed reservations, which
+// ones changed (once the index shows the change), and a func that ends the
+// subscription.
+func (l *Ledger) subscribe() (*feed, func()) {
+	f := &feed{wake: make(chan struct{}, 1), ids: make(map[string]struct{})}
 	l.subMu.Lock()
-	l.subs[ch] = struct{}{}
+	l.subs[f] = struct{}{}
 	l.subMu.Unlock()
-	return ch, func() {
+	return f, func() {
 		l.subMu.Lock()
-		delete(l.subs, ch)
+		delete(l.subs, f)
 		l.subMu.Unlock()
 	}
 }
 
-func (l *Ledger) notify() {
+func (l *Ledger) notify(changed map[string]*device.Reservation) {
 	l.subMu.Lock()
 	defer l.subMu.Unlock()
-	for ch := range l.subs {
+	for f := range l.subs {
+		f.mu.Lock()
+		for id := range changed {
+			f.ids[id] = struct{}{}
+		}
+		f.mu.Unlock()
 		select {
-		case ch <- struct{}{}:
-		default: // already woken; it will read the latest state
+		case f.wake <- struct{}{}:
+		default: // already woken; it will drain these IDs too
 		}
 	}
 }

@@ -78,7 +78,15 @@ func cloneAll(rs []*device.Reservation) []device.Reservation {
 // reservation id. Recording it twice is not an error. An unknown id wraps
 // device.ErrNotFound; a live one wraps ErrNotReleased.
 func (l *Ledger) CleanupDone(ctx context.Context, id string) error {
-	_, err := l.submit(ctx, func(w *txn) (any, error) {
+	if _, err := l.submit(ctx, cleanupDoneRun(id)); err != nil {
+		return fmt.Errorf("record cleanup done: %w", err)
+	}
+	return nil
+}
+
+// cleanupDoneRun is the write of CleanupDone.
+func cleanupDoneRun(id string) func(w *txn) (any, error) {
+	return func(w *txn) (any, error) {
 		r := w.get(id)
 		switch {
 		case r == nil:
@@ -91,11 +99,7 @@ func (l *Ledger) CleanupDone(ctx context.Context, id string) error {
 		nr := *r
 		nr.CleanupPending = false
 		return nil, w.putReservation(&nr)
-	})
-	if err != nil {
-		return fmt.Errorf("record cleanup done: %w", err)
 	}
-	return nil
 }
 
 // Delete removes released reservations whose cleanup is done, all or none, durably.
@@ -106,13 +110,22 @@ func (l *Ledger) Delete(ctx context.Context, ids ...string) error {
 	if len(ids) == 0 {
 		return nil
 	}
-	_, err := l.submit(ctx, func(w *txn) (any, error) {
+	if _, err := l.submit(ctx, deleteRun(ids, false)); err != nil {
+		return fmt.Errorf("delete reservations: %w", err)
+	}
+	return nil
+}
+
+// deleteRun is the write of Delete; cleaned deletes reservations whose cleanup is still
+// recorded as pending too (the caller has just done it).
+func deleteRun(ids []string, cleaned bool) func(w *txn) (any, error) {
+	return func(w *txn) (any, error) {
 		for _, id := range ids {
 			switch r := w.get(id); {
 			case r == nil:
 			case r.State == device.ReservationActive:
 				return nil, fmt.Errorf("reservation %q: %w", id, ErrNotReleased)
-			case r.CleanupPending:
+			case r.CleanupPending && !cleaned:
 				return nil, fmt.Errorf("reservation %q: %w", id, ErrCleanupPending)
 			}
 		}
@@ -124,11 +137,7 @@ func (l *Ledger) Delete(ctx context.Context, ids ...string) error {
 			}
 		}
 		return nil, nil
-	})
-	if err != nil {
-		return fmt.Errorf("delete reservations: %w", err)
 	}
-	return nil
 }
 
 // PendingCleanups returns the released reservations whose plugin cleanup is not yet

@@ -4,13 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"time"
 
 	bolt "go.etcd.io/bbolt"
 
 	"github.com/devicehost/devicehost/manager/device"
 )
 
-// maxBatch caps how many requests share one transaction, bounding its size.
+// maxBatch caps how many requests, and how many deferred writes, share one
+// transaction, bounding its size.
 const maxBatch = 256
 
 // request is one write handed to the writer goroutine.
@@ -18,6 +21,18 @@ type request struct {
 	ctx  context.Context
 	run  func(w *txn) (any, error) // decides first, then writes; see txn
 	done chan response             // buffered(1): the writer never blocks on it
+	// notify, set for a deferred write instead of done, gets the outcome: nil once the
+	// write is durable. Called on the writer goroutine; it must not block.
+	notify func(error)
+}
+
+// answer hands resp to whoever waits for req.
+func (req *request) answer(resp response) {
+	if req.notify != nil {
+		req.notify(resp.err)
+		return
+	}
+	req.done <- resp
 }
 
 type response struct {
@@ -106,17 +121,95 @@ func (l *Ledger) submit(ctx context.Context, run func(w *txn) (any, error)) (any
 	return resp.val, resp.err
 }
 
+// submitDeferred queues run as a deferred write: it is applied, in the order deferred
+// writes were queued and ahead of the other requests, in the next batch the writer
+// commits, and is committed on its own no later than within after it was queued (at
+// once while maxBatch or more are waiting). It never blocks. notify gets the outcome on
+// the writer goroutine (nil once durable), or ErrClosed at once, on the caller's
+// goroutine, when the ledger is closed; it must not block.
+//
+// Deferred writes are for bookkeeping whose loss in a crash is harmless because it is
+// redone (the GC's cleanup-done marks and deletions): they save a commit, and its
+// fsyncs, by riding on commits made for other writes.
+func (l *Ledger) submitDeferred(within time.Duration, run func(w *txn) (any, error), notify func(error)) {
+	req := &request{ctx: context.Background(), run: run, notify: notify}
+	due := time.Now().Add(within)
+	l.deferMu.Lock()
+	if l.deferClosed {
+		l.deferMu.Unlock()
+		notify(ErrClosed)
+		return
+	}
+	wake := len(l.deferred) == 0 || due.Before(l.deferDue)
+	if wake {
+		l.deferDue = due
+	}
+	l.deferred = append(l.deferred, req)
+	if len(l.deferred) == maxBatch {
+		l.deferDue, wake = time.Time{}, true // a full batch waits no longer
+	}
+	l.deferMu.Unlock()
+	if wake {
+		select {
+		case l.deferWake <- struct{}{}:
+		default: // the writer will look at deferDue anyway
+		}
+	}
+}
+
+// takeDeferred removes and returns up to maxBatch deferred writes, oldest first.
+func (l *Ledger) takeDeferred() []*request {
+	l.deferMu.Lock()
+	defer l.deferMu.Unlock()
+	n := min(len(l.deferred), maxBatch)
+	out := slices.Clone(l.deferred[:n])
+	l.deferred = slices.Delete(l.deferred, 0, n)
+	if len(l.deferred) >= maxBatch {
+		l.deferDue = time.Time{}
+	}
+	return out
+}
+
+// armDeferred sets t to fire when the oldest deferred write is due, or stops it when
+// none is waiting.
+func (l *Ledger) armDeferred(t *time.Timer) {
+	l.deferMu.Lock()
+	n, due := len(l.deferred), l.deferDue
+	l.deferMu.Unlock()
+	if n == 0 {
+		t.Stop()
+		return
+	}
+	t.Reset(max(time.Until(due), 0))
+}
+
 // writeLoop is the writer goroutine: it takes one request, then every other request
 // already waiting (those that queued during the previous commit), and commits them
-// together.
+// together with the deferred writes waiting. When no request comes, the deferred
+// writes get a commit of their own once they are due. On Close it commits the deferred
+// writes still waiting, then returns.
 func (l *Ledger) writeLoop() {
 	defer l.wg.Done()
 	batch := make([]*request, 0, maxBatch)
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
 	for {
 		select {
 		case req := <-l.reqs:
 			batch = append(batch[:0], req)
+		case <-l.deferWake:
+			l.armDeferred(timer)
+			continue
+		case <-timer.C:
+			batch = batch[:0]
 		case <-l.quit:
+			l.deferMu.Lock()
+			l.deferClosed = true
+			l.deferMu.Unlock()
+			for d := l.takeDeferred(); len(d) > 0; d = l.takeDeferred() {
+				l.commit(d)
+			}
 			return
 		}
 	gather:
@@ -128,8 +221,14 @@ func (l *Ledger) writeLoop() {
 				break gather
 			}
 		}
-		l.commit(batch)
+		if d := l.takeDeferred(); len(d) > 0 {
+			batch = append(d, batch...)
+		}
+		if len(batch) > 0 {
+			l.commit(batch)
+		}
 		clear(batch) // drop references to answered requests
+		l.armDeferred(timer)
 	}
 }
 
@@ -137,7 +236,7 @@ func (l *Ledger) writeLoop() {
 // fails, each request is retried in a transaction of its own, so one request's storage
 // failure does not fail the others.
 func (l *Ledger) commit(batch []*request) {
-	resps, ov, err := l.runBatch(batch)
+	resps, ov, wrote, err := l.runBatch(batch)
 	if err != nil && len(batch) > 1 {
 		for _, req := range batch {
 			l.commit([]*request{req})
@@ -145,25 +244,29 @@ func (l *Ledger) commit(batch []*request) {
 		return
 	}
 	if err != nil {
-		batch[0].done <- response{err: fmt.Errorf("state file %s: commit: %w", l.path, err)}
+		batch[0].answer(response{err: fmt.Errorf("state file %s: commit: %w", l.path, err)})
 		return
 	}
-	l.commits.Add(1)
+	if wrote {
+		l.commits.Add(1)
+	}
 	if len(ov.recs) > 0 {
 		l.mu.Lock()
 		l.idx.apply(ov)
 		l.mu.Unlock()
-		l.notify()
+		l.notify(ov.recs)
 	}
 	for i, req := range batch {
-		req.done <- resps[i]
+		req.answer(resps[i])
 	}
 }
 
-func (l *Ledger) runBatch(batch []*request) ([]response, *overlay, error) {
-	resps := make([]response, len(batch))
-	ov := newOverlay(l.idx) // only this goroutine writes l.idx, so reading it unlocked is safe
-	err := l.db.Update(func(tx *bolt.Tx) error {
+// runBatch runs batch in one transaction; wrote says whether it committed anything
+// (a batch whose requests were all refused, or wrote nothing, is rolled back).
+func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrote bool, err error) {
+	resps = make([]response, len(batch))
+	ov = newOverlay(l.idx) // only this goroutine writes l.idx, so reading it unlocked is safe
+	err = l.db.Update(func(tx *bolt.Tx) error {
 		w := &txn{tx: tx, ov: ov}
 		for i, req := range batch {
 			if err := req.ctx.Err(); err != nil {
@@ -179,10 +282,11 @@ func (l *Ledger) runBatch(batch []*request) ([]response, *overlay, error) {
 		if !w.dirty {
 			return errNothingWritten
 		}
+		wrote = true
 		return nil
 	})
 	if errors.Is(err, errNothingWritten) {
 		err = nil
 	}
-	return resps, ov, err
+	return resps, ov, wrote, err
 }

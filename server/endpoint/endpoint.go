@@ -55,8 +55,9 @@ var ClientKeepalive = keepalive.ClientParameters{
 	PermitWithoutStream: false,
 }
 
-// ServerKeepalivePolicy is the enforcement policy of Listener.ServerOptions: it lets
-// clients ping as often as ClientKeepalive does, with room to spare. A server with gRPC's
+// ServerKeepalivePolicy is the enforcement policy a server for Dial's clients needs
+// (server.New's default): it lets clients ping as often as ClientKeepalive does, with
+// room to spare. A server with gRPC's
 // default policy (5 minutes) would answer ClientKeepalive's pings on an idle stream with
 // GOAWAY "too_many_pings" after a few minutes.
 var ServerKeepalivePolicy = keepalive.EnforcementPolicy{
@@ -228,14 +229,13 @@ type Listener struct {
 	madeDirs  []string // directories Listen created for a unix socket, deepest first
 }
 
-// ServerOptions are the gRPC server options the endpoint needs: the keepalive policy
-// that matches Dial's pings, and TLS credentials for tcp.
+// ServerOptions are the gRPC server options the endpoint needs: TLS credentials for tcp
+// (none for unix). Keepalive is the server's (ServerKeepalivePolicy).
 func (l *Listener) ServerOptions() []grpc.ServerOption {
-	opts := []grpc.ServerOption{grpc.KeepaliveEnforcementPolicy(ServerKeepalivePolicy)}
-	if l.creds != nil {
-		opts = append(opts, grpc.Creds(l.creds))
+	if l.creds == nil {
+		return nil
 	}
-	return opts
+	return []grpc.ServerOption{grpc.Creds(l.creds)}
 }
 
 // Close stops listening (gRPC's Serve calls it on stop). For a unix address it removes

@@ -5,9 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/devicehost/devicehost/deviceplugin/cdi"
 )
 
 // Defaults for the duration keys of Config.
@@ -30,6 +33,7 @@ const (
 //	    inject_faults = [
 //	      { gpu_index = 3, xid = 79, after = "1m", for = "30s" },
 //	    ]
+//	    cdi_spec_dir        = "/var/run/cdi"
 //	  }
 //	}
 type Config struct {
@@ -46,6 +50,11 @@ type Config struct {
 	HealthQuietPeriod string `json:"health_quiet_period,omitempty"`
 	// InjectFaults raises XID events on simulated GPUs; only valid with Simulate.
 	InjectFaults []FaultConfig `json:"inject_faults,omitempty"`
+	// CDISpecDir is the absolute path of the directory the plugin writes its CDI spec
+	// to, so the CDI names Reserve hands out resolve in container runtimes; "" writes
+	// none. Unset means DefaultCDISpecDir on real NVML, and none with Simulate
+	// (simulated GPUs must not enter the host's real CDI registry).
+	CDISpecDir *string `json:"cdi_spec_dir,omitempty"`
 }
 
 // FaultConfig is one injected fault: the simulated GPU named by exactly one of GPUID
@@ -61,9 +70,14 @@ type FaultConfig struct {
 	For      string `json:"for,omitempty"`
 }
 
+// DefaultCDISpecDir is where the plugin writes its CDI spec on real NVML: the
+// directory container runtimes read generated specs from.
+const DefaultCDISpecDir = cdi.DefaultDir
+
 // settings is a parsed, checked Config.
 type settings struct {
 	simulate          string
+	cdiDir            string // "" writes no CDI spec
 	fingerprintPeriod time.Duration
 	quietPeriod       time.Duration
 	ignored           map[string]bool
@@ -117,6 +131,15 @@ func parseConfig(configJSON []byte) (settings, error) {
 			continue
 		}
 		s.ignored[id] = true
+	}
+	switch {
+	case c.CDISpecDir == nil && c.Simulate == "":
+		s.cdiDir = DefaultCDISpecDir
+	case c.CDISpecDir == nil || *c.CDISpecDir == "":
+	case !filepath.IsAbs(*c.CDISpecDir):
+		errs = append(errs, fmt.Errorf("config: cdi_spec_dir = %q: must be an absolute path (container runtimes read /var/run/cdi and /etc/cdi)", *c.CDISpecDir))
+	default:
+		s.cdiDir = filepath.Clean(*c.CDISpecDir)
 	}
 	if len(c.InjectFaults) > 0 && c.Simulate == "" {
 		errs = append(errs, errors.New("config: inject_faults: only valid with simulate"))

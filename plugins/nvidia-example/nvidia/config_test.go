@@ -80,6 +80,8 @@ func TestParseConfigRejects(t *testing.T) {
 		{"fault without after", `{"simulate":"dgxh100","inject_faults":[{"gpu_index":1,"xid":79}]}`, []string{"inject_faults[0].after"}},
 		{"fault bad after", `{"simulate":"dgxh100","inject_faults":[{"gpu_index":1,"xid":79,"after":"x"}]}`, []string{`inject_faults[0].after = "x"`}},
 		{"fault negative for", `{"simulate":"dgxh100","inject_faults":[{"gpu_index":1,"xid":79,"after":"1s","for":"-1s"}]}`, []string{`inject_faults[0].for = "-1s"`}},
+		{"relative cdi_spec_dir", `{"cdi_spec_dir":"run/cdi"}`, []string{`cdi_spec_dir = "run/cdi"`, "absolute path"}},
+		{"dot cdi_spec_dir", `{"simulate":"dgxh100","cdi_spec_dir":"./cdi"}`, []string{`cdi_spec_dir = "./cdi"`, "absolute path"}},
 		{"every problem reported", `{"simulate":"nope","fingerprint_period":"x","health_quiet_period":"y"}`,
 			[]string{`simulate = "nope"`, `fingerprint_period = "x"`, `health_quiet_period = "y"`}},
 	}
@@ -95,5 +97,26 @@ func TestParseConfigRejects(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// Real GPUs get a CDI spec in /var/run/cdi unless told otherwise; simulated ones only
+// where told, so fake GPUs never enter the host's real CDI registry.
+func TestParseConfigCDISpecDir(t *testing.T) {
+	tests := []struct{ json, want string }{
+		{`{}`, "/var/run/cdi"},
+		{`{"cdi_spec_dir":"/etc/cdi/"}`, "/etc/cdi"},
+		{`{"cdi_spec_dir":""}`, ""},
+		{`{"simulate":"dgxh100"}`, ""},
+		{`{"simulate":"dgxh100","cdi_spec_dir":"/tmp/cdi"}`, "/tmp/cdi"},
+	}
+	for _, tt := range tests {
+		got, err := parseConfig([]byte(tt.json))
+		if err != nil {
+			t.Fatalf("parseConfig(%s): %v", tt.json, err)
+		}
+		if got.cdiDir != tt.want {
+			t.Errorf("parseConfig(%s): CDI spec dir %q, want %q", tt.json, got.cdiDir, tt.want)
+		}
 	}
 }

@@ -9,7 +9,8 @@
 // Fingerprint groups GPUs by product name and re-reads them every fingerprint_period,
 // sending only on change. While a Fingerprint stream runs, critical XID events make a
 // GPU unhealthy until health_quiet_period passes without another one. Reserve hands
-// out NVIDIA_VISIBLE_DEVICES and CDI names. MIG devices are not handled; GPUs that
+// out NVIDIA_VISIBLE_DEVICES and CDI names, which resolve through the CDI spec the
+// plugin keeps in cdi_spec_dir (see cdi.go). MIG devices are not handled; GPUs that
 // appear after a Fingerprint stream started are reported but their XIDs are watched
 // only from the next stream on.
 package nvidia
@@ -29,6 +30,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/deviceplugin"
+	"github.com/devicehost/devicehost/deviceplugin/cdi"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
@@ -53,9 +55,10 @@ type Plugin struct {
 	logger hclog.Logger
 
 	// Seams for tests; New sets them.
-	clock     clock
-	openNVML  func() nvml.Interface
-	eventPoll time.Duration
+	clock      clock
+	openNVML   func() nvml.Interface
+	eventPoll  time.Duration
+	charDevice func(path string) bool // is path a character device on this host
 
 	mu     sync.Mutex
 	rt     *runtime       // nil until SetConfig succeeds
@@ -72,10 +75,11 @@ func New(logger hclog.Logger) *Plugin {
 		logger = hclog.NewNullLogger()
 	}
 	return &Plugin{
-		logger:    logger,
-		clock:     realClock{},
-		openNVML:  func() nvml.Interface { return nvml.New() },
-		eventPoll: defaultEventPoll,
+		logger:     logger,
+		clock:      realClock{},
+		openNVML:   func() nvml.Interface { return nvml.New() },
+		eventPoll:  defaultEventPoll,
+		charDevice: isCharDevice,
 	}
 }
 
@@ -97,6 +101,7 @@ type runtime struct {
 	clock  clock
 	lib    nvml.Interface // nil: no NVML and no simulation, so no devices
 	health *healthBook
+	cdi    *cdiPublisher // nil: no CDI spec (cdi_spec_dir = "")
 	// numaFromNVML says whether the library has nvmlDeviceGetNumaNodeId; calling a
 	// symbol the loaded driver lacks would crash the process.
 	numaFromNVML bool
@@ -124,6 +129,11 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 		return nil
 	}
 	rt := &runtime{settings: s, logger: p.logger, clock: p.clock, health: newHealthBook(s.quietPeriod)}
+	if s.cdiDir != "" {
+		if rt.cdi, err = newCDIPublisher(s.cdiDir, p.logger, p.charDevice); err != nil {
+			return err
+		}
+	}
 	if p.rt != nil {
 		rt.health.inherit(p.rt.health)
 	}
@@ -142,6 +152,12 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 	} else if lib := p.openRealNVML(); lib != nil {
 		rt.lib = lib
 		rt.numaFromNVML = lib.Extensions().LookupSymbol("nvmlDeviceGetNumaNodeId") == nil
+	}
+	if old := p.rt; old != nil && old.cdi != nil && (rt.cdi == nil || rt.cdi.w.Path() != old.cdi.w.Path()) {
+		// The spec moved or is off: the old file would name GPUs nobody keeps up to date.
+		if err := old.cdi.w.Remove(); err != nil {
+			p.logger.Warn("old CDI spec not removed", "error", err)
+		}
 	}
 	p.rt = rt
 	return nil
@@ -202,13 +218,16 @@ func (p *Plugin) runtime() (*runtime, error) {
 
 // Fingerprint sends the inventory at once, then whenever it changes: on a re-read every
 // fingerprint_period, on a critical XID, and when a GPU's quiet period ends. Without
-// NVML it sends one empty inventory and waits for ctx to end.
+// NVML it sends one empty inventory and waits for ctx to end. Each reading of the GPUs
+// is published to the CDI spec (when cdi_spec_dir is set) before it is sent, so the
+// host never hands out a CDI name that the spec does not hold yet.
 func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintResponse) error) error {
 	rt, err := p.runtime()
 	if err != nil {
 		return err
 	}
 	if rt.lib == nil {
+		rt.publishCDI(nil) // a spec left from when there were GPUs goes
 		if err := send(&pb.FingerprintResponse{}); err != nil {
 			return err
 		}
@@ -220,6 +239,7 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 	if err != nil {
 		return err
 	}
+	rt.publishCDI(inv.gpus)
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	defer wg.Wait()
@@ -237,6 +257,7 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 			if inv, err = rt.scan(); err != nil {
 				return err
 			}
+			rt.publishCDI(inv.gpus)
 			nextScan = now.Add(rt.fingerprintPeriod)
 		}
 		resp, recovery := inv.fingerprint(rt.health, now)
@@ -349,12 +370,19 @@ func (p *Plugin) Reserve(_ context.Context, deviceIDs []string) (*pb.ContainerRe
 		}
 		return nil, status.Error(code, "reserve: "+strings.Join(problems, "; "))
 	}
-	cdi := make([]string, len(deviceIDs))
+	names := make([]string, len(deviceIDs))
 	for i, id := range deviceIDs {
-		cdi[i] = "nvidia.com/gpu=" + id
+		names[i] = cdi.Name(cdiKind, id)
 	}
 	return &pb.ContainerReservation{
 		Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": strings.Join(deviceIDs, ",")},
-		CdiDevices: cdi,
+		CdiDevices: names,
 	}, nil
+}
+
+// publishCDI writes the CDI spec for gpus, when the plugin keeps one.
+func (rt *runtime) publishCDI(gpus []gpu) {
+	if rt.cdi != nil {
+		rt.cdi.publish(gpus)
+	}
 }

@@ -185,7 +185,12 @@ func (PluginStatus) EnumDescriptor() ([]byte, []int) {
 }
 
 type FingerprintRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Only groups matching one of these filters. Empty means all.
+	Groups []*GroupFilter `protobuf:"bytes,1,rep,name=groups,proto3" json:"groups,omitempty"`
+	// Only groups owned by one of these plugins. Empty means all. Combined with groups, a
+	// group must match both.
+	Plugins       []string `protobuf:"bytes,2,rep,name=plugins,proto3" json:"plugins,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -218,6 +223,20 @@ func (x *FingerprintRequest) ProtoReflect() protoreflect.Message {
 // Deprecated: Use FingerprintRequest.ProtoReflect.Descriptor instead.
 func (*FingerprintRequest) Descriptor() ([]byte, []int) {
 	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *FingerprintRequest) GetGroups() []*GroupFilter {
+	if x != nil {
+		return x.Groups
+	}
+	return nil
+}
+
+func (x *FingerprintRequest) GetPlugins() []string {
+	if x != nil {
+		return x.Plugins
+	}
+	return nil
 }
 
 type FingerprintResponse struct {
@@ -736,10 +755,13 @@ func (x *GroupFilter) GetName() string {
 type StatsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// How often to send. Zero means the host's sampling interval; shorter than it is
-	// rounded up to it.
+	// rounded up to it. At most 24 hours.
 	Interval *durationpb.Duration `protobuf:"bytes,1,opt,name=interval,proto3" json:"interval,omitempty"`
 	// Only groups matching one of these filters. Empty means all.
-	Groups        []*GroupFilter `protobuf:"bytes,2,rep,name=groups,proto3" json:"groups,omitempty"`
+	Groups []*GroupFilter `protobuf:"bytes,2,rep,name=groups,proto3" json:"groups,omitempty"`
+	// Only groups owned by one of these plugins. Empty means all. Combined with groups, a
+	// group must match both.
+	Plugins       []string `protobuf:"bytes,3,rep,name=plugins,proto3" json:"plugins,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -784,6 +806,13 @@ func (x *StatsRequest) GetInterval() *durationpb.Duration {
 func (x *StatsRequest) GetGroups() []*GroupFilter {
 	if x != nil {
 		return x.Groups
+	}
+	return nil
+}
+
+func (x *StatsRequest) GetPlugins() []string {
+	if x != nil {
+		return x.Plugins
 	}
 	return nil
 }
@@ -2112,8 +2141,10 @@ var File_devicehost_v1_devicehost_proto protoreflect.FileDescriptor
 
 const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\n" +
-	"\x1edevicehost/v1/devicehost.proto\x12\rdevicehost.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x14\n" +
-	"\x12FingerprintRequest\"\x83\x01\n" +
+	"\x1edevicehost/v1/devicehost.proto\x12\rdevicehost.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"b\n" +
+	"\x12FingerprintRequest\x122\n" +
+	"\x06groups\x18\x01 \x03(\v2\x1a.devicehost.v1.GroupFilterR\x06groups\x12\x18\n" +
+	"\aplugins\x18\x02 \x03(\tR\aplugins\"\x83\x01\n" +
 	"\x13FingerprintResponse\x122\n" +
 	"\x06groups\x18\x01 \x03(\v2\x1a.devicehost.v1.DeviceGroupR\x06groups\x128\n" +
 	"\ttimestamp\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\ttimestamp\"\xb7\x02\n" +
@@ -2155,10 +2186,11 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\vGroupFilter\x12\x16\n" +
 	"\x06vendor\x18\x01 \x01(\tR\x06vendor\x12\x12\n" +
 	"\x04type\x18\x02 \x01(\tR\x04type\x12\x12\n" +
-	"\x04name\x18\x03 \x01(\tR\x04name\"y\n" +
+	"\x04name\x18\x03 \x01(\tR\x04name\"\x93\x01\n" +
 	"\fStatsRequest\x125\n" +
 	"\binterval\x18\x01 \x01(\v2\x19.google.protobuf.DurationR\binterval\x122\n" +
-	"\x06groups\x18\x02 \x03(\v2\x1a.devicehost.v1.GroupFilterR\x06groups\"|\n" +
+	"\x06groups\x18\x02 \x03(\v2\x1a.devicehost.v1.GroupFilterR\x06groups\x12\x18\n" +
+	"\aplugins\x18\x03 \x03(\tR\aplugins\"|\n" +
 	"\rStatsResponse\x121\n" +
 	"\x06groups\x18\x01 \x03(\v2\x19.devicehost.v1.GroupStatsR\x06groups\x128\n" +
 	"\ttimestamp\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\ttimestamp\"\x9a\x01\n" +
@@ -2345,58 +2377,59 @@ var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	(*durationpb.Duration)(nil),      // 36: google.protobuf.Duration
 }
 var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
-	5,  // 0: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
-	35, // 1: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
-	32, // 2: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
-	6,  // 3: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
-	0,  // 4: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
-	35, // 5: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
-	7,  // 6: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
-	8,  // 7: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
-	36, // 8: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
-	10, // 9: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
-	13, // 10: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
-	35, // 11: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
-	14, // 12: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
-	33, // 13: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
-	35, // 14: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
-	17, // 15: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
-	34, // 16: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
-	18, // 17: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
-	19, // 18: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
-	1,  // 19: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
-	17, // 20: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
-	35, // 21: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	35, // 22: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
-	1,  // 23: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
-	22, // 24: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
-	22, // 25: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
-	2,  // 26: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
-	35, // 27: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
-	35, // 28: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
-	28, // 29: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
-	31, // 30: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
-	9,  // 31: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
-	9,  // 32: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
-	3,  // 33: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
-	11, // 34: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
-	15, // 35: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
-	20, // 36: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
-	23, // 37: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
-	25, // 38: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
-	27, // 39: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
-	4,  // 40: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
-	12, // 41: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
-	16, // 42: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
-	21, // 43: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
-	24, // 44: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
-	26, // 45: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
-	29, // 46: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
-	40, // [40:47] is the sub-list for method output_type
-	33, // [33:40] is the sub-list for method input_type
-	33, // [33:33] is the sub-list for extension type_name
-	33, // [33:33] is the sub-list for extension extendee
-	0,  // [0:33] is the sub-list for field type_name
+	10, // 0: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
+	5,  // 1: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
+	35, // 2: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
+	32, // 3: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
+	6,  // 4: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
+	0,  // 5: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
+	35, // 6: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
+	7,  // 7: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
+	8,  // 8: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
+	36, // 9: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	10, // 10: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
+	13, // 11: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
+	35, // 12: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
+	14, // 13: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
+	33, // 14: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
+	35, // 15: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	17, // 16: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
+	34, // 17: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
+	18, // 18: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
+	19, // 19: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
+	1,  // 20: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
+	17, // 21: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
+	35, // 22: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	35, // 23: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
+	1,  // 24: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
+	22, // 25: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
+	22, // 26: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
+	2,  // 27: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
+	35, // 28: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
+	35, // 29: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
+	28, // 30: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
+	31, // 31: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
+	9,  // 32: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
+	9,  // 33: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
+	3,  // 34: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
+	11, // 35: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
+	15, // 36: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
+	20, // 37: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
+	23, // 38: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
+	25, // 39: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
+	27, // 40: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
+	4,  // 41: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
+	12, // 42: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
+	16, // 43: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
+	21, // 44: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
+	24, // 45: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
+	26, // 46: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
+	29, // 47: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
+	41, // [41:48] is the sub-list for method output_type
+	34, // [34:41] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_devicehost_v1_devicehost_proto_init() }

@@ -53,7 +53,8 @@ type DeviceHostClient interface {
 	// current snapshot, then a full snapshot on every change. A slow reader skips to the
 	// latest snapshot.
 	Fingerprint(ctx context.Context, in *FingerprintRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[FingerprintResponse], error)
-	// Stats streams device statistics from every plugin at the requested interval.
+	// Stats streams device statistics from every plugin at the requested interval (at most
+	// 24 hours).
 	Stats(ctx context.Context, in *StatsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[StatsResponse], error)
 	// Reserve reserves devices of one group for an owner (an allocation) and returns how to
 	// expose them to a container. Durable before it is answered.
@@ -189,7 +190,8 @@ type DeviceHostServer interface {
 	// current snapshot, then a full snapshot on every change. A slow reader skips to the
 	// latest snapshot.
 	Fingerprint(*FingerprintRequest, grpc.ServerStreamingServer[FingerprintResponse]) error
-	// Stats streams device statistics from every plugin at the requested interval.
+	// Stats streams device statistics from every plugin at the requested interval (at most
+	// 24 hours).
 	Stats(*StatsRequest, grpc.ServerStreamingServer[StatsResponse]) error
 	// Reserve reserves devices of one group for an owner (an allocation) and returns how to
 	// expose them to a container. Durable before it is answered.

@@ -60,6 +60,9 @@ type DevicePluginClient interface {
 	Reserve(ctx context.Context, in *ReserveRequest, opts ...grpc.CallOption) (*ReserveResponse, error)
 	// Release cleans up after a reservation has ended. Optional: a plugin may leave it
 	// unimplemented (UNIMPLEMENTED), which the host treats as "nothing to clean".
+	// It must be idempotent: the host records a successful Release in a later commit of
+	// its ledger, so after a host crash (or a lost answer) the same reservation may be
+	// released again, and that second call must succeed and change nothing.
 	Release(ctx context.Context, in *ReleaseRequest, opts ...grpc.CallOption) (*ReleaseResponse, error)
 }
 
@@ -170,6 +173,9 @@ type DevicePluginServer interface {
 	Reserve(context.Context, *ReserveRequest) (*ReserveResponse, error)
 	// Release cleans up after a reservation has ended. Optional: a plugin may leave it
 	// unimplemented (UNIMPLEMENTED), which the host treats as "nothing to clean".
+	// It must be idempotent: the host records a successful Release in a later commit of
+	// its ledger, so after a host crash (or a lost answer) the same reservation may be
+	// released again, and that second call must succeed and change nothing.
 	Release(context.Context, *ReleaseRequest) (*ReleaseResponse, error)
 	mustEmbedUnimplementedDevicePluginServer()
 }

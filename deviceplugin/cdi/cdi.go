@@ -1,0 +1,266 @@
+// Package cdi lets a device plugin publish its devices as a CDI (Container Device
+// Interface) spec, so that the CDI names its Reserve hands out ("vendor.com/class=ID")
+// resolve in container runtimes that read CDI specs: containerd, CRI-O, podman.
+//
+// The plugin describes each device with the same message its Reserve answers with, a
+// ContainerReservation (env vars, device nodes, mounts), plus the edits every
+// container with any of its devices gets; Writer turns that into a spec with the
+// CDI project's own types, validates it with the CDI library and writes it
+// atomically into a spec directory (default DefaultDir), rewriting it whenever the
+// devices change.
+package cdi
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+
+	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
+	"tags.cncf.io/container-device-interface/pkg/parser"
+	cdispec "tags.cncf.io/container-device-interface/specs-go"
+
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// DefaultDir is where container runtimes look for generated (not hand-written) CDI
+// specs, after /etc/cdi; a spec there wins over one in /etc/cdi for the same name.
+const DefaultDir = cdiapi.DefaultDynamicDir
+
+// specFileMode lets every runtime read the spec, rootless podman included; a spec
+// holds nothing secret.
+const specFileMode = 0o644
+
+// Name returns the CDI name of device id of kind ("vendor.com/class"), as Reserve
+// puts it in ContainerReservation.CdiDevices: "vendor.com/class=id".
+func Name(kind, id string) string { return kind + "=" + id }
+
+// Spec is what a plugin's devices give a container, in the plugin protocol's terms.
+type Spec struct {
+	// Kind is the CDI kind of every device, "vendor.com/class", e.g. "nvidia.com/gpu".
+	Kind string
+	// Devices maps each device ID (the part of the CDI name after "=") to what a
+	// container with that device gets: env vars, device nodes and mounts. CDI names
+	// have no place in it. An empty map means no devices: Write removes the file.
+	Devices map[string]*pb.ContainerReservation
+	// Common is what a container with any of these devices gets once, however many
+	// it has (control device nodes, shared env vars); nil for nothing.
+	Common *pb.ContainerReservation
+	// Nodes gives the type and numbers of device nodes, by host path. Without an
+	// entry, a runtime stats the host's node when it injects the device and fails if
+	// there is none; with one, it needs no node on the host (a device node the
+	// runtime creates in the container by its numbers), which is how simulated devices
+	// resolve on a machine that lacks them.
+	Nodes map[string]Node
+}
+
+// Node is a device node's type and numbers.
+type Node struct {
+	Type  string // "c" (character device) or "b" (block device)
+	Major int64
+	Minor int64
+}
+
+// Writer keeps one CDI spec file up to date: Write replaces it, atomically (a
+// temporary file renamed over it, so a runtime never reads half a spec), whenever what
+// it would hold changes. Make one with NewWriter. Safe for concurrent use; it starts no
+// goroutines and has nothing to close. The file outlives the process on purpose:
+// containers started with its names and those still to start keep resolving them while
+// a plugin restarts; Remove takes it away.
+type Writer struct {
+	dir   string
+	name  string // file name without extension
+	cache *cdiapi.Cache
+
+	mu   sync.Mutex
+	last []byte // the spec last written, JSON; nil when none (or removed)
+}
+
+// NewWriter returns a writer of the spec file dir/name.yaml. dir must be an absolute
+// path; it is created (0755) on the first write if missing. name is a plain file name
+// (letters, digits, '.', '_', '-'), e.g. "devicehost-" + the plugin's name; pick one
+// that no other tool writes in dir (the NVIDIA Container Toolkit writes nvidia.yaml).
+func NewWriter(dir, name string) (*Writer, error) {
+	if dir == "" {
+		return nil, errors.New("cdi: spec directory: empty")
+	}
+	if !filepath.IsAbs(dir) {
+		return nil, fmt.Errorf("cdi: spec directory %q: must be an absolute path", dir)
+	}
+	if !validFileName(name) {
+		return nil, fmt.Errorf("cdi: spec file name %q: want letters, digits, '.', '_' or '-' only", name)
+	}
+	cache, err := cdiapi.NewCache(cdiapi.WithSpecDirs(dir), cdiapi.WithAutoRefresh(false))
+	if err != nil {
+		return nil, fmt.Errorf("cdi: %w", err)
+	}
+	return &Writer{dir: filepath.Clean(dir), name: name, cache: cache}, nil
+}
+
+func validFileName(name string) bool {
+	if name == "" || name == "." || name == ".." || len(name) > 200 {
+		return false
+	}
+	for _, c := range name {
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '.', c == '_', c == '-':
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// Path is the spec file's path.
+func (w *Writer) Path() string { return filepath.Join(w.dir, w.name+".yaml") }
+
+// Write makes the spec file describe s: it replaces the file when its content would
+// change (devices that left s leave the file) or the file is gone, and removes it when
+// s has no devices. changed says whether the file was written or removed. A spec that
+// CDI would reject is refused with the rule it broke, before anything is written. On
+// error the file is as it was, and the next Write tries again.
+func (w *Writer) Write(s Spec) (changed bool, err error) {
+	raw, err := s.toCDI()
+	if err != nil {
+		return false, err
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(raw.Devices) == 0 {
+		return w.removeLocked()
+	}
+	data, err := json.Marshal(raw)
+	if err != nil {
+		return false, fmt.Errorf("cdi: encode spec %s: %w", w.Path(), err)
+	}
+	if w.last != nil && slices.Equal(data, w.last) {
+		if _, err := os.Stat(w.Path()); err == nil {
+			return false, nil
+		}
+		// Someone removed it (a cleaned /var/run/cdi): write it again.
+	}
+	// The library validates the spec (names, env, nodes, mounts) and writes it to a
+	// temporary file in dir that it renames over the old one.
+	if err := w.cache.WriteSpec(raw, w.name+".yaml"); err != nil {
+		return false, fmt.Errorf("cdi: write spec %s: %w", w.Path(), err)
+	}
+	// The library creates the file 0600 (os.CreateTemp); readers other than root
+	// need it readable.
+	if err := os.Chmod(w.Path(), specFileMode); err != nil {
+		return false, fmt.Errorf("cdi: write spec %s: %w", w.Path(), err)
+	}
+	w.last = data
+	return true, nil
+}
+
+// Remove deletes the spec file; a missing one is not an error.
+func (w *Writer) Remove() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	_, err := w.removeLocked()
+	return err
+}
+
+// removeLocked deletes the file; removed says whether there was one.
+func (w *Writer) removeLocked() (removed bool, err error) {
+	if _, err := os.Lstat(w.Path()); errors.Is(err, fs.ErrNotExist) {
+		w.last = nil
+		return false, nil
+	}
+	if err := w.cache.RemoveSpec(w.name + ".yaml"); err != nil {
+		return false, fmt.Errorf("cdi: remove spec %s: %w", w.Path(), err)
+	}
+	w.last = nil
+	return true, nil
+}
+
+// toCDI converts s to a CDI spec at the lowest CDI version that can express it, so
+// runtimes with older CDI libraries read it too. Devices are sorted by ID.
+func (s Spec) toCDI() (*cdispec.Spec, error) {
+	vendor, class := parser.ParseQualifier(s.Kind)
+	if err := parser.ValidateVendorName(vendor); err != nil {
+		return nil, fmt.Errorf("cdi: kind %q: %w", s.Kind, err)
+	}
+	if err := parser.ValidateClassName(class); err != nil {
+		return nil, fmt.Errorf("cdi: kind %q: %w", s.Kind, err)
+	}
+	raw := &cdispec.Spec{Kind: s.Kind}
+	var errs []error
+	common, err := s.edits("common edits", s.Common)
+	if err != nil {
+		errs = append(errs, err)
+	}
+	raw.ContainerEdits = common
+	ids := make([]string, 0, len(s.Devices))
+	for id := range s.Devices {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	for _, id := range ids {
+		if err := parser.ValidateDeviceName(id); err != nil {
+			errs = append(errs, fmt.Errorf("cdi: device %q: %w", id, err))
+			continue
+		}
+		edits, err := s.edits(fmt.Sprintf("device %q", id), s.Devices[id])
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		raw.Devices = append(raw.Devices, cdispec.Device{Name: id, ContainerEdits: edits})
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	if raw.Version, err = cdispec.MinimumRequiredVersion(raw); err != nil {
+		return nil, fmt.Errorf("cdi: spec version: %w", err)
+	}
+	return raw, nil
+}
+
+// edits converts one ContainerReservation; what names the item in errors.
+func (s Spec) edits(what string, r *pb.ContainerReservation) (cdispec.ContainerEdits, error) {
+	var e cdispec.ContainerEdits
+	if r == nil {
+		return e, nil
+	}
+	var errs []error
+	if len(r.GetCdiDevices()) > 0 {
+		errs = append(errs, fmt.Errorf("cdi: %s: has CDI names %s; a spec describes devices by their edits", what,
+			strings.Join(r.GetCdiDevices(), ", ")))
+	}
+	for _, k := range slices.Sorted(maps.Keys(r.GetEnvs())) {
+		e.Env = append(e.Env, k+"="+r.GetEnvs()[k])
+	}
+	for i, d := range r.GetDevices() {
+		if d.GetHostPath() == "" {
+			errs = append(errs, fmt.Errorf("cdi: %s: device node %d: empty host path", what, i))
+			continue
+		}
+		n := &cdispec.DeviceNode{Path: d.GetContainerPath(), Permissions: d.GetPermissions()}
+		if n.Path == "" {
+			n.Path = d.GetHostPath()
+		}
+		if n.Path != d.GetHostPath() {
+			n.HostPath = d.GetHostPath()
+		}
+		if num, ok := s.Nodes[d.GetHostPath()]; ok {
+			n.Type, n.Major, n.Minor = num.Type, num.Major, num.Minor
+		}
+		e.DeviceNodes = append(e.DeviceNodes, n)
+	}
+	for _, m := range r.GetMounts() {
+		opts := []string{"rbind", "rprivate", "nosuid", "nodev"}
+		if m.GetReadOnly() {
+			opts = append(opts, "ro")
+		}
+		e.Mounts = append(e.Mounts, &cdispec.Mount{HostPath: m.GetHostPath(), ContainerPath: m.GetContainerPath(),
+			Type: "bind", Options: opts})
+	}
+	return e, errors.Join(errs...)
+}

@@ -1,0 +1,768 @@
+// Command hostbench measures the host API of a real agent process (`devicehost agent
+// -dev`: the bundled nvidia-example plugin on a simulated DGX H100) under many open
+// streams, over real gRPC on a Unix socket, and prints the figures. It is run by
+// scripts/bench; nothing here passes or fails on a timing.
+//
+// The streams' clients take each message as bytes and read only what the figure needs
+// (the snapshot's timestamp, whether the device is held), so that thousands of them on
+// the agent's machine measure the agent rather than their own protobuf decoding.
+//
+// Each scenario starts a fresh agent:
+//   - reserve: Reserve+Release p50 with no streams open, then with -streams Fingerprint
+//     streams open (spread over -conns connections) that read every message, held by a
+//     second hostbench process so that the caller's process runs only the calls.
+//   - rss: the agent's RSS growth per open Fingerprint stream that never reads, after
+//     enough changes that every such stream's flow-control window is full.
+//   - fanout: a Fingerprint change (a Reserve or a Release, each after a quiet 500ms)
+//     -> every watcher, p50 and p99 of (time received - the snapshot's own timestamp),
+//     for each -watchers count, and the agent's CPU per message sent.
+//   - stats: the agent's CPU (utime+stime of its process) with -stats-streams Stats
+//     streams at 1 s (typed clients that decode every message), and idle.
+//
+// Figures vary with what else the machine runs: compare runs made the same way, old
+// binary and new (-agent), one after the other.
+//
+// Usage: hostbench -agent bin/devicehost [-limits] [-only reserve,rss,fanout,stats]
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+func main() {
+	agentBin := flag.String("agent", "", "devicehost `binary` to run as the agent (required)")
+	limits := flag.Bool("limits", false, "write max_streams and max_streams_per_connection into the agent's config (an agent that has them)")
+	streams := flag.Int("streams", 10000, "Fingerprint streams open in the reserve and rss scenarios")
+	conns := flag.Int("conns", 100, "client connections the streams are spread over")
+	watchers := flag.String("watchers", "1000,5000", "watcher counts of the fanout scenario")
+	statsStreams := flag.Int("stats-streams", 1000, "Stats streams at 1s in the stats scenario")
+	cycles := flag.Int("cycles", 300, "Reserve+Release cycles per p50 (fewer when -cycle-time runs out)")
+	cycleTime := flag.Duration("cycle-time", 20*time.Second, "longest time one p50 measurement may take")
+	only := flag.String("only", "reserve,rss,fanout,stats", "scenarios to run, comma-separated")
+	hold := flag.String("hold", "", "internal: hold -streams reading Fingerprint streams on this `socket` until stdin closes")
+	flag.Parse()
+	if *hold != "" {
+		if err := holdStreams(*hold, *streams, *conns); err != nil {
+			fmt.Fprintf(os.Stderr, "hostbench -hold: %v\n", err)
+			os.Exit(1)
+		}
+		return
+	}
+	if *agentBin == "" {
+		fmt.Fprintln(os.Stderr, "hostbench: -agent is required")
+		os.Exit(2)
+	}
+	b := &bench{
+		bin: *agentBin, limits: *limits, streams: *streams, conns: *conns,
+		cycles: *cycles, cycleTime: *cycleTime,
+	}
+	ctx := context.Background()
+	var err error
+	for _, sc := range strings.Split(*only, ",") {
+		switch sc {
+		case "reserve":
+			err = b.reserve(ctx)
+		case "rss":
+			err = b.rss(ctx)
+		case "fanout":
+			var ns []int
+			for _, f := range strings.Split(*watchers, ",") {
+				n, perr := strconv.Atoi(f)
+				if perr != nil {
+					fmt.Fprintf(os.Stderr, "hostbench: -watchers %q: %v\n", *watchers, perr)
+					os.Exit(2)
+				}
+				ns = append(ns, n)
+			}
+			err = b.fanout(ctx, ns)
+		case "stats":
+			err = b.stats(ctx, *statsStreams)
+		default:
+			fmt.Fprintf(os.Stderr, "hostbench: unknown scenario %q\n", sc)
+			os.Exit(2)
+		}
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "hostbench: %s: %v\n", sc, err)
+			os.Exit(1)
+		}
+	}
+}
+
+type bench struct {
+	bin       string
+	limits    bool
+	streams   int
+	conns     int
+	cycles    int
+	cycleTime time.Duration
+}
+
+// agent is a running `devicehost agent -dev` in its own temporary directory.
+type agent struct {
+	cmd  *exec.Cmd
+	dir  string
+	sock string
+	log  *os.File
+}
+
+// start runs a fresh agent and waits until its health is SERVING. maxStreams, when not
+// zero and -limits is set, is written into its config file.
+func (b *bench) start(ctx context.Context, maxStreams int) (*agent, error) {
+	dir, err := os.MkdirTemp("", "hostbench")
+	if err != nil {
+		return nil, err
+	}
+	a := &agent{dir: dir, sock: filepath.Join(dir, "devicehost.sock")}
+	args := []string{"agent", "-dev", "-listen", "unix://" + a.sock}
+	if b.limits && maxStreams > 0 {
+		cfg := filepath.Join(dir, "devicehost.hcl")
+		body := fmt.Sprintf("max_streams = %d\nmax_streams_per_connection = %d\n", maxStreams, (maxStreams+b.conns-1)/b.conns)
+		if err := os.WriteFile(cfg, []byte(body), 0o600); err != nil {
+			return nil, err
+		}
+		args = append(args, "-config", cfg)
+	}
+	if a.log, err = os.Create(filepath.Join(dir, "agent.log")); err != nil {
+		return nil, err
+	}
+	a.cmd = exec.Command(b.bin, args...)
+	a.cmd.Stdout, a.cmd.Stderr = a.log, a.log
+	if err := a.cmd.Start(); err != nil {
+		return nil, err
+	}
+	conn, err := a.dial()
+	if err != nil {
+		a.stop()
+		return nil, err
+	}
+	defer conn.Close()
+	hc := healthpb.NewHealthClient(conn)
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		cctx, cancel := context.WithTimeout(ctx, time.Second)
+		resp, err := hc.Check(cctx, &healthpb.HealthCheckRequest{Service: "devicehost.v1.DeviceHost"})
+		cancel()
+		if err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING {
+			return a, nil
+		}
+		if time.Now().After(deadline) {
+			a.stop()
+			return nil, fmt.Errorf("agent not SERVING after 2m (last: %v); its log: %s", err, a.log.Name())
+		}
+		time.Sleep(50 * time.Millisecond) // polling a starting process; not a test
+	}
+}
+
+func (a *agent) dial() (*grpc.ClientConn, error) { return dial(a.sock) }
+
+func dial(sock string) (*grpc.ClientConn, error) {
+	return grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+}
+
+// stop ends the agent with SIGTERM and removes its directory.
+func (a *agent) stop() {
+	if a.cmd.Process != nil {
+		_ = a.cmd.Process.Signal(syscall.SIGTERM)
+		done := make(chan struct{})
+		go func() { _ = a.cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			_ = a.cmd.Process.Kill()
+			<-done
+		}
+	}
+	a.log.Close()
+	os.RemoveAll(a.dir)
+}
+
+// rssKiB is the agent process's resident set (VmRSS).
+func (a *agent) rssKiB() (int, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", a.cmd.Process.Pid))
+	if err != nil {
+		return 0, err
+	}
+	for _, l := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(l); len(f) >= 2 && f[0] == "VmRSS:" {
+			return strconv.Atoi(f[1])
+		}
+	}
+	return 0, errors.New("no VmRSS")
+}
+
+// cpu is the agent process's user+system CPU time so far.
+func (a *agent) cpu() (time.Duration, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", a.cmd.Process.Pid))
+	if err != nil {
+		return 0, err
+	}
+	// Fields after the command name (which is in parentheses and may hold spaces).
+	f := strings.Fields(string(data[strings.LastIndexByte(string(data), ')')+2:]))
+	utime, err1 := strconv.Atoi(f[11])
+	stime, err2 := strconv.Atoi(f[12])
+	if err := errors.Join(err1, err2); err != nil {
+		return 0, err
+	}
+	const ticks = 100 // USER_HZ on Linux
+	return time.Duration(utime+stime) * time.Second / ticks, nil
+}
+
+// changeGap is the quiet time before each change of the fanout scenario.
+const changeGap = 500 * time.Millisecond
+
+// benchOwner owns the reservations the bench makes.
+const benchOwner = "hostbench-owner"
+
+// device is one device of the agent's inventory, to reserve.
+type device struct {
+	group *pb.DeviceGroup
+	id    string
+}
+
+func firstDevice(ctx context.Context, c pb.DeviceHostClient) (device, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	s, err := c.Fingerprint(ctx, &pb.FingerprintRequest{})
+	if err != nil {
+		return device{}, err
+	}
+	fp, err := s.Recv()
+	if err != nil {
+		return device{}, err
+	}
+	for _, g := range fp.GetGroups() {
+		for _, d := range g.GetDevices() {
+			return device{group: g, id: d.GetId()}, nil
+		}
+	}
+	return device{}, errors.New("the agent has no devices")
+}
+
+// cycle reserves d and releases it again.
+func cycle(ctx context.Context, c pb.DeviceHostClient, d device) error {
+	r, err := c.Reserve(ctx, &pb.ReserveRequest{
+		OwnerId: benchOwner, Vendor: d.group.GetVendor(), Type: d.group.GetType(), Name: d.group.GetName(),
+		DeviceIds: []string{d.id},
+	})
+	if err != nil {
+		return fmt.Errorf("reserve: %w", err)
+	}
+	if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: r.GetReservationId()}}); err != nil {
+		return fmt.Errorf("release: %w", err)
+	}
+	return nil
+}
+
+// p50Cycle runs Reserve+Release cycles (b.cycles, or as many as fit in b.cycleTime)
+// and returns their median and how many ran.
+func (b *bench) p50Cycle(ctx context.Context, c pb.DeviceHostClient, d device) (time.Duration, int, error) {
+	var ds []time.Duration
+	end := time.Now().Add(b.cycleTime)
+	for len(ds) < b.cycles && (len(ds) < 10 || time.Now().Before(end)) {
+		start := time.Now()
+		if err := cycle(ctx, c, d); err != nil {
+			return 0, 0, err
+		}
+		ds = append(ds, time.Since(start))
+	}
+	return percentile(ds, 50), len(ds), nil
+}
+
+func percentile(ds []time.Duration, p int) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	i := (len(s)*p + 99) / 100
+	return s[max(i-1, 0)]
+}
+
+func ms(d time.Duration) string { return fmt.Sprintf("%.2f ms", float64(d)/float64(time.Millisecond)) }
+
+// rawCodec hands a message over as its bytes.
+type rawCodec struct{}
+
+func (rawCodec) Name() string { return "proto" }
+
+func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
+	return mem.BufferSlice{mem.SliceBuffer(*v.(*[]byte))}, nil
+}
+
+func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	*v.(*[]byte) = data.Materialize()
+	return nil
+}
+
+// msgTimestamp reads field 2 (timestamp) of an encoded FingerprintResponse.
+func msgTimestamp(b []byte) (time.Time, error) {
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return time.Time{}, protowire.ParseError(n)
+		}
+		b = b[n:]
+		if num == 2 && typ == protowire.BytesType {
+			v, n := protowire.ConsumeBytes(b)
+			if n < 0 {
+				return time.Time{}, protowire.ParseError(n)
+			}
+			var ts timestamppb.Timestamp
+			if err := proto.Unmarshal(v, &ts); err != nil {
+				return time.Time{}, err
+			}
+			return ts.AsTime(), nil
+		}
+		n = protowire.ConsumeFieldValue(num, typ, b)
+		if n < 0 {
+			return time.Time{}, protowire.ParseError(n)
+		}
+		b = b[n:]
+	}
+	return time.Time{}, errors.New("no timestamp")
+}
+
+// openStreams opens n Fingerprint streams spread over conns new connections to sock and
+// waits until each has its headers (the server's handler runs). With read set, each
+// stream reads every message and onMsg (if not nil) gets its bytes. closeAll cancels
+// every stream and closes the connections.
+func openStreams(ctx context.Context, sock string, n, conns int, read bool, onMsg func(stream int, msg []byte, at time.Time)) (closeAll func(), received *atomic.Int64, err error) {
+	ctx, cancel := context.WithCancel(ctx)
+	var ccs []*grpc.ClientConn
+	var wg sync.WaitGroup
+	received = &atomic.Int64{}
+	closeAll = func() {
+		cancel()
+		wg.Wait()
+		for _, c := range ccs {
+			c.Close()
+		}
+	}
+	nconns := min(conns, n)
+	desc := &grpc.StreamDesc{ServerStreams: true}
+	opened := 0
+	for i := range nconns {
+		conn, err := dial(sock)
+		if err != nil {
+			closeAll()
+			return nil, nil, err
+		}
+		ccs = append(ccs, conn)
+		per := n / nconns
+		if i < n%nconns {
+			per++
+		}
+		errs := make(chan error, per)
+		for range per {
+			idx := opened
+			opened++
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				s, err := conn.NewStream(ctx, desc, "/devicehost.v1.DeviceHost/Fingerprint", grpc.ForceCodecV2(rawCodec{}))
+				if err == nil {
+					empty := []byte{} // an empty FingerprintRequest
+					err = errors.Join(s.SendMsg(&empty), s.CloseSend())
+				}
+				if err == nil {
+					var md metadata.MD
+					if md, err = s.Header(); err == nil && md == nil {
+						// Ended without headers: refused (e.g. over a stream limit).
+						var msg []byte
+						if err = s.RecvMsg(&msg); err == nil {
+							err = errors.New("stream ended without headers")
+						}
+					}
+				}
+				errs <- err
+				if err != nil || !read {
+					<-ctx.Done()
+					return
+				}
+				for {
+					var msg []byte
+					if err := s.RecvMsg(&msg); err != nil {
+						return
+					}
+					received.Add(1)
+					if onMsg != nil {
+						onMsg(idx, msg, time.Now())
+					}
+				}
+			}()
+		}
+		for range per {
+			if err := <-errs; err != nil {
+				closeAll()
+				return nil, nil, fmt.Errorf("open stream on connection %d: %w", i, err)
+			}
+		}
+	}
+	return closeAll, received, nil
+}
+
+// holdStreams is the -hold mode: it opens n reading streams, says "ready", and when
+// stdin closes says how many messages they got.
+func holdStreams(sock string, n, conns int) error {
+	closeAll, received, err := openStreams(context.Background(), sock, n, conns, true, nil)
+	if err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	got := received.Load()
+	closeAll()
+	fmt.Println(got)
+	return nil
+}
+
+// holder is a -hold child process.
+type holder struct {
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	out   *bufio.Reader
+}
+
+// startHolder runs a -hold child with n streams on a's socket and waits until they are
+// open.
+func (b *bench) startHolder(a *agent, n int) (*holder, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(self, "-hold", a.sock, "-streams", strconv.Itoa(n), "-conns", strconv.Itoa(b.conns))
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	h := &holder{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}
+	line, err := h.out.ReadString('\n')
+	if err != nil || line != "ready\n" {
+		h.stop()
+		return nil, fmt.Errorf("stream holder: %q, %v", line, err)
+	}
+	return h, nil
+}
+
+// received returns how many messages its streams have had.
+func (h *holder) stop() (received int64) {
+	h.stdin.Close()
+	line, _ := h.out.ReadString('\n')
+	_ = h.cmd.Wait()
+	received, _ = strconv.ParseInt(strings.TrimSpace(line), 10, 64)
+	return received
+}
+
+func (b *bench) reserve(ctx context.Context) error {
+	a, err := b.start(ctx, b.streams)
+	if err != nil {
+		return err
+	}
+	defer a.stop()
+	conn, err := a.dial()
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	c := pb.NewDeviceHostClient(conn)
+	d, err := firstDevice(ctx, c)
+	if err != nil {
+		return err
+	}
+	for range 30 { // warm up
+		if err := cycle(ctx, c, d); err != nil {
+			return err
+		}
+	}
+	base, nb, err := b.p50Cycle(ctx, c, d)
+	if err != nil {
+		return err
+	}
+	h, err := b.startHolder(a, b.streams)
+	if err != nil {
+		return err
+	}
+	loaded, nl, err := b.p50Cycle(ctx, c, d)
+	received := h.stop()
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%-44s %s with 0 streams (%d cycles), %s with %d reading Fingerprint streams (%d cycles; %d messages to the streams): x%.2f\n",
+		"Reserve+Release p50", ms(base), nb, ms(loaded), b.streams, nl, received, float64(loaded)/float64(base))
+	return nil
+}
+
+func (b *bench) rss(ctx context.Context) error {
+	a, err := b.start(ctx, b.streams)
+	if err != nil {
+		return err
+	}
+	defer a.stop()
+	conn, err := a.dial()
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	c := pb.NewDeviceHostClient(conn)
+	d, err := firstDevice(ctx, c)
+	if err != nil {
+		return err
+	}
+	for range 30 {
+		if err := cycle(ctx, c, d); err != nil {
+			return err
+		}
+	}
+	rss0, err := a.rssKiB()
+	if err != nil {
+		return err
+	}
+	closeAll, _, err := openStreams(ctx, a.sock, b.streams, b.conns, false, nil)
+	if err != nil {
+		return err
+	}
+	defer closeAll()
+	// Enough changes to fill every stream's flow-control window and the server's write
+	// quota: what a client that never reads makes the agent hold.
+	for range 100 {
+		if err := cycle(ctx, c, d); err != nil {
+			return err
+		}
+	}
+	time.Sleep(2 * time.Second) // let the fan-out settle before reading RSS
+	rss1, err := a.rssKiB()
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%-44s %.1f KiB (%d streams over %d connections: RSS %d MiB, %d MiB before them; 200 changes sent)\n",
+		"RSS per open never-reading Fingerprint stream", float64(rss1-rss0)/float64(b.streams), b.streams, min(b.conns, b.streams), rss1/1024, rss0/1024)
+	return nil
+}
+
+func (b *bench) fanout(ctx context.Context, counts []int) error {
+	for _, n := range counts {
+		if err := b.fanoutOnce(ctx, n); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (b *bench) fanoutOnce(ctx context.Context, n int) error {
+	a, err := b.start(ctx, n)
+	if err != nil {
+		return err
+	}
+	defer a.stop()
+	conn, err := a.dial()
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	c := pb.NewDeviceHostClient(conn)
+	d, err := firstDevice(ctx, c)
+	if err != nil {
+		return err
+	}
+
+	// Every message after a stream's first is a change; its latency is the time it was
+	// received minus the snapshot's own timestamp (same machine, same clock). heldBy
+	// records what each stream saw last, so each change waits until every watcher has
+	// seen it.
+	var mu sync.Mutex
+	var lat []time.Duration
+	heldBy := make([]atomic.Bool, n)
+	var measuring atomic.Bool
+	owner := []byte(benchOwner)
+	onMsg := func(stream int, msg []byte, at time.Time) {
+		if measuring.Load() {
+			ts, err := msgTimestamp(msg)
+			if err != nil {
+				panic(err)
+			}
+			mu.Lock()
+			lat = append(lat, at.Sub(ts))
+			mu.Unlock()
+		}
+		heldBy[stream].Store(bytes.Contains(msg, owner)) // only d is ever held
+	}
+	closeAll, _, err := openStreams(ctx, a.sock, n, b.conns, true, onMsg)
+	if err != nil {
+		return err
+	}
+	defer closeAll()
+	const changes = 20
+	cpu0, err := a.cpu()
+	if err != nil {
+		return err
+	}
+	measuring.Store(true)
+	waitFor := func(held bool) error {
+		deadline := time.Now().Add(time.Minute)
+		for {
+			seen := 0
+			for i := range heldBy {
+				if heldBy[i].Load() == held {
+					seen++
+				}
+			}
+			if seen == n {
+				return nil
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("after 1m, %d of %d watchers saw the change", seen, n)
+			}
+			time.Sleep(time.Millisecond) // polling the recorder; not a test
+		}
+	}
+	// Changes are isolated events, quiet apart; under a sustained stream of changes the
+	// agent paces its fan-out instead (see server/fanout.go).
+	quiet := func() { time.Sleep(changeGap) }
+	for i := range changes / 2 {
+		quiet()
+		r, err := c.Reserve(ctx, &pb.ReserveRequest{
+			OwnerId: benchOwner, Vendor: d.group.GetVendor(), Type: d.group.GetType(), Name: d.group.GetName(),
+			DeviceIds: []string{d.id},
+		})
+		if err != nil {
+			return err
+		}
+		if err := waitFor(true); err != nil {
+			return fmt.Errorf("reserve %d: %w", i, err)
+		}
+		quiet()
+		if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: r.GetReservationId()}}); err != nil {
+			return err
+		}
+		if err := waitFor(false); err != nil {
+			return fmt.Errorf("release %d: %w", i, err)
+		}
+	}
+	measuring.Store(false)
+	cpu1, err := a.cpu()
+	if err != nil {
+		return err
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	fmt.Printf("%-44s p50 %s, p99 %s (%d changes %v apart, %d messages; agent CPU %.1f µs a message)\n",
+		fmt.Sprintf("Fingerprint change -> %d watchers", n), ms(percentile(lat, 50)), ms(percentile(lat, 99)), changes, changeGap, len(lat),
+		float64(cpu1-cpu0)/float64(time.Microsecond)/float64(len(lat)))
+	return nil
+}
+
+func (b *bench) stats(ctx context.Context, n int) error {
+	a, err := b.start(ctx, n)
+	if err != nil {
+		return err
+	}
+	defer a.stop()
+	const window = 10 * time.Second
+	measure := func() (float64, error) {
+		c0, err := a.cpu()
+		if err != nil {
+			return 0, err
+		}
+		start := time.Now()
+		time.Sleep(window)
+		c1, err := a.cpu()
+		if err != nil {
+			return 0, err
+		}
+		return 100 * float64(c1-c0) / float64(time.Since(start)), nil
+	}
+	time.Sleep(2 * time.Second)
+	idle, err := measure()
+	if err != nil {
+		return err
+	}
+
+	sctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	defer func() { cancel(); wg.Wait() }()
+	var received atomic.Int64
+	nconns := min(b.conns, n)
+	errs := make(chan error, n)
+	for i := range nconns {
+		conn, err := a.dial()
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		c := pb.NewDeviceHostClient(conn)
+		per := n / nconns
+		if i < n%nconns {
+			per++
+		}
+		for range per {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				s, err := c.Stats(sctx, &pb.StatsRequest{Interval: durationpb.New(time.Second)})
+				if err == nil {
+					_, err = s.Recv()
+				}
+				errs <- err
+				if err != nil {
+					return
+				}
+				for {
+					if _, err := s.Recv(); err != nil {
+						return
+					}
+					received.Add(1)
+				}
+			}()
+		}
+	}
+	for range n {
+		if err := <-errs; err != nil {
+			return fmt.Errorf("open Stats stream: %w", err)
+		}
+	}
+	time.Sleep(2 * time.Second)
+	r0 := received.Load()
+	busy, err := measure()
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%-44s %.2f%% of a core (idle agent %.2f%%; %d messages in %v)\n",
+		fmt.Sprintf("Stats agent CPU, %d streams at 1s", n), busy, idle, received.Load()-r0, window)
+	return nil
+}

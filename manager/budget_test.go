@@ -1,0 +1,237 @@
+package manager
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/test/bufconn"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/devicehost/devicehost/internal/fixtureplugin"
+	"github.com/devicehost/devicehost/manager/device"
+	hostpb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/validate"
+)
+
+// These tests check that no plugin, nor plugins together, can make a host API message
+// too big for the host's clients (issue 9.2): they serve the manager with the real
+// server and read it with a gRPC client on default options (4 MiB receive limit, as
+// grpcurl's and the CLI's).
+
+// serveHostAPI serves m with the real host API server and returns a client with gRPC's
+// default options. Both are stopped in t.Cleanup.
+func serveHostAPI(t *testing.T, m *Manager) hostpb.DeviceHostClient {
+	t.Helper()
+	srv, err := server.New(server.Config{Manager: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis := bufconn.Listen(1 << 20)
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(lis) }()
+	conn, err := grpc.NewClient("passthrough:///devicehost",
+		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
+		grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		conn.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		srv.Shutdown(ctx)
+		if err := <-served; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	})
+	return hostpb.NewDeviceHostClient(conn)
+}
+
+// fatFixture is a fixture whose fingerprint is about 504 KB (under
+// validate.MaxFingerprintBytes) without breaking any per-field rule: 9 groups of one
+// device, each with 56,000 bytes of attributes.
+func fatFixture(name string) fixture {
+	var groups []fixtureplugin.Group
+	for g := range 9 {
+		groups = append(groups, fixtureplugin.Group{Vendor: "fixture", Type: "fat", Name: fmt.Sprintf("%s-%d", name, g), IDs: []string{fmt.Sprintf("%s-d%d", name, g)}})
+	}
+	return fixture{name: name, cfg: fixtureplugin.Config{Groups: groups, AttributeBytes: 56000}}
+}
+
+// TestSnapshotStaysWithinClientLimit runs a plugin of 1024 devices, all held by an owner
+// with the longest owner ID, beside nine plugins of about 504 KB of inventory each:
+// together over 4 MiB. The plugins that would take the Fingerprint message over
+// MaxSnapshotBytes are refused with their size and the limit, and a client on default
+// options reads the whole inventory.
+func TestSnapshotStaysWithinClientLimit(t *testing.T) {
+	cfg, logs := testConfig(t)
+	cfg.StatsInterval = time.Second
+	cfg.ReadyTimeout = time.Hour
+	cfg.FingerprintTimeout = time.Minute // a refused plugin is not restarted meanwhile
+	var many []string
+	for i := range validate.MaxDevicesPerGroup {
+		many = append(many, fmt.Sprintf("m%04d", i))
+	}
+	fixtures := []fixture{{name: "many", cfg: fixtureplugin.Config{Groups: widgets("many", many...)}}}
+	var fat []string
+	for i := range 9 {
+		fat = append(fat, fmt.Sprintf("fat%d", i))
+		fixtures = append(fixtures, fatFixture(fat[i]))
+	}
+	m, _ := startFixtures(t, cfg, fixtures...)
+	waitReady(t, m)
+
+	snap := m.Snapshot()
+	accepted, refused := 0, 0
+	for _, name := range fat {
+		switch ps := pluginOf(snap, name); {
+		case ps.DeviceCount > 0:
+			accepted++
+		case strings.Contains(ps.LastError, fmt.Sprintf("fingerprint of plugin %q refused", name)) &&
+			strings.Contains(ps.LastError, fmt.Sprintf("limit of %d bytes", MaxSnapshotBytes)):
+			refused++
+		default:
+			t.Errorf("plugin %s = %+v, want its devices, or a last error saying it was refused and why", name, ps)
+		}
+	}
+	if refused == 0 {
+		t.Errorf("all %d fat plugins accepted, want some refused", accepted)
+	}
+
+	// Every device of "many" held by an owner with the longest ID there may be.
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	if _, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: strings.Repeat("o", validate.MaxNameLen), Group: widgetKey("many"), DeviceIDs: many}); err != nil {
+		t.Fatalf("Reserve every device of many: %v", err)
+	}
+
+	stream, err := serveHostAPI(t, m).Fingerprint(ctx, &hostpb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg, err := stream.Recv()
+	if err != nil {
+		t.Fatalf("a client on default options cannot read the Fingerprint message: %v", err)
+	}
+	size := proto.Size(msg)
+	t.Logf("Fingerprint message: %d bytes with %d of 9 fat plugins accepted (limit %d)", size, accepted, MaxSnapshotBytes)
+	if size > MaxSnapshotBytes {
+		t.Errorf("Fingerprint message is %d bytes, over MaxSnapshotBytes %d", size, MaxSnapshotBytes)
+	}
+	if got := msg.GetGroups()[len(msg.GetGroups())-1].GetDevices()[0].GetHolder().GetOwnerId(); len(got) != validate.MaxNameLen {
+		t.Errorf("holder of many's devices not in the message (owner %q)", got)
+	}
+	logs.waitLine(t, "[ERROR]", "fingerprint refused", "limit of 3670016 bytes")
+}
+
+// TestStatsStayWithinClientLimit runs nine plugins whose stats are about 480 KB each:
+// together over 4 MiB. The stats that would take the Stats message over
+// MaxStatsSnapshotBytes are refused, and a client on default options reads the stream.
+func TestStatsStayWithinClientLimit(t *testing.T) {
+	cfg, logs := testConfig(t)
+	cfg.StatsInterval = time.Second
+	var names []string
+	var fixtures []fixture
+	for i := range 9 {
+		name := fmt.Sprintf("chatty%d", i)
+		names = append(names, name)
+		fixtures = append(fixtures, fixture{name: name, cfg: fixtureplugin.Config{
+			Groups:          widgets(name, name+"-0", name+"-1", name+"-2", name+"-3"),
+			StatsValueBytes: 120000,
+		}})
+	}
+	m, _ := startFixtures(t, cfg, fixtures...)
+	waitReady(t, m)
+
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	// Wait until every plugin's stats were taken or refused.
+	var withStats int
+	waitStats(t, m.WatchStats(ctx, 0), func(s device.StatsSnapshot) bool {
+		snap := m.Snapshot()
+		withStats = len(s.Groups)
+		settled := withStats
+		for _, name := range names {
+			if strings.Contains(pluginOf(snap, name).LastError, fmt.Sprintf("stats of plugin %q refused", name)) {
+				settled++
+			}
+		}
+		return settled == len(names)
+	}, "every plugin's stats taken or refused")
+	if withStats == len(names) {
+		t.Errorf("stats of all %d plugins taken, want some refused", withStats)
+	}
+
+	stream, err := serveHostAPI(t, m).Stats(ctx, &hostpb.StatsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		msg, err := stream.Recv()
+		if err != nil {
+			t.Fatalf("a client on default options cannot read Stats message %d: %v", i, err)
+		}
+		size := proto.Size(msg)
+		t.Logf("Stats message %d: %d bytes, %d of %d plugins' stats (limit %d)", i, size, len(msg.GetGroups()), len(names), MaxStatsSnapshotBytes)
+		if size > MaxStatsSnapshotBytes {
+			t.Errorf("Stats message is %d bytes, over MaxStatsSnapshotBytes %d", size, MaxStatsSnapshotBytes)
+		}
+	}
+	logs.waitLine(t, "[ERROR]", "stats refused", "limit of 3670016 bytes")
+	// Refused again every second, logged once.
+	for _, name := range names {
+		if n := len(logs.lines("[ERROR]", "stats refused", "plugin="+name+" ")); n > 1 {
+			t.Errorf("%d \"stats refused\" lines for %s, want one while it stays refused", n, name)
+		}
+	}
+}
+
+// TestRefusedFingerprintKeepsTheLastGoodInventory: a plugin whose new fingerprint would
+// take the snapshot over the budget keeps the inventory it had.
+func TestRefusedFingerprintKeepsTheLastGoodInventory(t *testing.T) {
+	r := newRegistry(hclog.NewNullLogger(), time.Now, func() map[string]device.Holder { return nil }, nil, nil)
+	r.addPlugin("big", "/big")
+	r.addPlugin("grows", "/grows")
+	fp := func(plugin string, cost int, ids ...string) fingerprint {
+		f := fingerprint{cost: cost, devices: map[string]reportedDevice{}}
+		g := device.Group{GroupKey: acmeA1, Plugin: plugin}
+		for _, id := range ids {
+			g.Devices = append(g.Devices, device.DeviceInfo{ID: id})
+			f.devices[id] = reportedDevice{group: acmeA1, health: device.HealthHealthy}
+		}
+		f.groups = []device.Group{g}
+		return f
+	}
+	if _, err := r.setFingerprint("big", fp("big", 3<<20, "b0")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.setFingerprint("grows", fp("grows", 100<<10, "g0")); err != nil {
+		t.Fatal(err)
+	}
+	_, err := r.setFingerprint("grows", fp("grows", 600<<10, "g0", "g1"))
+	var be *budgetError
+	if !errors.As(err, &be) || be.cost != 600<<10 || be.others != 3<<20 || be.limit != MaxSnapshotBytes {
+		t.Fatalf("setFingerprint over the budget = %v, want a budgetError with the sizes and the limit", err)
+	}
+	for _, want := range []string{`plugin "grows"`, "614400 bytes", "3145728 bytes", "limit of 3670016 bytes"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %s", err, want)
+		}
+	}
+	if got := deviceIDs(r.snapshot().Inventory); strings.Join(got, " ") != "big/b0 grows/g0" {
+		t.Errorf("inventory after the refusal = %v, want the last good one", got)
+	}
+	// Room is freed only by a smaller inventory: the same plugin fits again.
+	if _, err := r.setFingerprint("grows", fp("grows", 500<<10, "g0", "g1")); err != nil {
+		t.Errorf("setFingerprint within the budget: %v", err)
+	}
+}

@@ -1,0 +1,83 @@
+package manager
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/hashicorp/go-hclog"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/devicehost/devicehost/deviceplugin"
+	"github.com/devicehost/devicehost/internal/fixtureplugin"
+	"github.com/devicehost/devicehost/pluginloader"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// This file is the in-process harness for the fixture plugin (internal/fixtureplugin):
+// each launch is a fresh fixture configured by the plugin's ConfigJSON, served over an
+// in-memory connection, so tests of hostile plugins can run many of them cheaply.
+
+// fixtureProc is one in-process fixture "process".
+type fixtureProc struct {
+	*inproc
+	fx *fixtureplugin.Plugin
+}
+
+// Kill stops the fixture's exit_after timer, then the "process".
+func (p *fixtureProc) Kill(ctx context.Context) {
+	p.fx.Stop()
+	p.inproc.Kill(ctx)
+}
+
+// fixtureLauncher launches in-process fixtures. Safe for concurrent use.
+type fixtureLauncher struct {
+	mu       sync.Mutex
+	launches map[string][]*fixtureProc
+}
+
+// launch does what pluginloader.Launch does, in-process: start, info, config. The
+// fixture's exit_after ends the "process" with "exit status 3".
+func (l *fixtureLauncher) launch(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error) {
+	fx := fixtureplugin.New()
+	fx.Log = hclog.NewNullLogger()
+	in, err := startInproc(fx)
+	if err != nil {
+		return nil, err
+	}
+	p := &fixtureProc{inproc: in, fx: fx}
+	fx.Exit = func(code int) { in.exit(fmt.Sprintf("exit status %d", code)) }
+	if p.info, err = p.client.GetPluginInfo(ctx, &pb.GetPluginInfoRequest{}); err != nil {
+		p.Kill(ctx)
+		return nil, fmt.Errorf("get plugin info: %w", err)
+	}
+	if _, err := p.client.SetConfig(ctx, &pb.SetConfigRequest{ConfigJson: opts.ConfigJSON, ProtocolVersion: deviceplugin.ProtocolVersion}); err != nil {
+		p.Kill(ctx)
+		if status.Code(err) == codes.InvalidArgument {
+			return nil, fmt.Errorf("%w: %s", pluginloader.ErrConfigRejected, status.Convert(err).Message())
+		}
+		return nil, fmt.Errorf("set config: %w", err)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.launches == nil {
+		l.launches = make(map[string][]*fixtureProc)
+	}
+	l.launches[bin.Name] = append(l.launches[bin.Name], p)
+	return p, nil
+}
+
+// startFixtures starts a manager running the given fixtures in-process and shuts it down
+// in t.Cleanup.
+func startFixtures(t *testing.T, cfg Config, fixtures ...fixture) (*Manager, *fixtureLauncher) {
+	t.Helper()
+	l := &fixtureLauncher{}
+	m, err := newManager(withFixtures(cfg, fixtures...), l.launch)
+	if err != nil {
+		t.Fatalf("newManager: %v", err)
+	}
+	t.Cleanup(func() { shutdown(t, m) })
+	return m, l
+}

@@ -1,0 +1,209 @@
+package manager
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/devicehost/devicehost/internal/fixtureplugin"
+	"github.com/devicehost/devicehost/manager/device"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// These tests check that a plugin cannot take another plugin's devices (issue 9.1): an
+// ID stays with the plugin that reported it first, across restarts of that plugin and
+// of the host, and a reservation is only ever routed to the plugin recorded in it.
+
+var gpusKey = device.GroupKey{Vendor: "fixture", Type: "widget", Name: "gpus"}
+
+// ownedBy reports whether every listed device is in plugin's inventory.
+func ownedBy(plugin string, ids ...string) func(device.Snapshot) bool {
+	return func(s device.Snapshot) bool {
+		have := deviceIDs(s.Inventory)
+		for _, id := range ids {
+			if !slices.Contains(have, plugin+"/"+id) {
+				return false
+			}
+		}
+		return true
+	}
+}
+
+// TestProcessDeviceOwnershipSurvivesRestarts runs the owner of two devices alone, then
+// starts a host on the same state dir where an impostor reports those IDs before the
+// owner does (and again every 100ms): the IDs are refused to the impostor, stay the
+// owner's, and Reserve is answered by the owner, also after the owner is SIGKILLed and
+// restarts while the impostor keeps reporting them.
+func TestProcessDeviceOwnershipSurvivesRestarts(t *testing.T) {
+	cfg, logs := durableConfig(t)
+	owner := fixture{name: "owner", cfg: fixtureplugin.Config{Groups: widgets("gpus", "GPU-a", "GPU-b"), ReserveTag: "owner"}}
+	first := startManager(t, cfg, owner)
+	waitFor(t, first, "the owner's devices", ownedBy("owner", "GPU-a", "GPU-b"))
+	shutdown(t, first)
+
+	impostor := fixture{name: "impostor", cfg: fixtureplugin.Config{
+		Groups:                 widgets("gpus", "GPU-a", "GPU-b", "i0"),
+		ReserveTag:             "impostor",
+		FingerprintChangeEvery: fixtureplugin.Duration(100 * time.Millisecond),
+	}}
+	owner.cfg.FingerprintDelay = fixtureplugin.Duration(2 * time.Second) // the impostor reports first
+	m := startManager(t, cfg, impostor, owner)
+	waitFor(t, m, "the impostor's own device", ownedBy("impostor", "i0"))
+	logs.waitLine(t, "[ERROR]", "device IDs owned by another plugin refused", "plugin=impostor", "owner=owner", `devices="GPU-a, GPU-b"`)
+	if got := pluginOf(m.Snapshot(), "impostor").LastError; !strings.Contains(got, `GPU-a, GPU-b owned by plugin "owner"`) {
+		t.Errorf("impostor LastError = %q, want it to name the refused IDs and their owner", got)
+	}
+	snap := waitFor(t, m, "the owner's devices", healthIs(device.HealthHealthy, "GPU-a", "GPU-b"))
+	if got, want := deviceIDs(snap.Inventory), []string{"impostor/i0", "owner/GPU-a", "owner/GPU-b"}; !slices.Equal(got, want) {
+		t.Errorf("inventory = %v, want %v", got, want)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	r, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-1", Group: gpusKey, DeviceIDs: []string{"GPU-a"}})
+	if err != nil || r.Plugin != "owner" || r.Container.Envs["FIXTURE_TAG"] != "owner" {
+		t.Fatalf("Reserve GPU-a = %+v, %v; want it answered by the owner", r, err)
+	}
+
+	// The owner dies; while it restarts (2s before its first fingerprint) the impostor
+	// reports its IDs every 100ms. They stay the owner's, and nobody answers for them.
+	watch := m.Watch(ctx)
+	if err := syscall.Kill(pid(t, m, "owner"), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	waitWithin(t, watch, testTimeout, "the owner down", healthIs(device.HealthUnhealthy, "GPU-a", "GPU-b"))
+	_, err = m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-2", Group: gpusKey, DeviceIDs: []string{"GPU-b"}})
+	if !errors.Is(err, device.ErrPluginUnavailable) && !errors.Is(err, device.ErrUnhealthyDevice) {
+		t.Errorf("Reserve GPU-b while its owner restarts = %v, want it refused as unavailable or unhealthy", err)
+	}
+	snap = waitWithin(t, watch, testTimeout, "the owner back", healthIs(device.HealthHealthy, "GPU-a", "GPU-b"))
+	if got, want := deviceIDs(snap.Inventory), []string{"impostor/i0", "owner/GPU-a", "owner/GPU-b"}; !slices.Equal(got, want) {
+		t.Errorf("inventory after the owner's restart = %v, want %v", got, want)
+	}
+	r, err = m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-2", Group: gpusKey, DeviceIDs: []string{"GPU-b"}})
+	if err != nil || r.Plugin != "owner" || r.Container.Envs["FIXTURE_TAG"] != "owner" {
+		t.Errorf("Reserve GPU-b after the owner's restart = %+v, %v; want it answered by the owner", r, err)
+	}
+}
+
+// TestDeviceOwnershipInBothStartOrders checks, with in-process plugins whose order the
+// test controls, that who reports first on a later start does not matter.
+func TestDeviceOwnershipInBothStartOrders(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+
+	t.Run("impostor reports first after a host restart", func(t *testing.T) {
+		cfg, logs := durableConfig(t)
+		first, _ := startInprocManager(t, cfg, newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1")))
+		waitFor(t, first, "alpha's devices", ownedBy("alpha", "a0", "a1"))
+		crash(t, first)
+
+		alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
+		alpha.hangFP = true // reports only when the test says
+		beta := newFakeDevices("beta", group("acme", "gpu", "A1", "a0", "b0"))
+		m, _ := startInprocManager(t, cfg, alpha, beta)
+		snap := waitFor(t, m, "beta's own device", ownedBy("beta", "b0"))
+		if got, want := deviceIDs(snap.Inventory), []string{"beta/b0"}; !slices.Equal(got, want) {
+			t.Errorf("inventory before alpha reports = %v, want %v", got, want)
+		}
+		logs.waitLine(t, "[ERROR]", "device IDs owned by another plugin refused", "plugin=beta", "owner=alpha", "devices=a0")
+
+		alpha.set(func(f *fakeDevices) { f.hangFP = false })
+		alpha.setGroups(group("acme", "gpu", "A1", "a0", "a1"))
+		waitFor(t, m, "alpha's devices", ownedBy("alpha", "a0", "a1"))
+		if r := reserve(t, m, "job-1", "a0"); r.Plugin != "alpha" || alpha.reserveCalls() != 1 || beta.reserveCalls() != 0 {
+			t.Errorf("Reserve a0 = plugin %q with %d calls to alpha, %d to beta; want alpha's", r.Plugin, alpha.reserveCalls(), beta.reserveCalls())
+		}
+	})
+
+	t.Run("owner reports first; relaunched, it reports the ID only later", func(t *testing.T) {
+		cfg, logs := testConfig(t) // in memory: ownership holds for the host's life
+		alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
+		beta := newFakeDevices("beta", group("acme", "gpu", "A1", "b0"))
+		m, l := startInprocManager(t, cfg, alpha, beta)
+		waitFor(t, m, "both plugins", ownedBy("alpha", "a0", "a1"))
+		waitFor(t, m, "both plugins", ownedBy("beta", "b0"))
+
+		// alpha dies and comes back without a0 (its driver has not found it yet);
+		// meanwhile beta reports a0.
+		alpha.setGroups(group("acme", "gpu", "A1", "a1"))
+		p, _ := l.latest("alpha")
+		p.exit("signal: killed")
+		beta.setGroups(group("acme", "gpu", "A1", "a0", "b0"))
+		logs.waitLine(t, "[ERROR]", "device IDs owned by another plugin refused", "plugin=beta", "owner=alpha", "devices=a0")
+		waitFor(t, m, "alpha relaunched", func(s device.Snapshot) bool {
+			return pluginOf(s, "alpha").Restarts == 1 && healthIs(device.HealthHealthy, "a1")(s)
+		})
+		if got, want := deviceIDs(m.Inventory()), []string{"alpha/a1", "beta/b0"}; !slices.Equal(got, want) {
+			t.Errorf("inventory = %v, want %v: a0 stays alpha's while it does not report it", got, want)
+		}
+		_, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-1", Group: acmeA1, DeviceIDs: []string{"a0"}})
+		if !errors.Is(err, device.ErrUnknownDevice) || beta.reserveCalls() != 0 {
+			t.Errorf("Reserve a0 while alpha does not report it = %v with %d calls to beta; want ErrUnknownDevice, none", err, beta.reserveCalls())
+		}
+
+		alpha.setGroups(group("acme", "gpu", "A1", "a0", "a1"))
+		waitFor(t, m, "a0 back with alpha", ownedBy("alpha", "a0"))
+		if r := reserve(t, m, "job-1", "a0"); r.Plugin != "alpha" || beta.reserveCalls() != 0 {
+			t.Errorf("Reserve a0 = plugin %q, %d calls to beta; want alpha's", r.Plugin, beta.reserveCalls())
+		}
+	})
+
+	t.Run("owner no longer configured", func(t *testing.T) {
+		cfg, logs := durableConfig(t)
+		first, _ := startInprocManager(t, cfg, newFakeDevices("old", group("acme", "gpu", "A1", "a0")))
+		waitFor(t, first, "old's device", ownedBy("old", "a0"))
+		shutdown(t, first)
+
+		m, _ := startInprocManager(t, cfg, newFakeDevices("new", group("acme", "gpu", "A1", "a0")))
+		waitFor(t, m, "a0 taken over by new", ownedBy("new", "a0"))
+		logs.waitLine(t, "[INFO]", "owned by a plugin this host does not run", "previous_owner=old", "devices=1")
+		logs.waitLine(t, "[WARN]", "now belong to this plugin", "plugin=new", "previous_owner=old", "devices=a0")
+	})
+}
+
+// TestPluginInventingIDsOwnsABoundedNumber: a plugin that reports thousands of new IDs
+// in every fingerprint does not grow the ownership records without end: past
+// maxOwnedPerPlugin it loses the IDs it no longer reports, in memory and in the ledger.
+func TestPluginInventingIDsOwnsABoundedNumber(t *testing.T) {
+	cfg, logs := durableConfig(t)
+	// 4000 IDs of round r, in 4 groups of 1000 (a group holds at most 1024).
+	groups := func(r int) []*pb.DeviceGroup {
+		var out []*pb.DeviceGroup
+		for g := range 4 {
+			var ids []string
+			for i := range 1000 {
+				ids = append(ids, fmt.Sprintf("r%d-%d%03d", r, g, i))
+			}
+			out = append(out, group("acme", "gpu", fmt.Sprint("A", g), ids...))
+		}
+		return out
+	}
+	churn := newFakeDevices("churn", groups(0)...)
+	m, _ := startInprocManager(t, cfg, churn)
+	for round := range 4 {
+		if round > 0 {
+			churn.setGroups(groups(round)...)
+		}
+		want := fmt.Sprintf("r%d-0000", round)
+		waitFor(t, m, "round "+want, ownedBy("churn", want))
+	}
+	logs.waitLine(t, "[WARN]", "more distinct device IDs than one plugin may own", "plugin=churn", "forgotten=8000")
+	m.reg.mu.Lock()
+	owned := m.reg.owned["churn"]
+	m.reg.mu.Unlock()
+	recorded, err := m.ledger.DeviceOwners()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if owned > maxOwnedPerPlugin || len(recorded) > maxOwnedPerPlugin {
+		t.Errorf("after 4 rounds of 4000 new IDs the plugin owns %d, %d recorded; want at most %d", owned, len(recorded), maxOwnedPerPlugin)
+	}
+	if recorded["r3-0000"] != "churn" || recorded["r0-0000"] != "" {
+		t.Errorf("recorded owners of r3-0000, r0-0000 = %q, %q; want churn, none", recorded["r3-0000"], recorded["r0-0000"])
+	}
+}

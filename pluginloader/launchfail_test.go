@@ -1,0 +1,236 @@
+package pluginloader_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/devicehost/devicehost/internal/fixtureplugin"
+	"github.com/devicehost/devicehost/pluginloader"
+)
+
+// script writes a shell script plugin into a new temp dir and returns it as a Binary.
+func script(t *testing.T, body string) pluginloader.Binary {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "script")
+	if err := os.WriteFile(path, []byte("#!/bin/sh\n"+body+"\n"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(path, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return pluginloader.Binary{Name: "script", Path: path}
+}
+
+// readPID waits for a process to write its PID into path.
+func readPID(ctx context.Context, t *testing.T, path string) int {
+	t.Helper()
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if b, err := os.ReadFile(path); err == nil {
+			if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil {
+				return pid // written with one write(2): a number that parses is whole
+			}
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("no PID in %s: %v", path, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// checkShort fails unless err is one line of at most 300 bytes that names the plugin and
+// holds none of go-plugin's text or socket paths.
+func checkShort(t *testing.T, err error, name string) {
+	t.Helper()
+	msg := err.Error()
+	if strings.Contains(msg, "\n") || len(msg) > 300 {
+		t.Errorf("launch error is %d bytes on %d lines, want one line of at most 300:\n%s", len(msg), strings.Count(msg, "\n")+1, msg)
+	}
+	for _, bad := range []string{"Unrecognized remote plugin message", "This usually means", "/tmp/plugin", "plugin-dir"} {
+		if strings.Contains(msg, bad) {
+			t.Errorf("launch error %q holds %q", msg, bad)
+		}
+	}
+	if !strings.Contains(msg, `plugin "`+name+`"`) {
+		t.Errorf("launch error %q does not name plugin %q", msg, name)
+	}
+}
+
+// TestLaunchErrors: every way a launch fails gives one short line in the loader's words,
+// wrapping the sentinel a caller branches on.
+func TestLaunchErrors(t *testing.T) {
+	garbage := filepath.Join(t.TempDir(), "garbage")
+	if err := os.WriteFile(garbage, []byte("\x7fELF\x02\x01\x01 not really"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(garbage, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	huge := strings.Repeat("v9,", 2000)
+
+	tests := []struct {
+		name   string
+		bin    pluginloader.Binary
+		env    []string
+		config fixtureplugin.Config
+		want   string
+		is     error
+	}{
+		{name: "another magic cookie", bin: fixtureBinary(), env: []string{"FIXTURE_MAGIC_COOKIE=someone-else"},
+			want: "has another magic cookie", is: pluginloader.ErrNotPlugin},
+		{name: "prints something else", bin: script(t, `echo "hello, I am a shell script"; exec /bin/sleep 1`),
+			want: `printed "hello, I am a shell script" instead of a go-plugin handshake`, is: pluginloader.ErrNotPlugin},
+		{name: "exits at once", bin: script(t, "exit 7"),
+			want: "exited before its handshake (exit status 7)", is: pluginloader.ErrExited},
+		{name: "not a program for this machine", bin: pluginloader.Binary{Name: "garbage", Path: garbage},
+			want: "could not be started: exec format error", is: syscall.ENOEXEC},
+		{name: "go-plugin protocol", bin: fixtureBinary(), env: []string{"FIXTURE_PROTOCOL=2"},
+			want: "speaks go-plugin protocol version 2, the host speaks 1", is: pluginloader.ErrProtocolVersion},
+		{name: "plugin protocol, long list", bin: fixtureBinary(), env: []string{"FIXTURE_INFO_PROTOCOLS=" + huge},
+			want: "speaks protocol versions [v9, v9", is: pluginloader.ErrProtocolVersion},
+		{name: "config rejected with a long multi-line reason", bin: fixtureBinary(),
+			config: fixtureplugin.Config{RejectConfig: "bad\n" + strings.Repeat("reason ", 5000)},
+			want:   `plugin "fixture": bad\nreason reason`, is: pluginloader.ErrConfigRejected},
+		{name: "SetConfig hangs", bin: fixtureBinary(), config: fixtureplugin.Config{SetConfigHang: true},
+			want: "SetConfig did not answer within 500ms", is: context.DeadlineExceeded},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := pluginloader.Launch(testContext(t), tt.bin, pluginloader.Options{
+				Logger: testLogger(t), Env: tt.env, ConfigJSON: tt.config.JSON(), StartTimeout: 500 * time.Millisecond,
+			})
+			if err == nil {
+				t.Fatal("Launch: no error")
+			}
+			t.Logf("Launch: %s", err)
+			if !errors.Is(err, tt.is) || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("Launch: got %q, want one saying %q, wrapping %v", err, tt.want, tt.is)
+			}
+			checkShort(t, err, tt.bin.Name)
+		})
+	}
+}
+
+// TestLaunchKilledBeforeHandshake: a plugin SIGKILLed before its handshake is reported as
+// such, not as go-plugin's 16 lines about architectures and dynamic libraries.
+func TestLaunchKilledBeforeHandshake(t *testing.T) {
+	pidFile := filepath.Join(t.TempDir(), "pid")
+	type result struct{ err error }
+	done := make(chan result, 1)
+	go func() {
+		p, err := pluginloader.Launch(testContext(t), fixtureBinary(), pluginloader.Options{
+			Logger: testLogger(t), Env: []string{"FIXTURE_HANG_START=1", "FIXTURE_PID_FILE=" + pidFile},
+		})
+		if err == nil {
+			p.Kill(context.Background())
+		}
+		done <- result{err}
+	}()
+	pid := readPID(waitContext(t), t, pidFile)
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	err := (<-done).err
+	if !errors.Is(err, pluginloader.ErrExited) || !strings.Contains(err.Error(), "exited before its handshake (signal: killed)") {
+		t.Fatalf("Launch: got %v, want ErrExited saying it exited before its handshake, killed", err)
+	}
+	checkShort(t, err, fixtureplugin.Name)
+}
+
+// TestLaunchReachesProcessGroup: a plugin that starts a child and never completes its
+// handshake fails within its start timeout, and its child dies with it; so does the
+// child of a plugin that is killed after it ran.
+func TestLaunchReachesProcessGroup(t *testing.T) {
+	const timeout = 500 * time.Millisecond
+	// The slack is for a loaded machine; without the group kill the launch takes as
+	// long as the child's sleep (100s).
+	const slack = 5 * time.Second
+
+	tests := []struct {
+		name, body, want string
+	}{
+		{name: "prints a line", body: `/bin/sleep 100 & echo $! > "$CHILD"; echo starting; wait`,
+			want: `printed "starting" instead of a go-plugin handshake`},
+		{name: "silent", body: `/bin/sleep 100 & echo $! > "$CHILD"; wait`,
+			want: "did not complete its go-plugin handshake within 500ms"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			childFile := filepath.Join(t.TempDir(), "child")
+			start := time.Now()
+			_, err := pluginloader.Launch(testContext(t), script(t, tt.body), pluginloader.Options{
+				Logger: testLogger(t), Env: []string{"CHILD=" + childFile}, StartTimeout: timeout,
+			})
+			elapsed := time.Since(start)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("Launch: got %v, want an error saying %q", err, tt.want)
+			}
+			if elapsed > timeout+slack {
+				t.Errorf("Launch took %v, want it bounded by the start timeout %v (+ %v slack)", elapsed, timeout, slack)
+			}
+			child := readPID(waitContext(t), t, childFile)
+			t.Cleanup(func() { _ = syscall.Kill(child, syscall.SIGKILL) })
+			if err := waitGone(waitContext(t), child); err != nil {
+				t.Errorf("the plugin's child after the failed launch: %v", err)
+			}
+		})
+	}
+
+	t.Run("child of a running plugin", func(t *testing.T) {
+		childFile := filepath.Join(t.TempDir(), "child")
+		p := launch(t, fixtureBinary(), pluginloader.Options{Env: []string{"FIXTURE_CHILD_PID_FILE=" + childFile}})
+		child := readPID(waitContext(t), t, childFile)
+		t.Cleanup(func() { _ = syscall.Kill(child, syscall.SIGKILL) })
+
+		start := time.Now()
+		p.Kill(context.Background()) // the plugin exits gracefully; its child holds stderr
+		if elapsed := time.Since(start); elapsed > 3*time.Second+slack {
+			t.Errorf("Kill took %v, want about 3s (the graceful stop's bound)", elapsed)
+		}
+		if err := waitGone(waitContext(t), child); err != nil {
+			t.Errorf("the plugin's child after Kill: %v", err)
+		}
+	})
+}
+
+// TestLaunchChildOutsideGroup: a child that leaves the plugin's process group (setsid)
+// escapes the kill; while it holds the plugin's stdout, the launch still ends, 2s after
+// the kill, with an ERROR that says why.
+func TestLaunchChildOutsideGroup(t *testing.T) {
+	const setsid = "/usr/bin/setsid"
+	if _, err := os.Stat(setsid); err != nil {
+		t.Skip("needs " + setsid)
+	}
+	childFile := filepath.Join(t.TempDir(), "child")
+	logs := newLogBuffer()
+	host := hclog.New(&hclog.LoggerOptions{Name: "host", Level: hclog.Info, Output: logs})
+
+	start := time.Now()
+	_, err := pluginloader.Launch(testContext(t), script(t, setsid+` /bin/sh -c 'echo $$ > "$CHILD"; exec /bin/sleep 100' & until [ -s "$CHILD" ]; do /bin/sleep 0.01; done; echo starting; wait`),
+		pluginloader.Options{Logger: host, Env: []string{"CHILD=" + childFile}, StartTimeout: 500 * time.Millisecond})
+	elapsed := time.Since(start)
+	child := readPID(waitContext(t), t, childFile)
+	// Once it is gone, go-plugin's goroutines end (TestMain checks for leaks).
+	defer func() { _ = syscall.Kill(child, syscall.SIGKILL) }()
+
+	if err == nil || !strings.Contains(err.Error(), `printed "starting"`) {
+		t.Errorf("Launch: got %v, want the not-a-handshake error", err)
+	}
+	if elapsed > 2*time.Second+5*time.Second {
+		t.Errorf("Launch took %v, want about 2s: it must not wait for a process outside the plugin's group", elapsed)
+	}
+	if !strings.Contains(logs.String(), "[ERROR] host: plugin killed, but a process outside its process group still holds its stdout or stderr") {
+		t.Errorf("no ERROR about the escaped process in:\n%s", logs)
+	}
+}

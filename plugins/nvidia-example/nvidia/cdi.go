@@ -1,0 +1,127 @@
+package nvidia
+
+import (
+	"fmt"
+	"os"
+	"sync"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/devicehost/devicehost/deviceplugin/cdi"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// cdiKind is the CDI kind of the plugin's GPUs: Reserve names each GPU
+// nvidia.com/gpu=<UUID>, the name the NVIDIA Container Toolkit gives it with
+// --device-name-strategy=uuid.
+const cdiKind = "nvidia.com/gpu"
+
+// cdiSpecName is the spec's file name in the spec dir (plus ".yaml"), apart from the
+// NVIDIA Container Toolkit's nvidia.yaml.
+const cdiSpecName = "devicehost-" + Name
+
+// The NVIDIA kernel driver registers character major 195 for /dev/nvidiaN (minor N,
+// NVML's minor number) and /dev/nvidiactl (minor 255). They are fixed in the driver,
+// so the spec carries them and injection works whether or not the node exists on this
+// host, as with simulated GPUs. nvidia-uvm's major is assigned when its module loads:
+// it is listed only when the node exists, without numbers, and a runtime reads them
+// from the node when it injects.
+const (
+	nvidiaMajor    = 195
+	nvidiaCtlMinor = 255
+)
+
+// uvmNodes are the nodes CUDA needs besides the GPU's own and nvidiactl.
+var uvmNodes = []string{"/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}
+
+// cdiPublisher keeps the plugin's CDI spec in step with the GPUs it reports. Safe for
+// concurrent use (two Fingerprint streams may publish); it starts no goroutines.
+type cdiPublisher struct {
+	w      *cdi.Writer
+	logger hclog.Logger
+	// charDevice says whether path is a character device on this host.
+	charDevice func(path string) bool
+
+	mu      sync.Mutex
+	lastErr string // the failure last logged: a lasting one is logged once
+}
+
+func newCDIPublisher(dir string, logger hclog.Logger, charDevice func(string) bool) (*cdiPublisher, error) {
+	w, err := cdi.NewWriter(dir, cdiSpecName)
+	if err != nil {
+		return nil, fmt.Errorf("config: cdi_spec_dir: %w", err)
+	}
+	return &cdiPublisher{w: w, logger: logger, charDevice: charDevice}, nil
+}
+
+// publish writes the spec for gpus (removes it for none). A failure is logged, once
+// while it lasts, and retried on the next call; the plugin goes on serving.
+func (c *cdiPublisher) publish(gpus []gpu) {
+	spec := c.spec(gpus)
+	changed, err := c.w.Write(spec)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err != nil {
+		if msg := err.Error(); msg != c.lastErr {
+			c.lastErr = msg
+			c.logger.Error("CDI spec not written: container runtimes cannot resolve this plugin's CDI names ("+
+				cdiKind+"=<UUID>) until it is; the plugin goes on serving and retries on each fingerprint re-read",
+				"path", c.w.Path(), "error", err)
+		}
+		return
+	}
+	if changed || c.lastErr != "" {
+		if len(spec.Devices) == 0 {
+			c.logger.Info("CDI spec removed: no GPUs", "path", c.w.Path())
+		} else {
+			c.logger.Info("CDI spec written", "path", c.w.Path(), "gpus", len(spec.Devices))
+		}
+	}
+	c.lastErr = ""
+}
+
+// spec describes gpus for CDI: each GPU brings its /dev/nvidiaN; any of them brings
+// /dev/nvidiactl, the UVM nodes this host has, and NVIDIA_VISIBLE_DEVICES=void, so the
+// NVIDIA Container Toolkit's hook, where it also runs, adds no GPU of its own (CUDA
+// images set NVIDIA_VISIBLE_DEVICES=all). A GPU whose minor number NVML cannot give is
+// left out, with a warning.
+func (c *cdiPublisher) spec(gpus []gpu) cdi.Spec {
+	const ctl = "/dev/nvidiactl"
+	s := cdi.Spec{
+		Kind:    cdiKind,
+		Devices: make(map[string]*pb.ContainerReservation, len(gpus)),
+		Common: &pb.ContainerReservation{
+			Envs:    map[string]string{"NVIDIA_VISIBLE_DEVICES": "void"},
+			Devices: []*pb.DeviceSpec{node(ctl)},
+		},
+		Nodes: map[string]cdi.Node{ctl: {Type: "c", Major: nvidiaMajor, Minor: nvidiaCtlMinor}},
+	}
+	for _, path := range uvmNodes {
+		if c.charDevice(path) {
+			s.Common.Devices = append(s.Common.Devices, node(path))
+		}
+	}
+	for _, g := range gpus {
+		minor, ret := g.dev.GetMinorNumber()
+		if ret != nvml.SUCCESS || minor < 0 || minor >= nvidiaCtlMinor {
+			c.logger.Warn("GPU left out of the CDI spec: no device minor number", "gpu", g.uuid, "minor", minor, "error", ret)
+			continue
+		}
+		path := fmt.Sprintf("/dev/nvidia%d", minor)
+		s.Devices[g.uuid] = &pb.ContainerReservation{Devices: []*pb.DeviceSpec{node(path)}}
+		s.Nodes[path] = cdi.Node{Type: "c", Major: nvidiaMajor, Minor: int64(minor)}
+	}
+	return s
+}
+
+// node is a device node at the same path in the container, read-write (no mknod).
+func node(path string) *pb.DeviceSpec {
+	return &pb.DeviceSpec{HostPath: path, ContainerPath: path, Permissions: "rw"}
+}
+
+// isCharDevice says whether path is a character device on this host.
+func isCharDevice(path string) bool {
+	fi, err := os.Stat(path)
+	return err == nil && fi.Mode()&os.ModeCharDevice != 0
+}

@@ -1,0 +1,171 @@
+package server
+
+import (
+	"context"
+	"fmt"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/encoding"
+	grpcproto "google.golang.org/grpc/encoding/proto"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+// How requests are decoded and stream messages encoded.
+//
+// Decoding. grpc-go decodes a request inside the generated handler (unary: the `dec`
+// callback, before any interceptor runs; streams: RecvMsg), and when its codec fails it
+// writes INTERNAL to the client at once, before the handler can say anything else. A
+// request that is not valid protobuf, or holds invalid UTF-8 in a string field, is the
+// caller's mistake, so it must be INVALID_ARGUMENT. So every service is registered
+// through strictServices, whose handlers decode into a *pendingDecode: the server's
+// codec (wireCodec) decodes the real message into it and keeps the error instead of
+// failing, and the handler returns that error as INVALID_ARGUMENT. The call then ends
+// like any other, and the stats handler (calllog.go) logs it once.
+//
+// Encoding. Fingerprint and Stats send one message to many streams. The fan-out
+// (fanout.go) marshals it once into a *frame; wireCodec passes a frame's bytes through
+// untouched, and every stream sends the same immutable bytes. Anything else is handed
+// to grpc-go's own proto codec.
+
+// frame is a message marshalled once, shared read-only by every stream that sends it.
+type frame struct {
+	data []byte // the encoded message; never written after the frame is made
+	err  error  // marshalling failed: the status to end the streams with
+}
+
+// encodeFrame marshals m into a frame.
+func encodeFrame(m proto.Message) *frame {
+	data, err := proto.Marshal(m)
+	if err != nil {
+		return &frame{err: status.Errorf(codes.Internal, "encode %s: %v", m.ProtoReflect().Descriptor().Name(), err)}
+	}
+	return &frame{data: data}
+}
+
+// pendingDecode is what strict handlers ask the codec to decode into: msg is the request
+// message, and err is set (an INVALID_ARGUMENT status) when the bytes were not a valid
+// msg.
+type pendingDecode struct {
+	msg proto.Message
+	err error
+}
+
+// wireCodec is the server's codec (grpc.ForceServerCodecV2): frames and pendingDecodes
+// as described above, anything else through grpc-go's proto codec. Stateless; safe for
+// concurrent use.
+type wireCodec struct {
+	proto encoding.CodecV2
+}
+
+func newWireCodec() wireCodec {
+	return wireCodec{proto: encoding.GetCodecV2(grpcproto.Name)}
+}
+
+// Name implements encoding.CodecV2.
+func (wireCodec) Name() string { return grpcproto.Name }
+
+// Marshal implements encoding.CodecV2. A frame's bytes are sent as they are: a
+// SliceBuffer is never pooled, so grpc-go's Free leaves them alone.
+func (c wireCodec) Marshal(v any) (mem.BufferSlice, error) {
+	if f, ok := v.(*frame); ok {
+		return mem.BufferSlice{mem.SliceBuffer(f.data)}, nil
+	}
+	return c.proto.Marshal(v)
+}
+
+// Unmarshal implements encoding.CodecV2. Decoding into a *pendingDecode never fails: the
+// error is kept in it for the handler to return.
+func (c wireCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	p, ok := v.(*pendingDecode)
+	if !ok {
+		return c.proto.Unmarshal(data, v)
+	}
+	buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
+	defer buf.Free()
+	if err := proto.Unmarshal(buf.ReadOnlyData(), p.msg); err != nil {
+		p.err = status.Errorf(codes.InvalidArgument, "the request is not a valid %s: %v",
+			p.msg.ProtoReflect().Descriptor().FullName(), err)
+	}
+	return nil
+}
+
+// strictServices is a grpc.ServiceRegistrar (and reflection.GRPCServer) that registers
+// every service on s with handlers that answer an undecodable request INVALID_ARGUMENT.
+// It relies on s using wireCodec.
+type strictServices struct {
+	s *grpc.Server
+}
+
+// RegisterService implements grpc.ServiceRegistrar.
+func (r strictServices) RegisterService(desc *grpc.ServiceDesc, impl any) {
+	r.s.RegisterService(strictDesc(desc), impl)
+}
+
+// GetServiceInfo lets reflection list the services.
+func (r strictServices) GetServiceInfo() map[string]grpc.ServiceInfo { return r.s.GetServiceInfo() }
+
+// strictDesc returns a copy of desc whose handlers decode requests strictly.
+func strictDesc(desc *grpc.ServiceDesc) *grpc.ServiceDesc {
+	out := *desc
+	out.Methods = make([]grpc.MethodDesc, len(desc.Methods))
+	for i, m := range desc.Methods {
+		h := m.Handler
+		out.Methods[i] = grpc.MethodDesc{
+			MethodName: m.MethodName,
+			Handler: func(srv any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
+				return h(srv, ctx, strictDecoder(dec), interceptor)
+			},
+		}
+	}
+	out.Streams = make([]grpc.StreamDesc, len(desc.Streams))
+	for i, sd := range desc.Streams {
+		h := sd.Handler
+		sd.Handler = func(srv any, ss grpc.ServerStream) error { return h(srv, strictStream{ss}) }
+		out.Streams[i] = sd
+	}
+	return &out
+}
+
+// strictDecoder wraps a unary handler's dec.
+func strictDecoder(dec func(any) error) func(any) error {
+	return func(v any) error {
+		m, ok := v.(proto.Message)
+		if !ok {
+			return dec(v)
+		}
+		p := &pendingDecode{msg: m}
+		if err := dec(p); err != nil {
+			return err
+		}
+		return p.err
+	}
+}
+
+// strictStream is a ServerStream whose RecvMsg decodes strictly.
+type strictStream struct {
+	grpc.ServerStream
+}
+
+// RecvMsg implements grpc.ServerStream.
+func (s strictStream) RecvMsg(v any) error {
+	m, ok := v.(proto.Message)
+	if !ok {
+		return s.ServerStream.RecvMsg(v)
+	}
+	p := &pendingDecode{msg: m}
+	if err := s.ServerStream.RecvMsg(p); err != nil {
+		return err
+	}
+	return p.err
+}
+
+// unknownMethod answers calls of methods the server does not serve. Going through a
+// handler (rather than grpc-go's built-in answer) makes them end like any call, so they
+// are logged.
+func unknownMethod(_ any, stream grpc.ServerStream) error {
+	method, _ := grpc.MethodFromServerStream(stream)
+	return status.Error(codes.Unimplemented, fmt.Sprintf("unknown method %s", method))
+}
