@@ -121,7 +121,7 @@ func TestDeployDaemonSet(t *testing.T) {
 			volumes[v.Name] = v.HostPath.Path
 		}
 	}
-	for _, p := range []string{"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/opt/devicehost/plugins", "/var/lib/devicehost"} {
+	for _, p := range []string{"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/opt/devicehost/plugins", "/var/lib/devicehost", "/var/run/cdi"} {
 		if !slices.Contains(slices.Collect(maps.Values(volumes)), p) {
 			t.Errorf("no hostPath volume for %s", p)
 		}
@@ -200,6 +200,10 @@ func TestDeployDaemonSet(t *testing.T) {
 	}
 	if v := mountOf(agent, a.cfg.PluginDir+"/x"); volumes[v] != "/opt/devicehost/plugins" {
 		t.Errorf("plugin dir %s is not on the plugins hostPath", a.cfg.PluginDir)
+	}
+	// The plugin's CDI spec lands where the node's container runtime reads it.
+	if v := mountOf(agent, "/var/run/cdi/devicehost-nvidia-example.yaml"); volumes[v] != "/var/run/cdi" {
+		t.Errorf("the agent's /var/run/cdi is not the node's (volume %q)", v)
 	}
 	// Liveness: grpc_health_probe on the agent's socket and service.
 	if agent.LivenessProbe == nil {
