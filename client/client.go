@@ -301,6 +301,19 @@ func (c *Client) Reservations(ctx context.Context, filter *pb.ListReservationsRe
 	return resp.GetReservations(), nil
 }
 
+// Reown hands the live reservation reservationID from owner to newOwner and returns
+// it as stored (same ID, devices and container data): for a runtime that learns who
+// the allocation is only after Reserve. Asking again once it is done is not an error.
+// An unknown reservation is an IsReservationNotFound error; a released one, or one
+// whose owner is not owner, an INVALID_ARGUMENT status naming the field.
+func (c *Client) Reown(ctx context.Context, reservationID, owner, newOwner string) (*pb.Reservation, error) {
+	resp, err := c.api.ReownReservation(ctx, &pb.ReownReservationRequest{ReservationId: reservationID, OwnerId: owner, NewOwnerId: newOwner})
+	if err != nil {
+		return nil, err
+	}
+	return resp.GetReservation(), nil
+}
+
 // Plugins lists the agent's plugins with their status, restarts and last error.
 func (c *Client) Plugins(ctx context.Context) ([]*pb.Plugin, error) {
 	resp, err := c.api.ListPlugins(ctx, &pb.ListPluginsRequest{})

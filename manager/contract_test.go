@@ -53,6 +53,18 @@ func TestFakeManagerContract(t *testing.T) {
 			func(ctx context.Context, m device.Manager) error {
 				return expect((<-m.WatchStats(ctx, time.Second)).Groups[0].Plugin == "p", "stats or interval not passed through")
 			}},
+		{"Reown", &devicetest.Fake{ReownFunc: func(_ context.Context, req device.ReownRequest) (device.Reservation, error) {
+			if req.ReservationID != "r1" || req.OwnerID != "o1" || req.NewOwnerID != "o2" {
+				return device.Reservation{}, device.ErrInvalidRequest
+			}
+			r := res
+			r.OwnerID = req.NewOwnerID
+			return r, nil
+		}},
+			func(ctx context.Context, m device.Manager) error {
+				r, err := m.Reown(ctx, device.ReownRequest{ReservationID: "r1", OwnerID: "o1", NewOwnerID: "o2"})
+				return errors.Join(err, expect(r.OwnerID == "o2", "reown not passed through"))
+			}},
 		{"Reserve", &devicetest.Fake{ReserveFunc: func(_ context.Context, req device.ReserveRequest) (device.Reservation, error) {
 			if req.OwnerID != "o1" {
 				return device.Reservation{}, device.ErrInvalidRequest
@@ -100,12 +112,14 @@ func TestFakeManagerContract(t *testing.T) {
 				_, statsOpen := <-m.WatchStats(ctx, 0)
 				_, reserveErr := m.Reserve(ctx, device.ReserveRequest{})
 				_, releaseErr := m.Release(ctx, device.ReleaseRequest{})
+				_, reownErr := m.Reown(ctx, device.ReownRequest{})
 				<-m.Ready()
 				return errors.Join(
 					expect(len(m.Inventory().Groups) == 0 && m.State().Devices == nil, "zero inventory and state"),
 					expect(!watchOpen && !statsOpen, "closed watch channels"),
 					expect(errors.Is(reserveErr, device.ErrUnknownDevice), "Reserve answers ErrUnknownDevice"),
 					expect(errors.Is(releaseErr, device.ErrNotFound), "Release answers ErrNotFound"),
+					expect(errors.Is(reownErr, device.ErrNotFound), "Reown answers ErrNotFound"),
 					m.Shutdown(ctx))
 			}},
 	}

@@ -602,6 +602,22 @@ func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (devic
 	return res, nil
 }
 
+// Reown hands a live reservation to another owner; see device.Manager.
+func (m *Manager) Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error) {
+	if m.stopping.Load() {
+		return device.Reservation{}, fmt.Errorf("reown: %w", device.ErrShuttingDown)
+	}
+	if err := validate.ReownRequest(req); err != nil {
+		return device.Reservation{}, err
+	}
+	r, err := m.store.Reown(ctx, req)
+	if err != nil {
+		return device.Reservation{}, err
+	}
+	m.reg.refresh() // the holder's owner changed
+	return r, nil
+}
+
 // Reservations lists the reservations matching f, oldest first.
 func (m *Manager) Reservations(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
 	if err := validate.ReservationFilter(f); err != nil {

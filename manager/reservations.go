@@ -34,6 +34,9 @@ type reservationStore interface {
 	// reservation ID wraps device.ErrNotFound; an owner with no reservations matches
 	// nothing.
 	Release(ctx context.Context, req device.ReleaseRequest, at time.Time) (released, already []device.Reservation, err error)
+	// Reown hands a live reservation to another owner, durably before it returns, as
+	// device.Manager's Reown describes.
+	Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error)
 	// CleanupDone records that the plugin cleaned up after a released reservation.
 	CleanupDone(ctx context.Context, reservationID string) error
 	// List returns the reservations matching f, oldest first.
@@ -160,6 +163,24 @@ func (s *memStore) Release(_ context.Context, req device.ReleaseRequest, at time
 		released = append(released, cloneReservation(*r))
 	}
 	return released, already, nil
+}
+
+func (s *memStore) Reown(_ context.Context, req device.ReownRequest) (device.Reservation, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r, ok := s.byID[req.ReservationID]
+	switch {
+	case !ok:
+		return device.Reservation{}, fmt.Errorf("reservation %s: %w", req.ReservationID, device.ErrNotFound)
+	case r.OwnerID == req.NewOwnerID:
+	case r.State != device.ReservationActive:
+		return device.Reservation{}, &device.FieldError{Field: "reservation_id", Rule: fmt.Sprintf("reservation %s is released", r.ID)}
+	case r.OwnerID != req.OwnerID:
+		return device.Reservation{}, &device.FieldError{Field: "owner_id", Rule: fmt.Sprintf("reservation %s is owned by %q, not %q", r.ID, r.OwnerID, req.OwnerID)}
+	default:
+		r.OwnerID = req.NewOwnerID
+	}
+	return cloneReservation(*r), nil
 }
 
 func (s *memStore) CleanupDone(_ context.Context, reservationID string) error {

@@ -299,6 +299,24 @@ func TestReservationStores(t *testing.T) {
 				t.Errorf("holder of d0 = %+v, want %+v", got, want)
 			}
 
+			// Reown: the owner changes and nothing else; a stale expected owner is refused.
+			if got, err := s.Reown(ctx, device.ReownRequest{ReservationID: "r1", OwnerID: "o1", NewOwnerID: "pod-a"}); err != nil ||
+				got.OwnerID != "pod-a" || !reflect.DeepEqual(got.DeviceIDs, r1.DeviceIDs) || got.State != device.ReservationActive {
+				t.Errorf("Reown = %+v, %v; want r1 owned by pod-a", got, err)
+			}
+			if got, want := s.Holders()["d0"], (device.Holder{ReservationID: "r1", OwnerID: "pod-a"}); got != want {
+				t.Errorf("holder of d0 after Reown = %+v, want %+v", got, want)
+			}
+			if _, err := s.Reown(ctx, device.ReownRequest{ReservationID: "r1", OwnerID: "o1", NewOwnerID: "pod-b"}); !errors.Is(err, device.ErrInvalidRequest) {
+				t.Errorf("Reown from a stale owner = %v, want ErrInvalidRequest", err)
+			}
+			if _, err := s.Reown(ctx, device.ReownRequest{ReservationID: "nope", OwnerID: "o1", NewOwnerID: "pod-b"}); !errors.Is(err, device.ErrNotFound) {
+				t.Errorf("Reown(unknown) = %v, want ErrNotFound", err)
+			}
+			if _, err := s.Reown(ctx, device.ReownRequest{ReservationID: "r1", OwnerID: "pod-a", NewOwnerID: "o1"}); err != nil {
+				t.Fatalf("Reown back to o1: %v", err)
+			}
+
 			rel, already, err := s.Release(ctx, device.ReleaseRequest{ReservationID: "r1"}, time.Unix(2, 0))
 			if err != nil || len(rel) != 1 || len(already) != 0 || rel[0].State != device.ReservationReleased || !rel[0].CleanupPending {
 				t.Fatalf("Release = %+v, %+v, %v; want r1 released now with cleanup pending", rel, already, err)
@@ -306,6 +324,9 @@ func TestReservationStores(t *testing.T) {
 			rel, already, err = s.Release(ctx, device.ReleaseRequest{OwnerID: "o1"}, time.Unix(3, 0))
 			if err != nil || len(rel) != 0 || len(already) != 1 || !already[0].ReleasedAt.Equal(time.Unix(2, 0)) {
 				t.Fatalf("second Release = %+v, %+v, %v; want r1 already released at its first release time", rel, already, err)
+			}
+			if _, err := s.Reown(ctx, device.ReownRequest{ReservationID: "r1", OwnerID: "o1", NewOwnerID: "pod-a"}); !errors.Is(err, device.ErrInvalidRequest) {
+				t.Errorf("Reown of a released reservation = %v, want ErrInvalidRequest", err)
 			}
 			if err := s.CleanupDone(ctx, "r1"); err != nil {
 				t.Fatal(err)

@@ -216,6 +216,19 @@ func (s *Server) ListReservations(ctx context.Context, in *pb.ListReservationsRe
 	return out, nil
 }
 
+// ReownReservation validates the request and hands the reservation to the new owner.
+func (s *Server) ReownReservation(ctx context.Context, in *pb.ReownReservationRequest) (*pb.ReownReservationResponse, error) {
+	req := device.ReownRequest{ReservationID: in.GetReservationId(), OwnerID: in.GetOwnerId(), NewOwnerID: in.GetNewOwnerId()}
+	if err := validate.ReownRequest(req); err != nil {
+		return nil, toStatus(err)
+	}
+	r, err := s.mgr.Reown(ctx, req)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &pb.ReownReservationResponse{Reservation: reservationToProto(r)}, nil
+}
+
 // ListPlugins reports every plugin's status.
 func (s *Server) ListPlugins(context.Context, *pb.ListPluginsRequest) (*pb.ListPluginsResponse, error) {
 	st := s.mgr.State()

@@ -660,6 +660,50 @@ func TestReleaseAndListReservations(t *testing.T) {
 	}}})
 }
 
+func TestReownReservation(t *testing.T) {
+	reowns := make(chan device.ReownRequest, 1)
+	mgr := &devicetest.Fake{
+		ReownFunc: func(_ context.Context, req device.ReownRequest) (device.Reservation, error) {
+			reowns <- req
+			if req.ReservationID == "r-gone" {
+				return device.Reservation{}, fmt.Errorf("reservation %q: %w", req.ReservationID, device.ErrNotFound)
+			}
+			return device.Reservation{ID: req.ReservationID, OwnerID: req.NewOwnerID, Group: h100, Plugin: "nvidia",
+				DeviceIDs: []string{"GPU-0"}, State: device.ReservationActive, CreatedAt: t0}, nil
+		},
+	}
+	h := startHost(t, mgr)
+	ctx := testContext(t)
+
+	resp, err := h.client.ReownReservation(ctx, &pb.ReownReservationRequest{ReservationId: "r1", OwnerId: "kubelet/x", NewOwnerId: "k8s/ml/a/main"})
+	if err != nil {
+		t.Fatalf("ReownReservation: %v", err)
+	}
+	if got, want := <-reowns, (device.ReownRequest{ReservationID: "r1", OwnerID: "kubelet/x", NewOwnerID: "k8s/ml/a/main"}); got != want {
+		t.Errorf("manager Reown got %+v, want %+v", got, want)
+	}
+	assertProtoEqual(t, "ReownReservation", resp, &pb.ReownReservationResponse{Reservation: &pb.Reservation{
+		ReservationId: "r1", OwnerId: "k8s/ml/a/main", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, Plugin: "nvidia",
+		DeviceIds: []string{"GPU-0"}, State: pb.ReservationState_RESERVATION_STATE_ACTIVE,
+		Reservation: &pb.ContainerReservation{}, CreatedAt: timestamppb.New(t0),
+	}})
+
+	_, err = h.client.ReownReservation(ctx, &pb.ReownReservationRequest{ReservationId: "r-gone", OwnerId: "a", NewOwnerId: "b"})
+	if status.Code(err) != codes.NotFound {
+		t.Errorf("ReownReservation of an unknown reservation: %v, want NotFound", err)
+	}
+	<-reowns
+	_, err = h.client.ReownReservation(ctx, &pb.ReownReservationRequest{ReservationId: "r1", OwnerId: "a"})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "new_owner_id") {
+		t.Errorf("ReownReservation without a new owner: %v, want InvalidArgument naming new_owner_id", err)
+	}
+	select {
+	case req := <-reowns:
+		t.Errorf("an invalid request reached the manager: %+v", req)
+	default:
+	}
+}
+
 func TestListPlugins(t *testing.T) {
 	mgr := &devicetest.Fake{StateFunc: func() device.State {
 		return device.State{Plugins: []device.PluginState{

@@ -143,3 +143,17 @@ func reservationFilter(flt device.ReservationFilter) error {
 	}
 	return f.err()
 }
+
+// reownRequest is ReownRequest's body; see its doc comment for the rules.
+func reownRequest(req device.ReownRequest) error {
+	var f fields
+	f.checkID("reservation_id", req.ReservationID)
+	for _, o := range []struct{ field, id string }{{"owner_id", req.OwnerID}, {"new_owner_id", req.NewOwnerID}} {
+		if o.id == "" {
+			f.add(o.field, RuleEmpty, "")
+		} else {
+			f.checkOwner(o.field, o.id)
+		}
+	}
+	return f.err()
+}

@@ -213,6 +213,40 @@ func TestReleaseRequest(t *testing.T) {
 	}
 }
 
+func TestReownRequest(t *testing.T) {
+	ok := device.ReownRequest{ReservationID: "r-1", OwnerID: "kubelet/nvidia.com/gpu/0123456789abcdef", NewOwnerID: "k8s/ml/trainer-0/main"}
+	with := func(f func(*device.ReownRequest)) device.ReownRequest {
+		r := ok
+		f(&r)
+		return r
+	}
+	tests := []struct {
+		name string
+		req  device.ReownRequest
+		want []device.FieldError
+	}{
+		{name: "valid", req: ok},
+		{name: "nothing set", want: []device.FieldError{
+			fe("reservation_id", validate.RuleEmpty), fe("owner_id", validate.RuleEmpty), fe("new_owner_id", validate.RuleEmpty),
+		}},
+		{name: "new owner space-padded", req: with(func(r *device.ReownRequest) { r.NewOwnerID = "k8s/a/b/c " }),
+			want: []device.FieldError{fe("new_owner_id", validate.RuleSpaces)}},
+		{name: "new owner not printable", req: with(func(r *device.ReownRequest) { r.NewOwnerID = "k8s/a\nb" }),
+			want: []device.FieldError{fe("new_owner_id", validate.RuleNotPrintable)}},
+		{name: "new owner too long", req: with(func(r *device.ReownRequest) { r.NewOwnerID = strings.Repeat("o", validate.MaxNameLen+1) }),
+			want: []device.FieldError{fe("new_owner_id", validate.RuleTooLong, fmt.Sprintf("%d bytes, limit %d", validate.MaxNameLen+1, validate.MaxNameLen))}},
+		{name: "owner only spaces", req: with(func(r *device.ReownRequest) { r.OwnerID = "  " }),
+			want: []device.FieldError{fe("owner_id", validate.RuleSpaces, "only spaces")}},
+		{name: "reservation ID invalid UTF-8", req: with(func(r *device.ReownRequest) { r.ReservationID = "\xff" }),
+			want: []device.FieldError{fe("reservation_id", validate.RuleInvalidUTF8)}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			checkFieldErrors(t, validate.ReownRequest(tt.req), tt.want)
+		})
+	}
+}
+
 func TestReservationFilter(t *testing.T) {
 	tests := []struct {
 		name string

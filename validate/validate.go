@@ -84,6 +84,12 @@ func ReserveRequest(req device.ReserveRequest) error { return reserveRequest(req
 // printable, and an owner_id not blank or space-padded (RuleSpaces).
 func ReleaseRequest(req device.ReleaseRequest) error { return releaseRequest(req) }
 
+// ReownRequest checks a host API ReownReservation request; violations are
+// *device.FieldError. reservation_id, owner_id and new_owner_id must be set and follow
+// ReserveRequest's rules for IDs; both owners must also not be blank or space-padded
+// (RuleSpaces).
+func ReownRequest(req device.ReownRequest) error { return reownRequest(req) }
+
 // ReservationFilter checks a host API ListReservations filter; violations are
 // *device.FieldError. owner_id and device_id may be empty but otherwise follow
 // ReserveRequest's rules for IDs; state must be one of the ReservationState values

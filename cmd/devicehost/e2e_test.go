@@ -41,7 +41,7 @@ var e2eBuild struct {
 
 // devicehostBinary builds ./cmd/devicehost once per test run (with -race when the
 // tests run with it) and returns the binary's path.
-func devicehostBinary(t *testing.T) string {
+func devicehostBinary(t testing.TB) string {
 	t.Helper()
 	e2eBuild.once.Do(func() {
 		goTool, err := exec.LookPath("go")
@@ -146,7 +146,7 @@ func startDevAgent(t *testing.T) *agentProcess {
 // tempDir makes a fresh directory under the system's temp dir, with a name short
 // enough for Unix socket paths (t.TempDir's names carry the test's name), and removes it
 // in Cleanup.
-func tempDir(t *testing.T, prefix string) string {
+func tempDir(t testing.TB, prefix string) string {
 	t.Helper()
 	dir, err := os.MkdirTemp("", prefix)
 	if err != nil {
@@ -160,7 +160,7 @@ func tempDir(t *testing.T, prefix string) string {
 // on addr, in a process group of its own, and records its output. Cleanup SIGKILLs
 // the group if the agent still runs (its plugins die with it through their parent-death
 // signal, unless kept for reattach) and, if the test failed, logs the agent's output.
-func startAgentProcess(t *testing.T, addr endpoint.Address, args ...string) *agentProcess {
+func startAgentProcess(t testing.TB, addr endpoint.Address, args ...string) *agentProcess {
 	t.Helper()
 	// A SIGKILLed -dev agent cannot remove its temporary directory: give it a TMPDIR the
 	// test removes. Not t.TempDir: its long name would push the socket path past the
@@ -169,7 +169,7 @@ func startAgentProcess(t *testing.T, addr endpoint.Address, args ...string) *age
 }
 
 // startAgentProcessIn is startAgentProcess with TMPDIR set to tmp.
-func startAgentProcessIn(t *testing.T, tmp string, addr endpoint.Address, args ...string) *agentProcess {
+func startAgentProcessIn(t testing.TB, tmp string, addr endpoint.Address, args ...string) *agentProcess {
 	t.Helper()
 	bin := devicehostBinary(t)
 	a := &agentProcess{
@@ -228,7 +228,7 @@ func (a *agentProcess) waitExit(ctx context.Context) error {
 }
 
 // client connects to the agent and waits until its health is SERVING.
-func (a *agentProcess) client(t *testing.T, ctx context.Context) pb.DeviceHostClient {
+func (a *agentProcess) client(t testing.TB, ctx context.Context) pb.DeviceHostClient {
 	t.Helper()
 	conn, err := endpoint.Dial(a.addr, endpoint.TLS{})
 	if err != nil {

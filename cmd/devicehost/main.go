@@ -4,6 +4,7 @@
 //	devicehost agent -dev                    a working host with 8 simulated H100s
 //	devicehost agent -config /etc/devicehost/devicehost.hcl
 //	devicehost devices | stats | plugins | reserve | release | reservations
+//	devicehost kubelet-plugin                the Kubernetes device plugin, a client of the agent
 package main
 
 import (
@@ -46,6 +47,7 @@ func commands() []command {
 		{name: "reserve", summary: "reserve devices for an owner", run: runReserve},
 		{name: "release", summary: "release a reservation, or all of an owner's", run: runRelease},
 		{name: "reservations", summary: "list reservations", run: runReservations},
+		{name: "kubelet-plugin", summary: "serve the agent's devices to the kubelet (Kubernetes device plugin)", run: runKubeletPlugin},
 		{name: "plugin", summary: "serve a bundled plugin (run by the agent)", hidden: true, run: runPlugin},
 	}
 }
@@ -105,7 +107,7 @@ func printUsage(w io.Writer) {
 	fmt.Fprintln(w, "Commands:")
 	for _, c := range commands() {
 		if !c.hidden {
-			fmt.Fprintf(w, "  %-13s %s\n", c.name, c.summary)
+			fmt.Fprintf(w, "  %-15s %s\n", c.name, c.summary)
 		}
 	}
 	fmt.Fprintln(w)

@@ -53,6 +53,13 @@ type Manager interface {
 	Release(ctx context.Context, req ReleaseRequest) (ReleaseResult, error)
 	// Reservations lists the ledger's reservations that match f.
 	Reservations(ctx context.Context, f ReservationFilter) ([]Reservation, error)
+	// Reown hands the live reservation req names from req.OwnerID to req.NewOwnerID,
+	// durably before it returns, and returns it: the same ID, devices and container
+	// data, another owner (for a runtime that learns who the allocation is only after
+	// Reserve, as the kubelet's device plugins do). Reowning to the owner it already has
+	// is not an error. An unknown reservation ID wraps ErrNotFound; a released
+	// reservation, or one whose owner is not req.OwnerID, is a *FieldError.
+	Reown(ctx context.Context, req ReownRequest) (Reservation, error)
 	// Ready is closed once every configured plugin has fingerprinted, failed, or
 	// exceeded the readiness timeout.
 	Ready() <-chan struct{}
@@ -300,6 +307,13 @@ type Reservation struct {
 type ReleaseRequest struct {
 	ReservationID string
 	OwnerID       string
+}
+
+// ReownRequest names a live reservation, the owner it has, and the owner to give it.
+type ReownRequest struct {
+	ReservationID string
+	OwnerID       string // the owner the caller expects it to have
+	NewOwnerID    string
 }
 
 // ReleaseResult is what a Release did with the reservations its request named. Every

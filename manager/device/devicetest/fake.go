@@ -20,6 +20,7 @@ type Fake struct {
 	ReserveFunc      func(ctx context.Context, req device.ReserveRequest) (device.Reservation, error)
 	ReleaseFunc      func(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error)
 	ReservationsFunc func(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)
+	ReownFunc        func(ctx context.Context, req device.ReownRequest) (device.Reservation, error)
 	ReadyFunc        func() <-chan struct{}
 	ShutdownFunc     func(ctx context.Context) error
 }
@@ -84,6 +85,14 @@ func (f *Fake) Reservations(ctx context.Context, filter device.ReservationFilter
 		return nil, nil
 	}
 	return f.ReservationsFunc(ctx, filter)
+}
+
+// Reown calls ReownFunc; without one it answers device.ErrNotFound.
+func (f *Fake) Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error) {
+	if f.ReownFunc == nil {
+		return device.Reservation{}, device.ErrNotFound
+	}
+	return f.ReownFunc(ctx, req)
 }
 
 // Ready calls ReadyFunc; without one it returns a closed channel (ready at once).

@@ -1704,6 +1704,116 @@ func (x *ListReservationsResponse) GetReservations() []*Reservation {
 	return nil
 }
 
+// ReownReservationRequest: the reservation keeps its ID, devices and container data and
+// gets new_owner_id as its owner, if owner_id is still its owner. Asking again once it
+// is done is not an error. An unknown reservation is NOT_FOUND; a released one, or one
+// owned by another owner than owner_id, INVALID_ARGUMENT naming the field.
+type ReownReservationRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ReservationId string                 `protobuf:"bytes,1,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
+	// The owner the caller expects the reservation to have.
+	OwnerId       string `protobuf:"bytes,2,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
+	NewOwnerId    string `protobuf:"bytes,3,opt,name=new_owner_id,json=newOwnerId,proto3" json:"new_owner_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReownReservationRequest) Reset() {
+	*x = ReownReservationRequest{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReownReservationRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReownReservationRequest) ProtoMessage() {}
+
+func (x *ReownReservationRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReownReservationRequest.ProtoReflect.Descriptor instead.
+func (*ReownReservationRequest) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ReownReservationRequest) GetReservationId() string {
+	if x != nil {
+		return x.ReservationId
+	}
+	return ""
+}
+
+func (x *ReownReservationRequest) GetOwnerId() string {
+	if x != nil {
+		return x.OwnerId
+	}
+	return ""
+}
+
+func (x *ReownReservationRequest) GetNewOwnerId() string {
+	if x != nil {
+		return x.NewOwnerId
+	}
+	return ""
+}
+
+type ReownReservationResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The reservation as stored now.
+	Reservation   *Reservation `protobuf:"bytes,1,opt,name=reservation,proto3" json:"reservation,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReownReservationResponse) Reset() {
+	*x = ReownReservationResponse{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReownReservationResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReownReservationResponse) ProtoMessage() {}
+
+func (x *ReownReservationResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReownReservationResponse.ProtoReflect.Descriptor instead.
+func (*ReownReservationResponse) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *ReownReservationResponse) GetReservation() *Reservation {
+	if x != nil {
+		return x.Reservation
+	}
+	return nil
+}
+
 type ListPluginsRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1712,7 +1822,7 @@ type ListPluginsRequest struct {
 
 func (x *ListPluginsRequest) Reset() {
 	*x = ListPluginsRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1724,7 +1834,7 @@ func (x *ListPluginsRequest) String() string {
 func (*ListPluginsRequest) ProtoMessage() {}
 
 func (x *ListPluginsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1737,7 +1847,7 @@ func (x *ListPluginsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPluginsRequest.ProtoReflect.Descriptor instead.
 func (*ListPluginsRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{22}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{24}
 }
 
 type Plugin struct {
@@ -1760,7 +1870,7 @@ type Plugin struct {
 
 func (x *Plugin) Reset() {
 	*x = Plugin{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1772,7 +1882,7 @@ func (x *Plugin) String() string {
 func (*Plugin) ProtoMessage() {}
 
 func (x *Plugin) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1785,7 +1895,7 @@ func (x *Plugin) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Plugin.ProtoReflect.Descriptor instead.
 func (*Plugin) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{23}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *Plugin) GetName() string {
@@ -1860,7 +1970,7 @@ type ListPluginsResponse struct {
 
 func (x *ListPluginsResponse) Reset() {
 	*x = ListPluginsResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1872,7 +1982,7 @@ func (x *ListPluginsResponse) String() string {
 func (*ListPluginsResponse) ProtoMessage() {}
 
 func (x *ListPluginsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1885,7 +1995,7 @@ func (x *ListPluginsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPluginsResponse.ProtoReflect.Descriptor instead.
 func (*ListPluginsResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{24}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ListPluginsResponse) GetPlugins() []*Plugin {
@@ -1910,7 +2020,7 @@ type DeviceHeld struct {
 
 func (x *DeviceHeld) Reset() {
 	*x = DeviceHeld{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1922,7 +2032,7 @@ func (x *DeviceHeld) String() string {
 func (*DeviceHeld) ProtoMessage() {}
 
 func (x *DeviceHeld) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1935,7 +2045,7 @@ func (x *DeviceHeld) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceHeld.ProtoReflect.Descriptor instead.
 func (*DeviceHeld) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{25}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *DeviceHeld) GetOwnerId() string {
@@ -1971,7 +2081,7 @@ type DeviceConflict struct {
 
 func (x *DeviceConflict) Reset() {
 	*x = DeviceConflict{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1983,7 +2093,7 @@ func (x *DeviceConflict) String() string {
 func (*DeviceConflict) ProtoMessage() {}
 
 func (x *DeviceConflict) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1996,7 +2106,7 @@ func (x *DeviceConflict) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceConflict.ProtoReflect.Descriptor instead.
 func (*DeviceConflict) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{26}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *DeviceConflict) GetReservationId() string {
@@ -2155,7 +2265,14 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\tdevice_id\x18\x02 \x01(\tR\bdeviceId\x125\n" +
 	"\x05state\x18\x03 \x01(\x0e2\x1f.devicehost.v1.ReservationStateR\x05state\"Z\n" +
 	"\x18ListReservationsResponse\x12>\n" +
-	"\freservations\x18\x01 \x03(\v2\x1a.devicehost.v1.ReservationR\freservations\"\x14\n" +
+	"\freservations\x18\x01 \x03(\v2\x1a.devicehost.v1.ReservationR\freservations\"}\n" +
+	"\x17ReownReservationRequest\x12%\n" +
+	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x19\n" +
+	"\bowner_id\x18\x02 \x01(\tR\aownerId\x12 \n" +
+	"\fnew_owner_id\x18\x03 \x01(\tR\n" +
+	"newOwnerId\"X\n" +
+	"\x18ReownReservationResponse\x12<\n" +
+	"\vreservation\x18\x01 \x01(\v2\x1a.devicehost.v1.ReservationR\vreservation\"\x14\n" +
 	"\x12ListPluginsRequest\"\xd8\x02\n" +
 	"\x06Plugin\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
@@ -2195,14 +2312,15 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x16PLUGIN_STATUS_STARTING\x10\x01\x12\x19\n" +
 	"\x15PLUGIN_STATUS_RUNNING\x10\x02\x12\x1c\n" +
 	"\x18PLUGIN_STATUS_RESTARTING\x10\x03\x12\x18\n" +
-	"\x14PLUGIN_STATUS_FAILED\x10\x042\xf9\x03\n" +
+	"\x14PLUGIN_STATUS_FAILED\x10\x042\xde\x04\n" +
 	"\n" +
 	"DeviceHost\x12V\n" +
 	"\vFingerprint\x12!.devicehost.v1.FingerprintRequest\x1a\".devicehost.v1.FingerprintResponse0\x01\x12D\n" +
 	"\x05Stats\x12\x1b.devicehost.v1.StatsRequest\x1a\x1c.devicehost.v1.StatsResponse0\x01\x12H\n" +
 	"\aReserve\x12\x1d.devicehost.v1.ReserveRequest\x1a\x1e.devicehost.v1.ReserveResponse\x12H\n" +
 	"\aRelease\x12\x1d.devicehost.v1.ReleaseRequest\x1a\x1e.devicehost.v1.ReleaseResponse\x12c\n" +
-	"\x10ListReservations\x12&.devicehost.v1.ListReservationsRequest\x1a'.devicehost.v1.ListReservationsResponse\x12T\n" +
+	"\x10ListReservations\x12&.devicehost.v1.ListReservationsRequest\x1a'.devicehost.v1.ListReservationsResponse\x12c\n" +
+	"\x10ReownReservation\x12&.devicehost.v1.ReownReservationRequest\x1a'.devicehost.v1.ReownReservationResponse\x12T\n" +
 	"\vListPlugins\x12!.devicehost.v1.ListPluginsRequest\x1a\".devicehost.v1.ListPluginsResponseBCZAgithub.com/devicehost/devicehost/proto/devicehost/v1;devicehostv1b\x06proto3"
 
 var (
@@ -2218,7 +2336,7 @@ func file_devicehost_v1_devicehost_proto_rawDescGZIP() []byte {
 }
 
 var file_devicehost_v1_devicehost_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
 var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	(Health)(0),                      // 0: devicehost.v1.Health
 	(ReservationState)(0),            // 1: devicehost.v1.ReservationState
@@ -2245,68 +2363,73 @@ var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	(*Reservation)(nil),              // 22: devicehost.v1.Reservation
 	(*ListReservationsRequest)(nil),  // 23: devicehost.v1.ListReservationsRequest
 	(*ListReservationsResponse)(nil), // 24: devicehost.v1.ListReservationsResponse
-	(*ListPluginsRequest)(nil),       // 25: devicehost.v1.ListPluginsRequest
-	(*Plugin)(nil),                   // 26: devicehost.v1.Plugin
-	(*ListPluginsResponse)(nil),      // 27: devicehost.v1.ListPluginsResponse
-	(*DeviceHeld)(nil),               // 28: devicehost.v1.DeviceHeld
-	(*DeviceConflict)(nil),           // 29: devicehost.v1.DeviceConflict
-	nil,                              // 30: devicehost.v1.DeviceGroup.AttributesEntry
-	nil,                              // 31: devicehost.v1.DeviceStats.ValuesEntry
-	nil,                              // 32: devicehost.v1.ContainerReservation.EnvsEntry
-	(*timestamppb.Timestamp)(nil),    // 33: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 34: google.protobuf.Duration
+	(*ReownReservationRequest)(nil),  // 25: devicehost.v1.ReownReservationRequest
+	(*ReownReservationResponse)(nil), // 26: devicehost.v1.ReownReservationResponse
+	(*ListPluginsRequest)(nil),       // 27: devicehost.v1.ListPluginsRequest
+	(*Plugin)(nil),                   // 28: devicehost.v1.Plugin
+	(*ListPluginsResponse)(nil),      // 29: devicehost.v1.ListPluginsResponse
+	(*DeviceHeld)(nil),               // 30: devicehost.v1.DeviceHeld
+	(*DeviceConflict)(nil),           // 31: devicehost.v1.DeviceConflict
+	nil,                              // 32: devicehost.v1.DeviceGroup.AttributesEntry
+	nil,                              // 33: devicehost.v1.DeviceStats.ValuesEntry
+	nil,                              // 34: devicehost.v1.ContainerReservation.EnvsEntry
+	(*timestamppb.Timestamp)(nil),    // 35: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 36: google.protobuf.Duration
 }
 var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
 	10, // 0: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
 	5,  // 1: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
-	33, // 2: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
-	30, // 3: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
+	35, // 2: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
+	32, // 3: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
 	6,  // 4: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
 	0,  // 5: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
-	33, // 6: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
+	35, // 6: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
 	7,  // 7: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
 	8,  // 8: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
-	34, // 9: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	36, // 9: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
 	10, // 10: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
 	13, // 11: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
-	33, // 12: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
+	35, // 12: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
 	14, // 13: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
-	31, // 14: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
-	33, // 15: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	33, // 14: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
+	35, // 15: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
 	17, // 16: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
-	32, // 17: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
+	34, // 17: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
 	18, // 18: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
 	19, // 19: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
 	1,  // 20: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
 	17, // 21: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
-	33, // 22: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	33, // 23: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
+	35, // 22: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	35, // 23: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
 	1,  // 24: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
 	22, // 25: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
-	2,  // 26: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
-	33, // 27: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
-	33, // 28: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
-	26, // 29: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
-	29, // 30: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
-	9,  // 31: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
-	9,  // 32: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
-	3,  // 33: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
-	11, // 34: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
-	15, // 35: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
-	20, // 36: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
-	23, // 37: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
-	25, // 38: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
-	4,  // 39: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
-	12, // 40: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
-	16, // 41: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
-	21, // 42: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
-	24, // 43: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
-	27, // 44: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
-	39, // [39:45] is the sub-list for method output_type
-	33, // [33:39] is the sub-list for method input_type
-	33, // [33:33] is the sub-list for extension type_name
-	33, // [33:33] is the sub-list for extension extendee
-	0,  // [0:33] is the sub-list for field type_name
+	22, // 26: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
+	2,  // 27: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
+	35, // 28: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
+	35, // 29: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
+	28, // 30: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
+	31, // 31: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
+	9,  // 32: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
+	9,  // 33: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
+	3,  // 34: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
+	11, // 35: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
+	15, // 36: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
+	20, // 37: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
+	23, // 38: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
+	25, // 39: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
+	27, // 40: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
+	4,  // 41: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
+	12, // 42: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
+	16, // 43: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
+	21, // 44: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
+	24, // 45: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
+	26, // 46: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
+	29, // 47: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
+	41, // [41:48] is the sub-list for method output_type
+	34, // [34:41] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_devicehost_v1_devicehost_proto_init() }
@@ -2330,7 +2453,7 @@ func file_devicehost_v1_devicehost_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_devicehost_v1_devicehost_proto_rawDesc), len(file_devicehost_v1_devicehost_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   30,
+			NumMessages:   32,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -27,6 +27,7 @@ const (
 	DeviceHost_Reserve_FullMethodName          = "/devicehost.v1.DeviceHost/Reserve"
 	DeviceHost_Release_FullMethodName          = "/devicehost.v1.DeviceHost/Release"
 	DeviceHost_ListReservations_FullMethodName = "/devicehost.v1.DeviceHost/ListReservations"
+	DeviceHost_ReownReservation_FullMethodName = "/devicehost.v1.DeviceHost/ReownReservation"
 	DeviceHost_ListPlugins_FullMethodName      = "/devicehost.v1.DeviceHost/ListPlugins"
 )
 
@@ -63,6 +64,10 @@ type DeviceHostClient interface {
 	Release(ctx context.Context, in *ReleaseRequest, opts ...grpc.CallOption) (*ReleaseResponse, error)
 	// ListReservations lists reservations in the ledger.
 	ListReservations(ctx context.Context, in *ListReservationsRequest, opts ...grpc.CallOption) (*ListReservationsResponse, error)
+	// ReownReservation hands a live reservation to another owner, for a runtime that
+	// learns who the allocation is only after Reserve (the kubelet's device plugins
+	// reserve before the pod is known). Durable before it is answered.
+	ReownReservation(ctx context.Context, in *ReownReservationRequest, opts ...grpc.CallOption) (*ReownReservationResponse, error)
 	// ListPlugins reports each plugin's status.
 	ListPlugins(ctx context.Context, in *ListPluginsRequest, opts ...grpc.CallOption) (*ListPluginsResponse, error)
 }
@@ -143,6 +148,16 @@ func (c *deviceHostClient) ListReservations(ctx context.Context, in *ListReserva
 	return out, nil
 }
 
+func (c *deviceHostClient) ReownReservation(ctx context.Context, in *ReownReservationRequest, opts ...grpc.CallOption) (*ReownReservationResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReownReservationResponse)
+	err := c.cc.Invoke(ctx, DeviceHost_ReownReservation_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *deviceHostClient) ListPlugins(ctx context.Context, in *ListPluginsRequest, opts ...grpc.CallOption) (*ListPluginsResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	out := new(ListPluginsResponse)
@@ -186,6 +201,10 @@ type DeviceHostServer interface {
 	Release(context.Context, *ReleaseRequest) (*ReleaseResponse, error)
 	// ListReservations lists reservations in the ledger.
 	ListReservations(context.Context, *ListReservationsRequest) (*ListReservationsResponse, error)
+	// ReownReservation hands a live reservation to another owner, for a runtime that
+	// learns who the allocation is only after Reserve (the kubelet's device plugins
+	// reserve before the pod is known). Durable before it is answered.
+	ReownReservation(context.Context, *ReownReservationRequest) (*ReownReservationResponse, error)
 	// ListPlugins reports each plugin's status.
 	ListPlugins(context.Context, *ListPluginsRequest) (*ListPluginsResponse, error)
 	mustEmbedUnimplementedDeviceHostServer()
@@ -212,6 +231,9 @@ func (UnimplementedDeviceHostServer) Release(context.Context, *ReleaseRequest) (
 }
 func (UnimplementedDeviceHostServer) ListReservations(context.Context, *ListReservationsRequest) (*ListReservationsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListReservations not implemented")
+}
+func (UnimplementedDeviceHostServer) ReownReservation(context.Context, *ReownReservationRequest) (*ReownReservationResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ReownReservation not implemented")
 }
 func (UnimplementedDeviceHostServer) ListPlugins(context.Context, *ListPluginsRequest) (*ListPluginsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListPlugins not implemented")
@@ -313,6 +335,24 @@ func _DeviceHost_ListReservations_Handler(srv interface{}, ctx context.Context, 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _DeviceHost_ReownReservation_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReownReservationRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(DeviceHostServer).ReownReservation(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: DeviceHost_ReownReservation_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(DeviceHostServer).ReownReservation(ctx, req.(*ReownReservationRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _DeviceHost_ListPlugins_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(ListPluginsRequest)
 	if err := dec(in); err != nil {
@@ -349,6 +389,10 @@ var DeviceHost_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListReservations",
 			Handler:    _DeviceHost_ListReservations_Handler,
+		},
+		{
+			MethodName: "ReownReservation",
+			Handler:    _DeviceHost_ReownReservation_Handler,
 		},
 		{
 			MethodName: "ListPlugins",

@@ -1,0 +1,266 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/hashicorp/hcl/v2"
+	"github.com/hashicorp/hcl/v2/gohcl"
+	"github.com/hashicorp/hcl/v2/hclparse"
+
+	"github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/kubelet"
+	"github.com/devicehost/devicehost/server/endpoint"
+)
+
+// The least the kubelet-plugin's durations may be: a shorter grace period would release
+// reservations of pods the kubelet has not reported yet, and listing PodResources more
+// often only loads the kubelet.
+const (
+	minReleaseGrace         = time.Second
+	minPodResourcesInterval = 100 * time.Millisecond
+)
+
+const kubeletPluginUsage = `[-config FILE] [flags]
+
+Serves the agent's devices to the kubelet as a device plugin (device-plugin API
+v1beta1): a resource per device group, named <vendor>.com/<type>, unless the config
+file's kubernetes block names the resources. It registers with the kubelet (again
+whenever the kubelet restarts), turns each container's Allocate into a Reserve at the
+agent, and releases a reservation once no pod in the kubelet's PodResources API has
+held its devices for -release-grace. Stops on SIGINT or SIGTERM, removing its sockets.
+Flags override the config file.`
+
+// kubeletPluginConfig is the kubelet-plugin's configuration: defaults, then the config
+// file, then flags.
+type kubeletPluginConfig struct {
+	Address              string
+	TLS                  endpoint.TLS
+	DevicePluginDir      string
+	PodResourcesSocket   string
+	ReleaseGrace         time.Duration
+	PodResourcesInterval time.Duration
+	Resources            []kubelet.Resource
+	LogLevel             string
+	LogJSON              bool
+}
+
+// runKubeletPlugin is `devicehost kubelet-plugin`.
+func runKubeletPlugin(ctx context.Context, env *cmdEnv, args []string) error {
+	cfg, err := parseKubeletPluginArgs(env, args)
+	if err != nil {
+		return err
+	}
+	log := hclog.New(&hclog.LoggerOptions{
+		Name:       "kubelet-plugin",
+		Level:      hclog.LevelFromString(cfg.LogLevel),
+		JSONFormat: cfg.LogJSON,
+		Output:     env.stderr,
+		Color:      hclog.ColorOff,
+	})
+	// The agent may start after the bridge, or restart under it: no reach check, the
+	// device watch reconnects by itself and reports the devices unhealthy meanwhile.
+	c, err := client.Dial(ctx, cfg.Address, client.WithTLS(cfg.TLS), client.WithoutReachCheck())
+	var ce *endpoint.ConfigError
+	if errors.As(err, &ce) {
+		return usageError{err.Error()}
+	}
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	b, err := kubelet.New(kubelet.Config{
+		Client:               c,
+		DevicePluginDir:      cfg.DevicePluginDir,
+		PodResourcesSocket:   cfg.PodResourcesSocket,
+		Resources:            cfg.Resources,
+		ReleaseGrace:         cfg.ReleaseGrace,
+		PodResourcesInterval: cfg.PodResourcesInterval,
+		Logger:               log,
+	})
+	if err != nil {
+		return err
+	}
+	return b.Run(ctx)
+}
+
+// parseKubeletPluginArgs reads the kubelet-plugin's flags and config file.
+func parseKubeletPluginArgs(env *cmdEnv, args []string) (kubeletPluginConfig, error) {
+	fs := newFlagSet(env, "kubelet-plugin", kubeletPluginUsage)
+	var cf clientFlags
+	cf.register(fs, env)
+	configPath := fs.String("config", "", "HCL config `file` with a kubernetes block (flags override it)")
+	dpDir := fs.String("device-plugin-dir", kubelet.DefaultDevicePluginDir, "the kubelet's device-plugins `dir`ectory")
+	prSocket := fs.String("pod-resources-socket", kubelet.DefaultPodResourcesSocket, "the kubelet's PodResources API socket `path`")
+	grace := fs.Duration("release-grace", kubelet.DefaultReleaseGrace, "release a reservation once no pod has held its devices this long (at least 1s)")
+	interval := fs.Duration("pod-resources-interval", kubelet.DefaultPodResourcesInterval, "how often to list the kubelet's PodResources (at least 100ms)")
+	logLevel := fs.String("log-level", defaultLogLevel, "log `level`: trace, debug, info, warn or error")
+	logJSON := fs.Bool("log-json", false, "log JSON lines")
+	if err := parseFlags(fs, args); err != nil {
+		return kubeletPluginConfig{}, err
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+
+	cfg := kubeletPluginConfig{
+		Address:            cf.address,
+		DevicePluginDir:    kubelet.DefaultDevicePluginDir,
+		PodResourcesSocket: kubelet.DefaultPodResourcesSocket,
+		LogLevel:           defaultLogLevel,
+	}
+	if *configPath != "" {
+		if err := loadKubeletConfigFile(*configPath, &cfg); err != nil {
+			return kubeletPluginConfig{}, err
+		}
+	}
+	override := func(name string, apply func()) {
+		if set[name] {
+			apply()
+		}
+	}
+	override("address", func() { cfg.Address = cf.address })
+	override("device-plugin-dir", func() { cfg.DevicePluginDir = *dpDir })
+	override("pod-resources-socket", func() { cfg.PodResourcesSocket = *prSocket })
+	override("release-grace", func() { cfg.ReleaseGrace = *grace })
+	override("pod-resources-interval", func() { cfg.PodResourcesInterval = *interval })
+	override("log-level", func() { cfg.LogLevel = *logLevel })
+	override("log-json", func() { cfg.LogJSON = *logJSON })
+	cfg.TLS = cf.tls
+	switch {
+	case set["release-grace"] && *grace < minReleaseGrace:
+		return kubeletPluginConfig{}, usagef("-release-grace %v is below the minimum of %v", *grace, minReleaseGrace)
+	case set["pod-resources-interval"] && *interval < minPodResourcesInterval:
+		return kubeletPluginConfig{}, usagef("-pod-resources-interval %v is below the minimum of %v", *interval, minPodResourcesInterval)
+	}
+	if err := checkLogLevel(cfg.LogLevel); err != nil {
+		return kubeletPluginConfig{}, usageError{err.Error()}
+	}
+	if _, err := endpoint.Parse(cfg.Address); err != nil {
+		return kubeletPluginConfig{}, usageError{err.Error()}
+	}
+	return cfg, nil
+}
+
+// kubeletFileSchema is the kubelet-plugin's config file: one kubernetes block.
+type kubeletFileSchema struct {
+	Kubernetes []kubernetesSchema `hcl:"kubernetes,block"`
+}
+
+type kubernetesSchema struct {
+	Address              *hcl.Attribute   `hcl:"address,optional"`
+	DevicePluginDir      *hcl.Attribute   `hcl:"device_plugin_dir,optional"`
+	PodResourcesSocket   *hcl.Attribute   `hcl:"pod_resources_socket,optional"`
+	ReleaseGrace         *hcl.Attribute   `hcl:"release_grace,optional"`
+	PodResourcesInterval *hcl.Attribute   `hcl:"pod_resources_interval,optional"`
+	Resources            []resourceSchema `hcl:"resource,block"`
+	DefRange             hcl.Range        `hcl:",def_range"`
+}
+
+type resourceSchema struct {
+	Name     string         `hcl:"name,label"`
+	Vendor   *hcl.Attribute `hcl:"vendor,optional"`
+	Type     *hcl.Attribute `hcl:"type,optional"`
+	Model    *hcl.Attribute `hcl:"name,optional"`
+	DefRange hcl.Range      `hcl:",def_range"`
+}
+
+// loadKubeletConfigFile reads the kubelet-plugin's HCL (or HCL JSON, for a .json name)
+// config file over cfg. Every problem is reported with the file, line and key.
+func loadKubeletConfigFile(path string, cfg *kubeletPluginConfig) error {
+	parser := hclparse.NewParser()
+	var file *hcl.File
+	var diags hcl.Diagnostics
+	if strings.HasSuffix(path, ".json") {
+		file, diags = parser.ParseJSONFile(path)
+	} else {
+		file, diags = parser.ParseHCLFile(path)
+	}
+	if diags.HasErrors() {
+		return diagError(path, diags)
+	}
+	var fs kubeletFileSchema
+	if diags := gohcl.DecodeBody(file.Body, nil, &fs); diags.HasErrors() {
+		return diagError(path, diags)
+	}
+	var d decoder
+	for i, k := range fs.Kubernetes {
+		if i > 0 {
+			d.diags = append(d.diags, &hcl.Diagnostic{
+				Severity: hcl.DiagError,
+				Summary:  "Duplicate kubernetes block",
+				Detail:   fmt.Sprintf("the kubernetes block is already at line %d; write one.", fs.Kubernetes[0].DefRange.Start.Line),
+				Subject:  k.DefRange.Ptr(),
+			})
+			continue
+		}
+		d.str(k.Address, &cfg.Address)
+		if k.Address != nil && !d.diags.HasErrors() {
+			if _, err := endpoint.Parse(cfg.Address); err != nil {
+				d.fail(k.Address, "Invalid address", err.Error())
+			}
+		}
+		d.str(k.DevicePluginDir, &cfg.DevicePluginDir)
+		d.str(k.PodResourcesSocket, &cfg.PodResourcesSocket)
+		d.duration(k.ReleaseGrace, minReleaseGrace, &cfg.ReleaseGrace)
+		d.duration(k.PodResourcesInterval, minPodResourcesInterval, &cfg.PodResourcesInterval)
+		for _, rs := range k.Resources {
+			if err := kubelet.ValidateResourceName(rs.Name); err != nil {
+				d.diags = append(d.diags, &hcl.Diagnostic{
+					Severity: hcl.DiagError,
+					Summary:  "Invalid resource name",
+					Detail:   err.Error() + ".",
+					Subject:  rs.DefRange.Ptr(),
+				})
+				continue
+			}
+			r := kubelet.Resource{Name: rs.Name}
+			d.required(rs.DefRange, "vendor", rs.Vendor, &r.Vendor)
+			d.required(rs.DefRange, "type", rs.Type, &r.Type)
+			if rs.Model != nil {
+				d.str(rs.Model, &r.Model)
+			}
+			cfg.Resources = append(cfg.Resources, r)
+		}
+		if !d.diags.HasErrors() {
+			if err := kubelet.ValidateResources(cfg.Resources); err != nil {
+				d.diags = append(d.diags, &hcl.Diagnostic{
+					Severity: hcl.DiagError,
+					Summary:  "Invalid resources",
+					Detail:   strings.ReplaceAll(err.Error(), "\n", "; ") + ".",
+					Subject:  k.DefRange.Ptr(),
+				})
+			}
+		}
+	}
+	if d.diags.HasErrors() {
+		return diagError(path, d.diags)
+	}
+	return nil
+}
+
+// required decodes the string attribute key of the block at block, which must be set
+// and not empty.
+func (d *decoder) required(block hcl.Range, key string, a *hcl.Attribute, out *string) {
+	if a == nil {
+		d.diags = append(d.diags, &hcl.Diagnostic{
+			Severity: hcl.DiagError,
+			Summary:  "Missing required argument",
+			Detail:   fmt.Sprintf("The argument %q is required.", key),
+			Subject:  block.Ptr(),
+		})
+		return
+	}
+	var s string
+	before := len(d.diags)
+	d.str(a, &s)
+	if s == "" && len(d.diags) == before {
+		d.fail(a, "Invalid value", "must not be empty")
+		return
+	}
+	*out = s
+}

@@ -1,0 +1,226 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// The Kubernetes manifests in deploy/kubernetes are checked here, with the binary's own
+// flag and config parsing: what a node would run must parse.
+
+// k8sObject is the part of a Kubernetes object the checks read.
+type k8sObject struct {
+	APIVersion string `yaml:"apiVersion"`
+	Kind       string `yaml:"kind"`
+	Metadata   struct {
+		Name      string `yaml:"name"`
+		Namespace string `yaml:"namespace"`
+	} `yaml:"metadata"`
+	Data map[string]string `yaml:"data"`
+	Spec struct {
+		// Pod
+		Containers []k8sContainer `yaml:"containers"`
+		// DaemonSet
+		Template struct {
+			Spec struct {
+				InitContainers []k8sContainer `yaml:"initContainers"`
+				Containers     []k8sContainer `yaml:"containers"`
+				Volumes        []struct {
+					Name     string    `yaml:"name"`
+					EmptyDir *struct{} `yaml:"emptyDir"`
+					HostPath *struct {
+						Path string `yaml:"path"`
+					} `yaml:"hostPath"`
+					ConfigMap *struct {
+						Name string `yaml:"name"`
+					} `yaml:"configMap"`
+				} `yaml:"volumes"`
+			} `yaml:"spec"`
+		} `yaml:"template"`
+	} `yaml:"spec"`
+}
+
+type k8sContainer struct {
+	Name         string   `yaml:"name"`
+	Args         []string `yaml:"args"`
+	VolumeMounts []struct {
+		Name      string `yaml:"name"`
+		MountPath string `yaml:"mountPath"`
+	} `yaml:"volumeMounts"`
+	LivenessProbe *struct {
+		Exec struct {
+			Command []string `yaml:"command"`
+		} `yaml:"exec"`
+	} `yaml:"livenessProbe"`
+	Resources struct {
+		Limits map[string]string `yaml:"limits"`
+	} `yaml:"resources"`
+}
+
+// readManifests decodes every YAML document of file, refusing unknown fields nowhere
+// (Kubernetes objects have many the checks do not read) but any YAML error.
+func readManifests(t *testing.T, file string) []k8sObject {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join("..", "..", "deploy", "kubernetes", file))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	var objs []k8sObject
+	for {
+		var o k8sObject
+		err := dec.Decode(&o)
+		if errors.Is(err, io.EOF) {
+			return objs
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", file, err)
+		}
+		if o.APIVersion == "" || o.Kind == "" || o.Metadata.Name == "" {
+			t.Errorf("%s: a document without apiVersion, kind or metadata.name: %+v", file, o)
+		}
+		objs = append(objs, o)
+	}
+}
+
+func TestDeployDaemonSet(t *testing.T) {
+	objs := readManifests(t, "devicehost.yaml")
+	var config, ds *k8sObject
+	for i := range objs {
+		switch objs[i].Kind {
+		case "ConfigMap":
+			config = &objs[i]
+		case "DaemonSet":
+			ds = &objs[i]
+		}
+	}
+	if config == nil || ds == nil {
+		t.Fatalf("want a ConfigMap and a DaemonSet, have %d objects", len(objs))
+	}
+	spec := ds.Spec.Template.Spec
+	volumes := map[string]string{} // name -> "emptyDir", "configMap" or the host path
+	for _, v := range spec.Volumes {
+		switch {
+		case v.EmptyDir != nil:
+			volumes[v.Name] = "emptyDir"
+		case v.ConfigMap != nil:
+			volumes[v.Name] = "configMap"
+			if v.ConfigMap.Name != config.Metadata.Name {
+				t.Errorf("volume %s uses ConfigMap %q, want %q", v.Name, v.ConfigMap.Name, config.Metadata.Name)
+			}
+		case v.HostPath != nil:
+			volumes[v.Name] = v.HostPath.Path
+		}
+	}
+	for _, p := range []string{"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/opt/devicehost/plugins", "/var/lib/devicehost", "/var/run/cdi"} {
+		if !slices.Contains(slices.Collect(maps.Values(volumes)), p) {
+			t.Errorf("no hostPath volume for %s", p)
+		}
+	}
+
+	// Each container's command line parses, with the ConfigMap's files where they are
+	// mounted.
+	dir := t.TempDir()
+	for name, content := range config.Data {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	env := &cmdEnv{stdout: io.Discard, stderr: io.Discard, getenv: func(string) string { return "" }}
+	containers := map[string]k8sContainer{}
+	for _, c := range append(spec.InitContainers, spec.Containers...) {
+		containers[c.Name] = c
+		for _, m := range c.VolumeMounts {
+			if _, ok := volumes[m.Name]; !ok {
+				t.Errorf("container %s mounts volume %q, which is not declared", c.Name, m.Name)
+			}
+		}
+	}
+	agent, bridge := containers["agent"], containers["kubelet-plugin"]
+	if len(agent.Args) == 0 || len(bridge.Args) == 0 {
+		t.Fatalf("want containers agent and kubelet-plugin with args, have %v", slices.Collect(maps.Keys(containers)))
+	}
+	args := func(c k8sContainer) []string {
+		out := slices.Clone(c.Args[1:])
+		for i, a := range out {
+			if strings.HasPrefix(a, "/etc/devicehost/") {
+				out[i] = filepath.Join(dir, strings.TrimPrefix(a, "/etc/devicehost/"))
+			}
+		}
+		return out
+	}
+	a, err := parseAgentArgs(env, args(agent))
+	if err != nil {
+		t.Fatalf("agent args %v: %v", agent.Args, err)
+	}
+	k, err := parseKubeletPluginArgs(env, args(bridge))
+	if err != nil {
+		t.Fatalf("kubelet-plugin args %v: %v", bridge.Args, err)
+	}
+	if agent.Args[0] != "agent" || bridge.Args[0] != "kubelet-plugin" {
+		t.Errorf("subcommands %q and %q, want agent and kubelet-plugin", agent.Args[0], bridge.Args[0])
+	}
+	if k.Address != a.cfg.Listen {
+		t.Errorf("the bridge dials %s, the agent listens on %s", k.Address, a.cfg.Listen)
+	}
+	if len(k.Resources) != 1 || k.Resources[0].Name != "nvidia.com/gpu" {
+		t.Errorf("resources %+v, want nvidia.com/gpu", k.Resources)
+	}
+	// The socket's directory is one emptyDir both containers mount at the same place;
+	// the kubelet's directories are where the bridge's flags say.
+	mountOf := func(c k8sContainer, path string) string {
+		for _, m := range c.VolumeMounts {
+			if strings.HasPrefix(path, m.MountPath+"/") {
+				return m.Name
+			}
+		}
+		return ""
+	}
+	sock := strings.TrimPrefix(a.cfg.Listen, "unix://")
+	if v := mountOf(agent, sock); v == "" || volumes[v] != "emptyDir" || mountOf(bridge, sock) != v {
+		t.Errorf("socket %s: agent's volume %q, bridge's %q; want one shared emptyDir", sock, v, mountOf(bridge, sock))
+	}
+	if v := mountOf(bridge, k.DevicePluginDir+"/x"); volumes[v] != "/var/lib/kubelet/device-plugins" {
+		t.Errorf("-device-plugin-dir %s is not the kubelet's device-plugins hostPath", k.DevicePluginDir)
+	}
+	if v := mountOf(bridge, k.PodResourcesSocket); volumes[v] != "/var/lib/kubelet/pod-resources" {
+		t.Errorf("-pod-resources-socket %s is not in the kubelet's pod-resources hostPath", k.PodResourcesSocket)
+	}
+	if v := mountOf(agent, a.cfg.StateDir+"/x"); volumes[v] != "/var/lib/devicehost" {
+		t.Errorf("state dir %s is not on the state hostPath", a.cfg.StateDir)
+	}
+	if v := mountOf(agent, a.cfg.PluginDir+"/x"); volumes[v] != "/opt/devicehost/plugins" {
+		t.Errorf("plugin dir %s is not on the plugins hostPath", a.cfg.PluginDir)
+	}
+	// The plugin's CDI spec lands where the node's container runtime reads it.
+	if v := mountOf(agent, "/var/run/cdi/devicehost-nvidia-example.yaml"); volumes[v] != "/var/run/cdi" {
+		t.Errorf("the agent's /var/run/cdi is not the node's (volume %q)", v)
+	}
+	// Liveness: grpc_health_probe on the agent's socket and service.
+	if agent.LivenessProbe == nil {
+		t.Fatal("the agent has no liveness probe")
+	}
+	want := []string{"grpc_health_probe", "-addr", a.cfg.Listen, "-service", "devicehost.v1.DeviceHost"}
+	if got := agent.LivenessProbe.Exec.Command; !slices.Equal(got, want) {
+		t.Errorf("agent liveness probe %v, want %v", got, want)
+	}
+}
+
+func TestDeployExamplePod(t *testing.T) {
+	objs := readManifests(t, "example-pod.yaml")
+	if len(objs) != 1 || objs[0].Kind != "Pod" || len(objs[0].Spec.Containers) != 1 {
+		t.Fatalf("want one Pod with one container, have %+v", objs)
+	}
+	if got := objs[0].Spec.Containers[0].Resources.Limits["nvidia.com/gpu"]; got != "2" {
+		t.Errorf("nvidia.com/gpu limit %q, want 2", got)
+	}
+}

@@ -1,0 +1,215 @@
+// Package kubelet is devicehost's kubelet device plugin: a bridge that serves the
+// agent's devices to the kubelet through the device-plugin API v1beta1
+// (k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1), as a client of the agent through
+// package client only, so it serves an agent it does not run and its failure never
+// touches the agent.
+//
+// For each resource (configured, or one per device group named "<vendor>.com/<type>")
+// it serves the DevicePlugin service on a socket of its own in the kubelet's
+// device-plugins directory and registers it with the kubelet, again whenever the
+// kubelet restarts. It reports the devices with their health and NUMA node
+// (ListAndWatch), proposes devices close together (GetPreferredAllocation) and turns
+// each container's Allocate into a Reserve at the agent. Since the kubelet says neither
+// which pod an Allocate is for nor when a device is free again, it watches the
+// kubelet's PodResources API: a reservation whose devices a container holds is handed
+// to that container (owner "k8s/<namespace>/<pod>/<container>", see PodName), and one
+// whose devices no pod has held for a grace period is released.
+package kubelet
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/devicehost/devicehost/client"
+)
+
+// Defaults of Config.
+const (
+	DefaultDevicePluginDir      = "/var/lib/kubelet/device-plugins"
+	DefaultPodResourcesSocket   = "/var/lib/kubelet/pod-resources/kubelet.sock"
+	DefaultReleaseGrace         = 30 * time.Second
+	DefaultPodResourcesInterval = 5 * time.Second
+	// KubeletSocketName is the kubelet's registration socket in the device-plugins
+	// directory.
+	KubeletSocketName = "kubelet.sock"
+)
+
+// Config configures a Bridge. Zero fields mean the documented defaults; New copies
+// the Config and never modifies the caller's value.
+type Config struct {
+	// Client reaches the agent. Required; the Bridge does not close it. Dial it with
+	// client.WithoutReachCheck to let the bridge start before the agent.
+	Client *client.Client
+	// DevicePluginDir is the kubelet's device-plugins directory: its registration
+	// socket (KubeletSocketName) is there, and the bridge puts its own sockets there.
+	// Empty means DefaultDevicePluginDir. It must exist.
+	DevicePluginDir string
+	// PodResourcesSocket is the kubelet's PodResources API socket. Empty means
+	// DefaultPodResourcesSocket.
+	PodResourcesSocket string
+	// Resources are the extended resources to serve. None means one per device group
+	// the agent reports, named DefaultResourceName(vendor, type); groups of one vendor
+	// and type then make one resource. New refuses invalid or overlapping resources.
+	Resources []Resource
+	// ReleaseGrace is how long a reservation the bridge made may go without a pod
+	// holding its devices (by PodResources) before the bridge releases it: it covers
+	// the time between Allocate and the pod showing up. Zero means DefaultReleaseGrace.
+	ReleaseGrace time.Duration
+	// PodResourcesInterval is how often the bridge lists PodResources. Zero means
+	// DefaultPodResourcesInterval.
+	PodResourcesInterval time.Duration
+	// Logger receives the bridge's log lines. Nil discards them.
+	Logger hclog.Logger
+	// PCIeRoot names the PCIe root of a device from its PCI bus ID, for
+	// GetPreferredAllocation ("" when unknown). Nil means SysfsPCIeRoot("/sys").
+	PCIeRoot func(busID string) string
+}
+
+// Bridge serves the agent's devices to the kubelet. Run serves until its context
+// ends; a Bridge runs once.
+type Bridge struct {
+	cfg      Config
+	c        *client.Client
+	log      hclog.Logger
+	state    *state
+	pcieRoot func(string) string
+	ran      sync.Once
+
+	// allocMu orders Allocate's Reserve against the release decisions, so that a
+	// reservation the kubelet has just allocated again is never released under it.
+	allocMu  sync.Mutex
+	bookings map[string]*booking // by reservation ID; guarded by allocMu
+
+	// now is the clock of the release decisions (time.Now; tests set their own).
+	now func() time.Time
+}
+
+// New checks cfg and returns a Bridge for it.
+func New(cfg Config) (*Bridge, error) {
+	if cfg.Client == nil {
+		return nil, errors.New("kubelet bridge: Config.Client is nil")
+	}
+	cfg.Resources = slices.Clone(cfg.Resources)
+	if err := ValidateResources(cfg.Resources); err != nil {
+		return nil, fmt.Errorf("kubelet bridge: %w", err)
+	}
+	if cfg.ReleaseGrace < 0 || cfg.PodResourcesInterval < 0 {
+		return nil, errors.New("kubelet bridge: ReleaseGrace and PodResourcesInterval must not be negative")
+	}
+	if cfg.DevicePluginDir == "" {
+		cfg.DevicePluginDir = DefaultDevicePluginDir
+	}
+	if cfg.PodResourcesSocket == "" {
+		cfg.PodResourcesSocket = DefaultPodResourcesSocket
+	}
+	if cfg.ReleaseGrace == 0 {
+		cfg.ReleaseGrace = DefaultReleaseGrace
+	}
+	if cfg.PodResourcesInterval == 0 {
+		cfg.PodResourcesInterval = DefaultPodResourcesInterval
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = hclog.NewNullLogger()
+	}
+	root := cfg.PCIeRoot
+	if root == nil {
+		root = SysfsPCIeRoot("/sys")
+	}
+	return &Bridge{
+		cfg:      cfg,
+		c:        cfg.Client,
+		log:      log,
+		state:    newState(cfg.Resources),
+		pcieRoot: root,
+		bookings: map[string]*booking{},
+		now:      time.Now,
+	}, nil
+}
+
+// Run serves the kubelet until ctx ends: it watches the agent's devices, serves and
+// registers a device plugin per resource (again after every kubelet restart), and
+// releases reservations no pod holds any more. When ctx ends it stops serving, removes
+// its sockets and returns nil once every goroutine it started has ended. It fails at
+// once when the device-plugins directory is missing or cannot be watched, or when
+// called a second time.
+func (b *Bridge) Run(ctx context.Context) error {
+	first := false
+	b.ran.Do(func() { first = true })
+	if !first {
+		return errors.New("kubelet bridge: Run called twice")
+	}
+	dir := b.cfg.DevicePluginDir
+	if fi, err := os.Stat(dir); err != nil {
+		return fmt.Errorf("device-plugins directory: %w", err)
+	} else if !fi.IsDir() {
+		return fmt.Errorf("device-plugins directory %s is not a directory", dir)
+	}
+	reg, err := newRegistrar(b)
+	if err != nil {
+		return err
+	}
+	b.log.Info("serving the kubelet", "agent", b.c.Address(), "device_plugin_dir", dir,
+		"pod_resources", b.cfg.PodResourcesSocket, "release_grace", b.cfg.ReleaseGrace)
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	wg.Go(func() { b.watchDevices(ctx, reg.kick) })
+	wg.Go(func() { b.releaseLoop(ctx) })
+	reg.run(ctx)
+	cancel()
+	wg.Wait()
+	b.log.Info("stopped serving the kubelet")
+	return nil
+}
+
+// watchDevices feeds the agent's device watch into state until ctx ends, and kicks the
+// registrar when a new resource is to be served.
+func (b *Bridge) watchDevices(ctx context.Context, kick func()) {
+	connected := true         // so that a first failure is logged
+	mixed := map[string]int{} // resources of several groups: the number last logged
+	for u := range b.c.WatchDevices(ctx) {
+		ch := b.state.update(u)
+		switch {
+		case u.Disconnected() && connected:
+			b.log.Warn("the agent is not reachable: reporting every device unhealthy to the kubelet until it is back",
+				"error", u.Err, "retry_in", u.RetryIn)
+		case !u.Disconnected() && !connected:
+			b.log.Info("the agent is reachable: reporting device health again")
+		}
+		connected = !u.Disconnected()
+		for _, rg := range ch.refused {
+			b.log.Warn("device group not served: its default resource name is not one the kubelet accepts; configure a resource for it",
+				"group", groupLabel(rg.group), "error", rg.err)
+		}
+		for _, r := range ch.added {
+			b.log.Info("serving resource", "resource", r.Name, "vendor", r.Vendor, "type", r.Type)
+		}
+		if len(ch.added) > 0 {
+			kick()
+		}
+		if !u.Disconnected() {
+			v := b.state.view()
+			for _, r := range v.resources {
+				gs := v.groups(r)
+				if len(gs) > 1 && mixed[r.Name] != len(gs) {
+					names := make([]string, len(gs))
+					for i, g := range gs {
+						names[i] = g.GetName()
+					}
+					b.log.Info("resource covers several device groups: each container gets devices of one of them; "+
+						"configure a resource per model to let pods choose", "resource", r.Name, "groups", names)
+				}
+				mixed[r.Name] = len(gs)
+			}
+		}
+	}
+}

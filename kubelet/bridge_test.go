@@ -1,0 +1,350 @@
+package kubelet_test
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/devicehost/devicehost/kubelet"
+	"github.com/devicehost/devicehost/kubelet/kubelettest"
+	"github.com/devicehost/devicehost/manager/device"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// The kubelet sees the agent's 8 GPUs under nvidia.com/gpu: registered with the
+// v1beta1 API on a socket of the bridge's own, with GetPreferredAllocation offered,
+// and each GPU healthy with its NUMA node.
+func TestRegistersAndListsDevices(t *testing.T) {
+	ctx := testContext(t)
+	h := startBridge(t, startAgent(t, eightGPUs()))
+
+	regs, err := h.kubelet.WaitRegistrations(ctx, gpuResource, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &dpapi.RegisterRequest{
+		Version:      dpapi.Version,
+		Endpoint:     "devicehost-nvidia.com_gpu.sock",
+		ResourceName: gpuResource,
+		Options:      &dpapi.DevicePluginOptions{GetPreferredAllocationAvailable: true},
+	}
+	if got := regs[0].Request; !proto.Equal(got, want) {
+		t.Errorf("RegisterRequest = %v, want %v", got, want)
+	}
+	u := h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	for i, d := range u.Devices {
+		wantDev := &dpapi.Device{ID: gpuID(i), Health: dpapi.Healthy,
+			Topology: &dpapi.TopologyInfo{Nodes: []*dpapi.NUMANode{{ID: int64(i / 4)}}}}
+		if !proto.Equal(d, wantDev) {
+			t.Errorf("device %d = %v, want %v", i, d, wantDev)
+		}
+	}
+}
+
+// A device that turns unhealthy at the agent turns unhealthy at the kubelet, alone,
+// and healthy again when it recovers; a device without a NUMA node has no topology.
+func TestHealthFollowsTheAgent(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	h := startBridge(t, agent)
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+
+	agent.setHealth(gpuID(3), device.HealthUnhealthy, "XID 79")
+	h.waitGPUs(t, ctx, "GPU 3 unhealthy", withHealth(8, gpuID(3), dpapi.Unhealthy))
+	agent.setHealth(gpuID(3), device.HealthHealthy, "")
+	h.waitGPUs(t, ctx, "GPU 3 healthy again", kubelettest.AllHealth(8, dpapi.Healthy))
+	// Unknown health (a plugin not yet fingerprinted) is not healthy either.
+	agent.setHealth(gpuID(5), device.HealthUnknown, "starting")
+	h.waitGPUs(t, ctx, "GPU 5 of unknown health", withHealth(8, gpuID(5), dpapi.Unhealthy))
+}
+
+// While the agent is unreachable the kubelet keeps every device, unhealthy; when the
+// agent is back the real state returns.
+func TestAgentGoneMarksEverythingUnhealthy(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	h := startBridge(t, agent)
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+
+	agent.stop()
+	h.waitGPUs(t, ctx, "8 unhealthy GPUs while the agent is gone", kubelettest.AllHealth(8, dpapi.Unhealthy))
+	c := h.plugin(t, ctx)
+	_, err := allocate(ctx, c, gpuID(0))
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "not reachable") {
+		t.Errorf("Allocate while the agent is gone: %v, want UNAVAILABLE saying the agent is not reachable", err)
+	}
+
+	agent.setHealth(gpuID(1), device.HealthUnhealthy, "XID 48") // changed while away
+	agent.start(t)
+	h.waitGPUs(t, ctx, "the agent's state back", withHealth(8, gpuID(1), dpapi.Unhealthy))
+}
+
+// Allocate of two GPUs is one Reserve at the agent whose answer the container gets:
+// NVIDIA_VISIBLE_DEVICES with both UUIDs, their CDI names, mounts and device nodes. A
+// retried Allocate gets the same reservation, not a second one.
+func TestAllocateReserves(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	h := startBridge(t, agent)
+	c := h.plugin(t, ctx)
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+
+	got, err := allocate(ctx, c, gpuID(2), gpuID(3))
+	if err != nil {
+		t.Fatalf("Allocate: %v", err)
+	}
+	want := &dpapi.ContainerAllocateResponse{
+		Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": gpuID(2) + "," + gpuID(3)},
+		Mounts:     []*dpapi.Mount{{HostPath: "/usr/lib/nvidia", ContainerPath: "/usr/local/nvidia", ReadOnly: true}},
+		Devices:    []*dpapi.DeviceSpec{{HostPath: "/dev/nvidiactl", ContainerPath: "/dev/nvidiactl", Permissions: "rw"}},
+		CdiDevices: []*dpapi.CDIDevice{{Name: "nvidia.com/gpu=" + gpuID(2)}, {Name: "nvidia.com/gpu=" + gpuID(3)}},
+	}
+	if !proto.Equal(got, want) {
+		t.Errorf("Allocate answer:\n got %v\nwant %v", got, want)
+	}
+	rs := agent.active()
+	if len(rs) != 1 || !slices.Equal(rs[0].DeviceIDs, []string{gpuID(2), gpuID(3)}) || !strings.HasPrefix(rs[0].OwnerID, "kubelet/nvidia.com/gpu/") {
+		t.Fatalf("reservations after Allocate: %+v, want one of GPUs 2 and 3 owned by kubelet/nvidia.com/gpu/...", rs)
+	}
+
+	// The kubelet retries (its answer was lost), in another order.
+	if _, err := allocate(ctx, c, gpuID(3), gpuID(2)); err != nil {
+		t.Fatalf("retried Allocate: %v", err)
+	}
+	if n := agent.reserveCount(); n != 1 {
+		t.Errorf("%d reservations made after a retried Allocate, want 1", n)
+	}
+	if rs2 := agent.active(); len(rs2) != 1 || rs2[0].ID != rs[0].ID {
+		t.Errorf("reservations after the retry: %+v, want only %s", rs2, rs[0].ID)
+	}
+	// The kubelet still sees both reserved GPUs healthy: they are its own allocation.
+	h.waitGPUs(t, ctx, "8 healthy GPUs with two allocated", kubelettest.AllHealth(8, dpapi.Healthy))
+}
+
+// Two containers of one Allocate get one reservation each.
+func TestAllocateTwoContainers(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	h := startBridge(t, agent)
+	c := h.plugin(t, ctx)
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+
+	resp, err := c.Allocate(ctx, &dpapi.AllocateRequest{ContainerRequests: []*dpapi.ContainerAllocateRequest{
+		{DevicesIds: []string{gpuID(0)}}, {DevicesIds: []string{gpuID(1), gpuID(4)}},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(resp.GetContainerResponses()); n != 2 {
+		t.Fatalf("%d container responses, want 2", n)
+	}
+	if got := resp.GetContainerResponses()[1].GetEnvs()["NVIDIA_VISIBLE_DEVICES"]; got != gpuID(1)+","+gpuID(4) {
+		t.Errorf("second container's NVIDIA_VISIBLE_DEVICES = %q, want %s,%s", got, gpuID(1), gpuID(4))
+	}
+	if n := len(agent.active()); n != 2 {
+		t.Errorf("%d reservations, want 2", n)
+	}
+}
+
+// A device another owner holds at the agent is unhealthy for the kubelet (so it
+// allocates it to no pod); an Allocate that names it anyway fails with
+// FAILED_PRECONDITION naming the device, the reservation and its owner.
+func TestDeviceHeldByAnotherOwner(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	h := startBridge(t, agent)
+	c := h.plugin(t, ctx)
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+
+	res, err := h.client.Reserve(ctx, &pb.ReserveRequest{OwnerId: "job-42", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, DeviceIds: []string{gpuID(6)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.waitGPUs(t, ctx, "GPU 6 unhealthy while job-42 holds it", withHealth(8, gpuID(6), dpapi.Unhealthy))
+
+	_, err = allocate(ctx, c, gpuID(5), gpuID(6))
+	want := `allocate nvidia.com/gpu (GPU-05, GPU-06): GPU-06 held by reservation ` + res.GetReservationId() + ` of owner "job-42"`
+	if status.Code(err) != codes.FailedPrecondition || status.Convert(err).Message() != want {
+		t.Errorf("Allocate of a held GPU: %v\nwant FailedPrecondition %q", err, want)
+	}
+	if rs := agent.reservations(device.ReservationFilter{OwnerID: "job-42"}); len(rs) != 1 || rs[0].State != device.ReservationActive {
+		t.Errorf("job-42's reservation after the refused Allocate: %+v, want it untouched", rs)
+	}
+
+	if _, err := h.client.ReleaseOwner(ctx, "job-42"); err != nil {
+		t.Fatal(err)
+	}
+	h.waitGPUs(t, ctx, "GPU 6 healthy once released", kubelettest.AllHealth(8, dpapi.Healthy))
+}
+
+// Unhealthy, unknown and malformed requests fail with the agent's code and a message
+// that names the device.
+func TestAllocateErrors(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	h := startBridge(t, agent)
+	c := h.plugin(t, ctx)
+	agent.setHealth(gpuID(7), device.HealthUnhealthy, "XID 79")
+	h.waitGPUs(t, ctx, "GPU 7 unhealthy", withHealth(8, gpuID(7), dpapi.Unhealthy))
+
+	for _, tc := range []struct {
+		name string
+		ids  []string
+		code codes.Code
+		msg  string
+	}{
+		{"unhealthy", []string{gpuID(7)}, codes.FailedPrecondition, "GPU-07 (unhealthy: XID 79)"},
+		{"unknown", []string{gpuID(1), "GPU-99"}, codes.NotFound, "GPU-99: not a device of nvidia.com/gpu on this node"},
+		{"empty", nil, codes.InvalidArgument, "a container request with no devices"},
+		{"twice", []string{gpuID(1), gpuID(1)}, codes.InvalidArgument, "device GPU-01 asked for twice"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := allocate(ctx, c, tc.ids...)
+			if status.Code(err) != tc.code || !strings.Contains(err.Error(), tc.msg) {
+				t.Errorf("Allocate %v: %v, want %v containing %q", tc.ids, err, tc.code, tc.msg)
+			}
+		})
+	}
+	if n := agent.reserveCount(); n != 0 {
+		t.Errorf("%d reservations made by failed Allocates, want 0", n)
+	}
+}
+
+// The kubelet allocates a device again once the pod that had it is gone, possibly
+// before the release loop has released the old reservation: the bridge releases its
+// own stale reservation and reserves anew.
+func TestAllocateReplacesOwnStaleReservation(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
+	c := h.plugin(t, ctx)
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+
+	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
+		t.Fatal(err)
+	}
+	old := agent.active()[0]
+	if _, err := allocate(ctx, c, gpuID(1), gpuID(2)); err != nil {
+		t.Fatalf("Allocate of a device of the bridge's earlier reservation: %v", err)
+	}
+	rs := agent.active()
+	if len(rs) != 1 || rs[0].ID == old.ID || !slices.Equal(rs[0].DeviceIDs, []string{gpuID(1), gpuID(2)}) {
+		t.Errorf("active reservations: %+v, want only a new one of GPUs 1 and 2 (%s released)", rs, old.ID)
+	}
+}
+
+// A kubelet restart empties the device-plugins directory and makes a new
+// kubelet.sock: the bridge serves its socket again and registers again, and the new
+// kubelet sees the devices.
+func TestRegistersAgainAfterKubeletRestart(t *testing.T) {
+	ctx := testContext(t)
+	h := startBridge(t, startAgent(t, eightGPUs()))
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+
+	for n := 2; n <= 3; n++ {
+		if err := h.kubelet.Restart(); err != nil {
+			t.Fatal(err)
+		}
+		created := h.kubelet.SocketCreated()
+		regs, err := h.kubelet.WaitRegistrations(ctx, gpuResource, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("registration %d: %v after the kubelet socket was created", n, regs[n-1].At.Sub(created))
+		h.waitGPUs(t, ctx, "8 healthy GPUs at the restarted kubelet", kubelettest.AllHealth(8, dpapi.Healthy))
+		if _, err := os.Stat(filepath.Join(h.kubelet.Dir(), "devicehost-nvidia.com_gpu.sock")); err != nil {
+			t.Errorf("plugin socket after re-registration: %v", err)
+		}
+	}
+}
+
+// A plugin socket removed while the kubelet stays is served again and registered
+// again.
+func TestServesAgainWhenSocketRemoved(t *testing.T) {
+	ctx := testContext(t)
+	h := startBridge(t, startAgent(t, eightGPUs()))
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+
+	if err := os.Remove(filepath.Join(h.kubelet.Dir(), "devicehost-nvidia.com_gpu.sock")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.kubelet.WaitRegistrations(ctx, gpuResource, 2); err != nil {
+		t.Fatal(err)
+	}
+	h.waitGPUs(t, ctx, "8 healthy GPUs on the new socket", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.plugin(t, ctx)
+	if _, err := allocate(ctx, c, gpuID(0)); err != nil {
+		t.Errorf("Allocate on the new socket: %v", err)
+	}
+}
+
+// With the kubelet gone, the bridge waits for its socket and registers as soon as it
+// appears.
+func TestRegistersWhenKubeletComesUp(t *testing.T) {
+	ctx := testContext(t)
+	h := startBridge(t, startAgent(t, eightGPUs()))
+	h.kubelet.Stop() // before or after the bridge registered
+	before := len(h.kubelet.Registrations())
+	if err := h.kubelet.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.kubelet.WaitRegistrations(ctx, gpuResource, before+1); err != nil {
+		t.Fatal(err)
+	}
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+}
+
+// When Run's context ends the bridge stops serving, removes its socket and returns
+// nil; the kubelet's stream ends.
+func TestStopRemovesSockets(t *testing.T) {
+	ctx := testContext(t)
+	h := startBridge(t, startAgent(t, eightGPUs()))
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	if err := h.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	sock := filepath.Join(h.kubelet.Dir(), "devicehost-nvidia.com_gpu.sock")
+	if _, err := os.Stat(sock); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("plugin socket after stop: %v, want it removed", err)
+	}
+	if _, err := os.Stat(h.kubelet.Socket()); err != nil {
+		t.Errorf("the kubelet's socket after the bridge stopped: %v, want it left alone", err)
+	}
+}
+
+// A careless kubelet cannot make the bridge do unbounded work: too many container
+// requests or devices are refused before anything is reserved.
+func TestAllocateBounds(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	h := startBridge(t, agent)
+	c := h.plugin(t, ctx)
+	many := make([]*dpapi.ContainerAllocateRequest, 257)
+	for i := range many {
+		many[i] = &dpapi.ContainerAllocateRequest{DevicesIds: []string{gpuID(0)}}
+	}
+	_, err := c.Allocate(ctx, &dpapi.AllocateRequest{ContainerRequests: many})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "257 container requests; at most 256") {
+		t.Errorf("257 container requests: %v, want InvalidArgument", err)
+	}
+	ids := make([]string, 4097)
+	for i := range ids {
+		ids[i] = "X"
+	}
+	_, err = allocate(ctx, c, ids...)
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "4097 devices; at most 4096") {
+		t.Errorf("4097 devices: %v, want InvalidArgument", err)
+	}
+	if n := agent.reserveCount(); n != 0 {
+		t.Errorf("%d reservations made, want none", n)
+	}
+}

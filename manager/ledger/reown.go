@@ -1,0 +1,47 @@
+package ledger
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// Reown hands the live reservation req.ReservationID from req.OwnerID to
+// req.NewOwnerID, durably before it returns, and returns it as stored: only its owner
+// changes. Reowning to the owner it already has is not an error and writes nothing.
+// An unknown ID wraps device.ErrNotFound; a released reservation, or one owned by
+// another owner than req.OwnerID, is a *device.FieldError (nothing is written).
+func (l *Ledger) Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error) {
+	val, err := l.submit(ctx, func(w *txn) (any, error) {
+		r := w.get(req.ReservationID)
+		if err := checkReown(r, req); err != nil || r.OwnerID == req.NewOwnerID {
+			return r, err
+		}
+		nr := *r // shares r's immutable slices and maps
+		nr.OwnerID = req.NewOwnerID
+		if err := w.putReservation(&nr); err != nil {
+			return nil, err
+		}
+		return &nr, nil
+	})
+	if err != nil {
+		return device.Reservation{}, fmt.Errorf("reown: %w", err)
+	}
+	return clone(val.(*device.Reservation)), nil
+}
+
+// checkReown says why r (nil: unknown) cannot be reowned as req asks, or nil.
+func checkReown(r *device.Reservation, req device.ReownRequest) error {
+	switch {
+	case r == nil:
+		return fmt.Errorf("reservation %q: %w", req.ReservationID, device.ErrNotFound)
+	case r.OwnerID == req.NewOwnerID:
+		return nil // done already: a retried call
+	case r.State != device.ReservationActive:
+		return &device.FieldError{Field: "reservation_id", Rule: fmt.Sprintf("reservation %s is released", r.ID)}
+	case r.OwnerID != req.OwnerID:
+		return &device.FieldError{Field: "owner_id", Rule: fmt.Sprintf("reservation %s is owned by %q, not %q", r.ID, r.OwnerID, req.OwnerID)}
+	}
+	return nil
+}
