@@ -51,7 +51,7 @@ func startInProcessAgent(t *testing.T, mgr device.Manager) *runningAgent {
 	factory := func(hclog.Logger) (device.Manager, error) { return mgr, nil }
 	go func() {
 		defer close(a.done)
-		a.err = serveAgent(ctx, cfg, hclog.NewNullLogger(), factory, func(addr endpoint.Address) { listening <- addr })
+		a.err = serveAgent(ctx, cfg, hclog.NewNullLogger(), factory, nil, func(addr endpoint.Address) { listening <- addr })
 	}()
 	t.Cleanup(func() { a.stop() })
 	select {
@@ -131,7 +131,7 @@ func TestAgentStartFailures(t *testing.T) {
 		sock := filepath.Join(dir, "dh.sock")
 		cfg.Listen = "unix://" + sock
 		factory := func(hclog.Logger) (device.Manager, error) { return nil, errors.New("plugin dir /nope: no such file") }
-		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil)
+		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil, nil)
 		if err == nil || !strings.Contains(err.Error(), "start the device manager: plugin dir /nope") {
 			t.Errorf("serveAgent: %v, want the manager's error", err)
 		}
@@ -147,7 +147,7 @@ func TestAgentStartFailures(t *testing.T) {
 			t.Error("the manager was started although the socket is taken")
 			return &devicetest.Fake{}, nil
 		}
-		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil)
+		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil, nil)
 		if want := "another devicehost is listening on " + first.addr.Path; err == nil || err.Error() != want {
 			t.Errorf("serveAgent: %v, want %q", err, want)
 		}

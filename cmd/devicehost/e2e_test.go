@@ -75,6 +75,9 @@ func cleanupE2E() {
 	if e2eBuild.dir != "" {
 		os.RemoveAll(e2eBuild.dir)
 	}
+	if fixtureBuild.dir != "" {
+		os.RemoveAll(fixtureBuild.dir)
+	}
 }
 
 // lineRecorder collects the lines of a process's output as they come.
