@@ -366,13 +366,13 @@ func TestAgentMetrics(t *testing.T) {
 	if got := valueOf(t, mfs, "devicehost_device_reserved", held); got != 1 {
 		t.Errorf("reserved{w0, job-1} after the plugin was killed = %v, want 1 (reservations outlive plugins)", got)
 	}
-	if got := valueOf(t, mfs, "devicehost_plugin_status", map[string]string{"plugin": "fixture", "status": "running"}); got != 0 {
-		t.Errorf("plugin_status{running} after the kill = %v, want 0", got)
-	}
 	waitDevice(t, fp, "w0", pb.Health_HEALTH_HEALTHY)
 	mfs = a.scrape(t)
 	if got := valueOf(t, mfs, "devicehost_device_healthy", w0); got != 1 {
 		t.Errorf("healthy{w0} after the restart = %v, want 1", got)
+	}
+	if got := valueOf(t, mfs, "devicehost_plugin_status", map[string]string{"plugin": "fixture", "status": "running"}); got != 1 {
+		t.Errorf("plugin_status{running} after the restart = %v, want 1", got)
 	}
 	if got := valueOf(t, mfs, "devicehost_plugin_restarts_total", map[string]string{"plugin": "fixture"}); got != 1 {
 		t.Errorf("restarts{fixture} = %v, want 1", got)
