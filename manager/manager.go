@@ -276,8 +276,9 @@ func openLedger(cfg Config) (*ledger.Ledger, error) {
 		return nil, fmt.Errorf("state dir: %w", err)
 	}
 	return ledger.Open(filepath.Join(cfg.StateDir, ledger.DefaultFileName), ledger.Options{
-		Logger: cfg.Logger.Named("manager").Named("ledger"),
-		Now:    cfg.Now,
+		Logger:   cfg.Logger.Named("manager").Named("ledger"),
+		Now:      cfg.Now,
+		OnCommit: cfg.OnLedgerCommit,
 	})
 }
 

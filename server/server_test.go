@@ -812,4 +812,19 @@ func TestReflectionListsServices(t *testing.T) {
 			t.Errorf("reflection lists %v, missing %s", got, want)
 		}
 	}
+	// GetServiceInfo names the same services, with their methods.
+	info := h.srv.GetServiceInfo()
+	for name := range got {
+		if _, ok := info[name]; !ok {
+			t.Errorf("GetServiceInfo lacks %s, which reflection lists", name)
+		}
+	}
+	var methods []string
+	for _, m := range info[server.ServiceName].Methods {
+		methods = append(methods, m.Name)
+	}
+	slices.Sort(methods)
+	if want := []string{"Fingerprint", "ListPlugins", "ListReservations", "Release", "Reserve", "Stats"}; !slices.Equal(methods, want) {
+		t.Errorf("GetServiceInfo methods of %s = %v, want %v", server.ServiceName, methods, want)
+	}
 }

@@ -51,6 +51,11 @@ type agentConfig struct {
 	LogJSON   bool
 	TLS       endpoint.TLS
 
+	// MetricsListen is where Prometheus metrics are served (HTTP, /metrics); "" means
+	// none. MetricsTLS holds its TLS files (Insecure is not used: see metricsTLS).
+	MetricsListen string
+	MetricsTLS    endpoint.TLS
+
 	StatsInterval  time.Duration
 	ReserveTimeout time.Duration
 	StartTimeout   time.Duration
@@ -115,6 +120,10 @@ type fileSchema struct {
 	TLSKey             *hcl.Attribute `hcl:"tls_key,optional"`
 	TLSCA              *hcl.Attribute `hcl:"tls_ca,optional"`
 	Insecure           *hcl.Attribute `hcl:"insecure,optional"`
+	MetricsListen      *hcl.Attribute `hcl:"metrics_listen,optional"`
+	MetricsTLSCert     *hcl.Attribute `hcl:"metrics_tls_cert,optional"`
+	MetricsTLSKey      *hcl.Attribute `hcl:"metrics_tls_key,optional"`
+	MetricsTLSCA       *hcl.Attribute `hcl:"metrics_tls_ca,optional"`
 	Plugins            []pluginSchema `hcl:"plugin,block"`
 }
 
@@ -170,9 +179,18 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 	d.str(fs.TLSKey, &cfg.TLS.Key)
 	d.str(fs.TLSCA, &cfg.TLS.CA)
 	d.boolean(fs.Insecure, &cfg.TLS.Insecure)
+	d.str(fs.MetricsListen, &cfg.MetricsListen)
+	d.str(fs.MetricsTLSCert, &cfg.MetricsTLS.Cert)
+	d.str(fs.MetricsTLSKey, &cfg.MetricsTLS.Key)
+	d.str(fs.MetricsTLSCA, &cfg.MetricsTLS.CA)
 	if fs.Listen != nil && !d.diags.HasErrors() {
 		if _, err := endpoint.Parse(cfg.Listen); err != nil {
 			d.fail(fs.Listen, "Invalid address", err.Error())
+		}
+	}
+	if fs.MetricsListen != nil && cfg.MetricsListen != "" && !d.diags.HasErrors() {
+		if _, err := endpoint.Parse(cfg.MetricsListen); err != nil {
+			d.fail(fs.MetricsListen, "Invalid address", err.Error())
 		}
 	}
 

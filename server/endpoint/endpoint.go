@@ -223,6 +223,7 @@ type Listener struct {
 	// Address is where it listens; for tcp port 0, the port chosen.
 	Address Address
 	creds   credentials.TransportCredentials
+	tls     *tls.Config // the server side of creds; nil for plaintext
 
 	closeOnce sync.Once
 	closeErr  error
@@ -236,6 +237,17 @@ func (l *Listener) ServerOptions() []grpc.ServerOption {
 		return nil
 	}
 	return []grpc.ServerOption{grpc.Creds(l.creds)}
+}
+
+// TLSConfig returns a copy of the listener's TLS server configuration (mutual TLS 1.3,
+// client certificates verified against the CA), or nil when the address is served in
+// plaintext (unix, or Insecure tcp). A server that is not gRPC (e.g. HTTP) wraps the
+// listener with tls.NewListener and it, and so applies the same transport policy.
+func (l *Listener) TLSConfig() *tls.Config {
+	if l.tls == nil {
+		return nil
+	}
+	return l.tls.Clone()
 }
 
 // Close stops listening (gRPC's Serve calls it on stop). For a unix address it removes
@@ -287,6 +299,7 @@ func Listen(a Address, t TLS) (*Listener, error) {
 	l := &Listener{Listener: lis, Address: a, madeDirs: made}
 	if cfg != nil {
 		l.creds = credentials.NewTLS(cfg)
+		l.tls = cfg
 	}
 	return l, nil
 }
