@@ -180,6 +180,55 @@ func TestPluginConfigNumbers(t *testing.T) {
 	}
 }
 
+// TestPluginConfigBlocks: nested blocks in a plugin's config are JSON objects, a name
+// given as several blocks a list of them in file order, at any depth; the same as the
+// attribute form, numbers staying integers.
+func TestPluginConfigBlocks(t *testing.T) {
+	blocks := `plugin "nomad-nvidia" {
+  config {
+    nomad_plugin = "/opt/nomad/plugins/nomad-device-nvidia"
+    nomad_config {
+      ignored_gpu_ids    = []
+      fingerprint_period = "5s"
+      limits {
+        max = 1000000
+      }
+      volume {
+        path = "/a"
+      }
+      volume {
+        path = "/b"
+        opts {}
+      }
+    }
+  }
+}`
+	attrs := `plugin "nomad-nvidia" {
+  config {
+    nomad_plugin = "/opt/nomad/plugins/nomad-device-nvidia"
+    nomad_config = {
+      ignored_gpu_ids    = []
+      fingerprint_period = "5s"
+      limits             = { max = 1000000 }
+      volume             = [{ path = "/a" }, { path = "/b", opts = {} }]
+    }
+  }
+}`
+	want := `{"nomad_config":{"fingerprint_period":"5s","ignored_gpu_ids":[],"limits":{"max":1000000},` +
+		`"volume":[{"path":"/a"},{"opts":{},"path":"/b"}]},"nomad_plugin":"/opt/nomad/plugins/nomad-device-nvidia"}`
+	for name, file := range map[string]string{"blocks": blocks, "attributes": attrs} {
+		t.Run(name, func(t *testing.T) {
+			cfg := defaultAgentConfig()
+			if err := loadConfigFile(writeConfig(t, "devicehost.hcl", file), &cfg); err != nil {
+				t.Fatal(err)
+			}
+			if got := string(cfg.Plugins["nomad-nvidia"].ConfigJSON); got != want {
+				t.Errorf("config JSON:\n got %s\nwant %s", got, want)
+			}
+		})
+	}
+}
+
 func TestLoadConfigFileErrors(t *testing.T) {
 	tests := []struct {
 		name    string
@@ -210,8 +259,12 @@ func TestLoadConfigFileErrors(t *testing.T) {
 		{"gc interval below the minimum", "\n\ngc_interval = \"1ns\"\n", 3, []string{"gc_interval", "below the minimum of 1s"}},
 		{"bad env entry", "plugin \"p\" {\n  env = [\"A=1\", \"oops\"]\n}\n", 2, []string{"env", `entry 1 ("oops") is not NAME=value`}},
 		{"duplicate plugin", "plugin \"p\" {}\n\nplugin \"p\" {}\n", 3, []string{"Duplicate plugin block", "line 1"}},
-		{"nested block in plugin config", "plugin \"p\" {\n  config {\n    limits {\n      max = 1\n    }\n  }\n}\n", 3,
-			[]string{"Unexpected \"limits\" block"}},
+		{"plugin config attribute and block of one name", "plugin \"p\" {\n  config {\n    limits = { max = 1 }\n    limits {\n      max = 2\n    }\n  }\n}\n", 4,
+			[]string{"Ambiguous plugin config", "limits: given as an attribute at line 3 and as a block here"}},
+		{"plugin config block after a block of one name", "plugin \"p\" {\n  config {\n    a {\n      limits {}\n      limits = 1\n    }\n  }\n}\n", 4,
+			[]string{"Ambiguous plugin config", "limits: given as an attribute at line 5"}},
+		{"plugin config block with a label", "plugin \"p\" {\n  config {\n    volume \"data\" {\n      path = \"/a\"\n    }\n  }\n}\n", 3,
+			[]string{"Unsupported block label", `volume "data": a block in a plugin config takes no labels`}},
 		{"syntax error", "listen = \n", 1, []string{"Invalid expression"}},
 	}
 	for _, tt := range tests {
