@@ -138,14 +138,9 @@ type pluginSchema struct {
 	DefRange   hcl.Range      `hcl:",def_range"`
 }
 
-// configSchema is a plugin's free-form config block, handed to the plugin as JSON.
-type configSchema struct {
-	Body hcl.Body `hcl:",remain"`
-}
-
-// loadConfigFile reads an HCL (or, for a .json name, HCL JSON) config file over cfg.
-// Every problem is reported with the file, line and key.
-func loadConfigFile(path string, cfg *agentConfig) error {
+// decodeConfigFile parses an HCL (or, for a .json name, HCL JSON) file and decodes it
+// into schema, a gohcl-tagged struct; an error names the file, line and key.
+func decodeConfigFile(path string, schema any) error {
 	parser := hclparse.NewParser()
 	var file *hcl.File
 	var diags hcl.Diagnostics
@@ -157,9 +152,23 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 	if diags.HasErrors() {
 		return diagError(path, diags)
 	}
-	var fs fileSchema
-	if diags := gohcl.DecodeBody(file.Body, nil, &fs); diags.HasErrors() {
+	if diags := gohcl.DecodeBody(file.Body, nil, schema); diags.HasErrors() {
 		return diagError(path, diags)
+	}
+	return nil
+}
+
+// configSchema is a plugin's free-form config block, handed to the plugin as JSON.
+type configSchema struct {
+	Body hcl.Body `hcl:",remain"`
+}
+
+// loadConfigFile reads an HCL (or, for a .json name, HCL JSON) config file over cfg.
+// Every problem is reported with the file, line and key.
+func loadConfigFile(path string, cfg *agentConfig) error {
+	var fs fileSchema
+	if err := decodeConfigFile(path, &fs); err != nil {
+		return err
 	}
 	var d decoder
 	d.str(fs.Listen, &cfg.Listen)
