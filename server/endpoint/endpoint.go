@@ -328,7 +328,9 @@ func listenUnix(path string) (_ net.Listener, made []string, err error) {
 	defer unlock()
 	lis, err := net.Listen("unix", path)
 	if errors.Is(err, syscall.EADDRINUSE) {
-		if err := removeStale(path); err != nil {
+		if err := RemoveStaleSocket(path); errors.Is(err, ErrSocketInUse) {
+			return nil, made, fmt.Errorf("another devicehost is listening on %s", path)
+		} else if err != nil {
 			return nil, made, err
 		}
 		lis, err = net.Listen("unix", path)
@@ -376,8 +378,15 @@ func makeDirs(dir string) ([]string, error) {
 	return made, nil
 }
 
-// removeStale removes the socket at path if nothing accepts connections on it.
-func removeStale(path string) error {
+// ErrSocketInUse is wrapped by RemoveStaleSocket's error when a process accepts
+// connections on the socket.
+var ErrSocketInUse = errors.New("a process is listening on the socket")
+
+// RemoveStaleSocket removes the Unix socket at path when nothing accepts connections on
+// it: a socket left by a process that died. It removes nothing, and returns an error,
+// when path is not a socket, a process listens on it (wrapping ErrSocketInUse), or
+// whether one does cannot be told (a connect that is neither accepted nor refused).
+func RemoveStaleSocket(path string) error {
 	fi, err := os.Lstat(path)
 	if err != nil {
 		return fmt.Errorf("listen on %s: %w", path, err)
@@ -388,7 +397,7 @@ func removeStale(path string) error {
 	conn, err := net.DialTimeout("unix", path, 2*time.Second)
 	if err == nil {
 		conn.Close()
-		return fmt.Errorf("another devicehost is listening on %s", path)
+		return fmt.Errorf("listen on %s: %w", path, ErrSocketInUse)
 	}
 	if !errors.Is(err, syscall.ECONNREFUSED) {
 		return fmt.Errorf("listen on %s: cannot tell whether the socket is stale: %w", path, err)
