@@ -291,4 +291,3 @@ func listenSocket(path string) (net.Listener, os.FileInfo, error) {
 	}
 	return lis, fi, nil
 }
-
