@@ -16,12 +16,14 @@
 //     google.rpc.ErrorInfo and DeviceHeld details the agent attaches, never from the
 //     message text.
 //
-// Calls return the gRPC status error unchanged, so status.FromError works on them too.
+// Calls return the agent's gRPC status error (code and details unchanged; see Reserve
+// for the one message it adds to), so status.FromError works on them too.
 package client
 
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -267,8 +269,44 @@ func (c *Client) Devices(ctx context.Context) (*pb.FingerprintResponse, error) {
 // IsUnknownDevice, IsUnhealthy and IsUnavailable errors. The same owner asking again for
 // the same devices gets the same reservation back, so a call whose answer was lost can
 // be retried.
+//
+// With req.TakeOverOwnerPrefixes set, devices held by live reservations of owners with
+// those prefixes are taken over: the agent releases those reservations in the same
+// durable write that makes the new one, and lists them in the answer's
+// TakenOverReservationIds; a holder of any other owner still refuses (IsHeld, naming
+// only such holders) and then nothing is released. An agent that predates take-over
+// ignores the field and refuses with the holders the prefixes match: Reserve then says
+// so in the error's message (code and details unchanged, so IsHeld still holds).
 func (c *Client) Reserve(ctx context.Context, req *pb.ReserveRequest) (*pb.ReserveResponse, error) {
-	return c.api.Reserve(ctx, req)
+	res, err := c.api.Reserve(ctx, req)
+	if err != nil && len(req.GetTakeOverOwnerPrefixes()) > 0 {
+		err = c.explainIgnoredTakeOver(req.GetTakeOverOwnerPrefixes(), err)
+	}
+	return res, err
+}
+
+// explainIgnoredTakeOver returns err, a refused Reserve that asked to take over
+// prefixes, with a message that says the agent ignored the request when it names a
+// live holder the prefixes match (an agent that knows take-over never does); else err
+// itself.
+func (c *Client) explainIgnoredTakeOver(prefixes []string, err error) error {
+	held, ok := IsHeld(err)
+	if !ok {
+		return err
+	}
+	for _, cf := range held.GetConflicts() {
+		if cf.GetReservationId() == "" || !slices.ContainsFunc(prefixes, func(p string) bool {
+			return p != "" && strings.HasPrefix(cf.GetOwnerId(), p)
+		}) {
+			continue
+		}
+		p := status.Convert(err).Proto()
+		p.Message = fmt.Sprintf("the agent at %s did not take over reservation %s of owner %q as asked "+
+			"(take_over_owner_prefixes): it predates take-over; upgrade the agent: %s",
+			c.addr, cf.GetReservationId(), cf.GetOwnerId(), p.GetMessage())
+		return status.FromProto(p).Err()
+	}
+	return err
 }
 
 // Release ends the reservations req names and says which this call released and which

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -366,6 +368,46 @@ func TestErrorsToBranchOn(t *testing.T) {
 	}
 }
 
+// An agent that predates take-over ignores take_over_owner_prefixes and refuses with
+// the very holders they match: Reserve says so, keeping the code and the holders. A
+// refusal by holders the prefixes do not match, or by a Reserve in flight, is left as
+// the agent sent it.
+func TestReserveOnAnAgentWithoutTakeOver(t *testing.T) {
+	tests := []struct {
+		name    string
+		holder  device.Holder
+		explain bool
+	}{
+		{"a matching holder", device.Holder{ReservationID: "res-1", OwnerID: "nomad/old"}, true},
+		{"another owner", device.Holder{ReservationID: "res-1", OwnerID: "job-42"}, false},
+		{"a Reserve in flight", device.Holder{OwnerID: "nomad/racing"}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := socketPath(t)
+			startAgent(t, &devicetest.Fake{ReserveFunc: func(context.Context, device.ReserveRequest) (device.Reservation, error) {
+				return device.Reservation{}, &device.HeldError{OwnerID: "nomad/new", Conflicts: []device.Conflict{
+					{Holder: tt.holder, Overlap: []string{"GPU-0"}, Held: []string{"GPU-0"}},
+				}}
+			}}, path)
+			c := dial(t, path)
+			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			defer cancel()
+			_, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "nomad/new", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name,
+				DeviceIds: []string{"GPU-0"}, TakeOverOwnerPrefixes: []string{"k8s/", "nomad/"}})
+			held, ok := client.IsHeld(err)
+			if !ok || status.Code(err) != codes.FailedPrecondition || len(held.GetConflicts()) != 1 || held.GetConflicts()[0].GetOwnerId() != tt.holder.OwnerID {
+				t.Fatalf("Reserve = %v; want FAILED_PRECONDITION, IsHeld naming %s", err, tt.holder.OwnerID)
+			}
+			want := "the agent at unix://" + path + ` did not take over reservation res-1 of owner "nomad/old" as asked ` +
+				"(take_over_owner_prefixes): it predates take-over; upgrade the agent: "
+			if got := status.Convert(err).Message(); strings.HasPrefix(got, want) != tt.explain || !strings.Contains(got, "GPU-0 ") {
+				t.Errorf("message %q; want it to start with %q: %v, and to keep the agent's", got, want, tt.explain)
+			}
+		})
+	}
+}
+
 func TestReasonsMatchTheServer(t *testing.T) {
 	pairs := [][2]string{
 		{client.ErrorDomain, server.ErrorDomain},
@@ -396,7 +438,8 @@ func TestCalls(t *testing.T) {
 		},
 		ReserveFunc: func(_ context.Context, req device.ReserveRequest) (device.Reservation, error) {
 			reqs <- req
-			return device.Reservation{ID: "res-1", Container: device.ContainerReservation{Envs: map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-0"}}}, nil
+			return device.Reservation{ID: "res-1", Container: device.ContainerReservation{Envs: map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-0"}},
+				TakenOver: []string{"res-0"}}, nil
 		},
 		ReleaseFunc: func(_ context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
 			reqs <- req
@@ -418,11 +461,13 @@ func TestCalls(t *testing.T) {
 	if err != nil || fmt.Sprint(deviceIDs(fp)) != "[GPU-0 GPU-1]" {
 		t.Errorf("Devices = %v, %v; want GPU-0 and GPU-1", deviceIDs(fp), err)
 	}
-	res, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "job-42", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, DeviceIds: []string{"GPU-0"}})
-	if err != nil || res.GetReservationId() != "res-1" || res.GetReservation().GetEnvs()["NVIDIA_VISIBLE_DEVICES"] != "GPU-0" {
+	res, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "job-42", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, DeviceIds: []string{"GPU-0"},
+		TakeOverOwnerPrefixes: []string{"job/"}})
+	if err != nil || res.GetReservationId() != "res-1" || res.GetReservation().GetEnvs()["NVIDIA_VISIBLE_DEVICES"] != "GPU-0" ||
+		!slices.Equal(res.GetTakenOverReservationIds(), []string{"res-0"}) {
 		t.Errorf("Reserve = %v, %v", res, err)
 	}
-	if got := <-reqs; fmt.Sprint(got) != fmt.Sprint(device.ReserveRequest{OwnerID: "job-42", Group: h100, DeviceIDs: []string{"GPU-0"}}) {
+	if got := <-reqs; !reflect.DeepEqual(got, device.ReserveRequest{OwnerID: "job-42", Group: h100, DeviceIDs: []string{"GPU-0"}, TakeOverOwnerPrefixes: []string{"job/"}}) {
 		t.Errorf("manager got %+v", got)
 	}
 	rel, err := c.ReleaseOwner(ctx, "job-42")

@@ -31,8 +31,13 @@ type fakeAgent struct {
 	res      []*device.Reservation // oldest first
 	nextID   int
 	reserves int // Reserve calls that made a reservation
-	watchers map[chan device.Snapshot]bool
-	seq      uint64
+	releases int // Release calls
+	// noTakeOver makes it an agent that predates take-over: it ignores
+	// TakeOverOwnerPrefixes.
+	noTakeOver bool
+	takeOvers  [][]string // TakeOverOwnerPrefixes of each Reserve that had some
+	watchers   map[chan device.Snapshot]bool
+	seq        uint64
 
 	srv    *server.Server
 	served chan error
@@ -204,8 +209,16 @@ func (a *fakeAgent) reserve(req device.ReserveRequest) (device.Reservation, erro
 			return device.Reservation{}, fmt.Errorf("devices not healthy: %s (%s: %s): %w", id, st.Health, st.Reason, device.ErrUnhealthyDevice)
 		}
 	}
+	takeOver := req.TakeOverOwnerPrefixes
+	if len(takeOver) > 0 {
+		a.takeOvers = append(a.takeOvers, slices.Clone(takeOver))
+	}
+	if a.noTakeOver {
+		takeOver = nil
+	}
 	want := slices.Sorted(slices.Values(req.DeviceIDs))
 	held := &device.HeldError{OwnerID: req.OwnerID}
+	var victims []*device.Reservation
 	for _, r := range a.res {
 		if r.State != device.ReservationActive {
 			continue
@@ -220,7 +233,11 @@ func (a *fakeAgent) reserve(req device.ReserveRequest) (device.Reservation, erro
 				overlap = append(overlap, id)
 			}
 		}
-		if len(overlap) > 0 {
+		switch {
+		case len(overlap) == 0:
+		case device.TakesOver(takeOver, r.OwnerID):
+			victims = append(victims, r)
+		default:
 			held.Conflicts = append(held.Conflicts, device.Conflict{
 				Holder: device.Holder{ReservationID: r.ID, OwnerID: r.OwnerID}, Overlap: overlap, Held: have,
 			})
@@ -228,6 +245,11 @@ func (a *fakeAgent) reserve(req device.ReserveRequest) (device.Reservation, erro
 	}
 	if len(held.Conflicts) > 0 {
 		return device.Reservation{}, held
+	}
+	var taken []string
+	for _, v := range victims { // with the new reservation, under a.mu: one step
+		v.State, v.ReleasedAt = device.ReservationReleased, time.Now()
+		taken = append(taken, v.ID)
 	}
 	a.nextID++
 	a.reserves++
@@ -247,12 +269,15 @@ func (a *fakeAgent) reserve(req device.ReserveRequest) (device.Reservation, erro
 	}
 	a.res = append(a.res, r)
 	a.publishLocked()
-	return *r, nil
+	out := *r
+	out.TakenOver = taken
+	return out, nil
 }
 
 func (a *fakeAgent) release(req device.ReleaseRequest) (device.ReleaseResult, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.releases++
 	var out device.ReleaseResult
 	found := false
 	for _, r := range a.res {
@@ -312,6 +337,20 @@ func (a *fakeAgent) reservations(f device.ReservationFilter) []device.Reservatio
 // active returns the active reservations.
 func (a *fakeAgent) active() []device.Reservation {
 	return a.reservations(device.ReservationFilter{State: device.ReservationActive})
+}
+
+// releaseCount returns how many Release calls the agent got.
+func (a *fakeAgent) releaseCount() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.releases
+}
+
+// takeOverRequests returns the TakeOverOwnerPrefixes of each Reserve that had some.
+func (a *fakeAgent) takeOverRequests() [][]string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return slices.Clone(a.takeOvers)
 }
 
 // reserveCount returns how many reservations Reserve made.

@@ -4,12 +4,14 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"slices"
 	"strings"
 	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+	prapi "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/devicehost/devicehost/client"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
@@ -47,8 +49,12 @@ func (b *Bridge) bookingLocked(id string) *booking {
 // The kubelet hands a device to one container at a time, so a device it allocates
 // is free by its account: if one of the bridge's own earlier reservations of resource
 // still holds it (its pod is gone, and the release loop has not released it yet),
-// that reservation is released and the Reserve tried again. A device held by any
-// other owner is an error naming the device and the holder.
+// that reservation is taken over: the Reserve is made again with owner prefixes that
+// cover those holders (take_over_owner_prefixes), and the agent releases them in the
+// write that makes the new one. Before that, the kubelet's PodResources is asked
+// afresh: a holder whose devices a container still holds by it is not taken over, nor
+// is any holder when PodResources cannot be read. A device held by any other owner, or
+// by a Reserve in flight, is an error naming the device and the holder.
 func (b *Bridge) allocate(ctx context.Context, resource string, ids []string) (*dpapi.ContainerAllocateResponse, error) {
 	if len(ids) == 0 {
 		return nil, status.Errorf(codes.InvalidArgument, "allocate %s: a container request with no devices", resource)
@@ -79,20 +85,23 @@ func (b *Bridge) allocate(ctx context.Context, resource string, ids []string) (*
 	defer b.allocMu.Unlock()
 	res, err := b.c.Reserve(ctx, req)
 	if held, ok := client.IsHeld(err); ok && staleOwn(held, r, keyOf(g)) {
-		for _, c := range held.GetConflicts() {
-			if _, err := b.c.ReleaseReservation(ctx, c.GetReservationId()); err != nil && !client.IsReservationNotFound(err) {
-				return nil, reserveError(resource, ids, fmt.Errorf("release the earlier reservation %s of %s: %w",
-					c.GetReservationId(), strings.Join(c.GetDeviceIds(), ", "), err))
+		if req.TakeOverOwnerPrefixes, err = b.takeOverPrefixes(ctx, resource, held); err == nil {
+			res, err = b.c.Reserve(ctx, req)
+			if held, ok := client.IsHeld(err); ok && staleOwn(held, r, keyOf(g)) {
+				// The agent did not take them over: it predates take-over, which the
+				// client's message says; keep it rather than only the holders.
+				err = status.Error(status.Code(err), status.Convert(err).Message())
 			}
-			b.log.Info("released an earlier reservation: the kubelet allocates its devices again",
-				"resource", resource, "reservation", c.GetReservationId(), "devices", c.GetHeldDeviceIds(),
-				"pod", b.bookings[c.GetReservationId()].podOrNone())
-			delete(b.bookings, c.GetReservationId())
 		}
-		res, err = b.c.Reserve(ctx, req)
 	}
 	if err != nil {
 		return nil, reserveError(resource, ids, err)
+	}
+	for _, id := range res.GetTakenOverReservationIds() {
+		b.log.Info("took over an earlier reservation: the kubelet allocates its devices again",
+			"resource", resource, "reservation", id, "new_reservation", res.GetReservationId(), "devices", ids,
+			"pod", b.bookings[id].podOrNone())
+		delete(b.bookings, id)
 	}
 	now := b.now()
 	bk := b.bookingLocked(res.GetReservationId())
@@ -123,6 +132,67 @@ func staleOwn(held *pb.DeviceHeld, r Resource, g groupKey) bool {
 	return true
 }
 
+// maxTakeOverPrefixes is the most owner prefixes the agent takes in one Reserve
+// (take_over_owner_prefixes).
+const maxTakeOverPrefixes = 16
+
+// takeOverPrefixes returns the owner prefixes that let a Reserve take over the
+// holders in held (each a reservation of the bridge for resource, see staleOwn),
+// having asked PodResources afresh that no container holds any of their devices. It
+// refuses (FAILED_PRECONDITION, naming the holders and why) when one does, or when
+// PodResources cannot be read. Each prefix is a holder's owner up to its last "/"
+// ("kubelet/<resource>/", "k8s/<namespace>/<pod>/"), so it covers that holder and the
+// bridge's others like it; the agent applies it only to holders of the requested
+// devices, and only the bridge (under allocMu) makes such holders. Past
+// maxTakeOverPrefixes distinct ones, the two roots "kubelet/<resource>/" and "k8s/"
+// stand for them all.
+func (b *Bridge) takeOverPrefixes(ctx context.Context, resource string, held *pb.DeviceHeld) ([]string, error) {
+	refuse := func(why string) error {
+		return status.Errorf(codes.FailedPrecondition, "%s: not taken over: %s", holderList(held), why)
+	}
+	if b.pods == nil {
+		return nil, refuse("cannot tell whether a pod still holds them: the PodResources socket cannot be used")
+	}
+	lctx, cancel := context.WithTimeout(ctx, podResourcesTimeout)
+	defer cancel()
+	list, err := b.pods.List(lctx, &prapi.ListPodResourcesRequest{})
+	if err != nil {
+		return nil, refuse("cannot tell whether a pod still holds them: PodResources: " + status.Convert(err).Message())
+	}
+	inUse := holders(list)[resource]
+	var prefixes []string
+	for _, c := range held.GetConflicts() {
+		for _, dev := range c.GetHeldDeviceIds() {
+			if pod := inUse[dev]; pod != "" {
+				return nil, refuse(fmt.Sprintf("the kubelet's PodResources says container %s still holds %s of reservation %s",
+					pod, dev, c.GetReservationId()))
+			}
+		}
+		owner := c.GetOwnerId()
+		prefixes = append(prefixes, owner[:strings.LastIndexByte(owner, '/')+1])
+	}
+	slices.Sort(prefixes)
+	prefixes = slices.Compact(prefixes)
+	if len(prefixes) > maxTakeOverPrefixes {
+		prefixes = []string{podOwnerPrefix, ownerPrefix + resource + "/"}
+	}
+	return prefixes, nil
+}
+
+// holderList names each holder in held: "GPU-1 held by reservation res-.. of owner
+// "o"; ...", or "GPU-1 being reserved by owner "o"" for a Reserve in flight.
+func holderList(held *pb.DeviceHeld) string {
+	parts := make([]string, 0, len(held.GetConflicts()))
+	for _, c := range held.GetConflicts() {
+		if c.GetReservationId() == "" {
+			parts = append(parts, fmt.Sprintf("%s being reserved by owner %q", strings.Join(c.GetDeviceIds(), ", "), c.GetOwnerId()))
+			continue
+		}
+		parts = append(parts, fmt.Sprintf("%s held by reservation %s of owner %q", strings.Join(c.GetDeviceIds(), ", "), c.GetReservationId(), c.GetOwnerId()))
+	}
+	return strings.Join(parts, "; ")
+}
+
 // reserveError is a failed Reserve as the status the kubelet gets: the agent's code,
 // and a message that names the resource, the devices and, for a held device, each
 // holder.
@@ -133,15 +203,7 @@ func reserveError(resource string, ids []string, err error) error {
 	}
 	msg := status.Convert(err).Message()
 	if held, ok := client.IsHeld(err); ok && len(held.GetConflicts()) > 0 {
-		parts := make([]string, 0, len(held.GetConflicts()))
-		for _, c := range held.GetConflicts() {
-			if c.GetReservationId() == "" {
-				parts = append(parts, fmt.Sprintf("%s being reserved by owner %q", strings.Join(c.GetDeviceIds(), ", "), c.GetOwnerId()))
-				continue
-			}
-			parts = append(parts, fmt.Sprintf("%s held by reservation %s of owner %q", strings.Join(c.GetDeviceIds(), ", "), c.GetReservationId(), c.GetOwnerId()))
-		}
-		msg = strings.Join(parts, "; ")
+		msg = holderList(held)
 	}
 	return status.Errorf(code, "allocate %s (%s): %s", resource, strings.Join(ids, ", "), msg)
 }

@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/go-hclog"
+	prapi "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/devicehost/devicehost/client"
 )
@@ -86,6 +87,10 @@ type Bridge struct {
 	// reservation the kubelet has just allocated again is never released under it.
 	allocMu  sync.Mutex
 	bookings map[string]*booking // by reservation ID; guarded by allocMu
+
+	// pods is the kubelet's PodResources API, set by Run before anything is served;
+	// nil when its socket cannot be used.
+	pods prapi.PodResourcesListerClient
 
 	// now is the clock of the release decisions (time.Now; tests set their own).
 	now func() time.Time
@@ -163,7 +168,14 @@ func (b *Bridge) Run(ctx context.Context) error {
 	defer cancel()
 	var wg sync.WaitGroup
 	wg.Go(func() { b.watchDevices(ctx, reg.kick) })
-	wg.Go(func() { b.releaseLoop(ctx) })
+	if lister, closePods, err := b.dialPodResources(); err != nil {
+		b.log.Error("cannot use the PodResources socket: reservations will not be released, nor devices of gone pods taken over",
+			"socket", b.cfg.PodResourcesSocket, "error", err)
+	} else {
+		defer closePods()
+		b.pods = lister
+		wg.Go(func() { b.releaseLoop(ctx, lister) })
+	}
 	reg.run(ctx)
 	cancel()
 	wg.Wait()

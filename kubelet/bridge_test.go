@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -220,8 +221,9 @@ func TestAllocateErrors(t *testing.T) {
 }
 
 // The kubelet allocates a device again once the pod that had it is gone, possibly
-// before the release loop has released the old reservation: the bridge releases its
-// own stale reservation and reserves anew.
+// before the release loop has released the old reservation: the bridge takes its own
+// stale reservation over, in one Reserve the agent makes atomic (no Release call, so
+// the devices are never free in between).
 func TestAllocateReplacesOwnStaleReservation(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
@@ -239,6 +241,12 @@ func TestAllocateReplacesOwnStaleReservation(t *testing.T) {
 	rs := agent.active()
 	if len(rs) != 1 || rs[0].ID == old.ID || !slices.Equal(rs[0].DeviceIDs, []string{gpuID(1), gpuID(2)}) {
 		t.Errorf("active reservations: %+v, want only a new one of GPUs 1 and 2 (%s released)", rs, old.ID)
+	}
+	if got, want := agent.takeOverRequests(), [][]string{{"kubelet/" + gpuResource + "/"}}; !reflect.DeepEqual(got, want) || agent.releaseCount() != 0 {
+		t.Errorf("take-over prefixes asked %q and %d Release calls; want %q and none", got, agent.releaseCount(), want)
+	}
+	if !strings.Contains(h.logs.String(), "took over an earlier reservation") || !strings.Contains(h.logs.String(), old.ID) {
+		t.Errorf("no log line says %s was taken over:\n%s", old.ID, h.logs)
 	}
 }
 

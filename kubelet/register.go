@@ -16,6 +16,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 // Timing of registration.
@@ -268,7 +270,9 @@ func (ps *pluginServer) stop() {
 func listenSocket(path string) (net.Listener, os.FileInfo, error) {
 	lis, err := net.Listen("unix", path)
 	if errors.Is(err, syscall.EADDRINUSE) {
-		if err := removeStale(path); err != nil {
+		if err := endpoint.RemoveStaleSocket(path); errors.Is(err, endpoint.ErrSocketInUse) {
+			return nil, nil, fmt.Errorf("listen on %s: another process serves this socket (a second kubelet-plugin for the same resource?)", path)
+		} else if err != nil {
 			return nil, nil, err
 		}
 		lis, err = net.Listen("unix", path)
@@ -288,22 +292,3 @@ func listenSocket(path string) (net.Listener, os.FileInfo, error) {
 	return lis, fi, nil
 }
 
-// removeStale removes the socket at path if nothing accepts connections on it.
-func removeStale(path string) error {
-	fi, err := os.Lstat(path)
-	if err != nil {
-		return fmt.Errorf("listen on %s: %w", path, err)
-	}
-	if fi.Mode()&os.ModeSocket == 0 {
-		return fmt.Errorf("listen on %s: the path exists and is not a socket; not removing it", path)
-	}
-	conn, err := net.DialTimeout("unix", path, time.Second)
-	if err == nil {
-		conn.Close()
-		return fmt.Errorf("listen on %s: another process serves this socket (a second kubelet-plugin for the same resource?)", path)
-	}
-	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("remove stale socket %s: %w", path, err)
-	}
-	return nil
-}

@@ -29,20 +29,24 @@ func PodName(namespace, pod, container string) string {
 	return "k8s/" + namespace + "/" + pod + "/" + container
 }
 
-// releaseLoop lists PodResources every PodResourcesInterval, records which pod holds
-// each of the bridge's reservations and releases those no pod has held for
-// ReleaseGrace, until ctx ends.
-func (b *Bridge) releaseLoop(ctx context.Context) {
-	log := b.log.Named("release")
+// dialPodResources returns a client of the kubelet's PodResources API on
+// PodResourcesSocket (connected on first use) and a func that closes it.
+func (b *Bridge) dialPodResources() (prapi.PodResourcesListerClient, func(), error) {
 	conn, err := grpc.NewClient("unix://"+b.cfg.PodResourcesSocket,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxPodResourcesMsg)))
 	if err != nil {
-		log.Error("cannot use the PodResources socket: reservations will not be released", "socket", b.cfg.PodResourcesSocket, "error", err)
-		return
+		return nil, nil, err
 	}
-	defer conn.Close()
-	p := &releasePass{b: b, lister: prapi.NewPodResourcesListerClient(conn), log: log}
+	return prapi.NewPodResourcesListerClient(conn), func() { _ = conn.Close() }, nil
+}
+
+// releaseLoop lists PodResources every PodResourcesInterval, records which pod holds
+// each of the bridge's reservations and releases those no pod has held for
+// ReleaseGrace, until ctx ends.
+func (b *Bridge) releaseLoop(ctx context.Context, lister prapi.PodResourcesListerClient) {
+	log := b.log.Named("release")
+	p := &releasePass{b: b, lister: lister, log: log}
 	t := time.NewTicker(b.cfg.PodResourcesInterval)
 	defer t.Stop()
 	for {

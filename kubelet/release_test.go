@@ -3,11 +3,15 @@ package kubelet_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+	prapi "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/devicehost/devicehost/kubelet"
 	"github.com/devicehost/devicehost/kubelet/kubelettest"
@@ -236,5 +240,131 @@ func TestAllocateAfterPodGoneMakesNewReservation(t *testing.T) {
 	rs := agent.active()
 	if len(rs) != 1 || rs[0].ID == old.ID || !strings.HasPrefix(rs[0].OwnerID, "kubelet/nvidia.com/gpu/") {
 		t.Errorf("active reservations: %+v, want a new one owned by kubelet/nvidia.com/gpu/..., %s (pod a's) released", rs, old.ID)
+	}
+	// Taken over in one Reserve, with a prefix for pod a's containers only.
+	if got, want := agent.takeOverRequests(), [][]string{{"k8s/ml/a/"}}; !reflect.DeepEqual(got, want) || agent.releaseCount() != 0 {
+		t.Errorf("take-over prefixes asked %q and %d Release calls; want %q and none", got, agent.releaseCount(), want)
+	}
+}
+
+// podHoldsGPUs allocates GPUs 0 and 1 and has PodResources report them held by pod
+// ml/a, until the bridge has handed the reservation to it; it returns the reservation.
+func podHoldsGPUs(t *testing.T, ctx context.Context, h *harness, c dpapi.DevicePluginClient) device.Reservation {
+	t.Helper()
+	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
+		t.Fatal(err)
+	}
+	h.pods.SetPods(kubelettest.Pod("ml", "a", "main", gpuResource, gpuID(0), gpuID(1)))
+	for {
+		if err := h.pods.WaitLists(ctx, h.pods.Lists()+1); err != nil {
+			t.Fatal(err)
+		}
+		if rs := h.agent.active(); len(rs) == 1 && rs[0].OwnerID == "k8s/ml/a/main" {
+			return rs[0]
+		}
+	}
+}
+
+// A device of a reservation whose container the kubelet's PodResources still reports
+// is never taken over, even if the kubelet allocates it: the Allocate fails naming the
+// holder and the container, and the reservation stays. So does one whose pod cannot
+// be checked because PodResources fails.
+func TestAllocateNeverTakesOverWhatAPodHolds(t *testing.T) {
+	for _, failing := range []bool{false, true} {
+		t.Run(map[bool]string{false: "pod reported", true: "PodResources failing"}[failing], func(t *testing.T) {
+			ctx := testContext(t)
+			agent := startAgent(t, eightGPUs())
+			h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
+			c := h.plugin(t, ctx)
+			h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+			held := podHoldsGPUs(t, ctx, h, c)
+			want := []string{gpuID(1) + " held by reservation " + held.ID + ` of owner "k8s/ml/a/main"`, "not taken over",
+				"container k8s/ml/a/main still holds " + gpuID(0)}
+			if failing {
+				h.pods.SetFailing(errors.New("kubelet restarting"))
+				want[2] = "PodResources: kubelet restarting"
+			}
+
+			_, err := allocate(ctx, c, gpuID(1), gpuID(2))
+			for _, w := range want {
+				if err == nil || !strings.Contains(err.Error(), w) {
+					t.Errorf("Allocate of a GPU pod a holds: %v; want an error containing %q", err, w)
+				}
+			}
+			if rs := agent.active(); len(rs) != 1 || rs[0].ID != held.ID {
+				t.Errorf("active reservations: %+v, want only pod a's %s", rs, held.ID)
+			}
+			if got := agent.takeOverRequests(); len(got) != 0 || agent.releaseCount() != 0 {
+				t.Errorf("take-overs asked %q, %d Release calls; want none", got, agent.releaseCount())
+			}
+		})
+	}
+}
+
+// Against an agent that predates take-over, the Allocate fails saying so, and nothing
+// is released.
+func TestAllocateOnAnAgentWithoutTakeOver(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	agent.mu.Lock()
+	agent.noTakeOver = true
+	agent.mu.Unlock()
+	h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
+	c := h.plugin(t, ctx)
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
+		t.Fatal(err)
+	}
+	old := agent.active()[0]
+	_, err := allocate(ctx, c, gpuID(1))
+	if err == nil || !strings.Contains(err.Error(), "predates take-over") || !strings.Contains(err.Error(), old.ID) {
+		t.Errorf("Allocate on an old agent: %v; want it to say the agent predates take-over, naming %s", err, old.ID)
+	}
+	if rs := agent.active(); len(rs) != 1 || rs[0].ID != old.ID || agent.releaseCount() != 0 {
+		t.Errorf("active reservations %+v, %d Release calls; want %s kept, none", rs, agent.releaseCount(), old.ID)
+	}
+}
+
+// Stale reservations of more pods than the agent takes prefixes for in one Reserve are
+// taken over with the bridge's two roots, still in one Reserve.
+func TestAllocateTakesOverManyPods(t *testing.T) {
+	ctx := testContext(t)
+	const n = 18 // more than the agent's 16 take-over prefixes
+	g := device.Group{GroupKey: h100, Plugin: "nvidia-example"}
+	for i := range n {
+		g.Devices = append(g.Devices, device.DeviceInfo{ID: gpuID(i), Locality: device.Locality{NUMANode: -1}})
+	}
+	agent := startAgent(t, g)
+	h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
+	c := h.plugin(t, ctx)
+	h.waitGPUs(t, ctx, "healthy GPUs", kubelettest.AllHealth(n, dpapi.Healthy))
+	var pods []*prapi.PodResources
+	all := make([]string, n)
+	for i := range n {
+		all[i] = gpuID(i)
+		if _, err := allocate(ctx, c, gpuID(i)); err != nil {
+			t.Fatal(err)
+		}
+		pods = append(pods, kubelettest.Pod("ml", fmt.Sprint("p", i), "main", gpuResource, gpuID(i)))
+	}
+	h.pods.SetPods(pods...)
+	for {
+		if err := h.pods.WaitLists(ctx, h.pods.Lists()+1); err != nil {
+			t.Fatal(err)
+		}
+		if !slices.ContainsFunc(agent.active(), func(r device.Reservation) bool { return !strings.HasPrefix(r.OwnerID, "k8s/ml/p") }) {
+			break
+		}
+	}
+	h.pods.SetPods()
+	if _, err := allocate(ctx, c, all...); err != nil {
+		t.Fatalf("Allocate of the GPUs of %d gone pods: %v", n, err)
+	}
+	if rs := agent.active(); len(rs) != 1 || len(rs[0].DeviceIDs) != n {
+		t.Errorf("active reservations %+v, want one of all %d GPUs", rs, n)
+	}
+	want := [][]string{{"k8s/", "kubelet/" + gpuResource + "/"}}
+	if got := agent.takeOverRequests(); !reflect.DeepEqual(got, want) || agent.releaseCount() != 0 {
+		t.Errorf("take-over prefixes asked %q and %d Release calls; want %q and none", got, agent.releaseCount(), want)
 	}
 }

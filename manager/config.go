@@ -144,6 +144,12 @@ type Config struct {
 	// reservations). Nil means time.Now.
 	Now func() time.Time
 
+	// OnLedgerCommit, when set, is told of every commit of the reservation ledger: how
+	// long it took, fsyncs included, and how many writes shared it (see
+	// ledger.Options.OnCommit, whose contract it has: quick, never blocking). Unused
+	// without StateDir. For metrics; the manager does not depend on what it does.
+	OnLedgerCommit func(took time.Duration, writes int)
+
 	// gcRetryMin, set by tests only, is the GC's delay before retrying a failed plugin
 	// cleanup (doubling from there); zero means the ledger's default.
 	gcRetryMin time.Duration

@@ -276,8 +276,9 @@ func openLedger(cfg Config) (*ledger.Ledger, error) {
 		return nil, fmt.Errorf("state dir: %w", err)
 	}
 	return ledger.Open(filepath.Join(cfg.StateDir, ledger.DefaultFileName), ledger.Options{
-		Logger: cfg.Logger.Named("manager").Named("ledger"),
-		Now:    cfg.Now,
+		Logger:   cfg.Logger.Named("manager").Named("ledger"),
+		Now:      cfg.Now,
+		OnCommit: cfg.OnLedgerCommit,
 	})
 }
 
@@ -429,6 +430,13 @@ func (m *Manager) Shutdown(ctx context.Context) error {
 // bounded by ctx, ReserveTimeout and its exit; its answer is validated
 // (ErrPluginResponse) and the reservation recorded in the store. A concurrent Reserve
 // touching the same devices is refused with ErrDeviceHeld while the first is in flight.
+//
+// Holders whose owner starts with one of req.TakeOverOwnerPrefixes do not refuse the
+// Reserve: they keep holding the devices while the plugin is asked (the claim keeps
+// every other Reserve off them meanwhile) and are released in the store write that
+// records the new reservation, all or nothing; the GC then owes their plugin cleanup as
+// after a Release. If anything fails before that write, or the write itself, they are
+// left as they were. Each one taken over is logged.
 func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (device.Reservation, error) {
 	if m.stopping.Load() {
 		return device.Reservation{}, fmt.Errorf("reserve: %w", device.ErrShuttingDown)
@@ -444,7 +452,8 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		return device.Reservation{}, err
 	}
 	defer release()
-	if existing, err := m.store.Check(req.OwnerID, ids); err != nil || existing != nil {
+	takeOver := slices.Clone(req.TakeOverOwnerPrefixes)
+	if existing, err := m.store.Check(req.OwnerID, ids, takeOver); err != nil || existing != nil {
 		if existing != nil {
 			return *existing, nil
 		}
@@ -475,11 +484,15 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		Container: fromContainerReservation(res),
 		State:     device.ReservationActive,
 		CreatedAt: m.cfg.Now(),
-	})
+	}, takeOver)
 	if err != nil {
 		return device.Reservation{}, fmt.Errorf("record reservation: %w", err)
 	}
 	m.reg.refresh()
+	for _, id := range r.TakenOver {
+		m.log.Info("reservation taken over: released in the write that made the new one",
+			"reservation_id", id, "new_reservation_id", r.ID, "new_owner_id", r.OwnerID, "devices", strings.Join(ids, ","))
+	}
 	return r, nil
 }
 

@@ -553,8 +553,8 @@ type gatedStore struct {
 	calls   atomic.Int32
 }
 
-func (s *gatedStore) Check(ownerID string, deviceIDs []string) (*device.Reservation, error) {
-	r, err := s.reservationStore.Check(ownerID, deviceIDs)
+func (s *gatedStore) Check(ownerID string, deviceIDs, takeOver []string) (*device.Reservation, error) {
+	r, err := s.reservationStore.Check(ownerID, deviceIDs, takeOver)
 	if s.calls.Add(1) == 1 {
 		close(s.checked)
 		<-s.gate

@@ -19,15 +19,19 @@ import (
 // Implementations are safe for concurrent use and never call back into the manager.
 // Returned values are copies the caller may keep.
 type reservationStore interface {
-	// Check says whether owner may reserve deviceIDs: (r, nil) when owner already holds
-	// exactly those devices in live reservation r (a retried Reserve), (nil, nil) when
-	// none of them is held, and a *device.HeldError naming the holders and the overlap
-	// otherwise.
-	Check(ownerID string, deviceIDs []string) (*device.Reservation, error)
-	// Commit records r as live, durably before it returns. It re-checks as Check does,
-	// atomically with the write: a retry by the same owner returns the existing
-	// reservation instead, a conflict is a *device.HeldError.
-	Commit(ctx context.Context, r device.Reservation) (device.Reservation, error)
+	// Check says whether owner may reserve deviceIDs, taking over holders whose owner
+	// starts with one of takeOver (device.TakesOver): (r, nil) when owner already
+	// holds exactly those devices in live reservation r (a retried Reserve), (nil, nil)
+	// when each of them is free or held by a reservation it may take over, and a
+	// *device.HeldError naming the other holders and the overlap otherwise.
+	Check(ownerID string, deviceIDs, takeOver []string) (*device.Reservation, error)
+	// Commit records r as live, durably before it returns, and in the same write
+	// releases the live reservations it takes over (as Release does, at r.CreatedAt),
+	// returning their IDs, sorted, in the result's TakenOver. It re-checks as Check
+	// does, atomically with the write: a retry by the same owner returns the existing
+	// reservation instead (taking nothing over), a conflict is a *device.HeldError and
+	// writes nothing.
+	Commit(ctx context.Context, r device.Reservation, takeOver []string) (device.Reservation, error)
 	// Release marks the live reservations named by req released at time at, with their
 	// plugin cleanup pending, and returns them; those req named that were released
 	// before come back apart, in already, unchanged. Both are oldest first. An unknown
@@ -59,10 +63,10 @@ func newMemStore() *memStore {
 	return &memStore{byID: make(map[string]*device.Reservation), holder: make(map[string]string)}
 }
 
-func (s *memStore) Check(ownerID string, deviceIDs []string) (*device.Reservation, error) {
+func (s *memStore) Check(ownerID string, deviceIDs, takeOver []string) (*device.Reservation, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	r, err := s.checkLocked(ownerID, deviceIDs)
+	r, _, err := s.checkLocked(ownerID, deviceIDs, takeOver)
 	if r != nil {
 		c := cloneReservation(*r)
 		return &c, err
@@ -70,10 +74,11 @@ func (s *memStore) Check(ownerID string, deviceIDs []string) (*device.Reservatio
 	return nil, err
 }
 
-// checkLocked applies the conflict rules the ledger applies: (r, nil) when ownerID's
-// live reservation r holds exactly deviceIDs, (nil, nil) when none of them is held, and
-// a *device.HeldError naming each holder otherwise.
-func (s *memStore) checkLocked(ownerID string, deviceIDs []string) (*device.Reservation, error) {
+// checkLocked applies the conflict rules the ledger applies: (r, nil, nil) when
+// ownerID's live reservation r holds exactly deviceIDs, (nil, victims, nil) when each
+// of them is free or held by a live reservation takeOver matches (victims, sorted by
+// ID), and a *device.HeldError naming every other holder otherwise.
+func (s *memStore) checkLocked(ownerID string, deviceIDs, takeOver []string) (*device.Reservation, []*device.Reservation, error) {
 	overlap := make(map[string][]string) // holder reservation ID -> requested devices it holds
 	for _, id := range deviceIDs {
 		if rid, ok := s.holder[id]; ok {
@@ -81,18 +86,23 @@ func (s *memStore) checkLocked(ownerID string, deviceIDs []string) (*device.Rese
 		}
 	}
 	if len(overlap) == 0 {
-		return nil, nil
+		return nil, nil, nil
 	}
 	if len(overlap) == 1 {
 		for rid := range overlap {
 			if r := s.byID[rid]; r.OwnerID == ownerID && sameSet(r.DeviceIDs, deviceIDs) {
-				return r, nil
+				return r, nil, nil
 			}
 		}
 	}
 	e := &device.HeldError{OwnerID: ownerID}
+	var victims []*device.Reservation
 	for rid, devs := range overlap {
 		r := s.byID[rid]
+		if device.TakesOver(takeOver, r.OwnerID) {
+			victims = append(victims, r)
+			continue
+		}
 		held := slices.Clone(r.DeviceIDs)
 		slices.Sort(held)
 		slices.Sort(devs)
@@ -102,16 +112,20 @@ func (s *memStore) checkLocked(ownerID string, deviceIDs []string) (*device.Rese
 			Held:    held,
 		})
 	}
+	if len(e.Conflicts) == 0 {
+		slices.SortFunc(victims, func(a, b *device.Reservation) int { return strings.Compare(a.ID, b.ID) })
+		return nil, victims, nil
+	}
 	slices.SortFunc(e.Conflicts, func(a, b device.Conflict) int {
 		return strings.Compare(a.Holder.ReservationID, b.Holder.ReservationID)
 	})
-	return nil, e
+	return nil, nil, e
 }
 
-func (s *memStore) Commit(_ context.Context, r device.Reservation) (device.Reservation, error) {
+func (s *memStore) Commit(_ context.Context, r device.Reservation, takeOver []string) (device.Reservation, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	existing, err := s.checkLocked(r.OwnerID, r.DeviceIDs)
+	existing, victims, err := s.checkLocked(r.OwnerID, r.DeviceIDs, takeOver)
 	if err != nil {
 		return device.Reservation{}, err
 	}
@@ -121,14 +135,32 @@ func (s *memStore) Commit(_ context.Context, r device.Reservation) (device.Reser
 	if _, dup := s.byID[r.ID]; dup {
 		return device.Reservation{}, fmt.Errorf("reservation ID %s already used", r.ID)
 	}
+	var taken []string
+	for _, v := range victims {
+		s.releaseLocked(v, r.CreatedAt)
+		taken = append(taken, v.ID)
+	}
 	r = cloneReservation(r)
-	r.State = device.ReservationActive
+	r.State, r.TakenOver = device.ReservationActive, nil
 	s.byID[r.ID] = &r
 	s.order = append(s.order, r.ID)
 	for _, id := range r.DeviceIDs {
 		s.holder[id] = r.ID
 	}
-	return cloneReservation(r), nil
+	out := cloneReservation(r)
+	out.TakenOver = taken
+	return out, nil
+}
+
+// releaseLocked marks the live reservation r released at at, its cleanup pending, and
+// frees its devices.
+func (s *memStore) releaseLocked(r *device.Reservation, at time.Time) {
+	r.State, r.ReleasedAt, r.CleanupPending = device.ReservationReleased, at, true
+	for _, d := range r.DeviceIDs {
+		if s.holder[d] == r.ID {
+			delete(s.holder, d)
+		}
+	}
 }
 
 func (s *memStore) Release(_ context.Context, req device.ReleaseRequest, at time.Time) (released, already []device.Reservation, err error) {
@@ -154,12 +186,7 @@ func (s *memStore) Release(_ context.Context, req device.ReleaseRequest, at time
 			already = append(already, cloneReservation(*r))
 			continue
 		}
-		r.State, r.ReleasedAt, r.CleanupPending = device.ReservationReleased, at, true
-		for _, d := range r.DeviceIDs {
-			if s.holder[d] == r.ID {
-				delete(s.holder, d)
-			}
-		}
+		s.releaseLocked(r, at)
 		released = append(released, cloneReservation(*r))
 	}
 	return released, already, nil
@@ -233,6 +260,7 @@ func sameSet(a, b []string) bool {
 // cloneReservation deep-copies r, so no two holders share a map or slice.
 func cloneReservation(r device.Reservation) device.Reservation {
 	r.DeviceIDs = slices.Clone(r.DeviceIDs)
+	r.TakenOver = slices.Clone(r.TakenOver)
 	c := r.Container
 	c.Envs = maps.Clone(c.Envs)
 	c.Mounts = slices.Clone(c.Mounts)

@@ -240,23 +240,25 @@ var (
 	_ reservationStore = (*ledger.Ledger)(nil)
 )
 
+// reservationStores opens each store the manager can run on, empty.
+var reservationStores = map[string]func(t *testing.T) reservationStore{
+	"memory": func(*testing.T) reservationStore { return newMemStore() },
+	"ledger": func(t *testing.T) reservationStore {
+		l, err := ledger.Open(filepath.Join(t.TempDir(), "state.db"), ledger.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = l.Close() })
+		return l
+	},
+}
+
 func TestReservationStores(t *testing.T) {
-	stores := map[string]func(t *testing.T) reservationStore{
-		"memory": func(*testing.T) reservationStore { return newMemStore() },
-		"ledger": func(t *testing.T) reservationStore {
-			l, err := ledger.Open(filepath.Join(t.TempDir(), "state.db"), ledger.Options{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = l.Close() })
-			return l
-		},
-	}
-	for name, open := range stores {
+	for name, open := range reservationStores {
 		t.Run(name, func(t *testing.T) {
 			s := open(t)
 			ctx := context.Background()
-			r1, err := s.Commit(ctx, device.Reservation{ID: "r1", OwnerID: "o1", Plugin: "p", DeviceIDs: []string{"d0", "d1"}, CreatedAt: time.Unix(1, 0)})
+			r1, err := s.Commit(ctx, device.Reservation{ID: "r1", OwnerID: "o1", Plugin: "p", DeviceIDs: []string{"d0", "d1"}, CreatedAt: time.Unix(1, 0)}, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -273,7 +275,7 @@ func TestReservationStores(t *testing.T) {
 				{"same owner, overlap", "o1", []string{"d0", "d2"}, "", device.ErrDeviceHeld},
 			}
 			for _, c := range checks {
-				got, err := s.Check(c.owner, c.ids)
+				got, err := s.Check(c.owner, c.ids, nil)
 				gotID := ""
 				if got != nil {
 					gotID = got.ID
@@ -282,10 +284,10 @@ func TestReservationStores(t *testing.T) {
 					t.Errorf("%s: Check = %q, %v; want %q, %v", c.name, gotID, err, c.wantID, c.wantErr)
 				}
 			}
-			if again, err := s.Commit(ctx, device.Reservation{ID: "r-other", OwnerID: "o1", DeviceIDs: []string{"d0", "d1"}}); err != nil || again.ID != r1.ID {
+			if again, err := s.Commit(ctx, device.Reservation{ID: "r-other", OwnerID: "o1", DeviceIDs: []string{"d0", "d1"}}, nil); err != nil || again.ID != r1.ID {
 				t.Errorf("retried Commit = %q, %v; want %q", again.ID, err, r1.ID)
 			}
-			_, err = s.Commit(ctx, device.Reservation{ID: "r2", OwnerID: "o2", DeviceIDs: []string{"d1", "d9"}})
+			_, err = s.Commit(ctx, device.Reservation{ID: "r2", OwnerID: "o2", DeviceIDs: []string{"d1", "d9"}}, nil)
 			if !errors.Is(err, device.ErrDeviceHeld) || !strings.Contains(err.Error(), "o1") {
 				t.Errorf("conflicting Commit: %v, want ErrDeviceHeld naming o1", err)
 			}
@@ -340,6 +342,64 @@ func TestReservationStores(t *testing.T) {
 			list, err := s.List(ctx, device.ReservationFilter{OwnerID: "o1", State: device.ReservationReleased})
 			if err != nil || len(list) != 1 || list[0].CleanupPending {
 				t.Errorf("List(o1, released) = %+v, %v; want r1, cleaned up", list, err)
+			}
+		})
+	}
+}
+
+// Both stores take over alike: holders of the prefixes are released with the new
+// reservation's record, at its creation time, cleanup pending; any other holder
+// refuses, named alone, and nothing changes; a retry takes nothing over.
+func TestReservationStoresTakeOver(t *testing.T) {
+	for name, open := range reservationStores {
+		t.Run(name, func(t *testing.T) {
+			s := open(t)
+			ctx := context.Background()
+			commit := func(id, owner string, at int64, ids ...string) (device.Reservation, error) {
+				return s.Commit(ctx, device.Reservation{ID: id, OwnerID: owner, Plugin: "p", DeviceIDs: ids, CreatedAt: time.Unix(at, 0)}, []string{"nomad/"})
+			}
+			for _, r := range []struct{ id, owner, dev string }{{"r1", "nomad/a", "d1"}, {"r2", "nomad/b", "d2"}, {"r3", "job-c", "d3"}} {
+				if _, err := commit(r.id, r.owner, 1, r.dev); err != nil {
+					t.Fatal(err)
+				}
+			}
+			before, _ := s.List(ctx, device.ReservationFilter{})
+
+			if _, err := s.Check("nomad/new", []string{"d1", "d3"}, []string{"nomad/"}); !errors.Is(err, device.ErrDeviceHeld) {
+				t.Errorf("Check over job-c's device = %v, want ErrDeviceHeld", err)
+			}
+			_, err := commit("r4", "nomad/new", 2, "d1", "d3")
+			var held *device.HeldError
+			want := []device.Conflict{{Holder: device.Holder{ReservationID: "r3", OwnerID: "job-c"}, Overlap: []string{"d3"}, Held: []string{"d3"}}}
+			if !errors.As(err, &held) || !reflect.DeepEqual(held.Conflicts, want) {
+				t.Errorf("take-over over job-c = %v, want a HeldError naming only r3: %+v", err, want)
+			}
+			if after, _ := s.List(ctx, device.ReservationFilter{}); !reflect.DeepEqual(after, before) {
+				t.Errorf("a refused take-over changed the store:\n%+v\nwas\n%+v", after, before)
+			}
+
+			if got, err := s.Check("nomad/new", []string{"d2", "d1"}, []string{"nomad/"}); got != nil || err != nil {
+				t.Errorf("Check of a take-over = %v, %v; want nil, nil", got, err)
+			}
+			got, err := commit("r4", "nomad/new", 2, "d2", "d1")
+			if err != nil || got.ID != "r4" || !reflect.DeepEqual(got.TakenOver, []string{"r1", "r2"}) {
+				t.Fatalf("take-over = %+v, %v; want r4 taking over r1 and r2", got, err)
+			}
+			for _, id := range []string{"r1", "r2"} {
+				rs, _ := s.List(ctx, device.ReservationFilter{OwnerID: map[string]string{"r1": "nomad/a", "r2": "nomad/b"}[id]})
+				if len(rs) != 1 || rs[0].State != device.ReservationReleased || !rs[0].CleanupPending || !rs[0].ReleasedAt.Equal(time.Unix(2, 0)) || rs[0].TakenOver != nil {
+					t.Errorf("%s after the take-over: %+v; want released at r4's creation, cleanup pending", id, rs)
+				}
+			}
+			if h := s.Holders(); h["d1"].ReservationID != "r4" || h["d2"].ReservationID != "r4" || h["d3"].ReservationID != "r3" {
+				t.Errorf("holders %+v, want d1 and d2 held by r4, d3 by r3", h)
+			}
+			if rs, _ := s.List(ctx, device.ReservationFilter{OwnerID: "nomad/new"}); len(rs) != 1 || rs[0].TakenOver != nil {
+				t.Errorf("listed r4: %+v; want it without TakenOver (never stored)", rs)
+			}
+			again, err := commit("r5", "nomad/new", 3, "d1", "d2")
+			if err != nil || again.ID != "r4" || again.TakenOver != nil {
+				t.Errorf("retried take-over = %+v, %v; want r4 back, nothing taken over", again, err)
 			}
 		})
 	}

@@ -140,7 +140,8 @@ func streamClosed(ctx context.Context) error {
 	return status.Error(codes.Unavailable, "device manager closed the stream: "+device.ErrShuttingDown.Error())
 }
 
-// Reserve validates the request and reserves the devices.
+// Reserve validates the request and reserves the devices, taking them over from the
+// owners the request names (take_over_owner_prefixes) when it names any.
 func (s *Server) Reserve(ctx context.Context, in *pb.ReserveRequest) (*pb.ReserveResponse, error) {
 	req := reserveRequestFromProto(in)
 	if err := validate.ReserveRequest(req); err != nil {
@@ -151,8 +152,9 @@ func (s *Server) Reserve(ctx context.Context, in *pb.ReserveRequest) (*pb.Reserv
 		return nil, toStatus(err)
 	}
 	return &pb.ReserveResponse{
-		ReservationId: res.ID,
-		Reservation:   containerToProto(res.Container),
+		ReservationId:           res.ID,
+		Reservation:             containerToProto(res.Container),
+		TakenOverReservationIds: res.TakenOver,
 	}, nil
 }
 

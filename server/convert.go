@@ -136,7 +136,8 @@ func reserveRequestFromProto(in *pb.ReserveRequest) device.ReserveRequest {
 			Type:   in.GetType(),
 			Name:   in.GetName(),
 		},
-		DeviceIDs: append([]string(nil), in.GetDeviceIds()...),
+		DeviceIDs:             append([]string(nil), in.GetDeviceIds()...),
+		TakeOverOwnerPrefixes: append([]string(nil), in.GetTakeOverOwnerPrefixes()...),
 	}
 }
 

@@ -168,6 +168,15 @@ func (s *Server) Serve(lis net.Listener) error {
 	return err
 }
 
+// OpenStreams returns how many Fingerprint and Stats streams are open now, over all
+// connections: the count max_streams limits. Safe for concurrent use.
+func (s *Server) OpenStreams() int { return int(s.limits.open.Load()) }
+
+// GetServiceInfo returns the services the server serves and their methods (the host
+// API, health and reflection), as grpc.Server.GetServiceInfo does. It makes the Server
+// a reflection.ServiceInfoProvider, e.g. for metrics that pre-register each method.
+func (s *Server) GetServiceInfo() map[string]grpc.ServiceInfo { return s.grpc.GetServiceInfo() }
+
 // reportReady turns health to SERVING once the manager is ready, unless Shutdown comes
 // first. After Shutdown the health server ignores status changes, so a late SERVING
 // cannot undo NOT_SERVING.

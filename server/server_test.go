@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -252,23 +253,24 @@ func TestReserveConvertsRequestAndAnswer(t *testing.T) {
 			Mounts:     []device.Mount{{HostPath: "/usr/lib/x", ContainerPath: "/usr/lib/x", ReadOnly: true}},
 			Devices:    []device.DeviceSpec{{HostPath: "/dev/nvidia0", ContainerPath: "/dev/nvidia0", Permissions: "rw"}},
 			CDIDevices: []string{"nvidia.com/gpu=GPU-0", "nvidia.com/gpu=GPU-1"},
-		}}, nil
+		}, TakenOver: []string{"res-3", "res-5"}}, nil
 	}}
 	h := startHost(t, mgr)
 	resp, err := h.client.Reserve(testContext(t), &pb.ReserveRequest{
 		OwnerId: "alloc-1", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name,
-		DeviceIds: []string{"GPU-0", "GPU-1"},
+		DeviceIds: []string{"GPU-0", "GPU-1"}, TakeOverOwnerPrefixes: []string{"nomad/", "k8s/ns/"},
 	})
 	if err != nil {
 		t.Fatalf("Reserve: %v", err)
 	}
 	req := <-got
-	wantReq := device.ReserveRequest{OwnerID: "alloc-1", Group: h100, DeviceIDs: []string{"GPU-0", "GPU-1"}}
-	if fmt.Sprint(req) != fmt.Sprint(wantReq) {
+	wantReq := device.ReserveRequest{OwnerID: "alloc-1", Group: h100, DeviceIDs: []string{"GPU-0", "GPU-1"}, TakeOverOwnerPrefixes: []string{"nomad/", "k8s/ns/"}}
+	if !reflect.DeepEqual(req, wantReq) {
 		t.Errorf("manager got %+v, want %+v", req, wantReq)
 	}
 	assertProtoEqual(t, "Reserve response", resp, &pb.ReserveResponse{
-		ReservationId: "res-7",
+		TakenOverReservationIds: []string{"res-3", "res-5"},
+		ReservationId:           "res-7",
 		Reservation: &pb.ContainerReservation{
 			Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-0,GPU-1"},
 			Mounts:     []*pb.Mount{{HostPath: "/usr/lib/x", ContainerPath: "/usr/lib/x", ReadOnly: true}},
@@ -371,6 +373,18 @@ func TestRequestValidation(t *testing.T) {
 			_, err := h.client.Reserve(ctx, r)
 			return err
 		}, "device_ids[1]"},
+		{"reserve taking over an empty prefix", func() error {
+			r := good()
+			r.TakeOverOwnerPrefixes = []string{"nomad/", ""}
+			_, err := h.client.Reserve(ctx, r)
+			return err
+		}, "take_over_owner_prefixes[1]"},
+		{"reserve taking over a prefix without its slash", func() error {
+			r := good()
+			r.TakeOverOwnerPrefixes = []string{"nomad"}
+			_, err := h.client.Reserve(ctx, r)
+			return err
+		}, "take_over_owner_prefixes[0]"},
 		{"release naming nothing", func() error {
 			_, err := h.client.Release(ctx, &pb.ReleaseRequest{})
 			return err
@@ -811,5 +825,29 @@ func TestReflectionListsServices(t *testing.T) {
 		if !got[want] {
 			t.Errorf("reflection lists %v, missing %s", got, want)
 		}
+	}
+	// GetServiceInfo names the same services, with their methods.
+	info := h.srv.GetServiceInfo()
+	for name := range got {
+		if _, ok := info[name]; !ok {
+			t.Errorf("GetServiceInfo lacks %s, which reflection lists", name)
+		}
+	}
+	var methods []string
+	for _, m := range info[server.ServiceName].Methods {
+		methods = append(methods, m.Name)
+	}
+	slices.Sort(methods)
+	// Every method the API's .proto declares.
+	var want []string
+	for _, m := range pb.DeviceHost_ServiceDesc.Methods {
+		want = append(want, m.MethodName)
+	}
+	for _, st := range pb.DeviceHost_ServiceDesc.Streams {
+		want = append(want, st.StreamName)
+	}
+	slices.Sort(want)
+	if len(want) < 7 || !slices.Equal(methods, want) {
+		t.Errorf("GetServiceInfo methods of %s = %v, want %v", server.ServiceName, methods, want)
 	}
 }

@@ -101,6 +101,9 @@ func TestStreamLimits(t *testing.T) {
 	connB := pb.NewDeviceHostClient(h.dial(t))
 	b1, _ := mustOpen(connB, "stream 1 on connection B")
 	refused(connB, "stream 2 on connection B (4 in all)", "max_streams = 3")
+	if got := h.srv.OpenStreams(); got != 3 {
+		t.Errorf("OpenStreams = %d with 3 streams open and 2 refused, want 3", got)
+	}
 	// Stats counts too.
 	sctx, scancel := context.WithCancel(ctx)
 	defer scancel()
@@ -129,6 +132,9 @@ func TestStreamLimits(t *testing.T) {
 			t.Cleanup(cancel)
 			feed.snaps <- snapshotWithHolder("c")
 			recvOwner(t, s, "c")
+			if got := h.srv.OpenStreams(); got != 3 {
+				t.Errorf("OpenStreams = %d after one of 3 streams ended and another opened, want 3", got)
+			}
 			break
 		}
 		// The server counts the ended stream out when its handler returns, which can be

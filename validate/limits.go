@@ -44,6 +44,9 @@ const (
 	MaxCDIDevices = MaxDevicesPerGroup
 	// MaxPathLen bounds, in bytes, a mount or device node path (Linux PATH_MAX).
 	MaxPathLen = 4096
+	// MaxTakeOverPrefixes bounds the owner prefixes one Reserve may take devices over
+	// from.
+	MaxTakeOverPrefixes = 16
 
 	// MaxFingerprintBytes bounds the encoded size (protobuf wire bytes) of one plugin's
 	// fingerprint message, and MaxStatsBytes of one plugin's stats message. Every other

@@ -114,7 +114,42 @@ func reserveRequest(req device.ReserveRequest) error {
 			seen[id] = i
 		}
 	}
+	f.checkPrefixes("take_over_owner_prefixes", req.TakeOverOwnerPrefixes)
 	return f.err()
+}
+
+// checkPrefixes checks take-over owner prefixes: at most MaxTakeOverPrefixes, none
+// repeated, each an owner ID's start that names whole segments: non-empty, ending with
+// "/", not starting with "/" and without an empty segment ("//"), so that no prefix can
+// match every owner or cut an owner's segment in two. An owner's other rules apply too
+// (length, UTF-8, printable, no leading space).
+func (f *fields) checkPrefixes(field string, prefixes []string) {
+	if len(prefixes) > MaxTakeOverPrefixes {
+		f.add(field, RuleTooMany, tooMany(len(prefixes), MaxTakeOverPrefixes))
+		prefixes = prefixes[:MaxTakeOverPrefixes]
+	}
+	seen := make(map[string]int, len(prefixes))
+	for i, p := range prefixes {
+		name := fmt.Sprintf("%s[%d]", field, i)
+		if p == "" {
+			f.add(name, RuleEmpty, "")
+			continue
+		}
+		f.checkOwner(name, p)
+		switch {
+		case !strings.HasSuffix(p, "/"):
+			f.add(name, RuleOwnerPrefix, `must end with "/"`)
+		case p[0] == '/':
+			f.add(name, RuleOwnerPrefix, `must not start with "/"`)
+		case strings.Contains(p, "//"):
+			f.add(name, RuleOwnerPrefix, `empty segment ("//")`)
+		}
+		if first, dup := seen[p]; dup {
+			f.add(name, RuleDuplicate, fmt.Sprintf("of %s[%d]", field, first))
+		} else {
+			seen[p] = i
+		}
+	}
 }
 
 // releaseRequest is ReleaseRequest's body; see its doc comment for the rules.

@@ -109,6 +109,43 @@ func TestReserveRequest(t *testing.T) {
 				fmt.Sprintf("%d, limit %d; only the first %[2]d checked", validate.MaxDevicesPerGroup+1, validate.MaxDevicesPerGroup))},
 		},
 		{
+			name: "take-over prefixes that are fine",
+			mutate: func(r *device.ReserveRequest) {
+				r.TakeOverOwnerPrefixes = []string{"nomad/", "kubelet/nvidia.com/gpu/", "k8s/ns/pod/"}
+			},
+		},
+		{
+			name: "take-over prefix malformed",
+			mutate: func(r *device.ReserveRequest) {
+				r.TakeOverOwnerPrefixes = []string{"", "nomad", "/", "/nomad/", "k8s//x/", " nomad/", "no\nmad/", "nomad/", long + "/"}
+			},
+			want: []device.FieldError{
+				fe("take_over_owner_prefixes[0]", validate.RuleEmpty),
+				fe("take_over_owner_prefixes[1]", validate.RuleOwnerPrefix, `must end with "/"`),
+				fe("take_over_owner_prefixes[2]", validate.RuleOwnerPrefix, `must not start with "/"`),
+				fe("take_over_owner_prefixes[3]", validate.RuleOwnerPrefix, `must not start with "/"`),
+				fe("take_over_owner_prefixes[4]", validate.RuleOwnerPrefix, `empty segment ("//")`),
+				fe("take_over_owner_prefixes[5]", validate.RuleSpaces),
+				fe("take_over_owner_prefixes[6]", validate.RuleNotPrintable),
+				fe("take_over_owner_prefixes[8]", validate.RuleTooLong, fmt.Sprintf("%d bytes, limit %d", len(long)+1, validate.MaxNameLen)),
+			},
+		},
+		{
+			name:   "take-over prefix duplicate",
+			mutate: func(r *device.ReserveRequest) { r.TakeOverOwnerPrefixes = []string{"nomad/", "k8s/", "nomad/"} },
+			want:   []device.FieldError{fe("take_over_owner_prefixes[2]", validate.RuleDuplicate, "of take_over_owner_prefixes[0]")},
+		},
+		{
+			name: "too many take-over prefixes",
+			mutate: func(r *device.ReserveRequest) {
+				for i := range validate.MaxTakeOverPrefixes + 1 {
+					r.TakeOverOwnerPrefixes = append(r.TakeOverOwnerPrefixes, fmt.Sprintf("p%d/", i))
+				}
+			},
+			want: []device.FieldError{fe("take_over_owner_prefixes", validate.RuleTooMany,
+				fmt.Sprintf("%d, limit %d; only the first %[2]d checked", validate.MaxTakeOverPrefixes+1, validate.MaxTakeOverPrefixes))},
+		},
+		{
 			name: "every violation is reported",
 			mutate: func(r *device.ReserveRequest) {
 				r.OwnerID = ""

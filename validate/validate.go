@@ -76,6 +76,9 @@ func Reservation(res *pb.ContainerReservation, requested []string) error {
 // device ID must be non-empty, at most MaxNameLen bytes, valid UTF-8 and printable;
 // owner_id must also not be blank or start or end with a space (RuleSpaces);
 // device_ids must hold 1 to MaxDevicesPerGroup IDs, none repeated.
+// take_over_owner_prefixes may hold up to MaxTakeOverPrefixes prefixes, none repeated,
+// reported as "take_over_owner_prefixes[i]": each follows owner_id's rules, ends with
+// "/", does not start with "/" and has no empty segment (RuleOwnerPrefix).
 func ReserveRequest(req device.ReserveRequest) error { return reserveRequest(req) }
 
 // ReleaseRequest checks a host API Release request; violations are *device.FieldError.

@@ -46,6 +46,7 @@ const (
 	RuleNotRequested  Rule = "device not requested" // a CDI device for a device the caller did not ask for
 	RuleExactlyOne    Rule = "exactly one of reservation_id and owner_id must be set"
 	RuleState         Rule = "unknown reservation state"
+	RuleOwnerPrefix   Rule = "invalid owner prefix" // a take-over prefix that is not "segment/.../"
 	// RuleTruncated is reported once, last, when more than MaxViolations violations were
 	// found; its Detail says how many were left out.
 	RuleTruncated Rule = "more violations not shown"

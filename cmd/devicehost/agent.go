@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/metrics"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/endpoint"
 )
@@ -54,6 +56,7 @@ func parseAgentArgs(env *cmdEnv, args []string) (agentArgs, error) {
 	stateDir := fs.String("state-dir", def.StateDir, "`dir`ectory for durable state")
 	logLevel := fs.String("log-level", def.LogLevel, "log `level`: trace, debug, info, warn or error")
 	logJSON := fs.Bool("log-json", false, "log JSON lines")
+	metricsListen := fs.String("metrics-listen", "", "`address` to serve Prometheus metrics on (HTTP, /metrics): tcp://127.0.0.1:9400 or unix:///path.sock; off when empty")
 	var tlsFlags endpoint.TLS
 	registerTLSFlags(fs, &tlsFlags, "the agent's certificate", "the agent's key", "CA that client certificates must chain to")
 	if err := parseFlags(fs, args); err != nil {
@@ -82,10 +85,14 @@ func parseAgentArgs(env *cmdEnv, args []string) (agentArgs, error) {
 	override("tls-key", func() { cfg.TLS.Key = tlsFlags.Key })
 	override("tls-ca", func() { cfg.TLS.CA = tlsFlags.CA })
 	override("insecure", func() { cfg.TLS.Insecure = tlsFlags.Insecure })
+	override("metrics-listen", func() { cfg.MetricsListen = *metricsListen })
 	if err := checkLogLevel(cfg.LogLevel); err != nil {
 		return agentArgs{}, usageError{err.Error()}
 	}
 	if _, err := endpoint.Parse(cfg.Listen); err != nil {
+		return agentArgs{}, usageError{err.Error()}
+	}
+	if err := checkMetrics(cfg); err != nil {
 		return agentArgs{}, usageError{err.Error()}
 	}
 	return agentArgs{cfg: cfg, dev: *dev, set: set}, nil
@@ -136,8 +143,16 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 		devDir = dir
 		banner = func(addr endpoint.Address) { printDevBanner(env.stdout, addr, cfg.StateDir, dir) }
 	}
+	var mx *metrics.Metrics
+	var onCommit func(time.Duration, int)
+	if cfg.MetricsListen != "" {
+		if mx, err = metrics.New(metrics.Options{Logger: log.Named("metrics")}); err != nil {
+			return err
+		}
+		onCommit = mx.ObserveLedgerCommit
+	}
 	r := &reloader{env: env, args: args, devDir: devDir, log: log, cur: cfg}
-	return serveAgent(ctx, cfg, log, managerFactory(cfg), banner, reloadHook{signals: hup, apply: r.reload})
+	return serveAgent(ctx, cfg, log, managerFactory(cfg, onCommit), mx, banner, reloadHook{signals: hup, apply: r.reload})
 }
 
 // devConfig turns cfg into -dev's: socket and state in dir, no plugin dir, and the
@@ -160,11 +175,13 @@ func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
 }
 
 // serveAgent runs the host until ctx ends or the API server fails: it listens on
-// cfg.Listen, builds the manager with newManager, serves the API, and on the way out
-// shuts the API down and then the manager. banner, if set, is called once the API is
-// listening. reload.apply runs for each reload signal, between the other events (under
-// systemd, between RELOADING=1 and READY=1 once the agent was ready).
-func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManager device.Factory, banner func(endpoint.Address), reload reloadHook) error {
+// cfg.Listen (and, with mx, on cfg.MetricsListen), builds the manager with newManager,
+// serves the API (and the metrics), and on the way out shuts the API down, then the
+// metrics, then the manager. banner, if set, is called once the API is listening. mx
+// nil means no metrics; otherwise cfg.MetricsListen must be set. reload.apply runs for
+// each reload signal, between the other events (under systemd, between RELOADING=1 and
+// READY=1 once the agent was ready).
+func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManager device.Factory, mx *metrics.Metrics, banner func(endpoint.Address), reload reloadHook) error {
 	addr, err := endpoint.Parse(cfg.Listen)
 	if err != nil {
 		return err
@@ -174,26 +191,65 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManag
 	if err != nil {
 		return err
 	}
+	var mlis net.Listener
+	var maddr endpoint.Address
+	if mx != nil {
+		if mlis, maddr, err = listenMetrics(cfg); err != nil {
+			lis.Close()
+			return err
+		}
+	}
 	mgr, err := newManager(log)
 	if err != nil {
 		lis.Close()
+		closeListener(mlis)
 		return fmt.Errorf("start the device manager: %w", err)
 	}
+	api, opts := mgr, lis.ServerOptions()
+	if mx != nil {
+		if err := mx.CollectManager(mgr); err != nil {
+			lis.Close()
+			closeListener(mlis)
+			shutdownManager(mgr, log)
+			return err
+		}
+		api, opts = mx.Instrument(mgr), append(opts, mx.ServerOptions()...)
+	}
 	srv, err := server.New(server.Config{
-		Manager:           mgr,
+		Manager:           api,
 		Logger:            log.Named("server"),
 		MaxStreams:        cfg.MaxStreams,
 		MaxStreamsPerConn: cfg.MaxStreamsPerConn,
-		ServerOptions:     lis.ServerOptions(),
+		ServerOptions:     opts,
 	})
+	if err == nil && mx != nil {
+		err = mx.CollectServer(srv)
+	}
 	if err != nil {
 		lis.Close()
+		closeListener(mlis)
+		if srv != nil {
+			srv.Shutdown(context.Background())
+		}
 		shutdownManager(mgr, log)
 		return err
 	}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(lis) }()
 	log.Info("listening", "address", lis.Address.String())
+	metricsDone := make(chan struct{})
+	if mx != nil {
+		// A metrics server that fails is logged; the API goes on.
+		go func() {
+			defer close(metricsDone)
+			if err := mx.Serve(mlis); err != nil {
+				log.Error("metrics server stopped; the host API goes on", "error", err)
+			}
+		}()
+		log.Info("serving metrics", "address", maddr.String(), "url", metricsURL(maddr, cfg.MetricsTLS.Cert != ""))
+	} else {
+		close(metricsDone)
+	}
 	if banner != nil {
 		banner(lis.Address)
 	}
@@ -237,12 +293,25 @@ wait:
 	if serveErr == nil {
 		serveErr = <-served
 	}
+	if mx != nil {
+		mctx, cancel := context.WithTimeout(context.Background(), serverShutdownTimeout)
+		mx.Shutdown(mctx)
+		cancel()
+	}
+	<-metricsDone
 	shutdownManager(mgr, log)
 	if serveErr != nil {
 		return fmt.Errorf("serve the host API on %s: %w", lis.Address, serveErr)
 	}
 	log.Info("stopped")
 	return nil
+}
+
+// closeListener closes l unless it is nil.
+func closeListener(l net.Listener) {
+	if l != nil {
+		l.Close()
+	}
 }
 
 // shutdownManager stops the manager and its plugins within managerShutdownTimeout.

@@ -56,7 +56,7 @@ func startInProcessAgent(t *testing.T, mgr device.Manager, reload ...reloadHook)
 	}
 	go func() {
 		defer close(a.done)
-		a.err = serveAgent(ctx, cfg, hclog.NewNullLogger(), factory, func(addr endpoint.Address) { listening <- addr }, hook)
+		a.err = serveAgent(ctx, cfg, hclog.NewNullLogger(), factory, nil, func(addr endpoint.Address) { listening <- addr }, hook)
 	}()
 	t.Cleanup(func() { a.stop() })
 	select {
@@ -136,7 +136,7 @@ func TestAgentStartFailures(t *testing.T) {
 		sock := filepath.Join(dir, "dh.sock")
 		cfg.Listen = "unix://" + sock
 		factory := func(hclog.Logger) (device.Manager, error) { return nil, errors.New("plugin dir /nope: no such file") }
-		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil, reloadHook{})
+		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil, nil, reloadHook{})
 		if err == nil || !strings.Contains(err.Error(), "start the device manager: plugin dir /nope") {
 			t.Errorf("serveAgent: %v, want the manager's error", err)
 		}
@@ -152,7 +152,7 @@ func TestAgentStartFailures(t *testing.T) {
 			t.Error("the manager was started although the socket is taken")
 			return &devicetest.Fake{}, nil
 		}
-		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil, reloadHook{})
+		err := serveAgent(context.Background(), cfg, hclog.NewNullLogger(), factory, nil, nil, reloadHook{})
 		if want := "another devicehost is listening on " + first.addr.Path; err == nil || err.Error() != want {
 			t.Errorf("serveAgent: %v, want %q", err, want)
 		}

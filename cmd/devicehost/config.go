@@ -15,6 +15,7 @@ import (
 	"github.com/hashicorp/hcl/v2"
 	"github.com/hashicorp/hcl/v2/gohcl"
 	"github.com/hashicorp/hcl/v2/hclparse"
+	"github.com/hashicorp/hcl/v2/hclsyntax"
 	"github.com/zclconf/go-cty/cty"
 	"github.com/zclconf/go-cty/cty/convert"
 
@@ -50,6 +51,11 @@ type agentConfig struct {
 	LogLevel  string
 	LogJSON   bool
 	TLS       endpoint.TLS
+
+	// MetricsListen is where Prometheus metrics are served (HTTP, /metrics); "" means
+	// none. MetricsTLS holds its TLS files (Insecure is not used: see metricsTLS).
+	MetricsListen string
+	MetricsTLS    endpoint.TLS
 
 	StatsInterval  time.Duration
 	ReserveTimeout time.Duration
@@ -115,6 +121,10 @@ type fileSchema struct {
 	TLSKey             *hcl.Attribute `hcl:"tls_key,optional"`
 	TLSCA              *hcl.Attribute `hcl:"tls_ca,optional"`
 	Insecure           *hcl.Attribute `hcl:"insecure,optional"`
+	MetricsListen      *hcl.Attribute `hcl:"metrics_listen,optional"`
+	MetricsTLSCert     *hcl.Attribute `hcl:"metrics_tls_cert,optional"`
+	MetricsTLSKey      *hcl.Attribute `hcl:"metrics_tls_key,optional"`
+	MetricsTLSCA       *hcl.Attribute `hcl:"metrics_tls_ca,optional"`
 	Plugins            []pluginSchema `hcl:"plugin,block"`
 }
 
@@ -128,14 +138,9 @@ type pluginSchema struct {
 	DefRange   hcl.Range      `hcl:",def_range"`
 }
 
-// configSchema is a plugin's free-form config block, handed to the plugin as JSON.
-type configSchema struct {
-	Body hcl.Body `hcl:",remain"`
-}
-
-// loadConfigFile reads an HCL (or, for a .json name, HCL JSON) config file over cfg.
-// Every problem is reported with the file, line and key.
-func loadConfigFile(path string, cfg *agentConfig) error {
+// decodeConfigFile parses an HCL (or, for a .json name, HCL JSON) file and decodes it
+// into schema, a gohcl-tagged struct; an error names the file, line and key.
+func decodeConfigFile(path string, schema any) error {
 	parser := hclparse.NewParser()
 	var file *hcl.File
 	var diags hcl.Diagnostics
@@ -147,9 +152,23 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 	if diags.HasErrors() {
 		return diagError(path, diags)
 	}
-	var fs fileSchema
-	if diags := gohcl.DecodeBody(file.Body, nil, &fs); diags.HasErrors() {
+	if diags := gohcl.DecodeBody(file.Body, nil, schema); diags.HasErrors() {
 		return diagError(path, diags)
+	}
+	return nil
+}
+
+// configSchema is a plugin's free-form config block, handed to the plugin as JSON.
+type configSchema struct {
+	Body hcl.Body `hcl:",remain"`
+}
+
+// loadConfigFile reads an HCL (or, for a .json name, HCL JSON) config file over cfg.
+// Every problem is reported with the file, line and key.
+func loadConfigFile(path string, cfg *agentConfig) error {
+	var fs fileSchema
+	if err := decodeConfigFile(path, &fs); err != nil {
+		return err
 	}
 	var d decoder
 	d.str(fs.Listen, &cfg.Listen)
@@ -170,9 +189,18 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 	d.str(fs.TLSKey, &cfg.TLS.Key)
 	d.str(fs.TLSCA, &cfg.TLS.CA)
 	d.boolean(fs.Insecure, &cfg.TLS.Insecure)
+	d.str(fs.MetricsListen, &cfg.MetricsListen)
+	d.str(fs.MetricsTLSCert, &cfg.MetricsTLS.Cert)
+	d.str(fs.MetricsTLSKey, &cfg.MetricsTLS.Key)
+	d.str(fs.MetricsTLSCA, &cfg.MetricsTLS.CA)
 	if fs.Listen != nil && !d.diags.HasErrors() {
 		if _, err := endpoint.Parse(cfg.Listen); err != nil {
 			d.fail(fs.Listen, "Invalid address", err.Error())
+		}
+	}
+	if fs.MetricsListen != nil && cfg.MetricsListen != "" && !d.diags.HasErrors() {
+		if _, err := endpoint.Parse(cfg.MetricsListen); err != nil {
+			d.fail(fs.MetricsListen, "Invalid address", err.Error())
 		}
 	}
 
@@ -367,27 +395,28 @@ func (d *decoder) env(a *hcl.Attribute, out *[]string) {
 }
 
 // configJSON converts a plugin's config block to a JSON object. Its attributes may hold
-// any HCL value (strings, numbers, bools, lists, objects); nested blocks are not
-// allowed, write `name = { ... }` instead.
+// any HCL value (strings, numbers, bools, lists, objects). In the native syntax it may
+// also hold nested blocks, without labels: `name { ... }` is the object
+// `"name": { ... }`, and a name given as several blocks is the list of their objects,
+// in file order (HCL's JSON form reads a list of objects as repeated blocks too). A
+// name that is both an attribute and a block, or a block with a label, is an error at
+// its line.
 func (d *decoder) configJSON(body hcl.Body) []byte {
-	attrs, diags := body.JustAttributes()
-	if diags.HasErrors() {
-		d.diags = append(d.diags, diags...)
-		return nil
-	}
-	obj := make(map[string]any, len(attrs))
-	for name, a := range attrs {
-		v, diags := a.Expr.Value(nil)
+	var obj map[string]any
+	if sb, ok := body.(*hclsyntax.Body); ok {
+		obj = d.blockObject(sb)
+	} else { // HCL's JSON form: objects are attributes' values already
+		attrs, diags := body.JustAttributes()
 		if diags.HasErrors() {
 			d.diags = append(d.diags, diags...)
-			continue
+			return nil
 		}
-		gv, err := ctyToJSON(v)
-		if err != nil {
-			d.fail(a, "Invalid plugin config value", err.Error())
-			continue
+		obj = make(map[string]any, len(attrs))
+		for name, a := range attrs {
+			if v, ok := d.attrJSON(a); ok {
+				obj[name] = v
+			}
 		}
-		obj[name] = gv
 	}
 	data, err := json.Marshal(obj) // map keys are sorted: the same file gives the same JSON
 	if err != nil {
@@ -395,6 +424,69 @@ func (d *decoder) configJSON(body hcl.Body) []byte {
 		return nil
 	}
 	return data
+}
+
+// attrJSON evaluates a plugin config attribute to what encoding/json marshals; ok is
+// false (with a diagnostic) when it cannot.
+func (d *decoder) attrJSON(a *hcl.Attribute) (any, bool) {
+	v, diags := a.Expr.Value(nil)
+	if diags.HasErrors() {
+		d.diags = append(d.diags, diags...)
+		return nil, false
+	}
+	gv, err := ctyToJSON(v)
+	if err != nil {
+		d.fail(a, "Invalid plugin config value", err.Error())
+		return nil, false
+	}
+	return gv, true
+}
+
+// blockObject converts a native-syntax plugin config body (see configJSON).
+func (d *decoder) blockObject(b *hclsyntax.Body) map[string]any {
+	obj := make(map[string]any, len(b.Attributes)+len(b.Blocks))
+	for name, a := range b.Attributes {
+		if v, ok := d.attrJSON(a.AsHCLAttribute()); ok {
+			obj[name] = v
+		}
+	}
+	byType := map[string][]any{}
+	var order []string // block types, first seen first
+	for _, blk := range b.Blocks {
+		if a, clash := b.Attributes[blk.Type]; clash {
+			d.diags = append(d.diags, &hcl.Diagnostic{
+				Severity: hcl.DiagError,
+				Summary:  "Ambiguous plugin config",
+				Detail: fmt.Sprintf("%s: given as an attribute at line %d and as a block here; write one of them "+
+					"(a block is the same as %s = { ... }, several blocks the same as %[1]s = [{ ... }, ...])",
+					blk.Type, a.SrcRange.Start.Line, blk.Type),
+				Subject: blk.TypeRange.Ptr(),
+			})
+			continue
+		}
+		if len(blk.Labels) > 0 {
+			d.diags = append(d.diags, &hcl.Diagnostic{
+				Severity: hcl.DiagError,
+				Summary:  "Unsupported block label",
+				Detail: fmt.Sprintf("%s %q: a block in a plugin config takes no labels; write %s = { %q = { ... } } instead",
+					blk.Type, blk.Labels[0], blk.Type, blk.Labels[0]),
+				Subject: blk.LabelRanges[0].Ptr(),
+			})
+			continue
+		}
+		if _, seen := byType[blk.Type]; !seen {
+			order = append(order, blk.Type)
+		}
+		byType[blk.Type] = append(byType[blk.Type], d.blockObject(blk.Body))
+	}
+	for _, name := range order {
+		if objs := byType[name]; len(objs) == 1 {
+			obj[name] = objs[0]
+		} else {
+			obj[name] = objs
+		}
+	}
+	return obj
 }
 
 // ctyToJSON converts a known cty value to what encoding/json marshals to the same JSON.

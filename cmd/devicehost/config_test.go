@@ -42,6 +42,10 @@ gc_parallel_destroys = 4
 tls_cert             = "/etc/dh/cert.pem"
 tls_key              = "/etc/dh/key.pem"
 tls_ca               = "/etc/dh/ca.pem"
+metrics_listen       = "tcp://0.0.0.0:9400"
+metrics_tls_cert     = "/etc/dh/metrics-cert.pem"
+metrics_tls_key      = "/etc/dh/metrics-key.pem"
+metrics_tls_ca       = "/etc/dh/metrics-ca.pem"
 
 plugin "nvidia-example" {
   sha256      = "9F86D081884C7D659A2FEAA0C55AD015A3BF4F1B2B0B822CD15D6C15B0F00A08"
@@ -69,6 +73,8 @@ plugin "fpga" {}
 		LogLevel:           "debug",
 		LogJSON:            true,
 		TLS:                endpoint.TLS{Cert: "/etc/dh/cert.pem", Key: "/etc/dh/key.pem", CA: "/etc/dh/ca.pem"},
+		MetricsListen:      "tcp://0.0.0.0:9400",
+		MetricsTLS:         endpoint.TLS{Cert: "/etc/dh/metrics-cert.pem", Key: "/etc/dh/metrics-key.pem", CA: "/etc/dh/metrics-ca.pem"},
 		StatsInterval:      500 * time.Millisecond,
 		ReserveTimeout:     5 * time.Second,
 		StartTimeout:       20 * time.Second,
@@ -174,6 +180,55 @@ func TestPluginConfigNumbers(t *testing.T) {
 	}
 }
 
+// TestPluginConfigBlocks: nested blocks in a plugin's config are JSON objects, a name
+// given as several blocks a list of them in file order, at any depth; the same as the
+// attribute form, numbers staying integers.
+func TestPluginConfigBlocks(t *testing.T) {
+	blocks := `plugin "nomad-nvidia" {
+  config {
+    nomad_plugin = "/opt/nomad/plugins/nomad-device-nvidia"
+    nomad_config {
+      ignored_gpu_ids    = []
+      fingerprint_period = "5s"
+      limits {
+        max = 1000000
+      }
+      volume {
+        path = "/a"
+      }
+      volume {
+        path = "/b"
+        opts {}
+      }
+    }
+  }
+}`
+	attrs := `plugin "nomad-nvidia" {
+  config {
+    nomad_plugin = "/opt/nomad/plugins/nomad-device-nvidia"
+    nomad_config = {
+      ignored_gpu_ids    = []
+      fingerprint_period = "5s"
+      limits             = { max = 1000000 }
+      volume             = [{ path = "/a" }, { path = "/b", opts = {} }]
+    }
+  }
+}`
+	want := `{"nomad_config":{"fingerprint_period":"5s","ignored_gpu_ids":[],"limits":{"max":1000000},` +
+		`"volume":[{"path":"/a"},{"opts":{},"path":"/b"}]},"nomad_plugin":"/opt/nomad/plugins/nomad-device-nvidia"}`
+	for name, file := range map[string]string{"blocks": blocks, "attributes": attrs} {
+		t.Run(name, func(t *testing.T) {
+			cfg := defaultAgentConfig()
+			if err := loadConfigFile(writeConfig(t, "devicehost.hcl", file), &cfg); err != nil {
+				t.Fatal(err)
+			}
+			if got := string(cfg.Plugins["nomad-nvidia"].ConfigJSON); got != want {
+				t.Errorf("config JSON:\n got %s\nwant %s", got, want)
+			}
+		})
+	}
+}
+
 func TestLoadConfigFileErrors(t *testing.T) {
 	tests := []struct {
 		name    string
@@ -190,6 +245,7 @@ func TestLoadConfigFileErrors(t *testing.T) {
 		{"wrong type", "log_json = \"very\"\n", 1, []string{"log_json", "want a bool"}},
 		{"bad log level", "\nlog_level = \"loud\"\n", 2, []string{"log_level", `"loud" is not a log level`}},
 		{"bad address", "listen = \"/run/dh.sock\"\n", 1, []string{"listen", "want unix:///path.sock"}},
+		{"bad metrics address", "\nmetrics_listen = \":9400\"\n", 2, []string{"metrics_listen", "want unix:///path.sock or tcp://host:port"}},
 		{"fractional count", "gc_max_reservations = 1.5\n", 1, []string{"gc_max_reservations", "whole number"}},
 		{"zero max reservations", "gc_max_reservations = 0\n", 1, []string{"gc_max_reservations", "at least 1"}},
 		{"zero parallel destroys", "gc_parallel_destroys = 0\n", 1, []string{"gc_parallel_destroys", "at least 1"}},
@@ -203,8 +259,12 @@ func TestLoadConfigFileErrors(t *testing.T) {
 		{"gc interval below the minimum", "\n\ngc_interval = \"1ns\"\n", 3, []string{"gc_interval", "below the minimum of 1s"}},
 		{"bad env entry", "plugin \"p\" {\n  env = [\"A=1\", \"oops\"]\n}\n", 2, []string{"env", `entry 1 ("oops") is not NAME=value`}},
 		{"duplicate plugin", "plugin \"p\" {}\n\nplugin \"p\" {}\n", 3, []string{"Duplicate plugin block", "line 1"}},
-		{"nested block in plugin config", "plugin \"p\" {\n  config {\n    limits {\n      max = 1\n    }\n  }\n}\n", 3,
-			[]string{"Unexpected \"limits\" block"}},
+		{"plugin config attribute and block of one name", "plugin \"p\" {\n  config {\n    limits = { max = 1 }\n    limits {\n      max = 2\n    }\n  }\n}\n", 4,
+			[]string{"Ambiguous plugin config", "limits: given as an attribute at line 3 and as a block here"}},
+		{"plugin config block after a block of one name", "plugin \"p\" {\n  config {\n    a {\n      limits {}\n      limits = 1\n    }\n  }\n}\n", 4,
+			[]string{"Ambiguous plugin config", "limits: given as an attribute at line 5"}},
+		{"plugin config block with a label", "plugin \"p\" {\n  config {\n    volume \"data\" {\n      path = \"/a\"\n    }\n  }\n}\n", 3,
+			[]string{"Unsupported block label", `volume "data": a block in a plugin config takes no labels`}},
 		{"syntax error", "listen = \n", 1, []string{"Invalid expression"}},
 	}
 	for _, tt := range tests {
@@ -279,6 +339,9 @@ func TestAgentArgsErrors(t *testing.T) {
 		{"bad listen flag", []string{"-listen", "localhost:80"}, "want unix:///path.sock or tcp://host:port", true},
 		{"stray argument", []string{"now"}, `unexpected argument "now"`, true},
 		{"missing config file", []string{"-config", "/nonexistent/devicehost.hcl"}, "/nonexistent/devicehost.hcl", false},
+		{"plain metrics off loopback", []string{"-metrics-listen", "tcp://0.0.0.0:9400"},
+			"metrics_listen: tcp://0.0.0.0:9400: insecure (plaintext) tcp is refused on a non-loopback address; use TLS with a certificate, key and CA (plain HTTP is served on loopback addresses only; elsewhere set metrics_tls_cert, metrics_tls_key and metrics_tls_ca", true},
+		{"bad metrics address", []string{"-metrics-listen", "localhost:9400"}, "metrics_listen: address \"localhost:9400\": want unix:///path.sock or tcp://host:port", true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -343,6 +406,41 @@ func TestLoadConfigFileStreamLimits(t *testing.T) {
 		err := loadConfigFile(path, &cfg)
 		if err == nil || !strings.Contains(err.Error(), key) || !strings.Contains(err.Error(), "at least 1") {
 			t.Errorf("%q: %v, want an error naming %s and its lower bound", content, err, key)
+		}
+	}
+}
+
+// metrics_listen follows the API's transport policy: plain HTTP on loopback (no
+// "insecure" needed) or a unix socket; mutual TLS elsewhere; TLS files only where they
+// apply.
+func TestMetricsListenPolicy(t *testing.T) {
+	tls := endpoint.TLS{Cert: "/c.pem", Key: "/k.pem", CA: "/ca.pem"}
+	for _, tt := range []struct {
+		listen string
+		tls    endpoint.TLS
+		want   string // "" for accepted
+	}{
+		{"", endpoint.TLS{}, ""},
+		{"tcp://127.0.0.1:9400", endpoint.TLS{}, ""},
+		{"tcp://[::1]:9400", endpoint.TLS{}, ""},
+		{"tcp://localhost:9400", endpoint.TLS{}, ""},
+		{"unix:///run/devicehost/metrics.sock", endpoint.TLS{}, ""},
+		{"tcp://0.0.0.0:9400", tls, ""},
+		{"tcp://10.1.2.3:9400", tls, ""},
+		{"tcp://0.0.0.0:9400", endpoint.TLS{}, "refused on a non-loopback address"},
+		{"tcp://:9400", endpoint.TLS{}, "refused on a non-loopback address"},
+		{"tcp://0.0.0.0:9400", endpoint.TLS{Cert: "/c.pem", Key: "/k.pem"}, "tcp needs mutual TLS: a certificate, a key and a CA"},
+		{"unix:///run/m.sock", tls, "TLS settings and insecure apply to tcp addresses only"},
+		{"", tls, "metrics_tls_cert, metrics_tls_key and metrics_tls_ca need metrics_listen"},
+	} {
+		cfg := defaultAgentConfig()
+		cfg.MetricsListen, cfg.MetricsTLS = tt.listen, tt.tls
+		err := checkMetrics(cfg)
+		switch {
+		case tt.want == "" && err != nil:
+			t.Errorf("%q with %+v: %v, want it accepted", tt.listen, tt.tls, err)
+		case tt.want != "" && (err == nil || !strings.Contains(err.Error(), tt.want)):
+			t.Errorf("%q with %+v: %v, want an error with %q", tt.listen, tt.tls, err, tt.want)
 		}
 	}
 }

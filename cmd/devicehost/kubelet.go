@@ -10,8 +10,6 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/hcl/v2"
-	"github.com/hashicorp/hcl/v2/gohcl"
-	"github.com/hashicorp/hcl/v2/hclparse"
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/kubelet"
@@ -172,20 +170,9 @@ type resourceSchema struct {
 // loadKubeletConfigFile reads the kubelet-plugin's HCL (or HCL JSON, for a .json name)
 // config file over cfg. Every problem is reported with the file, line and key.
 func loadKubeletConfigFile(path string, cfg *kubeletPluginConfig) error {
-	parser := hclparse.NewParser()
-	var file *hcl.File
-	var diags hcl.Diagnostics
-	if strings.HasSuffix(path, ".json") {
-		file, diags = parser.ParseJSONFile(path)
-	} else {
-		file, diags = parser.ParseHCLFile(path)
-	}
-	if diags.HasErrors() {
-		return diagError(path, diags)
-	}
 	var fs kubeletFileSchema
-	if diags := gohcl.DecodeBody(file.Body, nil, &fs); diags.HasErrors() {
-		return diagError(path, diags)
+	if err := decodeConfigFile(path, &fs); err != nil {
+		return err
 	}
 	var d decoder
 	for i, k := range fs.Kubernetes {

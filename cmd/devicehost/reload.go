@@ -92,5 +92,11 @@ func restartOnly(running, next agentConfig) []string {
 	check("gc_interval", running.GCInterval, next.GCInterval)
 	check("gc_max_reservations", running.GCMaxReservations, next.GCMaxReservations)
 	check("gc_parallel_destroys", running.GCParallelDestroys, next.GCParallelDestroys)
+	check("max_streams", running.MaxStreams, next.MaxStreams)
+	check("max_streams_per_connection", running.MaxStreamsPerConn, next.MaxStreamsPerConn)
+	check("metrics_listen", running.MetricsListen, next.MetricsListen)
+	check("metrics_tls_cert", running.MetricsTLS.Cert, next.MetricsTLS.Cert)
+	check("metrics_tls_key", running.MetricsTLS.Key, next.MetricsTLS.Key)
+	check("metrics_tls_ca", running.MetricsTLS.CA, next.MetricsTLS.CA)
 	return out
 }

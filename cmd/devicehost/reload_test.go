@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"sync"
 	"syscall"
@@ -40,6 +41,9 @@ func fixturePlugin(t *testing.T) []byte {
 		}
 		fixtureBuild.dir = dir
 		bin, err := fixtureplugin.Build(dir)
+		if err == nil {
+			err = os.Chmod(bin, 0o755) // not group-writable, whatever the umask
+		}
 		if err == nil {
 			fixtureBuild.data, err = os.ReadFile(bin)
 		}
@@ -321,5 +325,66 @@ func TestAgentReloadsItsConfigOnSIGHUP(t *testing.T) {
 	}
 	if err := agent.waitExit(ctx); err != nil {
 		t.Errorf("agent exit after SIGTERM: %v, want 0", err)
+	}
+}
+
+// TestRestartOnlyNamesEverySettingAReloadCannotApply changes each setting of agentConfig
+// in turn, except those a reload applies, and expects restartOnly to name it: a setting
+// added later and forgotten there would be dropped by a reload without a word.
+func TestRestartOnlyNamesEverySettingAReloadCannotApply(t *testing.T) {
+	live := map[string]bool{
+		"LogLevel": true, "Plugins": true, "Bundled": true,
+		// Not a setting: whether metrics_listen may be plain HTTP follows from its address.
+		"MetricsTLS.Insecure": true,
+	}
+	var change func(v reflect.Value) bool
+	change = func(v reflect.Value) bool {
+		switch v.Kind() {
+		case reflect.String:
+			v.SetString(v.String() + "x")
+		case reflect.Bool:
+			v.SetBool(!v.Bool())
+		case reflect.Int, reflect.Int64: // time.Duration too
+			v.SetInt(v.Int() + 1)
+		case reflect.Struct:
+			changed := false
+			for i := range v.NumField() {
+				changed = change(v.Field(i)) || changed
+			}
+			return changed
+		default:
+			return false
+		}
+		return true
+	}
+	base := defaultAgentConfig()
+	typ := reflect.TypeOf(base)
+	for i := range typ.NumField() {
+		f := typ.Field(i)
+		if live[f.Name] {
+			continue
+		}
+		if f.Type.Kind() == reflect.Struct {
+			for j := range f.Type.NumField() {
+				if live[f.Name+"."+f.Type.Field(j).Name] {
+					continue
+				}
+				next := base
+				if !change(reflect.ValueOf(&next).Elem().Field(i).Field(j)) {
+					t.Fatalf("test cannot change %s.%s; teach it the type", f.Name, f.Type.Field(j).Name)
+				}
+				if got := restartOnly(base, next); len(got) != 1 {
+					t.Errorf("changing %s.%s: restartOnly = %q, want it named once", f.Name, f.Type.Field(j).Name, got)
+				}
+			}
+			continue
+		}
+		next := base
+		if !change(reflect.ValueOf(&next).Elem().Field(i)) {
+			t.Fatalf("test cannot change %s (%s); teach it the type or list it as live", f.Name, f.Type)
+		}
+		if got := restartOnly(base, next); len(got) != 1 {
+			t.Errorf("changing %s: restartOnly = %q, want it named once", f.Name, got)
+		}
 	}
 }

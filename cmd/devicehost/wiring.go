@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/hashicorp/go-hclog"
 
@@ -13,10 +14,11 @@ import (
 
 // managerFactory returns the factory of the real device manager for the agent's
 // configuration. It is the only place the agent depends on package manager; the rest
-// speaks device.Manager, so tests run the agent on a fake.
-func managerFactory(cfg agentConfig) device.Factory {
+// speaks device.Manager, so tests run the agent on a fake. onCommit, when set, is told
+// of every ledger commit (the metrics' ObserveLedgerCommit).
+func managerFactory(cfg agentConfig, onCommit func(time.Duration, int)) device.Factory {
 	return func(log hclog.Logger) (device.Manager, error) {
-		m, err := newManager(cfg, log)
+		m, err := newManager(cfg, log, onCommit)
 		if err != nil {
 			return nil, err
 		}
@@ -55,9 +57,10 @@ func pluginConfigs(cfg agentConfig) map[string]manager.PluginConfig {
 
 // newManager builds the real device manager. log is the root logger: the manager names
 // its own lines "manager" and each plugin's after the plugin.
-func newManager(cfg agentConfig, log hclog.Logger) (*manager.Manager, error) {
+func newManager(cfg agentConfig, log hclog.Logger, onCommit func(time.Duration, int)) (*manager.Manager, error) {
 	mc := manager.Config{
 		Logger:         log,
+		OnLedgerCommit: onCommit,
 		PluginDir:      cfg.PluginDir,
 		StateDir:       cfg.StateDir,
 		StatsInterval:  cfg.StatsInterval,

@@ -37,7 +37,11 @@
 //   - stats_hang: Stats never sends. stats_error: Stats fails at once with this message.
 //     Otherwise Stats sends one message at once and one per interval, with, for every
 //     device, the values "seq" (1, 2, 3... per stream), "stats_streams" (Stats streams
-//     opened in this process so far) and "temperature" (40 C).
+//     opened in this process so far, read at each send: any stream shows one opened
+//     after it) and "temperature" (40 C).
+//   - stats_values: {name: {value, unit}}: every device's stats also carry these
+//     float values (names and units as given, so a test can send names a consumer must
+//     cope with, e.g. "temp °C", "a-b" beside "a_b", or "healthy").
 //   - reserve_hang: Reserve waits for its context. reserve_error: Reserve fails with this
 //     message. reserve_bad: the reservation also sets LD_PRELOAD=/x (which the host must
 //     refuse). Unknown or no IDs are refused with an error naming them. A normal
@@ -118,6 +122,12 @@ type Group struct {
 	UnhealthyIDs []string `json:"unhealthy_ids,omitempty"`
 }
 
+// StatValue is one extra stats value of the stats_values knob.
+type StatValue struct {
+	Value float64 `json:"value"`
+	Unit  string  `json:"unit,omitempty"`
+}
+
 // Duration is a time.Duration that reads and writes JSON as a string ("250ms").
 type Duration time.Duration
 
@@ -161,8 +171,9 @@ type Config struct {
 	FingerprintChangeEvery Duration `json:"fingerprint_change_every,omitempty"`
 	FingerprintPadBytes    int      `json:"fingerprint_pad_bytes,omitempty"`
 
-	StatsHang  bool   `json:"stats_hang,omitempty"`
-	StatsError string `json:"stats_error,omitempty"`
+	StatsHang   bool                 `json:"stats_hang,omitempty"`
+	StatsError  string               `json:"stats_error,omitempty"`
+	StatsValues map[string]StatValue `json:"stats_values,omitempty"`
 
 	ReserveHang  bool   `json:"reserve_hang,omitempty"`
 	ReserveBad   bool   `json:"reserve_bad,omitempty"`
@@ -469,7 +480,7 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*p
 	if cfg.StatsError != "" {
 		return errors.New(cfg.StatsError)
 	}
-	streams := p.statsStreams.Add(1)
+	p.statsStreams.Add(1)
 	if cfg.StatsHang {
 		<-ctx.Done()
 		return ctx.Err()
@@ -483,8 +494,11 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*p
 		for _, g := range cfg.Groups {
 			for _, id := range g.IDs {
 				values := padding("pad_", cfg.StatsValueBytes)
+				for name, v := range cfg.StatsValues {
+					values[name] = &pb.Value{Kind: &pb.Value_FloatValue{FloatValue: v.Value}, Unit: v.Unit}
+				}
 				values["seq"] = &pb.Value{Kind: &pb.Value_IntValue{IntValue: seq}}
-				values["stats_streams"] = &pb.Value{Kind: &pb.Value_IntValue{IntValue: streams}}
+				values["stats_streams"] = &pb.Value{Kind: &pb.Value_IntValue{IntValue: p.statsStreams.Load()}}
 				values["temperature"] = &pb.Value{Kind: &pb.Value_FloatValue{FloatValue: 40}, Unit: "C"}
 				resp.Devices = append(resp.Devices, &pb.DeviceStats{
 					DeviceId:  id,

@@ -226,6 +226,20 @@ func TestStats(t *testing.T) {
 	if got := value(m, "stats_streams"); got != 2 {
 		t.Errorf("stats_streams on the second stream: got %d, want 2", got)
 	}
+	// The first stream's later messages count the second stream too (those sent before
+	// it opened may still be in flight, saying 1).
+	for {
+		if m, err = first(); err != nil {
+			t.Fatalf("waiting for stats_streams 2 on the first stream: %v", err)
+		}
+		got := value(m, "stats_streams")
+		if got == 2 {
+			break
+		}
+		if got != 1 {
+			t.Fatalf("stats_streams on the first stream: got %d, want 1 then 2", got)
+		}
+	}
 }
 
 func TestStatsKnobs(t *testing.T) {
@@ -237,6 +251,32 @@ func TestStatsKnobs(t *testing.T) {
 		}
 		if status.Convert(err).Message() != "sensor on fire" {
 			t.Errorf("Recv: got %v, want the stats_error message", err)
+		}
+	})
+	t.Run("values", func(t *testing.T) {
+		c, _ := start(t, fixtureplugin.Config{StatsValues: map[string]fixtureplugin.StatValue{
+			"temp °C": {Value: 41.5, Unit: "C"},
+			"a-b":     {Value: 2},
+		}})
+		s, err := c.Stats(testContext(t), &pb.StatsRequest{Interval: durationpb.New(time.Second)})
+		if err != nil {
+			t.Fatalf("Stats: %v", err)
+		}
+		m, err := s.Recv()
+		if err != nil {
+			t.Fatalf("Recv: %v", err)
+		}
+		for _, d := range m.GetDevices() {
+			v := d.GetValues()
+			if got := v["temp °C"]; got.GetFloatValue() != 41.5 || got.GetUnit() != "C" {
+				t.Errorf("%s: \"temp °C\" = %v, want 41.5 C", d.GetDeviceId(), got)
+			}
+			if got := v["a-b"]; got.GetFloatValue() != 2 || got.GetUnit() != "" {
+				t.Errorf("%s: \"a-b\" = %v, want 2 without a unit", d.GetDeviceId(), got)
+			}
+			if _, ok := v["seq"]; !ok {
+				t.Errorf("%s: the usual values are gone: %v", d.GetDeviceId(), v)
+			}
 		}
 	})
 	t.Run("hang", func(t *testing.T) {

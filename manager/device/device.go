@@ -18,6 +18,7 @@ package device
 
 import (
 	"context"
+	"strings"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -43,7 +44,9 @@ type Manager interface {
 	// Reserve reserves devices of one group for an owner and returns the reservation,
 	// durable before it returns. Errors wrap ErrInvalidRequest, ErrUnknownDevice,
 	// ErrUnhealthyDevice, ErrDeviceHeld, ErrPluginUnavailable or ErrPluginResponse; a
-	// held device is a *HeldError naming the holders.
+	// held device is a *HeldError naming the holders. With
+	// req.TakeOverOwnerPrefixes, holders of those owners are released atomically with
+	// the new reservation's record, and their IDs come back in Reservation.TakenOver.
 	Reserve(ctx context.Context, req ReserveRequest) (Reservation, error)
 	// Release ends the reservations named by req, durably before it returns, and says
 	// which of them this call released and which were released already. It is
@@ -242,6 +245,26 @@ type ReserveRequest struct {
 	OwnerID   string
 	Group     GroupKey
 	DeviceIDs []string
+	// TakeOverOwnerPrefixes, when set, lets the Reserve take the devices over from live
+	// reservations whose owner starts with one of these prefixes (each ends with "/"):
+	// they are released in the same durable write that records the new reservation,
+	// all or nothing, with their plugin cleanup owed as after a Release. A holder of
+	// any other owner still refuses the Reserve (a *HeldError naming only such
+	// holders), and then nothing is released. Until that write the taken-over
+	// reservations keep holding their devices. Empty: nothing is taken over.
+	TakeOverOwnerPrefixes []string
+}
+
+// TakesOver reports whether a reservation of owner may be taken over by a Reserve
+// with the given owner prefixes (see ReserveRequest.TakeOverOwnerPrefixes). An empty
+// prefix matches nothing, so a malformed request can never take over every owner.
+func TakesOver(prefixes []string, owner string) bool {
+	for _, p := range prefixes {
+		if p != "" && strings.HasPrefix(owner, p) {
+			return true
+		}
+	}
+	return false
 }
 
 // ContainerReservation says how a container gets the reserved devices.
@@ -301,6 +324,10 @@ type Reservation struct {
 	CreatedAt      time.Time
 	ReleasedAt     time.Time // zero while active
 	CleanupPending bool      // released, plugin cleanup not yet done
+	// TakenOver is set only in the answer of the Reserve that made this reservation:
+	// the IDs of the reservations it took over (released in the same write), sorted.
+	// It is never stored: listings and a retried Reserve leave it empty.
+	TakenOver []string
 }
 
 // ReleaseRequest names what to release: exactly one of the two fields is set.

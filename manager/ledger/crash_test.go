@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -315,5 +316,151 @@ func TestCrashRedoesCleanupWhoseMarkWasDeferred(t *testing.T) {
 	slices.Sort(pending)
 	if !slices.Equal(got, pending) {
 		t.Errorf("cleanups redone after the crash: %v, want exactly those still pending, once each: %v", got, pending)
+	}
+}
+
+// takeOverHelperEnv names the state file TestHelperTakeOver writes to; unset, the
+// helper skips.
+const takeOverHelperEnv = "DEVICEHOST_LEDGER_TAKEOVER_HELPER"
+
+// takeOverDevices is how many devices TestHelperTakeOver passes between owners.
+const takeOverDevices = 8
+
+// TestHelperTakeOver is not a test: TestCrashTakeOverKeepsDevicesHeld runs the test
+// binary again with only this test selected. One goroutine per device passes it from
+// owner to owner by take-over ("nomad/<device>-<i>", prefix "nomad/"), printing
+// "took NEW DEVICE OLD" (OLD "-" for the first) as each is acknowledged, until the
+// process is killed.
+func TestHelperTakeOver(t *testing.T) {
+	path := os.Getenv(takeOverHelperEnv)
+	if path == "" {
+		t.Skip("helper process for TestCrashTakeOverKeepsDevicesHeld")
+	}
+	l, err := Open(path, Options{})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	var mu sync.Mutex
+	ctx := context.Background()
+	for d := range takeOverDevices {
+		go func() {
+			dev := fmt.Sprint("GPU-", d)
+			for i := 0; ; i++ {
+				r, _, err := l.ReserveTakingOver(ctx, res(fmt.Sprintf("nomad/%s-%d", dev, i), dev), []string{"nomad/"})
+				if err != nil || len(r.TakenOver) > 1 || (i > 0) != (len(r.TakenOver) == 1) {
+					fmt.Fprintln(os.Stderr, "take-over", i, "of", dev, r.TakenOver, err)
+					os.Exit(3)
+				}
+				old := "-"
+				if i > 0 {
+					old = r.TakenOver[0]
+				}
+				mu.Lock()
+				fmt.Fprintf(os.Stdout, "took %s %s %s\n", r.ID, dev, old) // unbuffered: one write per line
+				mu.Unlock()
+			}
+		}()
+	}
+	select {} // until SIGKILL
+}
+
+// TestCrashTakeOverKeepsDevicesHeld kills a process passing devices from owner to owner
+// by take-over with SIGKILL, and checks the file it leaves: every device is held by one
+// live reservation (a take-over never leaves a device free, or its old holder released
+// without the new one), every acknowledged take-over is there whole (the new
+// reservation, the old one released with its cleanup pending), and the reservations of
+// each device form one chain.
+func TestCrashTakeOverKeepsDevicesHeld(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a process")
+	}
+	path := statePath(t)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperTakeOver$", "-test.count=1", "-test.timeout=2m")
+	cmd.Env = append(os.Environ(), takeOverHelperEnv+"="+path)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	killed := false
+	t.Cleanup(func() {
+		if !killed {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+	})
+	type took struct{ id, dev, old string }
+	var acked []took
+	lines := bufio.NewScanner(stdout)
+	for len(acked) < 400 && lines.Scan() {
+		f := strings.Fields(lines.Text())
+		if len(f) != 4 || f[0] != "took" {
+			t.Fatalf("helper printed %q", lines.Text())
+		}
+		acked = append(acked, took{f[1], f[2], f[3]})
+	}
+	if len(acked) < 400 {
+		t.Fatalf("helper stopped after %d take-overs (%v)\n%s", len(acked), lines.Err(), stderr.String())
+	}
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	killed = true
+	for lines.Scan() { // what it acknowledged before it died; a cut line has no newline
+		if f := strings.Fields(lines.Text()); len(f) == 4 && f[0] == "took" {
+			acked = append(acked, took{f[1], f[2], f[3]})
+		}
+	}
+	_ = cmd.Wait()
+	t.Logf("helper acknowledged %d take-overs before SIGKILL", len(acked))
+
+	l := openLedger(t, path)
+	holders := l.Holders()
+	if len(holders) != takeOverDevices {
+		t.Errorf("%d devices held after the crash, want all %d: %+v", len(holders), takeOverDevices, holders)
+	}
+	for _, a := range acked {
+		r, err := l.Get(a.id)
+		switch {
+		case err != nil:
+			t.Errorf("acknowledged reservation %s of %s lost: %v", a.id, a.dev, err)
+		case r.State == device.ReservationActive && holders[a.dev].ReservationID != a.id:
+			t.Errorf("%s live but %s held by %+v", a.id, a.dev, holders[a.dev])
+		}
+		if a.old == "-" {
+			continue
+		}
+		if old, err := l.Get(a.old); err != nil || old.State != device.ReservationReleased || !old.CleanupPending || !old.ReleasedAt.Equal(r.CreatedAt) {
+			t.Errorf("%s, taken over by acknowledged %s: %+v, %v; want released at its creation, cleanup pending", a.old, a.id, old, err)
+		}
+	}
+	// Per device: one live reservation, every other one released at the creation of
+	// the next (a chain with no gap).
+	byDev := map[string][]device.Reservation{}
+	for _, r := range listAll(t, l) {
+		byDev[r.DeviceIDs[0]] = append(byDev[r.DeviceIDs[0]], r)
+	}
+	seq := func(r device.Reservation) int { // i of owner nomad/<device>-<i>
+		n, _ := strconv.Atoi(r.OwnerID[strings.LastIndexByte(r.OwnerID, '-')+1:])
+		return n
+	}
+	for _, rs := range byDev {
+		slices.SortFunc(rs, func(a, b device.Reservation) int { return seq(a) - seq(b) })
+	}
+	for dev, rs := range byDev {
+		for i, r := range rs {
+			last := i == len(rs)-1
+			switch {
+			case last && r.State != device.ReservationActive:
+				t.Errorf("%s: the newest reservation %s is %v", dev, r.ID, r.State)
+			case !last && (r.State != device.ReservationReleased || !r.ReleasedAt.Equal(rs[i+1].CreatedAt)):
+				t.Errorf("%s: %s is %v, released at %v; want released at %s's creation %v", dev, r.ID, r.State, r.ReleasedAt, rs[i+1].ID, rs[i+1].CreatedAt)
+			}
+		}
 	}
 }

@@ -207,6 +207,7 @@ func sortReservations(rs []*device.Reservation) {
 func clone(r *device.Reservation) device.Reservation {
 	c := *r
 	c.DeviceIDs = slices.Clone(r.DeviceIDs)
+	c.TakenOver = slices.Clone(r.TakenOver)
 	c.Container.Envs = maps.Clone(r.Container.Envs)
 	c.Container.Mounts = slices.Clone(r.Container.Mounts)
 	c.Container.Devices = slices.Clone(r.Container.Devices)

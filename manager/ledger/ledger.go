@@ -108,6 +108,13 @@ type Options struct {
 	// Now stamps CreatedAt when a reservation comes without one, and ReleasedAt when
 	// Release is given a zero time. Nil means time.Now.
 	Now func() time.Time
+	// OnCommit, when set, is called after every transaction the ledger commits (its
+	// fsyncs done), with how long the transaction took, fsyncs included, and how many
+	// writes shared it (group commit: callers' requests and deferred writes, at most
+	// 256). A batch that wrote nothing (every request refused) is not a commit. It is
+	// called on the writer goroutine, so it must be quick and must not block: every
+	// write waits for it.
+	OnCommit func(took time.Duration, writes int)
 }
 
 // Ledger is an open state file. All methods are safe for concurrent use. Values it
@@ -129,8 +136,9 @@ type Ledger struct {
 	quit      chan struct{} // closed by Close
 	closeOnce sync.Once
 	closeErr  error
-	wg        sync.WaitGroup // the writer
-	commits   atomic.Int64   // successful batches, for tests and the benchmark
+	wg        sync.WaitGroup                       // the writer
+	commits   atomic.Int64                         // successful batches, for tests and the benchmark
+	onCommit  func(took time.Duration, writes int) // Options.OnCommit; nil: none
 
 	// mu guards idx. Only the writer goroutine mutates idx (under mu.Lock); it may read
 	// idx without mu, since no one else writes it.
@@ -185,6 +193,8 @@ func Open(path string, opts Options) (*Ledger, error) {
 		quit: make(chan struct{}),
 		idx:  idx,
 		subs: make(map[*feed]struct{}),
+
+		onCommit: opts.OnCommit,
 
 		deferWake: make(chan struct{}, 1),
 	}

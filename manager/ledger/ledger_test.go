@@ -500,8 +500,8 @@ func TestLoadReattachNamesCorruptData(t *testing.T) {
 // reservationStore is the method set the manager's reservation store asks for
 // (manager/reservations.go); the ledger is meant to drop in for its in-memory one.
 type reservationStore interface {
-	Check(ownerID string, deviceIDs []string) (*device.Reservation, error)
-	Commit(ctx context.Context, r device.Reservation) (device.Reservation, error)
+	Check(ownerID string, deviceIDs, takeOver []string) (*device.Reservation, error)
+	Commit(ctx context.Context, r device.Reservation, takeOver []string) (device.Reservation, error)
 	Release(ctx context.Context, req device.ReleaseRequest, at time.Time) (released, already []device.Reservation, err error)
 	CleanupDone(ctx context.Context, reservationID string) error
 	List(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)

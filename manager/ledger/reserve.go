@@ -39,9 +39,15 @@ type view interface {
 }
 
 // decide applies the conflict rules to a request by owner for deviceIDs (valid, no
-// duplicates): (r, nil) when owner's live reservation r holds exactly deviceIDs,
-// (nil, nil) when none of them is held, a *ConflictError otherwise.
-func decide(v view, owner string, deviceIDs []string) (*device.Reservation, error) {
+// duplicates) that may take devices over from owners starting with one of takeOver:
+//   - (r, nil, nil) when owner's live reservation r holds exactly deviceIDs (a retry;
+//     nothing is taken over);
+//   - (nil, victims, nil) when every requested device is free or held by a live
+//     reservation whose owner takeOver matches (device.TakesOver): victims are those
+//     reservations, sorted by ID, to release with the new one's write (none without
+//     holders);
+//   - a *ConflictError otherwise, naming only the holders takeOver does not match.
+func decide(v view, owner string, deviceIDs, takeOver []string) (*device.Reservation, []*device.Reservation, error) {
 	overlap := make(map[string][]string) // holder reservation ID -> requested devices it holds
 	for _, d := range deviceIDs {
 		if id := v.holder(d); id != "" {
@@ -49,20 +55,25 @@ func decide(v view, owner string, deviceIDs []string) (*device.Reservation, erro
 		}
 	}
 	if len(overlap) == 0 {
-		return nil, nil
+		return nil, nil, nil
 	}
 	if len(overlap) == 1 {
 		for id, devs := range overlap {
 			// Both lists are duplicate-free, so equal lengths with every requested
 			// device inside r means the same set.
 			if r := v.get(id); r.OwnerID == owner && len(devs) == len(deviceIDs) && len(r.DeviceIDs) == len(deviceIDs) {
-				return r, nil
+				return r, nil, nil
 			}
 		}
 	}
 	e := &ConflictError{OwnerID: owner}
+	var victims []*device.Reservation
 	for id, devs := range overlap {
 		r := v.get(id)
+		if device.TakesOver(takeOver, r.OwnerID) {
+			victims = append(victims, r)
+			continue
+		}
 		slices.Sort(devs)
 		held := slices.Clone(r.DeviceIDs)
 		slices.Sort(held)
@@ -72,10 +83,14 @@ func decide(v view, owner string, deviceIDs []string) (*device.Reservation, erro
 			Held:    held,
 		})
 	}
+	if len(e.Conflicts) == 0 {
+		slices.SortFunc(victims, func(a, b *device.Reservation) int { return strings.Compare(a.ID, b.ID) })
+		return nil, victims, nil
+	}
 	slices.SortFunc(e.Conflicts, func(a, b Conflict) int {
 		return strings.Compare(a.Holder.ReservationID, b.Holder.ReservationID)
 	})
-	return nil, e
+	return nil, nil, e
 }
 
 func checkID(field, id string) error {
@@ -115,20 +130,40 @@ func checkRequest(owner string, deviceIDs []string) error {
 	return checkDeviceIDs(deviceIDs)
 }
 
+// checkTakeOver refuses take-over prefixes that could match far more than meant: an
+// empty one, or one not ending with "/" (the API's full rules are validate's).
+func checkTakeOver(prefixes []string) error {
+	for i, p := range prefixes {
+		field := fmt.Sprintf("take_over_owner_prefixes[%d]", i)
+		if err := checkID(field, p); err != nil {
+			return err
+		}
+		if !strings.HasSuffix(p, "/") {
+			return &device.FieldError{Field: field, Rule: `must end with "/"`}
+		}
+	}
+	return nil
+}
+
 // Check applies the conflict rules to ownerID asking for deviceIDs, without writing:
 // (r, nil) when ownerID's live reservation r holds exactly deviceIDs (a retried Reserve),
-// (nil, nil) when none of them is held, and a *ConflictError (device.ErrDeviceHeld)
-// otherwise. A malformed request is a *device.FieldError.
+// (nil, nil) when none of them is held, or each holder's owner starts with one of
+// takeOver (see ReserveTakingOver), and a *ConflictError (device.ErrDeviceHeld)
+// otherwise, naming the holders takeOver does not match. A malformed request is a
+// *device.FieldError.
 //
 // The manager calls Check before it asks the plugin; since another Reserve can commit in
 // between, Reserve checks again atomically with its write.
-func (l *Ledger) Check(ownerID string, deviceIDs []string) (*device.Reservation, error) {
+func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string) (*device.Reservation, error) {
 	if err := checkRequest(ownerID, deviceIDs); err != nil {
+		return nil, err
+	}
+	if err := checkTakeOver(takeOver); err != nil {
 		return nil, err
 	}
 	l.mu.RLock()
 	defer l.mu.RUnlock()
-	r, err := decide(l.idx, ownerID, deviceIDs)
+	r, _, err := decide(l.idx, ownerID, deviceIDs, takeOver)
 	if r == nil || err != nil {
 		return nil, err
 	}
@@ -148,11 +183,26 @@ func (l *Ledger) Check(ownerID string, deviceIDs []string) (*device.Reservation,
 // Of concurrent Reserves for the same device, exactly one succeeds.
 //
 // r.ID may be empty, in which case NewID makes one; an ID already in the ledger is
-// refused. r.State, r.ReleasedAt and r.CleanupPending are ignored; a zero r.CreatedAt is
-// set to now. The request is refused with a *device.FieldError when the owner ID, a
-// device ID or the reservation ID is empty, too long or not UTF-8, or a device is named
-// twice.
+// refused. r.State, r.ReleasedAt, r.CleanupPending and r.TakenOver are ignored; a zero
+// r.CreatedAt is set to now. The request is refused with a *device.FieldError when the
+// owner ID, a device ID or the reservation ID is empty, too long or not UTF-8, or a
+// device is named twice.
 func (l *Ledger) Reserve(ctx context.Context, r device.Reservation) (res device.Reservation, existing bool, err error) {
+	return l.ReserveTakingOver(ctx, r, nil)
+}
+
+// ReserveTakingOver is Reserve that may take the devices over from live reservations
+// whose owner starts with one of takeOver (each non-empty and ending with "/"; see
+// device.ReserveRequest): when every requested device is free or held by such a
+// reservation, those reservations are marked released (at the new one's CreatedAt,
+// their plugin cleanup pending, as Release does) in the same transaction, and so the
+// same fsync, that records r: both are durable or neither is, and no reader or
+// concurrent Reserve ever sees the devices free in between. Their IDs, sorted, come
+// back in res.TakenOver (never stored). A holder of any other owner refuses the whole
+// request (a *ConflictError naming only such holders) and nothing is written; a retry
+// (r.OwnerID already holding exactly r.DeviceIDs) returns that reservation with
+// existing true and takes nothing over, whatever takeOver says.
+func (l *Ledger) ReserveTakingOver(ctx context.Context, r device.Reservation, takeOver []string) (res device.Reservation, existing bool, err error) {
 	if err := checkRequest(r.OwnerID, r.DeviceIDs); err != nil {
 		return device.Reservation{}, false, err
 	}
@@ -161,20 +211,41 @@ func (l *Ledger) Reserve(ctx context.Context, r device.Reservation) (res device.
 			return device.Reservation{}, false, err
 		}
 	}
+	if err := checkTakeOver(takeOver); err != nil {
+		return device.Reservation{}, false, err
+	}
 	rec := clone(&r)
 	rec.State = device.ReservationActive
-	rec.ReleasedAt, rec.CleanupPending = time.Time{}, false
+	rec.ReleasedAt, rec.CleanupPending, rec.TakenOver = time.Time{}, false, nil
 	if rec.CreatedAt.IsZero() {
 		rec.CreatedAt = l.now()
 	}
 	rec.CreatedAt = normTime(rec.CreatedAt)
-	type result struct {
-		r        *device.Reservation
-		existing bool
+	val, err := l.submit(ctx, reserveRun(rec, slices.Clone(takeOver)))
+	if err != nil {
+		return device.Reservation{}, false, fmt.Errorf("reserve: %w", err)
 	}
-	val, err := l.submit(ctx, func(w *txn) (any, error) {
-		if prior, err := decide(w, rec.OwnerID, rec.DeviceIDs); err != nil || prior != nil {
-			return result{prior, true}, err
+	got := val.(reserveResult)
+	out := clone(got.r)
+	out.TakenOver = got.takenOver
+	return out, got.existing, nil
+}
+
+// reserveResult is what reserveRun answers.
+type reserveResult struct {
+	r         *device.Reservation
+	existing  bool
+	takenOver []string
+}
+
+// reserveRun is the write of ReserveTakingOver for rec (checked, stamped, owned by
+// the run). It decides from the batch's view on every run, so a batch retried after a
+// storage failure decides afresh.
+func reserveRun(rec device.Reservation, takeOver []string) func(w *txn) (any, error) {
+	return func(w *txn) (any, error) {
+		prior, victims, err := decide(w, rec.OwnerID, rec.DeviceIDs, takeOver)
+		if err != nil || prior != nil {
+			return reserveResult{r: prior, existing: true}, err
 		}
 		nr := rec // a fresh copy per run: the batch may be retried
 		switch {
@@ -187,22 +258,28 @@ func (l *Ledger) Reserve(ctx context.Context, r device.Reservation) (res device.
 			return nil, &device.FieldError{Field: "reservation_id",
 				Rule: fmt.Sprintf("%q is already used by another reservation", nr.ID)}
 		}
+		// Every decision is made: from here on only writes, and a failed write fails
+		// the whole transaction, so the releases never land without the reservation.
+		var taken []string
+		for _, v := range victims {
+			vr := *v // shares v's immutable slices and maps
+			vr.State, vr.ReleasedAt, vr.CleanupPending = device.ReservationReleased, nr.CreatedAt, true
+			if err := w.putReservation(&vr); err != nil {
+				return nil, err
+			}
+			taken = append(taken, vr.ID)
+		}
 		if err := w.putReservation(&nr); err != nil {
 			return nil, err
 		}
-		return result{&nr, false}, nil
-	})
-	if err != nil {
-		return device.Reservation{}, false, fmt.Errorf("reserve: %w", err)
+		return reserveResult{r: &nr, takenOver: taken}, nil
 	}
-	got := val.(result)
-	return clone(got.r), got.existing, nil
 }
 
-// Commit is Reserve without the existing flag: it returns the stored reservation, which
-// is an earlier one when the same owner already held exactly these devices. It is the
-// method set the manager's reservation store expects.
-func (l *Ledger) Commit(ctx context.Context, r device.Reservation) (device.Reservation, error) {
-	res, _, err := l.Reserve(ctx, r)
+// Commit is ReserveTakingOver without the existing flag: it returns the stored
+// reservation, which is an earlier one when the same owner already held exactly these
+// devices. It is the method set the manager's reservation store expects.
+func (l *Ledger) Commit(ctx context.Context, r device.Reservation, takeOver []string) (device.Reservation, error) {
+	res, _, err := l.ReserveTakingOver(ctx, r, takeOver)
 	return res, err
 }

@@ -112,7 +112,7 @@ func TestConflictRules(t *testing.T) {
 			})
 			before := listAll(t, l)
 
-			checked, checkErr := l.Check(tt.owner, tt.devs)
+			checked, checkErr := l.Check(tt.owner, tt.devs, nil)
 			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...))
 
 			for _, e := range []struct {
@@ -189,7 +189,7 @@ func TestReserveRefusesMalformedRequests(t *testing.T) {
 			if !errors.As(err, &fe) || fe.Field != tt.wantField || !errors.Is(err, device.ErrInvalidRequest) {
 				t.Errorf("Reserve(%+v): err = %v, want a FieldError on %s", tt.r, err, tt.wantField)
 			}
-			if _, err := l.Check(tt.r.OwnerID, tt.r.DeviceIDs); tt.wantField != "reservation_id" && !errors.As(err, &fe) {
+			if _, err := l.Check(tt.r.OwnerID, tt.r.DeviceIDs, nil); tt.wantField != "reservation_id" && !errors.As(err, &fe) {
 				t.Errorf("Check: err = %v, want a FieldError", err)
 			}
 		})

@@ -236,7 +236,9 @@ func (l *Ledger) writeLoop() {
 // fails, each request is retried in a transaction of its own, so one request's storage
 // failure does not fail the others.
 func (l *Ledger) commit(batch []*request) {
+	start := time.Now()
 	resps, ov, wrote, err := l.runBatch(batch)
+	took := time.Since(start)
 	if err != nil && len(batch) > 1 {
 		for _, req := range batch {
 			l.commit([]*request{req})
@@ -249,6 +251,9 @@ func (l *Ledger) commit(batch []*request) {
 	}
 	if wrote {
 		l.commits.Add(1)
+		if l.onCommit != nil {
+			l.onCommit(took, len(batch))
+		}
 	}
 	if len(ov.recs) > 0 {
 		l.mu.Lock()

@@ -223,6 +223,7 @@ type Listener struct {
 	// Address is where it listens; for tcp port 0, the port chosen.
 	Address Address
 	creds   credentials.TransportCredentials
+	tls     *tls.Config // the server side of creds; nil for plaintext
 
 	closeOnce sync.Once
 	closeErr  error
@@ -236,6 +237,17 @@ func (l *Listener) ServerOptions() []grpc.ServerOption {
 		return nil
 	}
 	return []grpc.ServerOption{grpc.Creds(l.creds)}
+}
+
+// TLSConfig returns a copy of the listener's TLS server configuration (mutual TLS 1.3,
+// client certificates verified against the CA), or nil when the address is served in
+// plaintext (unix, or Insecure tcp). A server that is not gRPC (e.g. HTTP) wraps the
+// listener with tls.NewListener and it, and so applies the same transport policy.
+func (l *Listener) TLSConfig() *tls.Config {
+	if l.tls == nil {
+		return nil
+	}
+	return l.tls.Clone()
 }
 
 // Close stops listening (gRPC's Serve calls it on stop). For a unix address it removes
@@ -287,6 +299,7 @@ func Listen(a Address, t TLS) (*Listener, error) {
 	l := &Listener{Listener: lis, Address: a, madeDirs: made}
 	if cfg != nil {
 		l.creds = credentials.NewTLS(cfg)
+		l.tls = cfg
 	}
 	return l, nil
 }
@@ -315,7 +328,9 @@ func listenUnix(path string) (_ net.Listener, made []string, err error) {
 	defer unlock()
 	lis, err := net.Listen("unix", path)
 	if errors.Is(err, syscall.EADDRINUSE) {
-		if err := removeStale(path); err != nil {
+		if err := RemoveStaleSocket(path); errors.Is(err, ErrSocketInUse) {
+			return nil, made, fmt.Errorf("another devicehost is listening on %s", path)
+		} else if err != nil {
 			return nil, made, err
 		}
 		lis, err = net.Listen("unix", path)
@@ -363,8 +378,15 @@ func makeDirs(dir string) ([]string, error) {
 	return made, nil
 }
 
-// removeStale removes the socket at path if nothing accepts connections on it.
-func removeStale(path string) error {
+// ErrSocketInUse is wrapped by RemoveStaleSocket's error when a process accepts
+// connections on the socket.
+var ErrSocketInUse = errors.New("a process is listening on the socket")
+
+// RemoveStaleSocket removes the Unix socket at path when nothing accepts connections on
+// it: a socket left by a process that died. It removes nothing, and returns an error,
+// when path is not a socket, a process listens on it (wrapping ErrSocketInUse), or
+// whether one does cannot be told (a connect that is neither accepted nor refused).
+func RemoveStaleSocket(path string) error {
 	fi, err := os.Lstat(path)
 	if err != nil {
 		return fmt.Errorf("listen on %s: %w", path, err)
@@ -375,7 +397,7 @@ func removeStale(path string) error {
 	conn, err := net.DialTimeout("unix", path, 2*time.Second)
 	if err == nil {
 		conn.Close()
-		return fmt.Errorf("another devicehost is listening on %s", path)
+		return fmt.Errorf("listen on %s: %w", path, ErrSocketInUse)
 	}
 	if !errors.Is(err, syscall.ECONNREFUSED) {
 		return fmt.Errorf("listen on %s: cannot tell whether the socket is stale: %w", path, err)

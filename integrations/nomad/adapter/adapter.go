@@ -55,7 +55,9 @@ const defaultStartTimeout = time.Minute
 //	plugin "nomad-nvidia" {
 //	  config {
 //	    nomad_plugin = "/opt/nomad/plugins/nomad-device-nvidia"
-//	    nomad_config = { fingerprint_period = "5s" }
+//	    nomad_config {
+//	      fingerprint_period = "5s"
+//	    }
 //	  }
 //	}
 type Config struct {
@@ -64,8 +66,9 @@ type Config struct {
 	// NomadArgs are its command-line arguments (a Nomad client's plugin "args").
 	NomadArgs []string `json:"nomad_args,omitempty"`
 	// NomadConfig is the plugin's config, as the body of a Nomad client's
-	// plugin "..." { config { ... } } block, written as an object. The plugin's
-	// ConfigSchema fills in its defaults.
+	// plugin "..." { config { ... } } block: in the agent's config file a
+	// nomad_config { ... } block or a nomad_config = { ... } object, an object either
+	// way by the time it gets here. The plugin's ConfigSchema fills in its defaults.
 	NomadConfig json.RawMessage `json:"nomad_config,omitempty"`
 	// EmptyInventoryAfter ("5s" by default, "0s" never): a Nomad plugin that has
 	// found no devices sends no fingerprint at all, which Nomad reads as "none". The

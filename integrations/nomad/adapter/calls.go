@@ -56,6 +56,9 @@ func (a *Adapter) Fingerprint(ctx context.Context, send func(*pb.FingerprintResp
 				continue
 			}
 			if resp.Error != nil {
+				if ctx.Err() != nil {
+					return nil // the stream's last word on its context ending
+				}
 				return pluginError(in, "fingerprint", resp.Error)
 			}
 			quiet = nil
@@ -99,6 +102,9 @@ func (a *Adapter) Stats(ctx context.Context, interval time.Duration, send func(*
 				continue
 			}
 			if resp.Error != nil {
+				if ctx.Err() != nil {
+					return nil // the stream's last word on its context ending
+				}
 				return pluginError(in, "stats", resp.Error)
 			}
 			if err := send(statsFromNomad(resp.Groups, in.known.has, time.Now())); err != nil {

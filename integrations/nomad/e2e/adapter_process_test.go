@@ -115,6 +115,8 @@ func TestAdapterRefusesNonNomadBinary(t *testing.T) {
 // validation; a Nomad plugin with no devices yet (which sends nothing) gets an empty
 // inventory after empty_inventory_after, and its devices when they appear.
 func TestAdapterFingerprintReserve(t *testing.T) {
+	const fpClient, statsClient = "devicePluginClient).handleFingerprint", "devicePluginClient).handleStats"
+	fpBefore, statsBefore := goroutinesIn(fpClient), goroutinesIn(statsClient)
 	bins := build(t)
 	dir := tempDir(t, "dhnd")
 	a, _ := newAdapter(t, bins[exampleName])
@@ -184,8 +186,8 @@ func TestAdapterFingerprintReserve(t *testing.T) {
 	}
 	// Nomad's device client sends a stream's last error without watching the context:
 	// the adapter must read it, or that goroutine stays forever.
-	noGoroutineIn(t, "devicePluginClient).handleFingerprint")
-	noGoroutineIn(t, "devicePluginClient).handleStats")
+	noNewGoroutineIn(t, fpClient, fpBefore)
+	noNewGoroutineIn(t, statsClient, statsBefore)
 }
 
 // A Nomad plugin that dies is reported through OnExit (the binary exits there, so the

@@ -53,7 +53,7 @@ ready_timeout  = "1m"
 plugin "nomad-example" {
   config {
     nomad_plugin = %q
-    nomad_config = {
+    nomad_config {                        # a block, as in a Nomad client's config
       dir         = %q
       list_period = "100ms"
     }
@@ -63,7 +63,7 @@ plugin "nomad-example" {
 plugin "nomad-broken" {
   config {
     nomad_plugin = %q
-    nomad_config = { list_period = "soon" }
+    nomad_config = { list_period = "soon" } # the object form works too
   }
 }
 `, e.address, pluginDir, filepath.Join(tmp, "state"), bins[exampleName], e.devDir, bins[exampleName])

@@ -18,10 +18,10 @@ import (
 // of a Nomad task's device hook: devicemanager → nomad-device-devicehost over
 // go-plugin gRPC → client/ → agent → nvidia-example plugin, fsynced ledger) with our
 // own Reserve through client/ (→ agent → plugin). Each op gives one GPU to a new owner
-// and ends the previous owner's hold on it: by Release for the client, by the shim's
-// takeover for Nomad (which never releases): one Reserve and one Release in the agent
-// either way, plus the refused first Reserve and the extra hops on Nomad's path.
-// scripts/bench prints the ratio.
+// and ends the previous owner's hold on it: by Release for the client (a Reserve and a
+// Release, two ledger commits), by the shim's take-over for Nomad (which never
+// releases: one Reserve that releases the previous holder in its own commit), plus the
+// extra hops on Nomad's path. scripts/bench prints the ratio.
 func BenchmarkReserve(b *testing.B) {
 	bins := build(b)
 	tmp := tempDir(b, "dhnb")

@@ -258,6 +258,12 @@ func TestNomadDeviceManagerOnDevAgent(t *testing.T) {
 	if err != nil || len(now) != 1 || now[0].GetOwnerId() == first[0].GetOwnerId() || !slices.Equal(now[0].GetDeviceIds(), ids[1:2]) {
 		t.Errorf("who holds %s now: %v, %v; want the second allocation alone", ids[1], now, err)
 	}
+	// Atomically: the agent released the first in the write that made the second
+	// (released at the second's creation, to the nanosecond), not in a call before it.
+	if len(old) == 1 && len(now) == 1 && !old[0].GetReleasedAt().AsTime().Equal(now[0].GetCreatedAt().AsTime()) {
+		t.Errorf("the first reservation was released at %v, the second made at %v; want one write, one time",
+			old[0].GetReleasedAt().AsTime(), now[0].GetCreatedAt().AsTime())
+	}
 
 	// A GPU held by a non-Nomad owner is refused, naming it.
 	if _, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "job-7", Vendor: "nvidia", Type: "gpu", Name: h100, DeviceIds: ids[5:6]}); err != nil {

@@ -377,19 +377,46 @@ func noProcesses(t testing.TB, when, exe string) {
 	}
 }
 
-// noGoroutineIn fails the test unless, within a few seconds, no goroutine has fn on
-// its stack.
-func noGoroutineIn(t testing.TB, fn string) {
+// goroutinesIn returns the IDs of the goroutines that have fn on their stack.
+func goroutinesIn(fn string) map[string]bool {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+	ids := make(map[string]bool)
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if header, _, ok := strings.Cut(g, " ["); ok && strings.Contains(g, fn) {
+			ids[strings.TrimPrefix(header, "goroutine ")] = true
+		}
+	}
+	return ids
+}
+
+// noNewGoroutineIn fails the test unless, within a few seconds, no goroutine has fn on
+// its stack but those in before (goroutinesIn(fn) taken when the test started: another
+// test's leftovers, such as the one Nomad's own device manager leaks, are not this
+// test's).
+func noNewGoroutineIn(t testing.TB, fn string, before map[string]bool) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		buf := make([]byte, 1<<20)
-		stacks := string(buf[:runtime.Stack(buf, true)])
-		if !strings.Contains(stacks, fn) {
+		var left []string
+		for id := range goroutinesIn(fn) {
+			if !before[id] {
+				left = append(left, id)
+			}
+		}
+		if len(left) == 0 {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Errorf("a goroutine in %s is left over:\n%s", fn, stacks)
+			buf := make([]byte, 1<<20)
+			t.Errorf("goroutines %v in %s are left over:\n%s", left, fn, buf[:runtime.Stack(buf, true)])
 			return
 		}
 		time.Sleep(20 * time.Millisecond)

@@ -85,18 +85,16 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration) (<-chan *dev
 	return out, nil
 }
 
-// maxTakeovers bounds how often one Reserve releases Nomad reservations and asks again
-// (a racing Nomad Reserve may take the devices in between).
-const maxTakeovers = 3
-
 // Reserve reserves the devices in the agent for a fresh "nomad/" owner and returns
 // what the task gets: the agent's envs, mounts and device nodes. CDI device names have
 // no place in Nomad's reservation; they are logged at DEBUG.
 //
 // Devices held by reservations of "nomad/" owners (allocations Nomad has since moved
-// the devices away from) are taken over: those reservations are released and the
-// Reserve asked again. A device held by any other owner, or by a Reserve still in
-// flight, is refused with an error naming the holder.
+// the devices away from) are taken over in the same call: the agent releases those
+// reservations in the durable write that makes the new one (take_over_owner_prefixes),
+// so the devices are never free in between and a refusal releases nothing. A device
+// held by any other owner, or by a Reserve still in flight, is refused with an error
+// naming the holder.
 func (p *Plugin) Reserve(deviceIDs []string) (*device.ContainerReservation, error) {
 	c, timeout, err := p.conn()
 	if err != nil {
@@ -108,55 +106,49 @@ func (p *Plugin) Reserve(deviceIDs []string) (*device.ContainerReservation, erro
 	if err != nil {
 		return nil, err
 	}
-	req := &pb.ReserveRequest{OwnerId: p.newOwner(), Vendor: key.vendor, Type: key.typ, Name: key.name, DeviceIds: deviceIDs}
-	for attempt := 0; ; attempt++ {
-		res, err := c.Reserve(ctx, req)
-		if err == nil {
-			if cdi := res.GetReservation().GetCdiDevices(); len(cdi) > 0 {
-				p.log.Debug("CDI device names have no place in a Nomad reservation", "cdi_devices", cdi)
+	req := &pb.ReserveRequest{OwnerId: p.newOwner(), Vendor: key.vendor, Type: key.typ, Name: key.name, DeviceIds: deviceIDs,
+		TakeOverOwnerPrefixes: []string{OwnerPrefix}}
+	res, err := c.Reserve(ctx, req)
+	if err != nil {
+		if held, ok := client.IsHeld(err); ok {
+			if refused := refusal(held); refused != nil {
+				err = refused
 			}
-			return reservationToNomad(res.GetReservation()), nil
 		}
-		held, ok := client.IsHeld(err)
-		if !ok || attempt == maxTakeovers {
-			return nil, fmt.Errorf("devicehost: reserve %s: %w", strings.Join(deviceIDs, ", "), err)
-		}
-		victims, err := takeoverTargets(held)
-		if err != nil {
-			return nil, fmt.Errorf("devicehost: reserve %s: %w", strings.Join(deviceIDs, ", "), err)
-		}
-		for _, v := range victims {
-			if _, err := c.ReleaseReservation(ctx, v.GetReservationId()); err != nil && !client.IsReservationNotFound(err) {
-				return nil, fmt.Errorf("devicehost: reserve %s: release earlier Nomad reservation %s: %w",
-					strings.Join(deviceIDs, ", "), v.GetReservationId(), err)
-			}
-			p.log.Info("took over devices from an earlier Nomad reservation (Nomad does not say when allocations end)",
-				"released", v.GetReservationId(), "owner", v.GetOwnerId(), "devices", v.GetDeviceIds(), "new_owner", req.GetOwnerId())
-		}
+		return nil, fmt.Errorf("devicehost: reserve %s: %w", strings.Join(deviceIDs, ", "), err)
 	}
+	for _, id := range res.GetTakenOverReservationIds() {
+		p.log.Info("took over devices from an earlier Nomad reservation (Nomad does not say when allocations end)",
+			"released", id, "reservation", res.GetReservationId(), "owner", req.GetOwnerId(), "devices", deviceIDs)
+	}
+	if cdi := res.GetReservation().GetCdiDevices(); len(cdi) > 0 {
+		p.log.Debug("CDI device names have no place in a Nomad reservation", "cdi_devices", cdi)
+	}
+	return reservationToNomad(res.GetReservation()), nil
 }
 
-// takeoverTargets returns the holders a Reserve may release: all of them, if each is a
-// live reservation of a "nomad/" owner; else an error naming those that are not.
-func takeoverTargets(held *pb.DeviceHeld) ([]*pb.DeviceConflict, error) {
+// refusal says who holds the devices of a refused take-over: holders that are no
+// Nomad allocation, and Reserves still in flight. It returns nil when held names a
+// live "nomad/" holder (an agent that predates take-over; client.Reserve's error says
+// so) or no holder at all.
+func refusal(held *pb.DeviceHeld) error {
 	var refused []string
 	for _, cf := range held.GetConflicts() {
 		ids := strings.Join(cf.GetDeviceIds(), ", ")
 		switch {
 		case cf.GetReservationId() == "":
 			refused = append(refused, fmt.Sprintf("%s being reserved for owner %q", ids, cf.GetOwnerId()))
-		case !strings.HasPrefix(cf.GetOwnerId(), OwnerPrefix):
+		case strings.HasPrefix(cf.GetOwnerId(), OwnerPrefix):
+			return nil
+		default:
 			refused = append(refused, fmt.Sprintf("%s held by reservation %s of owner %q, not a Nomad allocation",
 				ids, cf.GetReservationId(), cf.GetOwnerId()))
 		}
 	}
-	if len(refused) > 0 {
-		return nil, errors.New(strings.Join(refused, "; "))
+	if len(refused) == 0 {
+		return nil
 	}
-	if len(held.GetConflicts()) == 0 {
-		return nil, errors.New("devices held, and the agent named no holder")
-	}
-	return held.GetConflicts(), nil
+	return errors.New(strings.Join(refused, "; "))
 }
 
 // groupOf finds the one group that holds every device, from the latest snapshot, or,

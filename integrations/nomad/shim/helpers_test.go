@@ -134,14 +134,19 @@ func (s *snapshots) watch(context.Context) <-chan dev.Snapshot {
 
 // fakeLedger is a Manager's Reserve and Release over an in-memory ledger with the
 // agent's conflict rules: a device held by a live reservation of another owner is a
-// *HeldError naming the holder.
+// *HeldError naming the holder, unless the Reserve takes that owner's devices over
+// (then the holder is released with the new reservation, in one step).
 type fakeLedger struct {
 	mu       sync.Mutex
 	seq      int
 	active   map[string]dev.Reservation // by ID
 	released []string                   // reservation IDs, in release order
 	reserves []dev.ReserveRequest
+	releases int               // Release calls
 	inFlight map[string]string // device → owner of a Reserve "in flight"
+	// noTakeOver makes it an agent that predates take-over: it ignores
+	// TakeOverOwnerPrefixes.
+	noTakeOver bool
 }
 
 func newFakeLedger() *fakeLedger {
@@ -161,7 +166,12 @@ func (l *fakeLedger) reserve(_ context.Context, req dev.ReserveRequest) (dev.Res
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.reserves = append(l.reserves, req)
+	takeOver := req.TakeOverOwnerPrefixes
+	if l.noTakeOver {
+		takeOver = nil
+	}
 	held := &dev.HeldError{OwnerID: req.OwnerID}
+	var victims []string
 	for _, r := range l.sortedActive() {
 		var overlap []string
 		for _, id := range req.DeviceIDs {
@@ -169,7 +179,11 @@ func (l *fakeLedger) reserve(_ context.Context, req dev.ReserveRequest) (dev.Res
 				overlap = append(overlap, id)
 			}
 		}
-		if len(overlap) > 0 {
+		switch {
+		case len(overlap) == 0:
+		case dev.TakesOver(takeOver, r.OwnerID):
+			victims = append(victims, r.ID)
+		default:
 			held.Conflicts = append(held.Conflicts, dev.Conflict{
 				Holder: dev.Holder{ReservationID: r.ID, OwnerID: r.OwnerID}, Overlap: overlap, Held: r.DeviceIDs,
 			})
@@ -194,7 +208,12 @@ func (l *fakeLedger) reserve(_ context.Context, req dev.ReserveRequest) (dev.Res
 			CDIDevices: []string{"nvidia.com/gpu=" + req.DeviceIDs[0]},
 		},
 	}
+	for _, id := range victims {
+		delete(l.active, id)
+		l.released = append(l.released, id)
+	}
 	l.active[r.ID] = r
+	r.TakenOver = victims
 	return r, nil
 }
 
@@ -210,6 +229,7 @@ func (l *fakeLedger) sortedActive() []dev.Reservation {
 func (l *fakeLedger) release(_ context.Context, req dev.ReleaseRequest) (dev.ReleaseResult, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.releases++
 	if _, ok := l.active[req.ReservationID]; !ok {
 		return dev.ReleaseResult{}, dev.ErrNotFound
 	}

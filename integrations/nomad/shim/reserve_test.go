@@ -51,16 +51,21 @@ func TestReserveMapsReservation(t *testing.T) {
 }
 
 // A device Nomad hands to a new allocation while an earlier Nomad reservation holds it
-// is taken over in one call: the earlier reservation released, the new one made.
+// is taken over in one call to the agent, which releases the earlier reservation with
+// the new one's record: the shim releases nothing itself.
 func TestReserveTakesOverNomadReservation(t *testing.T) {
 	l := newFakeLedger()
 	p := reserveShim(t, l, "GPU-a", "GPU-b", "GPU-c")
 	old1 := l.hold("nomad/old-1", "GPU-a", "GPU-b")
 	old2 := l.hold("nomad/old-2", "GPU-c")
 	keep := l.hold("nomad/other", "GPU-d")
+	holds := len(l.reserves)
 
 	if _, err := p.Reserve([]string{"GPU-b", "GPU-c"}); err != nil {
 		t.Fatalf("Reserve over earlier Nomad reservations: %v", err)
+	}
+	if reqs := l.reserves[holds:]; len(reqs) != 1 || !reflect.DeepEqual(reqs[0].TakeOverOwnerPrefixes, []string{OwnerPrefix}) || l.releases != 0 {
+		t.Errorf("the shim made Reserves %+v and %d Release calls; want one Reserve taking over %q, no Release", reqs, l.releases, OwnerPrefix)
 	}
 	active, released := l.state()
 	if !reflect.DeepEqual(released, []string{old1, old2}) {
@@ -91,6 +96,22 @@ func TestReserveRefusesOtherOwners(t *testing.T) {
 	active, released := l.state()
 	if len(released) != 0 || len(active) != 2 || active[0].ID != nomadRes {
 		t.Errorf("after the refusal: active %+v, released %q; want both holders untouched", active, released)
+	}
+}
+
+// Against an agent that predates take-over the Reserve is refused, saying why, and
+// nothing is released.
+func TestReserveOnAnAgentWithoutTakeOver(t *testing.T) {
+	l := newFakeLedger()
+	l.noTakeOver = true
+	p := reserveShim(t, l, "GPU-a")
+	old := l.hold("nomad/old", "GPU-a")
+	_, err := p.Reserve([]string{"GPU-a"})
+	if err == nil || !strings.Contains(err.Error(), "predates take-over; upgrade the agent") || !strings.Contains(err.Error(), old) {
+		t.Fatalf("err = %v; want it to say the agent predates take-over, naming %s", err, old)
+	}
+	if active, released := l.state(); len(released) != 0 || len(active) != 1 || l.releases != 0 {
+		t.Errorf("after the refusal: active %+v, released %q, %d Release calls; want %s untouched", active, released, l.releases, old)
 	}
 }
 

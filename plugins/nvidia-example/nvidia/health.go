@@ -20,12 +20,16 @@ var applicationXIDs = map[uint64]bool{13: true, 31: true, 43: true, 45: true, 68
 // healthBook remembers, per device ID, the last event that made the device unhealthy.
 // A device is unhealthy from that event until quiet has passed with no new one. It is
 // safe for concurrent use; changes wakes everyone waiting for a change.
+//
+// It also keeps each device's last XID, critical or not (DCGM's XID_ERRORS field), for
+// the stats: that is not a health change, so it wakes no one.
 type healthBook struct {
 	quiet time.Duration
 
 	mu      sync.Mutex
 	last    map[string]healthEvent
-	changed chan struct{} // closed and replaced on every change
+	xids    map[string]uint64 // device ID -> the last XID it raised
+	changed chan struct{}     // closed and replaced on every change
 }
 
 type healthEvent struct {
@@ -34,7 +38,7 @@ type healthEvent struct {
 }
 
 func newHealthBook(quiet time.Duration) *healthBook {
-	return &healthBook{quiet: quiet, last: make(map[string]healthEvent), changed: make(chan struct{})}
+	return &healthBook{quiet: quiet, last: make(map[string]healthEvent), xids: make(map[string]uint64), changed: make(chan struct{})}
 }
 
 // inherit copies old's events into h, which nobody uses yet.
@@ -44,6 +48,23 @@ func (h *healthBook) inherit(old *healthBook) {
 	for id, ev := range old.last {
 		h.last[id] = ev
 	}
+	for id, xid := range old.xids {
+		h.xids[id] = xid
+	}
+}
+
+// recordXID remembers xid as the last XID device id raised.
+func (h *healthBook) recordXID(id string, xid uint64) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.xids[id] = xid
+}
+
+// lastXID returns the last XID device id raised, 0 when none.
+func (h *healthBook) lastXID(id string) uint64 {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.xids[id]
 }
 
 // markUnhealthy records that id went bad at at for reason. An event older than the one
@@ -168,17 +189,26 @@ func (w *xidWatch) handle(ev nvml.EventData) {
 		return
 	}
 	xid := ev.EventData
+	var id string
+	ret := nvml.ERROR_INVALID_ARGUMENT
+	if ev.Device != nil {
+		id, ret = ev.Device.GetUUID()
+	}
+	// Every XID is the GPU's last XID (for the stats), whether it hurts health or not.
+	switch {
+	case ret != nvml.SUCCESS:
+		for id := range w.gpus {
+			w.health.recordXID(id, xid)
+		}
+	case w.gpus[id]:
+		w.health.recordXID(id, xid)
+	}
 	if applicationXIDs[xid] {
 		w.logger.Info("application XID; GPU stays healthy", "xid", xid)
 		return
 	}
 	now := w.clock.Now()
 	reason := xidReason(xid, now)
-	var id string
-	ret := nvml.ERROR_INVALID_ARGUMENT
-	if ev.Device != nil {
-		id, ret = ev.Device.GetUUID()
-	}
 	if ret != nvml.SUCCESS {
 		// NVML could not say which GPU: like NVIDIA's device plugins, distrust them all.
 		w.logger.Warn("critical XID on an unidentified GPU; marking all watched GPUs unhealthy", "xid", xid)

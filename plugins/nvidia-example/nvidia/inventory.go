@@ -215,6 +215,12 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time) (resp *pb.Finger
 }
 
 // sample reads every GPU's stats, stamped now. Values a GPU cannot give are left out.
+//
+// Besides the load figures, each GPU reports "index" (its NVML index, as nvidia-smi
+// and dcgm-exporter's gpu label number GPUs; it is not always the /dev/nvidiaN minor)
+// and "last_xid" (the last XID event it raised while a Fingerprint stream watched it,
+// critical or application, 0 when none: DCGM's XID_ERRORS field), so the host's
+// metrics can carry dcgm-exporter's names and labels.
 func (rt *runtime) sample(now time.Time) (*pb.StatsResponse, error) {
 	gpus, _, err := rt.listGPUs()
 	if err != nil {
@@ -223,14 +229,24 @@ func (rt *runtime) sample(now time.Time) (*pb.StatsResponse, error) {
 	ts := timestamppb.New(now)
 	resp := &pb.StatsResponse{}
 	for _, g := range gpus {
-		v := make(map[string]*pb.Value)
+		v := map[string]*pb.Value{
+			"index":    intValue(int64(g.index), ""),
+			"last_xid": intValue(int64(rt.health.lastXID(g.uuid)), ""),
+		}
 		if u, ret := g.dev.GetUtilizationRates(); ret == nvml.SUCCESS {
 			v["gpu_utilization"] = intValue(int64(u.Gpu), unitPercent)
 			v["memory_utilization"] = intValue(int64(u.Memory), unitPercent)
 		}
 		if m, ret := g.dev.GetMemoryInfo(); ret == nvml.SUCCESS {
 			v["memory_used"] = intValue(int64(m.Used>>20), unitMiB)
+			v["memory_free"] = intValue(int64(m.Free>>20), unitMiB)
 			v["memory_total"] = intValue(int64(m.Total>>20), unitMiB)
+		}
+		if mhz, ret := g.dev.GetClockInfo(nvml.CLOCK_SM); ret == nvml.SUCCESS {
+			v["sm_clock"] = intValue(int64(mhz), unitMHz)
+		}
+		if mhz, ret := g.dev.GetClockInfo(nvml.CLOCK_MEM); ret == nvml.SUCCESS {
+			v["memory_clock"] = intValue(int64(mhz), unitMHz)
 		}
 		if c, ret := g.dev.GetTemperature(nvml.TEMPERATURE_GPU); ret == nvml.SUCCESS {
 			v["temperature"] = intValue(int64(c), unitCelsius)

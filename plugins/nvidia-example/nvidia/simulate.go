@@ -216,6 +216,20 @@ func (d *simDevice) GetMaxClockInfo(t nvml.ClockType) (uint32, nvml.Return) {
 	}
 }
 
+// GetClockInfo is the current clock: the SM clock follows the load from an idle
+// floor up to its maximum; the memory clock stays at its maximum, as on real GPUs.
+func (d *simDevice) GetClockInfo(t nvml.ClockType) (uint32, nvml.Return) {
+	switch t {
+	case nvml.CLOCK_SM, nvml.CLOCK_GRAPHICS:
+		const idleMHz = 345
+		return uint32(math.Round(idleMHz + float64(d.spec.smClockMHz-idleMHz)*d.computeLoad())), nvml.SUCCESS
+	case nvml.CLOCK_MEM:
+		return d.spec.memClockMHz, nvml.SUCCESS
+	default:
+		return 0, nvml.ERROR_NOT_SUPPORTED
+	}
+}
+
 func (d *simDevice) GetMaxPcieLinkGeneration() (int, nvml.Return) {
 	return d.spec.pcieGen, nvml.SUCCESS
 }

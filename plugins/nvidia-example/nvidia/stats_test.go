@@ -1,6 +1,7 @@
 package nvidia
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -15,7 +16,11 @@ var wantStats = map[string]struct {
 	"gpu_utilization":        {"%", 0, 100},
 	"memory_utilization":     {"%", 0, 100},
 	"memory_used":            {"MiB", 1, 81920},
+	"memory_free":            {"MiB", 1, 81920},
 	"memory_total":           {"MiB", 81920, 81920},
+	"sm_clock":               {"MHz", 345, 1980},
+	"memory_clock":           {"MHz", 2619, 2619},
+	"last_xid":               {"", 0, 0},
 	"temperature":            {"C", 20, 90},
 	"power":                  {"W", 50, 700},
 	"ecc_errors_corrected":   {"count", 0, 0},
@@ -49,6 +54,14 @@ func TestStatsMoveOverTime(t *testing.T) {
 			if got := d.GetTimestamp().AsTime(); !got.Equal(wantTime) {
 				t.Errorf("sample %d timestamp = %v, want %v", i, got, wantTime)
 			}
+			if got := d.GetValues()["index"]; got.GetIntValue() != int64(j) || got.GetUnit() != "" {
+				t.Errorf("sample %d device %d index = %v, want %d without a unit", i, j, got, j)
+			}
+			v := d.GetValues()
+			// Each is rounded down to whole MiB, so the sum may be one short.
+			if used, free, total := number(v["memory_used"]), number(v["memory_free"]), number(v["memory_total"]); used+free > total || used+free < total-1 {
+				t.Errorf("sample %d device %d: memory used %v + free %v = %v, want the total %v", i, j, used, free, used+free, total)
+			}
 			for name, want := range wantStats {
 				v, ok := d.GetValues()[name]
 				if !ok {
@@ -66,7 +79,7 @@ func TestStatsMoveOverTime(t *testing.T) {
 	// Seven seconds later every GPU's load, memory, temperature and power have moved.
 	for j := range first.GetDevices() {
 		a, b := first.GetDevices()[j].GetValues(), second.GetDevices()[j].GetValues()
-		for _, name := range []string{"gpu_utilization", "memory_used", "power"} {
+		for _, name := range []string{"gpu_utilization", "memory_used", "power", "sm_clock"} {
 			if number(a[name]) == number(b[name]) {
 				t.Errorf("device %d %s stayed at %v over 7 s", j, name, number(a[name]))
 			}
@@ -120,6 +133,39 @@ func TestStatsLeaveOutIgnoredGPUs(t *testing.T) {
 	for _, d := range resp.GetDevices() {
 		if d.GetDeviceId() == ignored {
 			t.Errorf("stats for ignored GPU %s", ignored)
+		}
+	}
+}
+
+// Each GPU's stats carry the last XID it raised, critical or not (DCGM's XID_ERRORS),
+// and 0 for a GPU that raised none.
+func TestStatsCarryTheLastXID(t *testing.T) {
+	const m = "dgxh100"
+	p, clk := newTestPlugin(t, Config{
+		Simulate:          m,
+		FingerprintPeriod: "1h",
+		InjectFaults: []FaultConfig{
+			{GPUIndex: ptr(0), XID: 48, After: "2s"},
+			{GPUIndex: ptr(0), XID: 79, After: "10s"},
+			{GPUIndex: ptr(1), XID: 13, After: "5s"}, // application error: GPU stays healthy
+		},
+	})
+	fp := startFingerprint(t, p) // the XID watch runs while a Fingerprint stream does
+	checkHealth(t, "start", fp.next(t), m, nil)
+	clk.Advance(10 * time.Second)
+	// Once GPU 0's reason names XID 79, every event so far has been handled.
+	for {
+		if reason := devices(fp.next(t))[simulatedUUID(m, 0)].GetHealthReason(); strings.Contains(reason, "XID 79") {
+			break
+		}
+	}
+
+	resp := startStats(t, p, time.Second).next(t)
+	want := map[string]int64{simulatedUUID(m, 0): 79, simulatedUUID(m, 1): 13}
+	for _, d := range resp.GetDevices() {
+		got := d.GetValues()["last_xid"]
+		if got == nil || got.GetIntValue() != want[d.GetDeviceId()] {
+			t.Errorf("%s: last_xid = %v, want %d", d.GetDeviceId(), got, want[d.GetDeviceId()])
 		}
 	}
 }

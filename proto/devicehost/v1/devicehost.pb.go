@@ -1013,9 +1013,21 @@ type ReserveRequest struct {
 	Type    string `protobuf:"bytes,3,opt,name=type,proto3" json:"type,omitempty"`
 	Name    string `protobuf:"bytes,4,opt,name=name,proto3" json:"name,omitempty"`
 	// Devices to reserve, all of the named group. At least one.
-	DeviceIds     []string `protobuf:"bytes,5,rep,name=device_ids,json=deviceIds,proto3" json:"device_ids,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	DeviceIds []string `protobuf:"bytes,5,rep,name=device_ids,json=deviceIds,proto3" json:"device_ids,omitempty"`
+	// Owner prefixes whose reservations this Reserve may take over (at most 16; each
+	// non-empty, ending with "/", not starting with "/" and without an empty segment,
+	// e.g. "nomad/"). A live reservation that holds a requested device and whose owner
+	// starts with one of them is released in the same durable ledger write that records
+	// the new reservation: the caller sees both or neither, the devices are never free
+	// in between, and the released reservation's plugin cleanup is owed as for any
+	// Release. A holder whose owner matches none of them still refuses the Reserve
+	// (FAILED_PRECONDITION, DEVICE_HELD, naming it), and then nothing is released. A
+	// retry (same owner, exactly the devices it holds) gets its reservation back and
+	// takes nothing over. For a runtime that is never told when an allocation ends
+	// (Nomad's device plugins).
+	TakeOverOwnerPrefixes []string `protobuf:"bytes,6,rep,name=take_over_owner_prefixes,json=takeOverOwnerPrefixes,proto3" json:"take_over_owner_prefixes,omitempty"`
+	unknownFields         protoimpl.UnknownFields
+	sizeCache             protoimpl.SizeCache
 }
 
 func (x *ReserveRequest) Reset() {
@@ -1083,12 +1095,22 @@ func (x *ReserveRequest) GetDeviceIds() []string {
 	return nil
 }
 
+func (x *ReserveRequest) GetTakeOverOwnerPrefixes() []string {
+	if x != nil {
+		return x.TakeOverOwnerPrefixes
+	}
+	return nil
+}
+
 type ReserveResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	ReservationId string                 `protobuf:"bytes,1,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
 	Reservation   *ContainerReservation  `protobuf:"bytes,2,opt,name=reservation,proto3" json:"reservation,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// IDs of the reservations this call took over (released), sorted; empty when it
+	// took over none, as on a retry.
+	TakenOverReservationIds []string `protobuf:"bytes,3,rep,name=taken_over_reservation_ids,json=takenOverReservationIds,proto3" json:"taken_over_reservation_ids,omitempty"`
+	unknownFields           protoimpl.UnknownFields
+	sizeCache               protoimpl.SizeCache
 }
 
 func (x *ReserveResponse) Reset() {
@@ -1131,6 +1153,13 @@ func (x *ReserveResponse) GetReservationId() string {
 func (x *ReserveResponse) GetReservation() *ContainerReservation {
 	if x != nil {
 		return x.Reservation
+	}
+	return nil
+}
+
+func (x *ReserveResponse) GetTakenOverReservationIds() []string {
+	if x != nil {
+		return x.TakenOverReservationIds
 	}
 	return nil
 }
@@ -2207,17 +2236,19 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\ttimestamp\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\ttimestamp\x1aO\n" +
 	"\vValuesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12*\n" +
-	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\x8a\x01\n" +
+	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\xc3\x01\n" +
 	"\x0eReserveRequest\x12\x19\n" +
 	"\bowner_id\x18\x01 \x01(\tR\aownerId\x12\x16\n" +
 	"\x06vendor\x18\x02 \x01(\tR\x06vendor\x12\x12\n" +
 	"\x04type\x18\x03 \x01(\tR\x04type\x12\x12\n" +
 	"\x04name\x18\x04 \x01(\tR\x04name\x12\x1d\n" +
 	"\n" +
-	"device_ids\x18\x05 \x03(\tR\tdeviceIds\"\x7f\n" +
+	"device_ids\x18\x05 \x03(\tR\tdeviceIds\x127\n" +
+	"\x18take_over_owner_prefixes\x18\x06 \x03(\tR\x15takeOverOwnerPrefixes\"\xbc\x01\n" +
 	"\x0fReserveResponse\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12E\n" +
-	"\vreservation\x18\x02 \x01(\v2#.devicehost.v1.ContainerReservationR\vreservation\"\x96\x02\n" +
+	"\vreservation\x18\x02 \x01(\v2#.devicehost.v1.ContainerReservationR\vreservation\x12;\n" +
+	"\x1ataken_over_reservation_ids\x18\x03 \x03(\tR\x17takenOverReservationIds\"\x96\x02\n" +
 	"\x14ContainerReservation\x12A\n" +
 	"\x04envs\x18\x01 \x03(\v2-.devicehost.v1.ContainerReservation.EnvsEntryR\x04envs\x12,\n" +
 	"\x06mounts\x18\x02 \x03(\v2\x14.devicehost.v1.MountR\x06mounts\x123\n" +

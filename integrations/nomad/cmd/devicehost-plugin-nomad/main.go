@@ -5,7 +5,9 @@
 //	plugin "nomad-nvidia" {
 //	  config {
 //	    nomad_plugin = "/opt/nomad/plugins/nomad-device-nvidia"
-//	    nomad_config = { fingerprint_period = "5s" }
+//	    nomad_config {
+//	      fingerprint_period = "5s"
+//	    }
 //	  }
 //	}
 //

@@ -1,0 +1,421 @@
+package metrics_test
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/device/devicetest"
+	"github.com/devicehost/devicehost/metrics"
+)
+
+var (
+	h100   = device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3"}
+	widget = device.GroupKey{Vendor: "acme", Type: "widget", Name: "Widget 9000"}
+)
+
+// gpuSnapshot is two H100s of the nvidia-example plugin (GPU-b held by job-1, GPU-a
+// healthy) and one widget of plugin acme (unhealthy), with the plugins' states.
+func gpuSnapshot() device.Snapshot {
+	return device.Snapshot{
+		Time: t0,
+		Inventory: device.Inventory{Groups: []device.Group{
+			{GroupKey: widget, Plugin: "acme", Devices: []device.DeviceInfo{{ID: "w0", Locality: device.Locality{NUMANode: -1}}}},
+			{GroupKey: h100, Plugin: "nvidia-example", Devices: []device.DeviceInfo{
+				{ID: "GPU-a", Locality: device.Locality{PCIBusID: "0000:1b:00.0", NUMANode: 0}},
+				{ID: "GPU-b", Locality: device.Locality{PCIBusID: "0000:da:00.0", NUMANode: 1}},
+			}},
+		}},
+		State: device.State{
+			Devices: map[string]device.DeviceState{
+				"w0":    {Health: device.HealthUnhealthy, Reason: "widget on fire"},
+				"GPU-a": {Health: device.HealthHealthy},
+				"GPU-b": {Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "res-1", OwnerID: "job-1"}},
+			},
+			Plugins: []device.PluginState{
+				{Name: "acme", Status: device.PluginRestarting, Restarts: 3, LastError: "exit 1", LastErrorAt: t0, DeviceCount: 1},
+				{Name: "nvidia-example", Status: device.PluginRunning, DeviceCount: 2},
+			},
+		},
+	}
+}
+
+// gpuStats are stats of the snapshot's devices as the nvidia-example plugin sends them
+// (GPU-b's memory in GiB, to see conversion), and the widget's.
+func gpuStats() device.StatsSnapshot {
+	gpu := func(index int64, memUsed device.Value) map[string]device.Value {
+		return map[string]device.Value{
+			"index":                  intValue(index, ""),
+			"gpu_utilization":        intValue(37, "%"),
+			"memory_utilization":     intValue(12, "%"),
+			"memory_used":            memUsed,
+			"memory_free":            intValue(61440, "MiB"),
+			"memory_total":           intValue(81920, "MiB"),
+			"temperature":            intValue(55, "C"),
+			"power":                  floatValue(312.5, "W"),
+			"sm_clock":               intValue(1755, "MHz"),
+			"memory_clock":           intValue(2619, "MHz"),
+			"last_xid":               intValue(79, ""),
+			"ecc_errors_corrected":   intValue(4, "count"),
+			"ecc_errors_uncorrected": intValue(0, "count"),
+			"pcie_replays":           intValue(2, "count"), // not a dcgm-exporter field here
+		}
+	}
+	return device.StatsSnapshot{Time: t0, Groups: []device.GroupStats{
+		{GroupKey: widget, Plugin: "acme", Devices: []device.DeviceStats{{ID: "w0", Time: t0, Values: map[string]device.Value{
+			"temperature": floatValue(40, "C"),
+		}}}},
+		{GroupKey: h100, Plugin: "nvidia-example", Devices: []device.DeviceStats{
+			{ID: "GPU-a", Time: t0, Values: gpu(0, intValue(20480, "MiB"))},
+			{ID: "GPU-b", Time: t0, Values: gpu(7, floatValue(1.5, "GiB"))},
+		}},
+	}}
+}
+
+func newFake(snap device.Snapshot, stats device.StatsSnapshot) *fakeManager {
+	f := &fakeManager{}
+	f.set(snap, stats)
+	return f
+}
+
+// NVIDIA GPUs get dcgm-exporter's names, labels, types and units, so its dashboards
+// work unchanged.
+func TestDCGMNamesAndLabels(t *testing.T) {
+	s := serve(t, metrics.Options{}, newFake(gpuSnapshot(), gpuStats()))
+	f := s.scrape(t)
+
+	gpuA := map[string]string{"gpu": "0", "UUID": "GPU-a", "device": "nvidia0", "modelName": "NVIDIA H100 80GB HBM3",
+		"pci_bus_id": "00000000:1B:00.0", "Hostname": "node-7"}
+	gpuB := map[string]string{"gpu": "7", "UUID": "GPU-b", "device": "nvidia7", "modelName": "NVIDIA H100 80GB HBM3",
+		"pci_bus_id": "00000000:DA:00.0", "Hostname": "node-7"}
+	for _, tt := range []struct {
+		name string
+		typ  dto.MetricType
+		gpu  map[string]string
+		want float64
+	}{
+		{"DCGM_FI_DEV_GPU_UTIL", dto.MetricType_GAUGE, gpuA, 37},
+		{"DCGM_FI_DEV_MEM_COPY_UTIL", dto.MetricType_GAUGE, gpuA, 12},
+		{"DCGM_FI_DEV_FB_USED", dto.MetricType_GAUGE, gpuA, 20480},
+		{"DCGM_FI_DEV_FB_USED", dto.MetricType_GAUGE, gpuB, 1536}, // 1.5 GiB in MiB
+		{"DCGM_FI_DEV_FB_FREE", dto.MetricType_GAUGE, gpuA, 61440},
+		{"DCGM_FI_DEV_FB_TOTAL", dto.MetricType_GAUGE, gpuA, 81920},
+		{"DCGM_FI_DEV_GPU_TEMP", dto.MetricType_GAUGE, gpuA, 55},
+		{"DCGM_FI_DEV_POWER_USAGE", dto.MetricType_GAUGE, gpuB, 312.5},
+		{"DCGM_FI_DEV_SM_CLOCK", dto.MetricType_GAUGE, gpuA, 1755},
+		{"DCGM_FI_DEV_MEM_CLOCK", dto.MetricType_GAUGE, gpuB, 2619},
+		{"DCGM_FI_DEV_XID_ERRORS", dto.MetricType_GAUGE, gpuA, 79},
+		{"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", dto.MetricType_COUNTER, gpuA, 4},
+		{"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", dto.MetricType_COUNTER, gpuB, 0},
+	} {
+		if got := f[tt.name].GetType(); got != tt.typ {
+			t.Errorf("%s is a %v, want a %v", tt.name, got, tt.typ)
+		}
+		if got := f.value(t, tt.name, tt.gpu); got != tt.want {
+			t.Errorf("%s{UUID=%q} = %v, want %v", tt.name, tt.gpu["UUID"], got, tt.want)
+		}
+		for _, m := range f[tt.name].GetMetric() {
+			if got, want := labelNames(m), []string{"Hostname", "UUID", "device", "gpu", "modelName", "pci_bus_id"}; !slices.Equal(got, want) {
+				t.Errorf("%s has labels %v, want dcgm-exporter's %v", tt.name, got, want)
+			}
+		}
+	}
+	// A stat with no dcgm-exporter field keeps devicehost's name; the index is a label.
+	if got := f.value(t, "devicehost_device_pcie_replays", map[string]string{"plugin": "nvidia-example", "device": "GPU-b"}); got != 2 {
+		t.Errorf("devicehost_device_pcie_replays of GPU-b = %v, want 2", got)
+	}
+	if got := f.names("devicehost_device_index"); len(got) > 0 {
+		t.Errorf("the GPU index is exported as %v; want it only as the gpu label", got)
+	}
+	// Other vendors' stats are not dcgm-exporter's.
+	if got := f.value(t, "devicehost_device_temperature_celsius", map[string]string{
+		"plugin": "acme", "vendor": "acme", "type": "widget", "name": "Widget 9000", "device": "w0"}); got != 40 {
+		t.Errorf("the widget's temperature = %v, want 40", got)
+	}
+	if n := len(f.series("DCGM_FI_DEV_GPU_TEMP", nil)); n != 2 {
+		t.Errorf("DCGM_FI_DEV_GPU_TEMP has %d series, want 2 (the GPUs only)", n)
+	}
+}
+
+// Other plugins' stats are devicehost_device_<stat> with the unit in the name,
+// converted to Prometheus' base units.
+func TestStatNamesAndUnits(t *testing.T) {
+	values := map[string]device.Value{}
+	want := map[string]float64{}
+	for _, tt := range []struct {
+		stat  string
+		value device.Value
+		name  string
+		want  float64
+	}{
+		{"temperature", floatValue(40.5, "C"), "devicehost_device_temperature_celsius", 40.5},
+		{"board_temp_celsius", intValue(41, "C"), "devicehost_device_board_temp_celsius", 41},
+		{"memory_used", intValue(2, "MiB"), "devicehost_device_memory_used_bytes", 2 << 20},
+		{"hbm", intValue(3, "GB"), "devicehost_device_hbm_bytes", 3e9},
+		{"utilization", intValue(50, "%"), "devicehost_device_utilization_ratio", 0.5},
+		{"core_clock", floatValue(1.5, "GHz"), "devicehost_device_core_clock_hertz", 1.5e9},
+		{"power", intValue(500, "mW"), "devicehost_device_power_watts", 0.5},
+		{"vdd", intValue(850, "mV"), "devicehost_device_vdd_volts", 0.85},
+		{"latency", intValue(3, "ms"), "devicehost_device_latency_seconds", 0.003},
+		{"link", intValue(2, "GB/s"), "devicehost_device_link_bytes_per_second", 2e9},
+		{"fan", intValue(900, "rpm"), "devicehost_device_fan_rpm", 900},
+		{"errors", intValue(3, "count"), "devicehost_device_errors", 3},
+		{"Busy", device.Value{Kind: device.KindBool, Bool: true}, "devicehost_device_busy", 1},
+	} {
+		values[tt.stat] = tt.value
+		want[tt.name] = tt.want
+	}
+	values["pstate"] = device.Value{Kind: device.KindString, Str: "P0"}
+	stats := device.StatsSnapshot{Groups: []device.GroupStats{{GroupKey: widget, Plugin: "acme",
+		Devices: []device.DeviceStats{{ID: "w0", Values: values}}}}}
+	s := serve(t, metrics.Options{}, newFake(gpuSnapshot(), stats))
+	f := s.scrape(t)
+	for name, v := range want {
+		got := f.value(t, name, map[string]string{"plugin": "acme", "vendor": "acme", "type": "widget", "name": "Widget 9000", "device": "w0"})
+		if math.Abs(got-v) > 1e-9*math.Abs(v) {
+			t.Errorf("%s = %v, want %v", name, got, v)
+		}
+		if typ := f[name].GetType(); typ != dto.MetricType_GAUGE {
+			t.Errorf("%s is a %v, want a gauge", name, typ)
+		}
+	}
+	if got, want := len(f.names("devicehost_device_"))-2, len(want); got != want { // less healthy and reserved
+		t.Errorf("stat families %v, want %d", f.names("devicehost_device_"), want)
+	}
+	if got := f.value(t, "devicehost_metrics_series_dropped", map[string]string{"plugin": "acme", "reason": "not_a_number"}); got != 1 {
+		t.Errorf("dropped not_a_number = %v, want 1 (the string pstate)", got)
+	}
+}
+
+// Device health and holders, and plugin status, restarts and last error time, follow
+// the manager's snapshot at each scrape.
+func TestDeviceAndPluginState(t *testing.T) {
+	mgr := newFake(gpuSnapshot(), device.StatsSnapshot{})
+	s := serve(t, metrics.Options{}, mgr)
+	dev := func(id string) map[string]string {
+		for _, g := range gpuSnapshot().Inventory.Groups {
+			for _, d := range g.Devices {
+				if d.ID == id {
+					return map[string]string{"plugin": g.Plugin, "vendor": g.Vendor, "type": g.Type, "name": g.Name, "device": id}
+				}
+			}
+		}
+		t.Fatalf("no device %s", id)
+		return nil
+	}
+	with := func(l map[string]string, kv ...string) map[string]string {
+		out := map[string]string{}
+		for k, v := range l {
+			out[k] = v
+		}
+		for i := 0; i < len(kv); i += 2 {
+			out[kv[i]] = kv[i+1]
+		}
+		return out
+	}
+
+	f := s.scrape(t)
+	for id, want := range map[string]float64{"GPU-a": 1, "GPU-b": 1, "w0": 0} {
+		if got := f.value(t, "devicehost_device_healthy", dev(id)); got != want {
+			t.Errorf("healthy{%s} = %v, want %v", id, got, want)
+		}
+	}
+	if got := f.value(t, "devicehost_device_reserved", with(dev("GPU-b"), "owner", "job-1", "reservation", "res-1")); got != 1 {
+		t.Errorf("reserved{GPU-b, job-1} = %v, want 1", got)
+	}
+	if got := f.value(t, "devicehost_device_reserved", with(dev("GPU-a"), "owner", "", "reservation", "")); got != 0 {
+		t.Errorf("reserved{GPU-a} = %v, want 0", got)
+	}
+	if n := len(f.series("devicehost_device_reserved", nil)); n != 3 {
+		t.Errorf("devicehost_device_reserved has %d series, want one per device (3)", n)
+	}
+	for _, st := range []string{"starting", "running", "restarting", "failed"} {
+		want := 0.0
+		if st == "restarting" {
+			want = 1
+		}
+		if got := f.value(t, "devicehost_plugin_status", map[string]string{"plugin": "acme", "status": st}); got != want {
+			t.Errorf("plugin_status{acme, %s} = %v, want %v", st, got, want)
+		}
+	}
+	if got := f.value(t, "devicehost_plugin_restarts_total", map[string]string{"plugin": "acme"}); got != 3 {
+		t.Errorf("restarts{acme} = %v, want 3", got)
+	}
+	if got := f.value(t, "devicehost_plugin_last_error_timestamp_seconds", map[string]string{"plugin": "acme"}); got != float64(t0.Unix()) {
+		t.Errorf("last error time{acme} = %v, want %v", got, t0.Unix())
+	}
+	if got := f.series("devicehost_plugin_last_error_timestamp_seconds", map[string]string{"plugin": "nvidia-example"}); len(got) != 0 {
+		t.Errorf("a plugin without errors has a last error time: %v", got)
+	}
+	if got := f.value(t, "devicehost_plugin_devices", map[string]string{"plugin": "nvidia-example"}); got != 2 {
+		t.Errorf("devices{nvidia-example} = %v, want 2", got)
+	}
+
+	// GPU-b released and taken by another owner, GPU-a down with its plugin.
+	snap := gpuSnapshot()
+	snap.State.Devices["GPU-a"] = device.DeviceState{Health: device.HealthUnhealthy, Reason: "plugin exited"}
+	snap.State.Devices["GPU-b"] = device.DeviceState{Health: device.HealthUnhealthy, Holder: &device.Holder{ReservationID: "res-2", OwnerID: "job-2"}}
+	snap.State.Plugins[1].Status = device.PluginRestarting
+	snap.State.Plugins[1].Restarts = 1
+	mgr.set(snap, device.StatsSnapshot{})
+	f = s.scrape(t)
+	if got := f.value(t, "devicehost_device_healthy", dev("GPU-a")); got != 0 {
+		t.Errorf("healthy{GPU-a} after its plugin died = %v, want 0", got)
+	}
+	if got := f.series("devicehost_device_reserved", map[string]string{"device": "GPU-b"}); len(got) != 1 || labels(got[0])["owner"] != "job-2" {
+		t.Errorf("reserved{GPU-b} after a new holder: %v, want one series of owner job-2", got)
+	}
+	if got := f.value(t, "devicehost_plugin_restarts_total", map[string]string{"plugin": "nvidia-example"}); got != 1 {
+		t.Errorf("restarts{nvidia-example} = %v, want 1", got)
+	}
+}
+
+// A plugin that sends hostile stat names costs itself some series, never the scrape:
+// names are reduced to Prometheus' charset, collisions and the agent's own names are
+// left out and counted, and the other plugins' series are all there.
+func TestHostileStatNamesDoNotBreakTheScrape(t *testing.T) {
+	evil := map[string]device.Value{
+		"temp °C":                   floatValue(41, "C"),   // devicehost_device_temp_c_celsius
+		"a-b":                       intValue(1, ""),       // devicehost_device_a_b
+		"a_b":                       intValue(2, ""),       // the same name: left out
+		"A B":                       intValue(3, ""),       // and again
+		"°°°":                       intValue(4, ""),       // nothing usable
+		"日本":                        intValue(5, ""),       // nothing usable
+		"healthy":                   intValue(0, ""),       // devicehost_device_healthy is the agent's
+		"reserved":                  intValue(1, ""),       // so is devicehost_device_reserved
+		`x{y="1"} 2`:                intValue(6, ""),       // devicehost_device_x_y_1_2
+		"__name__":                  intValue(7, ""),       // devicehost_device_name
+		"\n# TYPE up gauge":         intValue(8, ""),       // devicehost_device_type_up_gauge
+		"distance":                  intValue(9, "parsec"), // a unit that does not convert
+		strings.Repeat("long_", 60): intValue(10, ""),
+	}
+	stats := device.StatsSnapshot{Groups: []device.GroupStats{
+		{GroupKey: widget, Plugin: "acme", Devices: []device.DeviceStats{
+			{ID: "w0", Values: evil},
+			{ID: "bad\xffid", Values: map[string]device.Value{"ok": intValue(1, "")}}, // not UTF-8: Prometheus refuses it
+		}},
+		{GroupKey: h100, Plugin: "nvidia-example", Devices: []device.DeviceStats{
+			{ID: "GPU-a", Values: map[string]device.Value{"index": intValue(0, ""), "temperature": intValue(50, "C"), "power": intValue(1, "C")}},
+		}},
+	}}
+	s := serve(t, metrics.Options{}, newFake(gpuSnapshot(), stats))
+	code, body := get(t, s.url)
+	if code != 200 {
+		t.Fatalf("scrape: %d %s", code, body)
+	}
+	f := parse(t, body)
+
+	w0 := map[string]string{"plugin": "acme", "device": "w0"}
+	for name, want := range map[string]float64{
+		"devicehost_device_temp_c_celsius": 41,
+		"devicehost_device_a_b":            3, // "A B" sorts before "a-b" and "a_b": its value wins
+		"devicehost_device_x_y_1_2":        6,
+		"devicehost_device_name":           7,
+		"devicehost_device_type_up_gauge":  8,
+		"devicehost_device_" + strings.TrimSuffix(strings.Repeat("long_", 60), "_")[:128]: 10,
+	} {
+		if got := f.value(t, name, w0); got != want {
+			t.Errorf("%s = %v, want %v", name, got, want)
+		}
+	}
+	// The agent's own families are untouched by the stats named after them.
+	if n := len(f.series("devicehost_device_healthy", nil)); n != 3 {
+		t.Errorf("devicehost_device_healthy has %d series, want 3 (one per device, none from stats)", n)
+	}
+	dropped := map[string]float64{}
+	for _, m := range f.series("devicehost_metrics_series_dropped", map[string]string{"plugin": "acme"}) {
+		dropped[labels(m)["reason"]] = metricValue(m)
+	}
+	if want := map[string]float64{"duplicate": 2, "name": 2, "reserved": 2, "unit": 1, "invalid": 1}; fmt.Sprint(dropped) != fmt.Sprint(want) {
+		t.Errorf("acme's dropped series = %v, want %v", dropped, want)
+	}
+	// The other plugin is whole; its stat in the wrong unit is left out alone.
+	if got := f.value(t, "DCGM_FI_DEV_GPU_TEMP", map[string]string{"UUID": "GPU-a"}); got != 50 {
+		t.Errorf("DCGM_FI_DEV_GPU_TEMP of GPU-a = %v, want 50", got)
+	}
+	if got := f.value(t, "devicehost_metrics_series_dropped", map[string]string{"plugin": "nvidia-example", "reason": "unit"}); got != 1 {
+		t.Errorf("nvidia-example's power in C: dropped{unit} = %v, want 1", got)
+	}
+	// Nothing went wrong inside the registry either.
+	if got := f.value(t, "promhttp_metric_handler_errors_total", map[string]string{"cause": "gathering"}); got != 0 {
+		t.Errorf("gathering errors = %v, want 0", got)
+	}
+}
+
+// A plugin gets at most MaxSeriesPerPlugin stat series; the rest are left out and
+// counted, and the other plugins keep theirs.
+func TestSeriesPerPluginAreBounded(t *testing.T) {
+	var devs []device.DeviceStats
+	for i := range 50 {
+		values := map[string]device.Value{}
+		for j := range 20 {
+			values[fmt.Sprintf("stat_%02d", j)] = intValue(int64(j), "")
+		}
+		devs = append(devs, device.DeviceStats{ID: fmt.Sprintf("w%02d", i), Values: values})
+	}
+	stats := gpuStats()
+	stats.Groups[0].Devices = devs // acme: 1000 series
+	s := serve(t, metrics.Options{MaxSeriesPerPlugin: 100}, newFake(gpuSnapshot(), stats))
+	f := s.scrape(t)
+
+	got := 0
+	for _, name := range f.names("devicehost_device_stat_") {
+		got += len(f.series(name, map[string]string{"plugin": "acme"}))
+	}
+	if got != 100 {
+		t.Errorf("acme has %d stat series, want 100 (its limit)", got)
+	}
+	if d := f.value(t, "devicehost_metrics_series_dropped", map[string]string{"plugin": "acme", "reason": "limit"}); d != 900 {
+		t.Errorf("acme dropped{limit} = %v, want 900", d)
+	}
+	if n := len(f.series("DCGM_FI_DEV_GPU_UTIL", nil)); n != 2 {
+		t.Errorf("nvidia-example has %d DCGM_FI_DEV_GPU_UTIL series, want 2: another plugin's flood cost it nothing", n)
+	}
+}
+
+// Every scrape reads the manager's latest stats; nothing asks for a stats stream.
+func TestScrapesReadTheLatestStatsOnly(t *testing.T) {
+	mgr := newFake(gpuSnapshot(), gpuStats())
+	var watched atomic.Bool
+	mgr.WatchStatsFunc = func(context.Context, time.Duration) <-chan device.StatsSnapshot {
+		watched.Store(true)
+		ch := make(chan device.StatsSnapshot)
+		close(ch)
+		return ch
+	}
+	s := serve(t, metrics.Options{}, mgr)
+	for range 10 {
+		s.scrape(t)
+	}
+	if got := mgr.statsCalls.Load(); got != 10 {
+		t.Errorf("LatestStats called %d times in 10 scrapes, want 10", got)
+	}
+	if watched.Load() {
+		t.Error("a scrape subscribed to WatchStats")
+	}
+}
+
+// A manager without LatestStats exports no device stats (a scrape must never cost a
+// plugin call) but everything else.
+func TestManagerWithoutLatestStats(t *testing.T) {
+	snap := gpuSnapshot()
+	mgr := &devicetest.Fake{}
+	mgr.InventoryFunc = func() device.Inventory { return snap.Inventory }
+	mgr.StateFunc = func() device.State { return snap.State }
+	s := serve(t, metrics.Options{}, mgr)
+	f := s.scrape(t)
+	if got := f.names("DCGM_"); len(got) != 0 {
+		t.Errorf("stats exported without LatestStats: %v", got)
+	}
+	if n := len(f.series("devicehost_device_healthy", nil)); n != 3 {
+		t.Errorf("devicehost_device_healthy has %d series, want 3", n)
+	}
+}

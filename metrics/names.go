@@ -1,0 +1,188 @@
+package metrics
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// statPrefix starts the name of every device stat that has no dcgm-exporter name.
+const statPrefix = "devicehost_device_"
+
+// maxStatNameLen bounds, in bytes, the part of a metric name made from a stat's name.
+const maxStatNameLen = 128
+
+// statHelp is the help of every devicehost_device_<stat> family. It depends on nothing
+// a plugin sends, so two plugins' stats of one name can never disagree about it.
+const statHelp = "A device statistic as its plugin reports it, converted to the Prometheus base unit its name ends with (none: as reported). See the devicehost README, Metrics."
+
+// dimension is a unit's kind, and the suffix Prometheus' conventions give a metric in
+// that kind's base unit.
+type dimension string
+
+// Dimensions of the units validate accepts. dimNone is a plain number (no unit, or a
+// count); its metrics get no suffix.
+const (
+	dimNone        dimension = ""
+	dimRatio       dimension = "_ratio"
+	dimBytes       dimension = "_bytes"
+	dimBytesPerSec dimension = "_bytes_per_second"
+	dimHertz       dimension = "_hertz"
+	dimWatts       dimension = "_watts"
+	dimVolts       dimension = "_volts"
+	dimCelsius     dimension = "_celsius"
+	dimSeconds     dimension = "_seconds"
+	dimRPM         dimension = "_rpm" // no base unit in the conventions; node_exporter's choice
+)
+
+// unit is a plugin unit: its dimension and what one of it is in the base unit.
+type unit struct {
+	dim    dimension
+	factor float64
+}
+
+// units are validate's known units (validate.KnownUnits), each with the base unit it
+// converts to. A unit not listed (a manager that does not validate) is dropped.
+var units = map[string]unit{
+	"": {dimNone, 1}, "count": {dimNone, 1},
+	"%": {dimRatio, 0.01},
+	"B": {dimBytes, 1}, "KiB": {dimBytes, 1 << 10}, "MiB": {dimBytes, 1 << 20}, "GiB": {dimBytes, 1 << 30}, "TiB": {dimBytes, 1 << 40},
+	"KB": {dimBytes, 1e3}, "MB": {dimBytes, 1e6}, "GB": {dimBytes, 1e9},
+	"MB/s": {dimBytesPerSec, 1e6}, "GB/s": {dimBytesPerSec, 1e9},
+	"MHz": {dimHertz, 1e6}, "GHz": {dimHertz, 1e9},
+	"W": {dimWatts, 1}, "mW": {dimWatts, 1e-3},
+	"V": {dimVolts, 1}, "mV": {dimVolts, 1e-3},
+	"C":  {dimCelsius, 1},
+	"ns": {dimSeconds, 1e-9}, "us": {dimSeconds, 1e-6}, "ms": {dimSeconds, 1e-3}, "s": {dimSeconds, 1},
+	"rpm": {dimRPM, 1},
+}
+
+// convert returns v (in unit from) in unit to, when both are known units of one
+// dimension.
+func convert(v float64, from, to string) (float64, bool) {
+	f, ok1 := units[from]
+	t, ok2 := units[to]
+	if !ok1 || !ok2 || f.dim != t.dim {
+		return 0, false
+	}
+	if f.factor == t.factor {
+		return v, true
+	}
+	return v * f.factor / t.factor, true
+}
+
+// sanitize reduces a plugin's stat name to Prometheus' name charset, snake case: ASCII
+// letters (lowered) and digits are kept, every run of anything else becomes one "_",
+// and leading and trailing "_" go; the result is cut to maxStatNameLen bytes. It may be
+// empty (a name with no letter or digit).
+func sanitize(name string) string {
+	var b strings.Builder
+	gap := false
+	for i := 0; i < len(name); i++ {
+		c := name[i] // bytes: anything not ASCII is a gap
+		switch {
+		case c >= 'a' && c <= 'z', c >= '0' && c <= '9':
+		case c >= 'A' && c <= 'Z':
+			c += 'a' - 'A'
+		default:
+			gap = true
+			continue
+		}
+		need := 1
+		if gap && b.Len() > 0 {
+			need = 2
+		}
+		if b.Len()+need > maxStatNameLen {
+			break
+		}
+		if need == 2 {
+			b.WriteByte('_')
+		}
+		gap = false
+		b.WriteByte(c)
+	}
+	return b.String()
+}
+
+// statName is the metric name of a stat in unit u: devicehost_device_<stat> plus the
+// dimension's suffix unless the stat's name already ends with it. Empty when the stat's
+// name has nothing usable.
+func statName(stat string, u unit) string {
+	s := sanitize(stat)
+	if s == "" {
+		return ""
+	}
+	if suffix := string(u.dim); suffix != "" && !strings.HasSuffix("_"+s, suffix) {
+		s += suffix
+	}
+	return statPrefix + s
+}
+
+// number returns a stat's value as a float: ints, floats and bools (0 or 1). Strings,
+// and unset values, have none.
+func number(v device.Value) (float64, bool) {
+	switch v.Kind {
+	case device.KindInt:
+		return float64(v.Int), true
+	case device.KindFloat:
+		return v.Float, true
+	case device.KindBool:
+		if v.Bool {
+			return 1, true
+		}
+		return 0, true
+	default:
+		return 0, false
+	}
+}
+
+// dcgmField is the dcgm-exporter series a stat of the nvidia-example plugin becomes.
+type dcgmField struct {
+	name string
+	typ  prometheus.ValueType
+	unit string // dcgm-exporter's unit, in devicehost's unit names
+	help string
+}
+
+// dcgmLabels are dcgm-exporter's labels, in its order.
+var dcgmLabels = []string{"gpu", "UUID", "device", "modelName", "pci_bus_id", "Hostname"}
+
+// dcgmIndexStat is the nvidia-example stat that numbers a GPU (dcgm-exporter's gpu label,
+// and device="nvidia<gpu>"). It becomes a label, not a series.
+const dcgmIndexStat = "index"
+
+// dcgmFields maps the nvidia-example plugin's stats to dcgm-exporter's fields
+// (default-counters.csv, plus FB_TOTAL and the volatile ECC totals), with the unit
+// dcgm-exporter reports each in. Stats of an NVIDIA GPU not listed here are exported
+// as devicehost_device_<stat>.
+var dcgmFields = map[string]dcgmField{
+	"gpu_utilization":        {"DCGM_FI_DEV_GPU_UTIL", prometheus.GaugeValue, "%", "Share of time the GPU was busy, in %."},
+	"memory_utilization":     {"DCGM_FI_DEV_MEM_COPY_UTIL", prometheus.GaugeValue, "%", "Share of time the GPU memory was read or written, in %."},
+	"memory_used":            {"DCGM_FI_DEV_FB_USED", prometheus.GaugeValue, "MiB", "Framebuffer memory in use, in MiB."},
+	"memory_free":            {"DCGM_FI_DEV_FB_FREE", prometheus.GaugeValue, "MiB", "Framebuffer memory free, in MiB."},
+	"memory_total":           {"DCGM_FI_DEV_FB_TOTAL", prometheus.GaugeValue, "MiB", "Framebuffer memory in all, in MiB."},
+	"temperature":            {"DCGM_FI_DEV_GPU_TEMP", prometheus.GaugeValue, "C", "GPU temperature, in degrees Celsius."},
+	"power":                  {"DCGM_FI_DEV_POWER_USAGE", prometheus.GaugeValue, "W", "Power the GPU draws, in W."},
+	"sm_clock":               {"DCGM_FI_DEV_SM_CLOCK", prometheus.GaugeValue, "MHz", "Current SM clock, in MHz."},
+	"memory_clock":           {"DCGM_FI_DEV_MEM_CLOCK", prometheus.GaugeValue, "MHz", "Current memory clock, in MHz."},
+	"last_xid":               {"DCGM_FI_DEV_XID_ERRORS", prometheus.GaugeValue, "", "Number of the last XID error the GPU raised; 0 when none."},
+	"ecc_errors_corrected":   {"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", prometheus.CounterValue, "count", "Corrected (single-bit) ECC errors since the driver loaded."},
+	"ecc_errors_uncorrected": {"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", prometheus.CounterValue, "count", "Uncorrected (double-bit) ECC errors since the driver loaded."},
+}
+
+// isDCGMGroup says whether a group's stats get dcgm-exporter's names: NVIDIA GPUs, as
+// the nvidia-example plugin reports them.
+func isDCGMGroup(k device.GroupKey) bool { return k.Vendor == "nvidia" && k.Type == "gpu" }
+
+// dcgmBusID writes a PCI bus ID the way DCGM (and NVML) do, with a 32-bit domain in
+// upper case: "0000:1b:00.0" becomes "00000000:1B:00.0". Anything else is kept.
+func dcgmBusID(id string) string {
+	var domain, bus, dev, fn uint64
+	if _, err := fmt.Sscanf(id, "%x:%x:%x.%x", &domain, &bus, &dev, &fn); err != nil {
+		return id
+	}
+	return fmt.Sprintf("%08X:%02X:%02X.%X", domain, bus, dev, fn)
+}
