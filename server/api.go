@@ -31,14 +31,14 @@ func (s *Server) Fingerprint(req *pb.FingerprintRequest, stream grpc.ServerStrea
 		return err
 	}
 	defer release()
-	f, sb, cur, _, ok := s.fingerprints.join("", s.mgr.Watch, connID(ctx), filter.key(), func(snap device.Snapshot) *frame {
+	f, sb, cur, _, ok := s.fingerprints.join("", s.mgr.Watch, stream, connID(ctx), filter.key(), func(snap device.Snapshot) *frame {
 		return encodeFrame(snapshotToProto(snap, filter))
 	})
 	if !ok {
 		return errServerShutdown
 	}
 	defer f.leave(sb)
-	return s.serveStream(ctx, stream, sb, cur, cur)
+	return s.serveStream(ctx, sb, cur, cur)
 }
 
 // Stats sends the stats of the groups the request selects at the requested interval.
@@ -61,7 +61,7 @@ func (s *Server) Stats(req *pb.StatsRequest, stream grpc.ServerStreamingServer[p
 	defer release()
 	encode := func(snap device.StatsSnapshot) *frame { return encodeFrame(statsToProto(snap, filter)) }
 	watch := func(ctx context.Context) <-chan device.StatsSnapshot { return s.mgr.WatchStats(ctx, interval) }
-	f, sb, cur, hadValue, ok := s.stats.join(interval.String(), watch, connID(ctx), filter.key(), encode)
+	f, sb, cur, hadValue, ok := s.stats.join(interval.String(), watch, stream, connID(ctx), filter.key(), encode)
 	if !ok {
 		return errServerShutdown
 	}
@@ -74,7 +74,7 @@ func (s *Server) Stats(req *pb.StatsRequest, stream grpc.ServerStreamingServer[p
 			return err
 		}
 	}
-	return s.serveStream(ctx, stream, sb, first, cur)
+	return s.serveStream(ctx, sb, first, cur)
 }
 
 // statsInterval checks a Stats request's interval.
@@ -112,45 +112,22 @@ func (s *Server) freshStats(ctx context.Context, watch func(context.Context) <-c
 	}
 }
 
-// serveStream sends first (unless nil), then its group's latest frame each time the feed
-// wakes sb, skipping a frame already sent (seen: the group's frame when the stream
-// joined), until the stream fails, its context ends, the feed's Manager watch closes or
-// the server shuts down.
-func (s *Server) serveStream(ctx context.Context, stream grpc.ServerStream, sb *sub, first, seen *frame) error {
-	last := seen
-	send := func(fr *frame) error {
-		if fr.err != nil {
-			return fr.err
-		}
-		sb.busy.Store(true)
-		defer sb.busy.Store(false)
-		return stream.SendMsg(fr)
-	}
-	if first != nil {
-		if err := send(first); err != nil {
-			return err
-		}
-	}
-	ctxDone := ctx.Done() // a stream's context is deep: Done walks it on every call
-	for {
-		select {
-		case <-s.quit:
-			return errServerShutdown
-		case <-ctxDone:
-			return status.FromContextError(ctx.Err()).Err()
-		case <-sb.gone:
-			return streamClosed(ctx)
-		case b := <-sb.wake:
-			var err error
-			if fr := sb.cur.Load(); fr != nil && fr != last {
-				last = fr
-				err = send(fr)
-			}
-			b.done()
-			if err != nil {
-				return err
-			}
-		}
+// serveStream sends first (unless nil), and hands the stream to its feed's rounds, which
+// send its group's newest frame on every change, skipping a frame already sent (seen: the
+// group's frame when the stream joined). It returns when a send fails, the stream's
+// context ends, the feed's Manager watch closes or the server shuts down; the caller's
+// leave then waits for a send in progress.
+func (s *Server) serveStream(ctx context.Context, sb *sub, first, seen *frame) error {
+	sb.start(first, seen)
+	select {
+	case <-sb.failed:
+		return sb.failure()
+	case <-s.quit:
+		return errServerShutdown
+	case <-ctx.Done():
+		return status.FromContextError(ctx.Err()).Err()
+	case <-sb.gone:
+		return streamClosed(ctx)
 	}
 }
 

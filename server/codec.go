@@ -33,7 +33,15 @@ import (
 // frame is a message marshalled once, shared read-only by every stream that sends it.
 type frame struct {
 	data []byte // the encoded message; never written after the frame is made
-	err  error  // marshalling failed: the status to end the streams with
+	// wire is data as grpc-go takes it from the codec, made once rather than on every
+	// send. A SliceBuffer is never pooled: grpc-go's Ref and Free leave it alone.
+	wire mem.BufferSlice
+	err  error // marshalling failed: the status to end the streams with
+}
+
+// newFrame makes the frame of encoded message data.
+func newFrame(data []byte) *frame {
+	return &frame{data: data, wire: mem.BufferSlice{mem.SliceBuffer(data)}}
 }
 
 // encodeFrame marshals m into a frame.
@@ -42,7 +50,7 @@ func encodeFrame(m proto.Message) *frame {
 	if err != nil {
 		return &frame{err: status.Errorf(codes.Internal, "encode %s: %v", m.ProtoReflect().Descriptor().Name(), err)}
 	}
-	return &frame{data: data}
+	return newFrame(data)
 }
 
 // pendingDecode is what strict handlers ask the codec to decode into: msg is the request
@@ -67,11 +75,10 @@ func newWireCodec() wireCodec {
 // Name implements encoding.CodecV2.
 func (wireCodec) Name() string { return grpcproto.Name }
 
-// Marshal implements encoding.CodecV2. A frame's bytes are sent as they are: a
-// SliceBuffer is never pooled, so grpc-go's Free leaves them alone.
+// Marshal implements encoding.CodecV2. A frame's bytes are sent as they are.
 func (c wireCodec) Marshal(v any) (mem.BufferSlice, error) {
 	if f, ok := v.(*frame); ok {
-		return mem.BufferSlice{mem.SliceBuffer(f.data)}, nil
+		return f.wire, nil
 	}
 	return c.proto.Marshal(v)
 }

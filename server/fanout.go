@@ -13,36 +13,55 @@ import (
 //
 // All the streams of one kind (Fingerprint; Stats at one interval) share one feed: one
 // Manager subscription, whose values the feed's goroutine encodes once per distinct
-// filter (a group), and then hands to the streams in rounds. A stream's own goroutine
-// sends, so a client that does not read blocks only its own stream; but the feed wakes
-// fanoutSenders streams at a time (a batch) and waits for them before the next batch,
-// so that a change going to 10,000 streams does not make 10,000 goroutines runnable at
-// once and starve every unary call behind them. A stream still sending an earlier value
-// when a round reaches it is not waited for: it takes the newest value when it is done
-// (latest-value delivery: a slow reader skips to the newest snapshot, never a backlog).
-// Nor is one whose Send blocks: a batch not done after stuckAfter is left to finish on
-// its own, and the round goes on.
+// filter (a group), and then sends to every stream in a round. A round's sends are made
+// by fanoutWorkers goroutines of its own, each taking fanoutChunk streams at a time in
+// the order of their connections (so that grpc-go writes a connection's messages out
+// together) and calling their SendMsg in turn. Waking each stream's own goroutine to
+// send would cost a goroutine switch per stream and message, more than the send itself;
+// and with at most fanoutWorkers sends running at once, a change going to 10,000 streams
+// never makes 10,000 goroutines runnable and starves the unary calls behind them.
+//
+// One goroutine at a time sends on a stream: the stream's handler sends its first
+// message, then the rounds' workers. A round that reaches a stream still sending an
+// earlier value skips it, and the goroutine sending it sends the newest frame when it is
+// done (latest-value delivery: a slow reader skips to the newest snapshot, never a
+// backlog). A send can block: grpc-go's SendMsg waits once a stream holds 64 KiB its
+// client has not taken (a client that does not read). A worker that has made no progress
+// for stuckAfter is left to its send, another takes over the rest of its streams, and it
+// ends when its send does (the client reads, or the stream ends). So a stream whose
+// client never reads holds one goroutine besides its handler, and blocks no one.
 //
 // Changes that arrive during a round are coalesced: the next round sends the newest.
 // And rounds are paced: under a sustained stream of changes (a Reserve and a Release
-// each change the holders), a feed spends at most fanoutShare of the time in rounds, so
-// that 10,000 streams cannot take the CPU that Reserve needs. fanoutBurst of round time
-// is allowed at once, so that a change after a quiet spell goes out at once.
+// each change the holders), a feed's rounds take at most fanoutShare of the time, so
+// that 10,000 streams cannot take the CPU that Reserve needs. A round counts as its wall
+// time, and at least fanoutMessageCost per message sent: the workers' sends are only
+// part of what a message costs (grpc-go's writers send it out after them, and its
+// reader, usually on the same node, decodes it), so a cheap round still paces by the
+// messages it makes. fanoutBurst of round time is allowed at once, so that a change
+// after a quiet spell goes out at once.
 
 const (
-	// fanoutSenders is how many streams of one feed a round wakes at once (a batch).
-	fanoutSenders = 16
-	// stuckAfter is how long a round waits for a batch before it goes on without the
-	// streams that have not sent yet.
+	// fanoutWorkers is how many goroutines send a round, at most.
+	fanoutWorkers = 2
+	// fanoutChunk is how many streams (in connection order) a worker takes at once.
+	fanoutChunk = 16
+	// stuckAfter is how long a worker may go without starting another send before the
+	// round leaves it to its send and goes on without it.
 	stuckAfter = 5 * time.Millisecond
-	// fanoutShare is the share of wall time a feed may spend in rounds over time.
+	// fanoutShare is the share of the time a feed's rounds may take, over time.
 	fanoutShare = 0.25
+	// fanoutMessageCost is the least a round is charged per message it sent (see
+	// above): about the wall time a message took a round when each stream's goroutine
+	// sent its own, which fanoutShare was set for, so that under a sustained stream of
+	// changes as many messages go out per second as then (hostbench's Reserve row).
+	fanoutMessageCost = 4 * time.Microsecond
 	// fanoutBurst is how much round time a feed may spend at once.
 	fanoutBurst = 200 * time.Millisecond
 )
 
 // pacer is a token bucket of round time: it fills at fanoutShare per second of wall
-// time, up to fanoutBurst, and each round takes its duration out. Used by one goroutine.
+// time, up to fanoutBurst, and each round takes its cost out. Used by one goroutine.
 type pacer struct {
 	tokens time.Duration
 	at     time.Time // when tokens was last filled
@@ -60,7 +79,7 @@ func (p *pacer) delay(now time.Time) time.Duration {
 	return time.Duration(float64(-p.tokens) / fanoutShare)
 }
 
-// spend takes a round's duration out.
+// spend takes a round's cost out.
 func (p *pacer) spend(d time.Duration) { p.tokens -= d }
 
 // feeds is the server's open feeds of one kind, by key. Safe for concurrent use.
@@ -100,31 +119,43 @@ type group[T any] struct {
 	subs   map[*sub]struct{}
 }
 
-// sub is one stream of a feed.
+// sender sends a stream's messages: its grpc.ServerStream.
+type sender interface {
+	SendMsg(m any) error
+}
+
+// sub is one stream of a feed. One goroutine at a time holds it to send (see the top of
+// this file): its handler from join until start returns, then a round's worker that
+// claims it.
 type sub struct {
 	filter string
 	// conn is its connection, so that a round sends to one connection's streams in a row.
-	conn uint64
-	cur  *atomic.Pointer[frame] // its group's latest frame
-	gone <-chan struct{}        // its feed's gone
-	// wake gets the batch of a round that woke the stream (nil: no round waits for it),
-	// replacing one not taken yet. Only the feed's goroutine sends on it, holding mu.
-	wake chan *batch
-	busy atomic.Bool // in Send
+	conn   uint64
+	cur    *atomic.Pointer[frame] // its group's latest frame
+	gone   <-chan struct{}        // its feed's gone
+	stream sender
+	failed chan struct{} // closed when a send failed; err says why
 
-	mu   sync.Mutex
-	left bool
+	mu      sync.Mutex
+	sending bool // a goroutine holds the stream to send
+	handler bool // the one holding it is the handler, which has not started it
+	left    bool // the handler has left: no more sends
+	err     error
+	idle    chan struct{} // closed when sending ends, for a handler that waits to leave
+
+	last *frame // the frame sent last; used by the goroutine holding the stream
 }
 
-// join adds a stream of connection conn (see connID) with filter key filter (encoded by
-// encode) to the feed named key, subscribing to the Manager with subscribe when that
-// feed is not open. It returns the stream's sub, the frame its group holds now (nil when
-// the feed has no value yet) and whether the feed had a value before this call. A false ok means the server is shutting
-// down. The caller must call leave(sub) when the stream ends.
+// join adds stream, of connection conn (see connID) with filter key filter (encoded by
+// encode), to the feed named key, subscribing to the Manager with subscribe when that
+// feed is not open. It returns the stream's sub, held by the caller until it calls
+// start, the frame its group holds now (nil when the feed has no value yet) and whether
+// the feed had a value before this call. A false ok means the server is shutting down.
+// The caller must call leave(sub) when the stream ends.
 //
 // subscribe runs on the caller's goroutine, so that a Manager that panics is caught by
 // the handler's recovery like any other panic.
-func (fs *feeds[T]) join(key string, subscribe func(context.Context) <-chan T, conn uint64, filter string, encode func(T) *frame) (f *feed[T], s *sub, cur *frame, hadValue, ok bool) {
+func (fs *feeds[T]) join(key string, subscribe func(context.Context) <-chan T, stream sender, conn uint64, filter string, encode func(T) *frame) (f *feed[T], s *sub, cur *frame, hadValue, ok bool) {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	if fs.closed {
@@ -160,13 +191,18 @@ func (fs *feeds[T]) join(key string, subscribe func(context.Context) <-chan T, c
 		}
 		f.groups[filter] = g
 	}
-	s = &sub{filter: filter, conn: conn, cur: &g.cur, gone: f.gone, wake: make(chan *batch, 1)}
+	s = &sub{
+		filter: filter, conn: conn, cur: &g.cur, gone: f.gone, stream: stream, failed: make(chan struct{}),
+		sending: true, handler: true,
+	}
 	g.subs[s] = struct{}{}
 	f.order = nil
 	return f, s, g.cur.Load(), f.have, true
 }
 
-// leave removes s from f; the last stream to leave ends the subscription.
+// leave removes s from f, once a send in progress on it has ended; the last stream to
+// leave ends the subscription. Called by the stream's handler, which must not use the
+// stream after.
 func (f *feed[T]) leave(s *sub) {
 	s.leave()
 	fs := f.set
@@ -241,13 +277,14 @@ func (f *feed[T]) run(ctx context.Context, ch <-chan T) {
 			return
 		}
 		start := time.Now()
-		f.publish(ctx, v)
-		pace.spend(time.Since(start))
+		sent := f.publish(ctx, v)
+		pace.spend(max(time.Since(start), time.Duration(sent)*fanoutMessageCost))
 	}
 }
 
-// publish encodes v once per group and sends it to every stream in one round.
-func (f *feed[T]) publish(ctx context.Context, v T) {
+// publish encodes v once per group and sends it to every stream in one round. It
+// returns how many messages the round sent.
+func (f *feed[T]) publish(ctx context.Context, v T) (sent int64) {
 	f.mu.Lock()
 	f.latest, f.have = v, true
 	groups := make([]*group[T], 0, len(f.groups))
@@ -275,91 +312,230 @@ func (f *feed[T]) publish(ctx context.Context, v T) {
 	}
 	subs := f.order // never modified: a change makes a new one
 	f.mu.Unlock()
-	f.round(ctx, subs)
+	return f.round(ctx, subs)
 }
 
-// batch is the streams of a round woken together. Each answers once (done) when it
-// has sent; the last answer closes all.
-type batch struct {
-	left atomic.Int32
-	all  chan struct{}
-}
-
-// done answers for one stream of b (nil: a wake no round waits for).
-func (b *batch) done() {
-	if b != nil && b.left.Add(-1) == 0 {
-		close(b.all)
+// start sends first (unless nil), then the group's newest frame unless it is seen (the
+// group's frame when the stream joined), and gives the stream over to the rounds.
+// Called once by the stream's handler, which holds it since join. A failed send closes
+// s.failed.
+func (s *sub) start(first, seen *frame) {
+	if first != nil && !s.send(first) {
+		return
 	}
+	s.last = seen
+	s.flush()
 }
 
-// round wakes every stream in subs to send its group's latest frame, fanoutSenders at a
-// time, as described at the top of this file. It returns when every batch it waited for
-// is done (or given up on), or ctx ends, or the server quits.
-func (f *feed[T]) round(ctx context.Context, subs []*sub) {
-	timer := time.NewTimer(stuckAfter)
-	defer timer.Stop()
-	ctxDone := ctx.Done()
-	next := make([]*sub, 0, fanoutSenders)
-	for len(subs) > 0 {
-		next = next[:0]
-		for len(subs) > 0 && len(next) < fanoutSenders {
-			s := subs[0]
-			subs = subs[1:]
-			if s.busy.Load() {
-				s.signal(nil) // still sending an earlier value: it takes this one after
-				continue
-			}
-			next = append(next, s)
-		}
-		if len(next) == 0 {
-			continue
-		}
-		b := &batch{all: make(chan struct{})}
-		b.left.Store(int32(len(next)))
-		for _, s := range next {
-			if !s.signal(b) {
-				b.done() // it left
-			}
-		}
-		timer.Reset(stuckAfter)
-		select {
-		case <-b.all:
-		case <-timer.C:
-			// The batch did not finish within stuckAfter: some of its streams are
-			// blocked (a client that does not read) or starved. Go on without them;
-			// they take the newest frame when they get to it.
-		case <-ctxDone:
-			return
-		case <-f.set.quit:
-			return
-		}
-	}
-}
-
-// signal wakes the stream, replacing a wake it has not taken yet; b (when not nil) is
-// answered once the stream has sent. It returns false when the stream has left.
-func (s *sub) signal(b *batch) bool {
+// claim takes s to send, unless another goroutine holds it (it sends the newest frame
+// when it is done), the handler has left or a send failed.
+func (s *sub) claim() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.left {
+	if s.sending || s.left || s.err != nil {
 		return false
 	}
-	select {
-	case <-s.wake: // a wake of an earlier batch, which no longer waits for it
-	default:
-	}
-	s.wake <- b // the buffer is empty and only signal sends: never blocks
+	s.sending = true
 	return true
 }
 
-// leave marks the stream gone, answering a wake it did not take.
-func (s *sub) leave() {
+// flush sends the group's newest frame until the last one sent is the newest, and gives
+// s up. Called by the goroutine holding s. It returns how many messages it sent.
+func (s *sub) flush() (sent int64) {
+	for {
+		if fr := s.cur.Load(); fr != nil && fr != s.last {
+			s.last = fr
+			sent++
+			if !s.send(fr) {
+				return sent
+			}
+		}
+		s.mu.Lock()
+		// A round that stored a newer frame before this lock skipped s, as it was held.
+		if fr := s.cur.Load(); fr != nil && fr != s.last && !s.left {
+			s.mu.Unlock()
+			continue
+		}
+		s.release()
+		s.mu.Unlock()
+		return sent
+	}
+}
+
+// send sends fr on the stream. When that fails it records why, gives s up and returns
+// false.
+func (s *sub) send(fr *frame) bool {
+	err := fr.err
+	if err == nil {
+		err = s.stream.SendMsg(fr)
+	}
+	if err == nil {
+		return true
+	}
+	s.mu.Lock()
+	s.err = err
+	close(s.failed)
+	s.release()
+	s.mu.Unlock()
+	return false
+}
+
+// release gives s up. s.mu must be held.
+func (s *sub) release() {
+	s.sending, s.handler = false, false
+	if s.idle != nil {
+		close(s.idle)
+		s.idle = nil
+	}
+}
+
+// failure is why a send failed, once s.failed is closed.
+func (s *sub) failure() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	return s.err
+}
+
+// leave marks the stream gone, so that no round sends on it any more, and waits for a
+// send in progress to end. Called by the handler.
+func (s *sub) leave() {
+	s.mu.Lock()
 	s.left = true
-	select {
-	case b := <-s.wake:
-		b.done()
-	default:
+	if s.handler { // it leaves without having started s, which it holds
+		s.release()
 	}
+	var idle chan struct{}
+	if s.sending {
+		if s.idle == nil {
+			s.idle = make(chan struct{})
+		}
+		idle = s.idle
+	}
+	s.mu.Unlock()
+	if idle != nil {
+		<-idle
+	}
+}
+
+// round is one value's sends to the streams of a feed.
+type round struct {
+	subs   []*sub
+	next   atomic.Int64  // where the next chunk starts
+	sent   atomic.Int64  // messages sent by its workers (not counting those left stuck)
+	stop   atomic.Bool   // the feed ended: claim no more
+	active atomic.Int32  // workers neither done nor left to a stuck send
+	done   chan struct{} // closed by the last active worker
+}
+
+// worker is one goroutine sending a round. Its mutex orders its taking of streams
+// against the round's giving its rest to another worker (see stuck).
+type worker struct {
+	r *round
+
+	mu        sync.Mutex
+	pos, end  int    // its chunk: r.subs[pos:end] are still to send
+	taken     uint64 // streams taken so far
+	left      bool   // left to a stuck send; its rest went to another worker
+	done      bool   // ended
+	seenTaken uint64 // taken at the round's last look (the round's goroutine only)
+}
+
+// round sends the group's latest frame to every stream in subs, with the workers
+// described at the top of this file. It returns when every stream has been taken and
+// every worker not left to a stuck send is done, or ctx ends, or the server quits, with
+// how many messages were sent by then.
+func (f *feed[T]) round(ctx context.Context, subs []*sub) (sent int64) {
+	r := &round{subs: subs, done: make(chan struct{})}
+	n := min(fanoutWorkers, (len(subs)+fanoutChunk-1)/fanoutChunk)
+	if n == 0 {
+		return 0
+	}
+	r.active.Store(int32(n))
+	workers := make([]*worker, n)
+	for i := range workers {
+		workers[i] = &worker{r: r}
+		f.set.wg.Add(1)
+		go workers[i].run(&f.set.wg)
+	}
+	ticker := time.NewTicker(stuckAfter)
+	defer ticker.Stop()
+	for {
+		select {
+		case <-r.done:
+			return r.sent.Load()
+		case <-ctx.Done():
+			r.stop.Store(true)
+			return r.sent.Load()
+		case <-f.set.quit:
+			r.stop.Store(true)
+			return r.sent.Load()
+		case <-ticker.C:
+			for i, w := range workers {
+				if pos, end, stuck := w.stuck(); stuck {
+					// Left to its send; a new worker takes the rest of its chunk.
+					workers[i] = &worker{r: r, pos: pos, end: end}
+					f.set.wg.Add(1)
+					go workers[i].run(&f.set.wg)
+				}
+			}
+		}
+	}
+}
+
+// stuck reports whether w has taken no stream since the round last looked while not
+// done; if so it leaves w to its send and returns the rest of its chunk.
+func (w *worker) stuck() (pos, end int, stuck bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.done || w.left || w.taken != w.seenTaken {
+		w.seenTaken = w.taken
+		return 0, 0, false
+	}
+	w.left = true
+	pos, end = w.pos, w.end
+	w.pos = w.end
+	return pos, end, true
+}
+
+// run sends to the streams it takes until none is left, or it is left to a stuck send.
+func (w *worker) run(wg *sync.WaitGroup) {
+	defer wg.Done()
+	for {
+		s := w.take()
+		if s == nil {
+			break
+		}
+		if s.claim() {
+			w.r.sent.Add(s.flush())
+		}
+	}
+	w.mu.Lock()
+	left := w.left
+	w.done = true
+	w.mu.Unlock()
+	if !left && w.r.active.Add(-1) == 0 {
+		close(w.r.done)
+	}
+}
+
+// take returns the next stream of w's chunk, taking a new chunk when it is used up; nil
+// when the round has none left, it stopped, or w was left to a stuck send.
+func (w *worker) take() *sub {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	r := w.r
+	if w.left || r.stop.Load() {
+		return nil
+	}
+	if w.pos >= w.end {
+		start := int(r.next.Add(fanoutChunk)) - fanoutChunk
+		if start >= len(r.subs) {
+			return nil
+		}
+		w.pos, w.end = start, min(start+fanoutChunk, len(r.subs))
+	}
+	s := r.subs[w.pos]
+	w.pos++
+	w.taken++
+	return s
 }

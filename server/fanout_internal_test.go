@@ -2,6 +2,8 @@ package server
 
 import (
 	"context"
+	"errors"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -43,49 +45,54 @@ type countingEncoder struct{ calls atomic.Int32 }
 
 func (e *countingEncoder) encode(v int) *frame {
 	e.calls.Add(1)
-	return &frame{data: []byte{byte(v)}}
+	return newFrame([]byte{byte(v)})
 }
 
-// reader plays a stream: on each wake it takes its group's frame and answers the round;
-// the values it saw arrive on got.
-type reader struct {
-	f   *feed[int]
-	sub *sub
-	got chan int
+// fakeStream is a stream's sender: it records the values sent on got, in order. While
+// gate is open (not nil and not closed), each send first waits for it to close. It
+// notes sends that overlap, which grpc-go does not allow on one stream.
+type fakeStream struct {
+	got      chan int
+	gate     chan struct{}
+	openGate sync.Once
+	entered  chan struct{} // gets a value when a send starts, if not nil
+	err      error         // what every send returns
+	inSend   atomic.Int32
+	overlap  atomic.Bool
 }
 
-func (tf *testFeeds) join(t *testing.T, ctx context.Context, wg *sync.WaitGroup, filter string, enc *countingEncoder) *reader {
-	t.Helper()
-	f, s, _, _, ok := tf.fs.join("", tf.subscribe, 0, filter, enc.encode)
-	if !ok {
-		t.Fatal("join refused")
+// open lets its sends through from now on.
+func (fs *fakeStream) open() { fs.openGate.Do(func() { close(fs.gate) }) }
+
+func newFakeStream(gated bool) *fakeStream {
+	fs := &fakeStream{got: make(chan int, 100)}
+	if gated {
+		fs.gate = make(chan struct{})
+		fs.entered = make(chan struct{}, 100)
 	}
-	r := &reader{f: f, sub: s, got: make(chan int, 100)}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		defer f.leave(s)
-		var last *frame
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case b := <-s.wake:
-				if fr := s.cur.Load(); fr != last {
-					last = fr
-					r.got <- int(fr.data[0])
-				}
-				b.done()
-			}
-		}
-	}()
-	return r
+	return fs
 }
 
-func (r *reader) want(t *testing.T, ctx context.Context, v int) {
+func (fs *fakeStream) SendMsg(m any) error {
+	if fs.inSend.Add(1) > 1 {
+		fs.overlap.Store(true)
+	}
+	defer fs.inSend.Add(-1)
+	if fs.entered != nil {
+		fs.entered <- struct{}{}
+	}
+	if fs.gate != nil {
+		<-fs.gate
+	}
+	fs.got <- int(m.(*frame).data[0])
+	return fs.err
+}
+
+// want receives the next value the stream sent and checks it is v.
+func (fs *fakeStream) want(t *testing.T, ctx context.Context, v int) {
 	t.Helper()
 	select {
-	case got := <-r.got:
+	case got := <-fs.got:
 		if got != v {
 			t.Errorf("stream got %d, want %d", got, v)
 		}
@@ -94,26 +101,39 @@ func (r *reader) want(t *testing.T, ctx context.Context, v int) {
 	}
 }
 
+// open joins stream to the feed with filter, as a handler does, and starts it (which
+// sends the group's current frame, if any). The test must call leave.
+func (tf *testFeeds) open(t *testing.T, filter string, enc *countingEncoder, stream *fakeStream) (*feed[int], *sub) {
+	t.Helper()
+	f, s, cur, _, ok := tf.fs.join("", tf.subscribe, stream, 0, filter, enc.encode)
+	if !ok {
+		t.Fatal("join refused")
+	}
+	s.start(cur, cur)
+	return f, s
+}
+
 func TestFeedEncodesOncePerFilterAndChange(t *testing.T) {
 	tf := newTestFeeds(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	defer cancel()
 
 	var encA, encB countingEncoder
-	var readers []*reader
-	for range 3 {
-		readers = append(readers, tf.join(t, ctx, &wg, "a", &encA))
-	}
-	for range 2 {
-		readers = append(readers, tf.join(t, ctx, &wg, "b", &encB))
+	var streams []*fakeStream
+	for i := range 5 {
+		enc, filter := &encA, "a"
+		if i >= 3 {
+			enc, filter = &encB, "b"
+		}
+		st := newFakeStream(false)
+		f, s := tf.open(t, filter, enc, st)
+		defer f.leave(s)
+		streams = append(streams, st)
 	}
 	for v := 1; v <= 3; v++ {
 		tf.send(t, ctx, v)
-		for _, r := range readers {
-			r.want(t, ctx, v)
+		for _, st := range streams {
+			st.want(t, ctx, v)
 		}
 	}
 	if got := encA.calls.Load(); got != 3 {
@@ -125,8 +145,10 @@ func TestFeedEncodesOncePerFilterAndChange(t *testing.T) {
 	// A new stream with a known filter takes the frame made already; one with a new
 	// filter encodes the latest value once.
 	var encC countingEncoder
-	_, _, curA, _, _ := tf.fs.join("", tf.subscribe, 0, "a", encA.encode)
-	_, _, curC, hadValue, _ := tf.fs.join("", tf.subscribe, 0, "c", encC.encode)
+	f, sa, curA, _, _ := tf.fs.join("", tf.subscribe, newFakeStream(false), 0, "a", encA.encode)
+	defer f.leave(sa)
+	f, sc, curC, hadValue, _ := tf.fs.join("", tf.subscribe, newFakeStream(false), 0, "c", encC.encode)
+	defer f.leave(sc)
 	if !hadValue || curA == nil || curA.data[0] != 3 || curC == nil || curC.data[0] != 3 {
 		t.Errorf("joining a feed with a value: hadValue %v, frames %v %v, want the latest (3)", hadValue, curA, curC)
 	}
@@ -135,46 +157,227 @@ func TestFeedEncodesOncePerFilterAndChange(t *testing.T) {
 	}
 }
 
-func TestFeedSkipsStuckAndBusyStreams(t *testing.T) {
+func TestFeedStreamsThatBlockDelayNoOne(t *testing.T) {
 	tf := newTestFeeds(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	defer cancel()
 
 	var enc countingEncoder
-	// Streams that never take a wake (their goroutine is stuck), more than the round's
-	// senders, and one that is busy sending all along.
-	for range fanoutSenders + 2 {
-		f, s, _, _, _ := tf.fs.join("", tf.subscribe, 0, "", enc.encode)
-		defer f.leave(s)
+	// More streams whose sends block (clients that do not read) than a round has
+	// workers, and one stream that takes every value.
+	var blocked []*fakeStream
+	for range 3 * fanoutWorkers {
+		st := newFakeStream(true)
+		f, s := tf.open(t, "", &enc, st)
+		defer f.leave(s) // after the gates open (deferred calls run last in, first out)
+		blocked = append(blocked, st)
 	}
-	f, busy, _, _, _ := tf.fs.join("", tf.subscribe, 0, "", enc.encode)
-	defer f.leave(busy)
-	busy.busy.Store(true)
-	r := tf.join(t, ctx, &wg, "", &enc)
-
-	for v := 1; v <= 20; v++ {
-		tf.send(t, ctx, v)
-		r.want(t, ctx, v)
-	}
-	// The busy stream is woken without being waited for, and when it is done it finds
-	// the newest frame, not a backlog.
-	busy.busy.Store(false)
-	select {
-	case b := <-busy.wake:
-		if b != nil {
-			t.Error("a busy stream's wake carries a round to answer")
+	defer func() {
+		for _, st := range blocked {
+			st.open()
 		}
+	}()
+	reader := newFakeStream(false)
+	f, s := tf.open(t, "", &enc, reader)
+	defer f.leave(s)
+
+	const changes = 20
+	for v := 1; v <= changes; v++ {
+		tf.send(t, ctx, v)
+		reader.want(t, ctx, v)
+	}
+	// Each blocked stream has one send in progress, the first value it was sent.
+	first := make([]int, len(blocked))
+	for i, st := range blocked {
+		select {
+		case <-st.entered:
+		case <-ctx.Done():
+			t.Fatalf("blocked stream %d was never sent to", i)
+		}
+		if n := st.inSend.Load(); n != 1 {
+			t.Errorf("blocked stream %d: %d sends in progress, want 1", i, n)
+		}
+	}
+	// Unblocked, each sends the value it was blocked on, then the newest: no backlog.
+	for i, st := range blocked {
+		st.open()
+		select {
+		case first[i] = <-st.got:
+		case <-ctx.Done():
+			t.Fatalf("blocked stream %d: no value after its gate opened", i)
+		}
+		if first[i] != changes {
+			st.want(t, ctx, changes)
+		}
+	}
+	// One more change reaches every stream, each exactly once and in one send at a
+	// time: nothing queued behind the unblocked sends.
+	tf.send(t, ctx, changes+1)
+	reader.want(t, ctx, changes+1)
+	for i, st := range blocked {
+		st.want(t, ctx, changes+1)
+		if st.overlap.Load() {
+			t.Errorf("blocked stream %d: sends overlapped", i)
+		}
+	}
+}
+func TestStreamSendsItsFirstMessageThenTheNewest(t *testing.T) {
+	tf := newTestFeeds(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var enc countingEncoder
+	reader := newFakeStream(false)
+	f, s := tf.open(t, "", &enc, reader)
+	defer f.leave(s)
+	tf.send(t, ctx, 1)
+	reader.want(t, ctx, 1)
+
+	// A stream joins and its handler's first send (of value 1) blocks; two changes go
+	// to the other stream meanwhile.
+	slow := newFakeStream(true)
+	f, ss, cur, _, _ := tf.fs.join("", tf.subscribe, slow, 0, "", enc.encode)
+	started := make(chan struct{})
+	go func() {
+		defer close(started)
+		ss.start(cur, cur)
+	}()
+	defer func() { slow.open(); <-started; f.leave(ss) }()
+	select {
+	case <-slow.entered:
+	case <-ctx.Done():
+		t.Fatal("the handler's first send never started")
+	}
+	for v := 2; v <= 3; v++ {
+		tf.send(t, ctx, v)
+		reader.want(t, ctx, v)
+	}
+	// The stream gets its first message, then the newest; not the one in between.
+	slow.open()
+	slow.want(t, ctx, 1)
+	slow.want(t, ctx, 3)
+	tf.send(t, ctx, 4)
+	reader.want(t, ctx, 4)
+	slow.want(t, ctx, 4)
+	if slow.overlap.Load() {
+		t.Error("the handler's send and a round's overlapped")
+	}
+}
+
+func TestStreamWithAFreshFirstMessageSkipsTheFrameItJoinedWith(t *testing.T) {
+	tf := newTestFeeds(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var enc countingEncoder
+	reader := newFakeStream(false)
+	f, s := tf.open(t, "", &enc, reader)
+	defer f.leave(s)
+	tf.send(t, ctx, 1)
+	reader.want(t, ctx, 1)
+
+	// As a Stats stream joining a feed with a value does: its first message is a fresh
+	// one (9), and the frame the group held when it joined (1) is not sent after it.
+	st := newFakeStream(false)
+	f, ss, cur, _, _ := tf.fs.join("", tf.subscribe, st, 0, "", enc.encode)
+	defer f.leave(ss)
+	ss.start(newFrame([]byte{9}), cur)
+	st.want(t, ctx, 9)
+	tf.send(t, ctx, 2)
+	reader.want(t, ctx, 2)
+	st.want(t, ctx, 2)
+}
+
+func TestLeaveWaitsForTheSendInProgress(t *testing.T) {
+	tf := newTestFeeds(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var enc countingEncoder
+	reader := newFakeStream(false)
+	f, s := tf.open(t, "", &enc, reader)
+	defer f.leave(s)
+	leaving := newFakeStream(true)
+	f, ls := tf.open(t, "", &enc, leaving)
+	defer leaving.open()
+
+	tf.send(t, ctx, 1)
+	reader.want(t, ctx, 1)
+	select {
+	case <-leaving.entered: // a worker is sending 1 on it, blocked
+	case <-ctx.Done():
+		t.Fatal("no round sent on the stream")
+	}
+
+	left := make(chan struct{})
+	go func() {
+		defer close(left)
+		f.leave(ls)
+	}()
+	// Once leave waits for the send, let the send end; leave must not have returned
+	// before it.
+	for waiting := false; !waiting; {
+		ls.mu.Lock()
+		waiting = ls.idle != nil
+		ls.mu.Unlock()
+		select {
+		case <-left:
+			t.Fatal("leave returned while a send on the stream was in progress")
+		case <-ctx.Done():
+			t.Fatal("leave never waited for the send in progress")
+		default:
+		}
+		runtime.Gosched()
+	}
+	leaving.open()
+	leaving.want(t, ctx, 1)
+	select {
+	case <-left:
+	case <-ctx.Done():
+		t.Fatal("leave did not return once the send ended")
+	}
+	// No later round sends on it: two more changes (each round ends before the next
+	// begins) go to the other stream only.
+	for v := 2; v <= 3; v++ {
+		tf.send(t, ctx, v)
+		reader.want(t, ctx, v)
+	}
+	select {
+	case v := <-leaving.got:
+		t.Errorf("a round sent %d on a stream whose handler has left", v)
 	default:
-		t.Fatal("the busy stream was not woken")
 	}
-	if got := busy.cur.Load().data[0]; got != 20 {
-		t.Errorf("busy stream's frame is %d, want the newest, 20", got)
+}
+
+func TestFailedSendEndsTheStream(t *testing.T) {
+	tf := newTestFeeds(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var enc countingEncoder
+	reader := newFakeStream(false)
+	f, s := tf.open(t, "", &enc, reader)
+	defer f.leave(s)
+	broken := newFakeStream(false)
+	broken.err = errors.New("stream reset")
+	f, bs := tf.open(t, "", &enc, broken)
+	defer f.leave(bs)
+
+	tf.send(t, ctx, 1)
+	reader.want(t, ctx, 1)
+	broken.want(t, ctx, 1)
+	select {
+	case <-bs.failed:
+	case <-ctx.Done():
+		t.Fatal("a failed send did not end the stream")
 	}
-	if len(busy.wake) != 0 {
-		t.Error("wakes queue up for a busy stream")
+	if err := bs.failure(); !errors.Is(err, broken.err) {
+		t.Errorf("failure() = %v, want the send's error %v", err, broken.err)
+	}
+	for v := 2; v <= 3; v++ {
+		tf.send(t, ctx, v)
+		reader.want(t, ctx, v)
+	}
+	select {
+	case v := <-broken.got:
+		t.Errorf("a round sent %d on a stream whose send failed", v)
+	default:
 	}
 }
 

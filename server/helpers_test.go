@@ -47,7 +47,7 @@ func startHost(t *testing.T, mgr device.Manager) *testHost {
 
 // startHostWith is startHost with a Config of the test's; its Logger is replaced by the
 // recorder's.
-func startHostWith(t *testing.T, cfg server.Config) *testHost {
+func startHostWith(t testing.TB, cfg server.Config) *testHost {
 	t.Helper()
 	// Not t.TempDir: socket paths are limited to 108 bytes and test names are long.
 	dir, err := os.MkdirTemp("", "dh")
@@ -86,7 +86,7 @@ func startHostWith(t *testing.T, cfg server.Config) *testHost {
 }
 
 // dial opens a new client connection to the host, closed when the test ends.
-func (h *testHost) dial(t *testing.T) *grpc.ClientConn {
+func (h *testHost) dial(t testing.TB) *grpc.ClientConn {
 	t.Helper()
 	conn, err := endpoint.Dial(h.addr, endpoint.TLS{})
 	if err != nil {

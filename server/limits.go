@@ -19,10 +19,11 @@ import (
 const (
 	// DefaultMaxStreams is the most Fingerprint and Stats streams served at once when
 	// Config.MaxStreams is zero. A stream whose client never reads costs the agent about
-	// 16 KiB (scripts/bench: a goroutine and grpc-go's per-stream state; the messages it
-	// has not taken are shared with the other streams), so this bounds what careless
-	// clients can pin to some 16 MiB. A node-local agent has a handful of watchers; raise
-	// it for more.
+	// 16 KiB (scripts/bench: its handler goroutine and grpc-go's per-stream state; the
+	// messages it has not taken are shared with the other streams), and some 4 KiB more
+	// once its flow-control window is full (the fan-out's sender left waiting on it), so
+	// this bounds what careless clients can pin to some 20 MiB. A node-local agent has a
+	// handful of watchers; raise it for more.
 	DefaultMaxStreams = 1024
 	// DefaultMaxStreamsPerConn is the most Fingerprint and Stats streams one client
 	// connection may hold when Config.MaxStreamsPerConn is zero.

@@ -3,6 +3,7 @@ package ledger
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -60,10 +61,13 @@ func BenchmarkReserve(b *testing.B) {
 // whose cleanup succeeds at once. The ledger starts with N released, cleaned-up
 // reservations and MaxReservations is N, so every cycle puts it over the limit and the
 // GC deletes the oldest. It reports the process's CPU time per cycle, which should not
-// grow with N, and commits per cycle.
+// grow with N, commits per cycle, and the Go heap the N reservations take in the
+// ledger's index and the GC (bytes and objects per reservation, after a collection):
+// what Go's garbage collector marks on every cycle.
 func BenchmarkCycleGC(b *testing.B) {
 	for _, n := range []int{1000, 100_000} {
 		b.Run(fmt.Sprintf("reservations=%d", n), func(b *testing.B) {
+			heap0 := liveHeap()
 			l, err := Open(b.TempDir()+"/"+DefaultFileName, Options{})
 			if err != nil {
 				b.Fatal(err)
@@ -106,6 +110,8 @@ func BenchmarkCycleGC(b *testing.B) {
 			done := make(chan error, 1)
 			go func() { done <- g.Run(gctx) }()
 			<-firstPass // it has taken in the ledger: start-up is not measured
+			// Nor is the garbage of filling the ledger: collected here.
+			heap1 := liveHeap()
 			defer func() {
 				cancel()
 				if err := <-done; err != nil {
@@ -128,8 +134,21 @@ func BenchmarkCycleGC(b *testing.B) {
 			b.ReportMetric(float64((processCPU(b)-cpu0).Microseconds())/float64(b.N), "cpu-µs/cycle")
 			b.ReportMetric(float64(l.Commits()-commits0)/float64(b.N), "commits/cycle")
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "cycles/s")
+			b.ReportMetric(float64(heap1.bytes-heap0.bytes)/float64(n), "heap-B/reservation")
+			b.ReportMetric(float64(heap1.objects-heap0.objects)/float64(n), "heap-objs/reservation")
 		})
 	}
+}
+
+// heapUse is the live Go heap.
+type heapUse struct{ bytes, objects int64 }
+
+// liveHeap collects garbage and returns the heap that is left.
+func liveHeap() heapUse {
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return heapUse{int64(ms.HeapAlloc), int64(ms.HeapObjects)}
 }
 
 // processCPU is the CPU time (user + system) this process has used so far.

@@ -159,7 +159,7 @@ func (g *GC) RetryNow() {
 const maxCommitting = maxBatch
 
 // gcState is where a marked reservation is in the GC.
-type gcState int
+type gcState uint8
 
 const (
 	gcIdle       gcState = iota // in gcRun.clean or gcRun.pending: may get a job
@@ -168,22 +168,30 @@ const (
 	gcCommitting                // its deferred write (cleanup done, or deletion) awaits its commit
 )
 
-// gcItem is what Run remembers about one marked reservation.
+// gcItem is what Run remembers about one marked reservation: no more than it needs to
+// order and schedule its jobs, since Run keeps one for every released reservation (the
+// rest of the GCEntry a cleanup gets is read from the ledger when the job starts). Its
+// one pointer comes first and the rest is scalars, so Go's garbage collector reads 8
+// bytes of it.
 type gcItem struct {
-	entry    GCEntry
+	id       string        // the reservation's ID (the ledger index's string)
+	released int64         // its ReleasedAt, in Unix nanoseconds
+	next     time.Duration // gcWaiting: no attempt before this long after gcRun.began
+	epoch    uint64        // gcRun.retryEpoch when the job started
+	pos      int           // its index in its heap
+	attempts int32         // failed attempts in a row
 	state    gcState
-	attempts int       // failed attempts in a row
-	next     time.Time // gcWaiting: no attempt before
-	del      bool      // gcRunning, gcCommitting: the job deletes the reservation
-	epoch    uint64    // gcRun.retryEpoch when the job started
-	stale    bool      // the ledger changed it while its job ran: look again after
-	heap     *itemHeap // the heap it is in; nil when none
-	pos      int       // its index in heap
+	heap     heapID // the heap it is in
+	pending  bool   // its plugin cleanup is owed
+	del      bool   // gcRunning, gcCommitting: the job deletes the reservation
+	stale    bool   // the ledger changed it while its job ran: look again after
 }
 
 type gcResult struct {
-	id  string
-	err error
+	id    string
+	err   error
+	entry *GCEntry // the cleanup that ran (a worker's result); nil for a deferred write
+	owner string   // a deletion's owner, for its log line
 }
 
 // gcRun is the state of one Run call, owned by its goroutine except where noted.
@@ -193,6 +201,7 @@ type gcRun struct {
 	clean   itemHeap           // idle, cleanup done, oldest release first
 	pending itemHeap           // idle, cleanup owed, oldest release first
 	waiting itemHeap           // backing off, earliest next attempt first
+	began   time.Time          // when Run began: gcItem.next counts from it
 
 	running    int       // items gcRunning (at most Parallel)
 	committing int       // items gcCommitting
@@ -214,20 +223,21 @@ func newGCRun(g *GC) *gcRun {
 	return &gcRun{
 		GC:         g,
 		items:      make(map[string]*gcItem),
-		clean:      itemHeap{less: releasedFirst},
-		pending:    itemHeap{less: releasedFirst},
-		waiting:    itemHeap{less: retryFirst},
+		clean:      itemHeap{id: heapClean, less: releasedFirst},
+		pending:    itemHeap{id: heapPending, less: releasedFirst},
+		waiting:    itemHeap{id: heapWaiting, less: retryFirst},
+		began:      time.Now(),
 		lastSkipN:  -1,
 		commitWake: make(chan struct{}, 1),
 	}
 }
 
 func releasedFirst(a, b *gcItem) bool {
-	return cmp.Or(a.entry.ReleasedAt.Compare(b.entry.ReleasedAt), cmp.Compare(a.entry.ReservationID, b.entry.ReservationID)) < 0
+	return cmp.Or(cmp.Compare(a.released, b.released), cmp.Compare(a.id, b.id)) < 0
 }
 
 func retryFirst(a, b *gcItem) bool {
-	if c := a.next.Compare(b.next); c != 0 {
+	if c := cmp.Compare(a.next, b.next); c != 0 {
 		return c < 0
 	}
 	return releasedFirst(a, b)
@@ -262,7 +272,7 @@ func (g *GC) Run(ctx context.Context) error {
 			cctx, cancel := context.WithTimeout(ctx, g.cfg.CleanupTimeout)
 			err := g.cfg.Cleanup(cctx, e)
 			cancel()
-			results <- gcResult{id: e.ReservationID, err: err}
+			results <- gcResult{id: e.ReservationID, err: err, entry: &e}
 		})
 	}
 
@@ -275,7 +285,7 @@ func (g *GC) Run(ctx context.Context) error {
 			r.sync(changes.drain())
 			r.plan(now)
 			if w := r.waiting.peek(); w != nil {
-				retryTimer.Reset(w.next.Sub(now))
+				retryTimer.Reset(w.next - now.Sub(r.began))
 			} else {
 				retryTimer.Stop()
 			}
@@ -318,9 +328,9 @@ func (g *GC) Run(ctx context.Context) error {
 func (l *Ledger) releasedIDs() []string {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
-	out := make([]string, 0, len(l.idx.gone))
-	for id := range l.idx.gone {
-		out = append(out, id)
+	out := make([]string, 0, len(l.idx.released))
+	for _, rr := range l.idx.released {
+		out = append(out, rr.id)
 	}
 	return out
 }
@@ -371,15 +381,16 @@ func (r *gcRun) update(id string, rec *device.Reservation) {
 			delete(r.items, id)
 		}
 	case it == nil:
-		it = &gcItem{entry: entryOf(rec)}
-		r.items[id] = it
+		it = &gcItem{id: rec.ID}
+		it.set(rec)
+		r.items[it.id] = it
 		r.log.Info("marked for GC", "reservation_id", rec.ID, "owner_id", rec.OwnerID,
 			"plugin", rec.Plugin, "released_at", rec.ReleasedAt)
 		r.setIdle(it)
 	default:
 		st := it.state
 		r.detach(it)
-		it.entry = entryOf(rec)
+		it.set(rec)
 		if st == gcWaiting {
 			r.waiting.add(it)
 		} else {
@@ -394,26 +405,39 @@ func (r *gcRun) recheck(it *gcItem) {
 		return
 	}
 	it.stale = false
-	r.sync([]string{it.entry.ReservationID})
+	r.sync([]string{it.id})
 }
 
+// set takes what it keeps from rec, its reservation in the ledger.
+func (it *gcItem) set(rec *device.Reservation) {
+	it.released, it.pending = rec.ReleasedAt.UnixNano(), rec.CleanupPending
+}
+
+// entryOf is what the cleanup of rec gets.
 func entryOf(rec *device.Reservation) GCEntry {
 	return GCEntry{
 		ReservationID:  rec.ID,
 		OwnerID:        rec.OwnerID,
 		Plugin:         rec.Plugin,
 		Group:          rec.Group,
-		DeviceIDs:      rec.DeviceIDs, // immutable in the index; each cleanup call gets a copy
+		DeviceIDs:      rec.DeviceIDs, // the ledger's get unpacked it afresh: the cleanup's
 		ReleasedAt:     rec.ReleasedAt,
 		CleanupPending: rec.CleanupPending,
 	}
+}
+
+// lookup returns reservation id as the ledger holds it now, nil when it has none.
+func (l *Ledger) lookup(id string) *device.Reservation {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return l.idx.get(id)
 }
 
 // setIdle makes it idle, in the heap its cleanup state says.
 func (r *gcRun) setIdle(it *gcItem) {
 	r.detach(it)
 	it.state = gcIdle
-	if it.entry.CleanupPending {
+	if it.pending {
 		r.pending.add(it)
 	} else {
 		r.clean.add(it)
@@ -421,8 +445,13 @@ func (r *gcRun) setIdle(it *gcItem) {
 }
 
 func (r *gcRun) detach(it *gcItem) {
-	if it.heap != nil {
-		it.heap.remove(it)
+	switch it.heap {
+	case heapClean:
+		r.clean.remove(it)
+	case heapPending:
+		r.pending.remove(it)
+	case heapWaiting:
+		r.waiting.remove(it)
 	}
 }
 
@@ -442,7 +471,7 @@ func (r *gcRun) oldestIdle() *gcItem {
 // destroys that bring the ledger down to MaxReservations, those of reservations released
 // before the last tick's cutoff, then pending cleanups, as far as Parallel allows.
 func (r *gcRun) plan(now time.Time) {
-	for w := r.waiting.peek(); w != nil && !w.next.After(now); w = r.waiting.peek() {
+	for w := r.waiting.peek(); w != nil && w.next <= now.Sub(r.began); w = r.waiting.peek() {
 		r.setIdle(w)
 	}
 	r.l.mu.RLock()
@@ -467,7 +496,7 @@ func (r *gcRun) plan(now time.Time) {
 		if it == nil {
 			return
 		}
-		if excess > 0 || (!r.cutoff.IsZero() && !it.entry.ReleasedAt.After(r.cutoff)) {
+		if excess > 0 || (!r.cutoff.IsZero() && it.released <= r.cutoff.UnixNano()) {
 			if !r.start(it, true) {
 				return
 			}
@@ -485,9 +514,18 @@ func (r *gcRun) plan(now time.Time) {
 // starting nothing, when the job must wait for a free worker or for deferred writes to
 // commit.
 func (r *gcRun) start(it *gcItem, del bool) bool {
-	plugin := it.entry.CleanupPending && r.cfg.Cleanup != nil
+	plugin := it.pending && r.cfg.Cleanup != nil
 	if (plugin && r.running >= r.cfg.Parallel) || r.committing >= maxCommitting {
 		return false
+	}
+	var e GCEntry
+	if plugin {
+		rec := r.l.lookup(it.id)
+		if rec == nil { // deleted since the last sync: forget it, as the next sync would
+			r.update(it.id, nil)
+			return true
+		}
+		e = entryOf(rec)
 	}
 	r.detach(it)
 	it.del, it.epoch = del, r.retryEpoch
@@ -496,14 +534,12 @@ func (r *gcRun) start(it *gcItem, del bool) bool {
 	}
 	if !plugin {
 		// Nothing to clean, or no Cleanup func: a release is recorded as cleaned at once.
-		r.record(it, it.entry.CleanupPending)
+		r.record(it, it.pending)
 		return true
 	}
 	it.state = gcRunning
 	r.running++
-	e := it.entry
-	e.Attempt = it.attempts + 1
-	e.DeviceIDs = slices.Clone(e.DeviceIDs) // each call gets its own
+	e.Attempt = int(it.attempts) + 1
 	r.spawn(e)
 	return true
 }
@@ -516,7 +552,7 @@ func (r *gcRun) cleaned(res gcResult, now time.Time) {
 		if it.del {
 			r.deleting--
 		}
-		r.fail(it, "reservation cleanup failed; will retry", res.err, now)
+		r.fail(it, res.entry, "reservation cleanup failed; will retry", res.err, now)
 		r.recheck(it)
 		return
 	}
@@ -526,16 +562,22 @@ func (r *gcRun) cleaned(res gcResult, now time.Time) {
 // record queues the ledger write of the job on it as a deferred write: the deletion
 // (it.del), else the cleanup done. cleaned says the job did the cleanup.
 func (r *gcRun) record(it *gcItem, cleaned bool) {
-	id := it.entry.ReservationID
+	id := it.id
 	it.state = gcCommitting
 	r.committing++
 	run := cleanupDoneRun(id)
+	var owner string // for the deletion's log line
 	if it.del {
 		run = deleteRun([]string{id}, cleaned)
+		if r.log.IsDebug() {
+			if rec := r.l.lookup(id); rec != nil {
+				owner = rec.OwnerID
+			}
+		}
 	}
 	r.l.submitDeferred(r.cfg.CommitDelay, run, func(err error) {
 		r.committedMu.Lock()
-		r.committed = append(r.committed, gcResult{id: id, err: err})
+		r.committed = append(r.committed, gcResult{id: id, err: err, owner: owner})
 		r.committedMu.Unlock()
 		select {
 		case r.commitWake <- struct{}{}:
@@ -556,30 +598,36 @@ func (r *gcRun) recorded(res gcResult, now time.Time) {
 	}
 	switch {
 	case res.err != nil:
-		r.fail(it, "recording garbage collection in the ledger failed; will retry", res.err, now)
+		r.fail(it, nil, "recording garbage collection in the ledger failed; will retry", res.err, now)
 		r.recheck(it)
 	case it.del:
 		delete(r.items, res.id)
-		r.log.Debug("garbage collected reservation", "reservation_id", res.id, "owner_id", it.entry.OwnerID)
+		r.log.Debug("garbage collected reservation", "reservation_id", res.id, "owner_id", res.owner)
 	default:
-		it.entry.CleanupPending = false
+		it.pending = false
 		it.attempts = 0
 		r.setIdle(it)
 		r.recheck(it)
 	}
 }
 
-// fail schedules the next attempt on it after a failed one, and logs msg.
-func (r *gcRun) fail(it *gcItem, msg string, err error, now time.Time) {
+// fail schedules the next attempt on it after a failed one, and logs msg. e is the
+// cleanup that failed, if that is what failed.
+func (r *gcRun) fail(it *gcItem, e *GCEntry, msg string, err error, now time.Time) {
 	it.attempts++
-	wait := r.backoff(it.attempts)
+	wait := r.backoff(int(it.attempts))
 	if it.epoch < r.retryEpoch {
 		wait = 0
 	}
-	it.next = now.Add(wait)
+	it.next = now.Sub(r.began) + wait
 	it.state = gcWaiting
 	r.waiting.add(it)
-	e := it.entry
+	if e == nil {
+		e = &GCEntry{ReservationID: it.id}
+		if rec := r.l.lookup(it.id); rec != nil {
+			*e = entryOf(rec)
+		}
+	}
 	r.log.Warn(msg, "reservation_id", e.ReservationID, "owner_id", e.OwnerID, "plugin", e.Plugin,
 		"attempt", it.attempts, "retry_in", wait, "error", err)
 }

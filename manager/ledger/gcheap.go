@@ -3,20 +3,32 @@ package ledger
 import "container/heap"
 
 // itemHeap is a min-heap of GC items under less that tracks each item's place, so any
-// item can be removed in O(log n). An item is in at most one itemHeap at a time.
+// item can be removed in O(log n). An item is in at most one itemHeap at a time, the
+// one its heap field names.
 type itemHeap struct {
+	id    heapID
 	items []*gcItem
 	less  func(a, b *gcItem) bool
 }
 
+// heapID names one of a gcRun's heaps.
+type heapID uint8
+
+const (
+	heapNone heapID = iota
+	heapClean
+	heapPending
+	heapWaiting
+)
+
 func (h *itemHeap) add(it *gcItem) {
-	it.heap = h
+	it.heap = h.id
 	heap.Push(h, it)
 }
 
 func (h *itemHeap) remove(it *gcItem) {
 	heap.Remove(h, it.pos)
-	it.heap = nil
+	it.heap = heapNone
 }
 
 // peek returns the least item, or nil.

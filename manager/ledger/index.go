@@ -2,35 +2,72 @@ package ledger
 
 import (
 	"cmp"
+	"hash/maphash"
 	"maps"
 	"slices"
 
 	"github.com/devicehost/devicehost/manager/device"
 )
 
-// index is the in-memory view of the durable reservations. The *device.Reservation
-// values it holds are never modified once stored: a change stores a new value. Their
-// slices and maps may be shared between index entries, so every value leaving the
-// package is deep-copied with clone.
+// index is the in-memory view of the durable reservations. The live ones are kept as
+// *device.Reservation values, never modified once stored (a change stores a new value;
+// their slices and maps may be shared between values, so every value leaving the
+// package is deep-copied with clone). The released ones, which may be many more, are
+// kept packed (see packed).
+//
+// A reservation's ID is one string from when the index first stores it: the values get
+// returns carry it, a change stores a copy of such a value, and the owner index and the
+// GC keep that same string rather than copies.
 type index struct {
-	recs   map[string]*device.Reservation        // by reservation ID, every state
-	held   map[string]string                     // device ID -> live reservation ID
-	gone   map[string]struct{}                   // IDs of the released reservations
-	owners map[string]map[string]struct{}        // owner ID -> reservation IDs, every state
-	n      struct{ live, released, pending int } // counts over recs
+	live     map[string]*device.Reservation // by reservation ID
+	released map[string]releasedRec         // by reservation ID
+	held     map[string]string              // device ID -> live reservation ID
+	owners   map[uint64]idSet               // ownerKey(owner ID) -> reservation IDs, every state
+	seed     maphash.Seed                   // ownerKey's
+	pending  int                            // released reservations whose cleanup is owed
+}
+
+// releasedRec is a released reservation in the index.
+type releasedRec struct {
+	id string // the index's key for it
+	p  packed
 }
 
 func newIndex() *index {
 	return &index{
-		recs:   make(map[string]*device.Reservation),
-		held:   make(map[string]string),
-		gone:   make(map[string]struct{}),
-		owners: make(map[string]map[string]struct{}),
+		live:     make(map[string]*device.Reservation),
+		released: make(map[string]releasedRec),
+		held:     make(map[string]string),
+		owners:   make(map[uint64]idSet),
+		seed:     maphash.MakeSeed(),
 	}
 }
 
-func (x *index) get(id string) *device.Reservation { return x.recs[id] }
-func (x *index) holder(dev string) string          { return x.held[dev] }
+// get returns reservation id (nil when there is none). A released one is unpacked
+// afresh on each call.
+func (x *index) get(id string) *device.Reservation {
+	if r := x.live[id]; r != nil {
+		return r
+	}
+	if rr, ok := x.released[id]; ok {
+		return rr.p.unpack(rr.id)
+	}
+	return nil
+}
+
+// copyOf returns a deep copy of reservation id for a caller (nil when there is none).
+func (x *index) copyOf(id string) *device.Reservation {
+	if r := x.live[id]; r != nil {
+		c := clone(r)
+		return &c
+	}
+	if rr, ok := x.released[id]; ok {
+		return rr.p.unpack(rr.id) // unpacked afresh: the caller's
+	}
+	return nil
+}
+
+func (x *index) holder(dev string) string { return x.held[dev] }
 
 // clash returns a device that live reservation r holds and some other live reservation
 // already holds, and that other reservation's ID; "" when there is none.
@@ -48,54 +85,56 @@ func (x *index) clash(r *device.Reservation) (dev, other string) {
 
 // add stores r, replacing any record with its ID.
 func (x *index) add(r *device.Reservation) {
-	x.remove(r.ID)
-	x.recs[r.ID] = r
-	ids := x.owners[r.OwnerID]
-	if ids == nil {
-		ids = make(map[string]struct{})
-		x.owners[r.OwnerID] = ids
-	}
-	ids[r.ID] = struct{}{}
-	x.count(r, 1)
+	id := r.ID
+	x.remove(id)
 	if r.State == device.ReservationActive {
+		x.live[id] = r
+		x.addOwner(r.OwnerID, id)
 		for _, d := range r.DeviceIDs {
-			x.held[d] = r.ID
+			x.held[d] = id
 		}
-	} else {
-		x.gone[r.ID] = struct{}{}
+		return
+	}
+	p := pack(r)
+	x.released[id] = releasedRec{id: id, p: p}
+	x.addOwner(p.owner(), id)
+	if p.cleanupPending() {
+		x.pending++
 	}
 }
 
 func (x *index) remove(id string) {
-	old := x.recs[id]
-	if old == nil {
+	var owner string
+	if r := x.live[id]; r != nil {
+		delete(x.live, id)
+		owner = r.OwnerID
+		for _, d := range r.DeviceIDs {
+			if x.held[d] == id {
+				delete(x.held, d)
+			}
+		}
+	} else if rr, ok := x.released[id]; ok {
+		delete(x.released, id)
+		owner = rr.p.owner()
+		if rr.p.cleanupPending() {
+			x.pending--
+		}
+	} else {
 		return
 	}
-	delete(x.recs, id)
-	delete(x.gone, id)
-	if ids := x.owners[old.OwnerID]; ids != nil {
-		delete(ids, id)
-		if len(ids) == 0 {
-			delete(x.owners, old.OwnerID)
-		}
-	}
-	x.count(old, -1)
-	for _, d := range old.DeviceIDs {
-		if x.held[d] == id {
-			delete(x.held, d)
-		}
+	k := x.ownerKey(owner)
+	if ids := x.owners[k]; ids.remove(id) {
+		delete(x.owners, k)
+	} else {
+		x.owners[k] = ids
 	}
 }
 
-func (x *index) count(r *device.Reservation, delta int) {
-	if r.State == device.ReservationActive {
-		x.n.live += delta
-		return
-	}
-	x.n.released += delta
-	if r.CleanupPending {
-		x.n.pending += delta
-	}
+func (x *index) addOwner(owner, id string) {
+	k := x.ownerKey(owner)
+	ids := x.owners[k]
+	ids.add(id)
+	x.owners[k] = ids
 }
 
 // apply makes a committed overlay part of the index.
@@ -111,16 +150,71 @@ func (x *index) apply(o *overlay) {
 
 func (x *index) counts() Counts {
 	return Counts{
-		Total:          len(x.recs),
-		Live:           x.n.live,
-		Released:       x.n.released,
-		CleanupPending: x.n.pending,
+		Total:          len(x.live) + len(x.released),
+		Live:           len(x.live),
+		Released:       len(x.released),
+		CleanupPending: x.pending,
 	}
 }
 
-// ownerIDs returns the IDs of owner's reservations, every state.
+// ownerIDs returns the IDs of owner's reservations, every state, and maybe of other
+// owners' (those whose ownerKey is the same): callers check each reservation's owner.
 func (x *index) ownerIDs(owner string) []string {
-	return slices.Collect(maps.Keys(x.owners[owner]))
+	return x.owners[x.ownerKey(owner)].all()
+}
+
+// ownerKey is owner's key in the owner index: a hash, so that the index's keys hold no
+// pointer for Go's garbage collector to follow, nor keep an owner's string alive.
+func (x *index) ownerKey(owner string) uint64 { return maphash.String(x.seed, owner) }
+
+// idSet is one owner's reservation IDs. Most owners have one reservation, so the first
+// is kept without a map.
+type idSet struct {
+	one  string              // "" when the set is empty
+	more map[string]struct{} // the others; nil unless there are
+}
+
+func (s *idSet) add(id string) {
+	switch {
+	case s.one == "" || s.one == id:
+		s.one = id
+	default:
+		if s.more == nil {
+			s.more = make(map[string]struct{})
+		}
+		s.more[id] = struct{}{}
+	}
+}
+
+// remove takes id out and reports whether the set is now empty.
+func (s *idSet) remove(id string) (empty bool) {
+	if s.one == id {
+		s.one = ""
+		for other := range s.more { // any one of the others takes its place
+			s.one = other
+			delete(s.more, other)
+			break
+		}
+	} else {
+		delete(s.more, id)
+	}
+	if len(s.more) == 0 {
+		s.more = nil
+	}
+	return s.one == ""
+}
+
+// all returns the IDs, in no order.
+func (s idSet) all() []string {
+	if s.one == "" {
+		return nil
+	}
+	out := make([]string, 0, 1+len(s.more))
+	out = append(out, s.one)
+	for id := range s.more {
+		out = append(out, id)
+	}
+	return out
 }
 
 // overlay is one batch's changes on top of the index, visible to the later requests of
@@ -139,7 +233,7 @@ func (o *overlay) get(id string) *device.Reservation {
 	if r, ok := o.recs[id]; ok {
 		return r
 	}
-	return o.base.recs[id]
+	return o.base.get(id)
 }
 
 func (o *overlay) holder(dev string) string {
@@ -160,9 +254,18 @@ func (o *overlay) put(r *device.Reservation) {
 }
 
 func (o *overlay) drop(id string) {
-	old := o.get(id)
-	if old == nil {
-		return
+	old, inBatch := o.recs[id]
+	switch {
+	case inBatch && old == nil:
+		return // dropped already in this batch
+	case !inBatch:
+		if _, released := o.base.released[id]; released {
+			o.recs[id] = nil // a released reservation holds no device: no need to unpack it
+			return
+		}
+		if old = o.base.live[id]; old == nil {
+			return
+		}
 	}
 	o.recs[id] = nil
 	for _, d := range old.DeviceIDs {

@@ -13,7 +13,10 @@
 //
 // Reads (Check, Get, List, Holders, Counts, PendingCleanups) are answered from an
 // in-memory index that the writer updates after each successful commit: they never wait
-// for the disk, and they only ever see durable state.
+// for the disk, and they only ever see durable state. The index keeps each released
+// reservation packed into one string without pointers (packed.go), so that a ledger of
+// 100,000 reservations costs Go's garbage collector, and so every write, little more
+// than one of 1,000.
 //
 // Corruption is never repaired silently. Open refuses a file that is not a bbolt database,
 // fails bbolt's consistency check, holds a reservation record whose checksum or content is

@@ -27,11 +27,11 @@ func (l *Ledger) Counts() Counts {
 func (l *Ledger) Get(id string) (device.Reservation, error) {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
-	r := l.idx.get(id)
+	r := l.idx.copyOf(id)
 	if r == nil {
 		return device.Reservation{}, fmt.Errorf("reservation %q: %w", id, device.ErrNotFound)
 	}
-	return clone(r), nil
+	return *r, nil
 }
 
 // List returns the reservations matching f, oldest first (by CreatedAt, then ID).
@@ -48,18 +48,26 @@ func (l *Ledger) List(_ context.Context, f device.ReservationFilter) ([]device.R
 			(f.State == device.ReservationAny || r.State == f.State) &&
 			(f.DeviceID == "" || slices.Contains(r.DeviceIDs, f.DeviceID))
 	}
-	var rs []*device.Reservation
+	var rs []*device.Reservation // the caller's copies
 	l.mu.RLock()
 	if f.OwnerID != "" {
-		for id := range l.idx.owners[f.OwnerID] {
-			if r := l.idx.recs[id]; match(r) {
+		for _, id := range l.idx.ownerIDs(f.OwnerID) {
+			if r := l.idx.copyOf(id); match(r) {
 				rs = append(rs, r)
 			}
 		}
 	} else {
-		for _, r := range l.idx.recs {
+		for _, r := range l.idx.live {
 			if match(r) {
-				rs = append(rs, r)
+				c := clone(r)
+				rs = append(rs, &c)
+			}
+		}
+		if f.State != device.ReservationActive {
+			for _, rr := range l.idx.released {
+				if f.DeviceID == "" || rr.p.hasDevice(f.DeviceID) {
+					rs = append(rs, rr.p.unpack(rr.id)) // unpacked afresh: the caller's
+				}
 			}
 		}
 	}
@@ -67,7 +75,7 @@ func (l *Ledger) List(_ context.Context, f device.ReservationFilter) ([]device.R
 	sortReservations(rs)
 	out := make([]device.Reservation, len(rs))
 	for i, r := range rs {
-		out[i] = clone(r)
+		out[i] = *r
 	}
 	return out, nil
 }
@@ -79,7 +87,7 @@ func (l *Ledger) Holders() map[string]device.Holder {
 	defer l.mu.RUnlock()
 	out := make(map[string]device.Holder, len(l.idx.held))
 	for dev, id := range l.idx.held {
-		out[dev] = device.Holder{ReservationID: id, OwnerID: l.idx.recs[id].OwnerID}
+		out[dev] = device.Holder{ReservationID: id, OwnerID: l.idx.live[id].OwnerID}
 	}
 	return out
 }

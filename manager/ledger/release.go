@@ -145,9 +145,9 @@ func deleteRun(ids []string, cleaned bool) func(w *txn) (any, error) {
 func (l *Ledger) PendingCleanups() []device.Reservation {
 	l.mu.RLock()
 	var rs []*device.Reservation
-	for id := range l.idx.gone {
-		if r := l.idx.recs[id]; r.CleanupPending {
-			rs = append(rs, r)
+	for _, rr := range l.idx.released {
+		if rr.p.cleanupPending() {
+			rs = append(rs, rr.p.unpack(rr.id)) // unpacked afresh: the caller's
 		}
 	}
 	l.mu.RUnlock()
@@ -156,7 +156,7 @@ func (l *Ledger) PendingCleanups() []device.Reservation {
 	})
 	out := make([]device.Reservation, len(rs))
 	for i, r := range rs {
-		out[i] = clone(r)
+		out[i] = *r
 	}
 	return out
 }
