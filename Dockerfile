@@ -6,8 +6,9 @@
 
 FROM golang:1.26-trixie AS build
 WORKDIR /src
-# go-nvml needs cgo; libnvidia-ml itself is loaded at run time, not linked.
-ENV CGO_ENABLED=1
+# go-nvml needs cgo; libnvidia-ml itself is loaded at run time, not linked. Its header
+# marks many NVML calls deprecated, which would print ~29 harmless C warnings.
+ENV CGO_ENABLED=1 CGO_CFLAGS="-O2 -g -Wno-deprecated-declarations"
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
@@ -21,7 +22,7 @@ COPY --from=build /out/grpc-health-probe /usr/local/bin/grpc_health_probe
 COPY --from=build /out/plugins/ /opt/devicehost/plugins/
 RUN mkdir -p /var/lib/devicehost /run/devicehost \
  && chmod 0755 /opt/devicehost/plugins /opt/devicehost/plugins/nvidia-example \
- && chmod 0750 /var/lib/devicehost /run/devicehost
+ && chmod 0700 /var/lib/devicehost && chmod 0750 /run/devicehost
 # Plugins are dropped in here; state survives restarts there; the API socket is shared
 # with the host (and the runtime that calls it) through the last.
 VOLUME ["/opt/devicehost/plugins", "/var/lib/devicehost", "/run/devicehost"]
