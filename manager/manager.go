@@ -64,6 +64,7 @@ package manager
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"os"
@@ -461,7 +462,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	}
 	plugin, err := route(m.reg.snapshot(), req.Group, ids)
 	if err != nil {
-		return device.Reservation{}, err
+		return device.Reservation{}, m.awaitedError(ids, err)
 	}
 
 	s := m.supervisor(plugin)
@@ -494,6 +495,27 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 			"reservation_id", id, "new_reservation_id", r.ID, "new_owner_id", r.OwnerID, "devices", strings.Join(ids, ","))
 	}
 	return r, nil
+}
+
+// awaitedError turns route's ErrUnknownDevice for devices that a plugin of this host
+// owns but has not reported yet since the host started (its first fingerprint after a
+// host restart is still to come) into ErrPluginUnavailable naming that plugin: the
+// devices are coming back, and a caller that retries gets them. Any other err is
+// returned as it is.
+func (m *Manager) awaitedError(ids []string, err error) error {
+	if !errors.Is(err, device.ErrUnknownDevice) {
+		return err
+	}
+	st, ok := m.reg.awaitedOwner(ids)
+	if !ok {
+		return err
+	}
+	why := ""
+	if st.LastError != "" {
+		why = "; last error: " + st.LastError
+	}
+	return fmt.Errorf("devices %s belong to plugin %q, which has not reported its devices since the host started (it is %s%s); retry once it has: %w",
+		listIDs(ids), st.Name, st.Status, why, device.ErrPluginUnavailable)
 }
 
 // route finds the one plugin that owns every device in ids (not empty) within group, and

@@ -112,6 +112,20 @@ func TestDeviceOwnershipInBothStartOrders(t *testing.T) {
 		}
 		logs.waitLine(t, "[ERROR]", "device IDs owned by another plugin refused", "plugin=beta", "owner=alpha", "devices=a0")
 
+		// a0 and a1 are alpha's (the ledger says so) though alpha has not reported them
+		// since the host started: a caller retrying after the restart is told to retry,
+		// not that they do not exist. b0 is nobody's but beta's.
+		_, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-1", Group: acmeA1, DeviceIDs: []string{"a0", "a1"}})
+		if !errors.Is(err, device.ErrPluginUnavailable) || !strings.Contains(err.Error(), `belong to plugin "alpha", which has not reported its devices since the host started`) {
+			t.Errorf("Reserve a0, a1 before alpha reports = %v, want ErrPluginUnavailable naming alpha", err)
+		}
+		if _, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-1", Group: acmeA1, DeviceIDs: []string{"a0", "zz"}}); !errors.Is(err, device.ErrUnknownDevice) {
+			t.Errorf("Reserve a0 and an ID nobody owns = %v, want ErrUnknownDevice", err)
+		}
+		if alpha.reserveCalls() != 0 || beta.reserveCalls() != 0 {
+			t.Errorf("plugins asked to reserve: alpha %d, beta %d; want none", alpha.reserveCalls(), beta.reserveCalls())
+		}
+
 		alpha.set(func(f *fakeDevices) { f.hangFP = false })
 		alpha.setGroups(group("acme", "gpu", "A1", "a0", "a1"))
 		waitFor(t, m, "alpha's devices", ownedBy("alpha", "a0", "a1"))

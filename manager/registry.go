@@ -433,6 +433,29 @@ func (r *registry) known(name string) func(id string) bool {
 	return func(id string) bool { _, ok := devices[id]; return ok }
 }
 
+// awaitedOwner returns the plugin that owns every one of ids (not empty) when it is one
+// of this host's plugins and has not fingerprinted since this host started, with its
+// state: those devices are not in the inventory yet, but they are its own and will be
+// once it reports them (right after a host restart, while it starts). ok is false
+// otherwise.
+func (r *registry) awaitedOwner(ids []string) (state device.PluginState, ok bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var name string
+	for i, id := range ids {
+		owner, found := r.owner[id]
+		if !found || (i > 0 && owner != name) {
+			return device.PluginState{}, false
+		}
+		name = owner
+	}
+	rec, found := r.plugins[name]
+	if !found || rec.fp.devices != nil {
+		return device.PluginState{}, false
+	}
+	return rec.state, true
+}
+
 // checkReadyLocked closes ready once every plugin has settled.
 func (r *registry) checkReadyLocked() {
 	for _, rec := range r.plugins {
