@@ -4,12 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"reflect"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -24,6 +21,7 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/server/servertest"
 )
 
 func TestMain(m *testing.M) {
@@ -35,49 +33,11 @@ const testTimeout = 20 * time.Second
 var h100 = device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3"}
 
 // socketPath returns a socket path in a fresh directory short enough for socket names.
-func socketPath(t *testing.T) string {
-	t.Helper()
-	dir, err := os.MkdirTemp("", "dhc")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	return filepath.Join(dir, "devicehost.sock")
-}
+func socketPath(t *testing.T) string { return servertest.SocketPath(t) }
 
-// testAgent is the real gRPC server on a device.Manager, serving on a unix socket.
-type testAgent struct {
-	srv    *server.Server
-	served chan error
-	once   sync.Once
-}
-
-// startAgent serves mgr at path until stop (called at cleanup at the latest).
-func startAgent(t *testing.T, mgr device.Manager, path string) *testAgent {
-	t.Helper()
-	lis, err := endpoint.Listen(endpoint.Address{Network: "unix", Path: path}, endpoint.TLS{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := server.New(server.Config{Manager: mgr, ServerOptions: lis.ServerOptions()})
-	if err != nil {
-		lis.Close()
-		t.Fatal(err)
-	}
-	a := &testAgent{srv: srv, served: make(chan error, 1)}
-	go func() { a.served <- srv.Serve(lis) }()
-	t.Cleanup(a.stop)
-	return a
-}
-
-// stop shuts the server down: open streams end with UNAVAILABLE, the socket goes away.
-func (a *testAgent) stop() {
-	a.once.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		a.srv.Shutdown(ctx)
-		<-a.served
-	})
+// startAgent serves mgr at path until its Stop (called at cleanup at the latest).
+func startAgent(t *testing.T, mgr device.Manager, path string) *servertest.Agent {
+	return servertest.Serve(t, path, server.Config{Manager: mgr})
 }
 
 // dial connects a client to path and closes it at cleanup.
@@ -180,7 +140,7 @@ func TestWatchDevicesReconnectsAfterTheAgentRestarts(t *testing.T) {
 	// Twice: stopped, the watch says disconnected (the channel stays open); started
 	// again on the same socket, the watch delivers the new agent's snapshot.
 	for gen := 2; gen <= 3; gen++ {
-		agent.stop()
+		agent.Stop()
 		u := next(t, updates)
 		if !u.Disconnected() || !client.IsUnavailable(u.Err) || u.Snapshot != nil {
 			t.Fatalf("after the agent stopped: %+v, want a disconnected update with an UNAVAILABLE error", u)
@@ -236,7 +196,7 @@ func TestWatchStatsReconnectsWithItsRequest(t *testing.T) {
 		}
 	}
 	check(100)
-	agent.stop()
+	agent.Stop()
 	if u := next(t, updates); !u.Disconnected() {
 		t.Fatalf("after the agent stopped: %+v, want disconnected", u)
 	}

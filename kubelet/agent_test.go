@@ -3,7 +3,6 @@ package kubelet_test
 import (
 	"context"
 	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -15,6 +14,7 @@ import (
 	"github.com/devicehost/devicehost/manager/device/devicetest"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/server/servertest"
 )
 
 // fakeAgent is the agent the bridge's tests talk to: the real host API server
@@ -39,8 +39,7 @@ type fakeAgent struct {
 	watchers   map[chan device.Snapshot]bool
 	seq        uint64
 
-	srv    *server.Server
-	served chan error
+	srv *servertest.Agent
 }
 
 // h100 is the group of the fake agent's GPUs.
@@ -84,19 +83,9 @@ func startAgent(t testing.TB, groups ...device.Group) *fakeAgent {
 // start serves the host API on a.addr.
 func (a *fakeAgent) start(t testing.TB) {
 	t.Helper()
-	lis, err := endpoint.Listen(a.addr, endpoint.TLS{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := server.New(server.Config{Manager: a.manager()})
-	if err != nil {
-		lis.Close()
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(lis) }()
+	srv := servertest.Serve(t, a.addr.Path, server.Config{Manager: a.manager()})
 	a.mu.Lock()
-	a.srv, a.served = srv, served
+	a.srv = srv
 	a.mu.Unlock()
 }
 
@@ -104,16 +93,12 @@ func (a *fakeAgent) start(t testing.TB) {
 // state stays, as a restarted agent's ledger would.
 func (a *fakeAgent) stop() {
 	a.mu.Lock()
-	srv, served := a.srv, a.served
+	srv := a.srv
 	a.srv = nil
 	a.mu.Unlock()
-	if srv == nil {
-		return
+	if srv != nil {
+		srv.Stop()
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	srv.Shutdown(ctx)
-	<-served
 }
 
 func (a *fakeAgent) manager() *devicetest.Fake {
@@ -361,13 +346,5 @@ func (a *fakeAgent) reserveCount() int {
 }
 
 // shortTempDir makes a directory under the system's temp dir with a name short enough
-// for Unix socket paths (t.TempDir's carry the test's name), removed in Cleanup.
-func shortTempDir(t testing.TB, prefix string) string {
-	t.Helper()
-	dir, err := os.MkdirTemp("", prefix)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	return dir
-}
+// for socket paths, removed at cleanup.
+func shortTempDir(t testing.TB, prefix string) string { return servertest.ShortTempDir(t, prefix) }

@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -21,6 +19,7 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/server/servertest"
 )
 
 // logWatch is an io.Writer for a logger that lets a test wait for a line.
@@ -76,36 +75,17 @@ type apiHost struct {
 func startAPI(t *testing.T, mgr device.Manager) *apiHost {
 	t.Helper()
 	s := serve(t, metrics.Options{}, mgr)
-	dir, err := os.MkdirTemp("", "dhm")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	addr := endpoint.Address{Network: "unix", Path: filepath.Join(dir, "api.sock")}
-	lis, err := endpoint.Listen(addr, endpoint.TLS{})
-	if err != nil {
-		t.Fatal(err)
-	}
 	logs := newLogWatch()
-	srv, err := server.New(server.Config{
+	agent := servertest.Serve(t, servertest.SocketPath(t), server.Config{
 		Manager:       s.m.Instrument(mgr),
 		Logger:        hclog.New(&hclog.LoggerOptions{Output: logs, Level: hclog.Debug, JSONFormat: true}),
 		ServerOptions: s.m.ServerOptions(),
 	})
-	if err != nil {
+	// Before any call: the test dials below.
+	if err := s.m.CollectServer(agent.Server()); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.m.CollectServer(srv); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(lis) }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		srv.Shutdown(ctx)
-		<-done
-	})
+	addr := agent.Addr
 	conn, err := endpoint.Dial(addr, endpoint.TLS{})
 	if err != nil {
 		t.Fatal(err)

@@ -18,7 +18,7 @@ import (
 	"github.com/devicehost/devicehost/manager/device/devicetest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
-	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/server/servertest"
 )
 
 func TestMain(m *testing.M) {
@@ -68,30 +68,7 @@ func watchOnce(snap device.Snapshot) func(context.Context) <-chan device.Snapsho
 // startAgent serves mgr in-process on a socket in a fresh directory and returns its
 // address. Cleanup stops the server.
 func startAgent(t *testing.T, mgr device.Manager) string {
-	t.Helper()
-	dir, err := os.MkdirTemp("", "dhcli")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	addr := endpoint.Address{Network: "unix", Path: filepath.Join(dir, "devicehost.sock")}
-	lis, err := endpoint.Listen(addr, endpoint.TLS{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := server.New(server.Config{Manager: mgr})
-	if err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(lis) }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		srv.Shutdown(ctx)
-		<-served
-	})
-	return addr.String()
+	return servertest.Serve(t, servertest.SocketPath(t), server.Config{Manager: mgr}).Addr.String()
 }
 
 // cliResult is what one in-process run of the command line produced.

@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"os"
-	"path/filepath"
 	"slices"
 	"sort"
 	"strings"
@@ -20,7 +18,7 @@ import (
 	"github.com/devicehost/devicehost/integrations/nomad/nomadconfig"
 	"github.com/devicehost/devicehost/manager/device/devicetest"
 	"github.com/devicehost/devicehost/server"
-	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/server/servertest"
 
 	dev "github.com/devicehost/devicehost/manager/device"
 )
@@ -34,49 +32,11 @@ const testTimeout = 20 * time.Second
 var h100 = dev.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3"}
 
 // socketPath returns a socket path in a fresh directory short enough for socket names.
-func socketPath(t *testing.T) string {
-	t.Helper()
-	dir, err := os.MkdirTemp("", "nds")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	return filepath.Join(dir, "devicehost.sock")
-}
+func socketPath(t *testing.T) string { return servertest.SocketPath(t) }
 
-// testAgent is the real gRPC server on a device.Manager, serving on a unix socket.
-type testAgent struct {
-	srv    *server.Server
-	served chan error
-	once   sync.Once
-}
-
-// startAgent serves mgr at path until stop (called at cleanup at the latest).
-func startAgent(t *testing.T, mgr dev.Manager, path string) *testAgent {
-	t.Helper()
-	lis, err := endpoint.Listen(endpoint.Address{Network: "unix", Path: path}, endpoint.TLS{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := server.New(server.Config{Manager: mgr, ServerOptions: lis.ServerOptions()})
-	if err != nil {
-		lis.Close()
-		t.Fatal(err)
-	}
-	a := &testAgent{srv: srv, served: make(chan error, 1)}
-	go func() { a.served <- srv.Serve(lis) }()
-	t.Cleanup(a.stop)
-	return a
-}
-
-// stop shuts the server down: open streams end with UNAVAILABLE, the socket goes away.
-func (a *testAgent) stop() {
-	a.once.Do(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		a.srv.Shutdown(ctx)
-		<-a.served
-	})
+// startAgent serves mgr at path until its Stop (called at cleanup at the latest).
+func startAgent(t *testing.T, mgr dev.Manager, path string) *servertest.Agent {
+	return servertest.Serve(t, path, server.Config{Manager: mgr})
 }
 
 // newShim returns a Plugin configured, through its schema as a Nomad client would, with

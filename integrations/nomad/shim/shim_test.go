@@ -170,7 +170,7 @@ func TestFingerprintWhileAgentUnreachable(t *testing.T) {
 	}
 	waitFingerprint(t, "both devices healthy", ch, allHealthy)
 
-	agent.stop()
+	agent.Stop()
 	m := nextFingerprint(t, ch)
 	for _, d := range m.Devices[0].Devices {
 		if d.Healthy || !strings.Contains(d.HealthDesc, "devicehost agent at unix://"+path+" unreachable") {
