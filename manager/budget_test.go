@@ -17,6 +17,7 @@ import (
 
 	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/pluginloader"
 	hostpb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/validate"
@@ -87,7 +88,27 @@ func TestSnapshotStaysWithinClientLimit(t *testing.T) {
 		fat = append(fat, fmt.Sprintf("fat%d", i))
 		fixtures = append(fixtures, fatFixture(fat[i]))
 	}
-	m, _ := startFixtures(t, cfg, fixtures...)
+	// The budget is first come, first served: "many" fingerprints before the fat
+	// plugins are launched, so that it is the fat ones the budget refuses.
+	l := &fixtureLauncher{}
+	manyIn := make(chan struct{})
+	launch := func(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error) {
+		if bin.Name != "many" {
+			select {
+			case <-manyIn:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+		}
+		return l.launch(ctx, bin, opts)
+	}
+	m, err := newManager(withFixtures(cfg, fixtures...), launch)
+	if err != nil {
+		t.Fatalf("newManager: %v", err)
+	}
+	t.Cleanup(func() { shutdown(t, m) })
+	waitFor(t, m, "many's devices", func(s device.Snapshot) bool { return pluginOf(s, "many").DeviceCount == len(many) })
+	close(manyIn)
 	waitReady(t, m)
 
 	snap := m.Snapshot()
