@@ -310,8 +310,10 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 		if verr := validate.Fingerprint(resp); verr != nil {
 			msg := oneLine(verr)
 			if isNew, _, _ := refusals.see(msg); isNew {
-				s.log.Error("fingerprint rejected; keeping the last good inventory", "violations", msg)
+				// State first, then the log: whoever reads the log line finds the
+				// plugin's last error already saying it.
 				s.reg.rejected(s.name, fmt.Errorf("fingerprint rejected: %s", msg))
+				s.log.Error("fingerprint rejected; keeping the last good inventory", "violations", msg)
 			}
 			continue
 		}
@@ -319,8 +321,8 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 		if err != nil {
 			// Keyed by kind, not text: the sizes in it change with every message.
 			if isNew, _, _ := refusals.see(budgetRefusal); isNew {
-				s.log.Error("fingerprint refused; keeping the last good inventory", "error", err)
 				s.reg.rejected(s.name, err)
+				s.log.Error("fingerprint refused; keeping the last good inventory", "error", err)
 			}
 			continue
 		}
@@ -330,10 +332,10 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 			lastClaim = ""
 		case claimed.Error() != lastClaim:
 			lastClaim = claimed.Error()
+			s.reg.pluginError(s.name, claimed)
 			for _, owner := range slices.Sorted(maps.Keys(claimed.byOwner)) {
 				s.log.Error("device IDs owned by another plugin refused", "owner", owner, "devices", listIDs(claimed.byOwner[owner]))
 			}
-			s.reg.pluginError(s.name, claimed)
 		}
 		firstTimer.Stop()
 		if fingerprinted != nil {

@@ -184,8 +184,10 @@ func (s *Server) reportReady() {
 	defer s.wg.Done()
 	select {
 	case <-s.mgr.Ready():
-		s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_SERVING)
+		// The overall status first: whoever sees the service SERVING (a probe with
+		// -service, a Watch) finds "" SERVING too.
 		s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+		s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_SERVING)
 		s.log.Info("serving", "service", ServiceName)
 	case <-s.quit:
 	}
