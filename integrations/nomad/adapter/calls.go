@@ -23,10 +23,14 @@ func (a *Adapter) Fingerprint(ctx context.Context, send func(*pb.FingerprintResp
 	if err != nil {
 		return err
 	}
+	parent := ctx
 	ctx, cancel := context.WithCancel(ctx)
 	ch, err := in.dev.Fingerprint(ctx)
 	if err != nil {
 		cancel()
+		if parent.Err() != nil {
+			return nil // ended by the caller while the stream was being opened
+		}
 		return pluginError(in, "fingerprint", err)
 	}
 	defer stopStream(cancel, ch)
@@ -80,10 +84,14 @@ func (a *Adapter) Stats(ctx context.Context, interval time.Duration, send func(*
 	if err != nil {
 		return err
 	}
+	parent := ctx
 	ctx, cancel := context.WithCancel(ctx)
 	ch, err := in.dev.Stats(ctx, interval)
 	if err != nil {
 		cancel()
+		if parent.Err() != nil {
+			return nil // ended by the caller while the stream was being opened
+		}
 		return pluginError(in, "stats", err)
 	}
 	defer stopStream(cancel, ch)

@@ -184,6 +184,17 @@ func TestAdapterFingerprintReserve(t *testing.T) {
 	if err := <-statsDone; err != nil {
 		t.Errorf("Stats after its ctx ended: %v; want nil", err)
 	}
+	// A ctx that has ended is the caller's doing, not a plugin failure, however Nomad's
+	// client reports it: here on the stream; when it ends while the stream is being
+	// opened (the race of the Stats call above, 1 run in 16), by the call itself.
+	ended, end := context.WithCancel(ctx)
+	end()
+	if err := a.Stats(ended, 50*time.Millisecond, func(*dpb.StatsResponse) error { return nil }); err != nil {
+		t.Errorf("Stats with its ctx already ended: %v; want nil", err)
+	}
+	if err := a.Fingerprint(ended, func(*dpb.FingerprintResponse) error { return nil }); err != nil {
+		t.Errorf("Fingerprint with its ctx already ended: %v; want nil", err)
+	}
 	// Nomad's device client sends a stream's last error without watching the context:
 	// the adapter must read it, or that goroutine stays forever.
 	noNewGoroutineIn(t, fpClient, fpBefore)
