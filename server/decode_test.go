@@ -9,30 +9,15 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/devicehost/devicehost/internal/rawgrpc"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/device/devicetest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 )
-
-// rawCodec sends a *[]byte as it is, so a test can send bytes no protobuf library would
-// encode, and receives into a *[]byte.
-type rawCodec struct{}
-
-func (rawCodec) Name() string { return "proto" }
-
-func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
-	return mem.BufferSlice{mem.SliceBuffer(*v.(*[]byte))}, nil
-}
-
-func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
-	*v.(*[]byte) = data.Materialize()
-	return nil
-}
 
 // Requests that are not valid protobuf for their message. Field 1 of every request
 // below is a string (ReserveRequest.owner_id, FingerprintRequest.groups is a message:
@@ -52,7 +37,7 @@ func TestUndecodableRequestIsInvalidArgumentAndLogged(t *testing.T) {
 	for i, tt := range undecodable {
 		t.Run("unary "+tt.name, func(t *testing.T) {
 			var out []byte
-			err := h.conn.Invoke(ctx, "/devicehost.v1.DeviceHost/Reserve", &tt.data, &out, grpc.ForceCodecV2(rawCodec{}))
+			err := h.conn.Invoke(ctx, "/devicehost.v1.DeviceHost/Reserve", &tt.data, &out, grpc.ForceCodecV2(rawgrpc.Codec{}))
 			st := status.Convert(err)
 			if st.Code() != codes.InvalidArgument || !strings.Contains(st.Message(), "devicehost.v1.ReserveRequest") {
 				t.Errorf("Reserve with %s: %v %q, want %v naming devicehost.v1.ReserveRequest", tt.name, st.Code(), st.Message(), codes.InvalidArgument)
@@ -68,7 +53,7 @@ func TestUndecodableRequestIsInvalidArgumentAndLogged(t *testing.T) {
 	for i, tt := range undecodable {
 		for _, method := range []string{"/devicehost.v1.DeviceHost/Fingerprint", "/devicehost.v1.DeviceHost/Stats"} {
 			t.Run(method+" "+tt.name, func(t *testing.T) {
-				cs, err := h.conn.NewStream(ctx, stream, method, grpc.ForceCodecV2(rawCodec{}))
+				cs, err := h.conn.NewStream(ctx, stream, method, grpc.ForceCodecV2(rawgrpc.Codec{}))
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -112,7 +97,7 @@ func TestOversizedRequestIsLogged(t *testing.T) {
 func TestUnknownMethodIsLogged(t *testing.T) {
 	h := startHost(t, &devicetest.Fake{})
 	var in, out []byte
-	err := h.conn.Invoke(testContext(t), "/devicehost.v1.DeviceHost/Nope", &in, &out, grpc.ForceCodecV2(rawCodec{}))
+	err := h.conn.Invoke(testContext(t), "/devicehost.v1.DeviceHost/Nope", &in, &out, grpc.ForceCodecV2(rawgrpc.Codec{}))
 	if got, want := status.Code(err), codes.Unimplemented; got != want {
 		t.Fatalf("unknown method: %v, want %v", err, want)
 	}

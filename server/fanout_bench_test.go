@@ -11,10 +11,8 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/protobuf/encoding/protowire"
-	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/devicehost/devicehost/internal/rawgrpc"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/device/devicetest"
 	"github.com/devicehost/devicehost/server"
@@ -81,7 +79,7 @@ func benchFanout(b *testing.B, n, conns int) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			s, err := conn.NewStream(ctx, desc, "/devicehost.v1.DeviceHost/Fingerprint", grpc.ForceCodecV2(rawCodec{}))
+			s, err := conn.NewStream(ctx, desc, "/devicehost.v1.DeviceHost/Fingerprint", grpc.ForceCodecV2(rawgrpc.Codec{}))
 			if err == nil {
 				empty := []byte{}
 				err = errors.Join(s.SendMsg(&empty), s.CloseSend())
@@ -97,7 +95,7 @@ func benchFanout(b *testing.B, n, conns int) {
 				}
 				at := time.Now()
 				if measuring.Load() {
-					ts, err := msgTimestamp(msg)
+					ts, err := rawgrpc.FingerprintTime(msg)
 					if err != nil {
 						panic(err)
 					}
@@ -143,32 +141,4 @@ func benchFanout(b *testing.B, n, conns int) {
 	b.ReportMetric(pct(50), "p50-µs")
 	b.ReportMetric(pct(99), "p99-µs")
 	b.ReportMetric(float64(lat[len(lat)-1])/float64(time.Microsecond), "max-µs")
-}
-
-// msgTimestamp reads field 2 (timestamp) of an encoded FingerprintResponse, skipping
-// the rest (as hostbench's clients do, so that the clients cost little).
-func msgTimestamp(m []byte) (time.Time, error) {
-	for len(m) > 0 {
-		num, typ, n := protowire.ConsumeTag(m)
-		if n < 0 {
-			return time.Time{}, protowire.ParseError(n)
-		}
-		m = m[n:]
-		if num == 2 && typ == protowire.BytesType {
-			v, n := protowire.ConsumeBytes(m)
-			if n < 0 {
-				return time.Time{}, protowire.ParseError(n)
-			}
-			var ts timestamppb.Timestamp
-			if err := proto.Unmarshal(v, &ts); err != nil {
-				return time.Time{}, err
-			}
-			return ts.AsTime(), nil
-		}
-		if n = protowire.ConsumeFieldValue(num, typ, m); n < 0 {
-			return time.Time{}, protowire.ParseError(n)
-		}
-		m = m[n:]
-	}
-	return time.Time{}, errors.New("no timestamp")
 }

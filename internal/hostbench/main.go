@@ -48,13 +48,10 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/metadata"
-	"google.golang.org/protobuf/encoding/protowire"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/devicehost/devicehost/internal/rawgrpc"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -312,48 +309,6 @@ func percentile(ds []time.Duration, p int) time.Duration {
 
 func ms(d time.Duration) string { return fmt.Sprintf("%.2f ms", float64(d)/float64(time.Millisecond)) }
 
-// rawCodec hands a message over as its bytes.
-type rawCodec struct{}
-
-func (rawCodec) Name() string { return "proto" }
-
-func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
-	return mem.BufferSlice{mem.SliceBuffer(*v.(*[]byte))}, nil
-}
-
-func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
-	*v.(*[]byte) = data.Materialize()
-	return nil
-}
-
-// msgTimestamp reads field 2 (timestamp) of an encoded FingerprintResponse.
-func msgTimestamp(b []byte) (time.Time, error) {
-	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
-		if n < 0 {
-			return time.Time{}, protowire.ParseError(n)
-		}
-		b = b[n:]
-		if num == 2 && typ == protowire.BytesType {
-			v, n := protowire.ConsumeBytes(b)
-			if n < 0 {
-				return time.Time{}, protowire.ParseError(n)
-			}
-			var ts timestamppb.Timestamp
-			if err := proto.Unmarshal(v, &ts); err != nil {
-				return time.Time{}, err
-			}
-			return ts.AsTime(), nil
-		}
-		n = protowire.ConsumeFieldValue(num, typ, b)
-		if n < 0 {
-			return time.Time{}, protowire.ParseError(n)
-		}
-		b = b[n:]
-	}
-	return time.Time{}, errors.New("no timestamp")
-}
-
 // openStreams opens n Fingerprint streams spread over conns new connections to sock and
 // waits until each has its headers (the server's handler runs). With read set, each
 // stream reads every message and onMsg (if not nil) gets its bytes. closeAll cancels
@@ -391,7 +346,7 @@ func openStreams(ctx context.Context, sock string, n, conns int, read bool, onMs
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				s, err := conn.NewStream(ctx, desc, "/devicehost.v1.DeviceHost/Fingerprint", grpc.ForceCodecV2(rawCodec{}))
+				s, err := conn.NewStream(ctx, desc, "/devicehost.v1.DeviceHost/Fingerprint", grpc.ForceCodecV2(rawgrpc.Codec{}))
 				if err == nil {
 					empty := []byte{} // an empty FingerprintRequest
 					err = errors.Join(s.SendMsg(&empty), s.CloseSend())
@@ -616,7 +571,7 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 	owner := []byte(benchOwner)
 	onMsg := func(stream int, msg []byte, at time.Time) {
 		if measuring.Load() {
-			ts, err := msgTimestamp(msg)
+			ts, err := rawgrpc.FingerprintTime(msg)
 			if err != nil {
 				panic(err)
 			}
