@@ -96,8 +96,7 @@ func TestAllocateReserves(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
 	h := startBridge(t, agent)
-	c := h.plugin(t, ctx)
-	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.healthyPlugin(t, ctx)
 
 	got, err := allocate(ctx, c, gpuID(2), gpuID(3))
 	if err != nil {
@@ -136,8 +135,7 @@ func TestAllocateTwoContainers(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
 	h := startBridge(t, agent)
-	c := h.plugin(t, ctx)
-	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.healthyPlugin(t, ctx)
 
 	resp, err := c.Allocate(ctx, &dpapi.AllocateRequest{ContainerRequests: []*dpapi.ContainerAllocateRequest{
 		{DevicesIds: []string{gpuID(0)}}, {DevicesIds: []string{gpuID(1), gpuID(4)}},
@@ -163,8 +161,7 @@ func TestDeviceHeldByAnotherOwner(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
 	h := startBridge(t, agent)
-	c := h.plugin(t, ctx)
-	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.healthyPlugin(t, ctx)
 
 	res, err := h.client.Reserve(ctx, &pb.ReserveRequest{OwnerId: "job-42", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, DeviceIds: []string{gpuID(6)}})
 	if err != nil {
@@ -228,8 +225,7 @@ func TestAllocateReplacesOwnStaleReservation(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
 	h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
-	c := h.plugin(t, ctx)
-	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.healthyPlugin(t, ctx)
 
 	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
 		t.Fatal(err)

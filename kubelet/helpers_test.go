@@ -137,6 +137,15 @@ func (h *harness) plugin(t *testing.T, ctx context.Context) dpapi.DevicePluginCl
 	return c
 }
 
+// healthyPlugin is plugin, once the kubelet's ListAndWatch shows the fake agent's 8
+// GPUs healthy.
+func (h *harness) healthyPlugin(t *testing.T, ctx context.Context) dpapi.DevicePluginClient {
+	t.Helper()
+	c := h.plugin(t, ctx)
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	return c
+}
+
 // allocate is the kubelet's Allocate of ids for one container.
 func allocate(ctx context.Context, c dpapi.DevicePluginClient, ids ...string) (*dpapi.ContainerAllocateResponse, error) {
 	resp, err := c.Allocate(ctx, &dpapi.AllocateRequest{ContainerRequests: []*dpapi.ContainerAllocateRequest{{DevicesIds: ids}}})

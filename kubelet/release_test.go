@@ -61,8 +61,7 @@ func TestReleasesWhenPodIsGone(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
 	h := startBridge(t, agent, withGrace)
-	c := h.plugin(t, ctx)
-	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.healthyPlugin(t, ctx)
 
 	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
 		t.Fatal(err)
@@ -101,8 +100,7 @@ func TestReleasesAllocationWithoutPod(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
 	h := startBridge(t, agent, withGrace)
-	c := h.plugin(t, ctx)
-	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.healthyPlugin(t, ctx)
 
 	if _, err := allocate(ctx, c, gpuID(4)); err != nil {
 		t.Fatal(err)
@@ -121,8 +119,7 @@ func TestReleasesNothingWhilePodResourcesFails(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
 	h := startBridge(t, agent, withGrace)
-	c := h.plugin(t, ctx)
-	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.healthyPlugin(t, ctx)
 
 	h.pods.SetFailing(errors.New("kubelet restarting"))
 	if _, err := allocate(ctx, c, gpuID(2)); err != nil {
@@ -147,8 +144,7 @@ func TestReleasesOnlyItsOwn(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
 	first := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
-	c := first.plugin(t, ctx)
-	first.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := first.healthyPlugin(t, ctx)
 	if _, err := allocate(ctx, c, gpuID(3)); err != nil {
 		t.Fatal(err)
 	}
@@ -179,8 +175,7 @@ func TestAllocateAgainRestartsTheGracePeriod(t *testing.T) {
 	agent := startAgent(t, eightGPUs())
 	clock := newFakeClock()
 	h := startBridgeWith(t, agent, func(b *kubelet.Bridge) { kubelet.SetClock(b, clock.Now) }, withGrace)
-	c := h.plugin(t, ctx)
-	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.healthyPlugin(t, ctx)
 	pass := func() { // one whole release pass after this point
 		t.Helper()
 		if err := h.pods.WaitLists(ctx, h.pods.Lists()+2); err != nil {
@@ -217,8 +212,7 @@ func TestAllocateAfterPodGoneMakesNewReservation(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
 	h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
-	c := h.plugin(t, ctx)
-	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.healthyPlugin(t, ctx)
 
 	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
 		t.Fatal(err)
@@ -275,8 +269,7 @@ func TestAllocateNeverTakesOverWhatAPodHolds(t *testing.T) {
 			ctx := testContext(t)
 			agent := startAgent(t, eightGPUs())
 			h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
-			c := h.plugin(t, ctx)
-			h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+			c := h.healthyPlugin(t, ctx)
 			held := podHoldsGPUs(t, ctx, h, c)
 			want := []string{gpuID(1) + " held by reservation " + held.ID + ` of owner "k8s/ml/a/main"`, "not taken over",
 				"container k8s/ml/a/main still holds " + gpuID(0)}
@@ -310,8 +303,7 @@ func TestAllocateOnAnAgentWithoutTakeOver(t *testing.T) {
 	agent.noTakeOver = true
 	agent.mu.Unlock()
 	h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
-	c := h.plugin(t, ctx)
-	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.healthyPlugin(t, ctx)
 	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
 		t.Fatal(err)
 	}

@@ -143,8 +143,7 @@ func TestNewRefusesBadResources(t *testing.T) {
 func TestGetPreferredAllocation(t *testing.T) {
 	ctx := testContext(t)
 	h := startBridge(t, startAgent(t, eightGPUs()))
-	c := h.plugin(t, ctx)
-	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+	c := h.healthyPlugin(t, ctx)
 	all := make([]string, 8)
 	for i := range all {
 		all[i] = gpuID(i)
