@@ -68,6 +68,31 @@ func TestHelperProcess(t *testing.T) {
 	select {} // until SIGKILL
 }
 
+// startHelper runs this test binary as the helper test name, on the ledger file at path
+// (passed in the environment variable env), and returns it with its stdout and stderr.
+// Cleanup kills it unless the test has waited for it.
+func startHelper(t *testing.T, name, env, path string) (*exec.Cmd, io.Reader, *bytes.Buffer) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^"+name+"$", "-test.count=1", "-test.timeout=2m")
+	cmd.Env = append(os.Environ(), env+"="+path)
+	stderr := new(bytes.Buffer)
+	cmd.Stderr = stderr
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+	})
+	return cmd, stdout, stderr
+}
+
 // TestCrashKeepsAcknowledged kills a process under Reserve load with SIGKILL and checks
 // that the state file it leaves opens cleanly (no half-written record) and holds every
 // acknowledged reservation exactly once, with every acknowledged release.
@@ -76,17 +101,7 @@ func TestCrashKeepsAcknowledged(t *testing.T) {
 		t.Skip("starts a process")
 	}
 	path := statePath(t)
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperProcess$", "-test.count=1", "-test.timeout=2m")
-	cmd.Env = append(os.Environ(), crashHelperEnv+"="+path)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	cmd, stdout, stderr := startHelper(t, "TestHelperProcess", crashHelperEnv, path)
 
 	lines := make(chan string)
 	readDone := make(chan error, 1)
@@ -145,7 +160,7 @@ func TestCrashKeepsAcknowledged(t *testing.T) {
 	if err := <-readDone; err != nil {
 		t.Fatalf("reading the helper's output: %v", err)
 	}
-	err = cmd.Wait()
+	err := cmd.Wait()
 	var exit *exec.ExitError
 	if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
 		t.Fatalf("helper ended with %v, want killed by SIGKILL\n%s", err, stderr.String())
@@ -248,24 +263,7 @@ func TestCrashRedoesCleanupWhoseMarkWasDeferred(t *testing.T) {
 		t.Skip("starts a process")
 	}
 	path := statePath(t)
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperDeferredMark$", "-test.count=1", "-test.timeout=2m")
-	cmd.Env = append(os.Environ(), deferredHelperEnv+"="+path)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	killed := false
-	t.Cleanup(func() {
-		if !killed {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-		}
-	})
+	cmd, stdout, stderr := startHelper(t, "TestHelperDeferredMark", deferredHelperEnv, path)
 
 	acked := map[string][]string{} // "reserved", "released", "cleaned" -> IDs in order
 	lines := bufio.NewScanner(stdout)
@@ -282,7 +280,6 @@ func TestCrashRedoesCleanupWhoseMarkWasDeferred(t *testing.T) {
 	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	killed = true
 	_ = cmd.Wait()
 
 	l := openLedger(t, path)
@@ -376,24 +373,7 @@ func TestCrashTakeOverKeepsDevicesHeld(t *testing.T) {
 		t.Skip("starts a process")
 	}
 	path := statePath(t)
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperTakeOver$", "-test.count=1", "-test.timeout=2m")
-	cmd.Env = append(os.Environ(), takeOverHelperEnv+"="+path)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	killed := false
-	t.Cleanup(func() {
-		if !killed {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-		}
-	})
+	cmd, stdout, stderr := startHelper(t, "TestHelperTakeOver", takeOverHelperEnv, path)
 	type took struct{ id, dev, old string }
 	var acked []took
 	lines := bufio.NewScanner(stdout)
@@ -410,7 +390,6 @@ func TestCrashTakeOverKeepsDevicesHeld(t *testing.T) {
 	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	killed = true
 	for lines.Scan() { // what it acknowledged before it died; a cut line has no newline
 		if f := strings.Fields(lines.Text()); len(f) == 4 && f[0] == "took" {
 			acked = append(acked, took{f[1], f[2], f[3]})
