@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -268,19 +267,13 @@ func (ps *pluginServer) stop() {
 // by a process that died, but never a live one or a file that is not a socket. The
 // listener does not unlink path on close (the socket there may no longer be ours).
 func listenSocket(path string) (net.Listener, os.FileInfo, error) {
-	lis, err := net.Listen("unix", path)
-	if errors.Is(err, syscall.EADDRINUSE) {
-		if err := endpoint.RemoveStaleSocket(path); errors.Is(err, endpoint.ErrSocketInUse) {
-			return nil, nil, fmt.Errorf("listen on %s: another process serves this socket (a second kubelet-plugin for the same resource?)", path)
-		} else if err != nil {
-			return nil, nil, err
-		}
-		lis, err = net.Listen("unix", path)
+	lis, err := endpoint.ListenUnix(path)
+	if errors.Is(err, endpoint.ErrSocketInUse) {
+		return nil, nil, fmt.Errorf("listen on %s: another process serves this socket (a second kubelet-plugin for the same resource?)", path)
+	} else if err != nil {
+		return nil, nil, err
 	}
-	if err != nil {
-		return nil, nil, fmt.Errorf("listen on %s: %w", path, err)
-	}
-	lis.(*net.UnixListener).SetUnlinkOnClose(false)
+	lis.SetUnlinkOnClose(false)
 	fi, err := os.Lstat(path)
 	if err == nil {
 		err = os.Chmod(path, 0o600)

@@ -221,6 +221,7 @@ func TestFeedStreamsThatBlockDelayNoOne(t *testing.T) {
 		}
 	}
 }
+
 func TestStreamSendsItsFirstMessageThenTheNewest(t *testing.T) {
 	tf := newTestFeeds(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

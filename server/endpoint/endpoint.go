@@ -326,17 +326,11 @@ func listenUnix(path string) (_ net.Listener, made []string, err error) {
 		return nil, made, err
 	}
 	defer unlock()
-	lis, err := net.Listen("unix", path)
-	if errors.Is(err, syscall.EADDRINUSE) {
-		if err := RemoveStaleSocket(path); errors.Is(err, ErrSocketInUse) {
-			return nil, made, fmt.Errorf("another devicehost is listening on %s", path)
-		} else if err != nil {
-			return nil, made, err
-		}
-		lis, err = net.Listen("unix", path)
-	}
-	if err != nil {
-		return nil, made, fmt.Errorf("listen on %s: %w", path, err)
+	lis, err := ListenUnix(path)
+	if errors.Is(err, ErrSocketInUse) {
+		return nil, made, fmt.Errorf("another devicehost is listening on %s", path)
+	} else if err != nil {
+		return nil, made, err
 	}
 	if err := os.Chmod(path, SocketMode); err != nil {
 		lis.Close()
@@ -378,15 +372,31 @@ func makeDirs(dir string) ([]string, error) {
 	return made, nil
 }
 
-// ErrSocketInUse is wrapped by RemoveStaleSocket's error when a process accepts
-// connections on the socket.
+// ErrSocketInUse is wrapped by ListenUnix's error when a process accepts connections on
+// the socket.
 var ErrSocketInUse = errors.New("a process is listening on the socket")
 
-// RemoveStaleSocket removes the Unix socket at path when nothing accepts connections on
-// it: a socket left by a process that died. It removes nothing, and returns an error,
-// when path is not a socket, a process listens on it (wrapping ErrSocketInUse), or
-// whether one does cannot be told (a connect that is neither accepted nor refused).
-func RemoveStaleSocket(path string) error {
+// ListenUnix binds a Unix socket at path. A socket left there by a process that died
+// (nothing accepts connections on it) is replaced; a live one is not (the error wraps
+// ErrSocketInUse), nor a file that is not a socket, nor a socket of which it cannot be
+// told (a connect that is neither accepted nor refused).
+func ListenUnix(path string) (*net.UnixListener, error) {
+	lis, err := net.Listen("unix", path)
+	if errors.Is(err, syscall.EADDRINUSE) {
+		if err := removeStaleSocket(path); err != nil {
+			return nil, err
+		}
+		lis, err = net.Listen("unix", path)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s: %w", path, err)
+	}
+	return lis.(*net.UnixListener), nil
+}
+
+// removeStaleSocket removes the socket at path for ListenUnix when nothing accepts
+// connections on it, and returns an error otherwise.
+func removeStaleSocket(path string) error {
 	fi, err := os.Lstat(path)
 	if err != nil {
 		return fmt.Errorf("listen on %s: %w", path, err)
