@@ -4,7 +4,7 @@
 //
 // It adds to the stubs what every caller would otherwise write again:
 //   - Dial for unix:///path.sock and tcp://host:port under the host's transport policy
-//     (mutual TLS on tcp, plaintext on loopback only; see package server/endpoint), with
+//     (mutual TLS on tcp, plaintext on loopback only; see package endpoint), with
 //     keepalive, and a first health check so that a wrong address fails at once;
 //   - calls in the API's own protobuf types (Reserve, Release, Reservations, Plugins,
 //     Devices), so a caller sees every field the agent sends and its -json stays the
@@ -34,8 +34,8 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/devicehost/devicehost/endpoint"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
-	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 // ServiceName is the host API's gRPC service name, under which the agent reports its

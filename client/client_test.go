@@ -16,11 +16,11 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/device/devicetest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
-	"github.com/devicehost/devicehost/server/endpoint"
 	"github.com/devicehost/devicehost/server/servertest"
 )
 

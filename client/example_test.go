@@ -10,11 +10,11 @@ import (
 	"time"
 
 	"github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/device/devicetest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
-	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 // A runtime reserves a GPU for its job and watches the inventory change; a second job

@@ -20,7 +20,7 @@ import (
 
 // BenchmarkFingerprintFanout measures a Fingerprint change going to many watchers over
 // real gRPC on a Unix socket, the streams spread over 100 connections like
-// internal/hostbench's: each iteration publishes one snapshot and waits until every
+// internal/cmd/hostbench's: each iteration publishes one snapshot and waits until every
 // watcher has received it. It reports the p50, p99 and max of (received - published);
 // the server's CPU is read from -cpuprofile (the clients run in the same process). Run
 // with -benchtime=20x or so: an iteration is one change.

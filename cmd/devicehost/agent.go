@@ -17,10 +17,10 @@ import (
 	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/hashicorp/go-hclog"
 
+	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/metrics"
 	"github.com/devicehost/devicehost/server"
-	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 // How long shutdown may take: the API first (open calls get this long to finish before

@@ -19,8 +19,8 @@ import (
 	"github.com/zclconf/go-cty/cty"
 	"github.com/zclconf/go-cty/cty/convert"
 
+	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/manager"
-	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 // Defaults of the agent's settings. Durations and counts left zero are the manager's

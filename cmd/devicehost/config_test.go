@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/endpoint"
 )
 
 // writeConfig writes content to a config file in a temporary directory and returns

@@ -21,8 +21,8 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/devicehost/devicehost/endpoint"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
-	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 // The crash tests run the built binary as `agent -dev` on a state dir that outlives the

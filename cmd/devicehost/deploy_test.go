@@ -10,8 +10,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/plugins/nvidia-example/nvidia"
-	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 // unitSettings reads a systemd unit's Key=Value lines (comments and sections

@@ -17,8 +17,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/manager/ledger"
-	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 // mkdir makes dir (and parents) or fails the test.

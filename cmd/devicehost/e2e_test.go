@@ -24,9 +24,9 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	dhclient "github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/endpoint"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
-	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 // The end-to-end test builds the devicehost binary once and runs `agent -dev` as a

@@ -12,8 +12,8 @@ import (
 	"github.com/hashicorp/hcl/v2"
 
 	"github.com/devicehost/devicehost/client"
-	"github.com/devicehost/devicehost/kubelet"
-	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/integrations/kubernetes"
 )
 
 // The least the kubelet-plugin's durations may be: a shorter grace period would release
@@ -43,7 +43,7 @@ type kubeletPluginConfig struct {
 	PodResourcesSocket   string
 	ReleaseGrace         time.Duration
 	PodResourcesInterval time.Duration
-	Resources            []kubelet.Resource
+	Resources            []kubernetes.Resource
 	LogLevel             string
 	LogJSON              bool
 }
@@ -72,7 +72,7 @@ func runKubeletPlugin(ctx context.Context, env *cmdEnv, args []string) error {
 		return err
 	}
 	defer c.Close()
-	b, err := kubelet.New(kubelet.Config{
+	b, err := kubernetes.New(kubernetes.Config{
 		Client:               c,
 		DevicePluginDir:      cfg.DevicePluginDir,
 		PodResourcesSocket:   cfg.PodResourcesSocket,
@@ -93,10 +93,10 @@ func parseKubeletPluginArgs(env *cmdEnv, args []string) (kubeletPluginConfig, er
 	var cf clientFlags
 	cf.register(fs, env)
 	configPath := fs.String("config", "", "HCL config `file` with a kubernetes block (flags override it)")
-	dpDir := fs.String("device-plugin-dir", kubelet.DefaultDevicePluginDir, "the kubelet's device-plugins `dir`ectory")
-	prSocket := fs.String("pod-resources-socket", kubelet.DefaultPodResourcesSocket, "the kubelet's PodResources API socket `path`")
-	grace := fs.Duration("release-grace", kubelet.DefaultReleaseGrace, "release a reservation once no pod has held its devices this long (at least 1s)")
-	interval := fs.Duration("pod-resources-interval", kubelet.DefaultPodResourcesInterval, "how often to list the kubelet's PodResources (at least 100ms)")
+	dpDir := fs.String("device-plugin-dir", kubernetes.DefaultDevicePluginDir, "the kubelet's device-plugins `dir`ectory")
+	prSocket := fs.String("pod-resources-socket", kubernetes.DefaultPodResourcesSocket, "the kubelet's PodResources API socket `path`")
+	grace := fs.Duration("release-grace", kubernetes.DefaultReleaseGrace, "release a reservation once no pod has held its devices this long (at least 1s)")
+	interval := fs.Duration("pod-resources-interval", kubernetes.DefaultPodResourcesInterval, "how often to list the kubelet's PodResources (at least 100ms)")
 	logLevel := fs.String("log-level", defaultLogLevel, "log `level`: trace, debug, info, warn or error")
 	logJSON := fs.Bool("log-json", false, "log JSON lines")
 	if err := parseFlags(fs, args); err != nil {
@@ -107,8 +107,8 @@ func parseKubeletPluginArgs(env *cmdEnv, args []string) (kubeletPluginConfig, er
 
 	cfg := kubeletPluginConfig{
 		Address:            cf.address,
-		DevicePluginDir:    kubelet.DefaultDevicePluginDir,
-		PodResourcesSocket: kubelet.DefaultPodResourcesSocket,
+		DevicePluginDir:    kubernetes.DefaultDevicePluginDir,
+		PodResourcesSocket: kubernetes.DefaultPodResourcesSocket,
 		LogLevel:           defaultLogLevel,
 	}
 	if *configPath != "" {
@@ -196,7 +196,7 @@ func loadKubeletConfigFile(path string, cfg *kubeletPluginConfig) error {
 		d.duration(k.ReleaseGrace, minReleaseGrace, &cfg.ReleaseGrace)
 		d.duration(k.PodResourcesInterval, minPodResourcesInterval, &cfg.PodResourcesInterval)
 		for _, rs := range k.Resources {
-			if err := kubelet.ValidateResourceName(rs.Name); err != nil {
+			if err := kubernetes.ValidateResourceName(rs.Name); err != nil {
 				d.diags = append(d.diags, &hcl.Diagnostic{
 					Severity: hcl.DiagError,
 					Summary:  "Invalid resource name",
@@ -205,7 +205,7 @@ func loadKubeletConfigFile(path string, cfg *kubeletPluginConfig) error {
 				})
 				continue
 			}
-			r := kubelet.Resource{Name: rs.Name}
+			r := kubernetes.Resource{Name: rs.Name}
 			d.required(rs.DefRange, "vendor", rs.Vendor, &r.Vendor)
 			d.required(rs.DefRange, "type", rs.Type, &r.Type)
 			if rs.Model != nil {
@@ -214,7 +214,7 @@ func loadKubeletConfigFile(path string, cfg *kubeletPluginConfig) error {
 			cfg.Resources = append(cfg.Resources, r)
 		}
 		if !d.diags.HasErrors() {
-			if err := kubelet.ValidateResources(cfg.Resources); err != nil {
+			if err := kubernetes.ValidateResources(cfg.Resources); err != nil {
 				d.diags = append(d.diags, &hcl.Diagnostic{
 					Severity: hcl.DiagError,
 					Summary:  "Invalid resources",

@@ -10,10 +10,10 @@ import (
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/devicehost/devicehost/client"
-	"github.com/devicehost/devicehost/kubelet"
-	"github.com/devicehost/devicehost/kubelet/kubelettest"
+	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/integrations/kubernetes"
+	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
-	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 // BenchmarkKubeletAllocate compares, on a real `agent -dev`, reserving one GPU
@@ -49,7 +49,7 @@ func BenchmarkKubeletAllocate(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer k.Close()
-	bridge, err := kubelet.New(kubelet.Config{
+	bridge, err := kubernetes.New(kubernetes.Config{
 		Client:             c,
 		DevicePluginDir:    dpDir,
 		PodResourcesSocket: filepath.Join(dpDir, "no-pod-resources.sock"), // releases are the benchmark's

@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/kubelet"
-	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/integrations/kubernetes"
 )
 
 func TestLoadKubeletConfigFile(t *testing.T) {
@@ -43,7 +43,7 @@ kubernetes {
 		PodResourcesSocket:   "/srv/pod-resources/kubelet.sock",
 		ReleaseGrace:         45 * time.Second,
 		PodResourcesInterval: 2 * time.Second,
-		Resources: []kubelet.Resource{
+		Resources: []kubernetes.Resource{
 			{Name: "nvidia.com/gpu", Vendor: "nvidia", Type: "gpu"},
 			{Name: "acme.com/widget-9000", Vendor: "acme", Type: "fpga", Model: "Widget 9000"},
 		},
@@ -104,7 +104,7 @@ kubernetes {
 		DevicePluginDir:    "/from/file",
 		PodResourcesSocket: "/flag/pr.sock",
 		ReleaseGrace:       10 * time.Second,
-		Resources:          []kubelet.Resource{{Name: "nvidia.com/gpu", Vendor: "nvidia", Type: "gpu"}},
+		Resources:          []kubernetes.Resource{{Name: "nvidia.com/gpu", Vendor: "nvidia", Type: "gpu"}},
 		LogLevel:           "info",
 	}
 	if !reflect.DeepEqual(cfg, want) {

@@ -16,9 +16,9 @@ import (
 
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/devicehost/devicehost/kubelet/kubelettest"
+	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
-	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 const e2eGPUResource = "nvidia.com/gpu"

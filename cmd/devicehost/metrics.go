@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"net"
 
-	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/endpoint"
 )
 
 // metricsTLS is the transport policy of the metrics endpoint at a: the API's

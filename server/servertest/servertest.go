@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/server"
-	"github.com/devicehost/devicehost/server/endpoint"
 )
 
 // ShortTempDir returns a fresh directory removed at cleanup. Not t.TempDir: its paths

@@ -25,7 +25,7 @@ import (
 	"github.com/hashicorp/nomad/plugins/shared/hclspec"
 
 	"github.com/devicehost/devicehost/client"
-	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/endpoint"
 )
 
 // Name is the plugin's name in Nomad (PluginInfo); Nomad matches its config block by

@@ -1,4 +1,4 @@
-// Package kubelet is devicehost's kubelet device plugin: a bridge that serves the
+// Package kubernetes is devicehost's kubelet device plugin: a bridge that serves the
 // agent's devices to the kubelet through the device-plugin API v1beta1
 // (k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1), as a client of the agent through
 // package client only, so it serves an agent it does not run and its failure never
@@ -14,7 +14,7 @@
 // kubelet's PodResources API: a reservation whose devices a container holds is handed
 // to that container (owner "k8s/<namespace>/<pod>/<container>", see PodName), and one
 // whose devices no pod has held for a grace period is released.
-package kubelet
+package kubernetes
 
 import (
 	"context"

@@ -1,4 +1,4 @@
-package kubelet_test
+package kubernetes_test
 
 import (
 	"slices"
@@ -9,8 +9,8 @@ import (
 	"google.golang.org/grpc/status"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/devicehost/devicehost/kubelet"
-	"github.com/devicehost/devicehost/kubelet/kubelettest"
+	"github.com/devicehost/devicehost/integrations/kubernetes"
+	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
 	"github.com/devicehost/devicehost/manager/device"
 )
 
@@ -87,8 +87,8 @@ func TestDefaultResources(t *testing.T) {
 func TestConfiguredResources(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs(), group(a100, "A-0", "A-1"), group(fpga, "F-0"))
-	h := startBridge(t, agent, func(c *kubelet.Config) {
-		c.Resources = []kubelet.Resource{
+	h := startBridge(t, agent, func(c *kubernetes.Config) {
+		c.Resources = []kubernetes.Resource{
 			{Name: "nvidia.com/a100", Vendor: "nvidia", Type: "gpu", Model: a100.Name},
 			{Name: "example.com/h100", Vendor: "nvidia", Type: "gpu", Model: h100.Name},
 		}
@@ -122,18 +122,18 @@ func TestNewRefusesBadResources(t *testing.T) {
 	agent := startAgent(t, eightGPUs())
 	h := startBridge(t, agent)
 	for _, tc := range []struct {
-		rs   []kubelet.Resource
+		rs   []kubernetes.Resource
 		want string
 	}{
-		{[]kubelet.Resource{{Name: "gpu", Vendor: "nvidia", Type: "gpu"}}, `resource name "gpu" has no domain`},
-		{[]kubelet.Resource{{Name: "nvidia.com/gpu", Vendor: "nvidia", Type: "gpu"}, {Name: "nvidia.com/h100", Vendor: "nvidia", Type: "gpu", Model: "H100"}}, "both match device groups"},
+		{[]kubernetes.Resource{{Name: "gpu", Vendor: "nvidia", Type: "gpu"}}, `resource name "gpu" has no domain`},
+		{[]kubernetes.Resource{{Name: "nvidia.com/gpu", Vendor: "nvidia", Type: "gpu"}, {Name: "nvidia.com/h100", Vendor: "nvidia", Type: "gpu", Model: "H100"}}, "both match device groups"},
 	} {
-		_, err := kubelet.New(kubelet.Config{Client: h.client, Resources: tc.rs})
+		_, err := kubernetes.New(kubernetes.Config{Client: h.client, Resources: tc.rs})
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("New(%v): %v, want an error containing %q", tc.rs, err, tc.want)
 		}
 	}
-	if _, err := kubelet.New(kubelet.Config{}); err == nil {
+	if _, err := kubernetes.New(kubernetes.Config{}); err == nil {
 		t.Error("New without a client: no error")
 	}
 }

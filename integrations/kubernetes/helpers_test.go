@@ -1,4 +1,4 @@
-package kubelet_test
+package kubernetes_test
 
 import (
 	"bytes"
@@ -13,8 +13,8 @@ import (
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/devicehost/devicehost/client"
-	"github.com/devicehost/devicehost/kubelet"
-	"github.com/devicehost/devicehost/kubelet/kubelettest"
+	"github.com/devicehost/devicehost/integrations/kubernetes"
+	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
 )
 
 func TestMain(m *testing.M) {
@@ -30,7 +30,7 @@ type harness struct {
 	kubelet *kubelettest.Kubelet
 	pods    *kubelettest.PodResources
 	client  *client.Client // the bridge's connection to the agent
-	cfg     kubelet.Config
+	cfg     kubernetes.Config
 	logs    *syncBuffer
 
 	cancel context.CancelFunc
@@ -40,13 +40,13 @@ type harness struct {
 // startBridge runs a bridge for agent with the stand-ins, its config changed by opts
 // (ReleaseGrace 1s and PodResourcesInterval 20ms unless set). Cleanup stops it (and
 // checks Run returned nil) and the stand-ins.
-func startBridge(t testing.TB, agent *fakeAgent, opts ...func(*kubelet.Config)) *harness {
+func startBridge(t testing.TB, agent *fakeAgent, opts ...func(*kubernetes.Config)) *harness {
 	t.Helper()
 	return startBridgeWith(t, agent, nil, opts...)
 }
 
 // startBridgeWith is startBridge with setup called on the Bridge before it runs.
-func startBridgeWith(t testing.TB, agent *fakeAgent, setup func(*kubelet.Bridge), opts ...func(*kubelet.Config)) *harness {
+func startBridgeWith(t testing.TB, agent *fakeAgent, setup func(*kubernetes.Bridge), opts ...func(*kubernetes.Config)) *harness {
 	t.Helper()
 	dir := shortTempDir(t, "dpk")
 	k, err := kubelettest.Start(dir)
@@ -67,7 +67,7 @@ func startBridgeWith(t testing.TB, agent *fakeAgent, setup func(*kubelet.Bridge)
 	t.Cleanup(func() { c.Close() })
 	logs := &syncBuffer{}
 	h := &harness{agent: agent, kubelet: k, pods: pods, client: c, logs: logs, runErr: make(chan error, 1)}
-	h.cfg = kubelet.Config{
+	h.cfg = kubernetes.Config{
 		Client:               c,
 		DevicePluginDir:      dir,
 		PodResourcesSocket:   prSock,
@@ -79,7 +79,7 @@ func startBridgeWith(t testing.TB, agent *fakeAgent, setup func(*kubelet.Bridge)
 	for _, o := range opts {
 		o(&h.cfg)
 	}
-	b, err := kubelet.New(h.cfg)
+	b, err := kubernetes.New(h.cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package kubelet_test
+package kubernetes_test
 
 import (
 	"context"
@@ -8,7 +8,7 @@ import (
 
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/devicehost/devicehost/kubelet/kubelettest"
+	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
 	"github.com/devicehost/devicehost/manager/device"
 )
 

@@ -1,4 +1,4 @@
-package kubelet
+package kubernetes
 
 import (
 	"context"
@@ -16,7 +16,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/endpoint"
 )
 
 // Timing of registration.

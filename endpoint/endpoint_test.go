@@ -22,7 +22,7 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/endpoint"
 )
 
 func TestMain(m *testing.M) {

@@ -1,4 +1,4 @@
-package kubelet_test
+package kubernetes_test
 
 import (
 	"errors"
@@ -15,8 +15,8 @@ import (
 	"google.golang.org/protobuf/proto"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/devicehost/devicehost/kubelet"
-	"github.com/devicehost/devicehost/kubelet/kubelettest"
+	"github.com/devicehost/devicehost/integrations/kubernetes"
+	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
 	"github.com/devicehost/devicehost/manager/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
@@ -224,7 +224,7 @@ func TestAllocateErrors(t *testing.T) {
 func TestAllocateReplacesOwnStaleReservation(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
-	h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
+	h := startBridge(t, agent, func(c *kubernetes.Config) { c.ReleaseGrace = time.Hour })
 	c := h.healthyPlugin(t, ctx)
 
 	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {

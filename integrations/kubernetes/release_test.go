@@ -1,4 +1,4 @@
-package kubelet_test
+package kubernetes_test
 
 import (
 	"context"
@@ -13,15 +13,15 @@ import (
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 	prapi "k8s.io/kubelet/pkg/apis/podresources/v1"
 
-	"github.com/devicehost/devicehost/kubelet"
-	"github.com/devicehost/devicehost/kubelet/kubelettest"
+	"github.com/devicehost/devicehost/integrations/kubernetes"
+	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
 	"github.com/devicehost/devicehost/manager/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
 const grace = 500 * time.Millisecond
 
-func withGrace(c *kubelet.Config) { c.ReleaseGrace = grace }
+func withGrace(c *kubernetes.Config) { c.ReleaseGrace = grace }
 
 // passDoneAfter waits until the bridge has finished a release pass that began at or
 // after t: the pass that answered List call n is done once call n+1 arrives.
@@ -143,7 +143,7 @@ func TestReleasesNothingWhilePodResourcesFails(t *testing.T) {
 func TestReleasesOnlyItsOwn(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
-	first := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
+	first := startBridge(t, agent, func(c *kubernetes.Config) { c.ReleaseGrace = time.Hour })
 	c := first.healthyPlugin(t, ctx)
 	if _, err := allocate(ctx, c, gpuID(3)); err != nil {
 		t.Fatal(err)
@@ -174,7 +174,7 @@ func TestAllocateAgainRestartsTheGracePeriod(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
 	clock := newFakeClock()
-	h := startBridgeWith(t, agent, func(b *kubelet.Bridge) { kubelet.SetClock(b, clock.Now) }, withGrace)
+	h := startBridgeWith(t, agent, func(b *kubernetes.Bridge) { kubernetes.SetClock(b, clock.Now) }, withGrace)
 	c := h.healthyPlugin(t, ctx)
 	pass := func() { // one whole release pass after this point
 		t.Helper()
@@ -211,7 +211,7 @@ func TestAllocateAgainRestartsTheGracePeriod(t *testing.T) {
 func TestAllocateAfterPodGoneMakesNewReservation(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs())
-	h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
+	h := startBridge(t, agent, func(c *kubernetes.Config) { c.ReleaseGrace = time.Hour })
 	c := h.healthyPlugin(t, ctx)
 
 	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
@@ -268,7 +268,7 @@ func TestAllocateNeverTakesOverWhatAPodHolds(t *testing.T) {
 		t.Run(map[bool]string{false: "pod reported", true: "PodResources failing"}[failing], func(t *testing.T) {
 			ctx := testContext(t)
 			agent := startAgent(t, eightGPUs())
-			h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
+			h := startBridge(t, agent, func(c *kubernetes.Config) { c.ReleaseGrace = time.Hour })
 			c := h.healthyPlugin(t, ctx)
 			held := podHoldsGPUs(t, ctx, h, c)
 			want := []string{gpuID(1) + " held by reservation " + held.ID + ` of owner "k8s/ml/a/main"`, "not taken over",
@@ -302,7 +302,7 @@ func TestAllocateOnAnAgentWithoutTakeOver(t *testing.T) {
 	agent.mu.Lock()
 	agent.noTakeOver = true
 	agent.mu.Unlock()
-	h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
+	h := startBridge(t, agent, func(c *kubernetes.Config) { c.ReleaseGrace = time.Hour })
 	c := h.healthyPlugin(t, ctx)
 	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
 		t.Fatal(err)
@@ -327,7 +327,7 @@ func TestAllocateTakesOverManyPods(t *testing.T) {
 		g.Devices = append(g.Devices, device.DeviceInfo{ID: gpuID(i), Locality: device.Locality{NUMANode: -1}})
 	}
 	agent := startAgent(t, g)
-	h := startBridge(t, agent, func(c *kubelet.Config) { c.ReleaseGrace = time.Hour })
+	h := startBridge(t, agent, func(c *kubernetes.Config) { c.ReleaseGrace = time.Hour })
 	c := h.plugin(t, ctx)
 	h.waitGPUs(t, ctx, "healthy GPUs", kubelettest.AllHealth(n, dpapi.Healthy))
 	var pods []*prapi.PodResources

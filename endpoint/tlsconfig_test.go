@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/server/endpoint"
+	"github.com/devicehost/devicehost/endpoint"
 )
 
 // A server that is not gRPC (the metrics endpoint's HTTP) gets the same policy through

@@ -1,4 +1,4 @@
-package kubelet_test
+package kubernetes_test
 
 import (
 	"context"
@@ -10,10 +10,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/device/devicetest"
 	"github.com/devicehost/devicehost/server"
-	"github.com/devicehost/devicehost/server/endpoint"
 	"github.com/devicehost/devicehost/server/servertest"
 )
 
