@@ -169,6 +169,11 @@ func TestKubeletPluginEndToEnd(t *testing.T) {
 		t.Fatalf("reservations after Allocate: %v, want one owned by kubelet/nvidia.com/gpu/...", rs.GetReservations())
 	}
 	res := rs.GetReservations()[0]
+	// The kubelet starts the container right after Allocate, and PodResources lists the
+	// pod from then on: set it now, as a reservation no pod holds is released after the
+	// 1s grace period, however long the steps below take on a busy machine.
+	const podOwner = "k8s/ml/trainer-0/main"
+	pods.SetPods(kubelettest.Pod("ml", "trainer-0", "main", e2eGPUResource, pair...))
 
 	// SIGKILL the plugin: the kubelet sees all 8 unhealthy, then healthy again.
 	fctx, stopFP := context.WithCancel(ctx)
@@ -202,8 +207,6 @@ func TestKubeletPluginEndToEnd(t *testing.T) {
 	// PodResources reports the pod: the reservation is handed to the pod's container,
 	// so `devicehost reservations` and `devicehost devices` say which pod holds the GPUs.
 	// Once the pod is gone the reservation is released after the grace period.
-	const podOwner = "k8s/ml/trainer-0/main"
-	pods.SetPods(kubelettest.Pod("ml", "trainer-0", "main", e2eGPUResource, pair...))
 	if _, err := bridge.stderr.wait(ctx, func(l string) bool {
 		var m map[string]any
 		return json.Unmarshal([]byte(l), &m) == nil && m["@message"] == "reservation serves a pod" &&
