@@ -1,5 +1,5 @@
 # devicehost: the agent binary, the nvidia-example plugin in the plugin dir, and
-# grpc_health_probe for the health check. Builds as the README's "Build and Docker" says.
+# grpc_health_probe for the health check. Builds as docs/operations.md, "Build and Docker", says.
 #
 #   docker build -t devicehost .
 #   docker run --rm -v /run/devicehost:/run/devicehost devicehost agent -dev -listen unix:///run/devicehost/devicehost.sock

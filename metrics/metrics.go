@@ -1,7 +1,7 @@
 // Package metrics exports the agent's state as Prometheus metrics on its own registry
 // and serves them over HTTP at /metrics.
 //
-// What it exports (see the README's Metrics section for the full list and the name
+// What it exports (see docs/metrics.md for the full list and the name
 // mapping):
 //   - device stats, from the sample the manager already holds (LatestStats): a scrape
 //     asks no plugin for anything, however many scrapers there are. NVIDIA GPUs (vendor

@@ -17,7 +17,7 @@ const maxStatNameLen = 128
 
 // statHelp is the help of every devicehost_device_<stat> family. It depends on nothing
 // a plugin sends, so two plugins' stats of one name can never disagree about it.
-const statHelp = "A device statistic as its plugin reports it, converted to the Prometheus base unit its name ends with (none: as reported). See the devicehost README, Metrics."
+const statHelp = "A device statistic as its plugin reports it, converted to the Prometheus base unit its name ends with (none: as reported). See devicehost's docs/metrics.md."
 
 // dimension is a unit's kind, and the suffix Prometheus' conventions give a metric in
 // that kind's base unit.

@@ -1,6 +1,6 @@
 # devicehost agent config for the systemd unit beside it: install as
-# /etc/devicehost/devicehost.hcl. Its paths are the unit's directories; see README.md,
-# "Running under systemd", and "Config reference" for every key.
+# /etc/devicehost/devicehost.hcl. Its paths are the unit's directories; see docs/operations.md,
+# "Running under systemd", and docs/configuration.md for every key.
 
 listen     = "unix:///run/devicehost/devicehost.sock" # RuntimeDirectory=devicehost (0750; socket 0660)
 state_dir  = "/var/lib/devicehost"                    # StateDirectory=devicehost: ledger, kept plugins' sockets
