@@ -40,6 +40,25 @@ func TestFakeManagerContract(t *testing.T) {
 			func(_ context.Context, m device.Manager) error {
 				return expect(m.State().Devices["d0"].Health == device.HealthHealthy, "state not passed through")
 			}},
+		{"Snapshot", &devicetest.Fake{SnapshotFunc: func() device.Snapshot { return device.Snapshot{Seq: 2, Inventory: inv, State: state} }},
+			func(_ context.Context, m device.Manager) error {
+				return expect(m.Snapshot().Seq == 2, "snapshot not passed through")
+			}},
+		{"Snapshot from Inventory and State", &devicetest.Fake{
+			InventoryFunc: func() device.Inventory { return inv },
+			StateFunc:     func() device.State { return state },
+		},
+			func(_ context.Context, m device.Manager) error {
+				snap := m.Snapshot()
+				return expect(snap.Inventory.Groups[0].Devices[0].ID == "d0" && snap.State.Devices["d0"].Health == device.HealthHealthy,
+					"snapshot is not Inventory and State together")
+			}},
+		{"LatestStats", &devicetest.Fake{LatestStatsFunc: func() device.StatsSnapshot {
+			return device.StatsSnapshot{Groups: []device.GroupStats{{Plugin: "p"}}}
+		}},
+			func(_ context.Context, m device.Manager) error {
+				return expect(m.LatestStats().Groups[0].Plugin == "p", "latest stats not passed through")
+			}},
 		{"Watch", &devicetest.Fake{WatchFunc: func(context.Context) <-chan device.Snapshot { return snapCh }},
 			func(ctx context.Context, m device.Manager) error {
 				return expect((<-m.Watch(ctx)).Seq == 1, "snapshot not passed through")
@@ -116,6 +135,7 @@ func TestFakeManagerContract(t *testing.T) {
 				<-m.Ready()
 				return errors.Join(
 					expect(len(m.Inventory().Groups) == 0 && m.State().Devices == nil, "zero inventory and state"),
+					expect(len(m.Snapshot().Inventory.Groups) == 0 && len(m.LatestStats().Groups) == 0, "zero snapshot and stats"),
 					expect(!watchOpen && !statsOpen, "closed watch channels"),
 					expect(errors.Is(reserveErr, device.ErrUnknownDevice), "Reserve answers ErrUnknownDevice"),
 					expect(errors.Is(releaseErr, device.ErrNotFound), "Release answers ErrNotFound"),

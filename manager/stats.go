@@ -121,6 +121,5 @@ func (h *statsHub) run(ctx context.Context, inventory func() device.Inventory) {
 // them: what the plugins' stats streams last brought, read without asking any plugin
 // and without waiting for the next sampling tick, so callers that poll (a metrics
 // scrape) cost the plugins nothing however often they ask. Safe for concurrent use;
-// the snapshot is immutable. It is not part of device.Manager: a manager without it
-// can serve WatchStats readers only.
+// the snapshot is immutable.
 func (m *Manager) LatestStats() device.StatsSnapshot { return m.stats.build(m.Inventory()) }

@@ -11,20 +11,6 @@ import (
 	"github.com/devicehost/devicehost/manager/device"
 )
 
-// Snapshotter is a device.Manager that hands out its inventory and state as one
-// consistent snapshot (manager.Manager does). Without it the collector asks Inventory
-// and State apart.
-type Snapshotter interface {
-	Snapshot() device.Snapshot
-}
-
-// LatestStatser is a device.Manager that hands out the latest stats it holds without
-// asking any plugin (manager.Manager does). Without it no device stats are exported:
-// a scrape must never cost the plugins a call.
-type LatestStatser interface {
-	LatestStats() device.StatsSnapshot
-}
-
 // Labels of the device and plugin metrics.
 var (
 	deviceLabels   = []string{"plugin", "vendor", "type", "name", "device"}
@@ -68,9 +54,10 @@ var (
 // reservedFamilies are the agent's own families that a stat's name must not take.
 var reservedFamilies = map[string]bool{"devicehost_device_healthy": true, "devicehost_device_reserved": true}
 
-// collector exports a device.Manager's devices, plugins and stats at each scrape. It is
-// an unchecked collector (Describe sends nothing): the stat families depend on what
-// the plugins send. Safe for concurrent scrapes; it keeps nothing between them.
+// collector exports a device.Manager's devices, plugins and stats at each scrape, from
+// its Snapshot and LatestStats: a scrape never costs the plugins a call. It is an
+// unchecked collector (Describe sends nothing): the stat families depend on what the
+// plugins send. Safe for concurrent scrapes; it keeps nothing between them.
 type collector struct {
 	mgr       device.Manager
 	hostname  string
@@ -86,12 +73,7 @@ func (c *collector) Describe(chan<- *prometheus.Desc) {}
 
 // Collect implements prometheus.Collector.
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
-	var snap device.Snapshot
-	if s, ok := c.mgr.(Snapshotter); ok {
-		snap = s.Snapshot()
-	} else {
-		snap = device.Snapshot{Inventory: c.mgr.Inventory(), State: c.mgr.State()}
-	}
+	snap := c.mgr.Snapshot()
 	s := &scrape{
 		c:        c,
 		ch:       ch,
@@ -102,9 +84,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	s.plugins(snap.State)
 	s.devices(snap)
-	if ls, ok := c.mgr.(LatestStatser); ok {
-		s.stats(ls.LatestStats(), snap.Inventory)
-	}
+	s.stats(c.mgr.LatestStats(), snap.Inventory)
 	s.reportDropped()
 }
 

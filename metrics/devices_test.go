@@ -403,19 +403,64 @@ func TestScrapesReadTheLatestStatsOnly(t *testing.T) {
 	}
 }
 
-// A manager without LatestStats exports no device stats (a scrape must never cost a
-// plugin call) but everything else.
-func TestManagerWithoutLatestStats(t *testing.T) {
-	snap := gpuSnapshot()
-	mgr := &devicetest.Fake{}
-	mgr.InventoryFunc = func() device.Inventory { return snap.Inventory }
-	mgr.StateFunc = func() device.State { return snap.State }
-	s := serve(t, metrics.Options{}, mgr)
-	f := s.scrape(t)
-	if got := f.names("DCGM_"); len(got) != 0 {
-		t.Errorf("stats exported without LatestStats: %v", got)
+// The collector reads what device.Manager promises every manager has (Snapshot,
+// LatestStats), so any manager is exported in full: a plain devicetest.Fake, and one
+// wrapped by Instrument, as the agent wires it, on which a type assertion for those
+// methods would find nothing. A Fake that holds no stats (no LatestStatsFunc) has its
+// devices and plugins exported and no stats; a nil manager is refused when wired.
+func TestEveryManagerIsCollected(t *testing.T) {
+	snap, stats := gpuSnapshot(), gpuStats()
+	fake := func() *devicetest.Fake {
+		return &devicetest.Fake{
+			SnapshotFunc:    func() device.Snapshot { return snap },
+			LatestStatsFunc: func() device.StatsSnapshot { return stats },
+		}
 	}
-	if n := len(f.series("devicehost_device_healthy", nil)); n != 3 {
-		t.Errorf("devicehost_device_healthy has %d series, want 3", n)
+	tests := []struct {
+		name      string
+		mgr       func(*metrics.Metrics) device.Manager
+		wantStats bool
+	}{
+		{"Fake", func(*metrics.Metrics) device.Manager { return fake() }, true},
+		{"Instrument(Fake)", func(m *metrics.Metrics) device.Manager { return m.Instrument(fake()) }, true},
+		{"Fake without stats", func(*metrics.Metrics) device.Manager {
+			return &devicetest.Fake{
+				InventoryFunc: func() device.Inventory { return snap.Inventory },
+				StateFunc:     func() device.State { return snap.State },
+			}
+		}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m, err := metrics.New(metrics.Options{Hostname: "node-7"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := m.CollectManager(tt.mgr(m)); err != nil {
+				t.Fatalf("CollectManager: %v", err)
+			}
+			f := scrapeHandler(t, m)
+			if n := len(f.series("devicehost_device_healthy", nil)); n != 3 {
+				t.Errorf("devicehost_device_healthy has %d series, want 3", n)
+			}
+			if n := len(f.series("devicehost_plugin_restarts_total", nil)); n != 2 {
+				t.Errorf("devicehost_plugin_restarts_total has %d series, want 2", n)
+			}
+			n := len(f.series("DCGM_FI_DEV_GPU_UTIL", nil))
+			if tt.wantStats && n != 2 {
+				t.Errorf("DCGM_FI_DEV_GPU_UTIL has %d series, want 2 (one per GPU)", n)
+			}
+			if got := f.names("DCGM_"); !tt.wantStats && len(got) != 0 {
+				t.Errorf("stats exported from a manager that holds none: %v", got)
+			}
+		})
+	}
+
+	m, err := metrics.New(metrics.Options{Hostname: "node-7"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.CollectManager(nil); err == nil {
+		t.Error("CollectManager(nil) = nil, want an error")
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"slices"
 	"sort"
 	"strings"
@@ -29,8 +30,9 @@ func TestMain(m *testing.M) {
 
 var t0 = time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
 
-// fakeManager is devicetest.Fake with the two read methods the collector prefers,
-// returning what the test set. Safe for concurrent use.
+// fakeManager is devicetest.Fake whose Snapshot and LatestStats (what the collector
+// reads) return what the test set, counting the LatestStats calls. Safe for concurrent
+// use.
 type fakeManager struct {
 	devicetest.Fake
 
@@ -96,6 +98,17 @@ func serve(t *testing.T, opts metrics.Options, mgr device.Manager) *served {
 		}
 	})
 	return &served{m: m, url: "http://" + lis.Addr().String() + "/metrics"}
+}
+
+// scrapeHandler scrapes m's Handler in-process and parses the answer like scrape.
+func scrapeHandler(t *testing.T, m *metrics.Metrics) families {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	m.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	if rec.Code != http.StatusOK {
+		t.Fatalf("GET /metrics: %d %s", rec.Code, rec.Body)
+	}
+	return parse(t, rec.Body.String())
 }
 
 // get fetches url and returns the status and body.

@@ -3,14 +3,15 @@
 //
 // What it exports (see docs/metrics.md for the full list and the name
 // mapping):
-//   - device stats, from the sample the manager already holds (LatestStats): a scrape
-//     asks no plugin for anything, however many scrapers there are. NVIDIA GPUs (vendor
+//   - device stats, from the sample the manager already holds (device.Manager's
+//     LatestStats): a scrape asks no plugin for anything, however many scrapers there
+//     are. NVIDIA GPUs (vendor
 //     "nvidia", type "gpu": the nvidia-example plugin) get dcgm-exporter's names and
 //     labels (DCGM_FI_DEV_GPU_UTIL{gpu,UUID,device,modelName,pci_bus_id,Hostname}, in
 //     dcgm-exporter's units), so its dashboards work unchanged; every other stat is
 //     devicehost_device_<stat>_<unit> in Prometheus base units.
 //   - device health and holders, plugin status, restarts and last error time, from the
-//     manager's current snapshot;
+//     manager's current Snapshot;
 //   - Reserve and Release latency (Instrument), ledger commit latency and group size
 //     (ObserveLedgerCommit), open API streams, and gRPC server metrics through
 //     go-grpc-middleware's prometheus provider (ServerOptions, CollectServer);
@@ -235,8 +236,12 @@ func (m *Metrics) ObserveLedgerCommit(took time.Duration, writes int) {
 }
 
 // CollectManager exports mgr's devices, plugins and stats at every scrape (see
-// collector). Call it once.
+// collector), from what device.Manager promises every manager has: its Snapshot and
+// LatestStats. Call it once; a nil mgr is refused.
 func (m *Metrics) CollectManager(mgr device.Manager) error {
+	if mgr == nil {
+		return errors.New("metrics: CollectManager: the manager is nil")
+	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.haveManager {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/devicehost/devicehost/manager/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/server/internal/fanout"
 	"github.com/devicehost/devicehost/validate"
 )
 
@@ -19,7 +20,7 @@ const maxStatsInterval = 24 * time.Hour
 
 // Fingerprint sends the full snapshot of the groups the request selects at once, and
 // then on every change. Every Fingerprint stream shares one Manager watch; a slow
-// client skips to the newest snapshot (see fanout.go).
+// client skips to the newest snapshot (see package fanout).
 func (s *Server) Fingerprint(req *pb.FingerprintRequest, stream grpc.ServerStreamingServer[pb.FingerprintResponse]) error {
 	filter, err := newStreamFilter(req.GetGroups(), req.GetPlugins())
 	if err != nil {
@@ -31,13 +32,13 @@ func (s *Server) Fingerprint(req *pb.FingerprintRequest, stream grpc.ServerStrea
 		return err
 	}
 	defer release()
-	f, sb, cur, _, ok := s.fingerprints.join("", s.mgr.Watch, stream, connID(ctx), filter.key(), func(snap device.Snapshot) *frame {
-		return encodeFrame(snapshotToProto(snap, filter))
+	sb, cur, _, ok := s.fingerprints.Join("", s.mgr.Watch, stream, connID(ctx), filter.key(), func(snap device.Snapshot) *fanout.Frame {
+		return fanout.Encode(snapshotToProto(snap, filter))
 	})
 	if !ok {
 		return errServerShutdown
 	}
-	defer f.leave(sb)
+	defer sb.Leave()
 	return s.serveStream(ctx, sb, cur, cur)
 }
 
@@ -59,13 +60,13 @@ func (s *Server) Stats(req *pb.StatsRequest, stream grpc.ServerStreamingServer[p
 		return err
 	}
 	defer release()
-	encode := func(snap device.StatsSnapshot) *frame { return encodeFrame(statsToProto(snap, filter)) }
+	encode := func(snap device.StatsSnapshot) *fanout.Frame { return fanout.Encode(statsToProto(snap, filter)) }
 	watch := func(ctx context.Context) <-chan device.StatsSnapshot { return s.mgr.WatchStats(ctx, interval) }
-	f, sb, cur, hadValue, ok := s.stats.join(interval.String(), watch, stream, connID(ctx), filter.key(), encode)
+	sb, cur, hadValue, ok := s.stats.Join(interval.String(), watch, stream, connID(ctx), filter.key(), encode)
 	if !ok {
 		return errServerShutdown
 	}
-	defer f.leave(sb)
+	defer sb.Leave()
 	first := cur
 	if hadValue {
 		// The shared watch's latest value may be up to an interval old; the first
@@ -96,7 +97,7 @@ func statsInterval(req *pb.StatsRequest) (time.Duration, error) {
 }
 
 // freshStats takes the current stats from a watch of its own, which it ends.
-func (s *Server) freshStats(ctx context.Context, watch func(context.Context) <-chan device.StatsSnapshot, encode func(device.StatsSnapshot) *frame) (*frame, error) {
+func (s *Server) freshStats(ctx context.Context, watch func(context.Context) <-chan device.StatsSnapshot, encode func(device.StatsSnapshot) *fanout.Frame) (*fanout.Frame, error) {
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	select {
@@ -116,17 +117,17 @@ func (s *Server) freshStats(ctx context.Context, watch func(context.Context) <-c
 // send its group's newest frame on every change, skipping a frame already sent (seen: the
 // group's frame when the stream joined). It returns when a send fails, the stream's
 // context ends, the feed's Manager watch closes or the server shuts down; the caller's
-// leave then waits for a send in progress.
-func (s *Server) serveStream(ctx context.Context, sb *sub, first, seen *frame) error {
-	sb.start(first, seen)
+// Leave then waits for a send in progress.
+func (s *Server) serveStream(ctx context.Context, sb *fanout.Sub, first, seen *fanout.Frame) error {
+	sb.Start(first, seen)
 	select {
-	case <-sb.failed:
-		return sb.failure()
+	case <-sb.Failed():
+		return sb.Err()
 	case <-s.quit:
 		return errServerShutdown
 	case <-ctx.Done():
 		return status.FromContextError(ctx.Err()).Err()
-	case <-sb.gone:
+	case <-sb.Gone():
 		return streamClosed(ctx)
 	}
 }

@@ -16,7 +16,8 @@ import (
 // TestMinimalManager shows the least a device.Manager must do for the host API to serve
 // devices: Watch hands out a snapshot of its devices, and Reserve answers with how a
 // container gets them. Every other Fake field is nil: Ready is then ready at once,
-// State is empty, and Stats streams end at once.
+// State is empty, and Stats streams end at once. (The server never calls Snapshot or
+// LatestStats; the agent's metrics read those, and get this Fake's empty answers.)
 func TestMinimalManager(t *testing.T) {
 	inventory := device.Inventory{Groups: []device.Group{{
 		GroupKey: device.GroupKey{Vendor: "acme", Type: "fpga", Name: "Widget 9000"},

@@ -4,7 +4,7 @@
 // reflection, a log line per call, panic recovery, and the limits that keep many or
 // careless clients from taking the agent down: streams in all and per connection,
 // flow-control windows, keepalive, and a fan-out of Fingerprint and Stats that encodes
-// each message once and paces itself (fanout.go).
+// each message once and paces itself (the internal package fanout, with the codec).
 //
 // It depends on the manager's contract package only, so any device.Manager (the real one,
 // a simulator, devicetest.Fake) can be served.
@@ -29,6 +29,7 @@ import (
 
 	"github.com/devicehost/devicehost/manager/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/server/internal/fanout"
 )
 
 // ServiceName is the host API's gRPC service name, also the name its health is reported
@@ -84,8 +85,8 @@ type Server struct {
 	health *health.Server
 	limits *streamLimits
 
-	fingerprints *feeds[device.Snapshot]      // one feed: key ""
-	stats        *feeds[device.StatsSnapshot] // a feed per interval
+	fingerprints *fanout.Feeds[device.Snapshot]      // one feed: key ""
+	stats        *fanout.Feeds[device.StatsSnapshot] // a feed per interval
 
 	shutdownOnce sync.Once
 	quit         chan struct{} // closed by Shutdown: streams end, health stays NOT_SERVING
@@ -129,13 +130,13 @@ func New(cfg Config) (*Server, error) {
 		health:       health.NewServer(),
 		limits:       limits,
 		quit:         quit,
-		fingerprints: newFeeds[device.Snapshot](quit),
-		stats:        newFeeds[device.StatsSnapshot](quit),
+		fingerprints: fanout.NewFeeds[device.Snapshot](quit),
+		stats:        fanout.NewFeeds[device.StatsSnapshot](quit),
 	}
 	unary, stream := interceptors(log)
 	opts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(maxRecv),
-		grpc.ForceServerCodecV2(newWireCodec()),
+		grpc.ForceServerCodecV2(fanout.NewCodec()),
 		grpc.StatsHandler(callLog{log: log}),
 		grpc.StatsHandler(limits),
 		grpc.UnknownServiceHandler(unknownMethod),
@@ -148,7 +149,7 @@ func New(cfg Config) (*Server, error) {
 
 	s.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 	s.health.SetServingStatus(ServiceName, healthpb.HealthCheckResponse_NOT_SERVING)
-	reg := strictServices{s.grpc}
+	reg := fanout.StrictServices{Server: s.grpc}
 	pb.RegisterDeviceHostServer(reg, s)
 	healthpb.RegisterHealthServer(reg, s.health)
 	reflection.Register(reg)
@@ -213,10 +214,18 @@ func (s *Server) Shutdown(ctx context.Context) {
 		s.grpc.Stop()
 		<-stopped
 	}
-	s.fingerprints.close()
-	s.stats.close()
+	s.fingerprints.Close()
+	s.stats.Close()
 	s.wg.Wait()
 }
 
 // errServerShutdown ends streams when the server shuts down.
 var errServerShutdown = status.Error(codes.Unavailable, "devicehost is shutting down")
+
+// unknownMethod answers calls of methods the server does not serve. Going through a
+// handler (rather than grpc-go's built-in answer) makes them end like any call, so they
+// are logged.
+func unknownMethod(_ any, stream grpc.ServerStream) error {
+	method, _ := grpc.MethodFromServerStream(stream)
+	return status.Error(codes.Unimplemented, fmt.Sprintf("unknown method %s", method))
+}

@@ -151,8 +151,9 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 		}
 		onCommit = mx.ObserveLedgerCommit
 	}
-	r := &reloader{env: env, args: args, devDir: devDir, log: log, cur: cfg}
-	return serveAgent(ctx, cfg, log, managerFactory(cfg, onCommit), mx, banner, reloadHook{signals: hup, apply: r.reload})
+	mgr := &realManager{cfg: cfg, onCommit: onCommit}
+	r := &reloader{env: env, args: args, devDir: devDir, log: log, cur: cfg, setPlugins: mgr.setPlugins}
+	return serveAgent(ctx, cfg, log, mgr.factory, mx, banner, reloadHook{signals: hup, apply: r.reload})
 }
 
 // devConfig turns cfg into -dev's: socket and state in dir, no plugin dir, and the
@@ -271,7 +272,7 @@ wait:
 			if ready == nil { // READY=1 was sent: say the reload is under way until it is done
 				sdNotify(log, daemon.SdNotifyReloading)
 			}
-			reload.apply(mgr)
+			reload.apply()
 			if ready == nil {
 				sdNotify(log, daemon.SdNotifyReady)
 			}

@@ -88,7 +88,7 @@ func startMetricsAgent(t *testing.T, ctx context.Context, fc fixtureplugin.Confi
 	actx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- serveAgent(actx, cfg, log, managerFactory(cfg, mx.ObserveLedgerCommit), mx, nil, reloadHook{})
+		done <- serveAgent(actx, cfg, log, (&realManager{cfg: cfg, onCommit: mx.ObserveLedgerCommit}).factory, mx, nil, reloadHook{})
 	}()
 	t.Cleanup(func() {
 		stop()

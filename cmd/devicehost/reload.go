@@ -8,15 +8,14 @@ import (
 	"strings"
 
 	"github.com/hashicorp/go-hclog"
-
-	"github.com/devicehost/devicehost/manager/device"
 )
 
 // reloadHook is how serveAgent re-reads its configuration: apply runs, in serveAgent's
-// own goroutine, for each value from signals (SIGHUP). The zero value never reloads.
+// own goroutine and once its manager runs, for each value from signals (SIGHUP). The
+// zero value never reloads.
 type reloadHook struct {
 	signals <-chan os.Signal
-	apply   func(mgr device.Manager)
+	apply   func()
 }
 
 // reloader re-reads the agent's configuration on SIGHUP: the command line again (so the
@@ -33,10 +32,12 @@ type reloader struct {
 	devDir string   // -dev's temporary dir; "" without -dev
 	log    hclog.Logger
 	cur    agentConfig // the running configuration
+	// setPlugins hands plugin blocks to the running manager: realManager.setPlugins.
+	setPlugins func(agentConfig) error
 }
 
-// reload re-reads the configuration and applies it to mgr.
-func (r *reloader) reload(mgr device.Manager) {
+// reload re-reads the configuration and applies it to the running manager.
+func (r *reloader) reload() {
 	r.log.Info("SIGHUP: re-reading the configuration")
 	a, err := parseAgentArgs(r.env, r.args)
 	if err != nil {
@@ -54,7 +55,7 @@ func (r *reloader) reload(mgr device.Manager) {
 		r.log.Info("log level changed", "from", running.LogLevel, "to", next.LogLevel)
 		running.LogLevel = next.LogLevel
 	}
-	if err := applyPlugins(mgr, next); err != nil {
+	if err := r.setPlugins(next); err != nil {
 		r.log.Error("plugin settings not applied; the running ones are kept", "error", err)
 	} else {
 		running.Plugins = next.Plugins

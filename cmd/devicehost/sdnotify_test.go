@@ -13,7 +13,6 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/devicehost/devicehost/endpoint"
-	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/device/devicetest"
 	"github.com/devicehost/devicehost/server"
 )
@@ -122,7 +121,7 @@ func TestAgentNotifiesSystemdAroundAReload(t *testing.T) {
 	signals := make(chan os.Signal, 1)
 	applying := make(chan struct{})
 	finish := make(chan struct{})
-	hook := reloadHook{signals: signals, apply: func(device.Manager) {
+	hook := reloadHook{signals: signals, apply: func() {
 		applying <- struct{}{}
 		<-finish
 	}}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"time"
@@ -12,32 +13,35 @@ import (
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
-// managerFactory returns the factory of the real device manager for the agent's
-// configuration. It is the only place the agent depends on package manager; the rest
-// speaks device.Manager, so tests run the agent on a fake. onCommit, when set, is told
-// of every ledger commit (the metrics' ObserveLedgerCommit).
-func managerFactory(cfg agentConfig, onCommit func(time.Duration, int)) device.Factory {
-	return func(log hclog.Logger) (device.Manager, error) {
-		m, err := newManager(cfg, log, onCommit)
-		if err != nil {
-			return nil, err
-		}
-		return m, nil
-	}
+// realManager wires the agent to the real device manager: factory builds it for the
+// agent's configuration, and setPlugins hands a reload's plugin blocks to the one it
+// built, which is what a reload needs of it beyond device.Manager. This is the only
+// place the agent depends on package manager; the rest speaks device.Manager, so tests
+// run the agent on a fake. Used from serveAgent's goroutine only: it calls factory at
+// start and a reload's setPlugins between its other events.
+type realManager struct {
+	cfg      agentConfig
+	onCommit func(time.Duration, int) // told of every ledger commit when set (the metrics' ObserveLedgerCommit)
+	built    *manager.Manager         // what factory built; nil before
 }
 
-// pluginSetter is what of the real manager a reload needs: *manager.Manager has it.
-type pluginSetter interface {
-	SetPlugins(map[string]manager.PluginConfig) error
+// factory is a device.Factory of the real manager.
+func (r *realManager) factory(log hclog.Logger) (device.Manager, error) {
+	m, err := newManager(r.cfg, log, r.onCommit)
+	if err != nil {
+		return nil, err
+	}
+	r.built = m
+	return m, nil
 }
 
-// applyPlugins hands cfg's plugin blocks to a running manager (see manager.SetPlugins).
-func applyPlugins(mgr device.Manager, cfg agentConfig) error {
-	ps, ok := mgr.(pluginSetter)
-	if !ok {
-		return fmt.Errorf("the device manager (%T) does not take plugin settings while it runs", mgr)
+// setPlugins hands cfg's plugin blocks to the manager factory built (see
+// manager.SetPlugins).
+func (r *realManager) setPlugins(cfg agentConfig) error {
+	if r.built == nil {
+		return errors.New("the device manager has not started")
 	}
-	return ps.SetPlugins(pluginConfigs(cfg))
+	return r.built.SetPlugins(pluginConfigs(cfg))
 }
 
 // pluginConfigs maps the config file's plugin blocks onto the manager's settings.

@@ -33,6 +33,15 @@ type Manager interface {
 	Inventory() Inventory
 	// State returns current device health and holders, and plugin status.
 	State() State
+	// Snapshot returns the current inventory and state together, consistent with each
+	// other, as Watch delivers them: what a reader of both (a metrics scrape) asks for
+	// rather than Inventory and State apart, which a change between them could split.
+	Snapshot() Snapshot
+	// LatestStats returns the latest stats the manager holds for every plugin, grouped
+	// as WatchStats delivers them, without asking any plugin or waiting for the next
+	// sample: a caller that polls (a metrics scrape) costs the plugins nothing however
+	// often it asks.
+	LatestStats() StatsSnapshot
 	// Watch delivers a Snapshot at once and then on every change. Delivery is
 	// latest-value: a reader that falls behind gets the newest snapshot, never a backlog.
 	// The channel is closed when ctx ends or the manager shuts down.

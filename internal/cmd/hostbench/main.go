@@ -615,7 +615,7 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 		}
 	}
 	// Changes are isolated events, quiet apart; under a sustained stream of changes the
-	// agent paces its fan-out instead (see server/fanout.go).
+	// agent paces its fan-out instead (see server/internal/fanout).
 	quiet := func() { time.Sleep(changeGap) }
 	for i := range changes / 2 {
 		quiet()

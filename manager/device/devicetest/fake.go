@@ -10,11 +10,14 @@ import (
 )
 
 // Fake implements device.Manager by calling its function fields. A nil field answers
-// with a zero value (a closed channel for the Watch methods and for Ready), so a test
-// sets just the fields it exercises.
+// with a zero value (a closed channel for the Watch methods and for Ready; for
+// Snapshot, the answers of Inventory and State), so a test sets just the fields it
+// exercises.
 type Fake struct {
 	InventoryFunc    func() device.Inventory
 	StateFunc        func() device.State
+	SnapshotFunc     func() device.Snapshot
+	LatestStatsFunc  func() device.StatsSnapshot
 	WatchFunc        func(ctx context.Context) <-chan device.Snapshot
 	WatchStatsFunc   func(ctx context.Context, interval time.Duration) <-chan device.StatsSnapshot
 	ReserveFunc      func(ctx context.Context, req device.ReserveRequest) (device.Reservation, error)
@@ -41,6 +44,22 @@ func (f *Fake) State() device.State {
 		return device.State{}
 	}
 	return f.StateFunc()
+}
+
+// Snapshot calls SnapshotFunc; without one it returns Inventory and State together.
+func (f *Fake) Snapshot() device.Snapshot {
+	if f.SnapshotFunc == nil {
+		return device.Snapshot{Inventory: f.Inventory(), State: f.State()}
+	}
+	return f.SnapshotFunc()
+}
+
+// LatestStats calls LatestStatsFunc; without one it returns no stats.
+func (f *Fake) LatestStats() device.StatsSnapshot {
+	if f.LatestStatsFunc == nil {
+		return device.StatsSnapshot{}
+	}
+	return f.LatestStatsFunc()
 }
 
 // Watch calls WatchFunc; without one it returns a closed channel.

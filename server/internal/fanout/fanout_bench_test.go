@@ -1,4 +1,4 @@
-package server_test
+package fanout_test
 
 import (
 	"context"
@@ -12,14 +12,16 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/internal/rawgrpc"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/device/devicetest"
 	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/server/servertest"
 )
 
-// BenchmarkFingerprintFanout measures a Fingerprint change going to many watchers over
-// real gRPC on a Unix socket, the streams spread over 100 connections like
+// BenchmarkFingerprintFanout measures a Fingerprint change going to many watchers of the
+// real server over real gRPC on a Unix socket, the streams spread over 100 connections like
 // internal/cmd/hostbench's: each iteration publishes one snapshot and waits until every
 // watcher has received it. It reports the p50, p99 and max of (received - published);
 // the server's CPU is read from -cpuprofile (the clients run in the same process). Run
@@ -33,8 +35,16 @@ func BenchmarkFingerprintFanout(b *testing.B) {
 // benchSnapshot is an 8-device inventory of about the size of agent -dev's (900 bytes
 // encoded), held by owner when it is not empty.
 func benchSnapshot(seq uint64, owner string) device.Snapshot {
-	g := testInventory.Groups[0]
-	g.Devices = nil
+	g := device.Group{
+		GroupKey: device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3"},
+		Plugin:   "nvidia",
+		Attributes: map[string]device.Value{
+			"memory":        {Kind: device.KindInt, Int: 81559, Unit: "MiB"},
+			"driver":        {Kind: device.KindString, Str: "550.54"},
+			"clock":         {Kind: device.KindFloat, Float: 1.98, Unit: "GHz"},
+			"mig_supported": {Kind: device.KindBool, Bool: true},
+		},
+	}
 	for i := range 8 {
 		g.Devices = append(g.Devices, device.DeviceInfo{
 			ID:       fmt.Sprintf("GPU-%08x-0000-0000-0000-%012x", i, i),
@@ -53,13 +63,13 @@ func benchSnapshot(seq uint64, owner string) device.Snapshot {
 }
 
 func benchFanout(b *testing.B, n, conns int) {
-	feed := newWatchFeed()
-	h := startHostWith(b, server.Config{
-		Manager:           &devicetest.Fake{WatchFunc: feed.Watch},
+	snaps := make(chan device.Snapshot, 1) // the server's one Manager watch
+	agent := servertest.Serve(b, servertest.SocketPath(b), server.Config{
+		Manager:           &devicetest.Fake{WatchFunc: func(context.Context) <-chan device.Snapshot { return snaps }},
 		MaxStreams:        n,
 		MaxStreamsPerConn: (n + conns - 1) / conns,
 	})
-	feed.snaps <- benchSnapshot(0, "")
+	snaps <- benchSnapshot(0, "")
 
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -73,7 +83,12 @@ func benchFanout(b *testing.B, n, conns int) {
 	var cs []*grpc.ClientConn
 	for i := range n {
 		if i < conns {
-			cs = append(cs, h.dial(b))
+			c, err := endpoint.Dial(agent.Addr, endpoint.TLS{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() { c.Close() })
+			cs = append(cs, c)
 		}
 		conn := cs[i%conns]
 		wg.Add(1)
@@ -130,7 +145,7 @@ func benchFanout(b *testing.B, n, conns int) {
 		if i%2 == 0 {
 			owner = "bench"
 		}
-		feed.snaps <- benchSnapshot(uint64(i+1), owner)
+		snaps <- benchSnapshot(uint64(i+1), owner)
 		waitFor(int64(n) * int64(i+2))
 	}
 	b.StopTimer()

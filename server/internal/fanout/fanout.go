@@ -1,4 +1,4 @@
-package server
+package fanout
 
 import (
 	"cmp"
@@ -9,7 +9,7 @@ import (
 	"time"
 )
 
-// The fan-out of Fingerprint and Stats.
+// How a feed sends (see the package comment for its contract).
 //
 // All the streams of one kind (Fingerprint; Stats at one interval) share one feed: one
 // Manager subscription, whose values the feed's goroutine encodes once per distinct
@@ -82,9 +82,10 @@ func (p *pacer) delay(now time.Time) time.Duration {
 // spend takes a round's cost out.
 func (p *pacer) spend(d time.Duration) { p.tokens -= d }
 
-// feeds is the server's open feeds of one kind, by key. Safe for concurrent use.
-type feeds[T any] struct {
-	quit <-chan struct{} // the server's: closed by Shutdown
+// Feeds is a server's open feeds of one kind (values of type T), by key. Safe for
+// concurrent use.
+type Feeds[T any] struct {
+	quit <-chan struct{} // the server's: closed by its Shutdown
 	wg   sync.WaitGroup  // the feeds' goroutines
 
 	mu     sync.Mutex
@@ -92,13 +93,15 @@ type feeds[T any] struct {
 	m      map[string]*feed[T]
 }
 
-func newFeeds[T any](quit <-chan struct{}) *feeds[T] {
-	return &feeds[T]{quit: quit, m: make(map[string]*feed[T])}
+// NewFeeds makes the feeds of a server whose Shutdown closes quit. The server must close
+// quit and then call Close, which waits for every goroutine the feeds started.
+func NewFeeds[T any](quit <-chan struct{}) *Feeds[T] {
+	return &Feeds[T]{quit: quit, m: make(map[string]*feed[T])}
 }
 
 // feed is one Manager subscription shared by streams, and their groups by filter.
 type feed[T any] struct {
-	set    *feeds[T]
+	set    *Feeds[T]
 	key    string
 	cancel context.CancelFunc // ends the subscription
 	gone   chan struct{}      // closed when the Manager closed the subscription
@@ -108,32 +111,34 @@ type feed[T any] struct {
 	latest T
 	groups map[string]*group[T] // by filter key
 	refs   int                  // streams joined
-	order  []*sub               // every sub, by connection; nil when it must be rebuilt
+	order  []*Sub               // every sub, by connection; nil when it must be rebuilt
 }
 
 // group is the streams of a feed with the same filter, and the latest value encoded for
 // that filter.
 type group[T any] struct {
-	encode func(T) *frame
-	cur    atomic.Pointer[frame] // written by the feed's goroutine, or at creation
-	subs   map[*sub]struct{}
+	encode func(T) *Frame
+	cur    atomic.Pointer[Frame] // written by the feed's goroutine, or at creation
+	subs   map[*Sub]struct{}
 }
 
-// sender sends a stream's messages: its grpc.ServerStream.
-type sender interface {
+// Sender sends a stream's messages: its grpc.ServerStream. SendMsg is given *Frame
+// values only, which the server's Codec sends as they are.
+type Sender interface {
 	SendMsg(m any) error
 }
 
-// sub is one stream of a feed. One goroutine at a time holds it to send (see the top of
-// this file): its handler from join until start returns, then a round's worker that
-// claims it.
-type sub struct {
+// Sub is one stream of a feed. One goroutine at a time holds it to send (see the top of
+// this file): its handler from Join until Start returns, then a round's worker that
+// claims it. Its handler must call Leave when the stream ends.
+type Sub struct {
+	feed   interface{ leave(*Sub) } // the feed it joined
 	filter string
 	// conn is its connection, so that a round sends to one connection's streams in a row.
 	conn   uint64
-	cur    *atomic.Pointer[frame] // its group's latest frame
+	cur    *atomic.Pointer[Frame] // its group's latest frame
 	gone   <-chan struct{}        // its feed's gone
-	stream sender
+	stream Sender
 	failed chan struct{} // closed when a send failed; err says why
 
 	mu      sync.Mutex
@@ -143,25 +148,27 @@ type sub struct {
 	err     error
 	idle    chan struct{} // closed when sending ends, for a handler that waits to leave
 
-	last *frame // the frame sent last; used by the goroutine holding the stream
+	last *Frame // the frame sent last; used by the goroutine holding the stream
 }
 
-// join adds stream, of connection conn (see connID) with filter key filter (encoded by
-// encode), to the feed named key, subscribing to the Manager with subscribe when that
-// feed is not open. It returns the stream's sub, held by the caller until it calls
-// start, the frame its group holds now (nil when the feed has no value yet) and whether
-// the feed had a value before this call. A false ok means the server is shutting down.
-// The caller must call leave(sub) when the stream ends.
+// Join adds stream, of connection conn (an ID the caller gives each client connection)
+// with filter key filter (encoded by encode), to the feed named key, subscribing to the
+// Manager with subscribe when that feed is not open. It returns the stream's Sub, held
+// by the caller until it calls Start, the frame its group holds now (nil when the feed
+// has no value yet) and whether the feed had a value before this call. A false ok means
+// the server is shutting down (Close was called). The caller must call s.Leave when the
+// stream ends.
 //
 // subscribe runs on the caller's goroutine, so that a Manager that panics is caught by
-// the handler's recovery like any other panic.
-func (fs *feeds[T]) join(key string, subscribe func(context.Context) <-chan T, stream sender, conn uint64, filter string, encode func(T) *frame) (f *feed[T], s *sub, cur *frame, hadValue, ok bool) {
+// the handler's recovery like any other panic. The subscription's context ends when
+// the last stream of the feed leaves.
+func (fs *Feeds[T]) Join(key string, subscribe func(context.Context) <-chan T, stream Sender, conn uint64, filter string, encode func(T) *Frame) (s *Sub, cur *Frame, hadValue, ok bool) {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	if fs.closed {
-		return nil, nil, nil, false, false
+		return nil, nil, false, false
 	}
-	f = fs.m[key]
+	f := fs.m[key]
 	if f == nil {
 		ctx, cancel := context.WithCancel(context.Background())
 		subscribed := false
@@ -185,26 +192,29 @@ func (fs *feeds[T]) join(key string, subscribe func(context.Context) <-chan T, s
 	f.refs++
 	g := f.groups[filter]
 	if g == nil {
-		g = &group[T]{encode: encode, subs: make(map[*sub]struct{})}
+		g = &group[T]{encode: encode, subs: make(map[*Sub]struct{})}
 		if f.have {
 			g.cur.Store(encode(f.latest))
 		}
 		f.groups[filter] = g
 	}
-	s = &sub{
-		filter: filter, conn: conn, cur: &g.cur, gone: f.gone, stream: stream, failed: make(chan struct{}),
+	s = &Sub{
+		feed: f, filter: filter, conn: conn, cur: &g.cur, gone: f.gone, stream: stream, failed: make(chan struct{}),
 		sending: true, handler: true,
 	}
 	g.subs[s] = struct{}{}
 	f.order = nil
-	return f, s, g.cur.Load(), f.have, true
+	return s, g.cur.Load(), f.have, true
 }
 
-// leave removes s from f, once a send in progress on it has ended; the last stream to
-// leave ends the subscription. Called by the stream's handler, which must not use the
-// stream after.
-func (f *feed[T]) leave(s *sub) {
-	s.leave()
+// Leave removes s from its feed, once a send in progress on it has ended; the last
+// stream to leave ends the feed's subscription. Called once by the stream's handler,
+// which must not use the stream after, whether or not it called Start.
+func (s *Sub) Leave() { s.feed.leave(s) }
+
+// leave is Sub.Leave.
+func (f *feed[T]) leave(s *Sub) {
+	s.stopSending()
 	fs := f.set
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
@@ -227,9 +237,12 @@ func (f *feed[T]) leave(s *sub) {
 	}
 }
 
-// close stops new joins and waits for the feeds' goroutines, which end when the server's
-// quit channel is closed.
-func (fs *feeds[T]) close() {
+// Close stops new joins and waits for every goroutine the feeds started: each feed's,
+// which ends when the server's quit channel is closed (close it first), and each
+// round's workers, of which one left to a stuck send ends when that send returns (it
+// does once the stream ends: the server calls Close after its gRPC server stopped).
+// Safe to call more than once.
+func (fs *Feeds[T]) Close() {
 	fs.mu.Lock()
 	fs.closed = true
 	fs.mu.Unlock()
@@ -302,24 +315,24 @@ func (f *feed[T]) publish(ctx context.Context, v T) (sent int64) {
 	if f.order == nil {
 		// Consecutive sends to one connection are written out together (grpc-go's
 		// writer batches what is queued), rather than one write per message.
-		f.order = make([]*sub, 0, f.refs)
+		f.order = make([]*Sub, 0, f.refs)
 		for _, g := range f.groups {
 			for s := range g.subs {
 				f.order = append(f.order, s)
 			}
 		}
-		slices.SortFunc(f.order, func(a, b *sub) int { return cmp.Compare(a.conn, b.conn) })
+		slices.SortFunc(f.order, func(a, b *Sub) int { return cmp.Compare(a.conn, b.conn) })
 	}
 	subs := f.order // never modified: a change makes a new one
 	f.mu.Unlock()
 	return f.round(ctx, subs)
 }
 
-// start sends first (unless nil), then the group's newest frame unless it is seen (the
+// Start sends first (unless nil), then the group's newest frame unless it is seen (the
 // group's frame when the stream joined), and gives the stream over to the rounds.
-// Called once by the stream's handler, which holds it since join. A failed send closes
-// s.failed.
-func (s *sub) start(first, seen *frame) {
+// Called at most once by the stream's handler, which holds it since Join; the handler
+// must not send on the stream after. A failed send closes Failed.
+func (s *Sub) Start(first, seen *Frame) {
 	if first != nil && !s.send(first) {
 		return
 	}
@@ -329,7 +342,7 @@ func (s *sub) start(first, seen *frame) {
 
 // claim takes s to send, unless another goroutine holds it (it sends the newest frame
 // when it is done), the handler has left or a send failed.
-func (s *sub) claim() bool {
+func (s *Sub) claim() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.sending || s.left || s.err != nil {
@@ -341,7 +354,7 @@ func (s *sub) claim() bool {
 
 // flush sends the group's newest frame until the last one sent is the newest, and gives
 // s up. Called by the goroutine holding s. It returns how many messages it sent.
-func (s *sub) flush() (sent int64) {
+func (s *Sub) flush() (sent int64) {
 	for {
 		if fr := s.cur.Load(); fr != nil && fr != s.last {
 			s.last = fr
@@ -364,7 +377,7 @@ func (s *sub) flush() (sent int64) {
 
 // send sends fr on the stream. When that fails it records why, gives s up and returns
 // false.
-func (s *sub) send(fr *frame) bool {
+func (s *Sub) send(fr *Frame) bool {
 	err := fr.err
 	if err == nil {
 		err = s.stream.SendMsg(fr)
@@ -381,7 +394,7 @@ func (s *sub) send(fr *frame) bool {
 }
 
 // release gives s up. s.mu must be held.
-func (s *sub) release() {
+func (s *Sub) release() {
 	s.sending, s.handler = false, false
 	if s.idle != nil {
 		close(s.idle)
@@ -389,16 +402,24 @@ func (s *sub) release() {
 	}
 }
 
-// failure is why a send failed, once s.failed is closed.
-func (s *sub) failure() error {
+// Failed is closed when a send on the stream failed; Err then says why. No more is sent
+// on it.
+func (s *Sub) Failed() <-chan struct{} { return s.failed }
+
+// Err is why a send failed, once Failed is closed; nil before.
+func (s *Sub) Err() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.err
 }
 
-// leave marks the stream gone, so that no round sends on it any more, and waits for a
-// send in progress to end. Called by the handler.
-func (s *sub) leave() {
+// Gone is closed when the Manager closed the feed's subscription: the stream gets no
+// more values.
+func (s *Sub) Gone() <-chan struct{} { return s.gone }
+
+// stopSending marks the stream gone, so that no round sends on it any more, and waits
+// for a send in progress to end. Called by Leave.
+func (s *Sub) stopSending() {
 	s.mu.Lock()
 	s.left = true
 	if s.handler { // it leaves without having started s, which it holds
@@ -419,7 +440,7 @@ func (s *sub) leave() {
 
 // round is one value's sends to the streams of a feed.
 type round struct {
-	subs   []*sub
+	subs   []*Sub
 	next   atomic.Int64  // where the next chunk starts
 	sent   atomic.Int64  // messages sent by its workers (not counting those left stuck)
 	stop   atomic.Bool   // the feed ended: claim no more
@@ -444,7 +465,7 @@ type worker struct {
 // described at the top of this file. It returns when every stream has been taken and
 // every worker not left to a stuck send is done, or ctx ends, or the server quits, with
 // how many messages were sent by then.
-func (f *feed[T]) round(ctx context.Context, subs []*sub) (sent int64) {
+func (f *feed[T]) round(ctx context.Context, subs []*Sub) (sent int64) {
 	r := &round{subs: subs, done: make(chan struct{})}
 	n := min(fanoutWorkers, (len(subs)+fanoutChunk-1)/fanoutChunk)
 	if n == 0 {
@@ -520,7 +541,7 @@ func (w *worker) run(wg *sync.WaitGroup) {
 
 // take returns the next stream of w's chunk, taking a new chunk when it is used up; nil
 // when the round has none left, it stopped, or w was left to a stuck send.
-func (w *worker) take() *sub {
+func (w *worker) take() *Sub {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	r := w.r

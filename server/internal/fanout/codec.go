@@ -1,8 +1,7 @@
-package server
+package fanout
 
 import (
 	"context"
-	"fmt"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -20,18 +19,18 @@ import (
 // writes INTERNAL to the client at once, before the handler can say anything else. A
 // request that is not valid protobuf, or holds invalid UTF-8 in a string field, is the
 // caller's mistake, so it must be INVALID_ARGUMENT. So every service is registered
-// through strictServices, whose handlers decode into a *pendingDecode: the server's
-// codec (wireCodec) decodes the real message into it and keeps the error instead of
+// through StrictServices, whose handlers decode into a *pendingDecode: the server's
+// codec (Codec) decodes the real message into it and keeps the error instead of
 // failing, and the handler returns that error as INVALID_ARGUMENT. The call then ends
-// like any other, and the stats handler (calllog.go) logs it once.
+// like any other, and the server's stats handler logs it once.
 //
 // Encoding. Fingerprint and Stats send one message to many streams. The fan-out
-// (fanout.go) marshals it once into a *frame; wireCodec passes a frame's bytes through
+// (fanout.go) marshals it once into a *Frame; Codec passes a frame's bytes through
 // untouched, and every stream sends the same immutable bytes. Anything else is handed
 // to grpc-go's own proto codec.
 
-// frame is a message marshalled once, shared read-only by every stream that sends it.
-type frame struct {
+// Frame is a message marshalled once, shared read-only by every stream that sends it.
+type Frame struct {
 	data []byte // the encoded message; never written after the frame is made
 	// wire is data as grpc-go takes it from the codec, made once rather than on every
 	// send. A SliceBuffer is never pooled: grpc-go's Ref and Free leave it alone.
@@ -39,18 +38,20 @@ type frame struct {
 	err  error // marshalling failed: the status to end the streams with
 }
 
-// newFrame makes the frame of encoded message data.
-func newFrame(data []byte) *frame {
-	return &frame{data: data, wire: mem.BufferSlice{mem.SliceBuffer(data)}}
+// NewFrame makes the frame of encoded message data, which the caller must not modify
+// after.
+func NewFrame(data []byte) *Frame {
+	return &Frame{data: data, wire: mem.BufferSlice{mem.SliceBuffer(data)}}
 }
 
-// encodeFrame marshals m into a frame.
-func encodeFrame(m proto.Message) *frame {
+// Encode marshals m into a frame. When that fails, the frame holds the INTERNAL status
+// that a stream sending it ends with.
+func Encode(m proto.Message) *Frame {
 	data, err := proto.Marshal(m)
 	if err != nil {
-		return &frame{err: status.Errorf(codes.Internal, "encode %s: %v", m.ProtoReflect().Descriptor().Name(), err)}
+		return &Frame{err: status.Errorf(codes.Internal, "encode %s: %v", m.ProtoReflect().Descriptor().Name(), err)}
 	}
-	return newFrame(data)
+	return NewFrame(data)
 }
 
 // pendingDecode is what strict handlers ask the codec to decode into: msg is the request
@@ -61,23 +62,24 @@ type pendingDecode struct {
 	err error
 }
 
-// wireCodec is the server's codec (grpc.ForceServerCodecV2): frames and pendingDecodes
-// as described above, anything else through grpc-go's proto codec. Stateless; safe for
+// Codec is the server's codec (grpc.ForceServerCodecV2): frames and pendingDecodes as
+// described above, anything else through grpc-go's proto codec. Stateless; safe for
 // concurrent use.
-type wireCodec struct {
+type Codec struct {
 	proto encoding.CodecV2
 }
 
-func newWireCodec() wireCodec {
-	return wireCodec{proto: encoding.GetCodecV2(grpcproto.Name)}
+// NewCodec returns the server's codec.
+func NewCodec() Codec {
+	return Codec{proto: encoding.GetCodecV2(grpcproto.Name)}
 }
 
 // Name implements encoding.CodecV2.
-func (wireCodec) Name() string { return grpcproto.Name }
+func (Codec) Name() string { return grpcproto.Name }
 
 // Marshal implements encoding.CodecV2. A frame's bytes are sent as they are.
-func (c wireCodec) Marshal(v any) (mem.BufferSlice, error) {
-	if f, ok := v.(*frame); ok {
+func (c Codec) Marshal(v any) (mem.BufferSlice, error) {
+	if f, ok := v.(*Frame); ok {
 		return f.wire, nil
 	}
 	return c.proto.Marshal(v)
@@ -85,7 +87,7 @@ func (c wireCodec) Marshal(v any) (mem.BufferSlice, error) {
 
 // Unmarshal implements encoding.CodecV2. Decoding into a *pendingDecode never fails: the
 // error is kept in it for the handler to return.
-func (c wireCodec) Unmarshal(data mem.BufferSlice, v any) error {
+func (c Codec) Unmarshal(data mem.BufferSlice, v any) error {
 	p, ok := v.(*pendingDecode)
 	if !ok {
 		return c.proto.Unmarshal(data, v)
@@ -99,20 +101,22 @@ func (c wireCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	return nil
 }
 
-// strictServices is a grpc.ServiceRegistrar (and reflection.GRPCServer) that registers
-// every service on s with handlers that answer an undecodable request INVALID_ARGUMENT.
-// It relies on s using wireCodec.
-type strictServices struct {
-	s *grpc.Server
+// StrictServices is a grpc.ServiceRegistrar (and reflection.GRPCServer) that registers
+// every service on Server with handlers that answer an undecodable request
+// INVALID_ARGUMENT. It relies on Server using Codec.
+type StrictServices struct {
+	Server *grpc.Server
 }
 
 // RegisterService implements grpc.ServiceRegistrar.
-func (r strictServices) RegisterService(desc *grpc.ServiceDesc, impl any) {
-	r.s.RegisterService(strictDesc(desc), impl)
+func (r StrictServices) RegisterService(desc *grpc.ServiceDesc, impl any) {
+	r.Server.RegisterService(strictDesc(desc), impl)
 }
 
 // GetServiceInfo lets reflection list the services.
-func (r strictServices) GetServiceInfo() map[string]grpc.ServiceInfo { return r.s.GetServiceInfo() }
+func (r StrictServices) GetServiceInfo() map[string]grpc.ServiceInfo {
+	return r.Server.GetServiceInfo()
+}
 
 // strictDesc returns a copy of desc whose handlers decode requests strictly.
 func strictDesc(desc *grpc.ServiceDesc) *grpc.ServiceDesc {
@@ -167,12 +171,4 @@ func (s strictStream) RecvMsg(v any) error {
 		return err
 	}
 	return p.err
-}
-
-// unknownMethod answers calls of methods the server does not serve. Going through a
-// handler (rather than grpc-go's built-in answer) makes them end like any call, so they
-// are logged.
-func unknownMethod(_ any, stream grpc.ServerStream) error {
-	method, _ := grpc.MethodFromServerStream(stream)
-	return status.Error(codes.Unimplemented, fmt.Sprintf("unknown method %s", method))
 }

@@ -1,4 +1,4 @@
-package server
+package fanout
 
 import (
 	"context"
@@ -8,11 +8,17 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"go.uber.org/goleak"
 )
 
-// testFeeds is a feeds[int] on a manager channel the test writes.
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// testFeeds is a Feeds[int] on a manager channel the test writes.
 type testFeeds struct {
-	fs   *feeds[int]
+	fs   *Feeds[int]
 	ch   chan int
 	quit chan struct{}
 }
@@ -20,10 +26,10 @@ type testFeeds struct {
 func newTestFeeds(t *testing.T) *testFeeds {
 	t.Helper()
 	tf := &testFeeds{ch: make(chan int), quit: make(chan struct{})}
-	tf.fs = newFeeds[int](tf.quit)
+	tf.fs = NewFeeds[int](tf.quit)
 	t.Cleanup(func() {
 		close(tf.quit)
-		tf.fs.close()
+		tf.fs.Close()
 	})
 	return tf
 }
@@ -43,9 +49,9 @@ func (tf *testFeeds) send(t *testing.T, ctx context.Context, v int) {
 // countingEncoder encodes an int as one byte and counts its calls.
 type countingEncoder struct{ calls atomic.Int32 }
 
-func (e *countingEncoder) encode(v int) *frame {
+func (e *countingEncoder) encode(v int) *Frame {
 	e.calls.Add(1)
-	return newFrame([]byte{byte(v)})
+	return NewFrame([]byte{byte(v)})
 }
 
 // fakeStream is a stream's sender: it records the values sent on got, in order. While
@@ -84,7 +90,7 @@ func (fs *fakeStream) SendMsg(m any) error {
 	if fs.gate != nil {
 		<-fs.gate
 	}
-	fs.got <- int(m.(*frame).data[0])
+	fs.got <- int(m.(*Frame).data[0])
 	return fs.err
 }
 
@@ -102,15 +108,15 @@ func (fs *fakeStream) want(t *testing.T, ctx context.Context, v int) {
 }
 
 // open joins stream to the feed with filter, as a handler does, and starts it (which
-// sends the group's current frame, if any). The test must call leave.
-func (tf *testFeeds) open(t *testing.T, filter string, enc *countingEncoder, stream *fakeStream) (*feed[int], *sub) {
+// sends the group's current frame, if any). The test must call Leave.
+func (tf *testFeeds) open(t *testing.T, filter string, enc *countingEncoder, stream *fakeStream) *Sub {
 	t.Helper()
-	f, s, cur, _, ok := tf.fs.join("", tf.subscribe, stream, 0, filter, enc.encode)
+	s, cur, _, ok := tf.fs.Join("", tf.subscribe, stream, 0, filter, enc.encode)
 	if !ok {
 		t.Fatal("join refused")
 	}
-	s.start(cur, cur)
-	return f, s
+	s.Start(cur, cur)
+	return s
 }
 
 func TestFeedEncodesOncePerFilterAndChange(t *testing.T) {
@@ -126,8 +132,8 @@ func TestFeedEncodesOncePerFilterAndChange(t *testing.T) {
 			enc, filter = &encB, "b"
 		}
 		st := newFakeStream(false)
-		f, s := tf.open(t, filter, enc, st)
-		defer f.leave(s)
+		s := tf.open(t, filter, enc, st)
+		defer s.Leave()
 		streams = append(streams, st)
 	}
 	for v := 1; v <= 3; v++ {
@@ -145,10 +151,10 @@ func TestFeedEncodesOncePerFilterAndChange(t *testing.T) {
 	// A new stream with a known filter takes the frame made already; one with a new
 	// filter encodes the latest value once.
 	var encC countingEncoder
-	f, sa, curA, _, _ := tf.fs.join("", tf.subscribe, newFakeStream(false), 0, "a", encA.encode)
-	defer f.leave(sa)
-	f, sc, curC, hadValue, _ := tf.fs.join("", tf.subscribe, newFakeStream(false), 0, "c", encC.encode)
-	defer f.leave(sc)
+	sa, curA, _, _ := tf.fs.Join("", tf.subscribe, newFakeStream(false), 0, "a", encA.encode)
+	defer sa.Leave()
+	sc, curC, hadValue, _ := tf.fs.Join("", tf.subscribe, newFakeStream(false), 0, "c", encC.encode)
+	defer sc.Leave()
 	if !hadValue || curA == nil || curA.data[0] != 3 || curC == nil || curC.data[0] != 3 {
 		t.Errorf("joining a feed with a value: hadValue %v, frames %v %v, want the latest (3)", hadValue, curA, curC)
 	}
@@ -168,8 +174,8 @@ func TestFeedStreamsThatBlockDelayNoOne(t *testing.T) {
 	var blocked []*fakeStream
 	for range 3 * fanoutWorkers {
 		st := newFakeStream(true)
-		f, s := tf.open(t, "", &enc, st)
-		defer f.leave(s) // after the gates open (deferred calls run last in, first out)
+		s := tf.open(t, "", &enc, st)
+		defer s.Leave() // after the gates open (deferred calls run last in, first out)
 		blocked = append(blocked, st)
 	}
 	defer func() {
@@ -178,8 +184,8 @@ func TestFeedStreamsThatBlockDelayNoOne(t *testing.T) {
 		}
 	}()
 	reader := newFakeStream(false)
-	f, s := tf.open(t, "", &enc, reader)
-	defer f.leave(s)
+	s := tf.open(t, "", &enc, reader)
+	defer s.Leave()
 
 	const changes = 20
 	for v := 1; v <= changes; v++ {
@@ -228,21 +234,21 @@ func TestStreamSendsItsFirstMessageThenTheNewest(t *testing.T) {
 	defer cancel()
 	var enc countingEncoder
 	reader := newFakeStream(false)
-	f, s := tf.open(t, "", &enc, reader)
-	defer f.leave(s)
+	s := tf.open(t, "", &enc, reader)
+	defer s.Leave()
 	tf.send(t, ctx, 1)
 	reader.want(t, ctx, 1)
 
 	// A stream joins and its handler's first send (of value 1) blocks; two changes go
 	// to the other stream meanwhile.
 	slow := newFakeStream(true)
-	f, ss, cur, _, _ := tf.fs.join("", tf.subscribe, slow, 0, "", enc.encode)
+	ss, cur, _, _ := tf.fs.Join("", tf.subscribe, slow, 0, "", enc.encode)
 	started := make(chan struct{})
 	go func() {
 		defer close(started)
-		ss.start(cur, cur)
+		ss.Start(cur, cur)
 	}()
-	defer func() { slow.open(); <-started; f.leave(ss) }()
+	defer func() { slow.open(); <-started; ss.Leave() }()
 	select {
 	case <-slow.entered:
 	case <-ctx.Done():
@@ -270,17 +276,17 @@ func TestStreamWithAFreshFirstMessageSkipsTheFrameItJoinedWith(t *testing.T) {
 	defer cancel()
 	var enc countingEncoder
 	reader := newFakeStream(false)
-	f, s := tf.open(t, "", &enc, reader)
-	defer f.leave(s)
+	s := tf.open(t, "", &enc, reader)
+	defer s.Leave()
 	tf.send(t, ctx, 1)
 	reader.want(t, ctx, 1)
 
 	// As a Stats stream joining a feed with a value does: its first message is a fresh
 	// one (9), and the frame the group held when it joined (1) is not sent after it.
 	st := newFakeStream(false)
-	f, ss, cur, _, _ := tf.fs.join("", tf.subscribe, st, 0, "", enc.encode)
-	defer f.leave(ss)
-	ss.start(newFrame([]byte{9}), cur)
+	ss, cur, _, _ := tf.fs.Join("", tf.subscribe, st, 0, "", enc.encode)
+	defer ss.Leave()
+	ss.Start(NewFrame([]byte{9}), cur)
 	st.want(t, ctx, 9)
 	tf.send(t, ctx, 2)
 	reader.want(t, ctx, 2)
@@ -293,10 +299,10 @@ func TestLeaveWaitsForTheSendInProgress(t *testing.T) {
 	defer cancel()
 	var enc countingEncoder
 	reader := newFakeStream(false)
-	f, s := tf.open(t, "", &enc, reader)
-	defer f.leave(s)
+	s := tf.open(t, "", &enc, reader)
+	defer s.Leave()
 	leaving := newFakeStream(true)
-	f, ls := tf.open(t, "", &enc, leaving)
+	ls := tf.open(t, "", &enc, leaving)
 	defer leaving.open()
 
 	tf.send(t, ctx, 1)
@@ -310,9 +316,9 @@ func TestLeaveWaitsForTheSendInProgress(t *testing.T) {
 	left := make(chan struct{})
 	go func() {
 		defer close(left)
-		f.leave(ls)
+		ls.Leave()
 	}()
-	// Once leave waits for the send, let the send end; leave must not have returned
+	// Once Leave waits for the send, let the send end; Leave must not have returned
 	// before it.
 	for waiting := false; !waiting; {
 		ls.mu.Lock()
@@ -320,9 +326,9 @@ func TestLeaveWaitsForTheSendInProgress(t *testing.T) {
 		ls.mu.Unlock()
 		select {
 		case <-left:
-			t.Fatal("leave returned while a send on the stream was in progress")
+			t.Fatal("Leave returned while a send on the stream was in progress")
 		case <-ctx.Done():
-			t.Fatal("leave never waited for the send in progress")
+			t.Fatal("Leave never waited for the send in progress")
 		default:
 		}
 		runtime.Gosched()
@@ -332,7 +338,7 @@ func TestLeaveWaitsForTheSendInProgress(t *testing.T) {
 	select {
 	case <-left:
 	case <-ctx.Done():
-		t.Fatal("leave did not return once the send ended")
+		t.Fatal("Leave did not return once the send ended")
 	}
 	// No later round sends on it: two more changes (each round ends before the next
 	// begins) go to the other stream only.
@@ -353,23 +359,23 @@ func TestFailedSendEndsTheStream(t *testing.T) {
 	defer cancel()
 	var enc countingEncoder
 	reader := newFakeStream(false)
-	f, s := tf.open(t, "", &enc, reader)
-	defer f.leave(s)
+	s := tf.open(t, "", &enc, reader)
+	defer s.Leave()
 	broken := newFakeStream(false)
 	broken.err = errors.New("stream reset")
-	f, bs := tf.open(t, "", &enc, broken)
-	defer f.leave(bs)
+	bs := tf.open(t, "", &enc, broken)
+	defer bs.Leave()
 
 	tf.send(t, ctx, 1)
 	reader.want(t, ctx, 1)
 	broken.want(t, ctx, 1)
 	select {
-	case <-bs.failed:
+	case <-bs.Failed():
 	case <-ctx.Done():
 		t.Fatal("a failed send did not end the stream")
 	}
-	if err := bs.failure(); !errors.Is(err, broken.err) {
-		t.Errorf("failure() = %v, want the send's error %v", err, broken.err)
+	if err := bs.Err(); !errors.Is(err, broken.err) {
+		t.Errorf("Err() = %v, want the send's error %v", err, broken.err)
 	}
 	for v := 2; v <= 3; v++ {
 		tf.send(t, ctx, v)
