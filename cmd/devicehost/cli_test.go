@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -77,13 +78,19 @@ type cliResult struct {
 	code           int
 }
 
-// runCLI runs devicehost with args in-process.
+// runCLI runs devicehost with args in-process, with an empty environment.
 func runCLI(t *testing.T, args ...string) cliResult {
+	t.Helper()
+	return runCLIEnv(t, nil, args...)
+}
+
+// runCLIEnv is runCLI with the environment variables env.
+func runCLIEnv(t *testing.T, env map[string]string, args ...string) cliResult {
 	t.Helper()
 	var stdout, stderr bytes.Buffer
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	code := run(ctx, &cmdEnv{stdout: &stdout, stderr: &stderr, getenv: func(string) string { return "" }}, args)
+	code := run(ctx, &cmdEnv{stdout: &stdout, stderr: &stderr, getenv: func(k string) string { return env[k] }}, args)
 	return cliResult{stdout: stdout.String(), stderr: stderr.String(), code: code}
 }
 
@@ -233,19 +240,74 @@ func TestCallErrorsAreOneLineAndExit1(t *testing.T) {
 }
 
 func TestUnreachableAgent(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "nobody.sock")
-	for _, cmd := range []string{"devices", "stats", "plugins", "reservations"} {
-		t.Run(cmd, func(t *testing.T) {
-			r := runCLI(t, cmd, "-address", "unix://"+sock)
-			prefix := "devicehost: cannot reach agent at unix://" + sock + ": "
-			if r.code != 1 || !strings.HasPrefix(r.stderr, prefix) || strings.Count(r.stderr, "\n") != 1 {
-				t.Errorf("exit %d stderr %q, want exit 1 and one line starting %q", r.code, r.stderr, prefix)
+	dir := t.TempDir()
+	missing := filepath.Join(dir, "nobody.sock")
+	// A socket left behind by an agent that is gone: there, but nothing accepts on it.
+	stale := filepath.Join(dir, "stale.sock")
+	lis, err := net.ListenUnix("unix", &net.UnixAddr{Name: stale, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis.SetUnlinkOnClose(false)
+	lis.Close()
+	notSocket := filepath.Join(dir, "file")
+	if err := os.WriteFile(notSocket, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	const flagHint = "If it listens elsewhere, give its address with -address or $DEVICEHOST_ADDRESS"
+	tests := []struct {
+		name string
+		args []string
+		env  map[string]string
+		why  string // what the error says went wrong
+		hint string
+	}{
+		{"no socket", []string{"devices", "-address", "unix://" + missing}, nil,
+			"no socket at " + missing + " (no such file or directory)", flagHint},
+		{"stale socket", []string{"plugins", "-address", "unix://" + stale}, nil,
+			"the socket " + stale + " exists but no agent accepts on it (connection refused)", flagHint},
+		{"not a socket", []string{"reservations", "-address", "unix://" + notSocket}, nil,
+			notSocket + " is not a socket", flagHint},
+		{"address from the environment", []string{"stats"}, map[string]string{addressEnv: "unix://" + missing},
+			"no socket at " + missing, "The address is from $DEVICEHOST_ADDRESS; -address overrides it"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := runCLIEnv(t, tt.env, tt.args...)
+			if r.code != 1 || strings.Count(r.stderr, "\n") != 1 {
+				t.Errorf("exit %d stderr %q, want exit 1 and one line", r.code, r.stderr)
 			}
-			// The reason, not a deadline: the call failed at once instead of waiting.
-			if !strings.Contains(r.stderr, "no such file or directory") {
-				t.Errorf("stderr %q does not say why", r.stderr)
+			for _, want := range []string{"devicehost: cannot reach agent at unix://", tt.why, "is the agent running ('devicehost agent')?", tt.hint} {
+				if !strings.Contains(r.stderr, want) {
+					t.Errorf("stderr %q does not say %q", r.stderr, want)
+				}
+			}
+			if strings.Contains(r.stderr, "transport:") {
+				t.Errorf("stderr %q has gRPC's transport error in it", r.stderr)
 			}
 		})
+	}
+}
+
+// -address's help names its default once: the built-in one, or $DEVICEHOST_ADDRESS's.
+func TestAddressHelpNamesOneDefault(t *testing.T) {
+	tests := []struct {
+		env  map[string]string
+		want string
+	}{
+		{nil, `(default "unix:///run/devicehost/devicehost.sock"; $DEVICEHOST_ADDRESS overrides it)`},
+		{map[string]string{addressEnv: "tcp://127.0.0.1:7070"}, `(default "tcp://127.0.0.1:7070", from $DEVICEHOST_ADDRESS)`},
+	}
+	for _, tt := range tests {
+		for _, cmd := range []string{"devices", "stats", "kubelet-plugin"} {
+			r := runCLIEnv(t, tt.env, cmd, "-h")
+			_, help, _ := strings.Cut(r.stderr, "-address address\n")
+			help, _, _ = strings.Cut(help, "\n")
+			if r.code != 0 || strings.Count(help, "(default") != 1 || !strings.Contains(help, tt.want) {
+				t.Errorf("%s -h (env %v): exit %d, -address help %q, want one default: %s", cmd, tt.env, r.code, help, tt.want)
+			}
+		}
 	}
 }
 
