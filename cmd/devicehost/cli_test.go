@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"os"
@@ -132,6 +133,79 @@ func TestDevicesJSON(t *testing.T) {
 	}
 	if h := fp.GetGroups()[1].GetDevices()[0].GetHolder(); h.GetOwnerId() != "alloc-1" {
 		t.Errorf("GPU-0 holder = %v, want owner alloc-1", h)
+	}
+}
+
+// -json prints conventional JSON (two-space indent, one space after a colon), the same
+// bytes every time, though protojson randomizes its spacing from build to build; the
+// one-line form of stats -json is compact JSON.
+func TestJSONOutputIsStable(t *testing.T) {
+	mgr := &devicetest.Fake{
+		ReserveFunc: func(_ context.Context, req device.ReserveRequest) (device.Reservation, error) {
+			return device.Reservation{ID: "res-1", Container: device.ContainerReservation{
+				Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-0", "A": "1"},
+				CDIDevices: []string{"nvidia.com/gpu=GPU-0"},
+			}}, nil
+		},
+		WatchStatsFunc: func(context.Context, time.Duration) <-chan device.StatsSnapshot {
+			ch := make(chan device.StatsSnapshot, 1)
+			ch <- device.StatsSnapshot{Time: t0, Groups: []device.GroupStats{{GroupKey: h100, Plugin: "nvidia",
+				Devices: []device.DeviceStats{{ID: "GPU-0", Time: t0, Values: map[string]device.Value{
+					"power": {Kind: device.KindFloat, Float: 301.5, Unit: "W"},
+				}}}}}}
+			return ch
+		},
+	}
+	addr := startAgent(t, mgr)
+	out := mustRunCLI(t, "reserve", "-json", "-address", addr, "-owner", "o", "-device", "GPU-0",
+		"-vendor", h100.Vendor, "-type", h100.Type, "-name", h100.Name)
+	want := `{
+  "reservationId": "res-1",
+  "reservation": {
+    "envs": {
+      "A": "1",
+      "NVIDIA_VISIBLE_DEVICES": "GPU-0"
+    },
+    "cdiDevices": [
+      "nvidia.com/gpu=GPU-0"
+    ]
+  }
+}
+`
+	if out != want {
+		t.Errorf("reserve -json:\n%s\nwant\n%s", out, want)
+	}
+	var resp pb.ReserveResponse
+	if err := protojson.Unmarshal([]byte(out), &resp); err != nil || resp.GetReservationId() != "res-1" {
+		t.Errorf("reserve -json does not parse back: %v (%v)", err, &resp)
+	}
+
+	line := mustRunCLI(t, "stats", "-once", "-json", "-address", addr)
+	var compact bytes.Buffer
+	if err := json.Compact(&compact, []byte(line)); err != nil {
+		t.Fatalf("stats -json: %v\n%s", err, line)
+	}
+	if got := compact.String() + "\n"; line != got {
+		t.Errorf("stats -json:\n%s\nwant compact JSON\n%s", line, got)
+	}
+}
+
+// protojson's random spaces (after a colon or a comma, from build to build) never reach
+// the output.
+func TestLayoutJSONDropsRandomSpaces(t *testing.T) {
+	spaced := []byte(`{"reservationId":  "res-1", "deviceIds":["a",  "b"],"envs":{ "A": "x  y"}}`)
+	tests := []struct {
+		indent bool
+		want   string
+	}{
+		{false, `{"reservationId":"res-1","deviceIds":["a","b"],"envs":{"A":"x  y"}}` + "\n"},
+		{true, "{\n  \"reservationId\": \"res-1\",\n  \"deviceIds\": [\n    \"a\",\n    \"b\"\n  ],\n  \"envs\": {\n    \"A\": \"x  y\"\n  }\n}\n"},
+	}
+	for _, tt := range tests {
+		got, err := layoutJSON(spaced, tt.indent)
+		if err != nil || string(got) != tt.want {
+			t.Errorf("layoutJSON(indent %v) = %q, %v; want %q", tt.indent, got, err, tt.want)
+		}
 	}
 }
 
