@@ -544,7 +544,9 @@ func route(snap device.Snapshot, group device.GroupKey, ids []string) (string, e
 		plugins[p] = true
 	}
 	switch {
-	case len(unknown) > 0:
+	case len(unknown) == 1:
+		return "", fmt.Errorf("device %s is not in group %s: %w", unknown[0], group, device.ErrUnknownDevice)
+	case len(unknown) > 1:
 		return "", fmt.Errorf("devices %s are not in group %s: %w", strings.Join(unknown, ", "), group, device.ErrUnknownDevice)
 	case len(plugins) > 1:
 		return "", fmt.Errorf("devices %s of group %s belong to more than one plugin (%s): %w",

@@ -255,11 +255,15 @@ func TestReserveGroupChoice(t *testing.T) {
 		wantErr   string
 	}{
 		{"unknown device", twoGroups(), []string{"-device", "GPU-9"}, device.GroupKey{},
-			"device GPU-9: the agent reports no such device"},
+			"devicehost: reserve: device GPU-9 is not in any group of the agent's: unknown device (NotFound)\n"},
+		{"unknown devices", twoGroups(), []string{"-device", "GPU-9,GPU-0,GPU-8"}, device.GroupKey{},
+			"devicehost: reserve: devices GPU-9, GPU-8 are not in any group of the agent's: unknown device (NotFound)\n"},
+		{"unknown device in the groups asked for", twoGroups(), []string{"-device", "GPU-0", "-name", "NVIDIA A100"}, device.GroupKey{},
+			`devicehost: reserve: device GPU-0 is not in any group matching vendor="" type="" name="NVIDIA A100": unknown device (NotFound)` + "\n"},
 		{"devices of two groups", twoGroups(), []string{"-device", "GPU-a0", "-device", "GPU-0"}, device.GroupKey{},
-			"are not all in one group"},
+			"devicehost: reserve: devices GPU-a0, GPU-0 are not all in one group; a reservation takes devices of one group\n"},
 		{"ambiguous ID", dup, []string{"-device", "GPU-2"}, device.GroupKey{},
-			"in more than one group (nvidia/gpu/NVIDIA A100, nvidia/gpu/NVIDIA H100 80GB HBM3); choose with -vendor, -type and -name"},
+			"devicehost: reserve: device GPU-2 is in more than one group (nvidia/gpu/NVIDIA A100, nvidia/gpu/NVIDIA H100 80GB HBM3); choose with -vendor, -type and -name\n"},
 		{"ambiguity resolved by -name", dup, []string{"-device", "GPU-2", "-name", "NVIDIA A100"}, a100, ""},
 		{"comma-separated devices", twoGroups(), []string{"-device", "GPU-0,GPU-2"}, h100, ""},
 		{"group forced: no look-up", device.Snapshot{}, []string{"-device", "X", "-vendor", "v", "-type", "t", "-name", "n"},
@@ -280,7 +284,7 @@ func TestReserveGroupChoice(t *testing.T) {
 			addr := startAgent(t, mgr)
 			r := runCLI(t, append([]string{"reserve", "-address", addr, "-owner", "o"}, tt.args...)...)
 			if tt.wantErr != "" {
-				if r.code != 1 || !strings.Contains(r.stderr, tt.wantErr) {
+				if r.code != 1 || r.stderr != tt.wantErr {
 					t.Errorf("exit %d stderr %q, want exit 1 and %q", r.code, r.stderr, tt.wantErr)
 				}
 				if len(got) != 0 {

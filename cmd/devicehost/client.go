@@ -139,12 +139,16 @@ func (c *clientFlags) dial(ctx context.Context) (_ context.Context, _ *client.Cl
 
 // callError renders a failed call as "what: message (Code)" on one line. A message
 // that already starts with "what: " (the agent named the operation itself) is not
-// prefixed again.
+// prefixed again. An error that is no gRPC status (the CLI's own refusal of a request)
+// has no code to show.
 func callError(what string, err error) error {
-	st := status.Convert(err)
+	st, isStatus := status.FromError(err)
 	msg := oneLine(st.Message())
 	for strings.HasPrefix(msg, what+": ") {
 		msg = strings.TrimPrefix(msg, what+": ")
+	}
+	if !isStatus {
+		return fmt.Errorf("%s: %s", what, msg)
 	}
 	return fmt.Errorf("%s: %s (%s)", what, msg, st.Code())
 }
