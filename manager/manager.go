@@ -169,7 +169,9 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 			return nil, fmt.Errorf("plugin dir %s: %w", cfg.PluginDir, err)
 		}
 		// Watch before listing, so that nothing added meanwhile is missed.
-		m.dir = newDirWatch(abs, cfg, log, m.setDirBinaries)
+		if m.dir, err = newDirWatch(abs, cfg, log, m.setDirBinaries); err != nil {
+			return nil, err
+		}
 		if dirBins, refused, err = discoverDir(cfg.PluginDir, log); err != nil {
 			m.dir.close()
 			return nil, err

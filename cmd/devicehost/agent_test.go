@@ -158,3 +158,17 @@ func TestAgentStartFailures(t *testing.T) {
 		}
 	})
 }
+
+// A plugin dir that does not exist stops the agent with one line that names the
+// setting and the path, and nothing logged before it.
+func TestAgentMissingPluginDir(t *testing.T) {
+	dir := tempDir(t, "dhpd")
+	missing := filepath.Join(dir, "plugins")
+	r := runCLI(t, "agent", "-plugin-dir", missing, "-state-dir", filepath.Join(dir, "state"),
+		"-listen", "unix://"+filepath.Join(dir, "dh.sock"))
+	want := "devicehost: start the device manager: plugin_dir " + missing + " (-plugin-dir) does not exist: " +
+		"create it, or set plugin_dir in the config file or -plugin-dir to the directory of the plugin executables\n"
+	if r.code != 1 || r.stderr != want {
+		t.Errorf("exit %d stderr:\n%s\nwant exit 1 and:\n%s", r.code, r.stderr, want)
+	}
+}
