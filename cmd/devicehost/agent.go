@@ -110,7 +110,7 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 		return err
 	}
 	cfg := a.cfg
-	log := hclog.New(&hclog.LoggerOptions{
+	log := newLogger(hclog.LoggerOptions{
 		Level:      hclog.LevelFromString(cfg.LogLevel),
 		JSONFormat: cfg.LogJSON,
 		Output:     env.stderr,

@@ -54,7 +54,7 @@ func runKubeletPlugin(ctx context.Context, env *cmdEnv, args []string) error {
 	if err != nil {
 		return err
 	}
-	log := hclog.New(&hclog.LoggerOptions{
+	log := newLogger(hclog.LoggerOptions{
 		Name:       "kubelet-plugin",
 		Level:      hclog.LevelFromString(cfg.LogLevel),
 		JSONFormat: cfg.LogJSON,
