@@ -46,10 +46,10 @@ type Config struct {
 	Logger hclog.Logger
 
 	// PluginDir is searched for plugin executables with pluginloader.Discover. Empty
-	// means no discovery. New fails when the dir cannot be read or fails the trust check
-	// (pluginloader.CheckPath), or when it holds no usable plugin and some were refused;
-	// refused binaries beside good ones are left out with an error log line and the
-	// others run.
+	// means no discovery. New fails when the dir does not exist (ErrNoPluginDir), cannot
+	// be read or fails the trust check (pluginloader.CheckPath), or when it holds no
+	// usable plugin and some were refused; refused binaries beside good ones are left
+	// out with an error log line and the others run.
 	//
 	// The dir is watched while the manager runs (see plugindir.go): a binary added is
 	// launched, one replaced is restarted on the new file, one removed is stopped, each

@@ -169,7 +169,9 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 			return nil, fmt.Errorf("plugin dir %s: %w", cfg.PluginDir, err)
 		}
 		// Watch before listing, so that nothing added meanwhile is missed.
-		m.dir = newDirWatch(abs, cfg, log, m.setDirBinaries)
+		if m.dir, err = newDirWatch(abs, cfg, log, m.setDirBinaries); err != nil {
+			return nil, err
+		}
 		if dirBins, refused, err = discoverDir(cfg.PluginDir, log); err != nil {
 			m.dir.close()
 			return nil, err
@@ -544,7 +546,9 @@ func route(snap device.Snapshot, group device.GroupKey, ids []string) (string, e
 		plugins[p] = true
 	}
 	switch {
-	case len(unknown) > 0:
+	case len(unknown) == 1:
+		return "", fmt.Errorf("device %s is not in group %s: %w", unknown[0], group, device.ErrUnknownDevice)
+	case len(unknown) > 1:
 		return "", fmt.Errorf("devices %s are not in group %s: %w", strings.Join(unknown, ", "), group, device.ErrUnknownDevice)
 	case len(plugins) > 1:
 		return "", fmt.Errorf("devices %s of group %s belong to more than one plugin (%s): %w",

@@ -3,6 +3,7 @@ package manager
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -92,10 +93,19 @@ type dirWatch struct {
 	watchFailed string // the last watch error logged; "" while watching
 }
 
+// ErrNoPluginDir is New's error, wrapped with the path, when Config.PluginDir does not
+// exist. (A dir removed while the manager runs is not an error: its plugins are stopped
+// and the dir is listed until it is back.)
+var ErrNoPluginDir = errors.New("no such directory")
+
 // newDirWatch returns the watcher of dir (absolute) and starts watching it, so that a
 // change made while the manager lists the dir for the first time is seen. Call run, or
-// close if the manager is not started.
-func newDirWatch(dir string, cfg Config, log hclog.Logger, apply func(map[string]dirBinary)) *dirWatch {
+// close if the manager is not started. A dir that does not exist is an error that
+// wraps ErrNoPluginDir, not a dir to list until it appears.
+func newDirWatch(dir string, cfg Config, log hclog.Logger, apply func(map[string]dirBinary)) (*dirWatch, error) {
+	if _, err := os.Stat(dir); errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("plugin dir %s: %w", dir, ErrNoPluginDir)
+	}
 	d := &dirWatch{
 		dir:      dir,
 		settle:   cfg.PluginDirSettle,
@@ -107,7 +117,7 @@ func newDirWatch(dir string, cfg Config, log hclog.Logger, apply func(map[string
 		entries:  make(map[string]*dirEntry),
 	}
 	d.startWatch()
-	return d
+	return d, nil
 }
 
 // refusedKey marks refused binaries in dirWatch.listErr.

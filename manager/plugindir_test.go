@@ -416,6 +416,24 @@ func TestPluginDirFailedPluginGetsAnotherChanceWhenItsFileChanges(t *testing.T) 
 	}
 }
 
+// A plugin dir that is not there at start is one error naming it, not a watch that
+// falls back to listing a dir that does not exist.
+func TestPluginDirMissingAtStart(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "nope")
+	cfg, logs := dirConfig(t, dir)
+	m, err := New(cfg)
+	if err == nil {
+		shutdown(t, m)
+		t.Fatal("New succeeded on a plugin dir that does not exist")
+	}
+	if !errors.Is(err, ErrNoPluginDir) || err.Error() != "plugin dir "+dir+": no such directory" {
+		t.Errorf("New: %q (ErrNoPluginDir: %v), want %q", err, errors.Is(err, ErrNoPluginDir), "plugin dir "+dir+": no such directory")
+	}
+	if l := logs.lines("plugin dir"); len(l) > 0 {
+		t.Errorf("logged about the plugin dir besides the error: %q", l)
+	}
+}
+
 func TestPluginDirWatchFailureFallsBackToRescans(t *testing.T) {
 	dir := pluginDir(t)
 	cfg, logs := dirConfig(t, dir)

@@ -2,17 +2,23 @@ package server
 
 import (
 	"context"
+	"net"
 	"strings"
+	"sync/atomic"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
 	"github.com/hashicorp/go-hclog"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 )
 
 // callLog is a grpc stats.Handler that logs every call once, when it ends: method, code,
-// duration, peer and, when it failed, the error message.
+// duration, peer and, when it failed, the error message. The peer is the client's
+// address on tcp; on a unix socket, whose clients have no address, it is the client
+// process's uid and pid (peer_uid, peer_pid) where Serve could read them (see
+// peerListener), and left out where it could not.
 //
 // It is a stats handler rather than an interceptor because grpc-go ends some calls
 // before any interceptor runs (a request over the size limit, for one) and a stats
@@ -30,34 +36,74 @@ var quietServices = map[string]bool{
 	"grpc.reflection.v1alpha.ServerReflection": true,
 }
 
-type methodKey struct{}
+// callInfo is what HandleRPC learns of a call before it ends.
+type callInfo struct {
+	method       string
+	serverStream atomic.Bool // set by Begin: the server sends a stream of messages
+}
+
+type callKey struct{}
 
 // TagRPC implements stats.Handler: it keeps the method name for HandleRPC.
 func (l callLog) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
-	return context.WithValue(ctx, methodKey{}, info.FullMethodName)
+	return context.WithValue(ctx, callKey{}, &callInfo{method: info.FullMethodName})
 }
 
 // HandleRPC implements stats.Handler: it logs the call's end.
 func (l callLog) HandleRPC(ctx context.Context, s stats.RPCStats) {
-	end, ok := s.(*stats.End)
-	if !ok {
+	call, _ := ctx.Value(callKey{}).(*callInfo)
+	if call == nil {
 		return
 	}
-	method, _ := ctx.Value(methodKey{}).(string)
-	st := status.Convert(end.Error)
-	level := hclogLevel(logging.DefaultServerCodeToLevel(st.Code()))
+	switch s := s.(type) {
+	case *stats.Begin:
+		call.serverStream.Store(s.IsServerStream)
+		return
+	case *stats.End:
+		st := status.Convert(s.Error)
+		args := []any{"method", call.method, "code", st.Code().String(), "duration", s.EndTime.Sub(s.BeginTime).String()}
+		if s.Error != nil {
+			args = append(args, "error", st.Message())
+		}
+		if p, ok := peer.FromContext(ctx); ok {
+			args = append(args, peerArgs(p.Addr)...)
+		}
+		l.log.Log(callLevel(call.method, st.Code(), call.serverStream.Load()), "finished call", args...)
+	}
+}
+
+// callLevel is the level a call of method that ended with code is logged at. A stream
+// the server sends on (Fingerprint, Stats, a health Watch) ends only when its client
+// ends it, by cancelling or by its deadline, or when the server stops: a client ending
+// its own stream is no event, so CANCELED and DEADLINE_EXCEEDED streams are logged at
+// DEBUG. Other codes keep go-grpc-middleware's server levels, and the successful calls
+// of quietServices are DEBUG too.
+func callLevel(method string, code codes.Code, serverStream bool) hclog.Level {
+	if serverStream && (code == codes.Canceled || code == codes.DeadlineExceeded) {
+		return hclog.Debug
+	}
+	level := hclogLevel(logging.DefaultServerCodeToLevel(code))
 	service, _, _ := strings.Cut(strings.TrimPrefix(method, "/"), "/")
 	if quietServices[service] && level == hclog.Info {
 		level = hclog.Debug
 	}
-	args := []any{"method", method, "code", st.Code().String(), "duration", end.EndTime.Sub(end.BeginTime).String()}
-	if end.Error != nil {
-		args = append(args, "error", st.Message())
+	return level
+}
+
+// peerArgs are the log fields that name a call's peer: the address of a tcp client,
+// the uid and pid of a unix socket's (a peerAddr), and none for an address that says
+// nothing (a unix client's unnamed socket is "" or "@").
+func peerArgs(a net.Addr) []any {
+	switch a := a.(type) {
+	case nil:
+		return nil
+	case peerAddr:
+		return []any{"peer_uid", a.uid, "peer_pid", a.pid}
 	}
-	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil && p.Addr.String() != "" {
-		args = append(args, "peer", p.Addr.String())
+	if s := a.String(); s != "" && s != "@" {
+		return []any{"peer", s}
 	}
-	l.log.Log(level, "finished call", args...)
+	return nil
 }
 
 // TagConn implements stats.Handler.

@@ -160,9 +160,10 @@ func New(cfg Config) (*Server, error) {
 }
 
 // Serve accepts connections on lis until Shutdown, and closes lis when it returns. It
-// returns nil after Shutdown.
+// returns nil after Shutdown. The clients of a unix socket are logged by their uid and
+// pid (see peerListener).
 func (s *Server) Serve(lis net.Listener) error {
-	err := s.grpc.Serve(lis)
+	err := s.grpc.Serve(peerListener{lis})
 	if errors.Is(err, grpc.ErrServerStopped) {
 		return nil
 	}

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"reflect"
+	"runtime"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -787,6 +789,67 @@ func TestOneLogLinePerCall(t *testing.T) {
 		if _, has := l["error"]; has != tt.wantError {
 			t.Errorf("%s: error field present = %v, want %v", tt.method, has, tt.wantError)
 		}
+	}
+}
+
+// A client that ends its own stream (devicehost devices takes one snapshot and hangs
+// up) is logged at DEBUG; a stream the server ends with an error keeps its level.
+func TestEndedStreamsLogLevel(t *testing.T) {
+	const method = "/devicehost.v1.DeviceHost/Fingerprint"
+	feed := newWatchFeed()
+	h := startHost(t, &devicetest.Fake{WatchFunc: feed.Watch})
+
+	ctx, cancel := context.WithCancel(testContext(t))
+	feed.snaps <- device.Snapshot{Inventory: testInventory}
+	stream, err := h.client.Fingerprint(ctx, &pb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	l := h.logs.waitCallLines(t, method, 1)[0]
+	if l["code"] != "Canceled" || l["@level"] != "debug" {
+		t.Errorf("a stream its client cancelled: code %v level %v, want Canceled debug: %v", l["code"], l["@level"], l)
+	}
+
+	closed := newWatchFeed()
+	close(closed.snaps) // the watch ends at once: the server ends the stream UNAVAILABLE
+	h = startHost(t, &devicetest.Fake{WatchFunc: closed.Watch})
+	stream, err = h.client.Fingerprint(testContext(t), &pb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := stream.Recv(); status.Code(err) != codes.Unavailable {
+		t.Fatalf("Recv: %v, want Unavailable", err)
+	}
+	l = h.logs.waitCallLines(t, method, 1)[0]
+	if l["code"] != "Unavailable" || l["@level"] != "warn" {
+		t.Errorf("a stream the server ended: code %v level %v, want Unavailable warn: %v", l["code"], l["@level"], l)
+	}
+}
+
+// A unix socket client has no address ("@"): the call log names it by the uid and pid
+// the kernel recorded for the connection, where the platform tells them, and otherwise
+// leaves the peer out.
+func TestCallLogNamesUnixPeer(t *testing.T) {
+	h := startHost(t, &devicetest.Fake{})
+	if _, err := h.client.ListPlugins(testContext(t), &pb.ListPluginsRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	l := h.logs.waitCallLines(t, "/devicehost.v1.DeviceHost/ListPlugins", 1)[0]
+	if p, has := l["peer"]; has {
+		t.Errorf("peer = %q, want no peer field for a unix socket client", p)
+	}
+	if runtime.GOOS != "linux" {
+		return
+	}
+	if got, want := l["peer_uid"], float64(os.Getuid()); got != want {
+		t.Errorf("peer_uid = %v, want %v (this process's)", got, want)
+	}
+	if got, want := l["peer_pid"], float64(os.Getpid()); got != want {
+		t.Errorf("peer_pid = %v, want %v (this process's)", got, want)
 	}
 }
 

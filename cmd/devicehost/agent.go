@@ -110,7 +110,7 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 		return err
 	}
 	cfg := a.cfg
-	log := hclog.New(&hclog.LoggerOptions{
+	log := newLogger(hclog.LoggerOptions{
 		Level:      hclog.LevelFromString(cfg.LogLevel),
 		JSONFormat: cfg.LogJSON,
 		Output:     env.stderr,
@@ -324,7 +324,12 @@ func shutdownManager(mgr device.Manager, log hclog.Logger) {
 	}
 }
 
-// printDevBanner tells a person where the dev agent is and what to try.
+// grpcurlMaxTime bounds the dev banner's grpcurl example of a stream, which the agent
+// never ends: the example stops by itself after this many seconds.
+const grpcurlMaxTime = 3
+
+// printDevBanner tells a person where the dev agent is and what to try. a is the
+// address the agent listens on: for the socket -dev made, its path.
 func printDevBanner(w io.Writer, a endpoint.Address, stateDir, tmp string) {
 	self := "devicehost"
 	if exe, err := os.Executable(); err == nil && strings.Contains(exe, "go-build") {
@@ -349,5 +354,6 @@ Try, in another terminal:
   %s list
   %s devicehost.v1.DeviceHost/Fingerprint
 
-`, addr, stateDir, tmp, addr, self, self, self, self, grpcurl, grpcurl)
+`, addr, stateDir, tmp, addr, self, self, self, self, grpcurl,
+		strings.Replace(grpcurl, "grpcurl ", fmt.Sprintf("grpcurl -max-time %d ", grpcurlMaxTime), 1))
 }

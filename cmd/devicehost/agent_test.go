@@ -1,10 +1,12 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -157,4 +159,45 @@ func TestAgentStartFailures(t *testing.T) {
 			t.Errorf("serveAgent: %v, want %q", err, want)
 		}
 	})
+}
+
+// A plugin dir that does not exist stops the agent with one line that names the
+// setting and the path, and nothing logged before it.
+func TestAgentMissingPluginDir(t *testing.T) {
+	dir := tempDir(t, "dhpd")
+	missing := filepath.Join(dir, "plugins")
+	r := runCLI(t, "agent", "-plugin-dir", missing, "-state-dir", filepath.Join(dir, "state"),
+		"-listen", "unix://"+filepath.Join(dir, "dh.sock"))
+	want := "devicehost: start the device manager: plugin_dir " + missing + " (-plugin-dir) does not exist: " +
+		"create it, or set plugin_dir in the config file or -plugin-dir to the directory of the plugin executables\n"
+	if r.code != 1 || r.stderr != want {
+		t.Errorf("exit %d stderr:\n%s\nwant exit 1 and:\n%s", r.code, r.stderr, want)
+	}
+}
+
+// The dev banner's grpcurl examples talk to the agent's socket, and the one of a
+// stream (which the agent never ends) ends by itself.
+func TestDevBannerGrpcurlExamples(t *testing.T) {
+	const sock = "/tmp/devicehost-dev-1/devicehost.sock"
+	var buf bytes.Buffer
+	printDevBanner(&buf, endpoint.Address{Network: "unix", Path: sock}, "/tmp/devicehost-dev-1/state", "/tmp/devicehost-dev-1")
+	stream := regexp.MustCompile(`DeviceHost/(Fingerprint|Stats)\b|Health/Watch\b`)
+	streams := 0
+	for _, l := range strings.Split(buf.String(), "\n") {
+		if !strings.Contains(l, "grpcurl ") {
+			continue
+		}
+		if !strings.Contains(l, " -unix "+sock+" ") {
+			t.Errorf("%q does not talk to the socket %s", l, sock)
+		}
+		if stream.MatchString(l) {
+			streams++
+			if !regexp.MustCompile(`grpcurl .*-max-time \d+ `).MatchString(l) {
+				t.Errorf("%q streams until interrupted; want -max-time", l)
+			}
+		}
+	}
+	if streams == 0 {
+		t.Errorf("no grpcurl example of a stream in the banner:\n%s", buf.String())
+	}
 }

@@ -3,7 +3,9 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -77,13 +79,19 @@ type cliResult struct {
 	code           int
 }
 
-// runCLI runs devicehost with args in-process.
+// runCLI runs devicehost with args in-process, with an empty environment.
 func runCLI(t *testing.T, args ...string) cliResult {
+	t.Helper()
+	return runCLIEnv(t, nil, args...)
+}
+
+// runCLIEnv is runCLI with the environment variables env.
+func runCLIEnv(t *testing.T, env map[string]string, args ...string) cliResult {
 	t.Helper()
 	var stdout, stderr bytes.Buffer
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	code := run(ctx, &cmdEnv{stdout: &stdout, stderr: &stderr, getenv: func(string) string { return "" }}, args)
+	code := run(ctx, &cmdEnv{stdout: &stdout, stderr: &stderr, getenv: func(k string) string { return env[k] }}, args)
 	return cliResult{stdout: stdout.String(), stderr: stderr.String(), code: code}
 }
 
@@ -125,6 +133,79 @@ func TestDevicesJSON(t *testing.T) {
 	}
 	if h := fp.GetGroups()[1].GetDevices()[0].GetHolder(); h.GetOwnerId() != "alloc-1" {
 		t.Errorf("GPU-0 holder = %v, want owner alloc-1", h)
+	}
+}
+
+// -json prints conventional JSON (two-space indent, one space after a colon), the same
+// bytes every time, though protojson randomizes its spacing from build to build; the
+// one-line form of stats -json is compact JSON.
+func TestJSONOutputIsStable(t *testing.T) {
+	mgr := &devicetest.Fake{
+		ReserveFunc: func(_ context.Context, req device.ReserveRequest) (device.Reservation, error) {
+			return device.Reservation{ID: "res-1", Container: device.ContainerReservation{
+				Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-0", "A": "1"},
+				CDIDevices: []string{"nvidia.com/gpu=GPU-0"},
+			}}, nil
+		},
+		WatchStatsFunc: func(context.Context, time.Duration) <-chan device.StatsSnapshot {
+			ch := make(chan device.StatsSnapshot, 1)
+			ch <- device.StatsSnapshot{Time: t0, Groups: []device.GroupStats{{GroupKey: h100, Plugin: "nvidia",
+				Devices: []device.DeviceStats{{ID: "GPU-0", Time: t0, Values: map[string]device.Value{
+					"power": {Kind: device.KindFloat, Float: 301.5, Unit: "W"},
+				}}}}}}
+			return ch
+		},
+	}
+	addr := startAgent(t, mgr)
+	out := mustRunCLI(t, "reserve", "-json", "-address", addr, "-owner", "o", "-device", "GPU-0",
+		"-vendor", h100.Vendor, "-type", h100.Type, "-name", h100.Name)
+	want := `{
+  "reservationId": "res-1",
+  "reservation": {
+    "envs": {
+      "A": "1",
+      "NVIDIA_VISIBLE_DEVICES": "GPU-0"
+    },
+    "cdiDevices": [
+      "nvidia.com/gpu=GPU-0"
+    ]
+  }
+}
+`
+	if out != want {
+		t.Errorf("reserve -json:\n%s\nwant\n%s", out, want)
+	}
+	var resp pb.ReserveResponse
+	if err := protojson.Unmarshal([]byte(out), &resp); err != nil || resp.GetReservationId() != "res-1" {
+		t.Errorf("reserve -json does not parse back: %v (%v)", err, &resp)
+	}
+
+	line := mustRunCLI(t, "stats", "-once", "-json", "-address", addr)
+	var compact bytes.Buffer
+	if err := json.Compact(&compact, []byte(line)); err != nil {
+		t.Fatalf("stats -json: %v\n%s", err, line)
+	}
+	if got := compact.String() + "\n"; line != got {
+		t.Errorf("stats -json:\n%s\nwant compact JSON\n%s", line, got)
+	}
+}
+
+// protojson's random spaces (after a colon or a comma, from build to build) never reach
+// the output.
+func TestLayoutJSONDropsRandomSpaces(t *testing.T) {
+	spaced := []byte(`{"reservationId":  "res-1", "deviceIds":["a",  "b"],"envs":{ "A": "x  y"}}`)
+	tests := []struct {
+		indent bool
+		want   string
+	}{
+		{false, `{"reservationId":"res-1","deviceIds":["a","b"],"envs":{"A":"x  y"}}` + "\n"},
+		{true, "{\n  \"reservationId\": \"res-1\",\n  \"deviceIds\": [\n    \"a\",\n    \"b\"\n  ],\n  \"envs\": {\n    \"A\": \"x  y\"\n  }\n}\n"},
+	}
+	for _, tt := range tests {
+		got, err := layoutJSON(spaced, tt.indent)
+		if err != nil || string(got) != tt.want {
+			t.Errorf("layoutJSON(indent %v) = %q, %v; want %q", tt.indent, got, err, tt.want)
+		}
 	}
 }
 
@@ -174,11 +255,15 @@ func TestReserveGroupChoice(t *testing.T) {
 		wantErr   string
 	}{
 		{"unknown device", twoGroups(), []string{"-device", "GPU-9"}, device.GroupKey{},
-			"device GPU-9: the agent reports no such device"},
+			"devicehost: reserve: device GPU-9 is not in any group of the agent's: unknown device (NotFound)\n"},
+		{"unknown devices", twoGroups(), []string{"-device", "GPU-9,GPU-0,GPU-8"}, device.GroupKey{},
+			"devicehost: reserve: devices GPU-9, GPU-8 are not in any group of the agent's: unknown device (NotFound)\n"},
+		{"unknown device in the groups asked for", twoGroups(), []string{"-device", "GPU-0", "-name", "NVIDIA A100"}, device.GroupKey{},
+			`devicehost: reserve: device GPU-0 is not in any group matching vendor="" type="" name="NVIDIA A100": unknown device (NotFound)` + "\n"},
 		{"devices of two groups", twoGroups(), []string{"-device", "GPU-a0", "-device", "GPU-0"}, device.GroupKey{},
-			"are not all in one group"},
+			"devicehost: reserve: devices GPU-a0, GPU-0 are not all in one group; a reservation takes devices of one group\n"},
 		{"ambiguous ID", dup, []string{"-device", "GPU-2"}, device.GroupKey{},
-			"in more than one group (nvidia/gpu/NVIDIA A100, nvidia/gpu/NVIDIA H100 80GB HBM3); choose with -vendor, -type and -name"},
+			"devicehost: reserve: device GPU-2 is in more than one group (nvidia/gpu/NVIDIA A100, nvidia/gpu/NVIDIA H100 80GB HBM3); choose with -vendor, -type and -name\n"},
 		{"ambiguity resolved by -name", dup, []string{"-device", "GPU-2", "-name", "NVIDIA A100"}, a100, ""},
 		{"comma-separated devices", twoGroups(), []string{"-device", "GPU-0,GPU-2"}, h100, ""},
 		{"group forced: no look-up", device.Snapshot{}, []string{"-device", "X", "-vendor", "v", "-type", "t", "-name", "n"},
@@ -199,7 +284,7 @@ func TestReserveGroupChoice(t *testing.T) {
 			addr := startAgent(t, mgr)
 			r := runCLI(t, append([]string{"reserve", "-address", addr, "-owner", "o"}, tt.args...)...)
 			if tt.wantErr != "" {
-				if r.code != 1 || !strings.Contains(r.stderr, tt.wantErr) {
+				if r.code != 1 || r.stderr != tt.wantErr {
 					t.Errorf("exit %d stderr %q, want exit 1 and %q", r.code, r.stderr, tt.wantErr)
 				}
 				if len(got) != 0 {
@@ -233,19 +318,74 @@ func TestCallErrorsAreOneLineAndExit1(t *testing.T) {
 }
 
 func TestUnreachableAgent(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "nobody.sock")
-	for _, cmd := range []string{"devices", "stats", "plugins", "reservations"} {
-		t.Run(cmd, func(t *testing.T) {
-			r := runCLI(t, cmd, "-address", "unix://"+sock)
-			prefix := "devicehost: cannot reach agent at unix://" + sock + ": "
-			if r.code != 1 || !strings.HasPrefix(r.stderr, prefix) || strings.Count(r.stderr, "\n") != 1 {
-				t.Errorf("exit %d stderr %q, want exit 1 and one line starting %q", r.code, r.stderr, prefix)
+	dir := t.TempDir()
+	missing := filepath.Join(dir, "nobody.sock")
+	// A socket left behind by an agent that is gone: there, but nothing accepts on it.
+	stale := filepath.Join(dir, "stale.sock")
+	lis, err := net.ListenUnix("unix", &net.UnixAddr{Name: stale, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis.SetUnlinkOnClose(false)
+	lis.Close()
+	notSocket := filepath.Join(dir, "file")
+	if err := os.WriteFile(notSocket, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	const flagHint = "If it listens elsewhere, give its address with -address or $DEVICEHOST_ADDRESS"
+	tests := []struct {
+		name string
+		args []string
+		env  map[string]string
+		why  string // what the error says went wrong
+		hint string
+	}{
+		{"no socket", []string{"devices", "-address", "unix://" + missing}, nil,
+			"no socket at " + missing + " (no such file or directory)", flagHint},
+		{"stale socket", []string{"plugins", "-address", "unix://" + stale}, nil,
+			"the socket " + stale + " exists but no agent accepts on it (connection refused)", flagHint},
+		{"not a socket", []string{"reservations", "-address", "unix://" + notSocket}, nil,
+			notSocket + " is not a socket", flagHint},
+		{"address from the environment", []string{"stats"}, map[string]string{addressEnv: "unix://" + missing},
+			"no socket at " + missing, "The address is from $DEVICEHOST_ADDRESS; -address overrides it"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := runCLIEnv(t, tt.env, tt.args...)
+			if r.code != 1 || strings.Count(r.stderr, "\n") != 1 {
+				t.Errorf("exit %d stderr %q, want exit 1 and one line", r.code, r.stderr)
 			}
-			// The reason, not a deadline: the call failed at once instead of waiting.
-			if !strings.Contains(r.stderr, "no such file or directory") {
-				t.Errorf("stderr %q does not say why", r.stderr)
+			for _, want := range []string{"devicehost: cannot reach agent at unix://", tt.why, "is the agent running ('devicehost agent')?", tt.hint} {
+				if !strings.Contains(r.stderr, want) {
+					t.Errorf("stderr %q does not say %q", r.stderr, want)
+				}
+			}
+			if strings.Contains(r.stderr, "transport:") {
+				t.Errorf("stderr %q has gRPC's transport error in it", r.stderr)
 			}
 		})
+	}
+}
+
+// -address's help names its default once: the built-in one, or $DEVICEHOST_ADDRESS's.
+func TestAddressHelpNamesOneDefault(t *testing.T) {
+	tests := []struct {
+		env  map[string]string
+		want string
+	}{
+		{nil, `(default "unix:///run/devicehost/devicehost.sock"; $DEVICEHOST_ADDRESS overrides it)`},
+		{map[string]string{addressEnv: "tcp://127.0.0.1:7070"}, `(default "tcp://127.0.0.1:7070", from $DEVICEHOST_ADDRESS)`},
+	}
+	for _, tt := range tests {
+		for _, cmd := range []string{"devices", "stats", "kubelet-plugin"} {
+			r := runCLIEnv(t, tt.env, cmd, "-h")
+			_, help, _ := strings.Cut(r.stderr, "-address address\n")
+			help, _, _ = strings.Cut(help, "\n")
+			if r.code != 0 || strings.Count(help, "(default") != 1 || !strings.Contains(help, tt.want) {
+				t.Errorf("%s -h (env %v): exit %d, -address help %q, want one default: %s", cmd, tt.env, r.code, help, tt.want)
+			}
+		}
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"math"
 	"math/big"
 	"regexp"
+	"slices"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -139,8 +140,12 @@ type pluginSchema struct {
 }
 
 // decodeConfigFile parses an HCL (or, for a .json name, HCL JSON) file and decodes it
-// into schema, a gohcl-tagged struct; an error names the file, line and key.
-func decodeConfigFile(path string, schema any) error {
+// into schema, a gohcl-tagged struct. It returns the decoding's diagnostics (an
+// unknown key, a missing label), with what could be decoded in schema, so that the
+// caller reports them with the problems it finds in the values: every problem of the
+// file in one error. A file that cannot be read or parsed is an error (naming the
+// file, line and column) and nothing is decoded.
+func decodeConfigFile(path string, schema any) (hcl.Diagnostics, error) {
 	parser := hclparse.NewParser()
 	var file *hcl.File
 	var diags hcl.Diagnostics
@@ -150,12 +155,9 @@ func decodeConfigFile(path string, schema any) error {
 		file, diags = parser.ParseHCLFile(path)
 	}
 	if diags.HasErrors() {
-		return diagError(path, diags)
+		return nil, diagError(path, diags)
 	}
-	if diags := gohcl.DecodeBody(file.Body, nil, schema); diags.HasErrors() {
-		return diagError(path, diags)
-	}
-	return nil
+	return gohcl.DecodeBody(file.Body, nil, schema), nil
 }
 
 // configSchema is a plugin's free-form config block, handed to the plugin as JSON.
@@ -167,11 +169,12 @@ type configSchema struct {
 // Every problem is reported with the file, line and key.
 func loadConfigFile(path string, cfg *agentConfig) error {
 	var fs fileSchema
-	if err := decodeConfigFile(path, &fs); err != nil {
+	diags, err := decodeConfigFile(path, &fs)
+	if err != nil {
 		return err
 	}
-	var d decoder
-	d.str(fs.Listen, &cfg.Listen)
+	d := decoder{diags: diags}
+	d.address(fs.Listen, false, &cfg.Listen)
 	d.str(fs.PluginDir, &cfg.PluginDir)
 	d.str(fs.StateDir, &cfg.StateDir)
 	d.logLevel(fs.LogLevel, &cfg.LogLevel)
@@ -189,20 +192,10 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 	d.str(fs.TLSKey, &cfg.TLS.Key)
 	d.str(fs.TLSCA, &cfg.TLS.CA)
 	d.boolean(fs.Insecure, &cfg.TLS.Insecure)
-	d.str(fs.MetricsListen, &cfg.MetricsListen)
+	d.address(fs.MetricsListen, true, &cfg.MetricsListen)
 	d.str(fs.MetricsTLSCert, &cfg.MetricsTLS.Cert)
 	d.str(fs.MetricsTLSKey, &cfg.MetricsTLS.Key)
 	d.str(fs.MetricsTLSCA, &cfg.MetricsTLS.CA)
-	if fs.Listen != nil && !d.diags.HasErrors() {
-		if _, err := endpoint.Parse(cfg.Listen); err != nil {
-			d.fail(fs.Listen, "Invalid address", err.Error())
-		}
-	}
-	if fs.MetricsListen != nil && cfg.MetricsListen != "" && !d.diags.HasErrors() {
-		if _, err := endpoint.Parse(cfg.MetricsListen); err != nil {
-			d.fail(fs.MetricsListen, "Invalid address", err.Error())
-		}
-	}
 
 	seen := map[string]hcl.Range{}
 	for _, p := range fs.Plugins {
@@ -273,6 +266,26 @@ func (d *decoder) str(a *hcl.Attribute, out *string) {
 	if v, ok := d.value(a, cty.String); ok {
 		*out = v.AsString()
 	}
+}
+
+// address decodes a host API address (unix:///path.sock or tcp://host:port); with
+// optional, "" too (none).
+func (d *decoder) address(a *hcl.Attribute, optional bool, out *string) {
+	if a == nil {
+		return
+	}
+	v, ok := d.value(a, cty.String)
+	if !ok {
+		return
+	}
+	s := v.AsString()
+	if s != "" || !optional {
+		if _, err := endpoint.Parse(s); err != nil {
+			d.fail(a, "Invalid address", err.Error())
+			return
+		}
+	}
+	*out = s
 }
 
 func (d *decoder) boolean(a *hcl.Attribute, out *bool) {
@@ -543,8 +556,23 @@ func jsonNumber(f *big.Float) json.Number {
 	return json.Number(f.Text('g', -1))
 }
 
-// diagError renders diagnostics as "file:line,column: summary; detail", one per line.
+// diagError renders diagnostics as "file:line,column: summary; detail", one per line,
+// in the order of the file.
 func diagError(path string, diags hcl.Diagnostics) error {
+	diags = slices.Clone(diags)
+	pos := func(d *hcl.Diagnostic) hcl.Pos {
+		if d.Subject == nil {
+			return hcl.Pos{} // the file as a whole: first
+		}
+		return d.Subject.Start
+	}
+	slices.SortStableFunc(diags, func(a, b *hcl.Diagnostic) int {
+		pa, pb := pos(a), pos(b)
+		if pa.Line != pb.Line {
+			return pa.Line - pb.Line
+		}
+		return pa.Column - pb.Column
+	})
 	var lines []string
 	for _, d := range diags {
 		if d.Severity != hcl.DiagError {

@@ -285,6 +285,38 @@ func TestLoadConfigFileErrors(t *testing.T) {
 	}
 }
 
+// A file with several problems gets them all in one error, in the order of the file,
+// rather than one per try.
+func TestConfigFileReportsEveryProblem(t *testing.T) {
+	path := writeConfig(t, "devicehost.hcl", `stats_interval = "fast"
+plugn_dir      = "/srv/plugins"
+listen         = "/run/dh.sock"
+plugin "p" {
+  sha = "x"
+}
+`)
+	cfg := defaultAgentConfig()
+	err := loadConfigFile(path, &cfg)
+	if err == nil {
+		t.Fatal("loadConfigFile succeeded, want an error")
+	}
+	want := []string{
+		path + `:1,18: Invalid duration; stats_interval: "fast" is not a duration`,
+		path + `:2,1: Unsupported argument; An argument named "plugn_dir" is not expected here. Did you mean "plugin_dir"?`,
+		path + `:3,18: Invalid address; listen:`,
+		path + `:5,3: Unsupported argument; An argument named "sha" is not expected here.`,
+	}
+	lines := strings.Split(err.Error(), "\n")[1:] // after "config FILE:"
+	if len(lines) != len(want) {
+		t.Fatalf("error has %d problems, want %d:\n%v", len(lines), len(want), err)
+	}
+	for i, w := range want {
+		if !strings.HasPrefix(strings.TrimSpace(lines[i]), w) {
+			t.Errorf("problem %d: %q, want it to start %q", i+1, lines[i], w)
+		}
+	}
+}
+
 func TestConfigZeroDurationsMeanTheDefaults(t *testing.T) {
 	path := writeConfig(t, "devicehost.hcl", `
 stats_interval  = "0s"

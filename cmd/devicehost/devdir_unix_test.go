@@ -168,6 +168,13 @@ func TestDevAgentCleansUpAfterAKilledOne(t *testing.T) {
 	if _, err := os.Stat(secondDir); err != nil {
 		t.Errorf("the running agent's directory: %v", err)
 	}
+	// Its banner's grpcurl examples use the socket it made there.
+	sock := filepath.Join(secondDir, devSocketName)
+	if l, err := second.stdout.wait(ctx, func(l string) bool { return strings.Contains(l, "grpcurl ") }); err != nil || !strings.Contains(l, " -unix "+sock+" ") {
+		t.Errorf("banner's grpcurl line %q (%v), want it on -unix %s", l, err, sock)
+	} else if fi, err := os.Stat(sock); err != nil || fi.Mode().Type() != os.ModeSocket {
+		t.Errorf("%s, the banner's socket: %v, %v; want a socket", sock, fi, err)
+	}
 	found := false
 	for _, l := range second.stderr.snapshot() {
 		found = found || (strings.Contains(l, "no longer running") && strings.Contains(l, firstDir))

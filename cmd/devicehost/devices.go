@@ -6,6 +6,10 @@ import (
 	"slices"
 	"strings"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/devicehost/devicehost/manager/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -43,7 +47,9 @@ func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
 }
 
 // inferGroup finds the one group that holds every device in ids, among the groups
-// matching the vendor, type and name given (empty matches any).
+// matching the vendor, type and name given (empty matches any). Devices in no such
+// group are a NOT_FOUND status worded as the agent words a Reserve of unknown devices,
+// so that `reserve` says the same with and without -vendor, -type and -name.
 func inferGroup(fp *pb.FingerprintResponse, ids []string, vendor, typ, name string) (*pb.DeviceGroup, error) {
 	var candidates []*pb.DeviceGroup
 	for _, g := range fp.GetGroups() {
@@ -64,17 +70,15 @@ func inferGroup(fp *pb.FingerprintResponse, ids []string, vendor, typ, name stri
 	case 1:
 		return holding[0], nil
 	case 0:
-		// Say which device is the problem.
+		// Say which devices are the problem.
+		var unknown []string
 		for _, id := range ids {
-			var in []string
-			for _, g := range candidates {
-				if has(g, id) {
-					in = append(in, groupName(g.GetVendor(), g.GetType(), g.GetName()))
-				}
+			if !slices.ContainsFunc(candidates, func(g *pb.DeviceGroup) bool { return has(g, id) }) {
+				unknown = append(unknown, id)
 			}
-			if len(in) == 0 {
-				return nil, fmt.Errorf("device %s: the agent reports no such device%s", id, filterNote(vendor, typ, name))
-			}
+		}
+		if len(unknown) > 0 {
+			return nil, status.Errorf(codes.NotFound, "%s not in %s: %v", devicesAre(unknown), groupsNote(vendor, typ, name), device.ErrUnknownDevice)
 		}
 		return nil, fmt.Errorf("devices %s are not all in one group; a reservation takes devices of one group", strings.Join(ids, ", "))
 	default:
@@ -82,14 +86,23 @@ func inferGroup(fp *pb.FingerprintResponse, ids []string, vendor, typ, name stri
 		for _, g := range holding {
 			names = append(names, groupName(g.GetVendor(), g.GetType(), g.GetName()))
 		}
-		return nil, fmt.Errorf("devices %s are in more than one group (%s); choose with -vendor, -type and -name",
-			strings.Join(ids, ", "), strings.Join(names, ", "))
+		return nil, fmt.Errorf("%s in more than one group (%s); choose with -vendor, -type and -name",
+			devicesAre(ids), strings.Join(names, ", "))
 	}
 }
 
-func filterNote(vendor, typ, name string) string {
-	if vendor == "" && typ == "" && name == "" {
-		return ""
+// devicesAre is "device ID is" or "devices ID1, ID2 are".
+func devicesAre(ids []string) string {
+	if len(ids) == 1 {
+		return "device " + ids[0] + " is"
 	}
-	return fmt.Sprintf(" in a group matching vendor=%q type=%q name=%q", vendor, typ, name)
+	return "devices " + strings.Join(ids, ", ") + " are"
+}
+
+// groupsNote names the groups a device was looked for in.
+func groupsNote(vendor, typ, name string) string {
+	if vendor == "" && typ == "" && name == "" {
+		return "any group of the agent's"
+	}
+	return fmt.Sprintf("any group matching vendor=%q type=%q name=%q", vendor, typ, name)
 }

@@ -400,6 +400,19 @@ func TestEndToEndDevAgent(t *testing.T) {
 		t.Errorf("release of an unknown ID: exit %d stderr %q, want one release: prefix and NotFound", r.code, r.stderr)
 	}
 
+	// An unknown device is told in the same words whether the CLI looked its group up
+	// or was given it (and the agent's manager refused it).
+	for _, args := range [][]string{
+		{"-vendor", g.GetVendor(), "-type", g.GetType(), "-name", g.GetName()},
+		nil,
+	} {
+		r := runCLI(t, append([]string{"reserve", "-address", address, "-owner", "e2e-x", "-device", "GPU-nope"}, args...)...)
+		if !regexp.MustCompile(`^devicehost: reserve: device GPU-nope is not in [^:]+: unknown device \(NotFound\)\n$`).MatchString(r.stderr) || r.code != 1 {
+			t.Errorf("reserve %v of an unknown device: exit %d stderr %q, want exit 1 and `devicehost: reserve: device GPU-nope is not in ...: unknown device (NotFound)`",
+				args, r.code, r.stderr)
+		}
+	}
+
 	// Stats: values for all 8.
 	statsCtx, stopStats := context.WithCancel(ctx)
 	stats, err := client.Stats(statsCtx, &pb.StatsRequest{})

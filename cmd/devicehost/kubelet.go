@@ -54,7 +54,7 @@ func runKubeletPlugin(ctx context.Context, env *cmdEnv, args []string) error {
 	if err != nil {
 		return err
 	}
-	log := hclog.New(&hclog.LoggerOptions{
+	log := newLogger(hclog.LoggerOptions{
 		Name:       "kubelet-plugin",
 		Level:      hclog.LevelFromString(cfg.LogLevel),
 		JSONFormat: cfg.LogJSON,
@@ -171,10 +171,11 @@ type resourceSchema struct {
 // config file over cfg. Every problem is reported with the file, line and key.
 func loadKubeletConfigFile(path string, cfg *kubeletPluginConfig) error {
 	var fs kubeletFileSchema
-	if err := decodeConfigFile(path, &fs); err != nil {
+	diags, err := decodeConfigFile(path, &fs)
+	if err != nil {
 		return err
 	}
-	var d decoder
+	d := decoder{diags: diags}
 	for i, k := range fs.Kubernetes {
 		if i > 0 {
 			d.diags = append(d.diags, &hcl.Diagnostic{
@@ -185,12 +186,7 @@ func loadKubeletConfigFile(path string, cfg *kubeletPluginConfig) error {
 			})
 			continue
 		}
-		d.str(k.Address, &cfg.Address)
-		if k.Address != nil && !d.diags.HasErrors() {
-			if _, err := endpoint.Parse(cfg.Address); err != nil {
-				d.fail(k.Address, "Invalid address", err.Error())
-			}
-		}
+		d.address(k.Address, false, &cfg.Address)
 		d.str(k.DevicePluginDir, &cfg.DevicePluginDir)
 		d.str(k.PodResourcesSocket, &cfg.PodResourcesSocket)
 		d.duration(k.ReleaseGrace, minReleaseGrace, &cfg.ReleaseGrace)

@@ -82,6 +82,18 @@ func TestLoadKubeletConfigFileErrors(t *testing.T) {
 	}
 }
 
+// A typo and a bad value are reported together.
+func TestKubeletConfigFileReportsEveryProblem(t *testing.T) {
+	path := writeConfig(t, "kubelet.hcl", "kubernetes {\n  releas_grace = \"1s\"\n  address = \"http://x\"\n}\n")
+	err := loadKubeletConfigFile(path, &kubeletPluginConfig{})
+	want := "config " + path + ":\n  " +
+		path + `:2,3: Unsupported argument; An argument named "releas_grace" is not expected here. Did you mean "release_grace"?` + "\n  " +
+		path + ":3,13: Invalid address; address: "
+	if err == nil || !strings.HasPrefix(err.Error(), want) || strings.Count(err.Error(), "\n") != 2 {
+		t.Errorf("error:\n%v\nwant the two problems:\n%s...", err, want)
+	}
+}
+
 // Flags override the file; bad values are usage errors.
 func TestParseKubeletPluginArgs(t *testing.T) {
 	env := &cmdEnv{stdout: &bytes.Buffer{}, stderr: &bytes.Buffer{}, getenv: func(string) string { return "" }}

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
 	"io"
 	"math"
@@ -63,26 +65,42 @@ func cell(s string) string {
 
 func (t *table) flush() error { return t.tw.Flush() }
 
-// printJSON writes m as indented protojson (the API's own JSON mapping).
-func printJSON(w io.Writer, m proto.Message) error {
-	data, err := protojson.MarshalOptions{Multiline: true, Indent: "  "}.Marshal(m)
-	if err != nil {
-		return err
-	}
-	_, err = fmt.Fprintf(w, "%s\n", data)
-	return err
-}
+// printJSON writes m in the API's own JSON mapping (protojson), indented by two spaces
+// per level as encoding/json indents. protojson adds spaces at random to keep people
+// from depending on its layout (`"id":  "x"`), so its output is laid out again (see
+// layoutJSON): the same message always prints the same bytes.
+func printJSON(w io.Writer, m proto.Message) error { return writeJSON(w, m, true) }
 
-// printJSONLine writes m as one line of protojson.
-func printJSONLine(w io.Writer, m proto.Message) error {
+// printJSONLine writes m as one line of compact protojson, stable as printJSON's.
+func printJSONLine(w io.Writer, m proto.Message) error { return writeJSON(w, m, false) }
+
+func writeJSON(w io.Writer, m proto.Message, indent bool) error {
 	data, err := protojson.Marshal(m)
 	if err != nil {
 		return err
 	}
-	// protojson may add spaces at random to keep people from depending on its layout;
-	// the line is still one line of valid JSON.
-	_, err = fmt.Fprintf(w, "%s\n", data)
+	if data, err = layoutJSON(data, indent); err != nil {
+		return err
+	}
+	_, err = w.Write(data)
 	return err
+}
+
+// layoutJSON drops the insignificant spaces of data, valid JSON, and returns it compact
+// or, with indent, indented by two spaces per level; either way with a newline.
+func layoutJSON(data []byte, indent bool) ([]byte, error) {
+	var buf bytes.Buffer
+	var err error
+	if indent {
+		err = json.Indent(&buf, data, "", "  ")
+	} else {
+		err = json.Compact(&buf, data)
+	}
+	if err != nil {
+		return nil, err
+	}
+	buf.WriteByte('\n')
+	return buf.Bytes(), nil
 }
 
 func groupName(vendor, typ, name string) string { return vendor + "/" + typ + "/" + name }

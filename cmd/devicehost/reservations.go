@@ -63,7 +63,7 @@ func runReserve(ctx context.Context, env *cmdEnv, args []string) error {
 		}
 		g, err := inferGroup(fp, devices, *vendor, *typ, *name)
 		if err != nil {
-			return err
+			return callError("reserve", err)
 		}
 		req.Vendor, req.Type, req.Name = g.GetVendor(), g.GetType(), g.GetName()
 	}

@@ -91,5 +91,9 @@ func newManager(cfg agentConfig, log hclog.Logger, onCommit func(time.Duration, 
 			})
 		}
 	}
-	return manager.New(mc)
+	m, err := manager.New(mc)
+	if errors.Is(err, manager.ErrNoPluginDir) {
+		return nil, fmt.Errorf("plugin_dir %s (-plugin-dir) does not exist: create it, or set plugin_dir in the config file or -plugin-dir to the directory of the plugin executables", cfg.PluginDir)
+	}
+	return m, err
 }
