@@ -476,7 +476,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if err := validate.Reservation(res, ids); err != nil {
 		return device.Reservation{}, fmt.Errorf("plugin %q answered Reserve with a reservation that breaks the rules: %s: %w", plugin, oneLine(err), device.ErrPluginResponse)
 	}
-	r, err := m.store.Commit(ctx, device.Reservation{
+	r, _, err := m.store.Reserve(ctx, device.Reservation{
 		ID:        ledger.NewID(),
 		OwnerID:   req.OwnerID,
 		Group:     req.Group,

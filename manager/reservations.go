@@ -25,13 +25,13 @@ type reservationStore interface {
 	// when each of them is free or held by a reservation it may take over, and a
 	// *device.HeldError naming the other holders and the overlap otherwise.
 	Check(ownerID string, deviceIDs, takeOver []string) (*device.Reservation, error)
-	// Commit records r as live, durably before it returns, and in the same write
+	// Reserve records r as live, durably before it returns, and in the same write
 	// releases the live reservations it takes over (as Release does, at r.CreatedAt),
 	// returning their IDs, sorted, in the result's TakenOver. It re-checks as Check
 	// does, atomically with the write: a retry by the same owner returns the existing
-	// reservation instead (taking nothing over), a conflict is a *device.HeldError and
-	// writes nothing.
-	Commit(ctx context.Context, r device.Reservation, takeOver []string) (device.Reservation, error)
+	// reservation instead, with existing true (taking nothing over), a conflict is a
+	// *device.HeldError and writes nothing.
+	Reserve(ctx context.Context, r device.Reservation, takeOver []string) (res device.Reservation, existing bool, err error)
 	// Release marks the live reservations named by req released at time at, with their
 	// plugin cleanup pending, and returns them; those req named that were released
 	// before come back apart, in already, unchanged. Both are oldest first. An unknown
@@ -122,18 +122,18 @@ func (s *memStore) checkLocked(ownerID string, deviceIDs, takeOver []string) (*d
 	return nil, nil, e
 }
 
-func (s *memStore) Commit(_ context.Context, r device.Reservation, takeOver []string) (device.Reservation, error) {
+func (s *memStore) Reserve(_ context.Context, r device.Reservation, takeOver []string) (device.Reservation, bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	existing, victims, err := s.checkLocked(r.OwnerID, r.DeviceIDs, takeOver)
 	if err != nil {
-		return device.Reservation{}, err
+		return device.Reservation{}, false, err
 	}
 	if existing != nil {
-		return cloneReservation(*existing), nil
+		return cloneReservation(*existing), true, nil
 	}
 	if _, dup := s.byID[r.ID]; dup {
-		return device.Reservation{}, fmt.Errorf("reservation ID %s already used", r.ID)
+		return device.Reservation{}, false, fmt.Errorf("reservation ID %s already used", r.ID)
 	}
 	var taken []string
 	for _, v := range victims {
@@ -149,7 +149,7 @@ func (s *memStore) Commit(_ context.Context, r device.Reservation, takeOver []st
 	}
 	out := cloneReservation(r)
 	out.TakenOver = taken
-	return out, nil
+	return out, false, nil
 }
 
 // releaseLocked marks the live reservation r released at at, its cleanup pending, and

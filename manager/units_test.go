@@ -258,7 +258,7 @@ func TestReservationStores(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			s := open(t)
 			ctx := context.Background()
-			r1, err := s.Commit(ctx, device.Reservation{ID: "r1", OwnerID: "o1", Plugin: "p", DeviceIDs: []string{"d0", "d1"}, CreatedAt: time.Unix(1, 0)}, nil)
+			r1, _, err := s.Reserve(ctx, device.Reservation{ID: "r1", OwnerID: "o1", Plugin: "p", DeviceIDs: []string{"d0", "d1"}, CreatedAt: time.Unix(1, 0)}, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -284,18 +284,18 @@ func TestReservationStores(t *testing.T) {
 					t.Errorf("%s: Check = %q, %v; want %q, %v", c.name, gotID, err, c.wantID, c.wantErr)
 				}
 			}
-			if again, err := s.Commit(ctx, device.Reservation{ID: "r-other", OwnerID: "o1", DeviceIDs: []string{"d0", "d1"}}, nil); err != nil || again.ID != r1.ID {
-				t.Errorf("retried Commit = %q, %v; want %q", again.ID, err, r1.ID)
+			if again, existing, err := s.Reserve(ctx, device.Reservation{ID: "r-other", OwnerID: "o1", DeviceIDs: []string{"d0", "d1"}}, nil); err != nil || again.ID != r1.ID || !existing {
+				t.Errorf("retried Reserve = %q, %v, %v; want %q, existing", again.ID, existing, err, r1.ID)
 			}
-			_, err = s.Commit(ctx, device.Reservation{ID: "r2", OwnerID: "o2", DeviceIDs: []string{"d1", "d9"}}, nil)
+			_, _, err = s.Reserve(ctx, device.Reservation{ID: "r2", OwnerID: "o2", DeviceIDs: []string{"d1", "d9"}}, nil)
 			if !errors.Is(err, device.ErrDeviceHeld) || !strings.Contains(err.Error(), "o1") {
-				t.Errorf("conflicting Commit: %v, want ErrDeviceHeld naming o1", err)
+				t.Errorf("conflicting Reserve: %v, want ErrDeviceHeld naming o1", err)
 			}
 			// The holder comes typed, for the server's error details: no one parses the text.
 			var held *device.HeldError
 			wantConflicts := []device.Conflict{{Holder: device.Holder{ReservationID: "r1", OwnerID: "o1"}, Overlap: []string{"d1"}, Held: []string{"d0", "d1"}}}
 			if !errors.As(err, &held) || held.OwnerID != "o2" || !reflect.DeepEqual(held.Conflicts, wantConflicts) {
-				t.Errorf("conflicting Commit: %#v, want a *device.HeldError for o2 with %+v", err, wantConflicts)
+				t.Errorf("conflicting Reserve: %#v, want a *device.HeldError for o2 with %+v", err, wantConflicts)
 			}
 			if got, want := s.Holders()["d0"], (device.Holder{ReservationID: "r1", OwnerID: "o1"}); got != want {
 				t.Errorf("holder of d0 = %+v, want %+v", got, want)
@@ -356,7 +356,8 @@ func TestReservationStoresTakeOver(t *testing.T) {
 			s := open(t)
 			ctx := context.Background()
 			commit := func(id, owner string, at int64, ids ...string) (device.Reservation, error) {
-				return s.Commit(ctx, device.Reservation{ID: id, OwnerID: owner, Plugin: "p", DeviceIDs: ids, CreatedAt: time.Unix(at, 0)}, []string{"nomad/"})
+				r, _, err := s.Reserve(ctx, device.Reservation{ID: id, OwnerID: owner, Plugin: "p", DeviceIDs: ids, CreatedAt: time.Unix(at, 0)}, []string{"nomad/"})
+				return r, err
 			}
 			for _, r := range []struct{ id, owner, dev string }{{"r1", "nomad/a", "d1"}, {"r2", "nomad/b", "d2"}, {"r3", "job-c", "d3"}} {
 				if _, err := commit(r.id, r.owner, 1, r.dev); err != nil {

@@ -124,7 +124,7 @@ type Options struct {
 // returns are deep copies the caller may keep and modify; values passed in are copied
 // before they are stored.
 //
-// Open starts one writer goroutine; Close stops it. Writes (Reserve, Commit, Release,
+// Open starts one writer goroutine; Close stops it. Writes (Reserve, Release,
 // CleanupDone, Delete, SaveReattach, DeleteReattach) take a context: it bounds only the
 // wait for the writer to accept the request and is checked once more just before the
 // request is applied; a request the writer has applied is not abandoned, the call

@@ -148,7 +148,7 @@ func checkTakeOver(prefixes []string) error {
 // Check applies the conflict rules to ownerID asking for deviceIDs, without writing:
 // (r, nil) when ownerID's live reservation r holds exactly deviceIDs (a retried Reserve),
 // (nil, nil) when none of them is held, or each holder's owner starts with one of
-// takeOver (see ReserveTakingOver), and a *ConflictError (device.ErrDeviceHeld)
+// takeOver (see Reserve), and a *ConflictError (device.ErrDeviceHeld)
 // otherwise, naming the holders takeOver does not match. A malformed request is a
 // *device.FieldError.
 //
@@ -175,10 +175,16 @@ func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string) (*device.Re
 // conflict rules atomically with the write:
 //   - when r.OwnerID already holds exactly r.DeviceIDs in a live reservation, that
 //     reservation is returned with existing true and nothing is written (a retried
-//     Reserve creates no duplicate);
-//   - when any requested device is held otherwise (by another owner, or by the same
-//     owner for a different set of devices), the error is a *ConflictError naming each
-//     holder and the devices in question; it matches device.ErrDeviceHeld.
+//     Reserve creates no duplicate), whatever takeOver says;
+//   - when every requested device is free, or held by a live reservation whose owner
+//     starts with one of takeOver (each non-empty and ending with "/"; device.TakesOver,
+//     see device.ReserveRequest), r is recorded and those holders are marked released
+//     (at r's CreatedAt, their plugin cleanup pending, as Release does) in the same
+//     transaction, and so the same fsync: both are durable or neither is, and no reader
+//     or concurrent Reserve ever sees the devices free in between. Their IDs, sorted,
+//     come back in res.TakenOver (never stored);
+//   - otherwise the error is a *ConflictError naming each holder takeOver does not
+//     match and the devices in question (device.ErrDeviceHeld), and nothing is written.
 //
 // Of concurrent Reserves for the same device, exactly one succeeds.
 //
@@ -187,22 +193,10 @@ func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string) (*device.Re
 // r.CreatedAt is set to now. The request is refused with a *device.FieldError when the
 // owner ID, a device ID or the reservation ID is empty, too long or not UTF-8, or a
 // device is named twice.
-func (l *Ledger) Reserve(ctx context.Context, r device.Reservation) (res device.Reservation, existing bool, err error) {
-	return l.ReserveTakingOver(ctx, r, nil)
-}
-
-// ReserveTakingOver is Reserve that may take the devices over from live reservations
-// whose owner starts with one of takeOver (each non-empty and ending with "/"; see
-// device.ReserveRequest): when every requested device is free or held by such a
-// reservation, those reservations are marked released (at the new one's CreatedAt,
-// their plugin cleanup pending, as Release does) in the same transaction, and so the
-// same fsync, that records r: both are durable or neither is, and no reader or
-// concurrent Reserve ever sees the devices free in between. Their IDs, sorted, come
-// back in res.TakenOver (never stored). A holder of any other owner refuses the whole
-// request (a *ConflictError naming only such holders) and nothing is written; a retry
-// (r.OwnerID already holding exactly r.DeviceIDs) returns that reservation with
-// existing true and takes nothing over, whatever takeOver says.
-func (l *Ledger) ReserveTakingOver(ctx context.Context, r device.Reservation, takeOver []string) (res device.Reservation, existing bool, err error) {
+//
+// It is the ledger's one way to record a reservation: a caller with nothing to take
+// over passes a nil takeOver.
+func (l *Ledger) Reserve(ctx context.Context, r device.Reservation, takeOver []string) (res device.Reservation, existing bool, err error) {
 	if err := checkRequest(r.OwnerID, r.DeviceIDs); err != nil {
 		return device.Reservation{}, false, err
 	}
@@ -238,7 +232,7 @@ type reserveResult struct {
 	takenOver []string
 }
 
-// reserveRun is the write of ReserveTakingOver for rec (checked, stamped, owned by
+// reserveRun is the write of Reserve for rec (checked, stamped, owned by
 // the run). It decides from the batch's view on every run, so a batch retried after a
 // storage failure decides afresh.
 func reserveRun(rec device.Reservation, takeOver []string) func(w *txn) (any, error) {
@@ -274,12 +268,4 @@ func reserveRun(rec device.Reservation, takeOver []string) func(w *txn) (any, er
 		}
 		return reserveResult{r: &nr, takenOver: taken}, nil
 	}
-}
-
-// Commit is ReserveTakingOver without the existing flag: it returns the stored
-// reservation, which is an earlier one when the same owner already held exactly these
-// devices. It is the method set the manager's reservation store expects.
-func (l *Ledger) Commit(ctx context.Context, r device.Reservation, takeOver []string) (device.Reservation, error) {
-	res, _, err := l.ReserveTakingOver(ctx, r, takeOver)
-	return res, err
 }

@@ -113,7 +113,7 @@ func TestConflictRules(t *testing.T) {
 			before := listAll(t, l)
 
 			checked, checkErr := l.Check(tt.owner, tt.devs, nil)
-			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...))
+			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...), nil)
 
 			for _, e := range []struct {
 				what string
@@ -184,7 +184,7 @@ func TestReserveRefusesMalformedRequests(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, _, err := l.Reserve(context.Background(), tt.r)
+			_, _, err := l.Reserve(context.Background(), tt.r, nil)
 			var fe *device.FieldError
 			if !errors.As(err, &fe) || fe.Field != tt.wantField || !errors.Is(err, device.ErrInvalidRequest) {
 				t.Errorf("Reserve(%+v): err = %v, want a FieldError on %s", tt.r, err, tt.wantField)
@@ -203,7 +203,7 @@ func TestReserveKeepsCallerID(t *testing.T) {
 	l := newLedger(t)
 	r := res("a", "GPU-1")
 	r.ID, r.CreatedAt = NewID(), t0
-	got, _, err := l.Reserve(context.Background(), r)
+	got, _, err := l.Reserve(context.Background(), r, nil)
 	if err != nil || got.ID != r.ID {
 		t.Fatalf("Reserve with ID %s = %s, %v", r.ID, got.ID, err)
 	}
@@ -233,7 +233,7 @@ func TestReserveRaceOneWinner(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			got[i], _, results[i] = l.Reserve(context.Background(), res(fmt.Sprint("owner-", i), "GPU-0", fmt.Sprint("GPU-own-", i)))
+			got[i], _, results[i] = l.Reserve(context.Background(), res(fmt.Sprint("owner-", i), "GPU-0", fmt.Sprint("GPU-own-", i)), nil)
 		}()
 	}
 	close(start)
@@ -283,7 +283,7 @@ func TestReserveRaceSameOwner(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			got[i], existing[i], errs[i] = l.Reserve(context.Background(), res("alloc-1", "GPU-1", "GPU-2"))
+			got[i], existing[i], errs[i] = l.Reserve(context.Background(), res("alloc-1", "GPU-1", "GPU-2"), nil)
 		}()
 	}
 	close(start)
@@ -328,7 +328,7 @@ func TestConcurrentReservesAllDurableAndShareCommits(t *testing.T) {
 			defer wg.Done()
 			for i := range each {
 				dev := fmt.Sprintf("GPU-%d-%d", c, i)
-				r, _, err := l.Reserve(context.Background(), res(fmt.Sprint("owner-", c), dev))
+				r, _, err := l.Reserve(context.Background(), res(fmt.Sprint("owner-", c), dev), nil)
 				if err != nil {
 					t.Errorf("Reserve %s: %v", dev, err)
 					return
@@ -394,7 +394,7 @@ func TestBatchStorageFailureIsolated(t *testing.T) {
 				})
 				return
 			}
-			_, _, errs[i] = l.Reserve(ctx, res(fmt.Sprint("o", i), fmt.Sprint("GPU-", i)))
+			_, _, errs[i] = l.Reserve(ctx, res(fmt.Sprint("o", i), fmt.Sprint("GPU-", i)), nil)
 		}()
 	}
 	close(unblock)
@@ -419,7 +419,7 @@ func TestReserveCanceledContextWritesNothing(t *testing.T) {
 	l := newLedger(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if _, _, err := l.Reserve(ctx, res("a", "GPU-1")); !errors.Is(err, context.Canceled) {
+	if _, _, err := l.Reserve(ctx, res("a", "GPU-1"), nil); !errors.Is(err, context.Canceled) {
 		t.Errorf("Reserve with a canceled context: err = %v, want context.Canceled", err)
 	}
 	if got := l.Counts().Total; got != 0 {
@@ -430,7 +430,7 @@ func TestReserveCanceledContextWritesNothing(t *testing.T) {
 func TestReturnedValuesAreCopies(t *testing.T) {
 	l := newLedger(t)
 	in := res("a", "GPU-1", "GPU-2")
-	got, _, err := l.Reserve(context.Background(), in)
+	got, _, err := l.Reserve(context.Background(), in, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
