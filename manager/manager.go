@@ -51,17 +51,18 @@
 // Reservations live in the durable ledger (manager/ledger), in StateDir or, without one,
 // in a temporary directory that Shutdown removes: Reserve answers once the reservation is
 // fsynced, and Release once the release is. The ledger is the one place the conflict
-// rules live. The ledger's garbage collector, run by the manager, owns the plugin side of
-// a release: it calls the owning plugin's Release RPC (bounded by ReserveTimeout) for
-// every released reservation whose cleanup is pending, keeps the cleanup pending and
-// retries it with backoff while the plugin is down or refuses, retries at once when the
-// plugin fingerprints again, and deletes released reservations per GCInterval and
-// GCMaxReservations. A plugin answering UNIMPLEMENTED has nothing to clean. The cleanup
-// of a plugin that is not running but may come back stays pending: a plugin with a config
-// block but no binary, and one removed less than RemovedPluginGrace ago (a binary being
-// replaced, a plugin dir being swapped). Any other plugin is not this host's: the cleanup
-// is logged once and counted as done, since keeping it pending would keep the reservation
-// from ever being deleted.
+// rules live. Requests are validated once, at the trust boundary: the host API's server
+// calls validate's request checks before it calls the manager (see Reserve). The ledger's
+// garbage collector, run by the manager, owns the plugin side of a release: it calls the
+// owning plugin's Release RPC (bounded by ReserveTimeout) for every released reservation
+// whose cleanup is pending, keeps the cleanup pending and retries it with backoff while
+// the plugin is down or refuses, retries at once when the plugin fingerprints again, and
+// deletes released reservations per GCInterval and GCMaxReservations. A plugin answering
+// UNIMPLEMENTED has nothing to clean. The cleanup of a plugin that is not running but may
+// come back stays pending: a plugin with a config block but no binary, and one removed
+// less than RemovedPluginGrace ago (a binary being replaced, a plugin dir being swapped).
+// Any other plugin is not this host's: the cleanup is logged once and counted as done,
+// since keeping it pending would keep the reservation from ever being deleted.
 package manager
 
 import (
@@ -442,12 +443,20 @@ func (m *Manager) Shutdown(ctx context.Context) error {
 
 // Reserve reserves req's devices for req.OwnerID through the plugin that owns them. A
 // retried request (same owner, same devices) gets the live reservation back. Checks, in
-// order: the request (ErrInvalidRequest), holders (ErrDeviceHeld), the inventory
-// (ErrUnknownDevice: unknown group, devices not in it or spread over two plugins), the
-// plugin (ErrPluginUnavailable) and health (ErrUnhealthyDevice); then the plugin is asked,
-// bounded by ctx, ReserveTimeout and its exit; its answer is validated
-// (ErrPluginResponse) and the reservation recorded in the ledger. A concurrent Reserve
-// touching the same devices is refused with ErrDeviceHeld while the first is in flight.
+// order: holders (ErrDeviceHeld), the inventory (ErrUnknownDevice: unknown group, devices
+// not in it or spread over two plugins), the plugin (ErrPluginUnavailable) and health
+// (ErrUnhealthyDevice); then the plugin is asked, bounded by ctx, ReserveTimeout and its
+// exit; its answer is validated (ErrPluginResponse) and the reservation recorded in the
+// ledger. A concurrent Reserve touching the same devices is refused with ErrDeviceHeld
+// while the first is in flight.
+//
+// The trust boundary is the host API, not this method: the server (server/api.go)
+// checks every request with validate.ReserveRequest, the one place its rules live, before
+// it calls Reserve, and so must any other caller (tests, in-process tools). Reserve does
+// not check the request again; it asserts only what it cannot run without (an owner and
+// a device: an "internal:" error otherwise), and the ledger what it may store. The same
+// holds for Release (validate.ReleaseRequest), Reown (validate.ReownRequest) and
+// Reservations (validate.ReservationFilter).
 //
 // Holders whose owner starts with one of req.TakeOverOwnerPrefixes do not refuse the
 // Reserve: they keep holding the devices while the plugin is asked (the claim keeps
@@ -459,8 +468,8 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if m.stopping.Load() {
 		return device.Reservation{}, fmt.Errorf("reserve: %w", device.ErrShuttingDown)
 	}
-	if err := validate.ReserveRequest(req); err != nil {
-		return device.Reservation{}, err
+	if req.OwnerID == "" || len(req.DeviceIDs) == 0 {
+		return device.Reservation{}, errors.New("reserve: internal: a request without an owner or devices (validate.ReserveRequest refuses it)")
 	}
 	ids := slices.Clone(req.DeviceIDs)
 	// Claim before checking the store: a Reserve that commits between the check and the
@@ -629,13 +638,11 @@ func (m *Manager) claim(owner string, ids []string) (func(), error) {
 // snapshot without the holder) and says which it released and which were released
 // before (those are not released twice), each list oldest first. The plugin cleanup is
 // not done here: it is left pending in the ledger for the garbage collector, which runs
-// it once, with retries (see the package doc).
+// it once, with retries (see the package doc). req is trusted, as Reserve's is: the
+// server checks it with validate.ReleaseRequest.
 func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
 	if m.stopping.Load() {
 		return device.ReleaseResult{}, fmt.Errorf("release: %w", device.ErrShuttingDown)
-	}
-	if err := validate.ReleaseRequest(req); err != nil {
-		return device.ReleaseResult{}, err
 	}
 	released, already, err := m.store.Release(ctx, req, m.cfg.Now())
 	if err != nil {
@@ -654,13 +661,11 @@ func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (devic
 	return res, nil
 }
 
-// Reown hands a live reservation to another owner; see device.Manager.
+// Reown hands a live reservation to another owner; see device.Manager. req is trusted,
+// as Reserve's is: the server checks it with validate.ReownRequest.
 func (m *Manager) Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error) {
 	if m.stopping.Load() {
 		return device.Reservation{}, fmt.Errorf("reown: %w", device.ErrShuttingDown)
-	}
-	if err := validate.ReownRequest(req); err != nil {
-		return device.Reservation{}, err
 	}
 	r, err := m.store.Reown(ctx, req)
 	if err != nil {
@@ -670,10 +675,8 @@ func (m *Manager) Reown(ctx context.Context, req device.ReownRequest) (device.Re
 	return r, nil
 }
 
-// Reservations lists the reservations matching f, oldest first.
+// Reservations lists the reservations matching f, oldest first. f is trusted, as
+// Reserve's request is: the server checks it with validate.ReservationFilter.
 func (m *Manager) Reservations(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
-	if err := validate.ReservationFilter(f); err != nil {
-		return nil, err
-	}
 	return m.store.List(ctx, f)
 }

@@ -431,8 +431,6 @@ func TestReserve(t *testing.T) {
 		wantErr  error
 		wantText []string // substrings of the error
 	}{
-		{name: "invalid request", req: device.ReserveRequest{Group: a1, DeviceIDs: []string{"a1"}},
-			wantErr: device.ErrInvalidRequest, wantText: []string{"owner_id"}},
 		{name: "unknown group", req: device.ReserveRequest{OwnerID: "o", Group: device.GroupKey{Vendor: "acme", Type: "gpu", Name: "nope"}, DeviceIDs: []string{"a1"}},
 			wantErr: device.ErrUnknownDevice, wantText: []string{"acme/gpu/nope"}},
 		{name: "unknown device", req: device.ReserveRequest{OwnerID: "o", Group: a1, DeviceIDs: []string{"a1", "x9"}},
@@ -483,6 +481,21 @@ func TestReserve(t *testing.T) {
 		})
 	}
 	alpha.set(func(f *fakeDevices) { f.reserve = nil })
+
+	// The request rules are validate's, checked by the server; the manager only asserts
+	// what it cannot run without, before the plugin is asked.
+	calls := alpha.reserveCalls()
+	for _, req := range []device.ReserveRequest{
+		{Group: a1, DeviceIDs: []string{"a1"}},
+		{OwnerID: "o", Group: a1},
+	} {
+		if _, err := m.Reserve(ctx, req); err == nil || !strings.HasPrefix(err.Error(), "reserve: internal: ") {
+			t.Errorf("Reserve(%+v) error = %v, want an internal error", req, err)
+		}
+	}
+	if got := alpha.reserveCalls(); got != calls {
+		t.Errorf("plugin Reserve calls %d, want %d: a request the manager cannot run must not reach the plugin", got, calls)
+	}
 
 	// A retry by the same owner gets the same reservation.
 	again, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "alloc-1", Group: a1, DeviceIDs: []string{"a0"}})

@@ -469,8 +469,8 @@ func TestReattach(t *testing.T) {
 	if err := l.SaveReattach(ctx, "big", make([]byte, maxReattachSize+1)); !errors.Is(err, device.ErrInvalidRequest) {
 		t.Errorf("SaveReattach of %d bytes: err = %v, want ErrInvalidRequest", maxReattachSize+1, err)
 	}
-	if err := l.SaveReattach(ctx, "", nil); !errors.Is(err, device.ErrInvalidRequest) {
-		t.Errorf("SaveReattach without a plugin name: err = %v, want ErrInvalidRequest", err)
+	if err := l.SaveReattach(ctx, "", nil); !errors.Is(err, errInternal) {
+		t.Errorf("SaveReattach without a plugin name: err = %v, want an internal error (no key to store it under)", err)
 	}
 }
 

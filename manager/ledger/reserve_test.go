@@ -166,31 +166,37 @@ func TestConflictRules(t *testing.T) {
 	}
 }
 
-func TestReserveRefusesMalformedRequests(t *testing.T) {
+// The request rules (lengths, UTF-8, printable...) are validate's, checked once at the
+// server (validate's TestReserveRequest). The ledger asserts only what a stored record
+// must be, so that no write leaves a record Open would refuse; and a reservation ID in
+// use is refused as a field of the request.
+func TestReserveRefusesMalformedRecords(t *testing.T) {
 	l := newLedger(t)
 	taken := reserve(t, l, "a", "GPU-1")
+	many := make([]string, 20) // long enough for checkRecord's map
+	for i := range many {
+		many[i] = fmt.Sprint("GPU-x", i)
+	}
+	many[19] = many[3]
 	tests := []struct {
-		name      string
-		r         device.Reservation
-		wantField string
+		name    string
+		r       device.Reservation
+		wantErr error
+		wantMsg string
 	}{
-		{"no owner", device.Reservation{DeviceIDs: []string{"GPU-2"}}, "owner_id"},
-		{"no devices", device.Reservation{OwnerID: "o"}, "device_ids"},
-		{"empty device ID", device.Reservation{OwnerID: "o", DeviceIDs: []string{"GPU-2", ""}}, "device_ids[1]"},
-		{"device twice", device.Reservation{OwnerID: "o", DeviceIDs: []string{"GPU-2", "GPU-3", "GPU-2"}}, "device_ids[2]"},
-		{"owner ID too long", device.Reservation{OwnerID: strings.Repeat("o", maxIDLen+1), DeviceIDs: []string{"GPU-2"}}, "owner_id"},
-		{"owner ID not UTF-8", device.Reservation{OwnerID: "o\xff", DeviceIDs: []string{"GPU-2"}}, "owner_id"},
-		{"reservation ID in use", device.Reservation{ID: taken.ID, OwnerID: "o", DeviceIDs: []string{"GPU-2"}}, "reservation_id"},
+		{"no owner", device.Reservation{DeviceIDs: []string{"GPU-2"}}, errInternal, "reserve: internal: no owner ID"},
+		{"no devices", device.Reservation{OwnerID: "o"}, errInternal, "reserve: internal: no device IDs"},
+		{"empty device ID", device.Reservation{OwnerID: "o", DeviceIDs: []string{"GPU-2", ""}}, errInternal, "reserve: internal: device ID 1 is empty"},
+		{"device twice", device.Reservation{OwnerID: "o", DeviceIDs: []string{"GPU-2", "GPU-3", "GPU-2"}}, errInternal, `reserve: internal: device ID "GPU-2" named twice (0 and 2)`},
+		{"device twice in a long list", device.Reservation{OwnerID: "o", DeviceIDs: many}, errInternal, `reserve: internal: device ID "GPU-x3" named twice (3 and 19)`},
+		{"reservation ID in use", device.Reservation{ID: taken.ID, OwnerID: "o", DeviceIDs: []string{"GPU-2"}}, device.ErrInvalidRequest,
+			fmt.Sprintf("reserve: invalid request: reservation_id: %q is already used by another reservation", taken.ID)},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			_, _, err := l.Reserve(context.Background(), tt.r, nil)
-			var fe *device.FieldError
-			if !errors.As(err, &fe) || fe.Field != tt.wantField || !errors.Is(err, device.ErrInvalidRequest) {
-				t.Errorf("Reserve(%+v): err = %v, want a FieldError on %s", tt.r, err, tt.wantField)
-			}
-			if _, err := l.Check(tt.r.OwnerID, tt.r.DeviceIDs, nil); tt.wantField != "reservation_id" && !errors.As(err, &fe) {
-				t.Errorf("Check: err = %v, want a FieldError", err)
+			if !errors.Is(err, tt.wantErr) || err.Error() != tt.wantMsg {
+				t.Errorf("Reserve(%+v): err = %v, want %q", tt.r, err, tt.wantMsg)
 			}
 		})
 	}
