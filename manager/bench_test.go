@@ -258,7 +258,7 @@ func prefillLedger(b *testing.B, path string, n int) {
 	for range 256 {
 		wg.Go(func() {
 			for i := next.Add(1); i <= int64(n); i = next.Add(1) {
-				r, err := l.Commit(ctx, device.Reservation{
+				r, _, err := l.Reserve(ctx, device.Reservation{
 					OwnerID: fmt.Sprintf("old-%d", i), Group: benchKey, Plugin: "bench",
 					DeviceIDs: []string{fmt.Sprintf("old-dev-%d", i)},
 				}, nil)

@@ -85,26 +85,25 @@ type Config struct {
 	// unknown schema version or in use by another process makes New fail with the
 	// ledger's error, which says what is wrong and how to recover; it is never wiped.
 	//
-	// Empty means no durable state, with a warning logged: reservations live in memory
-	// and are forgotten when the process ends, and nothing garbage-collects them, so
-	// released reservations stay listed, with their plugin cleanup pending and never
-	// run, until then. Reattach needs a StateDir.
+	// Empty means no durable state, with a warning logged: the ledger lives in a
+	// temporary directory (under os.TempDir) that Shutdown removes, so reservations are
+	// forgotten when the process ends; until then they are kept, garbage-collected and
+	// cleaned up by their plugins as with a StateDir. Reattach needs a StateDir.
 	StateDir string
 
 	// GCInterval: every GCInterval the garbage collector deletes the released
 	// reservations (plugin cleanup first, when still pending) released at least
 	// GCInterval ago, so a released reservation stays listed one to two intervals.
-	// Zero means DefaultGCInterval (1m). Unused without StateDir.
+	// Zero means DefaultGCInterval (1m).
 	GCInterval time.Duration
 	// GCMaxReservations: when the ledger holds more reservations than this (live and
 	// released), the oldest released ones are deleted at once until it does not; with
 	// none released it says so at INFO, once per change of the count. Zero means
-	// DefaultGCMaxReservations (1000). Unused without StateDir.
+	// DefaultGCMaxReservations (1000).
 	GCMaxReservations int
 	// GCParallelDestroys bounds how many plugin cleanups the garbage collector runs at
 	// once, so that releasing thousands at once causes no spike (its deletions share
 	// ledger commits, a batch at a time). Zero means DefaultGCParallelDestroys (2).
-	// Unused without StateDir.
 	GCParallelDestroys int
 
 	// StatsInterval is how often each plugin is asked for stats (one stream per plugin)
@@ -146,8 +145,8 @@ type Config struct {
 
 	// OnLedgerCommit, when set, is told of every commit of the reservation ledger: how
 	// long it took, fsyncs included, and how many writes shared it (see
-	// ledger.Options.OnCommit, whose contract it has: quick, never blocking). Unused
-	// without StateDir. For metrics; the manager does not depend on what it does.
+	// ledger.Options.OnCommit, whose contract it has: quick, never blocking). For
+	// metrics; the manager does not depend on what it does.
 	OnLedgerCommit func(took time.Duration, writes int)
 
 	// gcRetryMin, set by tests only, is the GC's delay before retrying a failed plugin

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
@@ -157,19 +158,31 @@ func TestNewRefusesAStateFileItCannotUse(t *testing.T) {
 	})
 }
 
-func TestNoStateDirWarnsThatReservationsAreNotDurable(t *testing.T) {
+// Without a state dir the manager runs on a ledger in a temporary directory, says so,
+// and removes the directory on Shutdown.
+func TestNoStateDirUsesATemporaryLedger(t *testing.T) {
 	cfg, logs := testConfig(t)
-	m, _ := startInprocManager(t, cfg)
-	logs.waitLine(t, "[WARN]", "no state dir", "in memory only")
-	if m.ledger != nil || m.gc != nil {
-		t.Errorf("ledger %v, gc %v; want neither without a state dir", m.ledger, m.gc)
+	m, _ := startInprocManager(t, cfg, newFakeDevices("alpha", group("acme", "gpu", "A1", "a0")))
+	logs.waitLine(t, "[WARN]", "no state dir", "temporary ledger", "dir="+m.tempState)
+	if m.tempState == "" || filepath.Dir(m.ledger.Path()) != m.tempState {
+		t.Fatalf("ledger at %q, temporary dir %q; want the ledger in the temporary dir", m.ledger.Path(), m.tempState)
+	}
+	waitReady(t, m)
+	r := reserve(t, m, "o1", "a0")
+	if got, err := m.ledger.Get(r.ID); err != nil || got.OwnerID != "o1" {
+		t.Errorf("ledger has %+v, %v; want the reservation", got, err)
+	}
+	shutdown(t, m) // and again in t.Cleanup: Shutdown may be called twice
+	if _, err := os.Stat(m.tempState); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("temporary state dir after Shutdown: %v, want it removed", err)
 	}
 }
 
-// TestReserveConflicts checks the conflict rules and the holders on both stores.
+// TestReserveConflicts checks the conflict rules and the holders through the manager,
+// without a state dir (a temporary ledger) and with one.
 func TestReserveConflicts(t *testing.T) {
 	for _, durable := range []bool{false, true} {
-		t.Run(map[bool]string{false: "memory", true: "ledger"}[durable], func(t *testing.T) {
+		t.Run(map[bool]string{false: "temporary", true: "state-dir"}[durable], func(t *testing.T) {
 			cfg, _ := testConfig(t)
 			if durable {
 				cfg.StateDir = t.TempDir()
@@ -468,7 +481,7 @@ func TestGCSkipsCleanupsOfPluginsNoLongerConfigured(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	if _, err := l.Commit(ctx, device.Reservation{ID: "res-old", OwnerID: "o1", Plugin: "gone", Group: acmeA1, DeviceIDs: []string{"x0"}}, nil); err != nil {
+	if _, _, err := l.Reserve(ctx, device.Reservation{ID: "res-old", OwnerID: "o1", Plugin: "gone", Group: acmeA1, DeviceIDs: []string{"x0"}}, nil); err != nil {
 		t.Fatal(err)
 	}
 	if _, _, err := l.Release(ctx, device.ReleaseRequest{ReservationID: "res-old"}, time.Time{}); err != nil {

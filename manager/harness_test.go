@@ -431,7 +431,7 @@ func testConfig(t testing.TB) (Config, *logRecorder) {
 
 // startInprocManager starts a manager whose plugins are the given fakes, run in-process,
 // and shuts it down in t.Cleanup. It returns the manager and the launcher. Reservations
-// go to the ledger in cfg.StateDir when it is set, else to memory.
+// go to the ledger in cfg.StateDir when it is set, else in a temporary directory.
 func startInprocManager(t testing.TB, cfg Config, devices ...*fakeDevices) (*Manager, *launcher) {
 	t.Helper()
 	l := newLauncher(devices...)

@@ -48,18 +48,21 @@
 // inventory. Device ownership is by plugin name and outlives all of that; reservations
 // are the ledger's and are never touched by it.
 //
-// Reservations, with StateDir set, live in the durable ledger (manager/ledger): Reserve
-// answers once the reservation is fsynced, and Release once the release is. The ledger's
+// Reservations live in the durable ledger (manager/ledger), in StateDir or, without one,
+// in a temporary directory that Shutdown removes: Reserve answers once the reservation is
+// fsynced, and Release once the release is. The ledger is the one place the conflict
+// rules live. Requests are validated once, at the trust boundary: the host API's server
+// calls validate's request checks before it calls the manager (see Reserve). The ledger's
 // garbage collector, run by the manager, owns the plugin side of a release: it calls the
 // owning plugin's Release RPC (bounded by ReserveTimeout) for every released reservation
 // whose cleanup is pending, keeps the cleanup pending and retries it with backoff while
 // the plugin is down or refuses, retries at once when the plugin fingerprints again, and
 // deletes released reservations per GCInterval and GCMaxReservations. A plugin answering
-// UNIMPLEMENTED has nothing to clean. The cleanup of a plugin that is not running but
-// may come back stays pending: a plugin with a config block but no binary, and one
-// removed less than RemovedPluginGrace ago (a binary being replaced, a plugin dir being
-// swapped). Any other plugin is not this host's: the cleanup is logged once and counted
-// as done, since keeping it pending would keep the reservation from ever being deleted.
+// UNIMPLEMENTED has nothing to clean. The cleanup of a plugin that is not running but may
+// come back stays pending: a plugin with a config block but no binary, and one removed
+// less than RemovedPluginGrace ago (a binary being replaced, a plugin dir being swapped).
+// Any other plugin is not this host's: the cleanup is logged once and counted as done,
+// since keeping it pending would keep the reservation from ever being deleted.
 package manager
 
 import (
@@ -90,11 +93,14 @@ type Manager struct {
 	log    hclog.Logger
 	reg    *registry
 	stats  *statsHub
-	store  reservationStore
-	ledger *ledger.Ledger // the durable store behind store; nil without StateDir
-	gc     *ledger.GC     // runs on ledger; nil without it
-	launch launchFunc
-	dir    *dirWatch // follows PluginDir; nil without one
+	store  reservationStore // ledger, or a test's wrapper of it
+	ledger *ledger.Ledger
+	gc     *ledger.GC // runs on ledger
+	// tempState is the temporary directory holding ledger when no StateDir is set,
+	// removed once the ledger is closed; "" with a StateDir.
+	tempState string
+	launch    launchFunc
+	dir       *dirWatch // follows PluginDir; nil without one
 
 	// reconfMu serialises changes to the plugin set (New, SetPlugins, the dir watcher);
 	// it is held while they wait for stopped supervisors. It guards the fields below
@@ -128,9 +134,10 @@ type Manager struct {
 var _ device.Manager = (*Manager)(nil)
 
 // New finds the plugins (cfg.PluginDir plus cfg.Binaries), opens the reservation ledger
-// in cfg.StateDir, and starts the manager: one supervisor per plugin (reattaching to
-// kept plugins a crashed host left running), the plugin dir watcher, the ledger's
-// garbage collector, the stats fan-out and the readiness timer. It fails when the config
+// in cfg.StateDir (without one, in a temporary directory), and starts the manager: one
+// supervisor per plugin (reattaching to kept plugins a crashed host left running), the
+// plugin dir watcher, the ledger's garbage collector, the stats fan-out and the
+// readiness timer. It fails when the config
 // is invalid, the plugin dir cannot be read safely, two plugins share a name, or the
 // state file cannot be used (a *ledger.StateFileError says why and how to recover). The
 // caller must call Shutdown, which also stops the plugins started later.
@@ -182,50 +189,50 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		return nil, err
 	}
 
-	if cfg.StateDir == "" {
-		log.Warn("no state dir: reservations are kept in memory only, lost when the process ends, and never garbage-collected or cleaned up by their plugins")
-		m.store = newMemStore()
-	} else {
-		if m.ledger, err = openLedger(cfg); err != nil {
+	stateDir := cfg.StateDir
+	if stateDir == "" {
+		if stateDir, err = os.MkdirTemp("", "devicehost-state-"); err != nil {
 			m.closeDir()
-			return nil, err
+			return nil, fmt.Errorf("temporary state dir: %w", err)
 		}
-		m.store = m.ledger
-		m.gc, err = ledger.NewGC(m.ledger, ledger.GCConfig{
-			Logger:          log.Named("gc"),
-			Cleanup:         m.cleanup,
-			MaxReservations: cfg.GCMaxReservations,
-			Interval:        cfg.GCInterval,
-			Parallel:        cfg.GCParallelDestroys,
-			CleanupTimeout:  cfg.ReserveTimeout,
-			RetryMin:        cfg.gcRetryMin,
-		})
-		if err != nil { // withDefaults refused what NewGC would
-			_ = m.ledger.Close() // nothing was written; the config error is the one to report
-			m.closeDir()
-			return nil, fmt.Errorf("manager config: %w", err)
-		}
+		m.tempState = stateDir
+		log.Warn("no state dir: reservations are kept in a temporary ledger, removed at shutdown and lost when the process ends", "dir", stateDir)
+	}
+	if m.ledger, err = openLedger(stateDir, cfg); err != nil {
+		m.closeDir()
+		_ = m.removeTempState() // the open error is the one to report
+		return nil, err
+	}
+	m.store = m.ledger
+	m.gc, err = ledger.NewGC(m.ledger, ledger.GCConfig{
+		Logger:          log.Named("gc"),
+		Cleanup:         m.cleanup,
+		MaxReservations: cfg.GCMaxReservations,
+		Interval:        cfg.GCInterval,
+		Parallel:        cfg.GCParallelDestroys,
+		CleanupTimeout:  cfg.ReserveTimeout,
+		RetryMin:        cfg.gcRetryMin,
+	})
+	if err != nil { // withDefaults refused what NewGC would
+		_ = m.ledger.Close() // nothing was written; the config error is the one to report
+		m.closeDir()
+		_ = m.removeTempState() // the config error is the one to report
+		return nil, fmt.Errorf("manager config: %w", err)
 	}
 
-	if m.ledger != nil {
-		kept := make(map[string]bool)
-		for _, bin := range append(slices.Clone(cfg.Binaries), dirBins...) {
-			if cfg.Plugins[bin.Name].Reattach {
-				kept[bin.Name] = true
-			}
-		}
-		m.saved = loadReattachRecords(m.ledger, kept, log)
-	}
-	var owners map[string]string
-	var ownerRecords ownerStore
-	if m.ledger != nil {
-		ownerRecords = m.ledger
-		if owners, err = m.ledger.DeviceOwners(); err != nil {
-			// The readable records still hold; a damaged one costs its ID's protection.
-			log.Error("device owner records unreadable; the first plugin to report those IDs will own them", "error", oneLine(err))
+	kept := make(map[string]bool)
+	for _, bin := range append(slices.Clone(cfg.Binaries), dirBins...) {
+		if cfg.Plugins[bin.Name].Reattach {
+			kept[bin.Name] = true
 		}
 	}
-	m.reg = newRegistry(log, cfg.Now, m.store.Holders, ownerRecords, owners)
+	m.saved = loadReattachRecords(m.ledger, kept, log)
+	owners, err := m.ledger.DeviceOwners()
+	if err != nil {
+		// The readable records still hold; a damaged one costs its ID's protection.
+		log.Error("device owner records unreadable; the first plugin to report those IDs will own them", "error", oneLine(err))
+	}
+	m.reg = newRegistry(log, cfg.Now, m.store.Holders, m.ledger, owners)
 
 	// The first plugins: every record is made before any supervisor starts, so none of
 	// them settles Ready alone.
@@ -244,13 +251,11 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	m.cancel = cancel
-	if m.gc != nil {
-		m.wg.Go(func() {
-			if err := m.gc.Run(ctx); err != nil {
-				m.log.Error("garbage collector stopped", "error", err)
-			}
-		})
-	}
+	m.wg.Go(func() {
+		if err := m.gc.Run(ctx); err != nil {
+			m.log.Error("garbage collector stopped", "error", err)
+		}
+	})
 	if m.dir != nil {
 		m.wg.Go(func() { m.dir.run(ctx) })
 	}
@@ -258,8 +263,9 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 	m.wg.Go(func() { m.readyTimer(ctx) })
 	go func() { // ends when the goroutines above have; Shutdown waits for it
 		m.wg.Wait()
-		if m.ledger != nil {
-			m.closeErr = m.ledger.Close()
+		m.closeErr = m.ledger.Close()
+		if m.closeErr == nil {
+			m.closeErr = m.removeTempState()
 		}
 		close(m.stopped)
 	}()
@@ -273,12 +279,23 @@ func (m *Manager) closeDir() {
 	}
 }
 
-// openLedger opens the reservation ledger in cfg.StateDir, creating the dir (0700).
-func openLedger(cfg Config) (*ledger.Ledger, error) {
-	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+// removeTempState removes the temporary state dir, if the manager made one.
+func (m *Manager) removeTempState() error {
+	if m.tempState == "" {
+		return nil
+	}
+	if err := os.RemoveAll(m.tempState); err != nil {
+		return fmt.Errorf("remove temporary state dir: %w", err)
+	}
+	return nil
+}
+
+// openLedger opens the reservation ledger in dir, creating the dir (0700).
+func openLedger(dir string, cfg Config) (*ledger.Ledger, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("state dir: %w", err)
 	}
-	return ledger.Open(filepath.Join(cfg.StateDir, ledger.DefaultFileName), ledger.Options{
+	return ledger.Open(filepath.Join(dir, ledger.DefaultFileName), ledger.Options{
 		Logger:   cfg.Logger.Named("manager").Named("ledger"),
 		Now:      cfg.Now,
 		OnCommit: cfg.OnLedgerCommit,
@@ -400,9 +417,10 @@ func (m *Manager) WaitForFirstFingerprint(ctx context.Context) (device.Inventory
 }
 
 // Shutdown stops every plugin and goroutine the manager started, closes every watch
-// channel and, once all of that has stopped, the ledger (kept plugins are stopped too,
-// and their reattach records deleted: a graceful stop means stop). It returns when they
-// are all gone (with the ledger's close error, if any), or with ctx's error when ctx ends
+// channel and, once all of that has stopped, the ledger, removing its temporary
+// directory when no StateDir was set (kept plugins are stopped too, and their reattach
+// records deleted: a graceful stop means stop). It returns when they are all gone (with
+// the error closing the ledger or removing that directory, if any), or with ctx's error when ctx ends
 // first (the plugins are still being stopped then; a later Shutdown waits again).
 func (m *Manager) Shutdown(ctx context.Context) error {
 	m.stopping.Store(true)
@@ -427,16 +445,24 @@ func (m *Manager) Shutdown(ctx context.Context) error {
 
 // Reserve reserves req's devices for req.OwnerID through the plugin that owns them. A
 // retried request (same owner, same devices) gets the live reservation back. Checks, in
-// order: the request (ErrInvalidRequest), holders (ErrDeviceHeld), the inventory
-// (ErrUnknownDevice: unknown group, devices not in it or spread over two plugins), the
-// plugin (ErrPluginUnavailable) and health (ErrUnhealthyDevice); then the plugin is asked,
-// bounded by ctx, ReserveTimeout and its exit; its answer is validated
-// (ErrPluginResponse) and the reservation recorded in the store. A concurrent Reserve
-// touching the same devices is refused with ErrDeviceHeld while the first is in flight.
+// order: holders (ErrDeviceHeld), the inventory (ErrUnknownDevice: unknown group, devices
+// not in it or spread over two plugins), the plugin (ErrPluginUnavailable) and health
+// (ErrUnhealthyDevice); then the plugin is asked, bounded by ctx, ReserveTimeout and its
+// exit; its answer is validated (ErrPluginResponse) and the reservation recorded in the
+// ledger. A concurrent Reserve touching the same devices is refused with ErrDeviceHeld
+// while the first is in flight.
+//
+// The trust boundary is the host API, not this method: the server (server/api.go)
+// checks every request with validate.ReserveRequest, the one place its rules live, before
+// it calls Reserve, and so must any other caller (tests, in-process tools). Reserve does
+// not check the request again; it asserts only what it cannot run without (an owner and
+// a device: an "internal:" error otherwise), and the ledger what it may store. The same
+// holds for Release (validate.ReleaseRequest), Reown (validate.ReownRequest) and
+// Reservations (validate.ReservationFilter).
 //
 // Holders whose owner starts with one of req.TakeOverOwnerPrefixes do not refuse the
 // Reserve: they keep holding the devices while the plugin is asked (the claim keeps
-// every other Reserve off them meanwhile) and are released in the store write that
+// every other Reserve off them meanwhile) and are released in the ledger write that
 // records the new reservation, all or nothing; the GC then owes their plugin cleanup as
 // after a Release. If anything fails before that write, or the write itself, they are
 // left as they were. Each one taken over is logged.
@@ -444,8 +470,8 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if m.stopping.Load() {
 		return device.Reservation{}, fmt.Errorf("reserve: %w", device.ErrShuttingDown)
 	}
-	if err := validate.ReserveRequest(req); err != nil {
-		return device.Reservation{}, err
+	if req.OwnerID == "" || len(req.DeviceIDs) == 0 {
+		return device.Reservation{}, errors.New("reserve: internal: a request without an owner or devices (validate.ReserveRequest refuses it)")
 	}
 	ids := slices.Clone(req.DeviceIDs)
 	// Claim before checking the store: a Reserve that commits between the check and the
@@ -478,7 +504,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if err := validate.Reservation(res, ids); err != nil {
 		return device.Reservation{}, fmt.Errorf("plugin %q answered Reserve with a reservation that breaks the rules: %s: %w", plugin, oneLine(err), device.ErrPluginResponse)
 	}
-	r, err := m.store.Commit(ctx, device.Reservation{
+	r, _, err := m.store.Reserve(ctx, device.Reservation{
 		ID:        ledger.NewID(),
 		OwnerID:   req.OwnerID,
 		Group:     req.Group,
@@ -616,13 +642,11 @@ func (m *Manager) claim(owner string, ids []string) (func(), error) {
 // snapshot without the holder) and says which it released and which were released
 // before (those are not released twice), each list oldest first. The plugin cleanup is
 // not done here: it is left pending in the ledger for the garbage collector, which runs
-// it once, with retries (see the package doc). Without StateDir no cleanup ever runs.
+// it once, with retries (see the package doc). req is trusted, as Reserve's is: the
+// server checks it with validate.ReleaseRequest.
 func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
 	if m.stopping.Load() {
 		return device.ReleaseResult{}, fmt.Errorf("release: %w", device.ErrShuttingDown)
-	}
-	if err := validate.ReleaseRequest(req); err != nil {
-		return device.ReleaseResult{}, err
 	}
 	released, already, err := m.store.Release(ctx, req, m.cfg.Now())
 	if err != nil {
@@ -641,13 +665,11 @@ func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (devic
 	return res, nil
 }
 
-// Reown hands a live reservation to another owner; see device.Manager.
+// Reown hands a live reservation to another owner; see device.Manager. req is trusted,
+// as Reserve's is: the server checks it with validate.ReownRequest.
 func (m *Manager) Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error) {
 	if m.stopping.Load() {
 		return device.Reservation{}, fmt.Errorf("reown: %w", device.ErrShuttingDown)
-	}
-	if err := validate.ReownRequest(req); err != nil {
-		return device.Reservation{}, err
 	}
 	r, err := m.store.Reown(ctx, req)
 	if err != nil {
@@ -657,10 +679,8 @@ func (m *Manager) Reown(ctx context.Context, req device.ReownRequest) (device.Re
 	return r, nil
 }
 
-// Reservations lists the reservations matching f, oldest first.
+// Reservations lists the reservations matching f, oldest first. f is trusted, as
+// Reserve's request is: the server checks it with validate.ReservationFilter.
 func (m *Manager) Reservations(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
-	if err := validate.ReservationFilter(f); err != nil {
-		return nil, err
-	}
 	return m.store.List(ctx, f)
 }

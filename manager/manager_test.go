@@ -431,8 +431,6 @@ func TestReserve(t *testing.T) {
 		wantErr  error
 		wantText []string // substrings of the error
 	}{
-		{name: "invalid request", req: device.ReserveRequest{Group: a1, DeviceIDs: []string{"a1"}},
-			wantErr: device.ErrInvalidRequest, wantText: []string{"owner_id"}},
 		{name: "unknown group", req: device.ReserveRequest{OwnerID: "o", Group: device.GroupKey{Vendor: "acme", Type: "gpu", Name: "nope"}, DeviceIDs: []string{"a1"}},
 			wantErr: device.ErrUnknownDevice, wantText: []string{"acme/gpu/nope"}},
 		{name: "unknown device", req: device.ReserveRequest{OwnerID: "o", Group: a1, DeviceIDs: []string{"a1", "x9"}},
@@ -484,6 +482,21 @@ func TestReserve(t *testing.T) {
 	}
 	alpha.set(func(f *fakeDevices) { f.reserve = nil })
 
+	// The request rules are validate's, checked by the server; the manager only asserts
+	// what it cannot run without, before the plugin is asked.
+	calls := alpha.reserveCalls()
+	for _, req := range []device.ReserveRequest{
+		{Group: a1, DeviceIDs: []string{"a1"}},
+		{OwnerID: "o", Group: a1},
+	} {
+		if _, err := m.Reserve(ctx, req); err == nil || !strings.HasPrefix(err.Error(), "reserve: internal: ") {
+			t.Errorf("Reserve(%+v) error = %v, want an internal error", req, err)
+		}
+	}
+	if got := alpha.reserveCalls(); got != calls {
+		t.Errorf("plugin Reserve calls %d, want %d: a request the manager cannot run must not reach the plugin", got, calls)
+	}
+
 	// A retry by the same owner gets the same reservation.
 	again, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "alloc-1", Group: a1, DeviceIDs: []string{"a0"}})
 	if err != nil || again.ID != held.ID {
@@ -498,9 +511,8 @@ func TestReserve(t *testing.T) {
 		t.Errorf("State a1 holder = %v, want none", got)
 	}
 
-	// Release frees it and lists it as released. Without a state dir there is no
-	// garbage collector, so its plugin cleanup stays pending and the plugin is not
-	// called (TestGCCleansUpThroughThePlugin has the ledger's way).
+	// Release frees it and lists it as released; the garbage collector then has the
+	// plugin clean up, with a state dir or without one (a temporary ledger).
 	rel, err := m.Release(ctx, device.ReleaseRequest{OwnerID: "alloc-1"})
 	if err != nil || !slices.Equal(rel.Released, []string{held.ID}) || len(rel.AlreadyReleased) != 0 {
 		t.Fatalf("Release = %+v, %v; want [%s] released now", rel, err, held.ID)
@@ -509,15 +521,10 @@ func TestReserve(t *testing.T) {
 		t.Errorf("State a0 holder after Release = %v, want none", got)
 	}
 	list, err := m.Reservations(ctx, device.ReservationFilter{DeviceID: "a0"})
-	if err != nil || len(list) != 1 || list[0].State != device.ReservationReleased || !list[0].CleanupPending {
-		t.Errorf("Reservations(a0) = %+v, %v; want one released, cleanup pending", list, err)
+	if err != nil || len(list) != 1 || list[0].State != device.ReservationReleased {
+		t.Errorf("Reservations(a0) = %+v, %v; want one released", list, err)
 	}
-	alpha.mu.Lock()
-	released := slices.Clone(alpha.released)
-	alpha.mu.Unlock()
-	if len(released) != 0 {
-		t.Errorf("plugin cleanups without a ledger = %v, want none", released)
-	}
+	alpha.waitReleased(t, held.ID)
 	if _, err := m.Release(ctx, device.ReleaseRequest{ReservationID: "no-such"}); !errors.Is(err, device.ErrNotFound) {
 		t.Errorf("Release(unknown) = %v, want ErrNotFound", err)
 	}

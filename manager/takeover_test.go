@@ -15,11 +15,11 @@ import (
 	"github.com/devicehost/devicehost/manager/device"
 )
 
-// forEachStore runs fn on a manager with the in-memory store and on one with the
-// durable ledger.
-func forEachStore(t *testing.T, fn func(t *testing.T, cfg Config, logs *logRecorder)) {
+// forEachStateDir runs fn on a manager without a state dir (its ledger in a temporary
+// directory) and on one with a state dir.
+func forEachStateDir(t *testing.T, fn func(t *testing.T, cfg Config, logs *logRecorder)) {
 	for _, durable := range []bool{false, true} {
-		t.Run(map[bool]string{false: "memory", true: "ledger"}[durable], func(t *testing.T) {
+		t.Run(map[bool]string{false: "temporary", true: "state-dir"}[durable], func(t *testing.T) {
 			cfg, logs := testConfig(t)
 			if durable {
 				cfg.StateDir = t.TempDir()
@@ -35,7 +35,7 @@ func takeOver(m *Manager, owner string, ids ...string) (device.Reservation, erro
 }
 
 func TestReserveTakesOver(t *testing.T) {
-	forEachStore(t, func(t *testing.T, cfg Config, logs *logRecorder) {
+	forEachStateDir(t, func(t *testing.T, cfg Config, logs *logRecorder) {
 		alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1", "a2"))
 		m, _ := startInprocManager(t, cfg, alpha)
 		waitReady(t, m)
@@ -78,17 +78,16 @@ func TestReserveTakesOver(t *testing.T) {
 		if err != nil || again.ID != got.ID || again.TakenOver != nil || alpha.reserveCalls() != calls {
 			t.Errorf("retry = %+v, %v (%d plugin calls); want %s, nothing taken over, no call", again, err, alpha.reserveCalls()-calls, got.ID)
 		}
-		if cfg.StateDir != "" { // the GC owes the plugin its cleanup, as after a Release
-			alpha.waitReleased(t, old.ID)
-			waitReservation(t, m, old.ID, "cleaned up", cleanedUp)
-		}
+		// The GC owes the plugin its cleanup, as after a Release.
+		alpha.waitReleased(t, old.ID)
+		waitReservation(t, m, old.ID, "cleaned up", cleanedUp)
 	})
 }
 
 // While the plugin answers a take-over, the old reservation still holds its devices and
 // no other Reserve gets them; if the plugin fails, nothing is released.
 func TestTakeOverHoldsUntilItsWrite(t *testing.T) {
-	forEachStore(t, func(t *testing.T, cfg Config, _ *logRecorder) {
+	forEachStateDir(t, func(t *testing.T, cfg Config, _ *logRecorder) {
 		alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
 		m, _ := startInprocManager(t, cfg, alpha)
 		waitReady(t, m)
@@ -145,7 +144,7 @@ func TestTakeOverHoldsUntilItsWrite(t *testing.T) {
 // that no Release or take-over released, and each take-over releases exactly what it
 // reports.
 func TestReserveRacingTakeOver(t *testing.T) {
-	forEachStore(t, func(t *testing.T, cfg Config, _ *logRecorder) {
+	forEachStateDir(t, func(t *testing.T, cfg Config, _ *logRecorder) {
 		devs := []string{"a0", "a1", "a2", "a3"}
 		alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", devs...))
 		m, _ := startInprocManager(t, cfg, alpha)

@@ -121,6 +121,20 @@ func TestFingerprint(t *testing.T) {
 			want:   []found{{g0 + `: device[1] "": id`, validate.RuleEmpty}},
 		},
 		{
+			// Device IDs become keys of the ledger's owner records; this rule, not the
+			// ledger, bounds them.
+			name: "device ID too long",
+			mutate: func(r *pb.FingerprintResponse) {
+				r.Groups[0].Devices[1].Id = strings.Repeat("x", validate.MaxNameLen+1)
+			},
+			want: []found{{g0 + `: device[1] "` + strings.Repeat("x", 64) + `"...: id`, validate.RuleTooLong}},
+		},
+		{
+			name:   "device ID not UTF-8",
+			mutate: func(r *pb.FingerprintResponse) { r.Groups[0].Devices[1].Id = "GPU-\xff" },
+			want:   []found{{g0 + `: device[1] "GPU-\xff": id`, validate.RuleInvalidUTF8}},
+		},
+		{
 			name:   "device ID not printable",
 			mutate: func(r *pb.FingerprintResponse) { r.Groups[0].Devices[1].Id = "GPU\x00" },
 			want:   []found{{g0 + `: device[1] "GPU\x00": id`, validate.RuleNotPrintable}},

@@ -28,6 +28,12 @@ import (
 //
 // All methods are safe for concurrent use. Watch channels are closed when their context
 // ends or the manager shuts down; the manager never blocks on a slow reader.
+//
+// Requests reach a Manager already checked: the host API's server, the trust boundary,
+// validates each one (package validate: ReserveRequest, ReleaseRequest, ReownRequest,
+// ReservationFilter) before it calls the Manager, so an implementation does not check
+// them again. The ErrInvalidRequest a Manager returns is about state (a released
+// reservation, another owner's), not about the request's shape.
 type Manager interface {
 	// Inventory returns the current static inventory of every plugin.
 	Inventory() Inventory

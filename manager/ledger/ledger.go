@@ -66,6 +66,12 @@ var (
 	ErrCleanupPending = errors.New("reservation cleanup pending")
 )
 
+// errInternal marks a call that broke the ledger's contract: input that the host API's
+// server validates (validate's rules, checked once there) or that the manager makes
+// itself, arriving in a shape no stored record may have. The ledger asserts only such
+// invariants, cheaply; it does not check requests rule by rule.
+var errInternal = errors.New("internal")
+
 // StateFileError is why Open refused a state file: what is wrong with it and what an
 // operator can do about it. It matches its Kind (ErrCorrupt, ErrSchemaVersion or
 // ErrLocked) and its underlying cause under errors.Is.
@@ -124,7 +130,7 @@ type Options struct {
 // returns are deep copies the caller may keep and modify; values passed in are copied
 // before they are stored.
 //
-// Open starts one writer goroutine; Close stops it. Writes (Reserve, Commit, Release,
+// Open starts one writer goroutine; Close stops it. Writes (Reserve, Release,
 // CleanupDone, Delete, SaveReattach, DeleteReattach) take a context: it bounds only the
 // wait for the writer to accept the request and is checked once more just before the
 // request is applied; a request the writer has applied is not abandoned, the call

@@ -24,24 +24,20 @@ var bucketOwners = []byte("owners")
 
 // RecordDeviceOwners records owners (device ID -> plugin name), replacing an earlier owner
 // of the same ID, and forgets the owners of the IDs in forget, in one transaction,
-// durably before it returns. Nothing to do writes nothing. IDs and names must be
-// non-empty valid UTF-8 of at most 256 bytes (a *device.FieldError otherwise).
+// durably before it returns. Nothing to do writes nothing. The IDs are a validated
+// fingerprint's (validate.Fingerprint) and the names the manager's own plugins'; an
+// empty one, which cannot be a key nor name an owner, is an "internal:" error.
 func (l *Ledger) RecordDeviceOwners(ctx context.Context, owners map[string]string, forget []string) error {
 	if len(owners) == 0 && len(forget) == 0 {
 		return nil
 	}
-	for _, id := range slices.Sorted(maps.Keys(owners)) {
-		if err := checkID("device_id", id); err != nil {
-			return err
-		}
-		if err := checkID("plugin", owners[id]); err != nil {
-			return err
+	for id, plugin := range owners {
+		if id == "" || plugin == "" {
+			return fmt.Errorf("record device owners: %w: empty device ID or plugin name (%q: %q)", errInternal, id, plugin)
 		}
 	}
-	for _, id := range forget {
-		if err := checkID("device_id", id); err != nil {
-			return err
-		}
+	if slices.Contains(forget, "") {
+		return fmt.Errorf("record device owners: %w: empty device ID to forget", errInternal)
 	}
 	owners, forget = maps.Clone(owners), slices.Clone(forget)
 	_, err := l.submit(ctx, func(w *txn) (any, error) {

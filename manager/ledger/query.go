@@ -35,13 +35,14 @@ func (l *Ledger) Get(id string) (device.Reservation, error) {
 }
 
 // List returns the reservations matching f, oldest first (by CreatedAt, then ID).
-// Released reservations are listed until they are deleted. A State outside the known
-// values is a *device.FieldError. ctx is unused: List never waits.
+// Released reservations are listed until they are deleted. f is one the host API's
+// server has validated (validate.ReservationFilter); a State outside the known values is
+// an "internal:" error. ctx is unused: List never waits.
 func (l *Ledger) List(_ context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
 	switch f.State {
 	case device.ReservationAny, device.ReservationActive, device.ReservationReleased:
 	default:
-		return nil, &device.FieldError{Field: "state", Rule: fmt.Sprintf("unknown state %d", f.State)}
+		return nil, fmt.Errorf("list reservations: %w: unknown state %d", errInternal, f.State)
 	}
 	match := func(r *device.Reservation) bool {
 		return (f.OwnerID == "" || r.OwnerID == f.OwnerID) &&

@@ -17,10 +17,12 @@ const maxReattachSize = 64 << 10
 
 // SaveReattach stores data, the go-plugin reattach configuration of a running plugin in
 // whatever encoding the caller chose, under the plugin's name, replacing what was there,
-// durably before it returns. The ledger treats data as opaque bytes (at most 64 KiB).
+// durably before it returns. The ledger treats data as opaque bytes (at most 64 KiB, a
+// *device.FieldError otherwise). An empty plugin name, which cannot be a key, is an
+// "internal:" error.
 func (l *Ledger) SaveReattach(ctx context.Context, plugin string, data []byte) error {
-	if err := checkID("plugin", plugin); err != nil {
-		return err
+	if plugin == "" {
+		return fmt.Errorf("save reattach data: %w: no plugin name", errInternal)
 	}
 	if len(data) > maxReattachSize {
 		return &device.FieldError{Field: "reattach_data",
@@ -33,10 +35,11 @@ func (l *Ledger) SaveReattach(ctx context.Context, plugin string, data []byte) e
 	return nil
 }
 
-// DeleteReattach forgets the reattach data of plugin, durably; none is not an error.
+// DeleteReattach forgets the reattach data of plugin, durably; none is not an error. An
+// empty plugin name is an "internal:" error.
 func (l *Ledger) DeleteReattach(ctx context.Context, plugin string) error {
-	if err := checkID("plugin", plugin); err != nil {
-		return err
+	if plugin == "" {
+		return fmt.Errorf("delete reattach data: %w: no plugin name", errInternal)
 	}
 	if _, err := l.submit(ctx, func(w *txn) (any, error) { return nil, w.deleteReattach(plugin) }); err != nil {
 		return fmt.Errorf("delete reattach data of plugin %q: %w", plugin, err)

@@ -19,10 +19,11 @@ import (
 //
 // req names either one reservation (an unknown ID wraps device.ErrNotFound) or every
 // reservation of one owner (an owner with none is not an error: both results are empty).
-// Setting both fields or neither is a *device.FieldError.
+// req is one the host API's server has validated (validate.ReleaseRequest); setting both
+// fields or neither is an "internal:" error.
 func (l *Ledger) Release(ctx context.Context, req device.ReleaseRequest, now time.Time) (released, already []device.Reservation, err error) {
 	if (req.ReservationID == "") == (req.OwnerID == "") {
-		return nil, nil, &device.FieldError{Field: "reservation_id", Rule: "set exactly one of reservation_id and owner_id"}
+		return nil, nil, fmt.Errorf("release: %w: the request must name exactly one of a reservation and an owner", errInternal)
 	}
 	if now.IsZero() {
 		now = l.now()

@@ -11,8 +11,13 @@ import (
 // req.NewOwnerID, durably before it returns, and returns it as stored: only its owner
 // changes. Reowning to the owner it already has is not an error and writes nothing.
 // An unknown ID wraps device.ErrNotFound; a released reservation, or one owned by
-// another owner than req.OwnerID, is a *device.FieldError (nothing is written).
+// another owner than req.OwnerID, is a *device.FieldError (nothing is written). req is
+// one the host API's server has validated (validate.ReownRequest); an empty new owner,
+// which no stored reservation may have (see checkRecord), is an "internal:" error.
 func (l *Ledger) Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error) {
+	if req.NewOwnerID == "" {
+		return device.Reservation{}, fmt.Errorf("reown: %w: no new owner ID", errInternal)
+	}
 	val, err := l.submit(ctx, func(w *txn) (any, error) {
 		r := w.get(req.ReservationID)
 		if err := checkReown(r, req); err != nil || r.OwnerID == req.NewOwnerID {

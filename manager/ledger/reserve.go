@@ -8,13 +8,9 @@ import (
 	"slices"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/devicehost/devicehost/manager/device"
 )
-
-// maxIDLen bounds reservation, owner and device IDs and plugin names kept in the file.
-const maxIDLen = 256
 
 // NewID returns a fresh reservation ID: "res-" and 16 hex digits from crypto/rand.
 // Reserve calls it for a reservation that comes without an ID; a caller that needs the
@@ -93,74 +89,19 @@ func decide(v view, owner string, deviceIDs, takeOver []string) (*device.Reserva
 	return nil, nil, e
 }
 
-func checkID(field, id string) error {
-	switch {
-	case id == "":
-		return &device.FieldError{Field: field, Rule: "must not be empty"}
-	case len(id) > maxIDLen:
-		return &device.FieldError{Field: field, Rule: fmt.Sprintf("longer than %d bytes", maxIDLen)}
-	case !utf8.ValidString(id):
-		return &device.FieldError{Field: field, Rule: "not valid UTF-8"}
-	}
-	return nil
-}
-
-func checkDeviceIDs(ids []string) error {
-	if len(ids) == 0 {
-		return &device.FieldError{Field: "device_ids", Rule: "must not be empty"}
-	}
-	seen := make(map[string]int, len(ids))
-	for i, id := range ids {
-		field := fmt.Sprintf("device_ids[%d]", i)
-		if err := checkID(field, id); err != nil {
-			return err
-		}
-		if j, dup := seen[id]; dup {
-			return &device.FieldError{Field: field, Rule: fmt.Sprintf("duplicate of device_ids[%d]", j)}
-		}
-		seen[id] = i
-	}
-	return nil
-}
-
-func checkRequest(owner string, deviceIDs []string) error {
-	if err := checkID("owner_id", owner); err != nil {
-		return err
-	}
-	return checkDeviceIDs(deviceIDs)
-}
-
-// checkTakeOver refuses take-over prefixes that could match far more than meant: an
-// empty one, or one not ending with "/" (the API's full rules are validate's).
-func checkTakeOver(prefixes []string) error {
-	for i, p := range prefixes {
-		field := fmt.Sprintf("take_over_owner_prefixes[%d]", i)
-		if err := checkID(field, p); err != nil {
-			return err
-		}
-		if !strings.HasSuffix(p, "/") {
-			return &device.FieldError{Field: field, Rule: `must end with "/"`}
-		}
-	}
-	return nil
-}
-
 // Check applies the conflict rules to ownerID asking for deviceIDs, without writing:
 // (r, nil) when ownerID's live reservation r holds exactly deviceIDs (a retried Reserve),
 // (nil, nil) when none of them is held, or each holder's owner starts with one of
-// takeOver (see ReserveTakingOver), and a *ConflictError (device.ErrDeviceHeld)
-// otherwise, naming the holders takeOver does not match. A malformed request is a
-// *device.FieldError.
+// takeOver (see Reserve), and a *ConflictError (device.ErrDeviceHeld) otherwise, naming
+// the holders takeOver does not match.
+//
+// The request is not checked: it is one the host API's server has validated
+// (validate.ReserveRequest), so deviceIDs has no duplicates; Reserve asserts what its
+// write needs.
 //
 // The manager calls Check before it asks the plugin; since another Reserve can commit in
 // between, Reserve checks again atomically with its write.
 func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string) (*device.Reservation, error) {
-	if err := checkRequest(ownerID, deviceIDs); err != nil {
-		return nil, err
-	}
-	if err := checkTakeOver(takeOver); err != nil {
-		return nil, err
-	}
 	l.mu.RLock()
 	defer l.mu.RUnlock()
 	r, _, err := decide(l.idx, ownerID, deviceIDs, takeOver)
@@ -175,44 +116,31 @@ func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string) (*device.Re
 // conflict rules atomically with the write:
 //   - when r.OwnerID already holds exactly r.DeviceIDs in a live reservation, that
 //     reservation is returned with existing true and nothing is written (a retried
-//     Reserve creates no duplicate);
-//   - when any requested device is held otherwise (by another owner, or by the same
-//     owner for a different set of devices), the error is a *ConflictError naming each
-//     holder and the devices in question; it matches device.ErrDeviceHeld.
+//     Reserve creates no duplicate), whatever takeOver says;
+//   - when every requested device is free, or held by a live reservation whose owner
+//     starts with one of takeOver (device.TakesOver; see device.ReserveRequest), r is
+//     recorded and those holders are marked released (at r's CreatedAt, their plugin
+//     cleanup pending, as Release does) in the same transaction, and so the same
+//     fsync: both are durable or neither is, and no reader or concurrent Reserve ever
+//     sees the devices free in between. Their IDs, sorted, come back in res.TakenOver
+//     (never stored);
+//   - otherwise the error is a *ConflictError naming each holder takeOver does not
+//     match and the devices in question (device.ErrDeviceHeld), and nothing is written.
 //
 // Of concurrent Reserves for the same device, exactly one succeeds.
 //
-// r.ID may be empty, in which case NewID makes one; an ID already in the ledger is
-// refused. r.State, r.ReleasedAt, r.CleanupPending and r.TakenOver are ignored; a zero
-// r.CreatedAt is set to now. The request is refused with a *device.FieldError when the
-// owner ID, a device ID or the reservation ID is empty, too long or not UTF-8, or a
-// device is named twice.
-func (l *Ledger) Reserve(ctx context.Context, r device.Reservation) (res device.Reservation, existing bool, err error) {
-	return l.ReserveTakingOver(ctx, r, nil)
-}
-
-// ReserveTakingOver is Reserve that may take the devices over from live reservations
-// whose owner starts with one of takeOver (each non-empty and ending with "/"; see
-// device.ReserveRequest): when every requested device is free or held by such a
-// reservation, those reservations are marked released (at the new one's CreatedAt,
-// their plugin cleanup pending, as Release does) in the same transaction, and so the
-// same fsync, that records r: both are durable or neither is, and no reader or
-// concurrent Reserve ever sees the devices free in between. Their IDs, sorted, come
-// back in res.TakenOver (never stored). A holder of any other owner refuses the whole
-// request (a *ConflictError naming only such holders) and nothing is written; a retry
-// (r.OwnerID already holding exactly r.DeviceIDs) returns that reservation with
-// existing true and takes nothing over, whatever takeOver says.
-func (l *Ledger) ReserveTakingOver(ctx context.Context, r device.Reservation, takeOver []string) (res device.Reservation, existing bool, err error) {
-	if err := checkRequest(r.OwnerID, r.DeviceIDs); err != nil {
-		return device.Reservation{}, false, err
-	}
-	if r.ID != "" {
-		if err := checkID("reservation_id", r.ID); err != nil {
-			return device.Reservation{}, false, err
-		}
-	}
-	if err := checkTakeOver(takeOver); err != nil {
-		return device.Reservation{}, false, err
+// r.ID may be empty, in which case NewID makes one; an ID already in the ledger is a
+// *device.FieldError. r.State, r.ReleasedAt, r.CleanupPending and r.TakenOver are
+// ignored; a zero r.CreatedAt is set to now.
+//
+// The request is trusted: the host API's server has validated it
+// (validate.ReserveRequest, the one place the API's rules live). Reserve asserts only the
+// invariants of a stored reservation (see checkRecord), refusing a request without an
+// owner or devices, or naming a device twice, with an "internal:" error, since Open would
+// refuse the file with such a record in it.
+func (l *Ledger) Reserve(ctx context.Context, r device.Reservation, takeOver []string) (res device.Reservation, existing bool, err error) {
+	if err := checkRecord(r.OwnerID, r.DeviceIDs); err != nil {
+		return device.Reservation{}, false, fmt.Errorf("reserve: %w: %w", errInternal, err)
 	}
 	rec := clone(&r)
 	rec.State = device.ReservationActive
@@ -238,7 +166,7 @@ type reserveResult struct {
 	takenOver []string
 }
 
-// reserveRun is the write of ReserveTakingOver for rec (checked, stamped, owned by
+// reserveRun is the write of Reserve for rec (checked, stamped, owned by
 // the run). It decides from the batch's view on every run, so a batch retried after a
 // storage failure decides afresh.
 func reserveRun(rec device.Reservation, takeOver []string) func(w *txn) (any, error) {
@@ -274,12 +202,4 @@ func reserveRun(rec device.Reservation, takeOver []string) func(w *txn) (any, er
 		}
 		return reserveResult{r: &nr, takenOver: taken}, nil
 	}
-}
-
-// Commit is ReserveTakingOver without the existing flag: it returns the stored
-// reservation, which is an earlier one when the same owner already held exactly these
-// devices. It is the method set the manager's reservation store expects.
-func (l *Ledger) Commit(ctx context.Context, r device.Reservation, takeOver []string) (device.Reservation, error) {
-	res, _, err := l.ReserveTakingOver(ctx, r, takeOver)
-	return res, err
 }

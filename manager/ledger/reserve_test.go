@@ -113,7 +113,7 @@ func TestConflictRules(t *testing.T) {
 			before := listAll(t, l)
 
 			checked, checkErr := l.Check(tt.owner, tt.devs, nil)
-			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...))
+			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...), nil)
 
 			for _, e := range []struct {
 				what string
@@ -166,31 +166,37 @@ func TestConflictRules(t *testing.T) {
 	}
 }
 
-func TestReserveRefusesMalformedRequests(t *testing.T) {
+// The request rules (lengths, UTF-8, printable...) are validate's, checked once at the
+// server (validate's TestReserveRequest). The ledger asserts only what a stored record
+// must be, so that no write leaves a record Open would refuse; and a reservation ID in
+// use is refused as a field of the request.
+func TestReserveRefusesMalformedRecords(t *testing.T) {
 	l := newLedger(t)
 	taken := reserve(t, l, "a", "GPU-1")
+	many := make([]string, 20) // long enough for checkRecord's map
+	for i := range many {
+		many[i] = fmt.Sprint("GPU-x", i)
+	}
+	many[19] = many[3]
 	tests := []struct {
-		name      string
-		r         device.Reservation
-		wantField string
+		name    string
+		r       device.Reservation
+		wantErr error
+		wantMsg string
 	}{
-		{"no owner", device.Reservation{DeviceIDs: []string{"GPU-2"}}, "owner_id"},
-		{"no devices", device.Reservation{OwnerID: "o"}, "device_ids"},
-		{"empty device ID", device.Reservation{OwnerID: "o", DeviceIDs: []string{"GPU-2", ""}}, "device_ids[1]"},
-		{"device twice", device.Reservation{OwnerID: "o", DeviceIDs: []string{"GPU-2", "GPU-3", "GPU-2"}}, "device_ids[2]"},
-		{"owner ID too long", device.Reservation{OwnerID: strings.Repeat("o", maxIDLen+1), DeviceIDs: []string{"GPU-2"}}, "owner_id"},
-		{"owner ID not UTF-8", device.Reservation{OwnerID: "o\xff", DeviceIDs: []string{"GPU-2"}}, "owner_id"},
-		{"reservation ID in use", device.Reservation{ID: taken.ID, OwnerID: "o", DeviceIDs: []string{"GPU-2"}}, "reservation_id"},
+		{"no owner", device.Reservation{DeviceIDs: []string{"GPU-2"}}, errInternal, "reserve: internal: no owner ID"},
+		{"no devices", device.Reservation{OwnerID: "o"}, errInternal, "reserve: internal: no device IDs"},
+		{"empty device ID", device.Reservation{OwnerID: "o", DeviceIDs: []string{"GPU-2", ""}}, errInternal, "reserve: internal: device ID 1 is empty"},
+		{"device twice", device.Reservation{OwnerID: "o", DeviceIDs: []string{"GPU-2", "GPU-3", "GPU-2"}}, errInternal, `reserve: internal: device ID "GPU-2" named twice (0 and 2)`},
+		{"device twice in a long list", device.Reservation{OwnerID: "o", DeviceIDs: many}, errInternal, `reserve: internal: device ID "GPU-x3" named twice (3 and 19)`},
+		{"reservation ID in use", device.Reservation{ID: taken.ID, OwnerID: "o", DeviceIDs: []string{"GPU-2"}}, device.ErrInvalidRequest,
+			fmt.Sprintf("reserve: invalid request: reservation_id: %q is already used by another reservation", taken.ID)},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, _, err := l.Reserve(context.Background(), tt.r)
-			var fe *device.FieldError
-			if !errors.As(err, &fe) || fe.Field != tt.wantField || !errors.Is(err, device.ErrInvalidRequest) {
-				t.Errorf("Reserve(%+v): err = %v, want a FieldError on %s", tt.r, err, tt.wantField)
-			}
-			if _, err := l.Check(tt.r.OwnerID, tt.r.DeviceIDs, nil); tt.wantField != "reservation_id" && !errors.As(err, &fe) {
-				t.Errorf("Check: err = %v, want a FieldError", err)
+			_, _, err := l.Reserve(context.Background(), tt.r, nil)
+			if !errors.Is(err, tt.wantErr) || err.Error() != tt.wantMsg {
+				t.Errorf("Reserve(%+v): err = %v, want %q", tt.r, err, tt.wantMsg)
 			}
 		})
 	}
@@ -203,7 +209,7 @@ func TestReserveKeepsCallerID(t *testing.T) {
 	l := newLedger(t)
 	r := res("a", "GPU-1")
 	r.ID, r.CreatedAt = NewID(), t0
-	got, _, err := l.Reserve(context.Background(), r)
+	got, _, err := l.Reserve(context.Background(), r, nil)
 	if err != nil || got.ID != r.ID {
 		t.Fatalf("Reserve with ID %s = %s, %v", r.ID, got.ID, err)
 	}
@@ -233,7 +239,7 @@ func TestReserveRaceOneWinner(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			got[i], _, results[i] = l.Reserve(context.Background(), res(fmt.Sprint("owner-", i), "GPU-0", fmt.Sprint("GPU-own-", i)))
+			got[i], _, results[i] = l.Reserve(context.Background(), res(fmt.Sprint("owner-", i), "GPU-0", fmt.Sprint("GPU-own-", i)), nil)
 		}()
 	}
 	close(start)
@@ -283,7 +289,7 @@ func TestReserveRaceSameOwner(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			got[i], existing[i], errs[i] = l.Reserve(context.Background(), res("alloc-1", "GPU-1", "GPU-2"))
+			got[i], existing[i], errs[i] = l.Reserve(context.Background(), res("alloc-1", "GPU-1", "GPU-2"), nil)
 		}()
 	}
 	close(start)
@@ -328,7 +334,7 @@ func TestConcurrentReservesAllDurableAndShareCommits(t *testing.T) {
 			defer wg.Done()
 			for i := range each {
 				dev := fmt.Sprintf("GPU-%d-%d", c, i)
-				r, _, err := l.Reserve(context.Background(), res(fmt.Sprint("owner-", c), dev))
+				r, _, err := l.Reserve(context.Background(), res(fmt.Sprint("owner-", c), dev), nil)
 				if err != nil {
 					t.Errorf("Reserve %s: %v", dev, err)
 					return
@@ -394,7 +400,7 @@ func TestBatchStorageFailureIsolated(t *testing.T) {
 				})
 				return
 			}
-			_, _, errs[i] = l.Reserve(ctx, res(fmt.Sprint("o", i), fmt.Sprint("GPU-", i)))
+			_, _, errs[i] = l.Reserve(ctx, res(fmt.Sprint("o", i), fmt.Sprint("GPU-", i)), nil)
 		}()
 	}
 	close(unblock)
@@ -419,7 +425,7 @@ func TestReserveCanceledContextWritesNothing(t *testing.T) {
 	l := newLedger(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if _, _, err := l.Reserve(ctx, res("a", "GPU-1")); !errors.Is(err, context.Canceled) {
+	if _, _, err := l.Reserve(ctx, res("a", "GPU-1"), nil); !errors.Is(err, context.Canceled) {
 		t.Errorf("Reserve with a canceled context: err = %v, want context.Canceled", err)
 	}
 	if got := l.Counts().Total; got != 0 {
@@ -430,7 +436,7 @@ func TestReserveCanceledContextWritesNothing(t *testing.T) {
 func TestReturnedValuesAreCopies(t *testing.T) {
 	l := newLedger(t)
 	in := res("a", "GPU-1", "GPU-2")
-	got, _, err := l.Reserve(context.Background(), in)
+	got, _, err := l.Reserve(context.Background(), in, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"time"
 
@@ -193,19 +194,50 @@ func decodeReservation(key, v []byte) (*device.Reservation, error) {
 	switch {
 	case r.ID != string(key):
 		return nil, fmt.Errorf("stored under key %q but its ID is %q", key, r.ID)
-	case r.OwnerID == "":
-		return nil, errors.New("no owner ID")
-	case len(r.DeviceIDs) == 0:
-		return nil, errors.New("no device IDs")
 	case r.State == device.ReservationActive && (!r.ReleasedAt.IsZero() || r.CleanupPending):
 		return nil, errors.New("active but carries release data")
 	case r.State == device.ReservationReleased && r.ReleasedAt.IsZero():
 		return nil, errors.New("released without a release time")
 	}
-	if err := checkDeviceIDs(r.DeviceIDs); err != nil {
+	if err := checkRecord(r.OwnerID, r.DeviceIDs); err != nil {
 		return nil, err
 	}
 	return r, nil
+}
+
+// checkRecord checks the invariants every stored reservation keeps, which the index and
+// the conflict rules (decide) rely on: an owner, at least one device, and no device ID
+// empty or named twice. Open checks them on every record it loads, and Reserve and
+// Reown assert them before they write one, so that no write can leave a record Open
+// would refuse. They are not the host API's rules (lengths, UTF-8, printable...): those
+// are validate's, checked once at the server.
+func checkRecord(owner string, deviceIDs []string) error {
+	switch {
+	case owner == "":
+		return errors.New("no owner ID")
+	case len(deviceIDs) == 0:
+		return errors.New("no device IDs")
+	}
+	var seen map[string]int // only for long lists; a short one is searched in place
+	if len(deviceIDs) > 16 {
+		seen = make(map[string]int, len(deviceIDs))
+	}
+	for i, id := range deviceIDs {
+		if id == "" {
+			return fmt.Errorf("device ID %d is empty", i)
+		}
+		j, dup := -1, false
+		if seen != nil {
+			j, dup = seen[id]
+			seen[id] = i
+		} else if j = slices.Index(deviceIDs[:i], id); j >= 0 {
+			dup = true
+		}
+		if dup {
+			return fmt.Errorf("device ID %q named twice (%d and %d)", id, j, i)
+		}
+	}
+	return nil
 }
 
 // openBolt opens the bbolt file and turns bbolt's errors into ones that say what to do.

@@ -71,7 +71,7 @@ func TestTakeOverRules(t *testing.T) {
 			before, commits := listAll(t, l), l.Commits()
 
 			checked, checkErr := l.Check(tt.owner, tt.devs, tt.takeOver)
-			got, existing, err := l.ReserveTakingOver(context.Background(), res(tt.owner, tt.devs...), tt.takeOver)
+			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...), tt.takeOver)
 
 			if tt.wantHolders != nil {
 				var want []Conflict
@@ -89,7 +89,7 @@ func TestTakeOverRules(t *testing.T) {
 				for _, e := range []struct {
 					what string
 					err  error
-				}{{"Check", checkErr}, {"ReserveTakingOver", err}} {
+				}{{"Check", checkErr}, {"Reserve", err}} {
 					var ce *ConflictError
 					if !errors.As(e.err, &ce) || !errors.Is(e.err, device.ErrDeviceHeld) || !reflect.DeepEqual(ce.Conflicts, want) {
 						t.Errorf("%s: err = %v, want a ConflictError naming exactly %+v", e.what, e.err, want)
@@ -101,7 +101,7 @@ func TestTakeOverRules(t *testing.T) {
 				return
 			}
 			if err != nil || checkErr != nil {
-				t.Fatalf("Check: %v; ReserveTakingOver: %v", checkErr, err)
+				t.Fatalf("Check: %v; Reserve: %v", checkErr, err)
 			}
 			if tt.wantExisting != "" {
 				want := setup[tt.wantExisting]
@@ -165,19 +165,20 @@ func TestTakeOverRules(t *testing.T) {
 	}
 }
 
-// A malformed take-over prefix is refused before anything is looked at: an empty one
-// would match every owner.
-func TestTakeOverRefusesMalformedPrefixes(t *testing.T) {
+// The take-over prefix rules are validate's (checked at the server); what the ledger
+// relies on is device.TakesOver: an empty prefix, which would match every owner,
+// matches none, so even a request that never met validate cannot take over everyone.
+func TestTakeOverEmptyPrefixTakesNothing(t *testing.T) {
 	l := newLedger(t)
 	a := reserve(t, l, "nomad/a", "GPU-1")
-	for _, prefixes := range [][]string{{""}, {"nomad"}, {"nomad/", ""}} {
-		_, _, err := l.ReserveTakingOver(context.Background(), res("x", "GPU-1"), prefixes)
-		var fe *device.FieldError
-		if !errors.As(err, &fe) || !strings.HasPrefix(fe.Field, "take_over_owner_prefixes[") {
-			t.Errorf("prefixes %q: err = %v, want a FieldError on take_over_owner_prefixes", prefixes, err)
+	for _, prefixes := range [][]string{{""}, {"", ""}} {
+		_, _, err := l.Reserve(context.Background(), res("x", "GPU-1"), prefixes)
+		var held *ConflictError
+		if !errors.As(err, &held) || len(held.Conflicts) != 1 || held.Conflicts[0].Holder.ReservationID != a.ID {
+			t.Errorf("prefixes %q: err = %v, want a ConflictError naming %s", prefixes, err, a.ID)
 		}
-		if _, err := l.Check("x", []string{"GPU-1"}, prefixes); !errors.As(err, &fe) {
-			t.Errorf("Check with prefixes %q: err = %v, want a FieldError", prefixes, err)
+		if _, err := l.Check("x", []string{"GPU-1"}, prefixes); !errors.Is(err, device.ErrDeviceHeld) {
+			t.Errorf("Check with prefixes %q: err = %v, want ErrDeviceHeld", prefixes, err)
 		}
 	}
 	if h := l.Holders()["GPU-1"]; h.ReservationID != a.ID {
@@ -195,7 +196,7 @@ func TestTakeOverFailedCommitChangesNothing(t *testing.T) {
 	if err := l.db.Close(); err != nil { // every transaction fails from now on
 		t.Fatal(err)
 	}
-	_, _, err := l.ReserveTakingOver(context.Background(), res("nomad/b", "GPU-1"), []string{"nomad/"})
+	_, _, err := l.Reserve(context.Background(), res("nomad/b", "GPU-1"), []string{"nomad/"})
 	if err == nil || errors.Is(err, device.ErrDeviceHeld) {
 		t.Fatalf("take-over on a closed file: err = %v, want the storage error", err)
 	}
@@ -266,7 +267,7 @@ func TestTakeOverRace(t *testing.T) {
 				if i%6 == 5 {
 					owner, prefixes = fmt.Sprintf("job-%d", i), nil
 				}
-				got[i], _, errs[i] = l.ReserveTakingOver(context.Background(), res(owner, "GPU-0"), prefixes)
+				got[i], _, errs[i] = l.Reserve(context.Background(), res(owner, "GPU-0"), prefixes)
 			})
 		}
 		close(start)
@@ -313,7 +314,7 @@ func TestTakeOverOwesCleanup(t *testing.T) {
 		cleaned <- e
 		return nil
 	}})
-	if _, _, err := l.ReserveTakingOver(context.Background(), res("nomad/b", "GPU-2"), []string{"nomad/"}); err != nil {
+	if _, _, err := l.Reserve(context.Background(), res("nomad/b", "GPU-2"), []string{"nomad/"}); err != nil {
 		t.Fatal(err)
 	}
 	select {
