@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/devicehost/devicehost/internal/backoff"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
@@ -117,11 +118,10 @@ func (s *supervisor) setCurrent(p plugin) {
 	s.cur = p
 }
 
-func (s *supervisor) backoff() backoff {
-	return backoff{
-		base: s.cfg.RestartBaseDelay, max: s.cfg.RestartMaxDelay,
-		stable: s.cfg.StableRunReset, served: s.cfg.ServedReset,
-		jitter: s.jitter,
+func (s *supervisor) backoff() restartBackoff {
+	return restartBackoff{
+		Backoff: backoff.Backoff{Base: s.cfg.RestartBaseDelay, Max: s.cfg.RestartMaxDelay, Jitter: s.jitter},
+		stable:  s.cfg.StableRunReset, served: s.cfg.ServedReset,
 	}
 }
 
