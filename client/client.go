@@ -29,12 +29,13 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/backoff"
+	grpcbackoff "google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/internal/backoff"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -135,10 +136,10 @@ func Dial(ctx context.Context, address string, opts ...Option) (*Client, error) 
 		return nil, err
 	}
 	dialOpts := append([]grpc.DialOption{grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxRecvMsgSize)), grpc.WithConnectParams(grpc.ConnectParams{
-		Backoff: backoff.Config{
+		Backoff: grpcbackoff.Config{
 			BaseDelay:  o.backoffBase,
 			Multiplier: 2,
-			Jitter:     jitterFraction,
+			Jitter:     backoff.Fraction,
 			MaxDelay:   o.backoffMax,
 		},
 		MinConnectTimeout: 5 * time.Second,
@@ -226,7 +227,7 @@ func (c *Client) WaitServing(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return fmt.Errorf("wait for %s to serve: %w", c.addr, err)
 		}
-		if !sleep(ctx, c.closed, b.next()) {
+		if !sleep(ctx, c.closed, b.Next()) {
 			return fmt.Errorf("wait for %s to serve: %w", c.addr, err)
 		}
 	}
