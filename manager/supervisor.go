@@ -7,7 +7,6 @@ import (
 	"io"
 	"maps"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -503,6 +502,3 @@ func (s *supervisor) call(ctx context.Context, what string, rpc func(context.Con
 	}
 	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, errorLine(status.Convert(err).Message()), device.ErrPluginResponse)
 }
-
-// oneLine renders err, which may be an errors.Join of many, on one line.
-func oneLine(err error) string { return strings.ReplaceAll(err.Error(), "\n", "; ") }
