@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/deviceplugin"
+	"github.com/devicehost/devicehost/internal/textline"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
@@ -336,7 +337,7 @@ func (p *Plugin) handshake(ctx, launchCtx context.Context, timeout time.Duration
 	}
 	if !slices.Contains(info.GetProtocolVersions(), deviceplugin.ProtocolVersion) {
 		return fmt.Errorf("plugin %q speaks protocol versions [%s], host speaks [%s]: %w",
-			p.name, clip(strings.Join(info.GetProtocolVersions(), ", "), maxQuoted), deviceplugin.ProtocolVersion, ErrProtocolVersion)
+			p.name, textline.Escape(strings.Join(info.GetProtocolVersions(), ", "), maxQuoted), deviceplugin.ProtocolVersion, ErrProtocolVersion)
 	}
 	p.info = info
 
@@ -346,7 +347,7 @@ func (p *Plugin) handshake(ctx, launchCtx context.Context, timeout time.Duration
 		HostVersion:     opts.HostVersion,
 	})
 	if status.Code(err) == codes.InvalidArgument && !deadlineReached(launchCtx) {
-		return fmt.Errorf("plugin %q: %s: %w", p.name, clip(status.Convert(err).Message(), maxQuoted), ErrConfigRejected)
+		return fmt.Errorf("plugin %q: %s: %w", p.name, textline.Escape(status.Convert(err).Message(), maxQuoted), ErrConfigRejected)
 	}
 	if err != nil {
 		return p.launchRPCError(ctx, launchCtx, timeout, "SetConfig", err)
