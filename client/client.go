@@ -36,6 +36,7 @@ import (
 
 	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/internal/backoff"
+	"github.com/devicehost/devicehost/internal/textline"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -186,7 +187,7 @@ type reachError struct {
 }
 
 func (e *reachError) Error() string {
-	return fmt.Sprintf("cannot reach agent at %s: %s", e.addr, strings.Join(strings.Fields(e.st.Message()), " "))
+	return fmt.Sprintf("cannot reach agent at %s: %s", e.addr, textline.Line(e.st.Message(), 0))
 }
 
 // GRPCStatus makes status.Code and IsUnavailable see the failed call's status.
