@@ -12,6 +12,7 @@ import (
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/internal/textline"
 )
 
 // addressEnv, when set, is the client subcommands' default -address.
@@ -89,13 +90,9 @@ func (c *clientFlags) dial(ctx context.Context) (_ context.Context, _ *client.Cl
 // prefixed again.
 func callError(what string, err error) error {
 	st := status.Convert(err)
-	msg := oneLine(st.Message())
+	msg := textline.Line(st.Message(), 0)
 	for strings.HasPrefix(msg, what+": ") {
 		msg = strings.TrimPrefix(msg, what+": ")
 	}
 	return fmt.Errorf("%s: %s (%s)", what, msg, st.Code())
-}
-
-func oneLine(s string) string {
-	return strings.Join(strings.Fields(s), " ")
 }

@@ -9,7 +9,6 @@ import (
 	"regexp"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/hcl/v2"
@@ -20,6 +19,7 @@ import (
 	"github.com/zclconf/go-cty/cty/convert"
 
 	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/internal/textline"
 	"github.com/devicehost/devicehost/manager"
 )
 
@@ -322,21 +322,10 @@ func (d *decoder) sha256(a *hcl.Attribute, out *string) {
 		return
 	}
 	if !sha256Hex.MatchString(s) {
-		d.fail(a, "Invalid checksum", fmt.Sprintf("%q is not a SHA-256: want 64 hex digits, as `sha256sum` prints them", truncate(s, 80)))
+		d.fail(a, "Invalid checksum", fmt.Sprintf("\"%s\" is not a SHA-256: want 64 hex digits, as `sha256sum` prints them", textline.Escape(s, 80)))
 		return
 	}
 	*out = strings.ToLower(s)
-}
-
-// truncate cuts s to at most n bytes (on a rune boundary) for a message.
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	for n > 0 && !utf8.RuneStart(s[n]) {
-		n--
-	}
-	return s[:n] + "..."
 }
 
 func (d *decoder) integer(a *hcl.Attribute, min int, out *int) {
