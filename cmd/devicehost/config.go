@@ -479,6 +479,11 @@ func (d *decoder) blockObject(b *hclsyntax.Body) map[string]any {
 }
 
 // ctyToJSON converts a known cty value to what encoding/json marshals to the same JSON.
+//
+// It is not go-cty's own ctyjson.Marshal (cty/json): that gives the same JSON for
+// strings, bools, nulls, lists, maps, objects and whole numbers below 2^64, but writes
+// every other number positionally, 1.5e300 as its 301 digits and 1.5e-7 as 0.00000015,
+// where plugins get 1.5e+300 and 1.5e-07 (TestPluginConfigNumbers).
 func ctyToJSON(v cty.Value) (any, error) {
 	if !v.IsKnown() {
 		return nil, errors.New("value is not known")
