@@ -492,11 +492,12 @@ type Process interface {
 }
 
 // exitGrace bounds how long RPCError waits for a plugin's exit to be noticed after an
-// RPC to it failed the way a dead connection does. The connection breaks a moment
-// before the process has been reaped, and go-plugin notices the exit of a reattached
-// plugin by polling its PID once a second: within a second, either way, a plugin that
-// died is known to have died. Only an RPC failing with Unavailable or Canceled while
-// the plugin lives pays it, once per failure.
+// RPC to it failed the way a dead connection does. A launched plugin's connection
+// breaks a moment before its process has been reaped (milliseconds); a reattached
+// plugin's exit is noticed by go-plugin polling its PID once a second. So a second
+// covers both: shorter, and a reattached plugin's crash would be recorded as a broken
+// connection instead of its exit. Only an RPC that fails with Unavailable or Canceled
+// while the plugin lives pays it, once per failure.
 const exitGrace = time.Second
 
 // CallContext returns a context for an RPC to p: it ends when ctx does or when the
@@ -535,13 +536,12 @@ func CallContext(ctx context.Context, p Process) (context.Context, context.Cance
 }
 
 // RPCError is go-plugin's done-context rule: err, returned by an RPC to p that was
-// made with ctx (or a context from CallContext(ctx, p)), means "the plugin exited"
-// when it is Unavailable or Canceled and p has exited, or exits within a second
-// (exitGrace). Then
-// RPCError returns "REASON: plugin process exited", wrapping ErrExited. Otherwise it
-// returns err itself: when err is nil or another code, when ctx ended first for
-// another cause (the caller gave up: that is not the plugin's exit), and when neither
-// the exit nor the end of ctx came within that second.
+// made with ctx (or with a context from CallContext(ctx, p)), means "the plugin
+// exited" when it is Unavailable or Canceled and p has exited, or exits within a
+// second (exitGrace). Then RPCError returns "REASON: plugin process exited", wrapping
+// ErrExited. Otherwise it returns err itself: when err is nil or of another code, when
+// ctx ended first for another cause (the caller gave up: that is not the plugin's
+// exit), and when neither the exit nor the end of ctx came within that second.
 func RPCError(ctx context.Context, p Process, err error) error {
 	if err == nil {
 		return nil
