@@ -29,12 +29,14 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/backoff"
+	grpcbackoff "google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/internal/backoff"
+	"github.com/devicehost/devicehost/internal/textline"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -135,10 +137,10 @@ func Dial(ctx context.Context, address string, opts ...Option) (*Client, error) 
 		return nil, err
 	}
 	dialOpts := append([]grpc.DialOption{grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(MaxRecvMsgSize)), grpc.WithConnectParams(grpc.ConnectParams{
-		Backoff: backoff.Config{
+		Backoff: grpcbackoff.Config{
 			BaseDelay:  o.backoffBase,
 			Multiplier: 2,
-			Jitter:     jitterFraction,
+			Jitter:     backoff.Fraction,
 			MaxDelay:   o.backoffMax,
 		},
 		MinConnectTimeout: 5 * time.Second,
@@ -185,7 +187,7 @@ type reachError struct {
 }
 
 func (e *reachError) Error() string {
-	return fmt.Sprintf("cannot reach agent at %s: %s", e.addr, strings.Join(strings.Fields(e.st.Message()), " "))
+	return fmt.Sprintf("cannot reach agent at %s: %s", e.addr, textline.Line(e.st.Message(), 0))
 }
 
 // GRPCStatus makes status.Code and IsUnavailable see the failed call's status.
@@ -226,7 +228,7 @@ func (c *Client) WaitServing(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return fmt.Errorf("wait for %s to serve: %w", c.addr, err)
 		}
-		if !sleep(ctx, c.closed, b.next()) {
+		if !sleep(ctx, c.closed, b.Next()) {
 			return fmt.Errorf("wait for %s to serve: %w", c.addr, err)
 		}
 	}

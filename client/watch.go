@@ -4,11 +4,11 @@ import (
 	"context"
 	"errors"
 	"io"
-	"math/rand/v2"
 	"time"
 
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/devicehost/devicehost/internal/backoff"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -89,13 +89,13 @@ func watch[T any](c *Client, ctx context.Context, open func(context.Context) (fu
 				c.conn.ResetConnectBackoff()
 			}
 			err := receive(ctx, open, func(v T) {
-				b.reset()
+				b.Reset()
 				offer(out, Update[T]{Snapshot: v})
 			})
 			if ctx.Err() != nil || isDone(c.closed) {
 				return
 			}
-			d := b.next()
+			d := b.Next()
 			offer(out, Update[T]{Err: err, RetryIn: d})
 			if !sleep(ctx, c.closed, d) {
 				return
@@ -175,28 +175,8 @@ func sleep(ctx context.Context, closed <-chan struct{}, d time.Duration) bool {
 	}
 }
 
-// jitterFraction is the ± spread of every backoff delay.
-const jitterFraction = 0.2
-
-// retryBackoff is a watch's reconnect delay: base, doubling to max, ±20% jitter, never
-// above max. Owned by one goroutine.
-type retryBackoff struct {
-	base, max time.Duration
-	failures  int
-}
-
-func (c *Client) newBackoff() *retryBackoff {
-	return &retryBackoff{base: c.opts.backoffBase, max: c.opts.backoffMax}
-}
-
-func (b *retryBackoff) reset() { b.failures = 0 }
-
-func (b *retryBackoff) next() time.Duration {
-	d := b.base
-	for i := 0; i < b.failures && d < b.max; i++ {
-		d *= 2
-	}
-	b.failures++
-	d = time.Duration(float64(min(d, b.max)) * (1 + jitterFraction*(rand.Float64()*2-1)))
-	return min(d, b.max)
+// newBackoff is the reconnect delay of a watch and of WaitServing: base, doubling to
+// max, ±20% jitter, never above max (WithBackoff promises that). Owned by one goroutine.
+func (c *Client) newBackoff() *backoff.Backoff {
+	return &backoff.Backoff{Base: c.opts.backoffBase, Max: c.opts.backoffMax, HardMax: true}
 }

@@ -3,6 +3,8 @@ package client
 import (
 	"testing"
 	"time"
+
+	"github.com/devicehost/devicehost/internal/backoff"
 )
 
 func TestOfferKeepsOnlyTheLatest(t *testing.T) {
@@ -21,20 +23,21 @@ func TestOfferKeepsOnlyTheLatest(t *testing.T) {
 }
 
 func TestBackoffGrowsCapsAndResets(t *testing.T) {
-	b := &retryBackoff{base: 100 * time.Millisecond, max: time.Second}
+	c := &Client{opts: options{backoffBase: 100 * time.Millisecond, backoffMax: time.Second}}
+	b := c.newBackoff()
 	var got []time.Duration
 	for range 8 {
-		got = append(got, b.next())
+		got = append(got, b.Next())
 	}
 	for i, d := range got {
 		want := min(100*time.Millisecond<<i, time.Second)
-		lo := time.Duration(float64(want) * (1 - jitterFraction))
+		lo := time.Duration(float64(want) * (1 - backoff.Fraction))
 		if d < lo || d > want+want/5 || d > time.Second {
 			t.Errorf("delay %d = %v, want within ±20%% of %v and at most 1s", i, d, want)
 		}
 	}
-	b.reset()
-	if d := b.next(); d > 120*time.Millisecond {
+	b.Reset()
+	if d := b.Next(); d > 120*time.Millisecond {
 		t.Errorf("after reset: %v, want about the base (100ms)", d)
 	}
 }

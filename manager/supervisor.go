@@ -7,7 +7,6 @@ import (
 	"io"
 	"maps"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -17,6 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/devicehost/devicehost/internal/backoff"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
@@ -28,9 +28,10 @@ import (
 type plugin interface {
 	Client() pb.DevicePluginClient
 	Info() *pb.GetPluginInfoResponse
-	// Exited is closed once the process has exited; ExitReason then says why.
-	Exited() <-chan struct{}
-	ExitReason() string
+	// Exited is closed once the process has exited; ExitReason then says why. They are
+	// what pluginloader.CallContext and RPCError read to tell a plugin's exit from a
+	// failed RPC.
+	pluginloader.Process
 	// Kill stops the process (gracefully, then forcefully when ctx ends); called exactly
 	// once per launched plugin.
 	Kill(ctx context.Context)
@@ -61,9 +62,6 @@ func permanent(err error) bool {
 }
 
 const (
-	// exitGrace is how long an RPC error that looks like a dead connection waits for the
-	// process exit to be reported, so the exit's own reason is the one recorded.
-	exitGrace = 500 * time.Millisecond
 	// statsStallFactor × the sampling interval (at least minStatsStall) without a stats
 	// message ends the stats stream as stalled; it is then retried with backoff.
 	statsStallFactor = 5
@@ -117,11 +115,10 @@ func (s *supervisor) setCurrent(p plugin) {
 	s.cur = p
 }
 
-func (s *supervisor) backoff() backoff {
-	return backoff{
-		base: s.cfg.RestartBaseDelay, max: s.cfg.RestartMaxDelay,
-		stable: s.cfg.StableRunReset, served: s.cfg.ServedReset,
-		jitter: s.jitter,
+func (s *supervisor) backoff() restartBackoff {
+	return restartBackoff{
+		Backoff: backoff.Backoff{Base: s.cfg.RestartBaseDelay, Max: s.cfg.RestartMaxDelay, Jitter: s.jitter},
+		stable:  s.cfg.StableRunReset, served: s.cfg.ServedReset,
 	}
 }
 
@@ -259,22 +256,14 @@ func exitError(p plugin) error {
 }
 
 // rpcError explains why an RPC to p failed: the plugin exited (go-plugin's done-context
-// rule: Unavailable or Canceled while the process is gone), ctx ended, or the RPC itself
-// failed. Only a live-looking connection error waits, up to exitGrace, for the exit.
+// rule, pluginloader.RPCError), ctx ended, or the RPC itself failed (then what names it).
 func rpcError(ctx context.Context, p plugin, what string, err error) error {
-	if ctx.Err() != nil {
+	err = pluginloader.RPCError(ctx, p, err)
+	switch {
+	case errors.Is(err, pluginloader.ErrExited):
+		return exitError(p)
+	case ctx.Err() != nil:
 		return context.Cause(ctx)
-	}
-	if c := status.Code(err); c == codes.Unavailable || c == codes.Canceled {
-		t := time.NewTimer(exitGrace)
-		defer t.Stop()
-		select {
-		case <-p.Exited():
-			return exitError(p)
-		case <-ctx.Done():
-			return context.Cause(ctx)
-		case <-t.C:
-		}
 	}
 	return fmt.Errorf("%s: %w", what, err)
 }
@@ -478,7 +467,8 @@ func (s *supervisor) release(ctx context.Context, reservationID string, deviceID
 }
 
 // call runs one unary RPC on the running plugin, bounded by ctx, ReserveTimeout and the
-// plugin's exit, and wraps its failure with the manager's sentinel errors.
+// plugin's exit, and wraps its failure with the manager's sentinel errors. A failure
+// that looks like a dead connection is an exit when pluginloader.RPCError says so.
 func (s *supervisor) call(ctx context.Context, what string, rpc func(context.Context, pb.DevicePluginClient) error) error {
 	p := s.current()
 	if p == nil {
@@ -486,7 +476,7 @@ func (s *supervisor) call(ctx context.Context, what string, rpc func(context.Con
 	}
 	cctx, cancel := context.WithTimeoutCause(ctx, s.cfg.ReserveTimeout, errReserveTimeout)
 	defer cancel()
-	cctx, stop := cancelOnClose(cctx, p.Exited(), errPluginExited)
+	cctx, stop := pluginloader.CallContext(cctx, p)
 	defer stop()
 
 	err := rpc(cctx, p.Client())
@@ -499,7 +489,7 @@ func (s *supervisor) call(ctx context.Context, what string, rpc func(context.Con
 	case cause == errReserveTimeout || status.Code(err) == codes.DeadlineExceeded:
 		// The plugin's side may see the propagated deadline a moment before ours fires.
 		return fmt.Errorf("plugin %q did not answer %s within %v: %w", s.name, what, s.cfg.ReserveTimeout, device.ErrPluginUnavailable)
-	case cause == errPluginExited:
+	case errors.Is(pluginloader.RPCError(cctx, p, err), pluginloader.ErrExited):
 		return fmt.Errorf("plugin %q exited during %s (%s): %w", s.name, what, errorLine(p.ExitReason()), device.ErrPluginUnavailable)
 	}
 	// What the plugin or its connection said is made one bounded line: it ends up in
@@ -511,25 +501,4 @@ func (s *supervisor) call(ctx context.Context, what string, rpc func(context.Con
 		return fmt.Errorf("%s on plugin %q: %w", what, s.name, err)
 	}
 	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, errorLine(status.Convert(err).Message()), device.ErrPluginResponse)
-}
-
-// oneLine renders err, which may be an errors.Join of many, on one line.
-func oneLine(err error) string { return strings.ReplaceAll(err.Error(), "\n", "; ") }
-
-// cancelOnClose returns a context that is also cancelled, with cause, when done closes.
-// stop releases its goroutine and must be called.
-func cancelOnClose(ctx context.Context, done <-chan struct{}, cause error) (context.Context, func()) {
-	ctx, cancel := context.WithCancelCause(ctx)
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		select {
-		case <-done:
-			cancel(cause)
-		case <-ctx.Done():
-		}
-	})
-	return ctx, func() {
-		cancel(nil)
-		wg.Wait()
-	}
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicehost/devicehost/internal/backoff"
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
@@ -99,7 +100,7 @@ func TestNewRefusesDuplicatePluginNames(t *testing.T) {
 
 func TestBackoff(t *testing.T) {
 	none := func() float64 { return 0 }
-	b := backoff{base: 200 * time.Millisecond, max: time.Second, stable: time.Minute, served: time.Second, jitter: none}
+	b := restartBackoff{Backoff: backoff.Backoff{Base: 200 * time.Millisecond, Max: time.Second, Jitter: none}, stable: time.Minute, served: time.Second}
 	var got []time.Duration
 	for range 6 {
 		got = append(got, b.next(time.Second, 0))
@@ -113,12 +114,12 @@ func TestBackoff(t *testing.T) {
 	}
 
 	for _, j := range []float64{-1, 1} {
-		b := backoff{base: time.Second, max: time.Second, stable: time.Minute, jitter: func() float64 { return j }}
+		b := restartBackoff{Backoff: backoff.Backoff{Base: time.Second, Max: time.Second, Jitter: func() float64 { return j }}, stable: time.Minute}
 		if got, want := b.next(0, 0), time.Duration(float64(time.Second)*(1+0.2*j)); got != want {
 			t.Errorf("jitter %v: delay = %v, want %v", j, got, want)
 		}
 	}
-	r := backoff{base: time.Second, max: time.Second, stable: time.Minute}
+	r := restartBackoff{Backoff: backoff.Backoff{Base: time.Second, Max: time.Second}, stable: time.Minute}
 	for range 100 {
 		if d := r.next(0, 0); d < 800*time.Millisecond || d > 1200*time.Millisecond {
 			t.Fatalf("random jitter delay %v outside ±20%% of 1s", d)
@@ -132,7 +133,7 @@ func TestBackoff(t *testing.T) {
 func TestBackoffServedRunDoesNotInheritThePenalty(t *testing.T) {
 	none := func() float64 { return 0 }
 	base, maxDelay := 200*time.Millisecond, 30*time.Second
-	b := backoff{base: base, max: maxDelay, stable: time.Minute, served: time.Second, jitter: none}
+	b := restartBackoff{Backoff: backoff.Backoff{Base: base, Max: maxDelay, Jitter: none}, stable: time.Minute, served: time.Second}
 	// A crash loop before the plugin ever fingerprints: 0.2, 0.4, ... 25.6s.
 	var d time.Duration
 	for range 8 {
@@ -157,7 +158,7 @@ func TestBackoffServedRunDoesNotInheritThePenalty(t *testing.T) {
 		t.Errorf("delay after a run that served only 0.5s = %v, want %v (still backing off)", got, want)
 	}
 	// Without a served threshold (the stats stream's backoff), serving resets nothing.
-	s := backoff{base: base, max: maxDelay, stable: time.Minute, jitter: none}
+	s := restartBackoff{Backoff: backoff.Backoff{Base: base, Max: maxDelay, Jitter: none}, stable: time.Minute}
 	s.next(0, 0)
 	if got, want := s.next(0, time.Hour), 2*base; got != want {
 		t.Errorf("delay with no served threshold = %v, want %v", got, want)

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/deviceplugin"
+	"github.com/devicehost/devicehost/internal/textline"
 )
 
 // ErrChecksumMismatch, ErrProtocolVersion, ErrConfigRejected, ErrInsecurePath and
@@ -34,27 +35,9 @@ var (
 var ErrExited = errors.New("plugin process exited")
 
 // maxQuoted bounds the plugin-supplied text (a printed line, an error message, version
-// names) that goes into one launch error, so the error stays one short line.
+// names) that goes into one launch error, so the error stays one short line. It is
+// escaped too (textline.Escape), so the plugin's text cannot break that line.
 const maxQuoted = 160
-
-// clip escapes control characters in s (see escapeControl) and cuts it to about n
-// bytes, on a rune boundary, marking the cut with "...".
-func clip(s string, n int) string {
-	if len(s) > 4*n { // escaping at most quadruples a byte: skip the bulk first
-		s = s[:4*n]
-	}
-	s = escapeControl(s)
-	if len(s) <= n {
-		return s
-	}
-	cut := n
-	for cut > 0 && !isRuneStart(s[cut]) {
-		cut--
-	}
-	return s[:cut] + "..."
-}
-
-func isRuneStart(b byte) bool { return b&0xC0 != 0x80 }
 
 // pathLike matches absolute paths in go-plugin's and gRPC's error texts (the plugin's
 // socket path, the binary's path), which do not belong in a short error.
@@ -64,7 +47,7 @@ var pathLike = regexp.MustCompile(`/[^\s"':,()]+`)
 // without paths, clipped.
 func hostText(s string) string {
 	s, _, _ = strings.Cut(s, "\n")
-	return clip(pathLike.ReplaceAllString(s, "<path>"), maxQuoted)
+	return textline.Escape(pathLike.ReplaceAllString(s, "<path>"), maxQuoted)
 }
 
 var (
@@ -90,7 +73,7 @@ func (p *Plugin) startError(err error, exit string, cookie bool) error {
 	case strings.HasPrefix(msg, unrecognizedMsg):
 		line, _, _ := strings.Cut(strings.TrimPrefix(msg, unrecognizedMsg), "\n")
 		if line != "" {
-			return fmt.Errorf("plugin %q printed %q instead of a go-plugin handshake: %w", p.name, clip(line, maxQuoted), ErrNotPlugin)
+			return fmt.Errorf("plugin %q printed %q instead of a go-plugin handshake: %w", p.name, textline.Escape(line, maxQuoted), ErrNotPlugin)
 		}
 		// Its stdout closed without a line: it exited (or closed stdout and was killed).
 		return p.exitedError("before its handshake", exit)
@@ -117,7 +100,7 @@ func (p *Plugin) startError(err error, exit string, cookie bool) error {
 // pluginVersion is the "Plugin version: X" of go-plugin's version mismatch errors.
 func pluginVersion(msg string) string {
 	if m := pluginVersionRe.FindStringSubmatch(msg); m != nil {
-		return clip(m[1], 20)
+		return textline.Escape(m[1], 20)
 	}
 	return "?"
 }
@@ -154,7 +137,7 @@ func rpcText(err error) string {
 	case codes.Unavailable:
 		return "the connection to the plugin failed (Unavailable)"
 	case codes.ResourceExhausted:
-		return clip(st.Message(), 2*maxQuoted) // our own text, from limitError
+		return textline.Escape(st.Message(), 2*maxQuoted) // our own text, from limitError
 	}
-	return fmt.Sprintf("%s: %s", st.Code(), clip(st.Message(), maxQuoted))
+	return fmt.Sprintf("%s: %s", st.Code(), textline.Escape(st.Message(), maxQuoted))
 }

@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/deviceplugin"
+	"github.com/devicehost/devicehost/internal/textline"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
@@ -336,7 +337,7 @@ func (p *Plugin) handshake(ctx, launchCtx context.Context, timeout time.Duration
 	}
 	if !slices.Contains(info.GetProtocolVersions(), deviceplugin.ProtocolVersion) {
 		return fmt.Errorf("plugin %q speaks protocol versions [%s], host speaks [%s]: %w",
-			p.name, clip(strings.Join(info.GetProtocolVersions(), ", "), maxQuoted), deviceplugin.ProtocolVersion, ErrProtocolVersion)
+			p.name, textline.Escape(strings.Join(info.GetProtocolVersions(), ", "), maxQuoted), deviceplugin.ProtocolVersion, ErrProtocolVersion)
 	}
 	p.info = info
 
@@ -346,7 +347,7 @@ func (p *Plugin) handshake(ctx, launchCtx context.Context, timeout time.Duration
 		HostVersion:     opts.HostVersion,
 	})
 	if status.Code(err) == codes.InvalidArgument && !deadlineReached(launchCtx) {
-		return fmt.Errorf("plugin %q: %s: %w", p.name, clip(status.Convert(err).Message(), maxQuoted), ErrConfigRejected)
+		return fmt.Errorf("plugin %q: %s: %w", p.name, textline.Escape(status.Convert(err).Message(), maxQuoted), ErrConfigRejected)
 	}
 	if err != nil {
 		return p.launchRPCError(ctx, launchCtx, timeout, "SetConfig", err)
@@ -482,25 +483,66 @@ func (p *Plugin) ReattachConfig() *plugin.ReattachConfig {
 	return &rc
 }
 
+// Process is what the done-context rule (CallContext, RPCError) needs of a plugin
+// process: *Plugin, or a caller's stand-in for one (the manager's in-process test
+// plugins). Exited is closed once the process has exited; ExitReason then says why.
+type Process interface {
+	Exited() <-chan struct{}
+	ExitReason() string
+}
+
+// exitGrace bounds how long RPCError waits for a plugin's exit to be noticed after an
+// RPC to it failed the way a dead connection does. A launched plugin's connection
+// breaks a moment before its process has been reaped (milliseconds); a reattached
+// plugin's exit is noticed by go-plugin polling its PID once a second. So a second
+// covers both: shorter, and a reattached plugin's crash would be recorded as a broken
+// connection instead of its exit. Only an RPC that fails with Unavailable or Canceled
+// while the plugin lives pays it, once per failure.
+const exitGrace = time.Second
+
 // CallContext returns a context for an RPC to p: it ends when ctx does or when the
-// plugin process exits (then context.Cause is ErrExited). Call cancel when the RPC is done.
+// plugin process exits (then context.Cause is ErrExited). Call cancel when the RPC is
+// done; it releases everything CallContext started.
 func (p *Plugin) CallContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return CallContext(ctx, p)
+}
+
+// RPCError classifies err, returned by an RPC to p that was made with ctx: see the
+// function RPCError. An exit is reported as "plugin NAME: REASON: plugin process exited".
+func (p *Plugin) RPCError(ctx context.Context, err error) error {
+	if err := RPCError(ctx, p, err); errors.Is(err, ErrExited) {
+		return fmt.Errorf("plugin %q: %w", p.name, err)
+	}
+	return err
+}
+
+// CallContext returns a context for an RPC to p: it ends when ctx does or when p
+// exits (then context.Cause is ErrExited). Call cancel when the RPC is done; it
+// releases the goroutine CallContext started, and waits for it.
+func CallContext(ctx context.Context, p Process) (context.Context, context.CancelFunc) {
 	cctx, cancel := context.WithCancelCause(ctx)
-	stop := context.AfterFunc(p.rpc.ExitContext(), func() { cancel(ErrExited) })
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		select {
+		case <-p.Exited():
+			cancel(ErrExited)
+		case <-cctx.Done():
+		}
+	})
 	return cctx, func() {
-		stop()
 		cancel(context.Canceled)
+		wg.Wait()
 	}
 }
 
-// exitWait bounds how long RPCError waits for the exit to be noticed: the connection
-// breaks a moment before the process has been reaped.
-const exitWait = time.Second
-
-// RPCError classifies err, returned by an RPC to p that was made with ctx. When err is
-// Unavailable or Canceled, ctx has not ended, and the process has exited (or exits
-// within a second), it returns an error wrapping ErrExited with the exit reason; else err.
-func (p *Plugin) RPCError(ctx context.Context, err error) error {
+// RPCError is go-plugin's done-context rule: err, returned by an RPC to p that was
+// made with ctx (or with a context from CallContext(ctx, p)), means "the plugin
+// exited" when it is Unavailable or Canceled and p has exited, or exits within a
+// second (exitGrace). Then RPCError returns "REASON: plugin process exited", wrapping
+// ErrExited. Otherwise it returns err itself: when err is nil or of another code, when
+// ctx ended first for another cause (the caller gave up: that is not the plugin's
+// exit), and when neither the exit nor the end of ctx came within that second.
+func RPCError(ctx context.Context, p Process, err error) error {
 	if err == nil {
 		return nil
 	}
@@ -510,14 +552,20 @@ func (p *Plugin) RPCError(ctx context.Context, err error) error {
 	if ctx.Err() != nil && !errors.Is(context.Cause(ctx), ErrExited) {
 		return err
 	}
-	t := time.NewTimer(exitWait)
+	t := time.NewTimer(exitGrace)
 	defer t.Stop()
 	select {
 	case <-p.Exited():
-		return fmt.Errorf("plugin %q: %s: %w", p.name, p.ExitReason(), ErrExited)
+	case <-ctx.Done():
+		select {
+		case <-p.Exited(): // ctx ended because p exited (CallContext), or both came
+		default:
+			return err
+		}
 	case <-t.C:
 		return err
 	}
+	return fmt.Errorf("%s: %w", p.ExitReason(), ErrExited)
 }
 
 // killGrace bounds go-plugin's graceful stop (it closes the connection and waits 2s for

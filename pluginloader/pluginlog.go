@@ -9,10 +9,11 @@ import (
 	"strings"
 	"sync"
 	"time"
-	"unicode/utf8"
 
 	"github.com/hashicorp/go-hclog"
 	"golang.org/x/time/rate"
+
+	"github.com/devicehost/devicehost/internal/textline"
 )
 
 // Defaults of LogLimit.
@@ -60,8 +61,9 @@ func (l LogLimit) withDefaults() LogLimit {
 // Each line is parsed as an hclog JSON line ("@level", "@message", "@timestamp", other
 // keys as fields) or, failing that, taken as text whose level is guessed from a
 // "[LEVEL]" prefix (DEBUG otherwise; ERROR from a "panic: " line on). Control
-// characters in the message and in field keys and values are escaped, so a plugin cannot
-// start a line of its own in the host's log. Lines are rate-limited per LogLimit.
+// characters in the message and in field keys and values are escaped (textline.Escape),
+// so a plugin cannot start a line of its own in the host's log. Lines are rate-limited
+// per LogLimit.
 //
 // Write is called by go-plugin's one stderr goroutine; close by Kill once that goroutine
 // has ended. All methods are safe for concurrent use.
@@ -159,7 +161,7 @@ func (l *pluginLog) handleLine() {
 	if cut > 0 {
 		args = append(args, "truncated_bytes", cut)
 	}
-	l.log.Log(entry.level, escapeControl(msg), args...)
+	l.log.Log(entry.level, textline.Escape(msg, 0), args...)
 }
 
 // cookieNote starts what go-plugin's Serve prints on stderr (then exits 1) when the
@@ -237,18 +239,18 @@ func parseEntry(line []byte) (string, []any) {
 		var v any
 		switch x := raw[k].(type) {
 		case string:
-			v = escapeControl(x)
+			v = textline.Escape(x, 0)
 		case json.Number:
 			v = x
 		case bool:
 			v = x
 		default:
-			v = escapeControl(jsonText(x))
+			v = textline.Escape(jsonText(x), 0)
 		}
 		if strings.HasPrefix(k, "@") {
 			k = "_" + k // "@module", "@level"...: a field must not pass for the host's own
 		}
-		args = append(args, escapeControl(k), v)
+		args = append(args, textline.Escape(k, 0), v)
 	}
 	if t, err := time.Parse("2006-01-02T15:04:05.000000Z07:00", ts); err == nil {
 		args = append(args, "timestamp", t.Format(hclog.TimeFormat))
@@ -319,39 +321,4 @@ func (l *pluginLog) sawCookieNote() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.cookie
-}
-
-// escapeControl returns s with every rune that is not printable (control characters
-// such as "\n", "\r" and ESC, Unicode line separators, bidi overrides) and every byte
-// that is not UTF-8 written as a Go escape ("\n", "\x1b", "\u2028"), so a plugin's text
-// stays on its own line and cannot drive the reader's terminal.
-func escapeControl(s string) string {
-	i := 0
-	for i < len(s) {
-		r, size := utf8.DecodeRuneInString(s[i:])
-		if (r == utf8.RuneError && size == 1) || !strconv.IsPrint(r) {
-			break
-		}
-		i += size
-	}
-	if i == len(s) {
-		return s
-	}
-	var b strings.Builder
-	b.Grow(len(s) + 16)
-	b.WriteString(s[:i])
-	for i < len(s) {
-		r, size := utf8.DecodeRuneInString(s[i:])
-		switch {
-		case r == utf8.RuneError && size == 1:
-			fmt.Fprintf(&b, `\x%02x`, s[i])
-		case !strconv.IsPrint(r):
-			q := strconv.QuoteRune(r) // '\n', '\x1b', '\u2028'
-			b.WriteString(q[1 : len(q)-1])
-		default:
-			b.WriteString(s[i : i+size])
-		}
-		i += size
-	}
-	return b.String()
 }

@@ -8,22 +8,6 @@ import (
 	"github.com/hashicorp/go-hclog"
 )
 
-func TestEscapeControl(t *testing.T) {
-	tests := []struct{ in, want string }{
-		{"plain text, ünïcode ✓", "plain text, ünïcode ✓"},
-		{"a\nb", `a\nb`},
-		{"a\r\tb", `a\r\tb`},
-		{"\x1b[2J", `\x1b[2J`},
-		{"bad \xff byte", `bad \xff byte`},
-		{"line\u2028sep \u202e bidi \u0085 nel", `line\u2028sep \u202e bidi \u0085 nel`},
-	}
-	for _, tt := range tests {
-		if got := escapeControl(tt.in); got != tt.want {
-			t.Errorf("escapeControl(%q) = %q, want %q", tt.in, got, tt.want)
-		}
-	}
-}
-
 // TestPluginLogLines: pluginLog gets stderr in pieces (as go-plugin writes it: a line,
 // then "\n"); a line longer than maxLogLine is cut and says how much was cut; a last
 // line without a newline is logged by close.

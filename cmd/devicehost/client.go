@@ -13,6 +13,7 @@ import (
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/internal/textline"
 )
 
 // addressEnv, when set, is the client subcommands' default -address.
@@ -90,7 +91,7 @@ func (c *clientFlags) unreachable(err error) error {
 		case errors.Is(serr, os.ErrNotExist):
 			why = fmt.Sprintf("no socket at %s (%s)", a.Path, "no such file or directory")
 		case serr != nil:
-			why = fmt.Sprintf("cannot look at the socket: %s", oneLine(serr.Error()))
+			why = fmt.Sprintf("cannot look at the socket: %s", textline.Line(serr.Error(), 0))
 		case fi.Mode().Type() != os.ModeSocket:
 			why = fmt.Sprintf("%s is not a socket", a.Path)
 		case strings.Contains(why, "connection refused"):
@@ -110,7 +111,7 @@ func (c *clientFlags) unreachable(err error) error {
 // `connection error: desc = "transport: Error while dialing: dial tcp ...: connect:
 // connection refused"`. Other messages are returned whole, on one line.
 func dialFailure(msg string) string {
-	msg = oneLine(msg)
+	msg = textline.Line(msg, 0)
 	if !strings.Contains(msg, "Error while dialing") {
 		return msg
 	}
@@ -143,7 +144,7 @@ func (c *clientFlags) dial(ctx context.Context) (_ context.Context, _ *client.Cl
 // has no code to show.
 func callError(what string, err error) error {
 	st, isStatus := status.FromError(err)
-	msg := oneLine(st.Message())
+	msg := textline.Line(st.Message(), 0)
 	for strings.HasPrefix(msg, what+": ") {
 		msg = strings.TrimPrefix(msg, what+": ")
 	}
@@ -151,8 +152,4 @@ func callError(what string, err error) error {
 		return fmt.Errorf("%s: %s", what, msg)
 	}
 	return fmt.Errorf("%s: %s (%s)", what, msg, st.Code())
-}
-
-func oneLine(s string) string {
-	return strings.Join(strings.Fields(s), " ")
 }

@@ -10,7 +10,6 @@ import (
 	"slices"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/hcl/v2"
@@ -21,6 +20,7 @@ import (
 	"github.com/zclconf/go-cty/cty/convert"
 
 	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/internal/textline"
 	"github.com/devicehost/devicehost/manager"
 )
 
@@ -335,21 +335,10 @@ func (d *decoder) sha256(a *hcl.Attribute, out *string) {
 		return
 	}
 	if !sha256Hex.MatchString(s) {
-		d.fail(a, "Invalid checksum", fmt.Sprintf("%q is not a SHA-256: want 64 hex digits, as `sha256sum` prints them", truncate(s, 80)))
+		d.fail(a, "Invalid checksum", fmt.Sprintf("\"%s\" is not a SHA-256: want 64 hex digits, as `sha256sum` prints them", textline.Escape(s, 80)))
 		return
 	}
 	*out = strings.ToLower(s)
-}
-
-// truncate cuts s to at most n bytes (on a rune boundary) for a message.
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	for n > 0 && !utf8.RuneStart(s[n]) {
-		n--
-	}
-	return s[:n] + "..."
 }
 
 func (d *decoder) integer(a *hcl.Attribute, min int, out *int) {
@@ -503,6 +492,11 @@ func (d *decoder) blockObject(b *hclsyntax.Body) map[string]any {
 }
 
 // ctyToJSON converts a known cty value to what encoding/json marshals to the same JSON.
+//
+// It is not go-cty's own ctyjson.Marshal (cty/json): that gives the same JSON for
+// strings, bools, nulls, lists, maps, objects and whole numbers below 2^64, but writes
+// every other number positionally, 1.5e300 as its 301 digits and 1.5e-7 as 0.00000015,
+// where plugins get 1.5e+300 and 1.5e-07 (TestPluginConfigNumbers).
 func ctyToJSON(v cty.Value) (any, error) {
 	if !v.IsKnown() {
 		return nil, errors.New("value is not known")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"strconv"
 
+	"github.com/devicehost/devicehost/internal/textline"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -34,7 +35,7 @@ func runPlugins(ctx context.Context, env *cmdEnv, args []string) error {
 		}
 		t.row(p.GetName(), p.GetVersion(), pluginStatusName(p.GetStatus()),
 			strconv.FormatUint(uint64(p.GetDeviceCount()), 10), strconv.FormatUint(uint64(p.GetRestarts()), 10),
-			formatTime(p.GetNextRetry()), oneLine(lastErr))
+			formatTime(p.GetNextRetry()), textline.Words(lastErr, 0))
 	}
 	return t.flush()
 }

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -13,6 +12,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
+	"github.com/devicehost/devicehost/internal/backoff"
 	"github.com/devicehost/devicehost/manager/device"
 )
 
@@ -634,10 +634,6 @@ func (r *gcRun) fail(it *gcItem, e *GCEntry, msg string, err error, now time.Tim
 
 // backoff is RetryMin doubled per failure after the first, capped at RetryMax, ±20%.
 func (g *GC) backoff(failures int) time.Duration {
-	d := g.cfg.RetryMin
-	for i := 1; i < failures && d < g.cfg.RetryMax; i++ {
-		d *= 2
-	}
-	d = min(d, g.cfg.RetryMax)
-	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+	b := backoff.Backoff{Base: g.cfg.RetryMin, Max: g.cfg.RetryMax}
+	return b.Delay(failures)
 }
