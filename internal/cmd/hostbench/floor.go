@@ -1,0 +1,150 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	bolt "go.etcd.io/bbolt"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/devicehost/devicehost/pluginloader"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	pluginpb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// The plugin agent -dev runs and its config (as cmd/devicehost's devPluginName and
+// devPluginConfig), launched by the floor scenario too.
+const (
+	floorPlugin       = "nvidia-example"
+	floorPluginConfig = `{"simulate":"dgxh100"}`
+)
+
+// floorSteps are the figures of one floor run, each in the order measured.
+type floorSteps struct {
+	reserve, unary, logged, plugin, commit []time.Duration
+}
+
+// floor is the floor scenario (see the package doc): every iteration times, in turn, a
+// health Check, a ListPlugins (a unary call the agent logs at INFO, as it does Reserve),
+// the plugin's Reserve called directly, a bare bbolt commit and the agent's Reserve,
+// then releases that reservation untimed.
+func (b *bench) floor(ctx context.Context) error {
+	a, err := b.start(ctx, 0, "-state-dir", "$DIR/state")
+	if err != nil {
+		return err
+	}
+	defer a.stop()
+	conn, err := a.dial()
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	c := pb.NewDeviceHostClient(conn)
+	hc := healthpb.NewHealthClient(conn)
+	d, err := firstDevice(ctx, c)
+	if err != nil {
+		return err
+	}
+
+	bin, err := filepath.Abs(b.bin)
+	if err != nil {
+		return err
+	}
+	p, err := pluginloader.Launch(ctx, pluginloader.Binary{Name: floorPlugin, Path: bin, Args: []string{"plugin", floorPlugin}},
+		pluginloader.Options{Logger: hclog.NewNullLogger(), ConfigJSON: []byte(floorPluginConfig)})
+	if err != nil {
+		return fmt.Errorf("launch the plugin for the floor: %w", err)
+	}
+	defer p.Kill(context.Background())
+
+	// The same file system as the agent's state: a file beside its state dir.
+	db, err := bolt.Open(filepath.Join(a.dir, "floor.db"), 0o600, nil)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	if err := db.Update(func(tx *bolt.Tx) error { _, err := tx.CreateBucket([]byte("b")); return err }); err != nil {
+		return err
+	}
+	value := make([]byte, 300) // about a reservation record
+
+	var s floorSteps
+	i := 0
+	step := func() error {
+		i++
+		start := time.Now()
+		if _, err := hc.Check(ctx, &healthpb.HealthCheckRequest{Service: "devicehost.v1.DeviceHost"}); err != nil {
+			return fmt.Errorf("health check: %w", err)
+		}
+		s.unary = append(s.unary, time.Since(start))
+
+		start = time.Now()
+		if _, err := c.ListPlugins(ctx, &pb.ListPluginsRequest{}); err != nil {
+			return fmt.Errorf("list plugins: %w", err)
+		}
+		s.logged = append(s.logged, time.Since(start))
+
+		start = time.Now()
+		if _, err := p.Client().Reserve(ctx, &pluginpb.ReserveRequest{DeviceIds: []string{d.id}}); err != nil {
+			return fmt.Errorf("plugin reserve: %w", err)
+		}
+		s.plugin = append(s.plugin, time.Since(start))
+
+		start = time.Now()
+		err := db.Update(func(tx *bolt.Tx) error { return tx.Bucket([]byte("b")).Put(fmt.Appendf(nil, "k%d", i), value) })
+		if err != nil {
+			return fmt.Errorf("bbolt commit: %w", err)
+		}
+		s.commit = append(s.commit, time.Since(start))
+
+		start = time.Now()
+		r, err := c.Reserve(ctx, &pb.ReserveRequest{
+			OwnerId: benchOwner, Vendor: d.group.GetVendor(), Type: d.group.GetType(), Name: d.group.GetName(),
+			DeviceIds: []string{d.id},
+		})
+		if err != nil {
+			return fmt.Errorf("reserve: %w", err)
+		}
+		s.reserve = append(s.reserve, time.Since(start))
+		if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: r.GetReservationId()}}); err != nil {
+			return fmt.Errorf("release: %w", err)
+		}
+		return nil
+	}
+	for range 50 { // warm up
+		if err := step(); err != nil {
+			return err
+		}
+	}
+	s = floorSteps{}
+
+	cpu0, err := a.cpu()
+	if err != nil {
+		return err
+	}
+	begin := time.Now()
+	end := begin.Add(b.floorTime)
+	for len(s.reserve) < b.floorCycles && (len(s.reserve) < 100 || time.Now().Before(end)) {
+		if err := step(); err != nil {
+			return err
+		}
+	}
+	took := time.Since(begin)
+	cpu1, err := a.cpu()
+	if err != nil {
+		return err
+	}
+	us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
+	n := len(s.reserve)
+	res, un, pl, co := percentile(s.reserve, 50), percentile(s.unary, 50), percentile(s.plugin, 50), percentile(s.commit, 50)
+	fl := un + pl + co
+	fmt.Printf("Reserve end-to-end p50 %.0f µs; floor %.0f µs (unary %.0f + plugin %.0f + commit %.0f): x%.2f (goal <= 1.3)\n",
+		us(res), us(fl), us(un), us(pl), us(co), float64(res)/float64(fl))
+	fmt.Printf("  p99: Reserve %.0f µs; unary %.0f, plugin %.0f, commit %.0f; ListPlugins (a unary the agent logs) p50 %.0f µs; %d cycles in %v; agent CPU %.0f µs a cycle (Reserve+Release+health+ListPlugins)\n",
+		us(percentile(s.reserve, 99)), us(percentile(s.unary, 99)), us(percentile(s.plugin, 99)), us(percentile(s.commit, 99)),
+		us(percentile(s.logged, 50)), n, took.Round(time.Millisecond), us(cpu1-cpu0)/float64(n))
+	return nil
+}
