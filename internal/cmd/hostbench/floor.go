@@ -2,8 +2,13 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
+	"syscall"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -121,6 +126,22 @@ func (b *bench) floor(ctx context.Context) error {
 	}
 	s = floorSteps{}
 
+	stopPerf := func() error { return nil }
+	if b.perf != "" {
+		if stopPerf, err = startPerf(a.cmd.Process.Pid, b.perf); err != nil {
+			return err
+		}
+	}
+	if b.cpuProfile != "" || b.trace != "" {
+		for _, p := range []string{b.cpuProfile, b.trace} {
+			if err := os.Remove(p); p != "" && err != nil && !errors.Is(err, os.ErrNotExist) {
+				return err // a file left from before would read as this run's
+			}
+		}
+		if err := a.cmd.Process.Signal(syscall.SIGUSR1); err != nil {
+			return err
+		}
+	}
 	cpu0, err := a.cpu()
 	if err != nil {
 		return err
@@ -137,6 +158,15 @@ func (b *bench) floor(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if err := stopPerf(); err != nil {
+		return err
+	}
+	if b.cpuProfile != "" || b.trace != "" {
+		if err := a.stopProfiles(b.cpuProfile, b.trace); err != nil {
+			return err
+		}
+	}
+
 	us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
 	n := len(s.reserve)
 	res, un, pl, co := percentile(s.reserve, 50), percentile(s.unary, 50), percentile(s.plugin, 50), percentile(s.commit, 50)
@@ -146,5 +176,46 @@ func (b *bench) floor(ctx context.Context) error {
 	fmt.Printf("  p99: Reserve %.0f µs; unary %.0f, plugin %.0f, commit %.0f; ListPlugins (a unary the agent logs) p50 %.0f µs; %d cycles in %v; agent CPU %.0f µs a cycle (Reserve+Release+health+ListPlugins)\n",
 		us(percentile(s.reserve, 99)), us(percentile(s.unary, 99)), us(percentile(s.plugin, 99)), us(percentile(s.commit, 99)),
 		us(percentile(s.logged, 50)), n, took.Round(time.Millisecond), us(cpu1-cpu0)/float64(n))
+	return nil
+}
+
+// startPerf runs `perf record -g` on process pid into out; stop ends it and waits until
+// the file is written.
+func startPerf(pid int, out string) (stop func() error, err error) {
+	cmd := exec.Command("perf", "record", "-g", "-F", "4999", "-p", strconv.Itoa(pid), "-o", out)
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("perf: %w", err)
+	}
+	time.Sleep(500 * time.Millisecond) // perf attaching; not a test
+	return func() error {
+		_ = cmd.Process.Signal(syscall.SIGINT)
+		err := cmd.Wait()
+		var ee *exec.ExitError
+		if errors.As(err, &ee) && ee.ExitCode() <= 0 { // ended by the signal
+			err = nil
+		}
+		return err
+	}, nil
+}
+
+// stopProfiles ends the profiles an agent built with -tags cpuprofile took since
+// SIGUSR1, and waits until their files (the paths not empty) are written.
+func (a *agent) stopProfiles(paths ...string) error {
+	if err := a.cmd.Process.Signal(syscall.SIGUSR2); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for _, p := range paths {
+		for p != "" {
+			if _, err := os.Stat(p); err == nil {
+				break
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("no %s from the agent after 30s (built with -tags cpuprofile?); its log: %s", p, a.log.Name())
+			}
+			time.Sleep(10 * time.Millisecond) // polling for a file another process writes; not a test
+		}
+	}
 	return nil
 }

@@ -25,6 +25,7 @@
 //     cheapest unary call it serves), the nvidia-example plugin's Reserve called
 //     directly (this process launches its own copy, as the agent does), and a bare
 //     bbolt commit (one small put, fsync on) in a file beside the agent's state dir.
+//     -perf FILE records the agent's CPU with perf(1) during the measured loop.
 //
 // Figures vary with what else the machine runs: compare runs made the same way, old
 // binary and new (-agent), one after the other.
@@ -72,6 +73,9 @@ func main() {
 	cycleTime := flag.Duration("cycle-time", 20*time.Second, "longest time one p50 measurement may take")
 	floorCycles := flag.Int("floor-cycles", 2000, "Reserve calls of the floor scenario (fewer when -floor-time runs out)")
 	floorTime := flag.Duration("floor-time", time.Minute, "longest time the floor scenario's measured loop may take")
+	perfOut := flag.String("perf", "", "floor scenario: record the agent's CPU during the loop with `perf record -g` into this file")
+	cpuProfile := flag.String("cpuprofile", "", "floor scenario: the agent's Go CPU profile during the loop into this `file` (an agent built with -tags cpuprofile)")
+	traceOut := flag.String("trace", "", "floor scenario: the agent's execution trace during the loop into this `file` (an agent built with -tags cpuprofile)")
 	only := flag.String("only", "reserve,rss,fanout,stats", "scenarios to run, comma-separated (floor: see above)")
 	hold := flag.String("hold", "", "internal: hold -streams reading Fingerprint streams on this `socket` until stdin closes")
 	flag.Parse()
@@ -89,7 +93,7 @@ func main() {
 	b := &bench{
 		bin: *agentBin, limits: *limits, streams: *streams, conns: *conns,
 		cycles: *cycles, cycleTime: *cycleTime,
-		floorCycles: *floorCycles, floorTime: *floorTime,
+		floorCycles: *floorCycles, floorTime: *floorTime, perf: *perfOut, cpuProfile: *cpuProfile, trace: *traceOut,
 	}
 	ctx := context.Background()
 	var err error
@@ -135,6 +139,9 @@ type bench struct {
 
 	floorCycles int
 	floorTime   time.Duration
+	perf        string
+	cpuProfile  string // the agent's environment gets DEVICEHOST_CPUPROFILE
+	trace       string // and DEVICEHOST_TRACE (see cmd/devicehost/cpuprofile.go)
 }
 
 // agent is a running `devicehost agent -dev` in its own temporary directory.
@@ -170,6 +177,9 @@ func (b *bench) start(ctx context.Context, maxStreams int, extra ...string) (*ag
 		return nil, err
 	}
 	a.cmd = exec.Command(b.bin, args...)
+	if b.cpuProfile != "" || b.trace != "" {
+		a.cmd.Env = append(os.Environ(), "DEVICEHOST_CPUPROFILE="+b.cpuProfile, "DEVICEHOST_TRACE="+b.trace)
+	}
 	a.cmd.Stdout, a.cmd.Stderr = a.log, a.log
 	if err := a.cmd.Start(); err != nil {
 		return nil, err
