@@ -32,12 +32,13 @@ type floorSteps struct {
 	reserve, unary, logged, plugin, commit []time.Duration
 }
 
-// floor is the floor scenario (see the package doc): every iteration times, in turn, a
-// health Check, a ListPlugins (a unary call the agent logs at INFO, as it does Reserve),
-// the plugin's Reserve called directly, a bare bbolt commit and the agent's Reserve,
-// then releases that reservation untimed.
+// floor is the floor scenario (see the package doc): it takes turns between -floor-block
+// Reserve+Release cycles (the Reserve timed) and as many floor measurements, each of
+// which times, in turn, a health Check, a ListPlugins (a unary call the agent logs at
+// INFO, as it does Reserve), the plugin's Reserve called directly and a bare bbolt
+// commit.
 func (b *bench) floor(ctx context.Context) error {
-	a, err := b.start(ctx, 0, "-state-dir", "$DIR/state")
+	a, err := b.start(ctx, 0, append([]string{"-state-dir", "$DIR/state"}, b.agentFlags...)...)
 	if err != nil {
 		return err
 	}
@@ -78,7 +79,7 @@ func (b *bench) floor(ctx context.Context) error {
 
 	var s floorSteps
 	i := 0
-	step := func() error {
+	floorStep := func() error {
 		i++
 		start := time.Now()
 		if _, err := hc.Check(ctx, &healthpb.HealthCheckRequest{Service: "devicehost.v1.DeviceHost"}); err != nil {
@@ -104,8 +105,10 @@ func (b *bench) floor(ctx context.Context) error {
 			return fmt.Errorf("bbolt commit: %w", err)
 		}
 		s.commit = append(s.commit, time.Since(start))
-
-		start = time.Now()
+		return nil
+	}
+	cycle := func() error {
+		start := time.Now()
 		r, err := c.Reserve(ctx, &pb.ReserveRequest{
 			OwnerId: benchOwner, Vendor: d.group.GetVendor(), Type: d.group.GetType(), Name: d.group.GetName(),
 			DeviceIds: []string{d.id},
@@ -119,7 +122,23 @@ func (b *bench) floor(ctx context.Context) error {
 		}
 		return nil
 	}
-	for range 50 { // warm up
+	// A step is b.floorBlock Reserve+Release cycles back to back, as a caller making
+	// them one after another does (each Release's plugin cleanup then overlaps the next
+	// Reserve), then as many floor measurements.
+	step := func() error {
+		for range b.floorBlock {
+			if err := cycle(); err != nil {
+				return err
+			}
+		}
+		for range b.floorBlock {
+			if err := floorStep(); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	for range max(50/b.floorBlock, 1) { // warm up
 		if err := step(); err != nil {
 			return err
 		}

@@ -19,9 +19,10 @@
 //     watchers (this process), which share the machine: the latencies are theirs too.
 //   - stats: the agent's CPU (utime+stime of its process) with -stats-streams Stats
 //     streams at 1 s (typed clients that decode every message), and idle.
-//   - floor: what a caller in another process sees of one Reserve (p50, p99; each
-//     followed by an untimed Release), against its floor measured in the same run,
-//     interleaved with it: a health Check to the agent over the same socket (the
+//   - floor: what a caller in another process sees of one Reserve (p50, p99) in
+//     Reserve+Release cycles made back to back (Release untimed), against its floor
+//     measured in the same run, taking turns with them every -floor-block cycles: a
+//     health Check to the agent over the same socket (the
 //     cheapest unary call it serves), the nvidia-example plugin's Reserve called
 //     directly (this process launches its own copy, as the agent does), and a bare
 //     bbolt commit (one small put, fsync on) in a file beside the agent's state dir.
@@ -73,6 +74,8 @@ func main() {
 	cycleTime := flag.Duration("cycle-time", 20*time.Second, "longest time one p50 measurement may take")
 	floorCycles := flag.Int("floor-cycles", 2000, "Reserve calls of the floor scenario (fewer when -floor-time runs out)")
 	floorTime := flag.Duration("floor-time", time.Minute, "longest time the floor scenario's measured loop may take")
+	agentFlags := flag.String("agent-flags", "", "floor scenario: more `flags` for the agent, space-separated; $DIR is its directory (e.g. \"-metrics-listen unix://$DIR/metrics.sock\")")
+	floorBlock := flag.Int("floor-block", 10, "floor scenario: Reserve+Release cycles back to back between floor measurements (as many)")
 	perfOut := flag.String("perf", "", "floor scenario: record the agent's CPU during the loop with `perf record -g` into this file")
 	cpuProfile := flag.String("cpuprofile", "", "floor scenario: the agent's Go CPU profile during the loop into this `file` (an agent built with -tags cpuprofile)")
 	traceOut := flag.String("trace", "", "floor scenario: the agent's execution trace during the loop into this `file` (an agent built with -tags cpuprofile)")
@@ -93,7 +96,7 @@ func main() {
 	b := &bench{
 		bin: *agentBin, limits: *limits, streams: *streams, conns: *conns,
 		cycles: *cycles, cycleTime: *cycleTime,
-		floorCycles: *floorCycles, floorTime: *floorTime, perf: *perfOut, cpuProfile: *cpuProfile, trace: *traceOut,
+		floorCycles: *floorCycles, floorTime: *floorTime, floorBlock: max(*floorBlock, 1), agentFlags: strings.Fields(*agentFlags), perf: *perfOut, cpuProfile: *cpuProfile, trace: *traceOut,
 	}
 	ctx := context.Background()
 	var err error
@@ -139,6 +142,8 @@ type bench struct {
 
 	floorCycles int
 	floorTime   time.Duration
+	floorBlock  int
+	agentFlags  []string
 	perf        string
 	cpuProfile  string // the agent's environment gets DEVICEHOST_CPUPROFILE
 	trace       string // and DEVICEHOST_TRACE (see cmd/devicehost/cpuprofile.go)
