@@ -152,6 +152,46 @@ func TestStreamLimits(t *testing.T) {
 	}
 }
 
+// TestUnaryCallsBesideMoreStreamsThanWorkers: every open stream holds one of the
+// server's worker goroutines; with more streams open than there are workers, unary
+// calls are still served (each on a goroutine of its own).
+func TestUnaryCallsBesideMoreStreamsThanWorkers(t *testing.T) {
+	feed := newWatchFeed()
+	h := startHostWith(t, server.Config{
+		Manager: &devicetest.Fake{
+			WatchFunc: feed.Watch,
+			ReserveFunc: func(context.Context, device.ReserveRequest) (device.Reservation, error) {
+				return device.Reservation{ID: "r-1"}, nil
+			},
+		},
+		MaxStreamsPerConn: server.StreamWorkers + 8,
+	})
+	ctx := testContext(t)
+	feed.snaps <- snapshotWithHolder("a")
+	c := pb.NewDeviceHostClient(h.conn)
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	for i := range server.StreamWorkers + 8 {
+		s, err := c.Fingerprint(sctx, &pb.FingerprintRequest{})
+		if err == nil {
+			_, err = s.Recv()
+		}
+		if err != nil {
+			t.Fatalf("stream %d: %v", i, err)
+		}
+	}
+	if got, want := h.srv.OpenStreams(), server.StreamWorkers+8; got != want {
+		t.Fatalf("OpenStreams = %d, want %d", got, want)
+	}
+	if _, err := c.ListPlugins(ctx, &pb.ListPluginsRequest{}); err != nil {
+		t.Errorf("ListPlugins beside %d streams: %v", server.StreamWorkers+8, err)
+	}
+	r, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "o", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, DeviceIds: []string{"GPU-0"}})
+	if err != nil || r.GetReservationId() != "r-1" {
+		t.Errorf("Reserve beside %d streams: %v, %v; want r-1", server.StreamWorkers+8, r, err)
+	}
+}
+
 // bigInventory is one group of n devices with long attributes: about n KiB encoded.
 func bigInventory(n int) device.Inventory {
 	g := device.Group{GroupKey: h100, Plugin: "nvidia", Attributes: map[string]device.Value{

@@ -19,11 +19,19 @@
 //     watchers (this process), which share the machine: the latencies are theirs too.
 //   - stats: the agent's CPU (utime+stime of its process) with -stats-streams Stats
 //     streams at 1 s (typed clients that decode every message), and idle.
+//   - floor: what a caller in another process sees of one Reserve (p50, p99) in
+//     Reserve+Release cycles made back to back (Release untimed), against its floor
+//     measured in the same run, taking turns with them every -floor-block cycles: a
+//     health Check to the agent over the same socket (the
+//     cheapest unary call it serves), the nvidia-example plugin's Reserve called
+//     directly (this process launches its own copy, as the agent does), and a bare
+//     bbolt commit (one small put, fsync on) in a file beside the agent's state dir.
+//     -perf FILE records the agent's CPU with perf(1) during the measured loop.
 //
 // Figures vary with what else the machine runs: compare runs made the same way, old
 // binary and new (-agent), one after the other.
 //
-// Usage: hostbench -agent bin/devicehost [-limits] [-only reserve,rss,fanout,stats]
+// Usage: hostbench -agent bin/devicehost [-limits] [-only reserve,rss,fanout,stats,floor]
 package main
 
 import (
@@ -64,7 +72,14 @@ func main() {
 	statsStreams := flag.Int("stats-streams", 1000, "Stats streams at 1s in the stats scenario")
 	cycles := flag.Int("cycles", 300, "Reserve+Release cycles per p50 (fewer when -cycle-time runs out)")
 	cycleTime := flag.Duration("cycle-time", 20*time.Second, "longest time one p50 measurement may take")
-	only := flag.String("only", "reserve,rss,fanout,stats", "scenarios to run, comma-separated")
+	floorCycles := flag.Int("floor-cycles", 2000, "Reserve calls of the floor scenario (fewer when -floor-time runs out)")
+	floorTime := flag.Duration("floor-time", time.Minute, "longest time the floor scenario's measured loop may take")
+	agentFlags := flag.String("agent-flags", "", "floor scenario: more `flags` for the agent, space-separated; $DIR is its directory (e.g. \"-metrics-listen unix://$DIR/metrics.sock\")")
+	floorBlock := flag.Int("floor-block", 10, "floor scenario: Reserve+Release cycles back to back between floor measurements (as many)")
+	perfOut := flag.String("perf", "", "floor scenario: record the agent's CPU during the loop with `perf record -g` into this file")
+	cpuProfile := flag.String("cpuprofile", "", "floor scenario: the agent's Go CPU profile during the loop into this `file` (an agent built with -tags cpuprofile)")
+	traceOut := flag.String("trace", "", "floor scenario: the agent's execution trace during the loop into this `file` (an agent built with -tags cpuprofile)")
+	only := flag.String("only", "reserve,rss,fanout,stats", "scenarios to run, comma-separated (floor: see above)")
 	hold := flag.String("hold", "", "internal: hold -streams reading Fingerprint streams on this `socket` until stdin closes")
 	flag.Parse()
 	if *hold != "" {
@@ -81,6 +96,7 @@ func main() {
 	b := &bench{
 		bin: *agentBin, limits: *limits, streams: *streams, conns: *conns,
 		cycles: *cycles, cycleTime: *cycleTime,
+		floorCycles: *floorCycles, floorTime: *floorTime, floorBlock: max(*floorBlock, 1), agentFlags: strings.Fields(*agentFlags), perf: *perfOut, cpuProfile: *cpuProfile, trace: *traceOut,
 	}
 	ctx := context.Background()
 	var err error
@@ -103,6 +119,8 @@ func main() {
 			err = b.fanout(ctx, ns)
 		case "stats":
 			err = b.stats(ctx, *statsStreams)
+		case "floor":
+			err = b.floor(ctx)
 		default:
 			fmt.Fprintf(os.Stderr, "hostbench: unknown scenario %q\n", sc)
 			os.Exit(2)
@@ -121,6 +139,14 @@ type bench struct {
 	conns     int
 	cycles    int
 	cycleTime time.Duration
+
+	floorCycles int
+	floorTime   time.Duration
+	floorBlock  int
+	agentFlags  []string
+	perf        string
+	cpuProfile  string // the agent's environment gets DEVICEHOST_CPUPROFILE
+	trace       string // and DEVICEHOST_TRACE (see cmd/devicehost/cpuprofile.go)
 }
 
 // agent is a running `devicehost agent -dev` in its own temporary directory.
@@ -132,14 +158,18 @@ type agent struct {
 }
 
 // start runs a fresh agent and waits until its health is SERVING. maxStreams, when not
-// zero and -limits is set, is written into its config file.
-func (b *bench) start(ctx context.Context, maxStreams int) (*agent, error) {
+// zero and -limits is set, is written into its config file. extra are more agent flags;
+// "$DIR" in one stands for the agent's directory.
+func (b *bench) start(ctx context.Context, maxStreams int, extra ...string) (*agent, error) {
 	dir, err := os.MkdirTemp("", "hostbench")
 	if err != nil {
 		return nil, err
 	}
 	a := &agent{dir: dir, sock: filepath.Join(dir, "devicehost.sock")}
 	args := []string{"agent", "-dev", "-listen", "unix://" + a.sock}
+	for _, e := range extra {
+		args = append(args, strings.ReplaceAll(e, "$DIR", dir))
+	}
 	if b.limits && maxStreams > 0 {
 		cfg := filepath.Join(dir, "devicehost.hcl")
 		body := fmt.Sprintf("max_streams = %d\nmax_streams_per_connection = %d\n", maxStreams, (maxStreams+b.conns-1)/b.conns)
@@ -152,6 +182,9 @@ func (b *bench) start(ctx context.Context, maxStreams int) (*agent, error) {
 		return nil, err
 	}
 	a.cmd = exec.Command(b.bin, args...)
+	if b.cpuProfile != "" || b.trace != "" {
+		a.cmd.Env = append(os.Environ(), "DEVICEHOST_CPUPROFILE="+b.cpuProfile, "DEVICEHOST_TRACE="+b.trace)
+	}
 	a.cmd.Stdout, a.cmd.Stderr = a.log, a.log
 	if err := a.cmd.Start(); err != nil {
 		return nil, err

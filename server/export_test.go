@@ -1,0 +1,4 @@
+package server
+
+// StreamWorkers is streamWorkers, for the tests of package server_test.
+const StreamWorkers = streamWorkers
