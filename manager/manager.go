@@ -41,7 +41,7 @@
 //     without a binary is listed failed and settled from the start. Once closed, Ready
 //     stays closed: a plugin added later does not hold it.
 //
-// The plugin set is not fixed (plugins.go, plugindir.go): the plugin dir is watched, and
+// The plugin set is not fixed (plugins.go, pluginloader.DirWatch): the plugin dir is watched, and
 // SetPlugins replaces the per-plugin settings. A plugin added is started; one whose
 // binary or settings changed is restarted on the new ones, its devices kept (unhealthy
 // until it fingerprints again); one removed is stopped and its devices leave the
@@ -69,6 +69,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"maps"
 	"os"
 	"path/filepath"
@@ -100,17 +101,17 @@ type Manager struct {
 	// removed once the ledger is closed; "" with a StateDir.
 	tempState string
 	launch    launchFunc
-	dir       *dirWatch // follows PluginDir; nil without one
+	dir       *pluginloader.DirWatch // follows PluginDir; nil without one
 
 	// reconfMu serialises changes to the plugin set (New, SetPlugins, the dir watcher);
 	// it is held while they wait for stopped supervisors. It guards the fields below
 	// down to supsMu.
 	reconfMu    sync.Mutex
-	pluginCfg   map[string]PluginConfig    // the per-plugin settings in force
-	dirBins     map[string]dirBinary       // the plugin dir's settled binaries
-	dupLogged   map[string]string          // dir binary not run for its name -> its path, logged
-	saved       map[string]*reattachRecord // reattach records for kept plugins' first supervisors
-	sockets     string                     // socketDir's answer, once socketsMade
+	pluginCfg   map[string]PluginConfig           // the per-plugin settings in force
+	dirBins     map[string]pluginloader.DirBinary // the plugin dir's settled binaries
+	dupLogged   map[string]string                 // dir binary not run for its name -> its path, logged
+	saved       map[string]*reattachRecord        // reattach records for kept plugins' first supervisors
+	sockets     string                            // socketDir's answer, once socketsMade
 	socketsMade bool
 	started     bool // New's first plugins are running: later ones are logged as added
 
@@ -176,11 +177,13 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 			return nil, fmt.Errorf("plugin dir %s: %w", cfg.PluginDir, err)
 		}
 		// Watch before listing, so that nothing added meanwhile is missed.
-		if m.dir, err = newDirWatch(abs, cfg, log, m.setDirBinaries); err != nil {
-			return nil, err
+		if _, err := os.Stat(abs); errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("plugin dir %s: %w", abs, ErrNoPluginDir)
 		}
+		m.dir = pluginloader.WatchDir(abs, pluginloader.DirWatchConfig{
+			Settle: cfg.PluginDirSettle, Rescan: cfg.PluginDirRescan, Log: log, Apply: m.setDirBinaries})
 		if dirBins, refused, err = discoverDir(cfg.PluginDir, log); err != nil {
-			m.dir.close()
+			m.dir.Close()
 			return nil, err
 		}
 	}
@@ -238,7 +241,7 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 	// them settles Ready alone.
 	m.reconfMu.Lock()
 	if m.dir != nil {
-		m.dirBins = m.dir.start(dirBins, refused)
+		m.dirBins = m.dir.Start(dirBins, refused)
 	}
 	m.reconcileLocked(false)
 	m.started = true
@@ -257,7 +260,7 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		}
 	})
 	if m.dir != nil {
-		m.wg.Go(func() { m.dir.run(ctx) })
+		m.wg.Go(func() { m.dir.Run(ctx) })
 	}
 	m.wg.Go(func() { m.stats.run(ctx, func() device.Inventory { return m.reg.snapshot().Inventory }) })
 	m.wg.Go(func() { m.readyTimer(ctx) })
@@ -275,7 +278,7 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 // closeDir stops watching the plugin dir, for a New that fails.
 func (m *Manager) closeDir() {
 	if m.dir != nil {
-		m.dir.close()
+		m.dir.Close()
 	}
 }
 
