@@ -2,6 +2,7 @@ package manager
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"maps"
 	"path/filepath"
@@ -51,7 +52,7 @@ type Config struct {
 	// usable plugin and some were refused; refused binaries beside good ones are left
 	// out with an error log line and the others run.
 	//
-	// The dir is watched while the manager runs (see plugindir.go): a binary added is
+	// The dir is watched while the manager runs (pluginloader.WatchDir): a binary added is
 	// launched, one replaced is restarted on the new file, one removed is stopped, each
 	// once the change has settled (PluginDirSettle).
 	PluginDir string
@@ -152,10 +153,12 @@ type Config struct {
 	// gcRetryMin, set by tests only, is the GC's delay before retrying a failed plugin
 	// cleanup (doubling from there); zero means the ledger's default.
 	gcRetryMin time.Duration
-	// watchErr, set by tests only, makes every attempt to watch the plugin dir fail
-	// with it (as reaching the inotify limit would).
-	watchErr error
 }
+
+// ErrNoPluginDir is New's error, wrapped with the path, when Config.PluginDir does not
+// exist. (A dir removed while the manager runs is not an error: its plugins are stopped
+// and the dir is listed until it is back.)
+var ErrNoPluginDir = errors.New("no such directory")
 
 // PluginConfig is the configuration of one plugin.
 type PluginConfig struct {

@@ -1,7 +1,7 @@
 // Package manager is the device manager: it runs every device plugin under its own
 // supervisor, aggregates their fingerprints into one inventory, keeps device health and
 // plugin status, samples stats once per plugin and fans them out, and routes Reserve to
-// the plugin that owns the devices.
+// the plugin the devices are bound to.
 //
 // It implements the contract in manager/device; the gRPC server depends on that contract
 // only.
@@ -25,13 +25,13 @@
 //     plugin and the rules and dropped; the last good one stays. So is one that would
 //     take the host API's Fingerprint or Stats message over MaxSnapshotBytes or
 //     MaxStatsSnapshotBytes (see budget.go), with the plugin, its size and the limit.
-//   - A device ID belongs to the first plugin that reported it, for good: across that
+//   - A device ID is bound to the first plugin that reported it, for good: across that
 //     plugin's restarts, while it does not report it, and, with StateDir, across host
-//     restarts (the ledger's owners records). Another plugin reporting it gets it
-//     refused (logged at ERROR with both plugins and the IDs, and its last error), so
-//     Reserve of it only ever reaches the owner. An ID whose owner is not one of this
-//     host's plugins any more (no binary and no config block) goes to the next plugin
-//     that reports it.
+//     restarts (the ledger's device binding records). Another plugin reporting it gets
+//     it refused (logged at ERROR with both plugins and the IDs, and its last error), so
+//     Reserve of it only ever reaches the plugin it is bound to. An ID bound to a plugin
+//     that is not one of this host's plugins any more (no binary and no config block) is
+//     bound to the next plugin that reports it.
 //   - A plugin's last error and its devices' down reason are kept as one line of at
 //     most 300 bytes. A run or stats stream that fails with the same error as the one
 //     before is logged at DEBUG; the count is logged when the error changes.
@@ -41,11 +41,11 @@
 //     without a binary is listed failed and settled from the start. Once closed, Ready
 //     stays closed: a plugin added later does not hold it.
 //
-// The plugin set is not fixed (plugins.go, plugindir.go): the plugin dir is watched, and
+// The plugin set is not fixed (plugins.go, pluginloader.DirWatch): the plugin dir is watched, and
 // SetPlugins replaces the per-plugin settings. A plugin added is started; one whose
 // binary or settings changed is restarted on the new ones, its devices kept (unhealthy
 // until it fingerprints again); one removed is stopped and its devices leave the
-// inventory. Device ownership is by plugin name and outlives all of that; reservations
+// inventory. Device bindings are by plugin name and outlive all of that; reservations
 // are the ledger's and are never touched by it.
 //
 // Reservations live in the durable ledger (manager/ledger), in StateDir or, without one,
@@ -69,6 +69,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"maps"
 	"os"
 	"path/filepath"
@@ -100,17 +101,17 @@ type Manager struct {
 	// removed once the ledger is closed; "" with a StateDir.
 	tempState string
 	launch    launchFunc
-	dir       *dirWatch // follows PluginDir; nil without one
+	dir       *pluginloader.DirWatch // follows PluginDir; nil without one
 
 	// reconfMu serialises changes to the plugin set (New, SetPlugins, the dir watcher);
 	// it is held while they wait for stopped supervisors. It guards the fields below
 	// down to supsMu.
 	reconfMu    sync.Mutex
-	pluginCfg   map[string]PluginConfig    // the per-plugin settings in force
-	dirBins     map[string]dirBinary       // the plugin dir's settled binaries
-	dupLogged   map[string]string          // dir binary not run for its name -> its path, logged
-	saved       map[string]*reattachRecord // reattach records for kept plugins' first supervisors
-	sockets     string                     // socketDir's answer, once socketsMade
+	pluginCfg   map[string]PluginConfig           // the per-plugin settings in force
+	dirBins     map[string]pluginloader.DirBinary // the plugin dir's settled binaries
+	dupLogged   map[string]string                 // dir binary not run for its name -> its path, logged
+	saved       map[string]*reattachRecord        // reattach records for kept plugins' first supervisors
+	sockets     string                            // socketDir's answer, once socketsMade
 	socketsMade bool
 	started     bool // New's first plugins are running: later ones are logged as added
 
@@ -176,11 +177,13 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 			return nil, fmt.Errorf("plugin dir %s: %w", cfg.PluginDir, err)
 		}
 		// Watch before listing, so that nothing added meanwhile is missed.
-		if m.dir, err = newDirWatch(abs, cfg, log, m.setDirBinaries); err != nil {
-			return nil, err
+		if _, err := os.Stat(abs); errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("plugin dir %s: %w", abs, ErrNoPluginDir)
 		}
+		m.dir = pluginloader.WatchDir(abs, pluginloader.DirWatchConfig{
+			Settle: cfg.PluginDirSettle, Rescan: cfg.PluginDirRescan, Log: log, Apply: m.setDirBinaries})
 		if dirBins, refused, err = discoverDir(cfg.PluginDir, log); err != nil {
-			m.dir.close()
+			m.dir.Close()
 			return nil, err
 		}
 	}
@@ -227,26 +230,26 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		}
 	}
 	m.saved = loadReattachRecords(m.ledger, kept, log)
-	owners, err := m.ledger.DeviceOwners()
+	bindings, err := m.ledger.DeviceBindings()
 	if err != nil {
 		// The readable records still hold; a damaged one costs its ID's protection.
-		log.Error("device owner records unreadable; the first plugin to report those IDs will own them", "error", oneLine(err))
+		log.Error("device binding records unreadable; those IDs will be bound to the first plugin to report them", "error", oneLine(err))
 	}
-	m.reg = newRegistry(log, cfg.Now, m.store.Holders, m.ledger, owners)
+	m.reg = newRegistry(log, cfg.Now, m.store.Holders, m.ledger, bindings)
 
 	// The first plugins: every record is made before any supervisor starts, so none of
 	// them settles Ready alone.
 	m.reconfMu.Lock()
 	if m.dir != nil {
-		m.dirBins = m.dir.start(dirBins, refused)
+		m.dirBins = m.dir.Start(dirBins, refused)
 	}
 	m.reconcileLocked(false)
 	m.started = true
 	m.reconfMu.Unlock()
 	m.reg.checkReady()
 	for plugin, n := range m.reg.orphans() {
-		log.Info("device IDs owned by a plugin this host does not run; the first plugin to report them will own them",
-			"previous_owner", plugin, "devices", n)
+		log.Info("device IDs bound to a plugin this host does not run; they will be bound to the first plugin to report them",
+			"previous_plugin", plugin, "devices", n)
 	}
 
 	ctx, cancel := context.WithCancel(context.Background())
@@ -257,7 +260,7 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		}
 	})
 	if m.dir != nil {
-		m.wg.Go(func() { m.dir.run(ctx) })
+		m.wg.Go(func() { m.dir.Run(ctx) })
 	}
 	m.wg.Go(func() { m.stats.run(ctx, func() device.Inventory { return m.reg.snapshot().Inventory }) })
 	m.wg.Go(func() { m.readyTimer(ctx) })
@@ -275,7 +278,7 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 // closeDir stops watching the plugin dir, for a New that fails.
 func (m *Manager) closeDir() {
 	if m.dir != nil {
-		m.dir.close()
+		m.dir.Close()
 	}
 }
 
@@ -443,7 +446,7 @@ func (m *Manager) Shutdown(ctx context.Context) error {
 	}
 }
 
-// Reserve reserves req's devices for req.OwnerID through the plugin that owns them. A
+// Reserve reserves req's devices for req.OwnerID through the plugin they are bound to. A
 // retried request (same owner, same devices) gets the live reservation back. Checks, in
 // order: holders (ErrDeviceHeld), the inventory (ErrUnknownDevice: unknown group, devices
 // not in it or spread over two plugins), the plugin (ErrPluginUnavailable) and health
@@ -534,7 +537,7 @@ func (m *Manager) awaitedError(ids []string, err error) error {
 	if !errors.Is(err, device.ErrUnknownDevice) {
 		return err
 	}
-	st, ok := m.reg.awaitedOwner(ids)
+	st, ok := m.reg.awaitedPlugin(ids)
 	if !ok {
 		return err
 	}
@@ -546,25 +549,25 @@ func (m *Manager) awaitedError(ids []string, err error) error {
 		listIDs(ids), st.Name, st.Status, why, device.ErrPluginUnavailable)
 }
 
-// route finds the one plugin that owns every device in ids (not empty) within group, and
+// route finds the one plugin that serves every device in ids (not empty) within group, and
 // checks that it is running and the devices are healthy.
 func route(snap device.Snapshot, group device.GroupKey, ids []string) (string, error) {
-	owner := make(map[string]string) // device ID -> plugin, within group
+	pluginOf := make(map[string]string) // device ID -> plugin, within group
 	for _, g := range snap.Inventory.Groups {
 		if g.GroupKey != group {
 			continue
 		}
 		for _, d := range g.Devices {
-			owner[d.ID] = g.Plugin
+			pluginOf[d.ID] = g.Plugin
 		}
 	}
-	if len(owner) == 0 {
+	if len(pluginOf) == 0 {
 		return "", fmt.Errorf("no device group %s: %w", group, device.ErrUnknownDevice)
 	}
 	var unknown []string
 	plugins := make(map[string]bool)
 	for _, id := range ids {
-		p, ok := owner[id]
+		p, ok := pluginOf[id]
 		if !ok {
 			unknown = append(unknown, id)
 			continue
@@ -580,7 +583,7 @@ func route(snap device.Snapshot, group device.GroupKey, ids []string) (string, e
 		return "", fmt.Errorf("devices %s of group %s belong to more than one plugin (%s): %w",
 			strings.Join(ids, ", "), group, strings.Join(slices.Sorted(maps.Keys(plugins)), ", "), device.ErrUnknownDevice)
 	}
-	plugin := owner[ids[0]]
+	plugin := pluginOf[ids[0]]
 	if st := pluginState(snap, plugin); st.Status != device.PluginRunning {
 		return "", fmt.Errorf("plugin %q is %s (last error: %s): %w", plugin, st.Status, st.LastError, device.ErrPluginUnavailable)
 	}

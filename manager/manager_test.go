@@ -15,10 +15,10 @@ import (
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
-func TestInventoryAggregatesPluginsAndKeepsDeviceOwners(t *testing.T) {
+func TestInventoryAggregatesPluginsAndKeepsDeviceBindings(t *testing.T) {
 	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "shared"))
 	beta := newFakeDevices("beta", group("acme", "fpga", "B1", "b0", "shared"))
-	beta.hangFP = true // beta reports only after alpha owns "shared"
+	beta.hangFP = true // beta reports only after "shared" is bound to alpha
 	cfg, logs := testConfig(t)
 	m, _ := startInprocManager(t, cfg, alpha, beta)
 
@@ -28,14 +28,14 @@ func TestInventoryAggregatesPluginsAndKeepsDeviceOwners(t *testing.T) {
 	snap := waitFor(t, m, "beta's devices", healthIs(device.HealthHealthy, "b0"))
 
 	if got, want := deviceIDs(snap.Inventory), []string{"alpha/a0", "alpha/shared", "beta/b0"}; !slices.Equal(got, want) {
-		t.Errorf("inventory = %v, want %v (the first owner keeps a duplicate ID)", got, want)
+		t.Errorf("inventory = %v, want %v (a duplicate ID stays bound to the first plugin)", got, want)
 	}
 	if got, want := pluginOf(snap, "beta").DeviceCount, 1; got != want {
 		t.Errorf("beta DeviceCount = %d, want %d", got, want)
 	}
-	logs.waitLine(t, "[ERROR]", "device IDs owned by another plugin refused", "plugin=beta", "owner=alpha", "devices=shared")
-	if got := pluginOf(m.Snapshot(), "beta").LastError; !strings.Contains(got, `shared owned by plugin "alpha"`) {
-		t.Errorf("beta LastError = %q, want it to name the refused ID and its owner", got)
+	logs.waitLine(t, "[ERROR]", "device IDs bound to another plugin refused", "plugin=beta", "bound_to=alpha", "devices=shared")
+	if got := pluginOf(m.Snapshot(), "beta").LastError; !strings.Contains(got, `shared bound to plugin "alpha"`) {
+		t.Errorf("beta LastError = %q, want it to name the refused ID and the plugin it is bound to", got)
 	}
 
 	// When alpha stops reporting the ID, it is still alpha's: beta, which still reports

@@ -434,22 +434,6 @@ func TestPluginDirMissingAtStart(t *testing.T) {
 	}
 }
 
-func TestPluginDirWatchFailureFallsBackToRescans(t *testing.T) {
-	dir := pluginDir(t)
-	cfg, logs := dirConfig(t, dir)
-	cfg.watchErr = errors.New("too many open files (inotify instances limit)")
-	cfg.PluginDirRescan = 100 * time.Millisecond
-	m := startDirManager(t, cfg)
-	logs.waitLine(t, "[WARN]", "cannot watch the plugin dir; listing it periodically instead", "inotify instances limit")
-	waitReady(t, m)
-	complete := copyIn(t, dir, "fx")
-	waitFor(t, m, "devices found by a rescan", healthIs(device.HealthHealthy, "w0", "w1"))
-	t.Logf("drop-in without a watch (rescan every %v): devices visible %v after the file was complete", cfg.PluginDirRescan, time.Since(complete))
-	if n := len(logs.lines("cannot watch the plugin dir")); n != 1 {
-		t.Errorf("%d lines about the failing watch, want 1 (once per distinct error)", n)
-	}
-}
-
 func TestPluginDirRemovedAndMadeAgain(t *testing.T) {
 	dir := pluginDir(t)
 	copyIn(t, dir, "fx")

@@ -17,7 +17,7 @@ import (
 
 // This file makes the manager's plugin set dynamic. What should run is computed from
 // three inputs: the explicit binaries of Config.Binaries (fixed), the settled binaries of
-// the plugin dir (the dir watcher's, see plugindir.go) and the per-plugin settings
+// the plugin dir (pluginloader.DirWatch's) and the per-plugin settings
 // (Config.Plugins, replaced by SetPlugins). reconcileLocked compares that with what runs
 // and starts, restarts and stops supervisors to match.
 
@@ -36,8 +36,8 @@ type pluginSpec struct {
 	bin     pluginloader.Binary
 	pc      PluginConfig
 	fromDir bool
-	file    fileState // zero unless fromDir
-	missing bool      // configured, but no binary: listed as failed, nothing runs
+	file    pluginloader.FileState // zero unless fromDir
+	missing bool                   // configured, but no binary: listed as failed, nothing runs
 }
 
 // slot is one plugin of this host: a supervisor running spec, or (missing) a configured
@@ -83,14 +83,14 @@ func (m *Manager) SetPlugins(plugins map[string]PluginConfig) error {
 	m.pluginCfg = plugins
 	m.reconcileLocked(true)
 	if m.dir != nil {
-		m.dir.poke()
+		m.dir.Poke()
 	}
 	return nil
 }
 
 // setDirBinaries records the plugin dir's settled binaries and applies them. Called by
 // the dir watcher.
-func (m *Manager) setDirBinaries(bins map[string]dirBinary) {
+func (m *Manager) setDirBinaries(bins map[string]pluginloader.DirBinary) {
 	m.reconfMu.Lock()
 	defer m.reconfMu.Unlock()
 	m.dirBins = bins
@@ -106,15 +106,15 @@ func (m *Manager) desiredLocked() map[string]pluginSpec {
 	for _, name := range slices.Sorted(maps.Keys(m.dirBins)) {
 		db := m.dirBins[name]
 		if prev, dup := want[name]; dup {
-			if m.dupLogged[name] != db.bin.Path {
-				m.dupLogged[name] = db.bin.Path
+			if m.dupLogged[name] != db.Path {
+				m.dupLogged[name] = db.Path
 				m.log.Error("plugin binary in the plugin dir not run: a plugin of that name is already configured",
-					"plugin", name, "path", db.bin.Path, "running", prev.bin.Path)
+					"plugin", name, "path", db.Path, "running", prev.bin.Path)
 			}
 			continue
 		}
 		delete(m.dupLogged, name)
-		want[name] = pluginSpec{bin: db.bin, pc: m.pluginCfg[name], fromDir: true, file: db.file}
+		want[name] = pluginSpec{bin: db.Binary, pc: m.pluginCfg[name], fromDir: true, file: db.File}
 	}
 	for name := range m.pluginCfg {
 		if _, ok := want[name]; !ok {
@@ -130,7 +130,7 @@ func (m *Manager) desiredLocked() map[string]pluginSpec {
 func sameRun(a, b pluginSpec) bool {
 	return a.missing == b.missing && a.fromDir == b.fromDir &&
 		a.bin.Path == b.bin.Path && slices.Equal(a.bin.Args, b.bin.Args) &&
-		a.file.id == b.file.id && a.pc.equal(b.pc)
+		a.file.SameContent(b.file) && a.pc.equal(b.pc)
 }
 
 // pluginChange is one plugin to start, restart or stop in a reconcile.
@@ -166,7 +166,7 @@ func (m *Manager) reconcileLocked(retryFailed bool) {
 				why = errPluginRemoved
 			case sl.spec.missing:
 				why = nil // its binary has arrived: a start
-			case sl.spec.file.id != spec.file.id:
+			case !sl.spec.file.SameContent(spec.file):
 				why = errBinaryReplaced
 			}
 			changes = append(changes, pluginChange{name: name, old: sl, spec: &spec, why: why})

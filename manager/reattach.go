@@ -4,15 +4,10 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
-	"strconv"
-	"strings"
-	"syscall"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -23,8 +18,9 @@ import (
 )
 
 // This file keeps plugin processes across a crash of the host (PluginConfig.Reattach):
-// the reattach record saved in the ledger, the check that a recorded PID still is that
-// plugin, and the keeper that a supervisor uses to reattach, save and forget.
+// the reattach record saved in the ledger, and the keeper that a supervisor uses to
+// reattach, save and forget. Whether a recorded PID still is that plugin is
+// pluginloader's rule (ProcessIdentity.Check).
 
 const (
 	// reattachFormat is the version of reattachRecord's JSON form.
@@ -64,11 +60,7 @@ func newReattachRecord(plugin, path string, rc *goplugin.ReattachConfig) (reatta
 	if err != nil {
 		return reattachRecord{}, fmt.Errorf("plugin path: %w", err)
 	}
-	boot, err := bootID()
-	if err != nil {
-		return reattachRecord{}, err
-	}
-	pi, err := readProc(rc.Pid)
+	id, err := pluginloader.IdentifyProcess(rc.Pid, abs)
 	if err != nil {
 		return reattachRecord{}, err
 	}
@@ -77,8 +69,8 @@ func newReattachRecord(plugin, path string, rc *goplugin.ReattachConfig) (reatta
 		Plugin:          plugin,
 		Path:            abs,
 		PID:             rc.Pid,
-		StartTicks:      pi.startTicks,
-		BootID:          boot,
+		StartTicks:      id.StartTicks,
+		BootID:          id.BootID,
 		Protocol:        string(rc.Protocol),
 		ProtocolVersion: rc.ProtocolVersion,
 		Network:         rc.Addr.Network(),
@@ -128,100 +120,9 @@ func (r reattachRecord) config() (*goplugin.ReattachConfig, error) {
 	}, nil
 }
 
-// sameProcess returns nil when r.PID still is the process r was saved for: alive and not
-// a zombie, started at r.StartTicks since the boot r.BootID, and running the binary
-// r.Path. Otherwise it says why not. It reads Linux's /proc; elsewhere it always fails.
-func (r reattachRecord) sameProcess() error {
-	boot, err := bootID()
-	switch {
-	case err != nil:
-		return err
-	case boot != r.BootID:
-		return errors.New("the machine has rebooted since it was started")
-	}
-	pi, err := readProc(r.PID)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return fmt.Errorf("process %d is gone", r.PID)
-	case err != nil:
-		return err
-	case pi.state == 'Z' || pi.state == 'X':
-		return fmt.Errorf("process %d has exited (state %c)", r.PID, pi.state)
-	case pi.startTicks != r.StartTicks:
-		return fmt.Errorf("PID %d now belongs to another process (started at tick %d, the plugin at %d)", r.PID, pi.startTicks, r.StartTicks)
-	}
-	want, err := filepath.EvalSymlinks(r.Path)
-	if err != nil {
-		return fmt.Errorf("plugin binary: %w", err)
-	}
-	if pi.exe != want {
-		return fmt.Errorf("process %d runs %s, not the plugin binary %s", r.PID, pi.exe, want)
-	}
-	return nil
-}
-
-// killIfSame SIGKILLs r's process when it still is that process, and reports whether it
-// did. A process that fails the check is never signalled: its PID may be someone else's.
-func (r reattachRecord) killIfSame() (bool, error) {
-	if err := r.sameProcess(); err != nil {
-		return false, nil
-	}
-	if err := syscall.Kill(r.PID, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
-		return false, fmt.Errorf("kill plugin process %d: %w", r.PID, err)
-	}
-	return true, nil
-}
-
-// procInfo is what /proc says about a process.
-type procInfo struct {
-	state      byte   // 'R', 'S', 'D', 'Z' (zombie), 'X' (dead)...
-	startTicks uint64 // clock ticks after boot at which it started
-	exe        string // its binary; empty for a zombie
-}
-
-// readProc reads /proc/<pid>/stat and, unless the process is a zombie, /proc/<pid>/exe.
-// A process that does not exist is an error matching fs.ErrNotExist.
-func readProc(pid int) (procInfo, error) {
-	if pid <= 0 {
-		return procInfo{}, fmt.Errorf("process %d: %w", pid, fs.ErrNotExist)
-	}
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return procInfo{}, fmt.Errorf("process %d: %w", pid, err)
-	}
-	// "pid (comm) state ppid ... starttime ...": comm may hold spaces and parentheses,
-	// so the fields are counted from the last ')'. starttime is field 22, the 20th
-	// after comm.
-	i := bytes.LastIndexByte(b, ')')
-	var f []string
-	if i >= 0 {
-		f = strings.Fields(string(b[i+1:]))
-	}
-	if len(f) < 20 || len(f[0]) != 1 {
-		return procInfo{}, fmt.Errorf("process %d: unexpected /proc/%d/stat: %q", pid, pid, b)
-	}
-	start, err := strconv.ParseUint(f[19], 10, 64)
-	if err != nil {
-		return procInfo{}, fmt.Errorf("process %d: start time in /proc/%d/stat: %w", pid, pid, err)
-	}
-	pi := procInfo{state: f[0][0], startTicks: start}
-	if pi.state == 'Z' || pi.state == 'X' {
-		return pi, nil
-	}
-	if pi.exe, err = os.Readlink(fmt.Sprintf("/proc/%d/exe", pid)); err != nil {
-		return procInfo{}, fmt.Errorf("process %d: its binary: %w", pid, err)
-	}
-	return pi, nil
-}
-
-// bootID identifies the running kernel boot, so that a record from before a reboot
-// never matches a process after it.
-func bootID() (string, error) {
-	b, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
-	if err != nil {
-		return "", fmt.Errorf("boot ID: %w", err)
-	}
-	return strings.TrimSpace(string(b)), nil
+// process is the process r names, for pluginloader's identity check.
+func (r reattachRecord) process() pluginloader.ProcessIdentity {
+	return pluginloader.ProcessIdentity{PID: r.PID, StartTicks: r.StartTicks, BootID: r.BootID, Path: r.Path}
 }
 
 // reattacher is a launched plugin that go-plugin can reattach to later.
@@ -251,7 +152,7 @@ func (k *keeper) reattach(ctx context.Context, bin pluginloader.Binary, opts plu
 		return nil
 	}
 	log := k.log.With("pid", rec.PID)
-	if err := rec.sameProcess(); err != nil {
+	if err := rec.process().Check(); err != nil {
 		log.Info("not reattaching to the plugin process recorded by the previous host; starting the plugin afresh", "reason", err)
 		k.forget(ctx)
 		return nil
@@ -271,7 +172,7 @@ func (k *keeper) reattach(ctx context.Context, bin pluginloader.Binary, opts plu
 			}
 		}
 	}
-	killed, kerr := rec.killIfSame()
+	killed, kerr := rec.process().KillIfSame()
 	switch {
 	case kerr != nil:
 		log.Error("cannot reattach to the plugin process left by the previous host, nor kill it; starting the plugin afresh beside it", "reason", err, "error", kerr)
@@ -344,7 +245,7 @@ func loadReattachRecords(led *ledger.Ledger, kept map[string]bool, log hclog.Log
 			out[name] = rec
 			continue
 		default:
-			switch killed, kerr := rec.killIfSame(); {
+			switch killed, kerr := rec.process().KillIfSame(); {
 			case kerr != nil:
 				plog.Error("plugin process left by the previous host is not reattached (plugin not kept any more) and could not be killed", "pid", rec.PID, "error", kerr)
 			case killed:

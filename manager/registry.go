@@ -16,61 +16,63 @@ import (
 )
 
 // registry is the manager's inventory and state: the last good fingerprint of every
-// plugin, which plugin owns which device ID, device health and plugin status. Every change
-// makes a new immutable device.Snapshot and offers it to the watchers.
+// plugin, which plugin each device ID is bound to, device health and plugin status. Every
+// change makes a new immutable device.Snapshot and offers it to the watchers.
 //
-// Device ownership: the first plugin to report a device ID owns it, and keeps it across
-// its own restarts, while it no longer reports it, and (with an ownerStore) across
-// restarts of the host. Another plugin reporting that ID gets it refused, unless the
-// owner is not one of this host's plugins any more: then the reporter takes it over.
+// Device bindings: a device ID is bound to the first plugin that reports it, and stays
+// bound across that plugin's restarts, while it no longer reports it, and (with a
+// bindingStore) across restarts of the host. Another plugin reporting that ID gets it
+// refused, unless the plugin it is bound to is not one of this host's plugins any more:
+// then the ID is bound to the reporter instead. (A reservation's owner is another thing:
+// the allocation holding devices; the registry only reads holders.)
 //
-// Safe for concurrent use. Lock order: registry.claimMu, then registry.mu, then the
+// Safe for concurrent use. Lock order: registry.bindMu, then registry.mu, then the
 // reservation store's lock (through holders), then the broadcast's lock.
 type registry struct {
 	log     hclog.Logger
 	now     func() time.Time
 	holders func() map[string]device.Holder // the live reservations, by device ID
-	store   ownerStore                      // nil: ownership is kept in memory only
+	store   bindingStore                    // nil: bindings are kept in memory only
 
 	watchers broadcast[device.Snapshot]
 	ready    chan struct{} // closed by markReadyLocked
 
-	// claimMu serialises ownership decisions with their write to the store, which is
+	// bindMu serialises binding decisions with their write to the store, which is
 	// done without mu so that readers of the snapshot never wait for the disk.
-	claimMu sync.Mutex
+	bindMu sync.Mutex
 
 	mu       sync.Mutex
 	plugins  map[string]*pluginRecord      // this host's plugins; the manager adds and removes them
 	names    []string                      // sorted plugin names
-	owner    map[string]string             // device ID -> owning plugin, perhaps one not in plugins
-	owned    map[string]int                // plugin -> how many IDs it owns
-	devState map[string]device.DeviceState // by device ID owned and reported by its owner; Holder unset
+	bindings map[string]string             // device ID -> the plugin it is bound to, perhaps one not in plugins
+	bound    map[string]int                // plugin -> how many IDs are bound to it
+	devState map[string]device.DeviceState // by device ID bound to and reported by its plugin; Holder unset
 	seq      uint64
 	snap     device.Snapshot
 	isReady  bool
 }
 
-// ownerStore keeps device ownership across host restarts; *ledger.Ledger is one.
-type ownerStore interface {
-	RecordDeviceOwners(ctx context.Context, owners map[string]string, forget []string) error
+// bindingStore keeps device bindings across host restarts; *ledger.Ledger is one.
+type bindingStore interface {
+	RecordDeviceBindings(ctx context.Context, bindings map[string]string, forget []string) error
 }
 
-// maxOwnedPerPlugin bounds the device IDs one plugin may own. A plugin reporting new IDs
-// all the time would otherwise grow the ownership records without end; past the bound
+// maxBoundPerPlugin bounds the device IDs bound to one plugin. A plugin reporting new IDs
+// all the time would otherwise grow the binding records without end; past the bound
 // it loses the IDs it no longer reports.
-const maxOwnedPerPlugin = 2 * validate.MaxDevices
+const maxBoundPerPlugin = 2 * validate.MaxDevices
 
-// claimError names the device IDs of a fingerprint that other plugins own, which were
-// left out of the plugin's inventory.
-type claimError struct {
-	plugin  string
-	byOwner map[string][]string // owning plugin -> refused IDs, sorted
+// bindingError names the device IDs of a fingerprint that are bound to other plugins,
+// which were left out of the plugin's inventory.
+type bindingError struct {
+	plugin   string
+	byPlugin map[string][]string // plugin the IDs are bound to -> refused IDs, sorted
 }
 
-func (e *claimError) Error() string {
+func (e *bindingError) Error() string {
 	var parts []string
-	for _, owner := range slices.Sorted(maps.Keys(e.byOwner)) {
-		parts = append(parts, fmt.Sprintf("%s owned by plugin %q", listIDs(e.byOwner[owner]), owner))
+	for _, other := range slices.Sorted(maps.Keys(e.byPlugin)) {
+		parts = append(parts, fmt.Sprintf("%s bound to plugin %q", listIDs(e.byPlugin[other]), other))
 	}
 	return fmt.Sprintf("device IDs of other plugins refused: %s (an ID stays with the plugin that reported it first)", strings.Join(parts, "; "))
 }
@@ -94,10 +96,10 @@ type pluginRecord struct {
 	settled bool               // fingerprinted or failed once: no longer holds Ready
 }
 
-// newRegistry returns a registry with no plugins. owners are the device owners recorded
-// by an earlier host (device ID -> plugin); store, when not nil, is where new ones are
-// recorded.
-func newRegistry(log hclog.Logger, now func() time.Time, holders func() map[string]device.Holder, store ownerStore, owners map[string]string) *registry {
+// newRegistry returns a registry with no plugins. bindings are the device bindings
+// recorded by an earlier host (device ID -> plugin); store, when not nil, is where new
+// ones are recorded.
+func newRegistry(log hclog.Logger, now func() time.Time, holders func() map[string]device.Holder, store bindingStore, bindings map[string]string) *registry {
 	r := &registry{
 		log:      log,
 		now:      now,
@@ -105,27 +107,27 @@ func newRegistry(log hclog.Logger, now func() time.Time, holders func() map[stri
 		store:    store,
 		ready:    make(chan struct{}),
 		plugins:  make(map[string]*pluginRecord),
-		owner:    maps.Clone(owners),
-		owned:    make(map[string]int),
+		bindings: maps.Clone(bindings),
+		bound:    make(map[string]int),
 		devState: make(map[string]device.DeviceState),
 	}
-	if r.owner == nil {
-		r.owner = make(map[string]string)
+	if r.bindings == nil {
+		r.bindings = make(map[string]string)
 	}
-	for _, p := range r.owner {
-		r.owned[p]++
+	for _, p := range r.bindings {
+		r.bound[p]++
 	}
 	r.publishLocked()
 	return r
 }
 
-// orphans returns, by plugin, how many device IDs are owned by plugins that are not
-// this host's: any plugin that reports them takes them over.
+// orphans returns, by plugin, how many device IDs are bound to plugins that are not
+// this host's: any plugin that reports them gets them bound to it.
 func (r *registry) orphans() map[string]int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	out := make(map[string]int)
-	for p, n := range r.owned {
+	for p, n := range r.bound {
 		if _, ok := r.plugins[p]; !ok && n > 0 {
 			out[p] = n
 		}
@@ -330,14 +332,14 @@ func (r *registry) statsGroupCost(name string) int {
 
 // setFingerprint installs a validated fingerprint as the plugin's inventory, unless its
 // charge (fp.cost) would take the host's Fingerprint message over MaxSnapshotBytes: then
-// nothing changes and a *budgetError says so. Device IDs nobody owns become the
-// plugin's, recorded in the store before they are published; IDs owned by a plugin this
-// host does not run any more are taken over, with a log line; IDs owned by another of
-// its plugins are left out of the inventory, and the returned *claimError names them
-// and their owners.
-func (r *registry) setFingerprint(name string, fp fingerprint) (*claimError, error) {
-	r.claimMu.Lock()
-	defer r.claimMu.Unlock()
+// nothing changes and a *budgetError says so. Device IDs bound to no plugin are bound to
+// this one, recorded in the store before they are published; IDs bound to a plugin this
+// host does not run any more are bound to this one instead, with a log line; IDs bound
+// to another of its plugins are left out of the inventory, and the returned
+// *bindingError names them and those plugins.
+func (r *registry) setFingerprint(name string, fp fingerprint) (*bindingError, error) {
+	r.bindMu.Lock()
+	defer r.bindMu.Unlock()
 
 	r.mu.Lock()
 	rec, ok := r.plugins[name]
@@ -355,25 +357,25 @@ func (r *registry) setFingerprint(name string, fp fingerprint) (*claimError, err
 		r.mu.Unlock()
 		return nil, &budgetError{plugin: name, what: "fingerprint", cost: fp.cost, others: others, limit: MaxSnapshotBytes}
 	}
-	claim := make(map[string]string)   // IDs to record as the plugin's
-	taken := make(map[string][]string) // owner no longer configured -> IDs
+	bind := make(map[string]string)    // IDs to bind to the plugin and record
+	taken := make(map[string][]string) // plugin no longer configured -> IDs bound to it
 	refused := make(map[string][]string)
 	for _, id := range slices.Sorted(maps.Keys(fp.devices)) {
-		switch owner, ok := r.owner[id]; {
+		switch other, ok := r.bindings[id]; {
 		case !ok:
-			claim[id] = name
-		case owner == name:
-		case r.plugins[owner] == nil:
-			claim[id] = name
-			taken[owner] = append(taken[owner], id)
+			bind[id] = name
+		case other == name:
+		case r.plugins[other] == nil:
+			bind[id] = name
+			taken[other] = append(taken[other], id)
 		default:
-			refused[owner] = append(refused[owner], id)
+			refused[other] = append(refused[other], id)
 		}
 	}
 	var forget []string
-	if r.owned[name]+len(claim) > maxOwnedPerPlugin {
-		for id, owner := range r.owner {
-			if _, still := fp.devices[id]; owner == name && !still {
+	if r.bound[name]+len(bind) > maxBoundPerPlugin {
+		for id, p := range r.bindings {
+			if _, still := fp.devices[id]; p == name && !still {
 				forget = append(forget, id)
 			}
 		}
@@ -381,43 +383,43 @@ func (r *registry) setFingerprint(name string, fp fingerprint) (*claimError, err
 	}
 	r.mu.Unlock()
 
-	if r.store != nil && (len(claim) > 0 || len(forget) > 0) {
+	if r.store != nil && (len(bind) > 0 || len(forget) > 0) {
 		ctx, cancel := context.WithTimeout(context.Background(), ledgerWriteTimeout)
-		err := r.store.RecordDeviceOwners(ctx, claim, forget)
+		err := r.store.RecordDeviceBindings(ctx, bind, forget)
 		cancel()
 		if err != nil {
-			r.log.Error("cannot record device ownership in the state file; it holds until the host stops",
-				"plugin", name, "devices", listIDs(slices.Sorted(maps.Keys(claim))), "error", oneLine(err))
+			r.log.Error("cannot record device bindings in the state file; they hold until the host stops",
+				"plugin", name, "devices", listIDs(slices.Sorted(maps.Keys(bind))), "error", oneLine(err))
 		}
 	}
 	for _, prev := range slices.Sorted(maps.Keys(taken)) {
-		r.log.Warn("device IDs owned by a plugin this host does not run any more now belong to this plugin",
-			"plugin", name, "previous_owner", prev, "devices", listIDs(taken[prev]))
+		r.log.Warn("device IDs bound to a plugin this host does not run any more are now bound to this plugin",
+			"plugin", name, "previous_plugin", prev, "devices", listIDs(taken[prev]))
 	}
 	if len(forget) > 0 {
-		r.log.Warn("plugin reported more distinct device IDs than one plugin may own; it loses those it no longer reports",
-			"plugin", name, "limit", maxOwnedPerPlugin, "forgotten", len(forget))
+		r.log.Warn("plugin reported more distinct device IDs than may be bound to one plugin; it loses those it no longer reports",
+			"plugin", name, "limit", maxBoundPerPlugin, "forgotten", len(forget))
 	}
 
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, id := range forget {
-		delete(r.owner, id)
-		r.owned[name]--
+		delete(r.bindings, id)
+		r.bound[name]--
 	}
-	for id := range claim {
-		if prev, ok := r.owner[id]; ok {
-			r.owned[prev]--
+	for id := range bind {
+		if prev, ok := r.bindings[id]; ok {
+			r.bound[prev]--
 		}
-		r.owner[id] = name
-		r.owned[name]++
+		r.bindings[id] = name
+		r.bound[name]++
 	}
 	rec.fp, rec.down, rec.settled = fp, "", true
 	r.recomputeLocked()
 	r.publishLocked()
 	r.checkReadyLocked()
 	if len(refused) > 0 {
-		return &claimError{plugin: name, byOwner: refused}, nil
+		return &bindingError{plugin: name, byPlugin: refused}, nil
 	}
 	return nil, nil
 }
@@ -433,21 +435,21 @@ func (r *registry) known(name string) func(id string) bool {
 	return func(id string) bool { _, ok := devices[id]; return ok }
 }
 
-// awaitedOwner returns the plugin that owns every one of ids (not empty) when it is one
+// awaitedPlugin returns the plugin every one of ids (not empty) is bound to when it is one
 // of this host's plugins and has not fingerprinted since this host started, with its
 // state: those devices are not in the inventory yet, but they are its own and will be
 // once it reports them (right after a host restart, while it starts). ok is false
 // otherwise.
-func (r *registry) awaitedOwner(ids []string) (state device.PluginState, ok bool) {
+func (r *registry) awaitedPlugin(ids []string) (state device.PluginState, ok bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var name string
 	for i, id := range ids {
-		owner, found := r.owner[id]
-		if !found || (i > 0 && owner != name) {
+		p, found := r.bindings[id]
+		if !found || (i > 0 && p != name) {
 			return device.PluginState{}, false
 		}
-		name = owner
+		name = p
 	}
 	rec, found := r.plugins[name]
 	if !found || rec.fp.devices != nil {
@@ -495,7 +497,7 @@ func (r *registry) markReadyLocked() {
 	}
 }
 
-// recomputeLocked derives every owned device's health from its plugin: what the plugin
+// recomputeLocked derives every bound device's health from its plugin: what the plugin
 // reported, or unhealthy with the plugin's down reason. Since moves only when the
 // health changes.
 func (r *registry) recomputeLocked() {
@@ -503,7 +505,7 @@ func (r *registry) recomputeLocked() {
 	next := make(map[string]device.DeviceState, len(r.devState))
 	for name, rec := range r.plugins {
 		for id, rd := range rec.fp.devices {
-			if r.owner[id] != name {
+			if r.bindings[id] != name {
 				continue
 			}
 			st := device.DeviceState{Health: rd.health, Reason: rd.reason, Since: now}
@@ -539,12 +541,12 @@ func (r *registry) publishLocked() {
 		rec := r.plugins[name]
 		count := 0
 		for _, g := range rec.fp.groups {
-			owned := slices.DeleteFunc(slices.Clone(g.Devices), func(d device.DeviceInfo) bool { return r.owner[d.ID] != name })
-			if len(owned) == 0 && len(g.Devices) > 0 {
-				continue // every device of it belongs to other plugins
+			bound := slices.DeleteFunc(slices.Clone(g.Devices), func(d device.DeviceInfo) bool { return r.bindings[d.ID] != name })
+			if len(bound) == 0 && len(g.Devices) > 0 {
+				continue // every device of it is bound to other plugins
 			}
-			g.Devices = owned
-			count += len(owned)
+			g.Devices = bound
+			count += len(bound)
 			snap.Inventory.Groups = append(snap.Inventory.Groups, g)
 		}
 		ps := rec.state

@@ -272,7 +272,7 @@ func rpcError(ctx context.Context, p plugin, what string, err error) error {
 // within FingerprintTimeout. Each message is validated and charged against the host's
 // byte budget: a refused one is logged (once while the same refusal repeats) and the
 // last good inventory stays; a good one replaces the plugin's inventory, less the
-// device IDs other plugins own (logged once per change, naming them and their owners).
+// device IDs bound to other plugins (logged once per change, naming them and those plugins).
 // The first good one sets *upAt, closes fingerprinted and calls onUp. It returns only
 // with an error: the stream is the plugin's lifeline, so its end ends the run (and the
 // plugin is restarted).
@@ -290,7 +290,7 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 	// Only an accepted fingerprint stops the first-fingerprint timer, so a plugin that
 	// never sends one is restarted, not left running deviceless.
 	var refusals repeats
-	var lastClaim string
+	var lastRefused string
 	for {
 		resp, err := stream.Recv()
 		if err != nil {
@@ -306,7 +306,7 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 			}
 			continue
 		}
-		claimed, err := s.reg.setFingerprint(s.name, fromFingerprint(s.name, resp))
+		refused, err := s.reg.setFingerprint(s.name, fromFingerprint(s.name, resp))
 		if err != nil {
 			// Keyed by kind, not text: the sizes in it change with every message.
 			if isNew, _, _ := refusals.see(budgetRefusal); isNew {
@@ -317,13 +317,13 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 		}
 		refusals.reset()
 		switch {
-		case claimed == nil:
-			lastClaim = ""
-		case claimed.Error() != lastClaim:
-			lastClaim = claimed.Error()
-			s.reg.pluginError(s.name, claimed)
-			for _, owner := range slices.Sorted(maps.Keys(claimed.byOwner)) {
-				s.log.Error("device IDs owned by another plugin refused", "owner", owner, "devices", listIDs(claimed.byOwner[owner]))
+		case refused == nil:
+			lastRefused = ""
+		case refused.Error() != lastRefused:
+			lastRefused = refused.Error()
+			s.reg.pluginError(s.name, refused)
+			for _, other := range slices.Sorted(maps.Keys(refused.byPlugin)) {
+				s.log.Error("device IDs bound to another plugin refused", "bound_to", other, "devices", listIDs(refused.byPlugin[other]))
 			}
 		}
 		firstTimer.Stop()

@@ -25,8 +25,8 @@ import (
 //	meta/schema_version       4-byte big-endian uint32
 //	reservations/<ID>         record envelope around a JSON recordV1
 //	reattach/<plugin name>    record envelope around the opaque reattach bytes
-//	owners/<device ID>        record envelope around the owning plugin's name (owners.go;
-//	                          created by its first write)
+//	owners/<device ID>        record envelope around the name of the plugin the device ID
+//	                          is bound to (bindings.go; created by its first write)
 //
 // A record envelope is a 4-byte big-endian CRC-32C of the payload followed by the
 // payload. bbolt checksums only its meta pages, so the CRC is what names a record whose

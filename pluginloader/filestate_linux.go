@@ -1,6 +1,6 @@
 //go:build linux
 
-package manager
+package pluginloader
 
 import (
 	"errors"
@@ -10,12 +10,12 @@ import (
 )
 
 // statFile describes the file at path (symlinks followed), for the plugin dir watcher.
-func statFile(path string) (fileState, error) {
+func statFile(path string) (FileState, error) {
 	var st unix.Stat_t
 	if err := unix.Stat(path, &st); err != nil {
-		return fileState{}, &os.PathError{Op: "stat", Path: path, Err: err}
+		return FileState{}, &os.PathError{Op: "stat", Path: path, Err: err}
 	}
-	return fileState{
+	return FileState{
 		id:    fileID{dev: st.Dev, ino: st.Ino, size: st.Size, mtime: st.Mtim.Nano()},
 		ctime: st.Ctim.Nano(),
 		mode:  st.Mode,

@@ -1,18 +1,18 @@
 //go:build !linux
 
-package manager
+package pluginloader
 
 import "os"
 
 // statFile describes the file at path (symlinks followed), for the plugin dir watcher.
 // Off Linux there is no inode or ctime at hand: the size, mtime and mode stand for them.
-func statFile(path string) (fileState, error) {
+func statFile(path string) (FileState, error) {
 	fi, err := os.Stat(path)
 	if err != nil {
-		return fileState{}, err
+		return FileState{}, err
 	}
 	mtime := fi.ModTime().UnixNano()
-	return fileState{
+	return FileState{
 		id:    fileID{size: fi.Size(), mtime: mtime},
 		ctime: mtime,
 		mode:  uint32(fi.Mode()),

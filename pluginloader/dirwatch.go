@@ -1,9 +1,8 @@
-package manager
+package pluginloader
 
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -12,29 +11,30 @@ import (
 	"github.com/fsnotify/fsnotify"
 	"github.com/hashicorp/go-hclog"
 
-	"github.com/devicehost/devicehost/pluginloader"
+	"github.com/devicehost/devicehost/internal/textline"
 )
 
 // This file watches the plugin dir. The rule for acting on a change, per file name:
 //
-//   - A binary that pluginloader.Discover accepts (executable, passes the trust check) is
-//     launched once it has settled: its ctime, which every write, truncate, chmod, chown
-//     and rename moves, is at least PluginDirSettle old, and no process has it open for
-//     writing (where that can be told: see beingWritten). Until then nothing happens: a
-//     binary still being copied is not run, and a plugin whose binary is being replaced
-//     keeps running the old one.
-//   - A settled binary with other content than the one its plugin runs (another inode,
-//     size or mtime: `mv` or `install` of a new file, a rewrite) restarts the plugin on
-//     it. A change of mode or owner alone restarts nothing, but gives a plugin that
-//     failed for good another try.
-//   - A name gone (or refused by the trust check) for PluginDirSettle stops its plugin.
-//     One that comes back sooner, like a file `install` or `cp --remove-destination`
-//     unlinks and writes again, counts as replaced.
+//   - A binary that Discover accepts (executable, passes the trust check) is handed on
+//     (DirWatchConfig.Apply) once it has settled: its ctime, which every write, truncate,
+//     chmod, chown and rename moves, is at least DirWatchConfig.Settle old, and no
+//     process has it open for writing (where that can be told: see beingWritten). Until
+//     then nothing happens: a binary still being copied is not run, and a plugin whose
+//     binary is being replaced keeps running the old one.
+//   - A settled binary with other content than the one handed on before (another inode,
+//     size or mtime: `mv` or `install` of a new file, a rewrite) is handed on again, with
+//     another FileState: its plugin is to be restarted on it. A change of mode or owner
+//     alone is handed on with a FileState of the same content (FileState.SameContent):
+//     nothing is to restart, but a plugin that failed for good may get another try.
+//   - A name gone (or refused by the trust check) for the settle period is left out of
+//     what is handed on: its plugin is to stop. One that comes back sooner, like a file
+//     `install` or `cp --remove-destination` unlinks and writes again, counts as replaced.
 //
-// The dir is listed again DirDebounce after each event (events in between are
+// The dir is listed again dirDebounce after each event (events in between are
 // coalesced) and whenever a settle period ends. When it cannot be watched (inotify
-// limits, the dir removed or replaced), it is listed every PluginDirRescan instead, and
-// watched again as soon as that works; while watched, it is also listed every
+// limits, the dir removed or replaced), it is listed every DirWatchConfig.Rescan instead,
+// and watched again as soon as that works; while watched, it is also listed every
 // watchedRescan, which catches what inotify does not see (a symlink's target changing).
 
 const (
@@ -52,38 +52,62 @@ type fileID struct {
 	mtime    int64 // ns
 }
 
-// fileState is a file as the plugin dir watcher sees it: its content's ID, plus what
-// changes with any write or metadata change.
-type fileState struct {
+// FileState is a plugin binary as the plugin dir watcher saw it: its content's identity,
+// plus what changes with any write or metadata change. Two FileStates are equal when
+// nothing about the file changed; see SameContent.
+type FileState struct {
 	id    fileID
 	ctime int64 // ns
 	mode  uint32
 }
 
-// dirBinary is a settled binary of the plugin dir.
-type dirBinary struct {
-	bin  pluginloader.Binary
-	file fileState
+// SameContent reports whether s and o are the same file content (same inode, size and
+// mtime), whatever happened to its mode or owner.
+func (s FileState) SameContent(o FileState) bool { return s.id == o.id }
+
+// DirBinary is a settled binary of the plugin dir, and the file it was when it settled.
+type DirBinary struct {
+	Binary
+	File FileState
 }
 
 // dirEntry is one name of the plugin dir as the watcher follows it.
 type dirEntry struct {
-	live       *dirBinary // the settled binary its plugin runs; nil until one settled
+	live       *DirBinary // the settled binary its plugin runs; nil until one settled
 	present    bool       // the last listing found an accepted binary under this name
-	seen       fileState  // that binary, when present
+	seen       FileState  // that binary, when present
 	seenAt     time.Time  // when the listings began to find seen (or the name absent)
-	waitLogged fileState  // the state a "still open for writing" line was logged for
+	waitLogged FileState  // the state a "still open for writing" line was logged for
 }
 
-// dirWatch follows the plugin dir and hands the manager its settled binaries. run owns
-// everything but pokeCh; poke may be called from any goroutine.
-type dirWatch struct {
+// DirWatchConfig configures WatchDir.
+type DirWatchConfig struct {
+	// Settle is how long a binary must have been left alone before it is handed on, and
+	// how long a name must stay gone before it is left out. Zero acts at once.
+	Settle time.Duration
+	// Rescan is how often the dir is listed while it cannot be watched. It must be
+	// positive.
+	Rescan time.Duration
+	// Log gets the watcher's log lines (problems with the dir, each logged once). Nil
+	// discards them.
+	Log hclog.Logger
+	// Apply is given the settled binaries, by plugin name, every time that set changes.
+	// It is called on Run's goroutine.
+	Apply func(map[string]DirBinary)
+
+	watchErr error // set by tests only: every watch attempt fails with it
+}
+
+// DirWatch follows a plugin dir and hands its settled binaries to DirWatchConfig.Apply.
+// Run owns everything but Poke, which may be called from any goroutine; Start and Close
+// are for the goroutine that made it, before and instead of Run.
+type DirWatch struct {
 	dir      string // absolute
 	settle   time.Duration
 	rescan   time.Duration
 	log      hclog.Logger
-	apply    func(map[string]dirBinary)
-	watchErr error         // test seam: every watch attempt fails with it
+	apply    func(map[string]DirBinary)
+	watchErr error
 	pokeCh   chan struct{} // asks run for a listing now; buffer of one
 
 	w           *fsnotify.Watcher // nil while not watching
@@ -93,39 +117,37 @@ type dirWatch struct {
 	watchFailed string // the last watch error logged; "" while watching
 }
 
-// ErrNoPluginDir is New's error, wrapped with the path, when Config.PluginDir does not
-// exist. (A dir removed while the manager runs is not an error: its plugins are stopped
-// and the dir is listed until it is back.)
-var ErrNoPluginDir = errors.New("no such directory")
-
-// newDirWatch returns the watcher of dir (absolute) and starts watching it, so that a
-// change made while the manager lists the dir for the first time is seen. Call run, or
-// close if the manager is not started. A dir that does not exist is an error that
-// wraps ErrNoPluginDir, not a dir to list until it appears.
-func newDirWatch(dir string, cfg Config, log hclog.Logger, apply func(map[string]dirBinary)) (*dirWatch, error) {
-	if _, err := os.Stat(dir); errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("plugin dir %s: %w", dir, ErrNoPluginDir)
+// WatchDir returns the watcher of dir (absolute) and starts watching it, so that a
+// change made while the caller lists the dir for the first time (Discover) is seen.
+// Call Start, then Run; or Close if it is not to run. A dir that is not there, at first
+// or later, is listed every Rescan until it is; a caller for whom that is an error
+// checks before.
+func WatchDir(dir string, cfg DirWatchConfig) *DirWatch {
+	log := cfg.Log
+	if log == nil {
+		log = hclog.NewNullLogger()
 	}
-	d := &dirWatch{
+	d := &DirWatch{
 		dir:      dir,
-		settle:   cfg.PluginDirSettle,
-		rescan:   cfg.PluginDirRescan,
+		settle:   cfg.Settle,
+		rescan:   cfg.Rescan,
 		log:      log,
-		apply:    apply,
+		apply:    cfg.Apply,
 		watchErr: cfg.watchErr,
 		pokeCh:   make(chan struct{}, 1),
 		entries:  make(map[string]*dirEntry),
 	}
 	d.startWatch()
-	return d, nil
+	return d
 }
 
-// refusedKey marks refused binaries in dirWatch.listErr.
+// refusedKey marks refused binaries in DirWatch.listErr.
 const refusedKey = "refused"
 
-// start records the binaries the manager started with (found by New's Discover, whose
-// refusals it logged: refused is that error's text), as settled. It returns them.
-func (d *dirWatch) start(bins []pluginloader.Binary, refused string) map[string]dirBinary {
+// Start records the binaries the caller starts with (found by its Discover, whose
+// refusals it logged: refused is that error's text, so that it is not logged again), as
+// settled. It returns them, by name.
+func (d *DirWatch) Start(bins []Binary, refused string) map[string]DirBinary {
 	if refused != "" {
 		d.listErr = refusedKey + refused
 	}
@@ -135,21 +157,21 @@ func (d *dirWatch) start(bins []pluginloader.Binary, refused string) map[string]
 		if err != nil {
 			continue // gone already: the first listing sees that
 		}
-		d.entries[b.Name] = &dirEntry{live: &dirBinary{bin: b, file: st}, present: true, seen: st, seenAt: now}
+		d.entries[b.Name] = &dirEntry{live: &DirBinary{Binary: b, File: st}, present: true, seen: st, seenAt: now}
 	}
 	return d.liveSet()
 }
 
-// poke asks for a listing of the dir now (SetPlugins: "look again").
-func (d *dirWatch) poke() {
+// Poke asks for a listing of the dir now ("look again"). It never blocks.
+func (d *DirWatch) Poke() {
 	select {
 	case d.pokeCh <- struct{}{}:
 	default:
 	}
 }
 
-// close stops watching.
-func (d *dirWatch) close() {
+// Close stops watching. Run closes when it returns; Close is for a watcher never run.
+func (d *DirWatch) Close() {
 	if d.w != nil {
 		_ = d.w.Close()
 		d.w = nil
@@ -157,16 +179,17 @@ func (d *dirWatch) close() {
 }
 
 // period is how long until the next listing when nothing happens.
-func (d *dirWatch) period() time.Duration {
+func (d *DirWatch) period() time.Duration {
 	if d.w == nil {
 		return d.rescan
 	}
 	return watchedRescan
 }
 
-// run follows the dir until ctx ends.
-func (d *dirWatch) run(ctx context.Context) {
-	defer d.close()
+// Run follows the dir, calling Apply on each change of the settled binaries, until ctx
+// ends.
+func (d *DirWatch) Run(ctx context.Context) {
+	defer d.Close()
 	due := time.Now().Add(d.period())
 	timer := time.NewTimer(time.Until(due))
 	defer timer.Stop()
@@ -214,15 +237,15 @@ func (d *dirWatch) run(ctx context.Context) {
 
 // lost stops watching after the watch broke; the dir is then listed every rescan until
 // it can be watched again.
-func (d *dirWatch) lost(why string) {
-	d.close()
+func (d *DirWatch) lost(why string) {
+	d.Close()
 	d.watchFailed = why
 	d.log.Warn("plugin dir no longer watched; listing it periodically until it can be watched again",
 		"plugin_dir", d.dir, "reason", why, "every", d.rescan)
 }
 
 // startWatch tries to watch the dir; a failure is logged once per distinct error.
-func (d *dirWatch) startWatch() {
+func (d *DirWatch) startWatch() {
 	w, err := d.newWatcher()
 	if err == nil {
 		if err = w.Add(d.dir); err != nil {
@@ -245,7 +268,7 @@ func (d *dirWatch) startWatch() {
 }
 
 // dirID is the plugin dir's device and inode (zero when it cannot be told).
-func (d *dirWatch) dirID() fileID {
+func (d *DirWatch) dirID() fileID {
 	st, err := statFile(d.dir)
 	if err != nil {
 		return fileID{}
@@ -253,7 +276,7 @@ func (d *dirWatch) dirID() fileID {
 	return fileID{dev: st.id.dev, ino: st.id.ino}
 }
 
-func (d *dirWatch) newWatcher() (*fsnotify.Watcher, error) {
+func (d *DirWatch) newWatcher() (*fsnotify.Watcher, error) {
 	if d.watchErr != nil {
 		return nil, d.watchErr
 	}
@@ -263,11 +286,11 @@ func (d *dirWatch) newWatcher() (*fsnotify.Watcher, error) {
 // list returns the binaries Discover accepts now. A dir that is gone is empty (its
 // plugins are stopped); one that cannot be read or fails the trust check is an error,
 // and what runs is left as it is. Each distinct problem is logged once.
-func (d *dirWatch) list() ([]pluginloader.Binary, bool) {
+func (d *DirWatch) list() ([]Binary, bool) {
 	report := func(key, msg string, err error) {
 		text := ""
 		if err != nil {
-			text = oneLine(err)
+			text = textline.Line(err.Error(), 0)
 		}
 		if key+text != d.listErr {
 			d.listErr = key + text
@@ -278,13 +301,13 @@ func (d *dirWatch) list() ([]pluginloader.Binary, bool) {
 		report("gone", "plugin dir is gone; the plugins from it are stopped", err)
 		return nil, true
 	}
-	if _, err := pluginloader.CheckDir(d.dir); err != nil {
+	if _, err := CheckDir(d.dir); err != nil {
 		report("dir", "plugin dir refused; the plugins from it keep running, and none is started until it is fixed", err)
 		return nil, false
 	}
-	bins, err := pluginloader.Discover(d.dir, nil)
+	bins, err := Discover(d.dir, nil)
 	switch {
-	case err != nil && len(bins) == 0 && !errors.Is(err, pluginloader.ErrInsecurePath):
+	case err != nil && len(bins) == 0 && !errors.Is(err, ErrInsecurePath):
 		report("dir", "plugin dir cannot be listed; the plugins from it keep running", err)
 		return nil, false
 	case err != nil:
@@ -297,7 +320,7 @@ func (d *dirWatch) list() ([]pluginloader.Binary, bool) {
 
 // scan lists the dir, applies the settled changes, and returns when it should be
 // listed again.
-func (d *dirWatch) scan(now time.Time) time.Time {
+func (d *DirWatch) scan(now time.Time) time.Time {
 	if d.w != nil && d.dirID() != d.watchedDir {
 		// Replaced by another dir (a rename over it): the watch follows the old one.
 		d.lost("the plugin dir was replaced")
@@ -331,7 +354,7 @@ func (d *dirWatch) scan(now time.Time) time.Time {
 		if !e.present || e.seen != st {
 			e.present, e.seen, e.seenAt = true, st, now
 		}
-		if e.live != nil && e.live.file == st && e.live.bin.Path == b.Path {
+		if e.live != nil && e.live.File == st && e.live.Path == b.Path {
 			continue
 		}
 		quietSince := time.Unix(0, st.ctime)
@@ -350,7 +373,7 @@ func (d *dirWatch) scan(now time.Time) time.Time {
 			soonest(now.Add(d.settle))
 			continue
 		}
-		e.live = &dirBinary{bin: b, file: st}
+		e.live = &DirBinary{Binary: b, File: st}
 		changed = true
 	}
 	for name, e := range d.entries {
@@ -358,7 +381,7 @@ func (d *dirWatch) scan(now time.Time) time.Time {
 			continue
 		}
 		if e.present {
-			e.present, e.seen, e.seenAt = false, fileState{}, now
+			e.present, e.seen, e.seenAt = false, FileState{}, now
 			if e.live != nil {
 				d.log.Debug("plugin binary gone; its plugin is stopped unless it is back within the settle period",
 					"plugin", name, "settle", d.settle)
@@ -382,8 +405,8 @@ func (d *dirWatch) scan(now time.Time) time.Time {
 }
 
 // liveSet is the settled binaries, by plugin name.
-func (d *dirWatch) liveSet() map[string]dirBinary {
-	out := make(map[string]dirBinary, len(d.entries))
+func (d *DirWatch) liveSet() map[string]DirBinary {
+	out := make(map[string]DirBinary, len(d.entries))
 	for name, e := range d.entries {
 		if e.live != nil {
 			out[name] = *e.live

@@ -16,13 +16,13 @@ import (
 )
 
 // These tests check that a plugin cannot take another plugin's devices (issue 9.1): an
-// ID stays with the plugin that reported it first, across restarts of that plugin and
+// ID is bound to the plugin that reported it first, across restarts of that plugin and
 // of the host, and a reservation is only ever routed to the plugin recorded in it.
 
 var gpusKey = device.GroupKey{Vendor: "fixture", Type: "widget", Name: "gpus"}
 
-// ownedBy reports whether every listed device is in plugin's inventory.
-func ownedBy(plugin string, ids ...string) func(device.Snapshot) bool {
+// servedBy reports whether every listed device is in plugin's inventory.
+func servedBy(plugin string, ids ...string) func(device.Snapshot) bool {
 	return func(s device.Snapshot) bool {
 		have := deviceIDs(s.Inventory)
 		for _, id := range ids {
@@ -34,16 +34,16 @@ func ownedBy(plugin string, ids ...string) func(device.Snapshot) bool {
 	}
 }
 
-// TestProcessDeviceOwnershipSurvivesRestarts runs the owner of two devices alone, then
-// starts a host on the same state dir where an impostor reports those IDs before the
-// owner does (and again every 100ms): the IDs are refused to the impostor, stay the
-// owner's, and Reserve is answered by the owner, also after the owner is SIGKILLed and
-// restarts while the impostor keeps reporting them.
-func TestProcessDeviceOwnershipSurvivesRestarts(t *testing.T) {
+// TestProcessDeviceBindingsSurviveRestarts runs the original plugin of two devices
+// alone, then starts a host on the same state dir where an impostor reports those IDs
+// before the original does (and again every 100ms): the IDs are refused to the
+// impostor, stay bound to the original, and Reserve is answered by the original, also
+// after the original is SIGKILLed and restarts while the impostor keeps reporting them.
+func TestProcessDeviceBindingsSurviveRestarts(t *testing.T) {
 	cfg, logs := durableConfig(t)
-	owner := fixture{name: "owner", cfg: fixtureplugin.Config{Groups: widgets("gpus", "GPU-a", "GPU-b"), ReserveTag: "owner"}}
-	first := startManager(t, cfg, owner)
-	waitFor(t, first, "the owner's devices", ownedBy("owner", "GPU-a", "GPU-b"))
+	orig := fixture{name: "original", cfg: fixtureplugin.Config{Groups: widgets("gpus", "GPU-a", "GPU-b"), ReserveTag: "original"}}
+	first := startManager(t, cfg, orig)
+	waitFor(t, first, "the original's devices", servedBy("original", "GPU-a", "GPU-b"))
 	shutdown(t, first)
 
 	impostor := fixture{name: "impostor", cfg: fixtureplugin.Config{
@@ -51,76 +51,77 @@ func TestProcessDeviceOwnershipSurvivesRestarts(t *testing.T) {
 		ReserveTag:             "impostor",
 		FingerprintChangeEvery: fixtureplugin.Duration(100 * time.Millisecond),
 	}}
-	owner.cfg.FingerprintDelay = fixtureplugin.Duration(2 * time.Second) // the impostor reports first
-	m := startManager(t, cfg, impostor, owner)
-	waitFor(t, m, "the impostor's own device", ownedBy("impostor", "i0"))
-	logs.waitLine(t, "[ERROR]", "device IDs owned by another plugin refused", "plugin=impostor", "owner=owner", `devices="GPU-a, GPU-b"`)
-	if got := pluginOf(m.Snapshot(), "impostor").LastError; !strings.Contains(got, `GPU-a, GPU-b owned by plugin "owner"`) {
-		t.Errorf("impostor LastError = %q, want it to name the refused IDs and their owner", got)
+	orig.cfg.FingerprintDelay = fixtureplugin.Duration(2 * time.Second) // the impostor reports first
+	m := startManager(t, cfg, impostor, orig)
+	waitFor(t, m, "the impostor's own device", servedBy("impostor", "i0"))
+	logs.waitLine(t, "[ERROR]", "device IDs bound to another plugin refused", "plugin=impostor", "bound_to=original", `devices="GPU-a, GPU-b"`)
+	if got := pluginOf(m.Snapshot(), "impostor").LastError; !strings.Contains(got, `GPU-a, GPU-b bound to plugin "original"`) {
+		t.Errorf("impostor LastError = %q, want it to name the refused IDs and the plugin they are bound to", got)
 	}
-	snap := waitFor(t, m, "the owner's devices", healthIs(device.HealthHealthy, "GPU-a", "GPU-b"))
-	if got, want := deviceIDs(snap.Inventory), []string{"impostor/i0", "owner/GPU-a", "owner/GPU-b"}; !slices.Equal(got, want) {
+	snap := waitFor(t, m, "the original's devices", healthIs(device.HealthHealthy, "GPU-a", "GPU-b"))
+	if got, want := deviceIDs(snap.Inventory), []string{"impostor/i0", "original/GPU-a", "original/GPU-b"}; !slices.Equal(got, want) {
 		t.Errorf("inventory = %v, want %v", got, want)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	r, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-1", Group: gpusKey, DeviceIDs: []string{"GPU-a"}})
-	if err != nil || r.Plugin != "owner" || r.Container.Envs["FIXTURE_TAG"] != "owner" {
-		t.Fatalf("Reserve GPU-a = %+v, %v; want it answered by the owner", r, err)
+	if err != nil || r.Plugin != "original" || r.Container.Envs["FIXTURE_TAG"] != "original" {
+		t.Fatalf("Reserve GPU-a = %+v, %v; want it answered by the original", r, err)
 	}
 
-	// The owner dies; while it restarts (2s before its first fingerprint) the impostor
-	// reports its IDs every 100ms. They stay the owner's, and nobody answers for them.
+	// The original dies; while it restarts (2s before its first fingerprint) the
+	// impostor reports its IDs every 100ms. They stay bound to the original, and nobody
+	// answers for them.
 	watch := m.Watch(ctx)
-	if err := syscall.Kill(pid(t, m, "owner"), syscall.SIGKILL); err != nil {
+	if err := syscall.Kill(pid(t, m, "original"), syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	waitWithin(t, watch, testTimeout, "the owner down", healthIs(device.HealthUnhealthy, "GPU-a", "GPU-b"))
+	waitWithin(t, watch, testTimeout, "the original down", healthIs(device.HealthUnhealthy, "GPU-a", "GPU-b"))
 	_, err = m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-2", Group: gpusKey, DeviceIDs: []string{"GPU-b"}})
 	if !errors.Is(err, device.ErrPluginUnavailable) && !errors.Is(err, device.ErrUnhealthyDevice) {
-		t.Errorf("Reserve GPU-b while its owner restarts = %v, want it refused as unavailable or unhealthy", err)
+		t.Errorf("Reserve GPU-b while its plugin restarts = %v, want it refused as unavailable or unhealthy", err)
 	}
-	snap = waitWithin(t, watch, testTimeout, "the owner back", healthIs(device.HealthHealthy, "GPU-a", "GPU-b"))
-	if got, want := deviceIDs(snap.Inventory), []string{"impostor/i0", "owner/GPU-a", "owner/GPU-b"}; !slices.Equal(got, want) {
-		t.Errorf("inventory after the owner's restart = %v, want %v", got, want)
+	snap = waitWithin(t, watch, testTimeout, "the original back", healthIs(device.HealthHealthy, "GPU-a", "GPU-b"))
+	if got, want := deviceIDs(snap.Inventory), []string{"impostor/i0", "original/GPU-a", "original/GPU-b"}; !slices.Equal(got, want) {
+		t.Errorf("inventory after the original's restart = %v, want %v", got, want)
 	}
 	r, err = m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-2", Group: gpusKey, DeviceIDs: []string{"GPU-b"}})
-	if err != nil || r.Plugin != "owner" || r.Container.Envs["FIXTURE_TAG"] != "owner" {
-		t.Errorf("Reserve GPU-b after the owner's restart = %+v, %v; want it answered by the owner", r, err)
+	if err != nil || r.Plugin != "original" || r.Container.Envs["FIXTURE_TAG"] != "original" {
+		t.Errorf("Reserve GPU-b after the original's restart = %+v, %v; want it answered by the original", r, err)
 	}
 }
 
-// TestDeviceOwnershipInBothStartOrders checks, with in-process plugins whose order the
+// TestDeviceBindingsInBothStartOrders checks, with in-process plugins whose order the
 // test controls, that who reports first on a later start does not matter.
-func TestDeviceOwnershipInBothStartOrders(t *testing.T) {
+func TestDeviceBindingsInBothStartOrders(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 
 	t.Run("impostor reports first after a host restart", func(t *testing.T) {
 		cfg, logs := durableConfig(t)
 		first, _ := startInprocManager(t, cfg, newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1")))
-		waitFor(t, first, "alpha's devices", ownedBy("alpha", "a0", "a1"))
+		waitFor(t, first, "alpha's devices", servedBy("alpha", "a0", "a1"))
 		crash(t, first)
 
 		alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
 		alpha.hangFP = true // reports only when the test says
 		beta := newFakeDevices("beta", group("acme", "gpu", "A1", "a0", "b0"))
 		m, _ := startInprocManager(t, cfg, alpha, beta)
-		snap := waitFor(t, m, "beta's own device", ownedBy("beta", "b0"))
+		snap := waitFor(t, m, "beta's own device", servedBy("beta", "b0"))
 		if got, want := deviceIDs(snap.Inventory), []string{"beta/b0"}; !slices.Equal(got, want) {
 			t.Errorf("inventory before alpha reports = %v, want %v", got, want)
 		}
-		logs.waitLine(t, "[ERROR]", "device IDs owned by another plugin refused", "plugin=beta", "owner=alpha", "devices=a0")
+		logs.waitLine(t, "[ERROR]", "device IDs bound to another plugin refused", "plugin=beta", "bound_to=alpha", "devices=a0")
 
-		// a0 and a1 are alpha's (the ledger says so) though alpha has not reported them
+		// a0 and a1 are bound to alpha (the ledger says so) though alpha has not reported them
 		// since the host started: a caller retrying after the restart is told to retry,
-		// not that they do not exist. b0 is nobody's but beta's.
+		// not that they do not exist. b0 is bound to beta only.
 		_, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-1", Group: acmeA1, DeviceIDs: []string{"a0", "a1"}})
 		if !errors.Is(err, device.ErrPluginUnavailable) || !strings.Contains(err.Error(), `belong to plugin "alpha", which has not reported its devices since the host started`) {
 			t.Errorf("Reserve a0, a1 before alpha reports = %v, want ErrPluginUnavailable naming alpha", err)
 		}
 		if _, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-1", Group: acmeA1, DeviceIDs: []string{"a0", "zz"}}); !errors.Is(err, device.ErrUnknownDevice) {
-			t.Errorf("Reserve a0 and an ID nobody owns = %v, want ErrUnknownDevice", err)
+			t.Errorf("Reserve a0 and an ID bound to no plugin = %v, want ErrUnknownDevice", err)
 		}
 		if alpha.reserveCalls() != 0 || beta.reserveCalls() != 0 {
 			t.Errorf("plugins asked to reserve: alpha %d, beta %d; want none", alpha.reserveCalls(), beta.reserveCalls())
@@ -128,19 +129,19 @@ func TestDeviceOwnershipInBothStartOrders(t *testing.T) {
 
 		alpha.set(func(f *fakeDevices) { f.hangFP = false })
 		alpha.setGroups(group("acme", "gpu", "A1", "a0", "a1"))
-		waitFor(t, m, "alpha's devices", ownedBy("alpha", "a0", "a1"))
+		waitFor(t, m, "alpha's devices", servedBy("alpha", "a0", "a1"))
 		if r := reserve(t, m, "job-1", "a0"); r.Plugin != "alpha" || alpha.reserveCalls() != 1 || beta.reserveCalls() != 0 {
 			t.Errorf("Reserve a0 = plugin %q with %d calls to alpha, %d to beta; want alpha's", r.Plugin, alpha.reserveCalls(), beta.reserveCalls())
 		}
 	})
 
-	t.Run("owner reports first; relaunched, it reports the ID only later", func(t *testing.T) {
-		cfg, logs := testConfig(t) // in memory: ownership holds for the host's life
+	t.Run("bound plugin reports first; relaunched, it reports the ID only later", func(t *testing.T) {
+		cfg, logs := testConfig(t) // in memory: bindings hold for the host's life
 		alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
 		beta := newFakeDevices("beta", group("acme", "gpu", "A1", "b0"))
 		m, l := startInprocManager(t, cfg, alpha, beta)
-		waitFor(t, m, "both plugins", ownedBy("alpha", "a0", "a1"))
-		waitFor(t, m, "both plugins", ownedBy("beta", "b0"))
+		waitFor(t, m, "both plugins", servedBy("alpha", "a0", "a1"))
+		waitFor(t, m, "both plugins", servedBy("beta", "b0"))
 
 		// alpha dies and comes back without a0 (its driver has not found it yet);
 		// meanwhile beta reports a0.
@@ -148,12 +149,12 @@ func TestDeviceOwnershipInBothStartOrders(t *testing.T) {
 		p, _ := l.latest("alpha")
 		p.exit("signal: killed")
 		beta.setGroups(group("acme", "gpu", "A1", "a0", "b0"))
-		logs.waitLine(t, "[ERROR]", "device IDs owned by another plugin refused", "plugin=beta", "owner=alpha", "devices=a0")
+		logs.waitLine(t, "[ERROR]", "device IDs bound to another plugin refused", "plugin=beta", "bound_to=alpha", "devices=a0")
 		waitFor(t, m, "alpha relaunched", func(s device.Snapshot) bool {
 			return pluginOf(s, "alpha").Restarts == 1 && healthIs(device.HealthHealthy, "a1")(s)
 		})
 		if got, want := deviceIDs(m.Inventory()), []string{"alpha/a1", "beta/b0"}; !slices.Equal(got, want) {
-			t.Errorf("inventory = %v, want %v: a0 stays alpha's while it does not report it", got, want)
+			t.Errorf("inventory = %v, want %v: a0 stays bound to alpha while it does not report it", got, want)
 		}
 		_, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-1", Group: acmeA1, DeviceIDs: []string{"a0"}})
 		if !errors.Is(err, device.ErrUnknownDevice) || beta.reserveCalls() != 0 {
@@ -161,29 +162,29 @@ func TestDeviceOwnershipInBothStartOrders(t *testing.T) {
 		}
 
 		alpha.setGroups(group("acme", "gpu", "A1", "a0", "a1"))
-		waitFor(t, m, "a0 back with alpha", ownedBy("alpha", "a0"))
+		waitFor(t, m, "a0 back with alpha", servedBy("alpha", "a0"))
 		if r := reserve(t, m, "job-1", "a0"); r.Plugin != "alpha" || beta.reserveCalls() != 0 {
 			t.Errorf("Reserve a0 = plugin %q, %d calls to beta; want alpha's", r.Plugin, beta.reserveCalls())
 		}
 	})
 
-	t.Run("owner no longer configured", func(t *testing.T) {
+	t.Run("bound plugin no longer configured", func(t *testing.T) {
 		cfg, logs := durableConfig(t)
 		first, _ := startInprocManager(t, cfg, newFakeDevices("old", group("acme", "gpu", "A1", "a0")))
-		waitFor(t, first, "old's device", ownedBy("old", "a0"))
+		waitFor(t, first, "old's device", servedBy("old", "a0"))
 		shutdown(t, first)
 
 		m, _ := startInprocManager(t, cfg, newFakeDevices("new", group("acme", "gpu", "A1", "a0")))
-		waitFor(t, m, "a0 taken over by new", ownedBy("new", "a0"))
-		logs.waitLine(t, "[INFO]", "owned by a plugin this host does not run", "previous_owner=old", "devices=1")
-		logs.waitLine(t, "[WARN]", "now belong to this plugin", "plugin=new", "previous_owner=old", "devices=a0")
+		waitFor(t, m, "a0 taken over by new", servedBy("new", "a0"))
+		logs.waitLine(t, "[INFO]", "bound to a plugin this host does not run", "previous_plugin=old", "devices=1")
+		logs.waitLine(t, "[WARN]", "are now bound to this plugin", "plugin=new", "previous_plugin=old", "devices=a0")
 	})
 }
 
-// TestPluginInventingIDsOwnsABoundedNumber: a plugin that reports thousands of new IDs
-// in every fingerprint does not grow the ownership records without end: past
-// maxOwnedPerPlugin it loses the IDs it no longer reports, in memory and in the ledger.
-func TestPluginInventingIDsOwnsABoundedNumber(t *testing.T) {
+// TestPluginInventingIDsIsBoundToABoundedNumber: a plugin that reports thousands of new
+// IDs in every fingerprint does not grow the binding records without end: past
+// maxBoundPerPlugin it loses the IDs it no longer reports, in memory and in the ledger.
+func TestPluginInventingIDsIsBoundToABoundedNumber(t *testing.T) {
 	cfg, logs := durableConfig(t)
 	// 4000 IDs of round r, in 4 groups of 1000 (a group holds at most 1024).
 	groups := func(r int) []*pb.DeviceGroup {
@@ -204,20 +205,20 @@ func TestPluginInventingIDsOwnsABoundedNumber(t *testing.T) {
 			churn.setGroups(groups(round)...)
 		}
 		want := fmt.Sprintf("r%d-0000", round)
-		waitFor(t, m, "round "+want, ownedBy("churn", want))
+		waitFor(t, m, "round "+want, servedBy("churn", want))
 	}
-	logs.waitLine(t, "[WARN]", "more distinct device IDs than one plugin may own", "plugin=churn", "forgotten=8000")
+	logs.waitLine(t, "[WARN]", "more distinct device IDs than may be bound to one plugin", "plugin=churn", "forgotten=8000")
 	m.reg.mu.Lock()
-	owned := m.reg.owned["churn"]
+	bound := m.reg.bound["churn"]
 	m.reg.mu.Unlock()
-	recorded, err := m.ledger.DeviceOwners()
+	recorded, err := m.ledger.DeviceBindings()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if owned > maxOwnedPerPlugin || len(recorded) > maxOwnedPerPlugin {
-		t.Errorf("after 4 rounds of 4000 new IDs the plugin owns %d, %d recorded; want at most %d", owned, len(recorded), maxOwnedPerPlugin)
+	if bound > maxBoundPerPlugin || len(recorded) > maxBoundPerPlugin {
+		t.Errorf("after 4 rounds of 4000 new IDs %d are bound to the plugin, %d recorded; want at most %d", bound, len(recorded), maxBoundPerPlugin)
 	}
 	if recorded["r3-0000"] != "churn" || recorded["r0-0000"] != "" {
-		t.Errorf("recorded owners of r3-0000, r0-0000 = %q, %q; want churn, none", recorded["r3-0000"], recorded["r0-0000"])
+		t.Errorf("recorded bindings of r3-0000, r0-0000 = %q, %q; want churn, none", recorded["r3-0000"], recorded["r0-0000"])
 	}
 }
