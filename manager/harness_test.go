@@ -380,10 +380,14 @@ func testConfig(t testing.TB) (Config, *logRecorder) {
 	t.Helper()
 	rec := newLogRecorder()
 	return Config{
-		Logger:             hclog.New(&hclog.LoggerOptions{Name: "test", Level: hclog.Debug, Output: rec}),
-		StatsInterval:      MinStatsInterval,
-		ReserveTimeout:     2 * time.Second,
-		StartTimeout:       2 * time.Second,
+		Logger:         hclog.New(&hclog.LoggerOptions{Name: "test", Level: hclog.Debug, Output: rec}),
+		StatsInterval:  MinStatsInterval,
+		ReserveTimeout: 2 * time.Second,
+		// The default, not a short one: a real plugin process's launch (start,
+		// AutoMTLS, handshake, GetPluginInfo, SetConfig) took over 2s on a loaded 2-core
+		// machine under -race, and the timeout made a restart that tests counting
+		// restarts or checking LastError failed on. A test of a hung start sets its own.
+		StartTimeout:       DefaultStartTimeout,
 		ReadyTimeout:       5 * time.Second,
 		FingerprintTimeout: 3 * time.Second,
 		KillTimeout:        2 * time.Second,
