@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"strings"
 	"testing"
 	"time"
@@ -12,7 +11,6 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/test/bufconn"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/devicehost/devicehost/internal/fixtureplugin"
@@ -20,6 +18,7 @@ import (
 	"github.com/devicehost/devicehost/pluginloader"
 	hostpb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/server/servertest"
 	"github.com/devicehost/devicehost/validate"
 )
 
@@ -28,32 +27,17 @@ import (
 // server and read it with a gRPC client on default options (4 MiB receive limit, as
 // grpcurl's and the CLI's).
 
-// serveHostAPI serves m with the real host API server and returns a client with gRPC's
+// serveHostAPI serves m with the real host API server (servertest: the agent's
+// server, interceptors and limits, on a Unix socket) and returns a client with gRPC's
 // default options. Both are stopped in t.Cleanup.
 func serveHostAPI(t *testing.T, m *Manager) hostpb.DeviceHostClient {
 	t.Helper()
-	srv, err := server.New(server.Config{Manager: m})
+	agent := servertest.Serve(t, servertest.SocketPath(t), server.Config{Manager: m})
+	conn, err := grpc.NewClient(agent.Addr.Target(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
-	lis := bufconn.Listen(1 << 20)
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(lis) }()
-	conn, err := grpc.NewClient("passthrough:///devicehost",
-		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
-		grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		conn.Close()
-		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-		defer cancel()
-		srv.Shutdown(ctx)
-		if err := <-served; err != nil {
-			t.Errorf("Serve: %v", err)
-		}
-	})
+	t.Cleanup(func() { conn.Close() })
 	return hostpb.NewDeviceHostClient(conn)
 }
 
@@ -90,7 +74,7 @@ func TestSnapshotStaysWithinClientLimit(t *testing.T) {
 	}
 	// The budget is first come, first served: "many" fingerprints before the fat
 	// plugins are launched, so that it is the fat ones the budget refuses.
-	l := &fixtureLauncher{}
+	l := &fixtureLauncher{t: t}
 	manyIn := make(chan struct{})
 	launch := func(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error) {
 		if bin.Name != "many" {

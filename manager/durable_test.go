@@ -136,7 +136,7 @@ func TestNewRefusesAStateFileItCannotUse(t *testing.T) {
 		if err := os.WriteFile(path, garbage, 0o600); err != nil {
 			t.Fatal(err)
 		}
-		_, err := newManager(cfg, newLauncher().launch)
+		_, err := newManager(cfg, newLauncher(t).launch)
 		var sfe *ledger.StateFileError
 		if !errors.Is(err, ledger.ErrCorrupt) || !errors.As(err, &sfe) || sfe.Recovery == "" || !strings.Contains(err.Error(), path) {
 			t.Fatalf("New on a corrupt state file: %v; want the ledger's StateFileError naming the file and a recovery", err)
@@ -148,7 +148,7 @@ func TestNewRefusesAStateFileItCannotUse(t *testing.T) {
 	t.Run("in use", func(t *testing.T) {
 		cfg, _ := durableConfig(t)
 		first, _ := startInprocManager(t, cfg)
-		_, err := newManager(cfg, newLauncher().launch)
+		_, err := newManager(cfg, newLauncher(t).launch)
 		if !errors.Is(err, ledger.ErrLocked) {
 			t.Fatalf("second New on the same state dir: %v, want ErrLocked", err)
 		}

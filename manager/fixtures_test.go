@@ -17,8 +17,8 @@ import (
 )
 
 // This file is the in-process harness for the fixture plugin (internal/fixtureplugin):
-// each launch is a fresh fixture configured by the plugin's ConfigJSON, served over an
-// in-memory connection, so tests of hostile plugins can run many of them cheaply.
+// each launch is a fresh fixture configured by the plugin's ConfigJSON, served over
+// go-plugin's in-process test connection, so tests of hostile plugins can run many of them cheaply.
 
 // fixtureProc is one in-process fixture "process".
 type fixtureProc struct {
@@ -34,6 +34,7 @@ func (p *fixtureProc) Kill(ctx context.Context) {
 
 // fixtureLauncher launches in-process fixtures. Safe for concurrent use.
 type fixtureLauncher struct {
+	t        testing.TB // the test the fixtures are served for
 	mu       sync.Mutex
 	launches map[string][]*fixtureProc
 }
@@ -43,17 +44,17 @@ type fixtureLauncher struct {
 func (l *fixtureLauncher) launch(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error) {
 	fx := fixtureplugin.New()
 	fx.Log = hclog.NewNullLogger()
-	in, err := startInproc(fx)
+	in, err := startInproc(l.t, fx)
 	if err != nil {
 		return nil, err
 	}
 	p := &fixtureProc{inproc: in, fx: fx}
 	fx.Exit = func(code int) { in.exit(fmt.Sprintf("exit status %d", code)) }
-	if p.info, err = p.client.GetPluginInfo(ctx, &pb.GetPluginInfoRequest{}); err != nil {
+	if p.info, err = p.Client().GetPluginInfo(ctx, &pb.GetPluginInfoRequest{}); err != nil {
 		p.Kill(ctx)
 		return nil, fmt.Errorf("get plugin info: %w", err)
 	}
-	if _, err := p.client.SetConfig(ctx, &pb.SetConfigRequest{ConfigJson: opts.ConfigJSON, ProtocolVersion: deviceplugin.ProtocolVersion}); err != nil {
+	if _, err := p.Client().SetConfig(ctx, &pb.SetConfigRequest{ConfigJson: opts.ConfigJSON, ProtocolVersion: deviceplugin.ProtocolVersion}); err != nil {
 		p.Kill(ctx)
 		if status.Code(err) == codes.InvalidArgument {
 			return nil, fmt.Errorf("%w: %s", pluginloader.ErrConfigRejected, status.Convert(err).Message())
@@ -73,7 +74,7 @@ func (l *fixtureLauncher) launch(ctx context.Context, bin pluginloader.Binary, o
 // in t.Cleanup.
 func startFixtures(t *testing.T, cfg Config, fixtures ...fixture) (*Manager, *fixtureLauncher) {
 	t.Helper()
-	l := &fixtureLauncher{}
+	l := &fixtureLauncher{t: t}
 	m, err := newManager(withFixtures(cfg, fixtures...), l.launch)
 	if err != nil {
 		t.Fatalf("newManager: %v", err)

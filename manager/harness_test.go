@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"slices"
 	"strings"
 	"sync"
@@ -13,23 +12,21 @@ import (
 	"time"
 
 	"github.com/hashicorp/go-hclog"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
-	"google.golang.org/grpc/test/bufconn"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/devicehost/devicehost/deviceplugin"
+	"github.com/devicehost/devicehost/deviceplugin/deviceplugintest"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
 // This file holds the in-process test harness: fakeDevices, a deviceplugin.Plugin whose
-// devices and misbehaviour a test controls, served by the SDK's real server over an
-// in-memory gRPC connection; a launcher that starts one per launch; a log recorder; and
+// devices and misbehaviour a test controls, served by the SDK's real server over
+// go-plugin's in-process test connection; a launcher that starts one per launch; a log recorder; and
 // startManager. Real plugin processes are in process_test.go.
 
 // testTimeout bounds every wait in these tests.
@@ -227,78 +224,45 @@ func withUnhealthy(g *pb.DeviceGroup, id, reason string) *pb.DeviceGroup {
 	return g
 }
 
-// inproc is a plugin "process" served in-process: the SDK's server on a gRPC server over
-// an in-memory listener. exit stands in for the process dying.
+// inproc is a plugin "process" served in-process by the SDK's test helper
+// (deviceplugintest.Serve: go-plugin's TestPluginGRPCConn); its Exit stands in for the
+// process dying.
 type inproc struct {
-	srv    *grpc.Server
-	conn   *grpc.ClientConn
-	client pb.DevicePluginClient
-	info   *pb.GetPluginInfoResponse
-	serve  sync.WaitGroup
-	exited chan struct{}
-
-	mu     sync.Mutex
-	reason string
-	once   sync.Once
+	*deviceplugintest.Conn
+	info *pb.GetPluginInfoResponse
 }
 
 var _ plugin = (*inproc)(nil)
 
-func startInproc(impl deviceplugin.Plugin) (*inproc, error) {
-	lis := bufconn.Listen(1 << 20)
-	p := &inproc{srv: grpc.NewServer(), exited: make(chan struct{})}
-	pb.RegisterDevicePluginServer(p.srv, deviceplugin.NewServer(impl))
-	p.serve.Go(func() { _ = p.srv.Serve(lis) })
-	conn, err := grpc.NewClient("passthrough:///inproc",
-		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
-		grpc.WithTransportCredentials(insecure.NewCredentials()))
+// startInproc serves impl for t. Safe to call from any goroutine.
+func startInproc(t testing.TB, impl deviceplugin.Plugin) (*inproc, error) {
+	c, err := deviceplugintest.Serve(t, impl)
 	if err != nil {
-		p.srv.Stop()
-		p.serve.Wait()
 		return nil, err
 	}
-	p.conn, p.client = conn, pb.NewDevicePluginClient(conn)
-	return p, nil
+	return &inproc{Conn: c}, nil
 }
 
-func (p *inproc) Client() pb.DevicePluginClient   { return p.client }
+func (p *inproc) Client() pb.DevicePluginClient   { return p.Conn.Client() }
 func (p *inproc) Info() *pb.GetPluginInfoResponse { return p.info }
-func (p *inproc) Exited() <-chan struct{}         { return p.exited }
-
-func (p *inproc) ExitReason() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.reason
-}
 
 // exit makes the plugin "die": Exited closes with reason and its server stops.
-func (p *inproc) exit(reason string) {
-	p.once.Do(func() {
-		p.mu.Lock()
-		p.reason = reason
-		p.mu.Unlock()
-		close(p.exited)
-		p.srv.Stop()
-	})
-}
+func (p *inproc) exit(reason string) { p.Exit(reason) }
 
-func (p *inproc) Kill(context.Context) {
-	p.exit("killed")
-	_ = p.conn.Close()
-	p.serve.Wait()
-}
+func (p *inproc) Kill(context.Context) { p.Close() }
 
 // launcher launches fakeDevices in-process by plugin name and remembers every launch.
 // Safe for concurrent use.
 type launcher struct {
+	t       testing.TB // the test the plugins are served for
 	devices map[string]*fakeDevices
 
 	mu       sync.Mutex
 	launches map[string][]*inproc
 }
 
-func newLauncher(devices ...*fakeDevices) *launcher {
-	l := &launcher{devices: make(map[string]*fakeDevices), launches: make(map[string][]*inproc)}
+func newLauncher(t testing.TB, devices ...*fakeDevices) *launcher {
+	l := &launcher{t: t, devices: make(map[string]*fakeDevices), launches: make(map[string][]*inproc)}
 	for _, d := range devices {
 		l.devices[d.name] = d
 	}
@@ -321,15 +285,15 @@ func (l *launcher) launch(ctx context.Context, bin pluginloader.Binary, opts plu
 		<-ctx.Done()
 		return nil, fmt.Errorf("plugin did not start: %w", ctx.Err())
 	}
-	p, err := startInproc(d)
+	p, err := startInproc(l.t, d)
 	if err != nil {
 		return nil, err
 	}
-	if p.info, err = p.client.GetPluginInfo(ctx, &pb.GetPluginInfoRequest{}); err != nil {
+	if p.info, err = p.Client().GetPluginInfo(ctx, &pb.GetPluginInfoRequest{}); err != nil {
 		p.Kill(ctx)
 		return nil, fmt.Errorf("get plugin info: %w", err)
 	}
-	if _, err := p.client.SetConfig(ctx, &pb.SetConfigRequest{ConfigJson: opts.ConfigJSON, ProtocolVersion: deviceplugin.ProtocolVersion}); err != nil {
+	if _, err := p.Client().SetConfig(ctx, &pb.SetConfigRequest{ConfigJson: opts.ConfigJSON, ProtocolVersion: deviceplugin.ProtocolVersion}); err != nil {
 		p.Kill(ctx)
 		if status.Code(err) == codes.InvalidArgument {
 			return nil, fmt.Errorf("%w: %s", pluginloader.ErrConfigRejected, status.Convert(err).Message())
@@ -416,10 +380,14 @@ func testConfig(t testing.TB) (Config, *logRecorder) {
 	t.Helper()
 	rec := newLogRecorder()
 	return Config{
-		Logger:             hclog.New(&hclog.LoggerOptions{Name: "test", Level: hclog.Debug, Output: rec}),
-		StatsInterval:      MinStatsInterval,
-		ReserveTimeout:     2 * time.Second,
-		StartTimeout:       2 * time.Second,
+		Logger:         hclog.New(&hclog.LoggerOptions{Name: "test", Level: hclog.Debug, Output: rec}),
+		StatsInterval:  MinStatsInterval,
+		ReserveTimeout: 2 * time.Second,
+		// The default, not a short one: a real plugin process's launch (start,
+		// AutoMTLS, handshake, GetPluginInfo, SetConfig) took over 2s on a loaded 2-core
+		// machine under -race, and the timeout made a restart that tests counting
+		// restarts or checking LastError failed on. A test of a hung start sets its own.
+		StartTimeout:       DefaultStartTimeout,
 		ReadyTimeout:       5 * time.Second,
 		FingerprintTimeout: 3 * time.Second,
 		KillTimeout:        2 * time.Second,
@@ -434,7 +402,7 @@ func testConfig(t testing.TB) (Config, *logRecorder) {
 // go to the ledger in cfg.StateDir when it is set, else in a temporary directory.
 func startInprocManager(t testing.TB, cfg Config, devices ...*fakeDevices) (*Manager, *launcher) {
 	t.Helper()
-	l := newLauncher(devices...)
+	l := newLauncher(t, devices...)
 	for _, d := range devices {
 		cfg.Binaries = append(cfg.Binaries, pluginloader.Binary{Name: d.name, Path: "/inproc/" + d.name})
 	}

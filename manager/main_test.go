@@ -2,9 +2,11 @@ package manager
 
 import (
 	"fmt"
+	"io"
 	"os"
 	"testing"
 
+	"github.com/hashicorp/go-hclog"
 	"go.uber.org/goleak"
 
 	"github.com/devicehost/devicehost/internal/fixtureplugin"
@@ -28,6 +30,10 @@ func run(m *testing.M) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
+	// go-plugin's TestPluginGRPCConn (deviceplugintest, every in-process launch) logs
+	// at DEBUG to hclog's default output, stderr: a few lines per launch that bury a
+	// failure's own output. Nothing here reads that output.
+	hclog.DefaultOutput = io.Discard
 	if code := m.Run(); code != 0 {
 		return code
 	}

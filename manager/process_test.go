@@ -105,10 +105,16 @@ func TestProcessSIGKILLIsSeenAtOnceAndRecovers(t *testing.T) {
 	if err := syscall.Kill(pid(t, m, "fx"), syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	snap := waitWithin(t, watch, time.Second, "k0, k1 unhealthy", healthIs(device.HealthUnhealthy, "k0", "k1"))
+	// "At once" is behaviour, not speed: the devices turn unhealthy from the exit itself
+	// (the reason says so), before the plugin is restarted, not from a missed deadline.
+	// How soon is for a benchmark; the wait is bounded only to fail a hang.
+	snap := waitWithin(t, watch, testTimeout, "k0, k1 unhealthy", healthIs(device.HealthUnhealthy, "k0", "k1"))
 	seen := time.Since(killed)
 	if got, want := snap.State.Devices["k0"].Reason, "plugin exited: signal: killed"; got != want {
 		t.Errorf("k0 reason = %q, want %q", got, want)
+	}
+	if ps := pluginOf(snap, "fx"); ps.Restarts != 0 {
+		t.Errorf("plugin state when its devices turned unhealthy = %+v, want no restart yet", ps)
 	}
 	snap = waitWithin(t, watch, testTimeout, "healthy again", healthIs(device.HealthHealthy, "k0", "k1"))
 	t.Logf("SIGKILL: unhealthy seen after %v, healthy again after %v", seen, time.Since(killed))
@@ -204,7 +210,9 @@ func TestProcessHangsAreBoundedAndIsolated(t *testing.T) {
 	called := time.Now()
 	_, err = m.Reserve(ctx, device.ReserveRequest{OwnerID: "o2", Group: widgetKey("reservehang"), DeviceIDs: []string{"r0"}})
 	took := time.Since(called)
-	if !errors.Is(err, device.ErrPluginUnavailable) || took > cfg.ReserveTimeout+time.Second {
+	// The deadline is enforced: 3 times ReserveTimeout is slack for a loaded machine,
+	// and far under the test context's 10s, at which an unbounded call would end.
+	if !errors.Is(err, device.ErrPluginUnavailable) || took > 3*cfg.ReserveTimeout {
 		t.Errorf("Reserve on a hung plugin = %v after %v, want ErrPluginUnavailable after about %v", err, took, cfg.ReserveTimeout)
 	}
 	t.Logf("hung Reserve answered after %v (ReserveTimeout %v): %v", took, cfg.ReserveTimeout, err)

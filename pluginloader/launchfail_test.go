@@ -1,6 +1,7 @@
 package pluginloader_test
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"os"
@@ -80,12 +81,13 @@ func TestLaunchErrors(t *testing.T) {
 	huge := strings.Repeat("v9,", 2000)
 
 	tests := []struct {
-		name   string
-		bin    pluginloader.Binary
-		env    []string
-		config fixtureplugin.Config
-		want   string
-		is     error
+		name    string
+		bin     pluginloader.Binary
+		env     []string
+		config  fixtureplugin.Config
+		timeout time.Duration // StartTimeout; zero: 20s, far longer than any case takes
+		want    string
+		is      error
 	}{
 		{name: "another magic cookie", bin: fixtureBinary(), env: []string{"FIXTURE_MAGIC_COOKIE=someone-else"},
 			want: "has another magic cookie", is: pluginloader.ErrNotPlugin},
@@ -102,13 +104,20 @@ func TestLaunchErrors(t *testing.T) {
 		{name: "config rejected with a long multi-line reason", bin: fixtureBinary(),
 			config: fixtureplugin.Config{RejectConfig: "bad\n" + strings.Repeat("reason ", 5000)},
 			want:   `plugin "fixture": bad\nreason reason`, is: pluginloader.ErrConfigRejected},
+		// The start timeout must fire at SetConfig, so everything before it (process,
+		// handshake, AutoMTLS, GetPluginInfo) must fit in it on a loaded machine: 500ms
+		// did not always. The hang costs the whole timeout.
 		{name: "SetConfig hangs", bin: fixtureBinary(), config: fixtureplugin.Config{SetConfigHang: true},
-			want: "SetConfig did not answer within 500ms", is: context.DeadlineExceeded},
+			timeout: 5 * time.Second,
+			want:    "SetConfig did not answer within 5s", is: context.DeadlineExceeded},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			// Every other case fails at once by itself; a long start timeout keeps a slow
+			// start from turning its error into a timeout.
+			timeout := cmp.Or(tt.timeout, 20*time.Second)
 			_, err := pluginloader.Launch(testContext(t), tt.bin, pluginloader.Options{
-				Logger: testLogger(t), Env: tt.env, ConfigJSON: tt.config.JSON(), StartTimeout: 500 * time.Millisecond,
+				Logger: testLogger(t), Env: tt.env, ConfigJSON: tt.config.JSON(), StartTimeout: timeout,
 			})
 			if err == nil {
 				t.Fatal("Launch: no error")
@@ -152,32 +161,35 @@ func TestLaunchKilledBeforeHandshake(t *testing.T) {
 // handshake fails within its start timeout, and its child dies with it; so does the
 // child of a plugin that is killed after it ran.
 func TestLaunchReachesProcessGroup(t *testing.T) {
-	const timeout = 500 * time.Millisecond
-	// The slack is for a loaded machine; without the group kill the launch takes as
-	// long as the child's sleep (100s).
+	// The slack is for a loaded machine, 10 times the silent case's start timeout;
+	// without the group kill the launch takes as long as the child's sleep (100s).
 	const slack = 5 * time.Second
 
 	tests := []struct {
 		name, body, want string
+		timeout          time.Duration // StartTimeout
 	}{
+		// It must print before its start timeout: a long one, so that a slow start
+		// cannot make this the silent case.
 		{name: "prints a line", body: `/bin/sleep 100 & echo $! > "$CHILD"; echo starting; wait`,
-			want: `printed "starting" instead of a go-plugin handshake`},
+			timeout: 20 * time.Second, want: `printed "starting" instead of a go-plugin handshake`},
+		// It never answers: the start timeout is what ends it.
 		{name: "silent", body: `/bin/sleep 100 & echo $! > "$CHILD"; wait`,
-			want: "did not complete its go-plugin handshake within 500ms"},
+			timeout: 500 * time.Millisecond, want: "did not complete its go-plugin handshake within 500ms"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			childFile := filepath.Join(t.TempDir(), "child")
 			start := time.Now()
 			_, err := pluginloader.Launch(testContext(t), script(t, tt.body), pluginloader.Options{
-				Logger: testLogger(t), Env: []string{"CHILD=" + childFile}, StartTimeout: timeout,
+				Logger: testLogger(t), Env: []string{"CHILD=" + childFile}, StartTimeout: tt.timeout,
 			})
 			elapsed := time.Since(start)
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("Launch: got %v, want an error saying %q", err, tt.want)
 			}
-			if elapsed > timeout+slack {
-				t.Errorf("Launch took %v, want it bounded by the start timeout %v (+ %v slack)", elapsed, timeout, slack)
+			if elapsed > tt.timeout+slack {
+				t.Errorf("Launch took %v, want it bounded by the start timeout %v (+ %v slack)", elapsed, tt.timeout, slack)
 			}
 			child := readPID(waitContext(t), t, childFile)
 			t.Cleanup(func() { _ = syscall.Kill(child, syscall.SIGKILL) })
@@ -195,7 +207,9 @@ func TestLaunchReachesProcessGroup(t *testing.T) {
 
 		start := time.Now()
 		p.Kill(context.Background()) // the plugin exits gracefully; its child holds stderr
-		if elapsed := time.Since(start); elapsed > 3*time.Second+slack {
+		// 9s: three times the graceful stop's bound of 3s; without the group kill, Kill
+		// would wait for the child's sleep (100s).
+		if elapsed := time.Since(start); elapsed > 3*3*time.Second {
 			t.Errorf("Kill took %v, want about 3s (the graceful stop's bound)", elapsed)
 		}
 		if err := waitGone(waitContext(t), child); err != nil {
@@ -218,7 +232,9 @@ func TestLaunchChildOutsideGroup(t *testing.T) {
 
 	start := time.Now()
 	_, err := pluginloader.Launch(testContext(t), script(t, setsid+` /bin/sh -c 'echo $$ > "$CHILD"; exec /bin/sleep 100' & until [ -s "$CHILD" ]; do /bin/sleep 0.01; done; echo starting; wait`),
-		pluginloader.Options{Logger: host, Env: []string{"CHILD=" + childFile}, StartTimeout: 500 * time.Millisecond})
+		// A long start timeout: the script must get to print "starting", however slow
+		// its start; the kill that follows, not the timeout, is what is checked.
+		pluginloader.Options{Logger: host, Env: []string{"CHILD=" + childFile}, StartTimeout: 20 * time.Second})
 	elapsed := time.Since(start)
 	child := readPID(waitContext(t), t, childFile)
 	// Once it is gone, go-plugin's goroutines end (TestMain checks for leaks).
@@ -227,6 +243,8 @@ func TestLaunchChildOutsideGroup(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), `printed "starting"`) {
 		t.Errorf("Launch: got %v, want the not-a-handshake error", err)
 	}
+	// 7s: 3.5 times the 2s it waits after the kill, and far under the escaped child's
+	// sleep (100s), which it would wait for otherwise.
 	if elapsed > 2*time.Second+5*time.Second {
 		t.Errorf("Launch took %v, want about 2s: it must not wait for a process outside the plugin's group", elapsed)
 	}

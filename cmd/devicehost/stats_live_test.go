@@ -81,15 +81,22 @@ func (r *liveRun) next(t *testing.T) string {
 	}
 }
 
-// streamedStats is a fake manager whose stats streams the test feeds: each stream the
+// statsWatch is one WatchStats call of the agent's: the test sends its samples on ch;
+// done is closed once the agent has let go of the watch (its context ended).
+type statsWatch struct {
+	ch   chan device.StatsSnapshot
+	done <-chan struct{}
+}
+
+// streamedStats is a fake manager whose stats streams the test feeds: each watch the
 // agent opens arrives on streams.
-func streamedStats(inventory device.Snapshot) (*devicetest.Fake, chan chan device.StatsSnapshot) {
-	streams := make(chan chan device.StatsSnapshot, 4)
+func streamedStats(inventory device.Snapshot) (*devicetest.Fake, chan statsWatch) {
+	streams := make(chan statsWatch, 4)
 	return &devicetest.Fake{
 		WatchFunc: watchOnce(inventory),
-		WatchStatsFunc: func(context.Context, time.Duration) <-chan device.StatsSnapshot {
+		WatchStatsFunc: func(ctx context.Context, _ time.Duration) <-chan device.StatsSnapshot {
 			ch := make(chan device.StatsSnapshot)
-			streams <- ch
+			streams <- statsWatch{ch: ch, done: ctx.Done()}
 			return ch
 		},
 	}, streams
@@ -144,7 +151,7 @@ func TestStatsLiveDrawsSparklines(t *testing.T) {
 	addr := startAgent(t, mgr)
 	// Samples every 5s: a minute is 12 of them, one character each.
 	live := runLiveCLI(t, 200, "stats", "-interval", "5s", "-address", addr)
-	stream := receive(t, streams)
+	stream := receive(t, streams).ch
 
 	// frame is what a redraw after the sample at t0+at shows.
 	frame := func(at time.Duration, rows ...string) string {
@@ -192,7 +199,7 @@ func TestStatsLiveDrawsSparklines(t *testing.T) {
 	}
 
 	// It comes back: the watch reconnects by itself, and the history goes on after the gap.
-	stream = receive(t, streams)
+	stream = receive(t, streams).ch
 	send(t, stream, gpuSample(30*time.Second, 25, 20480, 175))
 	if got, want := live.next(t), frame(30*time.Second,
 		"DEVICE  gpu_utilization    memory_total  memory_used             power",
@@ -212,10 +219,16 @@ func TestStatsOnATerminalWithoutSparklines(t *testing.T) {
 	addr := startAgent(t, mgr)
 
 	once := runLiveCLI(t, 200, "stats", "-once", "-address", addr)
-	send(t, receive(t, streams), gpuSample(0, 42, 8192, 70))
+	onceWatch := receive(t, streams)
+	send(t, onceWatch.ch, gpuSample(0, 42, 8192, 70))
 	if code, stderr := once.wait(); code != 0 {
 		t.Fatalf("stats -once: exit %d, stderr %q", code, stderr)
 	}
+	// The agent lets go of the -once stream's watch when that stream's handler ends,
+	// after the CLI has returned. A stream opened before then joins that watch (which
+	// has a value) and takes its first sample from a fresh watch of its own, ended at
+	// once: the samples sent after it would go to no one. So wait for the agent to let go.
+	receive(t, onceWatch.done)
 	var out strings.Builder
 	for len(once.frames) > 0 {
 		out.WriteString(<-once.frames)
@@ -229,7 +242,7 @@ func TestStatsOnATerminalWithoutSparklines(t *testing.T) {
 	}
 
 	asJSON := runLiveCLI(t, 200, "stats", "-json", "-address", addr)
-	stream := receive(t, streams)
+	stream := receive(t, streams).ch
 	for _, util := range []int64{10, 20} {
 		send(t, stream, gpuSample(0, util, 8192, 70))
 		got := asJSON.next(t)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/devicehost/devicehost/manager/device"
@@ -64,22 +65,40 @@ func TestDeferredWriteRidesOnTheNextCommit(t *testing.T) {
 }
 
 // TestDeferredWriteCommitsWhenDue: with no other write coming, a deferred write gets a
-// commit of its own once it is due.
+// commit of its own once it is due, not before. On synctest's clock, so "once it is
+// due" is to the nanosecond.
 func TestDeferredWriteCommitsWhenDue(t *testing.T) {
-	l := newLedger(t)
-	r := release(t, l, reserve(t, l, "a", "GPU-1").ID, t0)
-	commits := l.Commits()
-	notify, done := deferredDone()
-	l.submitDeferred(time.Millisecond, cleanupDoneRun(r.ID), notify)
-	if err := waitDeferred(t, done); err != nil {
-		t.Fatalf("deferred write: %v", err)
-	}
-	if got := l.Commits() - commits; got != 1 {
-		t.Errorf("%d commits, want 1", got)
-	}
-	if got, _ := l.Get(r.ID); got.CleanupPending {
-		t.Errorf("after the commit: %+v, want the cleanup recorded done", got)
-	}
+	synctest.Test(t, func(t *testing.T) {
+		const delay = time.Second
+		l := newLedger(t)
+		r := release(t, l, reserve(t, l, "a", "GPU-1").ID, t0)
+		commits := l.Commits()
+		notify, done := deferredDone()
+		l.submitDeferred(delay, cleanupDoneRun(r.ID), notify)
+		time.Sleep(delay - time.Nanosecond)
+		synctest.Wait()
+		select {
+		case err := <-done:
+			t.Fatalf("deferred write committed (err %v) before it was due", err)
+		default:
+		}
+		time.Sleep(time.Nanosecond)
+		synctest.Wait() // the writer's commit, fsync included, is done or blocked
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("deferred write: %v", err)
+			}
+		default:
+			t.Fatal("deferred write not committed once it was due")
+		}
+		if got := l.Commits() - commits; got != 1 {
+			t.Errorf("%d commits, want 1", got)
+		}
+		if got, _ := l.Get(r.ID); got.CleanupPending {
+			t.Errorf("after the commit: %+v, want the cleanup recorded done", got)
+		}
+	})
 }
 
 // TestDeferredWritesOfAFullBatchDoNotWait: once a batch's worth of deferred writes is

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/devicehost/devicehost/manager/device"
@@ -58,10 +59,12 @@ func startGC(t *testing.T, l *Ledger, cfg GCConfig) *gcHarness {
 	return h
 }
 
-// waitUntil waits, pass by pass, until cond holds.
+// waitUntil waits, pass by pass, until cond holds, for a minute at most: in a synctest
+// bubble that is a minute of the bubble's clock, longer than any wait of the GC's that
+// a test sets up (and it passes at once when nothing is left to happen).
 func (h *gcHarness) waitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.NewTimer(10 * time.Second)
+	deadline := time.NewTimer(time.Minute)
 	defer deadline.Stop()
 	for !cond() {
 		select {
@@ -176,32 +179,61 @@ func TestGCOverLimitDestroysOldestReleasedFirst(t *testing.T) {
 	}
 }
 
+// TestGCIntervalDestroysOldReleases: on each Interval tick, the releases at least an
+// Interval old are destroyed, so a release stays listed between one and two intervals.
+// On synctest's clock: the ticks are the GC's own and take no time.
 func TestGCIntervalDestroysOldReleases(t *testing.T) {
-	l := newLedger(t)
-	live := reserve(t, l, "live", "GPU-L")
-	old := release(t, l, reserve(t, l, "old", "GPU-O").ID, time.Now().Add(-time.Hour))
-	fresh := release(t, l, reserve(t, l, "fresh", "GPU-F").ID, time.Now().Add(time.Hour))
-	h := startGC(t, l, GCConfig{Interval: 5 * time.Millisecond})
-	h.waitUntil(t, "the old release destroyed", func() bool {
-		_, err := l.Get(old.ID)
-		return errors.Is(err, device.ErrNotFound)
+	synctest.Test(t, func(t *testing.T) {
+		const interval = 10 * time.Second
+		l := newLedger(t)
+		live := reserve(t, l, "live", "GPU-L")
+		old := release(t, l, reserve(t, l, "old", "GPU-O").ID, time.Now().Add(-time.Hour))
+		fresh := release(t, l, reserve(t, l, "fresh", "GPU-F").ID, time.Now().Add(time.Hour))
+		later := reserve(t, l, "later", "GPU-R")
+		start := time.Now()
+		h := startGC(t, l, GCConfig{Interval: interval})
+		time.Sleep(time.Second)
+		later = release(t, l, later.ID, time.Now()) // 1s after the GC started
+		gone := func(id string) func() bool {
+			return func() bool { _, err := l.Get(id); return errors.Is(err, device.ErrNotFound) }
+		}
+
+		// The first tick destroys the hour-old release (its deletion is a deferred
+		// write, committed within CommitDelay), not the one 9s old.
+		h.waitUntil(t, "the old release destroyed", gone(old.ID))
+		if took := time.Since(start); took < interval || took > interval+DefaultGCCommitDelay {
+			t.Errorf("the old release was destroyed %v after the GC started, want at its first tick (%v) + CommitDelay", took, interval)
+		}
+		if got := ids(listAll(t, l)); !reflect.DeepEqual(got, []string{live.ID, fresh.ID, later.ID}) {
+			t.Errorf("after the first tick the ledger lists %v, want all but the hour-old release %s", got, old.ID)
+		}
+		// The second destroys the one released between them.
+		h.waitUntil(t, "the later release destroyed", gone(later.ID))
+		if listed := time.Since(later.ReleasedAt); listed < interval || listed > 2*interval+DefaultGCCommitDelay {
+			t.Errorf("a release was listed for %v, want between one and two intervals (%v)", listed, interval)
+		}
+		h.waitTicks(t, 3)
+		if got := ids(listAll(t, l)); !reflect.DeepEqual(got, []string{live.ID, fresh.ID}) {
+			t.Errorf("after interval passes the ledger lists %v, want the live %s and the recent release %s", got, live.ID, fresh.ID)
+		}
+		if p := l.PendingCleanups(); len(p) != 0 {
+			t.Errorf("pending cleanups %v, want none: a nil Cleanup records each release cleaned", ids(p))
+		}
 	})
-	h.waitTicks(t, 3)
-	if got := ids(listAll(t, l)); !reflect.DeepEqual(got, []string{live.ID, fresh.ID}) {
-		t.Errorf("after interval passes the ledger lists %v, want the live %s and the recent release %s", got, live.ID, fresh.ID)
-	}
-	if p := l.PendingCleanups(); len(p) != 0 {
-		t.Errorf("pending cleanups %v, want none: a nil Cleanup records each release cleaned", ids(p))
-	}
 }
 
 func TestGCSkipLoggedOncePerCount(t *testing.T) {
+	synctest.Test(t, testGCSkipLoggedOncePerCount)
+}
+
+// testGCSkipLoggedOncePerCount runs in a synctest bubble: its ticks take no time.
+func testGCSkipLoggedOncePerCount(t *testing.T) {
 	logs, logger := newLogCapture()
 	l := newLedger(t)
 	for i := range 3 {
 		reserve(t, l, fmt.Sprint("o", i), fmt.Sprint("GPU-", i))
 	}
-	h := startGC(t, l, GCConfig{Logger: logger, MaxReservations: 2, Interval: 2 * time.Millisecond})
+	h := startGC(t, l, GCConfig{Logger: logger, MaxReservations: 2, Interval: 10 * time.Second})
 	const msg = "garbage collection due to number of reservations"
 	want := func(n int) string {
 		return fmt.Sprintf("%s (%d) is over the limit (2) skipped because no released reservations", msg, n)
@@ -222,6 +254,11 @@ func TestGCSkipLoggedOncePerCount(t *testing.T) {
 }
 
 func TestGCMarksOncePerReservation(t *testing.T) {
+	synctest.Test(t, testGCMarksOncePerReservation)
+}
+
+// testGCMarksOncePerReservation runs in a synctest bubble: its retries take no time.
+func testGCMarksOncePerReservation(t *testing.T) {
 	logs, logger := newLogCapture()
 	l := newLedger(t)
 	released := releasedN(t, l, 3)
@@ -233,7 +270,7 @@ func TestGCMarksOncePerReservation(t *testing.T) {
 		}
 		return nil
 	}
-	h := startGC(t, l, GCConfig{Logger: logger, Cleanup: cleanup, RetryMin: time.Millisecond, RetryMax: 2 * time.Millisecond})
+	h := startGC(t, l, GCConfig{Logger: logger, Cleanup: cleanup, RetryMin: time.Second, RetryMax: 2 * time.Second})
 	h.waitUntil(t, "every cleanup done", func() bool { return l.Counts().CleanupPending == 0 })
 
 	marked := map[string]int{}
@@ -255,33 +292,46 @@ func TestGCMarksOncePerReservation(t *testing.T) {
 	}
 }
 
+// TestGCRetriesFailedCleanupWithBackoff: a failed cleanup stays pending and is retried
+// after RetryMin, then twice that, up to RetryMax (±20% jitter), until it succeeds. On
+// synctest's clock, so the waits are the GC's own, to the nanosecond, and take no time.
 func TestGCRetriesFailedCleanupWithBackoff(t *testing.T) {
-	l := newLedger(t)
-	r := releasedN(t, l, 1)[0]
-	var mu sync.Mutex
-	var attempts []int
-	cleanup := func(_ context.Context, e GCEntry) error {
+	synctest.Test(t, func(t *testing.T) {
+		l := newLedger(t)
+		r := releasedN(t, l, 1)[0]
+		var mu sync.Mutex
+		var attempts []int
+		var at []time.Time
+		cleanup := func(_ context.Context, e GCEntry) error {
+			mu.Lock()
+			defer mu.Unlock()
+			attempts = append(attempts, e.Attempt)
+			at = append(at, time.Now())
+			if len(attempts) <= 4 {
+				if p := l.PendingCleanups(); len(p) != 1 || p[0].ID != r.ID {
+					t.Errorf("during attempt %d, pending cleanups = %v, want [%s]", e.Attempt, ids(p), r.ID)
+				}
+				return fmt.Errorf("attempt %d: %w", e.Attempt, device.ErrPluginUnavailable)
+			}
+			return nil
+		}
+		h := startGC(t, l, GCConfig{Cleanup: cleanup, RetryMin: time.Second, RetryMax: 4 * time.Second})
+		h.waitUntil(t, "the cleanup to succeed", func() bool { return l.Counts().CleanupPending == 0 })
 		mu.Lock()
 		defer mu.Unlock()
-		attempts = append(attempts, e.Attempt)
-		if len(attempts) <= 3 {
-			if p := l.PendingCleanups(); len(p) != 1 || p[0].ID != r.ID {
-				t.Errorf("during attempt %d, pending cleanups = %v, want [%s]", e.Attempt, ids(p), r.ID)
-			}
-			return fmt.Errorf("attempt %d: %w", e.Attempt, device.ErrPluginUnavailable)
+		if want := []int{1, 2, 3, 4, 5}; !reflect.DeepEqual(attempts, want) {
+			t.Fatalf("cleanup attempts %v, want %v", attempts, want)
 		}
-		return nil
-	}
-	h := startGC(t, l, GCConfig{Cleanup: cleanup, RetryMin: time.Millisecond, RetryMax: 4 * time.Millisecond})
-	h.waitUntil(t, "the cleanup to succeed", func() bool { return l.Counts().CleanupPending == 0 })
-	mu.Lock()
-	defer mu.Unlock()
-	if want := []int{1, 2, 3, 4}; !reflect.DeepEqual(attempts, want) {
-		t.Errorf("cleanup attempts %v, want %v", attempts, want)
-	}
-	if got, err := l.Get(r.ID); err != nil || got.CleanupPending {
-		t.Errorf("after the cleanup succeeded: %+v, %v; want it recorded done", got, err)
-	}
+		for i, base := range []time.Duration{time.Second, 2 * time.Second, 4 * time.Second, 4 * time.Second} {
+			lo, hi := base*8/10, base*12/10
+			if gap := at[i+1].Sub(at[i]); gap < lo || gap > hi {
+				t.Errorf("attempt %d came %v after attempt %d, want the backoff %v ±20%%", i+2, gap, i+1, base)
+			}
+		}
+		if got, err := l.Get(r.ID); err != nil || got.CleanupPending {
+			t.Errorf("after the cleanup succeeded: %+v, %v; want it recorded done", got, err)
+		}
+	})
 }
 
 // TestGCPendingCleanupSurvivesRestart: a cleanup that keeps failing is still owed after
