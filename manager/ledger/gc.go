@@ -205,7 +205,10 @@ type gcRun struct {
 
 	running    int       // items gcRunning (at most Parallel)
 	committing int       // items gcCommitting
-	deleting   int       // items gcRunning or gcCommitting whose job deletes
+	// deleting holds the items gcRunning or gcCommitting whose job deletes. A deletion
+	// whose commit the index already shows, but whose result this goroutine has not
+	// handled yet, is still in it: plan counts only those the index still holds.
+	deleting map[*gcItem]struct{}
 	cutoff     time.Time // the last tick's: idle reservations released at or before it are destroyed
 	lastSkipN  int       // the count last logged as over the limit with nothing released; -1: none
 	// retryEpoch counts RetryNow calls; a job started before the latest one that fails
@@ -228,6 +231,7 @@ func newGCRun(g *GC) *gcRun {
 		waiting:    itemHeap{id: heapWaiting, less: retryFirst},
 		began:      time.Now(),
 		lastSkipN:  -1,
+		deleting:   make(map[*gcItem]struct{}),
 		commitWake: make(chan struct{}, 1),
 	}
 }
@@ -476,6 +480,12 @@ func (r *gcRun) plan(now time.Time) {
 	}
 	r.l.mu.RLock()
 	c := r.l.idx.counts()
+	deleting := 0 // deletions in flight that the counts still include
+	for it := range r.deleting {
+		if r.l.idx.has(it.id) {
+			deleting++
+		}
+	}
 	r.l.mu.RUnlock()
 	excess := 0
 	switch over := c.Total > r.cfg.MaxReservations; {
@@ -487,7 +497,7 @@ func (r *gcRun) plan(now time.Time) {
 		}
 	case over:
 		r.lastSkipN = -1
-		excess = c.Total - r.cfg.MaxReservations - r.deleting
+		excess = c.Total - r.cfg.MaxReservations - deleting
 	default:
 		r.lastSkipN = -1
 	}
@@ -530,7 +540,7 @@ func (r *gcRun) start(it *gcItem, del bool) bool {
 	r.detach(it)
 	it.del, it.epoch = del, r.retryEpoch
 	if del {
-		r.deleting++
+		r.deleting[it] = struct{}{}
 	}
 	if !plugin {
 		// Nothing to clean, or no Cleanup func: a release is recorded as cleaned at once.
@@ -550,7 +560,7 @@ func (r *gcRun) cleaned(res gcResult, now time.Time) {
 	r.running--
 	if res.err != nil {
 		if it.del {
-			r.deleting--
+			delete(r.deleting, it)
 		}
 		r.fail(it, res.entry, "reservation cleanup failed; will retry", res.err, now)
 		r.recheck(it)
@@ -591,7 +601,7 @@ func (r *gcRun) recorded(res gcResult, now time.Time) {
 	it := r.items[res.id] // an item is never dropped while its write is queued
 	r.committing--
 	if it.del {
-		r.deleting--
+		delete(r.deleting, it)
 	}
 	if errors.Is(res.err, device.ErrNotFound) {
 		res.err = nil // deleted by someone else: nothing left to do

@@ -55,6 +55,15 @@ func (x *index) get(id string) *device.Reservation {
 	return nil
 }
 
+// has reports whether the index holds reservation id, without unpacking it.
+func (x *index) has(id string) bool {
+	if _, ok := x.live[id]; ok {
+		return true
+	}
+	_, ok := x.released[id]
+	return ok
+}
+
 // copyOf returns a deep copy of reservation id for a caller (nil when there is none).
 func (x *index) copyOf(id string) *device.Reservation {
 	if r := x.live[id]; r != nil {
