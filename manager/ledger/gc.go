@@ -203,14 +203,14 @@ type gcRun struct {
 	waiting itemHeap           // backing off, earliest next attempt first
 	began   time.Time          // when Run began: gcItem.next counts from it
 
-	running    int       // items gcRunning (at most Parallel)
-	committing int       // items gcCommitting
+	running    int // items gcRunning (at most Parallel)
+	committing int // items gcCommitting
 	// deleting holds the items gcRunning or gcCommitting whose job deletes. A deletion
 	// whose commit the index already shows, but whose result this goroutine has not
 	// handled yet, is still in it: plan counts only those the index still holds.
-	deleting map[*gcItem]struct{}
-	cutoff     time.Time // the last tick's: idle reservations released at or before it are destroyed
-	lastSkipN  int       // the count last logged as over the limit with nothing released; -1: none
+	deleting  map[*gcItem]struct{}
+	cutoff    time.Time // the last tick's: idle reservations released at or before it are destroyed
+	lastSkipN int       // the count last logged as over the limit with nothing released; -1: none
 	// retryEpoch counts RetryNow calls; a job started before the latest one that fails
 	// is retried at once, since RetryNow came after it began.
 	retryEpoch uint64
