@@ -15,7 +15,7 @@ import (
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
-// These tests check that a plugin cannot take another plugin's devices (issue 9.1): an
+// These tests check that a plugin cannot take another plugin's devices: an
 // ID is bound to the plugin that reported it first, across restarts of that plugin and
 // of the host, and a reservation is only ever routed to the plugin recorded in it.
 

@@ -23,7 +23,7 @@ import (
 )
 
 // These tests check that no plugin, nor plugins together, can make a host API message
-// too big for the host's clients (issue 9.2): they serve the manager with the real
+// too big for the host's clients: they serve the manager with the real
 // server and read it with a gRPC client on default options (4 MiB receive limit, as
 // grpcurl's and the CLI's).
 

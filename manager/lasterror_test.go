@@ -14,8 +14,8 @@ import (
 	"github.com/devicehost/devicehost/manager/device"
 )
 
-// These tests check what a failing plugin leaves in answers and in the log (issue 9.7),
-// and how fast a plugin killed after it served is back (issue 9.9).
+// These tests check what a failing plugin leaves in answers and in the log,
+// and how fast a plugin killed after it served is back.
 
 // goPluginNoise is the kind of error go-plugin makes of a plugin killed before its
 // handshake: 16 lines, tabs, and a socket path.

@@ -12,8 +12,8 @@ import (
 )
 
 // These tests check that one broken plugin does not hold the node's readiness for
-// ReadyTimeout (issue 9.6), and that a configured plugin without a binary is listed as
-// failed without holding it either (issue 8.4).
+// ReadyTimeout, and that a configured plugin without a binary is listed as
+// failed without holding it either.
 
 // readyWithin waits for m's Ready for up to d and fails the test otherwise.
 func readyWithin(t *testing.T, m *Manager, d time.Duration) time.Duration {

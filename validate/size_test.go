@@ -62,7 +62,7 @@ func TestFingerprintSizeLimit(t *testing.T) {
 	}{
 		{"at the limit", validate.MaxFingerprintBytes, nil},
 		{"one byte over", validate.MaxFingerprintBytes + 1, []found{{"fingerprint", validate.RuleTooLarge}}},
-		// The inventory of issue 9 that no client could receive.
+		// An inventory that no client could receive.
 		{"4,254,525 bytes", 4254525, []found{{"fingerprint", validate.RuleTooLarge}}},
 	}
 	for _, tc := range tests {

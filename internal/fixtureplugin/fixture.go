@@ -52,7 +52,7 @@
 //     reservation_id and device_ids (and whether it failed), so a host test can see which
 //     cleanups reached the plugin.
 //
-// Hostile-plugin knobs (issue 9: what one plugin must not be able to do to the others):
+// Hostile-plugin knobs (what one plugin must not be able to do to the others):
 //
 //   - fingerprint_invalid (bool): every Fingerprint message is invalid (the first
 //     group's first device ID twice), so the host never accepts one.
@@ -182,7 +182,7 @@ type Config struct {
 	ReleaseError string `json:"release_error,omitempty"`
 	LogRelease   bool   `json:"log_release,omitempty"`
 
-	// Hostile-plugin knobs of the manager's tests (issue 9).
+	// Hostile-plugin knobs of the manager's tests.
 	FingerprintInvalid bool     `json:"fingerprint_invalid,omitempty"`
 	FingerprintError   string   `json:"fingerprint_error,omitempty"`
 	FingerprintDelay   Duration `json:"fingerprint_delay,omitempty"`

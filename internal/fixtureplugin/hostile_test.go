@@ -16,7 +16,7 @@ import (
 	"github.com/devicehost/devicehost/validate"
 )
 
-// Tests of the hostile-plugin knobs (issue 9).
+// Tests of the hostile-plugin knobs.
 
 func TestFingerprintInvalid(t *testing.T) {
 	c, _ := start(t, fixtureplugin.Config{FingerprintInvalid: true})
