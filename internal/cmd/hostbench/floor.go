@@ -38,22 +38,13 @@ type floorSteps struct {
 // INFO, as it does Reserve), the plugin's Reserve called directly and a bare bbolt
 // commit.
 func (b *bench) floor(ctx context.Context) error {
-	a, err := b.start(ctx, 0, append([]string{"-state-dir", "$DIR/state"}, b.agentFlags...)...)
+	sess, err := b.open(ctx, 0, append([]string{"-state-dir", "$DIR/state"}, b.agentFlags...)...)
 	if err != nil {
 		return err
 	}
-	defer a.stop()
-	conn, err := a.dial()
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	c := pb.NewDeviceHostClient(conn)
+	defer sess.close()
+	a, conn, c, d := sess.a, sess.conn, sess.c, sess.d
 	hc := healthpb.NewHealthClient(conn)
-	d, err := firstDevice(ctx, c)
-	if err != nil {
-		return err
-	}
 
 	bin, err := filepath.Abs(b.bin)
 	if err != nil {

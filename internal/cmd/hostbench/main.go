@@ -214,6 +214,42 @@ func (b *bench) start(ctx context.Context, maxStreams int, extra ...string) (*ag
 
 func (a *agent) dial() (*grpc.ClientConn, error) { return dial(a.sock) }
 
+// session is a started agent, a connection to it and the first device it reports.
+// close ends the connection, then the agent.
+type session struct {
+	a    *agent
+	conn *grpc.ClientConn
+	c    pb.DeviceHostClient
+	d    device
+}
+
+// open starts an agent as start does, dials it and finds its first device; on an
+// error it stops what it started.
+func (b *bench) open(ctx context.Context, maxStreams int, extra ...string) (*session, error) {
+	a, err := b.start(ctx, maxStreams, extra...)
+	if err != nil {
+		return nil, err
+	}
+	conn, err := a.dial()
+	if err != nil {
+		a.stop()
+		return nil, err
+	}
+	c := pb.NewDeviceHostClient(conn)
+	d, err := firstDevice(ctx, c)
+	if err != nil {
+		conn.Close()
+		a.stop()
+		return nil, err
+	}
+	return &session{a: a, conn: conn, c: c, d: d}, nil
+}
+
+func (s *session) close() {
+	s.conn.Close()
+	s.a.stop()
+}
+
 func dial(sock string) (*grpc.ClientConn, error) {
 	return grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 }
@@ -482,21 +518,12 @@ func (h *holder) stop() (received int64) {
 }
 
 func (b *bench) reserve(ctx context.Context) error {
-	a, err := b.start(ctx, b.streams)
+	sess, err := b.open(ctx, b.streams)
 	if err != nil {
 		return err
 	}
-	defer a.stop()
-	conn, err := a.dial()
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	c := pb.NewDeviceHostClient(conn)
-	d, err := firstDevice(ctx, c)
-	if err != nil {
-		return err
-	}
+	defer sess.close()
+	a, c, d := sess.a, sess.c, sess.d
 	for range 30 { // warm up
 		if err := cycle(ctx, c, d); err != nil {
 			return err
@@ -521,21 +548,12 @@ func (b *bench) reserve(ctx context.Context) error {
 }
 
 func (b *bench) rss(ctx context.Context) error {
-	a, err := b.start(ctx, b.streams)
+	sess, err := b.open(ctx, b.streams)
 	if err != nil {
 		return err
 	}
-	defer a.stop()
-	conn, err := a.dial()
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	c := pb.NewDeviceHostClient(conn)
-	d, err := firstDevice(ctx, c)
-	if err != nil {
-		return err
-	}
+	defer sess.close()
+	a, c, d := sess.a, sess.c, sess.d
 	for range 30 {
 		if err := cycle(ctx, c, d); err != nil {
 			return err
@@ -577,21 +595,12 @@ func (b *bench) fanout(ctx context.Context, counts []int) error {
 }
 
 func (b *bench) fanoutOnce(ctx context.Context, n int) error {
-	a, err := b.start(ctx, n)
+	sess, err := b.open(ctx, n)
 	if err != nil {
 		return err
 	}
-	defer a.stop()
-	conn, err := a.dial()
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	c := pb.NewDeviceHostClient(conn)
-	d, err := firstDevice(ctx, c)
-	if err != nil {
-		return err
-	}
+	defer sess.close()
+	a, c, d := sess.a, sess.c, sess.d
 
 	// Every message after a stream's first is a change; its latency is the time it was
 	// received minus the snapshot's own timestamp (same machine, same clock). heldBy
