@@ -94,6 +94,8 @@ type Bridge struct {
 
 	// now is the clock of the release decisions (time.Now; tests set their own).
 	now func() time.Time
+	// afterSync is the registrar's test hook (see registrar.afterSync).
+	afterSync func(kubeletCreates int, ok bool)
 }
 
 // New checks cfg and returns a Bridge for it.

@@ -1,12 +1,15 @@
 package kubernetes_test
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -247,11 +250,16 @@ func TestAllocateReplacesOwnStaleReservation(t *testing.T) {
 }
 
 // A kubelet restart empties the device-plugins directory and makes a new
-// kubelet.sock: the bridge serves its socket again and registers again, and the new
-// kubelet sees the devices.
+// kubelet.sock: the bridge serves its socket again and registers again, once: kubelet
+// 1.37 refuses a second registration of an endpoint it is connected to, and a bridge
+// that sent one anyway would retry it forever. The pass after the bridge saw the new
+// socket succeeds with no registration refused, and the new kubelet sees the devices.
 func TestRegistersAgainAfterKubeletRestart(t *testing.T) {
 	ctx := testContext(t)
-	h := startBridge(t, startAgent(t, eightGPUs()))
+	passes := newSyncPasses()
+	h := startBridgeWith(t, startAgent(t, eightGPUs()), func(b *kubernetes.Bridge) {
+		kubernetes.SetAfterSync(b, passes.record)
+	})
 	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
 
 	for n := 2; n <= 3; n++ {
@@ -259,14 +267,58 @@ func TestRegistersAgainAfterKubeletRestart(t *testing.T) {
 			t.Fatal(err)
 		}
 		created := h.kubelet.SocketCreated()
-		regs, err := h.kubelet.WaitRegistrations(ctx, gpuResource, n)
-		if err != nil {
-			t.Fatal(err)
+		if err := passes.waitOK(ctx, n-1); err != nil {
+			t.Fatalf("after kubelet restart %d: %v; refused: %d", n-1, err, len(h.kubelet.Refused()))
+		}
+		regs := h.kubelet.Registrations()
+		if len(regs) != n {
+			t.Fatalf("after kubelet restart %d: %d registrations in all, want %d", n-1, len(regs), n)
 		}
 		t.Logf("registration %d: %v after the kubelet socket was created", n, regs[n-1].At.Sub(created))
+		if refused := h.kubelet.Refused(); len(refused) > 0 {
+			t.Fatalf("after kubelet restart %d: %d registrations refused as already connected (first at %v after the socket was created)",
+				n-1, len(refused), refused[0].At.Sub(created))
+		}
 		h.waitGPUs(t, ctx, "8 healthy GPUs at the restarted kubelet", kubelettest.AllHealth(8, dpapi.Healthy))
 		if _, err := os.Stat(filepath.Join(h.kubelet.Dir(), "devicehost-nvidia.com_gpu.sock")); err != nil {
 			t.Errorf("plugin socket after re-registration: %v", err)
+		}
+	}
+}
+
+// syncPasses records the registrar's passes (kubernetes.SetAfterSync).
+type syncPasses struct {
+	mu      sync.Mutex
+	changed chan struct{}
+	okAt    int // the most kubelet.sock creations seen by a pass that succeeded; -1: none
+}
+
+func newSyncPasses() *syncPasses { return &syncPasses{changed: make(chan struct{}), okAt: -1} }
+
+func (p *syncPasses) record(creates int, ok bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if ok && creates > p.okAt {
+		p.okAt = creates
+	}
+	close(p.changed)
+	p.changed = make(chan struct{})
+}
+
+// waitOK waits for a pass that succeeded after the registrar had seen creates
+// kubelet.sock creations.
+func (p *syncPasses) waitOK(ctx context.Context, creates int) error {
+	for {
+		p.mu.Lock()
+		done, ch := p.okAt >= creates, p.changed
+		p.mu.Unlock()
+		if done {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return fmt.Errorf("no registration pass succeeded after the bridge saw kubelet.sock created %d times: %w", creates, ctx.Err())
 		}
 	}
 }

@@ -51,6 +51,11 @@ type registrar struct {
 	servers map[string]*pluginServer
 	retry   time.Duration // the next retry delay after a failure
 	log     hclog.Logger
+
+	kubeletCreates int // kubelet.sock creations seen: kubelet (re)starts
+	// afterSync, when set (tests), is called by the run loop after each sync with
+	// kubeletCreates and whether the sync succeeded.
+	afterSync func(kubeletCreates int, ok bool)
 }
 
 func newRegistrar(b *Bridge) (*registrar, error) {
@@ -63,14 +68,15 @@ func newRegistrar(b *Bridge) (*registrar, error) {
 		return nil, fmt.Errorf("watch the device-plugins directory: %w", err)
 	}
 	return &registrar{
-		b:       b,
-		dir:     b.cfg.DevicePluginDir,
-		kubelet: filepath.Join(b.cfg.DevicePluginDir, KubeletSocketName),
-		watcher: w,
-		kickCh:  make(chan struct{}, 1),
-		servers: map[string]*pluginServer{},
-		retry:   retryBase,
-		log:     b.log.Named("register"),
+		b:         b,
+		dir:       b.cfg.DevicePluginDir,
+		kubelet:   filepath.Join(b.cfg.DevicePluginDir, KubeletSocketName),
+		watcher:   w,
+		kickCh:    make(chan struct{}, 1),
+		servers:   map[string]*pluginServer{},
+		retry:     retryBase,
+		log:       b.log.Named("register"),
+		afterSync: b.afterSync,
 	}, nil
 }
 
@@ -94,18 +100,20 @@ func (r *registrar) run(ctx context.Context) {
 	resync := time.NewTicker(resyncInterval)
 	defer resync.Stop()
 	events, errs := r.watcher.Events, r.watcher.Errors
-	force := false
 	for {
 		var retry <-chan time.Time
 		var timer *time.Timer
-		if r.sync(ctx, force) {
+		ok := r.sync(ctx)
+		if r.afterSync != nil {
+			r.afterSync(r.kubeletCreates, ok)
+		}
+		if ok {
 			r.retry = retryBase
 		} else {
 			timer = time.NewTimer(r.retry)
 			retry = timer.C
 			r.retry = min(2*r.retry, retryMax)
 		}
-		force = false
 		select {
 		case <-ctx.Done():
 			return
@@ -117,10 +125,13 @@ func (r *registrar) run(ctx context.Context) {
 			case !ok:
 				events = nil
 			case filepath.Base(ev.Name) == KubeletSocketName && ev.Has(fsnotify.Create):
-				// A kubelet (re)started: register everything again, even if the new
-				// socket looks like the old one.
-				r.log.Info("the kubelet's socket was created: registering again", "socket", ev.Name)
-				force = true
+				// A kubelet (re)started. The sync below registers with it unless the
+				// bridge already has: it may have seen the new socket while serving
+				// its own again (the kubelet empties the directory first). Kubelet
+				// 1.37 refuses a second registration of an endpoint it is connected
+				// to ("device plugin already connected"), so none is sent.
+				r.kubeletCreates++
+				r.log.Info("the kubelet's socket was created", "socket", ev.Name)
 			}
 		case err, ok := <-errs:
 			if !ok {
@@ -136,9 +147,10 @@ func (r *registrar) run(ctx context.Context) {
 }
 
 // sync makes every resource served on an intact socket and registered with the
-// kubelet whose socket is there now (with force, registered again in any case). It
-// reports false when something failed and should be tried again.
-func (r *registrar) sync(ctx context.Context, force bool) bool {
+// kubelet whose socket is there now: registered once per kubelet socket (a restarted
+// kubelet binds a new one, another file). It reports false when something failed and
+// should be tried again.
+func (r *registrar) sync(ctx context.Context) bool {
 	ok := true
 	kubelet, kerr := os.Stat(r.kubelet)
 	for _, res := range r.b.state.view().resources {
@@ -167,7 +179,7 @@ func (r *registrar) sync(ctx context.Context, force bool) bool {
 			ok = false
 			continue
 		}
-		if !force && ps.registeredWith != nil && sameSocket(ps.registeredWith, kubelet) {
+		if ps.registeredWith != nil && sameSocket(ps.registeredWith, kubelet) {
 			continue
 		}
 		start := time.Now()

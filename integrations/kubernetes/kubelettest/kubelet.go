@@ -49,6 +49,7 @@ type Kubelet struct {
 	srv      *grpc.Server
 	served   chan struct{} // closed when srv's Serve returned
 	regs     []Registration
+	refused  []Registration     // registrations refused as already connected
 	plugins  map[string]*plugin // by resource: the latest registered endpoint
 	changed  chan struct{}      // closed and replaced on every registration and update
 	sockMade time.Time          // when the current kubelet.sock was bound
@@ -58,7 +59,8 @@ type Kubelet struct {
 
 // plugin is a registered endpoint the Kubelet is connected to.
 type plugin struct {
-	conn    *grpc.ClientConn
+	endpoint string
+	conn     *grpc.ClientConn
 	client  dpapi.DevicePluginClient
 	cancel  context.CancelFunc
 	updates []Update
@@ -165,6 +167,14 @@ func (k *Kubelet) notifyLocked() {
 	k.changed = make(chan struct{})
 }
 
+// Refused returns the registrations refused because the Kubelet was still connected
+// to the endpoint, oldest first.
+func (k *Kubelet) Refused() []Registration {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return slices.Clone(k.refused)
+}
+
 // Registrations returns the registrations accepted so far, oldest first.
 func (k *Kubelet) Registrations() []Registration {
 	k.mu.Lock()
@@ -261,9 +271,21 @@ type registration struct {
 // Register checks the request as the kubelet does (API version, resource name with a
 // domain, an endpoint that is a file name in the directory), connects to the plugin's
 // socket, asks its options and starts reading its ListAndWatch, then records the
-// registration. A second registration of a resource replaces the first's connection.
+// registration. A second registration of a resource at another endpoint replaces the
+// first's connection; at the same endpoint, while the Kubelet is still connected to
+// it (its ListAndWatch runs), it is refused, as kubelet 1.37 refuses it ("device
+// plugin already connected"), and recorded (Refused).
 func (r *registration) Register(ctx context.Context, req *dpapi.RegisterRequest) (*dpapi.Empty, error) {
 	k := r.k
+	endpoint := filepath.Join(k.dir, req.GetEndpoint())
+	k.mu.Lock()
+	if old := k.plugins[req.GetResourceName()]; old != nil && old.endpoint == req.GetEndpoint() && old.ended == nil {
+		k.refused = append(k.refused, Registration{Request: req, At: time.Now()})
+		k.notifyLocked()
+		k.mu.Unlock()
+		return nil, status.Errorf(codes.Unknown, "device plugin already connected: %s", endpoint)
+	}
+	k.mu.Unlock()
 	switch {
 	case req.GetVersion() != dpapi.Version:
 		return nil, status.Errorf(codes.InvalidArgument, "version %q is not supported; want %q", req.GetVersion(), dpapi.Version)
@@ -272,7 +294,7 @@ func (r *registration) Register(ctx context.Context, req *dpapi.RegisterRequest)
 	case req.GetEndpoint() == "" || filepath.Base(req.GetEndpoint()) != req.GetEndpoint():
 		return nil, status.Errorf(codes.InvalidArgument, "endpoint %q is not a file name", req.GetEndpoint())
 	}
-	conn, err := grpc.NewClient("unix://"+filepath.Join(k.dir, req.GetEndpoint()), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient("unix://"+endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		return nil, err
 	}
@@ -284,7 +306,7 @@ func (r *registration) Register(ctx context.Context, req *dpapi.RegisterRequest)
 		return nil, status.Errorf(codes.Unavailable, "cannot reach the plugin at %s: %v", req.GetEndpoint(), err)
 	}
 	sctx, stop := context.WithCancel(context.Background())
-	p := &plugin{conn: conn, client: client, cancel: stop}
+	p := &plugin{endpoint: req.GetEndpoint(), conn: conn, client: client, cancel: stop}
 	k.mu.Lock()
 	if k.closed || k.srv == nil {
 		k.mu.Unlock()
