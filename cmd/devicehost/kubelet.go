@@ -43,6 +43,7 @@ type kubeletPluginConfig struct {
 	PodResourcesSocket   string
 	ReleaseGrace         time.Duration
 	PodResourcesInterval time.Duration
+	DeviceListStrategy   kubernetes.DeviceListStrategy
 	Resources            []kubernetes.Resource
 	LogLevel             string
 	LogJSON              bool
@@ -79,6 +80,7 @@ func runKubeletPlugin(ctx context.Context, env *cmdEnv, args []string) error {
 		Resources:            cfg.Resources,
 		ReleaseGrace:         cfg.ReleaseGrace,
 		PodResourcesInterval: cfg.PodResourcesInterval,
+		DeviceListStrategy:   cfg.DeviceListStrategy,
 		Logger:               log,
 	})
 	if err != nil {
@@ -97,6 +99,8 @@ func parseKubeletPluginArgs(env *cmdEnv, args []string) (kubeletPluginConfig, er
 	prSocket := fs.String("pod-resources-socket", kubernetes.DefaultPodResourcesSocket, "the kubelet's PodResources API socket `path`")
 	grace := fs.Duration("release-grace", kubernetes.DefaultReleaseGrace, "release a reservation once no pod has held its devices this long (at least 1s)")
 	interval := fs.Duration("pod-resources-interval", kubernetes.DefaultPodResourcesInterval, "how often to list the kubelet's PodResources (at least 100ms)")
+	strategy := fs.String("device-list-strategy", kubernetes.DefaultDeviceListStrategy,
+		"how Allocate lists a container's devices: `envvar` (NVIDIA_VISIBLE_DEVICES), cdi-cri (CDI names) or both, comma-separated")
 	logLevel := fs.String("log-level", defaultLogLevel, "log `level`: trace, debug, info, warn or error")
 	logJSON := fs.Bool("log-json", false, "log JSON lines")
 	if err := parseFlags(fs, args); err != nil {
@@ -126,6 +130,13 @@ func parseKubeletPluginArgs(env *cmdEnv, args []string) (kubeletPluginConfig, er
 	override("pod-resources-socket", func() { cfg.PodResourcesSocket = *prSocket })
 	override("release-grace", func() { cfg.ReleaseGrace = *grace })
 	override("pod-resources-interval", func() { cfg.PodResourcesInterval = *interval })
+	if set["device-list-strategy"] {
+		ds, err := kubernetes.ParseDeviceListStrategy(*strategy)
+		if err != nil {
+			return kubeletPluginConfig{}, usagef("-device-list-strategy: %v", err)
+		}
+		cfg.DeviceListStrategy = ds
+	}
 	override("log-level", func() { cfg.LogLevel = *logLevel })
 	override("log-json", func() { cfg.LogJSON = *logJSON })
 	cfg.TLS = cf.tls
@@ -155,6 +166,7 @@ type kubernetesSchema struct {
 	PodResourcesSocket   *hcl.Attribute   `hcl:"pod_resources_socket,optional"`
 	ReleaseGrace         *hcl.Attribute   `hcl:"release_grace,optional"`
 	PodResourcesInterval *hcl.Attribute   `hcl:"pod_resources_interval,optional"`
+	DeviceListStrategy   *hcl.Attribute   `hcl:"device_list_strategy,optional"`
 	Resources            []resourceSchema `hcl:"resource,block"`
 	DefRange             hcl.Range        `hcl:",def_range"`
 }
@@ -191,6 +203,18 @@ func loadKubeletConfigFile(path string, cfg *kubeletPluginConfig) error {
 		d.str(k.PodResourcesSocket, &cfg.PodResourcesSocket)
 		d.duration(k.ReleaseGrace, minReleaseGrace, &cfg.ReleaseGrace)
 		d.duration(k.PodResourcesInterval, minPodResourcesInterval, &cfg.PodResourcesInterval)
+		if a := k.DeviceListStrategy; a != nil {
+			var s string
+			before := len(d.diags)
+			d.str(a, &s)
+			if len(d.diags) == before {
+				if ds, err := kubernetes.ParseDeviceListStrategy(s); err != nil {
+					d.fail(a, "Invalid value", err.Error())
+				} else {
+					cfg.DeviceListStrategy = ds
+				}
+			}
+		}
 		for _, rs := range k.Resources {
 			if err := kubernetes.ValidateResourceName(rs.Name); err != nil {
 				d.diags = append(d.diags, &hcl.Diagnostic{

@@ -20,6 +20,7 @@ kubernetes {
   pod_resources_socket   = "/srv/pod-resources/kubelet.sock"
   release_grace          = "45s"
   pod_resources_interval = "2s"
+  device_list_strategy   = "cdi-cri"
 
   resource "nvidia.com/gpu" {
     vendor = "nvidia"
@@ -43,6 +44,7 @@ kubernetes {
 		PodResourcesSocket:   "/srv/pod-resources/kubelet.sock",
 		ReleaseGrace:         45 * time.Second,
 		PodResourcesInterval: 2 * time.Second,
+		DeviceListStrategy:   kubernetes.DeviceListStrategy{CDI: true},
 		Resources: []kubernetes.Resource{
 			{Name: "nvidia.com/gpu", Vendor: "nvidia", Type: "gpu"},
 			{Name: "acme.com/widget-9000", Vendor: "acme", Type: "fpga", Model: "Widget 9000"},
@@ -71,6 +73,7 @@ func TestLoadKubeletConfigFileErrors(t *testing.T) {
 		{"a name twice", "kubernetes {\n  resource \"a.com/x\" {\n    vendor = \"a\"\n    type = \"x\"\n  }\n  resource \"a.com/x\" {\n    vendor = \"b\"\n    type = \"y\"\n  }\n}\n", `resource "a.com/x" is configured twice`},
 		{"two blocks", "kubernetes {}\nkubernetes {}\n", `:2,1: Duplicate kubernetes block; the kubernetes block is already at line 1`},
 		{"bad address", "kubernetes {\n  address = \"http://x\"\n}\n", `:2,13: Invalid address`},
+		{"bad strategy", "kubernetes {\n  device_list_strategy = \"volume-mounts\"\n}\n", `:2,26: Invalid value; device_list_strategy: device-list strategy "volume-mounts": want envvar, cdi-cri or both`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			path := writeConfig(t, "kubelet.hcl", tc.content)
@@ -107,7 +110,7 @@ kubernetes {
   }
 }
 `)
-	cfg, err := parseKubeletPluginArgs(env, []string{"-config", path, "-release-grace", "10s", "-pod-resources-socket", "/flag/pr.sock"})
+	cfg, err := parseKubeletPluginArgs(env, []string{"-config", path, "-release-grace", "10s", "-pod-resources-socket", "/flag/pr.sock", "-device-list-strategy", "envvar"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -116,6 +119,7 @@ kubernetes {
 		DevicePluginDir:    "/from/file",
 		PodResourcesSocket: "/flag/pr.sock",
 		ReleaseGrace:       10 * time.Second,
+		DeviceListStrategy: kubernetes.DeviceListStrategy{EnvVar: true},
 		Resources:          []kubernetes.Resource{{Name: "nvidia.com/gpu", Vendor: "nvidia", Type: "gpu"}},
 		LogLevel:           "info",
 	}
@@ -130,6 +134,7 @@ kubernetes {
 		{[]string{"-release-grace", "10ms"}, "-release-grace 10ms is below the minimum of 1s"},
 		{[]string{"-pod-resources-interval", "1ms"}, "-pod-resources-interval 1ms is below the minimum of 100ms"},
 		{[]string{"-log-level", "loud"}, `"loud" is not a log level`},
+		{[]string{"-device-list-strategy", "cdi"}, `-device-list-strategy: device-list strategy "cdi": want envvar, cdi-cri or both`},
 		{[]string{"-address", "http://x"}, "address"},
 		{[]string{"extra"}, `unexpected argument "extra"`},
 	} {

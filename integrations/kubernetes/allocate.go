@@ -107,7 +107,7 @@ func (b *Bridge) allocate(ctx context.Context, resource string, ids []string) (*
 	bk := b.bookingLocked(res.GetReservationId())
 	bk.freeSince, bk.touched = now, now
 	b.log.Debug("allocated", "resource", resource, "devices", ids, "reservation", res.GetReservationId(), "owner", req.OwnerId)
-	return containerResponse(res.GetReservation()), nil
+	return containerResponse(res.GetReservation(), b.cfg.DeviceListStrategy), nil
 }
 
 func (bk *booking) podOrNone() string {
@@ -208,9 +208,13 @@ func reserveError(resource string, ids []string, err error) error {
 	return status.Errorf(code, "allocate %s (%s): %s", resource, strings.Join(ids, ", "), msg)
 }
 
-// containerResponse maps the agent's container reservation onto the kubelet's.
-func containerResponse(cr *pb.ContainerReservation) *dpapi.ContainerAllocateResponse {
-	out := &dpapi.ContainerAllocateResponse{Envs: maps.Clone(cr.GetEnvs())}
+// containerResponse maps the agent's container reservation onto the kubelet's, its
+// env vars and CDI names as strategy says.
+func containerResponse(cr *pb.ContainerReservation, strategy DeviceListStrategy) *dpapi.ContainerAllocateResponse {
+	out := &dpapi.ContainerAllocateResponse{}
+	if strategy.EnvVar {
+		out.Envs = maps.Clone(cr.GetEnvs())
+	}
 	for _, m := range cr.GetMounts() {
 		out.Mounts = append(out.Mounts, &dpapi.Mount{ContainerPath: m.GetContainerPath(), HostPath: m.GetHostPath(), ReadOnly: m.GetReadOnly()})
 	}
@@ -218,6 +222,9 @@ func containerResponse(cr *pb.ContainerReservation) *dpapi.ContainerAllocateResp
 		out.Devices = append(out.Devices, &dpapi.DeviceSpec{ContainerPath: d.GetContainerPath(), HostPath: d.GetHostPath(), Permissions: d.GetPermissions()})
 	}
 	for _, name := range cr.GetCdiDevices() {
+		if !strategy.CDI {
+			break
+		}
 		out.CdiDevices = append(out.CdiDevices, &dpapi.CDIDevice{Name: name})
 	}
 	return out

@@ -68,6 +68,9 @@ type Config struct {
 	PodResourcesInterval time.Duration
 	// Logger receives the bridge's log lines. Nil discards them.
 	Logger hclog.Logger
+	// DeviceListStrategy says whether Allocate answers list the devices as env vars,
+	// CDI names or both. Zero means both (DefaultDeviceListStrategy).
+	DeviceListStrategy DeviceListStrategy
 	// PCIeRoot names the PCIe root of a device from its PCI bus ID, for
 	// GetPreferredAllocation ("" when unknown). Nil means SysfsPCIeRoot("/sys").
 	PCIeRoot func(busID string) string
@@ -122,6 +125,9 @@ func New(cfg Config) (*Bridge, error) {
 	if cfg.PodResourcesInterval == 0 {
 		cfg.PodResourcesInterval = DefaultPodResourcesInterval
 	}
+	if cfg.DeviceListStrategy == (DeviceListStrategy{}) {
+		cfg.DeviceListStrategy = DeviceListStrategy{EnvVar: true, CDI: true}
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = hclog.NewNullLogger()
@@ -164,7 +170,8 @@ func (b *Bridge) Run(ctx context.Context) error {
 		return err
 	}
 	b.log.Info("serving the kubelet", "agent", b.c.Address(), "device_plugin_dir", dir,
-		"pod_resources", b.cfg.PodResourcesSocket, "release_grace", b.cfg.ReleaseGrace)
+		"pod_resources", b.cfg.PodResourcesSocket, "release_grace", b.cfg.ReleaseGrace,
+		"device_list_strategy", b.cfg.DeviceListStrategy.String())
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()

@@ -92,6 +92,53 @@ func TestAgentGoneMarksEverythingUnhealthy(t *testing.T) {
 	h.waitGPUs(t, ctx, "the agent's state back", withHealth(8, gpuID(1), dpapi.Unhealthy))
 }
 
+// The device-list strategy decides which lists the container gets: envvar only the
+// env (a runtime injecting from NVIDIA_VISIBLE_DEVICES), cdi-cri only the CDI names
+// (a runtime with CDI on); mounts and device nodes come in both.
+func TestAllocateDeviceListStrategy(t *testing.T) {
+	for _, tc := range []struct {
+		strategy         string
+		wantEnv, wantCDI bool
+	}{
+		{"envvar", true, false},
+		{"cdi-cri", false, true},
+		{"cdi-cri,envvar", true, true},
+	} {
+		t.Run(tc.strategy, func(t *testing.T) {
+			ctx := testContext(t)
+			strategy, err := kubernetes.ParseDeviceListStrategy(tc.strategy)
+			if err != nil {
+				t.Fatal(err)
+			}
+			h := startBridge(t, startAgent(t, eightGPUs()), func(c *kubernetes.Config) { c.DeviceListStrategy = strategy })
+			got, err := allocate(ctx, h.healthyPlugin(t, ctx), gpuID(2), gpuID(3))
+			if err != nil {
+				t.Fatalf("Allocate: %v", err)
+			}
+			if env := got.GetEnvs()["NVIDIA_VISIBLE_DEVICES"]; (env != "") != tc.wantEnv {
+				t.Errorf("NVIDIA_VISIBLE_DEVICES = %q; want it set: %v", env, tc.wantEnv)
+			}
+			if cdi := got.GetCdiDevices(); (len(cdi) == 2) != tc.wantCDI || (len(cdi) != 0 && len(cdi) != 2) {
+				t.Errorf("CDI devices %v; want both GPUs' names: %v", cdi, tc.wantCDI)
+			}
+			if len(got.GetMounts()) != 1 || len(got.GetDevices()) != 1 {
+				t.Errorf("mounts %v, devices %v: want the plugin's one of each", got.GetMounts(), got.GetDevices())
+			}
+		})
+	}
+}
+
+func TestParseDeviceListStrategy(t *testing.T) {
+	for _, bad := range []string{"", "env", "envvar,", "cdi-annotations", "envvar;cdi-cri"} {
+		if _, err := kubernetes.ParseDeviceListStrategy(bad); err == nil || !strings.Contains(err.Error(), "envvar, cdi-cri or both") {
+			t.Errorf("ParseDeviceListStrategy(%q) = %v, want an error naming the choices", bad, err)
+		}
+	}
+	if s, err := kubernetes.ParseDeviceListStrategy(" cdi-cri , envvar "); err != nil || s.String() != kubernetes.DefaultDeviceListStrategy {
+		t.Errorf("ParseDeviceListStrategy(both) = %v (%q), %v", s, s.String(), err)
+	}
+}
+
 // Allocate of two GPUs is one Reserve at the agent whose answer the container gets:
 // NVIDIA_VISIBLE_DEVICES with both UUIDs, their CDI names, mounts and device nodes. A
 // retried Allocate gets the same reservation, not a second one.

@@ -61,10 +61,10 @@ type Kubelet struct {
 type plugin struct {
 	endpoint string
 	conn     *grpc.ClientConn
-	client  dpapi.DevicePluginClient
-	cancel  context.CancelFunc
-	updates []Update
-	ended   error // why its ListAndWatch ended; nil while it runs
+	client   dpapi.DevicePluginClient
+	cancel   context.CancelFunc
+	updates  []Update
+	ended    error // why its ListAndWatch ended; nil while it runs
 }
 
 // Start serves the Registration service on dir/kubelet.sock. dir must exist; its

@@ -82,20 +82,18 @@ func (c *cdiPublisher) publish(gpus []gpu) {
 }
 
 // spec describes gpus for CDI: each GPU brings its /dev/nvidiaN; any of them brings
-// /dev/nvidiactl, the UVM nodes this host has, and NVIDIA_VISIBLE_DEVICES=void, so the
-// NVIDIA Container Toolkit's hook, where it also runs, adds no GPU of its own (CUDA
-// images set NVIDIA_VISIBLE_DEVICES=all). A GPU whose minor number NVML cannot give is
-// left out, with a warning.
+// /dev/nvidiactl and the UVM nodes this host has. It sets no NVIDIA_VISIBLE_DEVICES:
+// Reserve's answer does, with the reserved GPUs' UUIDs, and a spec edit would override
+// it in the container (a runtime applies CDI edits after the container's own env), so
+// the workload would see a list other than the devices it got. A GPU whose minor
+// number NVML cannot give is left out, with a warning.
 func (c *cdiPublisher) spec(gpus []gpu) cdi.Spec {
 	const ctl = "/dev/nvidiactl"
 	s := cdi.Spec{
 		Kind:    cdiKind,
 		Devices: make(map[string]*pb.ContainerReservation, len(gpus)),
-		Common: &pb.ContainerReservation{
-			Envs:    map[string]string{"NVIDIA_VISIBLE_DEVICES": "void"},
-			Devices: []*pb.DeviceSpec{node(ctl)},
-		},
-		Nodes: map[string]cdi.Node{ctl: {Type: "c", Major: nvidiaMajor, Minor: nvidiaCtlMinor}},
+		Common:  &pb.ContainerReservation{Devices: []*pb.DeviceSpec{node(ctl)}},
+		Nodes:   map[string]cdi.Node{ctl: {Type: "c", Major: nvidiaMajor, Minor: nvidiaCtlMinor}},
 	}
 	for _, path := range uvmNodes {
 		if c.charDevice(path) {

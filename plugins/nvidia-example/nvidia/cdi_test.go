@@ -101,7 +101,13 @@ func TestCDINamesFromReserveInject(t *testing.T) {
 		t.Fatalf("Reserve gave CDI names %q, want 2", names)
 	}
 
-	spec := &oci.Spec{Process: &oci.Process{Env: []string{"PATH=/usr/bin"}}, Linux: &oci.Linux{}}
+	// The container's env as a CRI runtime builds it: the image's and the
+	// reservation's; CDI edits come after. The GPUs' list must survive them.
+	env := []string{"PATH=/usr/bin"}
+	for k, v := range res.GetReservation().GetEnvs() {
+		env = append(env, k+"="+v)
+	}
+	spec := &oci.Spec{Process: &oci.Process{Env: env}, Linux: &oci.Linux{}}
 	if unresolved, err := runtimeCache(t, dir).InjectDevices(spec, names...); err != nil {
 		t.Fatalf("InjectDevices(%q): %v (unresolved %q)", names, err, unresolved)
 	}
@@ -114,8 +120,9 @@ func TestCDINamesFromReserveInject(t *testing.T) {
 	if want := []string{"/dev/nvidia2 c 195:2", "/dev/nvidia5 c 195:5", "/dev/nvidiactl c 195:255"}; !slices.Equal(nodes, want) {
 		t.Errorf("device nodes in the OCI spec = %q, want %q", nodes, want)
 	}
-	if want := []string{"PATH=/usr/bin", "NVIDIA_VISIBLE_DEVICES=void"}; !slices.Equal(spec.Process.Env, want) {
-		t.Errorf("env in the OCI spec = %q, want %q", spec.Process.Env, want)
+	visible := "NVIDIA_VISIBLE_DEVICES=" + ids[0] + "," + ids[1]
+	if want := []string{"PATH=/usr/bin", visible}; !slices.Equal(spec.Process.Env, want) {
+		t.Errorf("env in the OCI spec = %q, want %q: the CDI edits must leave the reservation's GPU list alone", spec.Process.Env, want)
 	}
 	var rules []string
 	for _, r := range spec.Linux.Resources.Devices {
