@@ -2,6 +2,7 @@ package validate
 
 import (
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 
@@ -25,6 +26,7 @@ func fingerprint(resp *pb.FingerprintResponse) error {
 		c.add("groups", RuleTooMany, tooMany(len(groups), MaxGroups))
 		groups = groups[:MaxGroups]
 	}
+	sets := c.checkCounterSets(resp.GetCounterSets())
 	type groupKey struct{ vendor, typ, name string }
 	seenGroup := make(map[groupKey]int, len(groups))
 	seenID := make(map[string]string) // device ID -> where first seen
@@ -82,12 +84,111 @@ func fingerprint(resp *pb.FingerprintResponse) error {
 					c.add(at(dItem, "pci_bus_id"), RulePCIBusID, q(id)+", want dddd:bb:dd.f")
 				}
 			}
+			c.checkConsumption(dItem, d.GetConsumes(), sets)
 		}
 	}
 	if n := countDevices(resp.GetGroups()); n > MaxDevices {
 		c.add("devices", RuleTooMany, tooMany(n, MaxDevices))
 	}
 	return c.err()
+}
+
+// checkCounterSets checks the fingerprint's counter sets: at most MaxCounterSets, each
+// named like a device ID and unique, with 1 to MaxCountersPerSet counters named like
+// attributes, each capacity 0 to MaxCounterValue. It returns the capacities of the
+// sets checked, by name, for the devices' consumption.
+func (c *collector) checkCounterSets(sets []*pb.CounterSet) map[string]map[string]int64 {
+	if len(sets) > MaxCounterSets {
+		c.add("counter_sets", RuleTooMany, tooMany(len(sets), MaxCounterSets))
+		sets = sets[:MaxCounterSets]
+	}
+	out := make(map[string]map[string]int64, len(sets))
+	first := make(map[string]int, len(sets))
+	for si, s := range sets {
+		if s == nil {
+			c.add(fmt.Sprintf("counter_set[%d]", si), RuleMissing, "")
+			continue
+		}
+		item := fmt.Sprintf("counter_set[%d] %s", si, q(s.GetName()))
+		c.checkName(at(item, "name"), s.GetName())
+		if i, dup := first[s.GetName()]; dup {
+			c.add(item, RuleDuplicate, fmt.Sprintf("first seen at counter_set[%d]", i))
+			continue
+		}
+		first[s.GetName()] = si
+		names := slices.Sorted(maps.Keys(s.GetCounters()))
+		switch {
+		case len(names) == 0:
+			c.add(at(item, "counters"), RuleEmpty, "")
+		case len(names) > MaxCountersPerSet:
+			c.add(at(item, "counters"), RuleTooMany, tooMany(len(names), MaxCountersPerSet))
+			names = names[:MaxCountersPerSet]
+		}
+		caps := make(map[string]int64, len(names))
+		for _, n := range names {
+			cItem := at(item, "counter "+q(n))
+			c.checkName(cItem, n)
+			v := s.GetCounters()[n]
+			c.checkCounterValue(cItem, "capacity", v)
+			caps[n] = v
+		}
+		out[s.GetName()] = caps
+	}
+	return out
+}
+
+// checkConsumption checks what one device consumes: at most MaxConsumptions sets, each
+// declared in the fingerprint (RuleUnknownCounterSet) and named once, each counter one
+// of its set's (RuleUnknownCounter) with a use of 0 to its capacity (RuleOverCapacity:
+// a device that alone does not fit could never be reserved).
+func (c *collector) checkConsumption(dItem string, cons []*pb.CounterConsumption, sets map[string]map[string]int64) {
+	if len(cons) > MaxConsumptions {
+		c.add(at(dItem, "consumes"), RuleTooMany, tooMany(len(cons), MaxConsumptions))
+		cons = cons[:MaxConsumptions]
+	}
+	seen := make(map[string]bool, len(cons))
+	for ci, cc := range cons {
+		if cc == nil {
+			c.add(at(dItem, fmt.Sprintf("consumes[%d]", ci)), RuleMissing, "")
+			continue
+		}
+		item := at(dItem, fmt.Sprintf("consumes[%d] %s", ci, q(cc.GetCounterSet())))
+		caps, ok := sets[cc.GetCounterSet()]
+		switch {
+		case seen[cc.GetCounterSet()]:
+			c.add(item, RuleDuplicate, "the device names this counter set twice")
+			continue
+		case !ok:
+			c.add(item, RuleUnknownCounterSet, "not among the fingerprint's counter_sets")
+			continue
+		}
+		seen[cc.GetCounterSet()] = true
+		names := slices.Sorted(maps.Keys(cc.GetCounters()))
+		if len(names) > MaxCountersPerSet {
+			c.add(at(item, "counters"), RuleTooMany, tooMany(len(names), MaxCountersPerSet))
+			names = names[:MaxCountersPerSet]
+		}
+		for _, n := range names {
+			cItem := at(item, "counter "+q(n))
+			capacity, known := caps[n]
+			v := cc.GetCounters()[n]
+			switch {
+			case !known:
+				c.add(cItem, RuleUnknownCounter, "the set has no such counter")
+			case v < 0 || v > MaxCounterValue:
+				c.checkCounterValue(cItem, "use", v)
+			case v > capacity:
+				c.add(cItem, RuleOverCapacity, fmt.Sprintf("uses %d of a capacity of %d", v, capacity))
+			}
+		}
+	}
+}
+
+// checkCounterValue checks a capacity or a use: 0 to MaxCounterValue.
+func (c *collector) checkCounterValue(item, what string, v int64) {
+	if v < 0 || v > MaxCounterValue {
+		c.add(item, RuleCounterRange, fmt.Sprintf("%s %d, want 0 to %d", what, v, int64(MaxCounterValue)))
+	}
 }
 
 func countDevices(groups []*pb.DeviceGroup) int {

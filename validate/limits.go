@@ -47,6 +47,17 @@ const (
 	// MaxTakeOverPrefixes bounds the owner prefixes one Reserve may take devices over
 	// from.
 	MaxTakeOverPrefixes = 16
+	// MaxCounterSets bounds the counter sets (shared capacity) of one fingerprint: one
+	// per GPU is the common case.
+	MaxCounterSets = 1024
+	// MaxCountersPerSet bounds the counters of one set: a GPU's 8 memory slices, its
+	// compute slices and a few more.
+	MaxCountersPerSet = 64
+	// MaxConsumptions bounds the counter sets one device consumes from.
+	MaxConsumptions = 16
+	// MaxCounterValue bounds a counter's capacity and a device's use of it, so that
+	// the sum over every device of a fingerprint (MaxDevices) cannot overflow an int64.
+	MaxCounterValue = 1 << 50
 
 	// MaxFingerprintBytes bounds the encoded size (protobuf wire bytes) of one plugin's
 	// fingerprint message, and MaxStatsBytes of one plugin's stats message. Every other

@@ -33,6 +33,14 @@ import (
 //     dddddddd:bb:dd.f);
 //   - more than MaxGroups groups, MaxDevicesPerGroup devices in a group, or MaxDevices
 //     devices in all;
+//   - shared capacity: more than MaxCounterSets counter sets; a set with a name like a
+//     device ID, unique (RuleDuplicate), 1 to MaxCountersPerSet counters named like
+//     attributes, each capacity 0 to MaxCounterValue (RuleCounterRange); per device at
+//     most MaxConsumptions consumptions, each of a declared set (RuleUnknownCounterSet)
+//     named once, of counters the set has (RuleUnknownCounter), each use 0 to the
+//     counter's capacity (RuleCounterRange, RuleOverCapacity). Sets are the plugin's
+//     own (the host keys them by plugin), so no set spans two plugins, and a set
+//     refers to nothing, so there are no cycles;
 //   - an encoded size over MaxFingerprintBytes (RuleTooLarge on item "fingerprint").
 //
 // An unhealthy device without a reason is not a violation: rejecting the fingerprint

@@ -47,6 +47,11 @@ const (
 	RuleExactlyOne    Rule = "exactly one of reservation_id and owner_id must be set"
 	RuleState         Rule = "unknown reservation state"
 	RuleOwnerPrefix   Rule = "invalid owner prefix" // a take-over prefix that is not "segment/.../"
+	// Shared capacity (counter sets).
+	RuleUnknownCounterSet Rule = "unknown counter set"       // a device consumes from a set the fingerprint does not declare
+	RuleUnknownCounter    Rule = "unknown counter"           // a device consumes a counter its set does not have
+	RuleCounterRange      Rule = "counter out of range"      // a capacity or use below 0 or over MaxCounterValue
+	RuleOverCapacity      Rule = "consumption over capacity" // one device alone uses more than the set has
 	// RuleTruncated is reported once, last, when more than MaxViolations violations were
 	// found; its Detail says how many were left out.
 	RuleTruncated Rule = "more violations not shown"

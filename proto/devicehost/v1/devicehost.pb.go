@@ -243,7 +243,11 @@ type FingerprintResponse struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Groups []*DeviceGroup         `protobuf:"bytes,1,rep,name=groups,proto3" json:"groups,omitempty"`
 	// When this snapshot was made.
-	Timestamp     *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=timestamp,proto3" json:"timestamp,omitempty"`
+	Timestamp *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=timestamp,proto3" json:"timestamp,omitempty"`
+	// The shared capacity the listed devices consume (GPU partitioning: a GPU's memory
+	// and compute slices), with what live reservations use of it. Only the sets some
+	// listed device consumes.
+	CounterSets   []*CounterSet `protobuf:"bytes,3,rep,name=counter_sets,json=counterSets,proto3" json:"counter_sets,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -292,6 +296,139 @@ func (x *FingerprintResponse) GetTimestamp() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *FingerprintResponse) GetCounterSets() []*CounterSet {
+	if x != nil {
+		return x.CounterSets
+	}
+	return nil
+}
+
+// CounterSet is capacity that several devices of one plugin share.
+type CounterSet struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The plugin that reports the set, and the set's name there (unique per plugin).
+	Plugin string `protobuf:"bytes,1,opt,name=plugin,proto3" json:"plugin,omitempty"`
+	Name   string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	// Capacity per counter.
+	Capacity map[string]int64 `protobuf:"bytes,3,rep,name=capacity,proto3" json:"capacity,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	// What live reservations use, per counter (counters none uses are absent).
+	Used          map[string]int64 `protobuf:"bytes,4,rep,name=used,proto3" json:"used,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CounterSet) Reset() {
+	*x = CounterSet{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CounterSet) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CounterSet) ProtoMessage() {}
+
+func (x *CounterSet) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CounterSet.ProtoReflect.Descriptor instead.
+func (*CounterSet) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *CounterSet) GetPlugin() string {
+	if x != nil {
+		return x.Plugin
+	}
+	return ""
+}
+
+func (x *CounterSet) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *CounterSet) GetCapacity() map[string]int64 {
+	if x != nil {
+		return x.Capacity
+	}
+	return nil
+}
+
+func (x *CounterSet) GetUsed() map[string]int64 {
+	if x != nil {
+		return x.Used
+	}
+	return nil
+}
+
+// CounterConsumption is what a device uses of one counter set while it is held.
+type CounterConsumption struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A counter set of the device's plugin.
+	CounterSet    string           `protobuf:"bytes,1,opt,name=counter_set,json=counterSet,proto3" json:"counter_set,omitempty"`
+	Counters      map[string]int64 `protobuf:"bytes,2,rep,name=counters,proto3" json:"counters,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CounterConsumption) Reset() {
+	*x = CounterConsumption{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CounterConsumption) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CounterConsumption) ProtoMessage() {}
+
+func (x *CounterConsumption) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CounterConsumption.ProtoReflect.Descriptor instead.
+func (*CounterConsumption) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *CounterConsumption) GetCounterSet() string {
+	if x != nil {
+		return x.CounterSet
+	}
+	return ""
+}
+
+func (x *CounterConsumption) GetCounters() map[string]int64 {
+	if x != nil {
+		return x.Counters
+	}
+	return nil
+}
+
 type DeviceGroup struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Vendor string                 `protobuf:"bytes,1,opt,name=vendor,proto3" json:"vendor,omitempty"`
@@ -307,7 +444,7 @@ type DeviceGroup struct {
 
 func (x *DeviceGroup) Reset() {
 	*x = DeviceGroup{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -319,7 +456,7 @@ func (x *DeviceGroup) String() string {
 func (*DeviceGroup) ProtoMessage() {}
 
 func (x *DeviceGroup) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -332,7 +469,7 @@ func (x *DeviceGroup) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceGroup.ProtoReflect.Descriptor instead.
 func (*DeviceGroup) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{2}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *DeviceGroup) GetVendor() string {
@@ -387,14 +524,20 @@ type Device struct {
 	HealthSince *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=health_since,json=healthSince,proto3" json:"health_since,omitempty"`
 	Locality    *Locality              `protobuf:"bytes,5,opt,name=locality,proto3" json:"locality,omitempty"`
 	// The live reservation holding the device, if any.
-	Holder        *Holder `protobuf:"bytes,6,opt,name=holder,proto3" json:"holder,omitempty"`
+	Holder *Holder `protobuf:"bytes,6,opt,name=holder,proto3" json:"holder,omitempty"`
+	// What holding the device uses of its plugin's counter sets (none: it shares
+	// nothing).
+	Consumes []*CounterConsumption `protobuf:"bytes,7,rep,name=consumes,proto3" json:"consumes,omitempty"`
+	// Live reservations of other devices that use so much of a counter this device
+	// consumes that it cannot be reserved now (empty when it can, or when it is held).
+	BlockedBy     []*Holder `protobuf:"bytes,8,rep,name=blocked_by,json=blockedBy,proto3" json:"blocked_by,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Device) Reset() {
 	*x = Device{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -406,7 +549,7 @@ func (x *Device) String() string {
 func (*Device) ProtoMessage() {}
 
 func (x *Device) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -419,7 +562,7 @@ func (x *Device) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Device.ProtoReflect.Descriptor instead.
 func (*Device) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{3}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Device) GetId() string {
@@ -464,6 +607,20 @@ func (x *Device) GetHolder() *Holder {
 	return nil
 }
 
+func (x *Device) GetConsumes() []*CounterConsumption {
+	if x != nil {
+		return x.Consumes
+	}
+	return nil
+}
+
+func (x *Device) GetBlockedBy() []*Holder {
+	if x != nil {
+		return x.BlockedBy
+	}
+	return nil
+}
+
 type Locality struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	PciBusId string                 `protobuf:"bytes,1,opt,name=pci_bus_id,json=pciBusId,proto3" json:"pci_bus_id,omitempty"`
@@ -475,7 +632,7 @@ type Locality struct {
 
 func (x *Locality) Reset() {
 	*x = Locality{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -487,7 +644,7 @@ func (x *Locality) String() string {
 func (*Locality) ProtoMessage() {}
 
 func (x *Locality) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -500,7 +657,7 @@ func (x *Locality) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Locality.ProtoReflect.Descriptor instead.
 func (*Locality) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{4}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Locality) GetPciBusId() string {
@@ -527,7 +684,7 @@ type Holder struct {
 
 func (x *Holder) Reset() {
 	*x = Holder{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -539,7 +696,7 @@ func (x *Holder) String() string {
 func (*Holder) ProtoMessage() {}
 
 func (x *Holder) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -552,7 +709,7 @@ func (x *Holder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Holder.ProtoReflect.Descriptor instead.
 func (*Holder) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{5}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Holder) GetReservationId() string {
@@ -585,7 +742,7 @@ type Value struct {
 
 func (x *Value) Reset() {
 	*x = Value{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -597,7 +754,7 @@ func (x *Value) String() string {
 func (*Value) ProtoMessage() {}
 
 func (x *Value) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -610,7 +767,7 @@ func (x *Value) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Value.ProtoReflect.Descriptor instead.
 func (*Value) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{6}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Value) GetKind() isValue_Kind {
@@ -703,7 +860,7 @@ type GroupFilter struct {
 
 func (x *GroupFilter) Reset() {
 	*x = GroupFilter{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -715,7 +872,7 @@ func (x *GroupFilter) String() string {
 func (*GroupFilter) ProtoMessage() {}
 
 func (x *GroupFilter) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -728,7 +885,7 @@ func (x *GroupFilter) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GroupFilter.ProtoReflect.Descriptor instead.
 func (*GroupFilter) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{7}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GroupFilter) GetVendor() string {
@@ -768,7 +925,7 @@ type StatsRequest struct {
 
 func (x *StatsRequest) Reset() {
 	*x = StatsRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -780,7 +937,7 @@ func (x *StatsRequest) String() string {
 func (*StatsRequest) ProtoMessage() {}
 
 func (x *StatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -793,7 +950,7 @@ func (x *StatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsRequest.ProtoReflect.Descriptor instead.
 func (*StatsRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{8}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *StatsRequest) GetInterval() *durationpb.Duration {
@@ -827,7 +984,7 @@ type StatsResponse struct {
 
 func (x *StatsResponse) Reset() {
 	*x = StatsResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -839,7 +996,7 @@ func (x *StatsResponse) String() string {
 func (*StatsResponse) ProtoMessage() {}
 
 func (x *StatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -852,7 +1009,7 @@ func (x *StatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsResponse.ProtoReflect.Descriptor instead.
 func (*StatsResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{9}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *StatsResponse) GetGroups() []*GroupStats {
@@ -882,7 +1039,7 @@ type GroupStats struct {
 
 func (x *GroupStats) Reset() {
 	*x = GroupStats{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -894,7 +1051,7 @@ func (x *GroupStats) String() string {
 func (*GroupStats) ProtoMessage() {}
 
 func (x *GroupStats) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -907,7 +1064,7 @@ func (x *GroupStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GroupStats.ProtoReflect.Descriptor instead.
 func (*GroupStats) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{10}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GroupStats) GetVendor() string {
@@ -956,7 +1113,7 @@ type DeviceStats struct {
 
 func (x *DeviceStats) Reset() {
 	*x = DeviceStats{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -968,7 +1125,7 @@ func (x *DeviceStats) String() string {
 func (*DeviceStats) ProtoMessage() {}
 
 func (x *DeviceStats) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -981,7 +1138,7 @@ func (x *DeviceStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceStats.ProtoReflect.Descriptor instead.
 func (*DeviceStats) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{11}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *DeviceStats) GetDeviceId() string {
@@ -1032,7 +1189,7 @@ type ReserveRequest struct {
 
 func (x *ReserveRequest) Reset() {
 	*x = ReserveRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1044,7 +1201,7 @@ func (x *ReserveRequest) String() string {
 func (*ReserveRequest) ProtoMessage() {}
 
 func (x *ReserveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1057,7 +1214,7 @@ func (x *ReserveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveRequest.ProtoReflect.Descriptor instead.
 func (*ReserveRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{12}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ReserveRequest) GetOwnerId() string {
@@ -1115,7 +1272,7 @@ type ReserveResponse struct {
 
 func (x *ReserveResponse) Reset() {
 	*x = ReserveResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1127,7 +1284,7 @@ func (x *ReserveResponse) String() string {
 func (*ReserveResponse) ProtoMessage() {}
 
 func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1140,7 +1297,7 @@ func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveResponse.ProtoReflect.Descriptor instead.
 func (*ReserveResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{13}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ReserveResponse) GetReservationId() string {
@@ -1176,7 +1333,7 @@ type ContainerReservation struct {
 
 func (x *ContainerReservation) Reset() {
 	*x = ContainerReservation{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1188,7 +1345,7 @@ func (x *ContainerReservation) String() string {
 func (*ContainerReservation) ProtoMessage() {}
 
 func (x *ContainerReservation) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1201,7 +1358,7 @@ func (x *ContainerReservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ContainerReservation.ProtoReflect.Descriptor instead.
 func (*ContainerReservation) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{14}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ContainerReservation) GetEnvs() map[string]string {
@@ -1243,7 +1400,7 @@ type Mount struct {
 
 func (x *Mount) Reset() {
 	*x = Mount{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1255,7 +1412,7 @@ func (x *Mount) String() string {
 func (*Mount) ProtoMessage() {}
 
 func (x *Mount) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1268,7 +1425,7 @@ func (x *Mount) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Mount.ProtoReflect.Descriptor instead.
 func (*Mount) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{15}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Mount) GetHostPath() string {
@@ -1303,7 +1460,7 @@ type DeviceSpec struct {
 
 func (x *DeviceSpec) Reset() {
 	*x = DeviceSpec{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1315,7 +1472,7 @@ func (x *DeviceSpec) String() string {
 func (*DeviceSpec) ProtoMessage() {}
 
 func (x *DeviceSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1328,7 +1485,7 @@ func (x *DeviceSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceSpec.ProtoReflect.Descriptor instead.
 func (*DeviceSpec) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{16}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *DeviceSpec) GetHostPath() string {
@@ -1367,7 +1524,7 @@ type ReleaseRequest struct {
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1379,7 +1536,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1392,7 +1549,7 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{17}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ReleaseRequest) GetTarget() isReleaseRequest_Target {
@@ -1453,7 +1610,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1465,7 +1622,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1478,7 +1635,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{18}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ReleaseResponse) GetReleasedReservationIds() []string {
@@ -1516,7 +1673,7 @@ type Reservation struct {
 
 func (x *Reservation) Reset() {
 	*x = Reservation{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1528,7 +1685,7 @@ func (x *Reservation) String() string {
 func (*Reservation) ProtoMessage() {}
 
 func (x *Reservation) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1541,7 +1698,7 @@ func (x *Reservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Reservation.ProtoReflect.Descriptor instead.
 func (*Reservation) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{19}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *Reservation) GetReservationId() string {
@@ -1640,7 +1797,7 @@ type ListReservationsRequest struct {
 
 func (x *ListReservationsRequest) Reset() {
 	*x = ListReservationsRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1652,7 +1809,7 @@ func (x *ListReservationsRequest) String() string {
 func (*ListReservationsRequest) ProtoMessage() {}
 
 func (x *ListReservationsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1665,7 +1822,7 @@ func (x *ListReservationsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListReservationsRequest.ProtoReflect.Descriptor instead.
 func (*ListReservationsRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{20}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ListReservationsRequest) GetOwnerId() string {
@@ -1698,7 +1855,7 @@ type ListReservationsResponse struct {
 
 func (x *ListReservationsResponse) Reset() {
 	*x = ListReservationsResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1710,7 +1867,7 @@ func (x *ListReservationsResponse) String() string {
 func (*ListReservationsResponse) ProtoMessage() {}
 
 func (x *ListReservationsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1723,7 +1880,7 @@ func (x *ListReservationsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListReservationsResponse.ProtoReflect.Descriptor instead.
 func (*ListReservationsResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{21}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ListReservationsResponse) GetReservations() []*Reservation {
@@ -1749,7 +1906,7 @@ type ReownReservationRequest struct {
 
 func (x *ReownReservationRequest) Reset() {
 	*x = ReownReservationRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1761,7 +1918,7 @@ func (x *ReownReservationRequest) String() string {
 func (*ReownReservationRequest) ProtoMessage() {}
 
 func (x *ReownReservationRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1774,7 +1931,7 @@ func (x *ReownReservationRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReownReservationRequest.ProtoReflect.Descriptor instead.
 func (*ReownReservationRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{22}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ReownReservationRequest) GetReservationId() string {
@@ -1808,7 +1965,7 @@ type ReownReservationResponse struct {
 
 func (x *ReownReservationResponse) Reset() {
 	*x = ReownReservationResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1820,7 +1977,7 @@ func (x *ReownReservationResponse) String() string {
 func (*ReownReservationResponse) ProtoMessage() {}
 
 func (x *ReownReservationResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1833,7 +1990,7 @@ func (x *ReownReservationResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReownReservationResponse.ProtoReflect.Descriptor instead.
 func (*ReownReservationResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{23}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ReownReservationResponse) GetReservation() *Reservation {
@@ -1851,7 +2008,7 @@ type ListPluginsRequest struct {
 
 func (x *ListPluginsRequest) Reset() {
 	*x = ListPluginsRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1863,7 +2020,7 @@ func (x *ListPluginsRequest) String() string {
 func (*ListPluginsRequest) ProtoMessage() {}
 
 func (x *ListPluginsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1876,7 +2033,7 @@ func (x *ListPluginsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPluginsRequest.ProtoReflect.Descriptor instead.
 func (*ListPluginsRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{24}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{26}
 }
 
 type Plugin struct {
@@ -1899,7 +2056,7 @@ type Plugin struct {
 
 func (x *Plugin) Reset() {
 	*x = Plugin{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1911,7 +2068,7 @@ func (x *Plugin) String() string {
 func (*Plugin) ProtoMessage() {}
 
 func (x *Plugin) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1924,7 +2081,7 @@ func (x *Plugin) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Plugin.ProtoReflect.Descriptor instead.
 func (*Plugin) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{25}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *Plugin) GetName() string {
@@ -1999,7 +2156,7 @@ type ListPluginsResponse struct {
 
 func (x *ListPluginsResponse) Reset() {
 	*x = ListPluginsResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2011,7 +2168,7 @@ func (x *ListPluginsResponse) String() string {
 func (*ListPluginsResponse) ProtoMessage() {}
 
 func (x *ListPluginsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2024,7 +2181,7 @@ func (x *ListPluginsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPluginsResponse.ProtoReflect.Descriptor instead.
 func (*ListPluginsResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{26}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ListPluginsResponse) GetPlugins() []*Plugin {
@@ -2049,7 +2206,7 @@ type DeviceHeld struct {
 
 func (x *DeviceHeld) Reset() {
 	*x = DeviceHeld{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2061,7 +2218,7 @@ func (x *DeviceHeld) String() string {
 func (*DeviceHeld) ProtoMessage() {}
 
 func (x *DeviceHeld) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2074,7 +2231,7 @@ func (x *DeviceHeld) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceHeld.ProtoReflect.Descriptor instead.
 func (*DeviceHeld) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{27}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *DeviceHeld) GetOwnerId() string {
@@ -2087,6 +2244,159 @@ func (x *DeviceHeld) GetOwnerId() string {
 func (x *DeviceHeld) GetConflicts() []*DeviceConflict {
 	if x != nil {
 		return x.Conflicts
+	}
+	return nil
+}
+
+// CapacityExceeded is an error detail of a FAILED_PRECONDITION status with ErrorInfo
+// reason CAPACITY_EXCEEDED: the requested devices, with every live reservation, would
+// use more of a shared counter than its capacity.
+type CapacityExceeded struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The owner that asked.
+	OwnerId string `protobuf:"bytes,1,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
+	// One entry per counter over capacity, sorted by plugin, set and counter.
+	Overruns      []*CounterOverrun `protobuf:"bytes,2,rep,name=overruns,proto3" json:"overruns,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CapacityExceeded) Reset() {
+	*x = CapacityExceeded{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CapacityExceeded) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CapacityExceeded) ProtoMessage() {}
+
+func (x *CapacityExceeded) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CapacityExceeded.ProtoReflect.Descriptor instead.
+func (*CapacityExceeded) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *CapacityExceeded) GetOwnerId() string {
+	if x != nil {
+		return x.OwnerId
+	}
+	return ""
+}
+
+func (x *CapacityExceeded) GetOverruns() []*CounterOverrun {
+	if x != nil {
+		return x.Overruns
+	}
+	return nil
+}
+
+// CounterOverrun is one counter a Reserve would take over its capacity.
+type CounterOverrun struct {
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	Plugin     string                 `protobuf:"bytes,1,opt,name=plugin,proto3" json:"plugin,omitempty"`
+	CounterSet string                 `protobuf:"bytes,2,opt,name=counter_set,json=counterSet,proto3" json:"counter_set,omitempty"`
+	Counter    string                 `protobuf:"bytes,3,opt,name=counter,proto3" json:"counter,omitempty"`
+	Capacity   int64                  `protobuf:"varint,4,opt,name=capacity,proto3" json:"capacity,omitempty"`
+	// What live reservations use of it now.
+	Used int64 `protobuf:"varint,5,opt,name=used,proto3" json:"used,omitempty"`
+	// What the request would add.
+	Requested int64 `protobuf:"varint,6,opt,name=requested,proto3" json:"requested,omitempty"`
+	// The live reservations that use it, sorted by reservation ID.
+	Users         []*Holder `protobuf:"bytes,7,rep,name=users,proto3" json:"users,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CounterOverrun) Reset() {
+	*x = CounterOverrun{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CounterOverrun) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CounterOverrun) ProtoMessage() {}
+
+func (x *CounterOverrun) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CounterOverrun.ProtoReflect.Descriptor instead.
+func (*CounterOverrun) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *CounterOverrun) GetPlugin() string {
+	if x != nil {
+		return x.Plugin
+	}
+	return ""
+}
+
+func (x *CounterOverrun) GetCounterSet() string {
+	if x != nil {
+		return x.CounterSet
+	}
+	return ""
+}
+
+func (x *CounterOverrun) GetCounter() string {
+	if x != nil {
+		return x.Counter
+	}
+	return ""
+}
+
+func (x *CounterOverrun) GetCapacity() int64 {
+	if x != nil {
+		return x.Capacity
+	}
+	return 0
+}
+
+func (x *CounterOverrun) GetUsed() int64 {
+	if x != nil {
+		return x.Used
+	}
+	return 0
+}
+
+func (x *CounterOverrun) GetRequested() int64 {
+	if x != nil {
+		return x.Requested
+	}
+	return 0
+}
+
+func (x *CounterOverrun) GetUsers() []*Holder {
+	if x != nil {
+		return x.Users
 	}
 	return nil
 }
@@ -2110,7 +2420,7 @@ type DeviceConflict struct {
 
 func (x *DeviceConflict) Reset() {
 	*x = DeviceConflict{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2122,7 +2432,7 @@ func (x *DeviceConflict) String() string {
 func (*DeviceConflict) ProtoMessage() {}
 
 func (x *DeviceConflict) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2135,7 +2445,7 @@ func (x *DeviceConflict) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceConflict.ProtoReflect.Descriptor instead.
 func (*DeviceConflict) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{28}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *DeviceConflict) GetReservationId() string {
@@ -2173,10 +2483,30 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x1edevicehost/v1/devicehost.proto\x12\rdevicehost.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"b\n" +
 	"\x12FingerprintRequest\x122\n" +
 	"\x06groups\x18\x01 \x03(\v2\x1a.devicehost.v1.GroupFilterR\x06groups\x12\x18\n" +
-	"\aplugins\x18\x02 \x03(\tR\aplugins\"\x83\x01\n" +
+	"\aplugins\x18\x02 \x03(\tR\aplugins\"\xc1\x01\n" +
 	"\x13FingerprintResponse\x122\n" +
 	"\x06groups\x18\x01 \x03(\v2\x1a.devicehost.v1.DeviceGroupR\x06groups\x128\n" +
-	"\ttimestamp\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\ttimestamp\"\xb7\x02\n" +
+	"\ttimestamp\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\ttimestamp\x12<\n" +
+	"\fcounter_sets\x18\x03 \x03(\v2\x19.devicehost.v1.CounterSetR\vcounterSets\"\xac\x02\n" +
+	"\n" +
+	"CounterSet\x12\x16\n" +
+	"\x06plugin\x18\x01 \x01(\tR\x06plugin\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12C\n" +
+	"\bcapacity\x18\x03 \x03(\v2'.devicehost.v1.CounterSet.CapacityEntryR\bcapacity\x127\n" +
+	"\x04used\x18\x04 \x03(\v2#.devicehost.v1.CounterSet.UsedEntryR\x04used\x1a;\n" +
+	"\rCapacityEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\x1a7\n" +
+	"\tUsedEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xbf\x01\n" +
+	"\x12CounterConsumption\x12\x1f\n" +
+	"\vcounter_set\x18\x01 \x01(\tR\n" +
+	"counterSet\x12K\n" +
+	"\bcounters\x18\x02 \x03(\v2/.devicehost.v1.CounterConsumption.CountersEntryR\bcounters\x1a;\n" +
+	"\rCountersEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xb7\x02\n" +
 	"\vDeviceGroup\x12\x16\n" +
 	"\x06vendor\x18\x01 \x01(\tR\x06vendor\x12\x12\n" +
 	"\x04type\x18\x02 \x01(\tR\x04type\x12\x12\n" +
@@ -2188,14 +2518,17 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\adevices\x18\x06 \x03(\v2\x15.devicehost.v1.DeviceR\adevices\x1aS\n" +
 	"\x0fAttributesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12*\n" +
-	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\x8f\x02\n" +
+	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\x84\x03\n" +
 	"\x06Device\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12-\n" +
 	"\x06health\x18\x02 \x01(\x0e2\x15.devicehost.v1.HealthR\x06health\x12#\n" +
 	"\rhealth_reason\x18\x03 \x01(\tR\fhealthReason\x12=\n" +
 	"\fhealth_since\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\vhealthSince\x123\n" +
 	"\blocality\x18\x05 \x01(\v2\x17.devicehost.v1.LocalityR\blocality\x12-\n" +
-	"\x06holder\x18\x06 \x01(\v2\x15.devicehost.v1.HolderR\x06holder\"E\n" +
+	"\x06holder\x18\x06 \x01(\v2\x15.devicehost.v1.HolderR\x06holder\x12=\n" +
+	"\bconsumes\x18\a \x03(\v2!.devicehost.v1.CounterConsumptionR\bconsumes\x124\n" +
+	"\n" +
+	"blocked_by\x18\b \x03(\v2\x15.devicehost.v1.HolderR\tblockedBy\"E\n" +
 	"\bLocality\x12\x1c\n" +
 	"\n" +
 	"pci_bus_id\x18\x01 \x01(\tR\bpciBusId\x12\x1b\n" +
@@ -2322,7 +2655,19 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\n" +
 	"DeviceHeld\x12\x19\n" +
 	"\bowner_id\x18\x01 \x01(\tR\aownerId\x12;\n" +
-	"\tconflicts\x18\x02 \x03(\v2\x1d.devicehost.v1.DeviceConflictR\tconflicts\"\x99\x01\n" +
+	"\tconflicts\x18\x02 \x03(\v2\x1d.devicehost.v1.DeviceConflictR\tconflicts\"h\n" +
+	"\x10CapacityExceeded\x12\x19\n" +
+	"\bowner_id\x18\x01 \x01(\tR\aownerId\x129\n" +
+	"\boverruns\x18\x02 \x03(\v2\x1d.devicehost.v1.CounterOverrunR\boverruns\"\xde\x01\n" +
+	"\x0eCounterOverrun\x12\x16\n" +
+	"\x06plugin\x18\x01 \x01(\tR\x06plugin\x12\x1f\n" +
+	"\vcounter_set\x18\x02 \x01(\tR\n" +
+	"counterSet\x12\x18\n" +
+	"\acounter\x18\x03 \x01(\tR\acounter\x12\x1a\n" +
+	"\bcapacity\x18\x04 \x01(\x03R\bcapacity\x12\x12\n" +
+	"\x04used\x18\x05 \x01(\x03R\x04used\x12\x1c\n" +
+	"\trequested\x18\x06 \x01(\x03R\trequested\x12+\n" +
+	"\x05users\x18\a \x03(\v2\x15.devicehost.v1.HolderR\x05users\"\x99\x01\n" +
 	"\x0eDeviceConflict\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x19\n" +
 	"\bowner_id\x18\x02 \x01(\tR\aownerId\x12\x1d\n" +
@@ -2367,100 +2712,115 @@ func file_devicehost_v1_devicehost_proto_rawDescGZIP() []byte {
 }
 
 var file_devicehost_v1_devicehost_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
+var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
 var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	(Health)(0),                      // 0: devicehost.v1.Health
 	(ReservationState)(0),            // 1: devicehost.v1.ReservationState
 	(PluginStatus)(0),                // 2: devicehost.v1.PluginStatus
 	(*FingerprintRequest)(nil),       // 3: devicehost.v1.FingerprintRequest
 	(*FingerprintResponse)(nil),      // 4: devicehost.v1.FingerprintResponse
-	(*DeviceGroup)(nil),              // 5: devicehost.v1.DeviceGroup
-	(*Device)(nil),                   // 6: devicehost.v1.Device
-	(*Locality)(nil),                 // 7: devicehost.v1.Locality
-	(*Holder)(nil),                   // 8: devicehost.v1.Holder
-	(*Value)(nil),                    // 9: devicehost.v1.Value
-	(*GroupFilter)(nil),              // 10: devicehost.v1.GroupFilter
-	(*StatsRequest)(nil),             // 11: devicehost.v1.StatsRequest
-	(*StatsResponse)(nil),            // 12: devicehost.v1.StatsResponse
-	(*GroupStats)(nil),               // 13: devicehost.v1.GroupStats
-	(*DeviceStats)(nil),              // 14: devicehost.v1.DeviceStats
-	(*ReserveRequest)(nil),           // 15: devicehost.v1.ReserveRequest
-	(*ReserveResponse)(nil),          // 16: devicehost.v1.ReserveResponse
-	(*ContainerReservation)(nil),     // 17: devicehost.v1.ContainerReservation
-	(*Mount)(nil),                    // 18: devicehost.v1.Mount
-	(*DeviceSpec)(nil),               // 19: devicehost.v1.DeviceSpec
-	(*ReleaseRequest)(nil),           // 20: devicehost.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),          // 21: devicehost.v1.ReleaseResponse
-	(*Reservation)(nil),              // 22: devicehost.v1.Reservation
-	(*ListReservationsRequest)(nil),  // 23: devicehost.v1.ListReservationsRequest
-	(*ListReservationsResponse)(nil), // 24: devicehost.v1.ListReservationsResponse
-	(*ReownReservationRequest)(nil),  // 25: devicehost.v1.ReownReservationRequest
-	(*ReownReservationResponse)(nil), // 26: devicehost.v1.ReownReservationResponse
-	(*ListPluginsRequest)(nil),       // 27: devicehost.v1.ListPluginsRequest
-	(*Plugin)(nil),                   // 28: devicehost.v1.Plugin
-	(*ListPluginsResponse)(nil),      // 29: devicehost.v1.ListPluginsResponse
-	(*DeviceHeld)(nil),               // 30: devicehost.v1.DeviceHeld
-	(*DeviceConflict)(nil),           // 31: devicehost.v1.DeviceConflict
-	nil,                              // 32: devicehost.v1.DeviceGroup.AttributesEntry
-	nil,                              // 33: devicehost.v1.DeviceStats.ValuesEntry
-	nil,                              // 34: devicehost.v1.ContainerReservation.EnvsEntry
-	(*timestamppb.Timestamp)(nil),    // 35: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 36: google.protobuf.Duration
+	(*CounterSet)(nil),               // 5: devicehost.v1.CounterSet
+	(*CounterConsumption)(nil),       // 6: devicehost.v1.CounterConsumption
+	(*DeviceGroup)(nil),              // 7: devicehost.v1.DeviceGroup
+	(*Device)(nil),                   // 8: devicehost.v1.Device
+	(*Locality)(nil),                 // 9: devicehost.v1.Locality
+	(*Holder)(nil),                   // 10: devicehost.v1.Holder
+	(*Value)(nil),                    // 11: devicehost.v1.Value
+	(*GroupFilter)(nil),              // 12: devicehost.v1.GroupFilter
+	(*StatsRequest)(nil),             // 13: devicehost.v1.StatsRequest
+	(*StatsResponse)(nil),            // 14: devicehost.v1.StatsResponse
+	(*GroupStats)(nil),               // 15: devicehost.v1.GroupStats
+	(*DeviceStats)(nil),              // 16: devicehost.v1.DeviceStats
+	(*ReserveRequest)(nil),           // 17: devicehost.v1.ReserveRequest
+	(*ReserveResponse)(nil),          // 18: devicehost.v1.ReserveResponse
+	(*ContainerReservation)(nil),     // 19: devicehost.v1.ContainerReservation
+	(*Mount)(nil),                    // 20: devicehost.v1.Mount
+	(*DeviceSpec)(nil),               // 21: devicehost.v1.DeviceSpec
+	(*ReleaseRequest)(nil),           // 22: devicehost.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),          // 23: devicehost.v1.ReleaseResponse
+	(*Reservation)(nil),              // 24: devicehost.v1.Reservation
+	(*ListReservationsRequest)(nil),  // 25: devicehost.v1.ListReservationsRequest
+	(*ListReservationsResponse)(nil), // 26: devicehost.v1.ListReservationsResponse
+	(*ReownReservationRequest)(nil),  // 27: devicehost.v1.ReownReservationRequest
+	(*ReownReservationResponse)(nil), // 28: devicehost.v1.ReownReservationResponse
+	(*ListPluginsRequest)(nil),       // 29: devicehost.v1.ListPluginsRequest
+	(*Plugin)(nil),                   // 30: devicehost.v1.Plugin
+	(*ListPluginsResponse)(nil),      // 31: devicehost.v1.ListPluginsResponse
+	(*DeviceHeld)(nil),               // 32: devicehost.v1.DeviceHeld
+	(*CapacityExceeded)(nil),         // 33: devicehost.v1.CapacityExceeded
+	(*CounterOverrun)(nil),           // 34: devicehost.v1.CounterOverrun
+	(*DeviceConflict)(nil),           // 35: devicehost.v1.DeviceConflict
+	nil,                              // 36: devicehost.v1.CounterSet.CapacityEntry
+	nil,                              // 37: devicehost.v1.CounterSet.UsedEntry
+	nil,                              // 38: devicehost.v1.CounterConsumption.CountersEntry
+	nil,                              // 39: devicehost.v1.DeviceGroup.AttributesEntry
+	nil,                              // 40: devicehost.v1.DeviceStats.ValuesEntry
+	nil,                              // 41: devicehost.v1.ContainerReservation.EnvsEntry
+	(*timestamppb.Timestamp)(nil),    // 42: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 43: google.protobuf.Duration
 }
 var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
-	10, // 0: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
-	5,  // 1: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
-	35, // 2: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
-	32, // 3: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
-	6,  // 4: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
-	0,  // 5: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
-	35, // 6: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
-	7,  // 7: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
-	8,  // 8: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
-	36, // 9: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
-	10, // 10: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
-	13, // 11: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
-	35, // 12: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
-	14, // 13: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
-	33, // 14: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
-	35, // 15: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
-	17, // 16: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
-	34, // 17: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
-	18, // 18: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
-	19, // 19: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
-	1,  // 20: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
-	17, // 21: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
-	35, // 22: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	35, // 23: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
-	1,  // 24: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
-	22, // 25: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
-	22, // 26: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
-	2,  // 27: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
-	35, // 28: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
-	35, // 29: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
-	28, // 30: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
-	31, // 31: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
-	9,  // 32: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
-	9,  // 33: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
-	3,  // 34: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
-	11, // 35: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
-	15, // 36: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
-	20, // 37: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
-	23, // 38: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
-	25, // 39: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
-	27, // 40: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
-	4,  // 41: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
-	12, // 42: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
-	16, // 43: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
-	21, // 44: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
-	24, // 45: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
-	26, // 46: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
-	29, // 47: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
-	41, // [41:48] is the sub-list for method output_type
-	34, // [34:41] is the sub-list for method input_type
-	34, // [34:34] is the sub-list for extension type_name
-	34, // [34:34] is the sub-list for extension extendee
-	0,  // [0:34] is the sub-list for field type_name
+	12, // 0: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
+	7,  // 1: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
+	42, // 2: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
+	5,  // 3: devicehost.v1.FingerprintResponse.counter_sets:type_name -> devicehost.v1.CounterSet
+	36, // 4: devicehost.v1.CounterSet.capacity:type_name -> devicehost.v1.CounterSet.CapacityEntry
+	37, // 5: devicehost.v1.CounterSet.used:type_name -> devicehost.v1.CounterSet.UsedEntry
+	38, // 6: devicehost.v1.CounterConsumption.counters:type_name -> devicehost.v1.CounterConsumption.CountersEntry
+	39, // 7: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
+	8,  // 8: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
+	0,  // 9: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
+	42, // 10: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
+	9,  // 11: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
+	10, // 12: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
+	6,  // 13: devicehost.v1.Device.consumes:type_name -> devicehost.v1.CounterConsumption
+	10, // 14: devicehost.v1.Device.blocked_by:type_name -> devicehost.v1.Holder
+	43, // 15: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	12, // 16: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
+	15, // 17: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
+	42, // 18: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
+	16, // 19: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
+	40, // 20: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
+	42, // 21: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	19, // 22: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
+	41, // 23: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
+	20, // 24: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
+	21, // 25: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
+	1,  // 26: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
+	19, // 27: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
+	42, // 28: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	42, // 29: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
+	1,  // 30: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
+	24, // 31: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
+	24, // 32: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
+	2,  // 33: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
+	42, // 34: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
+	42, // 35: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
+	30, // 36: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
+	35, // 37: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
+	34, // 38: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
+	10, // 39: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
+	11, // 40: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
+	11, // 41: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
+	3,  // 42: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
+	13, // 43: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
+	17, // 44: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
+	22, // 45: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
+	25, // 46: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
+	27, // 47: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
+	29, // 48: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
+	4,  // 49: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
+	14, // 50: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
+	18, // 51: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
+	23, // 52: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
+	26, // 53: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
+	28, // 54: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
+	31, // 55: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
+	49, // [49:56] is the sub-list for method output_type
+	42, // [42:49] is the sub-list for method input_type
+	42, // [42:42] is the sub-list for extension type_name
+	42, // [42:42] is the sub-list for extension extendee
+	0,  // [0:42] is the sub-list for field type_name
 }
 
 func init() { file_devicehost_v1_devicehost_proto_init() }
@@ -2468,13 +2828,13 @@ func file_devicehost_v1_devicehost_proto_init() {
 	if File_devicehost_v1_devicehost_proto != nil {
 		return
 	}
-	file_devicehost_v1_devicehost_proto_msgTypes[6].OneofWrappers = []any{
+	file_devicehost_v1_devicehost_proto_msgTypes[8].OneofWrappers = []any{
 		(*Value_IntValue)(nil),
 		(*Value_FloatValue)(nil),
 		(*Value_StringValue)(nil),
 		(*Value_BoolValue)(nil),
 	}
-	file_devicehost_v1_devicehost_proto_msgTypes[17].OneofWrappers = []any{
+	file_devicehost_v1_devicehost_proto_msgTypes[19].OneofWrappers = []any{
 		(*ReleaseRequest_ReservationId)(nil),
 		(*ReleaseRequest_OwnerId)(nil),
 	}
@@ -2484,7 +2844,7 @@ func file_devicehost_v1_devicehost_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_devicehost_v1_devicehost_proto_rawDesc), len(file_devicehost_v1_devicehost_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   32,
+			NumMessages:   39,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

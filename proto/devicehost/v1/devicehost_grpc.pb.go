@@ -45,6 +45,9 @@ const (
 //	RESERVATION_NOT_FOUND    NOT_FOUND: a reservation ID the ledger does not have
 //	DEVICE_UNHEALTHY         FAILED_PRECONDITION: a requested device is not healthy
 //	DEVICE_HELD              FAILED_PRECONDITION, with a DeviceHeld detail naming the holders
+//	CAPACITY_EXCEEDED        FAILED_PRECONDITION, with a CapacityExceeded detail: the devices
+//	                         and the live reservations together would use more of a shared
+//	                         counter (a GPU's slices) than it has
 //	PLUGIN_UNAVAILABLE       UNAVAILABLE: the owning plugin is down or did not answer in time
 //	SHUTTING_DOWN            UNAVAILABLE: the host is shutting down
 //	PLUGIN_RESPONSE_INVALID  INTERNAL: the plugin's answer broke a validation rule
@@ -182,6 +185,9 @@ func (c *deviceHostClient) ListPlugins(ctx context.Context, in *ListPluginsReque
 //	RESERVATION_NOT_FOUND    NOT_FOUND: a reservation ID the ledger does not have
 //	DEVICE_UNHEALTHY         FAILED_PRECONDITION: a requested device is not healthy
 //	DEVICE_HELD              FAILED_PRECONDITION, with a DeviceHeld detail naming the holders
+//	CAPACITY_EXCEEDED        FAILED_PRECONDITION, with a CapacityExceeded detail: the devices
+//	                         and the live reservations together would use more of a shared
+//	                         counter (a GPU's slices) than it has
 //	PLUGIN_UNAVAILABLE       UNAVAILABLE: the owning plugin is down or did not answer in time
 //	SHUTTING_DOWN            UNAVAILABLE: the host is shutting down
 //	PLUGIN_RESPONSE_INVALID  INTERNAL: the plugin's answer broke a validation rule

@@ -322,7 +322,13 @@ func (*FingerprintRequest) Descriptor() ([]byte, []int) {
 type FingerprintResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The plugin's complete inventory; devices missing from it are gone.
-	Groups        []*DeviceGroup `protobuf:"bytes,1,rep,name=groups,proto3" json:"groups,omitempty"`
+	Groups []*DeviceGroup `protobuf:"bytes,1,rep,name=groups,proto3" json:"groups,omitempty"`
+	// Capacity that several of the plugin's devices share, e.g. one per physical GPU:
+	// its memory and compute slices, which the whole GPU and each MIG placement on it
+	// consume. Optional: a plugin without shared capacity sends none. The host holds
+	// two devices at once only if, with every live reservation, no counter is over its
+	// capacity.
+	CounterSets   []*CounterSet `protobuf:"bytes,2,rep,name=counter_sets,json=counterSets,proto3" json:"counter_sets,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -364,6 +370,126 @@ func (x *FingerprintResponse) GetGroups() []*DeviceGroup {
 	return nil
 }
 
+func (x *FingerprintResponse) GetCounterSets() []*CounterSet {
+	if x != nil {
+		return x.CounterSets
+	}
+	return nil
+}
+
+// CounterSet is one piece of shared capacity, as Kubernetes DRA's partitionable
+// devices model it.
+type CounterSet struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Unique among the plugin's counter sets, e.g. "gpu-0" or the GPU's UUID.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Capacity per counter, e.g. {"memory-slices": 8, "compute-slices": 7}; at least
+	// one, each at least 0.
+	Counters      map[string]int64 `protobuf:"bytes,2,rep,name=counters,proto3" json:"counters,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CounterSet) Reset() {
+	*x = CounterSet{}
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CounterSet) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CounterSet) ProtoMessage() {}
+
+func (x *CounterSet) ProtoReflect() protoreflect.Message {
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CounterSet.ProtoReflect.Descriptor instead.
+func (*CounterSet) Descriptor() ([]byte, []int) {
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *CounterSet) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *CounterSet) GetCounters() map[string]int64 {
+	if x != nil {
+		return x.Counters
+	}
+	return nil
+}
+
+// CounterConsumption is what a device uses of one counter set while it is held.
+type CounterConsumption struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The name of one of the plugin's counter sets in the same fingerprint.
+	CounterSet string `protobuf:"bytes,1,opt,name=counter_set,json=counterSet,proto3" json:"counter_set,omitempty"`
+	// Use per counter; each counter must be one of the set's, each value at least 0
+	// and at most its capacity.
+	Counters      map[string]int64 `protobuf:"bytes,2,rep,name=counters,proto3" json:"counters,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CounterConsumption) Reset() {
+	*x = CounterConsumption{}
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CounterConsumption) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CounterConsumption) ProtoMessage() {}
+
+func (x *CounterConsumption) ProtoReflect() protoreflect.Message {
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CounterConsumption.ProtoReflect.Descriptor instead.
+func (*CounterConsumption) Descriptor() ([]byte, []int) {
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *CounterConsumption) GetCounterSet() string {
+	if x != nil {
+		return x.CounterSet
+	}
+	return ""
+}
+
+func (x *CounterConsumption) GetCounters() map[string]int64 {
+	if x != nil {
+		return x.Counters
+	}
+	return nil
+}
+
 // DeviceGroup is a set of identical devices: same vendor, type and model.
 type DeviceGroup struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -383,7 +509,7 @@ type DeviceGroup struct {
 
 func (x *DeviceGroup) Reset() {
 	*x = DeviceGroup{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[6]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -395,7 +521,7 @@ func (x *DeviceGroup) String() string {
 func (*DeviceGroup) ProtoMessage() {}
 
 func (x *DeviceGroup) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[6]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -408,7 +534,7 @@ func (x *DeviceGroup) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceGroup.ProtoReflect.Descriptor instead.
 func (*DeviceGroup) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{6}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *DeviceGroup) GetVendor() string {
@@ -452,15 +578,18 @@ type Device struct {
 	Id     string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
 	Health Health `protobuf:"varint,2,opt,name=health,proto3,enum=deviceplugin.v1.Health" json:"health,omitempty"`
 	// Why the device is unhealthy (empty when healthy).
-	HealthReason  string    `protobuf:"bytes,3,opt,name=health_reason,json=healthReason,proto3" json:"health_reason,omitempty"`
-	Locality      *Locality `protobuf:"bytes,4,opt,name=locality,proto3" json:"locality,omitempty"`
+	HealthReason string    `protobuf:"bytes,3,opt,name=health_reason,json=healthReason,proto3" json:"health_reason,omitempty"`
+	Locality     *Locality `protobuf:"bytes,4,opt,name=locality,proto3" json:"locality,omitempty"`
+	// What holding the device uses of the plugin's counter sets; none: it shares
+	// nothing with the plugin's other devices.
+	Consumes      []*CounterConsumption `protobuf:"bytes,5,rep,name=consumes,proto3" json:"consumes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Device) Reset() {
 	*x = Device{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[7]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -472,7 +601,7 @@ func (x *Device) String() string {
 func (*Device) ProtoMessage() {}
 
 func (x *Device) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[7]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -485,7 +614,7 @@ func (x *Device) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Device.ProtoReflect.Descriptor instead.
 func (*Device) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{7}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Device) GetId() string {
@@ -516,6 +645,13 @@ func (x *Device) GetLocality() *Locality {
 	return nil
 }
 
+func (x *Device) GetConsumes() []*CounterConsumption {
+	if x != nil {
+		return x.Consumes
+	}
+	return nil
+}
+
 type Locality struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// PCI bus ID, e.g. "0000:17:00.0". Empty when unknown.
@@ -528,7 +664,7 @@ type Locality struct {
 
 func (x *Locality) Reset() {
 	*x = Locality{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[8]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -540,7 +676,7 @@ func (x *Locality) String() string {
 func (*Locality) ProtoMessage() {}
 
 func (x *Locality) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[8]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -553,7 +689,7 @@ func (x *Locality) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Locality.ProtoReflect.Descriptor instead.
 func (*Locality) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{8}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Locality) GetPciBusId() string {
@@ -587,7 +723,7 @@ type Value struct {
 
 func (x *Value) Reset() {
 	*x = Value{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[9]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -599,7 +735,7 @@ func (x *Value) String() string {
 func (*Value) ProtoMessage() {}
 
 func (x *Value) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[9]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -612,7 +748,7 @@ func (x *Value) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Value.ProtoReflect.Descriptor instead.
 func (*Value) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{9}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Value) GetKind() isValue_Kind {
@@ -703,7 +839,7 @@ type StatsRequest struct {
 
 func (x *StatsRequest) Reset() {
 	*x = StatsRequest{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[10]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -715,7 +851,7 @@ func (x *StatsRequest) String() string {
 func (*StatsRequest) ProtoMessage() {}
 
 func (x *StatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[10]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -728,7 +864,7 @@ func (x *StatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsRequest.ProtoReflect.Descriptor instead.
 func (*StatsRequest) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{10}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *StatsRequest) GetInterval() *durationpb.Duration {
@@ -747,7 +883,7 @@ type StatsResponse struct {
 
 func (x *StatsResponse) Reset() {
 	*x = StatsResponse{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[11]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -759,7 +895,7 @@ func (x *StatsResponse) String() string {
 func (*StatsResponse) ProtoMessage() {}
 
 func (x *StatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[11]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -772,7 +908,7 @@ func (x *StatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsResponse.ProtoReflect.Descriptor instead.
 func (*StatsResponse) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{11}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *StatsResponse) GetDevices() []*DeviceStats {
@@ -795,7 +931,7 @@ type DeviceStats struct {
 
 func (x *DeviceStats) Reset() {
 	*x = DeviceStats{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[12]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -807,7 +943,7 @@ func (x *DeviceStats) String() string {
 func (*DeviceStats) ProtoMessage() {}
 
 func (x *DeviceStats) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[12]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -820,7 +956,7 @@ func (x *DeviceStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceStats.ProtoReflect.Descriptor instead.
 func (*DeviceStats) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{12}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DeviceStats) GetDeviceId() string {
@@ -853,7 +989,7 @@ type ReserveRequest struct {
 
 func (x *ReserveRequest) Reset() {
 	*x = ReserveRequest{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[13]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -865,7 +1001,7 @@ func (x *ReserveRequest) String() string {
 func (*ReserveRequest) ProtoMessage() {}
 
 func (x *ReserveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[13]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -878,7 +1014,7 @@ func (x *ReserveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveRequest.ProtoReflect.Descriptor instead.
 func (*ReserveRequest) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{13}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ReserveRequest) GetDeviceIds() []string {
@@ -897,7 +1033,7 @@ type ReserveResponse struct {
 
 func (x *ReserveResponse) Reset() {
 	*x = ReserveResponse{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[14]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -909,7 +1045,7 @@ func (x *ReserveResponse) String() string {
 func (*ReserveResponse) ProtoMessage() {}
 
 func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[14]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -922,7 +1058,7 @@ func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveResponse.ProtoReflect.Descriptor instead.
 func (*ReserveResponse) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{14}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ReserveResponse) GetReservation() *ContainerReservation {
@@ -947,7 +1083,7 @@ type ContainerReservation struct {
 
 func (x *ContainerReservation) Reset() {
 	*x = ContainerReservation{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[15]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -959,7 +1095,7 @@ func (x *ContainerReservation) String() string {
 func (*ContainerReservation) ProtoMessage() {}
 
 func (x *ContainerReservation) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[15]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -972,7 +1108,7 @@ func (x *ContainerReservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ContainerReservation.ProtoReflect.Descriptor instead.
 func (*ContainerReservation) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{15}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ContainerReservation) GetEnvs() map[string]string {
@@ -1014,7 +1150,7 @@ type Mount struct {
 
 func (x *Mount) Reset() {
 	*x = Mount{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[16]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1026,7 +1162,7 @@ func (x *Mount) String() string {
 func (*Mount) ProtoMessage() {}
 
 func (x *Mount) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[16]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1039,7 +1175,7 @@ func (x *Mount) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Mount.ProtoReflect.Descriptor instead.
 func (*Mount) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{16}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Mount) GetHostPath() string {
@@ -1075,7 +1211,7 @@ type DeviceSpec struct {
 
 func (x *DeviceSpec) Reset() {
 	*x = DeviceSpec{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[17]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1087,7 +1223,7 @@ func (x *DeviceSpec) String() string {
 func (*DeviceSpec) ProtoMessage() {}
 
 func (x *DeviceSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[17]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1100,7 +1236,7 @@ func (x *DeviceSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceSpec.ProtoReflect.Descriptor instead.
 func (*DeviceSpec) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{17}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *DeviceSpec) GetHostPath() string {
@@ -1135,7 +1271,7 @@ type ReleaseRequest struct {
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[18]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1147,7 +1283,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[18]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1160,7 +1296,7 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{18}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ReleaseRequest) GetReservationId() string {
@@ -1185,7 +1321,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[19]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1197,7 +1333,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[19]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1210,7 +1346,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{19}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{21}
 }
 
 var File_deviceplugin_v1_deviceplugin_proto protoreflect.FileDescriptor
@@ -1229,9 +1365,24 @@ const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
 	"\x10protocol_version\x18\x02 \x01(\tR\x0fprotocolVersion\x12!\n" +
 	"\fhost_version\x18\x03 \x01(\tR\vhostVersion\"\x13\n" +
 	"\x11SetConfigResponse\"\x14\n" +
-	"\x12FingerprintRequest\"K\n" +
+	"\x12FingerprintRequest\"\x8b\x01\n" +
 	"\x13FingerprintResponse\x124\n" +
-	"\x06groups\x18\x01 \x03(\v2\x1c.deviceplugin.v1.DeviceGroupR\x06groups\"\xa5\x02\n" +
+	"\x06groups\x18\x01 \x03(\v2\x1c.deviceplugin.v1.DeviceGroupR\x06groups\x12>\n" +
+	"\fcounter_sets\x18\x02 \x03(\v2\x1b.deviceplugin.v1.CounterSetR\vcounterSets\"\xa4\x01\n" +
+	"\n" +
+	"CounterSet\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12E\n" +
+	"\bcounters\x18\x02 \x03(\v2).deviceplugin.v1.CounterSet.CountersEntryR\bcounters\x1a;\n" +
+	"\rCountersEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xc1\x01\n" +
+	"\x12CounterConsumption\x12\x1f\n" +
+	"\vcounter_set\x18\x01 \x01(\tR\n" +
+	"counterSet\x12M\n" +
+	"\bcounters\x18\x02 \x03(\v21.deviceplugin.v1.CounterConsumption.CountersEntryR\bcounters\x1a;\n" +
+	"\rCountersEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xa5\x02\n" +
 	"\vDeviceGroup\x12\x16\n" +
 	"\x06vendor\x18\x01 \x01(\tR\x06vendor\x12\x12\n" +
 	"\x04type\x18\x02 \x01(\tR\x04type\x12\x12\n" +
@@ -1242,12 +1393,13 @@ const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
 	"attributes\x1aU\n" +
 	"\x0fAttributesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12,\n" +
-	"\x05value\x18\x02 \x01(\v2\x16.deviceplugin.v1.ValueR\x05value:\x028\x01\"\xa5\x01\n" +
+	"\x05value\x18\x02 \x01(\v2\x16.deviceplugin.v1.ValueR\x05value:\x028\x01\"\xe6\x01\n" +
 	"\x06Device\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12/\n" +
 	"\x06health\x18\x02 \x01(\x0e2\x17.deviceplugin.v1.HealthR\x06health\x12#\n" +
 	"\rhealth_reason\x18\x03 \x01(\tR\fhealthReason\x125\n" +
-	"\blocality\x18\x04 \x01(\v2\x19.deviceplugin.v1.LocalityR\blocality\"E\n" +
+	"\blocality\x18\x04 \x01(\v2\x19.deviceplugin.v1.LocalityR\blocality\x12?\n" +
+	"\bconsumes\x18\x05 \x03(\v2#.deviceplugin.v1.CounterConsumptionR\bconsumes\"E\n" +
 	"\bLocality\x12\x1c\n" +
 	"\n" +
 	"pci_bus_id\x18\x01 \x01(\tR\bpciBusId\x12\x1b\n" +
@@ -1325,7 +1477,7 @@ func file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP() []byte {
 }
 
 var file_deviceplugin_v1_deviceplugin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_deviceplugin_v1_deviceplugin_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
+var file_deviceplugin_v1_deviceplugin_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_deviceplugin_v1_deviceplugin_proto_goTypes = []any{
 	(Health)(0),                   // 0: deviceplugin.v1.Health
 	(*GetPluginInfoRequest)(nil),  // 1: deviceplugin.v1.GetPluginInfoRequest
@@ -1334,59 +1486,67 @@ var file_deviceplugin_v1_deviceplugin_proto_goTypes = []any{
 	(*SetConfigResponse)(nil),     // 4: deviceplugin.v1.SetConfigResponse
 	(*FingerprintRequest)(nil),    // 5: deviceplugin.v1.FingerprintRequest
 	(*FingerprintResponse)(nil),   // 6: deviceplugin.v1.FingerprintResponse
-	(*DeviceGroup)(nil),           // 7: deviceplugin.v1.DeviceGroup
-	(*Device)(nil),                // 8: deviceplugin.v1.Device
-	(*Locality)(nil),              // 9: deviceplugin.v1.Locality
-	(*Value)(nil),                 // 10: deviceplugin.v1.Value
-	(*StatsRequest)(nil),          // 11: deviceplugin.v1.StatsRequest
-	(*StatsResponse)(nil),         // 12: deviceplugin.v1.StatsResponse
-	(*DeviceStats)(nil),           // 13: deviceplugin.v1.DeviceStats
-	(*ReserveRequest)(nil),        // 14: deviceplugin.v1.ReserveRequest
-	(*ReserveResponse)(nil),       // 15: deviceplugin.v1.ReserveResponse
-	(*ContainerReservation)(nil),  // 16: deviceplugin.v1.ContainerReservation
-	(*Mount)(nil),                 // 17: deviceplugin.v1.Mount
-	(*DeviceSpec)(nil),            // 18: deviceplugin.v1.DeviceSpec
-	(*ReleaseRequest)(nil),        // 19: deviceplugin.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),       // 20: deviceplugin.v1.ReleaseResponse
-	nil,                           // 21: deviceplugin.v1.DeviceGroup.AttributesEntry
-	nil,                           // 22: deviceplugin.v1.DeviceStats.ValuesEntry
-	nil,                           // 23: deviceplugin.v1.ContainerReservation.EnvsEntry
-	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil), // 25: google.protobuf.Timestamp
+	(*CounterSet)(nil),            // 7: deviceplugin.v1.CounterSet
+	(*CounterConsumption)(nil),    // 8: deviceplugin.v1.CounterConsumption
+	(*DeviceGroup)(nil),           // 9: deviceplugin.v1.DeviceGroup
+	(*Device)(nil),                // 10: deviceplugin.v1.Device
+	(*Locality)(nil),              // 11: deviceplugin.v1.Locality
+	(*Value)(nil),                 // 12: deviceplugin.v1.Value
+	(*StatsRequest)(nil),          // 13: deviceplugin.v1.StatsRequest
+	(*StatsResponse)(nil),         // 14: deviceplugin.v1.StatsResponse
+	(*DeviceStats)(nil),           // 15: deviceplugin.v1.DeviceStats
+	(*ReserveRequest)(nil),        // 16: deviceplugin.v1.ReserveRequest
+	(*ReserveResponse)(nil),       // 17: deviceplugin.v1.ReserveResponse
+	(*ContainerReservation)(nil),  // 18: deviceplugin.v1.ContainerReservation
+	(*Mount)(nil),                 // 19: deviceplugin.v1.Mount
+	(*DeviceSpec)(nil),            // 20: deviceplugin.v1.DeviceSpec
+	(*ReleaseRequest)(nil),        // 21: deviceplugin.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),       // 22: deviceplugin.v1.ReleaseResponse
+	nil,                           // 23: deviceplugin.v1.CounterSet.CountersEntry
+	nil,                           // 24: deviceplugin.v1.CounterConsumption.CountersEntry
+	nil,                           // 25: deviceplugin.v1.DeviceGroup.AttributesEntry
+	nil,                           // 26: deviceplugin.v1.DeviceStats.ValuesEntry
+	nil,                           // 27: deviceplugin.v1.ContainerReservation.EnvsEntry
+	(*durationpb.Duration)(nil),   // 28: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil), // 29: google.protobuf.Timestamp
 }
 var file_deviceplugin_v1_deviceplugin_proto_depIdxs = []int32{
-	7,  // 0: deviceplugin.v1.FingerprintResponse.groups:type_name -> deviceplugin.v1.DeviceGroup
-	8,  // 1: deviceplugin.v1.DeviceGroup.devices:type_name -> deviceplugin.v1.Device
-	21, // 2: deviceplugin.v1.DeviceGroup.attributes:type_name -> deviceplugin.v1.DeviceGroup.AttributesEntry
-	0,  // 3: deviceplugin.v1.Device.health:type_name -> deviceplugin.v1.Health
-	9,  // 4: deviceplugin.v1.Device.locality:type_name -> deviceplugin.v1.Locality
-	24, // 5: deviceplugin.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
-	13, // 6: deviceplugin.v1.StatsResponse.devices:type_name -> deviceplugin.v1.DeviceStats
-	22, // 7: deviceplugin.v1.DeviceStats.values:type_name -> deviceplugin.v1.DeviceStats.ValuesEntry
-	25, // 8: deviceplugin.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
-	16, // 9: deviceplugin.v1.ReserveResponse.reservation:type_name -> deviceplugin.v1.ContainerReservation
-	23, // 10: deviceplugin.v1.ContainerReservation.envs:type_name -> deviceplugin.v1.ContainerReservation.EnvsEntry
-	17, // 11: deviceplugin.v1.ContainerReservation.mounts:type_name -> deviceplugin.v1.Mount
-	18, // 12: deviceplugin.v1.ContainerReservation.devices:type_name -> deviceplugin.v1.DeviceSpec
-	10, // 13: deviceplugin.v1.DeviceGroup.AttributesEntry.value:type_name -> deviceplugin.v1.Value
-	10, // 14: deviceplugin.v1.DeviceStats.ValuesEntry.value:type_name -> deviceplugin.v1.Value
-	1,  // 15: deviceplugin.v1.DevicePlugin.GetPluginInfo:input_type -> deviceplugin.v1.GetPluginInfoRequest
-	3,  // 16: deviceplugin.v1.DevicePlugin.SetConfig:input_type -> deviceplugin.v1.SetConfigRequest
-	5,  // 17: deviceplugin.v1.DevicePlugin.Fingerprint:input_type -> deviceplugin.v1.FingerprintRequest
-	11, // 18: deviceplugin.v1.DevicePlugin.Stats:input_type -> deviceplugin.v1.StatsRequest
-	14, // 19: deviceplugin.v1.DevicePlugin.Reserve:input_type -> deviceplugin.v1.ReserveRequest
-	19, // 20: deviceplugin.v1.DevicePlugin.Release:input_type -> deviceplugin.v1.ReleaseRequest
-	2,  // 21: deviceplugin.v1.DevicePlugin.GetPluginInfo:output_type -> deviceplugin.v1.GetPluginInfoResponse
-	4,  // 22: deviceplugin.v1.DevicePlugin.SetConfig:output_type -> deviceplugin.v1.SetConfigResponse
-	6,  // 23: deviceplugin.v1.DevicePlugin.Fingerprint:output_type -> deviceplugin.v1.FingerprintResponse
-	12, // 24: deviceplugin.v1.DevicePlugin.Stats:output_type -> deviceplugin.v1.StatsResponse
-	15, // 25: deviceplugin.v1.DevicePlugin.Reserve:output_type -> deviceplugin.v1.ReserveResponse
-	20, // 26: deviceplugin.v1.DevicePlugin.Release:output_type -> deviceplugin.v1.ReleaseResponse
-	21, // [21:27] is the sub-list for method output_type
-	15, // [15:21] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	9,  // 0: deviceplugin.v1.FingerprintResponse.groups:type_name -> deviceplugin.v1.DeviceGroup
+	7,  // 1: deviceplugin.v1.FingerprintResponse.counter_sets:type_name -> deviceplugin.v1.CounterSet
+	23, // 2: deviceplugin.v1.CounterSet.counters:type_name -> deviceplugin.v1.CounterSet.CountersEntry
+	24, // 3: deviceplugin.v1.CounterConsumption.counters:type_name -> deviceplugin.v1.CounterConsumption.CountersEntry
+	10, // 4: deviceplugin.v1.DeviceGroup.devices:type_name -> deviceplugin.v1.Device
+	25, // 5: deviceplugin.v1.DeviceGroup.attributes:type_name -> deviceplugin.v1.DeviceGroup.AttributesEntry
+	0,  // 6: deviceplugin.v1.Device.health:type_name -> deviceplugin.v1.Health
+	11, // 7: deviceplugin.v1.Device.locality:type_name -> deviceplugin.v1.Locality
+	8,  // 8: deviceplugin.v1.Device.consumes:type_name -> deviceplugin.v1.CounterConsumption
+	28, // 9: deviceplugin.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	15, // 10: deviceplugin.v1.StatsResponse.devices:type_name -> deviceplugin.v1.DeviceStats
+	26, // 11: deviceplugin.v1.DeviceStats.values:type_name -> deviceplugin.v1.DeviceStats.ValuesEntry
+	29, // 12: deviceplugin.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	18, // 13: deviceplugin.v1.ReserveResponse.reservation:type_name -> deviceplugin.v1.ContainerReservation
+	27, // 14: deviceplugin.v1.ContainerReservation.envs:type_name -> deviceplugin.v1.ContainerReservation.EnvsEntry
+	19, // 15: deviceplugin.v1.ContainerReservation.mounts:type_name -> deviceplugin.v1.Mount
+	20, // 16: deviceplugin.v1.ContainerReservation.devices:type_name -> deviceplugin.v1.DeviceSpec
+	12, // 17: deviceplugin.v1.DeviceGroup.AttributesEntry.value:type_name -> deviceplugin.v1.Value
+	12, // 18: deviceplugin.v1.DeviceStats.ValuesEntry.value:type_name -> deviceplugin.v1.Value
+	1,  // 19: deviceplugin.v1.DevicePlugin.GetPluginInfo:input_type -> deviceplugin.v1.GetPluginInfoRequest
+	3,  // 20: deviceplugin.v1.DevicePlugin.SetConfig:input_type -> deviceplugin.v1.SetConfigRequest
+	5,  // 21: deviceplugin.v1.DevicePlugin.Fingerprint:input_type -> deviceplugin.v1.FingerprintRequest
+	13, // 22: deviceplugin.v1.DevicePlugin.Stats:input_type -> deviceplugin.v1.StatsRequest
+	16, // 23: deviceplugin.v1.DevicePlugin.Reserve:input_type -> deviceplugin.v1.ReserveRequest
+	21, // 24: deviceplugin.v1.DevicePlugin.Release:input_type -> deviceplugin.v1.ReleaseRequest
+	2,  // 25: deviceplugin.v1.DevicePlugin.GetPluginInfo:output_type -> deviceplugin.v1.GetPluginInfoResponse
+	4,  // 26: deviceplugin.v1.DevicePlugin.SetConfig:output_type -> deviceplugin.v1.SetConfigResponse
+	6,  // 27: deviceplugin.v1.DevicePlugin.Fingerprint:output_type -> deviceplugin.v1.FingerprintResponse
+	14, // 28: deviceplugin.v1.DevicePlugin.Stats:output_type -> deviceplugin.v1.StatsResponse
+	17, // 29: deviceplugin.v1.DevicePlugin.Reserve:output_type -> deviceplugin.v1.ReserveResponse
+	22, // 30: deviceplugin.v1.DevicePlugin.Release:output_type -> deviceplugin.v1.ReleaseResponse
+	25, // [25:31] is the sub-list for method output_type
+	19, // [19:25] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_deviceplugin_v1_deviceplugin_proto_init() }
@@ -1394,7 +1554,7 @@ func file_deviceplugin_v1_deviceplugin_proto_init() {
 	if File_deviceplugin_v1_deviceplugin_proto != nil {
 		return
 	}
-	file_deviceplugin_v1_deviceplugin_proto_msgTypes[9].OneofWrappers = []any{
+	file_deviceplugin_v1_deviceplugin_proto_msgTypes[11].OneofWrappers = []any{
 		(*Value_IntValue)(nil),
 		(*Value_FloatValue)(nil),
 		(*Value_StringValue)(nil),
@@ -1406,7 +1566,7 @@ func file_deviceplugin_v1_deviceplugin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deviceplugin_v1_deviceplugin_proto_rawDesc), len(file_deviceplugin_v1_deviceplugin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   23,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
