@@ -4,8 +4,8 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/devicehost/devicehost/validate"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/validate"
 )
 
 // gpuSet is a GPU's shared capacity as a partitioning plugin declares it.
