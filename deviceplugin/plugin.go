@@ -55,3 +55,19 @@ type Plugin interface {
 type Releaser interface {
 	Release(ctx context.Context, reservationID string, deviceIDs []string) error
 }
+
+// LiveReservation is one reservation the host holds live, as Reconcile hands it over.
+type LiveReservation struct {
+	ID        string
+	DeviceIDs []string
+}
+
+// Reconciler is implemented by plugins that prepare per-reservation state in Reserve
+// (a MIG instance carved for it) and must not leak it when the host never recorded
+// the reservation. The host calls Reconcile after SetConfig and before any Reserve
+// each time it starts or reattaches to the plugin, with every live reservation of the
+// plugin's devices: the plugin undoes what no live reservation holds and keeps what
+// one does. Plugins without it answer UNIMPLEMENTED, which the host treats as done.
+type Reconciler interface {
+	Reconcile(ctx context.Context, live []LiveReservation) error
+}

@@ -129,6 +129,26 @@ func (s *Server) Release(ctx context.Context, req *pb.ReleaseRequest) (*pb.Relea
 	return &pb.ReleaseResponse{}, nil
 }
 
+// Reconcile calls impl's Reconcile when it implements Reconciler, else answers
+// UNIMPLEMENTED (which the host treats as "nothing to do").
+func (s *Server) Reconcile(ctx context.Context, req *pb.ReconcileRequest) (*pb.ReconcileResponse, error) {
+	rec, ok := s.impl.(Reconciler)
+	if !ok {
+		return nil, status.Error(codes.Unimplemented, "plugin does not implement Reconcile")
+	}
+	if err := s.checkConfigured(); err != nil {
+		return nil, err
+	}
+	live := make([]LiveReservation, len(req.GetReservations()))
+	for i, r := range req.GetReservations() {
+		live[i] = LiveReservation{ID: r.GetReservationId(), DeviceIDs: r.GetDeviceIds()}
+	}
+	if err := rec.Reconcile(ctx, live); err != nil {
+		return nil, rpcError(ctx, err)
+	}
+	return &pb.ReconcileResponse{}, nil
+}
+
 func (s *Server) checkConfigured() error {
 	if !s.configured.Load() {
 		return status.Error(codes.FailedPrecondition, "SetConfig has not been called")

@@ -3,6 +3,8 @@ package deviceplugin_test
 import (
 	"context"
 	"errors"
+	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -407,6 +409,52 @@ func TestRelease(t *testing.T) {
 		wantCode(t, "Release", err, codes.Unknown)
 		if got := status.Convert(err).Message(); got != "still busy" {
 			t.Errorf("message: got %q, want %q", got, "still busy")
+		}
+	})
+}
+
+type reconcilingPlugin struct {
+	funcPlugin
+	reconcile func(context.Context, []deviceplugin.LiveReservation) error
+}
+
+func (p *reconcilingPlugin) Reconcile(ctx context.Context, live []deviceplugin.LiveReservation) error {
+	return p.reconcile(ctx, live)
+}
+
+// Reconcile hands the plugin the live reservations, or answers UNIMPLEMENTED for a
+// plugin without it; a plugin's failure keeps its message.
+func TestReconcile(t *testing.T) {
+	req := &pb.ReconcileRequest{Reservations: []*pb.LiveReservation{
+		{ReservationId: "r1", DeviceIds: []string{"a", "b"}},
+		{ReservationId: "r2", DeviceIds: []string{"c"}},
+	}}
+	t.Run("unimplemented", func(t *testing.T) {
+		_, err := configured(t, &funcPlugin{}).Reconcile(testContext(t), req)
+		wantCode(t, "Reconcile", err, codes.Unimplemented)
+	})
+	t.Run("reconciled", func(t *testing.T) {
+		got := make(chan []deviceplugin.LiveReservation, 1)
+		c := configured(t, &reconcilingPlugin{reconcile: func(_ context.Context, live []deviceplugin.LiveReservation) error {
+			got <- live
+			return nil
+		}})
+		if _, err := c.Reconcile(testContext(t), req); err != nil {
+			t.Fatalf("Reconcile: %v", err)
+		}
+		want := []deviceplugin.LiveReservation{{ID: "r1", DeviceIDs: []string{"a", "b"}}, {ID: "r2", DeviceIDs: []string{"c"}}}
+		if live := <-got; !reflect.DeepEqual(live, want) {
+			t.Errorf("live reservations: got %+v, want %+v", live, want)
+		}
+	})
+	t.Run("failed", func(t *testing.T) {
+		c := configured(t, &reconcilingPlugin{reconcile: func(context.Context, []deviceplugin.LiveReservation) error {
+			return errors.New("NVML: instance 3 cannot be destroyed: in use")
+		}})
+		_, err := c.Reconcile(testContext(t), req)
+		wantCode(t, "Reconcile", err, codes.Unknown)
+		if got := status.Convert(err).Message(); !strings.Contains(got, "in use") {
+			t.Errorf("message: got %q", got)
 		}
 	})
 }

@@ -1349,6 +1349,139 @@ func (*ReleaseResponse) Descriptor() ([]byte, []int) {
 	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{21}
 }
 
+type ReconcileRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Every live reservation of the plugin's devices, by reservation ID.
+	Reservations  []*LiveReservation `protobuf:"bytes,1,rep,name=reservations,proto3" json:"reservations,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReconcileRequest) Reset() {
+	*x = ReconcileRequest{}
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReconcileRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReconcileRequest) ProtoMessage() {}
+
+func (x *ReconcileRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReconcileRequest.ProtoReflect.Descriptor instead.
+func (*ReconcileRequest) Descriptor() ([]byte, []int) {
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ReconcileRequest) GetReservations() []*LiveReservation {
+	if x != nil {
+		return x.Reservations
+	}
+	return nil
+}
+
+type LiveReservation struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ReservationId string                 `protobuf:"bytes,1,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
+	DeviceIds     []string               `protobuf:"bytes,2,rep,name=device_ids,json=deviceIds,proto3" json:"device_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LiveReservation) Reset() {
+	*x = LiveReservation{}
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LiveReservation) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LiveReservation) ProtoMessage() {}
+
+func (x *LiveReservation) ProtoReflect() protoreflect.Message {
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LiveReservation.ProtoReflect.Descriptor instead.
+func (*LiveReservation) Descriptor() ([]byte, []int) {
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *LiveReservation) GetReservationId() string {
+	if x != nil {
+		return x.ReservationId
+	}
+	return ""
+}
+
+func (x *LiveReservation) GetDeviceIds() []string {
+	if x != nil {
+		return x.DeviceIds
+	}
+	return nil
+}
+
+type ReconcileResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReconcileResponse) Reset() {
+	*x = ReconcileResponse{}
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReconcileResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReconcileResponse) ProtoMessage() {}
+
+func (x *ReconcileResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReconcileResponse.ProtoReflect.Descriptor instead.
+func (*ReconcileResponse) Descriptor() ([]byte, []int) {
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{24}
+}
+
 var File_deviceplugin_v1_deviceplugin_proto protoreflect.FileDescriptor
 
 const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
@@ -1451,18 +1584,26 @@ const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x1d\n" +
 	"\n" +
 	"device_ids\x18\x02 \x03(\tR\tdeviceIds\"\x11\n" +
-	"\x0fReleaseResponse*J\n" +
+	"\x0fReleaseResponse\"X\n" +
+	"\x10ReconcileRequest\x12D\n" +
+	"\freservations\x18\x01 \x03(\v2 .deviceplugin.v1.LiveReservationR\freservations\"W\n" +
+	"\x0fLiveReservation\x12%\n" +
+	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x1d\n" +
+	"\n" +
+	"device_ids\x18\x02 \x03(\tR\tdeviceIds\"\x13\n" +
+	"\x11ReconcileResponse*J\n" +
 	"\x06Health\x12\x16\n" +
 	"\x12HEALTH_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eHEALTH_HEALTHY\x10\x01\x12\x14\n" +
-	"\x10HEALTH_UNHEALTHY\x10\x022\x84\x04\n" +
+	"\x10HEALTH_UNHEALTHY\x10\x022\xd8\x04\n" +
 	"\fDevicePlugin\x12^\n" +
 	"\rGetPluginInfo\x12%.deviceplugin.v1.GetPluginInfoRequest\x1a&.deviceplugin.v1.GetPluginInfoResponse\x12R\n" +
 	"\tSetConfig\x12!.deviceplugin.v1.SetConfigRequest\x1a\".deviceplugin.v1.SetConfigResponse\x12Z\n" +
 	"\vFingerprint\x12#.deviceplugin.v1.FingerprintRequest\x1a$.deviceplugin.v1.FingerprintResponse0\x01\x12H\n" +
 	"\x05Stats\x12\x1d.deviceplugin.v1.StatsRequest\x1a\x1e.deviceplugin.v1.StatsResponse0\x01\x12L\n" +
 	"\aReserve\x12\x1f.deviceplugin.v1.ReserveRequest\x1a .deviceplugin.v1.ReserveResponse\x12L\n" +
-	"\aRelease\x12\x1f.deviceplugin.v1.ReleaseRequest\x1a .deviceplugin.v1.ReleaseResponseBGZEgithub.com/devicehost/devicehost/proto/deviceplugin/v1;devicepluginv1b\x06proto3"
+	"\aRelease\x12\x1f.deviceplugin.v1.ReleaseRequest\x1a .deviceplugin.v1.ReleaseResponse\x12R\n" +
+	"\tReconcile\x12!.deviceplugin.v1.ReconcileRequest\x1a\".deviceplugin.v1.ReconcileResponseBGZEgithub.com/devicehost/devicehost/proto/deviceplugin/v1;devicepluginv1b\x06proto3"
 
 var (
 	file_deviceplugin_v1_deviceplugin_proto_rawDescOnce sync.Once
@@ -1477,7 +1618,7 @@ func file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP() []byte {
 }
 
 var file_deviceplugin_v1_deviceplugin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_deviceplugin_v1_deviceplugin_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_deviceplugin_v1_deviceplugin_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_deviceplugin_v1_deviceplugin_proto_goTypes = []any{
 	(Health)(0),                   // 0: deviceplugin.v1.Health
 	(*GetPluginInfoRequest)(nil),  // 1: deviceplugin.v1.GetPluginInfoRequest
@@ -1502,51 +1643,57 @@ var file_deviceplugin_v1_deviceplugin_proto_goTypes = []any{
 	(*DeviceSpec)(nil),            // 20: deviceplugin.v1.DeviceSpec
 	(*ReleaseRequest)(nil),        // 21: deviceplugin.v1.ReleaseRequest
 	(*ReleaseResponse)(nil),       // 22: deviceplugin.v1.ReleaseResponse
-	nil,                           // 23: deviceplugin.v1.CounterSet.CountersEntry
-	nil,                           // 24: deviceplugin.v1.CounterConsumption.CountersEntry
-	nil,                           // 25: deviceplugin.v1.DeviceGroup.AttributesEntry
-	nil,                           // 26: deviceplugin.v1.DeviceStats.ValuesEntry
-	nil,                           // 27: deviceplugin.v1.ContainerReservation.EnvsEntry
-	(*durationpb.Duration)(nil),   // 28: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil), // 29: google.protobuf.Timestamp
+	(*ReconcileRequest)(nil),      // 23: deviceplugin.v1.ReconcileRequest
+	(*LiveReservation)(nil),       // 24: deviceplugin.v1.LiveReservation
+	(*ReconcileResponse)(nil),     // 25: deviceplugin.v1.ReconcileResponse
+	nil,                           // 26: deviceplugin.v1.CounterSet.CountersEntry
+	nil,                           // 27: deviceplugin.v1.CounterConsumption.CountersEntry
+	nil,                           // 28: deviceplugin.v1.DeviceGroup.AttributesEntry
+	nil,                           // 29: deviceplugin.v1.DeviceStats.ValuesEntry
+	nil,                           // 30: deviceplugin.v1.ContainerReservation.EnvsEntry
+	(*durationpb.Duration)(nil),   // 31: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil), // 32: google.protobuf.Timestamp
 }
 var file_deviceplugin_v1_deviceplugin_proto_depIdxs = []int32{
 	9,  // 0: deviceplugin.v1.FingerprintResponse.groups:type_name -> deviceplugin.v1.DeviceGroup
 	7,  // 1: deviceplugin.v1.FingerprintResponse.counter_sets:type_name -> deviceplugin.v1.CounterSet
-	23, // 2: deviceplugin.v1.CounterSet.counters:type_name -> deviceplugin.v1.CounterSet.CountersEntry
-	24, // 3: deviceplugin.v1.CounterConsumption.counters:type_name -> deviceplugin.v1.CounterConsumption.CountersEntry
+	26, // 2: deviceplugin.v1.CounterSet.counters:type_name -> deviceplugin.v1.CounterSet.CountersEntry
+	27, // 3: deviceplugin.v1.CounterConsumption.counters:type_name -> deviceplugin.v1.CounterConsumption.CountersEntry
 	10, // 4: deviceplugin.v1.DeviceGroup.devices:type_name -> deviceplugin.v1.Device
-	25, // 5: deviceplugin.v1.DeviceGroup.attributes:type_name -> deviceplugin.v1.DeviceGroup.AttributesEntry
+	28, // 5: deviceplugin.v1.DeviceGroup.attributes:type_name -> deviceplugin.v1.DeviceGroup.AttributesEntry
 	0,  // 6: deviceplugin.v1.Device.health:type_name -> deviceplugin.v1.Health
 	11, // 7: deviceplugin.v1.Device.locality:type_name -> deviceplugin.v1.Locality
 	8,  // 8: deviceplugin.v1.Device.consumes:type_name -> deviceplugin.v1.CounterConsumption
-	28, // 9: deviceplugin.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	31, // 9: deviceplugin.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
 	15, // 10: deviceplugin.v1.StatsResponse.devices:type_name -> deviceplugin.v1.DeviceStats
-	26, // 11: deviceplugin.v1.DeviceStats.values:type_name -> deviceplugin.v1.DeviceStats.ValuesEntry
-	29, // 12: deviceplugin.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	29, // 11: deviceplugin.v1.DeviceStats.values:type_name -> deviceplugin.v1.DeviceStats.ValuesEntry
+	32, // 12: deviceplugin.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
 	18, // 13: deviceplugin.v1.ReserveResponse.reservation:type_name -> deviceplugin.v1.ContainerReservation
-	27, // 14: deviceplugin.v1.ContainerReservation.envs:type_name -> deviceplugin.v1.ContainerReservation.EnvsEntry
+	30, // 14: deviceplugin.v1.ContainerReservation.envs:type_name -> deviceplugin.v1.ContainerReservation.EnvsEntry
 	19, // 15: deviceplugin.v1.ContainerReservation.mounts:type_name -> deviceplugin.v1.Mount
 	20, // 16: deviceplugin.v1.ContainerReservation.devices:type_name -> deviceplugin.v1.DeviceSpec
-	12, // 17: deviceplugin.v1.DeviceGroup.AttributesEntry.value:type_name -> deviceplugin.v1.Value
-	12, // 18: deviceplugin.v1.DeviceStats.ValuesEntry.value:type_name -> deviceplugin.v1.Value
-	1,  // 19: deviceplugin.v1.DevicePlugin.GetPluginInfo:input_type -> deviceplugin.v1.GetPluginInfoRequest
-	3,  // 20: deviceplugin.v1.DevicePlugin.SetConfig:input_type -> deviceplugin.v1.SetConfigRequest
-	5,  // 21: deviceplugin.v1.DevicePlugin.Fingerprint:input_type -> deviceplugin.v1.FingerprintRequest
-	13, // 22: deviceplugin.v1.DevicePlugin.Stats:input_type -> deviceplugin.v1.StatsRequest
-	16, // 23: deviceplugin.v1.DevicePlugin.Reserve:input_type -> deviceplugin.v1.ReserveRequest
-	21, // 24: deviceplugin.v1.DevicePlugin.Release:input_type -> deviceplugin.v1.ReleaseRequest
-	2,  // 25: deviceplugin.v1.DevicePlugin.GetPluginInfo:output_type -> deviceplugin.v1.GetPluginInfoResponse
-	4,  // 26: deviceplugin.v1.DevicePlugin.SetConfig:output_type -> deviceplugin.v1.SetConfigResponse
-	6,  // 27: deviceplugin.v1.DevicePlugin.Fingerprint:output_type -> deviceplugin.v1.FingerprintResponse
-	14, // 28: deviceplugin.v1.DevicePlugin.Stats:output_type -> deviceplugin.v1.StatsResponse
-	17, // 29: deviceplugin.v1.DevicePlugin.Reserve:output_type -> deviceplugin.v1.ReserveResponse
-	22, // 30: deviceplugin.v1.DevicePlugin.Release:output_type -> deviceplugin.v1.ReleaseResponse
-	25, // [25:31] is the sub-list for method output_type
-	19, // [19:25] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	24, // 17: deviceplugin.v1.ReconcileRequest.reservations:type_name -> deviceplugin.v1.LiveReservation
+	12, // 18: deviceplugin.v1.DeviceGroup.AttributesEntry.value:type_name -> deviceplugin.v1.Value
+	12, // 19: deviceplugin.v1.DeviceStats.ValuesEntry.value:type_name -> deviceplugin.v1.Value
+	1,  // 20: deviceplugin.v1.DevicePlugin.GetPluginInfo:input_type -> deviceplugin.v1.GetPluginInfoRequest
+	3,  // 21: deviceplugin.v1.DevicePlugin.SetConfig:input_type -> deviceplugin.v1.SetConfigRequest
+	5,  // 22: deviceplugin.v1.DevicePlugin.Fingerprint:input_type -> deviceplugin.v1.FingerprintRequest
+	13, // 23: deviceplugin.v1.DevicePlugin.Stats:input_type -> deviceplugin.v1.StatsRequest
+	16, // 24: deviceplugin.v1.DevicePlugin.Reserve:input_type -> deviceplugin.v1.ReserveRequest
+	21, // 25: deviceplugin.v1.DevicePlugin.Release:input_type -> deviceplugin.v1.ReleaseRequest
+	23, // 26: deviceplugin.v1.DevicePlugin.Reconcile:input_type -> deviceplugin.v1.ReconcileRequest
+	2,  // 27: deviceplugin.v1.DevicePlugin.GetPluginInfo:output_type -> deviceplugin.v1.GetPluginInfoResponse
+	4,  // 28: deviceplugin.v1.DevicePlugin.SetConfig:output_type -> deviceplugin.v1.SetConfigResponse
+	6,  // 29: deviceplugin.v1.DevicePlugin.Fingerprint:output_type -> deviceplugin.v1.FingerprintResponse
+	14, // 30: deviceplugin.v1.DevicePlugin.Stats:output_type -> deviceplugin.v1.StatsResponse
+	17, // 31: deviceplugin.v1.DevicePlugin.Reserve:output_type -> deviceplugin.v1.ReserveResponse
+	22, // 32: deviceplugin.v1.DevicePlugin.Release:output_type -> deviceplugin.v1.ReleaseResponse
+	25, // 33: deviceplugin.v1.DevicePlugin.Reconcile:output_type -> deviceplugin.v1.ReconcileResponse
+	27, // [27:34] is the sub-list for method output_type
+	20, // [20:27] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_deviceplugin_v1_deviceplugin_proto_init() }
@@ -1566,7 +1713,7 @@ func file_deviceplugin_v1_deviceplugin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deviceplugin_v1_deviceplugin_proto_rawDesc), len(file_deviceplugin_v1_deviceplugin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   27,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

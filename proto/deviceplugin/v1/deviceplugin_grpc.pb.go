@@ -37,6 +37,7 @@ const (
 	DevicePlugin_Stats_FullMethodName         = "/deviceplugin.v1.DevicePlugin/Stats"
 	DevicePlugin_Reserve_FullMethodName       = "/deviceplugin.v1.DevicePlugin/Reserve"
 	DevicePlugin_Release_FullMethodName       = "/deviceplugin.v1.DevicePlugin/Release"
+	DevicePlugin_Reconcile_FullMethodName     = "/deviceplugin.v1.DevicePlugin/Reconcile"
 )
 
 // DevicePluginClient is the client API for DevicePlugin service.
@@ -64,6 +65,14 @@ type DevicePluginClient interface {
 	// its ledger, so after a host crash (or a lost answer) the same reservation may be
 	// released again, and that second call must succeed and change nothing.
 	Release(ctx context.Context, in *ReleaseRequest, opts ...grpc.CallOption) (*ReleaseResponse, error)
+	// Reconcile tells the plugin which of its reservations are live. The host calls it
+	// after SetConfig, before any Reserve, whenever it starts or reattaches to the
+	// plugin: the plugin undoes what it prepared for devices no live reservation holds
+	// (a Reserve whose answer the host never recorded: the host was killed between the
+	// plugin's answer and its ledger commit) and keeps, adopting it, what a live one
+	// holds. Optional: a plugin that keeps no per-reservation state leaves it
+	// unimplemented (UNIMPLEMENTED), which the host treats as "nothing to do".
+	Reconcile(ctx context.Context, in *ReconcileRequest, opts ...grpc.CallOption) (*ReconcileResponse, error)
 }
 
 type devicePluginClient struct {
@@ -152,6 +161,16 @@ func (c *devicePluginClient) Release(ctx context.Context, in *ReleaseRequest, op
 	return out, nil
 }
 
+func (c *devicePluginClient) Reconcile(ctx context.Context, in *ReconcileRequest, opts ...grpc.CallOption) (*ReconcileResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReconcileResponse)
+	err := c.cc.Invoke(ctx, DevicePlugin_Reconcile_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // DevicePluginServer is the server API for DevicePlugin service.
 // All implementations must embed UnimplementedDevicePluginServer
 // for forward compatibility.
@@ -177,6 +196,14 @@ type DevicePluginServer interface {
 	// its ledger, so after a host crash (or a lost answer) the same reservation may be
 	// released again, and that second call must succeed and change nothing.
 	Release(context.Context, *ReleaseRequest) (*ReleaseResponse, error)
+	// Reconcile tells the plugin which of its reservations are live. The host calls it
+	// after SetConfig, before any Reserve, whenever it starts or reattaches to the
+	// plugin: the plugin undoes what it prepared for devices no live reservation holds
+	// (a Reserve whose answer the host never recorded: the host was killed between the
+	// plugin's answer and its ledger commit) and keeps, adopting it, what a live one
+	// holds. Optional: a plugin that keeps no per-reservation state leaves it
+	// unimplemented (UNIMPLEMENTED), which the host treats as "nothing to do".
+	Reconcile(context.Context, *ReconcileRequest) (*ReconcileResponse, error)
 	mustEmbedUnimplementedDevicePluginServer()
 }
 
@@ -204,6 +231,9 @@ func (UnimplementedDevicePluginServer) Reserve(context.Context, *ReserveRequest)
 }
 func (UnimplementedDevicePluginServer) Release(context.Context, *ReleaseRequest) (*ReleaseResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Release not implemented")
+}
+func (UnimplementedDevicePluginServer) Reconcile(context.Context, *ReconcileRequest) (*ReconcileResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Reconcile not implemented")
 }
 func (UnimplementedDevicePluginServer) mustEmbedUnimplementedDevicePluginServer() {}
 func (UnimplementedDevicePluginServer) testEmbeddedByValue()                      {}
@@ -320,6 +350,24 @@ func _DevicePlugin_Release_Handler(srv interface{}, ctx context.Context, dec fun
 	return interceptor(ctx, in, info, handler)
 }
 
+func _DevicePlugin_Reconcile_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReconcileRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(DevicePluginServer).Reconcile(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: DevicePlugin_Reconcile_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(DevicePluginServer).Reconcile(ctx, req.(*ReconcileRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // DevicePlugin_ServiceDesc is the grpc.ServiceDesc for DevicePlugin service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -342,6 +390,10 @@ var DevicePlugin_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Release",
 			Handler:    _DevicePlugin_Release_Handler,
+		},
+		{
+			MethodName: "Reconcile",
+			Handler:    _DevicePlugin_Reconcile_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{
