@@ -261,7 +261,7 @@ func prefillLedger(b *testing.B, path string, n int) {
 				r, _, err := l.Reserve(ctx, device.Reservation{
 					OwnerID: fmt.Sprintf("old-%d", i), Group: benchKey, Plugin: "bench",
 					DeviceIDs: []string{fmt.Sprintf("old-dev-%d", i)},
-				}, nil)
+				}, nil, nil)
 				if err == nil {
 					_, _, err = l.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}, time.Time{})
 				}

@@ -481,7 +481,7 @@ func TestGCSkipsCleanupsOfPluginsNoLongerConfigured(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	if _, _, err := l.Reserve(ctx, device.Reservation{ID: "res-old", OwnerID: "o1", Plugin: "gone", Group: acmeA1, DeviceIDs: []string{"x0"}}, nil); err != nil {
+	if _, _, err := l.Reserve(ctx, device.Reservation{ID: "res-old", OwnerID: "o1", Plugin: "gone", Group: acmeA1, DeviceIDs: []string{"x0"}}, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	if _, _, err := l.Release(ctx, device.ReleaseRequest{ReservationID: "res-old"}, time.Time{}); err != nil {

@@ -485,7 +485,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	}
 	defer release()
 	takeOver := slices.Clone(req.TakeOverOwnerPrefixes)
-	if existing, err := m.store.Check(req.OwnerID, ids, takeOver); err != nil || existing != nil {
+	if existing, err := m.store.Check(req.OwnerID, ids, takeOver, nil, nil); err != nil || existing != nil {
 		if existing != nil {
 			return *existing, nil
 		}
@@ -516,7 +516,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		Container: fromContainerReservation(res),
 		State:     device.ReservationActive,
 		CreatedAt: m.cfg.Now(),
-	}, takeOver)
+	}, takeOver, nil)
 	if err != nil {
 		return device.Reservation{}, fmt.Errorf("record reservation: %w", err)
 	}

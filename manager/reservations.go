@@ -14,8 +14,8 @@ import (
 // the interface is only the seam a test wraps to hold a Reserve between its steps
 // (gatedStore in manager_test.go).
 type reservationStore interface {
-	Check(ownerID string, deviceIDs, takeOver []string) (*device.Reservation, error)
-	Reserve(ctx context.Context, r device.Reservation, takeOver []string) (res device.Reservation, existing bool, err error)
+	Check(ownerID string, deviceIDs, takeOver []string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, error)
+	Reserve(ctx context.Context, r device.Reservation, takeOver []string, caps device.Capacity) (res device.Reservation, existing bool, err error)
 	Release(ctx context.Context, req device.ReleaseRequest, now time.Time) (released, already []device.Reservation, err error)
 	Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error)
 	List(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)

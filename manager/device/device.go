@@ -329,11 +329,15 @@ func (s ReservationState) String() string {
 
 // Reservation is one entry of the reservation ledger.
 type Reservation struct {
-	ID             string
-	OwnerID        string
-	Group          GroupKey
-	Plugin         string
-	DeviceIDs      []string
+	ID        string
+	OwnerID   string
+	Group     GroupKey
+	Plugin    string
+	DeviceIDs []string
+	// Consumes is what the reservation uses of its plugin's shared counters: the sum
+	// of its devices' consumption when it was made, by set, sorted by set name. Empty
+	// for devices that share nothing.
+	Consumes       []Consumption
 	Container      ContainerReservation
 	State          ReservationState
 	CreatedAt      time.Time
@@ -344,6 +348,22 @@ type Reservation struct {
 	// It is never stored: listings and a retried Reserve leave it empty.
 	TakenOver []string
 }
+
+// CounterSetKey names a counter set (shared capacity, e.g. one GPU's slices): the plugin
+// that reports it and its name there. Sets of two plugins never mix.
+type CounterSetKey struct {
+	Plugin string
+	Name   string
+}
+
+// Consumption is what a device or a reservation uses of one counter set, per counter.
+type Consumption struct {
+	Set      CounterSetKey
+	Counters map[string]int64
+}
+
+// Capacity is the capacity of counter sets, per counter.
+type Capacity map[CounterSetKey]map[string]int64
 
 // ReleaseRequest names what to release: exactly one of the two fields is set.
 type ReleaseRequest struct {

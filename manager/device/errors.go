@@ -19,6 +19,9 @@ var (
 	// ErrDeviceHeld: the device is held by a live reservation of another owner, or the
 	// request overlaps one only in part.
 	ErrDeviceHeld = errors.New("device held")
+	// ErrCapacityExceeded: the requested devices, with the live reservations, would use
+	// more of a shared counter (a GPU's slices) than it has; see CapacityError.
+	ErrCapacityExceeded = errors.New("shared capacity exceeded")
 	// ErrPluginUnavailable: the owning plugin is not running or did not answer in time.
 	ErrPluginUnavailable = errors.New("plugin unavailable")
 	// ErrPluginResponse: the plugin answered, but its answer broke a validation rule.
@@ -86,3 +89,43 @@ func (e *HeldError) Error() string {
 
 // Unwrap returns ErrDeviceHeld.
 func (e *HeldError) Unwrap() error { return ErrDeviceHeld }
+
+// CapacityError says which shared counters a Reserve would take over their capacity,
+// and which live reservations use them. It matches ErrCapacityExceeded under errors.Is.
+type CapacityError struct {
+	OwnerID  string    // the requesting owner
+	Overruns []Overrun // sorted by set, then counter
+}
+
+// Overrun is one counter a request would take over its capacity.
+type Overrun struct {
+	Set       CounterSetKey
+	Counter   string
+	Capacity  int64
+	Used      int64    // by live reservations
+	Requested int64    // by the request
+	Users     []Holder // the live reservations using it, sorted by reservation ID
+}
+
+// Error names each counter, its figures and its users, e.g. `owner "a": counter
+// "memory-slice-0" of set "GPU-1" (plugin "nvidia"): 1 requested, 1 of 1 used by
+// reservation res-0f.. of owner "b": shared capacity exceeded`.
+func (e *CapacityError) Error() string {
+	parts := make([]string, 0, len(e.Overruns))
+	for _, o := range e.Overruns {
+		users := make([]string, len(o.Users))
+		for i, u := range o.Users {
+			users[i] = fmt.Sprintf("reservation %s of owner %q", u.ReservationID, u.OwnerID)
+		}
+		by := ""
+		if len(users) > 0 {
+			by = " by " + strings.Join(users, ", ")
+		}
+		parts = append(parts, fmt.Sprintf("counter %q of set %q (plugin %q): %d requested, %d of %d used%s",
+			o.Counter, o.Set.Name, o.Set.Plugin, o.Requested, o.Used, o.Capacity, by))
+	}
+	return fmt.Sprintf("owner %q: %s: %v", e.OwnerID, strings.Join(parts, "; "), ErrCapacityExceeded)
+}
+
+// Unwrap returns ErrCapacityExceeded.
+func (e *CapacityError) Unwrap() error { return ErrCapacityExceeded }

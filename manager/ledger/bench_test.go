@@ -41,7 +41,7 @@ func BenchmarkReserve(b *testing.B) {
 							return
 						}
 						dev := fmt.Sprintf("GPU-%d", i)
-						if _, _, err := l.Reserve(ctx, res(fmt.Sprintf("owner-%d", c), dev), nil); err != nil {
+						if _, _, err := l.Reserve(ctx, res(fmt.Sprintf("owner-%d", c), dev), nil, nil); err != nil {
 							b.Error(err)
 							return
 						}
@@ -79,7 +79,7 @@ func BenchmarkCycleGC(b *testing.B) {
 			for range 256 {
 				wg.Go(func() {
 					for i := next.Add(1); i <= int64(n); i = next.Add(1) {
-						r, _, err := l.Reserve(ctx, res(fmt.Sprint("old-", i), fmt.Sprint("old-GPU-", i)), nil)
+						r, _, err := l.Reserve(ctx, res(fmt.Sprint("old-", i), fmt.Sprint("old-GPU-", i)), nil, nil)
 						if err == nil {
 							_, _, err = l.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}, time.Time{})
 						}
@@ -123,7 +123,7 @@ func BenchmarkCycleGC(b *testing.B) {
 			commits0, cpu0 := l.Commits(), processCPU(b)
 			for b.Loop() {
 				i++
-				r, _, err := l.Reserve(ctx, res(fmt.Sprint("owner-", i), "GPU-0"), nil)
+				r, _, err := l.Reserve(ctx, res(fmt.Sprint("owner-", i), "GPU-0"), nil, nil)
 				if err != nil {
 					b.Fatal(err)
 				}

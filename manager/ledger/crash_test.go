@@ -49,7 +49,7 @@ func TestHelperProcess(t *testing.T) {
 		go func() {
 			for i := 0; ; i++ {
 				dev := fmt.Sprintf("GPU-%d-%d", w, i)
-				r, _, err := l.Reserve(ctx, res(fmt.Sprintf("owner-%d-%d", w, i), dev), nil)
+				r, _, err := l.Reserve(ctx, res(fmt.Sprintf("owner-%d-%d", w, i), dev), nil, nil)
 				if err != nil {
 					fmt.Fprintln(os.Stderr, err)
 					os.Exit(3)
@@ -237,7 +237,7 @@ func TestHelperDeferredMark(t *testing.T) {
 	ctx := context.Background()
 	go func() { _ = g.Run(ctx) }()
 	for i := range deferredCycles {
-		r, _, err := l.Reserve(ctx, res(fmt.Sprint("owner-", i), "GPU-0"), nil)
+		r, _, err := l.Reserve(ctx, res(fmt.Sprint("owner-", i), "GPU-0"), nil, nil)
 		if err != nil {
 			exit(3, err)
 		}
@@ -344,7 +344,7 @@ func TestHelperTakeOver(t *testing.T) {
 		go func() {
 			dev := fmt.Sprint("GPU-", d)
 			for i := 0; ; i++ {
-				r, _, err := l.Reserve(ctx, res(fmt.Sprintf("nomad/%s-%d", dev, i), dev), []string{"nomad/"})
+				r, _, err := l.Reserve(ctx, res(fmt.Sprintf("nomad/%s-%d", dev, i), dev), []string{"nomad/"}, nil)
 				if err != nil || len(r.TakenOver) > 1 || (i > 0) != (len(r.TakenOver) == 1) {
 					fmt.Fprintln(os.Stderr, "take-over", i, "of", dev, r.TakenOver, err)
 					os.Exit(3)

@@ -26,7 +26,7 @@ func Example() {
 	ctx := context.Background()
 
 	// Before calling the plugin: is the request free, a retry, or a conflict?
-	if prior, err := l.Check("alloc-1", []string{"GPU-a", "GPU-b"}, nil); err != nil || prior != nil {
+	if prior, err := l.Check("alloc-1", []string{"GPU-a", "GPU-b"}, nil, nil, nil); err != nil || prior != nil {
 		fmt.Println("not new:", prior, err)
 		return
 	}
@@ -37,13 +37,13 @@ func Example() {
 		Plugin:    "nvidia-example",
 		DeviceIDs: []string{"GPU-a", "GPU-b"},
 		Container: device.ContainerReservation{Envs: map[string]string{"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b"}},
-	}, nil)
+	}, nil, nil)
 	fmt.Println(r.ID, existing, err)
 
 	// A retry by the same owner gets the same reservation; another owner is refused.
-	r2, existing, _ := l.Reserve(ctx, device.Reservation{OwnerID: "alloc-1", DeviceIDs: []string{"GPU-b", "GPU-a"}}, nil)
+	r2, existing, _ := l.Reserve(ctx, device.Reservation{OwnerID: "alloc-1", DeviceIDs: []string{"GPU-b", "GPU-a"}}, nil, nil)
 	fmt.Println(r2.ID, existing)
-	_, _, err = l.Reserve(ctx, device.Reservation{OwnerID: "alloc-2", DeviceIDs: []string{"GPU-b"}}, nil)
+	_, _, err = l.Reserve(ctx, device.Reservation{OwnerID: "alloc-2", DeviceIDs: []string{"GPU-b"}}, nil, nil)
 	fmt.Println(errors.Is(err, device.ErrDeviceHeld), err)
 	fmt.Println(l.Holders()["GPU-a"])
 

@@ -468,7 +468,7 @@ func TestGCDestroysManyInFewCommits(t *testing.T) {
 	for w := range 16 { // concurrent, so that filling the ledger shares commits too
 		wg.Go(func() {
 			for i := w; i < n; i += 16 {
-				r, _, err := l.Reserve(context.Background(), res(fmt.Sprint("o", i), fmt.Sprint("GPU-", i)), nil)
+				r, _, err := l.Reserve(context.Background(), res(fmt.Sprint("o", i), fmt.Sprint("GPU-", i)), nil, nil)
 				if err == nil {
 					_, _, err = l.Release(context.Background(), device.ReleaseRequest{ReservationID: r.ID}, t0.Add(time.Duration(i)*time.Second))
 				}

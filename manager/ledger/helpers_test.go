@@ -79,7 +79,7 @@ func tickingClock() func() time.Time {
 // reserve reserves a new reservation of owner for devs and fails the test otherwise.
 func reserve(t *testing.T, l *Ledger, owner string, devs ...string) device.Reservation {
 	t.Helper()
-	r, existing, err := l.Reserve(context.Background(), res(owner, devs...), nil)
+	r, existing, err := l.Reserve(context.Background(), res(owner, devs...), nil, nil)
 	if err != nil || existing {
 		t.Fatalf("Reserve(%s, %v) = existing %v, err %v; want a new reservation", owner, devs, existing, err)
 	}

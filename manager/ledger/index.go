@@ -25,6 +25,7 @@ type index struct {
 	owners   map[uint64]idSet               // ownerKey(owner ID) -> reservation IDs, every state
 	seed     maphash.Seed                   // ownerKey's
 	pending  int                            // released reservations whose cleanup is owed
+	ctr      counters                       // what the live ones use of shared counters
 }
 
 // releasedRec is a released reservation in the index.
@@ -40,6 +41,7 @@ func newIndex() *index {
 		held:     make(map[string]string),
 		owners:   make(map[uint64]idSet),
 		seed:     maphash.MakeSeed(),
+		ctr:      newCounters(),
 	}
 }
 
@@ -102,6 +104,7 @@ func (x *index) add(r *device.Reservation) {
 		for _, d := range r.DeviceIDs {
 			x.held[d] = id
 		}
+		x.ctr.add(r, 1)
 		return
 	}
 	p := pack(r)
@@ -122,6 +125,7 @@ func (x *index) remove(id string) {
 				delete(x.held, d)
 			}
 		}
+		x.ctr.add(r, -1)
 	} else if rr, ok := x.released[id]; ok {
 		delete(x.released, id)
 		owner = rr.p.owner()
@@ -232,6 +236,7 @@ type overlay struct {
 	base *index
 	recs map[string]*device.Reservation // nil value: deleted in this batch
 	held map[string]string              // "" value: freed in this batch
+	ctr  overlayCounters                // the batch's change to the shared counters' use
 }
 
 func newOverlay(base *index) *overlay {
@@ -259,6 +264,7 @@ func (o *overlay) put(r *device.Reservation) {
 		for _, d := range r.DeviceIDs {
 			o.held[d] = r.ID
 		}
+		o.countersAdd(r, 1)
 	}
 }
 
@@ -281,6 +287,9 @@ func (o *overlay) drop(id string) {
 		if o.holder(d) == id {
 			o.held[d] = ""
 		}
+	}
+	if old.State == device.ReservationActive {
+		o.countersAdd(old, -1)
 	}
 }
 
@@ -324,5 +333,17 @@ func clone(r *device.Reservation) device.Reservation {
 	c.Container.Mounts = slices.Clone(r.Container.Mounts)
 	c.Container.Devices = slices.Clone(r.Container.Devices)
 	c.Container.CDIDevices = slices.Clone(r.Container.CDIDevices)
+	c.Consumes = cloneConsumes(r.Consumes)
 	return c
+}
+
+func cloneConsumes(cs []device.Consumption) []device.Consumption {
+	if cs == nil {
+		return nil
+	}
+	out := make([]device.Consumption, len(cs))
+	for i, c := range cs {
+		out[i] = device.Consumption{Set: c.Set, Counters: maps.Clone(c.Counters)}
+	}
+	return out
 }

@@ -59,7 +59,7 @@ func TestReopenKeepsEverything(t *testing.T) {
 		t.Errorf("LoadReattach after reopen = %q, %v, %v", data, ok, err)
 	}
 	// The reopened ledger enforces what it loaded.
-	if _, _, err := l.Reserve(ctx, res("alloc-x", "GPU-1"), nil); !errors.Is(err, device.ErrDeviceHeld) {
+	if _, _, err := l.Reserve(ctx, res("alloc-x", "GPU-1"), nil, nil); !errors.Is(err, device.ErrDeviceHeld) {
 		t.Errorf("Reserve of a device held before the reopen: err = %v, want ErrDeviceHeld", err)
 	}
 }
@@ -412,7 +412,7 @@ func TestClosedLedgerRefusesWrites(t *testing.T) {
 	}
 	ctx := context.Background()
 	checks := map[string]error{}
-	_, _, checks["Reserve"] = l.Reserve(ctx, res("b", "GPU-2"), nil)
+	_, _, checks["Reserve"] = l.Reserve(ctx, res("b", "GPU-2"), nil, nil)
 	_, _, checks["Release"] = l.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}, time.Time{})
 	checks["SaveReattach"] = l.SaveReattach(ctx, "p", nil)
 	_, _, checks["LoadReattach"] = l.LoadReattach("p")

@@ -49,7 +49,7 @@ func TestOnCommitSeesEveryCommitAndItsWrites(t *testing.T) {
 	r := reserve(t, l, "job-1", "GPU-1")
 	release(t, l, r.ID, t0.Add(time.Hour))
 	// Refused requests write nothing: no commit, nothing observed.
-	if _, _, err := l.Reserve(context.Background(), res("job-2", "GPU-2", "GPU-2"), nil); err == nil {
+	if _, _, err := l.Reserve(context.Background(), res("job-2", "GPU-2", "GPU-2"), nil, nil); err == nil {
 		t.Fatal("a Reserve naming a device twice was accepted")
 	}
 	if _, _, err := l.Release(context.Background(), device.ReleaseRequest{ReservationID: "res-nope"}, t0); err == nil {

@@ -34,7 +34,8 @@ import (
 //
 // Layout: a flags byte (flagCleanupPending), then in this order the owner, the group
 // (vendor, type, name), the plugin, the device IDs, the creation and release times,
-// and the container reservation: envs, mounts, device nodes, CDI names. A string is its
+// the container reservation: envs, mounts, device nodes, CDI names; and the use of
+// counter sets: per set its name and its counters (name, varint). A string is its
 // length (uvarint) and bytes; a list or map is its length plus one (0 for nil, so nil
 // and empty stay apart) and its elements; a time is 0 for the zero time, else 1, its
 // Unix seconds (varint) and nanoseconds (uvarint).
@@ -77,6 +78,15 @@ func pack(r *device.Reservation) packed {
 		p.str(d.Permissions)
 	}
 	p.strs(c.CDIDevices)
+	p.count(r.Consumes == nil, len(r.Consumes))
+	for _, cons := range r.Consumes {
+		p.str(cons.Set.Name) // the set's plugin is the reservation's
+		p.count(cons.Counters == nil, len(cons.Counters))
+		for _, k := range slices.Sorted(maps.Keys(cons.Counters)) {
+			p.str(k)
+			p.b = binary.AppendVarint(p.b, cons.Counters[k])
+		}
+	}
 	return packed(p.b)
 }
 
@@ -142,6 +152,20 @@ func (p packed) unpack(id string) *device.Reservation {
 		}
 	}
 	c.CDIDevices = u.strs()
+	if n, ok := u.count(); ok {
+		r.Consumes = make([]device.Consumption, n)
+		for i := range r.Consumes {
+			cons := device.Consumption{Set: device.CounterSetKey{Plugin: r.Plugin, Name: u.str()}}
+			if m, ok := u.count(); ok {
+				cons.Counters = make(map[string]int64, m)
+				for range m {
+					k := u.str()
+					cons.Counters[k] = u.varint()
+				}
+			}
+			r.Consumes[i] = cons
+		}
+	}
 	if u.i != len(u.s) {
 		panic("ledger: packed reservation has trailing bytes") // only pack makes them
 	}

@@ -18,12 +18,17 @@ func TestPackedKeepsEveryField(t *testing.T) {
 	full.CreatedAt = time.Date(2026, 3, 1, 12, 0, 0, 123456789, time.UTC)
 	full.ReleasedAt = full.CreatedAt.Add(90 * time.Minute)
 	full.CleanupPending = true
+	full.Consumes = []device.Consumption{
+		{Set: device.CounterSetKey{Plugin: full.Plugin, Name: "GPU-0"}, Counters: map[string]int64{"memory-slice-0": 1, "compute-slices": 7}},
+		{Set: device.CounterSetKey{Plugin: full.Plugin, Name: "GPU-1"}, Counters: map[string]int64{}},
+	}
 
 	empty := full
 	empty.Container = device.ContainerReservation{
 		Envs: map[string]string{}, Mounts: []device.Mount{}, Devices: []device.DeviceSpec{}, CDIDevices: []string{},
 	}
 	empty.CleanupPending = false
+	empty.Consumes = []device.Consumption{}
 
 	odd := full // values a careless plugin or caller could have stored
 	odd.OwnerID = strings.Repeat("é", 200)

@@ -43,7 +43,7 @@ func TestRelease(t *testing.T) {
 			} {
 				r := res(s.owner, s.dev)
 				r.CreatedAt = t0.Add(time.Duration(len(setup)) * time.Second)
-				got, _, err := l.Reserve(context.Background(), r, nil)
+				got, _, err := l.Reserve(context.Background(), r, nil, nil)
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -32,6 +32,8 @@ type Conflict = device.Conflict
 type view interface {
 	get(id string) *device.Reservation
 	holder(dev string) string
+	usedOf(k counterKey) int64
+	usersOf(k counterKey) []string
 }
 
 // decide applies the conflict rules to a request by owner for deviceIDs (valid, no
@@ -42,8 +44,23 @@ type view interface {
 //     reservation whose owner takeOver matches (device.TakesOver): victims are those
 //     reservations, sorted by ID, to release with the new one's write (none without
 //     holders);
-//   - a *ConflictError otherwise, naming only the holders takeOver does not match.
-func decide(v view, owner string, deviceIDs, takeOver []string) (*device.Reservation, []*device.Reservation, error) {
+//   - a *ConflictError otherwise, naming only the holders takeOver does not match;
+//   - and then, for a request that uses shared counters (consumes), a *CapacityError
+//     when, with the live reservations but the victims, a counter would go over its
+//     capacity in caps (see decideCapacity).
+func decide(v view, owner string, deviceIDs, takeOver []string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, []*device.Reservation, error) {
+	prior, victims, err := decideDevices(v, owner, deviceIDs, takeOver)
+	if err != nil || prior != nil {
+		return prior, nil, err
+	}
+	if err := decideCapacity(v, owner, consumes, caps, victims); err != nil {
+		return nil, nil, err
+	}
+	return nil, victims, nil
+}
+
+// decideDevices is decide's rules for the devices themselves.
+func decideDevices(v view, owner string, deviceIDs, takeOver []string) (*device.Reservation, []*device.Reservation, error) {
 	overlap := make(map[string][]string) // holder reservation ID -> requested devices it holds
 	for _, d := range deviceIDs {
 		if id := v.holder(d); id != "" {
@@ -93,7 +110,9 @@ func decide(v view, owner string, deviceIDs, takeOver []string) (*device.Reserva
 // (r, nil) when ownerID's live reservation r holds exactly deviceIDs (a retried Reserve),
 // (nil, nil) when none of them is held, or each holder's owner starts with one of
 // takeOver (see Reserve), and a *ConflictError (device.ErrDeviceHeld) otherwise, naming
-// the holders takeOver does not match.
+// the holders takeOver does not match; then, when the devices use shared counters
+// (consumes), a *CapacityError (device.ErrCapacityExceeded) if that use would not fit in
+// caps with the live reservations'.
 //
 // The request is not checked: it is one the host API's server has validated
 // (validate.ReserveRequest), so deviceIDs has no duplicates; Reserve asserts what its
@@ -101,10 +120,10 @@ func decide(v view, owner string, deviceIDs, takeOver []string) (*device.Reserva
 //
 // The manager calls Check before it asks the plugin; since another Reserve can commit in
 // between, Reserve checks again atomically with its write.
-func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string) (*device.Reservation, error) {
+func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, error) {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
-	r, _, err := decide(l.idx, ownerID, deviceIDs, takeOver)
+	r, _, err := decide(l.idx, ownerID, deviceIDs, takeOver, consumes, caps)
 	if r == nil || err != nil {
 		return nil, err
 	}
@@ -125,7 +144,12 @@ func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string) (*device.Re
 //     sees the devices free in between. Their IDs, sorted, come back in res.TakenOver
 //     (never stored);
 //   - otherwise the error is a *ConflictError naming each holder takeOver does not
-//     match and the devices in question (device.ErrDeviceHeld), and nothing is written.
+//     match and the devices in question (device.ErrDeviceHeld), and nothing is written;
+//   - and when r uses shared counters (r.Consumes), it is recorded only if that use fits
+//     in caps with every live reservation's (the victims' aside), checked in the same
+//     atomic write: a *CapacityError (device.ErrCapacityExceeded) names every counter it
+//     would take over, and its users, otherwise. Of concurrent Reserves for the last of
+//     a counter, exactly one succeeds.
 //
 // Of concurrent Reserves for the same device, exactly one succeeds.
 //
@@ -138,8 +162,11 @@ func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string) (*device.Re
 // invariants of a stored reservation (see checkRecord), refusing a request without an
 // owner or devices, or naming a device twice, with an "internal:" error, since Open would
 // refuse the file with such a record in it.
-func (l *Ledger) Reserve(ctx context.Context, r device.Reservation, takeOver []string) (res device.Reservation, existing bool, err error) {
+func (l *Ledger) Reserve(ctx context.Context, r device.Reservation, takeOver []string, caps device.Capacity) (res device.Reservation, existing bool, err error) {
 	if err := checkRecord(r.OwnerID, r.DeviceIDs); err != nil {
+		return device.Reservation{}, false, fmt.Errorf("reserve: %w: %w", errInternal, err)
+	}
+	if err := checkConsumes(r.Plugin, r.Consumes); err != nil {
 		return device.Reservation{}, false, fmt.Errorf("reserve: %w: %w", errInternal, err)
 	}
 	rec := clone(&r)
@@ -149,7 +176,7 @@ func (l *Ledger) Reserve(ctx context.Context, r device.Reservation, takeOver []s
 		rec.CreatedAt = l.now()
 	}
 	rec.CreatedAt = normTime(rec.CreatedAt)
-	val, err := l.submit(ctx, reserveRun(rec, slices.Clone(takeOver)))
+	val, err := l.submit(ctx, reserveRun(rec, slices.Clone(takeOver), caps))
 	if err != nil {
 		return device.Reservation{}, false, fmt.Errorf("reserve: %w", err)
 	}
@@ -169,9 +196,9 @@ type reserveResult struct {
 // reserveRun is the write of Reserve for rec (checked, stamped, owned by
 // the run). It decides from the batch's view on every run, so a batch retried after a
 // storage failure decides afresh.
-func reserveRun(rec device.Reservation, takeOver []string) func(w *txn) (any, error) {
+func reserveRun(rec device.Reservation, takeOver []string, caps device.Capacity) func(w *txn) (any, error) {
 	return func(w *txn) (any, error) {
-		prior, victims, err := decide(w, rec.OwnerID, rec.DeviceIDs, takeOver)
+		prior, victims, err := decide(w, rec.OwnerID, rec.DeviceIDs, takeOver, rec.Consumes, caps)
 		if err != nil || prior != nil {
 			return reserveResult{r: prior, existing: true}, err
 		}

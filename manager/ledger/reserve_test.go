@@ -112,8 +112,8 @@ func TestConflictRules(t *testing.T) {
 			})
 			before := listAll(t, l)
 
-			checked, checkErr := l.Check(tt.owner, tt.devs, nil)
-			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...), nil)
+			checked, checkErr := l.Check(tt.owner, tt.devs, nil, nil, nil)
+			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...), nil, nil)
 
 			for _, e := range []struct {
 				what string
@@ -194,7 +194,7 @@ func TestReserveRefusesMalformedRecords(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, _, err := l.Reserve(context.Background(), tt.r, nil)
+			_, _, err := l.Reserve(context.Background(), tt.r, nil, nil)
 			if !errors.Is(err, tt.wantErr) || err.Error() != tt.wantMsg {
 				t.Errorf("Reserve(%+v): err = %v, want %q", tt.r, err, tt.wantMsg)
 			}
@@ -209,7 +209,7 @@ func TestReserveKeepsCallerID(t *testing.T) {
 	l := newLedger(t)
 	r := res("a", "GPU-1")
 	r.ID, r.CreatedAt = NewID(), t0
-	got, _, err := l.Reserve(context.Background(), r, nil)
+	got, _, err := l.Reserve(context.Background(), r, nil, nil)
 	if err != nil || got.ID != r.ID {
 		t.Fatalf("Reserve with ID %s = %s, %v", r.ID, got.ID, err)
 	}
@@ -239,7 +239,7 @@ func TestReserveRaceOneWinner(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			got[i], _, results[i] = l.Reserve(context.Background(), res(fmt.Sprint("owner-", i), "GPU-0", fmt.Sprint("GPU-own-", i)), nil)
+			got[i], _, results[i] = l.Reserve(context.Background(), res(fmt.Sprint("owner-", i), "GPU-0", fmt.Sprint("GPU-own-", i)), nil, nil)
 		}()
 	}
 	close(start)
@@ -289,7 +289,7 @@ func TestReserveRaceSameOwner(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			<-start
-			got[i], existing[i], errs[i] = l.Reserve(context.Background(), res("alloc-1", "GPU-1", "GPU-2"), nil)
+			got[i], existing[i], errs[i] = l.Reserve(context.Background(), res("alloc-1", "GPU-1", "GPU-2"), nil, nil)
 		}()
 	}
 	close(start)
@@ -334,7 +334,7 @@ func TestConcurrentReservesAllDurableAndShareCommits(t *testing.T) {
 			defer wg.Done()
 			for i := range each {
 				dev := fmt.Sprintf("GPU-%d-%d", c, i)
-				r, _, err := l.Reserve(context.Background(), res(fmt.Sprint("owner-", c), dev), nil)
+				r, _, err := l.Reserve(context.Background(), res(fmt.Sprint("owner-", c), dev), nil, nil)
 				if err != nil {
 					t.Errorf("Reserve %s: %v", dev, err)
 					return
@@ -400,7 +400,7 @@ func TestBatchStorageFailureIsolated(t *testing.T) {
 				})
 				return
 			}
-			_, _, errs[i] = l.Reserve(ctx, res(fmt.Sprint("o", i), fmt.Sprint("GPU-", i)), nil)
+			_, _, errs[i] = l.Reserve(ctx, res(fmt.Sprint("o", i), fmt.Sprint("GPU-", i)), nil, nil)
 		}()
 	}
 	close(unblock)
@@ -425,7 +425,7 @@ func TestReserveCanceledContextWritesNothing(t *testing.T) {
 	l := newLedger(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if _, _, err := l.Reserve(ctx, res("a", "GPU-1"), nil); !errors.Is(err, context.Canceled) {
+	if _, _, err := l.Reserve(ctx, res("a", "GPU-1"), nil, nil); !errors.Is(err, context.Canceled) {
 		t.Errorf("Reserve with a canceled context: err = %v, want context.Canceled", err)
 	}
 	if got := l.Counts().Total; got != 0 {
@@ -436,7 +436,7 @@ func TestReserveCanceledContextWritesNothing(t *testing.T) {
 func TestReturnedValuesAreCopies(t *testing.T) {
 	l := newLedger(t)
 	in := res("a", "GPU-1", "GPU-2")
-	got, _, err := l.Reserve(context.Background(), in, nil)
+	got, _, err := l.Reserve(context.Background(), in, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

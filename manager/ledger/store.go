@@ -78,6 +78,15 @@ type recordV1 struct {
 	CreatedAt      time.Time   `json:"created_at"`
 	ReleasedAt     time.Time   `json:"released_at"`
 	CleanupPending bool        `json:"cleanup_pending"`
+	// Consumes is left out when empty, so that a file of a host without shared
+	// counters stays readable by a version that predates them.
+	Consumes []consumptionV1 `json:"consumes,omitempty"`
+}
+
+// consumptionV1 is a reservation's use of one counter set of its plugin.
+type consumptionV1 struct {
+	Set      string           `json:"set"`
+	Counters map[string]int64 `json:"counters"`
 }
 
 type groupV1 struct {
@@ -116,6 +125,9 @@ func encodeReservation(r *device.Reservation) ([]byte, error) {
 		CreatedAt:      r.CreatedAt,
 		ReleasedAt:     r.ReleasedAt,
 		CleanupPending: r.CleanupPending,
+	}
+	for _, c := range r.Consumes {
+		rec.Consumes = append(rec.Consumes, consumptionV1{Set: c.Set.Name, Counters: c.Counters})
 	}
 	switch r.State {
 	case device.ReservationActive:
@@ -171,6 +183,9 @@ func decodeReservation(key, v []byte) (*device.Reservation, error) {
 		ReleasedAt:     normTime(rec.ReleasedAt),
 		CleanupPending: rec.CleanupPending,
 	}
+	for _, c := range rec.Consumes {
+		r.Consumes = append(r.Consumes, device.Consumption{Set: device.CounterSetKey{Plugin: rec.Plugin, Name: c.Set}, Counters: c.Counters})
+	}
 	if rec.Container.Mounts != nil {
 		r.Container.Mounts = make([]device.Mount, len(rec.Container.Mounts))
 		for i, m := range rec.Container.Mounts {
@@ -200,6 +215,9 @@ func decodeReservation(key, v []byte) (*device.Reservation, error) {
 		return nil, errors.New("released without a release time")
 	}
 	if err := checkRecord(r.OwnerID, r.DeviceIDs); err != nil {
+		return nil, err
+	}
+	if err := checkConsumes(r.Plugin, r.Consumes); err != nil {
 		return nil, err
 	}
 	return r, nil

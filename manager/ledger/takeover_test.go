@@ -70,8 +70,8 @@ func TestTakeOverRules(t *testing.T) {
 			setup := takeOverSetup(t, l)
 			before, commits := listAll(t, l), l.Commits()
 
-			checked, checkErr := l.Check(tt.owner, tt.devs, tt.takeOver)
-			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...), tt.takeOver)
+			checked, checkErr := l.Check(tt.owner, tt.devs, tt.takeOver, nil, nil)
+			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...), tt.takeOver, nil)
 
 			if tt.wantHolders != nil {
 				var want []Conflict
@@ -172,12 +172,12 @@ func TestTakeOverEmptyPrefixTakesNothing(t *testing.T) {
 	l := newLedger(t)
 	a := reserve(t, l, "nomad/a", "GPU-1")
 	for _, prefixes := range [][]string{{""}, {"", ""}} {
-		_, _, err := l.Reserve(context.Background(), res("x", "GPU-1"), prefixes)
+		_, _, err := l.Reserve(context.Background(), res("x", "GPU-1"), prefixes, nil)
 		var held *ConflictError
 		if !errors.As(err, &held) || len(held.Conflicts) != 1 || held.Conflicts[0].Holder.ReservationID != a.ID {
 			t.Errorf("prefixes %q: err = %v, want a ConflictError naming %s", prefixes, err, a.ID)
 		}
-		if _, err := l.Check("x", []string{"GPU-1"}, prefixes); !errors.Is(err, device.ErrDeviceHeld) {
+		if _, err := l.Check("x", []string{"GPU-1"}, prefixes, nil, nil); !errors.Is(err, device.ErrDeviceHeld) {
 			t.Errorf("Check with prefixes %q: err = %v, want ErrDeviceHeld", prefixes, err)
 		}
 	}
@@ -196,7 +196,7 @@ func TestTakeOverFailedCommitChangesNothing(t *testing.T) {
 	if err := l.db.Close(); err != nil { // every transaction fails from now on
 		t.Fatal(err)
 	}
-	_, _, err := l.Reserve(context.Background(), res("nomad/b", "GPU-1"), []string{"nomad/"})
+	_, _, err := l.Reserve(context.Background(), res("nomad/b", "GPU-1"), []string{"nomad/"}, nil)
 	if err == nil || errors.Is(err, device.ErrDeviceHeld) {
 		t.Fatalf("take-over on a closed file: err = %v, want the storage error", err)
 	}
@@ -222,7 +222,7 @@ func TestTakeOverInAFailedBatchIsRetriedWhole(t *testing.T) {
 	a := reserve(t, l, "nomad/a", "GPU-1")
 	rec := res("nomad/b", "GPU-1")
 	rec.State, rec.CreatedAt = device.ReservationActive, t0
-	take := &request{ctx: ctx, run: reserveRun(rec, []string{"nomad/"}), done: make(chan response, 1)}
+	take := &request{ctx: ctx, run: reserveRun(rec, []string{"nomad/"}, nil), done: make(chan response, 1)}
 	fail := &request{ctx: ctx, done: make(chan response, 1), run: func(*txn) (any, error) {
 		return nil, &storageError{errors.New("disk on fire")}
 	}}
@@ -267,7 +267,7 @@ func TestTakeOverRace(t *testing.T) {
 				if i%6 == 5 {
 					owner, prefixes = fmt.Sprintf("job-%d", i), nil
 				}
-				got[i], _, errs[i] = l.Reserve(context.Background(), res(owner, "GPU-0"), prefixes)
+				got[i], _, errs[i] = l.Reserve(context.Background(), res(owner, "GPU-0"), prefixes, nil)
 			})
 		}
 		close(start)
@@ -314,7 +314,7 @@ func TestTakeOverOwesCleanup(t *testing.T) {
 		cleaned <- e
 		return nil
 	}})
-	if _, _, err := l.Reserve(context.Background(), res("nomad/b", "GPU-2"), []string{"nomad/"}); err != nil {
+	if _, _, err := l.Reserve(context.Background(), res("nomad/b", "GPU-2"), []string{"nomad/"}, nil); err != nil {
 		t.Fatal(err)
 	}
 	select {
