@@ -131,6 +131,16 @@ type Locality struct {
 // Inventory is the static description of every plugin's devices.
 type Inventory struct {
 	Groups []Group // sorted by plugin, then GroupKey
+	// CounterSets is the shared capacity the plugins declare (GPU partitioning), sorted
+	// by plugin, then name.
+	CounterSets []CounterSet
+}
+
+// CounterSet is capacity that several devices of one plugin share, e.g. one GPU's
+// memory and compute slices, which the whole GPU and each of its partitions consume.
+type CounterSet struct {
+	Key      CounterSetKey
+	Capacity map[string]int64 // per counter
 }
 
 // Group is a set of identical devices owned by one plugin.
@@ -145,6 +155,9 @@ type Group struct {
 type DeviceInfo struct {
 	ID       string
 	Locality Locality
+	// Consumes is what holding the device uses of its plugin's counter sets, sorted by
+	// set name; empty when it shares nothing.
+	Consumes []Consumption
 }
 
 // Health of a device. The zero value is HealthUnknown.
@@ -173,6 +186,9 @@ func (h Health) String() string {
 type State struct {
 	Devices map[string]DeviceState // by device ID
 	Plugins []PluginState          // sorted by name
+	// CounterUse is what live reservations use of each counter set, per counter
+	// (counters none uses are absent).
+	CounterUse map[CounterSetKey]map[string]int64
 }
 
 // DeviceState is the dynamic part of one device.
@@ -181,6 +197,10 @@ type DeviceState struct {
 	Reason string    // why it is not healthy; empty when healthy
 	Since  time.Time // when Health last changed
 	Holder *Holder   // the live reservation holding it; nil when free
+	// BlockedBy, for a free device that consumes shared counters, are the live
+	// reservations whose use of a counter leaves too little of it for this device:
+	// it cannot be reserved until they are released. Sorted by reservation ID.
+	BlockedBy []Holder
 }
 
 // Holder names the live reservation that holds a device.
