@@ -328,6 +328,36 @@ func TestErrorsToBranchOn(t *testing.T) {
 	}
 }
 
+// A Reserve over a shared counter's capacity is its own kind, with the counter, its
+// figures and its users, and is not a held device.
+func TestIsCapacityExceeded(t *testing.T) {
+	path := socketPath(t)
+	startAgent(t, &devicetest.Fake{ReserveFunc: func(context.Context, device.ReserveRequest) (device.Reservation, error) {
+		return device.Reservation{}, fmt.Errorf("record reservation: %w", &device.CapacityError{OwnerID: "job-43", Overruns: []device.Overrun{{
+			Set: device.CounterSetKey{Plugin: "nvidia", Name: "GPU-0"}, Counter: "memory-slice-3",
+			Capacity: 1, Used: 1, Requested: 1, Users: []device.Holder{{ReservationID: "res-1", OwnerID: "job-42"}},
+		}}})
+	}}, path)
+	c := dial(t, path)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	_, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "job-43", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, DeviceIds: []string{"MIG-0-3"}})
+	ce, ok := client.IsCapacityExceeded(err)
+	if _, held := client.IsHeld(err); !ok || held || status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("IsCapacityExceeded %v, IsHeld %v, code %v (err %v): want a capacity refusal alone", ok, held, status.Code(err), err)
+	}
+	want := &pb.CapacityExceeded{OwnerId: "job-43", Overruns: []*pb.CounterOverrun{{
+		Plugin: "nvidia", CounterSet: "GPU-0", Counter: "memory-slice-3", Capacity: 1, Used: 1, Requested: 1,
+		Users: []*pb.Holder{{ReservationId: "res-1", OwnerId: "job-42"}},
+	}}}
+	if !proto.Equal(ce, want) {
+		t.Errorf("detail %v, want %v", ce, want)
+	}
+	if _, ok := client.IsCapacityExceeded(errors.New("plain")); ok {
+		t.Error("a plain error is a capacity refusal")
+	}
+}
+
 // An agent that predates take-over ignores take_over_owner_prefixes and refuses with
 // the very holders they match: Reserve says so, keeping the code and the holders. A
 // refusal by holders the prefixes do not match, or by a Reserve in flight, is left as

@@ -18,6 +18,7 @@ const (
 	ReasonReservationNotFound = "RESERVATION_NOT_FOUND"
 	ReasonDeviceUnhealthy     = "DEVICE_UNHEALTHY"
 	ReasonDeviceHeld          = "DEVICE_HELD"
+	ReasonCapacityExceeded    = "CAPACITY_EXCEEDED"
 	ReasonPluginUnavailable   = "PLUGIN_UNAVAILABLE"
 	ReasonShuttingDown        = "SHUTTING_DOWN"
 	ReasonPluginResponse      = "PLUGIN_RESPONSE_INVALID"
@@ -65,6 +66,24 @@ func IsHeld(err error) (*pb.DeviceHeld, bool) {
 		}
 	}
 	return &pb.DeviceHeld{}, true
+}
+
+// IsCapacityExceeded reports whether err is a Reserve refused because the requested
+// devices, with the live reservations, would use more of a shared counter (a GPU's
+// slices, when it is partitioned) than it has. The detail names each counter, its
+// capacity, its use and the reservations using it. An agent that sent no detail gives
+// an empty one.
+func IsCapacityExceeded(err error) (*pb.CapacityExceeded, bool) {
+	if Reason(err) != ReasonCapacityExceeded {
+		return nil, false
+	}
+	st, _ := status.FromError(err)
+	for _, d := range st.Details() {
+		if ce, ok := d.(*pb.CapacityExceeded); ok {
+			return ce, true
+		}
+	}
+	return &pb.CapacityExceeded{}, true
 }
 
 // IsUnknownDevice reports whether err says a requested device, or its group, is not

@@ -2,6 +2,7 @@ package server
 
 import (
 	"fmt"
+	"maps"
 	"time"
 
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -59,12 +60,14 @@ func healthToProto(h device.Health) pb.Health {
 
 // snapshotToProto joins the static inventory with the dynamic state, for the groups
 // that pass f. A device the state does not mention is reported with unknown health.
+// The counter sets listed are those a listed device consumes.
 func snapshotToProto(snap device.Snapshot, f streamFilter) *pb.FingerprintResponse {
 	inv, st := snap.Inventory, snap.State
 	out := &pb.FingerprintResponse{
 		Groups:    make([]*pb.DeviceGroup, 0, len(inv.Groups)),
 		Timestamp: timeToProto(snap.Time),
 	}
+	sets := make(map[device.CounterSetKey]bool) // the sets a listed device consumes
 	for _, g := range inv.Groups {
 		if !f.matches(g.Plugin, g.GroupKey) {
 			continue
@@ -95,9 +98,24 @@ func snapshotToProto(snap device.Snapshot, f streamFilter) *pb.FingerprintRespon
 					OwnerId:       ds.Holder.OwnerID,
 				}
 			}
+			for _, c := range d.Consumes {
+				pd.Consumes = append(pd.Consumes, &pb.CounterConsumption{CounterSet: c.Set.Name, Counters: maps.Clone(c.Counters)})
+				sets[c.Set] = true
+			}
+			for _, h := range ds.BlockedBy {
+				pd.BlockedBy = append(pd.BlockedBy, &pb.Holder{ReservationId: h.ReservationID, OwnerId: h.OwnerID})
+			}
 			pg.Devices = append(pg.Devices, pd)
 		}
 		out.Groups = append(out.Groups, pg)
+	}
+	for _, cs := range inv.CounterSets { // sorted by plugin, then name
+		if sets[cs.Key] {
+			out.CounterSets = append(out.CounterSets, &pb.CounterSet{
+				Plugin: cs.Key.Plugin, Name: cs.Key.Name,
+				Capacity: maps.Clone(cs.Capacity), Used: maps.Clone(st.CounterUse[cs.Key]),
+			})
+		}
 	}
 	return out
 }

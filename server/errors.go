@@ -26,6 +26,7 @@ const (
 	ReasonReservationNotFound = "RESERVATION_NOT_FOUND"
 	ReasonDeviceUnhealthy     = "DEVICE_UNHEALTHY"
 	ReasonDeviceHeld          = "DEVICE_HELD"
+	ReasonCapacityExceeded    = "CAPACITY_EXCEEDED"
 	ReasonPluginUnavailable   = "PLUGIN_UNAVAILABLE"
 	ReasonShuttingDown        = "SHUTTING_DOWN"
 	ReasonPluginResponse      = "PLUGIN_RESPONSE_INVALID"
@@ -45,6 +46,7 @@ var errorCodes = []struct {
 	{device.ErrNotFound, codes.NotFound, ReasonReservationNotFound},
 	{device.ErrUnhealthyDevice, codes.FailedPrecondition, ReasonDeviceUnhealthy},
 	{device.ErrDeviceHeld, codes.FailedPrecondition, ReasonDeviceHeld},
+	{device.ErrCapacityExceeded, codes.FailedPrecondition, ReasonCapacityExceeded},
 	{device.ErrPluginUnavailable, codes.Unavailable, ReasonPluginUnavailable},
 	// The plugin answered but broke a validation rule. The caller cannot fix that by
 	// changing its request, and an immediate retry usually gets the same answer, so it is
@@ -90,6 +92,11 @@ func toStatus(err error) error {
 		if errors.As(err, &held) {
 			details = append(details, heldToProto(held))
 		}
+	case ReasonCapacityExceeded:
+		var ce *device.CapacityError
+		if errors.As(err, &ce) {
+			details = append(details, capacityToProto(ce))
+		}
 	}
 	if len(details) == 0 {
 		return st.Err()
@@ -126,6 +133,22 @@ func heldToProto(e *device.HeldError) *pb.DeviceHeld {
 			DeviceIds:     c.Overlap,
 			HeldDeviceIds: c.Held,
 		})
+	}
+	return out
+}
+
+// capacityToProto is the CapacityExceeded detail of e.
+func capacityToProto(e *device.CapacityError) *pb.CapacityExceeded {
+	out := &pb.CapacityExceeded{OwnerId: e.OwnerID}
+	for _, o := range e.Overruns {
+		po := &pb.CounterOverrun{
+			Plugin: o.Set.Plugin, CounterSet: o.Set.Name, Counter: o.Counter,
+			Capacity: o.Capacity, Used: o.Used, Requested: o.Requested,
+		}
+		for _, u := range o.Users {
+			po.Users = append(po.Users, &pb.Holder{ReservationId: u.ReservationID, OwnerId: u.OwnerID})
+		}
+		out.Overruns = append(out.Overruns, po)
 	}
 	return out
 }

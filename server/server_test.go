@@ -120,6 +120,54 @@ func TestFingerprintStreamsSnapshots(t *testing.T) {
 	}
 }
 
+// Shared capacity reaches the API: each device's consumption and blockers, and the
+// counter sets listed devices consume, with their use; a set no listed device
+// consumes is left out.
+func TestFingerprintCounterSets(t *testing.T) {
+	feed := newWatchFeed()
+	h := startHost(t, &devicetest.Fake{WatchFunc: feed.Watch})
+	gpu0 := device.CounterSetKey{Plugin: "nvidia", Name: "GPU-0"}
+	other := device.CounterSetKey{Plugin: "nvidia", Name: "GPU-9"}
+	slice := map[string]int64{"compute-slices": 1}
+	feed.snaps <- device.Snapshot{
+		Inventory: device.Inventory{
+			Groups: []device.Group{{GroupKey: device.GroupKey{Vendor: "nvidia", Type: "mig", Name: "1g.10gb"}, Plugin: "nvidia",
+				Devices: []device.DeviceInfo{
+					{ID: "MIG-0-0", Consumes: []device.Consumption{{Set: gpu0, Counters: slice}}},
+					{ID: "MIG-0-1", Consumes: []device.Consumption{{Set: gpu0, Counters: slice}}},
+				}}},
+			CounterSets: []device.CounterSet{{Key: gpu0, Capacity: map[string]int64{"compute-slices": 1}}, {Key: other, Capacity: slice}},
+		},
+		State: device.State{
+			Devices: map[string]device.DeviceState{
+				"MIG-0-0": {Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "r1", OwnerID: "a"}},
+				"MIG-0-1": {Health: device.HealthHealthy, BlockedBy: []device.Holder{{ReservationID: "r1", OwnerID: "a"}}},
+			},
+			CounterUse: map[device.CounterSetKey]map[string]int64{gpu0: slice},
+		},
+	}
+	stream, err := h.client.Fingerprint(testContext(t), &pb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	devs := got.GetGroups()[0].GetDevices()
+	assertProtoEqual(t, "consumption", devs[1].GetConsumes()[0], &pb.CounterConsumption{CounterSet: "GPU-0", Counters: slice})
+	assertProtoEqual(t, "blocker", devs[1].GetBlockedBy()[0], &pb.Holder{ReservationId: "r1", OwnerId: "a"})
+	if len(devs[0].GetBlockedBy()) != 0 {
+		t.Errorf("held device blocked by %v, want none", devs[0].GetBlockedBy())
+	}
+	if len(got.GetCounterSets()) != 1 {
+		t.Fatalf("counter sets %v, want GPU-0 alone", got.GetCounterSets())
+	}
+	assertProtoEqual(t, "counter set", got.GetCounterSets()[0], &pb.CounterSet{
+		Plugin: "nvidia", Name: "GPU-0", Capacity: map[string]int64{"compute-slices": 1}, Used: slice,
+	})
+}
+
 func TestFingerprintDeviceWithoutStateIsUnknown(t *testing.T) {
 	feed := newWatchFeed()
 	h := startHost(t, &devicetest.Fake{WatchFunc: feed.Watch})
@@ -407,6 +455,10 @@ func TestRequestValidation(t *testing.T) {
 }
 
 func TestErrorCodes(t *testing.T) {
+	overrun := &device.CapacityError{OwnerID: "alloc-1", Overruns: []device.Overrun{{
+		Set: device.CounterSetKey{Plugin: "nvidia", Name: "GPU-0"}, Counter: "compute-slices",
+		Capacity: 7, Used: 7, Requested: 1, Users: []device.Holder{{ReservationID: "r1", OwnerID: "alloc-2"}},
+	}}}
 	held := &device.HeldError{OwnerID: "alloc-1", Conflicts: []device.Conflict{
 		{Holder: device.Holder{ReservationID: "r1", OwnerID: "alloc-2"}, Overlap: []string{"GPU-0"}, Held: []string{"GPU-0", "GPU-1"}},
 		{Holder: device.Holder{OwnerID: "alloc-3"}, Overlap: []string{"GPU-2"}, Held: []string{"GPU-2"}},
@@ -424,6 +476,7 @@ func TestErrorCodes(t *testing.T) {
 		{"unhealthy", fmt.Errorf("GPU-0: %w", device.ErrUnhealthyDevice), codes.FailedPrecondition, server.ReasonDeviceUnhealthy},
 		{"held, untyped", fmt.Errorf("GPU-0 held by r1 of alloc-2: %w", device.ErrDeviceHeld), codes.FailedPrecondition, server.ReasonDeviceHeld},
 		{"held, typed and wrapped", fmt.Errorf("record reservation: %w", held), codes.FailedPrecondition, server.ReasonDeviceHeld},
+		{"over shared capacity", fmt.Errorf("record reservation: %w", overrun), codes.FailedPrecondition, server.ReasonCapacityExceeded},
 		{"plugin down", fmt.Errorf("plugin nvidia: %w", device.ErrPluginUnavailable), codes.Unavailable, server.ReasonPluginUnavailable},
 		{"plugin answer rejected", fmt.Errorf("plugin nvidia: env LD_PRELOAD: %w", device.ErrPluginResponse), codes.Internal, server.ReasonPluginResponse},
 		{"shutting down", device.ErrShuttingDown, codes.Unavailable, server.ReasonShuttingDown},
@@ -451,6 +504,7 @@ func TestErrorCodes(t *testing.T) {
 			}
 			var reasons []string
 			var gotHeld *pb.DeviceHeld
+			var gotCapacity *pb.CapacityExceeded
 			for _, d := range st.Details() {
 				switch d := d.(type) {
 				case *errdetails.ErrorInfo:
@@ -460,6 +514,8 @@ func TestErrorCodes(t *testing.T) {
 					reasons = append(reasons, d.GetReason())
 				case *pb.DeviceHeld:
 					gotHeld = d
+				case *pb.CapacityExceeded:
+					gotCapacity = d
 				}
 			}
 			var wantReasons []string
@@ -477,6 +533,14 @@ func TestErrorCodes(t *testing.T) {
 				}})
 			} else if gotHeld != nil {
 				t.Errorf("DeviceHeld detail %v on a status that is not a typed held error", gotHeld)
+			}
+			if errors.As(tt.err, new(*device.CapacityError)) {
+				assertProtoEqual(t, "CapacityExceeded detail", gotCapacity, &pb.CapacityExceeded{OwnerId: "alloc-1", Overruns: []*pb.CounterOverrun{{
+					Plugin: "nvidia", CounterSet: "GPU-0", Counter: "compute-slices", Capacity: 7, Used: 7, Requested: 1,
+					Users: []*pb.Holder{{ReservationId: "r1", OwnerId: "alloc-2"}},
+				}}})
+			} else if gotCapacity != nil {
+				t.Errorf("CapacityExceeded detail %v on a status that is not a capacity error", gotCapacity)
 			}
 		})
 	}
