@@ -121,6 +121,45 @@ func TestDevicesTable(t *testing.T) {
 	}
 }
 
+// Partitions show the counter set they share (their GPU), and a free one that cannot be
+// reserved now shows who blocks it.
+func TestDevicesTableShared(t *testing.T) {
+	gpu0 := device.CounterSetKey{Plugin: "nvidia", Name: "GPU-0"}
+	use := func(n int64) []device.Consumption {
+		return []device.Consumption{{Set: gpu0, Counters: map[string]int64{"compute-slices": n}}}
+	}
+	snap := device.Snapshot{
+		Inventory: device.Inventory{
+			Groups: []device.Group{
+				{GroupKey: device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "H100"}, Plugin: "nvidia",
+					Devices: []device.DeviceInfo{{ID: "GPU-0", Consumes: use(7)}, {ID: "GPU-1"}}},
+				{GroupKey: device.GroupKey{Vendor: "nvidia", Type: "mig", Name: "1g.10gb"}, Plugin: "nvidia",
+					Devices: []device.DeviceInfo{{ID: "MIG-0-0", Consumes: use(1)}, {ID: "MIG-0-1", Consumes: use(1)}}},
+			},
+			CounterSets: []device.CounterSet{{Key: gpu0, Capacity: map[string]int64{"compute-slices": 7}}},
+		},
+		State: device.State{Devices: map[string]device.DeviceState{
+			"GPU-0":   {Health: device.HealthHealthy, BlockedBy: []device.Holder{{ReservationID: "r1", OwnerID: "job-1"}, {ReservationID: "r2", OwnerID: "job-2"}}},
+			"GPU-1":   {Health: device.HealthHealthy},
+			"MIG-0-0": {Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "r1", OwnerID: "job-1"}},
+			"MIG-0-1": {Health: device.HealthHealthy},
+		}},
+	}
+	addr := startAgent(t, &devicetest.Fake{WatchFunc: watchOnce(snap)})
+	got := mustRunCLI(t, "devices", "-address", addr)
+	want := strings.Join([]string{
+		"GROUP               DEVICE   HEALTH   REASON  HOLDER                            SHARES",
+		"nvidia/gpu/H100     GPU-0    healthy  -       blocked by job-1 (r1) and 1 more  GPU-0",
+		"nvidia/gpu/H100     GPU-1    healthy  -       -                                 -",
+		"nvidia/mig/1g.10gb  MIG-0-0  healthy  -       job-1 (r1)                        GPU-0",
+		"nvidia/mig/1g.10gb  MIG-0-1  healthy  -       -                                 GPU-0",
+		"",
+	}, "\n")
+	if got != want {
+		t.Errorf("devices:\ngot\n%s\nwant\n%s", got, want)
+	}
+}
+
 func TestDevicesJSON(t *testing.T) {
 	addr := startAgent(t, &devicetest.Fake{WatchFunc: watchOnce(twoGroups())})
 	out := mustRunCLI(t, "devices", "-json", "-address", addr)

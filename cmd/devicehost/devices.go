@@ -32,15 +32,38 @@ func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
 	if *asJSON {
 		return printJSON(env.stdout, fp)
 	}
-	t := newTable(env.stdout, "GROUP", "DEVICE", "HEALTH", "REASON", "HOLDER")
+	// Partitioned devices (shared counters) get a column naming the counter sets each
+	// uses (for a MIG partition, its GPU), and a free device that cannot be reserved
+	// now names the reservations that block it where the holder would be.
+	shared := slices.ContainsFunc(fp.GetGroups(), func(g *pb.DeviceGroup) bool {
+		return slices.ContainsFunc(g.GetDevices(), func(d *pb.Device) bool { return len(d.GetConsumes()) > 0 })
+	})
+	header := []string{"GROUP", "DEVICE", "HEALTH", "REASON", "HOLDER"}
+	if shared {
+		header = append(header, "SHARES")
+	}
+	t := newTable(env.stdout, header...)
 	for _, g := range fp.GetGroups() {
 		for _, d := range g.GetDevices() {
 			holder := cell("")
 			if h := d.GetHolder(); h != nil {
 				holder = fmt.Sprintf("%s (%s)", cell(h.GetOwnerId()), cell(h.GetReservationId()))
+			} else if bs := d.GetBlockedBy(); len(bs) > 0 {
+				holder = fmt.Sprintf("blocked by %s (%s)", cell(bs[0].GetOwnerId()), cell(bs[0].GetReservationId()))
+				if len(bs) > 1 {
+					holder += fmt.Sprintf(" and %d more", len(bs)-1)
+				}
 			}
-			t.rowEscaped(cell(groupName(g.GetVendor(), g.GetType(), g.GetName())), cell(d.GetId()),
-				cell(healthName(d.GetHealth())), cell(d.GetHealthReason()), holder)
+			row := []string{cell(groupName(g.GetVendor(), g.GetType(), g.GetName())), cell(d.GetId()),
+				cell(healthName(d.GetHealth())), cell(d.GetHealthReason()), holder}
+			if shared {
+				sets := make([]string, len(d.GetConsumes()))
+				for i, c := range d.GetConsumes() {
+					sets[i] = c.GetCounterSet()
+				}
+				row = append(row, cell(strings.Join(sets, ",")))
+			}
+			t.rowEscaped(row...)
 		}
 	}
 	return t.flush()
