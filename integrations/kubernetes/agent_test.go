@@ -175,6 +175,17 @@ func (a *fakeAgent) setHealth(id string, h device.Health, reason string) {
 	a.publishLocked()
 }
 
+// block makes device id blocked by the holders (shared capacity others use), keeping
+// its health, and publishes it.
+func (a *fakeAgent) block(id string, by ...device.Holder) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	s := a.health[id]
+	s.BlockedBy = by
+	a.health[id] = s
+	a.publishLocked()
+}
+
 func (a *fakeAgent) reserve(req device.ReserveRequest) (device.Reservation, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()

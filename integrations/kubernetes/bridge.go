@@ -56,7 +56,7 @@ type Config struct {
 	// DefaultPodResourcesSocket.
 	PodResourcesSocket string
 	// Resources are the extended resources to serve. None means one per device group
-	// the agent reports, named DefaultResourceName(vendor, type); groups of one vendor
+	// the agent reports, named DefaultResourceName(vendor, type, name); groups of one vendor
 	// and type then make one resource. New refuses invalid or overlapping resources.
 	Resources []Resource
 	// ReleaseGrace is how long a reservation the bridge made may go without a pod

@@ -96,9 +96,19 @@ func ValidateResourceName(name string) error {
 	return nil
 }
 
+// PartitionType is the device type of GPU partitions (MIG devices), whose groups are
+// named after their profile; each profile gets a resource of its own.
+const PartitionType = "mig"
+
 // DefaultResourceName is the resource name of a group when no resources are
-// configured: "<vendor>.com/<type>", e.g. "nvidia.com/gpu".
-func DefaultResourceName(vendor, typ string) string {
+// configured: "<vendor>.com/<type>", e.g. "nvidia.com/gpu"; for a partition group
+// (PartitionType) "<vendor>.com/mig-<name>", e.g. "nvidia.com/mig-1g.10gb", as
+// NVIDIA's device plugin names MIG profiles in its "mixed" strategy, so a pod asks for
+// the profile it needs.
+func DefaultResourceName(vendor, typ, name string) string {
+	if typ == PartitionType {
+		return vendor + ".com/" + typ + "-" + name
+	}
 	return vendor + ".com/" + typ
 }
 

@@ -84,6 +84,36 @@ func TestDefaultResources(t *testing.T) {
 }
 
 // Configured resources serve just the groups they select: one resource per model.
+// MIG partitions get a resource per profile, as NVIDIA's "mixed" strategy names them,
+// beside nvidia.com/gpu; a partition another reservation's use of its GPU blocks is
+// unhealthy to the kubelet, so it never picks one the agent would refuse, and healthy
+// again once freed.
+func TestPartitionResources(t *testing.T) {
+	ctx := testContext(t)
+	mig := device.GroupKey{Vendor: "nvidia", Type: kubernetes.PartitionType, Name: "1g.10gb"}
+	big := device.GroupKey{Vendor: "nvidia", Type: kubernetes.PartitionType, Name: "3g.40gb"}
+	agent := startAgent(t, eightGPUs(), group(mig, "MIG-0-0", "MIG-0-1"), group(big, "MIG-0-3g"))
+	h := startBridge(t, agent)
+	for _, name := range []string{"nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"} {
+		if _, err := h.kubelet.WaitRegistrations(ctx, name, 1); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+	}
+	if _, err := h.kubelet.WaitDevices(ctx, "nvidia.com/mig-1g.10gb", kubelettest.AllHealth(2, dpapi.Healthy)); err != nil {
+		t.Fatal(err)
+	}
+	h.waitGPUs(t, ctx, "8 healthy GPUs, no partition among them", kubelettest.AllHealth(8, dpapi.Healthy))
+
+	agent.block("MIG-0-1", device.Holder{ReservationID: "res-x", OwnerID: "job-x"})
+	if _, err := h.kubelet.WaitDevices(ctx, "nvidia.com/mig-1g.10gb", withHealth(2, "MIG-0-1", dpapi.Unhealthy)); err != nil {
+		t.Fatalf("blocked partition: %v", err)
+	}
+	agent.block("MIG-0-1")
+	if _, err := h.kubelet.WaitDevices(ctx, "nvidia.com/mig-1g.10gb", kubelettest.AllHealth(2, dpapi.Healthy)); err != nil {
+		t.Fatalf("unblocked partition: %v", err)
+	}
+}
+
 func TestConfiguredResources(t *testing.T) {
 	ctx := testContext(t)
 	agent := startAgent(t, eightGPUs(), group(a100, "A-0", "A-1"), group(fpga, "F-0"))

@@ -89,11 +89,12 @@ func (s *state) update(u client.Update[*pb.FingerprintResponse]) stateChange {
 }
 
 // addDefaultResources adds a resource "<vendor>.com/<type>" for each (vendor, type) of
-// snap not served yet. Called with mu held.
+// snap not served yet, and "<vendor>.com/mig-<name>" for each partition group
+// (DefaultResourceName). Called with mu held.
 func (s *state) addDefaultResources(snap *pb.FingerprintResponse) stateChange {
 	var ch stateChange
 	for _, g := range snap.GetGroups() {
-		name := DefaultResourceName(g.GetVendor(), g.GetType())
+		name := DefaultResourceName(g.GetVendor(), g.GetType(), g.GetName())
 		if slices.ContainsFunc(s.resources, func(r Resource) bool { return r.Name == name }) || s.refused[name] {
 			continue
 		}
@@ -103,6 +104,9 @@ func (s *state) addDefaultResources(snap *pb.FingerprintResponse) stateChange {
 			continue
 		}
 		r := Resource{Name: name, Vendor: g.GetVendor(), Type: g.GetType()}
+		if g.GetType() == PartitionType {
+			r.Model = g.GetName()
+		}
 		// Copy on write: views handed out keep their slice.
 		s.resources = append(slices.Clip(s.resources), r)
 		ch.added = append(ch.added, r)
@@ -133,8 +137,10 @@ func (v view) groups(r Resource) []*pb.DeviceGroup {
 // devices is what ListAndWatch reports for r: every device of r's groups with its
 // NUMA node. A device is Healthy only while the agent is reachable, reports it healthy,
 // and nothing outside the kubelet's own allocations of r holds it (a device another
-// owner reserved through the agent must not be handed to a pod). While the agent is
-// unreachable every device of the last snapshot is Unhealthy: the kubelet keeps
+// owner reserved through the agent must not be handed to a pod), nor blocks it (a
+// partition whose GPU's slices, or a whole GPU whose partitions, live reservations use:
+// the agent would refuse it; it is Healthy again once they are released). While the
+// agent is unreachable every device of the last snapshot is Unhealthy: the kubelet keeps
 // counting it, but allocates none of them.
 func (v view) devices(r Resource) []*dpapi.Device {
 	var out []*dpapi.Device
@@ -142,7 +148,7 @@ func (v view) devices(r Resource) []*dpapi.Device {
 		for _, d := range g.GetDevices() {
 			dev := &dpapi.Device{ID: d.GetId(), Health: dpapi.Unhealthy}
 			owner := d.GetHolder().GetOwnerId()
-			if v.connected && d.GetHealth() == pb.Health_HEALTH_HEALTHY && (owner == "" || r.ownedBy(owner, keyOf(g))) {
+			if v.connected && d.GetHealth() == pb.Health_HEALTH_HEALTHY && (owner == "" || r.ownedBy(owner, keyOf(g))) && len(d.GetBlockedBy()) == 0 {
 				dev.Health = dpapi.Healthy
 			}
 			if n := d.GetLocality().GetNumaNode(); n >= 0 {
