@@ -2,15 +2,6 @@ package manager
 
 import "github.com/devicehost/devicehost/internal/textline"
 
-// maxErrorLen bounds, in bytes, what the manager keeps of an error as a plugin's last
-// error or a device's health reason: both reach every ListPlugins answer, and the last
-// error every UNAVAILABLE answer naming the plugin, and the log line of each such call.
-const maxErrorLen = 300
-
-// errorLine renders s as the manager keeps an error (see textline.Line): one printable
-// line, lines joined with "; ", at most maxErrorLen bytes.
-func errorLine(s string) string { return textline.Line(s, maxErrorLen) }
-
 // oneLine renders err, which may be an errors.Join of many, on one printable line
 // (textline.Line), unbounded: for log values and for errors whose parts are each
 // bounded already (validation violations).

@@ -4,7 +4,15 @@
 // the plugin the devices are bound to.
 //
 // It implements the contract in manager/device; the gRPC server depends on that contract
-// only.
+// only. What it holds lives in inner packages: manager/inventory (the inventory, device
+// health, plugin status, readiness, device-ID bindings to plugins, the latest stats and
+// the host API's byte budgets) and manager/ledger (reservations, durably). This package
+// runs the plugins and ties the two together.
+//
+// Reading order: manager.go (New, Shutdown, device.Manager's methods), supervisor.go
+// (one plugin's life, its fingerprint and stats streams, its RPCs), plugins.go (the
+// plugin set, SetPlugins, the plugin dir), reattach.go (plugins kept across a host
+// crash), config.go.
 //
 // Failure rules, per plugin:
 //   - The process exiting, its fingerprint stream ending or failing, or no first
@@ -23,8 +31,9 @@
 //     running process; stats are not a health signal.
 //   - A fingerprint or stats message that breaks a validation rule is logged with the
 //     plugin and the rules and dropped; the last good one stays. So is one that would
-//     take the host API's Fingerprint or Stats message over MaxSnapshotBytes or
-//     MaxStatsSnapshotBytes (see budget.go), with the plugin, its size and the limit.
+//     take the host API's Fingerprint or Stats message over inventory.MaxSnapshotBytes
+//     or MaxStatsSnapshotBytes (the inventory's byte budgets), with the plugin, its
+//     size and the limit.
 //   - A device ID is bound to the first plugin that reported it, for good: across that
 //     plugin's restarts, while it does not report it, and, with StateDir, across host
 //     restarts (the ledger's device binding records). Another plugin reporting it gets
@@ -82,6 +91,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/manager/ledger"
 	"github.com/devicehost/devicehost/pluginloader"
 	"github.com/devicehost/devicehost/validate"
@@ -92,8 +102,8 @@ import (
 type Manager struct {
 	cfg    Config
 	log    hclog.Logger
-	reg    *registry
-	stats  *statsHub
+	reg    *inventory.Registry
+	stats  *inventory.Stats
 	store  reservationStore // ledger, or a test's wrapper of it
 	ledger *ledger.Ledger
 	gc     *ledger.GC // runs on ledger
@@ -161,7 +171,7 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		cfg:       cfg,
 		log:       log,
 		launch:    launch,
-		stats:     newStatsHub(cfg.StatsInterval, cfg.Now),
+		stats:     inventory.NewStats(cfg.StatsInterval, cfg.Now),
 		pluginCfg: cfg.Plugins,
 		dupLogged: make(map[string]string),
 		slots:     make(map[string]*slot),
@@ -235,7 +245,14 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		// The readable records still hold; a damaged one costs its ID's protection.
 		log.Error("device binding records unreadable; those IDs will be bound to the first plugin to report them", "error", oneLine(err))
 	}
-	m.reg = newRegistry(log, cfg.Now, m.store.Holders, m.ledger, bindings)
+	m.reg = inventory.New(inventory.Config{
+		Logger:       log,
+		Now:          cfg.Now,
+		Holders:      m.store.Holders,
+		Store:        m.ledger,
+		StoreTimeout: ledgerWriteTimeout,
+		Bindings:     bindings,
+	})
 
 	// The first plugins: every record is made before any supervisor starts, so none of
 	// them settles Ready alone.
@@ -246,8 +263,8 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 	m.reconcileLocked(false)
 	m.started = true
 	m.reconfMu.Unlock()
-	m.reg.checkReady()
-	for plugin, n := range m.reg.orphans() {
+	m.reg.CheckReady()
+	for plugin, n := range m.reg.Orphans() {
 		log.Info("device IDs bound to a plugin this host does not run; they will be bound to the first plugin to report them",
 			"previous_plugin", plugin, "devices", n)
 	}
@@ -262,7 +279,7 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 	if m.dir != nil {
 		m.wg.Go(func() { m.dir.Run(ctx) })
 	}
-	m.wg.Go(func() { m.stats.run(ctx, func() device.Inventory { return m.reg.snapshot().Inventory }) })
+	m.wg.Go(func() { m.stats.Run(ctx, func() device.Inventory { return m.reg.Snapshot().Inventory }) })
 	m.wg.Go(func() { m.readyTimer(ctx) })
 	go func() { // ends when the goroutines above have; Shutdown waits for it
 		m.wg.Wait()
@@ -376,43 +393,50 @@ func (m *Manager) readyTimer(ctx context.Context) {
 	defer t.Stop()
 	select {
 	case <-ctx.Done():
-	case <-m.reg.ready:
+	case <-m.reg.Ready():
 	case <-t.C:
-		if waiting := m.reg.forceReady(); len(waiting) > 0 {
+		if waiting := m.reg.ForceReady(); len(waiting) > 0 {
 			m.log.Warn("ready without a first fingerprint from some plugins", "timeout", m.cfg.ReadyTimeout, "plugins", strings.Join(waiting, ", "))
 		}
 	}
 }
 
 // Inventory returns the current inventory of every plugin.
-func (m *Manager) Inventory() device.Inventory { return m.reg.snapshot().Inventory }
+func (m *Manager) Inventory() device.Inventory { return m.reg.Snapshot().Inventory }
 
 // State returns the current device health and holders, and plugin status.
-func (m *Manager) State() device.State { return m.reg.snapshot().State }
+func (m *Manager) State() device.State { return m.reg.Snapshot().State }
 
 // Snapshot returns the current inventory and state together.
-func (m *Manager) Snapshot() device.Snapshot { return m.reg.snapshot() }
+func (m *Manager) Snapshot() device.Snapshot { return m.reg.Snapshot() }
 
 // Watch delivers the current snapshot at once and then the latest one on every change;
 // the channel is closed when ctx ends or the manager shuts down.
-func (m *Manager) Watch(ctx context.Context) <-chan device.Snapshot { return m.reg.watch(ctx) }
+func (m *Manager) Watch(ctx context.Context) <-chan device.Snapshot { return m.reg.Watch(ctx) }
 
 // WatchStats delivers the latest stats of every plugin at once and then every interval
 // (at least the sampling interval, rounded up to a multiple of it; zero means the
 // sampling interval). The channel is closed when ctx ends or the manager shuts down.
 func (m *Manager) WatchStats(ctx context.Context, interval time.Duration) <-chan device.StatsSnapshot {
-	return m.stats.watch(ctx, interval, m.Inventory())
+	return m.stats.Watch(ctx, interval, m.Inventory())
 }
+
+// LatestStats returns the latest stats of every plugin, grouped as the inventory groups
+// them: what the plugins' stats streams last brought, read without asking any plugin
+// and without waiting for the next sampling tick, so callers that poll (a metrics
+// scrape) cost the plugins nothing however often they ask. Safe for concurrent use;
+// the snapshot is immutable.
+func (m *Manager) LatestStats() device.StatsSnapshot { return m.stats.Latest(m.Inventory()) }
 
 // Ready is closed once every plugin has had its first attempt (fingerprinted, had a
 // fingerprint refused, or failed a run), or ReadyTimeout has passed.
-func (m *Manager) Ready() <-chan struct{} { return m.reg.ready }
+func (m *Manager) Ready() <-chan struct{} { return m.reg.Ready() }
 
 // WaitForFirstFingerprint waits for Ready and returns the inventory then. It fails only
 // when ctx ends first.
 func (m *Manager) WaitForFirstFingerprint(ctx context.Context) (device.Inventory, error) {
 	select {
-	case <-m.reg.ready:
+	case <-m.reg.Ready():
 		return m.Inventory(), nil
 	case <-ctx.Done():
 		return device.Inventory{}, fmt.Errorf("waiting for first fingerprints: %w", context.Cause(ctx))
@@ -436,8 +460,8 @@ func (m *Manager) Shutdown(ctx context.Context) error {
 	}
 	m.supsMu.Unlock()
 	m.cancel()
-	m.reg.watchers.close()
-	m.stats.watchers.close()
+	m.reg.Close()
+	m.stats.Close()
 	select {
 	case <-m.stopped:
 		return m.closeErr
@@ -491,7 +515,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		}
 		return device.Reservation{}, err
 	}
-	plugin, err := route(m.reg.snapshot(), req.Group, ids)
+	plugin, err := route(m.reg.Snapshot(), req.Group, ids)
 	if err != nil {
 		return device.Reservation{}, m.awaitedError(ids, err)
 	}
@@ -520,7 +544,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if err != nil {
 		return device.Reservation{}, fmt.Errorf("record reservation: %w", err)
 	}
-	m.reg.refresh()
+	m.reg.Refresh()
 	for _, id := range r.TakenOver {
 		m.log.Info("reservation taken over: released in the write that made the new one",
 			"reservation_id", id, "new_reservation_id", r.ID, "new_owner_id", r.OwnerID, "devices", strings.Join(ids, ","))
@@ -537,7 +561,7 @@ func (m *Manager) awaitedError(ids []string, err error) error {
 	if !errors.Is(err, device.ErrUnknownDevice) {
 		return err
 	}
-	st, ok := m.reg.awaitedPlugin(ids)
+	st, ok := m.reg.AwaitedPlugin(ids)
 	if !ok {
 		return err
 	}
@@ -546,7 +570,7 @@ func (m *Manager) awaitedError(ids []string, err error) error {
 		why = "; last error: " + st.LastError
 	}
 	return fmt.Errorf("devices %s belong to plugin %q, which has not reported its devices since the host started (it is %s%s); retry once it has: %w",
-		listIDs(ids), st.Name, st.Status, why, device.ErrPluginUnavailable)
+		inventory.ListIDs(ids), st.Name, st.Status, why, device.ErrPluginUnavailable)
 }
 
 // route finds the one plugin that serves every device in ids (not empty) within group, and
@@ -656,7 +680,7 @@ func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (devic
 		return device.ReleaseResult{}, err
 	}
 	if len(released) > 0 {
-		m.reg.refresh()
+		m.reg.Refresh()
 	}
 	var res device.ReleaseResult
 	for _, r := range released {
@@ -678,7 +702,7 @@ func (m *Manager) Reown(ctx context.Context, req device.ReownRequest) (device.Re
 	if err != nil {
 		return device.Reservation{}, err
 	}
-	m.reg.refresh() // the holder's owner changed
+	m.reg.Refresh() // the holder's owner changed
 	return r, nil
 }
 

@@ -219,7 +219,7 @@ func (m *Manager) reconcileLocked(retryFailed bool) {
 		switch {
 		case c.old == nil:
 		case c.spec == nil:
-			m.reg.removePlugin(c.name)
+			m.reg.RemovePlugin(c.name)
 			m.log.Info("plugin removed; stopping it (its reservations stay listed)", "plugin", c.name, "path", c.old.spec.bin.Path)
 		case c.spec.missing:
 			m.log.Warn("plugin binary removed; stopping it (its reservations stay listed)", "plugin", c.name, "path", c.old.spec.bin.Path)
@@ -243,16 +243,16 @@ func (m *Manager) reconcileLocked(retryFailed bool) {
 		switch {
 		case c.spec.missing:
 			reason := missingReason(m.cfg.PluginDir)
-			m.reg.addMissing(c.name, c.spec.bin.Path, reason)
+			m.reg.AddMissing(c.name, c.spec.bin.Path, reason)
 			if c.old == nil || !c.old.spec.missing {
 				m.log.Error("plugin configured but not found; listed as failed", "plugin", c.name, "error", reason)
 			}
 			m.setSlot(c.name, &slot{spec: *c.spec})
 		case c.old != nil && c.old.sup != nil:
-			m.reg.restartPlugin(c.name, c.spec.bin.Path, "plugin restarting: "+c.why.Error())
+			m.reg.RestartPlugin(c.name, c.spec.bin.Path, "plugin restarting: "+c.why.Error())
 			starts = append(starts, m.newSlot(c.name, *c.spec))
 		default:
-			m.reg.addPlugin(c.name, c.spec.bin.Path)
+			m.reg.AddPlugin(c.name, c.spec.bin.Path)
 			if m.started {
 				m.log.Info("plugin added", "plugin", c.name, "path", c.spec.bin.Path)
 			}
@@ -337,7 +337,7 @@ func (m *Manager) startSlot(sl *slot) {
 		sl.mu.Lock()
 		sl.failed = true
 		sl.mu.Unlock()
-		m.reg.failed(name, err)
+		m.reg.Failed(name, err)
 		hint := "fix it and send the agent SIGHUP"
 		if fromDir {
 			hint = "replacing or fixing its file in the plugin dir (or SIGHUP) gives it another try"

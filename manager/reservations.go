@@ -2,10 +2,13 @@ package manager
 
 import (
 	"context"
+	"maps"
+	"slices"
 	"time"
 
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/ledger"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
 // reservationStore is what the manager asks of its reservation ledger. The ledger
@@ -23,3 +26,21 @@ type reservationStore interface {
 }
 
 var _ reservationStore = (*ledger.Ledger)(nil)
+
+// fromContainerReservation converts a reservation that validate.Reservation accepted.
+func fromContainerReservation(res *pb.ContainerReservation) device.ContainerReservation {
+	out := device.ContainerReservation{
+		Envs:       maps.Clone(res.GetEnvs()),
+		CDIDevices: slices.Clone(res.GetCdiDevices()),
+	}
+	if out.Envs == nil {
+		out.Envs = map[string]string{}
+	}
+	for _, m := range res.GetMounts() {
+		out.Mounts = append(out.Mounts, device.Mount{HostPath: m.GetHostPath(), ContainerPath: m.GetContainerPath(), ReadOnly: m.GetReadOnly()})
+	}
+	for _, d := range res.GetDevices() {
+		out.Devices = append(out.Devices, device.DeviceSpec{HostPath: d.GetHostPath(), ContainerPath: d.GetContainerPath(), Permissions: d.GetPermissions()})
+	}
+	return out
+}

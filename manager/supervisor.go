@@ -18,6 +18,7 @@ import (
 
 	"github.com/devicehost/devicehost/internal/backoff"
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 	"github.com/devicehost/devicehost/validate"
@@ -89,8 +90,8 @@ type supervisor struct {
 	opts   pluginloader.Options
 	cfg    Config // with defaults
 	launch launchFunc
-	reg    *registry
-	stats  *statsHub
+	reg    *inventory.Registry
+	stats  *inventory.Stats
 	log    hclog.Logger
 	jitter func() float64 // nil: random
 	keep   *keeper        // nil: the plugin is not kept across host crashes
@@ -132,7 +133,7 @@ func (s *supervisor) backoff() restartBackoff {
 func (s *supervisor) Run(ctx context.Context) error {
 	bo := s.backoff()
 	for restarts := 0; ; restarts++ {
-		s.reg.launching(s.name, restarts)
+		s.reg.Launching(s.name, restarts)
 		started := time.Now()
 		served, err := s.runOnce(ctx, restarts == 0)
 		if ctx.Err() != nil {
@@ -142,8 +143,8 @@ func (s *supervisor) Run(ctx context.Context) error {
 			return err
 		}
 		delay := bo.next(time.Since(started), served)
-		s.reg.restarting(s.name, err, delay)
-		line := errorLine(err.Error())
+		s.reg.Restarting(s.name, err, delay)
+		line := inventory.ErrorLine(err.Error())
 		s.stopsMu.Lock()
 		isNew, prev, times := s.stops.see(line)
 		s.stopsMu.Unlock()
@@ -179,7 +180,7 @@ func (s *supervisor) up() {
 func (s *supervisor) runOnce(ctx context.Context, first bool) (served time.Duration, err error) {
 	p, err := s.start(ctx, first)
 	if err != nil {
-		s.reg.down(s.name, "plugin not running: "+err.Error())
+		s.reg.Down(s.name, "plugin not running: "+err.Error())
 		return 0, fmt.Errorf("launch: %w", err)
 	}
 	defer func() {
@@ -192,7 +193,7 @@ func (s *supervisor) runOnce(ctx context.Context, first bool) (served time.Durat
 		}
 	}()
 	s.setCurrent(p)
-	s.reg.running(s.name, p.Info().GetPluginVersion())
+	s.reg.Running(s.name, p.Info().GetPluginVersion())
 	s.log.Info("plugin running", "version", p.Info().GetPluginVersion())
 
 	g, gctx := errgroup.WithContext(ctx)
@@ -219,8 +220,8 @@ func (s *supervisor) runOnce(ctx context.Context, first bool) (served time.Durat
 	if err == nil { // ctx ended
 		err = fmt.Errorf("plugin stopped: %w", context.Cause(ctx))
 	}
-	s.reg.down(s.name, err.Error())
-	s.stats.clear(s.name)
+	s.reg.Down(s.name, err.Error())
+	s.stats.Clear(s.name)
 	if !upAt.IsZero() {
 		served = time.Since(upAt)
 	}
@@ -301,16 +302,16 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 			if isNew, _, _ := refusals.see(msg); isNew {
 				// State first, then the log: whoever reads the log line finds the
 				// plugin's last error already saying it.
-				s.reg.rejected(s.name, fmt.Errorf("fingerprint rejected: %s", msg))
+				s.reg.Rejected(s.name, fmt.Errorf("fingerprint rejected: %s", msg))
 				s.log.Error("fingerprint rejected; keeping the last good inventory", "violations", msg)
 			}
 			continue
 		}
-		refused, err := s.reg.setFingerprint(s.name, fromFingerprint(s.name, resp))
+		refused, err := s.reg.SetFingerprint(s.name, resp)
 		if err != nil {
 			// Keyed by kind, not text: the sizes in it change with every message.
 			if isNew, _, _ := refusals.see(budgetRefusal); isNew {
-				s.reg.rejected(s.name, err)
+				s.reg.Rejected(s.name, err)
 				s.log.Error("fingerprint refused; keeping the last good inventory", "error", err)
 			}
 			continue
@@ -321,9 +322,9 @@ func (s *supervisor) fingerprint(ctx context.Context, p plugin, fingerprinted ch
 			lastRefused = ""
 		case refused.Error() != lastRefused:
 			lastRefused = refused.Error()
-			s.reg.pluginError(s.name, refused)
-			for _, other := range slices.Sorted(maps.Keys(refused.byPlugin)) {
-				s.log.Error("device IDs bound to another plugin refused", "bound_to", other, "devices", listIDs(refused.byPlugin[other]))
+			s.reg.PluginError(s.name, refused)
+			for _, other := range slices.Sorted(maps.Keys(refused.ByPlugin)) {
+				s.log.Error("device IDs bound to another plugin refused", "bound_to", other, "devices", inventory.ListIDs(refused.ByPlugin[other]))
 			}
 		}
 		firstTimer.Stop()
@@ -369,13 +370,13 @@ func (s *supervisor) statsLoop(ctx context.Context, p plugin) error {
 			return err
 		}
 		delay := bo.next(time.Since(started), 0)
-		line := errorLine(err.Error())
+		line := inventory.ErrorLine(err.Error())
 		isNew, prev, times := failures.see(line)
 		if times > 1 {
 			s.log.Warn("stats stream failed repeatedly with the same error", "error", prev, "times", times)
 		}
 		if isNew {
-			s.reg.pluginError(s.name, err)
+			s.reg.PluginError(s.name, err)
 			s.log.Warn("stats stream failed; retrying", "error", line, "retry_in", delay)
 		} else {
 			s.log.Debug("stats stream failed again with the same error; retrying", "error", line, "retry_in", delay)
@@ -407,18 +408,18 @@ func (s *supervisor) statsStream(ctx context.Context, p plugin) error {
 			return s.statsError(ctx, p, err, stall)
 		}
 		watchdog.Reset(stall)
-		if verr := validate.Stats(resp, s.reg.known(s.name)); verr != nil {
+		if verr := validate.Stats(resp, s.reg.Known(s.name)); verr != nil {
 			if msg := oneLine(verr); msg != lastRejection {
 				lastRejection = msg
 				s.log.Error("stats rejected; keeping the last good stats", "violations", msg)
 			}
 			continue
 		}
-		if err := s.stats.set(s.name, fromStats(resp, s.cfg.Now()), statsCost(resp, s.reg.statsGroupCost(s.name))); err != nil {
+		if err := s.stats.Set(s.name, resp, s.cfg.Now(), s.reg.StatsGroupCost(s.name)); err != nil {
 			if lastRejection != budgetRefusal { // logged once in a row: the sizes change every message
 				lastRejection = budgetRefusal
 				s.log.Error("stats refused; keeping the last good stats", "error", err)
-				s.reg.pluginError(s.name, err)
+				s.reg.PluginError(s.name, err)
 			}
 			continue
 		}
@@ -490,15 +491,15 @@ func (s *supervisor) call(ctx context.Context, what string, rpc func(context.Con
 		// The plugin's side may see the propagated deadline a moment before ours fires.
 		return fmt.Errorf("plugin %q did not answer %s within %v: %w", s.name, what, s.cfg.ReserveTimeout, device.ErrPluginUnavailable)
 	case errors.Is(pluginloader.RPCError(cctx, p, err), pluginloader.ErrExited):
-		return fmt.Errorf("plugin %q exited during %s (%s): %w", s.name, what, errorLine(p.ExitReason()), device.ErrPluginUnavailable)
+		return fmt.Errorf("plugin %q exited during %s (%s): %w", s.name, what, inventory.ErrorLine(p.ExitReason()), device.ErrPluginUnavailable)
 	}
 	// What the plugin or its connection said is made one bounded line: it ends up in
 	// the caller's answer and in the log line of that call.
 	switch status.Code(err) {
 	case codes.Unavailable, codes.Canceled:
-		return fmt.Errorf("%s on plugin %q: %s: %w", what, s.name, errorLine(err.Error()), device.ErrPluginUnavailable)
+		return fmt.Errorf("%s on plugin %q: %s: %w", what, s.name, inventory.ErrorLine(err.Error()), device.ErrPluginUnavailable)
 	case codes.Unimplemented:
 		return fmt.Errorf("%s on plugin %q: %w", what, s.name, err)
 	}
-	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, errorLine(status.Convert(err).Message()), device.ErrPluginResponse)
+	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, inventory.ErrorLine(status.Convert(err).Message()), device.ErrPluginResponse)
 }

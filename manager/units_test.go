@@ -1,8 +1,6 @@
 package manager
 
 import (
-	"context"
-	"math"
 	"slices"
 	"strings"
 	"testing"
@@ -162,70 +160,5 @@ func TestBackoffServedRunDoesNotInheritThePenalty(t *testing.T) {
 	s.next(0, 0)
 	if got, want := s.next(0, time.Hour), 2*base; got != want {
 		t.Errorf("delay with no served threshold = %v, want %v", got, want)
-	}
-}
-
-func TestBroadcastDownsamplesAndReplaces(t *testing.T) {
-	var b broadcast[int]
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	first := 0
-	every := b.subscribe(ctx, 1, &first)
-	third := b.subscribe(ctx, 3, nil)
-
-	for v := 1; v <= 7; v++ {
-		b.publish(v)
-	}
-	// The every-one watcher never read: it holds only the latest value.
-	if got := drain(every); !slices.Equal(got, []int{7}) {
-		t.Errorf("every-1 watcher holds %v, want [7]", got)
-	}
-	if got := drain(third); !slices.Equal(got, []int{6}) {
-		t.Errorf("every-3 watcher holds %v, want [6] (publications 3 and 6, latest kept)", got)
-	}
-	var got []int
-	for v := 8; v <= 12; v++ {
-		b.publish(v)
-		got = append(got, drain(third)...)
-	}
-	if !slices.Equal(got, []int{9, 12}) {
-		t.Errorf("every-3 watcher read %v, want [9 12]", got)
-	}
-
-	b.close()
-	waitClosed(t, every)
-	waitClosed(t, third)
-	if _, ok := <-b.subscribe(ctx, 1, &first); ok {
-		t.Error("subscribe after close delivered a value, want a closed channel")
-	}
-}
-
-// drain returns what ch holds now without waiting.
-func drain[T any](ch <-chan T) []T {
-	var out []T
-	for {
-		select {
-		case v, ok := <-ch:
-			if !ok {
-				return out
-			}
-			out = append(out, v)
-		default:
-			return out
-		}
-	}
-}
-
-func TestStatsEvery(t *testing.T) {
-	h := newStatsHub(100*time.Millisecond, time.Now)
-	for _, tc := range []struct {
-		in   time.Duration
-		want int
-	}{{0, 1}, {10 * time.Millisecond, 1}, {100 * time.Millisecond, 1}, {150 * time.Millisecond, 2}, {time.Second, 10},
-		// Near the largest Duration, rounding up must not overflow into "every tick".
-		{math.MaxInt64, math.MaxInt64/int(100*time.Millisecond) + 1}, {24 * time.Hour, 864000}} {
-		if got := h.every(tc.in); got != tc.want {
-			t.Errorf("every(%v) = %d, want %d", tc.in, got, tc.want)
-		}
 	}
 }
