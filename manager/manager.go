@@ -63,16 +63,17 @@
 // fsynced, and Release once the release is. The ledger is the one place the conflict
 // rules live. Requests are validated once, at the trust boundary: the host API's server
 // calls validate's request checks before it calls the manager (see Reserve). The ledger's
-// garbage collector, run by the manager, owns the plugin side of a release: it calls the
-// owning plugin's Release RPC (bounded by ReserveTimeout) for every released reservation
-// whose cleanup is pending, keeps the cleanup pending and retries it with backoff while
-// the plugin is down or refuses, retries at once when the plugin fingerprints again, and
-// deletes released reservations per GCInterval and GCMaxReservations. A plugin answering
-// UNIMPLEMENTED has nothing to clean. The cleanup of a plugin that is not running but may
-// come back stays pending: a plugin with a config block but no binary, and one removed
-// less than RemovedPluginGrace ago (a binary being replaced, a plugin dir being swapped).
-// Any other plugin is not this host's: the cleanup is logged once and counted as done,
-// since keeping it pending would keep the reservation from ever being deleted.
+// garbage collector, run by the manager, does the plugin side of a release: it calls the
+// Release RPC of the reservation's plugin (bounded by ReserveTimeout) for every released
+// reservation whose cleanup is pending, keeps the cleanup pending and retries it with
+// backoff while the plugin is down or refuses, retries at once when the plugin
+// fingerprints again, and deletes released reservations per GCInterval and
+// GCMaxReservations. A plugin answering UNIMPLEMENTED has nothing to clean. The cleanup
+// of a plugin that is not running but may come back stays pending: a plugin with a config
+// block but no binary, and one removed less than RemovedPluginGrace ago (a binary being
+// replaced, a plugin dir being swapped). Any other plugin is not this host's: the cleanup
+// is logged once and counted as done, since keeping it pending would keep the reservation
+// from ever being deleted.
 package manager
 
 import (
@@ -321,7 +322,7 @@ func openLedger(dir string, cfg Config) (*ledger.Ledger, error) {
 	})
 }
 
-// cleanup is the GC's plugin cleanup: the owning plugin's Release RPC for e, bounded by
+// cleanup is the GC's plugin cleanup: the Release RPC of e's plugin, bounded by
 // ctx (the GC's CleanupTimeout, which is ReserveTimeout) and the plugin's exit. An error
 // (plugin down, silent or refusing) keeps the cleanup pending for a retry. So does a
 // plugin that is not running but may come back: one configured without a binary, or

@@ -120,8 +120,8 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	return r, nil
 }
 
-// awaitedError turns route's ErrUnknownDevice for devices that a plugin of this host
-// owns but has not reported yet since the host started (its first fingerprint after a
+// awaitedError turns route's ErrUnknownDevice for devices bound to a plugin of this host
+// that has not reported them yet since the host started (its first fingerprint after a
 // host restart is still to come) into ErrPluginUnavailable naming that plugin: the
 // devices are coming back, and a caller that retries gets them. Any other err is
 // returned as it is.

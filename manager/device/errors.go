@@ -19,7 +19,8 @@ var (
 	// ErrDeviceHeld: the device is held by a live reservation of another owner, or the
 	// request overlaps one only in part.
 	ErrDeviceHeld = errors.New("device held")
-	// ErrPluginUnavailable: the owning plugin is not running or did not answer in time.
+	// ErrPluginUnavailable: the plugin the devices are bound to is not running or did
+	// not answer in time.
 	ErrPluginUnavailable = errors.New("plugin unavailable")
 	// ErrPluginResponse: the plugin answered, but its answer broke a validation rule.
 	ErrPluginResponse = errors.New("invalid plugin response")
