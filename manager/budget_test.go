@@ -14,6 +14,7 @@ import (
 	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/inventory"
+	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 	hostpb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
@@ -75,7 +76,7 @@ func TestSnapshotStaysWithinClientLimit(t *testing.T) {
 	// plugins are launched, so that it is the fat ones the budget refuses.
 	l := &fixtureLauncher{t: t}
 	manyIn := make(chan struct{})
-	launch := func(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error) {
+	launch := func(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (supervise.Plugin, error) {
 		if bin.Name != "many" {
 			select {
 			case <-manyIn:

@@ -4,16 +4,17 @@
 // the plugin the devices are bound to.
 //
 // It implements the contract in manager/device; the gRPC server depends on that contract
-// only. What it holds lives in inner packages: manager/inventory (the inventory, device
-// health, plugin status, readiness, device-ID bindings to plugins, the latest stats and
-// the host API's byte budgets) and manager/ledger (reservations, durably). This package
-// runs the plugins and ties the two together.
+// only. Its parts are inner packages: manager/inventory (what it knows of the devices:
+// the inventory, device health, plugin status, readiness, device-ID bindings to plugins,
+// the latest stats and the host API's byte budgets), manager/supervise (one plugin's
+// life: launch, streams, restarts, its RPCs) and manager/ledger (reservations, durably).
+// This package decides which plugins run and ties the three together.
 //
 // Reading order: manager.go (New, Shutdown, the read side of device.Manager),
 // reservations.go (Reserve, Release, Reown: the claim, the ledger's check, the route to
-// the plugin, the plugin's Reserve, the ledger write), supervisor.go (one plugin's life,
-// its fingerprint and stats streams, its RPCs), plugins.go (the plugin set, SetPlugins,
-// the plugin dir), reattach.go (plugins kept across a host crash), config.go.
+// the plugin, the plugin's Reserve, the ledger write), plugins.go (the plugin set:
+// SetPlugins, the plugin dir, starting and stopping supervisors), reattach.go (plugins
+// kept across a host crash), config.go.
 //
 // Failure rules, per plugin:
 //   - The process exiting, its fingerprint stream ending or failing, or no first
@@ -94,6 +95,7 @@ import (
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/manager/ledger"
+	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
@@ -110,7 +112,7 @@ type Manager struct {
 	// tempState is the temporary directory holding ledger when no StateDir is set,
 	// removed once the ledger is closed; "" with a StateDir.
 	tempState string
-	launch    launchFunc
+	launch    supervise.LaunchFunc
 	dir       *pluginloader.DirWatch // follows PluginDir; nil without one
 
 	// reconfMu serialises changes to the plugin set (New, SetPlugins, the dir watcher);
@@ -153,12 +155,12 @@ var _ device.Manager = (*Manager)(nil)
 // state file cannot be used (a *ledger.StateFileError says why and how to recover). The
 // caller must call Shutdown, which also stops the plugins started later.
 func New(cfg Config) (*Manager, error) {
-	return newManager(cfg, launchProcess)
+	return newManager(cfg, supervise.LaunchProcess)
 }
 
 // newManager is New with the plugin launcher chosen by the caller (tests run plugins
 // in-process, or keep processes alive to play a crashed host).
-func newManager(cfg Config, launch launchFunc) (*Manager, error) {
+func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 	cfg, notes, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
@@ -333,7 +335,7 @@ func (m *Manager) cleanup(ctx context.Context, e ledger.GCEntry) error {
 	s, wait := m.cleanupTarget(e.Plugin)
 	switch {
 	case s != nil:
-		return s.release(ctx, e.ReservationID, e.DeviceIDs)
+		return s.Release(ctx, e.ReservationID, e.DeviceIDs)
 	case wait != nil:
 		return wait
 	}

@@ -19,7 +19,7 @@ import (
 // This file is the manager's side of reservations, in the order a Reserve runs: the
 // claim that keeps concurrent Reserves of a device apart, the ledger's check, the route
 // to the plugin the devices are bound to (from the inventory's snapshot), the plugin's
-// Reserve (supervisor.reserve), and the ledger write. Release, Reown and Reservations
+// Reserve (supervise.Supervisor.Reserve), and the ledger write. Release, Reown and Reservations
 // are the ledger's, plus a refresh of the inventory's holders.
 
 // reservationStore is what the manager asks of its reservation ledger. The ledger
@@ -92,7 +92,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if s == nil { // removed since the snapshot was taken
 		return device.Reservation{}, fmt.Errorf("plugin %q was removed: %w", plugin, device.ErrPluginUnavailable)
 	}
-	res, err := s.reserve(ctx, ids)
+	res, err := s.Reserve(ctx, ids)
 	if err != nil {
 		return device.Reservation{}, err
 	}
