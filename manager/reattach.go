@@ -26,7 +26,8 @@ import (
 const (
 	// reattachFormat is the version of reattachRecord's JSON form.
 	reattachFormat = 1
-	// ledgerWriteTimeout bounds one write of a reattach record.
+	// ledgerWriteTimeout bounds one write of a reattach record, or of device bindings
+	// (the inventory's StoreTimeout).
 	ledgerWriteTimeout = 5 * time.Second
 	// socketDirName is the folder of StateDir that kept plugins put their sockets in.
 	socketDirName = "sockets"
