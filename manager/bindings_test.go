@@ -12,6 +12,7 @@ import (
 
 	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/inventory"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
@@ -183,7 +184,7 @@ func TestDeviceBindingsInBothStartOrders(t *testing.T) {
 
 // TestPluginInventingIDsIsBoundToABoundedNumber: a plugin that reports thousands of new
 // IDs in every fingerprint does not grow the binding records without end: past
-// maxBoundPerPlugin it loses the IDs it no longer reports, in memory and in the ledger.
+// inventory.MaxBoundPerPlugin it loses the IDs it no longer reports, in memory and in the ledger.
 func TestPluginInventingIDsIsBoundToABoundedNumber(t *testing.T) {
 	cfg, logs := durableConfig(t)
 	// 4000 IDs of round r, in 4 groups of 1000 (a group holds at most 1024).
@@ -208,15 +209,13 @@ func TestPluginInventingIDsIsBoundToABoundedNumber(t *testing.T) {
 		waitFor(t, m, "round "+want, servedBy("churn", want))
 	}
 	logs.waitLine(t, "[WARN]", "more distinct device IDs than may be bound to one plugin", "plugin=churn", "forgotten=8000")
-	m.reg.mu.Lock()
-	bound := m.reg.bound["churn"]
-	m.reg.mu.Unlock()
+	bound := m.reg.Bound("churn")
 	recorded, err := m.ledger.DeviceBindings()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if bound > maxBoundPerPlugin || len(recorded) > maxBoundPerPlugin {
-		t.Errorf("after 4 rounds of 4000 new IDs %d are bound to the plugin, %d recorded; want at most %d", bound, len(recorded), maxBoundPerPlugin)
+	if bound > inventory.MaxBoundPerPlugin || len(recorded) > inventory.MaxBoundPerPlugin {
+		t.Errorf("after 4 rounds of 4000 new IDs %d are bound to the plugin, %d recorded; want at most %d", bound, len(recorded), inventory.MaxBoundPerPlugin)
 	}
 	if recorded["r3-0000"] != "churn" || recorded["r0-0000"] != "" {
 		t.Errorf("recorded bindings of r3-0000, r0-0000 = %q, %q; want churn, none", recorded["r3-0000"], recorded["r0-0000"])

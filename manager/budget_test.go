@@ -2,19 +2,19 @@ package manager
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/hashicorp/go-hclog"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/inventory"
+	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 	hostpb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
@@ -55,7 +55,7 @@ func fatFixture(name string) fixture {
 // TestSnapshotStaysWithinClientLimit runs a plugin of 1024 devices, all held by an owner
 // with the longest owner ID, beside nine plugins of about 504 KB of inventory each:
 // together over 4 MiB. The plugins that would take the Fingerprint message over
-// MaxSnapshotBytes are refused with their size and the limit, and a client on default
+// inventory.MaxSnapshotBytes are refused with their size and the limit, and a client on default
 // options reads the whole inventory.
 func TestSnapshotStaysWithinClientLimit(t *testing.T) {
 	cfg, logs := testConfig(t)
@@ -76,7 +76,7 @@ func TestSnapshotStaysWithinClientLimit(t *testing.T) {
 	// plugins are launched, so that it is the fat ones the budget refuses.
 	l := &fixtureLauncher{t: t}
 	manyIn := make(chan struct{})
-	launch := func(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error) {
+	launch := func(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (supervise.Plugin, error) {
 		if bin.Name != "many" {
 			select {
 			case <-manyIn:
@@ -102,7 +102,7 @@ func TestSnapshotStaysWithinClientLimit(t *testing.T) {
 		case ps.DeviceCount > 0:
 			accepted++
 		case strings.Contains(ps.LastError, fmt.Sprintf("fingerprint of plugin %q refused", name)) &&
-			strings.Contains(ps.LastError, fmt.Sprintf("limit of %d bytes", MaxSnapshotBytes)):
+			strings.Contains(ps.LastError, fmt.Sprintf("limit of %d bytes", inventory.MaxSnapshotBytes)):
 			refused++
 		default:
 			t.Errorf("plugin %s = %+v, want its devices, or a last error saying it was refused and why", name, ps)
@@ -128,9 +128,9 @@ func TestSnapshotStaysWithinClientLimit(t *testing.T) {
 		t.Fatalf("a client on default options cannot read the Fingerprint message: %v", err)
 	}
 	size := proto.Size(msg)
-	t.Logf("Fingerprint message: %d bytes with %d of 9 fat plugins accepted (limit %d)", size, accepted, MaxSnapshotBytes)
-	if size > MaxSnapshotBytes {
-		t.Errorf("Fingerprint message is %d bytes, over MaxSnapshotBytes %d", size, MaxSnapshotBytes)
+	t.Logf("Fingerprint message: %d bytes with %d of 9 fat plugins accepted (limit %d)", size, accepted, inventory.MaxSnapshotBytes)
+	if size > inventory.MaxSnapshotBytes {
+		t.Errorf("Fingerprint message is %d bytes, over inventory.MaxSnapshotBytes %d", size, inventory.MaxSnapshotBytes)
 	}
 	if got := msg.GetGroups()[len(msg.GetGroups())-1].GetDevices()[0].GetHolder().GetOwnerId(); len(got) != validate.MaxNameLen {
 		t.Errorf("holder of many's devices not in the message (owner %q)", got)
@@ -140,7 +140,7 @@ func TestSnapshotStaysWithinClientLimit(t *testing.T) {
 
 // TestStatsStayWithinClientLimit runs nine plugins whose stats are about 480 KB each:
 // together over 4 MiB. The stats that would take the Stats message over
-// MaxStatsSnapshotBytes are refused, and a client on default options reads the stream.
+// inventory.MaxStatsSnapshotBytes are refused, and a client on default options reads the stream.
 func TestStatsStayWithinClientLimit(t *testing.T) {
 	cfg, logs := testConfig(t)
 	cfg.StatsInterval = time.Second
@@ -186,9 +186,9 @@ func TestStatsStayWithinClientLimit(t *testing.T) {
 			t.Fatalf("a client on default options cannot read Stats message %d: %v", i, err)
 		}
 		size := proto.Size(msg)
-		t.Logf("Stats message %d: %d bytes, %d of %d plugins' stats (limit %d)", i, size, len(msg.GetGroups()), len(names), MaxStatsSnapshotBytes)
-		if size > MaxStatsSnapshotBytes {
-			t.Errorf("Stats message is %d bytes, over MaxStatsSnapshotBytes %d", size, MaxStatsSnapshotBytes)
+		t.Logf("Stats message %d: %d bytes, %d of %d plugins' stats (limit %d)", i, size, len(msg.GetGroups()), len(names), inventory.MaxStatsSnapshotBytes)
+		if size > inventory.MaxStatsSnapshotBytes {
+			t.Errorf("Stats message is %d bytes, over inventory.MaxStatsSnapshotBytes %d", size, inventory.MaxStatsSnapshotBytes)
 		}
 	}
 	logs.waitLine(t, "[ERROR]", "stats refused", "limit of 3670016 bytes")
@@ -197,46 +197,5 @@ func TestStatsStayWithinClientLimit(t *testing.T) {
 		if n := len(logs.lines("[ERROR]", "stats refused", "plugin="+name+" ")); n > 1 {
 			t.Errorf("%d \"stats refused\" lines for %s, want one while it stays refused", n, name)
 		}
-	}
-}
-
-// TestRefusedFingerprintKeepsTheLastGoodInventory: a plugin whose new fingerprint would
-// take the snapshot over the budget keeps the inventory it had.
-func TestRefusedFingerprintKeepsTheLastGoodInventory(t *testing.T) {
-	r := newRegistry(hclog.NewNullLogger(), time.Now, func() map[string]device.Holder { return nil }, nil, nil)
-	r.addPlugin("big", "/big")
-	r.addPlugin("grows", "/grows")
-	fp := func(plugin string, cost int, ids ...string) fingerprint {
-		f := fingerprint{cost: cost, devices: map[string]reportedDevice{}}
-		g := device.Group{GroupKey: acmeA1, Plugin: plugin}
-		for _, id := range ids {
-			g.Devices = append(g.Devices, device.DeviceInfo{ID: id})
-			f.devices[id] = reportedDevice{group: acmeA1, health: device.HealthHealthy}
-		}
-		f.groups = []device.Group{g}
-		return f
-	}
-	if _, err := r.setFingerprint("big", fp("big", 3<<20, "b0")); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := r.setFingerprint("grows", fp("grows", 100<<10, "g0")); err != nil {
-		t.Fatal(err)
-	}
-	_, err := r.setFingerprint("grows", fp("grows", 600<<10, "g0", "g1"))
-	var be *budgetError
-	if !errors.As(err, &be) || be.cost != 600<<10 || be.others != 3<<20 || be.limit != MaxSnapshotBytes {
-		t.Fatalf("setFingerprint over the budget = %v, want a budgetError with the sizes and the limit", err)
-	}
-	for _, want := range []string{`plugin "grows"`, "614400 bytes", "3145728 bytes", "limit of 3670016 bytes"} {
-		if !strings.Contains(err.Error(), want) {
-			t.Errorf("error %q does not say %s", err, want)
-		}
-	}
-	if got := deviceIDs(r.snapshot().Inventory); strings.Join(got, " ") != "big/b0 grows/g0" {
-		t.Errorf("inventory after the refusal = %v, want the last good one", got)
-	}
-	// Room is freed only by a smaller inventory: the same plugin fits again.
-	if _, err := r.setFingerprint("grows", fp("grows", 500<<10, "g0", "g1")); err != nil {
-		t.Errorf("setFingerprint within the budget: %v", err)
 	}
 }

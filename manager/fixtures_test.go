@@ -12,6 +12,7 @@ import (
 
 	"github.com/devicehost/devicehost/deviceplugin"
 	"github.com/devicehost/devicehost/internal/fixtureplugin"
+	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
@@ -41,7 +42,7 @@ type fixtureLauncher struct {
 
 // launch does what pluginloader.Launch does, in-process: start, info, config. The
 // fixture's exit_after ends the "process" with "exit status 3".
-func (l *fixtureLauncher) launch(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error) {
+func (l *fixtureLauncher) launch(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (supervise.Plugin, error) {
 	fx := fixtureplugin.New()
 	fx.Log = hclog.NewNullLogger()
 	in, err := startInproc(l.t, fx)

@@ -20,6 +20,7 @@ import (
 	"github.com/devicehost/devicehost/deviceplugin"
 	"github.com/devicehost/devicehost/deviceplugin/deviceplugintest"
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
@@ -232,7 +233,7 @@ type inproc struct {
 	info *pb.GetPluginInfoResponse
 }
 
-var _ plugin = (*inproc)(nil)
+var _ supervise.Plugin = (*inproc)(nil)
 
 // startInproc serves impl for t. Safe to call from any goroutine.
 func startInproc(t testing.TB, impl deviceplugin.Plugin) (*inproc, error) {
@@ -270,7 +271,7 @@ func newLauncher(t testing.TB, devices ...*fakeDevices) *launcher {
 }
 
 // launch does what pluginloader.Launch does, in-process: start, info, config.
-func (l *launcher) launch(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error) {
+func (l *launcher) launch(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (supervise.Plugin, error) {
 	d, ok := l.devices[bin.Name]
 	if !ok {
 		return nil, fmt.Errorf("no fake plugin %q", bin.Name)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/inventory"
 )
 
 // These tests check what a failing plugin leaves in answers and in the log,
@@ -45,16 +46,16 @@ func TestPluginErrorsAreOneBoundedLine(t *testing.T) {
 	snap := waitFor(t, m, "alpha restarting", func(s device.Snapshot) bool { return pluginOf(s, "alpha").Status == device.PluginRestarting })
 
 	last := pluginOf(snap, "alpha").LastError
-	checkLine(t, "LastError", last, maxErrorLen)
+	checkLine(t, "LastError", last, inventory.MaxErrorLen)
 	if !strings.HasPrefix(last, "plugin exited: Unrecognized remote plugin message:; This usually means; the plugin was not compiled") || !strings.HasSuffix(last, "...") {
 		t.Errorf("LastError = %q, want the lines joined with \"; \", cut with ...", last)
 	}
-	checkLine(t, "a0 reason", snap.State.Devices["a0"].Reason, maxErrorLen)
+	checkLine(t, "a0 reason", snap.State.Devices["a0"].Reason, inventory.MaxErrorLen)
 	_, err := m.Reserve(context.Background(), device.ReserveRequest{OwnerID: "o", Group: acmeA1, DeviceIDs: []string{"a0"}})
 	if !errors.Is(err, device.ErrPluginUnavailable) {
 		t.Fatalf("Reserve on the dead plugin = %v, want ErrPluginUnavailable", err)
 	}
-	checkLine(t, "Reserve error", err.Error(), maxErrorLen+100)
+	checkLine(t, "Reserve error", err.Error(), inventory.MaxErrorLen+100)
 }
 
 // TestPluginFailingTheSameWayIsLoggedOncePerChange: a plugin whose launch fails with
@@ -136,31 +137,4 @@ func TestProcessKilledAfterServingIsBackAtOnce(t *testing.T) {
 	}
 	waitWithin(t, watch, testTimeout, "healthy after the last kill", healthIs(device.HealthHealthy, "k0", "k1"))
 	t.Logf("every device healthy %v after the last of 6 SIGKILLs", time.Since(killed))
-}
-
-func TestErrorLine(t *testing.T) {
-	tests := []struct {
-		name, in, want string
-	}{
-		{"plain", "plugin exited: signal: killed", "plugin exited: signal: killed"},
-		{"lines joined, blanks collapsed", "a:\r\n\n  b\t\tc \n", "a:; b c"},
-		{"control characters and invalid UTF-8", "x\x00y\x1b[31mz\xff\xfe!", "x y [31mz !"},
-		{"only blanks", "\n\t \r", ""},
-		{"cut at the limit", strings.Repeat("e", maxErrorLen+1), strings.Repeat("e", maxErrorLen-3) + "..."},
-		{"exactly the limit", strings.Repeat("e", maxErrorLen), strings.Repeat("e", maxErrorLen)},
-		// "é" is 2 bytes: a cut inside one moves back to its start.
-		{"cut between bytes of a character", strings.Repeat("é", maxErrorLen), strings.Repeat("é", (maxErrorLen-4)/2) + "..."},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			if got := errorLine(tc.in); got != tc.want {
-				t.Errorf("errorLine(%q) = %q, want %q", tc.in, got, tc.want)
-			}
-		})
-	}
-	// A huge text with a line break every byte costs a bounded scan and still fits.
-	huge := strings.Repeat("a\n", 1<<20)
-	if got := errorLine(huge); len(got) > maxErrorLen || strings.Contains(got, "\n") {
-		t.Errorf("errorLine of 2 MiB of lines = %d bytes %q", len(got), got)
-	}
 }

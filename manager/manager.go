@@ -4,7 +4,17 @@
 // the plugin the devices are bound to.
 //
 // It implements the contract in manager/device; the gRPC server depends on that contract
-// only.
+// only. Its parts are inner packages: manager/inventory (what it knows of the devices:
+// the inventory, device health, plugin status, readiness, device-ID bindings to plugins,
+// the latest stats and the host API's byte budgets), manager/supervise (one plugin's
+// life: launch, streams, restarts, its RPCs) and manager/ledger (reservations, durably).
+// This package decides which plugins run and ties the three together.
+//
+// Reading order: manager.go (New, Shutdown, the read side of device.Manager),
+// reservations.go (Reserve, Release, Reown: the claim, the ledger's check, the route to
+// the plugin, the plugin's Reserve, the ledger write), plugins.go (the plugin set:
+// SetPlugins, the plugin dir, starting and stopping supervisors), reattach.go (plugins
+// kept across a host crash), config.go.
 //
 // Failure rules, per plugin:
 //   - The process exiting, its fingerprint stream ending or failing, or no first
@@ -23,8 +33,9 @@
 //     running process; stats are not a health signal.
 //   - A fingerprint or stats message that breaks a validation rule is logged with the
 //     plugin and the rules and dropped; the last good one stays. So is one that would
-//     take the host API's Fingerprint or Stats message over MaxSnapshotBytes or
-//     MaxStatsSnapshotBytes (see budget.go), with the plugin, its size and the limit.
+//     take the host API's Fingerprint or Stats message over inventory.MaxSnapshotBytes
+//     or MaxStatsSnapshotBytes (the inventory's byte budgets), with the plugin, its
+//     size and the limit.
 //   - A device ID is bound to the first plugin that reported it, for good: across that
 //     plugin's restarts, while it does not report it, and, with StateDir, across host
 //     restarts (the ledger's device binding records). Another plugin reporting it gets
@@ -53,16 +64,17 @@
 // fsynced, and Release once the release is. The ledger is the one place the conflict
 // rules live. Requests are validated once, at the trust boundary: the host API's server
 // calls validate's request checks before it calls the manager (see Reserve). The ledger's
-// garbage collector, run by the manager, owns the plugin side of a release: it calls the
-// owning plugin's Release RPC (bounded by ReserveTimeout) for every released reservation
-// whose cleanup is pending, keeps the cleanup pending and retries it with backoff while
-// the plugin is down or refuses, retries at once when the plugin fingerprints again, and
-// deletes released reservations per GCInterval and GCMaxReservations. A plugin answering
-// UNIMPLEMENTED has nothing to clean. The cleanup of a plugin that is not running but may
-// come back stays pending: a plugin with a config block but no binary, and one removed
-// less than RemovedPluginGrace ago (a binary being replaced, a plugin dir being swapped).
-// Any other plugin is not this host's: the cleanup is logged once and counted as done,
-// since keeping it pending would keep the reservation from ever being deleted.
+// garbage collector, run by the manager, does the plugin side of a release: it calls the
+// Release RPC of the reservation's plugin (bounded by ReserveTimeout) for every released
+// reservation whose cleanup is pending, keeps the cleanup pending and retries it with
+// backoff while the plugin is down or refuses, retries at once when the plugin
+// fingerprints again, and deletes released reservations per GCInterval and
+// GCMaxReservations. A plugin answering UNIMPLEMENTED has nothing to clean. The cleanup
+// of a plugin that is not running but may come back stays pending: a plugin with a config
+// block but no binary, and one removed less than RemovedPluginGrace ago (a binary being
+// replaced, a plugin dir being swapped). Any other plugin is not this host's: the cleanup
+// is logged once and counted as done, since keeping it pending would keep the reservation
+// from ever being deleted.
 package manager
 
 import (
@@ -70,7 +82,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -82,9 +93,10 @@ import (
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/manager/ledger"
+	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
-	"github.com/devicehost/devicehost/validate"
 )
 
 // Manager is the device manager. New starts it; Shutdown stops it. All methods are safe
@@ -92,15 +104,15 @@ import (
 type Manager struct {
 	cfg    Config
 	log    hclog.Logger
-	reg    *registry
-	stats  *statsHub
+	reg    *inventory.Registry
+	stats  *inventory.Stats
 	store  reservationStore // ledger, or a test's wrapper of it
 	ledger *ledger.Ledger
 	gc     *ledger.GC // runs on ledger
 	// tempState is the temporary directory holding ledger when no StateDir is set,
 	// removed once the ledger is closed; "" with a StateDir.
 	tempState string
-	launch    launchFunc
+	launch    supervise.LaunchFunc
 	dir       *pluginloader.DirWatch // follows PluginDir; nil without one
 
 	// reconfMu serialises changes to the plugin set (New, SetPlugins, the dir watcher);
@@ -143,12 +155,12 @@ var _ device.Manager = (*Manager)(nil)
 // state file cannot be used (a *ledger.StateFileError says why and how to recover). The
 // caller must call Shutdown, which also stops the plugins started later.
 func New(cfg Config) (*Manager, error) {
-	return newManager(cfg, launchProcess)
+	return newManager(cfg, supervise.LaunchProcess)
 }
 
 // newManager is New with the plugin launcher chosen by the caller (tests run plugins
 // in-process, or keep processes alive to play a crashed host).
-func newManager(cfg Config, launch launchFunc) (*Manager, error) {
+func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 	cfg, notes, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
@@ -161,7 +173,7 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		cfg:       cfg,
 		log:       log,
 		launch:    launch,
-		stats:     newStatsHub(cfg.StatsInterval, cfg.Now),
+		stats:     inventory.NewStats(cfg.StatsInterval, cfg.Now),
 		pluginCfg: cfg.Plugins,
 		dupLogged: make(map[string]string),
 		slots:     make(map[string]*slot),
@@ -235,7 +247,14 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 		// The readable records still hold; a damaged one costs its ID's protection.
 		log.Error("device binding records unreadable; those IDs will be bound to the first plugin to report them", "error", oneLine(err))
 	}
-	m.reg = newRegistry(log, cfg.Now, m.store.Holders, m.ledger, bindings)
+	m.reg = inventory.New(inventory.Config{
+		Logger:       log,
+		Now:          cfg.Now,
+		Holders:      m.store.Holders,
+		Store:        m.ledger,
+		StoreTimeout: ledgerWriteTimeout,
+		Bindings:     bindings,
+	})
 
 	// The first plugins: every record is made before any supervisor starts, so none of
 	// them settles Ready alone.
@@ -246,8 +265,8 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 	m.reconcileLocked(false)
 	m.started = true
 	m.reconfMu.Unlock()
-	m.reg.checkReady()
-	for plugin, n := range m.reg.orphans() {
+	m.reg.CheckReady()
+	for plugin, n := range m.reg.Orphans() {
 		log.Info("device IDs bound to a plugin this host does not run; they will be bound to the first plugin to report them",
 			"previous_plugin", plugin, "devices", n)
 	}
@@ -262,7 +281,7 @@ func newManager(cfg Config, launch launchFunc) (*Manager, error) {
 	if m.dir != nil {
 		m.wg.Go(func() { m.dir.Run(ctx) })
 	}
-	m.wg.Go(func() { m.stats.run(ctx, func() device.Inventory { return m.reg.snapshot().Inventory }) })
+	m.wg.Go(func() { m.stats.Run(ctx, func() device.Inventory { return m.reg.Snapshot().Inventory }) })
 	m.wg.Go(func() { m.readyTimer(ctx) })
 	go func() { // ends when the goroutines above have; Shutdown waits for it
 		m.wg.Wait()
@@ -305,7 +324,7 @@ func openLedger(dir string, cfg Config) (*ledger.Ledger, error) {
 	})
 }
 
-// cleanup is the GC's plugin cleanup: the owning plugin's Release RPC for e, bounded by
+// cleanup is the GC's plugin cleanup: the Release RPC of e's plugin, bounded by
 // ctx (the GC's CleanupTimeout, which is ReserveTimeout) and the plugin's exit. An error
 // (plugin down, silent or refusing) keeps the cleanup pending for a retry. So does a
 // plugin that is not running but may come back: one configured without a binary, or
@@ -316,7 +335,7 @@ func (m *Manager) cleanup(ctx context.Context, e ledger.GCEntry) error {
 	s, wait := m.cleanupTarget(e.Plugin)
 	switch {
 	case s != nil:
-		return s.release(ctx, e.ReservationID, e.DeviceIDs)
+		return s.Release(ctx, e.ReservationID, e.DeviceIDs)
 	case wait != nil:
 		return wait
 	}
@@ -376,43 +395,50 @@ func (m *Manager) readyTimer(ctx context.Context) {
 	defer t.Stop()
 	select {
 	case <-ctx.Done():
-	case <-m.reg.ready:
+	case <-m.reg.Ready():
 	case <-t.C:
-		if waiting := m.reg.forceReady(); len(waiting) > 0 {
+		if waiting := m.reg.ForceReady(); len(waiting) > 0 {
 			m.log.Warn("ready without a first fingerprint from some plugins", "timeout", m.cfg.ReadyTimeout, "plugins", strings.Join(waiting, ", "))
 		}
 	}
 }
 
 // Inventory returns the current inventory of every plugin.
-func (m *Manager) Inventory() device.Inventory { return m.reg.snapshot().Inventory }
+func (m *Manager) Inventory() device.Inventory { return m.reg.Snapshot().Inventory }
 
 // State returns the current device health and holders, and plugin status.
-func (m *Manager) State() device.State { return m.reg.snapshot().State }
+func (m *Manager) State() device.State { return m.reg.Snapshot().State }
 
 // Snapshot returns the current inventory and state together.
-func (m *Manager) Snapshot() device.Snapshot { return m.reg.snapshot() }
+func (m *Manager) Snapshot() device.Snapshot { return m.reg.Snapshot() }
 
 // Watch delivers the current snapshot at once and then the latest one on every change;
 // the channel is closed when ctx ends or the manager shuts down.
-func (m *Manager) Watch(ctx context.Context) <-chan device.Snapshot { return m.reg.watch(ctx) }
+func (m *Manager) Watch(ctx context.Context) <-chan device.Snapshot { return m.reg.Watch(ctx) }
 
 // WatchStats delivers the latest stats of every plugin at once and then every interval
 // (at least the sampling interval, rounded up to a multiple of it; zero means the
 // sampling interval). The channel is closed when ctx ends or the manager shuts down.
 func (m *Manager) WatchStats(ctx context.Context, interval time.Duration) <-chan device.StatsSnapshot {
-	return m.stats.watch(ctx, interval, m.Inventory())
+	return m.stats.Watch(ctx, interval, m.Inventory())
 }
+
+// LatestStats returns the latest stats of every plugin, grouped as the inventory groups
+// them: what the plugins' stats streams last brought, read without asking any plugin
+// and without waiting for the next sampling tick, so callers that poll (a metrics
+// scrape) cost the plugins nothing however often they ask. Safe for concurrent use;
+// the snapshot is immutable.
+func (m *Manager) LatestStats() device.StatsSnapshot { return m.stats.Latest(m.Inventory()) }
 
 // Ready is closed once every plugin has had its first attempt (fingerprinted, had a
 // fingerprint refused, or failed a run), or ReadyTimeout has passed.
-func (m *Manager) Ready() <-chan struct{} { return m.reg.ready }
+func (m *Manager) Ready() <-chan struct{} { return m.reg.Ready() }
 
 // WaitForFirstFingerprint waits for Ready and returns the inventory then. It fails only
 // when ctx ends first.
 func (m *Manager) WaitForFirstFingerprint(ctx context.Context) (device.Inventory, error) {
 	select {
-	case <-m.reg.ready:
+	case <-m.reg.Ready():
 		return m.Inventory(), nil
 	case <-ctx.Done():
 		return device.Inventory{}, fmt.Errorf("waiting for first fingerprints: %w", context.Cause(ctx))
@@ -436,254 +462,12 @@ func (m *Manager) Shutdown(ctx context.Context) error {
 	}
 	m.supsMu.Unlock()
 	m.cancel()
-	m.reg.watchers.close()
-	m.stats.watchers.close()
+	m.reg.Close()
+	m.stats.Close()
 	select {
 	case <-m.stopped:
 		return m.closeErr
 	case <-ctx.Done():
 		return fmt.Errorf("manager shutdown: %w", context.Cause(ctx))
 	}
-}
-
-// Reserve reserves req's devices for req.OwnerID through the plugin they are bound to. A
-// retried request (same owner, same devices) gets the live reservation back. Checks, in
-// order: holders (ErrDeviceHeld), the inventory (ErrUnknownDevice: unknown group, devices
-// not in it or spread over two plugins), the plugin (ErrPluginUnavailable) and health
-// (ErrUnhealthyDevice); then the plugin is asked, bounded by ctx, ReserveTimeout and its
-// exit; its answer is validated (ErrPluginResponse) and the reservation recorded in the
-// ledger. A concurrent Reserve touching the same devices is refused with ErrDeviceHeld
-// while the first is in flight.
-//
-// The trust boundary is the host API, not this method: the server (server/api.go)
-// checks every request with validate.ReserveRequest, the one place its rules live, before
-// it calls Reserve, and so must any other caller (tests, in-process tools). Reserve does
-// not check the request again; it asserts only what it cannot run without (an owner and
-// a device: an "internal:" error otherwise), and the ledger what it may store. The same
-// holds for Release (validate.ReleaseRequest), Reown (validate.ReownRequest) and
-// Reservations (validate.ReservationFilter).
-//
-// Holders whose owner starts with one of req.TakeOverOwnerPrefixes do not refuse the
-// Reserve: they keep holding the devices while the plugin is asked (the claim keeps
-// every other Reserve off them meanwhile) and are released in the ledger write that
-// records the new reservation, all or nothing; the GC then owes their plugin cleanup as
-// after a Release. If anything fails before that write, or the write itself, they are
-// left as they were. Each one taken over is logged.
-func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (device.Reservation, error) {
-	if m.stopping.Load() {
-		return device.Reservation{}, fmt.Errorf("reserve: %w", device.ErrShuttingDown)
-	}
-	if req.OwnerID == "" || len(req.DeviceIDs) == 0 {
-		return device.Reservation{}, errors.New("reserve: internal: a request without an owner or devices (validate.ReserveRequest refuses it)")
-	}
-	ids := slices.Clone(req.DeviceIDs)
-	// Claim before checking the store: a Reserve that commits between the check and the
-	// claim would otherwise leave this one asking the plugin for a device already held.
-	release, err := m.claim(req.OwnerID, ids)
-	if err != nil {
-		return device.Reservation{}, err
-	}
-	defer release()
-	takeOver := slices.Clone(req.TakeOverOwnerPrefixes)
-	if existing, err := m.store.Check(req.OwnerID, ids, takeOver, nil, nil); err != nil || existing != nil {
-		if existing != nil {
-			return *existing, nil
-		}
-		return device.Reservation{}, err
-	}
-	plugin, err := route(m.reg.snapshot(), req.Group, ids)
-	if err != nil {
-		return device.Reservation{}, m.awaitedError(ids, err)
-	}
-
-	s := m.supervisor(plugin)
-	if s == nil { // removed since the snapshot was taken
-		return device.Reservation{}, fmt.Errorf("plugin %q was removed: %w", plugin, device.ErrPluginUnavailable)
-	}
-	res, err := s.reserve(ctx, ids)
-	if err != nil {
-		return device.Reservation{}, err
-	}
-	if err := validate.Reservation(res, ids); err != nil {
-		return device.Reservation{}, fmt.Errorf("plugin %q answered Reserve with a reservation that breaks the rules: %s: %w", plugin, oneLine(err), device.ErrPluginResponse)
-	}
-	r, _, err := m.store.Reserve(ctx, device.Reservation{
-		ID:        ledger.NewID(),
-		OwnerID:   req.OwnerID,
-		Group:     req.Group,
-		Plugin:    plugin,
-		DeviceIDs: ids,
-		Container: fromContainerReservation(res),
-		State:     device.ReservationActive,
-		CreatedAt: m.cfg.Now(),
-	}, takeOver, nil)
-	if err != nil {
-		return device.Reservation{}, fmt.Errorf("record reservation: %w", err)
-	}
-	m.reg.refresh()
-	for _, id := range r.TakenOver {
-		m.log.Info("reservation taken over: released in the write that made the new one",
-			"reservation_id", id, "new_reservation_id", r.ID, "new_owner_id", r.OwnerID, "devices", strings.Join(ids, ","))
-	}
-	return r, nil
-}
-
-// awaitedError turns route's ErrUnknownDevice for devices that a plugin of this host
-// owns but has not reported yet since the host started (its first fingerprint after a
-// host restart is still to come) into ErrPluginUnavailable naming that plugin: the
-// devices are coming back, and a caller that retries gets them. Any other err is
-// returned as it is.
-func (m *Manager) awaitedError(ids []string, err error) error {
-	if !errors.Is(err, device.ErrUnknownDevice) {
-		return err
-	}
-	st, ok := m.reg.awaitedPlugin(ids)
-	if !ok {
-		return err
-	}
-	why := ""
-	if st.LastError != "" {
-		why = "; last error: " + st.LastError
-	}
-	return fmt.Errorf("devices %s belong to plugin %q, which has not reported its devices since the host started (it is %s%s); retry once it has: %w",
-		listIDs(ids), st.Name, st.Status, why, device.ErrPluginUnavailable)
-}
-
-// route finds the one plugin that serves every device in ids (not empty) within group, and
-// checks that it is running and the devices are healthy.
-func route(snap device.Snapshot, group device.GroupKey, ids []string) (string, error) {
-	pluginOf := make(map[string]string) // device ID -> plugin, within group
-	for _, g := range snap.Inventory.Groups {
-		if g.GroupKey != group {
-			continue
-		}
-		for _, d := range g.Devices {
-			pluginOf[d.ID] = g.Plugin
-		}
-	}
-	if len(pluginOf) == 0 {
-		return "", fmt.Errorf("no device group %s: %w", group, device.ErrUnknownDevice)
-	}
-	var unknown []string
-	plugins := make(map[string]bool)
-	for _, id := range ids {
-		p, ok := pluginOf[id]
-		if !ok {
-			unknown = append(unknown, id)
-			continue
-		}
-		plugins[p] = true
-	}
-	switch {
-	case len(unknown) == 1:
-		return "", fmt.Errorf("device %s is not in group %s: %w", unknown[0], group, device.ErrUnknownDevice)
-	case len(unknown) > 1:
-		return "", fmt.Errorf("devices %s are not in group %s: %w", strings.Join(unknown, ", "), group, device.ErrUnknownDevice)
-	case len(plugins) > 1:
-		return "", fmt.Errorf("devices %s of group %s belong to more than one plugin (%s): %w",
-			strings.Join(ids, ", "), group, strings.Join(slices.Sorted(maps.Keys(plugins)), ", "), device.ErrUnknownDevice)
-	}
-	plugin := pluginOf[ids[0]]
-	if st := pluginState(snap, plugin); st.Status != device.PluginRunning {
-		return "", fmt.Errorf("plugin %q is %s (last error: %s): %w", plugin, st.Status, st.LastError, device.ErrPluginUnavailable)
-	}
-	var unhealthy []string
-	for _, id := range ids {
-		if st := snap.State.Devices[id]; st.Health != device.HealthHealthy {
-			unhealthy = append(unhealthy, fmt.Sprintf("%s (%s: %s)", id, st.Health, st.Reason))
-		}
-	}
-	if len(unhealthy) > 0 {
-		return "", fmt.Errorf("devices not healthy: %s: %w", strings.Join(unhealthy, ", "), device.ErrUnhealthyDevice)
-	}
-	return plugin, nil
-}
-
-func pluginState(snap device.Snapshot, name string) device.PluginState {
-	for _, p := range snap.State.Plugins {
-		if p.Name == name {
-			return p
-		}
-	}
-	return device.PluginState{}
-}
-
-// claim marks ids as being reserved by owner until the returned func is called, so two
-// concurrent Reserves never both ask a plugin for the same device. A device already
-// claimed is a *device.HeldError whose holder has no reservation ID yet.
-func (m *Manager) claim(owner string, ids []string) (func(), error) {
-	m.claimMu.Lock()
-	defer m.claimMu.Unlock()
-	busy := make(map[string][]string) // claiming owner -> requested devices it claims
-	for _, id := range ids {
-		if o, ok := m.claims[id]; ok {
-			busy[o] = append(busy[o], id)
-		}
-	}
-	if len(busy) > 0 {
-		e := &device.HeldError{OwnerID: owner}
-		for _, o := range slices.Sorted(maps.Keys(busy)) {
-			devs := busy[o]
-			slices.Sort(devs)
-			e.Conflicts = append(e.Conflicts, device.Conflict{Holder: device.Holder{OwnerID: o}, Overlap: devs, Held: devs})
-		}
-		return nil, e
-	}
-	for _, id := range ids {
-		m.claims[id] = owner
-	}
-	return func() {
-		m.claimMu.Lock()
-		defer m.claimMu.Unlock()
-		for _, id := range ids {
-			delete(m.claims, id)
-		}
-	}, nil
-}
-
-// Release ends the reservations req names, durably, frees their devices (watchers get a
-// snapshot without the holder) and says which it released and which were released
-// before (those are not released twice), each list oldest first. The plugin cleanup is
-// not done here: it is left pending in the ledger for the garbage collector, which runs
-// it once, with retries (see the package doc). req is trusted, as Reserve's is: the
-// server checks it with validate.ReleaseRequest.
-func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
-	if m.stopping.Load() {
-		return device.ReleaseResult{}, fmt.Errorf("release: %w", device.ErrShuttingDown)
-	}
-	released, already, err := m.store.Release(ctx, req, m.cfg.Now())
-	if err != nil {
-		return device.ReleaseResult{}, err
-	}
-	if len(released) > 0 {
-		m.reg.refresh()
-	}
-	var res device.ReleaseResult
-	for _, r := range released {
-		res.Released = append(res.Released, r.ID)
-	}
-	for _, r := range already {
-		res.AlreadyReleased = append(res.AlreadyReleased, r.ID)
-	}
-	return res, nil
-}
-
-// Reown hands a live reservation to another owner; see device.Manager. req is trusted,
-// as Reserve's is: the server checks it with validate.ReownRequest.
-func (m *Manager) Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error) {
-	if m.stopping.Load() {
-		return device.Reservation{}, fmt.Errorf("reown: %w", device.ErrShuttingDown)
-	}
-	r, err := m.store.Reown(ctx, req)
-	if err != nil {
-		return device.Reservation{}, err
-	}
-	m.reg.refresh() // the holder's owner changed
-	return r, nil
-}
-
-// Reservations lists the reservations matching f, oldest first. f is trusted, as
-// Reserve's request is: the server checks it with validate.ReservationFilter.
-func (m *Manager) Reservations(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
-	return m.store.List(ctx, f)
 }

@@ -12,6 +12,7 @@ import (
 	goplugin "github.com/hashicorp/go-plugin"
 
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
@@ -44,7 +45,7 @@ type pluginSpec struct {
 // plugin without a binary.
 type slot struct {
 	spec   pluginSpec
-	sup    *supervisor             // nil when missing
+	sup    *supervise.Supervisor   // nil when missing
 	cancel context.CancelCauseFunc // stops sup; nil when missing
 	done   chan struct{}           // closed once sup's goroutine has ended; nil when missing
 
@@ -219,7 +220,7 @@ func (m *Manager) reconcileLocked(retryFailed bool) {
 		switch {
 		case c.old == nil:
 		case c.spec == nil:
-			m.reg.removePlugin(c.name)
+			m.reg.RemovePlugin(c.name)
 			m.log.Info("plugin removed; stopping it (its reservations stay listed)", "plugin", c.name, "path", c.old.spec.bin.Path)
 		case c.spec.missing:
 			m.log.Warn("plugin binary removed; stopping it (its reservations stay listed)", "plugin", c.name, "path", c.old.spec.bin.Path)
@@ -243,16 +244,16 @@ func (m *Manager) reconcileLocked(retryFailed bool) {
 		switch {
 		case c.spec.missing:
 			reason := missingReason(m.cfg.PluginDir)
-			m.reg.addMissing(c.name, c.spec.bin.Path, reason)
+			m.reg.AddMissing(c.name, c.spec.bin.Path, reason)
 			if c.old == nil || !c.old.spec.missing {
 				m.log.Error("plugin configured but not found; listed as failed", "plugin", c.name, "error", reason)
 			}
 			m.setSlot(c.name, &slot{spec: *c.spec})
 		case c.old != nil && c.old.sup != nil:
-			m.reg.restartPlugin(c.name, c.spec.bin.Path, "plugin restarting: "+c.why.Error())
+			m.reg.RestartPlugin(c.name, c.spec.bin.Path, "plugin restarting: "+c.why.Error())
 			starts = append(starts, m.newSlot(c.name, *c.spec))
 		default:
-			m.reg.addPlugin(c.name, c.spec.bin.Path)
+			m.reg.AddPlugin(c.name, c.spec.bin.Path)
 			if m.started {
 				m.log.Info("plugin added", "plugin", c.name, "path", c.spec.bin.Path)
 			}
@@ -276,10 +277,11 @@ func (m *Manager) setSlot(name string, sl *slot) {
 // the reattach record a crashed host left. Called with reconfMu held.
 func (m *Manager) newSlot(name string, spec pluginSpec) *slot {
 	pc := spec.pc
-	s := &supervisor{
-		name: name,
-		bin:  spec.bin,
-		opts: pluginloader.Options{
+	log := m.log.With("plugin", name)
+	cfg := supervise.Config{
+		Name:   name,
+		Binary: spec.bin,
+		Options: pluginloader.Options{
 			Logger:          m.cfg.Logger,
 			StartTimeout:    m.cfg.StartTimeout,
 			SHA256:          pc.SHA256,
@@ -289,24 +291,33 @@ func (m *Manager) newSlot(name string, spec pluginSpec) *slot {
 			DisableAutoMTLS: pc.Reattach,
 			SurviveHost:     pc.Reattach,
 		},
-		cfg:    m.cfg,
-		launch: m.launch,
-		reg:    m.reg,
-		stats:  m.stats,
-		log:    m.log.With("plugin", name),
+		Launch:             m.launch,
+		Inventory:          m.reg,
+		Stats:              m.stats,
+		Logger:             log,
+		Now:                m.cfg.Now,
+		RestartBaseDelay:   m.cfg.RestartBaseDelay,
+		RestartMaxDelay:    m.cfg.RestartMaxDelay,
+		StableRunReset:     m.cfg.StableRunReset,
+		ServedReset:        m.cfg.ServedReset,
+		StartTimeout:       m.cfg.StartTimeout,
+		FingerprintTimeout: m.cfg.FingerprintTimeout,
+		StatsInterval:      m.cfg.StatsInterval,
+		ReserveTimeout:     m.cfg.ReserveTimeout,
+		KillTimeout:        m.cfg.KillTimeout,
 	}
 	if m.gc != nil {
-		s.onUp = m.gc.RetryNow
+		cfg.OnUp = m.gc.RetryNow
 	}
 	if pc.Reattach {
 		saved := m.saved[name]
 		delete(m.saved, name)
-		s.keep = &keeper{name: name, led: m.ledger, log: s.log, saved: saved}
+		cfg.Keeper = &keeper{name: name, led: m.ledger, log: log, saved: saved}
 		if dir := m.socketDirLocked(); dir != "" {
-			s.opts.Env = append(slices.Clone(pc.Env), goplugin.EnvUnixSocketDir+"="+dir)
+			cfg.Options.Env = append(slices.Clone(pc.Env), goplugin.EnvUnixSocketDir+"="+dir)
 		}
 	}
-	return &slot{spec: spec, sup: s, done: make(chan struct{})}
+	return &slot{spec: spec, sup: supervise.New(cfg), done: make(chan struct{})}
 }
 
 // startSlot runs sl's supervisor in a goroutine Shutdown waits for, and makes sl the
@@ -321,7 +332,7 @@ func (m *Manager) startSlot(sl *slot) {
 		close(sl.done)
 		return
 	}
-	name, fromDir := sl.sup.name, sl.spec.fromDir
+	name, fromDir := sl.sup.Name(), sl.spec.fromDir
 	m.slots[name] = sl
 	delete(m.gone, name)
 	// Either New has not started waiting on wg yet, or the stats goroutine is running:
@@ -337,12 +348,12 @@ func (m *Manager) startSlot(sl *slot) {
 		sl.mu.Lock()
 		sl.failed = true
 		sl.mu.Unlock()
-		m.reg.failed(name, err)
+		m.reg.Failed(name, err)
 		hint := "fix it and send the agent SIGHUP"
 		if fromDir {
 			hint = "replacing or fixing its file in the plugin dir (or SIGHUP) gives it another try"
 		}
-		sl.sup.log.Error("plugin failed and will not be restarted until its binary or settings change; "+hint, "error", err)
+		m.log.With("plugin", name).Error("plugin failed and will not be restarted until its binary or settings change; "+hint, "error", err)
 	})
 }
 
@@ -358,7 +369,7 @@ func (m *Manager) socketDirLocked() string {
 
 // supervisor returns the named plugin's supervisor, or nil when the plugin is not one
 // this host runs now (removed, or configured without a binary).
-func (m *Manager) supervisor(name string) *supervisor {
+func (m *Manager) supervisor(name string) *supervise.Supervisor {
 	m.supsMu.RLock()
 	defer m.supsMu.RUnlock()
 	if sl := m.slots[name]; sl != nil {
@@ -372,7 +383,7 @@ func (m *Manager) supervisor(name string) *supervisor {
 // error that keeps the cleanup pending while the plugin may come back (it is
 // configured, or was removed less than RemovedPluginGrace ago), and nil when nobody
 // will ever clean up (the cleanup is then counted done).
-func (m *Manager) cleanupTarget(plugin string) (s *supervisor, wait error) {
+func (m *Manager) cleanupTarget(plugin string) (s *supervise.Supervisor, wait error) {
 	m.supsMu.RLock()
 	defer m.supsMu.RUnlock()
 	sl := m.slots[plugin]

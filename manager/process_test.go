@@ -65,7 +65,7 @@ func pid(t *testing.T, m *Manager, plugin string) int {
 	if s == nil {
 		t.Fatalf("plugin %q is not one of the manager's", plugin)
 	}
-	p, ok := s.current().(interface{ PID() int })
+	p, ok := s.Current().(interface{ PID() int })
 	if !ok {
 		t.Fatalf("plugin %q is not running as a process", plugin)
 	}

@@ -14,6 +14,7 @@ import (
 	goplugin "github.com/hashicorp/go-plugin"
 
 	"github.com/devicehost/devicehost/manager/ledger"
+	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
@@ -25,7 +26,8 @@ import (
 const (
 	// reattachFormat is the version of reattachRecord's JSON form.
 	reattachFormat = 1
-	// ledgerWriteTimeout bounds one write of a reattach record.
+	// ledgerWriteTimeout bounds one write of a reattach record, or of device bindings
+	// (the inventory's StoreTimeout).
 	ledgerWriteTimeout = 5 * time.Second
 	// socketDirName is the folder of StateDir that kept plugins put their sockets in.
 	socketDirName = "sockets"
@@ -79,7 +81,7 @@ func newReattachRecord(plugin, path string, rc *goplugin.ReattachConfig) (reatta
 	}, nil
 }
 
-// decodeReattachRecord reads a record saved by keeper.save.
+// decodeReattachRecord reads a record saved by keeper.Save.
 func decodeReattachRecord(data []byte) (reattachRecord, error) {
 	var r reattachRecord
 	dec := json.NewDecoder(bytes.NewReader(data))
@@ -140,12 +142,14 @@ type keeper struct {
 	saved *reattachRecord // found by New; used, then cleared, by the first launch
 }
 
+var _ supervise.Keeper = (*keeper)(nil)
+
 // reattach attaches to the process the previous host left running, if the record New
 // found checks out, and returns it; otherwise (or when there was no record) it returns
 // nil, with the record deleted and, when the process passed the check but could not be
 // reattached or was launched from another path than bin's now, that process killed.
 // launch is called with opts.Reattach set; ctx bounds the whole attempt.
-func (k *keeper) reattach(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options, launch launchFunc) plugin {
+func (k *keeper) Reattach(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options, launch supervise.LaunchFunc) supervise.Plugin {
 	rec := k.saved
 	k.saved = nil
 	if rec == nil {
@@ -154,7 +158,7 @@ func (k *keeper) reattach(ctx context.Context, bin pluginloader.Binary, opts plu
 	log := k.log.With("pid", rec.PID)
 	if err := rec.process().Check(); err != nil {
 		log.Info("not reattaching to the plugin process recorded by the previous host; starting the plugin afresh", "reason", err)
-		k.forget(ctx)
+		k.Forget(ctx)
 		return nil
 	}
 	abs, err := filepath.Abs(bin.Path)
@@ -165,7 +169,7 @@ func (k *keeper) reattach(ctx context.Context, bin pluginloader.Binary, opts plu
 		var rc *goplugin.ReattachConfig
 		if rc, err = rec.config(); err == nil {
 			opts.Reattach = rc
-			var p plugin
+			var p supervise.Plugin
 			if p, err = launch(ctx, bin, opts); err == nil {
 				log.Info("reattached to the plugin process left running by the previous host")
 				return p
@@ -181,13 +185,13 @@ func (k *keeper) reattach(ctx context.Context, bin pluginloader.Binary, opts plu
 	default:
 		log.Warn("cannot reattach to the plugin process left by the previous host, which has gone meanwhile; starting the plugin afresh", "reason", err)
 	}
-	k.forget(ctx)
+	k.Forget(ctx)
 	return nil
 }
 
 // save records p's reattach data, so that a host started after a crash can reattach to
 // it. A failure is logged: the plugin runs on, but will not be reattached.
-func (k *keeper) save(ctx context.Context, path string, p plugin) {
+func (k *keeper) Save(ctx context.Context, path string, p supervise.Plugin) {
 	var rc *goplugin.ReattachConfig
 	if r, ok := p.(reattacher); ok {
 		rc = r.ReattachConfig()
@@ -214,7 +218,7 @@ func (k *keeper) save(ctx context.Context, path string, p plugin) {
 }
 
 // forget deletes the plugin's reattach record: its process is gone or not to be used.
-func (k *keeper) forget(ctx context.Context) {
+func (k *keeper) Forget(ctx context.Context) {
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ledgerWriteTimeout)
 	defer cancel()
 	if err := k.led.DeleteReattach(wctx, k.name); err != nil {

@@ -21,12 +21,13 @@ import (
 	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/ledger"
+	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
 // These tests keep real plugin processes across a "crash" of the host (PluginConfig.Reattach).
 
-// procLauncher launches real plugin processes like launchProcess, counting fresh
+// procLauncher launches real plugin processes like supervise.LaunchProcess, counting fresh
 // launches and reattach attempts. Once crashed is set, a Kill from the manager leaves the
 // process running, as a host that died would; killLeft kills those at the end of the
 // test. Safe for concurrent use.
@@ -36,11 +37,11 @@ type procLauncher struct {
 	mu                   sync.Mutex
 	fresh                int
 	reattaches, attached int // attempts; successes
-	left                 []plugin
+	left                 []supervise.Plugin
 }
 
-func (l *procLauncher) launch(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (plugin, error) {
-	p, err := launchProcess(ctx, bin, opts)
+func (l *procLauncher) launch(ctx context.Context, bin pluginloader.Binary, opts pluginloader.Options) (supervise.Plugin, error) {
+	p, err := supervise.LaunchProcess(ctx, bin, opts)
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	switch {
@@ -113,7 +114,7 @@ func (p *survivingPlugin) Kill(ctx context.Context) {
 }
 
 // startWith starts a manager on launch and shuts it down in t.Cleanup.
-func startWith(t *testing.T, cfg Config, launch launchFunc) *Manager {
+func startWith(t *testing.T, cfg Config, launch supervise.LaunchFunc) *Manager {
 	t.Helper()
 	m, err := newManager(cfg, launch)
 	if err != nil {

@@ -2,11 +2,25 @@ package manager
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/manager/ledger"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/validate"
 )
+
+// This file is the manager's side of reservations, in the order a Reserve runs: the
+// claim that keeps concurrent Reserves of a device apart, the ledger's check, the route
+// to the plugin the devices are bound to (from the inventory's snapshot), the plugin's
+// Reserve (supervise.Supervisor.Reserve), and the ledger write. Release, Reown and Reservations
+// are the ledger's, plus a refresh of the inventory's holders.
 
 // reservationStore is what the manager asks of its reservation ledger. The ledger
 // (manager/ledger) is its one implementation, and the one place the conflict rules live
@@ -23,3 +37,263 @@ type reservationStore interface {
 }
 
 var _ reservationStore = (*ledger.Ledger)(nil)
+
+// Reserve reserves req's devices for req.OwnerID through the plugin they are bound to. A
+// retried request (same owner, same devices) gets the live reservation back. Checks, in
+// order: holders (ErrDeviceHeld), the inventory (ErrUnknownDevice: unknown group, devices
+// not in it or spread over two plugins), the plugin (ErrPluginUnavailable) and health
+// (ErrUnhealthyDevice); then the plugin is asked, bounded by ctx, ReserveTimeout and its
+// exit; its answer is validated (ErrPluginResponse) and the reservation recorded in the
+// ledger. A concurrent Reserve touching the same devices is refused with ErrDeviceHeld
+// while the first is in flight.
+//
+// The trust boundary is the host API, not this method: the server (server/api.go)
+// checks every request with validate.ReserveRequest, the one place its rules live, before
+// it calls Reserve, and so must any other caller (tests, in-process tools). Reserve does
+// not check the request again; it asserts only what it cannot run without (an owner and
+// a device: an "internal:" error otherwise), and the ledger what it may store. The same
+// holds for Release (validate.ReleaseRequest), Reown (validate.ReownRequest) and
+// Reservations (validate.ReservationFilter).
+//
+// Holders whose owner starts with one of req.TakeOverOwnerPrefixes do not refuse the
+// Reserve: they keep holding the devices while the plugin is asked (the claim keeps
+// every other Reserve off them meanwhile) and are released in the ledger write that
+// records the new reservation, all or nothing; the GC then owes their plugin cleanup as
+// after a Release. If anything fails before that write, or the write itself, they are
+// left as they were. Each one taken over is logged.
+func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (device.Reservation, error) {
+	if m.stopping.Load() {
+		return device.Reservation{}, fmt.Errorf("reserve: %w", device.ErrShuttingDown)
+	}
+	if req.OwnerID == "" || len(req.DeviceIDs) == 0 {
+		return device.Reservation{}, errors.New("reserve: internal: a request without an owner or devices (validate.ReserveRequest refuses it)")
+	}
+	ids := slices.Clone(req.DeviceIDs)
+	// Claim before checking the store: a Reserve that commits between the check and the
+	// claim would otherwise leave this one asking the plugin for a device already held.
+	release, err := m.claim(req.OwnerID, ids)
+	if err != nil {
+		return device.Reservation{}, err
+	}
+	defer release()
+	takeOver := slices.Clone(req.TakeOverOwnerPrefixes)
+	if existing, err := m.store.Check(req.OwnerID, ids, takeOver, nil, nil); err != nil || existing != nil {
+		if existing != nil {
+			return *existing, nil
+		}
+		return device.Reservation{}, err
+	}
+	plugin, err := route(m.reg.Snapshot(), req.Group, ids)
+	if err != nil {
+		return device.Reservation{}, m.awaitedError(ids, err)
+	}
+
+	s := m.supervisor(plugin)
+	if s == nil { // removed since the snapshot was taken
+		return device.Reservation{}, fmt.Errorf("plugin %q was removed: %w", plugin, device.ErrPluginUnavailable)
+	}
+	res, err := s.Reserve(ctx, ids)
+	if err != nil {
+		return device.Reservation{}, err
+	}
+	if err := validate.Reservation(res, ids); err != nil {
+		return device.Reservation{}, fmt.Errorf("plugin %q answered Reserve with a reservation that breaks the rules: %s: %w", plugin, oneLine(err), device.ErrPluginResponse)
+	}
+	r, _, err := m.store.Reserve(ctx, device.Reservation{
+		ID:        ledger.NewID(),
+		OwnerID:   req.OwnerID,
+		Group:     req.Group,
+		Plugin:    plugin,
+		DeviceIDs: ids,
+		Container: fromContainerReservation(res),
+		State:     device.ReservationActive,
+		CreatedAt: m.cfg.Now(),
+	}, takeOver, nil)
+	if err != nil {
+		return device.Reservation{}, fmt.Errorf("record reservation: %w", err)
+	}
+	m.reg.Refresh()
+	for _, id := range r.TakenOver {
+		m.log.Info("reservation taken over: released in the write that made the new one",
+			"reservation_id", id, "new_reservation_id", r.ID, "new_owner_id", r.OwnerID, "devices", strings.Join(ids, ","))
+	}
+	return r, nil
+}
+
+// awaitedError turns route's ErrUnknownDevice for devices bound to a plugin of this host
+// that has not reported them yet since the host started (its first fingerprint after a
+// host restart is still to come) into ErrPluginUnavailable naming that plugin: the
+// devices are coming back, and a caller that retries gets them. Any other err is
+// returned as it is.
+func (m *Manager) awaitedError(ids []string, err error) error {
+	if !errors.Is(err, device.ErrUnknownDevice) {
+		return err
+	}
+	st, ok := m.reg.AwaitedPlugin(ids)
+	if !ok {
+		return err
+	}
+	why := ""
+	if st.LastError != "" {
+		why = "; last error: " + st.LastError
+	}
+	return fmt.Errorf("devices %s belong to plugin %q, which has not reported its devices since the host started (it is %s%s); retry once it has: %w",
+		inventory.ListIDs(ids), st.Name, st.Status, why, device.ErrPluginUnavailable)
+}
+
+// route finds the one plugin that serves every device in ids (not empty) within group, and
+// checks that it is running and the devices are healthy.
+func route(snap device.Snapshot, group device.GroupKey, ids []string) (string, error) {
+	pluginOf := make(map[string]string) // device ID -> plugin, within group
+	for _, g := range snap.Inventory.Groups {
+		if g.GroupKey != group {
+			continue
+		}
+		for _, d := range g.Devices {
+			pluginOf[d.ID] = g.Plugin
+		}
+	}
+	if len(pluginOf) == 0 {
+		return "", fmt.Errorf("no device group %s: %w", group, device.ErrUnknownDevice)
+	}
+	var unknown []string
+	plugins := make(map[string]bool)
+	for _, id := range ids {
+		p, ok := pluginOf[id]
+		if !ok {
+			unknown = append(unknown, id)
+			continue
+		}
+		plugins[p] = true
+	}
+	switch {
+	case len(unknown) == 1:
+		return "", fmt.Errorf("device %s is not in group %s: %w", unknown[0], group, device.ErrUnknownDevice)
+	case len(unknown) > 1:
+		return "", fmt.Errorf("devices %s are not in group %s: %w", strings.Join(unknown, ", "), group, device.ErrUnknownDevice)
+	case len(plugins) > 1:
+		return "", fmt.Errorf("devices %s of group %s belong to more than one plugin (%s): %w",
+			strings.Join(ids, ", "), group, strings.Join(slices.Sorted(maps.Keys(plugins)), ", "), device.ErrUnknownDevice)
+	}
+	plugin := pluginOf[ids[0]]
+	if st := pluginState(snap, plugin); st.Status != device.PluginRunning {
+		return "", fmt.Errorf("plugin %q is %s (last error: %s): %w", plugin, st.Status, st.LastError, device.ErrPluginUnavailable)
+	}
+	var unhealthy []string
+	for _, id := range ids {
+		if st := snap.State.Devices[id]; st.Health != device.HealthHealthy {
+			unhealthy = append(unhealthy, fmt.Sprintf("%s (%s: %s)", id, st.Health, st.Reason))
+		}
+	}
+	if len(unhealthy) > 0 {
+		return "", fmt.Errorf("devices not healthy: %s: %w", strings.Join(unhealthy, ", "), device.ErrUnhealthyDevice)
+	}
+	return plugin, nil
+}
+
+func pluginState(snap device.Snapshot, name string) device.PluginState {
+	for _, p := range snap.State.Plugins {
+		if p.Name == name {
+			return p
+		}
+	}
+	return device.PluginState{}
+}
+
+// claim marks ids as being reserved by owner until the returned func is called, so two
+// concurrent Reserves never both ask a plugin for the same device. A device already
+// claimed is a *device.HeldError whose holder has no reservation ID yet.
+func (m *Manager) claim(owner string, ids []string) (func(), error) {
+	m.claimMu.Lock()
+	defer m.claimMu.Unlock()
+	busy := make(map[string][]string) // claiming owner -> requested devices it claims
+	for _, id := range ids {
+		if o, ok := m.claims[id]; ok {
+			busy[o] = append(busy[o], id)
+		}
+	}
+	if len(busy) > 0 {
+		e := &device.HeldError{OwnerID: owner}
+		for _, o := range slices.Sorted(maps.Keys(busy)) {
+			devs := busy[o]
+			slices.Sort(devs)
+			e.Conflicts = append(e.Conflicts, device.Conflict{Holder: device.Holder{OwnerID: o}, Overlap: devs, Held: devs})
+		}
+		return nil, e
+	}
+	for _, id := range ids {
+		m.claims[id] = owner
+	}
+	return func() {
+		m.claimMu.Lock()
+		defer m.claimMu.Unlock()
+		for _, id := range ids {
+			delete(m.claims, id)
+		}
+	}, nil
+}
+
+// Release ends the reservations req names, durably, frees their devices (watchers get a
+// snapshot without the holder) and says which it released and which were released
+// before (those are not released twice), each list oldest first. The plugin cleanup is
+// not done here: it is left pending in the ledger for the garbage collector, which runs
+// it once, with retries (see the package doc). req is trusted, as Reserve's is: the
+// server checks it with validate.ReleaseRequest.
+func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
+	if m.stopping.Load() {
+		return device.ReleaseResult{}, fmt.Errorf("release: %w", device.ErrShuttingDown)
+	}
+	released, already, err := m.store.Release(ctx, req, m.cfg.Now())
+	if err != nil {
+		return device.ReleaseResult{}, err
+	}
+	if len(released) > 0 {
+		m.reg.Refresh()
+	}
+	var res device.ReleaseResult
+	for _, r := range released {
+		res.Released = append(res.Released, r.ID)
+	}
+	for _, r := range already {
+		res.AlreadyReleased = append(res.AlreadyReleased, r.ID)
+	}
+	return res, nil
+}
+
+// Reown hands a live reservation to another owner; see device.Manager. req is trusted,
+// as Reserve's is: the server checks it with validate.ReownRequest.
+func (m *Manager) Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error) {
+	if m.stopping.Load() {
+		return device.Reservation{}, fmt.Errorf("reown: %w", device.ErrShuttingDown)
+	}
+	r, err := m.store.Reown(ctx, req)
+	if err != nil {
+		return device.Reservation{}, err
+	}
+	m.reg.Refresh() // the holder's owner changed
+	return r, nil
+}
+
+// Reservations lists the reservations matching f, oldest first. f is trusted, as
+// Reserve's request is: the server checks it with validate.ReservationFilter.
+func (m *Manager) Reservations(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
+	return m.store.List(ctx, f)
+}
+
+// fromContainerReservation converts a reservation that validate.Reservation accepted.
+func fromContainerReservation(res *pb.ContainerReservation) device.ContainerReservation {
+	out := device.ContainerReservation{
+		Envs:       maps.Clone(res.GetEnvs()),
+		CDIDevices: slices.Clone(res.GetCdiDevices()),
+	}
+	if out.Envs == nil {
+		out.Envs = map[string]string{}
+	}
+	for _, m := range res.GetMounts() {
+		out.Mounts = append(out.Mounts, device.Mount{HostPath: m.GetHostPath(), ContainerPath: m.GetContainerPath(), ReadOnly: m.GetReadOnly()})
+	}
+	for _, d := range res.GetDevices() {
+		out.Devices = append(out.Devices, device.DeviceSpec{HostPath: d.GetHostPath(), ContainerPath: d.GetContainerPath(), Permissions: d.GetPermissions()})
+	}
+	return out
+}

@@ -1,14 +1,10 @@
 package manager
 
 import (
-	"context"
-	"math"
-	"slices"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/internal/backoff"
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
@@ -95,137 +91,5 @@ func TestNewRefusesDuplicatePluginNames(t *testing.T) {
 	_, err := New(Config{Binaries: []pluginloader.Binary{{Name: "p", Path: "/a/p"}, {Path: "/b/p"}}})
 	if err == nil || !strings.Contains(err.Error(), `two plugins named "p"`) {
 		t.Errorf("New with two plugins named p: %v, want an error naming it", err)
-	}
-}
-
-func TestBackoff(t *testing.T) {
-	none := func() float64 { return 0 }
-	b := restartBackoff{Backoff: backoff.Backoff{Base: 200 * time.Millisecond, Max: time.Second, Jitter: none}, stable: time.Minute, served: time.Second}
-	var got []time.Duration
-	for range 6 {
-		got = append(got, b.next(time.Second, 0))
-	}
-	want := []time.Duration{200 * time.Millisecond, 400 * time.Millisecond, 800 * time.Millisecond, time.Second, time.Second, time.Second}
-	if !slices.Equal(got, want) {
-		t.Errorf("delays = %v, want %v (first fast, doubling, capped)", got, want)
-	}
-	if got, want := b.next(time.Minute, 0), 200*time.Millisecond; got != want {
-		t.Errorf("delay after a stable run = %v, want %v", got, want)
-	}
-
-	for _, j := range []float64{-1, 1} {
-		b := restartBackoff{Backoff: backoff.Backoff{Base: time.Second, Max: time.Second, Jitter: func() float64 { return j }}, stable: time.Minute}
-		if got, want := b.next(0, 0), time.Duration(float64(time.Second)*(1+0.2*j)); got != want {
-			t.Errorf("jitter %v: delay = %v, want %v", j, got, want)
-		}
-	}
-	r := restartBackoff{Backoff: backoff.Backoff{Base: time.Second, Max: time.Second}, stable: time.Minute}
-	for range 100 {
-		if d := r.next(0, 0); d < 800*time.Millisecond || d > 1200*time.Millisecond {
-			t.Fatalf("random jitter delay %v outside ±20%% of 1s", d)
-		}
-	}
-}
-
-// TestBackoffServedRunDoesNotInheritThePenalty: a plugin killed after it served
-// restarts after the base delay, however long the crash loop before it; one that dies
-// before serving for ServedReset, or never serves, keeps backing off.
-func TestBackoffServedRunDoesNotInheritThePenalty(t *testing.T) {
-	none := func() float64 { return 0 }
-	base, maxDelay := 200*time.Millisecond, 30*time.Second
-	b := restartBackoff{Backoff: backoff.Backoff{Base: base, Max: maxDelay, Jitter: none}, stable: time.Minute, served: time.Second}
-	// A crash loop before the plugin ever fingerprints: 0.2, 0.4, ... 25.6s.
-	var d time.Duration
-	for range 8 {
-		d = b.next(100*time.Millisecond, 0)
-	}
-	if want := 25600 * time.Millisecond; d != want {
-		t.Fatalf("8th delay of a crash loop = %v, want %v", d, want)
-	}
-	// Then it comes up, serves 5s and is killed: back after the base delay.
-	if got := b.next(5500*time.Millisecond, 5*time.Second); got != base {
-		t.Errorf("delay after a run that served 5s = %v, want %v", got, base)
-	}
-	// Killed again and again after serving 1.5s each: never more than the base delay.
-	for i := range 8 {
-		if got := b.next(2*time.Second, 1500*time.Millisecond); got != base {
-			t.Errorf("delay after served run %d = %v, want %v", i, got, base)
-		}
-	}
-	// A run that fingerprints and dies within ServedReset still counts as a failure.
-	b.next(2*time.Second, 1500*time.Millisecond)
-	if got, want := b.next(600*time.Millisecond, 500*time.Millisecond), 2*base; got != want {
-		t.Errorf("delay after a run that served only 0.5s = %v, want %v (still backing off)", got, want)
-	}
-	// Without a served threshold (the stats stream's backoff), serving resets nothing.
-	s := restartBackoff{Backoff: backoff.Backoff{Base: base, Max: maxDelay, Jitter: none}, stable: time.Minute}
-	s.next(0, 0)
-	if got, want := s.next(0, time.Hour), 2*base; got != want {
-		t.Errorf("delay with no served threshold = %v, want %v", got, want)
-	}
-}
-
-func TestBroadcastDownsamplesAndReplaces(t *testing.T) {
-	var b broadcast[int]
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	first := 0
-	every := b.subscribe(ctx, 1, &first)
-	third := b.subscribe(ctx, 3, nil)
-
-	for v := 1; v <= 7; v++ {
-		b.publish(v)
-	}
-	// The every-one watcher never read: it holds only the latest value.
-	if got := drain(every); !slices.Equal(got, []int{7}) {
-		t.Errorf("every-1 watcher holds %v, want [7]", got)
-	}
-	if got := drain(third); !slices.Equal(got, []int{6}) {
-		t.Errorf("every-3 watcher holds %v, want [6] (publications 3 and 6, latest kept)", got)
-	}
-	var got []int
-	for v := 8; v <= 12; v++ {
-		b.publish(v)
-		got = append(got, drain(third)...)
-	}
-	if !slices.Equal(got, []int{9, 12}) {
-		t.Errorf("every-3 watcher read %v, want [9 12]", got)
-	}
-
-	b.close()
-	waitClosed(t, every)
-	waitClosed(t, third)
-	if _, ok := <-b.subscribe(ctx, 1, &first); ok {
-		t.Error("subscribe after close delivered a value, want a closed channel")
-	}
-}
-
-// drain returns what ch holds now without waiting.
-func drain[T any](ch <-chan T) []T {
-	var out []T
-	for {
-		select {
-		case v, ok := <-ch:
-			if !ok {
-				return out
-			}
-			out = append(out, v)
-		default:
-			return out
-		}
-	}
-}
-
-func TestStatsEvery(t *testing.T) {
-	h := newStatsHub(100*time.Millisecond, time.Now)
-	for _, tc := range []struct {
-		in   time.Duration
-		want int
-	}{{0, 1}, {10 * time.Millisecond, 1}, {100 * time.Millisecond, 1}, {150 * time.Millisecond, 2}, {time.Second, 10},
-		// Near the largest Duration, rounding up must not overflow into "every tick".
-		{math.MaxInt64, math.MaxInt64/int(100*time.Millisecond) + 1}, {24 * time.Hour, 864000}} {
-		if got := h.every(tc.in); got != tc.want {
-			t.Errorf("every(%v) = %d, want %d", tc.in, got, tc.want)
-		}
 	}
 }

@@ -22,7 +22,8 @@ var (
 	// ErrCapacityExceeded: the requested devices, with the live reservations, would use
 	// more of a shared counter (a GPU's slices) than it has; see CapacityError.
 	ErrCapacityExceeded = errors.New("shared capacity exceeded")
-	// ErrPluginUnavailable: the owning plugin is not running or did not answer in time.
+	// ErrPluginUnavailable: the plugin the devices are bound to is not running or did
+	// not answer in time.
 	ErrPluginUnavailable = errors.New("plugin unavailable")
 	// ErrPluginResponse: the plugin answered, but its answer broke a validation rule.
 	ErrPluginResponse = errors.New("invalid plugin response")

@@ -1,4 +1,4 @@
-package manager
+package inventory
 
 import (
 	"fmt"
@@ -17,7 +17,7 @@ import (
 // one Stats message every plugin's stats; a client refuses a message over its receive
 // limit (gRPC's default, 4 MiB, is grpcurl's and the CLI's), and then sees no device at
 // all. validate caps one plugin's messages (validate.MaxFingerprintBytes,
-// validate.MaxStatsBytes); the manager caps the sum. It charges each plugin, for its
+// validate.MaxStatsBytes); the registry and Stats cap the sum. It charges each plugin, for its
 // last good fingerprint, the most that inventory can take in the host's message: the
 // plugin's own encoded bytes plus what the host adds to each group (the plugin's name)
 // and to each device (health since-when, a holder with the longest owner and
@@ -50,7 +50,7 @@ var (
 	hostDeviceBytes = timestampBytes +
 		protowire.SizeTag(2) + 1 +
 		fieldBytes(2*fieldBytes(maxHostIDLen)) +
-		fieldBytes(max(maxErrorLen, len(unhealthyByPlugin)+validate.MaxNameLen)) +
+		fieldBytes(max(MaxErrorLen, len(unhealthyByPlugin)+validate.MaxNameLen)) +
 		fieldBytes(protowire.SizeTag(2)+protowire.SizeVarint(math.MaxUint64)) +
 		2
 	// hostStatsDeviceBytes is the most the host adds to one device's stats: a

@@ -1,8 +1,7 @@
-package manager
+package inventory
 
 import (
 	"cmp"
-	"maps"
 	"slices"
 	"time"
 
@@ -118,24 +117,6 @@ func fromStats(resp *pb.StatsResponse, received time.Time) map[string]device.Dev
 			t = d.GetTimestamp().AsTime()
 		}
 		out[d.GetDeviceId()] = device.DeviceStats{ID: d.GetDeviceId(), Values: fromValues(d.GetValues()), Time: t}
-	}
-	return out
-}
-
-// fromContainerReservation converts a reservation that validate.Reservation accepted.
-func fromContainerReservation(res *pb.ContainerReservation) device.ContainerReservation {
-	out := device.ContainerReservation{
-		Envs:       maps.Clone(res.GetEnvs()),
-		CDIDevices: slices.Clone(res.GetCdiDevices()),
-	}
-	if out.Envs == nil {
-		out.Envs = map[string]string{}
-	}
-	for _, m := range res.GetMounts() {
-		out.Mounts = append(out.Mounts, device.Mount{HostPath: m.GetHostPath(), ContainerPath: m.GetContainerPath(), ReadOnly: m.GetReadOnly()})
-	}
-	for _, d := range res.GetDevices() {
-		out.Devices = append(out.Devices, device.DeviceSpec{HostPath: d.GetHostPath(), ContainerPath: d.GetContainerPath(), Permissions: d.GetPermissions()})
 	}
 	return out
 }

@@ -1,4 +1,4 @@
-package manager
+package inventory
 
 import (
 	"context"
@@ -6,13 +6,14 @@ import (
 	"time"
 
 	"github.com/devicehost/devicehost/manager/device"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
-// statsHub keeps the latest stats of every plugin and fans them out to watchers. Plugins
-// are sampled by their supervisors (one stream each); the hub's tick publishes one
+// Stats keeps the latest stats of every plugin and fans them out to watchers. Plugins
+// are sampled by their supervisors (one stream each); Run's tick publishes one
 // StatsSnapshot per sampling interval to every watcher, downsampled for watchers that
 // asked for a longer interval. Safe for concurrent use.
-type statsHub struct {
+type Stats struct {
 	interval time.Duration // the sampling interval
 	now      func() time.Time
 	watchers broadcast[device.StatsSnapshot]
@@ -22,8 +23,10 @@ type statsHub struct {
 	cost   map[string]int                           // plugin -> charge of its latest stats (statsCost)
 }
 
-func newStatsHub(interval time.Duration, now func() time.Time) *statsHub {
-	return &statsHub{
+// NewStats returns a Stats sampled every interval (more than zero); now stamps its
+// snapshots.
+func NewStats(interval time.Duration, now func() time.Time) *Stats {
+	return &Stats{
 		interval: interval,
 		now:      now,
 		latest:   make(map[string]map[string]device.DeviceStats),
@@ -31,10 +34,16 @@ func newStatsHub(interval time.Duration, now func() time.Time) *statsHub {
 	}
 }
 
-// set replaces a plugin's latest stats, charged cost bytes of the host's Stats message,
-// unless that would take the message over MaxStatsSnapshotBytes: then the plugin's
-// previous stats stay and a *budgetError says why.
-func (h *statsHub) set(plugin string, stats map[string]device.DeviceStats, cost int) error {
+// Set replaces a plugin's latest stats with resp, which validate.Stats accepted and
+// which came at received (it stands in for a device's missing timestamp), unless their
+// charge (the message's size, plus groupCost: Registry.StatsGroupCost) would take the
+// host's Stats message over MaxStatsSnapshotBytes: then the plugin's previous stats stay
+// and the error says why.
+func (h *Stats) Set(plugin string, resp *pb.StatsResponse, received time.Time, groupCost int) error {
+	return h.set(plugin, fromStats(resp, received), statsCost(resp, groupCost))
+}
+
+func (h *Stats) set(plugin string, stats map[string]device.DeviceStats, cost int) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	others := 0
@@ -50,18 +59,18 @@ func (h *statsHub) set(plugin string, stats map[string]device.DeviceStats, cost 
 	return nil
 }
 
-// clear forgets a plugin's stats, when it stops: they belonged to that process.
-func (h *statsHub) clear(plugin string) {
+// Clear forgets a plugin's stats, when it stops: they belonged to that process.
+func (h *Stats) Clear(plugin string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	delete(h.latest, plugin)
 	delete(h.cost, plugin)
 }
 
-// build makes a snapshot of the latest stats, grouped as inv groups them; devices
+// Latest makes a snapshot of the latest stats, grouped as inv groups them; devices
 // without stats (or no longer in the inventory) are left out, and so are groups with no
-// stats at all.
-func (h *statsHub) build(inv device.Inventory) device.StatsSnapshot {
+// stats at all. The snapshot is immutable.
+func (h *Stats) Latest(inv device.Inventory) device.StatsSnapshot {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	snap := device.StatsSnapshot{Time: h.now()}
@@ -82,7 +91,7 @@ func (h *statsHub) build(inv device.Inventory) device.StatsSnapshot {
 
 // every converts a watcher's requested interval into "one of every n publications":
 // zero or anything up to the sampling interval is every one, longer is rounded up.
-func (h *statsHub) every(interval time.Duration) int {
+func (h *Stats) every(interval time.Duration) int {
 	if interval <= h.interval {
 		return 1
 	}
@@ -93,15 +102,19 @@ func (h *statsHub) every(interval time.Duration) int {
 	return int(n)
 }
 
-// watch subscribes to stats snapshots at interval, starting with the current one.
-func (h *statsHub) watch(ctx context.Context, interval time.Duration, inv device.Inventory) <-chan device.StatsSnapshot {
-	first := h.build(inv)
+// Watch subscribes to stats snapshots at interval, starting with the current one for
+// inv. The channel is closed when ctx ends or Close is called.
+func (h *Stats) Watch(ctx context.Context, interval time.Duration, inv device.Inventory) <-chan device.StatsSnapshot {
+	first := h.Latest(inv)
 	return h.watchers.subscribe(ctx, h.every(interval), &first)
 }
 
-// run publishes a snapshot every sampling interval until ctx ends. inventory is asked
+// Close closes every watcher's channel; later Watch calls get a closed channel.
+func (h *Stats) Close() { h.watchers.close() }
+
+// Run publishes a snapshot every sampling interval until ctx ends. inventory is asked
 // for the current inventory at each tick.
-func (h *statsHub) run(ctx context.Context, inventory func() device.Inventory) {
+func (h *Stats) Run(ctx context.Context, inventory func() device.Inventory) {
 	t := time.NewTicker(h.interval)
 	defer t.Stop()
 	for {
@@ -112,14 +125,7 @@ func (h *statsHub) run(ctx context.Context, inventory func() device.Inventory) {
 			if h.watchers.len() == 0 {
 				continue
 			}
-			h.watchers.publish(h.build(inventory()))
+			h.watchers.publish(h.Latest(inventory()))
 		}
 	}
 }
-
-// LatestStats returns the latest stats of every plugin, grouped as the inventory groups
-// them: what the plugins' stats streams last brought, read without asking any plugin
-// and without waiting for the next sampling tick, so callers that poll (a metrics
-// scrape) cost the plugins nothing however often they ask. Safe for concurrent use;
-// the snapshot is immutable.
-func (m *Manager) LatestStats() device.StatsSnapshot { return m.stats.build(m.Inventory()) }

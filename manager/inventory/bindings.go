@@ -1,0 +1,194 @@
+package inventory
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	"github.com/devicehost/devicehost/internal/textline"
+	"github.com/devicehost/devicehost/manager/device"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/validate"
+)
+
+// Device bindings: a device ID is bound to the first plugin that reports it, and stays
+// bound across that plugin's restarts, while it no longer reports it, and (with a
+// BindingStore) across restarts of the host. Another plugin reporting that ID gets it
+// refused, unless the plugin it is bound to is not one of this host's plugins any more:
+// then the ID is bound to the reporter instead. (A reservation's owner is another thing:
+// the allocation holding devices; the registry only reads holders.)
+
+// MaxBoundPerPlugin bounds the device IDs bound to one plugin. A plugin reporting new IDs
+// all the time would otherwise grow the binding records without end; past the bound
+// it loses the IDs it no longer reports.
+const MaxBoundPerPlugin = 2 * validate.MaxDevices
+
+// BindingError names the device IDs of a fingerprint that are bound to other plugins,
+// which were left out of the plugin's inventory.
+type BindingError struct {
+	Plugin   string              // the plugin that reported them
+	ByPlugin map[string][]string // plugin the IDs are bound to -> refused IDs, sorted
+}
+
+func (e *BindingError) Error() string {
+	var parts []string
+	for _, other := range slices.Sorted(maps.Keys(e.ByPlugin)) {
+		parts = append(parts, fmt.Sprintf("%s bound to plugin %q", ListIDs(e.ByPlugin[other]), other))
+	}
+	return fmt.Sprintf("device IDs of other plugins refused: %s (an ID stays with the plugin that reported it first)", strings.Join(parts, "; "))
+}
+
+// maxListedIDs is how many device IDs a log line or error lists before "and N more".
+const maxListedIDs = 8
+
+// ListIDs joins ids for a message, at most maxListedIDs of them.
+func ListIDs(ids []string) string {
+	if len(ids) <= maxListedIDs {
+		return strings.Join(ids, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(ids[:maxListedIDs], ", "), len(ids)-maxListedIDs)
+}
+
+// Orphans returns, by plugin, how many device IDs are bound to plugins that are not
+// this host's: any plugin that reports them gets them bound to it.
+func (r *Registry) Orphans() map[string]int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make(map[string]int)
+	for p, n := range r.bound {
+		if _, ok := r.plugins[p]; !ok && n > 0 {
+			out[p] = n
+		}
+	}
+	return out
+}
+
+// Bound returns how many device IDs are bound to plugin (see MaxBoundPerPlugin).
+func (r *Registry) Bound(plugin string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.bound[plugin]
+}
+
+// AwaitedPlugin returns the plugin every one of ids (not empty) is bound to when it is one
+// of this host's plugins and has not fingerprinted since this host started, with its
+// state: those devices are not in the inventory yet, but they are bound to it and will be
+// in it once it reports them (right after a host restart, while it starts). ok is false
+// otherwise.
+func (r *Registry) AwaitedPlugin(ids []string) (state device.PluginState, ok bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var name string
+	for i, id := range ids {
+		p, found := r.bindings[id]
+		if !found || (i > 0 && p != name) {
+			return device.PluginState{}, false
+		}
+		name = p
+	}
+	rec, found := r.plugins[name]
+	if !found || rec.fp.devices != nil {
+		return device.PluginState{}, false
+	}
+	return rec.state, true
+}
+
+// SetFingerprint installs a fingerprint of the plugin that validate.Fingerprint accepted
+// as its inventory, unless its charge against MaxSnapshotBytes (see budget.go) would take
+// the host's Fingerprint message over it: then nothing changes and the error says so.
+// Device IDs bound to no plugin are bound to this one, recorded in the store before they
+// are published; IDs bound to a plugin this host does not run any more are bound to this
+// one instead, with a log line; IDs bound to another of its plugins are left out of the
+// inventory, and the returned *BindingError names them and those plugins.
+func (r *Registry) SetFingerprint(name string, resp *pb.FingerprintResponse) (*BindingError, error) {
+	return r.setFingerprint(name, fromFingerprint(name, resp))
+}
+
+func (r *Registry) setFingerprint(name string, fp fingerprint) (*BindingError, error) {
+	r.bindMu.Lock()
+	defer r.bindMu.Unlock()
+
+	r.mu.Lock()
+	rec, ok := r.plugins[name]
+	if !ok {
+		r.mu.Unlock()
+		return nil, nil
+	}
+	others := 0
+	for other, p := range r.plugins {
+		if other != name {
+			others += p.fp.cost
+		}
+	}
+	if others+fp.cost+timestampBytes > MaxSnapshotBytes {
+		r.mu.Unlock()
+		return nil, &budgetError{plugin: name, what: "fingerprint", cost: fp.cost, others: others, limit: MaxSnapshotBytes}
+	}
+	bind := make(map[string]string)    // IDs to bind to the plugin and record
+	taken := make(map[string][]string) // plugin no longer configured -> IDs bound to it
+	refused := make(map[string][]string)
+	for _, id := range slices.Sorted(maps.Keys(fp.devices)) {
+		switch other, ok := r.bindings[id]; {
+		case !ok:
+			bind[id] = name
+		case other == name:
+		case r.plugins[other] == nil:
+			bind[id] = name
+			taken[other] = append(taken[other], id)
+		default:
+			refused[other] = append(refused[other], id)
+		}
+	}
+	var forget []string
+	if r.bound[name]+len(bind) > MaxBoundPerPlugin {
+		for id, p := range r.bindings {
+			if _, still := fp.devices[id]; p == name && !still {
+				forget = append(forget, id)
+			}
+		}
+		slices.Sort(forget)
+	}
+	r.mu.Unlock()
+
+	if r.store != nil && (len(bind) > 0 || len(forget) > 0) {
+		ctx, cancel := context.WithTimeout(context.Background(), r.storeTimeout)
+		err := r.store.RecordDeviceBindings(ctx, bind, forget)
+		cancel()
+		if err != nil {
+			r.log.Error("cannot record device bindings in the state file; they hold until the host stops",
+				"plugin", name, "devices", ListIDs(slices.Sorted(maps.Keys(bind))), "error", textline.Line(err.Error(), 0))
+		}
+	}
+	for _, prev := range slices.Sorted(maps.Keys(taken)) {
+		r.log.Warn("device IDs bound to a plugin this host does not run any more are now bound to this plugin",
+			"plugin", name, "previous_plugin", prev, "devices", ListIDs(taken[prev]))
+	}
+	if len(forget) > 0 {
+		r.log.Warn("plugin reported more distinct device IDs than may be bound to one plugin; it loses those it no longer reports",
+			"plugin", name, "limit", MaxBoundPerPlugin, "forgotten", len(forget))
+	}
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, id := range forget {
+		delete(r.bindings, id)
+		r.bound[name]--
+	}
+	for id := range bind {
+		if prev, ok := r.bindings[id]; ok {
+			r.bound[prev]--
+		}
+		r.bindings[id] = name
+		r.bound[name]++
+	}
+	rec.fp, rec.down, rec.settled = fp, "", true
+	r.recomputeLocked()
+	r.publishLocked()
+	r.checkReadyLocked()
+	if len(refused) > 0 {
+		return &BindingError{Plugin: name, ByPlugin: refused}, nil
+	}
+	return nil, nil
+}

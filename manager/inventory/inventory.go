@@ -1,0 +1,231 @@
+// Package inventory is what the manager knows about the devices of its plugins: each
+// plugin's last good fingerprint (converted from the plugin protocol), which plugin each
+// device ID is bound to, device health, plugin status, readiness, the latest stats, and
+// the byte budgets that keep the host API's Fingerprint and Stats messages under a
+// client's receive limit. Every change makes a new immutable device.Snapshot, offered to
+// the watchers.
+//
+// It decides nothing about running plugins (manager's supervisors report to it) nor about
+// reservations (the ledger's): it reads the live reservations' holders through a
+// function, to show them in the snapshot.
+//
+// Reading order: Registry (this file: records, snapshots, health), plugins.go (what the
+// supervisors report), bindings.go (device-ID bindings and SetFingerprint), ready.go,
+// budget.go, convert.go, stats.go, broadcast.go.
+package inventory
+
+import (
+	"context"
+	"maps"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/devicehost/devicehost/manager/device"
+)
+
+// Registry is the manager's inventory and state: the last good fingerprint of every
+// plugin, which plugin each device ID is bound to (bindings.go), device health, plugin
+// status and readiness (ready.go). Every change makes a new immutable device.Snapshot and
+// offers it to the watchers.
+//
+// Safe for concurrent use. Lock order: bindMu, then mu, then the reservation store's
+// lock (through Config.Holders), then the broadcast's lock.
+type Registry struct {
+	log          hclog.Logger
+	now          func() time.Time
+	holders      func() map[string]device.Holder
+	store        BindingStore
+	storeTimeout time.Duration
+
+	watchers broadcast[device.Snapshot]
+	ready    chan struct{} // closed by markReadyLocked
+
+	// bindMu serialises binding decisions with their write to the store, which is
+	// done without mu so that readers of the snapshot never wait for the disk.
+	bindMu sync.Mutex
+
+	mu       sync.Mutex
+	plugins  map[string]*pluginRecord      // this host's plugins; the manager adds and removes them
+	names    []string                      // sorted plugin names
+	bindings map[string]string             // device ID -> the plugin it is bound to, perhaps one not in plugins
+	bound    map[string]int                // plugin -> how many IDs are bound to it
+	devState map[string]device.DeviceState // by device ID bound to and reported by its plugin; Holder unset
+	seq      uint64
+	snap     device.Snapshot
+	isReady  bool
+}
+
+// Config is what New needs. The zero value is usable: no log, the wall clock, no
+// holders, and bindings kept in memory only.
+type Config struct {
+	Logger hclog.Logger     // nil discards logs
+	Now    func() time.Time // nil: time.Now
+	// Holders returns the live reservations' holders, by device ID; nil: none. It is
+	// called with the registry's lock held, so it must not call the registry.
+	Holders func() map[string]device.Holder
+	// Store, when not nil, is where new device bindings are recorded, so that they
+	// outlive the host; StoreTimeout bounds one write (zero: 5 s).
+	Store        BindingStore
+	StoreTimeout time.Duration
+	// Bindings are the device bindings an earlier host recorded (device ID -> plugin).
+	// New copies them.
+	Bindings map[string]string
+}
+
+// BindingStore keeps device bindings across host restarts; *ledger.Ledger is one.
+type BindingStore interface {
+	RecordDeviceBindings(ctx context.Context, bindings map[string]string, forget []string) error
+}
+
+// pluginRecord is what the registry keeps per plugin.
+type pluginRecord struct {
+	state   device.PluginState // DeviceCount is computed when publishing
+	fp      fingerprint        // last good fingerprint; zero until the first
+	down    string             // non-empty: the plugin is not serving; its devices are unhealthy with this reason
+	settled bool               // fingerprinted or failed once: no longer holds Ready
+}
+
+// New returns a registry with no plugins.
+func New(cfg Config) *Registry {
+	r := &Registry{
+		log:          cfg.Logger,
+		now:          cfg.Now,
+		holders:      cfg.Holders,
+		store:        cfg.Store,
+		storeTimeout: cfg.StoreTimeout,
+		ready:        make(chan struct{}),
+		plugins:      make(map[string]*pluginRecord),
+		bindings:     maps.Clone(cfg.Bindings),
+		bound:        make(map[string]int),
+		devState:     make(map[string]device.DeviceState),
+	}
+	if r.log == nil {
+		r.log = hclog.NewNullLogger()
+	}
+	if r.now == nil {
+		r.now = time.Now
+	}
+	if r.holders == nil {
+		r.holders = func() map[string]device.Holder { return nil }
+	}
+	if r.storeTimeout <= 0 {
+		r.storeTimeout = 5 * time.Second
+	}
+	if r.bindings == nil {
+		r.bindings = make(map[string]string)
+	}
+	for _, p := range r.bindings {
+		r.bound[p]++
+	}
+	r.publishLocked()
+	return r
+}
+
+// Snapshot returns the current snapshot.
+func (r *Registry) Snapshot() device.Snapshot {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.snap
+}
+
+// Watch subscribes to snapshots, starting with the current one. The channel is closed
+// when ctx ends or Close is called.
+func (r *Registry) Watch(ctx context.Context) <-chan device.Snapshot {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.watchers.subscribe(ctx, 1, &r.snap)
+}
+
+// Close closes every watcher's channel; later Watch calls get a closed channel.
+func (r *Registry) Close() { r.watchers.close() }
+
+// Refresh republishes after a change outside the registry (a reservation's holder).
+// Only the holders changed: the current snapshot's inventory and plugin states (never
+// written once made) are kept, and only the device states are rebuilt; Reserve and
+// Release call it on every reservation change.
+func (r *Registry) Refresh() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.seq++
+	snap := r.snap
+	snap.Seq, snap.Time = r.seq, r.now()
+	snap.State.Devices = make(map[string]device.DeviceState, len(r.devState))
+	holders := r.holders()
+	for id, st := range r.devState {
+		if h, ok := holders[id]; ok {
+			st.Holder = &h
+		}
+		snap.State.Devices[id] = st
+	}
+	r.snap = snap
+	r.watchers.publish(snap)
+}
+
+// recomputeLocked derives every bound device's health from its plugin: what the plugin
+// reported, or unhealthy with the plugin's down reason. Since moves only when the
+// health changes.
+func (r *Registry) recomputeLocked() {
+	now := r.now()
+	next := make(map[string]device.DeviceState, len(r.devState))
+	for name, rec := range r.plugins {
+		for id, rd := range rec.fp.devices {
+			if r.bindings[id] != name {
+				continue
+			}
+			st := device.DeviceState{Health: rd.health, Reason: rd.reason, Since: now}
+			if rec.down != "" {
+				st.Health, st.Reason = device.HealthUnhealthy, rec.down
+			}
+			switch {
+			case st.Health == device.HealthHealthy:
+				st.Reason = ""
+			case st.Reason == "" && st.Health == device.HealthUnhealthy:
+				st.Reason = unhealthyByPlugin + name
+			}
+			if prev, ok := r.devState[id]; ok && prev.Health == st.Health {
+				st.Since = prev.Since
+			}
+			next[id] = st
+		}
+	}
+	r.devState = next
+}
+
+// publishLocked builds a new snapshot from the records and offers it to the watchers.
+// Slices and maps shared with earlier snapshots are never written after being made.
+func (r *Registry) publishLocked() {
+	r.seq++
+	snap := device.Snapshot{
+		Seq:   r.seq,
+		Time:  r.now(),
+		State: device.State{Devices: make(map[string]device.DeviceState, len(r.devState))},
+	}
+	holders := r.holders()
+	for _, name := range r.names {
+		rec := r.plugins[name]
+		count := 0
+		for _, g := range rec.fp.groups {
+			bound := slices.DeleteFunc(slices.Clone(g.Devices), func(d device.DeviceInfo) bool { return r.bindings[d.ID] != name })
+			if len(bound) == 0 && len(g.Devices) > 0 {
+				continue // every device of it is bound to other plugins
+			}
+			g.Devices = bound
+			count += len(bound)
+			snap.Inventory.Groups = append(snap.Inventory.Groups, g)
+		}
+		ps := rec.state
+		ps.DeviceCount = count
+		snap.State.Plugins = append(snap.State.Plugins, ps)
+	}
+	for id, st := range r.devState {
+		if h, ok := holders[id]; ok {
+			st.Holder = &h
+		}
+		snap.State.Devices[id] = st
+	}
+	r.snap = snap
+	r.watchers.publish(snap)
+}

@@ -1,0 +1,82 @@
+package supervise
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/manager/inventory"
+	"github.com/devicehost/devicehost/pluginloader"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// Reserve asks the running plugin to prepare deviceIDs. The call is bounded by ctx,
+// ReserveTimeout and the plugin's exit; errors wrap device.ErrPluginUnavailable when the
+// plugin is down or silent, and device.ErrPluginResponse when it refused. The answer is
+// not validated here.
+func (s *Supervisor) Reserve(ctx context.Context, deviceIDs []string) (*pb.ContainerReservation, error) {
+	var resp *pb.ReserveResponse
+	err := s.call(ctx, "reserve", func(ctx context.Context, c pb.DevicePluginClient) error {
+		var err error
+		resp, err = c.Reserve(ctx, &pb.ReserveRequest{DeviceIds: deviceIDs})
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return resp.GetReservation(), nil
+}
+
+// Release asks the running plugin to clean up after a reservation. A plugin without
+// cleanup (UNIMPLEMENTED) counts as done. Bounded and wrapped like Reserve.
+func (s *Supervisor) Release(ctx context.Context, reservationID string, deviceIDs []string) error {
+	err := s.call(ctx, "release", func(ctx context.Context, c pb.DevicePluginClient) error {
+		_, err := c.Release(ctx, &pb.ReleaseRequest{ReservationId: reservationID, DeviceIds: deviceIDs})
+		return err
+	})
+	if status.Code(errors.Unwrap(err)) == codes.Unimplemented {
+		return nil
+	}
+	return err
+}
+
+// call runs one unary RPC on the running plugin, bounded by ctx, ReserveTimeout and the
+// plugin's exit, and wraps its failure with the manager's sentinel errors. A failure
+// that looks like a dead connection is an exit when pluginloader.RPCError says so.
+func (s *Supervisor) call(ctx context.Context, what string, rpc func(context.Context, pb.DevicePluginClient) error) error {
+	p := s.Current()
+	if p == nil {
+		return fmt.Errorf("plugin %q is not running: %w", s.name, device.ErrPluginUnavailable)
+	}
+	cctx, cancel := context.WithTimeoutCause(ctx, s.cfg.ReserveTimeout, errReserveTimeout)
+	defer cancel()
+	cctx, stop := pluginloader.CallContext(cctx, p)
+	defer stop()
+
+	err := rpc(cctx, p.Client())
+	if err == nil {
+		return nil
+	}
+	switch cause := context.Cause(cctx); {
+	case ctx.Err() != nil:
+		return fmt.Errorf("%s on plugin %q: %w", what, s.name, context.Cause(ctx))
+	case cause == errReserveTimeout || status.Code(err) == codes.DeadlineExceeded:
+		// The plugin's side may see the propagated deadline a moment before ours fires.
+		return fmt.Errorf("plugin %q did not answer %s within %v: %w", s.name, what, s.cfg.ReserveTimeout, device.ErrPluginUnavailable)
+	case errors.Is(pluginloader.RPCError(cctx, p, err), pluginloader.ErrExited):
+		return fmt.Errorf("plugin %q exited during %s (%s): %w", s.name, what, inventory.ErrorLine(p.ExitReason()), device.ErrPluginUnavailable)
+	}
+	// What the plugin or its connection said is made one bounded line: it ends up in
+	// the caller's answer and in the log line of that call.
+	switch status.Code(err) {
+	case codes.Unavailable, codes.Canceled:
+		return fmt.Errorf("%s on plugin %q: %s: %w", what, s.name, inventory.ErrorLine(err.Error()), device.ErrPluginUnavailable)
+	case codes.Unimplemented:
+		return fmt.Errorf("%s on plugin %q: %w", what, s.name, err)
+	}
+	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, inventory.ErrorLine(status.Convert(err).Message()), device.ErrPluginResponse)
+}
