@@ -176,7 +176,10 @@ func TestStatsStayWithinClientLimit(t *testing.T) {
 		t.Errorf("stats of all %d plugins taken, want some refused", withStats)
 	}
 
-	stream, err := serveHostAPI(t, m).Stats(ctx, &hostpb.StatsRequest{})
+	// Its own deadline: the wait above may have used most of ctx's on a loaded machine.
+	sctx, scancel := context.WithTimeout(context.Background(), testTimeout)
+	defer scancel()
+	stream, err := serveHostAPI(t, m).Stats(sctx, &hostpb.StatsRequest{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -40,6 +40,7 @@ type fakeDevices struct {
 
 	mu           sync.Mutex
 	groups       []*pb.DeviceGroup // what Fingerprint sends; replaced, never modified
+	counterSets  []*pb.CounterSet  // sent with groups; replaced, never modified
 	changed      chan struct{}     // closed and replaced by setGroups
 	hangStart    bool              // launch blocks until its deadline
 	launchErr    string            // launch fails at once with this message (the binary is gone)
@@ -51,6 +52,7 @@ type fakeDevices struct {
 	statsStreams int                                                                 // Stats streams opened, over all processes
 	reserves     int                                                                 // Reserve calls, over all processes
 	released     []string                                                            // reservation IDs of successful Release calls, in order
+	reconciles   [][]deviceplugin.LiveReservation                                    // what each Reconcile call handed over, in order
 	releasedCh   chan struct{}                                                       // closed and replaced on each successful Release
 }
 
@@ -96,10 +98,10 @@ func (f *fakeDevices) SetConfig(context.Context, []byte) error {
 func (f *fakeDevices) Fingerprint(ctx context.Context, send func(*pb.FingerprintResponse) error) error {
 	for {
 		f.mu.Lock()
-		groups, changed, hang := f.groups, f.changed, f.hangFP
+		groups, sets, changed, hang := f.groups, f.counterSets, f.changed, f.hangFP
 		f.mu.Unlock()
 		if !hang {
-			if err := send(&pb.FingerprintResponse{Groups: groups}); err != nil {
+			if err := send(&pb.FingerprintResponse{Groups: groups, CounterSets: sets}); err != nil {
 				return err
 			}
 		}
@@ -178,6 +180,20 @@ func (f *fakeDevices) Release(ctx context.Context, reservationID string, ids []s
 }
 
 // reserveCalls returns how many Reserve calls the plugin got.
+// Reconcile records what the host handed over.
+func (f *fakeDevices) Reconcile(_ context.Context, live []deviceplugin.LiveReservation) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.reconciles = append(f.reconciles, live)
+	return nil
+}
+
+func (f *fakeDevices) reconcileCalls() [][]deviceplugin.LiveReservation {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.reconciles)
+}
+
 func (f *fakeDevices) reserveCalls() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()

@@ -142,6 +142,9 @@ type Manager struct {
 
 	claimMu sync.Mutex
 	claims  map[string]string // device ID -> owner with a Reserve in flight
+	// setLocks serialise the Reserves of one counter set (lockCounterSets); created on
+	// first use, under claimMu.
+	setLocks map[device.CounterSetKey]chan struct{}
 }
 
 var _ device.Manager = (*Manager)(nil)
@@ -180,6 +183,7 @@ func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 		gone:      make(map[string]time.Time),
 		stopped:   make(chan struct{}),
 		claims:    make(map[string]string),
+		setLocks:  make(map[device.CounterSetKey]chan struct{}),
 	}
 	var dirBins []pluginloader.Binary
 	var refused string
@@ -251,6 +255,7 @@ func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 		Logger:       log,
 		Now:          cfg.Now,
 		Holders:      m.store.Holders,
+		CounterUse:   m.store.Usage,
 		Store:        m.ledger,
 		StoreTimeout: ledgerWriteTimeout,
 		Bindings:     bindings,

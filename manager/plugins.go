@@ -14,6 +14,7 @@ import (
 	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
 // This file makes the manager's plugin set dynamic. What should run is computed from
@@ -292,6 +293,7 @@ func (m *Manager) newSlot(name string, spec pluginSpec) *slot {
 			SurviveHost:     pc.Reattach,
 		},
 		Launch:             m.launch,
+		Live:               func(ctx context.Context) ([]*pb.LiveReservation, error) { return m.liveReservations(ctx, name) },
 		Inventory:          m.reg,
 		Stats:              m.stats,
 		Logger:             log,

@@ -34,6 +34,7 @@ type reservationStore interface {
 	Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error)
 	List(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)
 	Holders() map[string]device.Holder
+	Usage() map[device.CounterSetKey]device.CounterUse
 }
 
 var _ reservationStore = (*ledger.Ledger)(nil)
@@ -83,9 +84,25 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		}
 		return device.Reservation{}, err
 	}
-	plugin, err := route(m.reg.Snapshot(), req.Group, ids)
+	snap := m.reg.Snapshot()
+	plugin, err := route(snap, req.Group, ids)
 	if err != nil {
 		return device.Reservation{}, m.awaitedError(ids, err)
+	}
+	// Devices that share counters (GPU partitions): Reserves of one counter set run one
+	// at a time, and the capacity is checked before the plugin carves anything, so a
+	// Reserve that cannot fit never makes the plugin create an instance. The ledger
+	// checks it again, atomically with its write.
+	consumes, caps := consumption(snap, ids)
+	if len(consumes) > 0 {
+		unlock, err := m.lockCounterSets(ctx, consumes)
+		if err != nil {
+			return device.Reservation{}, fmt.Errorf("reserve: %w", err)
+		}
+		defer unlock()
+		if _, err := m.store.Check(req.OwnerID, ids, takeOver, consumes, caps); err != nil {
+			return device.Reservation{}, err
+		}
 	}
 
 	s := m.supervisor(plugin)
@@ -105,10 +122,11 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		Group:     req.Group,
 		Plugin:    plugin,
 		DeviceIDs: ids,
+		Consumes:  consumes,
 		Container: fromContainerReservation(res),
 		State:     device.ReservationActive,
 		CreatedAt: m.cfg.Now(),
-	}, takeOver, nil)
+	}, takeOver, caps)
 	if err != nil {
 		return device.Reservation{}, fmt.Errorf("record reservation: %w", err)
 	}
@@ -118,6 +136,92 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 			"reservation_id", id, "new_reservation_id", r.ID, "new_owner_id", r.OwnerID, "devices", strings.Join(ids, ","))
 	}
 	return r, nil
+}
+
+// liveReservations lists the live reservations of plugin's devices, for its Reconcile.
+func (m *Manager) liveReservations(ctx context.Context, plugin string) ([]*pb.LiveReservation, error) {
+	rs, err := m.store.List(ctx, device.ReservationFilter{State: device.ReservationActive})
+	if err != nil {
+		return nil, err
+	}
+	var out []*pb.LiveReservation
+	for _, r := range rs {
+		if r.Plugin == plugin {
+			out = append(out, &pb.LiveReservation{ReservationId: r.ID, DeviceIds: r.DeviceIDs})
+		}
+	}
+	return out, nil
+}
+
+// consumption sums what ids (devices of one plugin, as route found them in snap) use of
+// their plugin's counter sets, by set sorted by name, and returns the capacities of
+// those sets in snap; nothing for devices that share nothing.
+func consumption(snap device.Snapshot, ids []string) ([]device.Consumption, device.Capacity) {
+	want := make(map[string]bool, len(ids))
+	for _, id := range ids {
+		want[id] = true
+	}
+	sum := make(map[device.CounterSetKey]map[string]int64)
+	for _, g := range snap.Inventory.Groups {
+		for _, d := range g.Devices {
+			if !want[d.ID] {
+				continue
+			}
+			for _, c := range d.Consumes {
+				if sum[c.Set] == nil {
+					sum[c.Set] = make(map[string]int64, len(c.Counters))
+				}
+				for name, v := range c.Counters {
+					sum[c.Set][name] += v
+				}
+			}
+		}
+	}
+	if len(sum) == 0 {
+		return nil, nil
+	}
+	consumes := make([]device.Consumption, 0, len(sum))
+	for _, k := range slices.SortedFunc(maps.Keys(sum), func(a, b device.CounterSetKey) int { return strings.Compare(a.Name, b.Name) }) {
+		consumes = append(consumes, device.Consumption{Set: k, Counters: sum[k]})
+	}
+	caps := make(device.Capacity, len(sum))
+	for _, cs := range snap.Inventory.CounterSets {
+		if _, ok := sum[cs.Key]; ok {
+			caps[cs.Key] = cs.Capacity
+		}
+	}
+	return consumes, caps
+}
+
+// lockCounterSets takes the lock of each counter set consumes uses, in name order, and
+// returns the function that gives them back; it gives up, holding none, when ctx ends.
+// Reserves of one set (one GPU's partitions) so run one after another: of two that
+// would not fit together, the second sees the first's reservation, never its plugin
+// call in flight.
+func (m *Manager) lockCounterSets(ctx context.Context, consumes []device.Consumption) (func(), error) {
+	var held []chan struct{}
+	unlock := func() {
+		for _, l := range held {
+			<-l
+		}
+	}
+	for _, c := range consumes {
+		m.claimMu.Lock()
+		l := m.setLocks[c.Set]
+		if l == nil {
+			l = make(chan struct{}, 1)
+			m.setLocks[c.Set] = l
+		}
+		m.claimMu.Unlock()
+		select {
+		case l <- struct{}{}:
+			held = append(held, l)
+		case <-ctx.Done():
+			unlock()
+			return nil, fmt.Errorf("waiting for another Reserve of counter set %q: %w", c.Set.Name, context.Cause(ctx))
+		}
+	}
+	return unlock, nil
 }
 
 // awaitedError turns route's ErrUnknownDevice for devices bound to a plugin of this host

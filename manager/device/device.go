@@ -382,6 +382,13 @@ type Consumption struct {
 	Counters map[string]int64
 }
 
+// CounterUse is what live reservations use of one counter set: per counter, the sum
+// and the reservations using it (sorted by reservation ID).
+type CounterUse struct {
+	Used  map[string]int64
+	Users map[string][]Holder
+}
+
 // Capacity is the capacity of counter sets, per counter.
 type Capacity map[CounterSetKey]map[string]int64
 

@@ -2,6 +2,7 @@ package inventory
 
 import (
 	"cmp"
+	"maps"
 	"slices"
 	"time"
 
@@ -21,8 +22,9 @@ type reportedDevice struct {
 // fingerprint is a validated plugin fingerprint converted to domain types. Groups are
 // sorted by GroupKey and their devices by ID; nothing in it is written after conversion.
 type fingerprint struct {
-	groups  []device.Group            // Plugin is set; Devices hold every reported device
-	devices map[string]reportedDevice // by device ID
+	groups      []device.Group            // Plugin is set; Devices hold every reported device
+	devices     map[string]reportedDevice // by device ID
+	counterSets []device.CounterSet       // sorted by name
 
 	cost           int // charged against MaxSnapshotBytes: fingerprintCost
 	statsGroupCost int // added to the plugin's stats' charge: statsGroupCost
@@ -54,6 +56,13 @@ func fromFingerprint(plugin string, resp *pb.FingerprintResponse) fingerprint {
 			if d.GetLocality() != nil {
 				info.Locality.NUMANode = int(d.GetLocality().GetNumaNode())
 			}
+			for _, c := range d.GetConsumes() {
+				info.Consumes = append(info.Consumes, device.Consumption{
+					Set:      device.CounterSetKey{Plugin: plugin, Name: c.GetCounterSet()},
+					Counters: maps.Clone(c.GetCounters()),
+				})
+			}
+			slices.SortFunc(info.Consumes, func(a, b device.Consumption) int { return cmp.Compare(a.Set.Name, b.Set.Name) })
 			grp.Devices = append(grp.Devices, info)
 			fp.devices[info.ID] = reportedDevice{
 				group:  key,
@@ -66,6 +75,13 @@ func fromFingerprint(plugin string, resp *pb.FingerprintResponse) fingerprint {
 		fp.groups = append(fp.groups, grp)
 	}
 	slices.SortFunc(fp.groups, func(a, b device.Group) int { return compareKeys(a.GroupKey, b.GroupKey) })
+	for _, cs := range resp.GetCounterSets() {
+		fp.counterSets = append(fp.counterSets, device.CounterSet{
+			Key:      device.CounterSetKey{Plugin: plugin, Name: cs.GetName()},
+			Capacity: maps.Clone(cs.GetCounters()),
+		})
+	}
+	slices.SortFunc(fp.counterSets, func(a, b device.CounterSet) int { return cmp.Compare(a.Key.Name, b.Key.Name) })
 	return fp
 }
 

@@ -18,6 +18,7 @@ import (
 	"context"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -37,6 +38,7 @@ type Registry struct {
 	log          hclog.Logger
 	now          func() time.Time
 	holders      func() map[string]device.Holder
+	counterUse   func() map[device.CounterSetKey]device.CounterUse
 	store        BindingStore
 	storeTimeout time.Duration
 
@@ -66,6 +68,9 @@ type Config struct {
 	// Holders returns the live reservations' holders, by device ID; nil: none. It is
 	// called with the registry's lock held, so it must not call the registry.
 	Holders func() map[string]device.Holder
+	// CounterUse returns what live reservations use of the plugins' shared counters;
+	// nil: nothing. Called like Holders, with the registry's lock held.
+	CounterUse func() map[device.CounterSetKey]device.CounterUse
 	// Store, when not nil, is where new device bindings are recorded, so that they
 	// outlive the host; StoreTimeout bounds one write (zero: 5 s).
 	Store        BindingStore
@@ -94,6 +99,7 @@ func New(cfg Config) *Registry {
 		log:          cfg.Logger,
 		now:          cfg.Now,
 		holders:      cfg.Holders,
+		counterUse:   cfg.CounterUse,
 		store:        cfg.Store,
 		storeTimeout: cfg.StoreTimeout,
 		ready:        make(chan struct{}),
@@ -110,6 +116,9 @@ func New(cfg Config) *Registry {
 	}
 	if r.holders == nil {
 		r.holders = func() map[string]device.Holder { return nil }
+	}
+	if r.counterUse == nil {
+		r.counterUse = func() map[device.CounterSetKey]device.CounterUse { return nil }
 	}
 	if r.storeTimeout <= 0 {
 		r.storeTimeout = 5 * time.Second
@@ -152,16 +161,73 @@ func (r *Registry) Refresh() {
 	r.seq++
 	snap := r.snap
 	snap.Seq, snap.Time = r.seq, r.now()
-	snap.State.Devices = make(map[string]device.DeviceState, len(r.devState))
+	snap.State.Devices, snap.State.CounterUse = r.deviceStatesLocked(snap.Inventory)
+	r.snap = snap
+	r.watchers.publish(snap)
+}
+
+// deviceStatesLocked is the state of every bound device, with the live reservations'
+// holders, and what they use of inv's counter sets with, for each free device that
+// consumes shared counters, the reservations that leave too little for it.
+func (r *Registry) deviceStatesLocked(inv device.Inventory) (map[string]device.DeviceState, map[device.CounterSetKey]map[string]int64) {
+	states := make(map[string]device.DeviceState, len(r.devState))
 	holders := r.holders()
 	for id, st := range r.devState {
 		if h, ok := holders[id]; ok {
 			st.Holder = &h
 		}
-		snap.State.Devices[id] = st
+		states[id] = st
 	}
-	r.snap = snap
-	r.watchers.publish(snap)
+	if len(inv.CounterSets) == 0 {
+		return states, nil
+	}
+	use := r.counterUse()
+	if len(use) == 0 {
+		return states, nil
+	}
+	caps := make(map[device.CounterSetKey]map[string]int64, len(inv.CounterSets))
+	for _, cs := range inv.CounterSets {
+		caps[cs.Key] = cs.Capacity
+	}
+	used := make(map[device.CounterSetKey]map[string]int64, len(use))
+	for k, u := range use {
+		used[k] = u.Used
+	}
+	for _, g := range inv.Groups {
+		for _, d := range g.Devices {
+			st, ok := states[d.ID]
+			if !ok || st.Holder != nil || len(d.Consumes) == 0 {
+				continue
+			}
+			if blockers := blockedBy(d.Consumes, caps, use); len(blockers) > 0 {
+				st.BlockedBy = blockers
+				states[d.ID] = st
+			}
+		}
+	}
+	return states, used
+}
+
+// blockedBy returns the live reservations that use so much of a counter consumes needs
+// that it does not fit, sorted by reservation ID; none when it fits.
+func blockedBy(consumes []device.Consumption, caps map[device.CounterSetKey]map[string]int64, use map[device.CounterSetKey]device.CounterUse) []device.Holder {
+	var out []device.Holder
+	for _, c := range consumes {
+		u, ok := use[c.Set]
+		if !ok {
+			continue // nothing uses the set: it fits (the agent checks capacity itself)
+		}
+		for name, want := range c.Counters {
+			if want > 0 && u.Used[name]+want > caps[c.Set][name] {
+				out = append(out, u.Users[name]...)
+			}
+		}
+	}
+	if len(out) < 2 {
+		return out
+	}
+	slices.SortFunc(out, func(a, b device.Holder) int { return strings.Compare(a.ReservationID, b.ReservationID) })
+	return slices.Compact(out)
 }
 
 // recomputeLocked derives every bound device's health from its plugin: what the plugin
@@ -198,14 +264,10 @@ func (r *Registry) recomputeLocked() {
 // Slices and maps shared with earlier snapshots are never written after being made.
 func (r *Registry) publishLocked() {
 	r.seq++
-	snap := device.Snapshot{
-		Seq:   r.seq,
-		Time:  r.now(),
-		State: device.State{Devices: make(map[string]device.DeviceState, len(r.devState))},
-	}
-	holders := r.holders()
+	snap := device.Snapshot{Seq: r.seq, Time: r.now()}
 	for _, name := range r.names {
 		rec := r.plugins[name]
+		snap.Inventory.CounterSets = append(snap.Inventory.CounterSets, rec.fp.counterSets...)
 		count := 0
 		for _, g := range rec.fp.groups {
 			bound := slices.DeleteFunc(slices.Clone(g.Devices), func(d device.DeviceInfo) bool { return r.bindings[d.ID] != name })
@@ -220,12 +282,7 @@ func (r *Registry) publishLocked() {
 		ps.DeviceCount = count
 		snap.State.Plugins = append(snap.State.Plugins, ps)
 	}
-	for id, st := range r.devState {
-		if h, ok := holders[id]; ok {
-			st.Holder = &h
-		}
-		snap.State.Devices[id] = st
-	}
+	snap.State.Devices, snap.State.CounterUse = r.deviceStatesLocked(snap.Inventory)
 	r.snap = snap
 	r.watchers.publish(snap)
 }

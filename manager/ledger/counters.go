@@ -57,26 +57,26 @@ func (c counters) add(r *device.Reservation, sign int64) {
 	}
 }
 
-// Usage is what live reservations use of one counter set: per counter the sum, and the
-// reservations that use it.
-type Usage struct {
-	Used  map[string]int64
-	Users map[string][]string // counter -> live reservation IDs, sorted
-}
-
 // Usage returns what live reservations use of every counter set any of them uses.
-func (l *Ledger) Usage() map[device.CounterSetKey]Usage {
+func (l *Ledger) Usage() map[device.CounterSetKey]device.CounterUse {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
-	out := make(map[device.CounterSetKey]Usage)
+	out := make(map[device.CounterSetKey]device.CounterUse)
 	for k, v := range l.idx.ctr.used {
 		u, ok := out[k.set]
 		if !ok {
-			u = Usage{Used: make(map[string]int64), Users: make(map[string][]string)}
+			u = device.CounterUse{Used: make(map[string]int64), Users: make(map[string][]device.Holder)}
 			out[k.set] = u
 		}
 		u.Used[k.counter] = v
-		u.Users[k.counter] = slices.Sorted(maps.Keys(l.idx.ctr.users[k]))
+		ids := slices.Sorted(maps.Keys(l.idx.ctr.users[k]))
+		hs := make([]device.Holder, 0, len(ids))
+		for _, id := range ids {
+			if r := l.idx.live[id]; r != nil {
+				hs = append(hs, device.Holder{ReservationID: id, OwnerID: r.OwnerID})
+			}
+		}
+		u.Users[k.counter] = hs
 	}
 	return out
 }

@@ -84,7 +84,7 @@ func TestReserveWithinSharedCapacity(t *testing.T) {
 	if _, _, err := l.Reserve(ctx, whole("job-w"), nil, gpuCaps); err != nil {
 		t.Fatalf("whole GPU with every partition released: %v", err)
 	}
-	if u := l.Usage()[gpu0]; u.Used["memory-slices"] != 8 || !reflect.DeepEqual(u.Users["memory-slices"], u.Users["compute-slices"]) {
+	if u := l.Usage()[gpu0]; u.Used["memory-slices"] != 8 || len(u.Users["memory-slices"]) != 1 || u.Users["memory-slices"][0].OwnerID != "job-w" {
 		t.Errorf("usage %+v, want the whole GPU's", u)
 	}
 }

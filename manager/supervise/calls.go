@@ -80,3 +80,33 @@ func (s *Supervisor) call(ctx context.Context, what string, rpc func(context.Con
 	}
 	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, inventory.ErrorLine(status.Convert(err).Message()), device.ErrPluginResponse)
 }
+
+// reconcile hands p, started but not yet serving Reserves, the live reservations of its
+// devices, so it can undo what it prepared for a Reserve the host never recorded (the
+// host killed between the plugin's answer and its ledger commit) and keep the rest. A
+// plugin without Reconcile (UNIMPLEMENTED) has nothing to undo. A failure is logged and
+// the plugin serves anyway: its devices stay usable, what it could not undo waits for
+// the next start.
+func (s *Supervisor) reconcile(ctx context.Context, p Plugin) {
+	if s.cfg.Live == nil {
+		return
+	}
+	live, err := s.cfg.Live(ctx)
+	if err != nil {
+		s.log.Warn("plugin not told its live reservations: the ledger could not list them", "error", inventory.ErrorLine(err.Error()))
+		return
+	}
+	cctx, cancel := context.WithTimeout(ctx, s.cfg.ReserveTimeout)
+	defer cancel()
+	cctx, stop := pluginloader.CallContext(cctx, p)
+	defer stop()
+	_, err = p.Client().Reconcile(cctx, &pb.ReconcileRequest{Reservations: live})
+	switch {
+	case err == nil:
+		s.log.Debug("plugin told its live reservations", "reservations", len(live))
+	case status.Code(err) == codes.Unimplemented:
+	default:
+		s.log.Warn("plugin could not reconcile its live reservations; it serves anyway",
+			"reservations", len(live), "error", inventory.ErrorLine(status.Convert(err).Message()))
+	}
+}

@@ -96,7 +96,10 @@ type Config struct {
 	Logger    hclog.Logger // the plugin's: With("plugin", name)
 	Keeper    Keeper       // nil: the plugin is not kept across host crashes
 	OnUp      func()       // nil, or called after each run's first good fingerprint
-	Now       func() time.Time
+	// Live, when set, returns the live reservations of the plugin's devices, which the
+	// plugin is handed (Reconcile) after each start, before any Reserve reaches it.
+	Live func(ctx context.Context) ([]*pb.LiveReservation, error)
+	Now  func() time.Time
 
 	RestartBaseDelay, RestartMaxDelay time.Duration // restart backoff, ±20% jitter
 	StableRunReset, ServedReset       time.Duration // see restartBackoff
@@ -238,6 +241,7 @@ func (s *Supervisor) runOnce(ctx context.Context, first bool) (served time.Durat
 			s.keep.Forget(ctx)
 		}
 	}()
+	s.reconcile(ctx, p)
 	s.setCurrent(p)
 	s.reg.Running(s.name, p.Info().GetPluginVersion())
 	s.log.Info("plugin running", "version", p.Info().GetPluginVersion())
