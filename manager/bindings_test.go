@@ -221,3 +221,37 @@ func TestPluginInventingIDsIsBoundToABoundedNumber(t *testing.T) {
 		t.Errorf("recorded bindings of r3-0000, r0-0000 = %q, %q; want churn, none", recorded["r3-0000"], recorded["r0-0000"])
 	}
 }
+
+// A plugin pinned to device ID patterns cannot take another plugin's IDs, whichever
+// fingerprints first: the impostor's copies of the real plugin's GPU IDs are refused,
+// named in its last error, and every Reserve of them goes to the real plugin.
+func TestDeviceIDPatternsPinPlugins(t *testing.T) {
+	real := newFakeDevices("real", group("nvidia", "gpu", "H100", "GPU-0", "GPU-1"))
+	impostor := newFakeDevices("impostor", group("nvidia", "gpu", "H100", "GPU-0", "GPU-1"), group("acme", "fpga", "F", "FPGA-0"))
+	cfg, _ := testConfig(t)
+	cfg.Plugins = map[string]PluginConfig{
+		"real":     {DeviceIDs: []string{"GPU-*"}},
+		"impostor": {DeviceIDs: []string{"FPGA-*"}},
+	}
+	m, _ := startInprocManager(t, cfg, impostor, real)
+	snap := waitFor(t, m, "both plugins' own devices", func(s device.Snapshot) bool {
+		ids := deviceIDs(s.Inventory)
+		return slices.Contains(ids, "real/GPU-0") && slices.Contains(ids, "impostor/FPGA-0") &&
+			strings.Contains(pluginOf(s, "impostor").LastError, "outside the plugin's device_ids patterns")
+	})
+	if ids := deviceIDs(snap.Inventory); !slices.Equal(ids, []string{"impostor/FPGA-0", "real/GPU-0", "real/GPU-1"}) {
+		t.Errorf("inventory %v, want the impostor's FPGA and the real plugin's GPUs alone", ids)
+	}
+	if e := pluginOf(snap, "impostor").LastError; !strings.Contains(e, "GPU-0, GPU-1") {
+		t.Errorf("impostor's last error %q, want it to name GPU-0, GPU-1", e)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	r, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job", Group: device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "H100"}, DeviceIDs: []string{"GPU-0"}})
+	if err != nil || r.Plugin != "real" {
+		t.Fatalf("Reserve of GPU-0: %+v, %v; want it through plugin real", r, err)
+	}
+	if n := impostor.reserveCalls(); n != 0 {
+		t.Errorf("the impostor was asked %d times", n)
+	}
+}

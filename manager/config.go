@@ -196,6 +196,12 @@ type PluginConfig struct {
 	// must then let the plugin outlive it (systemd: KillMode=process, for example), and
 	// the plugin must survive losing its stderr pipe to the dead host.
 	Reattach bool
+
+	// DeviceIDs, when set, pins the device IDs the plugin may report to those matching
+	// one of these patterns ('*' matches any run of characters, e.g. "GPU-*"); an ID
+	// outside them is refused, logged, and left out of the inventory. The host's config
+	// refuses patterns of two plugins that could match one ID.
+	DeviceIDs []string
 }
 
 // withDefaults returns a copy of c with every zero field set to its default and every
@@ -280,6 +286,7 @@ func clonePlugins(in map[string]PluginConfig) map[string]PluginConfig {
 	for name, pc := range in {
 		pc.ConfigJSON = slices.Clone(pc.ConfigJSON)
 		pc.Env = slices.Clone(pc.Env)
+		pc.DeviceIDs = slices.Clone(pc.DeviceIDs)
 		out[name] = pc
 	}
 	return out
@@ -301,5 +308,6 @@ func checkPlugins(stateDir string, plugins map[string]PluginConfig) error {
 // equal reports whether two plugin settings launch the plugin the same way.
 func (pc PluginConfig) equal(o PluginConfig) bool {
 	return bytes.Equal(pc.ConfigJSON, o.ConfigJSON) && pc.SHA256 == o.SHA256 &&
-		slices.Equal(pc.Env, o.Env) && pc.InheritEnv == o.InheritEnv && pc.Reattach == o.Reattach
+		slices.Equal(pc.Env, o.Env) && pc.InheritEnv == o.InheritEnv && pc.Reattach == o.Reattach &&
+		slices.Equal(pc.DeviceIDs, o.DeviceIDs)
 }

@@ -279,6 +279,7 @@ func (m *Manager) setSlot(name string, sl *slot) {
 func (m *Manager) newSlot(name string, spec pluginSpec) *slot {
 	pc := spec.pc
 	log := m.log.With("plugin", name)
+	m.reg.SetDeviceIDPatterns(name, pc.DeviceIDs)
 	cfg := supervise.Config{
 		Name:   name,
 		Binary: spec.bin,

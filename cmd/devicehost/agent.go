@@ -170,10 +170,19 @@ func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
 		cfg.PluginDir = ""
 	}
 	cfg.Bundled = append(cfg.Bundled, devPluginName)
-	if _, ok := cfg.Plugins[devPluginName]; !ok {
-		cfg.Plugins[devPluginName] = pluginSettings{ConfigJSON: []byte(devPluginConfig)}
+	ps, ok := cfg.Plugins[devPluginName]
+	if !ok {
+		ps = pluginSettings{ConfigJSON: []byte(devPluginConfig)}
 	}
+	if ps.DeviceIDs == nil {
+		ps.DeviceIDs = devDeviceIDs // its GPUs', its MIG devices' and its partitions' IDs
+	}
+	cfg.Plugins[devPluginName] = ps
 }
+
+// devDeviceIDs pins -dev's plugin to NVIDIA's ID forms: GPU UUIDs (and the partitions
+// and replicas named after them) and MIG UUIDs.
+var devDeviceIDs = []string{"GPU-*", "MIG-*"}
 
 // serveAgent runs the host until ctx ends or the API server fails: it listens on
 // cfg.Listen (and, with mx, on cfg.MetricsListen), builds the manager with newManager,

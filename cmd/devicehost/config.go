@@ -20,6 +20,7 @@ import (
 	"github.com/zclconf/go-cty/cty/convert"
 
 	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/internal/idpattern"
 	"github.com/devicehost/devicehost/internal/textline"
 	"github.com/devicehost/devicehost/manager"
 )
@@ -89,6 +90,8 @@ type pluginSettings struct {
 	Reattach bool
 	// ConfigJSON is the block's `config { ... }` as a JSON object; nil without one.
 	ConfigJSON []byte
+	// DeviceIDs pins the device IDs the plugin may report (see manager.PluginConfig).
+	DeviceIDs []string
 }
 
 func defaultAgentConfig() agentConfig {
@@ -135,6 +138,7 @@ type pluginSchema struct {
 	Env        *hcl.Attribute `hcl:"env,optional"`
 	InheritEnv *hcl.Attribute `hcl:"inherit_env,optional"`
 	Reattach   *hcl.Attribute `hcl:"reattach,optional"`
+	DeviceIDs  *hcl.Attribute `hcl:"device_ids,optional"`
 	Config     *configSchema  `hcl:"config,block"`
 	DefRange   hcl.Range      `hcl:",def_range"`
 }
@@ -214,10 +218,28 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 		d.env(p.Env, &ps.Env)
 		d.boolean(p.InheritEnv, &ps.InheritEnv)
 		d.boolean(p.Reattach, &ps.Reattach)
+		d.patterns(p.DeviceIDs, &ps.DeviceIDs)
 		if p.Config != nil {
 			ps.ConfigJSON = d.configJSON(p.Config.Body)
 		}
 		cfg.Plugins[p.Name] = ps
+		// Patterns of two plugins that could match one ID would let both claim it.
+		for _, q := range fs.Plugins {
+			if q.Name == p.Name || q.DeviceIDs == nil || p.DeviceIDs == nil {
+				continue
+			}
+			if _, done := seen[q.Name]; !done || q.DefRange == p.DefRange {
+				continue // checked when q's block is the later one
+			}
+			for _, a := range ps.DeviceIDs {
+				for _, b := range cfg.Plugins[q.Name].DeviceIDs {
+					if idpattern.Overlap(a, b) {
+						d.fail(p.DeviceIDs, "Overlapping device_ids", fmt.Sprintf("pattern %q of plugin %q and pattern %q of plugin %q (line %d) can match the same device ID; give each plugin IDs of its own",
+							a, p.Name, b, q.Name, q.DeviceIDs.Range.Start.Line))
+					}
+				}
+			}
+		}
 	}
 	if d.diags.HasErrors() {
 		return diagError(path, d.diags)
@@ -394,6 +416,32 @@ func (d *decoder) env(a *hcl.Attribute, out *[]string) {
 		env = append(env, s)
 	}
 	*out = env
+}
+
+// patterns decodes a plugin's device_ids: a list of at most idpattern.MaxPatterns
+// patterns, each one idpattern.Check accepts.
+func (d *decoder) patterns(a *hcl.Attribute, out *[]string) {
+	if a == nil {
+		return
+	}
+	v, ok := d.value(a, cty.List(cty.String))
+	if !ok {
+		return
+	}
+	vals := v.AsValueSlice()
+	if len(vals) == 0 || len(vals) > idpattern.MaxPatterns {
+		d.fail(a, "Invalid device_ids", fmt.Sprintf("%d patterns, want 1 to %d (leave device_ids out to pin nothing)", len(vals), idpattern.MaxPatterns))
+		return
+	}
+	var ps []string
+	for i, e := range vals {
+		if err := idpattern.Check(e.AsString()); err != nil {
+			d.fail(a, "Invalid device_ids", fmt.Sprintf("entry %d: %v", i, err))
+			return
+		}
+		ps = append(ps, e.AsString())
+	}
+	*out = ps
 }
 
 // configJSON converts a plugin's config block to a JSON object. Its attributes may hold

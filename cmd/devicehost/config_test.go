@@ -52,6 +52,7 @@ plugin "nvidia-example" {
   env         = ["NVIDIA_DRIVER_ROOT=/run/nvidia", "DEBUG=1"]
   inherit_env = true
   reattach    = true
+  device_ids  = ["GPU-*", "MIG-*"]
   config {
     simulate      = "dgxh100"
     health_period = "5s"
@@ -88,6 +89,7 @@ plugin "fpga" {}
 				Env:        []string{"NVIDIA_DRIVER_ROOT=/run/nvidia", "DEBUG=1"},
 				InheritEnv: true,
 				Reattach:   true,
+				DeviceIDs:  []string{"GPU-*", "MIG-*"},
 				ConfigJSON: []byte(`{"health_period":"5s","ignored_xids":[13,31],"limits":{"max":8,"strict":true},"simulate":"dgxh100"}`),
 			},
 			"fpga": {},
@@ -236,6 +238,10 @@ func TestLoadConfigFileErrors(t *testing.T) {
 		line    int      // the line the error must point at
 		want    []string // and what it must say (the key, the problem)
 	}{
+		{"overlapping device_ids", "plugin \"a\" {\n  device_ids = [\"GPU-*\"]\n}\nplugin \"b\" {\n  device_ids = [\"MIG-*\", \"GPU-1*\"]\n}\n", 5,
+			[]string{"Overlapping device_ids", `pattern "GPU-1*" of plugin "b" and pattern "GPU-*" of plugin "a" (line 2)`}},
+		{"empty device_ids", "plugin \"a\" {\n  device_ids = []\n}\n", 2, []string{"device_ids", "0 patterns"}},
+		{"bad device_ids pattern", "plugin \"a\" {\n  device_ids = [\"\"]\n}\n", 2, []string{"device_ids", "entry 0", "empty pattern"}},
 		{"unknown key", "listen = \"unix:///x.sock\"\nlisten_adress = \"x\"\n", 2,
 			[]string{"Unsupported argument", `"listen_adress"`}},
 		{"bad duration", "log_level = \"info\"\n\nstats_interval = \"fast\"\n", 3,

@@ -54,6 +54,7 @@ func pluginConfigs(cfg agentConfig) map[string]manager.PluginConfig {
 			Env:        p.Env,
 			InheritEnv: p.InheritEnv,
 			Reattach:   p.Reattach,
+			DeviceIDs:  p.DeviceIDs,
 		}
 	}
 	return out

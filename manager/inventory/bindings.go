@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/devicehost/devicehost/internal/idpattern"
 	"github.com/devicehost/devicehost/internal/textline"
 	"github.com/devicehost/devicehost/manager/device"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
@@ -30,14 +31,64 @@ const MaxBoundPerPlugin = 2 * validate.MaxDevices
 type BindingError struct {
 	Plugin   string              // the plugin that reported them
 	ByPlugin map[string][]string // plugin the IDs are bound to -> refused IDs, sorted
+	// NotAllowed are IDs that match none of the plugin's device_ids patterns, sorted.
+	NotAllowed []string
 }
 
 func (e *BindingError) Error() string {
 	var parts []string
-	for _, other := range slices.Sorted(maps.Keys(e.ByPlugin)) {
-		parts = append(parts, fmt.Sprintf("%s bound to plugin %q", ListIDs(e.ByPlugin[other]), other))
+	if len(e.NotAllowed) > 0 {
+		parts = append(parts, fmt.Sprintf("device IDs outside the plugin's device_ids patterns refused: %s", ListIDs(e.NotAllowed)))
 	}
-	return fmt.Sprintf("device IDs of other plugins refused: %s (an ID stays with the plugin that reported it first)", strings.Join(parts, "; "))
+	var bound []string
+	for _, other := range slices.Sorted(maps.Keys(e.ByPlugin)) {
+		bound = append(bound, fmt.Sprintf("%s bound to plugin %q", ListIDs(e.ByPlugin[other]), other))
+	}
+	if len(bound) > 0 {
+		parts = append(parts, fmt.Sprintf("device IDs of other plugins refused: %s (an ID stays with the plugin that reported it first; pin each plugin's IDs with device_ids in its plugin block)", strings.Join(bound, "; ")))
+	}
+	return strings.Join(parts, "; ")
+}
+
+// SetDeviceIDPatterns pins the device IDs plugin name may report to those matching one
+// of patterns (idpattern syntax); none lifts the pin. It applies from the plugin's next
+// fingerprint on.
+func (r *Registry) SetDeviceIDPatterns(name string, patterns []string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(patterns) == 0 {
+		delete(r.patterns, name)
+		return
+	}
+	r.patterns[name] = slices.Clone(patterns)
+}
+
+// allowedOnly drops from fp the devices whose IDs match none of patterns and returns
+// them, sorted; fp is left alone (and nil returned) when every ID matches.
+func allowedOnly(fp *fingerprint, patterns []string) []string {
+	var out []string
+	for id := range fp.devices {
+		if !idpattern.MatchAny(patterns, id) {
+			out = append(out, id)
+		}
+	}
+	if len(out) == 0 {
+		return nil
+	}
+	slices.Sort(out)
+	devices := maps.Clone(fp.devices)
+	for _, id := range out {
+		delete(devices, id)
+	}
+	groups := make([]device.Group, 0, len(fp.groups))
+	for _, g := range fp.groups {
+		g.Devices = slices.DeleteFunc(slices.Clone(g.Devices), func(d device.DeviceInfo) bool { _, ok := devices[d.ID]; return !ok })
+		if len(g.Devices) > 0 {
+			groups = append(groups, g)
+		}
+	}
+	fp.devices, fp.groups = devices, groups
+	return out
 }
 
 // maxListedIDs is how many device IDs a log line or error lists before "and N more".
@@ -126,6 +177,10 @@ func (r *Registry) setFingerprint(name string, fp fingerprint) (*BindingError, e
 		r.mu.Unlock()
 		return nil, &budgetError{plugin: name, what: "fingerprint", cost: fp.cost, others: others, limit: MaxSnapshotBytes}
 	}
+	var notAllowed []string
+	if ps := r.patterns[name]; len(ps) > 0 {
+		notAllowed = allowedOnly(&fp, ps)
+	}
 	bind := make(map[string]string)    // IDs to bind to the plugin and record
 	taken := make(map[string][]string) // plugin no longer configured -> IDs bound to it
 	refused := make(map[string][]string)
@@ -187,8 +242,8 @@ func (r *Registry) setFingerprint(name string, fp fingerprint) (*BindingError, e
 	r.recomputeLocked()
 	r.publishLocked()
 	r.checkReadyLocked()
-	if len(refused) > 0 {
-		return &BindingError{Plugin: name, ByPlugin: refused}, nil
+	if len(refused) > 0 || len(notAllowed) > 0 {
+		return &BindingError{Plugin: name, ByPlugin: refused, NotAllowed: notAllowed}, nil
 	}
 	return nil, nil
 }

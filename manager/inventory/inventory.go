@@ -54,6 +54,7 @@ type Registry struct {
 	names    []string                      // sorted plugin names
 	bindings map[string]string             // device ID -> the plugin it is bound to, perhaps one not in plugins
 	bound    map[string]int                // plugin -> how many IDs are bound to it
+	patterns map[string][]string           // plugin -> the device ID patterns it is pinned to
 	devState map[string]device.DeviceState // by device ID bound to and reported by its plugin; Holder unset
 	seq      uint64
 	snap     device.Snapshot
@@ -106,6 +107,7 @@ func New(cfg Config) *Registry {
 		plugins:      make(map[string]*pluginRecord),
 		bindings:     maps.Clone(cfg.Bindings),
 		bound:        make(map[string]int),
+		patterns:     make(map[string][]string),
 		devState:     make(map[string]device.DeviceState),
 	}
 	if r.log == nil {

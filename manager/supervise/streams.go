@@ -81,6 +81,9 @@ func (s *Supervisor) fingerprint(ctx context.Context, p Plugin, fingerprinted ch
 		case refused.Error() != lastRefused:
 			lastRefused = refused.Error()
 			s.reg.PluginError(s.name, refused)
+			if len(refused.NotAllowed) > 0 {
+				s.log.Error("device IDs outside the plugin's device_ids patterns refused", "devices", inventory.ListIDs(refused.NotAllowed))
+			}
 			for _, other := range slices.Sorted(maps.Keys(refused.ByPlugin)) {
 				s.log.Error("device IDs bound to another plugin refused", "bound_to", other, "devices", inventory.ListIDs(refused.ByPlugin[other]))
 			}
