@@ -55,10 +55,16 @@ func newCDIPublisher(dir string, logger hclog.Logger, charDevice func(string) bo
 	return &cdiPublisher{w: w, logger: logger, charDevice: charDevice}, nil
 }
 
-// publish writes the spec for gpus (removes it for none). A failure is logged, once
+// cdiMIG is a MIG device the spec lists, on its parent GPU.
+type cdiMIG struct {
+	uuid   string
+	parent gpu
+}
+
+// publish writes the spec for gpus and migs (removes it for none). A failure is logged, once
 // while it lasts, and retried on the next call; the plugin goes on serving.
-func (c *cdiPublisher) publish(gpus []gpu) {
-	spec := c.spec(gpus)
+func (c *cdiPublisher) publish(gpus []gpu, migs []cdiMIG) {
+	spec := c.spec(gpus, migs)
 	changed, err := c.w.Write(spec)
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -86,8 +92,9 @@ func (c *cdiPublisher) publish(gpus []gpu) {
 // Reserve's answer does, with the reserved GPUs' UUIDs, and a spec edit would override
 // it in the container (a runtime applies CDI edits after the container's own env), so
 // the workload would see a list other than the devices it got. A GPU whose minor
-// number NVML cannot give is left out, with a warning.
-func (c *cdiPublisher) spec(gpus []gpu) cdi.Spec {
+// number NVML cannot give is left out, with a warning. A MIG device brings its
+// parent GPU's node.
+func (c *cdiPublisher) spec(gpus []gpu, migs []cdiMIG) cdi.Spec {
 	const ctl = "/dev/nvidiactl"
 	s := cdi.Spec{
 		Kind:    cdiKind,
@@ -109,6 +116,11 @@ func (c *cdiPublisher) spec(gpus []gpu) cdi.Spec {
 		path := fmt.Sprintf("/dev/nvidia%d", minor)
 		s.Devices[g.uuid] = &pb.ContainerReservation{Devices: []*pb.DeviceSpec{node(path)}}
 		s.Nodes[path] = cdi.Node{Type: "c", Major: nvidiaMajor, Minor: int64(minor)}
+	}
+	for _, m := range migs {
+		if parent, ok := s.Devices[m.parent.uuid]; ok {
+			s.Devices[m.uuid] = &pb.ContainerReservation{Devices: parent.Devices}
+		}
 	}
 	return s
 }

@@ -50,6 +50,16 @@ var machines = map[string]machine{
 // UUIDs are device IDs that reservations refer to.
 var simNamespace = uuid.MustParse("5b0c0f6e-4a53-4b7e-9a31-3c1d2f8e9a10")
 
+// simulatedUUIDs are the UUIDs of every GPU of a simulated machine, by index.
+func simulatedUUIDs(machineName string) []string {
+	n := len(machines[machineName].newServer().Devices)
+	out := make([]string, n)
+	for i := range out {
+		out[i] = simulatedUUID(machineName, i)
+	}
+	return out
+}
+
 // simulatedUUID is the stable UUID of GPU index on a simulated machine.
 func simulatedUUID(machineName string, index int) string {
 	return "GPU-" + uuid.NewSHA1(simNamespace, fmt.Appendf(nil, "%s/%d", machineName, index)).String()
@@ -70,6 +80,7 @@ type simLib struct {
 
 	clock   clock
 	devices []*simDevice
+	mig     *simMIG // MIG mode and instances, shared by every simLib of one state file
 
 	mu     sync.Mutex // guards faults[i].delivered
 	faults []*simFault
@@ -83,11 +94,12 @@ type simFault struct {
 	delivered bool
 }
 
-// newSimLib builds the simulated machine name; it must be a key of machines.
-func newSimLib(name string, clk clock) *simLib {
+// newSimLib builds the simulated machine name, whose MIG state is mig; name must be a
+// key of machines.
+func newSimLib(name string, clk clock, mig *simMIG) *simLib {
 	spec := machines[name]
 	srv := spec.newServer()
-	lib := &simLib{Interface: srv, clock: clk}
+	lib := &simLib{Interface: srv, clock: clk, mig: mig}
 	for i, dev := range srv.Devices {
 		mockDev := dev.(*server.Device)
 		id := simulatedUUID(name, i)
