@@ -55,16 +55,17 @@ func newCDIPublisher(dir string, logger hclog.Logger, charDevice func(string) bo
 	return &cdiPublisher{w: w, logger: logger, charDevice: charDevice}, nil
 }
 
-// cdiMIG is a MIG device the spec lists, on its parent GPU.
-type cdiMIG struct {
-	uuid   string
+// cdiAlias is a device the spec lists besides the GPUs, on its parent GPU: a
+// time-sliced replica or a MIG device, named by its device ID.
+type cdiAlias struct {
+	name   string
 	parent gpu
 }
 
-// publish writes the spec for gpus and migs (removes it for none). A failure is logged, once
+// publish writes the spec for gpus and more (removes it for no GPUs). A failure is logged, once
 // while it lasts, and retried on the next call; the plugin goes on serving.
-func (c *cdiPublisher) publish(gpus []gpu, migs []cdiMIG) {
-	spec := c.spec(gpus, migs)
+func (c *cdiPublisher) publish(gpus []gpu, more []cdiAlias) {
+	spec := c.spec(gpus, more)
 	changed, err := c.w.Write(spec)
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -92,9 +93,9 @@ func (c *cdiPublisher) publish(gpus []gpu, migs []cdiMIG) {
 // Reserve's answer does, with the reserved GPUs' UUIDs, and a spec edit would override
 // it in the container (a runtime applies CDI edits after the container's own env), so
 // the workload would see a list other than the devices it got. A GPU whose minor
-// number NVML cannot give is left out, with a warning. A MIG device brings its
-// parent GPU's node.
-func (c *cdiPublisher) spec(gpus []gpu, migs []cdiMIG) cdi.Spec {
+// number NVML cannot give is left out, with a warning. A replica or MIG device
+// brings its parent GPU's node.
+func (c *cdiPublisher) spec(gpus []gpu, more []cdiAlias) cdi.Spec {
 	const ctl = "/dev/nvidiactl"
 	s := cdi.Spec{
 		Kind:    cdiKind,
@@ -117,9 +118,9 @@ func (c *cdiPublisher) spec(gpus []gpu, migs []cdiMIG) cdi.Spec {
 		s.Devices[g.uuid] = &pb.ContainerReservation{Devices: []*pb.DeviceSpec{node(path)}}
 		s.Nodes[path] = cdi.Node{Type: "c", Major: nvidiaMajor, Minor: int64(minor)}
 	}
-	for _, m := range migs {
+	for _, m := range more {
 		if parent, ok := s.Devices[m.parent.uuid]; ok {
-			s.Devices[m.uuid] = &pb.ContainerReservation{Devices: parent.Devices}
+			s.Devices[m.name] = &pb.ContainerReservation{Devices: parent.Devices}
 		}
 	}
 	return s

@@ -98,10 +98,12 @@ func partitionUse(prof *migProfile, pl nvml.GpuInstancePlacement) map[string]int
 	return c
 }
 
-// partitionID is the device ID of an on-demand MIG device: stable before the instance
-// exists, and the same after every restart.
+// partitionID is the device ID of an on-demand MIG device, e.g.
+// "GPU-<uuid>-mig-1g.10gb-3": stable before the instance exists and the same after
+// every restart. It is also the device's CDI name, so a profile's "+" becomes "_"
+// (CDI names allow letters, digits and "-_.:").
 func partitionID(gpuUUID, profile string, start uint32) string {
-	return fmt.Sprintf("%s-mig-%s-%d", gpuUUID, profile, start)
+	return fmt.Sprintf("%s-mig-%s-%d", gpuUUID, strings.ReplaceAll(profile, "+", "_"), start)
 }
 
 // replicaID is the device ID of time-sliced replica k of a GPU, as NVIDIA's device
@@ -122,25 +124,27 @@ var profileSuffix = map[int]string{
 	nvml.GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME: "+me.all",
 }
 
-// profileName is "<slices>g.<GB>gb" plus the variant's suffix. The memory is rounded
-// as NVIDIA's device plugin does: up to the next eighth of the GPU's memory, times
-// the GPU's memory in whole GB.
+// profileName is "<slices>g.<GB>gb" plus the variant's suffix. With totalBytes, the
+// memory is rounded as NVIDIA's device plugin does (up to the next eighth of the
+// GPU's memory, times the GPU's memory in whole GB), which gives the names nvidia-smi
+// shows; with 0, it is the profile's own memory rounded up to whole GB.
 func profileName(info nvml.GpuInstanceProfileInfo, totalBytes uint64) string {
 	const mib, gib = 1 << 20, 1 << 30
-	gb := float64(info.MemorySizeMB) / 1024
+	gb := math.Ceil(float64(info.MemorySizeMB) / 1024)
 	if totalBytes > 0 {
 		frac := float64(info.MemorySizeMB) * mib / float64(totalBytes)
 		frac = math.Ceil(frac*8) / 8
-		gb = frac * float64((totalBytes+gib-1)/gib)
+		gb = math.Round(frac * float64((totalBytes+gib-1)/gib))
 	}
-	return fmt.Sprintf("%dg.%dgb%s", info.SliceCount, uint64(math.Round(gb)), profileSuffix[int(info.Id)])
+	return fmt.Sprintf("%dg.%dgb%s", info.SliceCount, uint64(gb), profileSuffix[int(info.Id)])
 }
 
 // readProfiles reads the GPU instance profiles of a MIG-enabled GPU, with their
-// placements. Profiles without placements are left out.
+// placements. Profiles without placements are left out. When NVIDIA's rounding
+// gives two profiles one name (go-nvml's H200 and B200 mocks carry memory sizes no
+// real GPU has), the GPU's profiles are named by their own memory instead.
 func readProfiles(dev nvml.Device, totalBytes uint64) []*migProfile {
 	var out []*migProfile
-	seen := make(map[string]bool)
 	for id := range nvml.GPU_INSTANCE_PROFILE_COUNT {
 		info, ret := dev.GetGpuInstanceProfileInfo(id)
 		if ret != nvml.SUCCESS {
@@ -150,14 +154,24 @@ func readProfiles(dev nvml.Device, totalBytes uint64) []*migProfile {
 		if ret != nvml.SUCCESS || len(pls) == 0 {
 			continue
 		}
-		p := &migProfile{name: profileName(info, totalBytes), info: info, placements: pls}
-		if seen[p.name] {
-			continue
-		}
-		seen[p.name] = true
-		out = append(out, p)
+		out = append(out, &migProfile{info: info, placements: pls})
 	}
-	return out
+	for _, total := range []uint64{totalBytes, 0} {
+		seen := make(map[string]bool)
+		for _, p := range out {
+			p.name = profileName(p.info, total)
+			seen[p.name] = true
+		}
+		if len(seen) == len(out) {
+			return out
+		}
+	}
+	seen := make(map[string]bool)
+	return slices.DeleteFunc(out, func(p *migProfile) bool {
+		dup := seen[p.name]
+		seen[p.name] = true
+		return dup
+	})
 }
 
 // planGPU decides how g is offered: by MIG when the config asks for it and the GPU's

@@ -354,7 +354,7 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*p
 
 // Reserve exposes the devices to a container: NVIDIA_VISIBLE_DEVICES lists their
 // UUIDs in request order (a replica's GPU once; a MIG device's "MIG-..." UUID), and
-// each gets the CDI name nvidia.com/gpu=<UUID>. An on-demand MIG device's GPU and
+// each device gets the CDI name nvidia.com/gpu=<device ID>. An on-demand MIG device's GPU and
 // compute instance are created first, and the CDI spec gains it before the answer;
 // if any create fails, what this call made is destroyed and the error names the
 // device. IDs that are unknown, ignored or repeated refuse the whole request with an
@@ -411,11 +411,11 @@ func (p *Plugin) Reserve(_ context.Context, deviceIDs []string) (*pb.ContainerRe
 		return nil, err
 	}
 	var visible, names []string
-	for _, u := range uuids {
+	for i, u := range uuids {
 		if !slices.Contains(visible, u) {
 			visible = append(visible, u)
-			names = append(names, cdi.Name(cdiKind, u))
 		}
+		names = append(names, cdi.Name(cdiKind, deviceIDs[i]))
 	}
 	return &pb.ContainerReservation{
 		Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": strings.Join(visible, ",")},
@@ -569,20 +569,32 @@ func (rt *runtime) publishCDI(inv *inventory) {
 	rt.publishCDILocked(inv)
 }
 
-// publishCDILocked writes the CDI spec: inv's GPUs and the MIG devices that exist on
-// its MIG GPUs now. Called with the MIG lock held, so that a spec read before a
-// create is not written after a later one.
+// publishCDILocked writes the CDI spec: inv's GPUs, their replicas, and the MIG
+// devices that exist on its MIG GPUs now, each named by its device ID. Called with
+// the MIG lock held, so that a spec read before a create is not written after a
+// later one.
 func (rt *runtime) publishCDILocked(inv *inventory) {
 	if rt.cdi == nil {
 		return
 	}
-	var migs []cdiMIG
+	var more []cdiAlias
 	for i, g := range inv.gpus {
-		if inv.plans[i].mode != modeWhole {
+		plan := inv.plans[i]
+		for k := range plan.replicas {
+			more = append(more, cdiAlias{name: replicaID(g.uuid, k), parent: g})
+		}
+		switch plan.mode {
+		case modeStatic:
 			for _, m := range readMIGDevices(g, nil) {
-				migs = append(migs, cdiMIG{uuid: m.uuid, parent: g})
+				more = append(more, cdiAlias{name: m.uuid, parent: g})
+			}
+		case modeOnDemand:
+			for _, m := range readMIGDevices(g, plan.profiles) {
+				if m.profile != nil {
+					more = append(more, cdiAlias{name: partitionID(g.uuid, m.profile.name, m.placement.Start), parent: g})
+				}
 			}
 		}
 	}
-	rt.cdi.publish(inv.gpus, migs)
+	rt.cdi.publish(inv.gpus, more)
 }
