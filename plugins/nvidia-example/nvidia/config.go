@@ -37,6 +37,10 @@ const (
 //	      { gpu_index = 3, xid = 79, after = "1m", for = "30s" },
 //	    ]
 //	    cdi_spec_dir        = "/var/run/cdi"
+//	    mig                 = "on-demand"
+//	    mig_layout          = { "0" = ["3g.40gb", "2g.20gb"] }
+//	    replicas            = 4
+//	    sim_state_file      = "/var/lib/devicehost/nvidia-sim.json"
 //	  }
 //	}
 type Config struct {

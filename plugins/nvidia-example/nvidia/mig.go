@@ -397,6 +397,37 @@ func destroyPartition(g gpu, prof *migProfile, start uint32) error {
 	return nil
 }
 
+// reportMIGModes logs, for mig = "on-demand", the GPUs that stay whole because their
+// MIG mode is off or they cannot do MIG.
+func (rt *runtime) reportMIGModes() {
+	if !rt.migOnDemand {
+		return
+	}
+	gpus, _, err := rt.listGPUs()
+	if err != nil {
+		return
+	}
+	var off, unable []int
+	for _, g := range gpus {
+		if _, _, static := rt.layoutFor(g.index); static {
+			continue
+		}
+		switch cur, _, ret := g.dev.GetMigMode(); {
+		case ret != nvml.SUCCESS:
+			unable = append(unable, g.index)
+		case cur != nvml.DEVICE_MIG_ENABLE:
+			off = append(off, g.index)
+		}
+	}
+	if len(off) > 0 {
+		rt.logger.Warn(`mig = "on-demand": these GPUs have MIG mode off and are offered whole; enable it with nvidia-smi -i <index> -mig 1 (the plugin never changes it)`,
+			"gpu_indexes", off)
+	}
+	if len(unable) > 0 {
+		rt.logger.Info(`mig = "on-demand": these GPUs cannot do MIG and are offered whole`, "gpu_indexes", unable)
+	}
+}
+
 // applyLayout makes the GPUs that mig_layout names hold their layout: instances the
 // layout needs are created, instances already there are kept (those the layout does
 // not name are left alone and logged). A profile a GPU does not offer refuses the

@@ -554,3 +554,56 @@ func TestMIGConfig(t *testing.T) {
 		t.Errorf("SetConfig with another machine's state file = %v, want an error naming it", err)
 	}
 }
+
+// On real NVML (here a simulated machine handed over as if it were the real library,
+// so no simulated operator turns MIG mode on) the plugin never changes MIG mode and
+// creates nothing unless configured: with mig = "on-demand" GPUs whose MIG mode is
+// off are offered whole; once the operator has turned it on, instances appear only on
+// Reserve.
+func TestMIGRealNVMLChangesNothingUnasked(t *testing.T) {
+	mig, err := loadSimMIG("", "dgxh100", simulatedUUIDs("dgxh100"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lib := newSimLib("dgxh100", newFakeClock(), mig)
+	modes := func() []int {
+		var out []int
+		mig.view(func(st *simMIGState) {
+			for _, g := range st.GPUs {
+				out = append(out, g.MigMode)
+			}
+		})
+		return out
+	}
+	for _, cfg := range []Config{{CDISpecDir: ptr("")}, {MIG: MIGOnDemand, CDISpecDir: ptr("")}} {
+		p, _ := newUnconfigured(t)
+		p.openNVML = func() nvml.Interface { return lib }
+		if err := p.SetConfig(context.Background(), mustJSON(t, cfg)); err != nil {
+			t.Fatal(err)
+		}
+		if got := groupSizes(fingerprintOf(t, p)); !maps.Equal(got, map[string]int{"nvidia/gpu/" + h100: 8}) {
+			t.Errorf("config %+v: groups %v, want the 8 GPUs whole", cfg, got)
+		}
+		if got := modes(); slices.Max(got) != 0 || mig.instanceCount() != 0 {
+			t.Errorf("config %+v: MIG modes %v, %d instances; want all off and none", cfg, got, mig.instanceCount())
+		}
+	}
+	if _, err := mig.enableMIG([]int{0}); err != nil { // the operator, on GPU 0
+		t.Fatal(err)
+	}
+	p, _ := newUnconfigured(t)
+	p.openNVML = func() nvml.Interface { return lib }
+	if err := p.SetConfig(context.Background(), mustJSON(t, Config{MIG: MIGOnDemand, CDISpecDir: ptr("")})); err != nil {
+		t.Fatal(err)
+	}
+	resp := fingerprintOf(t, p)
+	if got := groupSizes(resp)["nvidia/mig/1g.10gb"]; got != 7 {
+		t.Errorf("1g.10gb devices = %d, want GPU 0's 7", got)
+	}
+	if mig.instanceCount() != 0 {
+		t.Errorf("instances created before any Reserve")
+	}
+	if _, err := p.Reserve(context.Background(), onDemandIDs(0, "1g.10gb", 0)); err != nil || mig.instanceCount() != 1 {
+		t.Errorf("Reserve: %v, %d instances; want one", err, mig.instanceCount())
+	}
+}

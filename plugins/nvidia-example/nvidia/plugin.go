@@ -10,9 +10,15 @@
 // sending only on change. While a Fingerprint stream runs, critical XID events make a
 // GPU unhealthy until health_quiet_period passes without another one. Reserve hands
 // out NVIDIA_VISIBLE_DEVICES and CDI names, which resolve through the CDI spec the
-// plugin keeps in cdi_spec_dir (see cdi.go). MIG devices are not handled; GPUs that
-// appear after a Fingerprint stream started are reported but their XIDs are watched
-// only from the next stream on.
+// plugin keeps in cdi_spec_dir (see cdi.go). GPUs that appear after a Fingerprint
+// stream started are reported but their XIDs are watched only from the next stream on.
+//
+// GPUs can be partitioned (see mig.go): MIG on demand (mig = "on-demand": Reserve
+// creates the instance, Release destroys it, Reconcile destroys what no live
+// reservation holds), a static MIG layout (mig_layout), and time-sliced replicas
+// (replicas). Devices that share a GPU declare it as a counter set, which the host
+// enforces. The simulated machines keep their MIG state in sim_state_file, so it
+// outlives the plugin process as a real GPU's does (see simmig.go).
 package nvidia
 
 import (
@@ -186,6 +192,7 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 		if err := rt.applyLayout(); err != nil {
 			return err
 		}
+		rt.reportMIGModes()
 	}
 	if old := p.rt; old != nil && old.cdi != nil && (rt.cdi == nil || rt.cdi.w.Path() != old.cdi.w.Path()) {
 		// The spec moved or is off: the old file would name GPUs nobody keeps up to date.
