@@ -295,6 +295,46 @@ func TestMIGOnDemandConcurrentReserves(t *testing.T) {
 	}
 }
 
+// 64 Reserves racing for placements that all cover memory slice 0 of one GPU: exactly
+// one device wins (its racers share its one instance), every other Reserve is refused
+// with FAILED_PRECONDITION, and one instance exists.
+func TestMIGOnDemandRaceForOneSlice(t *testing.T) {
+	p, _ := newTestPlugin(t, onDemand(filepath.Join(t.TempDir(), "sim.json")))
+	var contenders []string
+	for _, prof := range []string{"1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"} {
+		contenders = append(contenders, onDemandIDs(6, prof, 0)...)
+	}
+	const callers = 64
+	won := make([]string, callers)
+	codesSeen := make([]codes.Code, callers)
+	var wg sync.WaitGroup
+	for i := range callers {
+		wg.Go(func() {
+			id := contenders[i%len(contenders)]
+			_, err := p.Reserve(context.Background(), []string{id})
+			if err == nil {
+				won[i] = id
+			}
+			codesSeen[i] = status.Code(err)
+		})
+	}
+	wg.Wait()
+	winners := make(map[string]bool)
+	for i, id := range won {
+		if id != "" {
+			winners[id] = true
+		} else if codesSeen[i] != codes.FailedPrecondition {
+			t.Errorf("caller %d: %v, want FAILED_PRECONDITION", i, codesSeen[i])
+		}
+	}
+	if len(winners) != 1 {
+		t.Errorf("winning devices %v, want exactly one", winners)
+	}
+	if n := simOf(t, p).mig.instanceCount(); n != 1 {
+		t.Errorf("%d instances, want 1", n)
+	}
+}
+
 // The simulated machine's instances outlive the plugin: a new plugin on the same state
 // file sees them, and Reconcile keeps what live reservations hold (a GPU instance a
 // crash left without its compute instance is completed) and destroys the rest.
