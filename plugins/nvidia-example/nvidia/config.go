@@ -13,6 +13,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
 	"github.com/devicehost/devicehost/deviceplugin/cdi"
 )
 
@@ -105,6 +107,22 @@ type FaultConfig struct {
 	XID      uint64 `json:"xid"`
 	After    string `json:"after"`
 	For      string `json:"for,omitempty"`
+	// RecoveryAction, when set, makes the simulated driver report recovery actions
+	// (nvml.FI_DEV_GET_GPU_RECOVERY_ACTION, on every GPU of the machine): from After
+	// this GPU asks for this one (see RecoveryActions), until After+For when For is
+	// set (the action done; no second XID), else for good. Without it on any fault,
+	// the simulated driver is one that reports none, and the XID list applies.
+	RecoveryAction string `json:"recovery_action,omitempty"`
+}
+
+// RecoveryActions are the values of FaultConfig.RecoveryAction, and the driver's
+// actions they stand for.
+var RecoveryActions = map[string]nvml.DeviceGpuRecoveryAction{
+	"none":            nvml.GPU_RECOVERY_ACTION_NONE,
+	"gpu_reset":       nvml.GPU_RECOVERY_ACTION_GPU_RESET,
+	"node_reboot":     nvml.GPU_RECOVERY_ACTION_NODE_REBOOT,
+	"drain_p2p":       nvml.GPU_RECOVERY_ACTION_DRAIN_P2P,
+	"drain_and_reset": nvml.GPU_RECOVERY_ACTION_DRAIN_AND_RESET,
 }
 
 // DefaultCDISpecDir is where the plugin writes its CDI spec on real NVML: the
@@ -151,6 +169,7 @@ type faultSpec struct {
 	xid      uint64
 	after    time.Duration
 	lasts    time.Duration
+	action   *nvml.DeviceGpuRecoveryAction // nil: no recovery action
 }
 
 // parseConfig decodes and checks a config block. Every problem is reported, each
@@ -305,6 +324,14 @@ func parseFault(key string, f FaultConfig) (faultSpec, []error) {
 		if spec.lasts, err = parseNonNegative(key+".for", f.For); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if f.RecoveryAction != "" {
+		a, ok := RecoveryActions[f.RecoveryAction]
+		if !ok {
+			errs = append(errs, fmt.Errorf("config: %s.recovery_action = %q: want one of %s", key, f.RecoveryAction,
+				strings.Join(slices.Sorted(maps.Keys(RecoveryActions)), ", ")))
+		}
+		spec.action = &a
 	}
 	return spec, errs
 }

@@ -257,7 +257,7 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time) (resp *pb.Finger
 	for i, d := range inv.descs {
 		plan := &inv.plans[i]
 		healthy, reason, until := h.status(d.id, now)
-		if !healthy && (recovery.IsZero() || until.Before(recovery)) {
+		if !healthy && !until.IsZero() && (recovery.IsZero() || until.Before(recovery)) {
 			recovery = until
 		}
 		device := func(id string, use map[string]int64) *pb.Device {

@@ -258,7 +258,9 @@ func (p *Plugin) runtime() (*runtime, error) {
 }
 
 // Fingerprint sends the inventory at once, then whenever it changes: on a re-read every
-// fingerprint_period, on a critical XID, and when a GPU's quiet period ends. Without
+// fingerprint_period, on a critical XID, when a GPU's quiet period ends, and when the
+// recovery action the driver reports for a GPU changes (asked at each send, and every
+// recoveryActionPoll while one is pending). Without
 // NVML it sends one empty inventory and waits for ctx to end. Each reading of the GPUs
 // is published to the CDI spec (when cdi_spec_dir is set) before it is sent, so the
 // host never hands out a CDI name that the spec does not hold yet.
@@ -301,6 +303,7 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 			rt.publishCDI(inv)
 			nextScan = now.Add(rt.fingerprintPeriod)
 		}
+		pending := pollRecoveryActions(rt.health, inv.gpus, now)
 		resp, recovery := inv.fingerprint(rt.health, now)
 		if last == nil || !protoEqual(resp, last) {
 			if err := send(resp); err != nil {
@@ -311,6 +314,9 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 		wake := nextScan
 		if !recovery.IsZero() && recovery.Before(wake) {
 			wake = recovery
+		}
+		if poll := now.Add(recoveryActionPoll); pending && poll.Before(wake) {
+			wake = poll
 		}
 		t := rt.clock.TimerAt(wake)
 		select {

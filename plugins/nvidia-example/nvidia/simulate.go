@@ -1,6 +1,7 @@
 package nvidia
 
 import (
+	"encoding/binary"
 	"fmt"
 	"math"
 	"sync"
@@ -84,6 +85,17 @@ type simLib struct {
 
 	mu     sync.Mutex // guards faults[i].delivered
 	faults []*simFault
+	// actions are the injected recovery actions; with any, the simulated driver
+	// reports recovery actions (none outside them), else it does not.
+	actions []simAction
+}
+
+// simAction is a recovery action a GPU asks for from from until until (zero: for
+// good).
+type simAction struct {
+	device      *simDevice
+	from, until time.Time
+	action      nvml.DeviceGpuRecoveryAction
 }
 
 // simFault is one scheduled XID event.
@@ -143,6 +155,14 @@ func (l *simLib) scheduleFaults(start time.Time, faults []faultSpec) error {
 			}
 		}
 		l.faults = append(l.faults, &simFault{at: start.Add(f.after), device: dev, xid: f.xid})
+		if f.action != nil {
+			a := simAction{device: dev, from: start.Add(f.after), action: *f.action}
+			if f.lasts > 0 {
+				a.until = a.from.Add(f.lasts)
+			}
+			l.actions = append(l.actions, a)
+			continue // the action ends; no second XID
+		}
 		if f.lasts > 0 {
 			l.faults = append(l.faults, &simFault{at: start.Add(f.after + f.lasts), device: dev, xid: f.xid})
 		}
@@ -270,6 +290,32 @@ func (d *simDevice) GetPowerUsage() (uint32, nvml.Return) {
 // GetTotalEccErrors reports no ECC errors: the simulation injects XIDs, not ECC faults.
 func (d *simDevice) GetTotalEccErrors(nvml.MemoryErrorType, nvml.EccCounterType) (uint64, nvml.Return) {
 	return 0, nvml.SUCCESS
+}
+
+// GetFieldValues answers FI_DEV_GET_GPU_RECOVERY_ACTION when the machine has injected
+// recovery actions (the latest one begun and not ended, else none); every other field
+// is not supported.
+func (d *simDevice) GetFieldValues(values []nvml.FieldValue) nvml.Return {
+	now := d.lib.clock.Now()
+	for i := range values {
+		v := &values[i]
+		if v.FieldId != nvml.FI_DEV_GET_GPU_RECOVERY_ACTION || len(d.lib.actions) == 0 {
+			v.NvmlReturn = uint32(nvml.ERROR_NOT_SUPPORTED)
+			continue
+		}
+		action, since := nvml.GPU_RECOVERY_ACTION_NONE, time.Time{}
+		for _, a := range d.lib.actions {
+			if a.device == d && !now.Before(a.from) && (a.until.IsZero() || now.Before(a.until)) && !a.from.Before(since) {
+				action, since = a.action, a.from
+			}
+		}
+		v.ValueType = uint32(nvml.VALUE_TYPE_UNSIGNED_INT)
+		v.Value = [8]byte{}
+		binary.LittleEndian.PutUint32(v.Value[:4], uint32(action))
+		v.NvmlReturn = uint32(nvml.SUCCESS)
+		v.Timestamp = now.UnixMicro()
+	}
+	return nvml.SUCCESS
 }
 
 func (d *simDevice) GetSupportedEventTypes() (uint64, nvml.Return) {
