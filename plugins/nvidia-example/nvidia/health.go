@@ -49,6 +49,7 @@ func newHealthBook(quiet time.Duration) *healthBook {
 type pendingAction struct {
 	action nvml.DeviceGpuRecoveryAction
 	reason string
+	caused bool // the reason names the XID that made the plugin ask
 }
 
 // recoveryActionNames name the driver's recovery actions in health reasons.
@@ -99,14 +100,14 @@ func (h *healthBook) setAction(id string, action nvml.DeviceGpuRecoveryAction, a
 		delete(h.last, id) // the driver says the GPU is fine: no quiet period
 	case action == nvml.GPU_RECOVERY_ACTION_NONE:
 		return false
-	case had && prev.action == action:
-		return true
+	case had && prev.action == action && (cause == "" || prev.caused):
+		return true // an XID seen by a poll first still gets its XID into the reason
 	default:
 		reason := fmt.Sprintf("recovery action %q required (reported by the driver at %s)", recoveryActionName(action), at.UTC().Format(time.RFC3339))
 		if cause != "" {
 			reason = fmt.Sprintf("%s at %s; recovery action %q required", cause, at.UTC().Format(time.RFC3339), recoveryActionName(action))
 		}
-		h.actions[id] = pendingAction{action: action, reason: reason}
+		h.actions[id] = pendingAction{action: action, reason: reason, caused: cause != ""}
 	}
 	close(h.changed)
 	h.changed = make(chan struct{})

@@ -208,7 +208,8 @@ func (rt *runtime) planGPU(g gpu) gpuPlan {
 	return p
 }
 
-// readMIGDevices lists the MIG devices on g.
+// readMIGDevices lists the MIG devices on g; with profiles, each with its GPU
+// instance's profile and placement.
 func readMIGDevices(g gpu, profiles []*migProfile) []migDevice {
 	n, ret := g.dev.GetMaxMigDeviceCount()
 	if ret != nvml.SUCCESS {
@@ -226,6 +227,10 @@ func readMIGDevices(g gpu, profiles []*migProfile) []migDevice {
 		m.gi, r2 = md.GetGpuInstanceId()
 		m.ci, r3 = md.GetComputeInstanceId()
 		if r1 != nvml.SUCCESS || r2 != nvml.SUCCESS || r3 != nvml.SUCCESS {
+			continue
+		}
+		if profiles == nil {
+			out = append(out, m)
 			continue
 		}
 		if gi, ret := g.dev.GetGpuInstanceById(m.gi); ret == nvml.SUCCESS {

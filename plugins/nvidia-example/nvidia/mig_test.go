@@ -518,6 +518,23 @@ func TestMIGStaticLayout(t *testing.T) {
 			t.Errorf("groups = %v, want %v", got, want)
 		}
 	})
+	t.Run("beside on demand", func(t *testing.T) {
+		cfg := onDemand("")
+		cfg.MIGLayout = []byte(`{"0": ["7g.80gb"]}`)
+		p, _ := newTestPlugin(t, cfg)
+		resp := fingerprintOf(t, p)
+		got := groupSizes(resp)
+		if got["nvidia/gpu/"+h100] != 7 || got["nvidia/mig/7g.80gb"] != 8 || got["nvidia/mig/1g.10gb"] != 49 {
+			t.Errorf("groups = %v, want GPU 0 as one static 7g.80gb and GPUs 1-7 whole and on demand", got)
+		}
+		if n := len(resp.GetCounterSets()); n != 7 {
+			t.Errorf("%d counter sets, want 7 (the static GPU shares nothing)", n)
+		}
+		// Reconcile never touches the static instance.
+		if err := p.Reconcile(context.Background(), nil); err != nil || simOf(t, p).mig.instanceCount() != 1 {
+			t.Errorf("Reconcile: %v, %d instances; want the static one kept", err, simOf(t, p).mig.instanceCount())
+		}
+	})
 	t.Run("unknown profile", func(t *testing.T) {
 		p, _ := newUnconfigured(t)
 		err := p.SetConfig(context.Background(), mustJSON(t, Config{Simulate: "dgxh100", SimStateFile: ptr(""),
