@@ -664,3 +664,66 @@ func TestMIGRealNVMLChangesNothingUnasked(t *testing.T) {
 		t.Errorf("Reserve: %v, %d instances; want one", err, mig.instanceCount())
 	}
 }
+
+// On a machine with NVIDIA GPUs: with mig = "on-demand" the plugin only reads. It logs,
+// per GPU, its MIG mode and the profiles and placements it would offer (compare with
+// `nvidia-smi mig -lgip` and `-lgipp`), and MIG modes and instance counts are the same
+// afterwards. Nothing is reserved, so nothing is created.
+func TestRealNVMLMIGReadOnly(t *testing.T) {
+	lib := nvml.New()
+	if ret := lib.Init(); ret != nvml.SUCCESS {
+		t.Skipf("no usable NVML here (%v)", ret)
+	}
+	defer lib.Shutdown()
+	type gpuState struct {
+		mode      int
+		instances int
+	}
+	read := func() []gpuState {
+		n, _ := lib.DeviceGetCount()
+		var out []gpuState
+		for i := range n {
+			dev, ret := lib.DeviceGetHandleByIndex(i)
+			if ret != nvml.SUCCESS {
+				continue
+			}
+			mode, _, ret := dev.GetMigMode()
+			s := gpuState{mode: mode}
+			if ret != nvml.SUCCESS {
+				s.mode = -1
+			}
+			if c, ret := dev.GetMaxMigDeviceCount(); ret == nvml.SUCCESS {
+				for j := range c {
+					if _, ret := dev.GetMigDeviceHandleByIndex(j); ret == nvml.SUCCESS {
+						s.instances++
+					}
+				}
+			}
+			out = append(out, s)
+		}
+		return out
+	}
+	before := read()
+	p, _ := newUnconfigured(t)
+	if err := p.SetConfig(context.Background(), mustJSON(t, Config{MIG: MIGOnDemand, CDISpecDir: ptr("")})); err != nil {
+		t.Fatal(err)
+	}
+	resp := fingerprintOf(t, p)
+	inv := p.rt.latest.Load()
+	for i, g := range inv.gpus {
+		plan := inv.plans[i]
+		t.Logf("GPU %d %s: MIG mode %d, offered as mode %d", g.index, g.uuid, before[g.index].mode, plan.mode)
+		for _, prof := range plan.profiles {
+			var starts []string
+			for _, pl := range prof.placements {
+				starts = append(starts, fmt.Sprintf("%d:%d", pl.Start, pl.Size))
+			}
+			t.Logf("  profile %s (id %d, %d slices, %d MiB, %d instances): placements %s", prof.name, prof.info.Id,
+				prof.info.SliceCount, prof.info.MemorySizeMB, prof.info.InstanceCount, strings.Join(starts, " "))
+		}
+	}
+	t.Logf("fingerprint: %d devices, %d bytes", len(devices(resp)), proto.Size(resp))
+	if after := read(); !slices.Equal(before, after) {
+		t.Errorf("MIG state changed: before %v, after %v", before, after)
+	}
+}
