@@ -727,3 +727,38 @@ func TestRealNVMLMIGReadOnly(t *testing.T) {
 		t.Errorf("MIG state changed: before %v, after %v", before, after)
 	}
 }
+
+// A MIG device's CDI entry carries its GPU's node and, where the driver lists them,
+// the capability nodes of its GPU and compute instance.
+func TestMIGCDICapabilityNodes(t *testing.T) {
+	minors := filepath.Join(t.TempDir(), "mig-minors")
+	if err := os.WriteFile(minors, []byte("config 1\nmonitor 2\ngpu0/gi0/access 21\ngpu0/gi0/ci0/access 22\ngpu1/gi0/access 30\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	p, _ := newUnconfigured(t)
+	p.migMinors = minors
+	p.charDevice = func(path string) bool { return strings.HasPrefix(path, "/dev/nvidia-caps/") }
+	dir := t.TempDir()
+	cfg := onDemand("")
+	cfg.CDISpecDir = ptr(dir)
+	if err := p.SetConfig(context.Background(), mustJSON(t, cfg)); err != nil {
+		t.Fatal(err)
+	}
+	id := onDemandIDs(0, "2g.20gb", 4)[0]
+	if _, err := p.Reserve(context.Background(), []string{id}); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := os.ReadFile(filepath.Join(dir, cdiSpecName+".yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec := string(raw)
+	for _, want := range []string{id, "/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22"} {
+		if !strings.Contains(spec, want) {
+			t.Errorf("CDI spec lacks %s:\n%s", want, spec)
+		}
+	}
+	if strings.Contains(spec, "nvidia-cap30") {
+		t.Errorf("CDI spec has GPU 1's capability node, which no MIG device of it needs")
+	}
+}

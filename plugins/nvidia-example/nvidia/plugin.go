@@ -67,6 +67,7 @@ type Plugin struct {
 	openNVML   func() nvml.Interface
 	eventPoll  time.Duration
 	charDevice func(path string) bool // is path a character device on this host
+	migMinors  string                 // the driver's MIG capability table (migMinorsPath)
 
 	// migMu serialises every change to MIG instances (and the CDI spec that lists
 	// them), across runtimes.
@@ -93,6 +94,7 @@ func New(logger hclog.Logger) *Plugin {
 		openNVML:   func() nvml.Interface { return nvml.New() },
 		eventPoll:  defaultEventPoll,
 		charDevice: isCharDevice,
+		migMinors:  migMinorsPath,
 	}
 }
 
@@ -145,7 +147,7 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 	}
 	rt := &runtime{settings: s, logger: p.logger, clock: p.clock, health: newHealthBook(s.quietPeriod), migMu: &p.migMu}
 	if s.cdiDir != "" {
-		if rt.cdi, err = newCDIPublisher(s.cdiDir, p.logger, p.charDevice); err != nil {
+		if rt.cdi, err = newCDIPublisher(s.cdiDir, p.logger, p.charDevice, p.migMinors); err != nil {
 			return err
 		}
 	}
@@ -599,12 +601,13 @@ func (rt *runtime) publishCDILocked(inv *inventory) {
 		switch plan.mode {
 		case modeStatic:
 			for _, m := range readMIGDevices(g, nil) {
-				more = append(more, cdiAlias{name: m.uuid, parent: g})
+				more = append(more, cdiAlias{name: m.uuid, parent: g, mig: true, gi: m.gi, ci: m.ci})
 			}
 		case modeOnDemand:
 			for _, m := range readMIGDevices(g, plan.profiles) {
 				if m.profile != nil {
-					more = append(more, cdiAlias{name: partitionID(g.uuid, m.profile.name, m.placement.Start), parent: g})
+					more = append(more, cdiAlias{name: partitionID(g.uuid, m.profile.name, m.placement.Start), parent: g,
+						mig: true, gi: m.gi, ci: m.ci})
 				}
 			}
 		}
