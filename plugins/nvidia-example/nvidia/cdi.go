@@ -3,6 +3,9 @@ package nvidia
 import (
 	"fmt"
 	"os"
+	"slices"
+	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -42,23 +45,59 @@ type cdiPublisher struct {
 	logger hclog.Logger
 	// charDevice says whether path is a character device on this host.
 	charDevice func(path string) bool
+	// migMinors is the driver's table of MIG capability minors (migMinorsPath).
+	migMinors string
 
 	mu      sync.Mutex
 	lastErr string // the failure last logged: a lasting one is logged once
 }
 
-func newCDIPublisher(dir string, logger hclog.Logger, charDevice func(string) bool) (*cdiPublisher, error) {
+func newCDIPublisher(dir string, logger hclog.Logger, charDevice func(string) bool, migMinors string) (*cdiPublisher, error) {
 	w, err := cdi.NewWriter(dir, cdiSpecName)
 	if err != nil {
 		return nil, fmt.Errorf("config: cdi_spec_dir: %w", err)
 	}
-	return &cdiPublisher{w: w, logger: logger, charDevice: charDevice}, nil
+	return &cdiPublisher{w: w, logger: logger, charDevice: charDevice, migMinors: migMinors}, nil
 }
 
-// publish writes the spec for gpus (removes it for none). A failure is logged, once
+// migMinorsPath is where the NVIDIA driver lists the minors of the MIG capability
+// nodes (/dev/nvidia-caps/nvidia-cap<minor>), e.g. "gpu0/gi1/access 12" and
+// "gpu0/gi1/ci0/access 13"; "gpu<N>" is the GPU's device minor.
+const migMinorsPath = "/proc/driver/nvidia-caps/mig-minors"
+
+// cdiAlias is a device the spec lists besides the GPUs, on its parent GPU: a
+// time-sliced replica or a MIG device, named by its device ID.
+type cdiAlias struct {
+	name   string
+	parent gpu
+	mig    bool // a MIG device, in GPU instance gi and compute instance ci
+	gi, ci int
+}
+
+// readMIGMinors parses the driver's MIG capability table; nil when there is none
+// (no MIG-capable driver, or a simulated machine).
+func readMIGMinors(path string) map[string]int {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil
+	}
+	out := make(map[string]int)
+	for _, line := range strings.Split(string(raw), "\n") {
+		f := strings.Fields(line)
+		if len(f) != 2 {
+			continue
+		}
+		if n, err := strconv.Atoi(f[1]); err == nil {
+			out[f[0]] = n
+		}
+	}
+	return out
+}
+
+// publish writes the spec for gpus and more (removes it for no GPUs). A failure is logged, once
 // while it lasts, and retried on the next call; the plugin goes on serving.
-func (c *cdiPublisher) publish(gpus []gpu) {
-	spec := c.spec(gpus)
+func (c *cdiPublisher) publish(gpus []gpu, more []cdiAlias) {
+	spec := c.spec(gpus, more)
 	changed, err := c.w.Write(spec)
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -86,8 +125,9 @@ func (c *cdiPublisher) publish(gpus []gpu) {
 // Reserve's answer does, with the reserved GPUs' UUIDs, and a spec edit would override
 // it in the container (a runtime applies CDI edits after the container's own env), so
 // the workload would see a list other than the devices it got. A GPU whose minor
-// number NVML cannot give is left out, with a warning.
-func (c *cdiPublisher) spec(gpus []gpu) cdi.Spec {
+// number NVML cannot give is left out, with a warning. A replica or MIG device
+// brings its parent GPU's node.
+func (c *cdiPublisher) spec(gpus []gpu, more []cdiAlias) cdi.Spec {
 	const ctl = "/dev/nvidiactl"
 	s := cdi.Spec{
 		Kind:    cdiKind,
@@ -109,6 +149,30 @@ func (c *cdiPublisher) spec(gpus []gpu) cdi.Spec {
 		path := fmt.Sprintf("/dev/nvidia%d", minor)
 		s.Devices[g.uuid] = &pb.ContainerReservation{Devices: []*pb.DeviceSpec{node(path)}}
 		s.Nodes[path] = cdi.Node{Type: "c", Major: nvidiaMajor, Minor: int64(minor)}
+	}
+	var caps map[string]int
+	for _, m := range more {
+		parent, ok := s.Devices[m.parent.uuid]
+		if !ok {
+			continue
+		}
+		dev := &pb.ContainerReservation{Devices: slices.Clone(parent.Devices)}
+		if m.mig {
+			// The GPU and compute instance's capability nodes, where the driver has
+			// them: by path, their major being assigned at module load (as nvidia-uvm's).
+			if caps == nil {
+				caps = readMIGMinors(c.migMinors)
+			}
+			minor, _ := m.parent.dev.GetMinorNumber()
+			for _, k := range []string{fmt.Sprintf("gpu%d/gi%d/access", minor, m.gi), fmt.Sprintf("gpu%d/gi%d/ci%d/access", minor, m.gi, m.ci)} {
+				if n, ok := caps[k]; ok {
+					if path := fmt.Sprintf("/dev/nvidia-caps/nvidia-cap%d", n); c.charDevice(path) {
+						dev.Devices = append(dev.Devices, node(path))
+					}
+				}
+			}
+		}
+		s.Devices[m.name] = dev
 	}
 	return s
 }

@@ -63,6 +63,9 @@ func newLoggedPlugin(t *testing.T, cfg Config) (*Plugin, *fakeClock, *lockedBuff
 	p.clock = clk
 	p.eventPoll = 5 * time.Millisecond
 	t.Cleanup(p.Close)
+	if cfg.Simulate != "" && cfg.SimStateFile == nil {
+		cfg.SimStateFile = ptr(filepath.Join(t.TempDir(), "sim-state.json"))
+	}
 	if err := p.SetConfig(context.Background(), mustJSON(t, cfg)); err != nil {
 		t.Fatalf("SetConfig(%+v): %v", cfg, err)
 	}

@@ -5,10 +5,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
+	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	"github.com/devicehost/devicehost/deviceplugin/cdi"
 )
@@ -34,6 +39,10 @@ const (
 //	      { gpu_index = 3, xid = 79, after = "1m", for = "30s" },
 //	    ]
 //	    cdi_spec_dir        = "/var/run/cdi"
+//	    mig                 = "on-demand"
+//	    mig_layout          = { "0" = ["3g.40gb", "2g.20gb"] }
+//	    replicas            = 4
+//	    sim_state_file      = "/var/lib/devicehost/nvidia-sim.json"
 //	  }
 //	}
 type Config struct {
@@ -55,6 +64,36 @@ type Config struct {
 	// none. Unset means DefaultCDISpecDir on real NVML, and none with Simulate
 	// (simulated GPUs must not enter the host's real CDI registry).
 	CDISpecDir *string `json:"cdi_spec_dir,omitempty"`
+	// MIG "on-demand" offers every MIG-capable GPU whose MIG mode is on as the whole
+	// GPU plus each MIG profile at each placement, all consuming the GPU's shared
+	// counters; Reserve creates the instance, Release destroys it. Empty: off. GPUs
+	// named in MIGLayout are static instead.
+	MIG string `json:"mig,omitempty"`
+	// MIGLayout is a static layout, applied at SetConfig: a profile name ("1g.10gb":
+	// as many of it as fit on every MIG-capable GPU) or an object from GPU index to a
+	// list of profile names ({"0": ["3g.40gb", "2g.20gb"]}).
+	MIGLayout json.RawMessage `json:"mig_layout,omitempty"`
+	// Replicas N (2 to MaxReplicas) offers each GPU that is not partitioned by MIG as
+	// N time-sliced replicas besides the whole GPU, each consuming one of the GPU's N
+	// shares. 0: off.
+	Replicas int `json:"replicas,omitempty"`
+	// SimStateFile is where a simulated machine keeps its MIG state, so that it
+	// outlives the plugin process as a real GPU's does; "" keeps it in memory. Unset
+	// means DefaultSimStateFile(simulate). Only valid with Simulate.
+	SimStateFile *string `json:"sim_state_file,omitempty"`
+}
+
+// MIG modes of Config.MIG.
+const MIGOnDemand = "on-demand"
+
+// MaxReplicas bounds Config.Replicas.
+const MaxReplicas = 64
+
+// DefaultSimStateFile is the state file of simulated machine machine when
+// sim_state_file is not set: in the temporary directory, which (like a real GPU's MIG
+// instances) does not survive a reboot.
+func DefaultSimStateFile(machine string) string {
+	return filepath.Join(os.TempDir(), fmt.Sprintf("devicehost-nvidia-example-%s-%d.json", machine, os.Getuid()))
 }
 
 // FaultConfig is one injected fault: the simulated GPU named by exactly one of GPUID
@@ -68,6 +107,22 @@ type FaultConfig struct {
 	XID      uint64 `json:"xid"`
 	After    string `json:"after"`
 	For      string `json:"for,omitempty"`
+	// RecoveryAction, when set, makes the simulated driver report recovery actions
+	// (nvml.FI_DEV_GET_GPU_RECOVERY_ACTION, on every GPU of the machine): from After
+	// this GPU asks for this one (see RecoveryActions), until After+For when For is
+	// set (the action done; no second XID), else for good. Without it on any fault,
+	// the simulated driver is one that reports none, and the XID list applies.
+	RecoveryAction string `json:"recovery_action,omitempty"`
+}
+
+// RecoveryActions are the values of FaultConfig.RecoveryAction, and the driver's
+// actions they stand for.
+var RecoveryActions = map[string]nvml.DeviceGpuRecoveryAction{
+	"none":            nvml.GPU_RECOVERY_ACTION_NONE,
+	"gpu_reset":       nvml.GPU_RECOVERY_ACTION_GPU_RESET,
+	"node_reboot":     nvml.GPU_RECOVERY_ACTION_NODE_REBOOT,
+	"drain_p2p":       nvml.GPU_RECOVERY_ACTION_DRAIN_P2P,
+	"drain_and_reset": nvml.GPU_RECOVERY_ACTION_DRAIN_AND_RESET,
 }
 
 // DefaultCDISpecDir is where the plugin writes its CDI spec on real NVML: the
@@ -82,6 +137,28 @@ type settings struct {
 	quietPeriod       time.Duration
 	ignored           map[string]bool
 	faults            []faultSpec
+	migOnDemand       bool
+	layoutAll         string           // mig_layout as one profile for every GPU
+	layout            map[int][]string // mig_layout by GPU index
+	replicas          int
+	simStateFile      string // "" in memory
+}
+
+// layoutFor returns the static layout of GPU index: the profiles it must hold, or
+// fill (as many of one profile as fit); ok is false when the GPU has none.
+func (s settings) layoutFor(index int) (profiles []string, fill string, ok bool) {
+	if s.layoutAll != "" {
+		return nil, s.layoutAll, true
+	}
+	profiles, ok = s.layout[index]
+	return profiles, "", ok
+}
+
+// wantsMIG says whether the config partitions GPU index by MIG, statically or on
+// demand.
+func (s settings) wantsMIG(index int) bool {
+	_, _, static := s.layoutFor(index)
+	return static || s.migOnDemand
 }
 
 // faultSpec is a parsed FaultConfig; gpuIndex is -1 when the fault names a GPU ID.
@@ -92,6 +169,7 @@ type faultSpec struct {
 	xid      uint64
 	after    time.Duration
 	lasts    time.Duration
+	action   *nvml.DeviceGpuRecoveryAction // nil: no recovery action
 }
 
 // parseConfig decodes and checks a config block. Every problem is reported, each
@@ -149,10 +227,75 @@ func parseConfig(configJSON []byte) (settings, error) {
 		errs = append(errs, ferrs...)
 		s.faults = append(s.faults, spec)
 	}
+	switch c.MIG {
+	case "":
+	case MIGOnDemand:
+		s.migOnDemand = true
+	default:
+		errs = append(errs, fmt.Errorf("config: mig = %q: want %q or nothing", c.MIG, MIGOnDemand))
+	}
+	if len(c.MIGLayout) > 0 && !bytes.Equal(bytes.TrimSpace(c.MIGLayout), []byte("null")) {
+		errs = append(errs, parseLayout(c.MIGLayout, &s)...)
+	}
+	if s.layoutAll != "" && s.migOnDemand {
+		errs = append(errs, fmt.Errorf("config: mig_layout = %q and mig = %q: a layout for every GPU leaves none on demand; give mig_layout by GPU index", s.layoutAll, MIGOnDemand))
+	}
+	if c.Replicas != 0 && (c.Replicas < 2 || c.Replicas > MaxReplicas) {
+		errs = append(errs, fmt.Errorf("config: replicas = %d: want 2 to %d, or 0 for none", c.Replicas, MaxReplicas))
+	}
+	s.replicas = c.Replicas
+	switch {
+	case c.SimStateFile != nil && c.Simulate == "":
+		errs = append(errs, errors.New("config: sim_state_file: only valid with simulate"))
+	case c.SimStateFile == nil && c.Simulate != "":
+		s.simStateFile = DefaultSimStateFile(c.Simulate)
+	case c.SimStateFile == nil || *c.SimStateFile == "":
+	case !filepath.IsAbs(*c.SimStateFile):
+		errs = append(errs, fmt.Errorf("config: sim_state_file = %q: must be an absolute path", *c.SimStateFile))
+	default:
+		s.simStateFile = filepath.Clean(*c.SimStateFile)
+	}
 	if err := errors.Join(errs...); err != nil {
 		return settings{}, err
 	}
 	return s, nil
+}
+
+// parseLayout reads mig_layout: a profile name, or an object from GPU index to a
+// non-empty list of profile names. Whether the GPUs offer those profiles is checked
+// when the layout is applied.
+func parseLayout(raw json.RawMessage, s *settings) []error {
+	var all string
+	if err := json.Unmarshal(raw, &all); err == nil {
+		if strings.TrimSpace(all) == "" {
+			return []error{errors.New("config: mig_layout: empty profile name")}
+		}
+		s.layoutAll = all
+		return nil
+	}
+	var byIndex map[string][]string
+	if err := json.Unmarshal(raw, &byIndex); err != nil {
+		return []error{fmt.Errorf("config: mig_layout = %s: want a profile name or an object from GPU index to a list of profile names", raw)}
+	}
+	var errs []error
+	s.layout = make(map[int][]string)
+	for _, k := range slices.Sorted(maps.Keys(byIndex)) {
+		i, err := strconv.Atoi(k)
+		if err != nil || i < 0 {
+			errs = append(errs, fmt.Errorf("config: mig_layout[%q]: want a GPU index (0, 1, ...)", k))
+			continue
+		}
+		if len(byIndex[k]) == 0 {
+			errs = append(errs, fmt.Errorf("config: mig_layout[%q]: empty list of profiles", k))
+		}
+		for j, p := range byIndex[k] {
+			if strings.TrimSpace(p) == "" {
+				errs = append(errs, fmt.Errorf("config: mig_layout[%q][%d]: empty profile name", k, j))
+			}
+		}
+		s.layout[i] = byIndex[k]
+	}
+	return errs
 }
 
 func parseFault(key string, f FaultConfig) (faultSpec, []error) {
@@ -181,6 +324,14 @@ func parseFault(key string, f FaultConfig) (faultSpec, []error) {
 		if spec.lasts, err = parseNonNegative(key+".for", f.For); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if f.RecoveryAction != "" {
+		a, ok := RecoveryActions[f.RecoveryAction]
+		if !ok {
+			errs = append(errs, fmt.Errorf("config: %s.recovery_action = %q: want one of %s", key, f.RecoveryAction,
+				strings.Join(slices.Sorted(maps.Keys(RecoveryActions)), ", ")))
+		}
+		spec.action = &a
 	}
 	return spec, errs
 }

@@ -80,6 +80,7 @@ func TestParseConfigRejects(t *testing.T) {
 		{"fault without after", `{"simulate":"dgxh100","inject_faults":[{"gpu_index":1,"xid":79}]}`, []string{"inject_faults[0].after"}},
 		{"fault bad after", `{"simulate":"dgxh100","inject_faults":[{"gpu_index":1,"xid":79,"after":"x"}]}`, []string{`inject_faults[0].after = "x"`}},
 		{"fault negative for", `{"simulate":"dgxh100","inject_faults":[{"gpu_index":1,"xid":79,"after":"1s","for":"-1s"}]}`, []string{`inject_faults[0].for = "-1s"`}},
+		{"fault unknown recovery action", `{"simulate":"dgxh100","inject_faults":[{"gpu_index":1,"xid":79,"after":"1s","recovery_action":"pray"}]}`, []string{`inject_faults[0].recovery_action = "pray"`, "gpu_reset"}},
 		{"relative cdi_spec_dir", `{"cdi_spec_dir":"run/cdi"}`, []string{`cdi_spec_dir = "run/cdi"`, "absolute path"}},
 		{"dot cdi_spec_dir", `{"simulate":"dgxh100","cdi_spec_dir":"./cdi"}`, []string{`cdi_spec_dir = "./cdi"`, "absolute path"}},
 		{"every problem reported", `{"simulate":"nope","fingerprint_period":"x","health_quiet_period":"y"}`,

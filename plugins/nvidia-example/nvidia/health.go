@@ -2,6 +2,7 @@ package nvidia
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"sync"
 	"time"
@@ -27,6 +28,7 @@ type healthBook struct {
 	quiet time.Duration
 
 	mu      sync.Mutex
+	actions map[string]pendingAction // device ID -> the recovery action the driver asks for
 	last    map[string]healthEvent
 	xids    map[string]uint64 // device ID -> the last XID it raised
 	changed chan struct{}     // closed and replaced on every change
@@ -38,8 +40,94 @@ type healthEvent struct {
 }
 
 func newHealthBook(quiet time.Duration) *healthBook {
-	return &healthBook{quiet: quiet, last: make(map[string]healthEvent), xids: make(map[string]uint64), changed: make(chan struct{})}
+	return &healthBook{quiet: quiet, actions: make(map[string]pendingAction), last: make(map[string]healthEvent),
+		xids: make(map[string]uint64), changed: make(chan struct{})}
 }
+
+// pendingAction is a recovery action other than none that the driver reports for a
+// GPU, and the health reason it gives.
+type pendingAction struct {
+	action nvml.DeviceGpuRecoveryAction
+	reason string
+	caused bool // the reason names the XID that made the plugin ask
+}
+
+// recoveryActionNames name the driver's recovery actions in health reasons.
+var recoveryActionNames = map[nvml.DeviceGpuRecoveryAction]string{
+	nvml.GPU_RECOVERY_ACTION_NONE:                "none",
+	nvml.GPU_RECOVERY_ACTION_GPU_RESET:           "GPU reset",
+	nvml.GPU_RECOVERY_ACTION_NODE_REBOOT:         "node reboot",
+	nvml.GPU_RECOVERY_ACTION_DRAIN_P2P:           "drain P2P",
+	nvml.GPU_RECOVERY_ACTION_DRAIN_AND_RESET:     "drain and reset",
+	nvml.GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN: "recover IMEX domain",
+	nvml.GPU_RECOVERY_ACTION_BUS_RESET:           "bus reset",
+	nvml.GPU_RECOVERY_ACTION_SYSTEM_REBOOT:       "system reboot",
+}
+
+func recoveryActionName(a nvml.DeviceGpuRecoveryAction) string {
+	if n, ok := recoveryActionNames[a]; ok {
+		return n
+	}
+	return fmt.Sprintf("action %d", a)
+}
+
+// readRecoveryAction asks the driver which recovery action the GPU needs
+// (nvml.FI_DEV_GET_GPU_RECOVERY_ACTION); ok is false when the driver does not say.
+func readRecoveryAction(dev nvml.Device) (action nvml.DeviceGpuRecoveryAction, ok bool) {
+	fv := []nvml.FieldValue{{FieldId: nvml.FI_DEV_GET_GPU_RECOVERY_ACTION}}
+	if ret := dev.GetFieldValues(fv); ret != nvml.SUCCESS || nvml.Return(fv[0].NvmlReturn) != nvml.SUCCESS {
+		return 0, false
+	}
+	switch nvml.ValueType(fv[0].ValueType) {
+	case nvml.VALUE_TYPE_UNSIGNED_LONG, nvml.VALUE_TYPE_UNSIGNED_LONG_LONG, nvml.VALUE_TYPE_SIGNED_LONG_LONG:
+		return nvml.DeviceGpuRecoveryAction(binary.LittleEndian.Uint64(fv[0].Value[:])), true
+	default:
+		return nvml.DeviceGpuRecoveryAction(binary.LittleEndian.Uint32(fv[0].Value[:4])), true
+	}
+}
+
+// setAction records the recovery action the driver reports for id at at; cause, when
+// set, is what made the plugin ask (an XID). While it is not none the device is
+// unhealthy, whatever its XIDs; none clears it at once. It reports whether the action
+// is pending.
+func (h *healthBook) setAction(id string, action nvml.DeviceGpuRecoveryAction, at time.Time, cause string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	prev, had := h.actions[id]
+	switch {
+	case action == nvml.GPU_RECOVERY_ACTION_NONE && had:
+		delete(h.actions, id)
+		delete(h.last, id) // the driver says the GPU is fine: no quiet period
+	case action == nvml.GPU_RECOVERY_ACTION_NONE:
+		return false
+	case had && prev.action == action && (cause == "" || prev.caused):
+		return true // an XID seen by a poll first still gets its XID into the reason
+	default:
+		reason := fmt.Sprintf("recovery action %q required (reported by the driver at %s)", recoveryActionName(action), at.UTC().Format(time.RFC3339))
+		if cause != "" {
+			reason = fmt.Sprintf("%s at %s; recovery action %q required", cause, at.UTC().Format(time.RFC3339), recoveryActionName(action))
+		}
+		h.actions[id] = pendingAction{action: action, reason: reason, caused: cause != ""}
+	}
+	close(h.changed)
+	h.changed = make(chan struct{})
+	return action != nvml.GPU_RECOVERY_ACTION_NONE
+}
+
+// pollRecoveryActions reads the recovery action of every GPU whose driver reports one
+// into h, and says whether any is pending (then the caller polls again after
+// recoveryActionPoll, since no event says when the action is done).
+func pollRecoveryActions(h *healthBook, gpus []gpu, now time.Time) (pending bool) {
+	for _, g := range gpus {
+		if a, ok := readRecoveryAction(g.dev); ok && h.setAction(g.uuid, a, now, "") {
+			pending = true
+		}
+	}
+	return pending
+}
+
+// recoveryActionPoll is how often a GPU with a pending recovery action is asked again.
+const recoveryActionPoll = 5 * time.Second
 
 // inherit copies old's events into h, which nobody uses yet.
 func (h *healthBook) inherit(old *healthBook) {
@@ -47,6 +135,9 @@ func (h *healthBook) inherit(old *healthBook) {
 	defer old.mu.Unlock()
 	for id, ev := range old.last {
 		h.last[id] = ev
+	}
+	for id, a := range old.actions {
+		h.actions[id] = a
 	}
 	for id, xid := range old.xids {
 		h.xids[id] = xid
@@ -81,10 +172,13 @@ func (h *healthBook) markUnhealthy(id string, at time.Time, reason string) {
 }
 
 // status reports id's health at now. While unhealthy, until is when it turns healthy
-// again unless another event comes first.
+// again unless another event comes first; zero while a recovery action is pending.
 func (h *healthBook) status(id string, now time.Time) (healthy bool, reason string, until time.Time) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if a, ok := h.actions[id]; ok {
+		return false, a.reason, time.Time{} // until the driver says none
+	}
 	ev, ok := h.last[id]
 	if !ok {
 		return true, "", time.Time{}
@@ -203,11 +297,23 @@ func (w *xidWatch) handle(ev nvml.EventData) {
 	case w.gpus[id]:
 		w.health.recordXID(id, xid)
 	}
+	now := w.clock.Now()
+	if ret == nvml.SUCCESS && w.gpus[id] {
+		// Where the driver says what to do, health follows it rather than the list.
+		if action, ok := readRecoveryAction(ev.Device); ok {
+			if w.health.setAction(id, action, now, fmt.Sprintf("XID %d", xid)) {
+				w.logger.Warn("XID; the driver asks for a recovery action, GPU marked unhealthy", "gpu", id, "xid", xid,
+					"recovery_action", recoveryActionName(action))
+			} else {
+				w.logger.Info("XID; the driver asks for no recovery action, GPU stays healthy", "gpu", id, "xid", xid)
+			}
+			return
+		}
+	}
 	if applicationXIDs[xid] {
 		w.logger.Info("application XID; GPU stays healthy", "xid", xid)
 		return
 	}
-	now := w.clock.Now()
 	reason := xidReason(xid, now)
 	if ret != nvml.SUCCESS {
 		// NVML could not say which GPU: like NVIDIA's device plugins, distrust them all.

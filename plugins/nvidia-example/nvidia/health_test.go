@@ -172,8 +172,20 @@ func (s *scriptedEventSet) drained() bool {
 	return len(s.results) == 0
 }
 
+// deviceWithUUID is a GPU on a driver that reports no recovery action.
 func deviceWithUUID(id string, ret nvml.Return) nvml.Device {
-	return &mock.Device{GetUUIDFunc: func() (string, nvml.Return) { return id, ret }}
+	return &mock.Device{GetUUIDFunc: func() (string, nvml.Return) { return id, ret },
+		GetFieldValuesFunc: func([]nvml.FieldValue) nvml.Return { return nvml.ERROR_NOT_SUPPORTED }}
+}
+
+// deviceWithAction is a GPU whose driver asks for recovery action a.
+func deviceWithAction(id string, a nvml.DeviceGpuRecoveryAction) nvml.Device {
+	return &mock.Device{GetUUIDFunc: func() (string, nvml.Return) { return id, nvml.SUCCESS },
+		GetFieldValuesFunc: func(v []nvml.FieldValue) nvml.Return {
+			v[0].ValueType = uint32(nvml.VALUE_TYPE_UNSIGNED_LONG_LONG)
+			v[0].Value = [8]byte{byte(a)}
+			return nvml.SUCCESS
+		}}
 }
 
 // The real-NVML corner cases the simulation never produces.
@@ -195,6 +207,9 @@ func TestXIDWatchCornerCases(t *testing.T) {
 		{"other event type", []waitResult{{ev: nvml.EventData{Device: deviceWithUUID("GPU-a", nvml.SUCCESS),
 			EventType: nvml.EventTypeSingleBitEccError}}}, nil},
 		{"GPU not watched", []waitResult{xid(deviceWithUUID("GPU-ignored", nvml.SUCCESS), 79)}, nil},
+		{"driver asks for nothing after a critical XID", []waitResult{xid(deviceWithAction("GPU-a", nvml.GPU_RECOVERY_ACTION_NONE), 79)}, nil},
+		{"driver asks for a reboot after an application XID", []waitResult{xid(deviceWithAction("GPU-b", nvml.GPU_RECOVERY_ACTION_NODE_REBOOT), 13)},
+			map[string]string{"GPU-b": `XID 13 at 2026-01-02T03:04:05Z; recovery action "node reboot" required`}},
 		{"unidentified GPU", []waitResult{xid(deviceWithUUID("", nvml.ERROR_UNKNOWN), 79)},
 			map[string]string{"GPU-a": "unidentified GPU", "GPU-b": "unidentified GPU"}},
 		{"no device", []waitResult{xid(nil, 79)},
@@ -234,4 +249,71 @@ func TestXIDWatchCornerCases(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Where the driver reports a recovery action, a GPU's health follows it instead of the
+// XID list: "none" keeps a GPU healthy through a critical XID, any other action makes
+// it unhealthy with the action in the reason (an application XID too) until the
+// driver reports none again, at once, without a quiet period.
+func TestRecoveryActionsDriveHealth(t *testing.T) {
+	const m = "dgxh100"
+	p, clk := newTestPlugin(t, Config{
+		Simulate:          m,
+		FingerprintPeriod: "1h",
+		InjectFaults: []FaultConfig{
+			{GPUIndex: ptr(0), XID: 79, After: "10s", RecoveryAction: "none"},
+			{GPUIndex: ptr(1), XID: 48, After: "10s", For: "1m", RecoveryAction: "gpu_reset"},
+			{GPUIndex: ptr(2), XID: 13, After: "10s", RecoveryAction: "node_reboot"},
+			{GPUIndex: ptr(3), XID: 79, After: "10s", RecoveryAction: "drain_p2p"},
+			{GPUIndex: ptr(4), XID: 79, After: "10s", RecoveryAction: "drain_and_reset"},
+		},
+	})
+	s := startFingerprint(t, p)
+	checkHealth(t, "start", s.next(t), m, nil)
+
+	clk.Advance(10 * time.Second)
+	at := t0.Add(10 * time.Second).Format(time.RFC3339)
+	want := wantHealth{
+		1: `XID 48 at ` + at + `; recovery action "GPU reset" required`,
+		2: `XID 13 at ` + at + `; recovery action "node reboot" required`,
+		3: `recovery action "drain P2P" required`,
+		4: `recovery action "drain and reset" required`,
+	}
+	checkHealth(t, "t=10s", waitForHealth(t, s, m, want), m, want)
+
+	clk.Advance(time.Minute) // GPU 1 was reset; the others still wait for theirs
+	delete(want, 1)
+	checkHealth(t, "t=70s", waitForHealth(t, s, m, want), m, want)
+}
+
+// waitForHealth reads fingerprints until one matches want (each XID event is its own
+// change, so several may come), failing after 10 s.
+func waitForHealth(t *testing.T, s *stream[*pb.FingerprintResponse], machine string, want wantHealth) *pb.FingerprintResponse {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	var last *pb.FingerprintResponse
+	for {
+		select {
+		case resp := <-s.msgs:
+			last = resp
+			if healthMatches(resp, machine, want) {
+				return resp
+			}
+		case <-deadline:
+			t.Fatalf("no fingerprint with health %v within 10 s; last: %v", want, last)
+			return nil
+		}
+	}
+}
+
+func healthMatches(resp *pb.FingerprintResponse, machine string, want wantHealth) bool {
+	devs := devices(resp)
+	for i := range 8 {
+		d := devs[simulatedUUID(machine, i)]
+		reason, bad := want[i]
+		if bad != (d.GetHealth() == pb.Health_HEALTH_UNHEALTHY) || !strings.Contains(d.GetHealthReason(), reason) {
+			return false
+		}
+	}
+	return true
 }

@@ -3,6 +3,7 @@ package nvidia
 import (
 	"context"
 	"encoding/json"
+	"path/filepath"
 	"slices"
 	"sync"
 	"testing"
@@ -98,6 +99,9 @@ func (t *fakeTimer) Stop() {
 func newTestPlugin(t *testing.T, cfg Config) (*Plugin, *fakeClock) {
 	t.Helper()
 	p, clk := newUnconfigured(t)
+	if cfg.Simulate != "" && cfg.SimStateFile == nil {
+		cfg.SimStateFile = ptr(filepath.Join(t.TempDir(), "sim-state.json"))
+	}
 	if err := p.SetConfig(context.Background(), mustJSON(t, cfg)); err != nil {
 		t.Fatalf("SetConfig(%+v): %v", cfg, err)
 	}

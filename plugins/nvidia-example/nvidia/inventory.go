@@ -1,7 +1,9 @@
 package nvidia
 
 import (
+	"cmp"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -50,11 +52,32 @@ func (rt *runtime) listGPUs() (gpus []gpu, problems []error, err error) {
 	return gpus, problems, nil
 }
 
-// inventory is one reading of the GPUs' static facts.
+// inventory is one reading of the GPUs' static facts and of how each is offered.
 type inventory struct {
-	gpus  []gpu
-	descs []gpuDesc // same order as gpus
+	gpus    []gpu
+	descs   []gpuDesc // same order as gpus
+	plans   []gpuPlan // same order as gpus
+	targets map[string]target
+	at      time.Time
 }
+
+// target is what a device ID reserves.
+type target struct {
+	kind      targetKind
+	gpu       int         // index into inventory.gpus
+	profile   *migProfile // targetPartition
+	placement nvml.GpuInstancePlacement
+	uuid      string // what NVIDIA_VISIBLE_DEVICES names: the GPU's or the MIG device's
+}
+
+type targetKind int
+
+const (
+	targetGPU       targetKind = iota // the whole GPU
+	targetReplica                     // a time-sliced replica
+	targetPartition                   // an on-demand MIG device
+	targetStatic                      // a MIG device of a static layout
+)
 
 // gpuDesc is what a fingerprint says about one GPU.
 type gpuDesc struct {
@@ -79,11 +102,40 @@ func (rt *runtime) scan() (*inventory, error) {
 		rt.logger.Debug("driver version unknown", "error", ret)
 		driver = ""
 	}
-	inv := &inventory{gpus: gpus}
-	for _, g := range gpus {
+	inv := &inventory{gpus: gpus, targets: make(map[string]target), at: rt.clock.Now()}
+	for i, g := range gpus {
 		inv.descs = append(inv.descs, rt.describe(g, driver))
+		plan := rt.planGPU(g)
+		inv.plans = append(inv.plans, plan)
+		switch plan.mode {
+		case modeStatic:
+			for _, m := range plan.static {
+				inv.targets[m.uuid] = target{kind: targetStatic, gpu: i, profile: m.profile, placement: m.placement, uuid: m.uuid}
+			}
+			continue // the whole GPU is carved up
+		case modeOnDemand:
+			for _, prof := range plan.profiles {
+				for _, pl := range prof.placements {
+					inv.targets[partitionID(g.uuid, prof.name, pl.Start)] = target{kind: targetPartition, gpu: i, profile: prof, placement: pl}
+				}
+			}
+		}
+		inv.targets[g.uuid] = target{kind: targetGPU, gpu: i, uuid: g.uuid}
+		for k := range plan.replicas {
+			inv.targets[replicaID(g.uuid, k)] = target{kind: targetReplica, gpu: i, uuid: g.uuid}
+		}
 	}
+	rt.latest.Store(inv)
 	return inv, nil
+}
+
+// current returns the latest scan, scanning again when there is none or it is older
+// than fingerprint_period.
+func (rt *runtime) current() (*inventory, error) {
+	if inv := rt.latest.Load(); inv != nil && rt.clock.Now().Sub(inv.at) < rt.fingerprintPeriod {
+		return inv, nil
+	}
+	return rt.scan()
 }
 
 // Units of the values this plugin reports.
@@ -183,35 +235,103 @@ func (rt *runtime) numaNode(g gpu, busID string) int32 {
 	return int32(n)
 }
 
-// fingerprint builds the message for the inventory with health at now, one group per
-// product name. recovery is the earliest time an unhealthy GPU turns healthy (zero
-// when none is unhealthy).
+// fingerprint builds the message for the inventory with health at now: one group per
+// product name for whole GPUs (nvidia/gpu/<name>) and their replicas
+// (nvidia/gpu.shared/<name>), one per MIG profile (nvidia/mig/<profile>), and a counter
+// set per GPU whose devices share it. A partition's health is its GPU's. recovery is
+// the earliest time an unhealthy GPU turns healthy (zero when none is unhealthy).
 func (inv *inventory) fingerprint(h *healthBook, now time.Time) (resp *pb.FingerprintResponse, recovery time.Time) {
-	groups := make(map[string]*pb.DeviceGroup)
-	for _, d := range inv.descs {
-		g, ok := groups[d.name]
+	type key struct{ typ, name string }
+	groups := make(map[key]*pb.DeviceGroup)
+	add := func(typ, name string, attrs func() map[string]*pb.Value, dev *pb.Device) {
+		k := key{typ, name}
+		g, ok := groups[k]
 		if !ok {
-			// Every GPU of one product shares these facts; the first one speaks for all.
-			g = &pb.DeviceGroup{Vendor: "nvidia", Type: "gpu", Name: d.name, Attributes: d.attrs}
-			groups[d.name] = g
-		}
-		healthy, reason, until := h.status(d.id, now)
-		dev := &pb.Device{Id: d.id, Health: pb.Health_HEALTH_HEALTHY, Locality: d.locality}
-		if !healthy {
-			dev.Health = pb.Health_HEALTH_UNHEALTHY
-			dev.HealthReason = reason
-			if recovery.IsZero() || until.Before(recovery) {
-				recovery = until
-			}
+			// Every device of one group shares these facts; the first one speaks for all.
+			g = &pb.DeviceGroup{Vendor: "nvidia", Type: typ, Name: name, Attributes: attrs()}
+			groups[k] = g
 		}
 		g.Devices = append(g.Devices, dev)
 	}
 	resp = &pb.FingerprintResponse{}
+	for i, d := range inv.descs {
+		plan := &inv.plans[i]
+		healthy, reason, until := h.status(d.id, now)
+		if !healthy && !until.IsZero() && (recovery.IsZero() || until.Before(recovery)) {
+			recovery = until
+		}
+		device := func(id string, use map[string]int64) *pb.Device {
+			dev := &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: d.locality}
+			if !healthy {
+				dev.Health = pb.Health_HEALTH_UNHEALTHY
+				dev.HealthReason = reason
+			}
+			if use != nil {
+				dev.Consumes = []*pb.CounterConsumption{{CounterSet: d.id, Counters: use}}
+			}
+			return dev
+		}
+		var whole map[string]int64
+		if plan.hasCounters() {
+			resp.CounterSets = append(resp.CounterSets, &pb.CounterSet{Name: d.id, Counters: plan.counters()})
+			whole = plan.counters() // the whole GPU takes everything
+		}
+		gpuAttrs := func() map[string]*pb.Value { return d.attrs }
+		switch plan.mode {
+		case modeStatic:
+			for _, m := range plan.static {
+				add("mig", migGroupName(m.profile), func() map[string]*pb.Value { return migAttrs(m.profile, d) }, device(m.uuid, nil))
+			}
+			continue
+		case modeOnDemand:
+			for _, prof := range plan.profiles {
+				for _, pl := range prof.placements {
+					add("mig", prof.name, func() map[string]*pb.Value { return migAttrs(prof, d) },
+						device(partitionID(d.id, prof.name, pl.Start), partitionUse(prof, pl)))
+				}
+			}
+		}
+		add("gpu", d.name, gpuAttrs, device(d.id, whole))
+		for k := range plan.replicas {
+			add("gpu.shared", d.name, func() map[string]*pb.Value {
+				a := maps.Clone(d.attrs)
+				a["replicas"] = intValue(int64(plan.replicas), "")
+				return a
+			}, device(replicaID(d.id, k), map[string]int64{counterTimeSlices: 1}))
+		}
+	}
 	for _, g := range groups {
 		resp.Groups = append(resp.Groups, g)
 	}
-	slices.SortFunc(resp.Groups, func(a, b *pb.DeviceGroup) int { return strings.Compare(a.Name, b.Name) })
+	slices.SortFunc(resp.Groups, func(a, b *pb.DeviceGroup) int {
+		return cmp.Or(strings.Compare(a.Type, b.Type), strings.Compare(a.Name, b.Name))
+	})
 	return resp, recovery
+}
+
+// migGroupName is the group of a MIG device of profile p ("unknown" when the plugin
+// could not read it).
+func migGroupName(p *migProfile) string {
+	if p == nil {
+		return "unknown"
+	}
+	return p.name
+}
+
+// migAttrs are the attributes of a MIG profile's group on the GPU d describes.
+func migAttrs(p *migProfile, d gpuDesc) map[string]*pb.Value {
+	a := map[string]*pb.Value{"gpu_model": stringValue(d.name)}
+	for _, k := range []string{"driver_version", "compute_capability"} {
+		if v, ok := d.attrs[k]; ok {
+			a[k] = v
+		}
+	}
+	if p != nil {
+		a["memory"] = intValue(int64(p.info.MemorySizeMB), unitMiB)
+		a["multiprocessors"] = intValue(int64(p.info.MultiprocessorCount), "")
+		a["compute_slices"] = intValue(int64(p.info.SliceCount), "")
+	}
+	return a
 }
 
 // sample reads every GPU's stats, stamped now. Values a GPU cannot give are left out.

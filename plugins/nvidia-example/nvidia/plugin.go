@@ -10,9 +10,15 @@
 // sending only on change. While a Fingerprint stream runs, critical XID events make a
 // GPU unhealthy until health_quiet_period passes without another one. Reserve hands
 // out NVIDIA_VISIBLE_DEVICES and CDI names, which resolve through the CDI spec the
-// plugin keeps in cdi_spec_dir (see cdi.go). MIG devices are not handled; GPUs that
-// appear after a Fingerprint stream started are reported but their XIDs are watched
-// only from the next stream on.
+// plugin keeps in cdi_spec_dir (see cdi.go). GPUs that appear after a Fingerprint
+// stream started are reported but their XIDs are watched only from the next stream on.
+//
+// GPUs can be partitioned (see mig.go): MIG on demand (mig = "on-demand": Reserve
+// creates the instance, Release destroys it, Reconcile destroys what no live
+// reservation holds), a static MIG layout (mig_layout), and time-sliced replicas
+// (replicas). Devices that share a GPU declare it as a counter set, which the host
+// enforces. The simulated machines keep their MIG state in sim_state_file, so it
+// outlives the plugin process as a real GPU's does (see simmig.go).
 package nvidia
 
 import (
@@ -20,8 +26,10 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -59,8 +67,14 @@ type Plugin struct {
 	openNVML   func() nvml.Interface
 	eventPoll  time.Duration
 	charDevice func(path string) bool // is path a character device on this host
+	migMinors  string                 // the driver's MIG capability table (migMinorsPath)
+
+	// migMu serialises every change to MIG instances (and the CDI spec that lists
+	// them), across runtimes.
+	migMu sync.Mutex
 
 	mu     sync.Mutex
+	sim    *simMIG        // the simulated machine's MIG state, kept across SetConfigs
 	rt     *runtime       // nil until SetConfig succeeds
 	nvml   nvml.Interface // the real library once opened, shared by every runtime
 	nvmlUp bool           // nvml initialised
@@ -80,6 +94,7 @@ func New(logger hclog.Logger) *Plugin {
 		openNVML:   func() nvml.Interface { return nvml.New() },
 		eventPoll:  defaultEventPoll,
 		charDevice: isCharDevice,
+		migMinors:  migMinorsPath,
 	}
 }
 
@@ -105,6 +120,8 @@ type runtime struct {
 	// numaFromNVML says whether the library has nvmlDeviceGetNumaNodeId; calling a
 	// symbol the loaded driver lacks would crash the process.
 	numaFromNVML bool
+	migMu        *sync.Mutex // the plugin's
+	latest       atomic.Pointer[inventory]
 }
 
 // Info names the plugin.
@@ -128,9 +145,9 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 	if p.rt != nil && reflect.DeepEqual(p.rt.settings, s) {
 		return nil
 	}
-	rt := &runtime{settings: s, logger: p.logger, clock: p.clock, health: newHealthBook(s.quietPeriod)}
+	rt := &runtime{settings: s, logger: p.logger, clock: p.clock, health: newHealthBook(s.quietPeriod), migMu: &p.migMu}
 	if s.cdiDir != "" {
-		if rt.cdi, err = newCDIPublisher(s.cdiDir, p.logger, p.charDevice); err != nil {
+		if rt.cdi, err = newCDIPublisher(s.cdiDir, p.logger, p.charDevice, p.migMinors); err != nil {
 			return err
 		}
 	}
@@ -138,20 +155,46 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 		rt.health.inherit(p.rt.health)
 	}
 	if s.simulate != "" {
-		sim := newSimLib(s.simulate, p.clock)
+		mig := p.sim
+		if mig == nil || mig.path != s.simStateFile || mig.machine != s.simulate {
+			if mig, err = loadSimMIG(s.simStateFile, s.simulate, simulatedUUIDs(s.simulate)); err != nil {
+				return err
+			}
+		}
+		sim := newSimLib(s.simulate, p.clock, mig)
 		if err := sim.scheduleFaults(p.clock.Now(), s.faults); err != nil {
 			return err
 		}
 		if ret := sim.Init(); ret != nvml.SUCCESS {
 			return fmt.Errorf("simulate %s: init: %w", s.simulate, ret)
 		}
+		// The simulated operator turns MIG mode on where the config partitions GPUs
+		// (on real GPUs that is the operator's job: the plugin never changes it).
+		var want []int
+		for i := range sim.devices {
+			if s.wantsMIG(i) {
+				want = append(want, i)
+			}
+		}
+		changed, err := mig.enableMIG(want)
+		if err != nil {
+			return err
+		}
+		p.sim = mig
 		rt.lib = sim
 		rt.numaFromNVML = true
 		p.logger.Info("running on simulated GPUs", "machine", s.simulate, "gpus", len(sim.devices),
-			"xid_events_scheduled", len(sim.faults))
+			"xid_events_scheduled", len(sim.faults), "sim_state_file", s.simStateFile,
+			"mig_instances", mig.instanceCount(), "mig_mode_turned_on", changed)
 	} else if lib := p.openRealNVML(); lib != nil {
 		rt.lib = lib
 		rt.numaFromNVML = lib.Extensions().LookupSymbol("nvmlDeviceGetNumaNodeId") == nil
+	}
+	if rt.lib != nil {
+		if err := rt.applyLayout(); err != nil {
+			return err
+		}
+		rt.reportMIGModes()
 	}
 	if old := p.rt; old != nil && old.cdi != nil && (rt.cdi == nil || rt.cdi.w.Path() != old.cdi.w.Path()) {
 		// The spec moved or is off: the old file would name GPUs nobody keeps up to date.
@@ -217,7 +260,9 @@ func (p *Plugin) runtime() (*runtime, error) {
 }
 
 // Fingerprint sends the inventory at once, then whenever it changes: on a re-read every
-// fingerprint_period, on a critical XID, and when a GPU's quiet period ends. Without
+// fingerprint_period, on a critical XID, when a GPU's quiet period ends, and when the
+// recovery action the driver reports for a GPU changes (asked at each send, and every
+// recoveryActionPoll while one is pending). Without
 // NVML it sends one empty inventory and waits for ctx to end. Each reading of the GPUs
 // is published to the CDI spec (when cdi_spec_dir is set) before it is sent, so the
 // host never hands out a CDI name that the spec does not hold yet.
@@ -227,7 +272,7 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 		return err
 	}
 	if rt.lib == nil {
-		rt.publishCDI(nil) // a spec left from when there were GPUs goes
+		rt.publishCDI(&inventory{}) // a spec left from when there were GPUs goes
 		if err := send(&pb.FingerprintResponse{}); err != nil {
 			return err
 		}
@@ -239,7 +284,7 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 	if err != nil {
 		return err
 	}
-	rt.publishCDI(inv.gpus)
+	rt.publishCDI(inv)
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	defer wg.Wait()
@@ -257,9 +302,10 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 			if inv, err = rt.scan(); err != nil {
 				return err
 			}
-			rt.publishCDI(inv.gpus)
+			rt.publishCDI(inv)
 			nextScan = now.Add(rt.fingerprintPeriod)
 		}
+		pending := pollRecoveryActions(rt.health, inv.gpus, now)
 		resp, recovery := inv.fingerprint(rt.health, now)
 		if last == nil || !protoEqual(resp, last) {
 			if err := send(resp); err != nil {
@@ -270,6 +316,9 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 		wake := nextScan
 		if !recovery.IsZero() && recovery.Before(wake) {
 			wake = recovery
+		}
+		if poll := now.Add(recoveryActionPoll); pending && poll.Before(wake) {
+			wake = poll
 		}
 		t := rt.clock.TimerAt(wake)
 		select {
@@ -318,10 +367,14 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*p
 	}
 }
 
-// Reserve exposes the GPUs to a container: NVIDIA_VISIBLE_DEVICES lists their UUIDs in
-// request order, and each gets the CDI name nvidia.com/gpu=<UUID>. IDs that are
-// unknown, ignored or repeated refuse the whole request with an error naming them, as
-// a gRPC status: NOT_FOUND for unknown or ignored IDs, else INVALID_ARGUMENT.
+// Reserve exposes the devices to a container: NVIDIA_VISIBLE_DEVICES lists their
+// UUIDs in request order (a replica's GPU once; a MIG device's "MIG-..." UUID), and
+// each device gets the CDI name nvidia.com/gpu=<device ID>. An on-demand MIG device's GPU and
+// compute instance are created first, and the CDI spec gains it before the answer;
+// if any create fails, what this call made is destroyed and the error names the
+// device. IDs that are unknown, ignored or repeated refuse the whole request with an
+// error naming them, as a gRPC status: NOT_FOUND for unknown or ignored IDs, else
+// INVALID_ARGUMENT.
 func (p *Plugin) Reserve(_ context.Context, deviceIDs []string) (*pb.ContainerReservation, error) {
 	rt, err := p.runtime()
 	if err != nil {
@@ -330,38 +383,35 @@ func (p *Plugin) Reserve(_ context.Context, deviceIDs []string) (*pb.ContainerRe
 	if len(deviceIDs) == 0 {
 		return nil, status.Error(codes.InvalidArgument, "reserve: no device IDs")
 	}
-	known := make(map[string]bool)
+	inv := &inventory{}
 	if rt.lib != nil {
-		gpus, _, err := rt.listGPUs()
-		if err != nil {
+		if inv, err = rt.current(); err != nil {
 			return nil, fmt.Errorf("reserve: %w", err)
-		}
-		for _, g := range gpus {
-			known[g.uuid] = true
 		}
 	}
 	var unknown, ignored, repeated []string
 	seen := make(map[string]bool)
 	for _, id := range deviceIDs {
+		_, known := inv.targets[id]
 		switch {
 		case seen[id]:
 			repeated = append(repeated, id)
 		case rt.ignored[id]:
 			ignored = append(ignored, id)
-		case !known[id]:
+		case !known:
 			unknown = append(unknown, id)
 		}
 		seen[id] = true
 	}
 	var problems []string
 	if len(unknown) > 0 {
-		problems = append(problems, "unknown GPU IDs "+strings.Join(unknown, ", "))
+		problems = append(problems, "unknown device IDs "+strings.Join(unknown, ", "))
 	}
 	if len(ignored) > 0 {
 		problems = append(problems, "ignored GPU IDs (ignored_gpu_ids) "+strings.Join(ignored, ", "))
 	}
 	if len(repeated) > 0 {
-		problems = append(problems, "GPU IDs given more than once "+strings.Join(repeated, ", "))
+		problems = append(problems, "device IDs given more than once "+strings.Join(repeated, ", "))
 	}
 	if len(problems) > 0 {
 		code := codes.InvalidArgument
@@ -370,19 +420,197 @@ func (p *Plugin) Reserve(_ context.Context, deviceIDs []string) (*pb.ContainerRe
 		}
 		return nil, status.Error(code, "reserve: "+strings.Join(problems, "; "))
 	}
-	names := make([]string, len(deviceIDs))
-	for i, id := range deviceIDs {
-		names[i] = cdi.Name(cdiKind, id)
+
+	uuids, err := rt.prepare(inv, deviceIDs)
+	if err != nil {
+		return nil, err
+	}
+	var visible, names []string
+	for i, u := range uuids {
+		if !slices.Contains(visible, u) {
+			visible = append(visible, u)
+		}
+		names = append(names, cdi.Name(cdiKind, deviceIDs[i]))
 	}
 	return &pb.ContainerReservation{
-		Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": strings.Join(deviceIDs, ",")},
+		Envs:       map[string]string{"NVIDIA_VISIBLE_DEVICES": strings.Join(visible, ",")},
 		CdiDevices: names,
 	}, nil
 }
 
-// publishCDI writes the CDI spec for gpus, when the plugin keeps one.
-func (rt *runtime) publishCDI(gpus []gpu) {
-	if rt.cdi != nil {
-		rt.cdi.publish(gpus)
+// prepare returns the UUID each device ID exposes, creating on-demand MIG instances
+// (and publishing them to the CDI spec) on the way. On failure it destroys the
+// instances it created.
+func (rt *runtime) prepare(inv *inventory, ids []string) ([]string, error) {
+	uuids := make([]string, len(ids))
+	var parts []int
+	for i, id := range ids {
+		t := inv.targets[id]
+		uuids[i] = t.uuid
+		if t.kind == targetPartition {
+			parts = append(parts, i)
+		}
 	}
+	if len(parts) == 0 {
+		return uuids, nil
+	}
+	rt.migMu.Lock()
+	defer rt.migMu.Unlock()
+	var made []target
+	for _, i := range parts {
+		t := inv.targets[ids[i]]
+		u, created, err := createPartition(inv.gpus[t.gpu], t.profile, t.placement)
+		if err != nil {
+			for _, m := range made {
+				if uerr := destroyPartition(inv.gpus[m.gpu], m.profile, m.placement.Start); uerr != nil {
+					err = errors.Join(err, fmt.Errorf("undoing an earlier device of this request: %w", uerr))
+				}
+			}
+			code := codes.Internal
+			if errors.Is(err, nvml.ERROR_INSUFFICIENT_RESOURCES) || errors.Is(err, nvml.ERROR_IN_USE) {
+				code = codes.FailedPrecondition
+			}
+			return nil, status.Errorf(code, "reserve %s: %v", ids[i], err)
+		}
+		if created {
+			made = append(made, t)
+		}
+		uuids[i] = u
+	}
+	rt.publishCDILocked(inv)
+	return uuids, nil
+}
+
+// Release destroys the MIG instances of the on-demand MIG devices among deviceIDs;
+// other devices need nothing. Idempotent: an instance already gone is fine, and so
+// are IDs the plugin no longer reports.
+func (p *Plugin) Release(_ context.Context, _ string, deviceIDs []string) error {
+	rt, err := p.runtime()
+	if err != nil || rt.lib == nil {
+		return err
+	}
+	inv, err := rt.current()
+	if err != nil {
+		return fmt.Errorf("release: %w", err)
+	}
+	rt.migMu.Lock()
+	defer rt.migMu.Unlock()
+	var errs []error
+	destroyed := false
+	for _, id := range deviceIDs {
+		t, ok := inv.targets[id]
+		if !ok || t.kind != targetPartition {
+			continue
+		}
+		if err := destroyPartition(inv.gpus[t.gpu], t.profile, t.placement.Start); err != nil {
+			errs = append(errs, fmt.Errorf("release %s: %w", id, err))
+		}
+		destroyed = true
+	}
+	if destroyed {
+		rt.publishCDILocked(inv)
+	}
+	return errors.Join(errs...)
+}
+
+// Reconcile makes the on-demand GPUs' MIG instances match the live reservations: an
+// instance that a live reservation's device names is kept (its compute instance made
+// if a crash left it without one); every other instance on an on-demand GPU (left by
+// a Reserve the host never recorded, or by a crash mid-create) is destroyed. Static
+// layouts and whole GPUs are not touched.
+func (p *Plugin) Reconcile(_ context.Context, live []deviceplugin.LiveReservation) error {
+	rt, err := p.runtime()
+	if err != nil || rt.lib == nil {
+		return err
+	}
+	inv, err := rt.current()
+	if err != nil {
+		return fmt.Errorf("reconcile: %w", err)
+	}
+	held := make(map[string]bool)
+	for _, r := range live {
+		for _, id := range r.DeviceIDs {
+			held[id] = true
+		}
+	}
+	rt.migMu.Lock()
+	defer rt.migMu.Unlock()
+	var errs []error
+	kept, destroyed := 0, 0
+	for i, g := range inv.gpus {
+		plan := inv.plans[i]
+		if plan.mode != modeOnDemand {
+			continue
+		}
+		existing, err := listGPUInstances(g, plan.profiles)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		for _, e := range existing {
+			id := partitionID(g.uuid, e.profile.name, e.info.Placement.Start)
+			if t, ok := inv.targets[id]; ok && held[id] && t.placement == e.info.Placement {
+				if _, _, err := createPartition(g, e.profile, e.info.Placement); err != nil {
+					errs = append(errs, fmt.Errorf("reconcile: adopting %s: %w", id, err))
+				}
+				kept++
+				continue
+			}
+			if err := destroyGPUInstance(e.gi); err != nil {
+				errs = append(errs, fmt.Errorf("reconcile: destroying the %s instance at %d on GPU %s: %w", e.profile.name, e.info.Placement.Start, g.uuid, err))
+				continue
+			}
+			rt.logger.Info("reconcile: destroyed a MIG instance no live reservation holds", "device", id)
+			destroyed++
+		}
+	}
+	rt.logger.Info("reconciled MIG instances with the live reservations", "reservations", len(live), "kept", kept, "destroyed", destroyed)
+	rt.publishCDILocked(inv)
+	return errors.Join(errs...)
+}
+
+var (
+	_ deviceplugin.Releaser   = (*Plugin)(nil)
+	_ deviceplugin.Reconciler = (*Plugin)(nil)
+)
+
+// publishCDI writes the CDI spec for inv, when the plugin keeps one.
+func (rt *runtime) publishCDI(inv *inventory) {
+	if rt.cdi == nil {
+		return
+	}
+	rt.migMu.Lock()
+	defer rt.migMu.Unlock()
+	rt.publishCDILocked(inv)
+}
+
+// publishCDILocked writes the CDI spec: inv's GPUs, their replicas, and the MIG
+// devices that exist on its MIG GPUs now, each named by its device ID. Called with
+// the MIG lock held, so that a spec read before a create is not written after a
+// later one.
+func (rt *runtime) publishCDILocked(inv *inventory) {
+	if rt.cdi == nil {
+		return
+	}
+	var more []cdiAlias
+	for i, g := range inv.gpus {
+		plan := inv.plans[i]
+		for k := range plan.replicas {
+			more = append(more, cdiAlias{name: replicaID(g.uuid, k), parent: g})
+		}
+		switch plan.mode {
+		case modeStatic:
+			for _, m := range readMIGDevices(g, nil) {
+				more = append(more, cdiAlias{name: m.uuid, parent: g, mig: true, gi: m.gi, ci: m.ci})
+			}
+		case modeOnDemand:
+			for _, m := range readMIGDevices(g, plan.profiles) {
+				if m.profile != nil {
+					more = append(more, cdiAlias{name: partitionID(g.uuid, m.profile.name, m.placement.Start), parent: g,
+						mig: true, gi: m.gi, ci: m.ci})
+				}
+			}
+		}
+	}
+	rt.cdi.publish(inv.gpus, more)
 }

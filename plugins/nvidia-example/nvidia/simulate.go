@@ -1,6 +1,7 @@
 package nvidia
 
 import (
+	"encoding/binary"
 	"fmt"
 	"math"
 	"sync"
@@ -50,6 +51,16 @@ var machines = map[string]machine{
 // UUIDs are device IDs that reservations refer to.
 var simNamespace = uuid.MustParse("5b0c0f6e-4a53-4b7e-9a31-3c1d2f8e9a10")
 
+// simulatedUUIDs are the UUIDs of every GPU of a simulated machine, by index.
+func simulatedUUIDs(machineName string) []string {
+	n := len(machines[machineName].newServer().Devices)
+	out := make([]string, n)
+	for i := range out {
+		out[i] = simulatedUUID(machineName, i)
+	}
+	return out
+}
+
 // simulatedUUID is the stable UUID of GPU index on a simulated machine.
 func simulatedUUID(machineName string, index int) string {
 	return "GPU-" + uuid.NewSHA1(simNamespace, fmt.Appendf(nil, "%s/%d", machineName, index)).String()
@@ -70,9 +81,21 @@ type simLib struct {
 
 	clock   clock
 	devices []*simDevice
+	mig     *simMIG // MIG mode and instances, shared by every simLib of one state file
 
 	mu     sync.Mutex // guards faults[i].delivered
 	faults []*simFault
+	// actions are the injected recovery actions; with any, the simulated driver
+	// reports recovery actions (none outside them), else it does not.
+	actions []simAction
+}
+
+// simAction is a recovery action a GPU asks for from from until until (zero: for
+// good).
+type simAction struct {
+	device      *simDevice
+	from, until time.Time
+	action      nvml.DeviceGpuRecoveryAction
 }
 
 // simFault is one scheduled XID event.
@@ -83,11 +106,12 @@ type simFault struct {
 	delivered bool
 }
 
-// newSimLib builds the simulated machine name; it must be a key of machines.
-func newSimLib(name string, clk clock) *simLib {
+// newSimLib builds the simulated machine name, whose MIG state is mig; name must be a
+// key of machines.
+func newSimLib(name string, clk clock, mig *simMIG) *simLib {
 	spec := machines[name]
 	srv := spec.newServer()
-	lib := &simLib{Interface: srv, clock: clk}
+	lib := &simLib{Interface: srv, clock: clk, mig: mig}
 	for i, dev := range srv.Devices {
 		mockDev := dev.(*server.Device)
 		id := simulatedUUID(name, i)
@@ -131,6 +155,14 @@ func (l *simLib) scheduleFaults(start time.Time, faults []faultSpec) error {
 			}
 		}
 		l.faults = append(l.faults, &simFault{at: start.Add(f.after), device: dev, xid: f.xid})
+		if f.action != nil {
+			a := simAction{device: dev, from: start.Add(f.after), action: *f.action}
+			if f.lasts > 0 {
+				a.until = a.from.Add(f.lasts)
+			}
+			l.actions = append(l.actions, a)
+			continue // the action ends; no second XID
+		}
 		if f.lasts > 0 {
 			l.faults = append(l.faults, &simFault{at: start.Add(f.after + f.lasts), device: dev, xid: f.xid})
 		}
@@ -258,6 +290,32 @@ func (d *simDevice) GetPowerUsage() (uint32, nvml.Return) {
 // GetTotalEccErrors reports no ECC errors: the simulation injects XIDs, not ECC faults.
 func (d *simDevice) GetTotalEccErrors(nvml.MemoryErrorType, nvml.EccCounterType) (uint64, nvml.Return) {
 	return 0, nvml.SUCCESS
+}
+
+// GetFieldValues answers FI_DEV_GET_GPU_RECOVERY_ACTION when the machine has injected
+// recovery actions (the latest one begun and not ended, else none); every other field
+// is not supported.
+func (d *simDevice) GetFieldValues(values []nvml.FieldValue) nvml.Return {
+	now := d.lib.clock.Now()
+	for i := range values {
+		v := &values[i]
+		if v.FieldId != nvml.FI_DEV_GET_GPU_RECOVERY_ACTION || len(d.lib.actions) == 0 {
+			v.NvmlReturn = uint32(nvml.ERROR_NOT_SUPPORTED)
+			continue
+		}
+		action, since := nvml.GPU_RECOVERY_ACTION_NONE, time.Time{}
+		for _, a := range d.lib.actions {
+			if a.device == d && !now.Before(a.from) && (a.until.IsZero() || now.Before(a.until)) && !a.from.Before(since) {
+				action, since = a.action, a.from
+			}
+		}
+		v.ValueType = uint32(nvml.VALUE_TYPE_UNSIGNED_INT)
+		v.Value = [8]byte{}
+		binary.LittleEndian.PutUint32(v.Value[:4], uint32(action))
+		v.NvmlReturn = uint32(nvml.SUCCESS)
+		v.Timestamp = now.UnixMicro()
+	}
+	return nvml.SUCCESS
 }
 
 func (d *simDevice) GetSupportedEventTypes() (uint64, nvml.Return) {
