@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -177,7 +178,31 @@ func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
 	if ps.DeviceIDs == nil {
 		ps.DeviceIDs = devDeviceIDs // its GPUs', its MIG devices' and its partitions' IDs
 	}
+	ps.ConfigJSON = devSimState(ps.ConfigJSON, filepath.Join(dir, devSimStateName))
 	cfg.Plugins[devPluginName] = ps
+}
+
+// devSimState puts the simulated machine's MIG state in the dev agent's own directory
+// (sim_state_file), unless the plugin's config names one: two dev agents must not
+// share a simulated machine. A config that is not a JSON object is left alone for
+// the plugin to refuse.
+func devSimState(configJSON []byte, path string) []byte {
+	var obj map[string]json.RawMessage
+	if err := json.Unmarshal(configJSON, &obj); err != nil || obj == nil {
+		return configJSON
+	}
+	if _, ok := obj["simulate"]; !ok {
+		return configJSON
+	}
+	if _, ok := obj["sim_state_file"]; ok {
+		return configJSON
+	}
+	obj["sim_state_file"], _ = json.Marshal(path)
+	out, err := json.Marshal(obj)
+	if err != nil {
+		return configJSON
+	}
+	return out
 }
 
 // devDeviceIDs pins -dev's plugin to NVIDIA's ID forms: GPU UUIDs (and the partitions

@@ -411,20 +411,26 @@ func TestDevConfig(t *testing.T) {
 		if !reflect.DeepEqual(cfg.Bundled, []string{"nvidia-example"}) {
 			t.Errorf("bundled = %q, want [nvidia-example]", cfg.Bundled)
 		}
-		if got := string(cfg.Plugins["nvidia-example"].ConfigJSON); got != `{"simulate":"dgxh100"}` {
-			t.Errorf("nvidia-example config = %s, want the DGX H100 simulation", got)
+		if got := string(cfg.Plugins["nvidia-example"].ConfigJSON); got != `{"sim_state_file":"/tmp/dev/nvidia-sim.json","simulate":"dgxh100"}` {
+			t.Errorf("nvidia-example config = %s, want the DGX H100 simulation, its MIG state in the dev dir", got)
+		}
+		if got := cfg.Plugins["nvidia-example"].DeviceIDs; !reflect.DeepEqual(got, []string{"GPU-*", "MIG-*"}) {
+			t.Errorf("nvidia-example device_ids = %q, want GPU-* and MIG-*", got)
 		}
 	})
 	t.Run("explicit flags and plugin config win", func(t *testing.T) {
 		cfg := defaultAgentConfig()
 		cfg.Listen = "unix:///mine.sock"
-		cfg.Plugins["nvidia-example"] = pluginSettings{ConfigJSON: []byte(`{"simulate":"dgxb200"}`)}
+		cfg.Plugins["nvidia-example"] = pluginSettings{ConfigJSON: []byte(`{"simulate":"dgxb200","sim_state_file":""}`), DeviceIDs: []string{"GPU-1*"}}
 		devConfig(&cfg, map[string]bool{"listen": true}, "/tmp/dev")
 		if cfg.Listen != "unix:///mine.sock" {
 			t.Errorf("listen = %q, want the -listen flag's", cfg.Listen)
 		}
-		if got := string(cfg.Plugins["nvidia-example"].ConfigJSON); got != `{"simulate":"dgxb200"}` {
+		if got := string(cfg.Plugins["nvidia-example"].ConfigJSON); got != `{"simulate":"dgxb200","sim_state_file":""}` {
 			t.Errorf("nvidia-example config = %s, want the config file's", got)
+		}
+		if got := cfg.Plugins["nvidia-example"].DeviceIDs; !reflect.DeepEqual(got, []string{"GPU-1*"}) {
+			t.Errorf("nvidia-example device_ids = %q, want the config file's", got)
 		}
 	})
 }

@@ -11,6 +11,7 @@ const devLockName = "dev.lock"
 // devSocketName and devStateName are where -dev puts its socket and state in the
 // directory, unless -listen or -state-dir say otherwise.
 const (
-	devSocketName = "devicehost.sock"
-	devStateName  = "state"
+	devSocketName   = "devicehost.sock"
+	devStateName    = "state"
+	devSimStateName = "nvidia-sim.json" // the simulated machine's MIG state
 )

@@ -108,15 +108,26 @@ type Overrun struct {
 	Users     []Holder // the live reservations using it, sorted by reservation ID
 }
 
-// Error names each counter, its figures and its users, e.g. `owner "a": counter
+// Error names the counters, their figures and their users, e.g. `owner "a": counter
 // "memory-slice-0" of set "GPU-1" (plugin "nvidia"): 1 requested, 1 of 1 used by
-// reservation res-0f.. of owner "b": shared capacity exceeded`.
+// reservation res-0f.. of owner "b": shared capacity exceeded`. It names at most
+// maxListedOverruns counters and maxListedUsers users of each (the rest counted): a
+// whole GPU beside seven partitions overruns a dozen counters, each used by seven.
 func (e *CapacityError) Error() string {
-	parts := make([]string, 0, len(e.Overruns))
-	for _, o := range e.Overruns {
-		users := make([]string, len(o.Users))
-		for i, u := range o.Users {
-			users[i] = fmt.Sprintf("reservation %s of owner %q", u.ReservationID, u.OwnerID)
+	const maxListedOverruns, maxListedUsers = 2, 3
+	var parts []string
+	for i, o := range e.Overruns {
+		if i == maxListedOverruns {
+			parts = append(parts, fmt.Sprintf("and %d more counters", len(e.Overruns)-i))
+			break
+		}
+		var users []string
+		for j, u := range o.Users {
+			if j == maxListedUsers {
+				users = append(users, fmt.Sprintf("%d more", len(o.Users)-j))
+				break
+			}
+			users = append(users, fmt.Sprintf("reservation %s of owner %q", u.ReservationID, u.OwnerID))
 		}
 		by := ""
 		if len(users) > 0 {
