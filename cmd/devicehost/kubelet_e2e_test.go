@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -14,7 +15,10 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+	prapi "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
@@ -316,4 +320,105 @@ func numaOf(devs []*dpapi.Device, id string) int64 {
 		}
 	}
 	return -1
+}
+
+// With on-demand MIG on the simulated DGX H100, the bridge serves each profile as a
+// resource of its own; seven nvidia.com/mig-1g.10gb Allocates on one GPU get seven
+// distinct MIG devices, that GPU turns unhealthy under nvidia.com/gpu (the kubelet
+// never picks a device the agent would refuse), an Allocate of it is refused naming
+// the counter, and once the partitions' pods are gone it is healthy again.
+func TestKubeletPluginPartitions(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the devicehost binary")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	cfgPath := filepath.Join(tempDir(t, "dhkm"), "agent.hcl")
+	if err := os.WriteFile(cfgPath, []byte("plugin \"nvidia-example\" {\n  config {\n    simulate = \"dgxh100\"\n    mig = \"on-demand\"\n  }\n}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	addr := endpoint.Address{Network: "unix", Path: filepath.Join(tempDir(t, "dhka"), "devicehost.sock")}
+	agent := startAgentProcess(t, addr, "agent", "-dev", "-log-json", "-listen", addr.String(), "-config", cfgPath)
+	agent.client(t, ctx)
+	dpDir := tempDir(t, "dhkd")
+	k, err := kubelettest.Start(dpDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer k.Close()
+	prSock := filepath.Join(tempDir(t, "dhkp"), "kubelet.sock")
+	pods, err := kubelettest.StartPodResources(prSock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pods.Close()
+	startAgentProcess(t, endpoint.Address{}, "kubelet-plugin", "-address", addr.String(),
+		"-device-plugin-dir", dpDir, "-pod-resources-socket", prSock,
+		"-release-grace", "1s", "-pod-resources-interval", "100ms", "-log-json")
+
+	const migResource = "nvidia.com/mig-1g.10gb"
+	u, err := k.WaitDevices(ctx, migResource, kubelettest.AllHealth(56, dpapi.Healthy))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpus, err := k.WaitDevices(ctx, e2eGPUResource, kubelettest.AllHealth(8, dpapi.Healthy))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpu := gpus.Devices[0].GetID()
+	var parts []string
+	for _, d := range u.Devices {
+		if strings.HasPrefix(d.GetID(), gpu+"-mig-") {
+			parts = append(parts, d.GetID())
+		}
+	}
+	if len(parts) != 7 {
+		t.Fatalf("%d 1g.10gb placements of %s, want 7", len(parts), gpu)
+	}
+	migClient, err := k.Client(migResource)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	var holders []*prapi.PodResources
+	for i, p := range parts {
+		resp, err := migClient.Allocate(ctx, &dpapi.AllocateRequest{ContainerRequests: []*dpapi.ContainerAllocateRequest{{DevicesIds: []string{p}}}})
+		if err != nil {
+			t.Fatalf("Allocate of %s: %v", p, err)
+		}
+		mig := resp.GetContainerResponses()[0].GetEnvs()["NVIDIA_VISIBLE_DEVICES"]
+		if !strings.HasPrefix(mig, "MIG-") || seen[mig] {
+			t.Errorf("Allocate of %s: NVIDIA_VISIBLE_DEVICES=%q, want a MIG UUID of its own", p, mig)
+		}
+		seen[mig] = true
+		holders = append(holders, kubelettest.Pod("default", fmt.Sprintf("part-%d", i), "main", migResource, p))
+	}
+	pods.SetPods(holders...)
+	if _, err := k.WaitDevices(ctx, e2eGPUResource, func(devs []*dpapi.Device) bool {
+		for _, d := range devs {
+			if d.GetID() == gpu {
+				return d.GetHealth() == dpapi.Unhealthy
+			}
+		}
+		return false
+	}); err != nil {
+		t.Fatalf("%s under %s with its 7 partitions held: %v", gpu, e2eGPUResource, err)
+	}
+	gpuClient, err := k.Client(e2eGPUResource)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = gpuClient.Allocate(ctx, &dpapi.AllocateRequest{ContainerRequests: []*dpapi.ContainerAllocateRequest{{DevicesIds: []string{gpu}}}})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "compute-slices") {
+		t.Errorf("Allocate of the whole %s beside its partitions: %v, want FailedPrecondition naming the counter", gpu, err)
+	}
+	// The pods end: after the grace the bridge releases the partitions, and the GPU is
+	// healthy again.
+	pods.SetPods()
+	if _, err := k.WaitDevices(ctx, e2eGPUResource, kubelettest.AllHealth(8, dpapi.Healthy)); err != nil {
+		t.Fatalf("%s after its partitions' pods ended: %v", gpu, err)
+	}
+	if _, err := gpuClient.Allocate(ctx, &dpapi.AllocateRequest{ContainerRequests: []*dpapi.ContainerAllocateRequest{{DevicesIds: []string{gpu}}}}); err != nil {
+		t.Errorf("Allocate of the whole %s once its partitions were released: %v", gpu, err)
+	}
 }
