@@ -27,11 +27,15 @@
 //     directly (this process launches its own copy, as the agent does), and a bare
 //     bbolt commit (one small put, fsync on) in a file beside the agent's state dir.
 //     -perf FILE records the agent's CPU with perf(1) during the measured loop.
+//   - partition: on-demand MIG on the simulated DGX H100: the Fingerprint's size, and
+//     Reserve+Release p50 of a whole GPU against a 1g.10gb partition (whose MIG instance
+//     the plugin creates), and of the partition again with 49 partitions held on the
+//     other 7 GPUs (the capacity check must not cost a scan of the ledger).
 //
 // Figures vary with what else the machine runs: compare runs made the same way, old
 // binary and new (-agent), one after the other.
 //
-// Usage: hostbench -agent bin/devicehost [-limits] [-only reserve,rss,fanout,stats,floor]
+// Usage: hostbench -agent bin/devicehost [-limits] [-only reserve,rss,fanout,stats,floor,partition]
 package main
 
 import (
@@ -121,6 +125,8 @@ func main() {
 			err = b.stats(ctx, *statsStreams)
 		case "floor":
 			err = b.floor(ctx)
+		case "partition":
+			err = b.partition(ctx)
 		default:
 			fmt.Fprintf(os.Stderr, "hostbench: unknown scenario %q\n", sc)
 			os.Exit(2)
