@@ -117,6 +117,7 @@ func (p *Plugin) Reserve(deviceIDs []string) (*device.ContainerReservation, erro
 		}
 		return nil, fmt.Errorf("devicehost: reserve %s: %w", strings.Join(deviceIDs, ", "), err)
 	}
+	p.nudge()
 	for _, id := range res.GetTakenOverReservationIds() {
 		p.log.Info("took over devices from an earlier Nomad reservation (Nomad does not say when allocations end)",
 			"released", id, "reservation", res.GetReservationId(), "owner", req.GetOwnerId(), "devices", deviceIDs)

@@ -138,6 +138,14 @@ func (s *Server) Requests() []Request {
 	return slices.Clone(s.requests)
 }
 
+// AllocationsIndex is the X-Nomad-Index the node's allocations answer now.
+func (s *Server) AllocationsIndex() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, idx := s.resultLocked(s.node.ID)
+	return idx
+}
+
 // Index is the stand-in's current Raft index.
 func (s *Server) Index() uint64 {
 	s.mu.Lock()
