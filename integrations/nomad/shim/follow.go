@@ -5,10 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/integrations/nomad/nomadapi"
@@ -271,6 +274,12 @@ func (f *follower) pass(ctx context.Context, view *nomadView) (time.Time, follow
 		switch a.kind {
 		case actReown:
 			if _, err := f.cfg.agent.Reown(ctx, id, a.res.GetOwnerId(), a.newOwner); err != nil {
+				if changed(err) {
+					// Released or reowned since the listing (a Reserve took it over):
+					// the next pass sees it as it is now.
+					log.Debug("reservation changed before it could be named", "reservation", id, "error", err)
+					continue
+				}
 				log.Warn("cannot name a reservation after the Nomad task that holds it; trying again at the next change",
 					"reservation", id, "owner", textline.Escape(a.newOwner, maxLogValue), "error", err)
 				bk.reownFailed = a.newOwner
@@ -307,6 +316,17 @@ func (f *follower) pass(ctx context.Context, view *nomadView) (time.Time, follow
 		}
 	}
 	return next, ev
+}
+
+// changed reports whether a Reown failed because the reservation is no longer as
+// listed: unknown (deleted), released, or of another owner. An owner the agent refuses
+// is INVALID_ARGUMENT too, but names new_owner_id.
+func changed(err error) bool {
+	if client.IsReservationNotFound(err) {
+		return true
+	}
+	st, ok := status.FromError(err)
+	return ok && st.Code() == codes.InvalidArgument && !strings.Contains(st.Message(), "new_owner_id")
 }
 
 func (f *follower) passFailed(what string, err error) {

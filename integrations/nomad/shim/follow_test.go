@@ -307,3 +307,26 @@ func TestFollowAddressFromEnv(t *testing.T) {
 		t.Errorf("request %+v; want NOMAD_TOKEN's token", r)
 	}
 }
+
+// An owner the agent refuses (a job ID too long for an owner ID) is logged once; the
+// reservation keeps its owner and its devices while the task runs.
+func TestFollowOwnerRefused(t *testing.T) {
+	f := followShim(t, nil, "GPU-a")
+	job := strings.Repeat("j", 300)
+	id := f.nomad.Place(nomadtest.Alloc("default", job, "main", h100.Name, "GPU-a"))
+	if _, err := f.p.Reserve([]string{"GPU-a"}); err != nil {
+		t.Fatal(err)
+	}
+	f.settle(t)
+	f.nomad.SetClientStatus(id, structs.AllocClientStatusRunning)
+	f.settle(t)
+	f.p.follow.f.Nudge()
+	f.ev.wait(t, "a pass", func(ev followEvent) bool { return ev.kind == evPass })
+	active, released := f.l.state()
+	if len(active) != 1 || !isReserveOwner(active[0].OwnerID) || len(released) != 0 {
+		t.Errorf("ledger %+v, released %v; want the reservation kept with its made-up owner", active, released)
+	}
+	if n := f.log.count("cannot name a reservation after the Nomad task"); n != 1 {
+		t.Errorf("%d warnings, want 1:\n%s", n, f.log)
+	}
+}

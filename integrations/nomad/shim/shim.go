@@ -82,7 +82,7 @@ type Config struct {
 	NomadClientKey     string `codec:"nomad_client_key"`
 	NomadTLSServerName string `codec:"nomad_tls_server_name"`
 	// ReleaseGrace is how long no running allocation must hold a reservation's
-	// devices before it is released, e.g. "30s".
+	// devices before it is released, e.g. "30s"; at least 1s.
 	ReleaseGrace string `codec:"release_grace"`
 }
 
@@ -182,8 +182,8 @@ func (p *Plugin) SetConfig(c *base.Config) error {
 	grace := DefaultReleaseGrace
 	if cfg.ReleaseGrace != "" {
 		d, err := time.ParseDuration(cfg.ReleaseGrace)
-		if err != nil || d <= 0 {
-			return fmt.Errorf("release_grace: %q is not a positive duration like \"30s\"", cfg.ReleaseGrace)
+		if err != nil || d < time.Second {
+			return fmt.Errorf("release_grace: %q is not a duration of at least 1s like \"30s\"", cfg.ReleaseGrace)
 		}
 		grace = d
 	}
