@@ -37,6 +37,10 @@ const (
 	passRetry = 5 * time.Second
 	// maxLogValue bounds a value from Nomad in a log line.
 	maxLogValue = 512
+	// startupQuiet is how long after the follower starts a failure to read Nomad is
+	// only logged at DEBUG, unless Nomad was read before: a Nomad agent launches its
+	// plugins before its HTTP API listens.
+	startupQuiet = 30 * time.Second
 )
 
 // errNotClient is a Nomad agent that runs no client: it has no node to follow.
@@ -79,8 +83,10 @@ type follower struct {
 	nudge chan struct{} // a Reserve happened: ask Nomad afresh
 	track *tracker
 
-	lastProblem string // key of the Nomad access problem last logged
-	lastPassErr string // the last agent failure of a pass logged
+	started     time.Time // when run began
+	everRead    bool      // Nomad answered at least once
+	lastProblem string    // key of the Nomad access problem last logged
+	lastPassErr string    // the last agent failure of a pass logged
 }
 
 func newFollower(cfg followConfig) *follower {
@@ -128,6 +134,7 @@ func (f *follower) run(ctx context.Context) {
 		bo       = backoff.Backoff{Base: time.Second, Max: 30 * time.Second}
 		wg       sync.WaitGroup
 	)
+	f.started = f.cfg.clock.Now()
 	results := make(chan fetchResult)
 	defer func() {
 		cancel()
@@ -194,6 +201,7 @@ func (f *follower) run(ctx context.Context) {
 			if !readable {
 				f.recovered()
 			}
+			f.everRead = true
 			readable, nodeID = true, r.nodeID
 			advanced := r.meta.Index > index
 			switch {
@@ -337,10 +345,15 @@ func (f *follower) passFailed(what string, err error) {
 }
 
 // problem logs why Nomad cannot be read, at WARN, when the reason differs from the
-// last one logged.
+// last one logged; at DEBUG while Nomad was never read and the follower started less
+// than startupQuiet ago.
 func (f *follower) problem(err error) {
 	key, hint := accessProblem(err)
 	if key == f.lastProblem {
+		return
+	}
+	if !f.everRead && f.cfg.clock.Now().Sub(f.started) < startupQuiet {
+		f.cfg.log.Debug("cannot read this node's allocations from Nomad yet", "nomad_address", f.cfg.nomad.Address(), "error", err)
 		return
 	}
 	f.lastProblem = key

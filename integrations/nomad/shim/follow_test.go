@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/nomad/nomad/structs"
 
 	"github.com/devicehost/devicehost/integrations/nomad/nomadapi/nomadtest"
@@ -328,5 +329,30 @@ func TestFollowOwnerRefused(t *testing.T) {
 	}
 	if n := f.log.count("cannot name a reservation after the Nomad task"); n != 1 {
 		t.Errorf("%d warnings, want 1:\n%s", n, f.log)
+	}
+}
+
+// A Nomad agent launches its plugins before its HTTP API listens: failures in the
+// follower's first 30 s, before Nomad ever answered, are no warning.
+func TestFollowQuietAtStartup(t *testing.T) {
+	s := nomadtest.New(t, nil)
+	s.Stop()
+	path := socketPath(t)
+	startAgent(t, fake(newSnapshots(snapshot("GPU-a")), newFakeLedger()), path)
+	ev, clk, logs := newEvents(), &fakeClock{}, &syncBuffer{}
+	p := New(hclog.New(&hclog.LoggerOptions{Output: logs, Level: hclog.Debug}))
+	p.clock, p.observe = clk, ev.add
+	t.Cleanup(p.Close)
+	if err := setConfig(p, map[string]any{"address": "unix://" + path, "nomad_address": s.URL()}); err != nil {
+		t.Fatal(err)
+	}
+	ev.wait(t, "a failed read", func(ev followEvent) bool { return ev.kind == evFailed })
+	clk.Advance(10 * time.Second)
+	ev.wait(t, "another failed read", func(ev followEvent) bool { return ev.kind == evFailed })
+	s.Start()
+	clk.Advance(20 * time.Second)
+	ev.wait(t, "an answer", func(ev followEvent) bool { return ev.kind == evFetched })
+	if n := logs.count("[WARN]"); n != 0 || logs.count("cannot read this node's allocations from Nomad yet") == 0 {
+		t.Errorf("%d warnings at startup, want none (and DEBUG lines):\n%s", n, logs)
 	}
 }
