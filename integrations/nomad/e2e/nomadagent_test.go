@@ -53,8 +53,9 @@ func envInt(name string, def int) int {
 // A real `nomad agent -dev` (v1.6.3) with nomad-device-devicehost in its plugin_dir
 // runs batch jobs on two GPUs of `devicehost agent -dev`: while a job runs its
 // reservation is named after its task; when it completes, or after `nomad alloc stop`,
-// its devices are free again release_grace later; while the shim cannot reach Nomad's
-// API (a proxy in between is shut) nothing is released under a running job. It logs
+// `nomad job stop` or a node drain, its devices are free again release_grace after its
+// task ended; while the shim cannot reach Nomad's API (a proxy in between is shut)
+// nothing is released under a running job. It logs
 // the times measured; DEVICEHOST_E2E_NOMAD_RUNS (default 2) sets the runs of each,
 // DEVICEHOST_E2E_NOMAD_OUTAGE the outage in seconds (default 10),
 // DEVICEHOST_E2E_NOMAD_GRACE the shim's release_grace in seconds (default 5).
@@ -260,6 +261,33 @@ job %q {
 			outage, r.GetReservationId(), r.GetOwnerId(), len(warnings), warnings)
 		n.deleteJob(name)
 		released(r)
+	})
+	t.Run("job stop", func(t *testing.T) {
+		name := "stopme"
+		allocID := job(name, "sleep 3600")
+		r := named(name, allocID)
+		stopped := time.Now()
+		n.deleteJob(name)
+		free := released(r)
+		finished := n.waitFinished(allocID, "complete")
+		t.Logf("nomad job stop: stop to free %v, task end to free %v", free.Sub(stopped).Round(time.Millisecond), free.Sub(finished).Round(time.Millisecond))
+	})
+
+	// Last: the node stays ineligible after its drain.
+	t.Run("drain", func(t *testing.T) {
+		name := "drained"
+		allocID := job(name, "sleep 3600")
+		r := named(name, allocID)
+		cmd := exec.Command(nomadBin, "node", "drain", "-enable", "-yes", "-detach", "-deadline", "10s", nodeID)
+		cmd.Env = append(os.Environ(), "NOMAD_ADDR="+nomadAddr)
+		drained := time.Now()
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("nomad node drain: %v\n%s", err, out)
+		}
+		free := released(r)
+		finished := n.waitFinished(allocID, "complete")
+		t.Logf("nomad node drain (deadline 10s: Nomad stops batch allocations at the deadline): drain to free %v, task end to free %v",
+			free.Sub(drained).Round(time.Millisecond), free.Sub(finished).Round(time.Millisecond))
 	})
 	if t.Failed() {
 		t.Logf("nomad output:\n%s", nomad.out)
