@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -50,11 +51,11 @@ func envInt(name string, def int) int {
 	return def
 }
 
-// A real `nomad agent -dev` (v1.6.3) with nomad-device-devicehost in its plugin_dir
-// runs batch jobs on two GPUs of `devicehost agent -dev`: while a job runs its
+// A real Nomad v1.6.3 agent (server and client) with nomad-device-devicehost in its
+// plugin_dir runs batch jobs on two GPUs of `devicehost agent -dev`: while a job runs its
 // reservation is named after its task; when it completes, or after `nomad alloc stop`,
 // `nomad job stop` or a node drain, its devices are free again release_grace after its
-// task ended; while the shim cannot reach Nomad's API (a proxy in between is shut)
+// task ended; a client restart keeps it; while the shim cannot reach Nomad's API (a proxy in between is shut)
 // nothing is released under a running job. It logs
 // the times measured; DEVICEHOST_E2E_NOMAD_RUNS (default 2) sets the runs of each,
 // DEVICEHOST_E2E_NOMAD_OUTAGE the outage in seconds (default 10),
@@ -81,12 +82,33 @@ func TestNomadAgent(t *testing.T) {
 		t.Fatal(err)
 	}
 	install(t, bins[shim.BinaryName], pluginDir, shim.BinaryName)
+	// Not -dev: a dev agent keeps no state and stops its tasks when it stops, and the
+	// client restart below needs both.
 	cfg := filepath.Join(tmp, "nomad.hcl")
 	writeFile(t, cfg, fmt.Sprintf(`
+data_dir  = %q
+bind_addr = "127.0.0.1"
+advertise {
+  http = "127.0.0.1"
+  rpc  = "127.0.0.1"
+  serf = "127.0.0.1"
+}
 ports {
   http = %s
   rpc  = %s
   serf = %s
+}
+server {
+  enabled          = true
+  bootstrap_expect = 1
+}
+client {
+  enabled = true
+}
+plugin "raw_exec" {
+  config {
+    enabled = true
+  }
 }
 plugin_dir = %q
 plugin "nomad-device-devicehost" {
@@ -96,8 +118,11 @@ plugin "nomad-device-devicehost" {
     release_grace = %q
   }
 }
-`, ports[0], ports[1], ports[2], pluginDir, address, proxy.addr, grace))
-	nomad := startAgent(t, nomadBin, tmp, "agent", "-dev", "-config", cfg, "-log-level", "debug")
+`, filepath.Join(tmp, "nomad-data"), ports[0], ports[1], ports[2], pluginDir, address, proxy.addr, grace))
+	startNomad := func() *agentProcess {
+		return startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
+	}
+	nomad := startNomad()
 	n := &nomadHTTP{t: t, addr: nomadAddr}
 	nodeID := n.waitNodeWithGPUs(8)
 	t.Logf("Nomad node %s ready with 8 GPUs", nodeID)
@@ -271,6 +296,30 @@ job %q {
 		free := released(r)
 		finished := n.waitFinished(allocID, "complete")
 		t.Logf("nomad job stop: stop to free %v, task end to free %v", free.Sub(stopped).Round(time.Millisecond), free.Sub(finished).Round(time.Millisecond))
+	})
+
+	t.Run("client restart", func(t *testing.T) {
+		name := "survivor"
+		allocID := job(name, "sleep 3600")
+		r := named(name, allocID)
+		n.waitStatus(allocID, "running")
+		old := nomad
+		if err := old.cmd.Process.Signal(syscall.SIGINT); err != nil {
+			t.Fatal(err)
+		}
+		<-old.exited
+		nomad = startNomad()
+		n.waitNodeWithGPUs(8)
+		n.waitStatus(allocID, "running")
+		time.Sleep(3 * grace) // a released reservation would be released by now
+		rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: r.GetOwnerId()})
+		if err != nil || len(rs) != 1 || rs[0].GetReservationId() != r.GetReservationId() ||
+			rs[0].GetState() != pb.ReservationState_RESERVATION_STATE_ACTIVE {
+			t.Fatalf("after the client restart: %v, %v; want %s kept", rs, err, r.GetReservationId())
+		}
+		t.Logf("Nomad client restart (same allocation %s): %s kept, owner %s", allocID, r.GetReservationId(), r.GetOwnerId())
+		n.deleteJob(name)
+		released(r)
 	})
 
 	// Last: the node stays ineligible after its drain.
@@ -527,6 +576,18 @@ func (n *nomadHTTP) alloc(id string) allocStub {
 		n.t.Fatal(err)
 	}
 	return a
+}
+
+// waitStatus waits until the allocation has client status status.
+func (n *nomadHTTP) waitStatus(id, status string) {
+	n.t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for a := n.alloc(id); a.ClientStatus != status; a = n.alloc(id) {
+		if time.Now().After(deadline) {
+			n.t.Fatalf("allocation %s is %s, not %s", id, a.ClientStatus, status)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // waitFinished waits until the allocation has client status status and returns when
