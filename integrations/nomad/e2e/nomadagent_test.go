@@ -124,6 +124,9 @@ plugin "nomad-device-devicehost" {
 	}
 	nomad := startNomad()
 	n := &nomadHTTP{t: t, addr: nomadAddr}
+	// Before the agents are killed (at cleanup, after this returns): Nomad's executors
+	// run apart from the agent's process group and outlive it, so stop every job.
+	defer n.stopAll()
 	nodeID := n.waitNodeWithGPUs(8)
 	t.Logf("Nomad node %s ready with 8 GPUs", nodeID)
 
@@ -503,6 +506,37 @@ func (n *nomadHTTP) send(method, path string) {
 func (n *nomadHTTP) post(path string) { n.send(http.MethodPost, path) }
 
 func (n *nomadHTTP) deleteJob(name string) { n.send(http.MethodDelete, "/v1/job/"+name) }
+
+// stopAll stops every job and waits up to 30 s for their allocations to stop, so
+// that no task outlives the test (best effort: failures are logged).
+func (n *nomadHTTP) stopAll() {
+	var jobs []struct{ ID string }
+	if err := n.get("/v1/jobs", &jobs); err != nil {
+		n.t.Logf("cleanup: list Nomad's jobs: %v", err)
+		return
+	}
+	for _, j := range jobs {
+		req, err := http.NewRequest(http.MethodDelete, n.addr+"/v1/job/"+j.ID, nil)
+		if err != nil {
+			continue
+		}
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		var allocs []allocStub
+		if err := n.get("/v1/allocations", &allocs); err != nil {
+			return
+		}
+		if !slices.ContainsFunc(allocs, func(a allocStub) bool { return a.ClientStatus == "running" || a.ClientStatus == "pending" }) {
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	n.t.Logf("cleanup: Nomad's tasks still run after 30 s")
+}
 
 // waitNodeWithGPUs waits for the node to report count healthy nvidia/gpu devices and
 // returns its ID.
