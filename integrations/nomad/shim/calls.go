@@ -87,7 +87,8 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration) (<-chan *dev
 
 // Reserve reserves the devices in the agent for a fresh "nomad/" owner and returns
 // what the task gets: the agent's envs, mounts and device nodes. CDI device names have
-// no place in Nomad's reservation; they are logged at DEBUG.
+// no place in Nomad's reservation; they are logged at DEBUG. The follower, if one runs,
+// is told, so that it names the reservation after its task soon.
 //
 // Devices held by reservations of "nomad/" owners (allocations Nomad has since moved
 // the devices away from) are taken over in the same call: the agent releases those
@@ -117,6 +118,7 @@ func (p *Plugin) Reserve(deviceIDs []string) (*device.ContainerReservation, erro
 		}
 		return nil, fmt.Errorf("devicehost: reserve %s: %w", strings.Join(deviceIDs, ", "), err)
 	}
+	p.nudge()
 	for _, id := range res.GetTakenOverReservationIds() {
 		p.log.Info("took over devices from an earlier Nomad reservation (Nomad does not say when allocations end)",
 			"released", id, "reservation", res.GetReservationId(), "owner", req.GetOwnerId(), "devices", deviceIDs)

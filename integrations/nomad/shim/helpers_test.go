@@ -40,11 +40,15 @@ func startAgent(t *testing.T, mgr dev.Manager, path string) *servertest.Agent {
 }
 
 // newShim returns a Plugin configured, through its schema as a Nomad client would, with
-// config (a JSON object), and closed at cleanup.
+// config (a JSON object), and closed at cleanup. It follows no Nomad agent unless
+// config says follow_allocations.
 func newShim(t *testing.T, config map[string]any) *Plugin {
 	t.Helper()
 	p := New(nil)
 	t.Cleanup(p.Close)
+	if _, ok := config["follow_allocations"]; !ok {
+		config["follow_allocations"] = false
+	}
 	if err := setConfig(p, config); err != nil {
 		t.Fatal(err)
 	}
@@ -103,6 +107,7 @@ type fakeLedger struct {
 	released []string                   // reservation IDs, in release order
 	reserves []dev.ReserveRequest
 	releases int               // Release calls
+	reowns   int               // Reown calls
 	inFlight map[string]string // device → owner of a Reserve "in flight"
 	// noTakeOver makes it an agent that predates take-over: it ignores
 	// TakeOverOwnerPrefixes.
@@ -198,6 +203,40 @@ func (l *fakeLedger) release(_ context.Context, req dev.ReleaseRequest) (dev.Rel
 	return dev.ReleaseResult{Released: []string{req.ReservationID}}, nil
 }
 
+func (l *fakeLedger) reservations(_ context.Context, f dev.ReservationFilter) ([]dev.Reservation, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []dev.Reservation
+	for _, r := range l.sortedActive() {
+		if (f.OwnerID == "" || r.OwnerID == f.OwnerID) && (f.DeviceID == "" || slices.Contains(r.DeviceIDs, f.DeviceID)) &&
+			f.State != dev.ReservationReleased {
+			out = append(out, r)
+		}
+	}
+	return out, nil
+}
+
+// reown hands a live reservation to a new owner, if it has the owner the caller says.
+func (l *fakeLedger) reown(_ context.Context, req dev.ReownRequest) (dev.Reservation, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.reowns++
+	r, ok := l.active[req.ReservationID]
+	switch {
+	case !ok && slices.Contains(l.released, req.ReservationID):
+		return dev.Reservation{}, fmt.Errorf("%w: reservation %s is released", dev.ErrInvalidRequest, req.ReservationID)
+	case !ok:
+		return dev.Reservation{}, dev.ErrNotFound
+	case r.OwnerID == req.NewOwnerID:
+		return r, nil
+	case r.OwnerID != req.OwnerID:
+		return dev.Reservation{}, fmt.Errorf("%w: owner_id: reservation %s is of owner %q", dev.ErrInvalidRequest, r.ID, r.OwnerID)
+	}
+	r.OwnerID = req.NewOwnerID
+	l.active[r.ID] = r
+	return r, nil
+}
+
 // state returns the active reservations and the released IDs.
 func (l *fakeLedger) state() ([]dev.Reservation, []string) {
 	l.mu.Lock()
@@ -207,7 +246,8 @@ func (l *fakeLedger) state() ([]dev.Reservation, []string) {
 
 // fake is a Manager with snaps as its inventory and l as its ledger.
 func fake(snaps *snapshots, l *fakeLedger) *devicetest.Fake {
-	return &devicetest.Fake{WatchFunc: snaps.watch, ReserveFunc: l.reserve, ReleaseFunc: l.release}
+	return &devicetest.Fake{WatchFunc: snaps.watch, ReserveFunc: l.reserve, ReleaseFunc: l.release,
+		ReservationsFunc: l.reservations, ReownFunc: l.reown}
 }
 
 // nextFingerprint returns the next message of ch, failing the test if none comes.

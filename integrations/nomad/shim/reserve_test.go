@@ -177,6 +177,11 @@ func TestSetConfig(t *testing.T) {
 		{"insecure off loopback", map[string]any{"address": "tcp://10.0.0.1:7000", "insecure": true}, "loopback"},
 		{"bad timeout", map[string]any{"reserve_timeout": "soon"}, `reserve_timeout: "soon"`},
 		{"unknown key", map[string]any{"adress": "unix:///x.sock"}, `"adress"`},
+		{"nomad settings", map[string]any{"nomad_address": "https://127.0.0.1:4646", "nomad_token": "t", "release_grace": "1m"}, ""},
+		{"bad release grace", map[string]any{"release_grace": "0s"}, `release_grace: "0s"`},
+		{"bad nomad address", map[string]any{"nomad_address": "ftp://x"}, `nomad_address`},
+		{"nomad CA unreadable", map[string]any{"nomad_address": "https://127.0.0.1:4646", "nomad_cacert": "/nonexistent.pem"}, "nomad CA certificate"},
+		{"not following", map[string]any{"follow_allocations": false, "nomad_address": "ftp://ignored"}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := New(nil)

@@ -3,12 +3,17 @@
 // the agent's devices, health and statistics as its own, and reserves them through the
 // agent's ledger.
 //
-// Nomad never tells a device plugin that an allocation ended (hashicorp/nomad#6258), so
-// the shim cannot release what it reserved. Every Reserve is made for a fresh owner
+// Nomad never tells a device plugin which allocation a Reserve is for, nor that an
+// allocation ended (hashicorp/nomad#6258). Every Reserve is made for a fresh owner
 // "nomad/<random>"; when Nomad hands a device to a new allocation while an earlier
 // reservation of a "nomad/" owner still holds it, that reservation is released and the
 // new one made, in the one Reserve call Nomad sees. A device held by any other owner is
 // refused, naming the holder.
+//
+// Where the local Nomad agent's HTTP API can be read, the shim also follows the node's
+// allocations there (see follower): a reservation is handed to the task that holds its
+// devices (owner "nomad/<namespace>/<job>/<alloc-id>/<task>") and released once no
+// allocation the client still runs holds them, after a grace period.
 package shim
 
 import (
@@ -16,6 +21,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"time"
 
@@ -26,6 +32,7 @@ import (
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/integrations/nomad/nomadapi"
 )
 
 // Name is the plugin's name in Nomad (PluginInfo); Nomad matches its config block by
@@ -59,6 +66,24 @@ type Config struct {
 	Insecure bool `codec:"insecure"`
 	// ReserveTimeout bounds a Reserve, e.g. "30s".
 	ReserveTimeout string `codec:"reserve_timeout"`
+
+	// FollowAllocations makes the shim follow the node's allocations in Nomad's HTTP
+	// API (the default): false keeps reservations nameless and held until taken over.
+	FollowAllocations bool `codec:"follow_allocations"`
+	// NomadAddress, NomadToken, NomadCACert, NomadClientCert, NomadClientKey and
+	// NomadTLSServerName say how to reach the local Nomad agent's HTTP API; each that
+	// is empty is taken from the environment as Nomad's CLI does (NOMAD_ADDR,
+	// NOMAD_TOKEN, NOMAD_CACERT, NOMAD_CLIENT_CERT, NOMAD_CLIENT_KEY,
+	// NOMAD_TLS_SERVER_NAME), the address else http://127.0.0.1:4646.
+	NomadAddress       string `codec:"nomad_address"`
+	NomadToken         string `codec:"nomad_token"`
+	NomadCACert        string `codec:"nomad_cacert"`
+	NomadClientCert    string `codec:"nomad_client_cert"`
+	NomadClientKey     string `codec:"nomad_client_key"`
+	NomadTLSServerName string `codec:"nomad_tls_server_name"`
+	// ReleaseGrace is how long no running allocation must hold a reservation's
+	// devices before it is released, e.g. "30s"; at least 1s.
+	ReleaseGrace string `codec:"release_grace"`
 }
 
 // configSpec is the schema Nomad decodes the config block with, defaults included.
@@ -69,6 +94,15 @@ var configSpec = hclspec.NewObject(map[string]*hclspec.Spec{
 	"tls_ca":          hclspec.NewDefault(hclspec.NewAttr("tls_ca", "string", false), hclspec.NewLiteral(`""`)),
 	"insecure":        hclspec.NewDefault(hclspec.NewAttr("insecure", "bool", false), hclspec.NewLiteral("false")),
 	"reserve_timeout": hclspec.NewDefault(hclspec.NewAttr("reserve_timeout", "string", false), hclspec.NewLiteral(fmt.Sprintf("%q", DefaultReserveTimeout.String()))),
+
+	"follow_allocations":    hclspec.NewDefault(hclspec.NewAttr("follow_allocations", "bool", false), hclspec.NewLiteral("true")),
+	"nomad_address":         hclspec.NewDefault(hclspec.NewAttr("nomad_address", "string", false), hclspec.NewLiteral(`""`)),
+	"nomad_token":           hclspec.NewDefault(hclspec.NewAttr("nomad_token", "string", false), hclspec.NewLiteral(`""`)),
+	"nomad_cacert":          hclspec.NewDefault(hclspec.NewAttr("nomad_cacert", "string", false), hclspec.NewLiteral(`""`)),
+	"nomad_client_cert":     hclspec.NewDefault(hclspec.NewAttr("nomad_client_cert", "string", false), hclspec.NewLiteral(`""`)),
+	"nomad_client_key":      hclspec.NewDefault(hclspec.NewAttr("nomad_client_key", "string", false), hclspec.NewLiteral(`""`)),
+	"nomad_tls_server_name": hclspec.NewDefault(hclspec.NewAttr("nomad_tls_server_name", "string", false), hclspec.NewLiteral(`""`)),
+	"release_grace":         hclspec.NewDefault(hclspec.NewAttr("release_grace", "string", false), hclspec.NewLiteral(fmt.Sprintf("%q", DefaultReleaseGrace.String()))),
 })
 
 // Plugin is the Nomad device plugin. Its methods are safe for concurrent use; Close
@@ -76,13 +110,24 @@ var configSpec = hclspec.NewObject(map[string]*hclspec.Spec{
 type Plugin struct {
 	log      hclog.Logger
 	newOwner func() string
+	getenv   func(string) string
+	clock    clock
+	// observe, if set before SetConfig, is told of the follower's steps (tests).
+	observe func(followEvent)
 
 	mu             sync.Mutex
 	cfg            Config
 	c              *client.Client
 	reserveTimeout time.Duration
+	follow         *running // nil when not following Nomad
 
 	inv inventory // device → group, from the latest snapshot
+}
+
+// running is a started follower: stop ends it and waits for it.
+type running struct {
+	f    *follower
+	stop func()
 }
 
 var _ device.DevicePlugin = (*Plugin)(nil)
@@ -92,7 +137,7 @@ func New(log hclog.Logger) *Plugin {
 	if log == nil {
 		log = hclog.NewNullLogger()
 	}
-	return &Plugin{log: log, newOwner: randomOwner}
+	return &Plugin{log: log, newOwner: randomOwner, getenv: os.Getenv, clock: realClock{}}
 }
 
 // randomOwner returns a fresh owner ID: Nomad does not tell a plugin the allocation.
@@ -134,6 +179,25 @@ func (p *Plugin) SetConfig(c *base.Config) error {
 		}
 		timeout = d
 	}
+	grace := DefaultReleaseGrace
+	if cfg.ReleaseGrace != "" {
+		d, err := time.ParseDuration(cfg.ReleaseGrace)
+		if err != nil || d < time.Second {
+			return fmt.Errorf("release_grace: %q is not a duration of at least 1s like \"30s\"", cfg.ReleaseGrace)
+		}
+		grace = d
+	}
+	var nc *nomadapi.Client
+	if cfg.FollowAllocations {
+		ncfg := nomadapi.FromEnv(nomadapi.Config{
+			Address: cfg.NomadAddress, Token: cfg.NomadToken, CACert: cfg.NomadCACert,
+			ClientCert: cfg.NomadClientCert, ClientKey: cfg.NomadClientKey, TLSServerName: cfg.NomadTLSServerName,
+		}, p.getenv)
+		var err error
+		if nc, err = nomadapi.New(ncfg); err != nil {
+			return fmt.Errorf("nomad_address and TLS settings (or the NOMAD_* environment): %w", err)
+		}
+	}
 	opts := []client.Option{client.WithoutReachCheck()}
 	if cfg.Insecure {
 		opts = append(opts, client.WithInsecure())
@@ -147,16 +211,55 @@ func (p *Plugin) SetConfig(c *base.Config) error {
 		p.reserveTimeout = timeout
 		return nil
 	}
-	nc, err := client.Dial(context.Background(), cfg.Address, opts...)
+	ac, err := client.Dial(context.Background(), cfg.Address, opts...)
 	if err != nil {
 		return fmt.Errorf("address %q: %w", cfg.Address, err)
 	}
+	p.stopFollowing()
 	if p.c != nil {
 		p.c.Close()
 	}
-	p.c, p.cfg, p.reserveTimeout = nc, cfg, timeout
+	p.c, p.cfg, p.reserveTimeout = ac, cfg, timeout
 	p.log.Info("forwarding to devicehost", "address", cfg.Address)
+	if nc != nil {
+		p.follow = p.startFollowing(followConfig{nomad: nc, agent: ac, grace: grace, clock: p.clock,
+			log: p.log.Named("allocations"), observe: p.observe})
+		p.log.Info("following this node's allocations in Nomad", "nomad_address", nc.Address(), "release_grace", grace)
+	}
 	return nil
+}
+
+// startFollowing starts a follower with cfg.
+func (p *Plugin) startFollowing(cfg followConfig) *running {
+	f := newFollower(cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		f.run(ctx)
+	}()
+	return &running{f: f, stop: func() {
+		cancel()
+		<-done
+		cfg.nomad.CloseIdleConnections()
+	}}
+}
+
+// stopFollowing stops the follower, if one runs, and waits for it. Called with mu held.
+func (p *Plugin) stopFollowing() {
+	if p.follow != nil {
+		p.follow.stop()
+		p.follow = nil
+	}
+}
+
+// nudge tells the follower, if one runs, that a reservation was made.
+func (p *Plugin) nudge() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.follow != nil {
+		p.follow.f.Nudge()
+	}
 }
 
 // conn returns the agent's client and the config's Reserve deadline.
@@ -176,10 +279,11 @@ func (p *Plugin) address() string {
 	return p.cfg.Address
 }
 
-// Close closes the connection to the agent; open Fingerprint and Stats channels
-// close. Safe to call more than once.
+// Close stops following Nomad and closes the connection to the agent; open
+// Fingerprint and Stats channels close. Safe to call more than once.
 func (p *Plugin) Close() {
 	p.mu.Lock()
+	p.stopFollowing()
 	c := p.c
 	p.c = nil
 	p.mu.Unlock()
