@@ -414,7 +414,7 @@ type ReleaseResult struct {
 
 // ReservationFilter selects reservations; zero fields match anything.
 type ReservationFilter struct {
-	OwnerID  string
+	OwnerID  string // ending in "/": every owner that starts with it
 	DeviceID string
 	State    ReservationState
 }

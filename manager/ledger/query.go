@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 
 	"github.com/devicehost/devicehost/manager/device"
 )
@@ -34,7 +35,8 @@ func (l *Ledger) Get(id string) (device.Reservation, error) {
 	return *r, nil
 }
 
-// List returns the reservations matching f, oldest first (by CreatedAt, then ID).
+// List returns the reservations matching f, oldest first (by CreatedAt, then ID). An
+// OwnerID ending in "/" matches every owner that starts with it.
 // Released reservations are listed until they are deleted. f is one the host API's
 // server has validated (validate.ReservationFilter); a State outside the known values is
 // an "internal:" error. ctx is unused: List never waits.
@@ -44,14 +46,19 @@ func (l *Ledger) List(_ context.Context, f device.ReservationFilter) ([]device.R
 	default:
 		return nil, fmt.Errorf("list reservations: %w: unknown state %d", errInternal, f.State)
 	}
+	// An owner ending in "/" is a prefix: "nomad/default/train/" lists a job's.
+	prefix := strings.HasSuffix(f.OwnerID, "/")
+	ownerOK := func(owner string) bool {
+		return f.OwnerID == "" || owner == f.OwnerID || (prefix && strings.HasPrefix(owner, f.OwnerID))
+	}
 	match := func(r *device.Reservation) bool {
-		return (f.OwnerID == "" || r.OwnerID == f.OwnerID) &&
+		return ownerOK(r.OwnerID) &&
 			(f.State == device.ReservationAny || r.State == f.State) &&
 			(f.DeviceID == "" || slices.Contains(r.DeviceIDs, f.DeviceID))
 	}
 	var rs []*device.Reservation // the caller's copies
 	l.mu.RLock()
-	if f.OwnerID != "" {
+	if f.OwnerID != "" && !prefix {
 		for _, id := range l.idx.ownerIDs(f.OwnerID) {
 			if r := l.idx.copyOf(id); match(r) {
 				rs = append(rs, r)
@@ -66,7 +73,7 @@ func (l *Ledger) List(_ context.Context, f device.ReservationFilter) ([]device.R
 		}
 		if f.State != device.ReservationActive {
 			for _, rr := range l.idx.released {
-				if f.DeviceID == "" || rr.p.hasDevice(f.DeviceID) {
+				if (f.DeviceID == "" || rr.p.hasDevice(f.DeviceID)) && ownerOK(rr.p.owner()) {
 					rs = append(rs, rr.p.unpack(rr.id)) // unpacked afresh: the caller's
 				}
 			}

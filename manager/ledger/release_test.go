@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 
@@ -178,5 +179,38 @@ func TestList(t *testing.T) {
 	}
 	if _, err := l.List(context.Background(), device.ReservationFilter{State: 9}); !errors.Is(err, errInternal) {
 		t.Errorf("List with state 9: err = %v, want an internal error (validate.ReservationFilter refuses it at the server)", err)
+	}
+}
+
+// An owner ending in "/" lists every owner under it, live and released: a Nomad job's
+// reservations by "nomad/default/train/", and not another job's whose name starts alike.
+func TestListByOwnerPrefix(t *testing.T) {
+	l := newLedger(t)
+	a := reserve(t, l, "nomad/default/train/alloc-1/main", "GPU-0")
+	b := reserve(t, l, "nomad/default/train/alloc-2/main", "GPU-1")
+	reserve(t, l, "nomad/default/train-2/alloc-3/main", "GPU-2")
+	reserve(t, l, "k8s/default/pod/c", "GPU-3")
+	release(t, l, b.ID, t0)
+	for _, tc := range []struct {
+		f    device.ReservationFilter
+		want []string
+	}{
+		{device.ReservationFilter{OwnerID: "nomad/default/train/"}, []string{a.ID, b.ID}},
+		{device.ReservationFilter{OwnerID: "nomad/default/train/", State: device.ReservationActive}, []string{a.ID}},
+		{device.ReservationFilter{OwnerID: "nomad/default/train/", State: device.ReservationReleased}, []string{b.ID}},
+		{device.ReservationFilter{OwnerID: "nomad/default/train/", DeviceID: "GPU-1"}, []string{b.ID}},
+		{device.ReservationFilter{OwnerID: "nomad/default/train"}, nil}, // no slash: the exact owner
+	} {
+		rs, err := l.List(context.Background(), tc.f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		for _, r := range rs {
+			got = append(got, r.ID)
+		}
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("List(%+v) = %v, want %v", tc.f, got, tc.want)
+		}
 	}
 }

@@ -1787,7 +1787,8 @@ func (x *Reservation) GetCleanupPending() bool {
 
 type ListReservationsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Filters; empty fields match anything.
+	// Filters; empty fields match anything. An owner_id ending in "/" matches every owner
+	// that starts with it ("nomad/default/train/": a Nomad job's reservations).
 	OwnerId       string           `protobuf:"bytes,1,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
 	DeviceId      string           `protobuf:"bytes,2,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
 	State         ReservationState `protobuf:"varint,3,opt,name=state,proto3,enum=devicehost.v1.ReservationState" json:"state,omitempty"`
