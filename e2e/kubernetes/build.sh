@@ -60,6 +60,8 @@ gobuild() {
     for p in "$@"; do go get "$p@${modver#*@}" >&2; done
     go build -trimpath -tags "${BUILD_TAGS:-}" -ldflags "$LDFLAGS_BASE $ldflags" -o "$out/bin/" "$@"
   )
+  # A main package at a module's root is named after the module's last element.
+  if [ -n "${RENAME:-}" ]; then mv "$out/bin/${RENAME%%:*}" "$out/bin/${RENAME#*:}"; fi
   touch "$out/.complete"
   log "built $name $ver in $((SECONDS - t0))s"
 }
@@ -80,12 +82,10 @@ build_crictl() {
 }
 
 build_etcd() {
-  gobuild etcd "$ETCD_VERSION" "go.etcd.io/etcd/server/v3@$ETCD_VERSION" "" \
+  # The etcd server's main package is the root of go.etcd.io/etcd/server/v3 (the module
+  # go.etcd.io/etcd/v3 holds no command): go build names it "server".
+  RENAME=server:etcd gobuild etcd "$ETCD_VERSION" "go.etcd.io/etcd/server/v3@$ETCD_VERSION" "" \
     go.etcd.io/etcd/server/v3
-  # The server module's main package is the module root: go build names it v3.
-  if [ -f "$CACHE/etcd-$ETCD_VERSION/bin/v3" ]; then
-    mv "$CACHE/etcd-$ETCD_VERSION/bin/v3" "$CACHE/etcd-$ETCD_VERSION/bin/etcd"
-  fi
 }
 
 build_kubernetes() {
