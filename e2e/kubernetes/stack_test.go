@@ -131,6 +131,9 @@ type stack struct {
 	podSeq        int
 }
 
+// stacks counts the stacks started on this node.
+var stacks int
+
 func startStack(t *testing.T) *stack {
 	t.Helper()
 	n := requireNode(t)
@@ -165,6 +168,13 @@ func startStack(t *testing.T) *stack {
 			t.Logf("logs of the node and of devicehost: %s", n.logs)
 		}
 	})
+	// A second run on the node (-count) starts with a kubelet of its own, so that what the
+	// first run left in the kubelet's device manager does not decide the second's cases.
+	stacks++
+	if stacks > 1 {
+		n.nodeScript(t, "stop", "kubelet")
+		n.nodeScript(t, "start", "kubelet")
+	}
 	start := time.Now()
 	s.agent.start(t)
 	s.waitAgentHealthy(t, 60*time.Second)
