@@ -147,21 +147,42 @@ func (s *stack) caseInsufficient(t *testing.T) {
 }
 
 // registrationErrors are the lines of the bridge's log (from bOff) and the kubelet's (from
-// kOff) that say a registration failed.
-func (s *stack) registrationErrors(bOff, kOff int64) []string {
-	var errs []string
+// kOff) that say a registration failed, split at the time after: before it (while the
+// kubelet restarts) and from it on.
+func (s *stack) registrationErrors(bOff, kOff int64, after time.Time) (before, since []string) {
+	add := func(at time.Time, line string) {
+		if at.Before(after) {
+			before = append(before, line)
+		} else {
+			since = append(since, line)
+		}
+	}
 	for _, l := range linesSince(s.bridge.log, bOff) {
 		if (l.Level == "warn" || l.Level == "error") && strings.Contains(l.Message, "regist") {
-			errs = append(errs, "bridge: "+l.Raw)
+			add(l.Time, "bridge: "+l.Raw)
 		}
 	}
 	kubeletErr := regexp.MustCompile(`already connected|Failed to connect to new client|Failed to register|registration failed`)
 	for _, l := range linesSince(filepath.Join(s.n.logs, "kubelet.log"), kOff) {
 		if kubeletErr.MatchString(l.Raw) {
-			errs = append(errs, "kubelet: "+l.Raw)
+			add(klogTime(l.Raw), "kubelet: "+l.Raw)
 		}
 	}
-	return errs
+	return before, since
+}
+
+// klogTime reads the time of a klog line ("E1201 13:01:34.519922 ..."), this year, local
+// time; zero when the line has none.
+func klogTime(line string) time.Time {
+	f := strings.Fields(line)
+	if len(f) < 2 || len(f[0]) != 5 {
+		return time.Time{}
+	}
+	t, err := time.ParseInLocation("0102 15:04:05.000000", f[0][1:]+" "+f[1], time.Local)
+	if err != nil {
+		return time.Time{}
+	}
+	return t.AddDate(time.Now().Year(), 0, 0)
 }
 
 // kubeletSocketMade says when the kubelet's registration socket was made; zero when there
@@ -175,8 +196,29 @@ func (s *stack) kubeletSocketMade() time.Time {
 }
 
 // After a kubelet restart the bridge registers again within 5 s, and no registration
-// fails in the next 30 s.
+// fails in the next 30 s. Whether a bridge registers twice with one kubelet depends on
+// how its own socket's removal and the new kubelet.sock interleave, so the kubelet
+// restarts three times; registration errors show within milliseconds of the
+// registration, so 5 s after each and 30 s after the last are watched.
 func (s *stack) caseKubeletRestart(t *testing.T) {
+	const restarts = 3
+	for i := 1; i <= restarts; i++ {
+		quiet := 5 * time.Second
+		if i == restarts {
+			quiet = 30 * time.Second
+		}
+		s.restartKubelet(t, i, quiet)
+		if t.Failed() {
+			return
+		}
+	}
+	s.waitAllocatable(t, 8, 60*time.Second)
+}
+
+// restartKubelet stops and starts the kubelet, checks that the bridge registers again
+// within 5 s of the new kubelet.sock, and that no registration fails for quiet after that.
+func (s *stack) restartKubelet(t *testing.T, i int, quiet time.Duration) {
+	t.Helper()
 	stopped := time.Now()
 	bOff, kOff := s.bridge.logOffset(), fileSize(filepath.Join(s.n.logs, "kubelet.log"))
 	s.n.nodeScript(t, "stop", "kubelet")
@@ -193,7 +235,7 @@ func (s *stack) caseKubeletRestart(t *testing.T) {
 			t.Errorf("node.sh start kubelet: %v\n%s", err, startOut)
 		}
 	}()
-	// The new kubelet.sock, by its inode; then the bridge's "registered" line after it.
+	// The new kubelet.sock; then the bridge's "registered" line after it.
 	var sockAt time.Time
 	waitFor(t, 90*time.Second, "a new kubelet.sock", func() (bool, string) {
 		if made := s.kubeletSocketMade(); made.After(stopped) {
@@ -213,27 +255,29 @@ func (s *stack) caseKubeletRestart(t *testing.T) {
 		return false, "no registration in the bridge's log"
 	})
 	if err != nil {
-		t.Fatalf("bridge registration after the kubelet restart: %v", err)
+		t.Fatalf("restart %d: bridge registration after the kubelet restart: %v", i, err)
 	}
 	lag := regAt.Sub(sockAt)
-	t.Logf("kubelet.sock back; bridge registered %v after it (seen %v after)", lag.Round(time.Millisecond), d.Round(time.Millisecond))
+	t.Logf("restart %d: kubelet.sock back; bridge registered %v after it (seen %v after)", i, lag.Round(time.Millisecond), d.Round(time.Millisecond))
 	if lag > 5*time.Second {
-		t.Errorf("bridge registered %v after the new kubelet.sock, want within 5 s", lag)
+		t.Errorf("restart %d: bridge registered %v after the new kubelet.sock, want within 5 s", i, lag)
 	}
-	// 30 s with no failed registration; stop at the first one.
-	quietFrom := time.Now()
-	var errs []string
-	_, _ = poll(30*time.Second, func() (bool, string) {
-		errs = s.registrationErrors(bOff, kOff)
+	// No failed registration after it; stop at the first one. A failed try while the
+	// kubelet was starting is logged, not counted.
+	var early, errs []string
+	_, _ = poll(quiet, func() (bool, string) {
+		early, errs = s.registrationErrors(bOff, kOff, regAt)
 		return len(errs) > 0, ""
 	})
-	if len(errs) > 0 {
-		t.Errorf("%d registration errors within %v of the kubelet restart:\n%s", len(errs),
-			time.Since(quietFrom).Round(time.Millisecond), strings.Join(errs[:min(len(errs), 6)], "\n"))
-	} else {
-		t.Logf("no registration error for %v after the restart", time.Since(quietFrom).Round(time.Second))
+	if len(early) > 0 {
+		t.Logf("restart %d: %d failed registration tries before the bridge registered:\n%s", i, len(early), strings.Join(early, "\n"))
 	}
-	s.waitAllocatable(t, 8, 60*time.Second)
+	if len(errs) > 0 {
+		t.Errorf("restart %d: %d registration errors within %v of the bridge's registration:\n%s", i, len(errs),
+			time.Since(regAt).Round(time.Millisecond), strings.Join(errs[:min(len(errs), 6)], "\n"))
+	} else {
+		t.Logf("restart %d: no registration error for %v after the registration", i, quiet)
+	}
 }
 
 // pluginPID is the PID of the agent's nvidia-example plugin process, 0 when none runs.
