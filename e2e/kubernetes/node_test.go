@@ -1,0 +1,243 @@
+package kubernetes
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+)
+
+// enableEnv turns the suite on. Without it every test skips, so that `go test ./...` on a
+// machine without the node (or without root) stays fast.
+const enableEnv = "DEVICEHOST_E2E_K8S"
+
+// node is the running node, as node.sh up describes it in its env file; nil when the suite
+// is off.
+var node *nodeEnv
+
+// skipReason says why the suite does not run; empty when it does.
+var skipReason string
+
+type nodeEnv struct {
+	vars        map[string]string
+	root        string // the repository root
+	run         string // DEVICEHOST_E2E_RUN: the node's state, removed at down
+	logs        string // DEVICEHOST_E2E_LOGS: the logs, kept
+	kubectlBin  string
+	kubeconfig  string
+	nodeName    string
+	image       string
+	kubeletRoot string
+	cdiDir      string
+	devicehost  string // the devicehost binary built for the suite
+	nvidiaEx    string // the nvidia-example plugin binary built for the suite
+}
+
+func TestMain(m *testing.M) { os.Exit(runMain(m)) }
+
+func runMain(m *testing.M) int {
+	if os.Getenv(enableEnv) != "1" {
+		skipReason = "the real-node suite is off: run e2e/kubernetes/run.sh, or set " + enableEnv +
+			"=1 as root after e2e/kubernetes/build.sh (see docs/kubernetes.md)"
+		return m.Run()
+	}
+	if runtime.GOOS != "linux" || os.Geteuid() != 0 {
+		fmt.Fprintf(os.Stderr, "%s=1: the real-node suite needs Linux and root\n", enableEnv)
+		return 1
+	}
+	root, err := repoRoot()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	script := filepath.Join(root, "e2e", "kubernetes", "node.sh")
+	t0 := time.Now()
+	up := exec.Command("bash", script, "up")
+	up.Stdout, up.Stderr = os.Stderr, os.Stderr
+	if err := up.Run(); err != nil {
+		fmt.Fprintf(os.Stderr, "node.sh up: %v\n", err)
+		downNode(script)
+		return 1
+	}
+	defer downNode(script)
+	fmt.Fprintf(os.Stderr, "e2e: node up in %v\n", time.Since(t0).Round(time.Millisecond))
+	n, err := loadNodeEnv(root)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	t1 := time.Now()
+	if err := n.buildDevicehost(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	fmt.Fprintf(os.Stderr, "e2e: devicehost and nvidia-example built in %v\n", time.Since(t1).Round(time.Millisecond))
+	node = n
+	return m.Run()
+}
+
+func downNode(script string) {
+	down := exec.Command("bash", script, "down")
+	down.Stdout, down.Stderr = os.Stderr, os.Stderr
+	if err := down.Run(); err != nil {
+		fmt.Fprintf(os.Stderr, "node.sh down: %v\n", err)
+	}
+}
+
+func repoRoot() (string, error) {
+	out, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil {
+		return "", fmt.Errorf("go env GOMOD: %w", err)
+	}
+	mod := strings.TrimSpace(string(out))
+	if mod == "" || mod == os.DevNull {
+		return "", errors.New("not inside the devicehost module")
+	}
+	return filepath.Dir(mod), nil
+}
+
+func loadNodeEnv(root string) (*nodeEnv, error) {
+	run := os.Getenv("DEVICEHOST_E2E_RUN")
+	if run == "" {
+		run = "/var/lib/devicehost-e2e"
+	}
+	f, err := os.Open(filepath.Join(run, "env"))
+	if err != nil {
+		return nil, fmt.Errorf("the node's env file: %w", err)
+	}
+	defer f.Close()
+	vars := map[string]string{}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if k, v, ok := strings.Cut(sc.Text(), "="); ok {
+			vars[k] = v
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	n := &nodeEnv{
+		vars:        vars,
+		root:        root,
+		run:         vars["DEVICEHOST_E2E_RUN"],
+		logs:        vars["DEVICEHOST_E2E_LOGS"],
+		kubectlBin:  vars["DEVICEHOST_E2E_KUBECTL"],
+		kubeconfig:  vars["KUBECONFIG"],
+		nodeName:    vars["DEVICEHOST_E2E_NODE"],
+		image:       vars["DEVICEHOST_E2E_IMAGE"],
+		kubeletRoot: vars["DEVICEHOST_E2E_KUBELET_ROOT"],
+		cdiDir:      vars["DEVICEHOST_E2E_CDI_DIR"],
+	}
+	for k, v := range map[string]string{"run": n.run, "logs": n.logs, "kubectl": n.kubectlBin,
+		"kubeconfig": n.kubeconfig, "node": n.nodeName, "image": n.image, "kubelet root": n.kubeletRoot, "cdi": n.cdiDir} {
+		if v == "" {
+			return nil, fmt.Errorf("the node's env file has no %s", k)
+		}
+	}
+	return n, nil
+}
+
+// buildDevicehost builds the binaries the DaemonSet's image holds, under the node's run
+// directory, where node.sh down finds their processes if a test left any.
+func (n *nodeEnv) buildDevicehost() error {
+	dir := filepath.Join(n.run, "bin")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	n.devicehost = filepath.Join(dir, "devicehost")
+	n.nvidiaEx = filepath.Join(dir, "nvidia-example")
+	for bin, pkg := range map[string]string{n.devicehost: "./cmd/devicehost", n.nvidiaEx: "./plugins/nvidia-example"} {
+		cmd := exec.Command("go", "build", "-o", bin, pkg)
+		cmd.Dir = n.root
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=1")
+		if os.Getenv("CGO_CFLAGS") == "" {
+			cmd.Env = append(cmd.Env, "CGO_CFLAGS=-O2 -g -Wno-deprecated-declarations")
+		}
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("go build %s: %w\n%s", pkg, err, out)
+		}
+	}
+	return nil
+}
+
+// requireNode skips t when the suite is off and returns the node otherwise.
+func requireNode(t *testing.T) *nodeEnv {
+	t.Helper()
+	if node == nil {
+		t.Skip(skipReason)
+	}
+	return node
+}
+
+// nodeScript runs node.sh with args (stop kubelet, start kubelet, ...).
+func (n *nodeEnv) nodeScript(t *testing.T, args ...string) {
+	t.Helper()
+	cmd := exec.Command("bash", append([]string{filepath.Join(n.root, "e2e", "kubernetes", "node.sh")}, args...)...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("node.sh %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	t.Logf("node.sh %s: %s", strings.Join(args, " "), bytes.TrimSpace(out))
+}
+
+// kubectl runs kubectl against the node's API server, bounded to 30 s.
+func (n *nodeEnv) kubectl(stdin []byte, args ...string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, n.kubectlBin, append([]string{"--kubeconfig", n.kubeconfig}, args...)...)
+	if stdin != nil {
+		cmd.Stdin = bytes.NewReader(stdin)
+	}
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return out, fmt.Errorf("kubectl %s: %w: %s", strings.Join(args, " "), err, bytes.TrimSpace(stderr.Bytes()))
+	}
+	return out, nil
+}
+
+// kubectlJSON runs kubectl ... -o json and decodes its answer into v.
+func (n *nodeEnv) kubectlJSON(v any, args ...string) error {
+	out, err := n.kubectl(nil, append(args, "-o", "json")...)
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal(out, v)
+}
+
+// waitFor polls check every 200 ms until it reports done, and fails t after limit with
+// what check said last. It returns how long it waited.
+func waitFor(t *testing.T, limit time.Duration, what string, check func() (done bool, status string)) time.Duration {
+	t.Helper()
+	d, err := poll(limit, check)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	return d
+}
+
+// poll is waitFor's loop, for callers that decide themselves what a timeout means.
+func poll(limit time.Duration, check func() (bool, string)) (time.Duration, error) {
+	start := time.Now()
+	deadline := start.Add(limit)
+	for {
+		done, status := check()
+		if done {
+			return time.Since(start), nil
+		}
+		if time.Now().After(deadline) {
+			return time.Since(start), fmt.Errorf("not within %v; last: %s", limit, status)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The real-node suite, as .ci/run runs it: build the node's binaries (or reuse the cached
+# ones, see build.sh), then run the Go driver, which brings the node up (node.sh up), runs
+# the cases against the real agent and bridge, and takes the node down. Needs root.
+#
+#   bash e2e/kubernetes/run.sh                 # everything
+#   E2E_COUNT=2 bash e2e/kubernetes/run.sh     # the cases twice on one node
+#   E2E_RUN='TestRealNode/KubeletRestart' ...  # one case (go test -run)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export CGO_CFLAGS="${CGO_CFLAGS:--O2 -g -Wno-deprecated-declarations}"
+LOGS="${DEVICEHOST_E2E_LOGS:-/tmp/devicehost-e2e-logs}"
+export DEVICEHOST_E2E_LOGS="$LOGS"
+
+# One node per machine: its ports and /var/lib/kubelet are the machine's.
+exec 9>/var/lock/devicehost-e2e.lock
+flock -w 900 9 || { echo "another devicehost e2e run holds /var/lock/devicehost-e2e.lock"; exit 1; }
+
+t0=$SECONDS
+bash e2e/kubernetes/build.sh
+echo "e2e: node binaries ready in $((SECONDS - t0))s"
+
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
+# The driver takes the node down itself; this is for a driver that was killed.
+trap 'bash e2e/kubernetes/node.sh down >/dev/null 2>&1 || true' EXIT
+t1=$SECONDS
+status=0
+DEVICEHOST_E2E_K8S=1 go test -race -count="${E2E_COUNT:-1}" -timeout "${E2E_TIMEOUT:-20m}" \
+  -run "${E2E_RUN:-.}" -v ./e2e/kubernetes/ || status=$?
+echo "e2e: suite finished in $((SECONDS - t1))s (status $status)"
+if [ "$status" != 0 ]; then
+  for f in "$LOGS"/*.log; do
+    printf '\n==== last lines of %s\n' "$f"
+    tail -n 25 "$f"
+  done
+fi
+exit "$status"
