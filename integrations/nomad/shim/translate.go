@@ -2,6 +2,7 @@ package shim
 
 import (
 	"cmp"
+	"fmt"
 	"math"
 	"slices"
 	"strings"
@@ -15,7 +16,11 @@ import (
 
 // groupsToNomad translates a snapshot to Nomad device groups, sorted by vendor, type
 // and name, devices by ID: vendor, type, name, attributes as Nomad attributes, and per
-// device its health (healthy only when the agent says healthy), reason and PCI bus ID.
+// device its health (healthy only when the agent says healthy and nothing blocks it),
+// reason and PCI bus ID. A device that shares capacity with held ones (a MIG partition of
+// a GPU held whole, the whole GPU while a partition of it is held) is unhealthy, with the
+// blocking reservation in the reason, so Nomad never places a task on one the agent would
+// refuse.
 func groupsToNomad(snap *pb.FingerprintResponse) []*device.DeviceGroup {
 	out := make([]*device.DeviceGroup, 0, len(snap.GetGroups()))
 	for _, g := range snap.GetGroups() {
@@ -30,10 +35,15 @@ func groupsToNomad(snap *pb.FingerprintResponse) []*device.DeviceGroup {
 		}
 		for _, d := range g.GetDevices() {
 			nd := &device.Device{ID: d.GetId()}
-			switch d.GetHealth() {
-			case pb.Health_HEALTH_HEALTHY:
+			switch bs := d.GetBlockedBy(); {
+			case d.GetHealth() == pb.Health_HEALTH_HEALTHY && len(bs) > 0:
+				nd.HealthDesc = fmt.Sprintf("cannot be reserved now: the shared capacity it needs is in use by reservation %s of owner %q", bs[0].GetReservationId(), bs[0].GetOwnerId())
+				if len(bs) > 1 {
+					nd.HealthDesc += fmt.Sprintf(" and %d more", len(bs)-1)
+				}
+			case d.GetHealth() == pb.Health_HEALTH_HEALTHY:
 				nd.Healthy = true
-			case pb.Health_HEALTH_UNHEALTHY:
+			case d.GetHealth() == pb.Health_HEALTH_UNHEALTHY:
 				nd.HealthDesc = cmp.Or(d.GetHealthReason(), "unhealthy")
 			default:
 				nd.HealthDesc = cmp.Or(d.GetHealthReason(), "health unknown")

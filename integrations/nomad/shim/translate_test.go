@@ -1,0 +1,41 @@
+package shim
+
+import (
+	"strings"
+	"testing"
+
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// MIG partitions come to Nomad as a device group per profile (nvidia/mig/1g.10gb),
+// and a device blocked by shared capacity another reservation uses is unhealthy with
+// that reservation named; once free, healthy again.
+func TestGroupsToNomadPartitions(t *testing.T) {
+	holder := &pb.Holder{ReservationId: "res-1", OwnerId: "nomad/default/train/a/t"}
+	snap := &pb.FingerprintResponse{Groups: []*pb.DeviceGroup{
+		{Vendor: "nvidia", Type: "gpu", Name: "H100", Devices: []*pb.Device{
+			{Id: "GPU-0", Health: pb.Health_HEALTH_HEALTHY, BlockedBy: []*pb.Holder{holder, {ReservationId: "res-2", OwnerId: "x"}}},
+		}},
+		{Vendor: "nvidia", Type: "mig", Name: "1g.10gb", Devices: []*pb.Device{
+			{Id: "GPU-0-mig-1g.10gb-0", Health: pb.Health_HEALTH_HEALTHY, Holder: holder},
+			{Id: "GPU-0-mig-1g.10gb-1", Health: pb.Health_HEALTH_HEALTHY},
+		}},
+	}}
+	groups := groupsToNomad(snap)
+	if len(groups) != 2 || groups[1].Type != "mig" || groups[1].Name != "1g.10gb" {
+		t.Fatalf("groups %+v, want nvidia/gpu/H100 and nvidia/mig/1g.10gb", groups)
+	}
+	whole := groups[0].Devices[0]
+	if whole.Healthy || !strings.Contains(whole.HealthDesc, `reservation res-1 of owner "nomad/default/train/a/t" and 1 more`) {
+		t.Errorf("blocked GPU: healthy %v, %q; want unhealthy naming its blocker", whole.Healthy, whole.HealthDesc)
+	}
+	for _, d := range groups[1].Devices {
+		if !d.Healthy {
+			t.Errorf("partition %s unhealthy (%q), want healthy", d.ID, d.HealthDesc)
+		}
+	}
+	snap.Groups[0].Devices[0].BlockedBy = nil
+	if d := groupsToNomad(snap)[0].Devices[0]; !d.Healthy {
+		t.Errorf("GPU with its blockers gone: unhealthy %q", d.HealthDesc)
+	}
+}
