@@ -1,0 +1,326 @@
+// Package dra is devicehost's Kubernetes Dynamic Resource Allocation driver: a client of
+// the agent (package client) that publishes the agent's devices as the node's
+// ResourceSlices and serves the kubelet's DRA calls through the kubeletplugin helper of
+// k8s.io/dynamic-resource-allocation.
+//
+//   - ResourceSlices: one pool per node, rebuilt from every snapshot of the agent's
+//     Fingerprint stream (attributes, capacities, shared counters, taints);
+//   - NodePrepareResources: one idempotent Reserve per claim (and device group), owner
+//     "k8s-claim/<namespace>/<name>/<uid>", and a CDI spec per claim;
+//   - NodeUnprepareResources: Release of that owner, from the ledger, not memory;
+//   - WatchHealthStatus: every device's health from the Fingerprint stream, unknown
+//     while the agent cannot be reached;
+//   - stale claims: reservations of claims the API server no longer has are released
+//     after a grace period.
+//
+// The agent's ledger is the only state: a driver that restarts, or starts beside an
+// agent that kept its reservations over a reboot, rebuilds its CDI specs from it.
+package dra
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"golang.org/x/sync/errgroup"
+	"k8s.io/apimachinery/pkg/api/equality"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/dynamic-resource-allocation/deviceattribute"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+
+	"github.com/devicehost/devicehost/client"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// Defaults of Config.
+const (
+	DefaultDriverName    = "devicehost.io"
+	DefaultRegistryDir   = kubeletplugin.KubeletRegistryDir
+	DefaultCDIDir        = "/var/run/cdi"
+	DefaultStaleGrace    = 2 * time.Minute
+	DefaultStaleInterval = time.Minute
+	// healthResend is how often WatchHealthStatus repeats its report when nothing
+	// changed: well inside the kubelet's 30 s before it calls a device's health
+	// unknown.
+	healthResend = 10 * time.Second
+)
+
+// Config configures a Driver. Zero values take the defaults named.
+type Config struct {
+	// Agent is the client of the agent; required. The Driver does not close it.
+	Agent *client.Client
+	// Kube is the API server client; required.
+	Kube kubernetes.Interface
+	// NodeName is the node's name, and the name of its pool; required.
+	NodeName string
+	// DriverName is the DRA driver's name (DefaultDriverName).
+	DriverName string
+	// PluginDir is where the DRA socket is made (kubelet's plugins dir/<driver>).
+	PluginDir string
+	// RegistryDir is the kubelet's plugin registry (DefaultRegistryDir).
+	RegistryDir string
+	// CDIDir is where the per-claim CDI specs go (DefaultCDIDir).
+	CDIDir string
+	// StaleGrace is how long a reservation's claim must be missing from the API
+	// server before it is released (DefaultStaleGrace); StaleInterval is how often
+	// that is checked (DefaultStaleInterval).
+	StaleGrace    time.Duration
+	StaleInterval time.Duration
+	// SysfsRoot is where pcieRoot is read ("": the host's /sys).
+	SysfsRoot string
+	// Logger (default: a null logger).
+	Logger hclog.Logger
+	// HelperOptions are added to the kubeletplugin helper's options (tests).
+	HelperOptions []kubeletplugin.Option
+}
+
+// Driver is the DRA driver. Make one with New and call Run once.
+type Driver struct {
+	cfg   Config
+	log   hclog.Logger
+	agent *client.Client
+	cdi   *cdiSpecs
+	sysfs []deviceattribute.MachineModifier
+
+	fatal chan error // HandleError's fatal errors, for Run
+
+	mu      sync.Mutex
+	cur     *view         // latest; nil before the first snapshot
+	changed chan struct{} // closed and replaced when cur changes
+
+	// stale: owner -> when the GC first saw its claim missing. Only the GC goroutine
+	// touches it.
+	stale map[string]time.Time
+	// afterStaleRound, if set, is called after every round of the stale-claim GC
+	// (tests).
+	afterStaleRound func(staleRound)
+}
+
+// New checks cfg and returns a Driver; it starts nothing.
+func New(cfg Config) (*Driver, error) {
+	if cfg.Agent == nil {
+		return nil, errors.New("dra: Config.Agent is required")
+	}
+	if cfg.Kube == nil {
+		return nil, errors.New("dra: Config.Kube is required")
+	}
+	if cfg.NodeName == "" {
+		return nil, errors.New("dra: Config.NodeName is required")
+	}
+	if cfg.DriverName == "" {
+		cfg.DriverName = DefaultDriverName
+	}
+	if cfg.PluginDir == "" {
+		cfg.PluginDir = filepath.Join(kubeletplugin.KubeletPluginsDir, cfg.DriverName)
+	}
+	if cfg.RegistryDir == "" {
+		cfg.RegistryDir = DefaultRegistryDir
+	}
+	if cfg.CDIDir == "" {
+		cfg.CDIDir = DefaultCDIDir
+	}
+	if cfg.StaleGrace <= 0 {
+		cfg.StaleGrace = DefaultStaleGrace
+	}
+	if cfg.StaleInterval <= 0 {
+		cfg.StaleInterval = DefaultStaleInterval
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = hclog.NewNullLogger()
+	}
+	cfg.HelperOptions = append([]kubeletplugin.Option(nil), cfg.HelperOptions...)
+	cdi, err := newCDISpecs(cfg.CDIDir, cfg.DriverName)
+	if err != nil {
+		return nil, err
+	}
+	d := &Driver{
+		cfg:     cfg,
+		log:     cfg.Logger,
+		agent:   cfg.Agent,
+		cdi:     cdi,
+		fatal:   make(chan error, 1),
+		changed: make(chan struct{}),
+		stale:   make(map[string]time.Time),
+	}
+	if cfg.SysfsRoot != "" {
+		d.sysfs = []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(cfg.SysfsRoot)}
+	}
+	return d, nil
+}
+
+// Run repairs the CDI specs from the agent's ledger, starts the kubeletplugin helper
+// (registration and DRA sockets), publishes the pool from the agent's Fingerprint
+// stream and collects stale claims, until ctx ends (nil) or a fatal error. Everything
+// it started is stopped when it returns.
+func (d *Driver) Run(ctx context.Context) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+
+	// Repair the specs before the kubelet can ask (a tmpfs /var/run/cdi lost at
+	// reboot); an agent that is not there yet is repaired on its first snapshot.
+	rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
+	if err := d.repairCDI(rctx); err != nil {
+		d.log.Warn("CDI specs not repaired at start; repaired once the agent answers", "error", err)
+	}
+	rcancel()
+
+	opts := append([]kubeletplugin.Option{
+		kubeletplugin.DriverName(d.cfg.DriverName),
+		kubeletplugin.KubeClient(d.cfg.Kube),
+		kubeletplugin.NodeName(d.cfg.NodeName),
+		kubeletplugin.PluginDataDirectoryPath(d.cfg.PluginDir),
+		kubeletplugin.RegistrarDirectoryPath(d.cfg.RegistryDir),
+	}, d.cfg.HelperOptions...)
+	helper, err := kubeletplugin.Start(ctx, d, opts...)
+	if err != nil {
+		return fmt.Errorf("dra: start kubelet plugin: %w", err)
+	}
+	defer helper.Stop()
+	d.log.Info("serving the kubelet", "driver", d.cfg.DriverName, "node", d.cfg.NodeName,
+		"plugin_dir", d.cfg.PluginDir, "registry_dir", d.cfg.RegistryDir)
+
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return d.publishLoop(gctx, helper) })
+	g.Go(func() error { return d.staleLoop(gctx) })
+	g.Go(func() error {
+		select {
+		case err := <-d.fatal:
+			return err
+		case <-gctx.Done():
+			return nil
+		}
+	})
+	return g.Wait()
+}
+
+// publishLoop follows the agent's Fingerprint stream: each snapshot (or word that
+// the agent is gone) becomes the current view, published as the node's pool when it
+// differs from the last one published.
+func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper) error {
+	var last *view
+	var lastSnap *pb.FingerprintResponse
+	wasDown := true
+	for u := range d.agent.WatchDevices(ctx) {
+		o := buildOptions{driver: d.cfg.DriverName, pool: d.cfg.NodeName, sysfs: d.sysfs}
+		snap := u.Snapshot
+		if u.Disconnected() {
+			if !wasDown {
+				d.log.Warn("agent unreachable: devices published tainted, health unknown", "error", u.Err, "retry_in", u.RetryIn)
+			}
+			wasDown = true
+			if lastSnap == nil {
+				// Nothing known yet: leave the pool as an earlier process published it
+				// rather than publish it empty.
+				continue
+			}
+			o.disconnected = u.Err
+			snap = lastSnap // keep the devices, tainted
+		} else {
+			if wasDown {
+				// (Re)connected: the agent may have restarted with a ledger this
+				// process has not seen; make the specs match it.
+				if err := d.repairCDI(ctx); err != nil && ctx.Err() == nil {
+					d.log.Warn("CDI specs not repaired", "error", err)
+				}
+			}
+			wasDown = false
+			lastSnap = snap
+		}
+		v, problems := buildView(snap, o)
+		for _, p := range problems {
+			d.log.Warn("device left out of or changed in the ResourceSlice", "problem", p)
+		}
+		d.setView(v)
+		if last != nil && equality.Semantic.DeepEqual(last.slices, v.slices) {
+			continue
+		}
+		if err := helper.PublishResources(ctx, v.resources()); err != nil {
+			return fmt.Errorf("dra: publish resources: %w", err)
+		}
+		last = v
+	}
+	return nil
+}
+
+// setView makes v current and wakes its watchers.
+func (d *Driver) setView(v *view) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.cur = v
+	close(d.changed)
+	d.changed = make(chan struct{})
+}
+
+// current returns the current view (nil before the first) and a channel closed when
+// it changes.
+func (d *Driver) current() (*view, <-chan struct{}) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.cur, d.changed
+}
+
+// HandleError implements kubeletplugin.DRAPlugin: background errors of the helper.
+// Recoverable ones are logged; a fatal one ends Run.
+func (d *Driver) HandleError(_ context.Context, err error, msg string) {
+	if errors.Is(err, kubeletplugin.ErrRecoverable) {
+		d.log.Error(msg, "error", err)
+		return
+	}
+	select {
+	case d.fatal <- fmt.Errorf("dra: %s: %w", msg, err):
+	default:
+	}
+}
+
+// WatchHealthStatus implements kubeletplugin.DRAPlugin: a report of every device at
+// once, again on every change of the agent's snapshot or its reachability, and every
+// healthResend in between.
+func (d *Driver) WatchHealthStatus(ctx context.Context, reports chan<- kubeletplugin.DeviceHealthReport) error {
+	t := time.NewTicker(healthResend)
+	defer t.Stop()
+	for {
+		v, changed := d.current()
+		if v != nil {
+			select {
+			case reports <- v.healthReport(time.Now()):
+			case <-ctx.Done():
+				return nil
+			}
+		}
+		select {
+		case <-changed:
+		case <-t.C:
+		case <-ctx.Done():
+			return nil
+		}
+	}
+}
+
+// healthReport is every device's health: the agent's, or unknown while it cannot be
+// reached.
+func (v *view) healthReport(now time.Time) kubeletplugin.DeviceHealthReport {
+	r := kubeletplugin.DeviceHealthReport{Devices: make([]kubeletplugin.DeviceHealth, 0, len(v.order))}
+	for _, name := range v.order {
+		ref := v.devices[name]
+		h := kubeletplugin.DeviceHealth{PoolName: v.pool, DeviceName: name, LastUpdated: now, Message: ref.reason}
+		switch {
+		case v.disconnected != nil:
+			h.Health = kubeletplugin.HealthStatusUnknown
+			h.Message = "devicehost agent unreachable: " + v.disconnected.Error()
+		case ref.health == pb.Health_HEALTH_HEALTHY:
+			h.Health = kubeletplugin.HealthStatusHealthy
+		case ref.health == pb.Health_HEALTH_UNHEALTHY:
+			h.Health = kubeletplugin.HealthStatusUnhealthy
+		default:
+			h.Health = kubeletplugin.HealthStatusUnknown
+		}
+		r.Devices = append(r.Devices, h)
+	}
+	return r
+}
+
+var _ kubeletplugin.DRAPlugin = (*Driver)(nil)

@@ -1,0 +1,215 @@
+package dra
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+
+	"github.com/devicehost/devicehost/client"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// PrepareResourceClaims implements kubeletplugin.DRAPlugin: each claim's devices of
+// this driver become one Reserve per device group at the agent, owner
+// "k8s-claim/<namespace>/<name>/<uid>" (the kubelet asking again gets the same
+// reservations back), and the claim's CDI spec is written. A claim fails alone, with
+// a message that names what stopped it (the holder of a device, a counter over its
+// capacity, an unhealthy device, the agent being unreachable); the kubelet retries it.
+func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	out := make(map[types.UID]kubeletplugin.PrepareResult, len(claims))
+	for _, c := range claims {
+		devs, err := d.prepare(ctx, c)
+		if err != nil {
+			d.log.Warn("claim not prepared", "claim", c.Namespace+"/"+c.Name, "uid", c.UID, "error", err)
+		} else {
+			d.log.Info("claim prepared", "claim", c.Namespace+"/"+c.Name, "uid", c.UID, "devices", len(devs))
+		}
+		out[c.UID] = kubeletplugin.PrepareResult{Err: err, Devices: devs}
+	}
+	return out, nil
+}
+
+// allocated is one device of a claim's allocation, with the agent's device it is.
+type allocated struct {
+	request string
+	ref     deviceRef
+}
+
+func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, error) {
+	ref := claimRef{c.Namespace, c.Name, string(c.UID)}
+	if !validUID(ref.uid) {
+		return nil, fmt.Errorf("claim UID %q: not usable in a CDI name", ref.uid)
+	}
+	if c.Status.Allocation == nil {
+		return nil, fmt.Errorf("claim %s/%s is not allocated", c.Namespace, c.Name)
+	}
+	var results []resourceapi.DeviceRequestAllocationResult
+	for _, r := range c.Status.Allocation.Devices.Results {
+		if r.Driver == d.cfg.DriverName {
+			results = append(results, r)
+		}
+	}
+	if len(results) == 0 {
+		return []kubeletplugin.Device{}, nil
+	}
+	devs, err := d.resolve(ctx, results)
+	if err != nil {
+		return nil, err
+	}
+
+	// One Reserve per device group, in the order the groups first appear.
+	var order []groupKey
+	byGroup := make(map[groupKey][]string)
+	for _, a := range devs {
+		if _, ok := byGroup[a.ref.group]; !ok {
+			order = append(order, a.ref.group)
+		}
+		if !slices.Contains(byGroup[a.ref.group], a.ref.id) {
+			byGroup[a.ref.group] = append(byGroup[a.ref.group], a.ref.id)
+		}
+	}
+	owner := ref.owner()
+	var reservations []*pb.Reservation
+	cdiByDevice := make(map[string][]string) // agent device ID -> CDI IDs
+	for _, g := range order {
+		ids := byGroup[g]
+		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: g.vendor, Type: g.typ, Name: g.name, DeviceIds: ids})
+		if err != nil {
+			return nil, reserveError(ids, err)
+		}
+		reservations = append(reservations, &pb.Reservation{ReservationId: resp.GetReservationId(), Reservation: resp.GetReservation()})
+		claimID := d.cdi.id(ref.uid, resp.GetReservationId())
+		var common []string // plugin CDI names that name none of the devices
+		for _, n := range resp.GetReservation().GetCdiDevices() {
+			matched := false
+			for _, id := range ids {
+				if strings.HasSuffix(n, "="+id) {
+					cdiByDevice[id] = append(cdiByDevice[id], n)
+					matched = true
+				}
+			}
+			if !matched {
+				common = append(common, n)
+			}
+		}
+		for _, id := range ids {
+			cdiByDevice[id] = append(append([]string{claimID}, cdiByDevice[id]...), common...)
+		}
+	}
+	if err := d.cdi.write(ref.uid, c.Namespace+"/"+c.Name, reservations); err != nil {
+		// The reservations stay: the kubelet's retry gets them back and writes again.
+		return nil, fmt.Errorf("write CDI spec: %w", err)
+	}
+	out := make([]kubeletplugin.Device, 0, len(devs))
+	for _, a := range devs {
+		out = append(out, kubeletplugin.Device{
+			Requests:     []string{a.request},
+			PoolName:     d.cfg.NodeName,
+			DeviceName:   a.ref.name,
+			CDIDeviceIDs: cdiByDevice[a.ref.id],
+		})
+	}
+	return out, nil
+}
+
+// resolve finds the agent's device for each allocated DRA device, in the current
+// view, or in a fresh snapshot when the view does not have it (a driver that just
+// started, a device that just appeared).
+func (d *Driver) resolve(ctx context.Context, results []resourceapi.DeviceRequestAllocationResult) ([]allocated, error) {
+	lookup := func(v *view) ([]allocated, []string) {
+		var out []allocated
+		var missing []string
+		for _, r := range results {
+			ref, ok := deviceRef{}, false
+			if v != nil && r.Pool == v.pool {
+				ref, ok = v.devices[r.Device]
+			}
+			if !ok {
+				missing = append(missing, r.Pool+"/"+r.Device)
+				continue
+			}
+			out = append(out, allocated{request: r.Request, ref: ref})
+		}
+		return out, missing
+	}
+	v, _ := d.current()
+	if out, missing := lookup(v); len(missing) == 0 {
+		return out, nil
+	}
+	snap, err := d.agent.Devices(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("read the agent's devices: %w", err)
+	}
+	fresh, _ := buildView(snap, buildOptions{driver: d.cfg.DriverName, pool: d.cfg.NodeName, sysfs: d.sysfs})
+	out, missing := lookup(fresh)
+	if len(missing) > 0 {
+		return nil, fmt.Errorf("allocated devices %s are not devices the agent reports on node %s", strings.Join(missing, ", "), d.cfg.NodeName)
+	}
+	return out, nil
+}
+
+// reserveError explains a refused Reserve of ids.
+func reserveError(ids []string, err error) error {
+	if held, ok := client.IsHeld(err); ok && len(held.GetConflicts()) > 0 {
+		var parts []string
+		for _, c := range held.GetConflicts() {
+			who := "owner " + c.GetOwnerId()
+			if c.GetReservationId() != "" {
+				who += " (reservation " + c.GetReservationId() + ")"
+			} else {
+				who += " (a Reserve in flight)"
+			}
+			parts = append(parts, strings.Join(c.GetDeviceIds(), ", ")+" held by "+who)
+		}
+		return fmt.Errorf("devices held by another owner: %s: %w", strings.Join(parts, "; "), err)
+	}
+	if ce, ok := client.IsCapacityExceeded(err); ok && len(ce.GetOverruns()) > 0 {
+		var parts []string
+		for _, o := range ce.GetOverruns() {
+			var users []string
+			for _, u := range o.GetUsers() {
+				users = append(users, u.GetOwnerId())
+			}
+			parts = append(parts, fmt.Sprintf("counter %s of %s: %d of %d used by %s, %d more asked",
+				o.GetCounter(), o.GetCounterSet(), o.GetUsed(), o.GetCapacity(), strings.Join(users, ", "), o.GetRequested()))
+		}
+		return fmt.Errorf("shared capacity exceeded: %s: %w", strings.Join(parts, "; "), err)
+	}
+	return fmt.Errorf("reserve %s: %w", strings.Join(ids, ", "), err)
+}
+
+// UnprepareResourceClaims implements kubeletplugin.DRAPlugin: Release of every
+// reservation of each claim's owner, whichever process made them (the ledger says
+// what is prepared), and removal of the claim's CDI spec. Unpreparing a claim that is
+// not prepared is not an error.
+func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	out := make(map[types.UID]error, len(claims))
+	for _, c := range claims {
+		ref := claimRef{c.Namespace, c.Name, string(c.UID)}
+		err := d.unprepare(ctx, ref)
+		if err != nil {
+			d.log.Warn("claim not unprepared", "claim", c.Namespace+"/"+c.Name, "uid", c.UID, "error", err)
+		}
+		out[c.UID] = err
+	}
+	return out, nil
+}
+
+func (d *Driver) unprepare(ctx context.Context, ref claimRef) error {
+	resp, err := d.agent.ReleaseOwner(ctx, ref.owner())
+	if err != nil {
+		return fmt.Errorf("release %s: %w", ref.owner(), err)
+	}
+	if err := d.cdi.remove(ref.uid); err != nil {
+		return fmt.Errorf("remove CDI spec: %w", err)
+	}
+	if n := len(resp.GetReleasedReservationIds()); n > 0 {
+		d.log.Info("claim unprepared", "claim", ref.namespace+"/"+ref.name, "uid", ref.uid, "released", resp.GetReleasedReservationIds())
+	}
+	return nil
+}

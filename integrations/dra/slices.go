@@ -1,0 +1,333 @@
+package dra
+
+import (
+	"cmp"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/blang/semver/v4"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/dynamic-resource-allocation/deviceattribute"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
+
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// ClaimOwnerPrefix starts the owner ID of every reservation the driver makes:
+// "k8s-claim/<namespace>/<name>/<uid>".
+const ClaimOwnerPrefix = "k8s-claim/"
+
+// Limits of a ResourceSlice (resource.k8s.io/v1).
+const (
+	maxDevicesPerSlice     = resourceapi.ResourceSliceMaxDevicesWithAdvancedFeatures
+	maxCounterSetsPerSlice = resourceapi.ResourceSliceMaxCounterSets
+	maxAttributesPerDevice = resourceapi.ResourceSliceMaxAttributesAndCapacitiesPerDevice
+	maxStringValue         = resourceapi.DeviceAttributeMaxValueLength
+)
+
+// groupKey names a device group at the agent.
+type groupKey struct{ vendor, typ, name string }
+
+// deviceRef is one of the agent's devices as the driver publishes it.
+type deviceRef struct {
+	name   string // DRA device name
+	group  groupKey
+	id     string // the agent's device ID
+	health pb.Health
+	reason string
+}
+
+// view is what one Fingerprint snapshot gives the driver: the pool's slices, and the
+// devices by DRA name. Immutable once built.
+type view struct {
+	pool    string
+	slices  []resourceslice.Slice
+	devices map[string]deviceRef
+	order   []string // device names in publishing order
+	// disconnected is why the agent cannot be read, or nil.
+	disconnected error
+}
+
+// buildOptions are the inputs of buildView besides the snapshot.
+type buildOptions struct {
+	driver string // driver name: the attributes' domain and the taints' key prefix
+	pool   string
+	// disconnected is set while the agent cannot be reached: every device is then
+	// published with a taint saying so.
+	disconnected error
+	// sysfs is where pcieRoot is read (nil: the host's /sys).
+	sysfs []deviceattribute.MachineModifier
+}
+
+// taint keys, after the driver name and '/'.
+const (
+	taintUnhealthy = "unhealthy"
+	taintHeld      = "held"
+	taintBlocked   = "blocked"
+)
+
+// buildView turns the agent's snapshot into the pool's ResourceSlices: every device
+// with its attributes, capacities, counter consumption and taints, and the counter
+// sets in slices of their own (DRA wants them apart from devices). problems lists
+// what had to be left out, for the log.
+func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems []string) {
+	v = &view{pool: o.pool, devices: make(map[string]deviceRef), disconnected: o.disconnected}
+	setNames := make(map[[2]string]string) // (plugin, set) -> DRA counter set name
+	var sets []resourceapi.CounterSet
+	seenSet := make(map[string]bool)
+	for _, cs := range snap.GetCounterSets() {
+		name := label(cs.GetPlugin() + "-" + cs.GetName())
+		if seenSet[name] {
+			problems = append(problems, fmt.Sprintf("counter set %s of plugin %s: its DRA name %s is taken; left out", cs.GetName(), cs.GetPlugin(), name))
+			continue
+		}
+		seenSet[name] = true
+		setNames[[2]string{cs.GetPlugin(), cs.GetName()}] = name
+		set := resourceapi.CounterSet{Name: name, Counters: make(map[string]resourceapi.Counter)}
+		for k, c := range cs.GetCapacity() {
+			set.Counters[label(k)] = resourceapi.Counter{Value: *resource.NewQuantity(c, resource.DecimalSI)}
+		}
+		sets = append(sets, set)
+	}
+	slices.SortFunc(sets, func(a, b resourceapi.CounterSet) int { return strings.Compare(a.Name, b.Name) })
+
+	groups := slices.Clone(snap.GetGroups())
+	slices.SortFunc(groups, func(a, b *pb.DeviceGroup) int {
+		return cmp.Or(strings.Compare(a.GetPlugin(), b.GetPlugin()), strings.Compare(a.GetVendor(), b.GetVendor()),
+			strings.Compare(a.GetType(), b.GetType()), strings.Compare(a.GetName(), b.GetName()))
+	})
+	var devices []resourceapi.Device
+	for _, g := range groups {
+		key := groupKey{g.GetVendor(), g.GetType(), g.GetName()}
+		common, capacity, gp := groupAttributes(g)
+		problems = append(problems, gp...)
+		devs := slices.Clone(g.GetDevices())
+		slices.SortFunc(devs, func(a, b *pb.Device) int { return strings.Compare(a.GetId(), b.GetId()) })
+		for _, d := range devs {
+			name := DeviceName(d.GetId())
+			if _, dup := v.devices[name]; dup {
+				problems = append(problems, fmt.Sprintf("device %s: its DRA name %s is taken; left out", d.GetId(), name))
+				continue
+			}
+			dev := resourceapi.Device{Name: name, Attributes: make(map[resourceapi.QualifiedName]resourceapi.DeviceAttribute)}
+			for k, a := range common {
+				dev.Attributes[k] = a
+			}
+			if len(capacity) > 0 {
+				dev.Capacity = make(map[resourceapi.QualifiedName]resourceapi.DeviceCapacity, len(capacity))
+				for k, c := range capacity {
+					dev.Capacity[k] = c
+				}
+			}
+			dev.Attributes["id"] = str(d.GetId())
+			if strings.HasPrefix(d.GetId(), "GPU-") || strings.HasPrefix(d.GetId(), "MIG-") {
+				dev.Attributes["uuid"] = str(d.GetId())
+			}
+			problems = append(problems, localityAttributes(dev.Attributes, d, o.sysfs)...)
+			for _, c := range d.GetConsumes() {
+				set, ok := setNames[[2]string{g.GetPlugin(), c.GetCounterSet()}]
+				if !ok {
+					problems = append(problems, fmt.Sprintf("device %s: consumes unknown counter set %s; consumption left out", d.GetId(), c.GetCounterSet()))
+					continue
+				}
+				cc := resourceapi.DeviceCounterConsumption{CounterSet: set, Counters: make(map[string]resourceapi.Counter)}
+				for k, n := range c.GetCounters() {
+					cc.Counters[label(k)] = resourceapi.Counter{Value: *resource.NewQuantity(n, resource.DecimalSI)}
+				}
+				dev.ConsumesCounters = append(dev.ConsumesCounters, cc)
+			}
+			slices.SortFunc(dev.ConsumesCounters, func(a, b resourceapi.DeviceCounterConsumption) int {
+				return strings.Compare(a.CounterSet, b.CounterSet)
+			})
+			dev.Taints = taints(o.driver, d, o.disconnected)
+			if n := len(dev.Attributes) + len(dev.Capacity); n > maxAttributesPerDevice {
+				problems = append(problems, fmt.Sprintf("device %s: %d attributes and capacities, DRA allows %d; the group's attributes past the limit are left out", d.GetId(), n, maxAttributesPerDevice))
+				trimAttributes(&dev)
+			}
+			devices = append(devices, dev)
+			v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason()}
+			v.order = append(v.order, name)
+		}
+	}
+	for chunk := range slices.Chunk(sets, maxCounterSetsPerSlice) {
+		v.slices = append(v.slices, resourceslice.Slice{SharedCounters: chunk})
+	}
+	for chunk := range slices.Chunk(devices, maxDevicesPerSlice) {
+		v.slices = append(v.slices, resourceslice.Slice{Devices: chunk})
+	}
+	if len(v.slices) == 0 {
+		// A pool with no devices is still published, empty, so the scheduler sees
+		// the node has none rather than an old list.
+		v.slices = []resourceslice.Slice{{}}
+	}
+	return v, problems
+}
+
+// resources is the view as PublishResources takes it.
+func (v *view) resources() resourceslice.DriverResources {
+	return resourceslice.DriverResources{Pools: map[string]resourceslice.Pool{v.pool: {Slices: v.slices}}}
+}
+
+// groupAttributes converts a group's attributes (shared by its devices): vendor,
+// type and product name, then the plugin's attributes, byte sizes ("memory" in MiB) as
+// capacities, versions as versions where they parse as such.
+func groupAttributes(g *pb.DeviceGroup) (map[resourceapi.QualifiedName]resourceapi.DeviceAttribute, map[resourceapi.QualifiedName]resourceapi.DeviceCapacity, []string) {
+	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+		"vendor":      str(g.GetVendor()),
+		"type":        str(g.GetType()),
+		"productName": str(g.GetName()),
+	}
+	capacity := make(map[resourceapi.QualifiedName]resourceapi.DeviceCapacity)
+	var problems []string
+	keys := make([]string, 0, len(g.GetAttributes()))
+	for k := range g.GetAttributes() {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	for _, k := range keys {
+		val := g.GetAttributes()[k]
+		name := resourceapi.QualifiedName(attributeName(k))
+		if name == "" {
+			problems = append(problems, fmt.Sprintf("group %s: attribute %q has no DRA name; left out", g.GetName(), k))
+			continue
+		}
+		if _, taken := attrs[name]; taken {
+			continue
+		}
+		switch x := val.GetKind().(type) {
+		case *pb.Value_IntValue:
+			if shift, ok := byteUnits[val.GetUnit()]; ok {
+				capacity[name] = resourceapi.DeviceCapacity{Value: *resource.NewQuantity(x.IntValue<<shift, resource.BinarySI)}
+				continue
+			}
+			n := x.IntValue
+			attrs[name] = resourceapi.DeviceAttribute{IntValue: &n}
+		case *pb.Value_FloatValue:
+			attrs[name] = str(strconv.FormatFloat(x.FloatValue, 'g', -1, 64))
+		case *pb.Value_BoolValue:
+			b := x.BoolValue
+			attrs[name] = resourceapi.DeviceAttribute{BoolValue: &b}
+		case *pb.Value_StringValue:
+			if isVersionKey(k) {
+				if ver, ok := version(x.StringValue); ok {
+					attrs[name] = resourceapi.DeviceAttribute{VersionValue: &ver}
+					continue
+				}
+			}
+			attrs[name] = str(x.StringValue)
+		}
+	}
+	return attrs, capacity, problems
+}
+
+// byteUnits are the units of byte sizes, by their shift from bytes.
+var byteUnits = map[string]int{"B": 0, "KiB": 10, "MiB": 20, "GiB": 30, "TiB": 40}
+
+func isVersionKey(k string) bool {
+	return strings.HasSuffix(k, "version") || strings.HasSuffix(k, "_capability")
+}
+
+// version turns "550.54.15", "535.104.05" or "9.0" into a semantic version
+// ("535.104.5", "9.0.0"), as DRA's version attributes want.
+func version(s string) (string, bool) {
+	parts := strings.Split(s, ".")
+	if len(parts) == 0 || len(parts) > 3 {
+		return "", false
+	}
+	for i, p := range parts {
+		if p == "" || strings.Trim(p, "0123456789") != "" {
+			return "", false
+		}
+		if p = strings.TrimLeft(p, "0"); p == "" {
+			p = "0"
+		}
+		parts[i] = p
+	}
+	for len(parts) < 3 {
+		parts = append(parts, "0")
+	}
+	v := strings.Join(parts, ".")
+	if _, err := semver.Parse(v); err != nil {
+		return "", false
+	}
+	return v, true
+}
+
+// localityAttributes adds the standard resource.kubernetes.io attributes: pciBusID
+// and pcieRoot from the device's PCI bus ID, numaNode where known.
+func localityAttributes(attrs map[resourceapi.QualifiedName]resourceapi.DeviceAttribute, d *pb.Device, sysfs []deviceattribute.MachineModifier) (problems []string) {
+	loc := d.GetLocality()
+	if bus := strings.ToLower(loc.GetPciBusId()); bus != "" {
+		if a, err := deviceattribute.GetPCIBusIDAttribute(bus); err == nil {
+			attrs[a.Name] = a.Value
+		} else {
+			problems = append(problems, fmt.Sprintf("device %s: pciBusID: %v", d.GetId(), err))
+		}
+		// No pcieRoot where /sys does not have the device (simulated GPUs): not a
+		// problem worth a log line per snapshot.
+		if a, err := deviceattribute.GetPCIeRootAttributeByPCIBusID(bus, sysfs...); err == nil {
+			attrs[a.Name] = a.Value
+		}
+	}
+	if loc != nil && loc.GetNumaNode() >= 0 {
+		if a, err := deviceattribute.GetNUMANodeAttribute(int(loc.GetNumaNode()), deviceattribute.ScalarAttribute); err == nil {
+			attrs[a.Name] = a.Value
+		}
+	}
+	return problems
+}
+
+// taints says why the scheduler must not give d to a claim now: it is not healthy
+// (or the agent cannot be reached), a reservation of an owner outside DRA holds it,
+// or such reservations use the shared capacity it needs.
+func taints(driver string, d *pb.Device, disconnected error) []resourceapi.DeviceTaint {
+	var out []resourceapi.DeviceTaint
+	add := func(key, value string) {
+		out = append(out, resourceapi.DeviceTaint{Key: driver + "/" + key, Value: value, Effect: resourceapi.DeviceTaintEffectNoSchedule})
+	}
+	switch {
+	case disconnected != nil:
+		add(taintUnhealthy, "agent-unreachable")
+	case d.GetHealth() == pb.Health_HEALTH_UNHEALTHY:
+		add(taintUnhealthy, labelValue(d.GetHealthReason(), "unhealthy"))
+	case d.GetHealth() != pb.Health_HEALTH_HEALTHY:
+		add(taintUnhealthy, labelValue(d.GetHealthReason(), "unknown"))
+	}
+	if h := d.GetHolder(); h != nil && !strings.HasPrefix(h.GetOwnerId(), ClaimOwnerPrefix) {
+		add(taintHeld, labelValue(h.GetOwnerId(), "held"))
+	}
+	for _, b := range d.GetBlockedBy() {
+		if !strings.HasPrefix(b.GetOwnerId(), ClaimOwnerPrefix) {
+			add(taintBlocked, labelValue(b.GetOwnerId(), "blocked"))
+			break
+		}
+	}
+	return out
+}
+
+// trimAttributes drops attributes, in reverse name order, until the device fits
+// DRA's limit; the identifying ones stay.
+func trimAttributes(dev *resourceapi.Device) {
+	keep := map[resourceapi.QualifiedName]bool{"id": true, "uuid": true, "productName": true, "vendor": true, "type": true}
+	names := make([]resourceapi.QualifiedName, 0, len(dev.Attributes))
+	for k := range dev.Attributes {
+		if !keep[k] && !strings.Contains(string(k), "/") {
+			names = append(names, k)
+		}
+	}
+	slices.Sort(names)
+	for len(dev.Attributes)+len(dev.Capacity) > maxAttributesPerDevice && len(names) > 0 {
+		delete(dev.Attributes, names[len(names)-1])
+		names = names[:len(names)-1]
+	}
+}
+
+func str(s string) resourceapi.DeviceAttribute {
+	if len(s) > maxStringValue {
+		s = s[:maxStringValue]
+	}
+	return resourceapi.DeviceAttribute{StringValue: &s}
+}

@@ -1,0 +1,150 @@
+package dra
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/dynamic-resource-allocation/deviceattribute"
+	"k8s.io/utils/ptr"
+
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// fakeSysfs makes a sysfs tree in which busID sits under PCIe root pci0000:16.
+func fakeSysfs(t *testing.T, busID string) string {
+	t.Helper()
+	root := t.TempDir()
+	dev := filepath.Join(root, "devices", "pci0000:16", "0000:16:01.0", busID)
+	if err := os.MkdirAll(dev, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	links := filepath.Join(root, "bus", "pci", "devices")
+	if err := os.MkdirAll(links, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(filepath.Join("..", "..", "..", "devices", "pci0000:16", "0000:16:01.0", busID), filepath.Join(links, busID)); err != nil {
+		t.Fatal(err)
+	}
+	return root
+}
+
+func intValue(n int64, unit string) *pb.Value {
+	return &pb.Value{Kind: &pb.Value_IntValue{IntValue: n}, Unit: unit}
+}
+
+func stringValue(s string) *pb.Value { return &pb.Value{Kind: &pb.Value_StringValue{StringValue: s}} }
+
+// A snapshot with a partitionable GPU becomes a counter-set slice and a device slice,
+// every field as DRA wants it.
+func TestBuildViewFieldByField(t *testing.T) {
+	const (
+		gpu = "GPU-8f3a4b2c-1d2e-3f40-5a6b-7c8d9e0f1a2b"
+		mig = "MIG-8f3a4b2c-1d2e-3f40-5a6b-7c8d9e0f1a2b-1g.10gb-0"
+		bus = "0000:17:00.0"
+	)
+	snap := &pb.FingerprintResponse{
+		CounterSets: []*pb.CounterSet{{Plugin: "nvidia", Name: "gpu-0", Capacity: map[string]int64{"memory_slices": 8, "compute_slices": 7}}},
+		Groups: []*pb.DeviceGroup{
+			{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia",
+				Attributes: map[string]*pb.Value{
+					"memory":             intValue(81559, "MiB"),
+					"power_limit":        intValue(700, "W"),
+					"driver_version":     stringValue("535.104.05"),
+					"cuda_version":       stringValue("12.2"),
+					"compute_capability": stringValue("9.0"),
+				},
+				Devices: []*pb.Device{{Id: gpu, Health: pb.Health_HEALTH_HEALTHY,
+					Locality: &pb.Locality{PciBusId: bus, NumaNode: 1},
+					Consumes: []*pb.CounterConsumption{{CounterSet: "gpu-0", Counters: map[string]int64{"memory_slices": 8, "compute_slices": 7}}},
+					Holder:   &pb.Holder{ReservationId: "res-1", OwnerId: "k8s/default/trainer/main"}}}},
+			{Vendor: "nvidia", Type: "mig", Name: "1g.10gb", Plugin: "nvidia",
+				Devices: []*pb.Device{{Id: mig, Health: pb.Health_HEALTH_UNHEALTHY, HealthReason: "XID 79",
+					Locality:  &pb.Locality{NumaNode: -1},
+					Consumes:  []*pb.CounterConsumption{{CounterSet: "gpu-0", Counters: map[string]int64{"memory_slices": 1, "compute_slices": 1}}},
+					BlockedBy: []*pb.Holder{{ReservationId: "res-1", OwnerId: "k8s/default/trainer/main"}}}}},
+		},
+	}
+	v, problems := buildView(snap, buildOptions{driver: "devicehost.io", pool: "node-a",
+		sysfs: []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(fakeSysfs(t, bus))}})
+	if len(problems) > 0 {
+		t.Errorf("problems: %q", problems)
+	}
+	q := func(s string) resourceapi.Counter { return resourceapi.Counter{Value: resource.MustParse(s)} }
+	sv := func(s string) resourceapi.DeviceAttribute { return resourceapi.DeviceAttribute{StringValue: &s} }
+	ver := func(s string) resourceapi.DeviceAttribute { return resourceapi.DeviceAttribute{VersionValue: &s} }
+	wantSets := []resourceapi.CounterSet{{Name: "nvidia-gpu-0", Counters: map[string]resourceapi.Counter{
+		label("memory_slices"): q("8"), label("compute_slices"): q("7")}}}
+	wantDevices := []resourceapi.Device{
+		{
+			Name: DeviceName(gpu),
+			Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+				"id": sv(gpu), "uuid": sv(gpu), "vendor": sv("nvidia"), "type": sv("gpu"),
+				"productName": sv("NVIDIA H100 80GB HBM3"),
+				"powerLimit":  {IntValue: ptr.To[int64](700)},
+				"driverVersion": ver("535.104.5"), "cudaVersion": ver("12.2.0"), "computeCapability": ver("9.0.0"),
+				"resource.kubernetes.io/pciBusID": sv(bus),
+				"resource.kubernetes.io/pcieRoot": sv("pci0000:16"),
+				"resource.kubernetes.io/numaNode": {IntValue: ptr.To[int64](1)},
+			},
+			Capacity: map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"memory": {Value: resource.MustParse("81559Mi")}},
+			ConsumesCounters: []resourceapi.DeviceCounterConsumption{{CounterSet: "nvidia-gpu-0", Counters: map[string]resourceapi.Counter{
+				label("memory_slices"): q("8"), label("compute_slices"): q("7")}}},
+			Taints: []resourceapi.DeviceTaint{{Key: "devicehost.io/held", Value: "k8s.default.trainer.main", Effect: resourceapi.DeviceTaintEffectNoSchedule}},
+		},
+		{
+			Name: DeviceName(mig),
+			Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+				"id": sv(mig), "uuid": sv(mig), "vendor": sv("nvidia"), "type": sv("mig"), "productName": sv("1g.10gb"),
+			},
+			ConsumesCounters: []resourceapi.DeviceCounterConsumption{{CounterSet: "nvidia-gpu-0", Counters: map[string]resourceapi.Counter{
+				label("memory_slices"): q("1"), label("compute_slices"): q("1")}}},
+			Taints: []resourceapi.DeviceTaint{
+				{Key: "devicehost.io/unhealthy", Value: "XID.79", Effect: resourceapi.DeviceTaintEffectNoSchedule},
+				{Key: "devicehost.io/blocked", Value: "k8s.default.trainer.main", Effect: resourceapi.DeviceTaintEffectNoSchedule},
+			},
+		},
+	}
+	if len(v.slices) != 2 {
+		t.Fatalf("got %d slices, want 2 (counter sets apart from devices)", len(v.slices))
+	}
+	if diff := cmp.Diff(wantSets, v.slices[0].SharedCounters); diff != "" || len(v.slices[0].Devices) != 0 {
+		t.Errorf("counter-set slice (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(wantDevices, v.slices[1].Devices); diff != "" || len(v.slices[1].SharedCounters) != 0 {
+		t.Errorf("device slice (-want +got):\n%s", diff)
+	}
+	if ref := v.devices[DeviceName(gpu)]; ref.id != gpu || ref.group != (groupKey{"nvidia", "gpu", "NVIDIA H100 80GB HBM3"}) {
+		t.Errorf("device ref of %s = %+v", gpu, ref)
+	}
+
+	// Held by a claim of this driver: no taint, the scheduler counts it itself.
+	snap.Groups[0].Devices[0].Holder.OwnerId = "k8s-claim/default/pair/uid-1"
+	snap.Groups[1].Devices[0].BlockedBy[0].OwnerId = "k8s-claim/default/pair/uid-1"
+	snap.Groups[1].Devices[0].Health = pb.Health_HEALTH_HEALTHY
+	v, _ = buildView(snap, buildOptions{driver: "devicehost.io", pool: "node-a"})
+	for _, d := range v.slices[1].Devices {
+		if len(d.Taints) != 0 {
+			t.Errorf("device %s held by a claim: taints %v, want none", d.Name, d.Taints)
+		}
+	}
+
+	// Agent unreachable: every device tainted, health unknown.
+	v, _ = buildView(snap, buildOptions{driver: "devicehost.io", pool: "node-a", disconnected: errors.New("connection refused")})
+	for _, d := range v.slices[1].Devices {
+		want := []resourceapi.DeviceTaint{{Key: "devicehost.io/unhealthy", Value: "agent-unreachable", Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+		if diff := cmp.Diff(want, d.Taints); diff != "" {
+			t.Errorf("device %s while disconnected: taints (-want +got):\n%s", d.Name, diff)
+		}
+	}
+	for _, h := range v.healthReport(time.Time{}).Devices {
+		if h.Health != "Unknown" {
+			t.Errorf("device %s while disconnected: health %s, want Unknown", h.DeviceName, h.Health)
+		}
+	}
+}
