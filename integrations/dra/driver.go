@@ -184,6 +184,7 @@ func (d *Driver) Run(ctx context.Context) error {
 		"plugin_dir", d.cfg.PluginDir, "registry_dir", d.cfg.RegistryDir)
 
 	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return d.watchLoop(gctx) })
 	g.Go(func() error { return d.publishLoop(gctx, helper) })
 	g.Go(func() error { return d.staleLoop(gctx) })
 	g.Go(func() error {
@@ -197,11 +198,10 @@ func (d *Driver) Run(ctx context.Context) error {
 	return g.Wait()
 }
 
-// publishLoop follows the agent's Fingerprint stream: each snapshot (or word that
-// the agent is gone) becomes the current view, published as the node's pool when it
-// differs from the last one published.
-func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper) error {
-	var last *view
+// watchLoop follows the agent's Fingerprint stream: each snapshot (or word that the
+// agent is gone) becomes the current view at once, for Prepare and health; publishing
+// it is publishLoop's.
+func (d *Driver) watchLoop(ctx context.Context) error {
 	var lastSnap *pb.FingerprintResponse
 	wasDown := true
 	for u := range d.agent.WatchDevices(ctx) {
@@ -235,15 +235,33 @@ func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper) 
 			d.log.Warn("device left out of or changed in the ResourceSlice", "problem", p)
 		}
 		d.setView(v)
-		if last != nil && equality.Semantic.DeepEqual(last.slices, v.slices) {
-			continue
-		}
-		if err := helper.PublishResources(ctx, v.resources()); err != nil {
-			return fmt.Errorf("dra: publish resources: %w", err)
-		}
-		last = v
 	}
 	return nil
+}
+
+// publishLoop publishes the current view's pool whenever it differs from the last
+// one published. PublishResources can take a while the first time (it starts the
+// ResourceSlice controller and waits for its informer): views that come meanwhile
+// are skipped to the latest.
+func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper) error {
+	var last *view
+	for {
+		v, changed := d.current()
+		if v != nil && (last == nil || !equality.Semantic.DeepEqual(last.slices, v.slices)) {
+			if err := helper.PublishResources(ctx, v.resources()); err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
+				return fmt.Errorf("dra: publish resources: %w", err)
+			}
+			last = v
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return nil
+		}
+	}
 }
 
 // setView makes v current and wakes its watchers.

@@ -85,8 +85,8 @@ func TestBuildViewFieldByField(t *testing.T) {
 			Name: DeviceName(gpu),
 			Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
 				"id": sv(gpu), "uuid": sv(gpu), "vendor": sv("nvidia"), "type": sv("gpu"),
-				"productName": sv("NVIDIA H100 80GB HBM3"),
-				"powerLimit":  {IntValue: ptr.To[int64](700)},
+				"productName":   sv("NVIDIA H100 80GB HBM3"),
+				"powerLimit":    {IntValue: ptr.To[int64](700)},
 				"driverVersion": ver("535.104.5"), "cudaVersion": ver("12.2.0"), "computeCapability": ver("9.0.0"),
 				"resource.kubernetes.io/pciBusID": sv(bus),
 				"resource.kubernetes.io/pcieRoot": sv("pci0000:16"),

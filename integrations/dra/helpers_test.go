@@ -1,0 +1,516 @@
+package dra
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/uuid"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes/fake"
+	drahealthpb "k8s.io/kubelet/pkg/apis/dra-health/v1"
+	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
+	registerpb "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+
+	"github.com/devicehost/devicehost/client"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+const (
+	testTimeout = 60 * time.Second
+	testNode    = "node-a"
+	testDriver  = "devicehost.io"
+)
+
+// agentBin is the devicehost binary TestMain builds from the main module.
+var agentBin string
+
+func TestMain(m *testing.M) {
+	os.Exit(func() int {
+		dir, err := os.MkdirTemp("", "dra-bin")
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		defer os.RemoveAll(dir)
+		root, err := filepath.Abs(filepath.Join("..", ".."))
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		agentBin = filepath.Join(dir, "devicehost")
+		// Not -race even when the tests are: the agent is not what they test.
+		cmd := exec.Command("go", "build", "-o", agentBin, "./cmd/devicehost")
+		cmd.Dir = root
+		if out, err := cmd.CombinedOutput(); err != nil {
+			fmt.Fprintf(os.Stderr, "build devicehost: %v\n%s", err, out)
+			return 1
+		}
+		return m.Run()
+	}())
+}
+
+// shortDir is a fresh directory with a path short enough for Unix sockets.
+func shortDir(t testing.TB, prefix string) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// lines records a process's output.
+type lines struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lines) consume(r io.Reader) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		l.mu.Lock()
+		l.b.WriteString(sc.Text() + "\n")
+		l.mu.Unlock()
+	}
+}
+
+func (l *lines) String() string { l.mu.Lock(); defer l.mu.Unlock(); return l.b.String() }
+
+// agentProcess is a running `devicehost agent -dev`.
+type agentProcess struct {
+	cmd    *exec.Cmd
+	out    *lines
+	exited chan struct{}
+}
+
+func (a *agentProcess) kill() {
+	select {
+	case <-a.exited:
+	default:
+		syscall.Kill(-a.cmd.Process.Pid, syscall.SIGKILL)
+		<-a.exited
+	}
+}
+
+// rig is one node: a real agent -dev with a durable state dir, a fake API server
+// holding the node, and the kubelet's directories.
+type rig struct {
+	t                              *testing.T
+	dir, sock, state               string
+	pluginDir, registryDir, cdiDir string
+	agent                          *agentProcess
+	c                              *client.Client // the test's own client of the agent
+	kube                           *fake.Clientset
+	// staleHook, if set when a driver starts, sees its stale-claim rounds.
+	staleHook func(staleRound)
+}
+
+func newRig(t *testing.T) *rig {
+	t.Helper()
+	dir := shortDir(t, "dra")
+	r := &rig{t: t, dir: dir, sock: filepath.Join(dir, "dh.sock"), state: filepath.Join(dir, "state"),
+		pluginDir: filepath.Join(dir, "plugins", testDriver), registryDir: filepath.Join(dir, "reg"), cdiDir: filepath.Join(dir, "cdi")}
+	for _, d := range []string{r.pluginDir, r.registryDir} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r.startAgent()
+	r.c = r.dial()
+	r.kube = fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: testNode, UID: "node-uid-1"}})
+	return r
+}
+
+func (r *rig) address() string { return "unix://" + r.sock }
+
+// startAgent starts the agent on the rig's socket and state dir and waits until it
+// serves.
+func (r *rig) startAgent() {
+	t := r.t
+	t.Helper()
+	a := &agentProcess{out: &lines{}, exited: make(chan struct{})}
+	a.cmd = exec.Command(agentBin, "agent", "-dev", "-listen", r.address(), "-state-dir", r.state)
+	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	a.cmd.Env = append(os.Environ(), "TMPDIR="+r.dir)
+	pipe, err := a.cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.cmd.Stderr = a.cmd.Stdout
+	if err := a.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		a.out.consume(pipe)
+		a.cmd.Wait()
+		close(a.exited)
+	}()
+	t.Cleanup(func() {
+		a.kill()
+		if t.Failed() {
+			t.Logf("agent output:\n%s", a.out)
+		}
+	})
+	r.agent = a
+	if r.c != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		if err := r.c.WaitServing(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func (r *rig) dial() *client.Client {
+	t := r.t
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	c, err := client.Dial(ctx, r.address(), client.WithoutReachCheck(), client.WithBackoff(20*time.Millisecond, 200*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	if err := c.WaitServing(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// runningDriver is a Driver in Run.
+type runningDriver struct {
+	d      *Driver
+	cancel context.CancelFunc
+	done   chan error
+	log    *lines
+	once   sync.Once
+}
+
+// startDriver runs a Driver (its own client of the agent) on the rig; edit changes
+// its config. Cleanup stops it.
+func (r *rig) startDriver(edit func(*Config)) *runningDriver {
+	t := r.t
+	t.Helper()
+	agent, err := client.Dial(context.Background(), r.address(), client.WithoutReachCheck(), client.WithBackoff(20*time.Millisecond, 200*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := &lines{}
+	pr, pw := io.Pipe()
+	go log.consume(pr)
+	cfg := Config{
+		Agent: agent, Kube: r.kube, NodeName: testNode, DriverName: testDriver,
+		PluginDir: r.pluginDir, RegistryDir: r.registryDir, CDIDir: r.cdiDir,
+		Logger: hclog.New(&hclog.LoggerOptions{Output: pw, Level: hclog.Debug}),
+	}
+	if edit != nil {
+		edit(&cfg)
+	}
+	d, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.afterStaleRound = r.staleHook
+	ctx, cancel := context.WithCancel(context.Background())
+	rd := &runningDriver{d: d, cancel: cancel, done: make(chan error, 1), log: log}
+	go func() { rd.done <- d.Run(ctx) }()
+	t.Cleanup(func() {
+		rd.stop(t)
+		agent.Close()
+		pw.Close()
+		if t.Failed() {
+			t.Logf("driver log:\n%s", log)
+		}
+	})
+	// Run has started the helper once the DRA socket answers.
+	r.waitSocket(filepath.Join(r.pluginDir, "dra.sock"))
+	return rd
+}
+
+func (rd *runningDriver) stop(t *testing.T) {
+	t.Helper()
+	rd.once.Do(func() {
+		rd.cancel()
+		select {
+		case err := <-rd.done:
+			if err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		case <-time.After(testTimeout):
+			t.Error("Run did not return after its context ended")
+		}
+	})
+}
+
+// waitSocket waits until something accepts connections on path.
+func (r *rig) waitSocket(path string) {
+	t := r.t
+	t.Helper()
+	deadline := time.Now().Add(testTimeout)
+	for {
+		c, err := net.DialTimeout("unix", path, time.Second)
+		if err == nil {
+			c.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("socket %s: %v", path, err)
+		}
+		time.Sleep(5 * time.Millisecond) // polling a socket coming up: there is no event to wait on
+	}
+}
+
+// kubelet is a stand-in for the kubelet: the DRA and health services on the
+// driver's socket, registration on its registrar socket.
+type kubelet struct {
+	dra    drapb.DRAPluginClient
+	health drahealthpb.DRAResourceHealthClient
+	reg    registerpb.RegistrationClient
+}
+
+func (r *rig) kubelet() *kubelet {
+	t := r.t
+	t.Helper()
+	conn := func(path string) *grpc.ClientConn {
+		c, err := grpc.NewClient("unix://"+path, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	dra := conn(filepath.Join(r.pluginDir, "dra.sock"))
+	return &kubelet{
+		dra:    drapb.NewDRAPluginClient(dra),
+		health: drahealthpb.NewDRAResourceHealthClient(dra),
+		reg:    registerpb.NewRegistrationClient(conn(filepath.Join(r.registryDir, testDriver+"-reg.sock"))),
+	}
+}
+
+func claimReq(c *resourceapi.ResourceClaim) *drapb.Claim {
+	return &drapb.Claim{Namespace: c.Namespace, Name: c.Name, Uid: string(c.UID)}
+}
+
+// prepare calls NodePrepareResources for c and returns its claim's answer.
+func (k *kubelet) prepare(t *testing.T, c *resourceapi.ResourceClaim) *drapb.NodePrepareResourceResponse {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	resp, err := k.dra.NodePrepareResources(ctx, &drapb.NodePrepareResourcesRequest{Claims: []*drapb.Claim{claimReq(c)}})
+	if err != nil {
+		t.Fatalf("NodePrepareResources: %v", err)
+	}
+	got := resp.GetClaims()[string(c.UID)]
+	if got == nil {
+		t.Fatalf("NodePrepareResources: no answer for claim %s: %v", c.UID, resp)
+	}
+	return got
+}
+
+// unprepare calls NodeUnprepareResources for c and returns its claim's error text.
+func (k *kubelet) unprepare(t *testing.T, c *resourceapi.ResourceClaim) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	resp, err := k.dra.NodeUnprepareResources(ctx, &drapb.NodeUnprepareResourcesRequest{Claims: []*drapb.Claim{claimReq(c)}})
+	if err != nil {
+		t.Fatalf("NodeUnprepareResources: %v", err)
+	}
+	got := resp.GetClaims()[string(c.UID)]
+	if got == nil {
+		t.Fatalf("NodeUnprepareResources: no answer for claim %s: %v", c.UID, resp)
+	}
+	return got.GetError()
+}
+
+// claim stores an allocated claim for devices (DRA names of this node's pool).
+func (r *rig) claim(name string, devices ...string) *resourceapi.ResourceClaim {
+	t := r.t
+	t.Helper()
+	c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name, UID: uuid.NewUUID()}}
+	c.Status.Allocation = &resourceapi.AllocationResult{}
+	for _, d := range devices {
+		c.Status.Allocation.Devices.Results = append(c.Status.Allocation.Devices.Results,
+			resourceapi.DeviceRequestAllocationResult{Request: "gpus", Driver: testDriver, Pool: testNode, Device: d})
+	}
+	c, err := r.kube.ResourceV1().ResourceClaims(c.Namespace).Create(context.Background(), c, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// waitSlices waits until the pool's published devices satisfy ok, and returns them.
+// It follows every stored version of the slices (a watch), so a state that lasts
+// only a moment is seen too.
+func (r *rig) waitSlices(what string, ok func([]resourceapi.Device) bool) []resourceapi.Device {
+	t := r.t
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	w, err := r.kube.ResourceV1().ResourceSlices().Watch(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	list, err := r.kube.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stored := make(map[string]resourceapi.ResourceSlice)
+	for _, s := range list.Items {
+		stored[s.Name] = s
+	}
+	var devs []resourceapi.Device
+	for {
+		items := make([]resourceapi.ResourceSlice, 0, len(stored))
+		for _, s := range stored {
+			items = append(items, s)
+		}
+		devs = poolDevices(items)
+		if ok(devs) {
+			return devs
+		}
+		select {
+		case ev := <-w.ResultChan():
+			s, isSlice := ev.Object.(*resourceapi.ResourceSlice)
+			if !isSlice {
+				continue
+			}
+			if ev.Type == watch.Deleted {
+				delete(stored, s.Name)
+			} else {
+				stored[s.Name] = *s
+			}
+		case <-ctx.Done():
+			var taints []string
+			for _, d := range devs {
+				taints = append(taints, fmt.Sprintf("%s: %v", d.Name, d.Taints))
+			}
+			t.Fatalf("published slices: %s: not seen in %v; last: %d devices, taints %v", what, testTimeout, len(devs), taints)
+		}
+	}
+}
+
+// poolDevices are the devices of the newest complete generation of the node's pool.
+func poolDevices(items []resourceapi.ResourceSlice) []resourceapi.Device {
+	var gen int64 = -1
+	for _, s := range items {
+		if s.Spec.Pool.Name == testNode && s.Spec.Driver == testDriver && s.Spec.Pool.Generation > gen {
+			gen = s.Spec.Pool.Generation
+		}
+	}
+	var out []resourceapi.Device
+	n := 0
+	var want int64
+	for _, s := range items {
+		if s.Spec.Pool.Name == testNode && s.Spec.Pool.Generation == gen {
+			out = append(out, s.Spec.Devices...)
+			n++
+			want = s.Spec.Pool.ResourceSliceCount
+		}
+	}
+	if int64(n) != want {
+		return nil
+	}
+	return out
+}
+
+// waitDevices reads the agent's inventory until ok accepts a snapshot.
+func (r *rig) waitDevices(what string, ok func(*pb.FingerprintResponse) bool) *pb.FingerprintResponse {
+	t := r.t
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	var last *pb.FingerprintResponse
+	for u := range r.c.WatchDevices(ctx) {
+		if u.Snapshot != nil {
+			last = u.Snapshot
+			if ok(u.Snapshot) {
+				return u.Snapshot
+			}
+		}
+	}
+	t.Fatalf("agent: %s: not seen in %v; last %v", what, testTimeout, last)
+	return nil
+}
+
+// gpus returns the agent's GPU IDs, sorted, and their group.
+func gpus(snap *pb.FingerprintResponse) (ids []string, group *pb.DeviceGroup) {
+	for _, g := range snap.GetGroups() {
+		if g.GetType() == "gpu" {
+			for _, d := range g.GetDevices() {
+				ids = append(ids, d.GetId())
+			}
+			return ids, g
+		}
+	}
+	return nil, nil
+}
+
+func findDevice(snap *pb.FingerprintResponse, id string) *pb.Device {
+	for _, g := range snap.GetGroups() {
+		for _, d := range g.GetDevices() {
+			if d.GetId() == id {
+				return d
+			}
+		}
+	}
+	return nil
+}
+
+func taintOf(devs []resourceapi.Device, name, key string) (resourceapi.DeviceTaint, bool) {
+	for _, d := range devs {
+		if d.Name == name {
+			for _, tt := range d.Taints {
+				if tt.Key == key {
+					return tt, true
+				}
+			}
+		}
+	}
+	return resourceapi.DeviceTaint{}, false
+}
+
+// pluginPIDs are the agent's child processes (its plugins).
+func (a *agentProcess) pluginPIDs() []int {
+	var out []int
+	entries, _ := os.ReadDir("/proc")
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...
+		s := string(stat)
+		fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+		if len(fields) > 1 && fields[1] == strconv.Itoa(a.cmd.Process.Pid) && fields[0] != "Z" {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
