@@ -242,8 +242,9 @@ func (r *rig) startDriver(edit func(*Config)) *runningDriver {
 			t.Logf("driver log:\n%s", log)
 		}
 	})
-	// Run has started the helper once the DRA socket answers.
+	// Run has started the helper once both its sockets answer.
 	r.waitSocket(filepath.Join(r.pluginDir, "dra.sock"))
+	r.waitSocket(filepath.Join(r.registryDir, testDriver+"-reg.sock"))
 	return rd
 }
 

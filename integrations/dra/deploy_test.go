@@ -1,0 +1,96 @@
+package dra
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	kjson "k8s.io/apimachinery/pkg/runtime/serializer/json"
+	"k8s.io/client-go/kubernetes/scheme"
+	dracel "k8s.io/dynamic-resource-allocation/cel"
+
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// readManifests decodes every object of a file in deploy/kubernetes, strictly
+// (unknown or duplicate fields fail).
+func readManifests(t *testing.T, name string) []runtime.Object {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join("..", "..", "deploy", "kubernetes", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dec := kjson.NewSerializerWithOptions(kjson.DefaultMetaFactory, scheme.Scheme, scheme.Scheme, kjson.SerializerOptions{Yaml: true, Strict: true})
+	var out []runtime.Object
+	for i, doc := range strings.Split(string(raw), "\n---\n") {
+		obj, _, err := dec.Decode([]byte(doc), nil, nil)
+		if err != nil {
+			t.Fatalf("%s: document %d: %v", name, i, err)
+		}
+		out = append(out, obj)
+	}
+	return out
+}
+
+// deploy/kubernetes/dra.yaml has the DeviceClass gpu.devicehost.io, whose selector
+// picks the GPUs the driver publishes and not their MIG partitions (and
+// mig.devicehost.io the other way round); the example claims 2 of it.
+func TestDeployManifests(t *testing.T) {
+	classes := make(map[string]*resourceapi.DeviceClass)
+	for _, obj := range readManifests(t, "dra.yaml") {
+		if c, ok := obj.(*resourceapi.DeviceClass); ok {
+			classes[c.Name] = c
+		}
+	}
+	snap := &pb.FingerprintResponse{Groups: []*pb.DeviceGroup{
+		{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia", Devices: []*pb.Device{{Id: "GPU-1", Health: pb.Health_HEALTH_HEALTHY}}},
+		{Vendor: "nvidia", Type: "mig", Name: "1g.10gb", Plugin: "nvidia", Devices: []*pb.Device{{Id: "MIG-1", Health: pb.Health_HEALTH_HEALTHY}}},
+	}}
+	v, _ := buildView(snap, buildOptions{driver: DefaultDriverName, pool: testNode})
+	devs := v.slices[0].Devices
+	for class, want := range map[string]string{"gpu.devicehost.io": DeviceName("GPU-1"), "mig.devicehost.io": DeviceName("MIG-1")} {
+		c := classes[class]
+		if c == nil || len(c.Spec.Selectors) != 1 || c.Spec.Selectors[0].CEL == nil {
+			t.Fatalf("DeviceClass %s: %v; want one with a CEL selector", class, c)
+		}
+		prog := dracel.GetCompiler(dracel.Features{}).CompileCELExpression(c.Spec.Selectors[0].CEL.Expression, dracel.Options{})
+		if prog.Error != nil {
+			t.Fatalf("DeviceClass %s: %v", class, prog.Error)
+		}
+		for _, d := range devs {
+			got, _, err := prog.DeviceMatches(context.Background(), dracel.Device{Driver: DefaultDriverName, Attributes: d.Attributes, Capacity: d.Capacity})
+			if err != nil {
+				t.Fatalf("DeviceClass %s on %s: %v", class, d.Name, err)
+			}
+			if got != (d.Name == want) {
+				t.Errorf("DeviceClass %s selects %s: %v; want %v", class, d.Name, got, d.Name == want)
+			}
+		}
+	}
+
+	var tmpl *resourceapi.ResourceClaimTemplate
+	var pod *corev1.Pod
+	for _, obj := range readManifests(t, "example-dra-pod.yaml") {
+		switch o := obj.(type) {
+		case *resourceapi.ResourceClaimTemplate:
+			tmpl = o
+		case *corev1.Pod:
+			pod = o
+		}
+	}
+	if tmpl == nil || pod == nil {
+		t.Fatalf("example-dra-pod.yaml: template %v, pod %v; want both", tmpl, pod)
+	}
+	req := tmpl.Spec.Spec.Devices.Requests
+	if len(req) != 1 || req[0].Exactly == nil || req[0].Exactly.DeviceClassName != "gpu.devicehost.io" || req[0].Exactly.Count != 2 {
+		t.Errorf("template requests %+v; want exactly 2 of gpu.devicehost.io", req)
+	}
+	if len(pod.Spec.ResourceClaims) != 1 || pod.Spec.ResourceClaims[0].ResourceClaimTemplateName == nil || *pod.Spec.ResourceClaims[0].ResourceClaimTemplateName != tmpl.Name {
+		t.Errorf("pod claims %+v; want one from template %s", pod.Spec.ResourceClaims, tmpl.Name)
+	}
+}
