@@ -115,7 +115,7 @@ func (a *agentProcess) kill() {
 // rig is one node: a real agent -dev with a durable state dir, a fake API server
 // holding the node, and the kubelet's directories.
 type rig struct {
-	t                              *testing.T
+	t                              testing.TB
 	dir, sock, state               string
 	pluginDir, registryDir, cdiDir string
 	agent                          *agentProcess
@@ -125,7 +125,7 @@ type rig struct {
 	staleHook func(staleRound)
 }
 
-func newRig(t *testing.T) *rig {
+func newRig(t testing.TB) *rig {
 	t.Helper()
 	dir := shortDir(t, "dra")
 	r := &rig{t: t, dir: dir, sock: filepath.Join(dir, "dh.sock"), state: filepath.Join(dir, "state"),
@@ -248,7 +248,7 @@ func (r *rig) startDriver(edit func(*Config)) *runningDriver {
 	return rd
 }
 
-func (rd *runningDriver) stop(t *testing.T) {
+func (rd *runningDriver) stop(t testing.TB) {
 	t.Helper()
 	rd.once.Do(func() {
 		rd.cancel()
@@ -313,7 +313,7 @@ func claimReq(c *resourceapi.ResourceClaim) *drapb.Claim {
 }
 
 // prepare calls NodePrepareResources for c and returns its claim's answer.
-func (k *kubelet) prepare(t *testing.T, c *resourceapi.ResourceClaim) *drapb.NodePrepareResourceResponse {
+func (k *kubelet) prepare(t testing.TB, c *resourceapi.ResourceClaim) *drapb.NodePrepareResourceResponse {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
@@ -329,7 +329,7 @@ func (k *kubelet) prepare(t *testing.T, c *resourceapi.ResourceClaim) *drapb.Nod
 }
 
 // unprepare calls NodeUnprepareResources for c and returns its claim's error text.
-func (k *kubelet) unprepare(t *testing.T, c *resourceapi.ResourceClaim) string {
+func (k *kubelet) unprepare(t testing.TB, c *resourceapi.ResourceClaim) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()

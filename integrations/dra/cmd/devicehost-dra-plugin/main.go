@@ -36,19 +36,35 @@ func main() {
 	}
 }
 
-func run(args []string) error {
+// settings are the command's flags.
+type settings struct {
+	address, kubeconfig, nodeName, driverName string
+	pluginDir, registryDir, cdiDir            string
+	staleGrace, staleInterval                 time.Duration
+	logLevel                                  string
+	logJSON                                   bool
+}
+
+// newFlags returns the command's flag set, filling s.
+func newFlags(s *settings) *flag.FlagSet {
 	fs := flag.NewFlagSet("devicehost-dra-plugin", flag.ContinueOnError)
-	address := fs.String("address", "unix:///run/devicehost/devicehost.sock", "the devicehost agent's `address` (unix:///path.sock or tcp://host:port)")
-	kubeconfig := fs.String("kubeconfig", "", "kubeconfig `file` (default: in-cluster config)")
-	nodeName := fs.String("node-name", os.Getenv("NODE_NAME"), "this node's `name` (default $NODE_NAME)")
-	driverName := fs.String("driver-name", dra.DefaultDriverName, "DRA driver `name`")
-	pluginDir := fs.String("plugin-dir", "", "`dir`ectory of the DRA socket (default "+filepath.Join(kubeletplugin.KubeletPluginsDir, "<driver-name>")+")")
-	registryDir := fs.String("registry-dir", dra.DefaultRegistryDir, "the kubelet's plugin registration `dir`ectory")
-	cdiDir := fs.String("cdi-dir", dra.DefaultCDIDir, "`dir`ectory for the per-claim CDI specs")
-	staleGrace := fs.Duration("stale-grace", dra.DefaultStaleGrace, "how long a claim must be gone from the API server before its reservations are released")
-	staleInterval := fs.Duration("stale-interval", dra.DefaultStaleInterval, "how often reservations of claims are checked against the API server")
-	logLevel := fs.String("log-level", "info", "log `level`: trace, debug, info, warn, error")
-	logJSON := fs.Bool("log-json", false, "log in JSON")
+	fs.StringVar(&s.address, "address", "unix:///run/devicehost/devicehost.sock", "the devicehost agent's `address` (unix:///path.sock or tcp://host:port)")
+	fs.StringVar(&s.kubeconfig, "kubeconfig", "", "kubeconfig `file` (default: in-cluster config)")
+	fs.StringVar(&s.nodeName, "node-name", os.Getenv("NODE_NAME"), "this node's `name` (default $NODE_NAME)")
+	fs.StringVar(&s.driverName, "driver-name", dra.DefaultDriverName, "DRA driver `name`")
+	fs.StringVar(&s.pluginDir, "plugin-dir", "", "`dir`ectory of the DRA socket (default "+filepath.Join(kubeletplugin.KubeletPluginsDir, "<driver-name>")+")")
+	fs.StringVar(&s.registryDir, "registry-dir", dra.DefaultRegistryDir, "the kubelet's plugin registration `dir`ectory")
+	fs.StringVar(&s.cdiDir, "cdi-dir", dra.DefaultCDIDir, "`dir`ectory for the per-claim CDI specs")
+	fs.DurationVar(&s.staleGrace, "stale-grace", dra.DefaultStaleGrace, "how long a claim must be gone from the API server before its reservations are released")
+	fs.DurationVar(&s.staleInterval, "stale-interval", dra.DefaultStaleInterval, "how often reservations of claims are checked against the API server")
+	fs.StringVar(&s.logLevel, "log-level", "info", "log `level`: trace, debug, info, warn, error")
+	fs.BoolVar(&s.logJSON, "log-json", false, "log in JSON")
+	return fs
+}
+
+func run(args []string) error {
+	var st settings
+	fs := newFlags(&st)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -58,15 +74,15 @@ func run(args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments: %v", fs.Args())
 	}
-	if *nodeName == "" {
+	if st.nodeName == "" {
 		return errors.New("-node-name (or NODE_NAME) is required")
 	}
-	log := hclog.New(&hclog.LoggerOptions{Name: "dra", Level: hclog.LevelFromString(*logLevel), JSONFormat: *logJSON})
+	log := hclog.New(&hclog.LoggerOptions{Name: "dra", Level: hclog.LevelFromString(st.logLevel), JSONFormat: st.logJSON})
 
 	var cfg *rest.Config
 	var err error
-	if *kubeconfig != "" {
-		cfg, err = clientcmd.BuildConfigFromFlags("", *kubeconfig)
+	if st.kubeconfig != "" {
+		cfg, err = clientcmd.BuildConfigFromFlags("", st.kubeconfig)
 	} else {
 		cfg, err = rest.InClusterConfig()
 	}
@@ -82,7 +98,7 @@ func run(args []string) error {
 	defer stop()
 	// The agent may start after the driver (another container of the pod): no reach
 	// check; the watch reconnects, and the devices are tainted until it answers.
-	agent, err := client.Dial(ctx, *address, client.WithoutReachCheck(), client.WithBackoff(100*time.Millisecond, 5*time.Second))
+	agent, err := client.Dial(ctx, st.address, client.WithoutReachCheck(), client.WithBackoff(100*time.Millisecond, 5*time.Second))
 	if err != nil {
 		return err
 	}
@@ -90,13 +106,13 @@ func run(args []string) error {
 	d, err := dra.New(dra.Config{
 		Agent:         agent,
 		Kube:          kube,
-		NodeName:      *nodeName,
-		DriverName:    *driverName,
-		PluginDir:     *pluginDir,
-		RegistryDir:   *registryDir,
-		CDIDir:        *cdiDir,
-		StaleGrace:    *staleGrace,
-		StaleInterval: *staleInterval,
+		NodeName:      st.nodeName,
+		DriverName:    st.driverName,
+		PluginDir:     st.pluginDir,
+		RegistryDir:   st.registryDir,
+		CDIDir:        st.cdiDir,
+		StaleGrace:    st.staleGrace,
+		StaleInterval: st.staleInterval,
 		Logger:        log,
 	})
 	if err != nil {
