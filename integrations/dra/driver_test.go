@@ -246,7 +246,7 @@ type healthWatch struct {
 	ch chan *drahealthpb.NodeWatchResourcesResponse
 }
 
-func (k *kubelet) watchHealth(t *testing.T) *healthWatch {
+func (k *kubelet) watchHealth(t testing.TB) *healthWatch {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
@@ -269,7 +269,7 @@ func (k *kubelet) watchHealth(t *testing.T) *healthWatch {
 }
 
 // wait waits for a report in which every device has health want (n devices).
-func (h *healthWatch) wait(t *testing.T, n int, want drahealthpb.HealthStatus) {
+func (h *healthWatch) wait(t testing.TB, n int, want drahealthpb.HealthStatus) {
 	t.Helper()
 	timeout := time.After(testTimeout)
 	for {

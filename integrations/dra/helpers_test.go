@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -21,10 +22,13 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/uuid"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 	drahealthpb "k8s.io/kubelet/pkg/apis/dra-health/v1"
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 	registerpb "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
@@ -137,7 +141,7 @@ func newRig(t testing.TB) *rig {
 	}
 	r.startAgent()
 	r.c = r.dial()
-	r.kube = fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: testNode, UID: "node-uid-1"}})
+	r.kube = newKube()
 	return r
 }
 
@@ -514,4 +518,21 @@ func (a *agentProcess) pluginPIDs() []int {
 		}
 	}
 	return out
+}
+
+// newKube is a fake API server holding the node. Like the real one (and unlike the
+// fake clientset by itself), it names objects created with only a generateName, as the
+// ResourceSlice controller creates them.
+func newKube() *fake.Clientset {
+	kube := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: testNode, UID: "node-uid-1"}})
+	var n atomic.Int64
+	kube.PrependReactor("create", "*", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		obj := a.(k8stesting.CreateAction).GetObject()
+		m, err := meta.Accessor(obj)
+		if err == nil && m.GetName() == "" && m.GetGenerateName() != "" {
+			m.SetName(fmt.Sprintf("%s%05d", m.GetGenerateName(), n.Add(1)))
+		}
+		return false, nil, nil
+	})
+	return kube
 }
