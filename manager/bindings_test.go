@@ -255,3 +255,41 @@ func TestDeviceIDPatternsPinPlugins(t *testing.T) {
 		t.Errorf("the impostor was asked %d times", n)
 	}
 }
+
+// Two plugins that report the same IDs before the host is ready, neither pinned by
+// device_ids, get neither of them: which one started first says nothing about whose
+// they are. Both plugins' last errors say how to decide; the IDs they do not share
+// are theirs. A plugin pinned to the IDs gets them whichever reported first.
+func TestIDsContestedAtStartBoundToNeither(t *testing.T) {
+	t.Run("neither pinned", func(t *testing.T) {
+		alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "x0", "a0"))
+		beta := newFakeDevices("beta", group("acme", "gpu", "A1", "x0", "b0"))
+		cfg, logs := testConfig(t)
+		m, _ := startInprocManager(t, cfg, alpha, beta)
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		waitReady(t, m)
+		snap := waitFor(t, m, "each plugin's own device", func(s device.Snapshot) bool {
+			return slices.Equal(deviceIDs(s.Inventory), []string{"alpha/a0", "beta/b0"})
+		})
+		for _, p := range []string{"alpha", "beta"} {
+			if e := pluginOf(snap, p).LastError; !strings.Contains(e, "x0 were reported by two plugins before the host was ready and are bound to neither") || !strings.Contains(e, "device_ids") {
+				t.Errorf("%s's last error %q, want it to name x0 and say how to decide", p, e)
+			}
+		}
+		logs.waitLine(t, "[ERROR]", "bound to neither", "devices=x0")
+		if _, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job", Group: acmeA1, DeviceIDs: []string{"x0"}}); !errors.Is(err, device.ErrUnknownDevice) {
+			t.Errorf("Reserve of the contested x0: %v, want ErrUnknownDevice", err)
+		}
+	})
+	t.Run("one pinned", func(t *testing.T) {
+		alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "x0", "a0"))
+		beta := newFakeDevices("beta", group("acme", "gpu", "A1", "x0", "b0"))
+		cfg, _ := testConfig(t)
+		cfg.Plugins = map[string]PluginConfig{"beta": {DeviceIDs: []string{"x*", "b*"}}}
+		m, _ := startInprocManager(t, cfg, alpha, beta)
+		waitFor(t, m, "x0 with the pinned plugin", func(s device.Snapshot) bool {
+			return slices.Equal(deviceIDs(s.Inventory), []string{"alpha/a0", "beta/b0", "beta/x0"})
+		})
+	})
+}

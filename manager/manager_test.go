@@ -17,14 +17,16 @@ import (
 
 func TestInventoryAggregatesPluginsAndKeepsDeviceBindings(t *testing.T) {
 	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "shared"))
-	beta := newFakeDevices("beta", group("acme", "fpga", "B1", "b0", "shared"))
-	beta.hangFP = true // beta reports only after "shared" is bound to alpha
+	beta := newFakeDevices("beta", group("acme", "fpga", "B1", "b0"))
 	cfg, logs := testConfig(t)
 	m, _ := startInprocManager(t, cfg, alpha, beta)
 
+	// Once the host is ready, an ID stays with the plugin that reported it first (before
+	// it is ready, two reporters get neither: TestIDsContestedAtStartBoundToNeither).
 	waitFor(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "shared"))
-	beta.set(func(f *fakeDevices) { f.hangFP = false })
+	waitReady(t, m)
 	beta.setGroups(group("acme", "fpga", "B1", "b0", "shared"))
+	logs.waitLine(t, "[ERROR]", "device IDs bound to another plugin refused", "plugin=beta")
 	snap := waitFor(t, m, "beta's devices", healthIs(device.HealthHealthy, "b0"))
 
 	if got, want := deviceIDs(snap.Inventory), []string{"alpha/a0", "alpha/shared", "beta/b0"}; !slices.Equal(got, want) {

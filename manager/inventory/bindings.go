@@ -33,6 +33,9 @@ type BindingError struct {
 	ByPlugin map[string][]string // plugin the IDs are bound to -> refused IDs, sorted
 	// NotAllowed are IDs that match none of the plugin's device_ids patterns, sorted.
 	NotAllowed []string
+	// Contested are IDs that another plugin reported too before the host was ready,
+	// neither pinned by device_ids: bound to neither, sorted.
+	Contested []string
 }
 
 func (e *BindingError) Error() string {
@@ -47,7 +50,16 @@ func (e *BindingError) Error() string {
 	if len(bound) > 0 {
 		parts = append(parts, fmt.Sprintf("device IDs of other plugins refused: %s (an ID stays with the plugin that reported it first; pin each plugin's IDs with device_ids in its plugin block)", strings.Join(bound, "; ")))
 	}
+	if len(e.Contested) > 0 {
+		parts = append(parts, contestedMessage(e.Contested))
+	}
 	return strings.Join(parts, "; ")
+}
+
+// contestedMessage says what is wrong with ids and what the operator does about it.
+func contestedMessage(ids []string) string {
+	return fmt.Sprintf("device IDs %s were reported by two plugins before the host was ready and are bound to neither: "+
+		"pin the plugin they belong to with device_ids (e.g. device_ids = [\"GPU-*\"]) in its plugin block and reload the agent (SIGHUP)", ListIDs(ids))
 }
 
 // SetDeviceIDPatterns pins the device IDs plugin name may report to those matching one
@@ -184,7 +196,18 @@ func (r *Registry) setFingerprint(name string, fp fingerprint) (*BindingError, e
 	bind := make(map[string]string)    // IDs to bind to the plugin and record
 	taken := make(map[string][]string) // plugin no longer configured -> IDs bound to it
 	refused := make(map[string][]string)
+	contest := make(map[string]string) // ID -> the plugin it is unbound from: contested
+	var contested []string             // IDs refused as contested
+	pinned := len(r.patterns[name]) > 0
 	for _, id := range slices.Sorted(maps.Keys(fp.devices)) {
+		if r.contested[id] {
+			if pinned { // the operator decided: the ID matches this plugin's patterns
+				bind[id] = name
+			} else {
+				contested = append(contested, id)
+			}
+			continue
+		}
 		switch other, ok := r.bindings[id]; {
 		case !ok:
 			bind[id] = name
@@ -192,6 +215,15 @@ func (r *Registry) setFingerprint(name string, fp fingerprint) (*BindingError, e
 		case r.plugins[other] == nil:
 			bind[id] = name
 			taken[other] = append(taken[other], id)
+		case !r.isReady && r.fresh[id] && len(r.patterns[other]) == 0:
+			// Two plugins report the ID before the host is ready, and the first had it
+			// only by reporting first. Pinned, this one gets it; else neither does.
+			if pinned {
+				bind[id] = name
+			} else {
+				contest[id] = other
+				contested = append(contested, id)
+			}
 		default:
 			refused[other] = append(refused[other], id)
 		}
@@ -203,13 +235,14 @@ func (r *Registry) setFingerprint(name string, fp fingerprint) (*BindingError, e
 				forget = append(forget, id)
 			}
 		}
-		slices.Sort(forget)
 	}
+	slices.Sort(forget)
+	unbind := slices.Sorted(maps.Keys(contest)) // from the plugins that reported them first
 	r.mu.Unlock()
 
-	if r.store != nil && (len(bind) > 0 || len(forget) > 0) {
+	if r.store != nil && (len(bind) > 0 || len(forget) > 0 || len(unbind) > 0) {
 		ctx, cancel := context.WithTimeout(context.Background(), r.storeTimeout)
-		err := r.store.RecordDeviceBindings(ctx, bind, forget)
+		err := r.store.RecordDeviceBindings(ctx, bind, append(slices.Clone(forget), unbind...))
 		cancel()
 		if err != nil {
 			r.log.Error("cannot record device bindings in the state file; they hold until the host stops",
@@ -227,9 +260,21 @@ func (r *Registry) setFingerprint(name string, fp fingerprint) (*BindingError, e
 
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for _, id := range forget {
-		delete(r.bindings, id)
-		r.bound[name]--
+	for _, id := range append(forget, unbind...) {
+		if p, ok := r.bindings[id]; ok {
+			delete(r.bindings, id)
+			r.bound[p]--
+		}
+	}
+	for id, other := range contest {
+		r.contested[id] = true
+		if rec := r.plugins[other]; rec != nil {
+			rec.state.LastError, rec.state.LastErrorAt = ErrorLine(contestedMessage([]string{id})), r.now()
+		}
+	}
+	if len(contest) > 0 {
+		r.log.Error("device IDs reported by two plugins before the host was ready are bound to neither",
+			"plugin", name, "devices", ListIDs(slices.Sorted(maps.Keys(contest))), "fix", "device_ids in the plugin block of the plugin they belong to, then SIGHUP")
 	}
 	for id := range bind {
 		if prev, ok := r.bindings[id]; ok {
@@ -237,13 +282,17 @@ func (r *Registry) setFingerprint(name string, fp fingerprint) (*BindingError, e
 		}
 		r.bindings[id] = name
 		r.bound[name]++
+		delete(r.contested, id)
+		if !r.isReady {
+			r.fresh[id] = true
+		}
 	}
 	rec.fp, rec.down, rec.settled = fp, "", true
 	r.recomputeLocked()
 	r.publishLocked()
 	r.checkReadyLocked()
-	if len(refused) > 0 || len(notAllowed) > 0 {
-		return &BindingError{Plugin: name, ByPlugin: refused, NotAllowed: notAllowed}, nil
+	if len(refused) > 0 || len(notAllowed) > 0 || len(contested) > 0 {
+		return &BindingError{Plugin: name, ByPlugin: refused, NotAllowed: notAllowed, Contested: contested}, nil
 	}
 	return nil, nil
 }

@@ -49,16 +49,18 @@ type Registry struct {
 	// done without mu so that readers of the snapshot never wait for the disk.
 	bindMu sync.Mutex
 
-	mu       sync.Mutex
-	plugins  map[string]*pluginRecord      // this host's plugins; the manager adds and removes them
-	names    []string                      // sorted plugin names
-	bindings map[string]string             // device ID -> the plugin it is bound to, perhaps one not in plugins
-	bound    map[string]int                // plugin -> how many IDs are bound to it
-	patterns map[string][]string           // plugin -> the device ID patterns it is pinned to
-	devState map[string]device.DeviceState // by device ID bound to and reported by its plugin; Holder unset
-	seq      uint64
-	snap     device.Snapshot
-	isReady  bool
+	mu        sync.Mutex
+	plugins   map[string]*pluginRecord      // this host's plugins; the manager adds and removes them
+	names     []string                      // sorted plugin names
+	bindings  map[string]string             // device ID -> the plugin it is bound to, perhaps one not in plugins
+	bound     map[string]int                // plugin -> how many IDs are bound to it
+	patterns  map[string][]string           // plugin -> the device ID patterns it is pinned to
+	fresh     map[string]bool               // IDs first bound in this run before the host was ready
+	contested map[string]bool               // IDs two unpinned plugins reported before it was: bound to neither
+	devState  map[string]device.DeviceState // by device ID bound to and reported by its plugin; Holder unset
+	seq       uint64
+	snap      device.Snapshot
+	isReady   bool
 }
 
 // Config is what New needs. The zero value is usable: no log, the wall clock, no
@@ -108,6 +110,8 @@ func New(cfg Config) *Registry {
 		bindings:     maps.Clone(cfg.Bindings),
 		bound:        make(map[string]int),
 		patterns:     make(map[string][]string),
+		fresh:        make(map[string]bool),
+		contested:    make(map[string]bool),
 		devState:     make(map[string]device.DeviceState),
 	}
 	if r.log == nil {
