@@ -126,7 +126,7 @@ func newFakeRig(t testing.TB) *fakeRig {
 	f := &fakeDevices{snap: partitioned(), subs: make(map[chan device.Snapshot]bool)}
 	sock := servertest.SocketPath(t)
 	servertest.Serve(t, sock, server.Config{Manager: f.manager()})
-	dir := shortDir(t, "drafake")
+	dir := servertest.ShortTempDir(t, "drafake")
 	agent, err := client.Dial(context.Background(), "unix://"+sock, client.WithoutReachCheck(), client.WithBackoff(20*time.Millisecond, 200*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)

@@ -35,6 +35,7 @@ import (
 
 	"github.com/devicehost/devicehost/client"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/server/servertest"
 )
 
 const (
@@ -69,17 +70,6 @@ func TestMain(m *testing.M) {
 		}
 		return m.Run()
 	}())
-}
-
-// shortDir is a fresh directory with a path short enough for Unix sockets.
-func shortDir(t testing.TB, prefix string) string {
-	t.Helper()
-	dir, err := os.MkdirTemp("", prefix)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	return dir
 }
 
 // lines records a process's output.
@@ -131,7 +121,7 @@ type rig struct {
 
 func newRig(t testing.TB) *rig {
 	t.Helper()
-	dir := shortDir(t, "dra")
+	dir := servertest.ShortTempDir(t, "dra")
 	r := &rig{t: t, dir: dir, sock: filepath.Join(dir, "dh.sock"), state: filepath.Join(dir, "state"),
 		pluginDir: filepath.Join(dir, "plugins", testDriver), registryDir: filepath.Join(dir, "reg"), cdiDir: filepath.Join(dir, "cdi")}
 	for _, d := range []string{r.pluginDir, r.registryDir} {
