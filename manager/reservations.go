@@ -93,7 +93,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	// at a time, and the capacity is checked before the plugin carves anything, so a
 	// Reserve that cannot fit never makes the plugin create an instance. The ledger
 	// checks it again, atomically with its write.
-	consumes, caps := consumption(snap, ids)
+	consumes, caps := consumption(snap, req.Group, ids)
 	if len(consumes) > 0 {
 		unlock, err := m.lockCounterSets(ctx, consumes)
 		if err != nil {
@@ -153,16 +153,19 @@ func (m *Manager) liveReservations(ctx context.Context, plugin string) ([]*pb.Li
 	return out, nil
 }
 
-// consumption sums what ids (devices of one plugin, as route found them in snap) use of
-// their plugin's counter sets, by set sorted by name, and returns the capacities of
-// those sets in snap; nothing for devices that share nothing.
-func consumption(snap device.Snapshot, ids []string) ([]device.Consumption, device.Capacity) {
+// consumption sums what ids (devices of group and of one plugin, as route found them in
+// snap) use of their plugin's counter sets, by set sorted by name, and returns the
+// capacities of those sets in snap; nothing for devices that share nothing.
+func consumption(snap device.Snapshot, group device.GroupKey, ids []string) ([]device.Consumption, device.Capacity) {
 	want := make(map[string]bool, len(ids))
 	for _, id := range ids {
 		want[id] = true
 	}
 	sum := make(map[device.CounterSetKey]map[string]int64)
 	for _, g := range snap.Inventory.Groups {
+		if g.GroupKey != group {
+			continue // route found every one of ids in group
+		}
 		for _, d := range g.Devices {
 			if !want[d.ID] {
 				continue
