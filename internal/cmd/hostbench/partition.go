@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 
 	"google.golang.org/protobuf/proto"
 
@@ -123,9 +124,20 @@ func (b *bench) partition(ctx context.Context) error {
 			held++
 		}
 	}
+	profiling := b.cpuProfile != "" || b.trace != ""
+	if profiling {
+		if err := a.cmd.Process.Signal(syscall.SIGUSR1); err != nil {
+			return err
+		}
+	}
 	fullP50, nf, err := b.p50Cycle(ctx, c, partDev)
 	if err != nil {
 		return err
+	}
+	if profiling {
+		if err := a.stopProfiles(b.cpuProfile, b.trace); err != nil {
+			return err
+		}
 	}
 	fmt.Printf("%-44s %s with none held, %s with %d partitions held on 7 GPUs (%d cycles): x%.2f\n",
 		"Reserve+Release p50, 1g.10gb partition", ms(partP50), ms(fullP50), held, nf, float64(fullP50)/float64(partP50))

@@ -119,10 +119,24 @@ func (m *simMIG) view(read func(st *simMIGState)) {
 	read(&m.st)
 }
 
+// clone is a deep copy, field by field: update runs it on every create and destroy,
+// and a JSON round trip made a Reserve's cost grow with every instance already held.
 func (st simMIGState) clone() simMIGState {
-	raw, _ := json.Marshal(st)
-	var out simMIGState
-	_ = json.Unmarshal(raw, &out)
+	out := simMIGState{Machine: st.Machine, GPUs: make([]*simMIGGPU, len(st.GPUs))}
+	for i, g := range st.GPUs {
+		cg := *g
+		cg.GIs = make([]*simGI, len(g.GIs))
+		for j, gi := range g.GIs {
+			cgi := *gi
+			cgi.CIs = make([]*simCI, len(gi.CIs))
+			for k, ci := range gi.CIs {
+				cci := *ci
+				cgi.CIs[k] = &cci
+			}
+			cg.GIs[j] = &cgi
+		}
+		out.GPUs[i] = &cg
+	}
 	return out
 }
 
