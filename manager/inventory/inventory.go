@@ -50,14 +50,15 @@ type Registry struct {
 	bindMu sync.Mutex
 
 	mu        sync.Mutex
-	plugins   map[string]*pluginRecord      // this host's plugins; the manager adds and removes them
-	names     []string                      // sorted plugin names
-	bindings  map[string]string             // device ID -> the plugin it is bound to, perhaps one not in plugins
-	bound     map[string]int                // plugin -> how many IDs are bound to it
-	patterns  map[string][]string           // plugin -> the device ID patterns it is pinned to
-	fresh     map[string]bool               // IDs first bound in this run before the host was ready
-	contested map[string]bool               // IDs two unpinned plugins reported before it was: bound to neither
-	devState  map[string]device.DeviceState // by device ID bound to and reported by its plugin; Holder unset
+	plugins   map[string]*pluginRecord           // this host's plugins; the manager adds and removes them
+	names     []string                           // sorted plugin names
+	bindings  map[string]string                  // device ID -> the plugin it is bound to, perhaps one not in plugins
+	bound     map[string]int                     // plugin -> how many IDs are bound to it
+	patterns  map[string][]string                // plugin -> the device ID patterns it is pinned to
+	fresh     map[string]bool                    // IDs first bound in this run before the host was ready
+	contested map[string]bool                    // IDs two unpinned plugins reported before it was: bound to neither
+	devState  map[string]device.DeviceState      // by device ID bound to and reported by its plugin; Holder unset
+	blocks    map[device.CounterSetKey]setBlocks // deviceStatesLocked's blockers per counter set, for snap's inventory
 	seq       uint64
 	snap      device.Snapshot
 	isReady   bool
@@ -175,6 +176,11 @@ func (r *Registry) Refresh() {
 // deviceStatesLocked is the state of every bound device, with the live reservations'
 // holders, and what they use of inv's counter sets with, for each free device that
 // consumes shared counters, the reservations that leave too little for it.
+//
+// The blockers are worked out per counter set and kept (r.blocks) until that set's use
+// changes or a new inventory replaces inv, so a Reserve's refresh redoes only the set it
+// touched: with every other GPU of a machine cut into held partitions, their devices'
+// blockers are not worked out again on each change.
 func (r *Registry) deviceStatesLocked(inv device.Inventory) (map[string]device.DeviceState, map[device.CounterSetKey]map[string]int64) {
 	states := make(map[string]device.DeviceState, len(r.devState))
 	holders := r.holders()
@@ -185,11 +191,21 @@ func (r *Registry) deviceStatesLocked(inv device.Inventory) (map[string]device.D
 		states[id] = st
 	}
 	if len(inv.CounterSets) == 0 {
+		r.blocks = nil
 		return states, nil
 	}
 	use := r.counterUse()
 	if len(use) == 0 {
+		r.blocks = nil
 		return states, nil
+	}
+	if r.blocks == nil {
+		r.blocks = make(map[device.CounterSetKey]setBlocks)
+	}
+	for k, memo := range r.blocks {
+		if u, ok := use[k]; !ok || !sameUse(memo.use, u) {
+			delete(r.blocks, k)
+		}
 	}
 	caps := make(map[device.CounterSetKey]map[string]int64, len(inv.CounterSets))
 	for _, cs := range inv.CounterSets {
@@ -205,7 +221,33 @@ func (r *Registry) deviceStatesLocked(inv device.Inventory) (map[string]device.D
 			if !ok || st.Holder != nil || len(d.Consumes) == 0 {
 				continue
 			}
-			if blockers := blockedBy(d.Consumes, caps, use); len(blockers) > 0 {
+			var blockers []device.Holder
+			for _, c := range d.Consumes {
+				u, ok := use[c.Set]
+				if !ok {
+					continue // nothing uses the set: it fits (the agent checks capacity itself)
+				}
+				memo, ok := r.blocks[c.Set]
+				if !ok {
+					memo = setBlocks{use: u, devices: make(map[string][]device.Holder)}
+					r.blocks[c.Set] = memo
+				}
+				hs, ok := memo.devices[d.ID]
+				if !ok {
+					hs = blockedBy(c, caps[c.Set], u)
+					memo.devices[d.ID] = hs
+				}
+				if len(d.Consumes) == 1 {
+					blockers = hs // shared with the memo: never written
+				} else {
+					blockers = append(blockers, hs...)
+				}
+			}
+			if len(d.Consumes) > 1 && len(blockers) > 1 {
+				slices.SortFunc(blockers, func(a, b device.Holder) int { return strings.Compare(a.ReservationID, b.ReservationID) })
+				blockers = slices.Compact(blockers)
+			}
+			if len(blockers) > 0 {
 				st.BlockedBy = blockers
 				states[d.ID] = st
 			}
@@ -214,19 +256,36 @@ func (r *Registry) deviceStatesLocked(inv device.Inventory) (map[string]device.D
 	return states, used
 }
 
-// blockedBy returns the live reservations that use so much of a counter consumes needs
-// that it does not fit, sorted by reservation ID; none when it fits.
-func blockedBy(consumes []device.Consumption, caps map[device.CounterSetKey]map[string]int64, use map[device.CounterSetKey]device.CounterUse) []device.Holder {
-	var out []device.Holder
-	for _, c := range consumes {
-		u, ok := use[c.Set]
-		if !ok {
-			continue // nothing uses the set: it fits (the agent checks capacity itself)
+// setBlocks is what deviceStatesLocked worked out for one counter set at one use of
+// it: each consuming device's blockers (nil: it fits). The lists are never written
+// after being made: snapshots share them.
+type setBlocks struct {
+	use     device.CounterUse
+	devices map[string][]device.Holder
+}
+
+// sameUse says whether two uses of a counter set are the same sums by the same
+// reservations.
+func sameUse(a, b device.CounterUse) bool {
+	if !maps.Equal(a.Used, b.Used) || len(a.Users) != len(b.Users) {
+		return false
+	}
+	for name, hs := range a.Users {
+		if other, ok := b.Users[name]; !ok || !slices.Equal(hs, other) {
+			return false
 		}
-		for name, want := range c.Counters {
-			if want > 0 && u.Used[name]+want > caps[c.Set][name] {
-				out = append(out, u.Users[name]...)
-			}
+	}
+	return true
+}
+
+// blockedBy returns the live reservations that use so much of a counter c needs (the
+// set's capacity caps, its use u) that it does not fit, sorted by reservation ID; none
+// when it fits.
+func blockedBy(c device.Consumption, caps map[string]int64, u device.CounterUse) []device.Holder {
+	var out []device.Holder
+	for name, want := range c.Counters {
+		if want > 0 && u.Used[name]+want > caps[name] {
+			out = append(out, u.Users[name]...)
 		}
 	}
 	if len(out) < 2 {
@@ -288,6 +347,7 @@ func (r *Registry) publishLocked() {
 		ps.DeviceCount = count
 		snap.State.Plugins = append(snap.State.Plugins, ps)
 	}
+	r.blocks = nil // a new inventory: what devices consume and the capacities may differ
 	snap.State.Devices, snap.State.CounterUse = r.deviceStatesLocked(snap.Inventory)
 	r.snap = snap
 	r.watchers.publish(snap)
