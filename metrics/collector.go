@@ -88,12 +88,13 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	s.reportDropped()
 }
 
-// family is what a metric family's series must agree on.
+// family is what a metric family's series must agree on: help and type. Its series
+// may differ in their label names (a GPU's and a MIG device's dcgm-exporter series), as
+// dcgm-exporter's do; each set of names has a Desc.
 type family struct {
-	desc   *prometheus.Desc
-	help   string
-	typ    prometheus.ValueType
-	labels string // label names, joined
+	help  string
+	typ   prometheus.ValueType
+	descs map[string]*prometheus.Desc // by label names, joined
 }
 
 // scrape is one Collect's work.
@@ -140,57 +141,121 @@ func (s *scrape) devices(snap device.Snapshot) {
 	}
 }
 
-// stats exports every device's stats: NVIDIA GPUs' mapped stats under dcgm-exporter's
-// names and labels, everything else as devicehost_device_<stat>.
+// stats exports every device's stats: NVIDIA GPUs' and MIG devices' mapped stats under
+// dcgm-exporter's names and labels, everything else as devicehost_device_<stat>.
 func (s *scrape) stats(stats device.StatsSnapshot, inv device.Inventory) {
 	busIDs := make(map[string]string)
+	models := make(map[groupID]device.Value) // MIG groups' GPU model
 	for _, g := range inv.Groups {
 		for _, d := range g.Devices {
 			busIDs[d.ID] = d.Locality.PCIBusID
 		}
+		if isMIGGroup(g.GroupKey) {
+			models[groupID{g.Plugin, g.GroupKey}] = g.Attributes[dcgmModelAttr]
+		}
 	}
 	for _, g := range stats.Groups {
-		dcgm := isDCGMGroup(g.GroupKey)
 		for _, d := range g.Devices {
-			var dcgmLabelValues []string
-			if dcgm {
-				index := ""
-				if v, ok := number(d.Values[dcgmIndexStat]); ok {
-					index = strconv.FormatInt(int64(v), 10)
-				}
-				dev := ""
-				if index != "" {
-					dev = "nvidia" + index
-				}
-				dcgmLabelValues = []string{index, d.ID, dev, g.Name, dcgmBusID(busIDs[d.ID]), s.c.hostname}
-			}
+			l := s.dcgmLabelsOf(g, d, busIDs[d.ID], models[groupID{g.Plugin, g.GroupKey}])
 			for _, name := range slices.Sorted(maps.Keys(d.Values)) {
 				v := d.Values[name]
-				if dcgm && name == dcgmIndexStat {
-					continue // a label
-				}
-				f, mapped := dcgmFields[name]
-				if dcgm && mapped {
-					s.dcgmSeries(g.Plugin, f, v, dcgmLabelValues)
+				if l.use && l.isLabel(name) {
 					continue
 				}
-				s.statSeries(g, d.ID, name, v)
+				f, mapped := dcgmFields[name]
+				switch {
+				case l.use && mapped && l.invalid:
+					s.drop(g.Plugin, dropInvalid)
+				case l.use && mapped:
+					s.dcgmSeries(g.Plugin, f, v, l.names, l.values)
+				default:
+					s.statSeries(g, d.ID, name, v)
+				}
 			}
 		}
 	}
 }
 
-func (s *scrape) dcgmSeries(plugin string, f dcgmField, v device.Value, labels []string) {
+// groupID names a group of one plugin.
+type groupID struct {
+	plugin string
+	key    device.GroupKey
+}
+
+// dcgmDevice is how one device's stats are exported under dcgm-exporter's names.
+type dcgmDevice struct {
+	use           bool     // its mapped stats get dcgm-exporter's names
+	mig           bool     // a GPU instance: the MIG stats are labels too
+	invalid       bool     // a label from a plugin string is not fit to be one
+	names, values []string // the labels
+}
+
+// isLabel says whether a stat of the device is one of its labels rather than a series.
+func (l dcgmDevice) isLabel(stat string) bool {
+	return stat == dcgmIndexStat || l.mig && (stat == dcgmInstanceStat || stat == dcgmParentStat)
+}
+
+// dcgmLabelsOf returns dcgm-exporter's labels of device d of group g, at PCI bus ID
+// busID, whose group's GPU model (MIG groups) is model.
+//
+// A GPU (nvidia/gpu) is labelled as dcgm-exporter labels a GPU: gpu from its index
+// stat, UUID its device ID, modelName its group's name. A MIG device (nvidia/mig/
+// <profile>) is labelled as dcgm-exporter labels a GPU instance: its GPU's gpu, UUID
+// (the gpu_uuid stat; the device ID when there is none), device, modelName (the group's
+// gpu_model attribute) and pci_bus_id, plus GPU_I_PROFILE (the group's name) and
+// GPU_I_ID (the gpu_instance_id stat). A MIG device without a gpu_instance_id (no
+// instance, or not an integer of 0 or more) is not a GPU instance: its stats keep
+// devicehost's names.
+func (s *scrape) dcgmLabelsOf(g device.GroupStats, d device.DeviceStats, busID string, model device.Value) dcgmDevice {
+	if !isDCGMGroup(g.GroupKey) {
+		return dcgmDevice{}
+	}
+	index := ""
+	if v, ok := number(d.Values[dcgmIndexStat]); ok {
+		index = strconv.FormatInt(int64(v), 10)
+	}
+	dev := ""
+	if index != "" {
+		dev = "nvidia" + index
+	}
+	if !isMIGGroup(g.GroupKey) {
+		return dcgmDevice{use: true, names: dcgmLabels, values: []string{index, d.ID, dev, g.Name, dcgmBusID(busID), s.c.hostname}}
+	}
+	gi := d.Values[dcgmInstanceStat]
+	if gi.Kind != device.KindInt || gi.Int < 0 {
+		return dcgmDevice{}
+	}
+	l := dcgmDevice{use: true, mig: true, names: dcgmMIGLabels}
+	uuid := d.ID
+	if v, ok := d.Values[dcgmParentStat]; ok {
+		uuid = v.Str
+		l.invalid = v.Kind != device.KindString || uuid == "" || !labelValue(uuid)
+	}
+	if model.Kind != device.KindUnset && (model.Kind != device.KindString || !labelValue(model.Str)) {
+		l.invalid = true
+	}
+	l.values = []string{index, uuid, dev, model.Str, dcgmBusID(busID), g.Name, strconv.FormatInt(gi.Int, 10), s.c.hostname}
+	return l
+}
+
+func (s *scrape) dcgmSeries(plugin string, f dcgmField, v device.Value, labelNames, labels []string) {
 	x, ok := number(v)
 	if !ok {
 		s.drop(plugin, dropNotANumber)
 		return
 	}
-	if x, ok = convert(x, v.Unit, f.unit); !ok {
+	to := f.unit
+	if to == dcgmRatio {
+		to = "%"
+	}
+	if x, ok = convert(x, v.Unit, to); !ok {
 		s.drop(plugin, dropUnit)
 		return
 	}
-	s.emit(plugin, f.name, f.help, f.typ, dcgmLabels, labels, x)
+	if f.unit == dcgmRatio {
+		x /= 100
+	}
+	s.emit(plugin, f.name, f.help, f.typ, labelNames, labels, x)
 }
 
 func (s *scrape) statSeries(g device.GroupStats, id, stat string, v device.Value) {
@@ -224,22 +289,27 @@ func (s *scrape) emit(plugin, name, help string, typ prometheus.ValueType, label
 		s.drop(plugin, dropLimit)
 		return
 	}
-	key := name + "\xff" + strings.Join(labelValues, "\xff")
+	joined := strings.Join(labelNames, ",")
+	key := name + "\xff" + joined + "\xff" + strings.Join(labelValues, "\xff")
 	if s.seen[key] {
 		s.drop(plugin, dropDuplicate)
 		return
 	}
-	joined := strings.Join(labelNames, ",")
 	fam, ok := s.families[name]
 	switch {
 	case !ok:
-		fam = family{desc: prometheus.NewDesc(name, help, labelNames, nil), help: help, typ: typ, labels: joined}
+		fam = family{help: help, typ: typ, descs: make(map[string]*prometheus.Desc)}
 		s.families[name] = fam
-	case fam.help != help || fam.typ != typ || fam.labels != joined:
+	case fam.help != help || fam.typ != typ:
 		s.drop(plugin, dropConflict)
 		return
 	}
-	m, err := prometheus.NewConstMetric(fam.desc, typ, v, labelValues...)
+	desc, ok := fam.descs[joined]
+	if !ok {
+		desc = prometheus.NewDesc(name, help, labelNames, nil)
+		fam.descs[joined] = desc
+	}
+	m, err := prometheus.NewConstMetric(desc, typ, v, labelValues...)
 	if err != nil {
 		s.drop(plugin, dropInvalid)
 		return

@@ -5,9 +5,10 @@
 // mapping):
 //   - device stats, from the sample the manager already holds (device.Manager's
 //     LatestStats): a scrape asks no plugin for anything, however many scrapers there
-//     are. NVIDIA GPUs (vendor
-//     "nvidia", type "gpu": the nvidia-example plugin) get dcgm-exporter's names and
-//     labels (DCGM_FI_DEV_GPU_UTIL{gpu,UUID,device,modelName,pci_bus_id,Hostname}, in
+//     are. NVIDIA GPUs and MIG devices (vendor
+//     "nvidia", type "gpu" or "mig": the nvidia-example plugin) get dcgm-exporter's
+//     names and labels (DCGM_FI_DEV_GPU_UTIL{gpu,UUID,device,modelName,pci_bus_id,
+//     Hostname}, a GPU instance's with GPU_I_PROFILE and GPU_I_ID too, in
 //     dcgm-exporter's units), so its dashboards work unchanged; every other stat is
 //     devicehost_device_<stat>_<unit> in Prometheus base units.
 //   - device health and holders, plugin status, restarts and last error time, from the

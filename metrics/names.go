@@ -3,6 +3,8 @@ package metrics
 import (
 	"fmt"
 	"strings"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -143,16 +145,57 @@ func number(v device.Value) (float64, bool) {
 type dcgmField struct {
 	name string
 	typ  prometheus.ValueType
-	unit string // dcgm-exporter's unit, in devicehost's unit names
+	unit string // dcgm-exporter's unit, in devicehost's unit names, or dcgmRatio
 	help string
 }
 
-// dcgmLabels are dcgm-exporter's labels, in its order.
+// dcgmRatio is the unit of a dcgm-exporter field that is a fraction from 0 to 1 (the
+// profiling fields): a stat in % is divided by 100. It is no plugin unit.
+const dcgmRatio = "ratio"
+
+// dcgmLabels are dcgm-exporter's labels of a GPU, in its order.
 var dcgmLabels = []string{"gpu", "UUID", "device", "modelName", "pci_bus_id", "Hostname"}
 
-// dcgmIndexStat is the nvidia-example stat that numbers a GPU (dcgm-exporter's gpu label,
-// and device="nvidia<gpu>"). It becomes a label, not a series.
-const dcgmIndexStat = "index"
+// dcgmMIGLabels are dcgm-exporter's labels of a MIG device (a GPU instance): a GPU's,
+// plus the GPU instance's profile and ID. dcgm-exporter leaves the two out, rather
+// than empty, for a GPU that is not partitioned.
+var dcgmMIGLabels = []string{"gpu", "UUID", "device", "modelName", "pci_bus_id", "GPU_I_PROFILE", "GPU_I_ID", "Hostname"}
+
+// Stats and attributes of the nvidia-example plugin that become dcgm-exporter's labels
+// rather than series.
+const (
+	// dcgmIndexStat numbers a GPU (dcgm-exporter's gpu label, and device="nvidia<gpu>");
+	// a MIG device's is its GPU's.
+	dcgmIndexStat = "index"
+	// dcgmInstanceStat is a MIG device's GPU instance ID (GPU_I_ID), an integer; a MIG
+	// device without one is not a GPU instance dcgm-exporter would show.
+	dcgmInstanceStat = "gpu_instance_id"
+	// dcgmParentStat is the UUID of the GPU a MIG device is on, a string: dcgm-exporter's
+	// UUID label of a GPU instance is its GPU's.
+	dcgmParentStat = "gpu_uuid"
+	// dcgmModelAttr is the attribute of a MIG group that names its GPU's model
+	// (modelName); a GPU group's name is the model.
+	dcgmModelAttr = "gpu_model"
+)
+
+// maxLabelValueLen bounds, in bytes, a label value taken from a plugin's string (a
+// stat or attribute): as long as a device ID may be.
+const maxLabelValueLen = 256
+
+// labelValue says whether s, a plugin's string, may be a label value: at most
+// maxLabelValueLen bytes of printable UTF-8. (The exposition format escapes what
+// needs it; this keeps a plugin from making series that are huge or unreadable.)
+func labelValue(s string) bool {
+	if len(s) > maxLabelValueLen || !utf8.ValidString(s) {
+		return false
+	}
+	for _, r := range s {
+		if !unicode.IsPrint(r) {
+			return false
+		}
+	}
+	return true
+}
 
 // dcgmFields maps the nvidia-example plugin's stats to dcgm-exporter's fields
 // (default-counters.csv, plus FB_TOTAL and the volatile ECC totals), with the unit
@@ -171,11 +214,18 @@ var dcgmFields = map[string]dcgmField{
 	"last_xid":               {"DCGM_FI_DEV_XID_ERRORS", prometheus.GaugeValue, "", "Number of the last XID error the GPU raised; 0 when none."},
 	"ecc_errors_corrected":   {"DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", prometheus.CounterValue, "count", "Corrected (single-bit) ECC errors since the driver loaded."},
 	"ecc_errors_uncorrected": {"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", prometheus.CounterValue, "count", "Uncorrected (double-bit) ECC errors since the driver loaded."},
+	"tensor_active":          {"DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", prometheus.GaugeValue, dcgmRatio, "Ratio of cycles any tensor pipe was active, from 0 to 1."},
 }
 
-// isDCGMGroup says whether a group's stats get dcgm-exporter's names: NVIDIA GPUs, as
-// the nvidia-example plugin reports them.
-func isDCGMGroup(k device.GroupKey) bool { return k.Vendor == "nvidia" && k.Type == "gpu" }
+// isDCGMGroup says whether a group's stats get dcgm-exporter's names: NVIDIA GPUs and
+// MIG devices, as the nvidia-example plugin reports them.
+func isDCGMGroup(k device.GroupKey) bool {
+	return k.Vendor == "nvidia" && (k.Type == "gpu" || isMIGGroup(k))
+}
+
+// isMIGGroup says whether a group is of NVIDIA MIG devices, named after their profile
+// (nvidia/mig/1g.10gb): dcgm-exporter's GPU instances.
+func isMIGGroup(k device.GroupKey) bool { return k.Vendor == "nvidia" && k.Type == "mig" }
 
 // dcgmBusID writes a PCI bus ID the way DCGM (and NVML) do, with a 32-bit domain in
 // upper case: "0000:1b:00.0" becomes "00000000:1B:00.0". Anything else is kept.

@@ -365,6 +365,23 @@ func TestAgentMetrics(t *testing.T) {
 	}
 }
 
+// loggedMetricsURL returns the /metrics URL an agent started with -log-json and
+// -metrics-listen tcp://127.0.0.1:0 logs.
+func loggedMetricsURL(t *testing.T, ctx context.Context, agent *agentProcess) string {
+	t.Helper()
+	line, err := agent.stderr.wait(ctx, func(l string) bool { return strings.Contains(l, `"serving metrics"`) })
+	if err != nil {
+		t.Fatalf("no log line saying where the metrics are: %v", err)
+	}
+	var logged struct {
+		URL string `json:"url"`
+	}
+	if err := json.Unmarshal([]byte(line), &logged); err != nil || !strings.HasPrefix(logged.URL, "http://127.0.0.1:") {
+		t.Fatalf("metrics line %s: url %q (%v), want http://127.0.0.1:<port>/metrics", line, logged.URL, err)
+	}
+	return logged.URL
+}
+
 // `agent -dev -metrics-listen`: the 8 simulated H100s under dcgm-exporter's names and
 // labels, with the values of the sample the Stats API serves (the sampling interval is
 // an hour, so both read the same sample), and the plugin's restart after a SIGKILL.
@@ -383,18 +400,9 @@ func TestDevAgentServesDCGMMetrics(t *testing.T) {
 	agent := startAgentProcess(t, addr, "agent", "-dev", "-log-json", "-listen", addr.String(),
 		"-config", conf, "-metrics-listen", "tcp://127.0.0.1:0")
 	client := agent.client(t, ctx)
-	line, err := agent.stderr.wait(ctx, func(l string) bool { return strings.Contains(l, `"serving metrics"`) })
-	if err != nil {
-		t.Fatalf("no log line saying where the metrics are: %v", err)
-	}
-	var logged struct {
-		URL string `json:"url"`
-	}
-	if err := json.Unmarshal([]byte(line), &logged); err != nil || !strings.HasPrefix(logged.URL, "http://127.0.0.1:") {
-		t.Fatalf("metrics line %s: url %q (%v), want http://127.0.0.1:<port>/metrics", line, logged.URL, err)
-	}
+	url := loggedMetricsURL(t, ctx, agent)
 	scraper := &http.Client{Timeout: 20 * time.Second}
-	scrape := func() map[string]*dto.MetricFamily { return scrapeFamilies(t, scraper, logged.URL) }
+	scrape := func() map[string]*dto.MetricFamily { return scrapeFamilies(t, scraper, url) }
 	// The plugin's first sample reaches the manager soon after it fingerprints; the
 	// next one is an hour away, so wait for the first rather than for a tick.
 	waitGPUs := func(what string) map[string]*dto.MetricFamily {

@@ -334,55 +334,110 @@ func migAttrs(p *migProfile, d gpuDesc) map[string]*pb.Value {
 	return a
 }
 
-// sample reads every GPU's stats, stamped now. Values a GPU cannot give are left out.
+// sample reads every GPU's stats, and every MIG device's that exists, stamped now.
+// Values a device cannot give are left out; gpm reads tensor activity, which needs a
+// sample before (see gpmSampler).
 //
 // Besides the load figures, each GPU reports "index" (its NVML index, as nvidia-smi
 // and dcgm-exporter's gpu label number GPUs; it is not always the /dev/nvidiaN minor)
 // and "last_xid" (the last XID event it raised while a Fingerprint stream watched it,
 // critical or application, 0 when none: DCGM's XID_ERRORS field), so the host's
-// metrics can carry dcgm-exporter's names and labels.
-func (rt *runtime) sample(now time.Time) (*pb.StatsResponse, error) {
+// metrics can carry dcgm-exporter's names and labels. A MIG device (a static layout's,
+// or an on-demand device whose instance exists) reports its GPU's index, temperature,
+// power, clocks, XID and ECC figures, as DCGM reports them for a GPU instance, with
+// "gpu_uuid" (its GPU's UUID), "gpu_instance_id" (its GPU instance's ID), its own
+// memory and tensor activity; it has no utilization (NVML has none in MIG mode).
+func (rt *runtime) sample(now time.Time, gpm *gpmSampler) (*pb.StatsResponse, error) {
 	gpus, _, err := rt.listGPUs()
 	if err != nil {
 		return nil, err
 	}
+	plans := make(map[string]*gpuPlan)
+	if inv, err := rt.current(); err == nil {
+		for i, g := range inv.gpus {
+			plans[g.uuid] = &inv.plans[i]
+		}
+	}
 	ts := timestamppb.New(now)
 	resp := &pb.StatsResponse{}
 	for _, g := range gpus {
-		v := map[string]*pb.Value{
-			"index":    intValue(int64(g.index), ""),
-			"last_xid": intValue(int64(rt.health.lastXID(g.uuid)), ""),
-		}
+		plan := plans[g.uuid]
+		shared := rt.gpuStats(g)
+		v := maps.Clone(shared)
 		if u, ret := g.dev.GetUtilizationRates(); ret == nvml.SUCCESS {
 			v["gpu_utilization"] = intValue(int64(u.Gpu), unitPercent)
 			v["memory_utilization"] = intValue(int64(u.Memory), unitPercent)
 		}
-		if m, ret := g.dev.GetMemoryInfo(); ret == nvml.SUCCESS {
-			v["memory_used"] = intValue(int64(m.Used>>20), unitMiB)
-			v["memory_free"] = intValue(int64(m.Free>>20), unitMiB)
-			v["memory_total"] = intValue(int64(m.Total>>20), unitMiB)
-		}
-		if mhz, ret := g.dev.GetClockInfo(nvml.CLOCK_SM); ret == nvml.SUCCESS {
-			v["sm_clock"] = intValue(int64(mhz), unitMHz)
-		}
-		if mhz, ret := g.dev.GetClockInfo(nvml.CLOCK_MEM); ret == nvml.SUCCESS {
-			v["memory_clock"] = intValue(int64(mhz), unitMHz)
-		}
-		if c, ret := g.dev.GetTemperature(nvml.TEMPERATURE_GPU); ret == nvml.SUCCESS {
-			v["temperature"] = intValue(int64(c), unitCelsius)
-		}
-		if mw, ret := g.dev.GetPowerUsage(); ret == nvml.SUCCESS {
-			v["power"] = floatValue(float64(mw)/1000, unitWatt)
-		}
-		if n, ret := g.dev.GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_CORRECTED, nvml.VOLATILE_ECC); ret == nvml.SUCCESS {
-			v["ecc_errors_corrected"] = intValue(int64(n), unitCount)
-		}
-		if n, ret := g.dev.GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_UNCORRECTED, nvml.VOLATILE_ECC); ret == nvml.SUCCESS {
-			v["ecc_errors_uncorrected"] = intValue(int64(n), unitCount)
+		addMemory(v, g.dev)
+		// A static layout's GPU is no device of its own: no GPM samples for it.
+		if plan == nil || plan.mode != modeStatic {
+			if pct, ok := gpm.tensorActive(g, wholeGPU); ok {
+				v["tensor_active"] = floatValue(pct, unitPercent)
+			}
 		}
 		resp.Devices = append(resp.Devices, &pb.DeviceStats{DeviceId: g.uuid, Values: v, Timestamp: ts})
+		if plan == nil || plan.mode == modeWhole {
+			continue
+		}
+		for _, m := range readMIGDevices(g, plan.profiles) {
+			id := m.uuid
+			if plan.mode == modeOnDemand {
+				if m.profile == nil {
+					continue // not at a placement the plugin offers
+				}
+				id = partitionID(g.uuid, m.profile.name, m.placement.Start)
+			}
+			mv := maps.Clone(shared)
+			mv["gpu_uuid"] = stringValue(g.uuid)
+			mv["gpu_instance_id"] = intValue(int64(m.gi), "")
+			if m.dev != nil {
+				addMemory(mv, m.dev)
+			}
+			if pct, ok := gpm.tensorActive(g, m.gi); ok {
+				mv["tensor_active"] = floatValue(pct, unitPercent)
+			}
+			resp.Devices = append(resp.Devices, &pb.DeviceStats{DeviceId: id, Values: mv, Timestamp: ts})
+		}
 	}
+	gpm.endRound()
 	return resp, nil
+}
+
+// gpuStats are the stats of g that its MIG devices share with it: index, last XID,
+// clocks, temperature, power and ECC counts.
+func (rt *runtime) gpuStats(g gpu) map[string]*pb.Value {
+	v := map[string]*pb.Value{
+		"index":    intValue(int64(g.index), ""),
+		"last_xid": intValue(int64(rt.health.lastXID(g.uuid)), ""),
+	}
+	if mhz, ret := g.dev.GetClockInfo(nvml.CLOCK_SM); ret == nvml.SUCCESS {
+		v["sm_clock"] = intValue(int64(mhz), unitMHz)
+	}
+	if mhz, ret := g.dev.GetClockInfo(nvml.CLOCK_MEM); ret == nvml.SUCCESS {
+		v["memory_clock"] = intValue(int64(mhz), unitMHz)
+	}
+	if c, ret := g.dev.GetTemperature(nvml.TEMPERATURE_GPU); ret == nvml.SUCCESS {
+		v["temperature"] = intValue(int64(c), unitCelsius)
+	}
+	if mw, ret := g.dev.GetPowerUsage(); ret == nvml.SUCCESS {
+		v["power"] = floatValue(float64(mw)/1000, unitWatt)
+	}
+	if n, ret := g.dev.GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_CORRECTED, nvml.VOLATILE_ECC); ret == nvml.SUCCESS {
+		v["ecc_errors_corrected"] = intValue(int64(n), unitCount)
+	}
+	if n, ret := g.dev.GetTotalEccErrors(nvml.MEMORY_ERROR_TYPE_UNCORRECTED, nvml.VOLATILE_ECC); ret == nvml.SUCCESS {
+		v["ecc_errors_uncorrected"] = intValue(int64(n), unitCount)
+	}
+	return v
+}
+
+// addMemory adds dev's memory use (a GPU's, or a MIG device's own) to v.
+func addMemory(v map[string]*pb.Value, dev nvml.Device) {
+	if m, ret := dev.GetMemoryInfo(); ret == nvml.SUCCESS {
+		v["memory_used"] = intValue(int64(m.Used>>20), unitMiB)
+		v["memory_free"] = intValue(int64(m.Free>>20), unitMiB)
+		v["memory_total"] = intValue(int64(m.Total>>20), unitMiB)
+	}
 }
 
 func intValue(n int64, unit string) *pb.Value {

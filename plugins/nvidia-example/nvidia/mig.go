@@ -32,7 +32,8 @@ type migProfile struct {
 
 // migDevice is a MIG device that exists: a compute instance in a GPU instance.
 type migDevice struct {
-	uuid      string // "MIG-..."
+	dev       nvml.Device // its MIG device handle
+	uuid      string      // "MIG-..."
 	gi, ci    int
 	profile   *migProfile // nil when its profile is not one the plugin knows
 	placement nvml.GpuInstancePlacement
@@ -221,7 +222,7 @@ func readMIGDevices(g gpu, profiles []*migProfile) []migDevice {
 		if ret != nvml.SUCCESS {
 			continue // NVML answers NOT_FOUND for the empty slots
 		}
-		m := migDevice{}
+		m := migDevice{dev: md}
 		var r1, r2, r3 nvml.Return
 		m.uuid, r1 = md.GetUUID()
 		m.gi, r2 = md.GetGpuInstanceId()

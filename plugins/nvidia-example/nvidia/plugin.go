@@ -120,8 +120,11 @@ type runtime struct {
 	// numaFromNVML says whether the library has nvmlDeviceGetNumaNodeId; calling a
 	// symbol the loaded driver lacks would crash the process.
 	numaFromNVML bool
-	migMu        *sync.Mutex // the plugin's
-	latest       atomic.Pointer[inventory]
+	// gpm says whether the library has every call GPU performance monitoring needs
+	// (gpmSymbols).
+	gpm    bool
+	migMu  *sync.Mutex // the plugin's
+	latest atomic.Pointer[inventory]
 }
 
 // Info names the plugin.
@@ -183,12 +186,17 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 		p.sim = mig
 		rt.lib = sim
 		rt.numaFromNVML = true
+		rt.gpm = true
 		p.logger.Info("running on simulated GPUs", "machine", s.simulate, "gpus", len(sim.devices),
 			"xid_events_scheduled", len(sim.faults), "sim_state_file", s.simStateFile,
 			"mig_instances", mig.instanceCount(), "mig_mode_turned_on", changed)
 	} else if lib := p.openRealNVML(); lib != nil {
 		rt.lib = lib
 		rt.numaFromNVML = lib.Extensions().LookupSymbol("nvmlDeviceGetNumaNodeId") == nil
+		rt.gpm = true
+		for _, sym := range gpmSymbols {
+			rt.gpm = rt.gpm && lib.Extensions().LookupSymbol(sym) == nil
+		}
 	}
 	if rt.lib != nil {
 		if err := rt.applyLayout(); err != nil {
@@ -332,9 +340,11 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 	}
 }
 
-// Stats sends one sample of every GPU at once and then every interval (at least
-// minStatsInterval). A sample that cannot be taken is logged and skipped. Without NVML
-// it sends nothing and waits for ctx to end.
+// Stats sends one sample of every GPU and of every MIG device that exists at once,
+// and then every interval (at least minStatsInterval). Tensor activity, where GPM
+// supports the GPU, is in every sample but the first: it is the activity between two
+// samples. A sample that cannot be taken is logged and skipped. Without NVML it sends
+// nothing and waits for ctx to end.
 func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*pb.StatsResponse) error) error {
 	rt, err := p.runtime()
 	if err != nil {
@@ -345,10 +355,16 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*p
 		return nil
 	}
 	interval = max(interval, minStatsInterval)
+	var gpmLib nvml.Interface
+	if rt.gpm {
+		gpmLib = rt.lib
+	}
+	gpm := newGPMSampler(gpmLib)
+	defer gpm.close()
 	next := rt.clock.Now()
 	for {
 		now := rt.clock.Now()
-		if resp, err := rt.sample(now); err != nil {
+		if resp, err := rt.sample(now, gpm); err != nil {
 			rt.logger.Warn("stats sample skipped", "error", err)
 		} else if err := send(resp); err != nil {
 			return err

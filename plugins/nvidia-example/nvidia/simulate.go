@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -28,6 +29,7 @@ type machine struct {
 	pcieGen     int
 	pcieWidth   int
 	pciBuses    []uint8 // PCI bus number of each GPU, by index
+	gpm         bool    // GPU performance monitoring: Hopper and later
 }
 
 var (
@@ -40,11 +42,11 @@ var machines = map[string]machine{
 	"dgxa100": {newServer: dgxa100.New, powerLimitW: 400, idlePowerW: 55, bar1MiB: 65536,
 		smClockMHz: 1410, memClockMHz: 1215, pcieGen: 4, pcieWidth: 16, pciBuses: busesA100},
 	"dgxh100": {newServer: dgxh100.New, powerLimitW: 700, idlePowerW: 70, bar1MiB: 131072,
-		smClockMHz: 1980, memClockMHz: 2619, pcieGen: 5, pcieWidth: 16, pciBuses: busesHopper},
+		smClockMHz: 1980, memClockMHz: 2619, pcieGen: 5, pcieWidth: 16, pciBuses: busesHopper, gpm: true},
 	"dgxh200": {newServer: dgxh200.New, powerLimitW: 700, idlePowerW: 75, bar1MiB: 262144,
-		smClockMHz: 1980, memClockMHz: 3201, pcieGen: 5, pcieWidth: 16, pciBuses: busesHopper},
+		smClockMHz: 1980, memClockMHz: 3201, pcieGen: 5, pcieWidth: 16, pciBuses: busesHopper, gpm: true},
 	"dgxb200": {newServer: dgxb200.New, powerLimitW: 1000, idlePowerW: 120, bar1MiB: 262144,
-		smClockMHz: 1965, memClockMHz: 3996, pcieGen: 5, pcieWidth: 16, pciBuses: busesHopper},
+		smClockMHz: 1965, memClockMHz: 3996, pcieGen: 5, pcieWidth: 16, pciBuses: busesHopper, gpm: true},
 }
 
 // simNamespace seeds the name-based UUIDs of simulated GPUs. Never change it: the
@@ -88,6 +90,8 @@ type simLib struct {
 	// actions are the injected recovery actions; with any, the simulated driver
 	// reports recovery actions (none outside them), else it does not.
 	actions []simAction
+	// gpmSamples counts the GPM samples allocated and not yet freed.
+	gpmSamples atomic.Int64
 }
 
 // simAction is a recovery action a GPU asks for from from until until (zero: for
