@@ -38,6 +38,12 @@ type nomadDevices struct {
 // Its log is kept from level on, and shown if the test fails.
 func startNomadDevices(t testing.TB, shimBin, address string, level hclog.Level) *nomadDevices {
 	t.Helper()
+	return startNomadDevicesWith(t, shimBin, map[string]any{"address": address}, level)
+}
+
+// startNomadDevicesWith is startNomadDevices with cfg as the shim's config block.
+func startNomadDevicesWith(t testing.TB, shimBin string, cfg map[string]any, level hclog.Level) *nomadDevices {
+	t.Helper()
 	dir := tempDir(t, "dhnp")
 	install(t, shimBin, dir, shim.BinaryName)
 	logs := &lineRecorder{}
@@ -47,7 +53,7 @@ func startNomadDevices(t testing.TB, shimBin, address string, level hclog.Level)
 		PluginDir: dir,
 		Configs: []*config.PluginConfig{{
 			Name:   shim.BinaryName,
-			Config: map[string]any{"address": address},
+			Config: cfg,
 		}},
 		SupportedVersions: loader.AgentSupportedApiVersions,
 	})
@@ -76,7 +82,12 @@ func startNomadDevices(t testing.TB, shimBin, address string, level hclog.Level)
 // reserve is what Nomad's device hook does for a task: Reserve of the allocated
 // devices.
 func (n *nomadDevices) reserve(ids ...string) (*device.ContainerReservation, error) {
-	return n.mgr.Reserve(&structs.AllocatedDeviceResource{Vendor: "nvidia", Type: "gpu", Name: h100, DeviceIDs: ids})
+	return n.reserveIn("nvidia", "gpu", h100, ids...)
+}
+
+// reserveIn is reserve of devices of the group vendor/typ/name.
+func (n *nomadDevices) reserveIn(vendor, typ, name string, ids ...string) (*device.ContainerReservation, error) {
+	return n.mgr.Reserve(&structs.AllocatedDeviceResource{Vendor: vendor, Type: typ, Name: name, DeviceIDs: ids})
 }
 
 // memState is the device manager's state store, in memory.

@@ -77,48 +77,7 @@ func TestNomadAgent(t *testing.T) {
 	ports := freePorts(t, 3)
 	nomadAddr := "http://127.0.0.1:" + ports[0]
 	proxy := startProxy(t, "127.0.0.1:"+ports[0])
-	pluginDir := filepath.Join(tmp, "plugins")
-	if err := os.Mkdir(pluginDir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	install(t, bins[shim.BinaryName], pluginDir, shim.BinaryName)
-	// Not -dev: a dev agent keeps no state and stops its tasks when it stops, and the
-	// client restart below needs both.
-	cfg := filepath.Join(tmp, "nomad.hcl")
-	writeFile(t, cfg, fmt.Sprintf(`
-data_dir  = %q
-bind_addr = "127.0.0.1"
-advertise {
-  http = "127.0.0.1"
-  rpc  = "127.0.0.1"
-  serf = "127.0.0.1"
-}
-ports {
-  http = %s
-  rpc  = %s
-  serf = %s
-}
-server {
-  enabled          = true
-  bootstrap_expect = 1
-}
-client {
-  enabled = true
-}
-plugin "raw_exec" {
-  config {
-    enabled = true
-  }
-}
-plugin_dir = %q
-plugin "nomad-device-devicehost" {
-  config {
-    address       = %q
-    nomad_address = "http://%s"
-    release_grace = %q
-  }
-}
-`, filepath.Join(tmp, "nomad-data"), ports[0], ports[1], ports[2], pluginDir, address, proxy.addr, grace))
+	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, proxy.addr, grace)
 	startNomad := func() *agentProcess {
 		return startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
 	}
@@ -344,6 +303,57 @@ job %q {
 	if t.Failed() {
 		t.Logf("nomad output:\n%s", nomad.out)
 	}
+}
+
+// writeNomadConfig installs the shim in a plugin_dir under tmp and writes the config of
+// a Nomad agent that is server and client (not -dev: a dev agent keeps no state and
+// stops its tasks when it stops, and a client restart needs both) on the three ports
+// (http, rpc, serf) with raw_exec and the shim's config block: the devicehost agent at
+// address, Nomad's API at nomadAPI (host:port) and release_grace. It returns the
+// config's path.
+func writeNomadConfig(t *testing.T, tmp string, ports []string, shimBin, address, nomadAPI string, grace time.Duration) string {
+	t.Helper()
+	pluginDir := filepath.Join(tmp, "plugins")
+	if err := os.Mkdir(pluginDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	install(t, shimBin, pluginDir, shim.BinaryName)
+	cfg := filepath.Join(tmp, "nomad.hcl")
+	writeFile(t, cfg, fmt.Sprintf(`
+data_dir  = %q
+bind_addr = "127.0.0.1"
+advertise {
+  http = "127.0.0.1"
+  rpc  = "127.0.0.1"
+  serf = "127.0.0.1"
+}
+ports {
+  http = %s
+  rpc  = %s
+  serf = %s
+}
+server {
+  enabled          = true
+  bootstrap_expect = 1
+}
+client {
+  enabled = true
+}
+plugin "raw_exec" {
+  config {
+    enabled = true
+  }
+}
+plugin_dir = %q
+plugin "nomad-device-devicehost" {
+  config {
+    address       = %q
+    nomad_address = "http://%s"
+    release_grace = %q
+  }
+}
+`, filepath.Join(tmp, "nomad-data"), ports[0], ports[1], ports[2], pluginDir, address, nomadAPI, grace))
+	return cfg
 }
 
 // waitFor polls ok every 50 ms until it holds, failing the test after two minutes.

@@ -1,0 +1,186 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/devicehost/devicehost/integrations/nomad/shim"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// nodeDevice is what the test reads of a device instance in Nomad's node status.
+type nodeDevice struct {
+	ID                string
+	Healthy           bool
+	HealthDescription string
+}
+
+// nodeDevices returns the node's device groups in Nomad's node status, by
+// "vendor/type/name".
+func (n *nomadHTTP) nodeDevices(id string) (map[string][]nodeDevice, error) {
+	var node struct {
+		NodeResources struct {
+			Devices []struct {
+				Vendor, Type, Name string
+				Instances          []nodeDevice
+			}
+		}
+	}
+	if err := n.get("/v1/node/"+id, &node); err != nil {
+		return nil, err
+	}
+	out := make(map[string][]nodeDevice, len(node.NodeResources.Devices))
+	for _, g := range node.NodeResources.Devices {
+		out[g.Vendor+"/"+g.Type+"/"+g.Name] = g.Instances
+	}
+	return out, nil
+}
+
+// A real Nomad v1.6.3 agent with nomad-device-devicehost against `devicehost agent
+// -dev` in on-demand MIG mode: the node has the nvidia/mig/1g.10gb group of 56 devices
+// beside 8 GPUs; a raw_exec job asking for `device "nvidia/mig/1g.10gb"` runs, its task
+// sees a MIG UUID in NVIDIA_VISIBLE_DEVICES, its reservation is named after the task;
+// the GPU whose partition it holds is unhealthy in Nomad's node status, the reason
+// naming that task; once the job is stopped the partition is released and the GPU is
+// healthy again.
+func TestNomadAgentMIG(t *testing.T) {
+	nomadBin := nomadBinary(t)
+	const grace = 2 * time.Second
+	bins := build(t)
+	address, c := startMIGAgent(t, bins[agentName])
+	tmp := tempDir(t, "dhnam")
+	ports := freePorts(t, 3)
+	nomadAddr := "127.0.0.1:" + ports[0]
+	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, nomadAddr, grace)
+	nomad := startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
+	n := &nomadHTTP{t: t, addr: "http://" + nomadAddr}
+	defer n.stopAll()
+	nodeID := n.waitNodeWithGPUs(8)
+	const migGroup = "nvidia/mig/" + mig1g10
+	waitFor(t, "56 healthy "+migGroup+" devices in Nomad's node status", func() bool {
+		devs, err := n.nodeDevices(nodeID)
+		healthy := 0
+		for _, d := range devs[migGroup] {
+			if d.Healthy {
+				healthy++
+			}
+		}
+		return err == nil && healthy == 56
+	}, nomad.out)
+
+	out := filepath.Join(tmp, "visible")
+	job := filepath.Join(tmp, "mig.hcl")
+	writeFile(t, job, fmt.Sprintf(`
+job "mig" {
+  type        = "batch"
+  datacenters = ["dc1"]
+  group "g" {
+    restart {
+      attempts = 0
+      mode     = "fail"
+    }
+    reschedule {
+      attempts  = 0
+      unlimited = false
+    }
+    task "train" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", %q]
+      }
+      resources {
+        cpu    = 100
+        memory = 32
+        device %q {
+          count = 1
+        }
+      }
+    }
+  }
+}
+`, fmt.Sprintf(`echo "$NVIDIA_VISIBLE_DEVICES" > %[1]s.tmp && mv %[1]s.tmp %[1]s && exec sleep 3600`, out), migGroup))
+	cmd := exec.Command(nomadBin, "job", "run", "-detach", job)
+	cmd.Env = append(os.Environ(), "NOMAD_ADDR="+n.addr)
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("nomad job run: %v\n%s", err, b)
+	}
+	allocID := n.waitAlloc("mig")
+
+	// The task sees its MIG device.
+	var visible string
+	waitFor(t, "the task's NVIDIA_VISIBLE_DEVICES", func() bool {
+		b, err := os.ReadFile(out)
+		visible = strings.TrimSpace(string(b))
+		return err == nil
+	}, nomad.out)
+	if !strings.HasPrefix(visible, "MIG-") || strings.Contains(visible, ",") {
+		t.Fatalf("the task's NVIDIA_VISIBLE_DEVICES=%q; want one MIG UUID", visible)
+	}
+	owner := shim.AllocOwner("default", "mig", allocID, "train")
+	var r *pb.Reservation
+	waitFor(t, "a reservation of "+owner, func() bool {
+		rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: owner, State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
+		if err == nil && len(rs) == 1 {
+			r = rs[0]
+		}
+		return r != nil
+	}, nomad.out)
+	part := r.GetDeviceIds()[0]
+	gpu, _, ok := strings.Cut(part, "-mig-")
+	if len(r.GetDeviceIds()) != 1 || !ok || r.GetType() != "mig" || r.GetName() != mig1g10 {
+		t.Fatalf("the task's reservation %v; want one %s partition", r, migGroup)
+	}
+	if got := r.GetReservation().GetEnvs()["NVIDIA_VISIBLE_DEVICES"]; got != visible {
+		t.Errorf("the agent's reservation gives NVIDIA_VISIBLE_DEVICES=%q, the task saw %q", got, visible)
+	}
+	t.Logf("task %s on %s: NVIDIA_VISIBLE_DEVICES=%s", owner, part, visible)
+
+	// Its GPU is unhealthy in Nomad's node status, naming the task.
+	gpuGroup := "nvidia/gpu/" + h100
+	gpuIn := func() nodeDevice {
+		devs, err := n.nodeDevices(nodeID)
+		if err != nil {
+			return nodeDevice{}
+		}
+		for _, d := range devs[gpuGroup] {
+			if d.ID == gpu {
+				return d
+			}
+		}
+		return nodeDevice{}
+	}
+	var held nodeDevice
+	waitFor(t, gpu+" unhealthy in Nomad's node status, naming "+owner, func() bool {
+		held = gpuIn()
+		return held.ID != "" && !held.Healthy && strings.Contains(held.HealthDescription, fmt.Sprintf("%q", owner))
+	}, nomad.out)
+	t.Logf("nomad node status: %s healthy=%v %q", gpu, held.Healthy, held.HealthDescription)
+	devs, err := n.nodeDevices(nodeID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unhealthy := 0
+	for _, d := range devs[gpuGroup] {
+		if !d.Healthy {
+			unhealthy++
+		}
+	}
+	if unhealthy != 1 {
+		t.Errorf("%d unhealthy GPUs in Nomad's node status with one partition held, want 1: %+v", unhealthy, devs[gpuGroup])
+	}
+
+	// The job stops: released after the grace, the GPU healthy again.
+	n.deleteJob("mig")
+	waitFor(t, "the release of "+r.GetReservationId(), func() bool {
+		rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: owner})
+		return err == nil && len(rs) == 1 && rs[0].GetState() == pb.ReservationState_RESERVATION_STATE_RELEASED
+	}, nomad.out)
+	waitFor(t, gpu+" healthy again in Nomad's node status", func() bool { return gpuIn().Healthy }, nomad.out)
+}
