@@ -247,7 +247,8 @@ func TestNomadShimMIGOnDemand(t *testing.T) {
 				n++
 			}
 		}
-		return n >= 3
+		// The shim's placeholder owner for the refused Reserve is no holder: it is not named.
+		return n >= 3 && !strings.Contains(err.Error(), "rpc error") && !strings.Contains(err.Error(), `owner "nomad/`)
 	}
 	_, err := n.reserveIn("nvidia", "mig", mig1g20, bigger[0])
 	t.Logf("eighth partition (%s): %v", bigger[0], err)

@@ -115,6 +115,8 @@ func (p *Plugin) Reserve(deviceIDs []string) (*device.ContainerReservation, erro
 			if refused := refusal(held); refused != nil {
 				err = refused
 			}
+		} else if ce, ok := client.IsCapacityExceeded(err); ok && len(ce.GetOverruns()) > 0 {
+			err = capacityRefusal(ce)
 		}
 		return nil, fmt.Errorf("devicehost: reserve %s: %w", strings.Join(deviceIDs, ", "), err)
 	}
@@ -151,6 +153,31 @@ func refusal(held *pb.DeviceHeld) error {
 		return nil
 	}
 	return errors.New(strings.Join(refused, "; "))
+}
+
+// capacityRefusal says which counters a refused Reserve would take past their capacity
+// and which reservations use them, in Nomad's terms: the asking owner is the shim's
+// own placeholder (the allocation is not known yet), so it is left out.
+func capacityRefusal(ce *pb.CapacityExceeded) error {
+	const shown = 3 // holders named per counter; the rest are counted
+	var parts []string
+	for _, o := range ce.GetOverruns() {
+		var users []string
+		for i, u := range o.GetUsers() {
+			if i == shown {
+				users = append(users, fmt.Sprintf("%d more", len(o.GetUsers())-shown))
+				break
+			}
+			users = append(users, fmt.Sprintf("%q (reservation %s)", u.GetOwnerId(), u.GetReservationId()))
+		}
+		parts = append(parts, fmt.Sprintf("counter %q of set %q: %d requested, %d of %d used by %s",
+			o.GetCounter(), o.GetCounterSet(), o.GetRequested(), o.GetUsed(), o.GetCapacity(), strings.Join(users, ", ")))
+		if len(parts) == shown && len(ce.GetOverruns()) > shown {
+			parts = append(parts, fmt.Sprintf("and %d more counters", len(ce.GetOverruns())-shown))
+			break
+		}
+	}
+	return errors.New("shared capacity exceeded: " + strings.Join(parts, "; "))
 }
 
 // groupOf finds the one group that holds every device, from the latest snapshot, or,

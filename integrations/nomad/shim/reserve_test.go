@@ -2,6 +2,7 @@ package shim
 
 import (
 	"context"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -208,5 +209,36 @@ func TestUnconfigured(t *testing.T) {
 	}
 	if _, err := p.Reserve([]string{"x"}); err == nil {
 		t.Error("Reserve before SetConfig succeeded")
+	}
+}
+
+// A Reserve over shared capacity is refused naming each counter, its use and the first
+// holders, with the rest counted; the shim's placeholder owner is not among them.
+func TestCapacityRefusalMessage(t *testing.T) {
+	users := func(n int) []*pb.Holder {
+		var out []*pb.Holder
+		for i := range n {
+			out = append(out, &pb.Holder{ReservationId: fmt.Sprintf("res-%d", i), OwnerId: fmt.Sprintf("nomad/default/job/alloc-%d/main", i)})
+		}
+		return out
+	}
+	ce := &pb.CapacityExceeded{OwnerId: "nomad/PLACEHOLDER", Overruns: []*pb.CounterOverrun{
+		{Plugin: "nvidia-example", CounterSet: "GPU-0", Counter: "compute-slices", Capacity: 7, Used: 7, Requested: 7, Users: users(7)},
+		{Plugin: "nvidia-example", CounterSet: "GPU-0", Counter: "memory-slice-0", Capacity: 1, Used: 1, Requested: 1, Users: users(1)},
+		{Plugin: "nvidia-example", CounterSet: "GPU-0", Counter: "memory-slice-1", Capacity: 1, Used: 1, Requested: 1, Users: users(1)},
+		{Plugin: "nvidia-example", CounterSet: "GPU-0", Counter: "memory-slice-2", Capacity: 1, Used: 1, Requested: 1, Users: users(1)},
+	}}
+	got := capacityRefusal(ce).Error()
+	for _, want := range []string{
+		`shared capacity exceeded: counter "compute-slices" of set "GPU-0": 7 requested, 7 of 7 used by "nomad/default/job/alloc-0/main" (reservation res-0)`,
+		`(reservation res-2), 4 more; counter "memory-slice-0"`,
+		"; and 1 more counters",
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("message %q\nwant %q in it", got, want)
+		}
+	}
+	if strings.Contains(got, "PLACEHOLDER") || strings.Contains(got, "memory-slice-2") {
+		t.Errorf("message %q names the placeholder owner or more than 3 counters", got)
 	}
 }
