@@ -1,5 +1,6 @@
-# devicehost: the agent binary, the nvidia-example plugin in the plugin dir, and
-# grpc_health_probe for the health check. Builds as docs/operations.md, "Build and Docker", says.
+# devicehost: the agent binary, the nvidia-example plugin in the plugin dir, the DRA
+# driver (devicehost-dra-plugin, from the integrations/dra module), and
+# grpc_health_probe for the health checks. Builds as docs/operations.md, "Build and Docker", says.
 #
 #   docker build -t devicehost .
 #   docker run --rm -v /run/devicehost:/run/devicehost devicehost agent -dev -listen unix:///run/devicehost/devicehost.sock
@@ -14,10 +15,12 @@ RUN go mod download
 COPY . .
 RUN go build -trimpath -o /out/devicehost ./cmd/devicehost \
  && go build -trimpath -o /out/plugins/nvidia-example ./plugins/nvidia-example \
+ && (cd integrations/dra && CGO_ENABLED=0 go build -trimpath -o /out/devicehost-dra-plugin ./cmd/devicehost-dra-plugin) \
  && GOBIN=/out CGO_ENABLED=0 go install github.com/grpc-ecosystem/grpc-health-probe@v0.4.62
 
 FROM debian:trixie-slim
 COPY --from=build /out/devicehost /usr/local/bin/devicehost
+COPY --from=build /out/devicehost-dra-plugin /usr/local/bin/devicehost-dra-plugin
 COPY --from=build /out/grpc-health-probe /usr/local/bin/grpc_health_probe
 COPY --from=build /out/plugins/ /opt/devicehost/plugins/
 RUN mkdir -p /var/lib/devicehost /run/devicehost \

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -22,7 +23,12 @@ import (
 const (
 	minReleaseGrace         = time.Second
 	minPodResourcesInterval = 100 * time.Millisecond
+	minHealthTimeout        = time.Second
 )
+
+// kubeletHealthSocketName is the default health socket's name, in the directory of the
+// agent's unix socket (in the DaemonSet, the emptyDir the pod's containers share).
+const kubeletHealthSocketName = "kubelet-plugin-health.sock"
 
 const kubeletPluginUsage = `[-config FILE] [flags]
 
@@ -32,7 +38,12 @@ file's kubernetes block names the resources. It registers with the kubelet (agai
 whenever the kubelet restarts), turns each container's Allocate into a Reserve at the
 agent, and releases a reservation once no pod in the kubelet's PodResources API has
 held its devices for -release-grace. Stops on SIGINT or SIGTERM, removing its sockets.
-Flags override the config file.`
+Flags override the config file.
+
+It serves grpc.health.v1 on -health-socket (default: kubelet-plugin-health.sock beside
+the agent's unix socket) for a liveness probe: NOT_SERVING while one of its loops has
+made no progress for -health-stall-timeout, or it has not reached the agent for
+-health-agent-timeout; SERVING otherwise.`
 
 // kubeletPluginConfig is the kubelet-plugin's configuration: defaults, then the config
 // file, then flags.
@@ -47,6 +58,12 @@ type kubeletPluginConfig struct {
 	Resources            []kubernetes.Resource
 	LogLevel             string
 	LogJSON              bool
+	// HealthSocket is "" for none; healthSocketSet says the file or a flag set it (else
+	// it defaults to one beside the agent's unix socket).
+	HealthSocket       string
+	healthSocketSet    bool
+	HealthStallTimeout time.Duration
+	HealthAgentTimeout time.Duration
 }
 
 // runKubeletPlugin is `devicehost kubelet-plugin`.
@@ -82,6 +99,9 @@ func runKubeletPlugin(ctx context.Context, env *cmdEnv, args []string) error {
 		PodResourcesInterval: cfg.PodResourcesInterval,
 		DeviceListStrategy:   cfg.DeviceListStrategy,
 		Logger:               log,
+		HealthSocket:         cfg.HealthSocket,
+		HealthStallTimeout:   cfg.HealthStallTimeout,
+		HealthAgentTimeout:   cfg.HealthAgentTimeout,
 	})
 	if err != nil {
 		return err
@@ -103,6 +123,10 @@ func parseKubeletPluginArgs(env *cmdEnv, args []string) (kubeletPluginConfig, er
 		"how Allocate lists a container's devices: `envvar` (NVIDIA_VISIBLE_DEVICES), cdi-cri (CDI names) or both, comma-separated")
 	logLevel := fs.String("log-level", defaultLogLevel, "log `level`: trace, debug, info, warn or error")
 	logJSON := fs.Bool("log-json", false, "log JSON lines")
+	healthSocket := fs.String("health-socket", "", "grpc.health.v1 socket `path` for a liveness probe (default "+kubeletHealthSocketName+
+		" beside the agent's unix socket; \"\" for none)")
+	stall := fs.Duration("health-stall-timeout", kubernetes.DefaultHealthStallTimeout, "NOT_SERVING once a loop has made no progress this long (at least 1s)")
+	agentTimeout := fs.Duration("health-agent-timeout", kubernetes.DefaultHealthAgentTimeout, "NOT_SERVING once the agent has been unreachable this long (at least 1s)")
 	if err := parseFlags(fs, args); err != nil {
 		return kubeletPluginConfig{}, err
 	}
@@ -139,18 +163,31 @@ func parseKubeletPluginArgs(env *cmdEnv, args []string) (kubeletPluginConfig, er
 	}
 	override("log-level", func() { cfg.LogLevel = *logLevel })
 	override("log-json", func() { cfg.LogJSON = *logJSON })
+	override("health-socket", func() { cfg.HealthSocket, cfg.healthSocketSet = *healthSocket, true })
+	override("health-stall-timeout", func() { cfg.HealthStallTimeout = *stall })
+	override("health-agent-timeout", func() { cfg.HealthAgentTimeout = *agentTimeout })
 	cfg.TLS = cf.tls
 	switch {
 	case set["release-grace"] && *grace < minReleaseGrace:
 		return kubeletPluginConfig{}, usagef("-release-grace %v is below the minimum of %v", *grace, minReleaseGrace)
 	case set["pod-resources-interval"] && *interval < minPodResourcesInterval:
 		return kubeletPluginConfig{}, usagef("-pod-resources-interval %v is below the minimum of %v", *interval, minPodResourcesInterval)
+	case set["health-stall-timeout"] && *stall < minHealthTimeout:
+		return kubeletPluginConfig{}, usagef("-health-stall-timeout %v is below the minimum of %v", *stall, minHealthTimeout)
+	case set["health-agent-timeout"] && *agentTimeout < minHealthTimeout:
+		return kubeletPluginConfig{}, usagef("-health-agent-timeout %v is below the minimum of %v", *agentTimeout, minHealthTimeout)
+	case cfg.HealthSocket != "" && !filepath.IsAbs(cfg.HealthSocket):
+		return kubeletPluginConfig{}, usagef("health socket %q: want an absolute path", cfg.HealthSocket)
 	}
 	if err := checkLogLevel(cfg.LogLevel); err != nil {
 		return kubeletPluginConfig{}, usageError{err.Error()}
 	}
-	if _, err := endpoint.Parse(cfg.Address); err != nil {
+	a, err := endpoint.Parse(cfg.Address)
+	if err != nil {
 		return kubeletPluginConfig{}, usageError{err.Error()}
+	}
+	if !cfg.healthSocketSet && a.Network == "unix" {
+		cfg.HealthSocket = filepath.Join(filepath.Dir(a.Path), kubeletHealthSocketName)
 	}
 	return cfg, nil
 }
@@ -167,6 +204,9 @@ type kubernetesSchema struct {
 	ReleaseGrace         *hcl.Attribute   `hcl:"release_grace,optional"`
 	PodResourcesInterval *hcl.Attribute   `hcl:"pod_resources_interval,optional"`
 	DeviceListStrategy   *hcl.Attribute   `hcl:"device_list_strategy,optional"`
+	HealthSocket         *hcl.Attribute   `hcl:"health_socket,optional"`
+	HealthStallTimeout   *hcl.Attribute   `hcl:"health_stall_timeout,optional"`
+	HealthAgentTimeout   *hcl.Attribute   `hcl:"health_agent_timeout,optional"`
 	Resources            []resourceSchema `hcl:"resource,block"`
 	DefRange             hcl.Range        `hcl:",def_range"`
 }
@@ -203,6 +243,12 @@ func loadKubeletConfigFile(path string, cfg *kubeletPluginConfig) error {
 		d.str(k.PodResourcesSocket, &cfg.PodResourcesSocket)
 		d.duration(k.ReleaseGrace, minReleaseGrace, &cfg.ReleaseGrace)
 		d.duration(k.PodResourcesInterval, minPodResourcesInterval, &cfg.PodResourcesInterval)
+		if k.HealthSocket != nil {
+			d.str(k.HealthSocket, &cfg.HealthSocket)
+			cfg.healthSocketSet = true
+		}
+		d.duration(k.HealthStallTimeout, minHealthTimeout, &cfg.HealthStallTimeout)
+		d.duration(k.HealthAgentTimeout, minHealthTimeout, &cfg.HealthAgentTimeout)
 		if a := k.DeviceListStrategy; a != nil {
 			var s string
 			before := len(d.diags)

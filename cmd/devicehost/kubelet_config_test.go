@@ -21,6 +21,9 @@ kubernetes {
   release_grace          = "45s"
   pod_resources_interval = "2s"
   device_list_strategy   = "cdi-cri"
+  health_socket          = "/run/dh/bridge-health.sock"
+  health_stall_timeout   = "30s"
+  health_agent_timeout   = "10m"
 
   resource "nvidia.com/gpu" {
     vendor = "nvidia"
@@ -45,6 +48,10 @@ kubernetes {
 		ReleaseGrace:         45 * time.Second,
 		PodResourcesInterval: 2 * time.Second,
 		DeviceListStrategy:   kubernetes.DeviceListStrategy{CDI: true},
+		HealthSocket:         "/run/dh/bridge-health.sock",
+		healthSocketSet:      true,
+		HealthStallTimeout:   30 * time.Second,
+		HealthAgentTimeout:   10 * time.Minute,
 		Resources: []kubernetes.Resource{
 			{Name: "nvidia.com/gpu", Vendor: "nvidia", Type: "gpu"},
 			{Name: "acme.com/widget-9000", Vendor: "acme", Type: "fpga", Model: "Widget 9000"},
@@ -73,6 +80,7 @@ func TestLoadKubeletConfigFileErrors(t *testing.T) {
 		{"a name twice", "kubernetes {\n  resource \"a.com/x\" {\n    vendor = \"a\"\n    type = \"x\"\n  }\n  resource \"a.com/x\" {\n    vendor = \"b\"\n    type = \"y\"\n  }\n}\n", `resource "a.com/x" is configured twice`},
 		{"two blocks", "kubernetes {}\nkubernetes {}\n", `:2,1: Duplicate kubernetes block; the kubernetes block is already at line 1`},
 		{"bad address", "kubernetes {\n  address = \"http://x\"\n}\n", `:2,13: Invalid address`},
+		{"health timeout too short", "kubernetes {\n  health_agent_timeout = \"100ms\"\n}\n", `:2,26: Invalid duration; health_agent_timeout: "100ms" is below the minimum of 1s`},
 		{"bad strategy", "kubernetes {\n  device_list_strategy = \"volume-mounts\"\n}\n", `:2,26: Invalid value; device_list_strategy: device-list strategy "volume-mounts": want envvar, cdi-cri or both`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -122,9 +130,27 @@ kubernetes {
 		DeviceListStrategy: kubernetes.DeviceListStrategy{EnvVar: true},
 		Resources:          []kubernetes.Resource{{Name: "nvidia.com/gpu", Vendor: "nvidia", Type: "gpu"}},
 		LogLevel:           "info",
+		// Beside the agent's socket, in the directory the DaemonSet's containers share.
+		HealthSocket: "/run/devicehost/kubelet-plugin-health.sock",
 	}
 	if !reflect.DeepEqual(cfg, want) {
 		t.Errorf("config:\n got %+v\nwant %+v", cfg, want)
+	}
+
+	// The health socket: beside another agent socket, where a flag says, or none.
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-address", "unix:///srv/dh/agent.sock"}, "/srv/dh/kubelet-plugin-health.sock"},
+		{[]string{"-address", "unix:///srv/dh/agent.sock", "-health-socket", "/x/h.sock"}, "/x/h.sock"},
+		{[]string{"-health-socket", ""}, ""},
+		{[]string{"-address", "tcp://127.0.0.1:7000", "-insecure"}, ""},
+	} {
+		cfg, err := parseKubeletPluginArgs(env, tc.args)
+		if err != nil || cfg.HealthSocket != tc.want {
+			t.Errorf("args %v: health socket %q, %v; want %q", tc.args, cfg.HealthSocket, err, tc.want)
+		}
 	}
 
 	for _, tc := range []struct {
@@ -134,6 +160,9 @@ kubernetes {
 		{[]string{"-release-grace", "10ms"}, "-release-grace 10ms is below the minimum of 1s"},
 		{[]string{"-pod-resources-interval", "1ms"}, "-pod-resources-interval 1ms is below the minimum of 100ms"},
 		{[]string{"-log-level", "loud"}, `"loud" is not a log level`},
+		{[]string{"-health-stall-timeout", "10ms"}, "-health-stall-timeout 10ms is below the minimum of 1s"},
+		{[]string{"-health-agent-timeout", "0s"}, "-health-agent-timeout 0s is below the minimum of 1s"},
+		{[]string{"-health-socket", "h.sock"}, `health socket "h.sock": want an absolute path`},
 		{[]string{"-device-list-strategy", "cdi"}, `-device-list-strategy: device-list strategy "cdi": want envvar, cdi-cri or both`},
 		{[]string{"-address", "http://x"}, "address"},
 		{[]string{"extra"}, `unexpected argument "extra"`},

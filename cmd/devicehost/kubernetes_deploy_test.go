@@ -92,8 +92,16 @@ func readManifests(t *testing.T, file string) []k8sObject {
 	}
 }
 
+// The DaemonSets with the kubelet bridge: the device-plugin install and the one with
+// both Kubernetes paths.
 func TestDeployDaemonSet(t *testing.T) {
-	objs := readManifests(t, "devicehost.yaml")
+	for _, file := range []string{"devicehost.yaml", "devicehost-both.yaml"} {
+		t.Run(file, func(t *testing.T) { checkBridgeDaemonSet(t, file) })
+	}
+}
+
+func checkBridgeDaemonSet(t *testing.T, file string) {
+	objs := readManifests(t, file)
 	var config, ds *k8sObject
 	for i := range objs {
 		switch objs[i].Kind {
@@ -212,6 +220,45 @@ func TestDeployDaemonSet(t *testing.T) {
 	want := []string{"grpc_health_probe", "-addr", a.cfg.Listen, "-service", "devicehost.v1.DeviceHost"}
 	if got := agent.LivenessProbe.Exec.Command; !slices.Equal(got, want) {
 		t.Errorf("agent liveness probe %v, want %v", got, want)
+	}
+	// The bridge's: grpc_health_probe on the health socket it serves, in a volume of
+	// its own container (the shared emptyDir).
+	if bridge.LivenessProbe == nil {
+		t.Fatal("the kubelet-plugin has no liveness probe")
+	}
+	want = []string{"grpc_health_probe", "-addr", "unix://" + k.HealthSocket}
+	if got := bridge.LivenessProbe.Exec.Command; k.HealthSocket == "" || !slices.Equal(got, want) {
+		t.Errorf("kubelet-plugin liveness probe %v, want %v", got, want)
+	}
+	if v := mountOf(bridge, k.HealthSocket); volumes[v] != "emptyDir" {
+		t.Errorf("the bridge's health socket %s is on volume %q, want the emptyDir", k.HealthSocket, v)
+	}
+}
+
+// Every container of every DaemonSet in deploy/kubernetes has a liveness probe that
+// asks grpc.health.v1 over a unix socket (a container that is stuck is restarted).
+func TestDeployEveryContainerProbed(t *testing.T) {
+	files, err := filepath.Glob(filepath.Join("..", "..", "deploy", "kubernetes", "*.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	daemonSets := 0
+	for _, f := range files {
+		for _, o := range readManifests(t, filepath.Base(f)) {
+			if o.Kind != "DaemonSet" {
+				continue
+			}
+			daemonSets++
+			for _, c := range o.Spec.Template.Spec.Containers {
+				p := c.LivenessProbe
+				if p == nil || len(p.Exec.Command) < 3 || p.Exec.Command[0] != "grpc_health_probe" || p.Exec.Command[1] != "-addr" || !strings.HasPrefix(p.Exec.Command[2], "unix:///") {
+					t.Errorf("%s: container %s: liveness probe %+v, want grpc_health_probe -addr unix:///...", filepath.Base(f), c.Name, p)
+				}
+			}
+		}
+	}
+	if daemonSets < 3 {
+		t.Errorf("%d DaemonSets in deploy/kubernetes, want one per mode (device plugin, DRA, both)", daemonSets)
 	}
 }
 

@@ -114,6 +114,14 @@ build_kubernetes() {
     k8s.io/kubernetes/cmd/kubectl
 }
 
+# helm: `helm lint` and `helm template` of deploy/helm/devicehost in CI (deploy/helm/check.sh);
+# not part of the node.
+build_helm() {
+  gobuild helm "$HELM_VERSION" "helm.sh/helm/v4@$HELM_VERSION" \
+    "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION" \
+    helm.sh/helm/v4/cmd/helm
+}
+
 # pause: the sandbox image's one process. A tiny static Go program, so the image needs no
 # registry; it sleeps until a signal and reaps children, as the upstream pause does.
 build_pause() {
@@ -148,6 +156,7 @@ case "$only" in
   crictl) build_crictl ;;
   etcd) build_etcd ;;
   kubernetes) build_kubernetes ;;
-  *) echo "usage: $0 [all|debian|pause|containerd|crictl|etcd|kubernetes]" >&2; exit 2 ;;
+  helm) build_helm ;;
+  *) echo "usage: $0 [all|debian|pause|containerd|crictl|etcd|kubernetes|helm]" >&2; exit 2 ;;
 esac
 log "done in $((SECONDS - t_all))s"

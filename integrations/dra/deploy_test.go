@@ -73,24 +73,39 @@ func TestDeployManifests(t *testing.T) {
 		}
 	}
 
-	var tmpl *resourceapi.ResourceClaimTemplate
-	var pod *corev1.Pod
+	// The examples: a pod claiming 2 GPUs, one claiming a MIG partition, each from a
+	// template of its own.
+	tmpls := map[string]*resourceapi.ResourceClaimTemplate{}
+	pods := map[string]*corev1.Pod{}
 	for _, obj := range readManifests(t, "example-dra-pod.yaml") {
 		switch o := obj.(type) {
 		case *resourceapi.ResourceClaimTemplate:
-			tmpl = o
+			tmpls[o.Name] = o
 		case *corev1.Pod:
-			pod = o
+			pods[o.Name] = o
 		}
 	}
-	if tmpl == nil || pod == nil {
-		t.Fatalf("example-dra-pod.yaml: template %v, pod %v; want both", tmpl, pod)
-	}
-	req := tmpl.Spec.Spec.Devices.Requests
-	if len(req) != 1 || req[0].Exactly == nil || req[0].Exactly.DeviceClassName != "gpu.devicehost.io" || req[0].Exactly.Count != 2 {
-		t.Errorf("template requests %+v; want exactly 2 of gpu.devicehost.io", req)
-	}
-	if len(pod.Spec.ResourceClaims) != 1 || pod.Spec.ResourceClaims[0].ResourceClaimTemplateName == nil || *pod.Spec.ResourceClaims[0].ResourceClaimTemplateName != tmpl.Name {
-		t.Errorf("pod claims %+v; want one from template %s", pod.Spec.ResourceClaims, tmpl.Name)
+	for _, tc := range []struct {
+		pod, tmpl, class string
+		count            int64
+	}{
+		{"cuda-pair-dra", "two-gpus", "gpu.devicehost.io", 2},
+		{"cuda-mig-dra", "one-mig", "mig.devicehost.io", 1},
+	} {
+		tmpl, pod := tmpls[tc.tmpl], pods[tc.pod]
+		if tmpl == nil || pod == nil {
+			t.Errorf("example-dra-pod.yaml: template %s %v, pod %s %v; want both", tc.tmpl, tmpl, tc.pod, pod)
+			continue
+		}
+		if classes[tc.class] == nil {
+			t.Errorf("template %s: DeviceClass %s is not in dra.yaml", tc.tmpl, tc.class)
+		}
+		req := tmpl.Spec.Spec.Devices.Requests
+		if len(req) != 1 || req[0].Exactly == nil || req[0].Exactly.DeviceClassName != tc.class || req[0].Exactly.Count != tc.count {
+			t.Errorf("template %s requests %+v; want exactly %d of %s", tc.tmpl, req, tc.count, tc.class)
+		}
+		if len(pod.Spec.ResourceClaims) != 1 || pod.Spec.ResourceClaims[0].ResourceClaimTemplateName == nil || *pod.Spec.ResourceClaims[0].ResourceClaimTemplateName != tmpl.Name {
+			t.Errorf("pod %s claims %+v; want one from template %s", tc.pod, pod.Spec.ResourceClaims, tmpl.Name)
+		}
 	}
 }

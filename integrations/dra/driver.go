@@ -21,6 +21,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"path/filepath"
 	"sync"
 	"time"
@@ -33,6 +34,7 @@ import (
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 
 	"github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/internal/liveness"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -47,6 +49,12 @@ const (
 	// changed: well inside the kubelet's 30 s before it calls a device's health
 	// unknown.
 	healthResend = 10 * time.Second
+	// DefaultHealthStallTimeout and DefaultHealthAgentTimeout bound the driver's
+	// liveness (Config.HealthSocket).
+	DefaultHealthStallTimeout = liveness.DefaultStallTimeout
+	DefaultHealthAgentTimeout = liveness.DefaultAgentTimeout
+	// HealthSocketName is the health socket's usual name, in PluginDir.
+	HealthSocketName = "health.sock"
 )
 
 // Config configures a Driver. Zero values take the defaults named.
@@ -76,6 +84,13 @@ type Config struct {
 	Logger hclog.Logger
 	// HelperOptions are added to the kubeletplugin helper's options (tests).
 	HelperOptions []kubeletplugin.Option
+	// HealthSocket is where the driver serves grpc.health.v1 for a liveness probe:
+	// SERVING while it is live, NOT_SERVING while its agent watch is stuck for
+	// HealthStallTimeout or it has not reached the agent for HealthAgentTimeout
+	// (DefaultHealthStallTimeout, DefaultHealthAgentTimeout). Empty: none.
+	HealthSocket       string
+	HealthStallTimeout time.Duration
+	HealthAgentTimeout time.Duration
 }
 
 // Driver is the DRA driver. Make one with New and call Run once.
@@ -98,6 +113,9 @@ type Driver struct {
 	// afterStaleRound, if set, is called after every round of the stale-claim GC
 	// (tests).
 	afterStaleRound func(staleRound)
+	// beforeUpdate, if set, is called by the agent watch before it takes in each
+	// update (tests).
+	beforeUpdate func()
 }
 
 // New checks cfg and returns a Driver; it starts nothing.
@@ -132,6 +150,9 @@ func New(cfg Config) (*Driver, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = hclog.NewNullLogger()
 	}
+	if err := (liveness.Config{StallTimeout: cfg.HealthStallTimeout, AgentTimeout: cfg.HealthAgentTimeout}).Check(); err != nil {
+		return nil, fmt.Errorf("dra: health: %w", err)
+	}
 	cfg.HelperOptions = append([]kubeletplugin.Option(nil), cfg.HelperOptions...)
 	cdi, err := newCDISpecs(cfg.CDIDir, cfg.DriverName)
 	if err != nil {
@@ -160,6 +181,19 @@ func (d *Driver) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 
+	mon, _ := liveness.New(liveness.Config{StallTimeout: d.cfg.HealthStallTimeout, AgentTimeout: d.cfg.HealthAgentTimeout,
+		Logger: d.log.Named("health")}) // checked by New
+	watchTokens := mon.Loop("agent watch")
+	var healthLis net.Listener
+	if d.cfg.HealthSocket != "" {
+		lis, err := liveness.Listen(d.cfg.HealthSocket)
+		if err != nil {
+			return fmt.Errorf("dra: %w", err)
+		}
+		healthLis = lis
+		defer lis.Close() // when Run fails before Serve has it
+	}
+
 	// Repair the specs before the kubelet can ask (a tmpfs /var/run/cdi lost at
 	// reboot); an agent that is not there yet is repaired on its first snapshot.
 	rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
@@ -184,7 +218,11 @@ func (d *Driver) Run(ctx context.Context) error {
 		"plugin_dir", d.cfg.PluginDir, "registry_dir", d.cfg.RegistryDir)
 
 	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error { return d.watchLoop(gctx) })
+	g.Go(func() error { mon.Run(gctx); return nil })
+	if healthLis != nil {
+		g.Go(func() error { return mon.Serve(gctx, healthLis) })
+	}
+	g.Go(func() error { return d.watchLoop(gctx, mon, watchTokens) })
 	g.Go(func() error { return d.publishLoop(gctx, helper) })
 	g.Go(func() error { return d.staleLoop(gctx) })
 	g.Go(func() error {
@@ -200,11 +238,27 @@ func (d *Driver) Run(ctx context.Context) error {
 
 // watchLoop follows the agent's Fingerprint stream: each snapshot (or word that the
 // agent is gone) becomes the current view at once, for Prepare and health; publishing
-// it is publishLoop's.
-func (d *Driver) watchLoop(ctx context.Context) error {
+// it is publishLoop's. It reports the watch's connection to mon, and takes its tokens
+// while it waits.
+func (d *Driver) watchLoop(ctx context.Context, mon *liveness.Monitor, tokens <-chan struct{}) error {
 	var lastSnap *pb.FingerprintResponse
 	wasDown := true
-	for u := range d.agent.WatchDevices(ctx) {
+	updates := d.agent.WatchDevices(ctx)
+	for {
+		var u client.Update[*pb.FingerprintResponse]
+		select {
+		case <-tokens:
+			continue
+		case v, ok := <-updates:
+			if !ok {
+				return nil
+			}
+			u = v
+		}
+		mon.Agent(!u.Disconnected())
+		if d.beforeUpdate != nil {
+			d.beforeUpdate()
+		}
 		o := buildOptions{driver: d.cfg.DriverName, pool: d.cfg.NodeName, sysfs: d.sysfs}
 		snap := u.Snapshot
 		if u.Disconnected() {
@@ -236,7 +290,6 @@ func (d *Driver) watchLoop(ctx context.Context) error {
 		}
 		d.setView(v)
 	}
-	return nil
 }
 
 // publishLoop publishes the current view's pool whenever it differs from the last

@@ -117,6 +117,8 @@ type rig struct {
 	kube                           *fake.Clientset
 	// staleHook, if set when a driver starts, sees its stale-claim rounds.
 	staleHook func(staleRound)
+	// updateHook, if set when a driver starts, is its beforeUpdate.
+	updateHook func()
 }
 
 func newRig(t testing.TB) *rig {
@@ -225,6 +227,7 @@ func (r *rig) startDriver(edit func(*Config)) *runningDriver {
 		t.Fatal(err)
 	}
 	d.afterStaleRound = r.staleHook
+	d.beforeUpdate = r.updateHook
 	ctx, cancel := context.WithCancel(context.Background())
 	rd := &runningDriver{d: d, cancel: cancel, done: make(chan error, 1), log: log}
 	go func() { rd.done <- d.Run(ctx) }()

@@ -20,6 +20,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"slices"
 	"sync"
@@ -29,6 +30,8 @@ import (
 	prapi "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/internal/liveness"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
 // Defaults of Config.
@@ -40,6 +43,10 @@ const (
 	// KubeletSocketName is the kubelet's registration socket in the device-plugins
 	// directory.
 	KubeletSocketName = "kubelet.sock"
+	// DefaultHealthStallTimeout and DefaultHealthAgentTimeout bound the bridge's
+	// liveness (Config.HealthSocket).
+	DefaultHealthStallTimeout = liveness.DefaultStallTimeout
+	DefaultHealthAgentTimeout = liveness.DefaultAgentTimeout
 )
 
 // Config configures a Bridge. Zero fields mean the documented defaults; New copies
@@ -74,6 +81,15 @@ type Config struct {
 	// PCIeRoot names the PCIe root of a device from its PCI bus ID, for
 	// GetPreferredAllocation ("" when unknown). Nil means SysfsPCIeRoot("/sys").
 	PCIeRoot func(busID string) string
+	// HealthSocket is where the bridge serves grpc.health.v1 for a liveness probe:
+	// SERVING while it is live, NOT_SERVING while one of its loops is stuck for
+	// HealthStallTimeout or it has not reached the agent for HealthAgentTimeout (see
+	// the liveness rules in docs/kubernetes.md). Empty: no health socket.
+	HealthSocket string
+	// HealthStallTimeout and HealthAgentTimeout: zero means DefaultHealthStallTimeout
+	// and DefaultHealthAgentTimeout.
+	HealthStallTimeout time.Duration
+	HealthAgentTimeout time.Duration
 }
 
 // Bridge serves the agent's devices to the kubelet. Run serves until its context
@@ -99,6 +115,9 @@ type Bridge struct {
 	now func() time.Time
 	// afterSync is the registrar's test hook (see registrar.afterSync).
 	afterSync func(kubeletCreates int, ok bool)
+	// beforeUpdate, when set (tests), is called by the device watch before it takes in
+	// each update.
+	beforeUpdate func()
 }
 
 // New checks cfg and returns a Bridge for it.
@@ -112,6 +131,9 @@ func New(cfg Config) (*Bridge, error) {
 	}
 	if cfg.ReleaseGrace < 0 || cfg.PodResourcesInterval < 0 {
 		return nil, errors.New("kubelet bridge: ReleaseGrace and PodResourcesInterval must not be negative")
+	}
+	if err := (liveness.Config{StallTimeout: cfg.HealthStallTimeout, AgentTimeout: cfg.HealthAgentTimeout}).Check(); err != nil {
+		return nil, fmt.Errorf("kubelet bridge: health: %w", err)
 	}
 	if cfg.DevicePluginDir == "" {
 		cfg.DevicePluginDir = DefaultDevicePluginDir
@@ -165,25 +187,49 @@ func (b *Bridge) Run(ctx context.Context) error {
 	} else if !fi.IsDir() {
 		return fmt.Errorf("device-plugins directory %s is not a directory", dir)
 	}
+	mon, _ := liveness.New(liveness.Config{StallTimeout: b.cfg.HealthStallTimeout, AgentTimeout: b.cfg.HealthAgentTimeout,
+		Logger: b.log.Named("health")}) // checked by New
+	var healthLis net.Listener
+	if b.cfg.HealthSocket != "" {
+		lis, err := liveness.Listen(b.cfg.HealthSocket)
+		if err != nil {
+			return err
+		}
+		healthLis = lis
+	}
 	reg, err := newRegistrar(b)
 	if err != nil {
+		if healthLis != nil {
+			healthLis.Close()
+		}
 		return err
 	}
+	reg.tokens = mon.Loop("registrar")
 	b.log.Info("serving the kubelet", "agent", b.c.Address(), "device_plugin_dir", dir,
 		"pod_resources", b.cfg.PodResourcesSocket, "release_grace", b.cfg.ReleaseGrace,
-		"device_list_strategy", b.cfg.DeviceListStrategy.String())
+		"device_list_strategy", b.cfg.DeviceListStrategy.String(), "health_socket", b.cfg.HealthSocket)
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup
-	wg.Go(func() { b.watchDevices(ctx, reg.kick) })
+	watchTokens := mon.Loop("device watch")
+	wg.Go(func() { b.watchDevices(ctx, reg.kick, mon, watchTokens) })
 	if lister, closePods, err := b.dialPodResources(); err != nil {
 		b.log.Error("cannot use the PodResources socket: reservations will not be released, nor devices of gone pods taken over",
 			"socket", b.cfg.PodResourcesSocket, "error", err)
 	} else {
 		defer closePods()
 		b.pods = lister
-		wg.Go(func() { b.releaseLoop(ctx, lister) })
+		releaseTokens := mon.Loop("release")
+		wg.Go(func() { b.releaseLoop(ctx, lister, releaseTokens) })
+	}
+	wg.Go(func() { mon.Run(ctx) })
+	if healthLis != nil {
+		wg.Go(func() {
+			if err := mon.Serve(ctx, healthLis); err != nil {
+				b.log.Error("the health socket stopped serving: the liveness probe will fail", "error", err)
+			}
+		})
 	}
 	reg.run(ctx)
 	cancel()
@@ -194,10 +240,26 @@ func (b *Bridge) Run(ctx context.Context) error {
 
 // watchDevices feeds the agent's device watch into state until ctx ends, and kicks the
 // registrar when a new resource is to be served.
-func (b *Bridge) watchDevices(ctx context.Context, kick func()) {
+// It reports the watch's connection to mon, and takes its tokens while it waits.
+func (b *Bridge) watchDevices(ctx context.Context, kick func(), mon *liveness.Monitor, tokens <-chan struct{}) {
 	connected := true         // so that a first failure is logged
 	mixed := map[string]int{} // resources of several groups: the number last logged
-	for u := range b.c.WatchDevices(ctx) {
+	updates := b.c.WatchDevices(ctx)
+	for {
+		var u client.Update[*pb.FingerprintResponse]
+		select {
+		case <-tokens:
+			continue
+		case v, ok := <-updates:
+			if !ok {
+				return
+			}
+			u = v
+		}
+		mon.Agent(!u.Disconnected())
+		if b.beforeUpdate != nil {
+			b.beforeUpdate()
+		}
 		ch := b.state.update(u)
 		switch {
 		case u.Disconnected() && connected:

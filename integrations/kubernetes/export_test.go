@@ -10,3 +10,7 @@ func SetClock(b *Bridge, now func() time.Time) { b.now = now }
 // number of kubelet.sock creations it has seen and whether the pass succeeded. Call
 // it before Run.
 func SetAfterSync(b *Bridge, f func(kubeletCreates int, ok bool)) { b.afterSync = f }
+
+// SetBeforeUpdate makes b's device watch call f before it takes in each update from
+// the agent. Call it before Run.
+func SetBeforeUpdate(b *Bridge, f func()) { b.beforeUpdate = f }

@@ -56,6 +56,8 @@ type registrar struct {
 	// afterSync, when set (tests), is called by the run loop after each sync with
 	// kubeletCreates and whether the sync succeeded.
 	afterSync func(kubeletCreates int, ok bool)
+	// tokens are the run loop's liveness tokens (see liveness.Monitor.Loop).
+	tokens <-chan struct{}
 }
 
 func newRegistrar(b *Bridge) (*registrar, error) {
@@ -114,16 +116,32 @@ func (r *registrar) run(ctx context.Context) {
 			retry = timer.C
 			r.retry = min(2*r.retry, retryMax)
 		}
+		r.wait(ctx, retry, resync.C, &events, &errs)
+		if timer != nil {
+			timer.Stop()
+		}
+		if ctx.Err() != nil {
+			return
+		}
+	}
+}
+
+// wait waits for a reason to sync again (a kick, the retry or resync timer, a file
+// event), taking the liveness tokens meanwhile, or for ctx to end.
+func (r *registrar) wait(ctx context.Context, retry, resync <-chan time.Time, events *chan fsnotify.Event, errs *chan error) {
+	for {
 		select {
 		case <-ctx.Done():
 			return
+		case <-r.tokens:
+			continue // live; keep waiting
 		case <-r.kickCh:
 		case <-retry:
-		case <-resync.C:
-		case ev, ok := <-events:
+		case <-resync:
+		case ev, ok := <-*events:
 			switch {
 			case !ok:
-				events = nil
+				*events = nil
 			case filepath.Base(ev.Name) == KubeletSocketName && ev.Has(fsnotify.Create):
 				// A kubelet (re)started. The sync below registers with it unless the
 				// bridge already has: it may have seen the new socket while serving
@@ -133,16 +151,14 @@ func (r *registrar) run(ctx context.Context) {
 				r.kubeletCreates++
 				r.log.Info("the kubelet's socket was created", "socket", ev.Name)
 			}
-		case err, ok := <-errs:
+		case err, ok := <-*errs:
 			if !ok {
-				errs = nil
+				*errs = nil
 			} else {
 				r.log.Warn("watching the device-plugins directory", "error", err)
 			}
 		}
-		if timer != nil {
-			timer.Stop()
-		}
+		return
 	}
 }
 

@@ -44,17 +44,22 @@ func (b *Bridge) dialPodResources() (prapi.PodResourcesListerClient, func(), err
 // releaseLoop lists PodResources every PodResourcesInterval, records which pod holds
 // each of the bridge's reservations and releases those no pod has held for
 // ReleaseGrace, until ctx ends.
-func (b *Bridge) releaseLoop(ctx context.Context, lister prapi.PodResourcesListerClient) {
+func (b *Bridge) releaseLoop(ctx context.Context, lister prapi.PodResourcesListerClient, tokens <-chan struct{}) {
 	log := b.log.Named("release")
 	p := &releasePass{b: b, lister: lister, log: log}
 	t := time.NewTicker(b.cfg.PodResourcesInterval)
 	defer t.Stop()
 	for {
 		p.run(ctx)
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
+	wait:
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tokens: // live; keep waiting
+			case <-t.C:
+				break wait
+			}
 		}
 	}
 }

@@ -43,6 +43,8 @@ type settings struct {
 	staleGrace, staleInterval                 time.Duration
 	logLevel                                  string
 	logJSON                                   bool
+	healthSocket                              string
+	healthStall, healthAgent                  time.Duration
 }
 
 // newFlags returns the command's flag set, filling s.
@@ -59,7 +61,37 @@ func newFlags(s *settings) *flag.FlagSet {
 	fs.DurationVar(&s.staleInterval, "stale-interval", dra.DefaultStaleInterval, "how often reservations of claims are checked against the API server")
 	fs.StringVar(&s.logLevel, "log-level", "info", "log `level`: trace, debug, info, warn, error")
 	fs.BoolVar(&s.logJSON, "log-json", false, "log in JSON")
+	fs.StringVar(&s.healthSocket, "health-socket", "", "grpc.health.v1 socket `path` for a liveness probe (default <plugin-dir>/"+dra.HealthSocketName+`; "" for none)`)
+	fs.DurationVar(&s.healthStall, "health-stall-timeout", dra.DefaultHealthStallTimeout, "health NOT_SERVING once the agent watch has made no progress this long (at least 1s)")
+	fs.DurationVar(&s.healthAgent, "health-agent-timeout", dra.DefaultHealthAgentTimeout, "health NOT_SERVING once the agent has been unreachable this long (at least 1s)")
 	return fs
+}
+
+// minHealthTimeout is the least -health-stall-timeout and -health-agent-timeout may be.
+const minHealthTimeout = time.Second
+
+// finish checks the flags and fills the defaults that depend on others (set: the
+// flags given).
+func (s *settings) finish(set map[string]bool) error {
+	var errs []error
+	if s.nodeName == "" {
+		errs = append(errs, errors.New("-node-name (or NODE_NAME) is required"))
+	}
+	if s.healthStall < minHealthTimeout {
+		errs = append(errs, fmt.Errorf("-health-stall-timeout %v is below the minimum of %v", s.healthStall, minHealthTimeout))
+	}
+	if s.healthAgent < minHealthTimeout {
+		errs = append(errs, fmt.Errorf("-health-agent-timeout %v is below the minimum of %v", s.healthAgent, minHealthTimeout))
+	}
+	if s.pluginDir == "" {
+		s.pluginDir = filepath.Join(kubeletplugin.KubeletPluginsDir, s.driverName)
+	}
+	if !set["health-socket"] {
+		s.healthSocket = filepath.Join(s.pluginDir, dra.HealthSocketName)
+	} else if s.healthSocket != "" && !filepath.IsAbs(s.healthSocket) {
+		errs = append(errs, fmt.Errorf("-health-socket %q: want an absolute path", s.healthSocket))
+	}
+	return errors.Join(errs...)
 }
 
 func run(args []string) error {
@@ -74,8 +106,10 @@ func run(args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments: %v", fs.Args())
 	}
-	if st.nodeName == "" {
-		return errors.New("-node-name (or NODE_NAME) is required")
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if err := st.finish(set); err != nil {
+		return err
 	}
 	log := hclog.New(&hclog.LoggerOptions{Name: "dra", Level: hclog.LevelFromString(st.logLevel), JSONFormat: st.logJSON})
 
@@ -104,16 +138,19 @@ func run(args []string) error {
 	}
 	defer agent.Close()
 	d, err := dra.New(dra.Config{
-		Agent:         agent,
-		Kube:          kube,
-		NodeName:      st.nodeName,
-		DriverName:    st.driverName,
-		PluginDir:     st.pluginDir,
-		RegistryDir:   st.registryDir,
-		CDIDir:        st.cdiDir,
-		StaleGrace:    st.staleGrace,
-		StaleInterval: st.staleInterval,
-		Logger:        log,
+		Agent:              agent,
+		Kube:               kube,
+		NodeName:           st.nodeName,
+		DriverName:         st.driverName,
+		PluginDir:          st.pluginDir,
+		RegistryDir:        st.registryDir,
+		CDIDir:             st.cdiDir,
+		StaleGrace:         st.staleGrace,
+		StaleInterval:      st.staleInterval,
+		Logger:             log,
+		HealthSocket:       st.healthSocket,
+		HealthStallTimeout: st.healthStall,
+		HealthAgentTimeout: st.healthAgent,
 	})
 	if err != nil {
 		return err

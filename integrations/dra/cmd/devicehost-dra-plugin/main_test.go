@@ -3,6 +3,7 @@ package main
 import (
 	"strings"
 	"testing"
+	"time"
 )
 
 // The contract's flags exist, with the kubelet's directories and devicehost.io as
@@ -29,8 +30,34 @@ func TestFlagDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := settings{address: "unix:///run/devicehost/devicehost.sock", nodeName: "node-from-env", driverName: "devicehost.io",
-		registryDir: "/var/lib/kubelet/plugins_registry", cdiDir: "/var/run/cdi", staleGrace: s.staleGrace, staleInterval: s.staleInterval, logLevel: "info"}
+		registryDir: "/var/lib/kubelet/plugins_registry", cdiDir: "/var/run/cdi", staleGrace: s.staleGrace, staleInterval: s.staleInterval, logLevel: "info",
+		healthStall: time.Minute, healthAgent: 3 * time.Minute}
 	if s != want {
 		t.Errorf("defaults %+v; want %+v", s, want)
+	}
+	// The health socket lies beside the DRA socket, in the plugin dir.
+	if err := s.finish(map[string]bool{}); err != nil {
+		t.Fatal(err)
+	}
+	if want := "/var/lib/kubelet/plugins/devicehost.io/health.sock"; s.healthSocket != want {
+		t.Errorf("health socket %q, want %q", s.healthSocket, want)
+	}
+}
+
+// Health flags that cannot work are refused, all at once, each named.
+func TestHealthFlagErrors(t *testing.T) {
+	err := run([]string{"-node-name", "n", "-health-stall-timeout", "10ms", "-health-agent-timeout", "0s", "-health-socket", "h.sock"})
+	for _, want := range []string{"-health-stall-timeout 10ms is below the minimum of 1s", "-health-agent-timeout 0s is below the minimum of 1s", `-health-socket "h.sock": want an absolute path`} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("run: %v; want %q in it", err, want)
+		}
+	}
+	var s settings
+	fs := newFlags(&s)
+	if err := fs.Parse([]string{"-node-name", "n", "-health-socket", ""}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.finish(map[string]bool{"health-socket": true}); err != nil || s.healthSocket != "" {
+		t.Errorf(`-health-socket "": %q, %v; want none`, s.healthSocket, err)
 	}
 }

@@ -1,0 +1,47 @@
+{{/* The name of the release's objects. */}}
+{{- define "devicehost.name" -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The labels of every object; the DaemonSet selects its pods by the name label. */}}
+{{- define "devicehost.labels" -}}
+app.kubernetes.io/name: {{ include "devicehost.name" . }}
+{{- end -}}
+
+{{/* Whether the kubelet bridge and the DRA driver run. */}}
+{{- define "devicehost.devicePlugin" -}}
+{{- if has .Values.mode (list "devicePlugin" "both") }}true{{ end -}}
+{{- end -}}
+{{- define "devicehost.dra" -}}
+{{- if has .Values.mode (list "dra" "both") }}true{{ end -}}
+{{- end -}}
+
+{{/* mode must be one of the three; the schema says so too, this names the value. */}}
+{{- define "devicehost.checkMode" -}}
+{{- if not (has .Values.mode (list "devicePlugin" "dra" "both")) -}}
+{{- fail (printf "mode %q: want devicePlugin, dra or both" (toString .Values.mode)) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "devicehost.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{- end -}}
+
+{{/* The agent's socket, in the emptyDir every container mounts at /run/devicehost. */}}
+{{- define "devicehost.agentAddress" -}}
+unix:///run/devicehost/devicehost.sock
+{{- end -}}
+
+{{/* The DRA driver's directory under the kubelet's plugins directory. */}}
+{{- define "devicehost.draPluginDir" -}}
+{{ .Values.kubeletDir }}/plugins/{{ .Values.dra.driverName }}
+{{- end -}}
+
+{{/* livenessProbe: grpc_health_probe on the socket given as the context's "addr". */}}
+{{- define "devicehost.livenessProbe" -}}
+exec:
+  command: ["grpc_health_probe", "-addr", {{ .addr | quote }}{{ with .service }}, "-service", {{ . | quote }}{{ end }}]
+periodSeconds: {{ .probe.periodSeconds }}
+timeoutSeconds: {{ .probe.timeoutSeconds }}
+failureThreshold: {{ .probe.failureThreshold }}
+{{- end -}}

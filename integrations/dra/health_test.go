@@ -1,0 +1,117 @@
+package dra
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/devicehost/devicehost/client"
+)
+
+// probe follows grpc.health.v1 Watch on the driver's health socket, as a liveness
+// probe asks it.
+type probe struct{ w healthpb.Health_WatchClient }
+
+func watchProbe(t *testing.T, sock string) *probe {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	t.Cleanup(cancel)
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	w, err := healthpb.NewHealthClient(conn).Watch(ctx, &healthpb.HealthCheckRequest{}, grpc.WaitForReady(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &probe{w: w}
+}
+
+func (p *probe) wait(t *testing.T, what string, want healthpb.HealthCheckResponse_ServingStatus) {
+	t.Helper()
+	for {
+		r, err := p.w.Recv()
+		if err != nil {
+			t.Fatalf("%s: waiting for %v: %v", what, want, err)
+		}
+		if r.GetStatus() == want {
+			return
+		}
+	}
+}
+
+func withHealth(sock string, stall, agent time.Duration) func(*Config) {
+	return func(c *Config) { c.HealthSocket, c.HealthStallTimeout, c.HealthAgentTimeout = sock, stall, agent }
+}
+
+// The health socket says SERVING while the driver follows the agent, NOT_SERVING
+// while its agent watch is stuck handling an update, and SERVING once it gets through.
+func TestHealthSocketStuckWatch(t *testing.T) {
+	r := newRig(t)
+	sock := filepath.Join(r.dir, "health.sock")
+	var stuck atomic.Bool
+	release := make(chan struct{})
+	r.updateHook = func() {
+		if stuck.Load() {
+			<-release
+		}
+	}
+	rd := r.startDriver(withHealth(sock, 200*time.Millisecond, time.Minute))
+	p := watchProbe(t, sock)
+	p.wait(t, "a working driver", healthpb.HealthCheckResponse_SERVING)
+
+	stuck.Store(true)
+	r.agent.kill() // the disconnection is an update the watch gets stuck on
+	p.wait(t, "the agent watch stuck", healthpb.HealthCheckResponse_NOT_SERVING)
+	if !strings.Contains(rd.log.String(), "the agent watch loop has made no progress") {
+		t.Errorf("the driver's log does not name the stuck loop:\n%s", rd.log)
+	}
+	stuck.Store(false)
+	close(release)
+	p.wait(t, "the agent watch through", healthpb.HealthCheckResponse_SERVING)
+}
+
+// The health socket says NOT_SERVING once the agent has been unreachable for the
+// agent timeout and SERVING as soon as it is back; it is gone once the driver stops.
+func TestHealthSocketAgentGone(t *testing.T) {
+	r := newRig(t)
+	sock := filepath.Join(r.dir, "health.sock")
+	rd := r.startDriver(withHealth(sock, time.Minute, 300*time.Millisecond))
+	p := watchProbe(t, sock)
+	p.wait(t, "a working driver", healthpb.HealthCheckResponse_SERVING)
+
+	r.agent.kill()
+	p.wait(t, "the agent gone", healthpb.HealthCheckResponse_NOT_SERVING)
+	if !strings.Contains(rd.log.String(), "the agent has been unreachable for") {
+		t.Errorf("the driver's log does not say the agent is unreachable:\n%s", rd.log)
+	}
+	r.startAgent()
+	p.wait(t, "the agent back", healthpb.HealthCheckResponse_SERVING)
+
+	rd.stop(t)
+	if _, err := os.Stat(sock); !os.IsNotExist(err) {
+		t.Errorf("health socket after the driver stopped: %v, want it gone", err)
+	}
+}
+
+// Health timeouts that cannot work are refused by New.
+func TestHealthConfigRefused(t *testing.T) {
+	agent, err := client.Dial(context.Background(), "unix:///nonexistent/dh.sock", client.WithoutReachCheck())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer agent.Close()
+	_, err = New(Config{Agent: agent, Kube: newKube(), NodeName: testNode, CDIDir: t.TempDir(), HealthStallTimeout: -time.Second})
+	if err == nil || !strings.Contains(err.Error(), "stall timeout -1s is negative") {
+		t.Errorf("New with a negative stall timeout: %v", err)
+	}
+}
