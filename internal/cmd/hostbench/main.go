@@ -30,7 +30,8 @@
 //   - partition: on-demand MIG on the simulated DGX H100: the Fingerprint's size, and
 //     Reserve+Release p50 of a whole GPU against a 1g.10gb partition (whose MIG instance
 //     the plugin creates), and of the partition again with 49 partitions held on the
-//     other 7 GPUs (the capacity check must not cost a scan of the ledger).
+//     other 7 GPUs (the capacity check must not cost a scan of the ledger); each pair
+//     measured in alternating rounds, with the agent's CPU per cycle beside the p50s.
 //
 // Figures vary with what else the machine runs: compare runs made the same way, old
 // binary and new (-agent), one after the other.

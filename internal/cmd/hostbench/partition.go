@@ -105,62 +105,98 @@ func (b *bench) partition(ctx context.Context) error {
 			return err
 		}
 	}
-	wholeP50, nw, err := b.p50Cycle(ctx, c, wholeDev)
-	if err != nil {
-		return err
+	// A whole GPU against a partition, and then none held against 49 held, each in
+	// alternating rounds, so that a machine's load moving during the run weighs on
+	// both sides alike.
+	const rounds = 6
+	perRound := max(b.cycles/rounds, 10)
+	var wholeDs, partDs []time.Duration
+	for range rounds {
+		ds, _, err := b.cyclesCPU(ctx, a, c, wholeDev, perRound)
+		if err != nil {
+			return err
+		}
+		wholeDs = append(wholeDs, ds...)
+		if ds, _, err = b.cyclesCPU(ctx, a, c, partDev, perRound); err != nil {
+			return err
+		}
+		partDs = append(partDs, ds...)
 	}
+	wholeP50, partP50 := percentile(wholeDs, 50), percentile(partDs, 50)
+	fmt.Printf("%-44s %s whole GPU, %s 1g.10gb partition (%d rounds of %d cycles each): x%.2f\n",
+		"Reserve+Release p50, on-demand MIG", ms(wholeP50), ms(partP50), rounds, perRound, float64(partP50)/float64(wholeP50))
+
+	// The 49 are reserved before each held round and released after it.
+	var holds []string
+	for _, gpu := range gpus[:len(gpus)-1] {
+		holds = append(holds, partsOf(gpu)...)
+	}
+	var none, full []time.Duration
+	var cpuNone, cpuFull time.Duration
+	profiling := b.cpuProfile != "" || b.trace != ""
+	for round := range rounds {
+		ds, cpu, err := b.cyclesCPU(ctx, a, c, partDev, perRound)
+		if err != nil {
+			return err
+		}
+		none, cpuNone = append(none, ds...), cpuNone+cpu
+		var ids []string
+		for j, p := range holds {
+			r, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: fmt.Sprintf("held-%d-%d", round, j), Vendor: mig.GetVendor(), Type: mig.GetType(), Name: mig.GetName(), DeviceIds: []string{p}})
+			if err != nil {
+				return fmt.Errorf("hold %s: %w", p, err)
+			}
+			ids = append(ids, r.GetReservationId())
+		}
+		if profiling && round == rounds-1 {
+			if err := a.cmd.Process.Signal(syscall.SIGUSR1); err != nil {
+				return err
+			}
+		}
+		ds, cpu, err = b.cyclesCPU(ctx, a, c, partDev, perRound)
+		if err != nil {
+			return err
+		}
+		full, cpuFull = append(full, ds...), cpuFull+cpu
+		if profiling && round == rounds-1 {
+			if err := a.stopProfiles(b.cpuProfile, b.trace); err != nil {
+				return err
+			}
+		}
+		for _, id := range ids {
+			if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: id}}); err != nil {
+				return fmt.Errorf("release %s: %w", id, err)
+			}
+		}
+	}
+	noneP50, fullP50 := percentile(none, 50), percentile(full, 50)
+	fmt.Printf("%-44s %s with none held, %s with %d partitions held on 7 GPUs (%d rounds of %d cycles each): x%.2f\n",
+		"Reserve+Release p50, 1g.10gb partition", ms(noneP50), ms(fullP50), len(holds), rounds, perRound, float64(fullP50)/float64(noneP50))
+	// The agent's CPU per cycle reads steadier than wall time on a busy machine.
+	perNone, perHeld := cpuNone/time.Duration(len(none)), cpuFull/time.Duration(len(full))
+	fmt.Printf("%-44s %d µs with none held, %d µs with %d held: x%.2f\n",
+		"  the agent's CPU per cycle", perNone.Microseconds(), perHeld.Microseconds(), len(holds), float64(perHeld)/float64(perNone))
+	return nil
+}
+
+// cyclesCPU runs n Reserve+Release cycles of d and returns each one's time and the
+// agent's CPU over all of them.
+func (b *bench) cyclesCPU(ctx context.Context, a *agent, c pb.DeviceHostClient, d device, n int) ([]time.Duration, time.Duration, error) {
 	cpu0, err := a.cpu()
 	if err != nil {
-		return err
+		return nil, 0, err
 	}
-	partP50, np, err := b.p50Cycle(ctx, c, partDev)
-	if err != nil {
-		return err
+	ds := make([]time.Duration, 0, n)
+	for range n {
+		start := time.Now()
+		if err := cycle(ctx, c, d); err != nil {
+			return nil, 0, err
+		}
+		ds = append(ds, time.Since(start))
 	}
 	cpu1, err := a.cpu()
 	if err != nil {
-		return err
+		return nil, 0, err
 	}
-	fmt.Printf("%-44s %s whole GPU (%d cycles), %s 1g.10gb partition (%d cycles): x%.2f\n",
-		"Reserve+Release p50, on-demand MIG", ms(wholeP50), nw, ms(partP50), np, float64(partP50)/float64(wholeP50))
-
-	held := 0
-	for i, gpu := range gpus[:len(gpus)-1] {
-		for j, p := range partsOf(gpu) {
-			if _, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: fmt.Sprintf("held-%d-%d", i, j), Vendor: mig.GetVendor(), Type: mig.GetType(), Name: mig.GetName(), DeviceIds: []string{p}}); err != nil {
-				return fmt.Errorf("hold %s: %w", p, err)
-			}
-			held++
-		}
-	}
-	profiling := b.cpuProfile != "" || b.trace != ""
-	if profiling {
-		if err := a.cmd.Process.Signal(syscall.SIGUSR1); err != nil {
-			return err
-		}
-	}
-	cpu2, err := a.cpu()
-	if err != nil {
-		return err
-	}
-	fullP50, nf, err := b.p50Cycle(ctx, c, partDev)
-	if err != nil {
-		return err
-	}
-	cpu3, err := a.cpu()
-	if err != nil {
-		return err
-	}
-	if profiling {
-		if err := a.stopProfiles(b.cpuProfile, b.trace); err != nil {
-			return err
-		}
-	}
-	fmt.Printf("%-44s %s with none held, %s with %d partitions held on 7 GPUs (%d cycles): x%.2f\n",
-		"Reserve+Release p50, 1g.10gb partition", ms(partP50), ms(fullP50), held, nf, float64(fullP50)/float64(partP50))
-	// The agent's CPU per cycle reads steadier than wall time on a busy machine.
-	perNone, perHeld := (cpu1-cpu0)/time.Duration(np), (cpu3-cpu2)/time.Duration(nf)
-	fmt.Printf("%-44s %d µs with none held, %d µs with %d held: x%.2f\n",
-		"  the agent's CPU per cycle", perNone.Microseconds(), perHeld.Microseconds(), held, float64(perHeld)/float64(perNone))
-	return nil
+	return ds, cpu1 - cpu0, nil
 }
