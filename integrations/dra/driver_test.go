@@ -24,6 +24,18 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
+// The driver makes its plugin directory where nothing did (a fresh node: the kubelet
+// has its plugins_registry, nobody has made plugins/<driver>), as its defaults promise.
+func TestRunMakesPluginDir(t *testing.T) {
+	r := newRig(t)
+	r.pluginDir = filepath.Join(r.dir, "fresh", "plugins", testDriver)
+	r.startDriver(nil) // waits until the DRA socket in it answers
+	fi, err := os.Stat(r.pluginDir)
+	if err != nil || !fi.IsDir() {
+		t.Fatalf("plugin dir %s: %v", r.pluginDir, err)
+	}
+}
+
 // The driver registers with the kubelet and publishes the agent's 8 simulated H100s
 // as one pool, each device with the agent's facts in DRA's types.
 func TestPublishesAgentDevices(t *testing.T) {
