@@ -146,9 +146,11 @@ func TestPrepareUnprepare(t *testing.T) {
 	if len(first.GetDevices()) != 2 {
 		t.Fatalf("prepare: %d devices, want 2", len(first.GetDevices()))
 	}
+	// Each device's own CDI name first: the kubelet names a device in the pod's
+	// status by its first CDI ID, one entry per ID.
 	for i, d := range first.GetDevices() {
 		id := []string{ids[2], ids[5]}[i]
-		want := []string{claimCDI, "nvidia.com/gpu=" + id}
+		want := []string{"nvidia.com/gpu=" + id, claimCDI}
 		if d.GetPoolName() != testNode || d.GetDeviceName() != DeviceName(id) || !slices.Equal(d.GetRequestNames(), []string{"gpus"}) ||
 			!slices.Equal(d.GetCdiDeviceIds(), want) {
 			t.Errorf("device %d: %v; want pool %s, device %s, request gpus, CDI %v", i, d, testNode, DeviceName(id), want)
@@ -231,7 +233,10 @@ func TestDriverRestartBetweenPrepareAndUnprepare(t *testing.T) {
 	if prep.GetError() != "" {
 		t.Fatalf("prepare: %s", prep.GetError())
 	}
-	claimCDI := prep.GetDevices()[0].GetCdiDeviceIds()[0]
+	claimCDI := prep.GetDevices()[0].GetCdiDeviceIds()[1]
+	if !strings.HasPrefix(claimCDI, testDriver+"/claim=") {
+		t.Fatalf("device 0's CDI IDs %v: the claim's is not second", prep.GetDevices()[0].GetCdiDeviceIds())
+	}
 	first.stop(t)
 	if err := os.RemoveAll(r.cdiDir); err != nil {
 		t.Fatal(err)
