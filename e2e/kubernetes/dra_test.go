@@ -1028,3 +1028,56 @@ func (d *draStack) agentConfigVariant(t *testing.T, suffix, extra string) hostCo
 	c.args[i+1] = file
 	return c
 }
+
+// The driver's command line, without the node: the contract's arguments while the
+// DaemonSet has no DRA container, that container's (paths mapped) once it has one.
+func TestDRAContainer(t *testing.T) {
+	base := t.TempDir()
+	cdi := filepath.Join(base, "cdi")
+	manifest, err := os.ReadFile(filepath.Join("..", "..", "deploy", "kubernetes", "devicehost.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const draContainer = `        - name: dra-plugin
+          image: devicehost
+          command: ["devicehost-dra-plugin"]
+          args: ["-address", "unix:///run/devicehost/devicehost.sock", "-cdi-dir", "/var/run/cdi"]
+          volumeMounts:
+            - name: socket
+              mountPath: /run/devicehost
+            - name: cdi
+              mountPath: /var/run/cdi
+      volumes:
+`
+	withDRA := filepath.Join(base, "with-dra.yaml")
+	if !bytes.Contains(manifest, []byte("\n      volumes:\n")) {
+		t.Fatal("devicehost.yaml: no pod volumes to add a container before")
+	}
+	if err := os.WriteFile(withDRA, bytes.Replace(manifest, []byte("      volumes:\n"), []byte(draContainer), 1), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		file string
+		isDS bool
+	}{
+		{filepath.Join("..", "..", "deploy", "kubernetes", "devicehost.yaml"), false},
+		{withDRA, true},
+	} {
+		ds, err := renderDaemonSet(tc.file, filepath.Join(base, "ds"), filepath.Join(base, "kubelet"), cdi)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if (ds.dra != nil) != tc.isDS {
+			t.Fatalf("%s: DRA container %v, want one: %v", tc.file, ds.dra, tc.isDS)
+		}
+		d := &draStack{stack: &stack{n: &nodeEnv{nodeName: "node-1", cdiDir: cdi, kubeletRoot: "/var/lib/kubelet"}, ds: ds}, kubeconfig: "/kc"}
+		got := strings.Join(d.draContainer().args, " ")
+		want := "-address unix://" + ds.agentSocket + " -kubeconfig /kc -node-name node-1 -cdi-dir " + cdi + " -log-json"
+		if tc.isDS {
+			want = "-address unix://" + ds.agentSocket + " -cdi-dir " + cdi + " -kubeconfig /kc -node-name node-1 -log-json"
+		}
+		if got != want {
+			t.Errorf("%s: driver args %q, want %q", tc.file, got, want)
+		}
+	}
+}
