@@ -333,8 +333,11 @@ func (d *draStack) pool() (pool, error) {
 		return pool{}, err
 	}
 	p := pool{name: d.n.nodeName}
+	want := 0
 	for _, it := range list.Items {
-		p.generation = max(p.generation, it.Spec.Pool.Generation)
+		if it.Spec.Pool.Generation > p.generation {
+			p.generation, want = it.Spec.Pool.Generation, it.Spec.Pool.ResourceSliceCount
+		}
 	}
 	for _, it := range list.Items {
 		if it.Spec.Pool.Generation != p.generation || it.Spec.Pool.Name != d.n.nodeName {
@@ -344,7 +347,22 @@ func (d *draStack) pool() (pool, error) {
 		p.counters += len(it.Spec.SharedCounters)
 		p.devices = append(p.devices, it.Spec.Devices...)
 	}
+	// A pool being republished has only some slices of its new generation yet.
+	if p.slices != want {
+		return pool{}, fmt.Errorf("pool %s incomplete: %d of its %d slices at generation %d", p.name, p.slices, want, p.generation)
+	}
 	return p, nil
+}
+
+// completePool waits for a complete read of the pool.
+func (d *draStack) completePool(t *testing.T) pool {
+	t.Helper()
+	var p pool
+	d.waitPool(t, 30*time.Second, "complete", func(got pool) (bool, string) {
+		p = got
+		return true, ""
+	})
+	return p
 }
 
 func (d *draStack) waitPool(t *testing.T, limit time.Duration, what string, check func(pool) (bool, string)) time.Duration {
@@ -566,11 +584,7 @@ func (d *draStack) runClaimPod(t *testing.T, prefix, template string) (name stri
 	if err := d.n.kubectlJSON(c, "-n", podNamespace, "get", "resourceclaim", c.Metadata.Name); err != nil {
 		t.Fatal(err)
 	}
-	p, err := d.pool()
-	if err != nil {
-		t.Fatal(err)
-	}
-	alloc, err := c.allocatedIDs(p)
+	alloc, err := c.allocatedIDs(d.completePool(t))
 	if err != nil {
 		t.Fatalf("claim %s: %v", c.Metadata.Name, err)
 	}
@@ -975,12 +989,23 @@ func (d *draStack) caseMIG(t *testing.T) {
 	var nMIG int
 	// Untainted but for the GPUs (and their partitions) a device-plugin pod of an
 	// earlier case may still hold in the bridge's release grace.
-	dPool := d.waitPool(t, 60*time.Second, "8 GPUs and MIG partitions with shared counters", func(p pool) (bool, string) {
+	dPool := d.waitPool(t, 60*time.Second, "8 GPUs and the agent's MIG partitions with shared counters", func(p pool) (bool, string) {
+		fp, err := d.devices()
+		if err != nil {
+			return false, err.Error()
+		}
+		atAgent := 0
+		for _, g := range fp.GetGroups() {
+			if g.GetType() == "mig" {
+				atAgent += len(g.GetDevices())
+			}
+		}
 		migs := p.ofType("mig")
 		nMIG = len(migs)
-		return len(p.ofType("gpu")) == 8 && nMIG > 0 && p.counters == 8 && len(p.tainted(migs)) < nMIG, p.String()
+		return len(p.ofType("gpu")) == 8 && nMIG > 0 && nMIG == atAgent && p.counters == 8 && len(p.tainted(migs)) < nMIG,
+			fmt.Sprintf("%s; %d MIG devices at the agent", p, atAgent)
 	})
-	p, _ := d.pool()
+	p := d.completePool(t)
 	t.Logf("agent restarted with mig = on-demand: pool of %d GPUs and %d MIG partitions, %d counter sets in %d slices, %v after the restart",
 		len(p.ofType("gpu")), nMIG, p.counters, p.slices, dPool.Round(time.Millisecond))
 
