@@ -48,9 +48,10 @@ type manifest struct {
 }
 
 type dsContainer struct {
-	Name string   `yaml:"name"`
-	Args []string `yaml:"args"`
-	Env  []struct {
+	Name    string   `yaml:"name"`
+	Command []string `yaml:"command"`
+	Args    []string `yaml:"args"`
+	Env     []struct {
 		Name  string `yaml:"name"`
 		Value string `yaml:"value"`
 	} `yaml:"env"`
@@ -109,9 +110,12 @@ func (c *hostContainer) mapConfig(text string) string {
 // daemonSet is the rendered DaemonSet.
 type daemonSet struct {
 	agent, bridge hostContainer
-	agentSocket   string // the agent's socket on the host
-	pluginDir     string // where the install-plugins init container puts the plugins
-	stateDir      string
+	// dra is the DRA driver's container (devicehost-dra-plugin), nil while the
+	// manifest has none; the DRA cases then start it with explicit arguments.
+	dra         *hostContainer
+	agentSocket string // the agent's socket on the host
+	pluginDir   string // where the install-plugins init container puts the plugins
+	stateDir    string
 }
 
 // pluginConfig is what the suite adds to the ConfigMap's plugin block: simulated GPUs, and
@@ -230,6 +234,10 @@ func renderDaemonSet(file, base, kubeletRoot, cdiDir string) (*daemonSet, error)
 			out.agent = hc
 		case slices.Contains(c.Args, "kubelet-plugin"):
 			out.bridge = hc
+		case slices.ContainsFunc(append(slices.Clone(c.Command), c.Args...), isDRAPlugin):
+			// The flags only: the binary is the one the suite builds.
+			hc.args = slices.DeleteFunc(hc.args, isDRAPlugin)
+			out.dra = &hc
 		}
 	}
 	if out.agent.name == "" || out.bridge.name == "" {
@@ -258,6 +266,9 @@ func renderDaemonSet(file, base, kubeletRoot, cdiDir string) (*daemonSet, error)
 	}
 	return out, nil
 }
+
+// isDRAPlugin says whether a container's command word is the DRA driver's binary.
+func isDRAPlugin(word string) bool { return filepath.Base(word) == draBinary }
 
 // The rendering runs without the node: every path the two containers use lands in a
 // volume, and they meet at one agent socket.

@@ -46,16 +46,8 @@ func (s *stack) caseTwoGPUs(t *testing.T) {
 	env, devs := containerView(out)
 	t.Logf("container sees NVIDIA_VISIBLE_DEVICES=%s, device nodes %v; its reservation holds %v", env, devs, ids)
 
-	// The device nodes: each of its GPUs' nodes by the plugin's CDI spec, no other GPU's.
 	spec := s.cdiSpec(t)
-	for uuid, nodes := range spec.perDevice {
-		for _, dn := range nodes {
-			has := slices.Contains(devs, dn)
-			if want := slices.Contains(ids, uuid); has != want {
-				t.Errorf("device node %s of %s in the container: %v, want %v", dn, uuid, has, want)
-			}
-		}
-	}
+	checkDeviceNodes(t, spec, devs, ids)
 	// The env: the README promises the GPUs' UUIDs in NVIDIA_VISIBLE_DEVICES.
 	got := strings.Split(env, ",")
 	slices.Sort(got)
@@ -80,12 +72,43 @@ func containerView(out string) (env string, devs []string) {
 	return env, devs
 }
 
+// checkDeviceNodes checks the device nodes a container sees against the plugin's CDI
+// spec: every node of its devices, no node of another device (but those its devices
+// share, as a MIG device shares its GPU's).
+func checkDeviceNodes(t *testing.T, spec cdiView, devs, devices []string) {
+	t.Helper()
+	want := map[string]bool{}
+	for _, id := range devices {
+		for _, dn := range spec.perDevice[id] {
+			want[dn] = true
+		}
+	}
+	for id, nodes := range spec.perDevice {
+		for _, dn := range nodes {
+			if has := slices.Contains(devs, dn); has != want[dn] {
+				t.Errorf("device node %s of %s in the container: %v, want %v", dn, id, has, want[dn])
+			}
+		}
+	}
+}
+
 type cdiView struct {
 	perDevice map[string][]string // device name (the GPU's UUID) -> its device node paths
 	commonEnv []string
 }
 
+// cdiSpec is the plugin's CDI spec, which must name the 8 GPUs and nothing else.
 func (s *stack) cdiSpec(t *testing.T) cdiView {
+	t.Helper()
+	v := s.pluginCDI(t)
+	if len(v.perDevice) != 8 {
+		t.Fatalf("the plugin's CDI spec names %d GPUs, want 8", len(v.perDevice))
+	}
+	return v
+}
+
+// pluginCDI reads the plugin's CDI spec.
+func (s *stack) pluginCDI(t *testing.T) cdiView {
 	t.Helper()
 	data, err := os.ReadFile(filepath.Join(s.n.cdiDir, "devicehost-nvidia-example.yaml"))
 	if err != nil {
@@ -112,9 +135,6 @@ func (s *stack) cdiSpec(t *testing.T) cdiView {
 		for _, dn := range d.ContainerEdits.DeviceNodes {
 			v.perDevice[d.Name] = append(v.perDevice[d.Name], dn.Path)
 		}
-	}
-	if len(v.perDevice) != 8 {
-		t.Fatalf("the plugin's CDI spec names %d GPUs, want 8", len(v.perDevice))
 	}
 	return v
 }

@@ -307,8 +307,23 @@ type pod struct {
 			Message string `json:"message"`
 		} `json:"conditions"`
 		ContainerStatuses []struct {
-			Ready bool `json:"ready"`
+			Ready        bool `json:"ready"`
+			RestartCount int  `json:"restartCount"`
+			// AllocatedResourcesStatus is the kubelet's view of the health of the
+			// devices of the container's claims.
+			AllocatedResourcesStatus []struct {
+				Name      string `json:"name"`
+				Resources []struct {
+					ResourceID string `json:"resourceID"`
+					Health     string `json:"health"`
+				} `json:"resources"`
+			} `json:"allocatedResourcesStatus"`
 		} `json:"containerStatuses"`
+		// ResourceClaimStatuses name the claims made for the pod from its templates.
+		ResourceClaimStatuses []struct {
+			Name              string `json:"name"`
+			ResourceClaimName string `json:"resourceClaimName"`
+		} `json:"resourceClaimStatuses"`
 	} `json:"status"`
 }
 
@@ -322,26 +337,40 @@ const (
 // of them: NVIDIA_VISIBLE_DEVICES and the /dev/nvidia* nodes, then READY.
 func (s *stack) createPod(t *testing.T, prefix string, gpus int) string {
 	t.Helper()
+	return s.submitPod(t, prefix, func(spec, container map[string]any) {
+		container["resources"] = map[string]any{"limits": map[string]any{gpuResource: strconv.Itoa(gpus)}}
+	})
+}
+
+// submitPod creates a pod of the suite (its label, the node's image, one container that
+// prints NVIDIA_VISIBLE_DEVICES, DEVICEHOST_CLAIM and the /dev/nvidia* nodes it sees,
+// then READY, and sleeps); shape adds what the pod asks for to its spec and container.
+// It returns the pod's name.
+func (s *stack) submitPod(t *testing.T, prefix string, shape func(spec, container map[string]any)) string {
+	t.Helper()
 	s.podSeq++
 	name := fmt.Sprintf("%s-%d-%d", prefix, time.Now().Unix()%100000, s.podSeq)
 	script := `echo "NVIDIA_VISIBLE_DEVICES=${NVIDIA_VISIBLE_DEVICES-<unset>}"; ` +
+		`echo "DEVICEHOST_CLAIM=${DEVICEHOST_CLAIM-<unset>}"; ` +
 		`for d in /dev/nvidia*; do [ -e "$d" ] && echo "DEVICE=$d"; done; echo READY; ` +
 		`trap 'exit 0' TERM; sleep 86400 & wait`
+	container := map[string]any{
+		"name":            podContainer,
+		"image":           s.n.image,
+		"imagePullPolicy": "Never",
+		"command":         []string{"/bin/sh", "-c", script},
+	}
+	spec := map[string]any{
+		"restartPolicy":                 "Never",
+		"terminationGracePeriodSeconds": 2,
+		"containers":                    []any{container},
+	}
+	shape(spec, container)
 	p := map[string]any{
 		"apiVersion": "v1",
 		"kind":       "Pod",
 		"metadata":   map[string]any{"name": name, "namespace": podNamespace, "labels": map[string]string{"app": podLabel}},
-		"spec": map[string]any{
-			"restartPolicy":                 "Never",
-			"terminationGracePeriodSeconds": 2,
-			"containers": []any{map[string]any{
-				"name":            podContainer,
-				"image":           s.n.image,
-				"imagePullPolicy": "Never",
-				"command":         []string{"/bin/sh", "-c", script},
-				"resources":       map[string]any{"limits": map[string]any{gpuResource: strconv.Itoa(gpus)}},
-			}},
-		},
+		"spec":       spec,
 	}
 	data, err := json.Marshal(p)
 	if err != nil {
@@ -381,10 +410,11 @@ func (s *stack) waitPodReady(t *testing.T, name string, limit time.Duration) (st
 	return logs, d
 }
 
-// deletePod deletes the pod and waits until the API server no longer has it.
+// deletePod deletes the pod (if it is still there) and waits until the API server no
+// longer has it.
 func (s *stack) deletePod(t *testing.T, name string) time.Duration {
 	t.Helper()
-	if _, err := s.n.kubectl(nil, "-n", podNamespace, "delete", "pod", name, "--wait=false"); err != nil {
+	if _, err := s.n.kubectl(nil, "-n", podNamespace, "delete", "pod", name, "--wait=false", "--ignore-not-found"); err != nil {
 		t.Fatal(err)
 	}
 	return waitFor(t, 90*time.Second, "pod "+name+" gone", func() (bool, string) {

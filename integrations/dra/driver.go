@@ -22,6 +22,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"path/filepath"
 	"sync"
 	"time"
@@ -173,10 +174,10 @@ func New(cfg Config) (*Driver, error) {
 	return d, nil
 }
 
-// Run repairs the CDI specs from the agent's ledger, starts the kubeletplugin helper
-// (registration and DRA sockets), publishes the pool from the agent's Fingerprint
-// stream and collects stale claims, until ctx ends (nil) or a fatal error. Everything
-// it started is stopped when it returns.
+// Run repairs the CDI specs from the agent's ledger, makes PluginDir if it is
+// missing, starts the kubeletplugin helper (registration and DRA sockets), publishes
+// the pool from the agent's Fingerprint stream and collects stale claims, until ctx
+// ends (nil) or a fatal error. Everything it started is stopped when it returns.
 func (d *Driver) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -202,6 +203,12 @@ func (d *Driver) Run(ctx context.Context) error {
 	}
 	rcancel()
 
+	// The helper listens in PluginDir but does not make it; on a node where nothing
+	// made it (a driver run outside a pod, a hostPath of the kubelet's whole plugins
+	// directory) it must not be a reason to fail.
+	if err := os.MkdirAll(d.cfg.PluginDir, 0o750); err != nil {
+		return fmt.Errorf("dra: plugin directory: %w", err)
+	}
 	opts := append([]kubeletplugin.Option{
 		kubeletplugin.DriverName(d.cfg.DriverName),
 		kubeletplugin.KubeClient(d.cfg.Kube),

@@ -24,6 +24,18 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
+// The driver makes its plugin directory where nothing did (a fresh node: the kubelet
+// has its plugins_registry, nobody has made plugins/<driver>), as its defaults promise.
+func TestRunMakesPluginDir(t *testing.T) {
+	r := newRig(t)
+	r.pluginDir = filepath.Join(r.dir, "fresh", "plugins", testDriver)
+	r.startDriver(nil) // waits until the DRA socket in it answers
+	fi, err := os.Stat(r.pluginDir)
+	if err != nil || !fi.IsDir() {
+		t.Fatalf("plugin dir %s: %v", r.pluginDir, err)
+	}
+}
+
 // The driver registers with the kubelet and publishes the agent's 8 simulated H100s
 // as one pool, each device with the agent's facts in DRA's types.
 func TestPublishesAgentDevices(t *testing.T) {
@@ -134,9 +146,11 @@ func TestPrepareUnprepare(t *testing.T) {
 	if len(first.GetDevices()) != 2 {
 		t.Fatalf("prepare: %d devices, want 2", len(first.GetDevices()))
 	}
+	// Each device's own CDI name first: the kubelet names a device in the pod's
+	// status by its first CDI ID, one entry per ID.
 	for i, d := range first.GetDevices() {
 		id := []string{ids[2], ids[5]}[i]
-		want := []string{claimCDI, "nvidia.com/gpu=" + id}
+		want := []string{"nvidia.com/gpu=" + id, claimCDI}
 		if d.GetPoolName() != testNode || d.GetDeviceName() != DeviceName(id) || !slices.Equal(d.GetRequestNames(), []string{"gpus"}) ||
 			!slices.Equal(d.GetCdiDeviceIds(), want) {
 			t.Errorf("device %d: %v; want pool %s, device %s, request gpus, CDI %v", i, d, testNode, DeviceName(id), want)
@@ -219,7 +233,10 @@ func TestDriverRestartBetweenPrepareAndUnprepare(t *testing.T) {
 	if prep.GetError() != "" {
 		t.Fatalf("prepare: %s", prep.GetError())
 	}
-	claimCDI := prep.GetDevices()[0].GetCdiDeviceIds()[0]
+	claimCDI := prep.GetDevices()[0].GetCdiDeviceIds()[1]
+	if !strings.HasPrefix(claimCDI, testDriver+"/claim=") {
+		t.Fatalf("device 0's CDI IDs %v: the claim's is not second", prep.GetDevices()[0].GetCdiDeviceIds())
+	}
 	first.stop(t)
 	if err := os.RemoveAll(r.cdiDir); err != nil {
 		t.Fatal(err)

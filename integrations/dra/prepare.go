@@ -97,8 +97,11 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 				common = append(common, n)
 			}
 		}
+		// The device's own CDI names first: the kubelet names a device by its first
+		// CDI ID in the pod's status (allocatedResourcesStatus) and keeps one entry
+		// per ID, so a claim-wide ID first would hide all but one device's health.
 		for _, id := range ids {
-			cdiByDevice[id] = append(append([]string{claimID}, cdiByDevice[id]...), common...)
+			cdiByDevice[id] = append(append(cdiByDevice[id], claimID), common...)
 		}
 	}
 	if err := d.cdi.write(ref.uid, c.Namespace+"/"+c.Name, reservations); err != nil {
