@@ -103,6 +103,18 @@ func NewWriter(dir, name string) (*Writer, error) {
 	return &Writer{dir: filepath.Clean(dir), name: name, cache: cache}, nil
 }
 
+// Sibling returns a writer of another spec file, dir/name.yaml, in w's directory. It
+// shares w's CDI library cache, so making one reads nothing from disk: NewWriter reads
+// and parses every spec in the directory (the library's cache), which a writer per
+// claim or per instance would otherwise pay each time. name is checked as NewWriter
+// checks it.
+func (w *Writer) Sibling(name string) (*Writer, error) {
+	if !validFileName(name) {
+		return nil, fmt.Errorf("cdi: spec file name %q: want letters, digits, '.', '_' or '-' only", name)
+	}
+	return &Writer{dir: w.dir, name: name, cache: w.cache}, nil
+}
+
 func validFileName(name string) bool {
 	if name == "" || name == "." || name == ".." || len(name) > 200 {
 		return false

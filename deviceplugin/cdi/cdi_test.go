@@ -328,3 +328,37 @@ func TestWriteUnwritableDir(t *testing.T) {
 		t.Errorf("spec not written: %v", err)
 	}
 }
+
+// A sibling writes its own file in the same directory, each file resolving its own
+// devices, and removing one leaves the other; a bad name is refused as NewWriter
+// refuses it.
+func TestSiblingWritesItsOwnFile(t *testing.T) {
+	w, dir := newWriter(t)
+	sib, err := w.Sibling("devicehost-widgets-claim-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.Write(widgetSpec("w0")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sib.Write(widgetSpec("w1")); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := sib.Path(), filepath.Join(dir, "devicehost-widgets-claim-1.yaml"); got != want {
+		t.Errorf("sibling Path = %q, want %q", got, want)
+	}
+	if got, want := runtimeCache(t, dir).ListDevices(), []string{kind + "=w0", kind + "=w1"}; !slices.Equal(got, want) {
+		t.Fatalf("devices in the spec dir = %v, want %v", got, want)
+	}
+	if err := sib.Remove(); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := runtimeCache(t, dir).ListDevices(), []string{kind + "=w0"}; !slices.Equal(got, want) {
+		t.Fatalf("after the sibling's Remove: devices %v, want %v", got, want)
+	}
+	for _, bad := range []string{"", "../x", "a/b"} {
+		if _, err := w.Sibling(bad); err == nil || !strings.Contains(err.Error(), "file name") {
+			t.Errorf("Sibling(%q) = %v; want refused naming the file name", bad, err)
+		}
+	}
+}

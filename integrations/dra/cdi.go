@@ -26,6 +26,7 @@ type cdiSpecs struct {
 
 	mu      sync.Mutex
 	writers map[string]*cdi.Writer // by claim UID
+	base    *cdi.Writer            // the first writer made: the others are its siblings
 }
 
 func newCDISpecs(dir, driver string) (*cdiSpecs, error) {
@@ -58,7 +59,14 @@ func (c *cdiSpecs) writer(uid string) (*cdi.Writer, error) {
 	if w, ok := c.writers[uid]; ok {
 		return w, nil
 	}
-	w, err := cdi.NewWriter(c.dir, c.file+uid)
+	var w *cdi.Writer
+	var err error
+	if c.base == nil {
+		w, err = cdi.NewWriter(c.dir, c.file+uid)
+		c.base = w
+	} else {
+		w, err = c.base.Sibling(c.file + uid) // no read of the whole directory per claim
+	}
 	if err != nil {
 		return nil, err
 	}

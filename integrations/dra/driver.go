@@ -182,6 +182,12 @@ func (d *Driver) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 
+	// The helper and the health socket (by default) listen in PluginDir, and neither
+	// makes it; on a node where nothing made it (a driver run outside a pod, a hostPath
+	// of the kubelet's whole plugins directory) it must not be a reason to fail.
+	if err := os.MkdirAll(d.cfg.PluginDir, 0o750); err != nil {
+		return fmt.Errorf("dra: plugin directory: %w", err)
+	}
 	mon, _ := liveness.New(liveness.Config{StallTimeout: d.cfg.HealthStallTimeout, AgentTimeout: d.cfg.HealthAgentTimeout,
 		Logger: d.log.Named("health")}) // checked by New
 	watchTokens := mon.Loop("agent watch")
@@ -203,12 +209,6 @@ func (d *Driver) Run(ctx context.Context) error {
 	}
 	rcancel()
 
-	// The helper listens in PluginDir but does not make it; on a node where nothing
-	// made it (a driver run outside a pod, a hostPath of the kubelet's whole plugins
-	// directory) it must not be a reason to fail.
-	if err := os.MkdirAll(d.cfg.PluginDir, 0o750); err != nil {
-		return fmt.Errorf("dra: plugin directory: %w", err)
-	}
 	opts := append([]kubeletplugin.Option{
 		kubeletplugin.DriverName(d.cfg.DriverName),
 		kubeletplugin.KubeClient(d.cfg.Kube),

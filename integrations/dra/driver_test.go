@@ -25,14 +25,19 @@ import (
 )
 
 // The driver makes its plugin directory where nothing did (a fresh node: the kubelet
-// has its plugins_registry, nobody has made plugins/<driver>), as its defaults promise.
+// has its plugins_registry, nobody has made plugins/<driver>), as its defaults promise,
+// before anything listens in it: the health socket too, at its default place there.
 func TestRunMakesPluginDir(t *testing.T) {
 	r := newRig(t)
 	r.pluginDir = filepath.Join(r.dir, "fresh", "plugins", testDriver)
-	r.startDriver(nil) // waits until the DRA socket in it answers
+	sock := filepath.Join(r.pluginDir, HealthSocketName)
+	r.startDriver(withHealth(sock, time.Minute, time.Minute)) // waits until the DRA socket in it answers
 	fi, err := os.Stat(r.pluginDir)
 	if err != nil || !fi.IsDir() {
 		t.Fatalf("plugin dir %s: %v", r.pluginDir, err)
+	}
+	if fi, err := os.Stat(sock); err != nil || fi.Mode()&os.ModeSocket == 0 {
+		t.Fatalf("health socket %s: %v", sock, err)
 	}
 }
 
