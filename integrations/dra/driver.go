@@ -252,15 +252,9 @@ func (d *Driver) watchLoop(ctx context.Context, mon *liveness.Monitor, tokens <-
 	wasDown := true
 	updates := d.agent.WatchDevices(ctx)
 	for {
-		var u client.Update[*pb.FingerprintResponse]
-		select {
-		case <-tokens:
-			continue
-		case v, ok := <-updates:
-			if !ok {
-				return nil
-			}
-			u = v
+		u, ok := liveness.Next(tokens, updates)
+		if !ok {
+			return nil
 		}
 		mon.Agent(!u.Disconnected())
 		if d.beforeUpdate != nil {

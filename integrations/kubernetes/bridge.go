@@ -31,7 +31,6 @@ import (
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/internal/liveness"
-	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
 // Defaults of Config.
@@ -246,15 +245,9 @@ func (b *Bridge) watchDevices(ctx context.Context, kick func(), mon *liveness.Mo
 	mixed := map[string]int{} // resources of several groups: the number last logged
 	updates := b.c.WatchDevices(ctx)
 	for {
-		var u client.Update[*pb.FingerprintResponse]
-		select {
-		case <-tokens:
-			continue
-		case v, ok := <-updates:
-			if !ok {
-				return
-			}
-			u = v
+		u, ok := liveness.Next(tokens, updates)
+		if !ok {
+			return
 		}
 		mon.Agent(!u.Disconnected())
 		if b.beforeUpdate != nil {

@@ -121,6 +121,18 @@ func (m *Monitor) Loop(name string) <-chan struct{} {
 	return l.token
 }
 
+// Next waits for the next value of ch, taking the loop's tokens while it waits: the
+// select a loop that only waits on ch needs. ok is false once ch is closed.
+func Next[T any](tokens <-chan struct{}, ch <-chan T) (v T, ok bool) {
+	for {
+		select {
+		case <-tokens:
+		case v, ok = <-ch:
+			return v, ok
+		}
+	}
+}
+
 // Agent records whether the component's watch of the agent is connected. Call it on
 // every update of the watch.
 func (m *Monitor) Agent(reachable bool) {
