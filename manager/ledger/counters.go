@@ -7,6 +7,7 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/devicehost/devicehost/manager/device"
 )
@@ -25,10 +26,17 @@ type counterKey struct {
 type counters struct {
 	used  map[counterKey]int64
 	users map[counterKey]map[string]struct{} // live reservation IDs using it (a use above 0)
+	// views is Usage's answer per counter set, made when first asked and dropped by add
+	// when the set's use changes, so a Usage after one Reserve builds one set, not all.
+	// add runs under the ledger's write lock; Usage fills it under the read lock and
+	// viewMu. A view is never written after being made: callers share it.
+	viewMu *sync.Mutex
+	views  map[device.CounterSetKey]device.CounterUse
 }
 
 func newCounters() counters {
-	return counters{used: make(map[counterKey]int64), users: make(map[counterKey]map[string]struct{})}
+	return counters{used: make(map[counterKey]int64), users: make(map[counterKey]map[string]struct{}),
+		viewMu: new(sync.Mutex), views: make(map[device.CounterSetKey]device.CounterUse)}
 }
 
 // add counts live reservation r's use (sign 1) or takes it back (sign -1).
@@ -39,6 +47,7 @@ func (c counters) add(r *device.Reservation, sign int64) {
 				continue
 			}
 			k := counterKey{cons.Set, name}
+			delete(c.views, cons.Set)
 			c.used[k] += sign * v
 			u := c.users[k]
 			switch {
@@ -57,19 +66,30 @@ func (c counters) add(r *device.Reservation, sign int64) {
 	}
 }
 
-// Usage returns what live reservations use of every counter set any of them uses.
+// Usage returns what live reservations use of every counter set any of them uses. The
+// answer's maps and lists are shared with later answers while their set's use stays
+// the same: callers must not change them.
 func (l *Ledger) Usage() map[device.CounterSetKey]device.CounterUse {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
-	out := make(map[device.CounterSetKey]device.CounterUse)
-	for k, v := range l.idx.ctr.used {
-		u, ok := out[k.set]
+	c := &l.idx.ctr
+	c.viewMu.Lock()
+	defer c.viewMu.Unlock()
+	var stale map[device.CounterSetKey]device.CounterUse
+	for k, v := range c.used {
+		if _, ok := c.views[k.set]; ok {
+			continue
+		}
+		if stale == nil {
+			stale = make(map[device.CounterSetKey]device.CounterUse)
+		}
+		u, ok := stale[k.set]
 		if !ok {
 			u = device.CounterUse{Used: make(map[string]int64), Users: make(map[string][]device.Holder)}
-			out[k.set] = u
+			stale[k.set] = u
 		}
 		u.Used[k.counter] = v
-		ids := slices.Sorted(maps.Keys(l.idx.ctr.users[k]))
+		ids := slices.Sorted(maps.Keys(c.users[k]))
 		hs := make([]device.Holder, 0, len(ids))
 		for _, id := range ids {
 			if r := l.idx.live[id]; r != nil {
@@ -78,7 +98,8 @@ func (l *Ledger) Usage() map[device.CounterSetKey]device.CounterUse {
 		}
 		u.Users[k.counter] = hs
 	}
-	return out
+	maps.Copy(c.views, stale)
+	return maps.Clone(c.views)
 }
 
 // overlayCounters is a batch's change to the counters: deltas over the index's.

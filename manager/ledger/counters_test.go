@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -206,6 +207,69 @@ func TestCheckConsumes(t *testing.T) {
 	} {
 		if err := checkConsumes("p", tc.c); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: %v, want %q", tc.name, err, tc.want)
+		}
+	}
+}
+
+// Usage is kept per counter set between writes: after every step of seeded random
+// Reserves and Releases over two GPUs it equals a count from the live reservations, and
+// an answer already handed out is not changed by the writes after it.
+func TestUsageFollowsEveryWrite(t *testing.T) {
+	gpu1 := device.CounterSetKey{Plugin: "nvidia-example", Name: "GPU-1"}
+	caps := device.Capacity{gpu0: {"compute-slices": 7}, gpu1: {"compute-slices": 7}}
+	for seed := range 4 {
+		l := newLedger(t)
+		ctx := context.Background()
+		live := make(map[string]device.Reservation)
+		var first map[device.CounterSetKey]device.CounterUse
+		var firstCopy string
+		for step := range 80 {
+			if len(live) > 0 && (step*7+seed)%3 == 0 {
+				var ids []string
+				for id := range live {
+					ids = append(ids, id)
+				}
+				slices.Sort(ids)
+				id := ids[(step+seed)%len(ids)]
+				release(t, l, id, t0)
+				delete(live, id)
+			} else {
+				set := []device.CounterSetKey{gpu0, gpu1}[(step+seed)%2]
+				r := res(fmt.Sprintf("job-%d-%d", seed, step), fmt.Sprintf("MIG-%s-%d", set.Name, step))
+				r.Consumes = []device.Consumption{{Set: set, Counters: map[string]int64{"compute-slices": 1}}}
+				if got, _, err := l.Reserve(ctx, r, nil, caps); err == nil {
+					live[got.ID] = got
+				}
+			}
+			want := make(map[device.CounterSetKey]device.CounterUse)
+			for _, r := range live {
+				for _, c := range r.Consumes {
+					u, ok := want[c.Set]
+					if !ok {
+						u = device.CounterUse{Used: map[string]int64{}, Users: map[string][]device.Holder{}}
+						want[c.Set] = u
+					}
+					for n, v := range c.Counters {
+						u.Used[n] += v
+						u.Users[n] = append(u.Users[n], device.Holder{ReservationID: r.ID, OwnerID: r.OwnerID})
+					}
+				}
+			}
+			for _, u := range want {
+				for n := range u.Users {
+					slices.SortFunc(u.Users[n], func(a, b device.Holder) int { return strings.Compare(a.ReservationID, b.ReservationID) })
+				}
+			}
+			got := l.Usage()
+			if !reflect.DeepEqual(got, want) {
+				t.Fatalf("seed %d, step %d: Usage %+v, want %+v", seed, step, got, want)
+			}
+			if first == nil && len(got) == 2 {
+				first, firstCopy = got, fmt.Sprint(got)
+			}
+		}
+		if first == nil || fmt.Sprint(first) != firstCopy {
+			t.Errorf("seed %d: an earlier Usage answer changed under later writes: %v, was %s", seed, first, firstCopy)
 		}
 	}
 }
