@@ -9,44 +9,19 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/internal/liveness/livenesstest"
 )
 
-// probe follows grpc.health.v1 Watch on the driver's health socket, as a liveness
-// probe asks it.
-type probe struct{ w healthpb.Health_WatchClient }
-
-func watchProbe(t *testing.T, sock string) *probe {
+// watchProbe follows the driver's health socket as a liveness probe asks it, until
+// the test ends.
+func watchProbe(t *testing.T, sock string) *livenesstest.Watch {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	t.Cleanup(cancel)
-	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	w, err := healthpb.NewHealthClient(conn).Watch(ctx, &healthpb.HealthCheckRequest{}, grpc.WaitForReady(true))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &probe{w: w}
-}
-
-func (p *probe) wait(t *testing.T, what string, want healthpb.HealthCheckResponse_ServingStatus) {
-	t.Helper()
-	for {
-		r, err := p.w.Recv()
-		if err != nil {
-			t.Fatalf("%s: waiting for %v: %v", what, want, err)
-		}
-		if r.GetStatus() == want {
-			return
-		}
-	}
+	return livenesstest.NewWatch(t, ctx, sock)
 }
 
 func withHealth(sock string, stall, agent time.Duration) func(*Config) {
@@ -67,17 +42,17 @@ func TestHealthSocketStuckWatch(t *testing.T) {
 	}
 	rd := r.startDriver(withHealth(sock, 200*time.Millisecond, time.Minute))
 	p := watchProbe(t, sock)
-	p.wait(t, "a working driver", healthpb.HealthCheckResponse_SERVING)
+	p.Wait(t, "a working driver", healthpb.HealthCheckResponse_SERVING)
 
 	stuck.Store(true)
 	r.agent.kill() // the disconnection is an update the watch gets stuck on
-	p.wait(t, "the agent watch stuck", healthpb.HealthCheckResponse_NOT_SERVING)
+	p.Wait(t, "the agent watch stuck", healthpb.HealthCheckResponse_NOT_SERVING)
 	if !strings.Contains(rd.log.String(), "the agent watch loop has made no progress") {
 		t.Errorf("the driver's log does not name the stuck loop:\n%s", rd.log)
 	}
 	stuck.Store(false)
 	close(release)
-	p.wait(t, "the agent watch through", healthpb.HealthCheckResponse_SERVING)
+	p.Wait(t, "the agent watch through", healthpb.HealthCheckResponse_SERVING)
 }
 
 // The health socket says NOT_SERVING once the agent has been unreachable for the
@@ -87,15 +62,15 @@ func TestHealthSocketAgentGone(t *testing.T) {
 	sock := filepath.Join(r.dir, "health.sock")
 	rd := r.startDriver(withHealth(sock, time.Minute, 300*time.Millisecond))
 	p := watchProbe(t, sock)
-	p.wait(t, "a working driver", healthpb.HealthCheckResponse_SERVING)
+	p.Wait(t, "a working driver", healthpb.HealthCheckResponse_SERVING)
 
 	r.agent.kill()
-	p.wait(t, "the agent gone", healthpb.HealthCheckResponse_NOT_SERVING)
+	p.Wait(t, "the agent gone", healthpb.HealthCheckResponse_NOT_SERVING)
 	if !strings.Contains(rd.log.String(), "the agent has been unreachable for") {
 		t.Errorf("the driver's log does not say the agent is unreachable:\n%s", rd.log)
 	}
 	r.startAgent()
-	p.wait(t, "the agent back", healthpb.HealthCheckResponse_SERVING)
+	p.Wait(t, "the agent back", healthpb.HealthCheckResponse_SERVING)
 
 	rd.stop(t)
 	if _, err := os.Stat(sock); !os.IsNotExist(err) {

@@ -1,7 +1,6 @@
 package kubernetes_test
 
 import (
-	"context"
 	"os"
 	"path/filepath"
 	"strings"
@@ -9,49 +8,14 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
 	"github.com/devicehost/devicehost/integrations/kubernetes"
 	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
+	"github.com/devicehost/devicehost/internal/liveness/livenesstest"
 	"github.com/devicehost/devicehost/manager/device"
 )
-
-// healthWatch follows grpc.health.v1 Watch on a health socket, as a liveness probe
-// would ask it.
-type healthWatch struct {
-	w healthpb.Health_WatchClient
-}
-
-func watchHealth(t *testing.T, ctx context.Context, sock string) *healthWatch {
-	t.Helper()
-	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	w, err := healthpb.NewHealthClient(conn).Watch(ctx, &healthpb.HealthCheckRequest{}, grpc.WaitForReady(true))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &healthWatch{w: w}
-}
-
-// wait reads the watch until it reports want.
-func (h *healthWatch) wait(t *testing.T, what string, want healthpb.HealthCheckResponse_ServingStatus) {
-	t.Helper()
-	for {
-		r, err := h.w.Recv()
-		if err != nil {
-			t.Fatalf("%s: waiting for %v: %v", what, want, err)
-		}
-		if r.GetStatus() == want {
-			return
-		}
-	}
-}
 
 func withHealthSocket(sock string, stall, agent time.Duration) func(*kubernetes.Config) {
 	return func(c *kubernetes.Config) {
@@ -75,18 +39,18 @@ func TestHealthSocketStuckWatch(t *testing.T) {
 		})
 	}, withHealthSocket(sock, 200*time.Millisecond, time.Minute))
 	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
-	hw := watchHealth(t, ctx, sock)
-	hw.wait(t, "a working bridge", healthpb.HealthCheckResponse_SERVING)
+	hw := livenesstest.NewWatch(t, ctx, sock)
+	hw.Wait(t, "a working bridge", healthpb.HealthCheckResponse_SERVING)
 
 	stuck.Store(true)
 	agent.setHealth(gpuID(2), device.HealthUnhealthy, "XID 79") // an update the watch gets stuck on
-	hw.wait(t, "the device watch stuck", healthpb.HealthCheckResponse_NOT_SERVING)
+	hw.Wait(t, "the device watch stuck", healthpb.HealthCheckResponse_NOT_SERVING)
 	if !strings.Contains(h.logs.String(), "the device watch loop has made no progress") {
 		t.Errorf("the bridge's log does not name the stuck loop:\n%s", h.logs.String())
 	}
 	stuck.Store(false)
 	close(release)
-	hw.wait(t, "the device watch through", healthpb.HealthCheckResponse_SERVING)
+	hw.Wait(t, "the device watch through", healthpb.HealthCheckResponse_SERVING)
 	h.waitGPUs(t, ctx, "GPU 2 unhealthy", withHealth(8, gpuID(2), dpapi.Unhealthy))
 }
 
@@ -99,16 +63,16 @@ func TestHealthSocketAgentGone(t *testing.T) {
 	sock := filepath.Join(shortTempDir(t, "hb"), "health.sock")
 	h := startBridge(t, agent, withHealthSocket(sock, time.Minute, 300*time.Millisecond))
 	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
-	hw := watchHealth(t, ctx, sock)
-	hw.wait(t, "a working bridge", healthpb.HealthCheckResponse_SERVING)
+	hw := livenesstest.NewWatch(t, ctx, sock)
+	hw.Wait(t, "a working bridge", healthpb.HealthCheckResponse_SERVING)
 
 	agent.stop()
-	hw.wait(t, "the agent gone", healthpb.HealthCheckResponse_NOT_SERVING)
+	hw.Wait(t, "the agent gone", healthpb.HealthCheckResponse_NOT_SERVING)
 	if !strings.Contains(h.logs.String(), "the agent has been unreachable for") {
 		t.Errorf("the bridge's log does not say the agent is unreachable:\n%s", h.logs.String())
 	}
 	agent.start(t)
-	hw.wait(t, "the agent back", healthpb.HealthCheckResponse_SERVING)
+	hw.Wait(t, "the agent back", healthpb.HealthCheckResponse_SERVING)
 
 	if err := h.stop(); err != nil {
 		t.Fatalf("Run: %v", err)
