@@ -2,39 +2,26 @@ package dra
 
 import (
 	"context"
-	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/runtime"
-	kjson "k8s.io/apimachinery/pkg/runtime/serializer/json"
-	"k8s.io/client-go/kubernetes/scheme"
 	dracel "k8s.io/dynamic-resource-allocation/cel"
 
+	"github.com/devicehost/devicehost/integrations/dra/internal/manifests"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
-// readManifests decodes every object of a file in deploy/kubernetes, strictly
-// (unknown or duplicate fields fail).
+// readManifests decodes every object of a file in deploy/kubernetes, strictly.
 func readManifests(t *testing.T, name string) []runtime.Object {
 	t.Helper()
-	raw, err := os.ReadFile(filepath.Join("..", "..", "deploy", "kubernetes", name))
+	objs, err := manifests.Read(filepath.Join("..", "..", "deploy", "kubernetes", name))
 	if err != nil {
 		t.Fatal(err)
 	}
-	dec := kjson.NewSerializerWithOptions(kjson.DefaultMetaFactory, scheme.Scheme, scheme.Scheme, kjson.SerializerOptions{Yaml: true, Strict: true})
-	var out []runtime.Object
-	for i, doc := range strings.Split(string(raw), "\n---\n") {
-		obj, _, err := dec.Decode([]byte(doc), nil, nil)
-		if err != nil {
-			t.Fatalf("%s: document %d: %v", name, i, err)
-		}
-		out = append(out, obj)
-	}
-	return out
+	return objs
 }
 
 // deploy/kubernetes/dra.yaml has the DeviceClass gpu.devicehost.io, whose selector

@@ -1,38 +1,27 @@
 package main
 
 import (
-	"os"
 	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
 	"testing"
 
+	"github.com/devicehost/devicehost/integrations/dra/internal/manifests"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/runtime"
-	kjson "k8s.io/apimachinery/pkg/runtime/serializer/json"
-	"k8s.io/client-go/kubernetes/scheme"
 )
 
-// manifests decodes every object of a file in deploy/kubernetes, strictly.
-func manifests(t *testing.T, name string) []runtime.Object {
+// readManifests decodes every object of a file in deploy/kubernetes, strictly.
+func readManifests(t *testing.T, name string) []runtime.Object {
 	t.Helper()
-	raw, err := os.ReadFile(filepath.Join("..", "..", "..", "..", "deploy", "kubernetes", name))
+	objs, err := manifests.Read(filepath.Join("..", "..", "..", "..", "deploy", "kubernetes", name))
 	if err != nil {
 		t.Fatal(err)
 	}
-	dec := kjson.NewSerializerWithOptions(kjson.DefaultMetaFactory, scheme.Scheme, scheme.Scheme, kjson.SerializerOptions{Yaml: true, Strict: true})
-	var out []runtime.Object
-	for i, doc := range strings.Split(string(raw), "\n---\n") {
-		obj, _, err := dec.Decode([]byte(doc), nil, nil)
-		if err != nil {
-			t.Fatalf("%s: document %d: %v", name, i, err)
-		}
-		out = append(out, obj)
-	}
-	return out
+	return objs
 }
 
 // The DaemonSets with the DRA driver: its flags parse with the command's own parser,
@@ -44,7 +33,7 @@ func TestDeployDRADaemonSet(t *testing.T) {
 	var sa string
 	var role *rbacv1.ClusterRole
 	var binding *rbacv1.ClusterRoleBinding
-	for _, o := range manifests(t, "dra.yaml") {
+	for _, o := range readManifests(t, "dra.yaml") {
 		switch o := o.(type) {
 		case *corev1.ServiceAccount:
 			sa = o.Namespace + "/" + o.Name
@@ -82,7 +71,7 @@ func TestDeployDRADaemonSet(t *testing.T) {
 		t.Run(file, func(t *testing.T) {
 			var cm *corev1.ConfigMap
 			var ds *appsv1.DaemonSet
-			for _, o := range manifests(t, file) {
+			for _, o := range readManifests(t, file) {
 				switch o := o.(type) {
 				case *corev1.ConfigMap:
 					cm = o
