@@ -1,8 +1,6 @@
 package main
 
 import (
-	"bytes"
-	"errors"
 	"io"
 	"maps"
 	"os"
@@ -11,85 +9,26 @@ import (
 	"strings"
 	"testing"
 
-	"go.yaml.in/yaml/v3"
+	"github.com/devicehost/devicehost/internal/k8smanifest"
 )
 
 // The Kubernetes manifests in deploy/kubernetes are checked here, with the binary's own
 // flag and config parsing: what a node would run must parse.
 
-// k8sObject is the part of a Kubernetes object the checks read.
-type k8sObject struct {
-	APIVersion string `yaml:"apiVersion"`
-	Kind       string `yaml:"kind"`
-	Metadata   struct {
-		Name      string `yaml:"name"`
-		Namespace string `yaml:"namespace"`
-	} `yaml:"metadata"`
-	Data map[string]string `yaml:"data"`
-	Spec struct {
-		// Pod
-		Containers []k8sContainer `yaml:"containers"`
-		// DaemonSet
-		Template struct {
-			Spec struct {
-				InitContainers []k8sContainer `yaml:"initContainers"`
-				Containers     []k8sContainer `yaml:"containers"`
-				Volumes        []struct {
-					Name     string    `yaml:"name"`
-					EmptyDir *struct{} `yaml:"emptyDir"`
-					HostPath *struct {
-						Path string `yaml:"path"`
-					} `yaml:"hostPath"`
-					ConfigMap *struct {
-						Name string `yaml:"name"`
-					} `yaml:"configMap"`
-				} `yaml:"volumes"`
-			} `yaml:"spec"`
-		} `yaml:"template"`
-	} `yaml:"spec"`
-}
-
-type k8sContainer struct {
-	Name         string   `yaml:"name"`
-	Args         []string `yaml:"args"`
-	VolumeMounts []struct {
-		Name      string `yaml:"name"`
-		MountPath string `yaml:"mountPath"`
-	} `yaml:"volumeMounts"`
-	LivenessProbe *struct {
-		Exec struct {
-			Command []string `yaml:"command"`
-		} `yaml:"exec"`
-	} `yaml:"livenessProbe"`
-	Resources struct {
-		Limits map[string]string `yaml:"limits"`
-	} `yaml:"resources"`
-}
-
 // readManifests decodes every YAML document of file, refusing unknown fields nowhere
 // (Kubernetes objects have many the checks do not read) but any YAML error.
-func readManifests(t *testing.T, file string) []k8sObject {
+func readManifests(t *testing.T, file string) []k8smanifest.Object {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join("..", "..", "deploy", "kubernetes", file))
+	objs, err := k8smanifest.Read(filepath.Join("..", "..", "deploy", "kubernetes", file))
 	if err != nil {
 		t.Fatal(err)
 	}
-	dec := yaml.NewDecoder(bytes.NewReader(data))
-	var objs []k8sObject
-	for {
-		var o k8sObject
-		err := dec.Decode(&o)
-		if errors.Is(err, io.EOF) {
-			return objs
-		}
-		if err != nil {
-			t.Fatalf("%s: %v", file, err)
-		}
+	for _, o := range objs {
 		if o.APIVersion == "" || o.Kind == "" || o.Metadata.Name == "" {
 			t.Errorf("%s: a document without apiVersion, kind or metadata.name: %+v", file, o)
 		}
-		objs = append(objs, o)
 	}
+	return objs
 }
 
 // The DaemonSets with the kubelet bridge: the device-plugin install and the one with
@@ -102,7 +41,7 @@ func TestDeployDaemonSet(t *testing.T) {
 
 func checkBridgeDaemonSet(t *testing.T, file string) {
 	objs := readManifests(t, file)
-	var config, ds *k8sObject
+	var config, ds *k8smanifest.Object
 	for i := range objs {
 		switch objs[i].Kind {
 		case "ConfigMap":
@@ -144,7 +83,7 @@ func checkBridgeDaemonSet(t *testing.T, file string) {
 		}
 	}
 	env := &cmdEnv{stdout: io.Discard, stderr: io.Discard, getenv: func(string) string { return "" }}
-	containers := map[string]k8sContainer{}
+	containers := map[string]k8smanifest.Container{}
 	for _, c := range append(spec.InitContainers, spec.Containers...) {
 		containers[c.Name] = c
 		for _, m := range c.VolumeMounts {
@@ -157,7 +96,7 @@ func checkBridgeDaemonSet(t *testing.T, file string) {
 	if len(agent.Args) == 0 || len(bridge.Args) == 0 {
 		t.Fatalf("want containers agent and kubelet-plugin with args, have %v", slices.Collect(maps.Keys(containers)))
 	}
-	args := func(c k8sContainer) []string {
+	args := func(c k8smanifest.Container) []string {
 		out := slices.Clone(c.Args[1:])
 		for i, a := range out {
 			if strings.HasPrefix(a, "/etc/devicehost/") {
@@ -185,7 +124,7 @@ func checkBridgeDaemonSet(t *testing.T, file string) {
 	}
 	// The socket's directory is one emptyDir both containers mount at the same place;
 	// the kubelet's directories are where the bridge's flags say.
-	mountOf := func(c k8sContainer, path string) string {
+	mountOf := func(c k8smanifest.Container, path string) string {
 		for _, m := range c.VolumeMounts {
 			if strings.HasPrefix(path, m.MountPath+"/") {
 				return m.Name

@@ -1,10 +1,7 @@
 package kubernetes
 
 import (
-	"bytes"
-	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -12,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"go.yaml.in/yaml/v3"
+	"github.com/devicehost/devicehost/internal/k8smanifest"
 )
 
 // The DaemonSet of deploy/kubernetes/devicehost.yaml, rendered into host processes: each
@@ -20,46 +17,6 @@ import (
 // container mapped to where its volume lies on this node. hostPaths under the kubelet's
 // root are the node's own; the CDI directory is the one the node's containerd reads;
 // other hostPaths, emptyDirs and the ConfigMap lie under the node's run directory.
-
-type manifest struct {
-	Kind     string `yaml:"kind"`
-	Metadata struct {
-		Name string `yaml:"name"`
-	} `yaml:"metadata"`
-	Data map[string]string `yaml:"data"`
-	Spec struct {
-		Template struct {
-			Spec struct {
-				InitContainers []dsContainer `yaml:"initContainers"`
-				Containers     []dsContainer `yaml:"containers"`
-				Volumes        []struct {
-					Name     string    `yaml:"name"`
-					EmptyDir *struct{} `yaml:"emptyDir"`
-					HostPath *struct {
-						Path string `yaml:"path"`
-					} `yaml:"hostPath"`
-					ConfigMap *struct {
-						Name string `yaml:"name"`
-					} `yaml:"configMap"`
-				} `yaml:"volumes"`
-			} `yaml:"spec"`
-		} `yaml:"template"`
-	} `yaml:"spec"`
-}
-
-type dsContainer struct {
-	Name    string   `yaml:"name"`
-	Command []string `yaml:"command"`
-	Args    []string `yaml:"args"`
-	Env     []struct {
-		Name  string `yaml:"name"`
-		Value string `yaml:"value"`
-	} `yaml:"env"`
-	VolumeMounts []struct {
-		Name      string `yaml:"name"`
-		MountPath string `yaml:"mountPath"`
-	} `yaml:"volumeMounts"`
-}
 
 // hostContainer is one container of the DaemonSet as a process of this host.
 type hostContainer struct {
@@ -131,26 +88,17 @@ const pluginConfig = `
 // renderDaemonSet reads the manifest and lays out the volumes under base (emptyDirs,
 // hostPaths outside the kubelet's root, config files). The CDI hostPath becomes cdiDir.
 func renderDaemonSet(file, base, kubeletRoot, cdiDir string) (*daemonSet, error) {
-	data, err := os.ReadFile(file)
+	objs, err := k8smanifest.Read(file)
 	if err != nil {
 		return nil, err
 	}
-	var ds, cm *manifest
-	dec := yaml.NewDecoder(bytes.NewReader(data))
-	for {
-		var m manifest
-		err := dec.Decode(&m)
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", file, err)
-		}
-		switch m.Kind {
+	var ds, cm *k8smanifest.Object
+	for i := range objs {
+		switch objs[i].Kind {
 		case "DaemonSet":
-			ds = &m
+			ds = &objs[i]
 		case "ConfigMap":
-			cm = &m
+			cm = &objs[i]
 		}
 	}
 	if ds == nil || cm == nil {
@@ -188,7 +136,7 @@ func renderDaemonSet(file, base, kubeletRoot, cdiDir string) (*daemonSet, error)
 			}
 		}
 	}
-	render := func(c dsContainer) (hostContainer, error) {
+	render := func(c k8smanifest.Container) (hostContainer, error) {
 		hc := hostContainer{name: c.Name, args: c.Args, mounts: map[string]string{}}
 		configDirs := map[string]string{}
 		for _, m := range c.VolumeMounts {

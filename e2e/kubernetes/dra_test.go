@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"os/exec"
@@ -20,6 +19,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/devicehost/devicehost/internal/k8smanifest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -474,27 +474,10 @@ func (d *draStack) exampleTemplate(t *testing.T) string {
 	return ""
 }
 
-// yamlDocs decodes every document of a YAML file.
+// yamlDocs decodes every document of a YAML file, empty ones left out.
 func yamlDocs(file string) ([]map[string]any, error) {
-	data, err := os.ReadFile(file)
-	if err != nil {
-		return nil, err
-	}
-	var out []map[string]any
-	dec := yaml.NewDecoder(bytes.NewReader(data))
-	for {
-		var m map[string]any
-		err := dec.Decode(&m)
-		if errors.Is(err, io.EOF) {
-			return out, nil
-		}
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", file, err)
-		}
-		if m != nil {
-			out = append(out, m)
-		}
-	}
+	docs, err := k8smanifest.Docs[map[string]any](file)
+	return slices.DeleteFunc(docs, func(m map[string]any) bool { return m == nil }), err
 }
 
 // createClaimPod creates a pod whose container uses one claim made from template.
