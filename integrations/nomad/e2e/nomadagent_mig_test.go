@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -75,43 +74,7 @@ func TestNomadAgentMIG(t *testing.T) {
 	}, nomad.out)
 
 	out := filepath.Join(tmp, "visible")
-	job := filepath.Join(tmp, "mig.hcl")
-	writeFile(t, job, fmt.Sprintf(`
-job "mig" {
-  type        = "batch"
-  datacenters = ["dc1"]
-  group "g" {
-    restart {
-      attempts = 0
-      mode     = "fail"
-    }
-    reschedule {
-      attempts  = 0
-      unlimited = false
-    }
-    task "train" {
-      driver = "raw_exec"
-      config {
-        command = "/bin/sh"
-        args    = ["-c", %q]
-      }
-      resources {
-        cpu    = 100
-        memory = 32
-        device %q {
-          count = 1
-        }
-      }
-    }
-  }
-}
-`, fmt.Sprintf(`echo "$NVIDIA_VISIBLE_DEVICES" > %[1]s.tmp && mv %[1]s.tmp %[1]s && exec sleep 3600`, out), migGroup))
-	cmd := exec.Command(nomadBin, "job", "run", "-detach", job)
-	cmd.Env = append(os.Environ(), "NOMAD_ADDR="+n.addr)
-	if b, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("nomad job run: %v\n%s", err, b)
-	}
-	allocID := n.waitAlloc("mig")
+	allocID := n.runBatchJob(nomadBin, tmp, "mig", fmt.Sprintf(`echo "$NVIDIA_VISIBLE_DEVICES" > %[1]s.tmp && mv %[1]s.tmp %[1]s && exec sleep 3600`, out), migGroup, 1)
 
 	// The task sees its MIG device.
 	var visible string

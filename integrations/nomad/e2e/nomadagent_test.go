@@ -89,45 +89,7 @@ func TestNomadAgent(t *testing.T) {
 	nodeID := n.waitNodeWithGPUs(8)
 	t.Logf("Nomad node %s ready with 8 GPUs", nodeID)
 
-	job := func(name, script string) string {
-		path := filepath.Join(tmp, name+".hcl")
-		writeFile(t, path, fmt.Sprintf(`
-job %q {
-  type        = "batch"
-  datacenters = ["dc1"]
-  group "g" {
-    restart {
-      attempts = 0
-      mode     = "fail"
-    }
-    reschedule {
-      attempts  = 0
-      unlimited = false
-    }
-    task "train" {
-      driver = "raw_exec"
-      config {
-        command = "/bin/sh"
-        args    = ["-c", %q]
-      }
-      resources {
-        cpu    = 100
-        memory = 32
-        device "nvidia/gpu" {
-          count = 2
-        }
-      }
-    }
-  }
-}
-`, name, script))
-		cmd := exec.Command(nomadBin, "job", "run", "-detach", path)
-		cmd.Env = append(os.Environ(), "NOMAD_ADDR="+nomadAddr)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("nomad job run %s: %v\n%s", name, err, out)
-		}
-		return n.waitAlloc(name)
-	}
+	job := func(name, script string) string { return n.runBatchJob(nomadBin, tmp, name, script, "nvidia/gpu", 2) }
 	// named waits until the allocation's reservation is named after its task, and
 	// returns it.
 	named := func(jobID, allocID string) *pb.Reservation {
@@ -649,4 +611,50 @@ func (n *nomadHTTP) waitFinished(id, status string) time.Time {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// runBatchJob submits (detached, with the nomad binary bin) a batch job called name,
+// written to dir/<name>.hcl: one raw_exec task "train" that runs script with /bin/sh
+// and asks for count devices of device, never restarted or rescheduled, so a test sees
+// each allocation's own end. It returns the job's allocation once there is one.
+func (n *nomadHTTP) runBatchJob(bin, dir, name, script, device string, count int) string {
+	t := n.t
+	t.Helper()
+	path := filepath.Join(dir, name+".hcl")
+	writeFile(t, path, fmt.Sprintf(`
+job %q {
+  type        = "batch"
+  datacenters = ["dc1"]
+  group "g" {
+    restart {
+      attempts = 0
+      mode     = "fail"
+    }
+    reschedule {
+      attempts  = 0
+      unlimited = false
+    }
+    task "train" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", %q]
+      }
+      resources {
+        cpu    = 100
+        memory = 32
+        device %q {
+          count = %d
+        }
+      }
+    }
+  }
+}
+`, name, script, device, count))
+	cmd := exec.Command(bin, "job", "run", "-detach", path)
+	cmd.Env = append(os.Environ(), "NOMAD_ADDR="+n.addr)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("nomad job run %s: %v\n%s", name, err, out)
+	}
+	return n.waitAlloc(name)
 }
