@@ -15,7 +15,6 @@ import (
 
 	dto "github.com/prometheus/client_model/go"
 
-	"github.com/devicehost/devicehost/endpoint"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -88,16 +87,7 @@ func TestDevAgentServesTheDCGMDashboard(t *testing.T) {
 	names := dashboardSeries(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	dir := tempDir(t, "dhdb")
-	conf := filepath.Join(dir, "devicehost.hcl")
-	if err := os.WriteFile(conf, []byte("stats_interval = \"100ms\"\nplugin \"nvidia-example\" {\n  config {\n    simulate = \"dgxh100\"\n    mig = \"on-demand\"\n  }\n}\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	addr := endpoint.Address{Network: "unix", Path: filepath.Join(dir, "devicehost.sock")}
-	agent := startAgentProcess(t, addr, "agent", "-dev", "-log-json", "-listen", addr.String(),
-		"-config", conf, "-metrics-listen", "tcp://127.0.0.1:0")
-	client := agent.client(t, ctx)
-	url := loggedMetricsURL(t, ctx, agent)
+	_, client, url := startDevMetricsAgent(t, ctx, "dhdb", "stats_interval = \"100ms\"\nplugin \"nvidia-example\" {\n  config {\n    simulate = \"dgxh100\"\n    mig = \"on-demand\"\n  }\n}\n")
 	scraper := &http.Client{Timeout: 20 * time.Second}
 
 	fps, err := client.Fingerprint(ctx, &pb.FingerprintRequest{})

@@ -382,6 +382,22 @@ func loggedMetricsURL(t *testing.T, ctx context.Context, agent *agentProcess) st
 	return logged.URL
 }
 
+// startDevMetricsAgent runs `agent -dev -metrics-listen tcp://127.0.0.1:0` with config as
+// its config file, in a fresh directory named after prefix, and returns it, a client of
+// its API and the /metrics URL it logged.
+func startDevMetricsAgent(t *testing.T, ctx context.Context, prefix, config string) (*agentProcess, pb.DeviceHostClient, string) {
+	t.Helper()
+	dir := tempDir(t, prefix)
+	conf := filepath.Join(dir, "devicehost.hcl")
+	if err := os.WriteFile(conf, []byte(config), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	addr := endpoint.Address{Network: "unix", Path: filepath.Join(dir, "devicehost.sock")}
+	agent := startAgentProcess(t, addr, "agent", "-dev", "-log-json", "-listen", addr.String(),
+		"-config", conf, "-metrics-listen", "tcp://127.0.0.1:0")
+	return agent, agent.client(t, ctx), loggedMetricsURL(t, ctx, agent)
+}
+
 // `agent -dev -metrics-listen`: the 8 simulated H100s under dcgm-exporter's names and
 // labels, with the values of the sample the Stats API serves (the sampling interval is
 // an hour, so both read the same sample), and the plugin's restart after a SIGKILL.
@@ -391,16 +407,7 @@ func TestDevAgentServesDCGMMetrics(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	dir := tempDir(t, "dhdm")
-	conf := filepath.Join(dir, "devicehost.hcl")
-	if err := os.WriteFile(conf, []byte("stats_interval = \"1h\"\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	addr := endpoint.Address{Network: "unix", Path: filepath.Join(dir, "devicehost.sock")}
-	agent := startAgentProcess(t, addr, "agent", "-dev", "-log-json", "-listen", addr.String(),
-		"-config", conf, "-metrics-listen", "tcp://127.0.0.1:0")
-	client := agent.client(t, ctx)
-	url := loggedMetricsURL(t, ctx, agent)
+	agent, client, url := startDevMetricsAgent(t, ctx, "dhdm", "stats_interval = \"1h\"\n")
 	scraper := &http.Client{Timeout: 20 * time.Second}
 	scrape := func() map[string]*dto.MetricFamily { return scrapeFamilies(t, scraper, url) }
 	// The plugin's first sample reaches the manager soon after it fingerprints; the
