@@ -18,6 +18,7 @@
 package dra
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -29,7 +30,6 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"golang.org/x/sync/errgroup"
-	"k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/dynamic-resource-allocation/deviceattribute"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
@@ -100,7 +100,7 @@ type Driver struct {
 	log   hclog.Logger
 	agent *client.Client
 	cdi   *cdiSpecs
-	sysfs []deviceattribute.MachineModifier
+	pci   *pciAttributes
 
 	fatal chan error // HandleError's fatal errors, for Run
 
@@ -167,9 +167,10 @@ func New(cfg Config) (*Driver, error) {
 		fatal:   make(chan error, 1),
 		changed: make(chan struct{}),
 		stale:   make(map[string]time.Time),
+		pci:     &pciAttributes{},
 	}
 	if cfg.SysfsRoot != "" {
-		d.sysfs = []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(cfg.SysfsRoot)}
+		d.pci.sysfs = []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(cfg.SysfsRoot)}
 	}
 	return d, nil
 }
@@ -260,7 +261,7 @@ func (d *Driver) watchLoop(ctx context.Context, mon *liveness.Monitor, tokens <-
 		if d.beforeUpdate != nil {
 			d.beforeUpdate()
 		}
-		o := buildOptions{driver: d.cfg.DriverName, pool: d.cfg.NodeName, sysfs: d.sysfs}
+		o := buildOptions{driver: d.cfg.DriverName, pool: d.cfg.NodeName, pci: d.pci}
 		snap := u.Snapshot
 		if u.Disconnected() {
 			if !wasDown {
@@ -298,17 +299,24 @@ func (d *Driver) watchLoop(ctx context.Context, mon *liveness.Monitor, tokens <-
 // ResourceSlice controller and waits for its informer): views that come meanwhile
 // are skipped to the latest.
 func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper) error {
-	var last *view
+	var (
+		published bool
+		last      []byte // encodeSlices of the view last published
+	)
 	for {
 		v, changed := d.current()
-		if v != nil && (last == nil || !equality.Semantic.DeepEqual(last.slices, v.slices)) {
+		enc, ok := []byte(nil), false
+		if v != nil {
+			enc, ok = encodeSlices(v.slices)
+		}
+		if v != nil && (!published || !ok || !bytes.Equal(enc, last)) {
 			if err := helper.PublishResources(ctx, v.resources()); err != nil {
 				if ctx.Err() != nil {
 					return nil
 				}
 				return fmt.Errorf("dra: publish resources: %w", err)
 			}
-			last = v
+			published, last = true, enc
 		}
 		select {
 		case <-changed:

@@ -148,7 +148,7 @@ func (d *Driver) resolve(ctx context.Context, results []resourceapi.DeviceReques
 	if err != nil {
 		return nil, fmt.Errorf("read the agent's devices: %w", err)
 	}
-	fresh, _ := buildView(snap, buildOptions{driver: d.cfg.DriverName, pool: d.cfg.NodeName, sysfs: d.sysfs})
+	fresh, _ := buildView(snap, buildOptions{driver: d.cfg.DriverName, pool: d.cfg.NodeName, pci: d.pci})
 	out, missing := lookup(fresh)
 	if len(missing) > 0 {
 		return nil, fmt.Errorf("allocated devices %s are not devices the agent reports on node %s", strings.Join(missing, ", "), d.cfg.NodeName)

@@ -2,10 +2,12 @@ package dra
 
 import (
 	"cmp"
+	"encoding/binary"
 	"fmt"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/blang/semver/v4"
 	resourceapi "k8s.io/api/resource/v1"
@@ -58,8 +60,9 @@ type buildOptions struct {
 	// disconnected is set while the agent cannot be reached: every device is then
 	// published with a taint saying so.
 	disconnected error
-	// sysfs is where pcieRoot is read (nil: the host's /sys).
-	sysfs []deviceattribute.MachineModifier
+	// pci looks up the PCI attributes (nil: each build looks them up again in the
+	// host's /sys).
+	pci *pciAttributes
 }
 
 // taint keys, after the driver name and '/'.
@@ -75,6 +78,9 @@ const (
 // what had to be left out, for the log.
 func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems []string) {
 	v = &view{pool: o.pool, devices: make(map[string]deviceRef), disconnected: o.disconnected}
+	if o.pci == nil {
+		o.pci = &pciAttributes{}
+	}
 	setNames := make(map[[2]string]string) // (plugin, set) -> DRA counter set name
 	var sets []resourceapi.CounterSet
 	seenSet := make(map[string]bool)
@@ -126,7 +132,7 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 			if strings.HasPrefix(d.GetId(), "GPU-") || strings.HasPrefix(d.GetId(), "MIG-") {
 				dev.Attributes["uuid"] = str(d.GetId())
 			}
-			problems = append(problems, localityAttributes(dev.Attributes, d, o.sysfs)...)
+			problems = append(problems, localityAttributes(dev.Attributes, d, o.pci)...)
 			for _, c := range d.GetConsumes() {
 				set, ok := setNames[[2]string{g.GetPlugin(), c.GetCounterSet()}]
 				if !ok {
@@ -164,6 +170,36 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 		v.slices = []resourceslice.Slice{{}}
 	}
 	return v, problems
+}
+
+// encodeSlices is what the publish loop compares to tell whether a view publishes
+// the same ResourceSlices as the last: their protobuf encodings, each after its
+// length (deterministic: the generated code sorts map keys). It runs on every
+// snapshot, one per Reserve and per Release at the agent, while a prepare may be
+// waiting for the CPU: reflection's DeepEqual of two views took eight times as long as
+// encoding one. ok is false if one would not encode (then publish: one publish too
+// many is harmless).
+func encodeSlices(slices []resourceslice.Slice) (enc []byte, ok bool) {
+	for _, s := range slices {
+		b, err := sliceSpec(s).Marshal()
+		if err != nil {
+			return nil, false
+		}
+		enc = binary.AppendUvarint(enc, uint64(len(b)))
+		enc = append(enc, b...)
+	}
+	return enc, true
+}
+
+// sliceSpec carries every field of s (TestSliceSpecHasEveryField keeps it so).
+func sliceSpec(s resourceslice.Slice) *resourceapi.ResourceSliceSpec {
+	return &resourceapi.ResourceSliceSpec{
+		Devices:                s.Devices,
+		SharedCounters:         s.SharedCounters,
+		PerDeviceNodeSelection: s.PerDeviceNodeSelection,
+		PartitionTypeAttribute: s.PartitionTypeAttribute,
+		SkipNodeOperations:     s.SkipNodeOperations,
+	}
 }
 
 // resources is the view as PublishResources takes it.
@@ -258,18 +294,19 @@ func version(s string) (string, bool) {
 
 // localityAttributes adds the standard resource.kubernetes.io attributes: pciBusID
 // and pcieRoot from the device's PCI bus ID, numaNode where known.
-func localityAttributes(attrs map[resourceapi.QualifiedName]resourceapi.DeviceAttribute, d *pb.Device, sysfs []deviceattribute.MachineModifier) (problems []string) {
+func localityAttributes(attrs map[resourceapi.QualifiedName]resourceapi.DeviceAttribute, d *pb.Device, pci *pciAttributes) (problems []string) {
 	loc := d.GetLocality()
 	if bus := strings.ToLower(loc.GetPciBusId()); bus != "" {
-		if a, err := deviceattribute.GetPCIBusIDAttribute(bus); err == nil {
-			attrs[a.Name] = a.Value
+		l := pci.lookup(bus)
+		if l.busErr == nil {
+			attrs[l.bus.Name] = l.bus.Value
 		} else {
-			problems = append(problems, fmt.Sprintf("device %s: pciBusID: %v", d.GetId(), err))
+			problems = append(problems, fmt.Sprintf("device %s: pciBusID: %v", d.GetId(), l.busErr))
 		}
 		// No pcieRoot where /sys does not have the device (simulated GPUs): not a
 		// problem worth a log line per snapshot.
-		if a, err := deviceattribute.GetPCIeRootAttributeByPCIBusID(bus, sysfs...); err == nil {
-			attrs[a.Name] = a.Value
+		if l.rootOK {
+			attrs[l.root.Name] = l.root.Value
 		}
 	}
 	if loc != nil && loc.GetNumaNode() >= 0 {
@@ -278,6 +315,53 @@ func localityAttributes(attrs map[resourceapi.QualifiedName]resourceapi.DeviceAt
 		}
 	}
 	return problems
+}
+
+// maxPCIMemo bounds what pciAttributes keeps: a machine has a few hundred PCI
+// functions at most; bus IDs past this many (a plugin inventing them) are looked up
+// each time rather than kept.
+const maxPCIMemo = 4096
+
+// pciAttributes looks up the pciBusID and pcieRoot attributes of a bus ID once and
+// keeps them: the library compiles a regular expression and reads /sys on every call,
+// which every snapshot (one per Reserve and per Release at the agent) would pay again
+// for every device, on the CPUs a prepare is waiting for. Where a bus ID sits in the
+// PCIe tree does not change while the machine runs. Safe for concurrent use; the zero
+// value reads the host's /sys.
+type pciAttributes struct {
+	sysfs []deviceattribute.MachineModifier // nil: the host's /sys
+
+	mu   sync.Mutex
+	memo map[string]pciLookup
+}
+
+// pciLookup is what the library said of one bus ID.
+type pciLookup struct {
+	bus    deviceattribute.DeviceAttribute
+	busErr error
+	root   deviceattribute.DeviceAttribute
+	rootOK bool
+}
+
+func (p *pciAttributes) lookup(bus string) pciLookup {
+	p.mu.Lock()
+	l, ok := p.memo[bus]
+	p.mu.Unlock()
+	if ok {
+		return l
+	}
+	l.bus, l.busErr = deviceattribute.GetPCIBusIDAttribute(bus)
+	root, err := deviceattribute.GetPCIeRootAttributeByPCIBusID(bus, p.sysfs...)
+	l.root, l.rootOK = root, err == nil
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.memo == nil {
+		p.memo = make(map[string]pciLookup)
+	}
+	if len(p.memo) < maxPCIMemo {
+		p.memo[bus] = l
+	}
+	return l
 }
 
 // taints says why the scheduler must not give d to a claim now: it is not healthy

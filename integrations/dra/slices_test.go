@@ -1,9 +1,12 @@
 package dra
 
 import (
+	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"testing"
 	"time"
 
@@ -11,6 +14,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/dynamic-resource-allocation/deviceattribute"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/utils/ptr"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
@@ -40,15 +44,10 @@ func intValue(n int64, unit string) *pb.Value {
 
 func stringValue(s string) *pb.Value { return &pb.Value{Kind: &pb.Value_StringValue{StringValue: s}} }
 
-// A snapshot with a partitionable GPU becomes a counter-set slice and a device slice,
-// every field as DRA wants it.
-func TestBuildViewFieldByField(t *testing.T) {
-	const (
-		gpu = "GPU-8f3a4b2c-1d2e-3f40-5a6b-7c8d9e0f1a2b"
-		mig = "MIG-8f3a4b2c-1d2e-3f40-5a6b-7c8d9e0f1a2b-1g.10gb-0"
-		bus = "0000:17:00.0"
-	)
-	snap := &pb.FingerprintResponse{
+// partitionedSnapshot is an agent snapshot of one H100 (at PCI bus ID bus, held by a
+// Kubernetes pod) and one of its MIG placements (unhealthy, blocked by that pod).
+func partitionedSnapshot(gpu, mig, bus string) *pb.FingerprintResponse {
+	return &pb.FingerprintResponse{
 		CounterSets: []*pb.CounterSet{{Plugin: "nvidia", Name: "gpu-0", Capacity: map[string]int64{"memory_slices": 8, "compute_slices": 7}}},
 		Groups: []*pb.DeviceGroup{
 			{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia",
@@ -70,8 +69,19 @@ func TestBuildViewFieldByField(t *testing.T) {
 					BlockedBy: []*pb.Holder{{ReservationId: "res-1", OwnerId: "k8s/default/trainer/main"}}}}},
 		},
 	}
+}
+
+// A snapshot with a partitionable GPU becomes a counter-set slice and a device slice,
+// every field as DRA wants it.
+func TestBuildViewFieldByField(t *testing.T) {
+	const (
+		gpu = "GPU-8f3a4b2c-1d2e-3f40-5a6b-7c8d9e0f1a2b"
+		mig = "MIG-8f3a4b2c-1d2e-3f40-5a6b-7c8d9e0f1a2b-1g.10gb-0"
+		bus = "0000:17:00.0"
+	)
+	snap := partitionedSnapshot(gpu, mig, bus)
 	v, problems := buildView(snap, buildOptions{driver: "devicehost.io", pool: "node-a",
-		sysfs: []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(fakeSysfs(t, bus))}})
+		pci: &pciAttributes{sysfs: []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(fakeSysfs(t, bus))}}})
 	if len(problems) > 0 {
 		t.Errorf("problems: %q", problems)
 	}
@@ -146,5 +156,113 @@ func TestBuildViewFieldByField(t *testing.T) {
 		if h.Health != "Unknown" {
 			t.Errorf("device %s while disconnected: health %s, want Unknown", h.DeviceName, h.Health)
 		}
+	}
+}
+
+// The publish loop republishes exactly when a snapshot changes what the slices say:
+// a view built again from the same snapshot is the same, and each change a user would
+// see in the ResourceSlice (a taint coming or going, a health reason, an attribute, a
+// counter, a device more or fewer) is a difference.
+func TestEncodeSlicesSeesEveryChange(t *testing.T) {
+	const (
+		gpu = "GPU-8f3a4b2c-1d2e-3f40-5a6b-7c8d9e0f1a2b"
+		mig = "MIG-8f3a4b2c-1d2e-3f40-5a6b-7c8d9e0f1a2b-1g.10gb-0"
+		bus = "0000:17:00.0"
+	)
+	o := buildOptions{driver: "devicehost.io", pool: "node-a", pci: &pciAttributes{}}
+	base, _ := buildView(partitionedSnapshot(gpu, mig, bus), o)
+	again, _ := buildView(partitionedSnapshot(gpu, mig, bus), o)
+	same := func(a, b *view) bool {
+		ea, okA := encodeSlices(a.slices)
+		eb, okB := encodeSlices(b.slices)
+		if !okA || !okB {
+			t.Fatal("slices would not encode")
+		}
+		return bytes.Equal(ea, eb)
+	}
+	if !same(base, again) {
+		t.Fatal("the same snapshot built twice: slices differ")
+	}
+	changes := map[string]func(*pb.FingerprintResponse){
+		"holder becomes a claim (taint goes)": func(s *pb.FingerprintResponse) {
+			s.Groups[0].Devices[0].Holder.OwnerId = "k8s-claim/default/pair/uid-1"
+		},
+		"held by another owner": func(s *pb.FingerprintResponse) { s.Groups[0].Devices[0].Holder.OwnerId = "nomad/x" },
+		"health reason":         func(s *pb.FingerprintResponse) { s.Groups[1].Devices[0].HealthReason = "XID 48" },
+		"healthy again":         func(s *pb.FingerprintResponse) { s.Groups[1].Devices[0].Health = pb.Health_HEALTH_HEALTHY },
+		"attribute":             func(s *pb.FingerprintResponse) { s.Groups[0].Attributes["power_limit"] = intValue(600, "W") },
+		"counter capacity":      func(s *pb.FingerprintResponse) { s.CounterSets[0].Capacity["compute_slices"] = 6 },
+		"counter consumption":   func(s *pb.FingerprintResponse) { s.Groups[1].Devices[0].Consumes[0].Counters["memory_slices"] = 2 },
+		"NUMA node":             func(s *pb.FingerprintResponse) { s.Groups[0].Devices[0].Locality.NumaNode = 0 },
+		"a device fewer":        func(s *pb.FingerprintResponse) { s.Groups[1].Devices = nil },
+		"a device more": func(s *pb.FingerprintResponse) {
+			s.Groups[1].Devices = append(s.Groups[1].Devices, &pb.Device{Id: mig + "x"})
+		},
+		"a counter set fewer":    func(s *pb.FingerprintResponse) { s.CounterSets = nil },
+		"a group's product name": func(s *pb.FingerprintResponse) { s.Groups[0].Name = "NVIDIA H200" },
+	}
+	for name, change := range changes {
+		snap := partitionedSnapshot(gpu, mig, bus)
+		change(snap)
+		v, _ := buildView(snap, o)
+		if same(base, v) {
+			t.Errorf("%s: slices reported the same, want a difference (the change would never be published)", name)
+		}
+	}
+}
+
+// sliceSpec drops none of a Slice's fields: a field the library adds to Slice must be
+// compared too, or a change in it alone would never be published.
+func TestSliceSpecHasEveryField(t *testing.T) {
+	var s resourceslice.Slice
+	sv := reflect.ValueOf(&s).Elem()
+	for i := range sv.NumField() {
+		f := sv.Field(i)
+		switch f.Kind() {
+		case reflect.Pointer:
+			f.Set(reflect.New(f.Type().Elem()))
+		case reflect.Slice:
+			f.Set(reflect.MakeSlice(f.Type(), 1, 1))
+		default:
+			t.Fatalf("Slice.%s: kind %s not handled by this test", sv.Type().Field(i).Name, f.Kind())
+		}
+	}
+	spec := reflect.ValueOf(sliceSpec(s)).Elem()
+	for i := range sv.NumField() {
+		name := sv.Type().Field(i).Name
+		got := spec.FieldByName(name)
+		if !got.IsValid() {
+			t.Errorf("ResourceSliceSpec has no field %s of Slice", name)
+			continue
+		}
+		if !reflect.DeepEqual(got.Interface(), sv.Field(i).Interface()) {
+			t.Errorf("sliceSpec does not carry Slice.%s", name)
+		}
+	}
+}
+
+// The PCI lookups are kept per bus ID, up to maxPCIMemo of them: a plugin reporting
+// ever new bus IDs cannot grow the driver without bound, and bus IDs past the bound
+// still get their attributes.
+func TestPCIAttributesBounded(t *testing.T) {
+	const bus = "0000:17:00.0"
+	p := &pciAttributes{sysfs: []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(fakeSysfs(t, bus))}}
+	for i := range maxPCIMemo + 100 {
+		b := fmt.Sprintf("0000:%02x:%02x.%d", i>>8&0xff, i>>3&0x1f, i&7)
+		if b == bus {
+			continue
+		}
+		if l := p.lookup(b); l.busErr != nil || l.rootOK {
+			t.Fatalf("bus %s: %+v, want a pciBusID and no pcieRoot (not in sysfs)", b, l)
+		}
+	}
+	if l := p.lookup(bus); l.busErr != nil || !l.rootOK || *l.root.Value.StringValue != "pci0000:16" {
+		t.Errorf("bus %s past the bound: %+v, want pcieRoot pci0000:16", bus, l)
+	}
+	if n := len(p.memo); n != maxPCIMemo {
+		t.Errorf("%d bus IDs kept, want the bound %d", n, maxPCIMemo)
+	}
+	if l := p.lookup("not-a-bus-id"); l.busErr == nil {
+		t.Error("bus ID \"not-a-bus-id\": no error")
 	}
 }
