@@ -1,6 +1,7 @@
 package cdi_test
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -360,5 +361,49 @@ func TestSiblingWritesItsOwnFile(t *testing.T) {
 		if _, err := w.Sibling(bad); err == nil || !strings.Contains(err.Error(), "file name") {
 			t.Errorf("Sibling(%q) = %v; want refused naming the file name", bad, err)
 		}
+	}
+}
+
+// A JSON writer (and its siblings) writes name.json, readable by every runtime and
+// resolving as the YAML file does; Remove takes it away.
+func TestJSONWriterResolvesLikeYAML(t *testing.T) {
+	dir := t.TempDir()
+	w, err := cdi.NewJSONWriter(dir, "devicehost-widgets")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sib, err := w.Sibling("devicehost-widgets-claim-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, x := range []*cdi.Writer{w, sib} {
+		if _, err := x.Write(widgetSpec(fmt.Sprintf("w%d", i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, p := range []string{filepath.Join(dir, "devicehost-widgets.json"), filepath.Join(dir, "devicehost-widgets-claim-1.json")} {
+		data, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !json.Valid(data) {
+			t.Errorf("%s: not JSON: %.80q", p, data)
+		}
+		if m := statFile(t, p).mode; m != 0o644 {
+			t.Errorf("%s: mode %v, want 0644", p, m)
+		}
+	}
+	c := runtimeCache(t, dir)
+	if got, want := c.ListDevices(), []string{kind + "=w0", kind + "=w1"}; !slices.Equal(got, want) {
+		t.Fatalf("devices in the spec dir = %v, want %v", got, want)
+	}
+	if d := c.GetDevice(kind + "=w1"); d == nil || !slices.Contains(d.GetSpec().ContainerEdits.Env, "WIDGET_DRIVER=v2") {
+		t.Errorf("device w1: not resolved with the spec's common edits: %+v", d)
+	}
+	if err := sib.Remove(); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := runtimeCache(t, dir).ListDevices(), []string{kind + "=w0"}; !slices.Equal(got, want) {
+		t.Fatalf("after the sibling's Remove: devices %v, want %v", got, want)
 	}
 }

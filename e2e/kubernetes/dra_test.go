@@ -634,7 +634,7 @@ func (d *draStack) deleteReleased(t *testing.T, name string, c *claim, res *pb.R
 
 // claimSpec is the CDI spec file the driver writes for a claim.
 func (d *draStack) claimSpec(c *claim) string {
-	return filepath.Join(d.n.cdiDir, draDriver+"-claim-"+c.Metadata.UID+".yaml")
+	return filepath.Join(d.n.cdiDir, draDriver+"-claim-"+c.Metadata.UID+".json")
 }
 
 // ---- the cases ------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 
@@ -14,7 +15,9 @@ import (
 	dppb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
-// cdiSpecs keeps one CDI spec file per prepared claim, of kind "<driver>/claim", with
+// cdiSpecs keeps one CDI spec file per prepared claim, "<driver>-claim-<uid>.json"
+// (JSON: written while the kubelet waits, in half of YAML's time), of kind
+// "<driver>/claim", with
 // one CDI device per reservation of the claim, named "<claim UID>-<reservation ID>":
 // unique per claim UID, as the kubelet's contract asks (a runtime that caches specs
 // never mistakes one claim's device for another's), and derived from the ledger alone,
@@ -62,7 +65,7 @@ func (c *cdiSpecs) writer(uid string) (*cdi.Writer, error) {
 	var w *cdi.Writer
 	var err error
 	if c.base == nil {
-		w, err = cdi.NewWriter(c.dir, c.file+uid)
+		w, err = cdi.NewJSONWriter(c.dir, c.file+uid)
 		c.base = w
 	} else {
 		w, err = c.base.Sibling(c.file + uid) // no read of the whole directory per claim
@@ -92,7 +95,8 @@ func (c *cdiSpecs) write(uid, claim string, rs []*pb.Reservation) error {
 	return err
 }
 
-// remove deletes claim uid's spec; a missing one is not an error.
+// remove deletes claim uid's spec, and the YAML one an earlier version of the driver
+// wrote; a missing one is not an error.
 func (c *cdiSpecs) remove(uid string) error {
 	if !validUID(uid) {
 		return nil
@@ -101,14 +105,29 @@ func (c *cdiSpecs) remove(uid string) error {
 	if err != nil {
 		return err
 	}
-	err = w.Remove()
+	err = errors.Join(w.Remove(), c.removeLegacy(uid))
 	c.mu.Lock()
 	delete(c.writers, uid)
 	c.mu.Unlock()
 	return err
 }
 
-// claims lists the UIDs of the claims that have a spec file.
+// legacyExt is the extension of the claim specs of drivers before JSON ones.
+const legacyExt = ".yaml"
+
+// removeLegacy deletes claim uid's YAML spec, if an earlier driver left one: the
+// runtime would find every device of the claim twice, in it and in the JSON spec,
+// and refuse both as conflicting.
+func (c *cdiSpecs) removeLegacy(uid string) error {
+	err := os.Remove(filepath.Join(c.dir, c.file+uid+legacyExt))
+	if err == nil || errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return fmt.Errorf("remove earlier CDI spec: %w", err)
+}
+
+// claims lists the UIDs of the claims that have a spec file (an earlier driver's
+// YAML one included).
 func (c *cdiSpecs) claims() ([]string, error) {
 	entries, err := os.ReadDir(c.dir)
 	if errors.Is(err, os.ErrNotExist) {
@@ -119,9 +138,14 @@ func (c *cdiSpecs) claims() ([]string, error) {
 	}
 	var uids []string
 	for _, e := range entries {
-		n := e.Name()
-		if uid, ok := strings.CutPrefix(n, c.file); ok && strings.HasSuffix(uid, ".yaml") {
-			uids = append(uids, strings.TrimSuffix(uid, ".yaml"))
+		rest, ok := strings.CutPrefix(e.Name(), c.file)
+		if !ok {
+			continue
+		}
+		for _, ext := range []string{".json", legacyExt} {
+			if uid, ok := strings.CutSuffix(rest, ext); ok && !slices.Contains(uids, uid) {
+				uids = append(uids, uid)
+			}
 		}
 	}
 	return uids, nil
@@ -193,7 +217,11 @@ func (d *Driver) repairCDI(ctx context.Context) error {
 	var errs []error
 	for ref, rs := range byClaim {
 		live[ref.uid] = true
-		if err := d.cdi.write(ref.uid, ref.namespace+"/"+ref.name, rs); err != nil {
+		err := d.cdi.write(ref.uid, ref.namespace+"/"+ref.name, rs)
+		if err == nil {
+			err = d.cdi.removeLegacy(ref.uid)
+		}
+		if err != nil {
 			errs = append(errs, fmt.Errorf("claim %s/%s: %w", ref.namespace, ref.name, err))
 		}
 	}
