@@ -3,11 +3,10 @@ package metrics
 import (
 	"fmt"
 	"strings"
-	"unicode"
-	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/devicehost/devicehost/internal/textline"
 	"github.com/devicehost/devicehost/manager/device"
 )
 
@@ -185,17 +184,7 @@ const maxLabelValueLen = 256
 // labelValue says whether s, a plugin's string, may be a label value: at most
 // maxLabelValueLen bytes of printable UTF-8. (The exposition format escapes what
 // needs it; this keeps a plugin from making series that are huge or unreadable.)
-func labelValue(s string) bool {
-	if len(s) > maxLabelValueLen || !utf8.ValidString(s) {
-		return false
-	}
-	for _, r := range s {
-		if !unicode.IsPrint(r) {
-			return false
-		}
-	}
-	return true
-}
+func labelValue(s string) bool { return len(s) <= maxLabelValueLen && textline.Printable(s) }
 
 // dcgmFields maps the nvidia-example plugin's stats to dcgm-exporter's fields
 // (default-counters.csv, plus FB_TOTAL and the volatile ECC totals), with the unit

@@ -3,8 +3,9 @@ package validate
 import (
 	"slices"
 	"strings"
-	"unicode"
 	"unicode/utf8"
+
+	"github.com/devicehost/devicehost/internal/textline"
 )
 
 // Limits on plugin output and requests. A list over its limit is reported once with
@@ -181,17 +182,6 @@ func validEnvName(name string) bool {
 	return true
 }
 
-// printable reports whether every rune of s is printable (letters, marks, numbers,
-// punctuation, symbols and the ASCII space); s must be valid UTF-8.
-func printable(s string) bool {
-	for _, r := range s {
-		if !unicode.IsPrint(r) {
-			return false
-		}
-	}
-	return true
-}
-
 // checkName checks an identifier: non-empty, at most MaxNameLen bytes, valid UTF-8,
 // printable.
 func (c *collector) checkName(item, s string) {
@@ -200,7 +190,7 @@ func (c *collector) checkName(item, s string) {
 		return
 	}
 	c.checkText(item, s, MaxNameLen)
-	if utf8.ValidString(s) && !printable(s) {
+	if utf8.ValidString(s) && !textline.Printable(s) {
 		c.add(item, RuleNotPrintable, "")
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/devicehost/devicehost/internal/textline"
 	"github.com/devicehost/devicehost/manager/device"
 )
 
@@ -63,7 +64,7 @@ func (f *fields) checkOptionalID(field, s string) {
 	}
 	if !utf8.ValidString(s) {
 		f.add(field, RuleInvalidUTF8, "")
-	} else if !printable(s) {
+	} else if !textline.Printable(s) {
 		f.add(field, RuleNotPrintable, "")
 	}
 }
@@ -74,7 +75,7 @@ func (f *fields) checkOptionalID(field, s string) {
 func (f *fields) checkOwner(field, s string) {
 	f.checkOptionalID(field, s)
 	switch {
-	case s == "" || !utf8.ValidString(s) || !printable(s):
+	case s == "" || !utf8.ValidString(s) || !textline.Printable(s):
 	case strings.Trim(s, " ") == "":
 		f.add(field, RuleSpaces, "only spaces")
 	case s[0] == ' ' || s[len(s)-1] == ' ':

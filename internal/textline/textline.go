@@ -147,6 +147,21 @@ func Escape(s string, limit int) string {
 	return w.String()
 }
 
+// Printable reports whether s is valid UTF-8 and every character of it printable, as
+// Line, Words and Escape take it: letters, marks, numbers, punctuation, symbols and the
+// ASCII space. It is the one test of "printable" for text that must be shown as it is
+// (a name the validator accepts, a label value the metrics keep).
+func Printable(s string) bool {
+	for i := 0; i < len(s); {
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if !printable(r, size) {
+			return false
+		}
+		i += size
+	}
+	return true
+}
+
 // printable reports whether the rune r, decoded from size bytes, is a printable
 // character: letters, marks, numbers, punctuation, symbols and the ASCII space. A byte
 // that is not UTF-8 is not.

@@ -214,3 +214,22 @@ func FuzzLine(f *testing.F) {
 		}
 	})
 }
+
+// Printable is true for text every character of which Line would keep as it is, and
+// false for any control or format character, any space but ' ', and any byte that is
+// not UTF-8.
+func TestPrintable(t *testing.T) {
+	for _, s := range []string{"", "GPU-8f3a 0", "NVIDIA H100 80GB HBM3", "naïve ✓ 日本", "a~b"} {
+		if !Printable(s) {
+			t.Errorf("Printable(%q) = false, want true", s)
+		}
+		if got := Line(s, 0); got != strings.TrimSpace(s) && s != "" {
+			t.Errorf("Line(%q) = %q: Line does not keep what Printable accepts", s, got)
+		}
+	}
+	for _, s := range []string{"a\nb", "tab\there", "\x1b[31mred", "bidi\u202eevil", "nbsp\u00a0x", "bad\xffutf8", "nul\x00", "del\x7f"} {
+		if Printable(s) {
+			t.Errorf("Printable(%q) = true, want false", s)
+		}
+	}
+}
