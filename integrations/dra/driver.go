@@ -117,9 +117,6 @@ type Driver struct {
 	// beforeUpdate, if set, is called by the agent watch before it takes in each
 	// update (tests).
 	beforeUpdate func()
-	// beforePublish, if set, is called by the publish loop before it publishes a
-	// view (tests).
-	beforePublish func()
 }
 
 // New checks cfg and returns a Driver; it starts nothing.
@@ -195,12 +192,11 @@ func (d *Driver) Run(ctx context.Context) error {
 	mon, _ := liveness.New(liveness.Config{StallTimeout: d.cfg.HealthStallTimeout, AgentTimeout: d.cfg.HealthAgentTimeout,
 		Logger: d.log.Named("health")}) // checked by New
 	watchTokens := mon.Loop("agent watch")
-	// The publish loop too: stuck, the scheduler would go on allocating from slices
-	// that no longer say which devices are held or unhealthy. (The stale-claim loop is
-	// not watched: stuck, it delays only the release of claims deleted while the driver
-	// was down, and its rounds wait on the API server, which may be slow for minutes
-	// without anything here being wrong.)
-	publishTokens := mon.Loop("ResourceSlice publish")
+	// Only the agent watch is watched. The publish loop's first PublishResources waits
+	// for the ResourceSlice informer to sync with the API server (a second here; as long
+	// as the API server is away on a node that starts without it), and a stuck
+	// stale-claim loop only delays releasing claims deleted while the driver was down,
+	// its rounds waiting on that same API server: a restart would mend neither.
 	var healthLis net.Listener
 	if d.cfg.HealthSocket != "" {
 		lis, err := liveness.Listen(d.cfg.HealthSocket)
@@ -240,7 +236,7 @@ func (d *Driver) Run(ctx context.Context) error {
 		g.Go(func() error { return mon.Serve(gctx, healthLis) })
 	}
 	g.Go(func() error { return d.watchLoop(gctx, mon, watchTokens) })
-	g.Go(func() error { return d.publishLoop(gctx, helper, publishTokens) })
+	g.Go(func() error { return d.publishLoop(gctx, helper) })
 	g.Go(func() error { return d.staleLoop(gctx) })
 	g.Go(func() error {
 		select {
@@ -307,7 +303,7 @@ func (d *Driver) watchLoop(ctx context.Context, mon *liveness.Monitor, tokens <-
 // one published. PublishResources can take a while the first time (it starts the
 // ResourceSlice controller and waits for its informer): views that come meanwhile
 // are skipped to the latest.
-func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper, tokens <-chan struct{}) error {
+func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper) error {
 	var (
 		published bool
 		last      []byte // encodeSlices of the view last published
@@ -319,9 +315,6 @@ func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper, 
 			enc, ok = encodeSlices(v.slices)
 		}
 		if v != nil && (!published || !ok || !bytes.Equal(enc, last)) {
-			if d.beforePublish != nil {
-				d.beforePublish()
-			}
 			if err := helper.PublishResources(ctx, v.resources()); err != nil {
 				if ctx.Err() != nil {
 					return nil
@@ -330,22 +323,10 @@ func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper, 
 			}
 			published, last = true, enc
 		}
-		if !waitChange(ctx, tokens, changed) {
-			return nil
-		}
-	}
-}
-
-// waitChange waits for changed to close, taking the loop's liveness tokens meanwhile;
-// false once ctx ends.
-func waitChange(ctx context.Context, tokens <-chan struct{}, changed <-chan struct{}) bool {
-	for {
 		select {
-		case <-tokens:
 		case <-changed:
-			return true
 		case <-ctx.Done():
-			return false
+			return nil
 		}
 	}
 }

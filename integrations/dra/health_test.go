@@ -10,7 +10,6 @@ import (
 	"time"
 
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	resourceapi "k8s.io/api/resource/v1"
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/internal/liveness/livenesstest"
@@ -54,38 +53,6 @@ func TestHealthSocketStuckWatch(t *testing.T) {
 	stuck.Store(false)
 	close(release)
 	p.Wait(t, "the agent watch through", healthpb.HealthCheckResponse_SERVING)
-}
-
-// The health socket says NOT_SERVING while the ResourceSlice publish loop is stuck
-// publishing a view (the scheduler would go on with slices that no longer say what is
-// held or unhealthy), and SERVING once it gets through.
-func TestHealthSocketStuckPublish(t *testing.T) {
-	r := newRig(t)
-	sock := filepath.Join(r.dir, "health.sock")
-	var stuck atomic.Bool
-	release := make(chan struct{})
-	r.publishHook = func() {
-		if stuck.Load() {
-			<-release
-		}
-	}
-	rd := r.startDriver(withHealth(sock, 200*time.Millisecond, time.Minute))
-	p := watchProbe(t, sock)
-	r.waitSlices("the first slices", func(d []resourceapi.Device) bool { return len(d) > 0 })
-	p.Wait(t, "a working driver", healthpb.HealthCheckResponse_SERVING)
-
-	stuck.Store(true)
-	r.agent.kill() // every device tainted "agent-unreachable": a view to publish
-	p.Wait(t, "the publish loop stuck", healthpb.HealthCheckResponse_NOT_SERVING)
-	if !strings.Contains(rd.log.String(), "the ResourceSlice publish loop has made no progress") {
-		t.Errorf("the driver's log does not name the stuck loop:\n%s", rd.log)
-	}
-	stuck.Store(false)
-	close(release)
-	p.Wait(t, "the publish loop through", healthpb.HealthCheckResponse_SERVING)
-	r.waitSlices("devices tainted agent-unreachable", func(d []resourceapi.Device) bool {
-		return len(d) > 0 && len(d[0].Taints) > 0 && d[0].Taints[0].Value == "agent-unreachable"
-	})
 }
 
 // The health socket says NOT_SERVING once the agent has been unreachable for the

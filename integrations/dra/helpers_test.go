@@ -128,8 +128,6 @@ type rig struct {
 	staleHook func(staleRound)
 	// updateHook, if set when a driver starts, is its beforeUpdate.
 	updateHook func()
-	// publishHook, if set when a driver starts, is its beforePublish.
-	publishHook func()
 }
 
 func newRig(t testing.TB) *rig {
@@ -237,7 +235,6 @@ func (r *rig) startDriver(edit func(*Config)) *runningDriver {
 	}
 	d.afterStaleRound = r.staleHook
 	d.beforeUpdate = r.updateHook
-	d.beforePublish = r.publishHook
 	ctx, cancel := context.WithCancel(context.Background())
 	rd := &runningDriver{d: d, cancel: cancel, done: make(chan error, 1), log: log}
 	go func() { rd.done <- d.Run(ctx) }()
