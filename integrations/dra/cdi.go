@@ -17,8 +17,8 @@ import (
 
 // cdiSpecs keeps one CDI spec file per prepared claim, "<driver>-claim-<uid>.json"
 // (JSON: written while the kubelet waits, in half of YAML's time), of kind
-// "<driver>/claim", with
-// one CDI device per reservation of the claim, named "<claim UID>-<reservation ID>":
+// "<driver>/claim", with one CDI device per reservation of the claim, named
+// "<claim UID>-<reservation ID>":
 // unique per claim UID, as the kubelet's contract asks (a runtime that caches specs
 // never mistakes one claim's device for another's), and derived from the ledger alone,
 // so a driver that restarts writes the same names again. Safe for concurrent use.

@@ -193,10 +193,11 @@ func (d *Driver) Run(ctx context.Context) error {
 		Logger: d.log.Named("health")}) // checked by New
 	watchTokens := mon.Loop("agent watch")
 	// Only the agent watch is watched. The publish loop's first PublishResources waits
-	// for the ResourceSlice informer to sync with the API server (a second here; as long
-	// as the API server is away on a node that starts without it), and a stuck
-	// stale-claim loop only delays releasing claims deleted while the driver was down,
-	// its rounds waiting on that same API server: a restart would mend neither.
+	// for the ResourceSlice informer to sync with the API server (about a second in the
+	// tests, and as long as the API server is unreachable on a node that starts without
+	// it), and a stuck stale-claim loop only delays releasing claims deleted while the
+	// driver was down, its rounds waiting on that same API server: a restart would mend
+	// neither.
 	var healthLis net.Listener
 	if d.cfg.HealthSocket != "" {
 		lis, err := liveness.Listen(d.cfg.HealthSocket)
