@@ -103,6 +103,9 @@ type Driver struct {
 	pci   *pciAttributes
 
 	fatal chan error // HandleError's fatal errors, for Run
+	// republish asks the publish loop to publish the current view again, unchanged:
+	// someone deleted the pool's slices (sliceGoneLoop).
+	republish chan struct{}
 
 	mu      sync.Mutex
 	cur     *view         // latest; nil before the first snapshot
@@ -160,14 +163,15 @@ func New(cfg Config) (*Driver, error) {
 		return nil, err
 	}
 	d := &Driver{
-		cfg:     cfg,
-		log:     cfg.Logger,
-		agent:   cfg.Agent,
-		cdi:     cdi,
-		fatal:   make(chan error, 1),
-		changed: make(chan struct{}),
-		stale:   make(map[string]time.Time),
-		pci:     &pciAttributes{},
+		cfg:       cfg,
+		log:       cfg.Logger,
+		agent:     cfg.Agent,
+		cdi:       cdi,
+		fatal:     make(chan error, 1),
+		republish: make(chan struct{}, 1),
+		changed:   make(chan struct{}),
+		stale:     make(map[string]time.Time),
+		pci:       &pciAttributes{},
 	}
 	if cfg.SysfsRoot != "" {
 		d.pci.sysfs = []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(cfg.SysfsRoot)}
@@ -239,6 +243,7 @@ func (d *Driver) Run(ctx context.Context) error {
 	g.Go(func() error { return d.watchLoop(gctx, mon, watchTokens) })
 	g.Go(func() error { return d.publishLoop(gctx, helper) })
 	g.Go(func() error { return d.staleLoop(gctx) })
+	g.Go(func() error { return d.sliceGoneLoop(gctx) })
 	g.Go(func() error {
 		select {
 		case err := <-d.fatal:
@@ -301,9 +306,9 @@ func (d *Driver) watchLoop(ctx context.Context, mon *liveness.Monitor, tokens <-
 }
 
 // publishLoop publishes the current view's pool whenever it differs from the last
-// one published. PublishResources can take a while the first time (it starts the
-// ResourceSlice controller and waits for its informer): views that come meanwhile
-// are skipped to the latest.
+// one published, and again when asked to (republish). PublishResources can take a
+// while the first time (it starts the ResourceSlice controller and waits for its
+// informer): views that come meanwhile are skipped to the latest.
 func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper) error {
 	var (
 		published bool
@@ -326,6 +331,8 @@ func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper) 
 		}
 		select {
 		case <-changed:
+		case <-d.republish:
+			published = false
 		case <-ctx.Done():
 			return nil
 		}

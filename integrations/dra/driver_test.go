@@ -3,6 +3,7 @@ package dra
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -559,5 +560,34 @@ func TestStaleClaimReleasedAfterGrace(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(r.cdiDir, testDriver+"-claim-"+string(gone.UID)+".json")); !os.IsNotExist(err) {
 		t.Errorf("deleted claim's CDI spec: %v; want removed", err)
+	}
+}
+
+// The kubelet deletes every ResourceSlice of its node when it starts. The driver
+// publishes its pool again within a second, not after the helper's own 30 s resync:
+// until then the scheduler would place no claim on the node. A second deletion, after
+// the first republish, is mended as well.
+func TestPoolRepublishedAfterDeletion(t *testing.T) {
+	r := newRig(t)
+	rd := r.startDriver(nil)
+	r.waitSlices("8 GPUs", func(d []resourceapi.Device) bool { return len(d) == 8 })
+	ctx := context.Background()
+	for round := 1; round <= 2; round++ {
+		list, err := r.kube.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		for _, s := range list.Items {
+			if err := r.kube.ResourceV1().ResourceSlices().Delete(ctx, s.Name, metav1.DeleteOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		r.waitSlicesWithin(10*time.Second, fmt.Sprintf("round %d: 8 GPUs again after the deletion", round),
+			func(d []resourceapi.Device) bool { return len(d) == 8 })
+		t.Logf("round %d: %d slices deleted, pool published again %v later", round, len(list.Items), time.Since(start).Round(time.Millisecond))
+	}
+	if !strings.Contains(rd.log.String(), "publishing them again") {
+		t.Errorf("the driver's log does not say why it published again:\n%s", rd.log)
 	}
 }

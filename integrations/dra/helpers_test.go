@@ -370,9 +370,15 @@ func (r *rig) claim(name string, devices ...string) *resourceapi.ResourceClaim {
 // It follows every stored version of the slices (a watch), so a state that lasts
 // only a moment is seen too.
 func (r *rig) waitSlices(what string, ok func([]resourceapi.Device) bool) []resourceapi.Device {
+	r.t.Helper()
+	return r.waitSlicesWithin(testTimeout, what, ok)
+}
+
+// waitSlicesWithin is waitSlices, failing the test after timeout.
+func (r *rig) waitSlicesWithin(timeout time.Duration, what string, ok func([]resourceapi.Device) bool) []resourceapi.Device {
 	t := r.t
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	w, err := r.kube.ResourceV1().ResourceSlices().Watch(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -413,7 +419,7 @@ func (r *rig) waitSlices(what string, ok func([]resourceapi.Device) bool) []reso
 			for _, d := range devs {
 				taints = append(taints, fmt.Sprintf("%s: %v", d.Name, d.Taints))
 			}
-			t.Fatalf("published slices: %s: not seen in %v; last: %d devices, taints %v", what, testTimeout, len(devs), taints)
+			t.Fatalf("published slices: %s: not seen in %v; last: %d devices, taints %v", what, timeout, len(devs), taints)
 		}
 	}
 }
