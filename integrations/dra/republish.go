@@ -47,10 +47,8 @@ func (d *Driver) sliceGoneLoop(ctx context.Context) error {
 	factory.Start(ctx.Done())
 	defer factory.Shutdown()
 
-	timer := time.NewTimer(0)
-	if !timer.Stop() {
-		<-timer.C
-	}
+	timer := time.NewTimer(republishDelay)
+	timer.Stop() // armed by the first deletion; since Go 1.23 a stopped timer sends nothing
 	defer timer.Stop()
 	for {
 		select {
