@@ -132,11 +132,9 @@ func TestBlockedByFollowsEveryChange(t *testing.T) {
 			plugin, groups, _ := twoPartitionedGPUs(7)
 			cfg, _ := testConfig(t)
 			m, _ := startInprocManager(t, cfg, plugin)
+			waitReady(t, m)
 			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 			defer cancel()
-			if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
-				t.Fatal(err)
-			}
 			var ids []string
 			keys := make(map[string]device.GroupKey)
 			for _, g := range groups {

@@ -47,11 +47,9 @@ func TestReserveWithinSharedCounters(t *testing.T) {
 	plugin := partitionedGPU(8)
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, plugin)
+	waitReady(t, m)
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
-	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
-		t.Fatal(err)
-	}
 	var ids []string
 	for i := range 7 {
 		r, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: fmt.Sprintf("job-%d", i), Group: partKey, DeviceIDs: []string{fmt.Sprintf("P-%02d", i)}})
@@ -107,11 +105,9 @@ func TestConcurrentReservesForTheLastPartitions(t *testing.T) {
 	plugin := partitionedGPU(16)
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, plugin)
+	waitReady(t, m)
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
-	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
-		t.Fatal(err)
-	}
 	for i := range 4 {
 		if _, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: fmt.Sprintf("early-%d", i), Group: partKey, DeviceIDs: []string{fmt.Sprintf("P-%02d", i)}}); err != nil {
 			t.Fatal(err)
@@ -158,11 +154,9 @@ func TestPluginToldItsLiveReservationsOnEachStart(t *testing.T) {
 	plugin := partitionedGPU(8)
 	cfg, _ := testConfig(t)
 	m, l := startInprocManager(t, cfg, plugin)
+	waitReady(t, m)
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
-	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
-		t.Fatal(err)
-	}
 	if got := plugin.reconcileCalls(); len(got) != 1 || len(got[0]) != 0 {
 		t.Fatalf("first start: Reconcile calls %v, want one with no reservations", got)
 	}

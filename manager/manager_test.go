@@ -410,11 +410,9 @@ func TestReserve(t *testing.T) {
 	cfg, _ := testConfig(t)
 	cfg.ReserveTimeout = 300 * time.Millisecond
 	m, _ := startInprocManager(t, cfg, alpha, beta)
+	waitReady(t, m)
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
-	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
-		t.Fatal(err)
-	}
 	a1 := device.GroupKey{Vendor: "acme", Type: "gpu", Name: "A1"}
 	a2 := device.GroupKey{Vendor: "acme", Type: "gpu", Name: "A2"}
 
@@ -575,11 +573,9 @@ func TestReserveNeverAsksThePluginForAHeldDevice(t *testing.T) {
 	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0"))
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, alpha)
+	waitReady(t, m)
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
-	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
-		t.Fatal(err)
-	}
 	gs := &gatedStore{reservationStore: m.store, checked: make(chan struct{}), gate: make(chan struct{})}
 	m.store = gs // before any Reserve; no goroutine of the manager reads m.store
 	a1 := device.GroupKey{Vendor: "acme", Type: "gpu", Name: "A1"}
