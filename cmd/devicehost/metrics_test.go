@@ -156,13 +156,12 @@ func (a *metricsAgent) scrape(t *testing.T) map[string]*dto.MetricFamily {
 func seriesWith(mfs map[string]*dto.MetricFamily, name string, want map[string]string) []*dto.Metric {
 	var out []*dto.Metric
 	for _, m := range mfs[name].GetMetric() {
+		labels := labelMap(m)
 		ok := true
 		for k, v := range want {
-			found := false
-			for _, l := range m.GetLabel() {
-				found = found || (l.GetName() == k && l.GetValue() == v)
+			if l, has := labels[k]; !has || l != v {
+				ok = false
 			}
-			ok = ok && found
 		}
 		if ok {
 			out = append(out, m)
