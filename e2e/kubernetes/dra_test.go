@@ -2,7 +2,6 @@ package kubernetes
 
 import (
 	"bytes"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -439,19 +438,7 @@ func (d *draStack) submitTemplate(t *testing.T, prefix string, spec any) string 
 	t.Helper()
 	d.podSeq++
 	name := fmt.Sprintf("%s-%d-%d", prefix, time.Now().Unix()%100000, d.podSeq)
-	obj := map[string]any{
-		"apiVersion": "resource.k8s.io/v1",
-		"kind":       "ResourceClaimTemplate",
-		"metadata":   map[string]any{"name": name, "namespace": podNamespace, "labels": map[string]string{"app": podLabel}},
-		"spec":       map[string]any{"spec": spec},
-	}
-	data, err := json.Marshal(obj)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if out, err := d.n.kubectl(data, "create", "-f", "-"); err != nil {
-		t.Fatalf("create ResourceClaimTemplate %s: %v %s", name, err, out)
-	}
+	d.n.createObject(t, "resource.k8s.io/v1", "ResourceClaimTemplate", name, map[string]any{"spec": spec})
 	return name
 }
 

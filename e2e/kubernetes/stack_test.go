@@ -366,20 +366,27 @@ func (s *stack) submitPod(t *testing.T, prefix string, shape func(spec, containe
 		"containers":                    []any{container},
 	}
 	shape(spec, container)
-	p := map[string]any{
-		"apiVersion": "v1",
-		"kind":       "Pod",
+	s.n.createObject(t, "v1", "Pod", name, spec)
+	return name
+}
+
+// createObject creates an object of the suite (namespace podNamespace, label
+// app=podLabel, which the cleanups select by), failing t if the API server refuses it.
+func (n *nodeEnv) createObject(t *testing.T, apiVersion, kind, name string, spec any) {
+	t.Helper()
+	obj := map[string]any{
+		"apiVersion": apiVersion,
+		"kind":       kind,
 		"metadata":   map[string]any{"name": name, "namespace": podNamespace, "labels": map[string]string{"app": podLabel}},
 		"spec":       spec,
 	}
-	data, err := json.Marshal(p)
+	data, err := json.Marshal(obj)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if out, err := s.n.kubectl(data, "create", "-f", "-"); err != nil {
-		t.Fatalf("create pod %s: %v %s", name, err, out)
+	if out, err := n.kubectl(data, "create", "-f", "-"); err != nil {
+		t.Fatalf("create %s %s: %v %s", kind, name, err, out)
 	}
-	return name
 }
 
 func (s *stack) getPod(name string) (*pod, error) {
