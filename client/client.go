@@ -34,10 +34,10 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/devicehost/devicehost/backoff"
 	"github.com/devicehost/devicehost/endpoint"
-	"github.com/devicehost/devicehost/internal/backoff"
-	"github.com/devicehost/devicehost/internal/textline"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // ServiceName is the host API's gRPC service name, under which the agent reports its

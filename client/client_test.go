@@ -16,9 +16,9 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/device/devicetest"
 	"github.com/devicehost/devicehost/endpoint"
-	"github.com/devicehost/devicehost/manager/device"
-	"github.com/devicehost/devicehost/manager/device/devicetest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/servertest"

@@ -8,7 +8,7 @@ import (
 
 	"google.golang.org/protobuf/types/known/durationpb"
 
-	"github.com/devicehost/devicehost/internal/backoff"
+	"github.com/devicehost/devicehost/backoff"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 

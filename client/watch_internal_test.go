@@ -4,7 +4,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/internal/backoff"
+	"github.com/devicehost/devicehost/backoff"
 )
 
 func TestOfferKeepsOnlyTheLatest(t *testing.T) {

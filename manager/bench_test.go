@@ -15,7 +15,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	bolt "go.etcd.io/bbolt"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/manager/ledger"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )

@@ -10,10 +10,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/manager/inventory"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 // These tests check that a plugin cannot take another plugin's devices: an

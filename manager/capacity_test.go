@@ -9,8 +9,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/deviceplugin"
-	"github.com/devicehost/devicehost/manager/device"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 

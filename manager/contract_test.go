@@ -6,8 +6,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
-	"github.com/devicehost/devicehost/manager/device/devicetest"
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/device/devicetest"
 )
 
 // TestFakeManagerContract drives every method of device.Manager on devicetest.Fake: the

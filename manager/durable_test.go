@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/manager/ledger"
 )
 

@@ -11,13 +11,13 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/deviceplugin"
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
-// This file is the in-process harness for the fixture plugin (internal/fixtureplugin):
+// This file is the in-process harness for the fixture plugin (tools/fixtureplugin):
 // each launch is a fresh fixture configured by the plugin's ConfigJSON, served over
 // go-plugin's in-process test connection, so tests of hostile plugins can run many of them cheaply.
 

@@ -17,9 +17,9 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/deviceplugin"
 	"github.com/devicehost/devicehost/deviceplugin/deviceplugintest"
-	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"

@@ -10,9 +10,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/manager/inventory"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 // These tests check what a failing plugin leaves in answers and in the log,

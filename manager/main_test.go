@@ -9,7 +9,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"go.uber.org/goleak"
 
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 // fixtureBin is the fixture plugin binary, built once for the real-process tests.

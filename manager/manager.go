@@ -3,7 +3,7 @@
 // plugin status, samples stats once per plugin and fans them out, and routes Reserve to
 // the plugin the devices are bound to.
 //
-// It implements the contract in manager/device; the gRPC server depends on that contract
+// It implements the contract in device; the gRPC server depends on that contract
 // only. Its parts are inner packages: manager/inventory (what it knows of the devices:
 // the inventory, device health, plugin status, readiness, device-ID bindings to plugins,
 // the latest stats and the host API's byte budgets), manager/supervise (one plugin's
@@ -92,7 +92,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/manager/ledger"
 	"github.com/devicehost/devicehost/manager/supervise"

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // LatestStats reads the latest samples the plugins' own stats streams brought: however

@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 // These tests run the manager on a watched plugin dir, with the fixture binary (built

@@ -6,9 +6,9 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/pluginloader"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 func TestSetPluginsAppliesAddedChangedAndRemovedSettings(t *testing.T) {

@@ -7,8 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 // These tests check that one broken plugin does not hold the node's readiness for

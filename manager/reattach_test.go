@@ -17,12 +17,12 @@ import (
 
 	goplugin "github.com/hashicorp/go-plugin"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/deviceplugin"
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
-	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/manager/ledger"
 	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 // These tests keep real plugin processes across a "crash" of the host (PluginConfig.Reattach).

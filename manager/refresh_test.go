@@ -4,7 +4,7 @@ import (
 	"reflect"
 	"testing"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // TestReserveAndReleasePublishHolderChanges: a Reserve and a Release each publish a new

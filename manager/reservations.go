@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/manager/ledger"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"

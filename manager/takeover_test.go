@@ -12,7 +12,7 @@ import (
 
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // forEachStateDir runs fn on a manager without a state dir (its ledger in a temporary

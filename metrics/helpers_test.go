@@ -19,8 +19,8 @@ import (
 	"github.com/prometheus/common/model"
 	"go.uber.org/goleak"
 
-	"github.com/devicehost/devicehost/manager/device"
-	"github.com/devicehost/devicehost/manager/device/devicetest"
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/device/devicetest"
 	"github.com/devicehost/devicehost/metrics"
 )
 

@@ -23,7 +23,7 @@
 // a name that collides with another or with the agent's own metrics is dropped and
 // counted in devicehost_metrics_series_dropped, so no plugin can break a scrape.
 //
-// The package depends on the manager's contract (manager/device) only; the manager
+// The package depends on the manager's contract (device) only; the manager
 // itself never imports Prometheus.
 package metrics
 
@@ -44,7 +44,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/net/netutil"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // Defaults of Options.

@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/metrics"
 )
 

@@ -6,8 +6,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/devicehost/devicehost/internal/textline"
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // statPrefix starts the name of every device stat that has no dcgm-exporter name.

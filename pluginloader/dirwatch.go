@@ -11,7 +11,7 @@ import (
 	"github.com/fsnotify/fsnotify"
 	"github.com/hashicorp/go-hclog"
 
-	"github.com/devicehost/devicehost/internal/textline"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // This file watches the plugin dir. The rule for acting on a change, per file name:

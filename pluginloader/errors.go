@@ -14,7 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/deviceplugin"
-	"github.com/devicehost/devicehost/internal/textline"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // ErrChecksumMismatch, ErrProtocolVersion, ErrConfigRejected, ErrInsecurePath and

@@ -14,8 +14,8 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"go.uber.org/goleak"
 
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/pluginloader"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 var (

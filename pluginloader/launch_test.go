@@ -22,9 +22,9 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/devicehost/devicehost/deviceplugin"
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 // firstFingerprint opens a Fingerprint stream and returns its first message.

@@ -14,8 +14,8 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/pluginloader"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 // script writes a shell script plugin into a new temp dir and returns it as a Binary.

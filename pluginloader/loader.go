@@ -27,8 +27,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/deviceplugin"
-	"github.com/devicehost/devicehost/internal/textline"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // Binary is a plugin executable found in the plugin dir.

@@ -13,7 +13,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"golang.org/x/time/rate"
 
-	"github.com/devicehost/devicehost/internal/textline"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // Defaults of LogLimit.

@@ -11,8 +11,8 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/pluginloader"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 const (

@@ -12,11 +12,11 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
-	"github.com/devicehost/devicehost/internal/rawgrpc"
-	"github.com/devicehost/devicehost/manager/device"
-	"github.com/devicehost/devicehost/manager/device/devicetest"
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/device/devicetest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/tools/rawgrpc"
 )
 
 // Requests that are not valid protobuf for their message. Field 1 of every request

@@ -18,8 +18,8 @@ import (
 	"google.golang.org/protobuf/encoding/prototext"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/endpoint"
-	"github.com/devicehost/devicehost/manager/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 )

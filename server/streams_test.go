@@ -13,8 +13,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/devicehost/devicehost/manager/device"
-	"github.com/devicehost/devicehost/manager/device/devicetest"
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/device/devicetest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 )

@@ -5,7 +5,7 @@ import (
 	"strings"
 	"unicode/utf8"
 
-	"github.com/devicehost/devicehost/internal/textline"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // Limits on plugin output and requests. A list over its limit is reported once with

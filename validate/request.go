@@ -6,8 +6,8 @@ import (
 	"strings"
 	"unicode/utf8"
 
-	"github.com/devicehost/devicehost/internal/textline"
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // fields gathers *device.FieldError values for a request, up to MaxViolations; past

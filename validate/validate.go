@@ -14,7 +14,7 @@
 package validate
 
 import (
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 

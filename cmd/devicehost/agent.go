@@ -18,8 +18,8 @@ import (
 	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/hashicorp/go-hclog"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/endpoint"
-	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/metrics"
 	"github.com/devicehost/devicehost/server"
 )

@@ -14,9 +14,9 @@ import (
 	"github.com/hashicorp/go-hclog"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/device/devicetest"
 	"github.com/devicehost/devicehost/endpoint"
-	"github.com/devicehost/devicehost/manager/device"
-	"github.com/devicehost/devicehost/manager/device/devicetest"
 	"github.com/devicehost/devicehost/server"
 )
 

@@ -16,8 +16,8 @@ import (
 	"go.uber.org/goleak"
 	"google.golang.org/protobuf/encoding/protojson"
 
-	"github.com/devicehost/devicehost/manager/device"
-	"github.com/devicehost/devicehost/manager/device/devicetest"
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/device/devicetest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/servertest"

@@ -13,7 +13,7 @@ import (
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/endpoint"
-	"github.com/devicehost/devicehost/internal/textline"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // addressEnv, when set, is the client subcommands' default -address.

@@ -21,8 +21,8 @@ import (
 
 	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/internal/idpattern"
-	"github.com/devicehost/devicehost/internal/textline"
 	"github.com/devicehost/devicehost/manager"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // Defaults of the agent's settings. Durations and counts left zero are the manager's

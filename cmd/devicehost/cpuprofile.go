@@ -12,7 +12,7 @@ import (
 	"syscall"
 )
 
-// A devicehost built with -tags cpuprofile (for internal/cmd/hostbench, never shipped)
+// A devicehost built with -tags cpuprofile (for tools/hostbench, never shipped)
 // profiles itself on request: SIGUSR1 starts a CPU profile into $DEVICEHOST_CPUPROFILE
 // and an execution trace into $DEVICEHOST_TRACE (each only when set), SIGUSR2 stops
 // them. Each file is written under a temporary name and renamed once complete, so a

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/devicehost/devicehost/internal/k8smanifest"
+	"github.com/devicehost/devicehost/tools/k8smanifest"
 )
 
 // The Kubernetes manifests in deploy/kubernetes are checked here, with the binary's own

@@ -25,10 +25,10 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/devicehost/devicehost/endpoint"
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	"github.com/devicehost/devicehost/metrics"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 // fixturePluginDir returns the dir the fixture plugin was built into (once per test

@@ -4,8 +4,8 @@ import (
 	"context"
 	"strconv"
 
-	"github.com/devicehost/devicehost/internal/textline"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // runPlugins is `devicehost plugins`.

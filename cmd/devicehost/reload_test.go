@@ -15,9 +15,9 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/devicehost/devicehost/endpoint"
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 // These tests run the built agent on a plugin dir holding copies of the fixture plugin,

@@ -8,8 +8,8 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/manager"
-	"github.com/devicehost/devicehost/manager/device"
 	"github.com/devicehost/devicehost/pluginloader"
 )
 

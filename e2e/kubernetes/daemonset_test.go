@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/devicehost/devicehost/internal/k8smanifest"
+	"github.com/devicehost/devicehost/tools/k8smanifest"
 )
 
 // The DaemonSet of deploy/kubernetes/devicehost.yaml, rendered into host processes: each

@@ -18,8 +18,8 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
-	"github.com/devicehost/devicehost/internal/k8smanifest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/k8smanifest"
 )
 
 // The DRA driver on the real node: devicehost-dra-plugin (integrations/dra, a module of

@@ -35,7 +35,7 @@ import (
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 
 	"github.com/devicehost/devicehost/client"
-	"github.com/devicehost/devicehost/internal/liveness"
+	"github.com/devicehost/devicehost/integrations/liveness"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 

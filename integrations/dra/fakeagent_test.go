@@ -21,8 +21,8 @@ import (
 	drahealthpb "k8s.io/kubelet/pkg/apis/dra-health/v1"
 
 	"github.com/devicehost/devicehost/client"
-	"github.com/devicehost/devicehost/manager/device"
-	"github.com/devicehost/devicehost/manager/device/devicetest"
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/device/devicetest"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/servertest"
 )

@@ -12,7 +12,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/devicehost/devicehost/client"
-	"github.com/devicehost/devicehost/internal/liveness/livenesstest"
+	"github.com/devicehost/devicehost/integrations/liveness/livenesstest"
 )
 
 // watchProbe follows the driver's health socket as a liveness probe asks it, until

@@ -8,8 +8,8 @@ import (
 
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
-	"github.com/devicehost/devicehost/manager/device"
 )
 
 // BenchmarkHealthPropagation measures how long a device's health change at the agent

@@ -30,7 +30,7 @@ import (
 	prapi "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/devicehost/devicehost/client"
-	"github.com/devicehost/devicehost/internal/liveness"
+	"github.com/devicehost/devicehost/integrations/liveness"
 )
 
 // Defaults of Config.

@@ -18,9 +18,9 @@ import (
 	"google.golang.org/protobuf/proto"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/integrations/kubernetes"
 	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
-	"github.com/devicehost/devicehost/manager/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 

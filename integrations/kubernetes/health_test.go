@@ -11,10 +11,10 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/integrations/kubernetes"
 	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
-	"github.com/devicehost/devicehost/internal/liveness/livenesstest"
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/integrations/liveness/livenesstest"
 )
 
 func withHealthSocket(sock string, stall, agent time.Duration) func(*kubernetes.Config) {

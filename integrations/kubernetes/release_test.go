@@ -13,9 +13,9 @@ import (
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 	prapi "k8s.io/kubelet/pkg/apis/podresources/v1"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/integrations/kubernetes"
 	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
-	"github.com/devicehost/devicehost/manager/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 

@@ -9,9 +9,9 @@ import (
 	"google.golang.org/grpc/status"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/integrations/kubernetes"
 	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
-	"github.com/devicehost/devicehost/manager/device"
 )
 
 var (

@@ -7,10 +7,10 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/internal/idpattern"
-	"github.com/devicehost/devicehost/internal/textline"
-	"github.com/devicehost/devicehost/manager/device"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/textline"
 	"github.com/devicehost/devicehost/validate"
 )
 

@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 var acmeA1 = device.GroupKey{Vendor: "acme", Type: "gpu", Name: "A1"}

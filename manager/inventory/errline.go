@@ -1,6 +1,6 @@
 package inventory
 
-import "github.com/devicehost/devicehost/internal/textline"
+import "github.com/devicehost/devicehost/textline"
 
 // MaxErrorLen bounds, in bytes, what the registry keeps of an error as a plugin's last
 // error or a device's health reason: both reach every ListPlugins answer, and the last

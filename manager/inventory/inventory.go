@@ -24,7 +24,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // Registry is the manager's inventory and state: the last good fingerprint of every

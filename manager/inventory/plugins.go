@@ -5,7 +5,7 @@ import (
 	"slices"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // This file is what the manager tells the registry about its plugins: which are this

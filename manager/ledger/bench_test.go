@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // Set TMPDIR to the filesystem to measure: every state file lives in b.TempDir.

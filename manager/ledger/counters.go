@@ -9,7 +9,7 @@ import (
 	"strings"
 	"sync"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // This file is shared capacity (GPU partitioning): what live reservations use of their

@@ -10,7 +10,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // A GPU that can be had whole or as seven one-slice partitions, as an on-demand MIG

@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // crashHelperEnv names the state file the helper process writes to; unset, the helper

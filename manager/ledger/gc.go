@@ -12,8 +12,8 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
-	"github.com/devicehost/devicehost/internal/backoff"
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/backoff"
+	"github.com/devicehost/devicehost/device"
 )
 
 // GC defaults, used for zero GCConfig fields.

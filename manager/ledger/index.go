@@ -6,7 +6,7 @@ import (
 	"maps"
 	"slices"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // index is the in-memory view of the durable reservations. The live ones are kept as

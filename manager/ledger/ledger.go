@@ -36,7 +36,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	bolt "go.etcd.io/bbolt"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // DefaultFileName is the ledger file's name inside the state dir.
@@ -46,7 +46,7 @@ const DefaultFileName = "devicehost.db"
 const DefaultLockTimeout = time.Second
 
 // Errors of this package, matched with errors.Is. Domain errors (a held device, an unknown
-// reservation, a malformed request) wrap the sentinels of manager/device instead.
+// reservation, a malformed request) wrap the sentinels of device instead.
 var (
 	// ErrCorrupt: the state file is not a bbolt file, fails its consistency check, or
 	// holds a record that cannot be read. Returned by Open inside a *StateFileError.

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // commitLog records what Options.OnCommit is told. Safe for concurrent use.

@@ -6,7 +6,7 @@ import (
 	"slices"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // packed is a released reservation, all but its ID, packed into one string.

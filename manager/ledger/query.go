@@ -6,7 +6,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // Counts is how many reservations the ledger holds.

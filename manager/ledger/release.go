@@ -7,7 +7,7 @@ import (
 	"slices"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // Release ends the live reservations req names, durably before it returns: each is

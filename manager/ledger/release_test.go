@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 func TestRelease(t *testing.T) {

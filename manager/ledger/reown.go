@@ -4,7 +4,7 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // Reown hands the live reservation req.ReservationID from req.OwnerID to

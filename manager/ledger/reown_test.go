@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // Reown changes the owner, and only the owner, durably: after a reopen the reservation

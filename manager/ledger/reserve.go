@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // NewID returns a fresh reservation ID: "res-" and 16 hex digits from crypto/rand.

@@ -10,7 +10,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 func TestConflictRules(t *testing.T) {

@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // takeOverSetup makes A (nomad/a: GPU-1, GPU-2), B (nomad/b: GPU-3) and C (job/c:

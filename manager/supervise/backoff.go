@@ -4,7 +4,7 @@ import (
 	"context"
 	"time"
 
-	"github.com/devicehost/devicehost/internal/backoff"
+	"github.com/devicehost/devicehost/backoff"
 )
 
 // restartBackoff is a supervisor's delay between runs (of the plugin, or of its stats

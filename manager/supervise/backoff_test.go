@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/devicehost/devicehost/internal/backoff"
+	"github.com/devicehost/devicehost/backoff"
 )
 
 func TestBackoff(t *testing.T) {

@@ -1,6 +1,6 @@
 package supervise
 
-import "github.com/devicehost/devicehost/internal/textline"
+import "github.com/devicehost/devicehost/textline"
 
 // oneLine renders err, which may be an errors.Join of many, on one printable line
 // (textline.Line), unbounded: for log values and for errors whose parts are each

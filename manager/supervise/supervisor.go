@@ -19,7 +19,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/devicehost/devicehost/internal/backoff"
+	"github.com/devicehost/devicehost/backoff"
 	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"

@@ -26,7 +26,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/devicehost/devicehost/internal/textline"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // DefaultAddress is the Nomad agent's HTTP API when neither the config nor NOMAD_ADDR

@@ -13,11 +13,11 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/devicehost/devicehost/backoff"
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/integrations/nomad/nomadapi"
-	"github.com/devicehost/devicehost/internal/backoff"
-	"github.com/devicehost/devicehost/internal/textline"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/textline"
 )
 
 const (

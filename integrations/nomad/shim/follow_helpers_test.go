@@ -11,8 +11,8 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/nomad/nomad/structs"
 
+	dev "github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/integrations/nomad/nomadapi/nomadtest"
-	dev "github.com/devicehost/devicehost/manager/device"
 )
 
 // fakeClock is a clock that moves only when Advance is called: Now is the real time

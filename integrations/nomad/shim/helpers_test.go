@@ -15,12 +15,12 @@ import (
 	"github.com/hashicorp/nomad/plugins/device"
 	"go.uber.org/goleak"
 
+	"github.com/devicehost/devicehost/device/devicetest"
 	"github.com/devicehost/devicehost/integrations/nomad/nomadconfig"
-	"github.com/devicehost/devicehost/manager/device/devicetest"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/servertest"
 
-	dev "github.com/devicehost/devicehost/manager/device"
+	dev "github.com/devicehost/devicehost/device"
 )
 
 func TestMain(m *testing.M) {

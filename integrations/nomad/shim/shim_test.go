@@ -16,8 +16,8 @@ import (
 	"github.com/devicehost/devicehost/client"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 
-	dev "github.com/devicehost/devicehost/manager/device"
-	"github.com/devicehost/devicehost/manager/device/devicetest"
+	dev "github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/device/devicetest"
 )
 
 // A Nomad client sees the agent's groups as Nomad device groups: typed attributes

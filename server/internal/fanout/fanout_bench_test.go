@@ -12,17 +12,17 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/device/devicetest"
 	"github.com/devicehost/devicehost/endpoint"
-	"github.com/devicehost/devicehost/internal/rawgrpc"
-	"github.com/devicehost/devicehost/manager/device"
-	"github.com/devicehost/devicehost/manager/device/devicetest"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/servertest"
+	"github.com/devicehost/devicehost/tools/rawgrpc"
 )
 
 // BenchmarkFingerprintFanout measures a Fingerprint change going to many watchers of the
 // real server over real gRPC on a Unix socket, the streams spread over 100 connections like
-// internal/cmd/hostbench's: each iteration publishes one snapshot and waits until every
+// tools/hostbench's: each iteration publishes one snapshot and waits until every
 // watcher has received it. It reports the p50, p99 and max of (received - published);
 // the server's CPU is read from -cpuprofile (the clients run in the same process). Run
 // with -benchtime=20x or so: an iteration is one change.

@@ -11,8 +11,8 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/devicehost/devicehost/deviceplugin/deviceplugintest"
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 	"github.com/devicehost/devicehost/validate"
 )
 

@@ -16,8 +16,8 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/devicehost/devicehost/deviceplugin/deviceplugintest"
-	"github.com/devicehost/devicehost/internal/fixtureplugin"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
 func TestMain(m *testing.M) {

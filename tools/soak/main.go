@@ -4,7 +4,7 @@
 // the last kill, the errors clients saw by code and reason, and peak memory. It is not
 // part of CI: it takes minutes and its figures are for people to read.
 //
-//	go run ./internal/cmd/soak [-duration 1m] [-kill-every 10s] [-clients 8]
+//	go run ./tools/soak [-duration 1m] [-kill-every 10s] [-clients 8]
 //
 // Phase 1 SIGKILLs the plugin every -kill-every while -clients clients reserve and
 // release, and watchers and listers read, all through package client. Phase 2 SIGKILLs

@@ -14,7 +14,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	"github.com/devicehost/devicehost/internal/liveness"
+	"github.com/devicehost/devicehost/integrations/liveness"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -6,7 +6,7 @@ import (
 	"context"
 	"time"
 
-	"github.com/devicehost/devicehost/manager/device"
+	"github.com/devicehost/devicehost/device"
 )
 
 // Fake implements device.Manager by calling its function fields. A nil field answers

@@ -7,7 +7,7 @@ import (
 )
 
 // Package is the import path of the fixture binary's main package.
-const Package = "github.com/devicehost/devicehost/internal/fixtureplugin/cmd/fixture"
+const Package = "github.com/devicehost/devicehost/tools/fixtureplugin/cmd/fixture"
 
 // Build compiles the fixture binary into dir (which must exist) and returns its path,
 // dir/fixture. It runs `go build`, so call it once per test binary, from TestMain, with
