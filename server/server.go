@@ -72,10 +72,10 @@ type Config struct {
 // streamWorkers is how many goroutines serve calls, each one call after another, instead
 // of grpc-go's default of a new goroutine per call. A new goroutine starts on a small
 // stack and grows it, copying it each time, through the deep call path of a Reserve
-// (server handler, manager, plugin gRPC client): in the agent that was some 5% of its
+// (server handler, manager, plugin gRPC client): in the agent that costs some 5% of its
 // CPU, on the caller's path (scripts/bench, hostbench -only floor). A Fingerprint or
 // Stats stream holds its worker while open; once every worker is busy, a call gets a
-// goroutine of its own as before, so the count bounds nothing. Idle workers keep their
+// goroutine of its own, as with grpc-go's default, so the count bounds nothing. Idle workers keep their
 // stacks until Go's collector shrinks them.
 const streamWorkers = 32
 
