@@ -1,23 +1,11 @@
-// Package client is the Go client of the devicehost host API (devicehost.v1.DeviceHost):
+// Package client is the Go client of the devicehost host API (devicehost.v1.DeviceHost),
 // what other services, the devicehost CLI and the runtime bridges use instead of the
-// generated stubs.
+// generated stubs: Dial under the host's transport policy, calls in the API's own
+// protobuf types, WatchDevices and WatchStats that reconnect by themselves, and errors
+// to branch on (IsHeld, IsUnavailable...) read from the status details, never the text.
+// Calls return the agent's gRPC status error, so status.FromError works on them too.
 //
-// It adds to the stubs what every caller would otherwise write again:
-//   - Dial for unix:///path.sock and tcp://host:port under the host's transport policy
-//     (mutual TLS on tcp, plaintext on loopback only; see package endpoint), with
-//     keepalive, and a first health check so that a wrong address fails at once;
-//   - calls in the API's own protobuf types (Reserve, Release, Reservations, Plugins,
-//     Devices), so a caller sees every field the agent sends and its -json stays the
-//     API's protobuf JSON;
-//   - WatchDevices and WatchStats: channels of snapshots that reconnect by themselves,
-//     with capped, jittered backoff, when the agent restarts;
-//   - errors to branch on (IsHeld with the holders, IsUnknownDevice, IsUnhealthy,
-//     IsUnavailable, IsReservationNotFound), read from the status code and the
-//     google.rpc.ErrorInfo and DeviceHeld details the agent attaches, never from the
-//     message text.
-//
-// Calls return the agent's gRPC status error (code and details unchanged; see Reserve
-// for the one message it adds to), so status.FromError works on them too.
+// See docs/api.md#go-client.
 package client
 
 import (

@@ -1,19 +1,11 @@
 // Package device is the device manager's contract: the Manager interface, the domain
-// types it speaks in, the Factory that builds one, and the sentinel errors callers test
-// with errors.Is.
+// types it speaks in (Inventory, static; State and Stats, dynamic), the Factory that
+// builds one, and the sentinel errors callers test with errors.Is. It imports only the
+// standard library and hclog, so the gRPC server, a simulator or a test double can
+// depend on it without the real manager. Every value a Manager hands out is immutable
+// once returned: it may be shared between goroutines and must not be modified.
 //
-// It imports only the standard library and hclog, so that the gRPC server, a simulator or
-// a test double can depend on it without pulling in plugins, stores or the real manager.
-//
-// The data model keeps the static apart from the dynamic:
-//   - Inventory (static): device groups, their attributes, device IDs and locality. It
-//     changes only when hardware or plugins change.
-//   - State (dynamic): per-device health, reason, since-when and holder; per-plugin status.
-//   - Stats (dynamic, sampled): per-device typed values with units and a timestamp.
-//
-// Every value a Manager hands out (a Snapshot, an Inventory, a State, a StatsSnapshot) is
-// immutable once returned: its maps and slices are never written again, so it may be
-// shared between goroutines and must not be modified by the receiver.
+// See docs/api.md#the-server-serves-any-manager.
 package device
 
 import (

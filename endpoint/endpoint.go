@@ -1,18 +1,9 @@
 // Package endpoint parses host API addresses and opens them for the agent (Listen) and
-// for clients (Dial), applying devicehost's transport policy:
-//
-//   - unix:///path.sock (the default): the socket is created mode 0660 in a directory
-//     created 0750, so access is granted by file ownership. A stale socket left by a dead
-//     host is replaced; a live one is never taken over.
-//   - tcp://host:port: mutual TLS (server certificate, client certificates verified
-//     against a CA). Plaintext (Insecure) is allowed on loopback addresses only.
-//
-// Both sides get matching keepalive settings: Dial pings an idle connection that has
-// streams open every ClientKeepalive.Time, so a client notices a dead agent (or network)
-// within Time+Timeout; Listener.ServerOptions lets clients ping that often.
-//
-// A malformed address and TLS settings the policy refuses are a *ConfigError, so a
-// command line can tell a usage mistake from a failure to connect or to read a file.
+// for clients (Dial) under devicehost's transport policy: unix:///path.sock (mode 0660, a
+// stale socket replaced, a live one never taken over) or tcp://host:port with mutual
+// TLS, plaintext on loopback only; both sides get matching keepalive settings. A
+// malformed address or refused TLS settings are a *ConfigError, so a command line can
+// tell a usage mistake from a failure to connect. See docs/configuration.md#api-addresses.
 package endpoint
 
 import (

@@ -104,7 +104,7 @@ func timesIn(t *testing.T, line string) int {
 
 // TestProcessKilledAfterServingIsBackAtOnce SIGKILLs a fixture process 6 times, each
 // time after it served for over ServedReset: every restart is due after the base delay
-// (±20%), where the backoff used to double each time (0.2s, 0.4s ... 6.4s). It reports
+// (±20%), not the doubled backoff of a plugin that never served (0.2s, 0.4s ... 6.4s). It reports
 // the time from the last kill to every device healthy.
 func TestProcessKilledAfterServingIsBackAtOnce(t *testing.T) {
 	cfg, _ := testConfig(t)

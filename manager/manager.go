@@ -1,80 +1,11 @@
 // Package manager is the device manager: it runs every device plugin under its own
-// supervisor, aggregates their fingerprints into one inventory, keeps device health and
-// plugin status, samples stats once per plugin and fans them out, and routes Reserve to
-// the plugin the devices are bound to.
+// supervisor (manager/supervise), keeps what they report in one inventory
+// (manager/inventory) and their reservations in the durable ledger (manager/ledger),
+// and routes Reserve to the plugin the devices are bound to. It implements the
+// contract in package device; the gRPC server depends on that contract only.
 //
-// It implements the contract in device; the gRPC server depends on that contract
-// only. Its parts are inner packages: manager/inventory (what it knows of the devices:
-// the inventory, device health, plugin status, readiness, device-ID bindings to plugins,
-// the latest stats and the host API's byte budgets), manager/supervise (one plugin's
-// life: launch, streams, restarts, its RPCs) and manager/ledger (reservations, durably).
-// This package decides which plugins run and ties the three together.
-//
-// Reading order: manager.go (New, Shutdown, the read side of device.Manager),
-// reservations.go (Reserve, Release, Reown: the claim, the ledger's check, the route to
-// the plugin, the plugin's Reserve, the ledger write), plugins.go (the plugin set:
-// SetPlugins, the plugin dir, starting and stopping supervisors), reattach.go (plugins
-// kept across a host crash), config.go.
-//
-// Failure rules, per plugin:
-//   - The process exiting, its fingerprint stream ending or failing, or no first
-//     fingerprint within FingerprintTimeout ends the run: the plugin's devices turn
-//     unhealthy at once with the reason ("plugin exited: signal: killed"), the process is
-//     killed, and it is relaunched after a backoff (RestartBaseDelay doubling up to
-//     RestartMaxDelay, ±20% jitter, reset after a run of StableRunReset or one that
-//     served, after its first accepted fingerprint, for ServedReset). The fingerprint
-//     stream is the plugin's health signal, so losing it is treated like a crash rather
-//     than retried on a process the manager can no longer vouch for.
-//   - A launch refused for a reason retrying cannot fix (pluginloader's
-//     ErrChecksumMismatch, ErrProtocolVersion, ErrConfigRejected, ErrInsecurePath, ErrNotPlugin) marks
-//     the plugin failed and it is not restarted until the operator fixes it: its file
-//     in the plugin dir changes in any way, or SetPlugins is called.
-//   - A stats stream that fails or stays silent is reopened with the same backoff on the
-//     running process; stats are not a health signal.
-//   - A fingerprint or stats message that breaks a validation rule is logged with the
-//     plugin and the rules and dropped; the last good one stays. So is one that would
-//     take the host API's Fingerprint or Stats message over inventory.MaxSnapshotBytes
-//     or MaxStatsSnapshotBytes (the inventory's byte budgets), with the plugin, its
-//     size and the limit.
-//   - A device ID is bound to the first plugin that reported it, for good: across that
-//     plugin's restarts, while it does not report it, and, with StateDir, across host
-//     restarts (the ledger's device binding records). Another plugin reporting it gets
-//     it refused (logged at ERROR with both plugins and the IDs, and its last error), so
-//     Reserve of it only ever reaches the plugin it is bound to. An ID bound to a plugin
-//     that is not one of this host's plugins any more (no binary and no config block) is
-//     bound to the next plugin that reports it.
-//   - A plugin's last error and its devices' down reason are kept as one line of at
-//     most 300 bytes. A run or stats stream that fails with the same error as the one
-//     before is logged at DEBUG; the count is logged when the error changes.
-//   - Ready waits for each plugin's first attempt only: a plugin settles when it
-//     fingerprints, when a fingerprint of it is refused, or when its first run fails
-//     (its start and first-fingerprint deadlines bound a hang). A configured plugin
-//     without a binary is listed failed and settled from the start. Once closed, Ready
-//     stays closed: a plugin added later does not hold it.
-//
-// The plugin set is not fixed (plugins.go, pluginloader.DirWatch): the plugin dir is watched, and
-// SetPlugins replaces the per-plugin settings. A plugin added is started; one whose
-// binary or settings changed is restarted on the new ones, its devices kept (unhealthy
-// until it fingerprints again); one removed is stopped and its devices leave the
-// inventory. Device bindings are by plugin name and outlive all of that; reservations
-// are the ledger's and are never touched by it.
-//
-// Reservations live in the durable ledger (manager/ledger), in StateDir or, without one,
-// in a temporary directory that Shutdown removes: Reserve answers once the reservation is
-// fsynced, and Release once the release is. The ledger is the one place the conflict
-// rules live. Requests are validated once, at the trust boundary: the host API's server
-// calls validate's request checks before it calls the manager (see Reserve). The ledger's
-// garbage collector, run by the manager, does the plugin side of a release: it calls the
-// Release RPC of the reservation's plugin (bounded by ReserveTimeout) for every released
-// reservation whose cleanup is pending, keeps the cleanup pending and retries it with
-// backoff while the plugin is down or refuses, retries at once when the plugin
-// fingerprints again, and deletes released reservations per GCInterval and
-// GCMaxReservations. A plugin answering UNIMPLEMENTED has nothing to clean. The cleanup
-// of a plugin that is not running but may come back stays pending: a plugin with a config
-// block but no binary, and one removed less than RemovedPluginGrace ago (a binary being
-// replaced, a plugin dir being swapped). Any other plugin is not this host's: the cleanup
-// is logged once and counted as done, since keeping it pending would keep the reservation
-// from ever being deleted.
+// See docs/plugins.md#how-the-manager-runs-a-plugin for its failure rules per plugin,
+// the changing plugin set and the reading order of its files.
 package manager
 
 import (

@@ -64,9 +64,9 @@ func (sl *slot) hasFailed() bool {
 // a plugin whose settings changed is restarted with the new ones (its devices stay,
 // unhealthy, until it fingerprints again, and its reservations are untouched); a
 // configured plugin with no binary is listed as failed; a plugin that has neither a
-// binary nor settings any more is stopped and leaves the inventory. A plugin that
-// failed for good (see the package doc) gets another try. The plugin dir is listed again
-// too, so a change there that went unnoticed is picked up.
+// binary nor settings any more is stopped and leaves the inventory. A plugin that failed
+// for good (see docs/plugins.md#how-the-manager-runs-a-plugin) gets another try. The
+// plugin dir is listed again too, so a change there that went unnoticed is picked up.
 //
 // It returns once the plugins to stop or restart have stopped and their replacements
 // have been started (not fingerprinted). It fails, changing nothing, when a setting

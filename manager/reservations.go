@@ -341,11 +341,11 @@ func (m *Manager) claim(owner string, ids []string) (func(), error) {
 }
 
 // Release ends the reservations req names, durably, frees their devices (watchers get a
-// snapshot without the holder) and says which it released and which were released
-// before (those are not released twice), each list oldest first. The plugin cleanup is
-// not done here: it is left pending in the ledger for the garbage collector, which runs
-// it once, with retries (see the package doc). req is trusted, as Reserve's is: the
-// server checks it with validate.ReleaseRequest.
+// snapshot without the holder) and says which it released and which were released before
+// (those are not released twice), each list oldest first. The plugin cleanup is not done
+// here: it is left pending in the ledger for the garbage collector, which runs it once,
+// with retries (see docs/reservations.md#release-and-garbage-collection). req is trusted,
+// as Reserve's is: the server checks it with validate.ReleaseRequest.
 func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
 	if m.stopping.Load() {
 		return device.ReleaseResult{}, fmt.Errorf("release: %w", device.ErrShuttingDown)

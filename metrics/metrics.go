@@ -1,30 +1,11 @@
 // Package metrics exports the agent's state as Prometheus metrics on its own registry
-// and serves them over HTTP at /metrics.
+// and serves them over HTTP at /metrics: device stats from the sample the manager
+// already holds (a scrape asks no plugin for anything), device health and holders,
+// plugin status, API and ledger latencies, and the Go runtime's. Stat names come from
+// plugins, so they are made safe and bounded per plugin: no plugin can break a scrape.
+// It depends on the manager's contract (package device) only.
 //
-// What it exports (see docs/metrics.md for the full list and the name
-// mapping):
-//   - device stats, from the sample the manager already holds (device.Manager's
-//     LatestStats): a scrape asks no plugin for anything, however many scrapers there
-//     are. NVIDIA GPUs and MIG devices (vendor
-//     "nvidia", type "gpu" or "mig": the nvidia-example plugin) get dcgm-exporter's
-//     names and labels (DCGM_FI_DEV_GPU_UTIL{gpu,UUID,device,modelName,pci_bus_id,
-//     Hostname}, a GPU instance's with GPU_I_PROFILE and GPU_I_ID too, in
-//     dcgm-exporter's units), so its dashboards work unchanged; every other stat is
-//     devicehost_device_<stat>_<unit> in Prometheus base units.
-//   - device health and holders, plugin status, restarts and last error time, from the
-//     manager's current Snapshot;
-//   - Reserve and Release latency (Instrument), ledger commit latency and group size
-//     (ObserveLedgerCommit), open API streams, and gRPC server metrics through
-//     go-grpc-middleware's prometheus provider (ServerOptions, CollectServer);
-//   - the Go runtime's and the process's own metrics.
-//
-// Plugin output is untrusted here too: stat names are reduced to Prometheus' name
-// charset, a plugin contributes at most MaxSeriesPerPlugin stat series per scrape, and
-// a name that collides with another or with the agent's own metrics is dropped and
-// counted in devicehost_metrics_series_dropped, so no plugin can break a scrape.
-//
-// The package depends on the manager's contract (device) only; the manager
-// itself never imports Prometheus.
+// See docs/metrics.md for every metric, the name mapping and the limits.
 package metrics
 
 import (

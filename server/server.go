@@ -1,13 +1,10 @@
 // Package server serves the devicehost host API (devicehost.v1.DeviceHost) over gRPC as a
 // thin adapter over a device.Manager: it converts between protobuf and the domain types,
-// maps domain errors to gRPC codes, and adds the standard health service, server
-// reflection, a log line per call, panic recovery, and the limits that keep many or
-// careless clients from taking the agent down: streams in all and per connection,
-// flow-control windows, keepalive, and a fan-out of Fingerprint and Stats that encodes
-// each message once and paces itself (the internal package fanout, with the codec).
-//
-// It depends on the manager's contract package only, so any device.Manager (the real one,
-// a simulator, devicetest.Fake) can be served.
+// maps domain errors to gRPC codes, and adds the health service, reflection, a log line
+// per call, panic recovery, and the limits that keep many or careless clients from taking
+// the agent down (streams, flow-control windows, keepalive, the paced fan-out of package
+// fanout). It depends on the manager's contract only, so any device.Manager can be
+// served. See docs/api.md.
 package server
 
 import (
@@ -75,10 +72,10 @@ type Config struct {
 // streamWorkers is how many goroutines serve calls, each one call after another, instead
 // of grpc-go's default of a new goroutine per call. A new goroutine starts on a small
 // stack and grows it, copying it each time, through the deep call path of a Reserve
-// (server handler, manager, plugin gRPC client): in the agent that was some 5% of its
+// (server handler, manager, plugin gRPC client): in the agent that costs some 5% of its
 // CPU, on the caller's path (scripts/bench, hostbench -only floor). A Fingerprint or
 // Stats stream holds its worker while open; once every worker is busy, a call gets a
-// goroutine of its own as before, so the count bounds nothing. Idle workers keep their
+// goroutine of its own, as with grpc-go's default, so the count bounds nothing. Idle workers keep their
 // stacks until Go's collector shrinks them.
 const streamWorkers = 32
 

@@ -1,15 +1,10 @@
-// Package textline makes text that may come from a plugin, a connection or the
-// operator (several lines, control characters, terminal escapes, bidi overrides,
-// invalid UTF-8, megabytes of it) into one line of bounded length, fit for an error
-// message, a status field, a table cell or a log value.
-//
-// Line is for messages a person reads as prose: it joins lines with "; " and blanks out
-// what is not printable. Escape is for text that must reach the reader as it was (a
-// plugin's log lines, a quoted value): it writes what is not printable as Go escapes.
-// Words only collapses white space, for a caller that quotes what is not printable
-// itself (the CLI's table cells). All three cut a text longer than their limit at a
-// character boundary and end it in "...", within the limit, and read no more of s than
-// the line they return needs.
+// Package textline makes text that may come from a plugin, a connection or the operator
+// (several lines, control characters, terminal escapes, bidi overrides, invalid UTF-8,
+// megabytes of it) into one line of bounded length, fit for an error message, a status
+// field, a table cell or a log value: Line for prose, Escape for text that must reach
+// the reader as it was, Words for a caller that quotes what is not printable itself.
+// All three cut at a character boundary within their limit and read no more than needed.
+// See docs/plugins.md#what-a-plugin-cannot-do-to-the-agent.
 package textline
 
 import (

@@ -234,7 +234,7 @@ func TestReservationNothingRequested(t *testing.T) {
 }
 
 // TestEnvDeniedLists checks that every exported deny-list entry is denied, that the
-// lists hold what the package comment promises, and that they are copies.
+// lists hold what EnvDenied and their doc comments promise, and that they are copies.
 func TestEnvDeniedLists(t *testing.T) {
 	names := validate.DeniedEnvNames()
 	if !slices.IsSorted(names) {

@@ -1,16 +1,11 @@
 // Package validate holds pure functions that check what crosses a trust boundary: plugin
-// output (fingerprints, stats, reservations, in the plugin protocol's own types, before
-// anything is converted or stored) and host API requests (in the manager contract's
-// domain types).
-//
-// Every function returns nil or the errors.Join of every violation it found (up to
-// MaxViolations), each naming the item and the rule it broke. Plugin-output violations
-// are *Violation values, request violations *device.FieldError values; in both the rule
-// is one of the Rule constants, so callers can test with errors.Is(err, RuleX), list
-// them with Violations, and log "plugin X: rule Y" without parsing text.
-//
-// The functions keep no state, do not modify their input, and are safe for concurrent
-// use. Their work is bounded by the Max* limits whatever the input's size.
+// output (in the plugin protocol's types, before anything is converted or stored) and
+// host API requests (in the contract's domain types). Each returns nil or the errors.Join
+// of every violation found (up to MaxViolations): *Violation or *device.FieldError values
+// naming the item and one of the Rule constants, so callers can test errors.Is(err,
+// RuleX) and list them with Violations. The functions keep no state, do not modify their
+// input, are safe for concurrent use, and their work is bounded by the Max* limits.
+// See docs/plugins.md#what-a-plugin-cannot-do-to-the-agent.
 package validate
 
 import (

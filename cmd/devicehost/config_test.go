@@ -138,8 +138,8 @@ func TestLoadConfigFileJSON(t *testing.T) {
 }
 
 // TestPluginConfigNumbers: whole numbers reach a plugin as JSON integers, whatever their
-// size (HCL numbers are big floats, and 1000000 used to be written as 1e+06, which
-// encoding/json refuses for an int field); fractions keep their value.
+// size (HCL numbers are big floats, and 1000000 written as 1e+06 would be refused by
+// encoding/json for an int field); fractions keep their value.
 func TestPluginConfigNumbers(t *testing.T) {
 	for _, tt := range []struct{ name, file string }{
 		{"devicehost.hcl", `plugin "p" {

@@ -1,13 +1,9 @@
 // Package cdi lets a device plugin publish its devices as a CDI (Container Device
 // Interface) spec, so that the CDI names its Reserve hands out ("vendor.com/class=ID")
-// resolve in container runtimes that read CDI specs: containerd, CRI-O, podman.
-//
-// The plugin describes each device with the same message its Reserve answers with, a
-// ContainerReservation (env vars, device nodes, mounts), plus the edits every
-// container with any of its devices gets; Writer turns that into a spec with the
-// CDI project's own types, validates it with the CDI library and writes it
-// atomically into a spec directory (default DefaultDir), rewriting it whenever the
-// devices change.
+// resolve in containerd, CRI-O and podman. Writer builds the spec from what each device
+// injects (env vars, device nodes, mounts), validates it with the CDI library and writes
+// it atomically into a spec directory (default DefaultDir) whenever the devices change.
+// See docs/plugins.md#cdi-specs.
 package cdi
 
 import (

@@ -16,7 +16,7 @@ import (
 
 // BenchmarkPrepare compares NodePrepareResources of one claim for 2 GPUs, through the
 // helper's socket as the kubelet calls it, with the agent's Reserve of the same 2
-// GPUs (the target: at most 1.3×). Each iteration does one of each, taking
+// GPUs (target: at most 1.3×). Each iteration does one of each, taking
 // turns, so that the machine's load weighs on both alike; each uses a fresh claim (or
 // claim owner), and its unprepare (or release) is not timed. It reports the p50 of each and
 // their ratio, and two parts of the prepare:

@@ -1,20 +1,9 @@
 // Package dra is devicehost's Kubernetes Dynamic Resource Allocation driver: a client of
 // the agent (package client) that publishes the agent's devices as the node's
 // ResourceSlices and serves the kubelet's DRA calls through the kubeletplugin helper of
-// k8s.io/dynamic-resource-allocation.
-//
-//   - ResourceSlices: one pool per node, rebuilt from every snapshot of the agent's
-//     Fingerprint stream (attributes, capacities, shared counters, taints);
-//   - NodePrepareResources: one idempotent Reserve per claim (and device group), owner
-//     "k8s-claim/<namespace>/<name>/<uid>", and a CDI spec per claim;
-//   - NodeUnprepareResources: Release of that owner, from the ledger, not memory;
-//   - WatchHealthStatus: every device's health from the Fingerprint stream, unknown
-//     while the agent cannot be reached;
-//   - stale claims: reservations of claims the API server no longer has are released
-//     after a grace period.
-//
-// The agent's ledger is the only state: a driver that restarts, or starts beside an
-// agent that kept its reservations over a reboot, rebuilds its CDI specs from it.
+// k8s.io/dynamic-resource-allocation: NodePrepareResources is one idempotent Reserve per
+// claim, with a CDI spec, NodeUnprepareResources its Release, and WatchHealthStatus the
+// agent's health. The agent's ledger is its only state. See docs/kubernetes.md#dra-driver.
 package dra
 
 import (

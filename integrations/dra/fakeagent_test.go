@@ -300,7 +300,7 @@ func equalJSON(t testing.TB, a, b any) bool {
 // BenchmarkHealthChange measures how long a device's health change at the agent takes
 // to reach the published ResourceSlice taint (on the fake clientset, through the real
 // helper's controller) and the kubelet's WatchHealthStatus stream: p50 and p99 of each
-// (the target: 50 ms p99).
+// (target: 50 ms p99).
 func BenchmarkHealthChange(b *testing.B) {
 	fr := newFakeRig(b)
 	fr.waitPool(b, "3 devices", func(items []resourceapi.ResourceSlice) bool {

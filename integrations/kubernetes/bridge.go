@@ -1,19 +1,10 @@
 // Package kubernetes is devicehost's kubelet device plugin: a bridge that serves the
-// agent's devices to the kubelet through the device-plugin API v1beta1
-// (k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1), as a client of the agent through
-// package client only, so it serves an agent it does not run and its failure never
-// touches the agent.
-//
-// For each resource (configured, or one per device group named "<vendor>.com/<type>")
-// it serves the DevicePlugin service on a socket of its own in the kubelet's
-// device-plugins directory and registers it with the kubelet, again whenever the
-// kubelet restarts. It reports the devices with their health and NUMA node
-// (ListAndWatch), proposes devices close together (GetPreferredAllocation) and turns
-// each container's Allocate into a Reserve at the agent. Since the kubelet says neither
-// which pod an Allocate is for nor when a device is free again, it watches the
-// kubelet's PodResources API: a reservation whose devices a container holds is handed
-// to that container (owner "k8s/<namespace>/<pod>/<container>", see PodName), and one
-// whose devices no pod has held for a grace period is released.
+// agent's devices to the kubelet through the device-plugin API v1beta1, one socket and
+// registration per resource, as a client of the agent (package client) only, so that its
+// failure never touches the agent. It turns each container's Allocate into a Reserve and,
+// since the kubelet says neither which pod an Allocate is for nor when a device is free,
+// follows the kubelet's PodResources API to hand each reservation to its container and
+// release it after a grace period. See docs/kubernetes.md.
 package kubernetes
 
 import (

@@ -1,18 +1,10 @@
 // Package liveness decides whether a client of the agent (the kubelet bridge, the DRA
 // driver) is live, and serves that answer as the standard gRPC health service
 // (grpc.health.v1, service "") on a Unix socket of its own, for a Kubernetes liveness
-// probe (grpc_health_probe) to restart a component that is stuck.
-//
-// A component is not live (NOT_SERVING) while
-//   - one of its loops has not come back to the select it waits in for StallTimeout:
-//     the Monitor puts a token in each loop's channel, and a token still there after
-//     StallTimeout means the loop is stuck in its work (a deadlock, a call that never
-//     returns); a loop that waits for input, however long, takes its token at once;
-//   - or it has not reached the agent for AgentTimeout (since Run started, or since
-//     its watch of the agent last disconnected): a restart redials from scratch.
-//
-// It is live (SERVING) again as soon as neither holds. NOT_SERVING is also the answer
-// once Run's context has ended (the component is stopping).
+// probe to restart a component that is stuck: NOT_SERVING while one of its loops has not
+// come back to the select it waits in for StallTimeout (see Monitor.Loop), while it has
+// not reached the agent for AgentTimeout, and once Run's context has ended; SERVING
+// again as soon as none holds. See docs/kubernetes.md#install-with-helm (Probes).
 package liveness
 
 import (

@@ -1,17 +1,10 @@
 // Package inventory is what the manager knows about the devices of its plugins: each
-// plugin's last good fingerprint (converted from the plugin protocol), which plugin each
-// device ID is bound to, device health, plugin status, readiness, the latest stats, and
-// the byte budgets that keep the host API's Fingerprint and Stats messages under a
-// client's receive limit. Every change makes a new immutable device.Snapshot, offered to
-// the watchers.
-//
-// It decides nothing about running plugins (manager's supervisors report to it) nor about
-// reservations (the ledger's): it reads the live reservations' holders through a
-// function, to show them in the snapshot.
-//
-// Reading order: Registry (this file: records, snapshots, health), plugins.go (what the
-// supervisors report), bindings.go (device-ID bindings and SetFingerprint), ready.go,
-// budget.go, convert.go, stats.go, broadcast.go.
+// plugin's last good fingerprint, device-ID bindings, device health, plugin status,
+// readiness, the latest stats and the byte budgets of the host API's messages. Every
+// change makes a new immutable device.Snapshot, offered to the watchers. It decides
+// nothing about running plugins nor about reservations (it reads their holders through
+// a function). Reading order: Registry (this file), plugins.go, bindings.go, ready.go,
+// budget.go, convert.go, stats.go, broadcast.go. See docs/plugins.md.
 package inventory
 
 import (

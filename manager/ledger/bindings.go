@@ -18,10 +18,10 @@ import (
 //
 //	owners/<device ID>    record envelope around the bound plugin's name
 //
-// The bucket keeps the name "owners" it had when bindings were called ownership: state
-// files from those versions open as they are. It is created by the first write, so a
-// file written before it existed (same schema version) is read as having no bindings,
-// and an older devicehost that opens a file with it ignores it.
+// The bucket is named "owners", the name state files carry for it, so that they open as
+// they are. It is created by the first write, so a file without it (same schema version)
+// is read as having no bindings, and an older devicehost that opens a file with it
+// ignores it.
 var bucketBindings = []byte("owners")
 
 // RecordDeviceBindings records bindings (device ID -> plugin name), replacing an earlier

@@ -1,27 +1,11 @@
-// Package ledger is devicehost's durable reservation ledger: every reservation the host has
-// acknowledged, its release, the plugin cleanup still owed for it, and the go-plugin
-// reattach data of running plugins, kept in one bbolt file under the state dir.
+// Package ledger is devicehost's durable reservation ledger: every reservation the host
+// has acknowledged, its release, the plugin cleanup still owed for it, and the go-plugin
+// reattach data of running plugins, kept in one bbolt file under the state dir. A write
+// returns once it is fsynced (concurrent writes share commits); reads come from an
+// in-memory index of durable state; Open refuses a damaged or newer file with a
+// *StateFileError and never repairs it.
 //
-// Durability: a write method returns only after its change is fsynced. Writes from many
-// goroutines share commits (group commit): one writer goroutine takes every request that
-// queued while the previous commit was syncing and applies them, in arrival order, in a
-// single bbolt transaction, so N concurrent callers share one fsync instead of paying N.
-// Each caller still gets its own result; one caller's refused request (a conflict, an
-// unknown ID) does not affect the others in its batch. The GC's own bookkeeping (a
-// cleanup recorded done, a released reservation deleted) is written deferred: it rides
-// on the next commit made for a caller, or gets its own within GCConfig.CommitDelay.
-//
-// Reads (Check, Get, List, Holders, Counts, PendingCleanups) are answered from an
-// in-memory index that the writer updates after each successful commit: they never wait
-// for the disk, and they only ever see durable state. The index keeps each released
-// reservation packed into one string without pointers (packed.go), so that a ledger of
-// 100,000 reservations costs Go's garbage collector, and so every write, little more
-// than one of 1,000.
-//
-// Corruption is never repaired silently. Open refuses a file that is not a bbolt database,
-// fails bbolt's consistency check, holds a reservation record whose checksum or content is
-// wrong, or carries a schema version this build does not know, with a *StateFileError
-// that says what is wrong and how to recover, and leaves the file as it found it.
+// See docs/reservations.md.
 package ledger
 
 import (

@@ -1,12 +1,9 @@
 // Package supervise runs one device plugin for the manager: a Supervisor launches it (or
 // reattaches to the process a crashed host left running, through a Keeper), consumes its
-// fingerprint and stats streams into the manager's inventory, restarts it with backoff
-// when a run fails, and makes its unary RPCs (Reserve, Release) bounded by the plugin's
-// exit. Which plugins run, and when they are replaced, is the manager's (manager's
-// plugins.go); what the plugin reported is the inventory's (manager/inventory).
-//
-// Reading order: supervisor.go (Run and one run: launch, streams, stop), streams.go (the
-// fingerprint and stats streams), calls.go (Reserve and Release), backoff.go, repeats.go.
+// fingerprint and stats streams into the inventory, restarts it with backoff when a run
+// fails, and makes its unary RPCs bounded by the plugin's exit. Reading order:
+// supervisor.go, streams.go, calls.go, backoff.go, repeats.go.
+// See docs/plugins.md#how-the-manager-runs-a-plugin.
 package supervise
 
 import (

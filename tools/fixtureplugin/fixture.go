@@ -2,84 +2,8 @@
 // whose behaviour is set by its config. It runs in-process (New, with
 // deviceplugintest.Connect) or as a real plugin process (Build, then launch the binary).
 //
-// Knobs, all in the JSON config block handed over with SetConfig (Config's fields):
-//
-//   - groups: device groups {vendor, type, name, ids, unhealthy_ids}; default one group
-//     fixture/widget/"Widget 1000" with devices w0 and w1. Every group carries an
-//     attribute "memory" (1024 MiB).
-//   - report_env: names of environment variables; each one that is set in the plugin
-//     process appears as a string attribute "env_<NAME>" on every group (so a test can
-//     see the environment the host gave the plugin).
-//   - report_pid (bool): every group carries an int attribute "pid", the plugin's own
-//     process ID (so a test can tell which process the host is talking to, e.g. after
-//     a reattach, without trusting the host's idea of it).
-//   - log_info / log_debug: messages logged at INFO / DEBUG by SetConfig, the DEBUG one
-//     first (so a host that has the INFO line has already seen, or dropped, the DEBUG one).
-//   - log_raw: lines SetConfig writes to stderr as they are, after log_info (hand-made
-//     hclog JSON lines, text, escape sequences: what a hostile plugin can send).
-//   - log_flood (N): SetConfig logs N lines at INFO, "fixture: flood line <i>", before it
-//     returns (so once the launch is done, all N are in the pipe to the host).
-//   - fingerprint_pad_bytes (N): the first group carries a string attribute "pad" of N
-//     bytes, making every fingerprint message at least that big.
-//   - exit_after (duration string, e.g. "200ms"): the process exits with status 3 that
-//     long after SetConfig (crash and crash-loop tests).
-//   - reject_config: SetConfig fails with this message (the host gets INVALID_ARGUMENT).
-//   - set_config_hang: SetConfig waits for its context (a launch that never finishes).
-//   - fingerprint_hang: Fingerprint never sends; it waits for its context.
-//   - fingerprint_end_after (N): after its N-th inventory message Fingerprint ends the
-//     stream with an error (the bad message of fingerprint_bad_after does not count).
-//     N > 1 needs fingerprint_change_every to produce the later messages.
-//   - fingerprint_bad_after (bool): right after the first good message, Fingerprint
-//     sends an invalid one (the first group's first device ID twice), then carries on.
-//   - fingerprint_change_every (duration): every period the first group's first device
-//     toggles between healthy and unhealthy (reason "fixture: toggled") and a new full
-//     message is sent.
-//   - stats_hang: Stats never sends. stats_error: Stats fails at once with this message.
-//     Otherwise Stats sends one message at once and one per interval, with, for every
-//     device, the values "seq" (1, 2, 3... per stream), "stats_streams" (Stats streams
-//     opened in this process so far, read at each send: any stream shows one opened
-//     after it) and "temperature" (40 C).
-//   - stats_values: {name: {value, unit}}: every device's stats also carry these
-//     float values (names and units as given, so a test can send names a consumer must
-//     cope with, e.g. "temp °C", "a-b" beside "a_b", or "healthy").
-//   - reserve_hang: Reserve waits for its context. reserve_error: Reserve fails with this
-//     message. reserve_bad: the reservation also sets LD_PRELOAD=/x (which the host must
-//     refuse). Unknown or no IDs are refused with an error naming them. A normal
-//     reservation sets FIXTURE_DEVICES=<ids joined by ",">, the device node /dev/null as
-//     /dev/fixture0 with permissions "rw", and CDI names fixture.example/widget=<id>.
-//   - release_error: Release fails with this message; otherwise it succeeds.
-//   - log_release (bool): every Release call logs, at INFO, "fixture: release" with
-//     reservation_id and device_ids (and whether it failed), so a host test can see which
-//     cleanups reached the plugin.
-//
-// Hostile-plugin knobs (what one plugin must not be able to do to the others):
-//
-//   - fingerprint_invalid (bool): every Fingerprint message is invalid (the first
-//     group's first device ID twice), so the host never accepts one.
-//   - fingerprint_error: Fingerprint fails at once with this message (it may span
-//     lines and be long: the host must keep one bounded line of it).
-//   - fingerprint_delay (duration): Fingerprint waits this long before its first
-//     message (lets a test choose which of two plugins reports first).
-//   - attribute_bytes (N): every group also carries string attributes "pad_000",
-//     "pad_001"... of at most MaxStringValueLen bytes each, N bytes of values in all:
-//     a fingerprint that breaks no per-field rule but is as big as asked.
-//   - stats_value_bytes (N): likewise every device's stats carry string values
-//     "pad_000"... of N bytes in all.
-//   - reserve_tag: a normal reservation also sets FIXTURE_TAG=<tag>, so a test can see
-//     which plugin answered a Reserve.
-//
-// Environment knobs, read by the binary (cmd/fixture) before it serves:
-//
-//   - FIXTURE_PID_FILE=path: write the process's PID to path first thing (so a test can
-//     signal a plugin that has not finished its handshake);
-//   - FIXTURE_HANG_START=1: sleep forever before serving (start-timeout tests);
-//   - FIXTURE_CHILD_PID_FILE=path: start /bin/sleep as a child that shares the plugin's
-//     stderr and process group, and write its PID to path (kill tests);
-//   - FIXTURE_MAGIC_COOKIE=value: serve with this magic cookie value instead of the
-//     SDK's (go-plugin then prints its "This binary is a plugin" note and exits 1);
-//   - FIXTURE_PROTOCOL=2: serve only go-plugin protocol version 2 (handshake mismatch);
-//   - FIXTURE_INFO_PROTOCOLS=v2,v3: GetPluginInfo claims these protocol versions instead
-//     of the SDK's (protocol-version mismatch after the handshake).
+// Its knobs (Config's fields, and the environment variables the binary reads) are
+// listed in docs/fixture-plugin.md.
 package fixtureplugin
 
 import (
@@ -150,7 +74,7 @@ func (d *Duration) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-// Config is the fixture's config block; see the package doc for what each knob does.
+// Config is the fixture's config block; docs/fixture-plugin.md says what each knob does.
 // The zero value is the default fixture.
 type Config struct {
 	Groups    []Group  `json:"groups,omitempty"`
@@ -474,7 +398,7 @@ func inventory(cfg Config, toggled bool) *pb.FingerprintResponse {
 	return resp
 }
 
-// Stats sends the counters described in the package doc.
+// Stats sends the counters described in docs/fixture-plugin.md.
 func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*pb.StatsResponse) error) error {
 	cfg := p.config()
 	if cfg.StatsError != "" {
@@ -518,7 +442,7 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*p
 	}
 }
 
-// Reserve answers per the knobs; see the package doc.
+// Reserve answers per the knobs; see docs/fixture-plugin.md.
 func (p *Plugin) Reserve(ctx context.Context, ids []string) (*pb.ContainerReservation, error) {
 	cfg := p.config()
 	if cfg.ReserveHang {

@@ -32,11 +32,11 @@ type floorSteps struct {
 	reserve, unary, logged, plugin, commit []time.Duration
 }
 
-// floor is the floor scenario (see the package doc): it takes turns between -floor-block
-// Reserve+Release cycles (the Reserve timed) and as many floor measurements, each of
-// which times, in turn, a health Check, a ListPlugins (a unary call the agent logs at
-// INFO, as it does Reserve), the plugin's Reserve called directly and a bare bbolt
-// commit.
+// floor is the floor scenario (see docs/benchmarks.md#hostbench): it takes turns between
+// -floor-block Reserve+Release cycles (the Reserve timed) and as many floor measurements,
+// each of which times, in turn, a health Check, a ListPlugins (a unary call the agent
+// logs at INFO, as it does Reserve), the plugin's Reserve called directly and a bare
+// bbolt commit.
 func (b *bench) floor(ctx context.Context) error {
 	sess, err := b.open(ctx, 0, append([]string{"-state-dir", "$DIR/state"}, b.agentFlags...)...)
 	if err != nil {

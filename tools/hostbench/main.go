@@ -1,40 +1,8 @@
 // Command hostbench measures the host API of a real agent process (`devicehost agent
 // -dev`: the bundled nvidia-example plugin on a simulated DGX H100) under many open
 // streams, over real gRPC on a Unix socket, and prints the figures. It is run by
-// scripts/bench; nothing here passes or fails on a timing.
-//
-// The streams' clients take each message as bytes and read only what the figure needs
-// (the snapshot's timestamp, whether the device is held), so that thousands of them on
-// the agent's machine measure the agent rather than their own protobuf decoding.
-//
-// Each scenario starts a fresh agent:
-//   - reserve: Reserve+Release p50 with no streams open, then with -streams Fingerprint
-//     streams open (spread over -conns connections) that read every message, held by a
-//     second hostbench process so that the caller's process runs only the calls.
-//   - rss: the agent's RSS growth per open Fingerprint stream that never reads, after
-//     enough changes that every such stream's flow-control window is full.
-//   - fanout: a Fingerprint change (a Reserve or a Release, each after a quiet 500ms)
-//     -> every watcher, p50 and p99 of (time received - the snapshot's own timestamp),
-//     for each -watchers count, and the CPU per message of the agent and of the
-//     watchers (this process), which share the machine: the latencies are theirs too.
-//   - stats: the agent's CPU (utime+stime of its process) with -stats-streams Stats
-//     streams at 1 s (typed clients that decode every message), and idle.
-//   - floor: what a caller in another process sees of one Reserve (p50, p99) in
-//     Reserve+Release cycles made back to back (Release untimed), against its floor
-//     measured in the same run, taking turns with them every -floor-block cycles: a
-//     health Check to the agent over the same socket (the
-//     cheapest unary call it serves), the nvidia-example plugin's Reserve called
-//     directly (this process launches its own copy, as the agent does), and a bare
-//     bbolt commit (one small put, fsync on) in a file beside the agent's state dir.
-//     -perf FILE records the agent's CPU with perf(1) during the measured loop.
-//   - partition: on-demand MIG on the simulated DGX H100: the Fingerprint's size, and
-//     Reserve+Release p50 of a whole GPU against a 1g.10gb partition (whose MIG instance
-//     the plugin creates), and of the partition again with 49 partitions held on the
-//     other 7 GPUs (the capacity check must not cost a scan of the ledger); each pair
-//     measured in alternating rounds, with the agent's CPU per cycle beside the p50s.
-//
-// Figures vary with what else the machine runs: compare runs made the same way, old
-// binary and new (-agent), one after the other.
+// scripts/bench; nothing here passes or fails on a timing. Its scenarios and what each
+// figure means: docs/benchmarks.md#hostbench.
 //
 // Usage: hostbench -agent bin/devicehost [-limits] [-only reserve,rss,fanout,stats,floor,partition]
 package main

@@ -27,11 +27,11 @@ const partitionConfig = `plugin "nvidia-example" {
 }
 `
 
-// partition is the partition scenario (see the package doc): on an agent whose
-// simulated DGX H100 is partitionable on demand, Reserve+Release p50 of a whole GPU
+// partition is the partition scenario (see docs/benchmarks.md#hostbench): on an agent
+// whose simulated DGX H100 is partitionable on demand, Reserve+Release p50 of a whole GPU
 // and of a 1g.10gb partition (the plugin creates its MIG instance in Reserve), the
-// partition's again with every other GPU cut into 7 held 1g.10gb partitions, and the
-// size of the fully partitionable Fingerprint.
+// partition's again with every other GPU cut into 7 held 1g.10gb partitions, and the size
+// of the fully partitionable Fingerprint.
 func (b *bench) partition(ctx context.Context) error {
 	dir, err := os.MkdirTemp("", "hostbench-mig")
 	if err != nil {

@@ -1,13 +1,9 @@
-// Package adapter runs one unmodified Nomad device plugin binary under devicehost: it
-// is a devicehost plugin (deviceplugin.Plugin) that launches the Nomad plugin with
-// Nomad's go-plugin handshake, configures it the way a Nomad client does, and
-// translates its Fingerprint, Stats and Reserve to devicehost's plugin protocol. What
-// it sends is validated by the host like any plugin's output.
-//
-// A Nomad plugin that exits while the adapter still needs it is not restarted here:
-// the adapter reports it (Options.OnExit; the binary exits), so devicehost's supervisor
-// marks the devices unhealthy at once and restarts the adapter, and with it the Nomad
-// plugin, with its exponential backoff, and the crash shows in the plugin's status.
+// Package adapter runs one unmodified Nomad device plugin binary under devicehost: a
+// devicehost plugin (deviceplugin.Plugin) that launches it with Nomad's go-plugin
+// handshake, configures it the way a Nomad client does, and translates its Fingerprint,
+// Stats and Reserve. A Nomad plugin that exits is not restarted here: the adapter reports
+// it (Options.OnExit) and devicehost's supervisor restarts the adapter with its backoff.
+// See docs/nomad.md.
 package adapter
 
 import (

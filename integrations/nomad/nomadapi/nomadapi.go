@@ -1,13 +1,9 @@
-// Package nomadapi is a small typed client of the few Nomad HTTP API endpoints the shim
-// reads: the local agent's /v1/agent/self (which node it is) and a node's allocations
-// (/v1/node/<id>/allocations, as a blocking query). Nomad's own api module is not used:
-// its v1.6 release is not a published module version. The shapes decoded are those
-// Nomad v1.6.3 encodes from its nomad/structs types (tested against them), reduced to
-// the fields the shim needs.
-//
-// Everything read is bounded: an answer over MaxResponseBytes or with more than
-// MaxAllocations allocations is an error, not a partial answer, and error bodies are
-// cut and escaped before they reach a message.
+// Package nomadapi is a small typed client of the two Nomad HTTP API endpoints the shim
+// reads: /v1/agent/self and a node's allocations (a blocking query). Nomad's own api
+// module is not used (its v1.6 release is not a published module version); the shapes
+// are those Nomad v1.6.3 encodes from nomad/structs, reduced to what the shim needs.
+// Everything read is bounded (MaxResponseBytes, MaxAllocations): an answer over a bound
+// is an error, never a partial answer. See docs/nomad.md#access-to-nomads-api.
 package nomadapi
 
 import (

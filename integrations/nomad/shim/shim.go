@@ -1,19 +1,10 @@
 // Package shim is a Nomad device plugin that forwards to a devicehost agent: a Nomad
-// client loads it (the binary nomad-device-devicehost) from its plugin_dir, and sees
-// the agent's devices, health and statistics as its own, and reserves them through the
-// agent's ledger.
-//
-// Nomad never tells a device plugin which allocation a Reserve is for, nor that an
-// allocation ended (hashicorp/nomad#6258). Every Reserve is made for a fresh owner
-// "nomad/<random>"; when Nomad hands a device to a new allocation while an earlier
-// reservation of a "nomad/" owner still holds it, that reservation is released and the
-// new one made, in the one Reserve call Nomad sees. A device held by any other owner is
-// refused, naming the holder.
-//
-// Where the local Nomad agent's HTTP API can be read, the shim also follows the node's
-// allocations there (see follower): a reservation is handed to the task that holds its
-// devices (owner "nomad/<namespace>/<job>/<alloc-id>/<task>") and released once no
-// allocation the client still runs holds them, after a grace period.
+// client loads it (the binary nomad-device-devicehost) from its plugin_dir, sees the
+// agent's devices, health and statistics as its own, and reserves them through the
+// agent's ledger. Since Nomad tells a device plugin neither which allocation a Reserve
+// is for nor when it ended (hashicorp/nomad#6258), the shim takes devices over from
+// earlier Nomad owners and follows the node's allocations in Nomad's HTTP API (see
+// follower). See docs/nomad.md.
 package shim
 
 import (

@@ -1,14 +1,9 @@
-// Package units translates units between devicehost and Nomad.
-//
-// devicehost accepts a fixed list of units on attributes and stats
-// (validate.KnownUnits). Nomad has two notions: device attributes carry a unit from
-// its unit index (plugins/shared/structs: KiB…EiB, kB…EB, byte rates, MHz, GHz, mW…GW),
-// which the scheduler converts to compare constraints, and an unknown one makes Nomad
-// reject the whole fingerprint; stats values carry free text ("%", "MiB", "C",
-// "bytes"...). The functions here say, for a unit of one side, which unit of the other
-// side holds the same quantity and by what factor to multiply the number.
-//
-// The tables are fixed; the functions are pure and safe for concurrent use.
+// Package units translates units between devicehost (validate.KnownUnits) and Nomad:
+// device attributes carry a unit of Nomad's unit index (plugins/shared/structs), which
+// its scheduler converts and whose unknown units make Nomad reject a whole fingerprint;
+// stats carry free text ("%", "MiB", "bytes"). For a unit of one side the functions say
+// which unit of the other holds the same quantity and by what factor to multiply. The
+// tables are fixed; the functions are pure and safe for concurrent use. See docs/nomad.md.
 package units
 
 // Conversion turns a number in one unit into another: To is the target unit and the

@@ -1,24 +1,9 @@
-// Package nvidia is devicehost's example NVIDIA GPU plugin, on go-nvml's nvml.Interface.
-//
-// With real NVML (libnvidia-ml loads and initialises) it reports the machine's GPUs;
-// with config simulate = "dgxa100" | "dgxh100" | "dgxh200" | "dgxb200" it runs the same
-// code on go-nvml's mock servers, extended so stats move over time, GPU UUIDs stay the
-// same across restarts and XID faults can be injected. Without either it reports zero
-// devices. See Config for the keys.
-//
-// Fingerprint groups GPUs by product name and re-reads them every fingerprint_period,
-// sending only on change. While a Fingerprint stream runs, critical XID events make a
-// GPU unhealthy until health_quiet_period passes without another one. Reserve hands
-// out NVIDIA_VISIBLE_DEVICES and CDI names, which resolve through the CDI spec the
-// plugin keeps in cdi_spec_dir (see cdi.go). GPUs that appear after a Fingerprint
-// stream started are reported but their XIDs are watched only from the next stream on.
-//
-// GPUs can be partitioned (see mig.go): MIG on demand (mig = "on-demand": Reserve
-// creates the instance, Release destroys it, Reconcile destroys what no live
-// reservation holds), a static MIG layout (mig_layout), and time-sliced replicas
-// (replicas). Devices that share a GPU declare it as a counter set, which the host
-// enforces. The simulated machines keep their MIG state in sim_state_file, so it
-// outlives the plugin process as a real GPU's does (see simmig.go).
+// Package nvidia is devicehost's example NVIDIA GPU plugin, on go-nvml's nvml.Interface:
+// with real NVML it reports the machine's GPUs, and with config simulate = "dgxh100" (or
+// another of go-nvml's mock servers) it runs the same code on simulated ones. It reports
+// health from XID events, hands out NVIDIA_VISIBLE_DEVICES and CDI names (cdi.go), and
+// partitions GPUs by MIG or time-slicing (mig.go, simmig.go). See Config for the keys
+// and plugins/nvidia-example/README.md for its behaviour.
 package nvidia
 
 import (

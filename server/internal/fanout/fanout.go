@@ -9,7 +9,7 @@ import (
 	"time"
 )
 
-// How a feed sends (see the package comment for its contract).
+// How a feed sends (see Feeds for its contract).
 //
 // All the streams of one kind (Fingerprint; Stats at one interval) share one feed: one
 // Manager subscription, whose values the feed's goroutine encodes once per distinct
@@ -84,6 +84,19 @@ func (p *pacer) spend(d time.Duration) { p.tokens -= d }
 
 // Feeds is a server's open feeds of one kind (values of type T), by key. Safe for
 // concurrent use.
+//
+// Concurrency and cleanup. A stream's handler calls Feeds.Join, then Sub.Start (which
+// sends its first message on the handler's goroutine and hands the stream over to the
+// feed), then waits for Sub.Failed, Sub.Gone or its own end, and calls Sub.Leave in every
+// case, Start or not; Leave returns once no goroutine is sending on the stream, so the
+// handler may return. One goroutine at a time sends on a stream. The feed's goroutine
+// starts with its first stream and ends when its last stream leaves, the Manager closes
+// the subscription, or the quit channel given to NewFeeds closes; each change's sends
+// run on at most fanoutWorkers goroutines of their own, and one left to a stuck send
+// ends when that send returns. The owner closes quit, stops its gRPC server (so that
+// every send returns), and calls Feeds.Close, which refuses later joins and waits for
+// all of those goroutines. Feeds, Sub's exported methods and Codec are safe for
+// concurrent use; a Frame is never modified once made.
 type Feeds[T any] struct {
 	quit <-chan struct{} // the server's: closed by its Shutdown
 	wg   sync.WaitGroup  // the feeds' goroutines

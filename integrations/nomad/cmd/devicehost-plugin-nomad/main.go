@@ -1,18 +1,8 @@
 // Command devicehost-plugin-nomad is a devicehost plugin that runs one unmodified Nomad
-// device plugin binary (see package adapter). Copy it into devicehost's plugin dir
-// under the name of its plugin block, once per Nomad plugin:
-//
-//	plugin "nomad-nvidia" {
-//	  config {
-//	    nomad_plugin = "/opt/nomad/plugins/nomad-device-nvidia"
-//	    nomad_config {
-//	      fingerprint_period = "5s"
-//	    }
-//	  }
-//	}
-//
-// When the Nomad plugin exits unexpectedly this process exits with status 1, and
-// devicehost restarts both with its backoff.
+// device plugin binary (see package adapter): copy it into devicehost's plugin dir under
+// the name of its plugin block, once per Nomad plugin, and name the Nomad binary in that
+// block's nomad_plugin. When the Nomad plugin exits unexpectedly this process exits with
+// status 1, and devicehost restarts both with its backoff. See docs/nomad.md.
 package main
 
 import (

@@ -1,12 +1,6 @@
-// Command nomad-device-devicehost is a Nomad device plugin that forwards to a
-// devicehost agent (see package shim). Put it in the Nomad client's plugin_dir; its
-// config block is matched by this file name:
-//
-//	plugin "nomad-device-devicehost" {
-//	  config {
-//	    address = "unix:///run/devicehost/devicehost.sock"
-//	  }
-//	}
+// Command nomad-device-devicehost is a Nomad device plugin that forwards to a devicehost
+// agent (see package shim). Put it in the Nomad client's plugin_dir; its config block,
+// plugin "nomad-device-devicehost", is matched by this file name. See docs/nomad.md.
 package main
 
 import (
