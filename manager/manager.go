@@ -165,14 +165,11 @@ func New(cfg Config) (*Manager, error) {
 // newManager is New with the plugin launcher chosen by the caller (tests run plugins
 // in-process, or keep processes alive to play a crashed host).
 func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
-	cfg, notes, err := cfg.withDefaults()
+	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
 	}
 	log := cfg.Logger.Named("manager")
-	for _, n := range notes {
-		log.Warn(n)
-	}
 	m := &Manager{
 		cfg:       cfg,
 		log:       log,
