@@ -3,6 +3,7 @@ package validate
 import (
 	"slices"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/devicehost/devicehost/textline"
@@ -48,6 +49,10 @@ const (
 	// MaxTakeOverPrefixes bounds the owner prefixes one Reserve may take devices over
 	// from.
 	MaxTakeOverPrefixes = 16
+	// MaxStreamFilters bounds each filter list (groups, plugins) of one Fingerprint or
+	// Stats request: matching costs groups × filters on every change, for every
+	// distinct filter.
+	MaxStreamFilters = 64
 	// MaxCounterSets bounds the counter sets (shared capacity) of one fingerprint: one
 	// per GPU is the common case.
 	MaxCounterSets = 1024
@@ -70,6 +75,9 @@ const (
 	MaxFingerprintBytes = 512 << 10
 	MaxStatsBytes       = 512 << 10
 )
+
+// MaxStatsInterval is the longest interval a Stats request may ask for.
+const MaxStatsInterval = 24 * time.Hour
 
 // Unit says what a known unit measures: the base unit of its quantity, and what one of
 // the unit is in that base unit.

@@ -6,14 +6,17 @@
 // Every function returns nil or the errors.Join of every violation it found (up to
 // MaxViolations), each naming the item and the rule it broke. Plugin-output violations
 // are *Violation values, request violations *device.FieldError values; in both the rule
-// is one of the Rule constants, so callers can test with errors.Is(err, RuleX), list
-// them with Violations, and log "plugin X: rule Y" without parsing text.
+// is one of the Rule constants (StreamFilter and StatsInterval, whose rules are limits,
+// state the limit instead), so callers can test with errors.Is(err, RuleX), list them
+// with Violations, and log "plugin X: rule Y" without parsing text.
 //
 // The functions keep no state, do not modify their input, and are safe for concurrent
 // use. Their work is bounded by the Max* limits whatever the input's size.
 package validate
 
 import (
+	"time"
+
 	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
@@ -106,3 +109,14 @@ func ReownRequest(req device.ReownRequest) error { return reownRequest(req) }
 // ReserveRequest's rules for IDs; state must be one of the ReservationState values
 // (RuleState).
 func ReservationFilter(f device.ReservationFilter) error { return reservationFilter(f) }
+
+// StreamFilter checks the filter lists of a host API Fingerprint or Stats request, by
+// their lengths, so that a request is refused before its lists are converted: at most
+// MaxStreamFilters group filters ("groups") and MaxStreamFilters plugin names
+// ("plugins"). Violations are *device.FieldError.
+func StreamFilter(groups, plugins int) error { return streamFilter(groups, plugins) }
+
+// StatsInterval checks the interval of a host API Stats request ("interval"): not
+// negative and at most MaxStatsInterval; zero asks for the agent's own. A violation is
+// a *device.FieldError.
+func StatsInterval(d time.Duration) error { return statsInterval(d) }
