@@ -15,7 +15,8 @@ import (
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
-// Defaults and bounds for Config. Every zero duration in Config means the default here.
+// Defaults and bounds for Config. Every zero duration in Config means the default here;
+// New refuses a duration below its Min.
 const (
 	DefaultStatsInterval      = time.Second
 	MinStatsInterval          = 100 * time.Millisecond
@@ -108,8 +109,8 @@ type Config struct {
 	GCParallelDestroys int
 
 	// StatsInterval is how often each plugin is asked for stats (one stream per plugin)
-	// and how often WatchStats readers can be served. Zero means 1s; below
-	// MinStatsInterval it is raised to MinStatsInterval with a log line.
+	// and how often WatchStats readers can be served. Zero means 1s; New refuses one
+	// below MinStatsInterval.
 	StatsInterval time.Duration
 	// ReserveTimeout bounds a plugin's Reserve call, and its Release (the cleanup after a
 	// released reservation). Zero means 10s.
@@ -205,9 +206,8 @@ type PluginConfig struct {
 }
 
 // withDefaults returns a copy of c with every zero field set to its default and every
-// reference field copied, plus the log lines a caller should emit about adjustments.
-func (c Config) withDefaults() (Config, []string, error) {
-	var notes []string
+// reference field copied, or an error naming the first field it refuses.
+func (c Config) withDefaults() (Config, error) {
 	if c.Logger == nil {
 		c.Logger = hclog.NewNullLogger()
 	}
@@ -224,36 +224,34 @@ func (c Config) withDefaults() (Config, []string, error) {
 	c.Plugins = clonePlugins(c.Plugins)
 
 	durations := []struct {
-		name string
-		p    *time.Duration
-		def  time.Duration
+		name     string
+		p        *time.Duration
+		def, min time.Duration
 	}{
-		{"StatsInterval", &c.StatsInterval, DefaultStatsInterval},
-		{"ReserveTimeout", &c.ReserveTimeout, DefaultReserveTimeout},
-		{"StartTimeout", &c.StartTimeout, DefaultStartTimeout},
-		{"ReadyTimeout", &c.ReadyTimeout, DefaultReadyTimeout},
-		{"FingerprintTimeout", &c.FingerprintTimeout, DefaultFingerprintTimeout},
-		{"KillTimeout", &c.KillTimeout, DefaultKillTimeout},
-		{"RestartBaseDelay", &c.RestartBaseDelay, DefaultRestartBaseDelay},
-		{"RestartMaxDelay", &c.RestartMaxDelay, DefaultRestartMaxDelay},
-		{"StableRunReset", &c.StableRunReset, DefaultStableRunReset},
-		{"ServedReset", &c.ServedReset, DefaultServedReset},
-		{"GCInterval", &c.GCInterval, DefaultGCInterval},
-		{"PluginDirSettle", &c.PluginDirSettle, DefaultPluginDirSettle},
-		{"PluginDirRescan", &c.PluginDirRescan, DefaultPluginDirRescan},
-		{"RemovedPluginGrace", &c.RemovedPluginGrace, DefaultRemovedPluginGrace},
+		{"StatsInterval", &c.StatsInterval, DefaultStatsInterval, MinStatsInterval},
+		{"ReserveTimeout", &c.ReserveTimeout, DefaultReserveTimeout, 0},
+		{"StartTimeout", &c.StartTimeout, DefaultStartTimeout, 0},
+		{"ReadyTimeout", &c.ReadyTimeout, DefaultReadyTimeout, 0},
+		{"FingerprintTimeout", &c.FingerprintTimeout, DefaultFingerprintTimeout, 0},
+		{"KillTimeout", &c.KillTimeout, DefaultKillTimeout, 0},
+		{"RestartBaseDelay", &c.RestartBaseDelay, DefaultRestartBaseDelay, 0},
+		{"RestartMaxDelay", &c.RestartMaxDelay, DefaultRestartMaxDelay, 0},
+		{"StableRunReset", &c.StableRunReset, DefaultStableRunReset, 0},
+		{"ServedReset", &c.ServedReset, DefaultServedReset, 0},
+		{"GCInterval", &c.GCInterval, DefaultGCInterval, 0},
+		{"PluginDirSettle", &c.PluginDirSettle, DefaultPluginDirSettle, 0},
+		{"PluginDirRescan", &c.PluginDirRescan, DefaultPluginDirRescan, 0},
+		{"RemovedPluginGrace", &c.RemovedPluginGrace, DefaultRemovedPluginGrace, 0},
 	}
 	for _, d := range durations {
 		switch {
 		case *d.p < 0:
-			return Config{}, nil, fmt.Errorf("manager config: %s is negative (%v)", d.name, *d.p)
+			return Config{}, fmt.Errorf("manager config: %s is negative (%v)", d.name, *d.p)
 		case *d.p == 0:
 			*d.p = d.def
+		case *d.p < d.min:
+			return Config{}, fmt.Errorf("manager config: %s (%v) is below the minimum of %v", d.name, *d.p, d.min)
 		}
-	}
-	if c.StatsInterval < MinStatsInterval {
-		notes = append(notes, fmt.Sprintf("stats interval %v is below the lower bound, using %v", c.StatsInterval, MinStatsInterval))
-		c.StatsInterval = MinStatsInterval
 	}
 	counts := []struct {
 		name string
@@ -266,18 +264,18 @@ func (c Config) withDefaults() (Config, []string, error) {
 	for _, n := range counts {
 		switch {
 		case *n.p < 0:
-			return Config{}, nil, fmt.Errorf("manager config: %s is negative (%d)", n.name, *n.p)
+			return Config{}, fmt.Errorf("manager config: %s is negative (%d)", n.name, *n.p)
 		case *n.p == 0:
 			*n.p = n.def
 		}
 	}
 	if err := checkPlugins(c.StateDir, c.Plugins); err != nil {
-		return Config{}, nil, err
+		return Config{}, err
 	}
 	if c.RestartMaxDelay < c.RestartBaseDelay {
-		return Config{}, nil, fmt.Errorf("manager config: RestartMaxDelay (%v) is below RestartBaseDelay (%v)", c.RestartMaxDelay, c.RestartBaseDelay)
+		return Config{}, fmt.Errorf("manager config: RestartMaxDelay (%v) is below RestartBaseDelay (%v)", c.RestartMaxDelay, c.RestartBaseDelay)
 	}
-	return c, notes, nil
+	return c, nil
 }
 
 // clonePlugins deep-copies per-plugin settings, so that no caller's slice is shared.

@@ -28,6 +28,7 @@ import (
 	"github.com/devicehost/devicehost/manager/ledger"
 	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // Manager is the device manager. New starts it; Shutdown stops it. All methods are safe
@@ -95,14 +96,11 @@ func New(cfg Config) (*Manager, error) {
 // newManager is New with the plugin launcher chosen by the caller (tests run plugins
 // in-process, or keep processes alive to play a crashed host).
 func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
-	cfg, notes, err := cfg.withDefaults()
+	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
 	}
 	log := cfg.Logger.Named("manager")
-	for _, n := range notes {
-		log.Warn(n)
-	}
 	m := &Manager{
 		cfg:       cfg,
 		log:       log,
@@ -180,7 +178,7 @@ func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 	bindings, err := m.ledger.DeviceBindings()
 	if err != nil {
 		// The readable records still hold; a damaged one costs its ID's protection.
-		log.Error("device binding records unreadable; those IDs will be bound to the first plugin to report them", "error", oneLine(err))
+		log.Error("device binding records unreadable; those IDs will be bound to the first plugin to report them", "error", textline.Line(err.Error(), 0))
 	}
 	m.reg = inventory.New(inventory.Config{
 		Logger:       log,
@@ -306,8 +304,8 @@ func discoverDir(dir string, log hclog.Logger) (bins []pluginloader.Binary, refu
 		return nil, "", fmt.Errorf("discover plugins in %s: %w", dir, err)
 	case err != nil:
 		// Some binaries were refused (the trust check); run the others.
-		log.Error("plugins refused and not run", "plugin_dir", dir, "error", oneLine(err))
-		refused = oneLine(err)
+		log.Error("plugins refused and not run", "plugin_dir", dir, "error", textline.Line(err.Error(), 0))
+		refused = textline.Line(err.Error(), 0)
 	}
 	return found, refused, nil
 }

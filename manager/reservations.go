@@ -13,6 +13,7 @@ import (
 	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/manager/ledger"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/textline"
 	"github.com/devicehost/devicehost/validate"
 )
 
@@ -114,7 +115,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		return device.Reservation{}, err
 	}
 	if err := validate.Reservation(res, ids); err != nil {
-		return device.Reservation{}, fmt.Errorf("plugin %q answered Reserve with a reservation that breaks the rules: %s: %w", plugin, oneLine(err), device.ErrPluginResponse)
+		return device.Reservation{}, fmt.Errorf("plugin %q answered Reserve with a reservation that breaks the rules: %s: %w", plugin, textline.Line(err.Error(), 0), device.ErrPluginResponse)
 	}
 	r, _, err := m.store.Reserve(ctx, device.Reservation{
 		ID:        ledger.NewID(),

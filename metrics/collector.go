@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/validate"
 )
 
 // Labels of the device and plugin metrics.
@@ -264,7 +265,7 @@ func (s *scrape) statSeries(g device.GroupStats, id, stat string, v device.Value
 		s.drop(g.Plugin, dropNotANumber)
 		return
 	}
-	u, ok := units[v.Unit]
+	u, ok := validate.LookupUnit(v.Unit)
 	if !ok {
 		s.drop(g.Plugin, dropUnit)
 		return
@@ -279,7 +280,7 @@ func (s *scrape) statSeries(g device.GroupStats, id, stat string, v device.Value
 		return
 	}
 	s.emit(g.Plugin, name, statHelp, prometheus.GaugeValue, deviceLabels,
-		[]string{g.Plugin, g.Vendor, g.Type, g.Name, id}, x*u.factor)
+		[]string{g.Plugin, g.Vendor, g.Type, g.Name, id}, x*u.Factor)
 }
 
 // emit sends one stat series of plugin, unless the plugin is at its limit, the series

@@ -8,6 +8,7 @@ import (
 
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/textline"
+	"github.com/devicehost/devicehost/validate"
 )
 
 // statPrefix starts the name of every device stat that has no dcgm-exporter name.
@@ -20,59 +21,18 @@ const maxStatNameLen = 128
 // a plugin sends, so two plugins' stats of one name can never disagree about it.
 const statHelp = "A device statistic as its plugin reports it, converted to the Prometheus base unit its name ends with (none: as reported). See devicehost's docs/metrics.md."
 
-// dimension is a unit's kind, and the suffix Prometheus' conventions give a metric in
-// that kind's base unit.
-type dimension string
-
-// Dimensions of the units validate accepts. dimNone is a plain number (no unit, or a
-// count); its metrics get no suffix.
-const (
-	dimNone        dimension = ""
-	dimRatio       dimension = "_ratio"
-	dimBytes       dimension = "_bytes"
-	dimBytesPerSec dimension = "_bytes_per_second"
-	dimHertz       dimension = "_hertz"
-	dimWatts       dimension = "_watts"
-	dimVolts       dimension = "_volts"
-	dimCelsius     dimension = "_celsius"
-	dimSeconds     dimension = "_seconds"
-	dimRPM         dimension = "_rpm" // no base unit in the conventions; node_exporter's choice
-)
-
-// unit is a plugin unit: its dimension and what one of it is in the base unit.
-type unit struct {
-	dim    dimension
-	factor float64
-}
-
-// units are validate's known units (validate.KnownUnits), each with the base unit it
-// converts to. A unit not listed (a manager that does not validate) is dropped.
-var units = map[string]unit{
-	"": {dimNone, 1}, "count": {dimNone, 1},
-	"%": {dimRatio, 0.01},
-	"B": {dimBytes, 1}, "KiB": {dimBytes, 1 << 10}, "MiB": {dimBytes, 1 << 20}, "GiB": {dimBytes, 1 << 30}, "TiB": {dimBytes, 1 << 40},
-	"KB": {dimBytes, 1e3}, "MB": {dimBytes, 1e6}, "GB": {dimBytes, 1e9},
-	"MB/s": {dimBytesPerSec, 1e6}, "GB/s": {dimBytesPerSec, 1e9},
-	"MHz": {dimHertz, 1e6}, "GHz": {dimHertz, 1e9},
-	"W": {dimWatts, 1}, "mW": {dimWatts, 1e-3},
-	"V": {dimVolts, 1}, "mV": {dimVolts, 1e-3},
-	"C":  {dimCelsius, 1},
-	"ns": {dimSeconds, 1e-9}, "us": {dimSeconds, 1e-6}, "ms": {dimSeconds, 1e-3}, "s": {dimSeconds, 1},
-	"rpm": {dimRPM, 1},
-}
-
 // convert returns v (in unit from) in unit to, when both are known units of one
-// dimension.
+// quantity.
 func convert(v float64, from, to string) (float64, bool) {
-	f, ok1 := units[from]
-	t, ok2 := units[to]
-	if !ok1 || !ok2 || f.dim != t.dim {
+	f, ok1 := validate.LookupUnit(from)
+	t, ok2 := validate.LookupUnit(to)
+	if !ok1 || !ok2 || f.Base != t.Base {
 		return 0, false
 	}
-	if f.factor == t.factor {
+	if f.Factor == t.Factor {
 		return v, true
 	}
-	return v * f.factor / t.factor, true
+	return v * f.Factor / t.Factor, true
 }
 
 // sanitize reduces a plugin's stat name to Prometheus' name charset, snake case: ASCII
@@ -108,15 +68,15 @@ func sanitize(name string) string {
 	return b.String()
 }
 
-// statName is the metric name of a stat in unit u: devicehost_device_<stat> plus the
-// dimension's suffix unless the stat's name already ends with it. Empty when the stat's
-// name has nothing usable.
-func statName(stat string, u unit) string {
+// statName is the metric name of a stat in unit u: devicehost_device_<stat> plus
+// "_<base unit>" unless the stat's name already ends with it or u is a plain number.
+// Empty when the stat's name has nothing usable.
+func statName(stat string, u validate.Unit) string {
 	s := sanitize(stat)
 	if s == "" {
 		return ""
 	}
-	if suffix := string(u.dim); suffix != "" && !strings.HasSuffix("_"+s, suffix) {
+	if suffix := "_" + u.Base; u.Base != "" && !strings.HasSuffix("_"+s, suffix) {
 		s += suffix
 	}
 	return statPrefix + s

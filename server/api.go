@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"fmt"
 	"time"
 
 	"google.golang.org/grpc"
@@ -14,9 +13,6 @@ import (
 	"github.com/devicehost/devicehost/server/internal/fanout"
 	"github.com/devicehost/devicehost/validate"
 )
-
-// maxStatsInterval is the longest Stats interval a request may ask for.
-const maxStatsInterval = 24 * time.Hour
 
 // Fingerprint sends the full snapshot of the groups the request selects at once, and
 // then on every change. Every Fingerprint stream shares one Manager watch; a slow
@@ -78,7 +74,8 @@ func (s *Server) Stats(req *pb.StatsRequest, stream grpc.ServerStreamingServer[p
 	return s.serveStream(ctx, sb, first, cur)
 }
 
-// statsInterval checks a Stats request's interval.
+// statsInterval converts a Stats request's interval, once it is a valid Duration and
+// validate.StatsInterval accepts it.
 func statsInterval(req *pb.StatsRequest) (time.Duration, error) {
 	if req.GetInterval() == nil {
 		return 0, nil
@@ -87,11 +84,8 @@ func statsInterval(req *pb.StatsRequest) (time.Duration, error) {
 		return 0, &device.FieldError{Field: "interval", Rule: err.Error()}
 	}
 	interval := req.GetInterval().AsDuration()
-	if interval < 0 {
-		return 0, &device.FieldError{Field: "interval", Rule: "must not be negative"}
-	}
-	if interval > maxStatsInterval {
-		return 0, &device.FieldError{Field: "interval", Rule: fmt.Sprintf("at most %v; got %v", maxStatsInterval, interval)}
+	if err := validate.StatsInterval(interval); err != nil {
+		return 0, err
 	}
 	return interval, nil
 }

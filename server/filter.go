@@ -1,19 +1,14 @@
 package server
 
 import (
-	"errors"
-	"fmt"
 	"slices"
 	"strconv"
 	"strings"
 
 	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/validate"
 )
-
-// maxFilters bounds each filter list of a Fingerprint or Stats request: matching costs
-// groups × filters on every change, for every distinct filter.
-const maxFilters = 64
 
 // streamFilter selects the groups a Fingerprint or Stats stream sends: a group must be
 // owned by one of plugins (when any are given) and match one of groups (when any are
@@ -23,18 +18,11 @@ type streamFilter struct {
 	groups  []device.GroupKey // sorted, without duplicates; an empty field matches anything
 }
 
-// newStreamFilter converts a request's filter fields. Too many entries is a
-// *device.FieldError naming the field.
+// newStreamFilter converts a request's filter fields, once validate.StreamFilter
+// accepts them.
 func newStreamFilter(groups []*pb.GroupFilter, plugins []string) (streamFilter, error) {
-	var errs []error
-	if len(groups) > maxFilters {
-		errs = append(errs, &device.FieldError{Field: "groups", Rule: fmt.Sprintf("at most %d filters; got %d", maxFilters, len(groups))})
-	}
-	if len(plugins) > maxFilters {
-		errs = append(errs, &device.FieldError{Field: "plugins", Rule: fmt.Sprintf("at most %d plugin names; got %d", maxFilters, len(plugins))})
-	}
-	if len(errs) > 0 {
-		return streamFilter{}, errors.Join(errs...)
+	if err := validate.StreamFilter(len(groups), len(plugins)); err != nil {
+		return streamFilter{}, err
 	}
 	var f streamFilter
 	for _, g := range groups {

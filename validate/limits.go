@@ -3,6 +3,7 @@ package validate
 import (
 	"slices"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/devicehost/devicehost/textline"
@@ -48,6 +49,10 @@ const (
 	// MaxTakeOverPrefixes bounds the owner prefixes one Reserve may take devices over
 	// from.
 	MaxTakeOverPrefixes = 16
+	// MaxStreamFilters bounds each filter list (groups, plugins) of one Fingerprint or
+	// Stats request: matching costs groups × filters on every change, for every
+	// distinct filter.
+	MaxStreamFilters = 64
 	// MaxCounterSets bounds the counter sets (shared capacity) of one fingerprint: one
 	// per GPU is the common case.
 	MaxCounterSets = 1024
@@ -71,17 +76,35 @@ const (
 	MaxStatsBytes       = 512 << 10
 )
 
-// knownUnits is the set behind KnownUnits and KnownUnit.
-var knownUnits = map[string]bool{
-	"": true, "%": true, "count": true,
-	"B": true, "KiB": true, "MiB": true, "GiB": true, "TiB": true,
-	"KB": true, "MB": true, "GB": true,
-	"MB/s": true, "GB/s": true,
-	"MHz": true, "GHz": true,
-	"W": true, "mW": true, "V": true, "mV": true,
-	"C":  true, // degrees Celsius
-	"ns": true, "us": true, "ms": true, "s": true,
-	"rpm": true,
+// MaxStatsInterval is the longest interval a Stats request may ask for.
+const MaxStatsInterval = 24 * time.Hour
+
+// Unit says what a known unit measures: the base unit of its quantity, and what one of
+// the unit is in that base unit.
+type Unit struct {
+	// Base is the quantity's base unit, named as Prometheus' conventions name it
+	// ("bytes", "bytes_per_second", "hertz", "watts", "volts", "celsius", "seconds",
+	// "ratio"; "rpm", which the conventions lack), or "" for a plain number (no unit,
+	// or a count).
+	Base string
+	// Factor is one of the unit in Base: 1 KiB is 1024 bytes, 1 % is 0.01 ratio.
+	Factor float64
+}
+
+// knownUnits is the one table of units: the set behind KnownUnits, KnownUnit and
+// LookupUnit.
+var knownUnits = map[string]Unit{
+	"": {"", 1}, "count": {"", 1},
+	"%": {"ratio", 0.01},
+	"B": {"bytes", 1}, "KiB": {"bytes", 1 << 10}, "MiB": {"bytes", 1 << 20}, "GiB": {"bytes", 1 << 30}, "TiB": {"bytes", 1 << 40},
+	"KB": {"bytes", 1e3}, "MB": {"bytes", 1e6}, "GB": {"bytes", 1e9},
+	"MB/s": {"bytes_per_second", 1e6}, "GB/s": {"bytes_per_second", 1e9},
+	"MHz": {"hertz", 1e6}, "GHz": {"hertz", 1e9},
+	"W": {"watts", 1}, "mW": {"watts", 1e-3},
+	"V": {"volts", 1}, "mV": {"volts", 1e-3},
+	"C":  {"celsius", 1}, // degrees Celsius
+	"ns": {"seconds", 1e-9}, "us": {"seconds", 1e-6}, "ms": {"seconds", 1e-3}, "s": {"seconds", 1},
+	"rpm": {"rpm", 1},
 }
 
 // KnownUnits returns, sorted, the units an attribute or stats value may carry; ""
@@ -96,7 +119,16 @@ func KnownUnits() []string {
 }
 
 // KnownUnit reports whether unit is one of KnownUnits.
-func KnownUnit(unit string) bool { return knownUnits[unit] }
+func KnownUnit(unit string) bool {
+	_, ok := knownUnits[unit]
+	return ok
+}
+
+// LookupUnit returns what unit measures; ok is false when it is not one of KnownUnits.
+func LookupUnit(unit string) (u Unit, ok bool) {
+	u, ok = knownUnits[unit]
+	return u, ok
+}
 
 // The env deny list. A plugin is untrusted and its envs are set in every container that
 // gets its devices, so it must not set anything that changes which code runs there or

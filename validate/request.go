@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/devicehost/devicehost/device"
@@ -192,4 +193,27 @@ func reownRequest(req device.ReownRequest) error {
 		}
 	}
 	return f.err()
+}
+
+// streamFilter is StreamFilter's body; see its doc comment for the rules.
+func streamFilter(groups, plugins int) error {
+	var errs []error
+	if groups > MaxStreamFilters {
+		errs = append(errs, &device.FieldError{Field: "groups", Rule: fmt.Sprintf("at most %d filters; got %d", MaxStreamFilters, groups)})
+	}
+	if plugins > MaxStreamFilters {
+		errs = append(errs, &device.FieldError{Field: "plugins", Rule: fmt.Sprintf("at most %d plugin names; got %d", MaxStreamFilters, plugins)})
+	}
+	return errors.Join(errs...)
+}
+
+// statsInterval is StatsInterval's body; see its doc comment for the rules.
+func statsInterval(d time.Duration) error {
+	switch {
+	case d < 0:
+		return errors.Join(&device.FieldError{Field: "interval", Rule: "must not be negative"})
+	case d > MaxStatsInterval:
+		return errors.Join(&device.FieldError{Field: "interval", Rule: fmt.Sprintf("at most %v; got %v", MaxStatsInterval, d)})
+	}
+	return nil
 }

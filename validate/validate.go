@@ -2,13 +2,16 @@
 // output (in the plugin protocol's types, before anything is converted or stored) and
 // host API requests (in the contract's domain types). Each returns nil or the errors.Join
 // of every violation found (up to MaxViolations): *Violation or *device.FieldError values
-// naming the item and one of the Rule constants, so callers can test errors.Is(err,
-// RuleX) and list them with Violations. The functions keep no state, do not modify their
-// input, are safe for concurrent use, and their work is bounded by the Max* limits.
+// naming the item and one of the Rule constants (StreamFilter and StatsInterval, whose
+// rules are limits, state the limit instead), so callers can test errors.Is(err, RuleX)
+// and list them with Violations. The functions keep no state, do not modify their input,
+// are safe for concurrent use, and their work is bounded by the Max* limits.
 // See docs/plugins.md#what-a-plugin-cannot-do-to-the-agent.
 package validate
 
 import (
+	"time"
+
 	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
@@ -101,3 +104,14 @@ func ReownRequest(req device.ReownRequest) error { return reownRequest(req) }
 // ReserveRequest's rules for IDs; state must be one of the ReservationState values
 // (RuleState).
 func ReservationFilter(f device.ReservationFilter) error { return reservationFilter(f) }
+
+// StreamFilter checks the filter lists of a host API Fingerprint or Stats request, by
+// their lengths, so that a request is refused before its lists are converted: at most
+// MaxStreamFilters group filters ("groups") and MaxStreamFilters plugin names
+// ("plugins"). Violations are *device.FieldError.
+func StreamFilter(groups, plugins int) error { return streamFilter(groups, plugins) }
+
+// StatsInterval checks the interval of a host API Stats request ("interval"): not
+// negative and at most MaxStatsInterval; zero asks for the agent's own. A violation is
+// a *device.FieldError.
+func StatsInterval(d time.Duration) error { return statsInterval(d) }

@@ -33,12 +33,11 @@ const (
 	defaultLogLevel  = "info"
 )
 
-// The least a duration in the config file may be (other than "0s", the default): below
-// these the agent cannot do its job (a plugin cannot start or answer in time, the
-// manager would sample faster than it allows), so such a value stops the agent at
-// load, with the file and line, rather than being raised with a warning.
+// The least a duration in the config file may be (other than "0s", the default), beside
+// stats_interval's, which is the manager's (manager.MinStatsInterval): below these the
+// agent cannot do its job (a plugin cannot start or answer in time), so such a value
+// stops the agent at load, with the file and line.
 const (
-	minStatsInterval  = manager.MinStatsInterval // 100ms
 	minReserveTimeout = 100 * time.Millisecond
 	minStartTimeout   = time.Second
 	minGCInterval     = time.Second
@@ -183,7 +182,7 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 	d.str(fs.StateDir, &cfg.StateDir)
 	d.logLevel(fs.LogLevel, &cfg.LogLevel)
 	d.boolean(fs.LogJSON, &cfg.LogJSON)
-	d.duration(fs.StatsInterval, minStatsInterval, &cfg.StatsInterval)
+	d.duration(fs.StatsInterval, manager.MinStatsInterval, &cfg.StatsInterval)
 	d.duration(fs.ReserveTimeout, minReserveTimeout, &cfg.ReserveTimeout)
 	d.duration(fs.StartTimeout, minStartTimeout, &cfg.StartTimeout)
 	d.duration(fs.ReadyTimeout, 0, &cfg.ReadyTimeout)

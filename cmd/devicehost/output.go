@@ -10,14 +10,13 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
-	"unicode"
-	"unicode/utf8"
 
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/textline"
 )
 
 // table writes aligned columns, separated by at least two spaces. Every cell goes
@@ -56,8 +55,8 @@ func cell(s string) string {
 	if s == "" {
 		return "-"
 	}
-	if s == "-" || strings.Contains(s, "  ") || s[0] == ' ' || s[0] == '"' || s[len(s)-1] == ' ' || !utf8.ValidString(s) ||
-		strings.IndexFunc(s, func(r rune) bool { return !unicode.IsPrint(r) }) >= 0 {
+	if s == "-" || strings.Contains(s, "  ") || s[0] == ' ' || s[0] == '"' || s[len(s)-1] == ' ' ||
+		!textline.Printable(s) {
 		return strconv.Quote(s)
 	}
 	return s

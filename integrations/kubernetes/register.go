@@ -16,14 +16,16 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/devicehost/devicehost/backoff"
 	"github.com/devicehost/devicehost/endpoint"
 )
 
 // Timing of registration.
 const (
 	registerTimeout = 5 * time.Second
-	// A failed Register is tried again after retryBase, doubling up to retryMax; a
-	// re-created kubelet socket is noticed at once through fsnotify.
+	// A failed sync is tried again after retryBase, doubling up to retryMax with
+	// jitter (see backoff); a re-created kubelet socket is noticed at once through
+	// fsnotify.
 	retryBase = 100 * time.Millisecond
 	retryMax  = 5 * time.Second
 	// resyncInterval is how often the registrar checks the sockets without being told:
@@ -49,7 +51,7 @@ type registrar struct {
 	watcher *fsnotify.Watcher
 	kickCh  chan struct{}
 	servers map[string]*pluginServer
-	retry   time.Duration // the next retry delay after a failure
+	retry   backoff.Backoff // the delays of retries after failed syncs in a row
 	log     hclog.Logger
 
 	kubeletCreates int // kubelet.sock creations seen: kubelet (re)starts
@@ -76,7 +78,7 @@ func newRegistrar(b *Bridge) (*registrar, error) {
 		watcher:   w,
 		kickCh:    make(chan struct{}, 1),
 		servers:   map[string]*pluginServer{},
-		retry:     retryBase,
+		retry:     backoff.Backoff{Base: retryBase, Max: retryMax, HardMax: true},
 		log:       b.log.Named("register"),
 		afterSync: b.afterSync,
 	}, nil
@@ -110,11 +112,10 @@ func (r *registrar) run(ctx context.Context) {
 			r.afterSync(r.kubeletCreates, ok)
 		}
 		if ok {
-			r.retry = retryBase
+			r.retry.Reset()
 		} else {
-			timer = time.NewTimer(r.retry)
+			timer = time.NewTimer(r.retry.Next())
 			retry = timer.C
-			r.retry = min(2*r.retry, retryMax)
 		}
 		r.wait(ctx, retry, resync.C, &events, &errs)
 		if timer != nil {

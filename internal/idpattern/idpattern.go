@@ -5,9 +5,9 @@ package idpattern
 
 import (
 	"fmt"
-	"strings"
-	"unicode"
 	"unicode/utf8"
+
+	"github.com/devicehost/devicehost/textline"
 )
 
 // MaxLen bounds a pattern's length in bytes, and MaxPatterns the patterns of one plugin.
@@ -26,7 +26,7 @@ func Check(p string) error {
 		return fmt.Errorf("pattern is %d bytes long, at most %d", len(p), MaxLen)
 	case !utf8.ValidString(p):
 		return fmt.Errorf("pattern %q is not valid UTF-8", p)
-	case strings.IndexFunc(p, func(r rune) bool { return !unicode.IsPrint(r) }) >= 0:
+	case !textline.Printable(p):
 		return fmt.Errorf("pattern %q has a character that is not printable", p)
 	}
 	return nil

@@ -1,12 +1,5 @@
 package supervise
 
-import "github.com/devicehost/devicehost/textline"
-
-// oneLine renders err, which may be an errors.Join of many, on one printable line
-// (textline.Line), unbounded: for log values and for errors whose parts are each
-// bounded already (validation violations).
-func oneLine(err error) string { return textline.Line(err.Error(), 0) }
-
 // repeats collapses a message seen again and again in a row into one log line and a
 // count: see says whether a message is new (to be logged) and, when it replaces one seen
 // more than once, how many times that one came. Owned by one goroutine.

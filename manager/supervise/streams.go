@@ -13,6 +13,7 @@ import (
 
 	"github.com/devicehost/devicehost/manager/inventory"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/textline"
 	"github.com/devicehost/devicehost/validate"
 )
 
@@ -56,7 +57,7 @@ func (s *Supervisor) fingerprint(ctx context.Context, p Plugin, fingerprinted ch
 			return s.fingerprintError(ctx, p, err)
 		}
 		if verr := validate.Fingerprint(resp); verr != nil {
-			msg := oneLine(verr)
+			msg := textline.Line(verr.Error(), 0)
 			if isNew, _, _ := refusals.see(msg); isNew {
 				// State first, then the log: whoever reads the log line finds the
 				// plugin's last error already saying it.
@@ -170,7 +171,7 @@ func (s *Supervisor) statsStream(ctx context.Context, p Plugin) error {
 		}
 		watchdog.Reset(stall)
 		if verr := validate.Stats(resp, s.reg.Known(s.name)); verr != nil {
-			if msg := oneLine(verr); msg != lastRejection {
+			if msg := textline.Line(verr.Error(), 0); msg != lastRejection {
 				lastRejection = msg
 				s.log.Error("stats rejected; keeping the last good stats", "violations", msg)
 			}
