@@ -12,7 +12,6 @@ import (
 
 	"github.com/devicehost/devicehost/deviceplugin/cdi"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
-	dppb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
 // cdiSpecs keeps one CDI spec file per prepared claim, "<driver>-claim-<uid>.json"
@@ -87,7 +86,7 @@ func (c *cdiSpecs) write(uid, claim string, rs []*pb.Reservation) error {
 	if err != nil {
 		return err
 	}
-	s := cdi.Spec{Kind: c.kind, Devices: make(map[string]*dppb.ContainerReservation, len(rs))}
+	s := cdi.Spec{Kind: c.kind, Devices: make(map[string]cdi.Edits, len(rs))}
 	for _, r := range rs {
 		s.Devices[uid+"-"+r.GetReservationId()] = containerEdits(claim, r.GetReservation())
 	}
@@ -154,17 +153,17 @@ func (c *cdiSpecs) claims() ([]string, error) {
 // containerEdits is what the claim's CDI device gives a container: the reservation's
 // env vars and mounts, its device nodes unless the plugin names CDI devices of its own
 // for them (they come through the plugin's spec), and DEVICEHOST_CLAIM.
-func containerEdits(claim string, r *pb.ContainerReservation) *dppb.ContainerReservation {
-	out := &dppb.ContainerReservation{Envs: map[string]string{"DEVICEHOST_CLAIM": claim}}
+func containerEdits(claim string, r *pb.ContainerReservation) cdi.Edits {
+	out := cdi.Edits{Env: map[string]string{"DEVICEHOST_CLAIM": claim}}
 	for k, v := range r.GetEnvs() {
-		out.Envs[k] = v
+		out.Env[k] = v
 	}
 	for _, m := range r.GetMounts() {
-		out.Mounts = append(out.Mounts, &dppb.Mount{HostPath: m.GetHostPath(), ContainerPath: m.GetContainerPath(), ReadOnly: m.GetReadOnly()})
+		out.Mounts = append(out.Mounts, cdi.Mount{HostPath: m.GetHostPath(), ContainerPath: m.GetContainerPath(), ReadOnly: m.GetReadOnly()})
 	}
 	if len(r.GetCdiDevices()) == 0 {
 		for _, d := range r.GetDevices() {
-			out.Devices = append(out.Devices, &dppb.DeviceSpec{HostPath: d.GetHostPath(), ContainerPath: d.GetContainerPath(), Permissions: d.GetPermissions()})
+			out.DeviceNodes = append(out.DeviceNodes, cdi.DeviceNode{HostPath: d.GetHostPath(), ContainerPath: d.GetContainerPath(), Permissions: d.GetPermissions()})
 		}
 	}
 	return out
