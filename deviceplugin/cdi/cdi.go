@@ -1,9 +1,10 @@
 // Package cdi lets a device plugin publish its devices as a CDI (Container Device
 // Interface) spec, so that the CDI names its Reserve hands out ("vendor.com/class=ID")
-// resolve in containerd, CRI-O and podman. Writer builds the spec from what each device
-// injects (env vars, device nodes, mounts), validates it with the CDI library and writes
-// it atomically into a spec directory (default DefaultDir) whenever the devices change.
-// See docs/plugins.md#cdi-specs.
+// resolve in containerd, CRI-O and podman. Writer builds the spec from each device's
+// Edits (env vars, device nodes, mounts), validates it with the CDI library and writes it
+// atomically into a spec directory (default DefaultDir) whenever the devices change. Its
+// users are the nvidia-example plugin and the DRA driver's claim specs; it imports no
+// devicehost protocol. See docs/plugins.md#cdi-specs.
 package cdi
 
 import (
@@ -15,14 +16,11 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 	"tags.cncf.io/container-device-interface/pkg/parser"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
-
-	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
 // DefaultDir is where container runtimes look for generated (not hand-written) CDI
@@ -37,23 +35,46 @@ const specFileMode = 0o644
 // puts it in ContainerReservation.CdiDevices: "vendor.com/class=id".
 func Name(kind, id string) string { return kind + "=" + id }
 
-// Spec is what a plugin's devices give a container, in the plugin protocol's terms.
+// Spec is what a set of devices gives a container.
 type Spec struct {
 	// Kind is the CDI kind of every device, "vendor.com/class", e.g. "nvidia.com/gpu".
 	Kind string
 	// Devices maps each device ID (the part of the CDI name after "=") to what a
-	// container with that device gets: env vars, device nodes and mounts. CDI names
-	// have no place in it. An empty map means no devices: Write removes the file.
-	Devices map[string]*pb.ContainerReservation
+	// container with that device gets. An empty map means no devices: Write removes
+	// the file.
+	Devices map[string]Edits
 	// Common is what a container with any of these devices gets once, however many
-	// it has (control device nodes, shared env vars); nil for nothing.
-	Common *pb.ContainerReservation
+	// it has (control device nodes, shared env vars); the zero value for nothing.
+	Common Edits
 	// Nodes gives the type and numbers of device nodes, by host path. Without an
 	// entry, a runtime stats the host's node when it injects the device and fails if
 	// there is none; with one, it needs no node on the host (a device node the
 	// runtime creates in the container by its numbers), which is how simulated devices
 	// resolve on a machine that lacks them.
 	Nodes map[string]Node
+}
+
+// Edits is what a container gets, a CDI spec's containerEdits: env vars, device nodes
+// and bind mounts. The zero value gives nothing.
+type Edits struct {
+	Env         map[string]string // name -> value
+	DeviceNodes []DeviceNode
+	Mounts      []Mount
+}
+
+// DeviceNode is a device node a container gets; its type and numbers, when the host
+// may lack it, are in Spec.Nodes under HostPath.
+type DeviceNode struct {
+	HostPath      string // required
+	ContainerPath string // empty: HostPath
+	Permissions   string // cgroup access, some of "rwm"; empty: the runtime's default
+}
+
+// Mount is a bind mount of HostPath at ContainerPath (rbind, rprivate, nosuid, nodev).
+type Mount struct {
+	HostPath      string
+	ContainerPath string
+	ReadOnly      bool
 }
 
 // Node is a device node's type and numbers.
@@ -241,43 +262,36 @@ func (s Spec) toCDI() (*cdispec.Spec, error) {
 	return raw, nil
 }
 
-// edits converts one ContainerReservation; what names the item in errors.
-func (s Spec) edits(what string, r *pb.ContainerReservation) (cdispec.ContainerEdits, error) {
+// edits converts one Edits; what names the item in errors.
+func (s Spec) edits(what string, r Edits) (cdispec.ContainerEdits, error) {
 	var e cdispec.ContainerEdits
-	if r == nil {
-		return e, nil
-	}
 	var errs []error
-	if len(r.GetCdiDevices()) > 0 {
-		errs = append(errs, fmt.Errorf("cdi: %s: has CDI names %s; a spec describes devices by their edits", what,
-			strings.Join(r.GetCdiDevices(), ", ")))
+	for _, k := range slices.Sorted(maps.Keys(r.Env)) {
+		e.Env = append(e.Env, k+"="+r.Env[k])
 	}
-	for _, k := range slices.Sorted(maps.Keys(r.GetEnvs())) {
-		e.Env = append(e.Env, k+"="+r.GetEnvs()[k])
-	}
-	for i, d := range r.GetDevices() {
-		if d.GetHostPath() == "" {
+	for i, d := range r.DeviceNodes {
+		if d.HostPath == "" {
 			errs = append(errs, fmt.Errorf("cdi: %s: device node %d: empty host path", what, i))
 			continue
 		}
-		n := &cdispec.DeviceNode{Path: d.GetContainerPath(), Permissions: d.GetPermissions()}
+		n := &cdispec.DeviceNode{Path: d.ContainerPath, Permissions: d.Permissions}
 		if n.Path == "" {
-			n.Path = d.GetHostPath()
+			n.Path = d.HostPath
 		}
-		if n.Path != d.GetHostPath() {
-			n.HostPath = d.GetHostPath()
+		if n.Path != d.HostPath {
+			n.HostPath = d.HostPath
 		}
-		if num, ok := s.Nodes[d.GetHostPath()]; ok {
+		if num, ok := s.Nodes[d.HostPath]; ok {
 			n.Type, n.Major, n.Minor = num.Type, num.Major, num.Minor
 		}
 		e.DeviceNodes = append(e.DeviceNodes, n)
 	}
-	for _, m := range r.GetMounts() {
+	for _, m := range r.Mounts {
 		opts := []string{"rbind", "rprivate", "nosuid", "nodev"}
-		if m.GetReadOnly() {
+		if m.ReadOnly {
 			opts = append(opts, "ro")
 		}
-		e.Mounts = append(e.Mounts, &cdispec.Mount{HostPath: m.GetHostPath(), ContainerPath: m.GetContainerPath(),
+		e.Mounts = append(e.Mounts, &cdispec.Mount{HostPath: m.HostPath, ContainerPath: m.ContainerPath,
 			Type: "bind", Options: opts})
 	}
 	return e, errors.Join(errs...)

@@ -15,7 +15,6 @@ import (
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 
 	"github.com/devicehost/devicehost/deviceplugin/cdi"
-	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
 // The package and the CDI cache it uses (auto-refresh off) start no goroutines.
@@ -28,18 +27,18 @@ const kind = "acme.example/widget"
 func widgetSpec(ids ...string) cdi.Spec {
 	s := cdi.Spec{
 		Kind:    kind,
-		Devices: map[string]*pb.ContainerReservation{},
-		Common: &pb.ContainerReservation{
-			Envs:    map[string]string{"WIDGET_DRIVER": "v2"},
-			Devices: []*pb.DeviceSpec{{HostPath: "/dev/widgetctl", ContainerPath: "/dev/widgetctl", Permissions: "rw"}},
+		Devices: map[string]cdi.Edits{},
+		Common: cdi.Edits{
+			Env:         map[string]string{"WIDGET_DRIVER": "v2"},
+			DeviceNodes: []cdi.DeviceNode{{HostPath: "/dev/widgetctl", ContainerPath: "/dev/widgetctl", Permissions: "rw"}},
 		},
 		Nodes: map[string]cdi.Node{"/dev/widgetctl": {Type: "c", Major: 240, Minor: 255}},
 	}
 	for i, id := range ids {
 		path := "/dev/widget" + id
-		s.Devices[id] = &pb.ContainerReservation{
-			Devices: []*pb.DeviceSpec{{HostPath: path, ContainerPath: path, Permissions: "rw"}},
-			Mounts:  []*pb.Mount{{HostPath: "/opt/widget/fw-" + id, ContainerPath: "/lib/firmware/widget-" + id, ReadOnly: true}},
+		s.Devices[id] = cdi.Edits{
+			DeviceNodes: []cdi.DeviceNode{{HostPath: path, ContainerPath: path, Permissions: "rw"}},
+			Mounts:      []cdi.Mount{{HostPath: "/opt/widget/fw-" + id, ContainerPath: "/lib/firmware/widget-" + id, ReadOnly: true}},
 		}
 		s.Nodes[path] = cdi.Node{Type: "c", Major: 240, Minor: int64(i)}
 	}
@@ -271,14 +270,13 @@ func TestWriteRefusesBadSpecs(t *testing.T) {
 	}{
 		{"kind without class", func(s *cdi.Spec) { s.Kind = "acme.example" }, `kind "acme.example"`},
 		{"bad vendor", func(s *cdi.Spec) { s.Kind = "acme!/widget" }, `kind "acme!/widget"`},
-		{"bad device ID", func(s *cdi.Spec) { s.Devices["w 1"] = &pb.ContainerReservation{} }, `device "w 1"`},
-		{"CDI names in edits", func(s *cdi.Spec) { s.Devices["w0"].CdiDevices = []string{kind + "=w0"} }, `device "w0": has CDI names`},
+		{"bad device ID", func(s *cdi.Spec) { s.Devices["w 1"] = cdi.Edits{} }, `device "w 1"`},
 		{"node without host path", func(s *cdi.Spec) {
-			s.Common.Devices = append(s.Common.Devices, &pb.DeviceSpec{ContainerPath: "/dev/x"})
+			s.Common.DeviceNodes = append(s.Common.DeviceNodes, cdi.DeviceNode{ContainerPath: "/dev/x"})
 		}, "common edits: device node 1: empty host path"},
-		{"bad permissions", func(s *cdi.Spec) { s.Devices["w0"].Devices[0].Permissions = "rwx" }, `invalid permissions "rwx"`},
+		{"bad permissions", func(s *cdi.Spec) { s.Devices["w0"].DeviceNodes[0].Permissions = "rwx" }, `invalid permissions "rwx"`},
 		{"bad node type", func(s *cdi.Spec) { s.Nodes["/dev/widgetw0"] = cdi.Node{Type: "z", Major: 1} }, `invalid type "z"`},
-		{"empty env name", func(s *cdi.Spec) { s.Common.Envs[""] = "x" }, "invalid environment variable"},
+		{"empty env name", func(s *cdi.Spec) { s.Common.Env[""] = "x" }, "invalid environment variable"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -6,13 +6,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"sync"
 
 	"github.com/devicehost/devicehost/deviceplugin/cdi"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
-	dppb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
 // cdiSpecs keeps one CDI spec file per prepared claim, "<driver>-claim-<uid>.json"
@@ -87,7 +85,7 @@ func (c *cdiSpecs) write(uid, claim string, rs []*pb.Reservation) error {
 	if err != nil {
 		return err
 	}
-	s := cdi.Spec{Kind: c.kind, Devices: make(map[string]*dppb.ContainerReservation, len(rs))}
+	s := cdi.Spec{Kind: c.kind, Devices: make(map[string]cdi.Edits, len(rs))}
 	for _, r := range rs {
 		s.Devices[uid+"-"+r.GetReservationId()] = containerEdits(claim, r.GetReservation())
 	}
@@ -95,8 +93,7 @@ func (c *cdiSpecs) write(uid, claim string, rs []*pb.Reservation) error {
 	return err
 }
 
-// remove deletes claim uid's spec, and the YAML one an earlier version of the driver
-// wrote; a missing one is not an error.
+// remove deletes claim uid's spec; a missing one is not an error.
 func (c *cdiSpecs) remove(uid string) error {
 	if !validUID(uid) {
 		return nil
@@ -105,29 +102,14 @@ func (c *cdiSpecs) remove(uid string) error {
 	if err != nil {
 		return err
 	}
-	err = errors.Join(w.Remove(), c.removeLegacy(uid))
+	err = w.Remove()
 	c.mu.Lock()
 	delete(c.writers, uid)
 	c.mu.Unlock()
 	return err
 }
 
-// legacyExt is the extension of the claim specs of drivers before JSON ones.
-const legacyExt = ".yaml"
-
-// removeLegacy deletes claim uid's YAML spec, if an earlier driver left one: the
-// runtime would find every device of the claim twice, in it and in the JSON spec,
-// and refuse both as conflicting.
-func (c *cdiSpecs) removeLegacy(uid string) error {
-	err := os.Remove(filepath.Join(c.dir, c.file+uid+legacyExt))
-	if err == nil || errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	return fmt.Errorf("remove earlier CDI spec: %w", err)
-}
-
-// claims lists the UIDs of the claims that have a spec file (an earlier driver's
-// YAML one included).
+// claims lists the UIDs of the claims that have a spec file.
 func (c *cdiSpecs) claims() ([]string, error) {
 	entries, err := os.ReadDir(c.dir)
 	if errors.Is(err, os.ErrNotExist) {
@@ -142,10 +124,8 @@ func (c *cdiSpecs) claims() ([]string, error) {
 		if !ok {
 			continue
 		}
-		for _, ext := range []string{".json", legacyExt} {
-			if uid, ok := strings.CutSuffix(rest, ext); ok && !slices.Contains(uids, uid) {
-				uids = append(uids, uid)
-			}
+		if uid, ok := strings.CutSuffix(rest, ".json"); ok {
+			uids = append(uids, uid)
 		}
 	}
 	return uids, nil
@@ -154,17 +134,17 @@ func (c *cdiSpecs) claims() ([]string, error) {
 // containerEdits is what the claim's CDI device gives a container: the reservation's
 // env vars and mounts, its device nodes unless the plugin names CDI devices of its own
 // for them (they come through the plugin's spec), and DEVICEHOST_CLAIM.
-func containerEdits(claim string, r *pb.ContainerReservation) *dppb.ContainerReservation {
-	out := &dppb.ContainerReservation{Envs: map[string]string{"DEVICEHOST_CLAIM": claim}}
+func containerEdits(claim string, r *pb.ContainerReservation) cdi.Edits {
+	out := cdi.Edits{Env: map[string]string{"DEVICEHOST_CLAIM": claim}}
 	for k, v := range r.GetEnvs() {
-		out.Envs[k] = v
+		out.Env[k] = v
 	}
 	for _, m := range r.GetMounts() {
-		out.Mounts = append(out.Mounts, &dppb.Mount{HostPath: m.GetHostPath(), ContainerPath: m.GetContainerPath(), ReadOnly: m.GetReadOnly()})
+		out.Mounts = append(out.Mounts, cdi.Mount{HostPath: m.GetHostPath(), ContainerPath: m.GetContainerPath(), ReadOnly: m.GetReadOnly()})
 	}
 	if len(r.GetCdiDevices()) == 0 {
 		for _, d := range r.GetDevices() {
-			out.Devices = append(out.Devices, &dppb.DeviceSpec{HostPath: d.GetHostPath(), ContainerPath: d.GetContainerPath(), Permissions: d.GetPermissions()})
+			out.DeviceNodes = append(out.DeviceNodes, cdi.DeviceNode{HostPath: d.GetHostPath(), ContainerPath: d.GetContainerPath(), Permissions: d.GetPermissions()})
 		}
 	}
 	return out
@@ -217,11 +197,7 @@ func (d *Driver) repairCDI(ctx context.Context) error {
 	var errs []error
 	for ref, rs := range byClaim {
 		live[ref.uid] = true
-		err := d.cdi.write(ref.uid, ref.namespace+"/"+ref.name, rs)
-		if err == nil {
-			err = d.cdi.removeLegacy(ref.uid)
-		}
-		if err != nil {
+		if err := d.cdi.write(ref.uid, ref.namespace+"/"+ref.name, rs); err != nil {
 			errs = append(errs, fmt.Errorf("claim %s/%s: %w", ref.namespace, ref.name, err))
 		}
 	}

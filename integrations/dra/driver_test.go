@@ -1,7 +1,6 @@
 package dra
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -262,62 +261,6 @@ func TestDriverRestartBetweenPrepareAndUnprepare(t *testing.T) {
 	}
 	if rs := r.prepared(c); len(rs) != 0 {
 		t.Errorf("after unprepare: live reservations %v", rs)
-	}
-}
-
-// A driver started where an earlier version left YAML claim specs (before JSON ones)
-// has, before the kubelet asks, the JSON spec of each live claim and no YAML spec at
-// all: the runtime would otherwise find each device twice and refuse both as a
-// conflict. A YAML spec of a claim the ledger does not have goes too.
-func TestDriverReplacesEarlierYAMLClaimSpecs(t *testing.T) {
-	r := newRig(t)
-	first := r.startDriver(nil)
-	ids, _ := gpus(r.waitDevices("GPUs", func(s *pb.FingerprintResponse) bool { ids, _ := gpus(s); return len(ids) == 8 }))
-	c := r.claim("upgraded", DeviceName(ids[0]))
-	prep := r.kubelet().prepare(t, c)
-	if prep.GetError() != "" {
-		t.Fatalf("prepare: %s", prep.GetError())
-	}
-	claimCDI := prep.GetDevices()[0].GetCdiDeviceIds()[1]
-	first.stop(t)
-	spec := func(uid, ext string) string { return filepath.Join(r.cdiDir, testDriver+"-claim-"+uid+ext) }
-	live := string(c.UID)
-	data, err := os.ReadFile(spec(live, ".json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	// What the earlier driver left: the live claim's spec as YAML (JSON is YAML), and
-	// the spec of a claim unprepared while no driver ran.
-	for _, uid := range []string{live, "0d1e2f30-4152-6374-8596-a7b8c9d0e1f2"} {
-		if err := os.WriteFile(spec(uid, ".yaml"), bytes.ReplaceAll(data, []byte(live), []byte(uid)), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := os.Remove(spec(live, ".json")); err != nil {
-		t.Fatal(err)
-	}
-
-	r.startDriver(nil)
-	entries, err := os.ReadDir(r.cdiDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var names []string
-	for _, e := range entries {
-		names = append(names, e.Name())
-	}
-	if want := []string{filepath.Base(spec(live, ".json"))}; !slices.Equal(names, want) {
-		t.Errorf("CDI dir after start holds %q, want %q", names, want)
-	}
-	cache, err := cdiapi.NewCache(cdiapi.WithSpecDirs(r.cdiDir), cdiapi.WithAutoRefresh(false))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if errs := cache.GetErrors(); len(errs) > 0 {
-		t.Errorf("CDI specs as a runtime reads them: %v", errs)
-	}
-	if cache.GetDevice(claimCDI) == nil {
-		t.Errorf("CDI ID %s does not resolve after the start", claimCDI)
 	}
 }
 

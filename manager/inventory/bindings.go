@@ -189,94 +189,167 @@ func (r *Registry) setFingerprint(name string, fp fingerprint) (*BindingError, e
 		r.mu.Unlock()
 		return nil, &budgetError{plugin: name, what: "fingerprint", cost: fp.cost, others: others, limit: MaxSnapshotBytes}
 	}
-	var notAllowed []string
-	if ps := r.patterns[name]; len(ps) > 0 {
-		notAllowed = allowedOnly(&fp, ps)
-	}
-	bind := make(map[string]string)    // IDs to bind to the plugin and record
-	taken := make(map[string][]string) // plugin no longer configured -> IDs bound to it
-	refused := make(map[string][]string)
-	contest := make(map[string]string) // ID -> the plugin it is unbound from: contested
-	var contested []string             // IDs refused as contested
-	pinned := len(r.patterns[name]) > 0
-	for _, id := range slices.Sorted(maps.Keys(fp.devices)) {
-		if r.contested[id] {
-			if pinned { // the operator decided: the ID matches this plugin's patterns
-				bind[id] = name
-			} else {
-				contested = append(contested, id)
-			}
-			continue
-		}
-		switch other, ok := r.bindings[id]; {
-		case !ok:
-			bind[id] = name
-		case other == name:
-		case r.plugins[other] == nil:
-			bind[id] = name
-			taken[other] = append(taken[other], id)
-		case !r.isReady && r.fresh[id] && len(r.patterns[other]) == 0:
-			// Two plugins report the ID before the host is ready, and the first had it
-			// only by reporting first. Pinned, this one gets it; else neither does.
-			if pinned {
-				bind[id] = name
-			} else {
-				contest[id] = other
-				contested = append(contested, id)
-			}
-		default:
-			refused[other] = append(refused[other], id)
-		}
-	}
-	var forget []string
-	if r.bound[name]+len(bind) > MaxBoundPerPlugin {
-		for id, p := range r.bindings {
-			if _, still := fp.devices[id]; p == name && !still {
-				forget = append(forget, id)
-			}
-		}
-	}
-	slices.Sort(forget)
-	unbind := slices.Sorted(maps.Keys(contest)) // from the plugins that reported them first
+	d := decideBindings(name, fp, r.bindingStateLocked())
 	r.mu.Unlock()
 
-	if r.store != nil && (len(bind) > 0 || len(forget) > 0 || len(unbind) > 0) {
-		ctx, cancel := context.WithTimeout(context.Background(), r.storeTimeout)
-		err := r.store.RecordDeviceBindings(ctx, bind, append(slices.Clone(forget), unbind...))
-		cancel()
-		if err != nil {
-			r.log.Error("cannot record device bindings in the state file; they hold until the host stops",
-				"plugin", name, "devices", ListIDs(slices.Sorted(maps.Keys(bind))), "error", textline.Line(err.Error(), 0))
-		}
-	}
-	for _, prev := range slices.Sorted(maps.Keys(taken)) {
-		r.log.Warn("device IDs bound to a plugin this host does not run any more are now bound to this plugin",
-			"plugin", name, "previous_plugin", prev, "devices", ListIDs(taken[prev]))
-	}
-	if len(forget) > 0 {
-		r.log.Warn("plugin reported more distinct device IDs than may be bound to one plugin; it loses those it no longer reports",
-			"plugin", name, "limit", MaxBoundPerPlugin, "forgotten", len(forget))
-	}
+	r.recordBindings(name, d)
 
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for _, id := range append(forget, unbind...) {
+	r.applyBindingsLocked(name, d)
+	rec.fp, rec.down, rec.settled = d.fp, "", true
+	r.recomputeLocked()
+	r.publishLocked()
+	r.checkReadyLocked()
+	return d.bindingError(name), nil
+}
+
+// bindingState is what a binding decision reads of the registry. Its maps are the
+// registry's own, read under its lock and never written by decideBindings.
+type bindingState struct {
+	bindings  map[string]string   // device ID -> the plugin it is bound to
+	bound     map[string]int      // plugin -> how many IDs are bound to it
+	patterns  map[string][]string // plugin -> the device ID patterns it is pinned to
+	fresh     map[string]bool     // IDs first bound in this run before the host was ready
+	contested map[string]bool     // IDs bound to neither of two plugins
+	isPlugin  func(name string) bool
+	ready     bool
+}
+
+// bindingStateLocked is the registry's bindingState; r.mu must be held while it is read.
+func (r *Registry) bindingStateLocked() bindingState {
+	return bindingState{
+		bindings:  r.bindings,
+		bound:     r.bound,
+		patterns:  r.patterns,
+		fresh:     r.fresh,
+		contested: r.contested,
+		isPlugin:  func(name string) bool { return r.plugins[name] != nil },
+		ready:     r.isReady,
+	}
+}
+
+// bindingDecision is what decideBindings decided for one fingerprint of a plugin.
+type bindingDecision struct {
+	fp         fingerprint         // the fingerprint less the IDs outside the plugin's patterns
+	bind       map[string]string   // IDs to bind to the plugin and record
+	taken      map[string][]string // plugin this host does not run any more -> IDs bound to it, in bind
+	refused    map[string][]string // plugin the IDs are bound to -> refused IDs, sorted
+	notAllowed []string            // IDs outside the plugin's patterns, sorted
+	contest    map[string]string   // ID -> the plugin it is unbound from: contested from now on
+	contested  []string            // IDs refused as contested, sorted
+	forget     []string            // IDs the plugin no longer reports that it loses, sorted
+	unbind     []string            // the keys of contest, sorted
+}
+
+// decideBindings decides which device IDs of fp, a fingerprint of plugin name, are bound
+// to it, taken over from a plugin this host does not run, refused, or contested, and which
+// IDs it loses, from the bindings in s. It writes nothing: applyBindingsLocked does.
+func decideBindings(name string, fp fingerprint, s bindingState) bindingDecision {
+	d := bindingDecision{
+		bind:    make(map[string]string),
+		taken:   make(map[string][]string),
+		refused: make(map[string][]string),
+		contest: make(map[string]string),
+	}
+	pinned := len(s.patterns[name]) > 0
+	if pinned {
+		d.notAllowed = allowedOnly(&fp, s.patterns[name])
+	}
+	d.fp = fp
+	for _, id := range slices.Sorted(maps.Keys(fp.devices)) {
+		if s.contested[id] {
+			if pinned { // the operator decided: the ID matches this plugin's patterns
+				d.bind[id] = name
+			} else {
+				d.contested = append(d.contested, id)
+			}
+			continue
+		}
+		switch other, ok := s.bindings[id]; {
+		case !ok:
+			d.bind[id] = name
+		case other == name:
+		case !s.isPlugin(other):
+			d.bind[id] = name
+			d.taken[other] = append(d.taken[other], id)
+		case !s.ready && s.fresh[id] && len(s.patterns[other]) == 0:
+			// Two plugins report the ID before the host is ready, and the first had it
+			// only by reporting first. Pinned, this one gets it; else neither does.
+			if pinned {
+				d.bind[id] = name
+			} else {
+				d.contest[id] = other
+				d.contested = append(d.contested, id)
+			}
+		default:
+			d.refused[other] = append(d.refused[other], id)
+		}
+	}
+	if s.bound[name]+len(d.bind) > MaxBoundPerPlugin {
+		for id, p := range s.bindings {
+			if _, still := fp.devices[id]; p == name && !still {
+				d.forget = append(d.forget, id)
+			}
+		}
+	}
+	slices.Sort(d.forget)
+	d.unbind = slices.Sorted(maps.Keys(d.contest)) // from the plugins that reported them first
+	return d
+}
+
+// bindingError is the *BindingError for what d refused, nil when it refused nothing.
+func (d bindingDecision) bindingError(name string) *BindingError {
+	if len(d.refused) > 0 || len(d.notAllowed) > 0 || len(d.contested) > 0 {
+		return &BindingError{Plugin: name, ByPlugin: d.refused, NotAllowed: d.notAllowed, Contested: d.contested}
+	}
+	return nil
+}
+
+// recordBindings writes d's changes to the store, when there is one, and logs the
+// take-overs and forgotten IDs. It is called with bindMu held and mu not: the registry's
+// readers never wait for the disk. A failed write is logged; the bindings hold in memory.
+func (r *Registry) recordBindings(name string, d bindingDecision) {
+	if r.store != nil && (len(d.bind) > 0 || len(d.forget) > 0 || len(d.unbind) > 0) {
+		ctx, cancel := context.WithTimeout(context.Background(), r.storeTimeout)
+		err := r.store.RecordDeviceBindings(ctx, d.bind, append(slices.Clone(d.forget), d.unbind...))
+		cancel()
+		if err != nil {
+			r.log.Error("cannot record device bindings in the state file; they hold until the host stops",
+				"plugin", name, "devices", ListIDs(slices.Sorted(maps.Keys(d.bind))), "error", textline.Line(err.Error(), 0))
+		}
+	}
+	for _, prev := range slices.Sorted(maps.Keys(d.taken)) {
+		r.log.Warn("device IDs bound to a plugin this host does not run any more are now bound to this plugin",
+			"plugin", name, "previous_plugin", prev, "devices", ListIDs(d.taken[prev]))
+	}
+	if len(d.forget) > 0 {
+		r.log.Warn("plugin reported more distinct device IDs than may be bound to one plugin; it loses those it no longer reports",
+			"plugin", name, "limit", MaxBoundPerPlugin, "forgotten", len(d.forget))
+	}
+}
+
+// applyBindingsLocked makes d the registry's bindings: it unbinds the forgotten and
+// contested IDs, marks the contest on the plugins that lose them, and binds d.bind to
+// plugin name. r.mu is held.
+func (r *Registry) applyBindingsLocked(name string, d bindingDecision) {
+	for _, id := range append(d.forget, d.unbind...) {
 		if p, ok := r.bindings[id]; ok {
 			delete(r.bindings, id)
 			r.bound[p]--
 		}
 	}
-	for id, other := range contest {
+	for id, other := range d.contest {
 		r.contested[id] = true
 		if rec := r.plugins[other]; rec != nil {
 			rec.state.LastError, rec.state.LastErrorAt = ErrorLine(contestedMessage([]string{id})), r.now()
 		}
 	}
-	if len(contest) > 0 {
+	if len(d.contest) > 0 {
 		r.log.Error("device IDs reported by two plugins before the host was ready are bound to neither",
-			"plugin", name, "devices", ListIDs(slices.Sorted(maps.Keys(contest))), "fix", "device_ids in the plugin block of the plugin they belong to, then SIGHUP")
+			"plugin", name, "devices", ListIDs(d.unbind), "fix", "device_ids in the plugin block of the plugin they belong to, then SIGHUP")
 	}
-	for id := range bind {
+	for id := range d.bind {
 		if prev, ok := r.bindings[id]; ok {
 			r.bound[prev]--
 		}
@@ -287,12 +360,4 @@ func (r *Registry) setFingerprint(name string, fp fingerprint) (*BindingError, e
 			r.fresh[id] = true
 		}
 	}
-	rec.fp, rec.down, rec.settled = fp, "", true
-	r.recomputeLocked()
-	r.publishLocked()
-	r.checkReadyLocked()
-	if len(refused) > 0 || len(notAllowed) > 0 || len(contested) > 0 {
-		return &BindingError{Plugin: name, ByPlugin: refused, NotAllowed: notAllowed, Contested: contested}, nil
-	}
-	return nil, nil
 }

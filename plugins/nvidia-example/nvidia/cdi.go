@@ -12,7 +12,6 @@ import (
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/devicehost/devicehost/deviceplugin/cdi"
-	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
 // cdiKind is the CDI kind of the plugin's GPUs: Reserve names each GPU
@@ -131,13 +130,13 @@ func (c *cdiPublisher) spec(gpus []gpu, more []cdiAlias) cdi.Spec {
 	const ctl = "/dev/nvidiactl"
 	s := cdi.Spec{
 		Kind:    cdiKind,
-		Devices: make(map[string]*pb.ContainerReservation, len(gpus)),
-		Common:  &pb.ContainerReservation{Devices: []*pb.DeviceSpec{node(ctl)}},
+		Devices: make(map[string]cdi.Edits, len(gpus)),
+		Common:  cdi.Edits{DeviceNodes: []cdi.DeviceNode{node(ctl)}},
 		Nodes:   map[string]cdi.Node{ctl: {Type: "c", Major: nvidiaMajor, Minor: nvidiaCtlMinor}},
 	}
 	for _, path := range uvmNodes {
 		if c.charDevice(path) {
-			s.Common.Devices = append(s.Common.Devices, node(path))
+			s.Common.DeviceNodes = append(s.Common.DeviceNodes, node(path))
 		}
 	}
 	for _, g := range gpus {
@@ -147,7 +146,7 @@ func (c *cdiPublisher) spec(gpus []gpu, more []cdiAlias) cdi.Spec {
 			continue
 		}
 		path := fmt.Sprintf("/dev/nvidia%d", minor)
-		s.Devices[g.uuid] = &pb.ContainerReservation{Devices: []*pb.DeviceSpec{node(path)}}
+		s.Devices[g.uuid] = cdi.Edits{DeviceNodes: []cdi.DeviceNode{node(path)}}
 		s.Nodes[path] = cdi.Node{Type: "c", Major: nvidiaMajor, Minor: int64(minor)}
 	}
 	var caps map[string]int
@@ -156,7 +155,7 @@ func (c *cdiPublisher) spec(gpus []gpu, more []cdiAlias) cdi.Spec {
 		if !ok {
 			continue
 		}
-		dev := &pb.ContainerReservation{Devices: slices.Clone(parent.Devices)}
+		dev := cdi.Edits{DeviceNodes: slices.Clone(parent.DeviceNodes)}
 		if m.mig {
 			// The GPU and compute instance's capability nodes, where the driver has
 			// them: by path, their major being assigned at module load (as nvidia-uvm's).
@@ -167,7 +166,7 @@ func (c *cdiPublisher) spec(gpus []gpu, more []cdiAlias) cdi.Spec {
 			for _, k := range []string{fmt.Sprintf("gpu%d/gi%d/access", minor, m.gi), fmt.Sprintf("gpu%d/gi%d/ci%d/access", minor, m.gi, m.ci)} {
 				if n, ok := caps[k]; ok {
 					if path := fmt.Sprintf("/dev/nvidia-caps/nvidia-cap%d", n); c.charDevice(path) {
-						dev.Devices = append(dev.Devices, node(path))
+						dev.DeviceNodes = append(dev.DeviceNodes, node(path))
 					}
 				}
 			}
@@ -178,8 +177,8 @@ func (c *cdiPublisher) spec(gpus []gpu, more []cdiAlias) cdi.Spec {
 }
 
 // node is a device node at the same path in the container, read-write (no mknod).
-func node(path string) *pb.DeviceSpec {
-	return &pb.DeviceSpec{HostPath: path, ContainerPath: path, Permissions: "rw"}
+func node(path string) cdi.DeviceNode {
+	return cdi.DeviceNode{HostPath: path, ContainerPath: path, Permissions: "rw"}
 }
 
 // isCharDevice says whether path is a character device on this host.
