@@ -398,23 +398,29 @@ func TestReserveOnAnAgentWithoutTakeOver(t *testing.T) {
 	}
 }
 
-func TestReasonsMatchTheServer(t *testing.T) {
+// The Reason variables are the API's wire strings, one for each ErrorReason the server
+// sends, and the client's domain is the server's.
+func TestReasonsAreTheWireStrings(t *testing.T) {
 	pairs := [][2]string{
 		{client.ErrorDomain, server.ErrorDomain},
-		{client.ReasonInvalidRequest, server.ReasonInvalidRequest},
-		{client.ReasonDeviceUnknown, server.ReasonDeviceUnknown},
-		{client.ReasonReservationNotFound, server.ReasonReservationNotFound},
-		{client.ReasonDeviceUnhealthy, server.ReasonDeviceUnhealthy},
-		{client.ReasonDeviceHeld, server.ReasonDeviceHeld},
-		{client.ReasonPluginUnavailable, server.ReasonPluginUnavailable},
-		{client.ReasonShuttingDown, server.ReasonShuttingDown},
-		{client.ReasonPluginResponse, server.ReasonPluginResponse},
 		{client.ServiceName, server.ServiceName},
+		{client.ReasonInvalidRequest, "INVALID_REQUEST"},
+		{client.ReasonDeviceUnknown, "DEVICE_UNKNOWN"},
+		{client.ReasonReservationNotFound, "RESERVATION_NOT_FOUND"},
+		{client.ReasonDeviceUnhealthy, "DEVICE_UNHEALTHY"},
+		{client.ReasonDeviceHeld, "DEVICE_HELD"},
+		{client.ReasonCapacityExceeded, "CAPACITY_EXCEEDED"},
+		{client.ReasonPluginUnavailable, "PLUGIN_UNAVAILABLE"},
+		{client.ReasonShuttingDown, "SHUTTING_DOWN"},
+		{client.ReasonPluginResponse, "PLUGIN_RESPONSE_INVALID"},
 	}
 	for _, p := range pairs {
 		if p[0] != p[1] {
-			t.Errorf("client has %q where the server has %q", p[0], p[1])
+			t.Errorf("client has %q where the wire has %q", p[0], p[1])
 		}
+	}
+	if got, want := len(pb.ErrorReason_name)-1, len(pairs)-2; got != want {
+		t.Errorf("devicehost.proto has %d error reasons, the client %d", got, want)
 	}
 }
 

@@ -8,24 +8,26 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
-// The google.rpc.ErrorInfo reasons the agent attaches to its errors, in ErrorDomain (the
-// list is in devicehost.proto).
-const (
-	ErrorDomain = ServiceName
+// ErrorDomain is the domain of the google.rpc.ErrorInfo detail the agent attaches to its
+// errors.
+const ErrorDomain = ServiceName
 
-	ReasonInvalidRequest      = "INVALID_REQUEST"
-	ReasonDeviceUnknown       = "DEVICE_UNKNOWN"
-	ReasonReservationNotFound = "RESERVATION_NOT_FOUND"
-	ReasonDeviceUnhealthy     = "DEVICE_UNHEALTHY"
-	ReasonDeviceHeld          = "DEVICE_HELD"
-	ReasonCapacityExceeded    = "CAPACITY_EXCEEDED"
-	ReasonPluginUnavailable   = "PLUGIN_UNAVAILABLE"
-	ReasonShuttingDown        = "SHUTTING_DOWN"
-	ReasonPluginResponse      = "PLUGIN_RESPONSE_INVALID"
+// The ErrorInfo reasons the agent attaches to its errors: the names of the pb.ErrorReason
+// values (devicehost.proto says what each means), which are what goes on the wire.
+var (
+	ReasonInvalidRequest      = pb.ErrorReason_INVALID_REQUEST.String()
+	ReasonDeviceUnknown       = pb.ErrorReason_DEVICE_UNKNOWN.String()
+	ReasonReservationNotFound = pb.ErrorReason_RESERVATION_NOT_FOUND.String()
+	ReasonDeviceUnhealthy     = pb.ErrorReason_DEVICE_UNHEALTHY.String()
+	ReasonDeviceHeld          = pb.ErrorReason_DEVICE_HELD.String()
+	ReasonCapacityExceeded    = pb.ErrorReason_CAPACITY_EXCEEDED.String()
+	ReasonPluginUnavailable   = pb.ErrorReason_PLUGIN_UNAVAILABLE.String()
+	ReasonShuttingDown        = pb.ErrorReason_SHUTTING_DOWN.String()
+	ReasonPluginResponse      = pb.ErrorReason_PLUGIN_RESPONSE_INVALID.String()
 )
 
 // Reason returns the ErrorInfo reason of the agent's error err (one of the Reason
-// constants), or "" when err carries none: nil, not a gRPC status, or a failure of the
+// variables), or "" when err carries none: nil, not a gRPC status, or a failure of the
 // connection rather than an answer of the agent.
 func Reason(err error) string {
 	if info := errorInfo(err); info != nil {
