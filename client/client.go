@@ -35,6 +35,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/backoff"
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/endpoint"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/textline"
@@ -264,6 +265,10 @@ func (c *Client) Devices(ctx context.Context) (*pb.FingerprintResponse, error) {
 	}
 	return stream.Recv()
 }
+
+// MaxTakeOverPrefixes is the most owner prefixes the agent takes in one Reserve
+// (req.TakeOverOwnerPrefixes); it refuses a request with more (INVALID_ARGUMENT).
+const MaxTakeOverPrefixes = device.MaxTakeOverPrefixes
 
 // Reserve reserves devices of one group for an owner and returns the reservation ID and
 // how to expose the devices to a container. A held device is an error IsHeld reports

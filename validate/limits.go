@@ -5,6 +5,7 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/textline"
 )
 
@@ -46,8 +47,8 @@ const (
 	// MaxPathLen bounds, in bytes, a mount or device node path (Linux PATH_MAX).
 	MaxPathLen = 4096
 	// MaxTakeOverPrefixes bounds the owner prefixes one Reserve may take devices over
-	// from.
-	MaxTakeOverPrefixes = 16
+	// from: the contract's limit.
+	MaxTakeOverPrefixes = device.MaxTakeOverPrefixes
 	// MaxCounterSets bounds the counter sets (shared capacity) of one fingerprint: one
 	// per GPU is the common case.
 	MaxCounterSets = 1024

@@ -132,10 +132,6 @@ func staleOwn(held *pb.DeviceHeld, r Resource, g groupKey) bool {
 	return true
 }
 
-// maxTakeOverPrefixes is the most owner prefixes the agent takes in one Reserve
-// (take_over_owner_prefixes).
-const maxTakeOverPrefixes = 16
-
 // takeOverPrefixes returns the owner prefixes that let a Reserve take over the
 // holders in held (each a reservation of the bridge for resource, see staleOwn),
 // having asked PodResources afresh that no container holds any of their devices. It
@@ -144,8 +140,8 @@ const maxTakeOverPrefixes = 16
 // ("kubelet/<resource>/", "k8s/<namespace>/<pod>/"), so it covers that holder and the
 // bridge's others like it; the agent applies it only to holders of the requested
 // devices, and only the bridge (under allocMu) makes such holders. Past
-// maxTakeOverPrefixes distinct ones, the two roots "kubelet/<resource>/" and "k8s/"
-// stand for them all.
+// client.MaxTakeOverPrefixes distinct ones, the two roots "kubelet/<resource>/" and
+// "k8s/" stand for them all.
 func (b *Bridge) takeOverPrefixes(ctx context.Context, resource string, held *pb.DeviceHeld) ([]string, error) {
 	refuse := func(why string) error {
 		return status.Errorf(codes.FailedPrecondition, "%s: not taken over: %s", holderList(held), why)
@@ -173,7 +169,7 @@ func (b *Bridge) takeOverPrefixes(ctx context.Context, resource string, held *pb
 	}
 	slices.Sort(prefixes)
 	prefixes = slices.Compact(prefixes)
-	if len(prefixes) > maxTakeOverPrefixes {
+	if len(prefixes) > client.MaxTakeOverPrefixes {
 		prefixes = []string{podOwnerPrefix, ownerPrefix + resource + "/"}
 	}
 	return prefixes, nil

@@ -321,7 +321,7 @@ func TestAllocateOnAnAgentWithoutTakeOver(t *testing.T) {
 // taken over with the bridge's two roots, still in one Reserve.
 func TestAllocateTakesOverManyPods(t *testing.T) {
 	ctx := testContext(t)
-	const n = 18 // more than the agent's 16 take-over prefixes
+	const n = device.MaxTakeOverPrefixes + 2 // more prefixes than the agent takes in one Reserve
 	g := device.Group{GroupKey: h100, Plugin: "nvidia-example"}
 	for i := range n {
 		g.Devices = append(g.Devices, device.DeviceInfo{ID: gpuID(i), Locality: device.Locality{NUMANode: -1}})
