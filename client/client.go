@@ -14,7 +14,8 @@
 //   - errors to branch on (IsHeld with the holders, IsUnknownDevice, IsUnhealthy,
 //     IsUnavailable, IsReservationNotFound), read from the status code and the
 //     google.rpc.ErrorInfo and DeviceHeld details the agent attaches, never from the
-//     message text.
+//     message text; HeldError and CapacityError turn a refusal's details into the
+//     contract's errors (package device), the one wording of a refusal.
 //
 // Calls return the agent's gRPC status error (code and details unchanged; see Reserve
 // for the one message it adds to), so status.FromError works on them too.
@@ -272,10 +273,10 @@ const MaxTakeOverPrefixes = device.MaxTakeOverPrefixes
 
 // Reserve reserves devices of one group for an owner and returns the reservation ID and
 // how to expose the devices to a container. A held device is an error IsHeld reports
-// with its holders; unknown and unhealthy devices, and a plugin that is down, are
-// IsUnknownDevice, IsUnhealthy and IsUnavailable errors. The same owner asking again for
-// the same devices gets the same reservation back, so a call whose answer was lost can
-// be retried.
+// with its holders (HeldError: the same as the contract's error); unknown and unhealthy
+// devices, and a plugin that is down, are IsUnknownDevice, IsUnhealthy and IsUnavailable
+// errors. The same owner asking again for the same devices gets the same reservation
+// back, so a call whose answer was lost can be retried.
 //
 // With req.TakeOverOwnerPrefixes set, devices held by live reservations of owners with
 // those prefixes are taken over: the agent releases those reservations in the same

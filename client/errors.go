@@ -5,6 +5,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -86,6 +87,51 @@ func IsCapacityExceeded(err error) (*pb.CapacityExceeded, bool) {
 		}
 	}
 	return &pb.CapacityExceeded{}, true
+}
+
+// HeldError returns the contract's *device.HeldError for err, a Reserve refused because
+// requested devices are held (IsHeld), converted from the DeviceHeld detail the agent
+// sent: its Error is the wording the agent's message has, and its Holders names each
+// holder for callers that say the rest in their own terms. ok is false when err is no
+// such refusal, or the agent sent no holder (then its message is all there is).
+func HeldError(err error) (e *device.HeldError, ok bool) {
+	held, ok := IsHeld(err)
+	if !ok || len(held.GetConflicts()) == 0 {
+		return nil, false
+	}
+	e = &device.HeldError{OwnerID: held.GetOwnerId()}
+	for _, c := range held.GetConflicts() {
+		e.Conflicts = append(e.Conflicts, device.Conflict{
+			Holder:  device.Holder{ReservationID: c.GetReservationId(), OwnerID: c.GetOwnerId()},
+			Overlap: c.GetDeviceIds(),
+			Held:    c.GetHeldDeviceIds(),
+		})
+	}
+	return e, true
+}
+
+// CapacityError returns the contract's *device.CapacityError for err, a Reserve refused
+// over a shared counter's capacity (IsCapacityExceeded), converted from the
+// CapacityExceeded detail the agent sent: its Error is the wording the agent's message
+// has, and its Counters names each counter for callers that say the rest in their own
+// terms. ok is false when err is no such refusal, or the agent sent no counter.
+func CapacityError(err error) (e *device.CapacityError, ok bool) {
+	ce, ok := IsCapacityExceeded(err)
+	if !ok || len(ce.GetOverruns()) == 0 {
+		return nil, false
+	}
+	e = &device.CapacityError{OwnerID: ce.GetOwnerId()}
+	for _, o := range ce.GetOverruns() {
+		do := device.Overrun{
+			Set:     device.CounterSetKey{Plugin: o.GetPlugin(), Name: o.GetCounterSet()},
+			Counter: o.GetCounter(), Capacity: o.GetCapacity(), Used: o.GetUsed(), Requested: o.GetRequested(),
+		}
+		for _, u := range o.GetUsers() {
+			do.Users = append(do.Users, device.Holder{ReservationID: u.GetReservationId(), OwnerID: u.GetOwnerId()})
+		}
+		e.Overruns = append(e.Overruns, do)
+	}
+	return e, true
 }
 
 // IsUnknownDevice reports whether err says a requested device, or its group, is not
