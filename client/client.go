@@ -17,15 +17,13 @@
 //     message text; HeldError and CapacityError turn a refusal's details into the
 //     contract's errors (package device), the one wording of a refusal.
 //
-// Calls return the agent's gRPC status error (code and details unchanged; see Reserve
-// for the one message it adds to), so status.FromError works on them too.
+// Calls return the agent's gRPC status error unchanged, so status.FromError works on
+// them too.
 package client
 
 import (
 	"context"
 	"fmt"
-	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -282,39 +280,9 @@ const MaxTakeOverPrefixes = device.MaxTakeOverPrefixes
 // those prefixes are taken over: the agent releases those reservations in the same
 // durable write that makes the new one, and lists them in the answer's
 // TakenOverReservationIds; a holder of any other owner still refuses (IsHeld, naming
-// only such holders) and then nothing is released. An agent that predates take-over
-// ignores the field and refuses with the holders the prefixes match: Reserve then says
-// so in the error's message (code and details unchanged, so IsHeld still holds).
+// only such holders) and then nothing is released.
 func (c *Client) Reserve(ctx context.Context, req *pb.ReserveRequest) (*pb.ReserveResponse, error) {
-	res, err := c.api.Reserve(ctx, req)
-	if err != nil && len(req.GetTakeOverOwnerPrefixes()) > 0 {
-		err = c.explainIgnoredTakeOver(req.GetTakeOverOwnerPrefixes(), err)
-	}
-	return res, err
-}
-
-// explainIgnoredTakeOver returns err, a refused Reserve that asked to take over
-// prefixes, with a message that says the agent ignored the request when it names a
-// live holder the prefixes match (an agent that knows take-over never does); else err
-// itself.
-func (c *Client) explainIgnoredTakeOver(prefixes []string, err error) error {
-	held, ok := IsHeld(err)
-	if !ok {
-		return err
-	}
-	for _, cf := range held.GetConflicts() {
-		if cf.GetReservationId() == "" || !slices.ContainsFunc(prefixes, func(p string) bool {
-			return p != "" && strings.HasPrefix(cf.GetOwnerId(), p)
-		}) {
-			continue
-		}
-		p := status.Convert(err).Proto()
-		p.Message = fmt.Sprintf("the agent at %s did not take over reservation %s of owner %q as asked "+
-			"(take_over_owner_prefixes): it predates take-over; upgrade the agent: %s",
-			c.addr, cf.GetReservationId(), cf.GetOwnerId(), p.GetMessage())
-		return status.FromProto(p).Err()
-	}
-	return err
+	return c.api.Reserve(ctx, req)
 }
 
 // Release ends the reservations req names and says which this call released and which

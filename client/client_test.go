@@ -437,46 +437,6 @@ func TestRefusalsConvertToTheContractsErrors(t *testing.T) {
 	}
 }
 
-// An agent that predates take-over ignores take_over_owner_prefixes and refuses with
-// the very holders they match: Reserve says so, keeping the code and the holders. A
-// refusal by holders the prefixes do not match, or by a Reserve in flight, is left as
-// the agent sent it.
-func TestReserveOnAnAgentWithoutTakeOver(t *testing.T) {
-	tests := []struct {
-		name    string
-		holder  device.Holder
-		explain bool
-	}{
-		{"a matching holder", device.Holder{ReservationID: "res-1", OwnerID: "nomad/old"}, true},
-		{"another owner", device.Holder{ReservationID: "res-1", OwnerID: "job-42"}, false},
-		{"a Reserve in flight", device.Holder{OwnerID: "nomad/racing"}, false},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			path := socketPath(t)
-			startAgent(t, &devicetest.Fake{ReserveFunc: func(context.Context, device.ReserveRequest) (device.Reservation, error) {
-				return device.Reservation{}, &device.HeldError{OwnerID: "nomad/new", Conflicts: []device.Conflict{
-					{Holder: tt.holder, Overlap: []string{"GPU-0"}, Held: []string{"GPU-0"}},
-				}}
-			}}, path)
-			c := dial(t, path)
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-			defer cancel()
-			_, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "nomad/new", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name,
-				DeviceIds: []string{"GPU-0"}, TakeOverOwnerPrefixes: []string{"k8s/", "nomad/"}})
-			held, ok := client.IsHeld(err)
-			if !ok || status.Code(err) != codes.FailedPrecondition || len(held.GetConflicts()) != 1 || held.GetConflicts()[0].GetOwnerId() != tt.holder.OwnerID {
-				t.Fatalf("Reserve = %v; want FAILED_PRECONDITION, IsHeld naming %s", err, tt.holder.OwnerID)
-			}
-			want := "the agent at unix://" + path + ` did not take over reservation res-1 of owner "nomad/old" as asked ` +
-				"(take_over_owner_prefixes): it predates take-over; upgrade the agent: "
-			if got := status.Convert(err).Message(); strings.HasPrefix(got, want) != tt.explain || !strings.Contains(got, "GPU-0 ") {
-				t.Errorf("message %q; want it to start with %q: %v, and to keep the agent's", got, want, tt.explain)
-			}
-		})
-	}
-}
-
 // The Reason variables are the API's wire strings, one for each ErrorReason the server
 // sends, and the client's domain is the server's.
 func TestReasonsAreTheWireStrings(t *testing.T) {

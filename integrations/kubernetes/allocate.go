@@ -87,11 +87,6 @@ func (b *Bridge) allocate(ctx context.Context, resource string, ids []string) (*
 	if held, ok := client.IsHeld(err); ok && staleOwn(held, r, keyOf(g)) {
 		if req.TakeOverOwnerPrefixes, err = b.takeOverPrefixes(ctx, resource, held); err == nil {
 			res, err = b.c.Reserve(ctx, req)
-			if held, ok := client.IsHeld(err); ok && staleOwn(held, r, keyOf(g)) {
-				// The agent did not take them over: it predates take-over, which the
-				// client's message says; keep it rather than only the holders.
-				err = status.Error(status.Code(err), status.Convert(err).Message())
-			}
 		}
 	}
 	if err != nil {

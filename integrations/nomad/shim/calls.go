@@ -111,10 +111,8 @@ func (p *Plugin) Reserve(deviceIDs []string) (*device.ContainerReservation, erro
 		TakeOverOwnerPrefixes: []string{OwnerPrefix}}
 	res, err := c.Reserve(ctx, req)
 	if err != nil {
-		if held, ok := client.IsHeld(err); ok {
-			if refused := refusal(held); refused != nil {
-				err = refused
-			}
+		if held, ok := client.IsHeld(err); ok && len(held.GetConflicts()) > 0 {
+			err = refusal(held)
 		} else if ce, ok := client.IsCapacityExceeded(err); ok && len(ce.GetOverruns()) > 0 {
 			err = capacityRefusal(ce)
 		}
@@ -132,25 +130,17 @@ func (p *Plugin) Reserve(deviceIDs []string) (*device.ContainerReservation, erro
 }
 
 // refusal says who holds the devices of a refused take-over: holders that are no
-// Nomad allocation, and Reserves still in flight. It returns nil when held names a
-// live "nomad/" holder (an agent that predates take-over; client.Reserve's error says
-// so) or no holder at all.
+// Nomad allocation, and Reserves still in flight.
 func refusal(held *pb.DeviceHeld) error {
-	var refused []string
+	refused := make([]string, 0, len(held.GetConflicts()))
 	for _, cf := range held.GetConflicts() {
 		ids := strings.Join(cf.GetDeviceIds(), ", ")
-		switch {
-		case cf.GetReservationId() == "":
+		if cf.GetReservationId() == "" {
 			refused = append(refused, fmt.Sprintf("%s being reserved for owner %q", ids, cf.GetOwnerId()))
-		case strings.HasPrefix(cf.GetOwnerId(), OwnerPrefix):
-			return nil
-		default:
-			refused = append(refused, fmt.Sprintf("%s held by reservation %s of owner %q, not a Nomad allocation",
-				ids, cf.GetReservationId(), cf.GetOwnerId()))
+			continue
 		}
-	}
-	if len(refused) == 0 {
-		return nil
+		refused = append(refused, fmt.Sprintf("%s held by reservation %s of owner %q, not a Nomad allocation",
+			ids, cf.GetReservationId(), cf.GetOwnerId()))
 	}
 	return errors.New(strings.Join(refused, "; "))
 }

@@ -109,9 +109,6 @@ type fakeLedger struct {
 	releases int               // Release calls
 	reowns   int               // Reown calls
 	inFlight map[string]string // device → owner of a Reserve "in flight"
-	// noTakeOver makes it an agent that predates take-over: it ignores
-	// TakeOverOwnerPrefixes.
-	noTakeOver bool
 }
 
 func newFakeLedger() *fakeLedger {
@@ -132,9 +129,6 @@ func (l *fakeLedger) reserve(_ context.Context, req dev.ReserveRequest) (dev.Res
 	defer l.mu.Unlock()
 	l.reserves = append(l.reserves, req)
 	takeOver := req.TakeOverOwnerPrefixes
-	if l.noTakeOver {
-		takeOver = nil
-	}
 	held := &dev.HeldError{OwnerID: req.OwnerID}
 	var victims []string
 	for _, r := range l.sortedActive() {

@@ -100,22 +100,6 @@ func TestReserveRefusesOtherOwners(t *testing.T) {
 	}
 }
 
-// Against an agent that predates take-over the Reserve is refused, saying why, and
-// nothing is released.
-func TestReserveOnAnAgentWithoutTakeOver(t *testing.T) {
-	l := newFakeLedger()
-	l.noTakeOver = true
-	p := reserveShim(t, l, "GPU-a")
-	old := l.hold("nomad/old", "GPU-a")
-	_, err := p.Reserve([]string{"GPU-a"})
-	if err == nil || !strings.Contains(err.Error(), "predates take-over; upgrade the agent") || !strings.Contains(err.Error(), old) {
-		t.Fatalf("err = %v; want it to say the agent predates take-over, naming %s", err, old)
-	}
-	if active, released := l.state(); len(released) != 0 || len(active) != 1 || l.releases != 0 {
-		t.Errorf("after the refusal: active %+v, released %q, %d Release calls; want %s untouched", active, released, l.releases, old)
-	}
-}
-
 // A Reserve still in flight for another owner is not taken over.
 func TestReserveRefusesReserveInFlight(t *testing.T) {
 	l := newFakeLedger()
