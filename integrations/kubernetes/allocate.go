@@ -14,6 +14,7 @@ import (
 	prapi "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -84,7 +85,7 @@ func (b *Bridge) allocate(ctx context.Context, resource string, ids []string) (*
 	b.allocMu.Lock()
 	defer b.allocMu.Unlock()
 	res, err := b.c.Reserve(ctx, req)
-	if held, ok := client.IsHeld(err); ok && staleOwn(held, r, keyOf(g)) {
+	if held, ok := client.HeldError(err); ok && staleOwn(held, r, keyOf(g)) {
 		if req.TakeOverOwnerPrefixes, err = b.takeOverPrefixes(ctx, resource, held); err == nil {
 			res, err = b.c.Reserve(ctx, req)
 		}
@@ -115,12 +116,12 @@ func (bk *booking) podOrNone() string {
 // staleOwn reports whether every holder in held, of devices of group g, is a
 // reservation the bridge made for r: held only because the release loop has not caught
 // up with the kubelet.
-func staleOwn(held *pb.DeviceHeld, r Resource, g groupKey) bool {
-	if len(held.GetConflicts()) == 0 {
+func staleOwn(held *device.HeldError, r Resource, g groupKey) bool {
+	if len(held.Conflicts) == 0 {
 		return false
 	}
-	for _, c := range held.GetConflicts() {
-		if !r.ownedBy(c.GetOwnerId(), g) || c.GetReservationId() == "" {
+	for _, c := range held.Conflicts {
+		if !r.ownedBy(c.Holder.OwnerID, g) || c.Holder.ReservationID == "" {
 			return false
 		}
 	}
@@ -137,9 +138,9 @@ func staleOwn(held *pb.DeviceHeld, r Resource, g groupKey) bool {
 // devices, and only the bridge (under allocMu) makes such holders. Past
 // client.MaxTakeOverPrefixes distinct ones, the two roots "kubelet/<resource>/" and
 // "k8s/" stand for them all.
-func (b *Bridge) takeOverPrefixes(ctx context.Context, resource string, held *pb.DeviceHeld) ([]string, error) {
+func (b *Bridge) takeOverPrefixes(ctx context.Context, resource string, held *device.HeldError) ([]string, error) {
 	refuse := func(why string) error {
-		return status.Errorf(codes.FailedPrecondition, "%s: not taken over: %s", holderList(held), why)
+		return status.Errorf(codes.FailedPrecondition, "%s: not taken over: %s", held.Holders(), why)
 	}
 	if b.pods == nil {
 		return nil, refuse("cannot tell whether a pod still holds them: the PodResources socket cannot be used")
@@ -152,14 +153,14 @@ func (b *Bridge) takeOverPrefixes(ctx context.Context, resource string, held *pb
 	}
 	inUse := holders(list)[resource]
 	var prefixes []string
-	for _, c := range held.GetConflicts() {
-		for _, dev := range c.GetHeldDeviceIds() {
+	for _, c := range held.Conflicts {
+		for _, dev := range c.Held {
 			if pod := inUse[dev]; pod != "" {
 				return nil, refuse(fmt.Sprintf("the kubelet's PodResources says container %s still holds %s of reservation %s",
-					pod, dev, c.GetReservationId()))
+					pod, dev, c.Holder.ReservationID))
 			}
 		}
-		owner := c.GetOwnerId()
+		owner := c.Holder.OwnerID
 		prefixes = append(prefixes, owner[:strings.LastIndexByte(owner, '/')+1])
 	}
 	slices.Sort(prefixes)
@@ -168,20 +169,6 @@ func (b *Bridge) takeOverPrefixes(ctx context.Context, resource string, held *pb
 		prefixes = []string{podOwnerPrefix, ownerPrefix + resource + "/"}
 	}
 	return prefixes, nil
-}
-
-// holderList names each holder in held: "GPU-1 held by reservation res-.. of owner
-// "o"; ...", or "GPU-1 being reserved by owner "o"" for a Reserve in flight.
-func holderList(held *pb.DeviceHeld) string {
-	parts := make([]string, 0, len(held.GetConflicts()))
-	for _, c := range held.GetConflicts() {
-		if c.GetReservationId() == "" {
-			parts = append(parts, fmt.Sprintf("%s being reserved by owner %q", strings.Join(c.GetDeviceIds(), ", "), c.GetOwnerId()))
-			continue
-		}
-		parts = append(parts, fmt.Sprintf("%s held by reservation %s of owner %q", strings.Join(c.GetDeviceIds(), ", "), c.GetReservationId(), c.GetOwnerId()))
-	}
-	return strings.Join(parts, "; ")
 }
 
 // reserveError is a failed Reserve as the status the kubelet gets: the agent's code,
@@ -193,8 +180,8 @@ func reserveError(resource string, ids []string, err error) error {
 		code = codes.Unavailable
 	}
 	msg := status.Convert(err).Message()
-	if held, ok := client.IsHeld(err); ok && len(held.GetConflicts()) > 0 {
-		msg = holderList(held)
+	if held, ok := client.HeldError(err); ok {
+		msg = held.Holders()
 	}
 	return status.Errorf(code, "allocate %s (%s): %s", resource, strings.Join(ids, ", "), msg)
 }
