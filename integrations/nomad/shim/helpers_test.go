@@ -109,6 +109,9 @@ type fakeLedger struct {
 	releases int               // Release calls
 	reowns   int               // Reown calls
 	inFlight map[string]string // device → owner of a Reserve "in flight"
+	// overruns, when set, refuses every Reserve that no device refuses with a
+	// *CapacityError naming them.
+	overruns []dev.Overrun
 }
 
 func newFakeLedger() *fakeLedger {
@@ -155,6 +158,9 @@ func (l *fakeLedger) reserve(_ context.Context, req dev.ReserveRequest) (dev.Res
 	}
 	if len(held.Conflicts) > 0 {
 		return dev.Reservation{}, held
+	}
+	if len(l.overruns) > 0 {
+		return dev.Reservation{}, &dev.CapacityError{OwnerID: req.OwnerID, Overruns: l.overruns}
 	}
 	l.seq++
 	r := dev.Reservation{
