@@ -2,7 +2,9 @@
 // what other services, the devicehost CLI and the runtime bridges use instead of the
 // generated stubs: Dial under the host's transport policy, calls in the API's own
 // protobuf types, WatchDevices and WatchStats that reconnect by themselves, and errors
-// to branch on (IsHeld, IsUnavailable...) read from the status details, never the text.
+// to branch on (IsHeld, IsUnavailable...) read from the status details, never the text;
+// HeldError and CapacityError turn a refusal's details into the contract's errors
+// (package device), the one wording of a refusal.
 // Calls return the agent's gRPC status error, so status.FromError works on them too.
 //
 // See docs/api.md#go-client.
@@ -11,8 +13,6 @@ package client
 import (
 	"context"
 	"fmt"
-	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/backoff"
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/endpoint"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/textline"
@@ -253,50 +254,24 @@ func (c *Client) Devices(ctx context.Context) (*pb.FingerprintResponse, error) {
 	return stream.Recv()
 }
 
+// MaxTakeOverPrefixes is the most owner prefixes the agent takes in one Reserve
+// (req.TakeOverOwnerPrefixes); it refuses a request with more (INVALID_ARGUMENT).
+const MaxTakeOverPrefixes = device.MaxTakeOverPrefixes
+
 // Reserve reserves devices of one group for an owner and returns the reservation ID and
 // how to expose the devices to a container. A held device is an error IsHeld reports
-// with its holders; unknown and unhealthy devices, and a plugin that is down, are
-// IsUnknownDevice, IsUnhealthy and IsUnavailable errors. The same owner asking again for
-// the same devices gets the same reservation back, so a call whose answer was lost can
-// be retried.
+// with its holders (HeldError: the same as the contract's error); unknown and unhealthy
+// devices, and a plugin that is down, are IsUnknownDevice, IsUnhealthy and IsUnavailable
+// errors. The same owner asking again for the same devices gets the same reservation
+// back, so a call whose answer was lost can be retried.
 //
 // With req.TakeOverOwnerPrefixes set, devices held by live reservations of owners with
 // those prefixes are taken over: the agent releases those reservations in the same
 // durable write that makes the new one, and lists them in the answer's
 // TakenOverReservationIds; a holder of any other owner still refuses (IsHeld, naming
-// only such holders) and then nothing is released. An agent that predates take-over
-// ignores the field and refuses with the holders the prefixes match: Reserve then says
-// so in the error's message (code and details unchanged, so IsHeld still holds).
+// only such holders) and then nothing is released.
 func (c *Client) Reserve(ctx context.Context, req *pb.ReserveRequest) (*pb.ReserveResponse, error) {
-	res, err := c.api.Reserve(ctx, req)
-	if err != nil && len(req.GetTakeOverOwnerPrefixes()) > 0 {
-		err = c.explainIgnoredTakeOver(req.GetTakeOverOwnerPrefixes(), err)
-	}
-	return res, err
-}
-
-// explainIgnoredTakeOver returns err, a refused Reserve that asked to take over
-// prefixes, with a message that says the agent ignored the request when it names a
-// live holder the prefixes match (an agent that knows take-over never does); else err
-// itself.
-func (c *Client) explainIgnoredTakeOver(prefixes []string, err error) error {
-	held, ok := IsHeld(err)
-	if !ok {
-		return err
-	}
-	for _, cf := range held.GetConflicts() {
-		if cf.GetReservationId() == "" || !slices.ContainsFunc(prefixes, func(p string) bool {
-			return p != "" && strings.HasPrefix(cf.GetOwnerId(), p)
-		}) {
-			continue
-		}
-		p := status.Convert(err).Proto()
-		p.Message = fmt.Sprintf("the agent at %s did not take over reservation %s of owner %q as asked "+
-			"(take_over_owner_prefixes): it predates take-over; upgrade the agent: %s",
-			c.addr, cf.GetReservationId(), cf.GetOwnerId(), p.GetMessage())
-		return status.FromProto(p).Err()
-	}
-	return err
+	return c.api.Reserve(ctx, req)
 }
 
 // Release ends the reservations req names and says which this call released and which

@@ -358,63 +358,108 @@ func TestIsCapacityExceeded(t *testing.T) {
 	}
 }
 
-// An agent that predates take-over ignores take_over_owner_prefixes and refuses with
-// the very holders they match: Reserve says so, keeping the code and the holders. A
-// refusal by holders the prefixes do not match, or by a Reserve in flight, is left as
-// the agent sent it.
-func TestReserveOnAnAgentWithoutTakeOver(t *testing.T) {
+// A held or capacity refusal of a real server converts back to the contract's error the
+// manager returned: equal to it, with the text the server sent as its message. Other
+// errors, and refusals that carry no holder or counter, do not convert.
+func TestRefusalsConvertToTheContractsErrors(t *testing.T) {
+	held := &device.HeldError{OwnerID: "job-43", Conflicts: []device.Conflict{
+		{Holder: device.Holder{ReservationID: "res-1", OwnerID: "job-42"}, Overlap: []string{"GPU-0", "GPU-1"}, Held: []string{"GPU-0", "GPU-1", "GPU-2"}},
+		{Holder: device.Holder{ReservationID: "res-2", OwnerID: "job-43"}, Overlap: []string{"GPU-3"}, Held: []string{"GPU-3", "GPU-4"}},
+		{Holder: device.Holder{OwnerID: "nomad/racing"}, Overlap: []string{"GPU-5"}, Held: []string{"GPU-5"}},
+	}}
+	users := func(n int) []device.Holder {
+		var out []device.Holder
+		for i := range n {
+			out = append(out, device.Holder{ReservationID: fmt.Sprintf("res-%d", i), OwnerID: fmt.Sprintf("job-%d", i)})
+		}
+		return out
+	}
+	set := device.CounterSetKey{Plugin: "nvidia", Name: "GPU-0"}
+	capacity := &device.CapacityError{OwnerID: "job-43", Overruns: []device.Overrun{
+		{Set: set, Counter: "compute-slices", Capacity: 7, Used: 7, Requested: 7, Users: users(5)},
+		{Set: set, Counter: "memory-slice-0", Capacity: 1, Used: 1, Requested: 1, Users: users(1)},
+		{Set: set, Counter: "memory-slice-1", Capacity: 1, Used: 1, Requested: 1},
+	}}
 	tests := []struct {
-		name    string
-		holder  device.Holder
-		explain bool
+		name               string
+		err                error // what the manager returns
+		wantHeld, wantCapa error // what HeldError and CapacityError give; nil for not ok
 	}{
-		{"a matching holder", device.Holder{ReservationID: "res-1", OwnerID: "nomad/old"}, true},
-		{"another owner", device.Holder{ReservationID: "res-1", OwnerID: "job-42"}, false},
-		{"a Reserve in flight", device.Holder{OwnerID: "nomad/racing"}, false},
+		{"held", held, held, nil},
+		{"over capacity", capacity, nil, capacity},
+		{"held, untyped", fmt.Errorf("GPU-0 held: %w", device.ErrDeviceHeld), nil, nil},
+		{"over capacity, untyped", fmt.Errorf("counter full: %w", device.ErrCapacityExceeded), nil, nil},
+		{"unknown device", fmt.Errorf("GPU-9: %w", device.ErrUnknownDevice), nil, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			path := socketPath(t)
 			startAgent(t, &devicetest.Fake{ReserveFunc: func(context.Context, device.ReserveRequest) (device.Reservation, error) {
-				return device.Reservation{}, &device.HeldError{OwnerID: "nomad/new", Conflicts: []device.Conflict{
-					{Holder: tt.holder, Overlap: []string{"GPU-0"}, Held: []string{"GPU-0"}},
-				}}
+				return device.Reservation{}, tt.err
 			}}, path)
 			c := dial(t, path)
 			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 			defer cancel()
-			_, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "nomad/new", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name,
-				DeviceIds: []string{"GPU-0"}, TakeOverOwnerPrefixes: []string{"k8s/", "nomad/"}})
-			held, ok := client.IsHeld(err)
-			if !ok || status.Code(err) != codes.FailedPrecondition || len(held.GetConflicts()) != 1 || held.GetConflicts()[0].GetOwnerId() != tt.holder.OwnerID {
-				t.Fatalf("Reserve = %v; want FAILED_PRECONDITION, IsHeld naming %s", err, tt.holder.OwnerID)
+			_, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "job-43", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, DeviceIds: []string{"GPU-0"}})
+			sent := status.Convert(err).Message()
+			if sent != tt.err.Error() {
+				t.Fatalf("the server sent %q, want the manager's %q", sent, tt.err.Error())
 			}
-			want := "the agent at unix://" + path + ` did not take over reservation res-1 of owner "nomad/old" as asked ` +
-				"(take_over_owner_prefixes): it predates take-over; upgrade the agent: "
-			if got := status.Convert(err).Message(); strings.HasPrefix(got, want) != tt.explain || !strings.Contains(got, "GPU-0 ") {
-				t.Errorf("message %q; want it to start with %q: %v, and to keep the agent's", got, want, tt.explain)
+			gotHeld, okHeld := client.HeldError(err)
+			gotCapa, okCapa := client.CapacityError(err)
+			for _, k := range []struct {
+				kind string
+				ok   bool
+				got  error
+				want error
+				is   error
+			}{
+				{"HeldError", okHeld, gotHeld, tt.wantHeld, device.ErrDeviceHeld},
+				{"CapacityError", okCapa, gotCapa, tt.wantCapa, device.ErrCapacityExceeded},
+			} {
+				switch {
+				case k.ok != (k.want != nil):
+					t.Errorf("%s ok = %v, want %v", k.kind, k.ok, k.want != nil)
+				case !k.ok:
+				case !reflect.DeepEqual(k.got, k.want):
+					t.Errorf("%s = %#v\nwant the manager's %#v", k.kind, k.got, k.want)
+				case k.got.Error() != sent || !errors.Is(k.got, k.is):
+					t.Errorf("%s text %q (is %v: %v); want the server's %q", k.kind, k.got.Error(), k.is, errors.Is(k.got, k.is), sent)
+				}
 			}
 		})
 	}
+	if _, ok := client.HeldError(errors.New("plain")); ok {
+		t.Error("a plain error converts to a HeldError")
+	}
+	if _, ok := client.CapacityError(nil); ok {
+		t.Error("nil converts to a CapacityError")
+	}
 }
 
-func TestReasonsMatchTheServer(t *testing.T) {
+// The Reason variables are the API's wire strings, one for each ErrorReason the server
+// sends, and the client's domain is the server's.
+func TestReasonsAreTheWireStrings(t *testing.T) {
 	pairs := [][2]string{
 		{client.ErrorDomain, server.ErrorDomain},
-		{client.ReasonInvalidRequest, server.ReasonInvalidRequest},
-		{client.ReasonDeviceUnknown, server.ReasonDeviceUnknown},
-		{client.ReasonReservationNotFound, server.ReasonReservationNotFound},
-		{client.ReasonDeviceUnhealthy, server.ReasonDeviceUnhealthy},
-		{client.ReasonDeviceHeld, server.ReasonDeviceHeld},
-		{client.ReasonPluginUnavailable, server.ReasonPluginUnavailable},
-		{client.ReasonShuttingDown, server.ReasonShuttingDown},
-		{client.ReasonPluginResponse, server.ReasonPluginResponse},
 		{client.ServiceName, server.ServiceName},
+		{client.ReasonInvalidRequest, "INVALID_REQUEST"},
+		{client.ReasonDeviceUnknown, "DEVICE_UNKNOWN"},
+		{client.ReasonReservationNotFound, "RESERVATION_NOT_FOUND"},
+		{client.ReasonDeviceUnhealthy, "DEVICE_UNHEALTHY"},
+		{client.ReasonDeviceHeld, "DEVICE_HELD"},
+		{client.ReasonCapacityExceeded, "CAPACITY_EXCEEDED"},
+		{client.ReasonPluginUnavailable, "PLUGIN_UNAVAILABLE"},
+		{client.ReasonShuttingDown, "SHUTTING_DOWN"},
+		{client.ReasonPluginResponse, "PLUGIN_RESPONSE_INVALID"},
 	}
 	for _, p := range pairs {
 		if p[0] != p[1] {
-			t.Errorf("client has %q where the server has %q", p[0], p[1])
+			t.Errorf("client has %q where the wire has %q", p[0], p[1])
 		}
+	}
+	if got, want := len(pb.ErrorReason_name)-1, len(pairs)-2; got != want {
+		t.Errorf("devicehost.proto has %d error reasons, the client %d", got, want)
 	}
 }
 

@@ -5,27 +5,30 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
-// The google.rpc.ErrorInfo reasons the agent attaches to its errors, in ErrorDomain (the
-// list is in devicehost.proto).
-const (
-	ErrorDomain = ServiceName
+// ErrorDomain is the domain of the google.rpc.ErrorInfo detail the agent attaches to its
+// errors.
+const ErrorDomain = ServiceName
 
-	ReasonInvalidRequest      = "INVALID_REQUEST"
-	ReasonDeviceUnknown       = "DEVICE_UNKNOWN"
-	ReasonReservationNotFound = "RESERVATION_NOT_FOUND"
-	ReasonDeviceUnhealthy     = "DEVICE_UNHEALTHY"
-	ReasonDeviceHeld          = "DEVICE_HELD"
-	ReasonCapacityExceeded    = "CAPACITY_EXCEEDED"
-	ReasonPluginUnavailable   = "PLUGIN_UNAVAILABLE"
-	ReasonShuttingDown        = "SHUTTING_DOWN"
-	ReasonPluginResponse      = "PLUGIN_RESPONSE_INVALID"
+// The ErrorInfo reasons the agent attaches to its errors: the names of the pb.ErrorReason
+// values (devicehost.proto says what each means), which are what goes on the wire.
+var (
+	ReasonInvalidRequest      = pb.ErrorReason_INVALID_REQUEST.String()
+	ReasonDeviceUnknown       = pb.ErrorReason_DEVICE_UNKNOWN.String()
+	ReasonReservationNotFound = pb.ErrorReason_RESERVATION_NOT_FOUND.String()
+	ReasonDeviceUnhealthy     = pb.ErrorReason_DEVICE_UNHEALTHY.String()
+	ReasonDeviceHeld          = pb.ErrorReason_DEVICE_HELD.String()
+	ReasonCapacityExceeded    = pb.ErrorReason_CAPACITY_EXCEEDED.String()
+	ReasonPluginUnavailable   = pb.ErrorReason_PLUGIN_UNAVAILABLE.String()
+	ReasonShuttingDown        = pb.ErrorReason_SHUTTING_DOWN.String()
+	ReasonPluginResponse      = pb.ErrorReason_PLUGIN_RESPONSE_INVALID.String()
 )
 
 // Reason returns the ErrorInfo reason of the agent's error err (one of the Reason
-// constants), or "" when err carries none: nil, not a gRPC status, or a failure of the
+// variables), or "" when err carries none: nil, not a gRPC status, or a failure of the
 // connection rather than an answer of the agent.
 func Reason(err error) string {
 	if info := errorInfo(err); info != nil {
@@ -84,6 +87,51 @@ func IsCapacityExceeded(err error) (*pb.CapacityExceeded, bool) {
 		}
 	}
 	return &pb.CapacityExceeded{}, true
+}
+
+// HeldError returns the contract's *device.HeldError for err, a Reserve refused because
+// requested devices are held (IsHeld), converted from the DeviceHeld detail the agent
+// sent: its Error is the wording the agent's message has, and its Holders names each
+// holder for callers that say the rest in their own terms. ok is false when err is no
+// such refusal, or the agent sent no holder (then its message is all there is).
+func HeldError(err error) (e *device.HeldError, ok bool) {
+	held, ok := IsHeld(err)
+	if !ok || len(held.GetConflicts()) == 0 {
+		return nil, false
+	}
+	e = &device.HeldError{OwnerID: held.GetOwnerId()}
+	for _, c := range held.GetConflicts() {
+		e.Conflicts = append(e.Conflicts, device.Conflict{
+			Holder:  device.Holder{ReservationID: c.GetReservationId(), OwnerID: c.GetOwnerId()},
+			Overlap: c.GetDeviceIds(),
+			Held:    c.GetHeldDeviceIds(),
+		})
+	}
+	return e, true
+}
+
+// CapacityError returns the contract's *device.CapacityError for err, a Reserve refused
+// over a shared counter's capacity (IsCapacityExceeded), converted from the
+// CapacityExceeded detail the agent sent: its Error is the wording the agent's message
+// has, and its Counters names each counter for callers that say the rest in their own
+// terms. ok is false when err is no such refusal, or the agent sent no counter.
+func CapacityError(err error) (e *device.CapacityError, ok bool) {
+	ce, ok := IsCapacityExceeded(err)
+	if !ok || len(ce.GetOverruns()) == 0 {
+		return nil, false
+	}
+	e = &device.CapacityError{OwnerID: ce.GetOwnerId()}
+	for _, o := range ce.GetOverruns() {
+		do := device.Overrun{
+			Set:     device.CounterSetKey{Plugin: o.GetPlugin(), Name: o.GetCounterSet()},
+			Counter: o.GetCounter(), Capacity: o.GetCapacity(), Used: o.GetUsed(), Requested: o.GetRequested(),
+		}
+		for _, u := range o.GetUsers() {
+			do.Users = append(do.Users, device.Holder{ReservationID: u.GetReservationId(), OwnerID: u.GetOwnerId()})
+		}
+		e.Overruns = append(e.Overruns, do)
+	}
+	return e, true
 }
 
 // IsUnknownDevice reports whether err says a requested device, or its group, is not

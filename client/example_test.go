@@ -46,10 +46,8 @@ func Example() {
 
 	gpu.OwnerId = "job-43"
 	_, err = c.Reserve(ctx, gpu)
-	if held, ok := client.IsHeld(err); ok {
-		for _, h := range held.GetConflicts() {
-			fmt.Printf("job-43 refused: %v held by reservation %s of %s\n", h.GetDeviceIds(), h.GetReservationId(), h.GetOwnerId())
-		}
+	if held, ok := client.HeldError(err); ok {
+		fmt.Println("job-43 refused:", held.Holders()) // each holder: held.Conflicts
 	}
 
 	u := <-updates
@@ -67,7 +65,7 @@ func Example() {
 	// GPU-0 healthy free
 	// GPU-1 healthy free
 	// reserved res-1 for job-42: NVIDIA_VISIBLE_DEVICES=GPU-0
-	// job-43 refused: [GPU-0] held by reservation res-1 of job-42
+	// job-43 refused: GPU-0 held by reservation res-1 of owner "job-42"
 	// GPU-0 healthy held by job-42 (res-1)
 	// GPU-1 healthy free
 	// released [res-1]

@@ -278,9 +278,16 @@ type ReserveRequest struct {
 	// all or nothing, with their plugin cleanup owed as after a Release. A holder of
 	// any other owner still refuses the Reserve (a *HeldError naming only such
 	// holders), and then nothing is released. Until that write the taken-over
-	// reservations keep holding their devices. Empty: nothing is taken over.
+	// reservations keep holding their devices. Empty: nothing is taken over. At most
+	// MaxTakeOverPrefixes.
 	TakeOverOwnerPrefixes []string
 }
+
+// MaxTakeOverPrefixes is the most owner prefixes one Reserve may take devices over from
+// (ReserveRequest.TakeOverOwnerPrefixes). The host API refuses a request with more
+// (validate.ReserveRequest); a caller with more holders to take over uses shorter,
+// broader prefixes.
+const MaxTakeOverPrefixes = 16
 
 // TakesOver reports whether a reservation of owner may be taken over by a Reserve
 // with the given owner prefixes (see ReserveRequest.TakeOverOwnerPrefixes). An empty

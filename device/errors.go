@@ -67,9 +67,17 @@ type Conflict struct {
 	Held    []string // every device it holds (or is being reserved), sorted
 }
 
-// Error names each holder and the devices in question, e.g. `owner "a": GPU-1 held by
-// reservation res-0f.. of owner "b": device held`.
+// Error is `owner "<OwnerID>": <Holders>: device held` (ErrDeviceHeld's text).
 func (e *HeldError) Error() string {
+	return fmt.Sprintf("owner %q: %s: %v", e.OwnerID, e.Holders(), ErrDeviceHeld)
+}
+
+// Holders names each holder and the requested devices it holds, joined by "; ": a
+// reservation of another owner by its ID and owner, a Reserve in flight by its owner, a
+// reservation of the requesting owner by its ID and all it holds. It is the one wording
+// of a held device: Error's, and that of callers that say the rest in their own terms
+// (the bridges, without the requesting owner they made up or derived).
+func (e *HeldError) Holders() string {
 	parts := make([]string, 0, len(e.Conflicts))
 	for _, c := range e.Conflicts {
 		switch {
@@ -85,7 +93,7 @@ func (e *HeldError) Error() string {
 				strings.Join(c.Overlap, ", "), c.Holder.ReservationID, strings.Join(c.Held, ", ")))
 		}
 	}
-	return fmt.Sprintf("owner %q: %s: %v", e.OwnerID, strings.Join(parts, "; "), ErrDeviceHeld)
+	return strings.Join(parts, "; ")
 }
 
 // Unwrap returns ErrDeviceHeld.
@@ -108,12 +116,19 @@ type Overrun struct {
 	Users     []Holder // the live reservations using it, sorted by reservation ID
 }
 
-// Error names the counters, their figures and their users, e.g. `owner "a": counter
-// "memory-slice-0" of set "GPU-1" (plugin "nvidia"): 1 requested, 1 of 1 used by
-// reservation res-0f.. of owner "b": shared capacity exceeded`. It names at most
-// maxListedOverruns counters and maxListedUsers users of each (the rest counted): a
-// whole GPU beside seven partitions overruns a dozen counters, each used by seven.
+// Error is `owner "<OwnerID>": <Counters>: ` and ErrCapacityExceeded's text.
 func (e *CapacityError) Error() string {
+	return fmt.Sprintf("owner %q: %s: %v", e.OwnerID, e.Counters(), ErrCapacityExceeded)
+}
+
+// Counters names each counter, its figures and its users, e.g. `counter
+// "memory-slice-0" of set "GPU-1" (plugin "nvidia"): 1 requested, 1 of 1 used by
+// reservation res-0f.. of owner "b"`, joined by "; ". It is the one wording of an
+// overrun: Error's, and that of callers that say the rest in their own terms. It names
+// at most maxListedOverruns counters and maxListedUsers users of each (the rest
+// counted): a whole GPU beside seven partitions overruns a dozen counters, each used by
+// seven.
+func (e *CapacityError) Counters() string {
 	const maxListedOverruns, maxListedUsers = 2, 3
 	var parts []string
 	for i, o := range e.Overruns {
@@ -136,7 +151,7 @@ func (e *CapacityError) Error() string {
 		parts = append(parts, fmt.Sprintf("counter %q of set %q (plugin %q): %d requested, %d of %d used%s",
 			o.Counter, o.Set.Name, o.Set.Plugin, o.Requested, o.Used, o.Capacity, by))
 	}
-	return fmt.Sprintf("owner %q: %s: %v", e.OwnerID, strings.Join(parts, "; "), ErrCapacityExceeded)
+	return strings.Join(parts, "; ")
 }
 
 // Unwrap returns ErrCapacityExceeded.

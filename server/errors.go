@@ -15,22 +15,11 @@ import (
 
 // This file is the one place that maps the device contract's errors to gRPC codes.
 
-// Reasons of the google.rpc.ErrorInfo detail every mapped error carries, in ErrorDomain.
-// They are part of the API (listed in devicehost.proto): callers branch on them where a
-// code alone is ambiguous (FAILED_PRECONDITION is a held or an unhealthy device).
-const (
-	ErrorDomain = ServiceName
-
-	ReasonInvalidRequest      = "INVALID_REQUEST"
-	ReasonDeviceUnknown       = "DEVICE_UNKNOWN"
-	ReasonReservationNotFound = "RESERVATION_NOT_FOUND"
-	ReasonDeviceUnhealthy     = "DEVICE_UNHEALTHY"
-	ReasonDeviceHeld          = "DEVICE_HELD"
-	ReasonCapacityExceeded    = "CAPACITY_EXCEEDED"
-	ReasonPluginUnavailable   = "PLUGIN_UNAVAILABLE"
-	ReasonShuttingDown        = "SHUTTING_DOWN"
-	ReasonPluginResponse      = "PLUGIN_RESPONSE_INVALID"
-)
+// ErrorDomain is the domain of the google.rpc.ErrorInfo detail every mapped error
+// carries; its reason is the name of a pb.ErrorReason (the list, with what each means, is
+// in devicehost.proto). Callers branch on it where a code alone is ambiguous
+// (FAILED_PRECONDITION is a held or an unhealthy device).
+const ErrorDomain = ServiceName
 
 // errorCodes is checked in order: the first sentinel an error wraps decides its code and
 // reason, so an error that wraps more than one (errors.Join) gets the most specific
@@ -38,22 +27,22 @@ const (
 var errorCodes = []struct {
 	sentinel error
 	code     codes.Code
-	reason   string // "" for none
+	reason   pb.ErrorReason // ERROR_REASON_UNSPECIFIED for none
 }{
-	{device.ErrShuttingDown, codes.Unavailable, ReasonShuttingDown},
-	{device.ErrInvalidRequest, codes.InvalidArgument, ReasonInvalidRequest},
-	{device.ErrUnknownDevice, codes.NotFound, ReasonDeviceUnknown},
-	{device.ErrNotFound, codes.NotFound, ReasonReservationNotFound},
-	{device.ErrUnhealthyDevice, codes.FailedPrecondition, ReasonDeviceUnhealthy},
-	{device.ErrDeviceHeld, codes.FailedPrecondition, ReasonDeviceHeld},
-	{device.ErrCapacityExceeded, codes.FailedPrecondition, ReasonCapacityExceeded},
-	{device.ErrPluginUnavailable, codes.Unavailable, ReasonPluginUnavailable},
+	{device.ErrShuttingDown, codes.Unavailable, pb.ErrorReason_SHUTTING_DOWN},
+	{device.ErrInvalidRequest, codes.InvalidArgument, pb.ErrorReason_INVALID_REQUEST},
+	{device.ErrUnknownDevice, codes.NotFound, pb.ErrorReason_DEVICE_UNKNOWN},
+	{device.ErrNotFound, codes.NotFound, pb.ErrorReason_RESERVATION_NOT_FOUND},
+	{device.ErrUnhealthyDevice, codes.FailedPrecondition, pb.ErrorReason_DEVICE_UNHEALTHY},
+	{device.ErrDeviceHeld, codes.FailedPrecondition, pb.ErrorReason_DEVICE_HELD},
+	{device.ErrCapacityExceeded, codes.FailedPrecondition, pb.ErrorReason_CAPACITY_EXCEEDED},
+	{device.ErrPluginUnavailable, codes.Unavailable, pb.ErrorReason_PLUGIN_UNAVAILABLE},
 	// The plugin answered but broke a validation rule. The caller cannot fix that by
 	// changing its request, and an immediate retry usually gets the same answer, so it is
 	// reported as the host's own fault rather than UNAVAILABLE (which invites retries).
-	{device.ErrPluginResponse, codes.Internal, ReasonPluginResponse},
-	{context.DeadlineExceeded, codes.DeadlineExceeded, ""},
-	{context.Canceled, codes.Canceled, ""},
+	{device.ErrPluginResponse, codes.Internal, pb.ErrorReason_PLUGIN_RESPONSE_INVALID},
+	{context.DeadlineExceeded, codes.DeadlineExceeded, pb.ErrorReason_ERROR_REASON_UNSPECIFIED},
+	{context.Canceled, codes.Canceled, pb.ErrorReason_ERROR_REASON_UNSPECIFIED},
 }
 
 // toStatus converts a domain error into a gRPC status error. The message is err.Error(),
@@ -70,7 +59,7 @@ func toStatus(err error) error {
 	if _, ok := err.(interface{ GRPCStatus() *status.Status }); ok {
 		return err
 	}
-	code, reason := codes.Unknown, ""
+	code, reason := codes.Unknown, pb.ErrorReason_ERROR_REASON_UNSPECIFIED
 	for _, m := range errorCodes {
 		if errors.Is(err, m.sentinel) {
 			code, reason = m.code, m.reason
@@ -79,20 +68,20 @@ func toStatus(err error) error {
 	}
 	st := status.New(code, err.Error())
 	var details []protoadapt.MessageV1
-	if reason != "" {
-		details = append(details, &errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain})
+	if reason != pb.ErrorReason_ERROR_REASON_UNSPECIFIED {
+		details = append(details, &errdetails.ErrorInfo{Reason: reason.String(), Domain: ErrorDomain})
 	}
 	switch reason {
-	case ReasonInvalidRequest:
+	case pb.ErrorReason_INVALID_REQUEST:
 		if br := badRequest(err); br != nil {
 			details = append(details, br)
 		}
-	case ReasonDeviceHeld:
+	case pb.ErrorReason_DEVICE_HELD:
 		var held *device.HeldError
 		if errors.As(err, &held) {
 			details = append(details, heldToProto(held))
 		}
-	case ReasonCapacityExceeded:
+	case pb.ErrorReason_CAPACITY_EXCEEDED:
 		var ce *device.CapacityError
 		if errors.As(err, &ce) {
 			details = append(details, capacityToProto(ce))

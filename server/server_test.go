@@ -467,21 +467,21 @@ func TestErrorCodes(t *testing.T) {
 		name       string
 		err        error
 		want       codes.Code
-		wantReason string // the ErrorInfo reason; "" for no ErrorInfo
+		wantReason string // the ErrorInfo reason as on the wire; "" for no ErrorInfo
 	}{
-		{"field error", &device.FieldError{Field: "device_ids[0]", Rule: "unknown"}, codes.InvalidArgument, server.ReasonInvalidRequest},
-		{"invalid request", fmt.Errorf("group: %w", device.ErrInvalidRequest), codes.InvalidArgument, server.ReasonInvalidRequest},
-		{"unknown device", fmt.Errorf("GPU-9: %w", device.ErrUnknownDevice), codes.NotFound, server.ReasonDeviceUnknown},
-		{"unknown reservation", fmt.Errorf("reservation r9: %w", device.ErrNotFound), codes.NotFound, server.ReasonReservationNotFound},
-		{"unhealthy", fmt.Errorf("GPU-0: %w", device.ErrUnhealthyDevice), codes.FailedPrecondition, server.ReasonDeviceUnhealthy},
-		{"held, untyped", fmt.Errorf("GPU-0 held by r1 of alloc-2: %w", device.ErrDeviceHeld), codes.FailedPrecondition, server.ReasonDeviceHeld},
-		{"held, typed and wrapped", fmt.Errorf("record reservation: %w", held), codes.FailedPrecondition, server.ReasonDeviceHeld},
-		{"over shared capacity", fmt.Errorf("record reservation: %w", overrun), codes.FailedPrecondition, server.ReasonCapacityExceeded},
-		{"plugin down", fmt.Errorf("plugin nvidia: %w", device.ErrPluginUnavailable), codes.Unavailable, server.ReasonPluginUnavailable},
-		{"plugin answer rejected", fmt.Errorf("plugin nvidia: env LD_PRELOAD: %w", device.ErrPluginResponse), codes.Internal, server.ReasonPluginResponse},
-		{"shutting down", device.ErrShuttingDown, codes.Unavailable, server.ReasonShuttingDown},
-		{"shutting down wins over plugin down", errors.Join(device.ErrPluginUnavailable, device.ErrShuttingDown), codes.Unavailable, server.ReasonShuttingDown},
-		{"joined: bad request wins", errors.Join(device.ErrUnhealthyDevice, &device.FieldError{Field: "owner_id", Rule: "empty"}), codes.InvalidArgument, server.ReasonInvalidRequest},
+		{"field error", &device.FieldError{Field: "device_ids[0]", Rule: "unknown"}, codes.InvalidArgument, "INVALID_REQUEST"},
+		{"invalid request", fmt.Errorf("group: %w", device.ErrInvalidRequest), codes.InvalidArgument, "INVALID_REQUEST"},
+		{"unknown device", fmt.Errorf("GPU-9: %w", device.ErrUnknownDevice), codes.NotFound, "DEVICE_UNKNOWN"},
+		{"unknown reservation", fmt.Errorf("reservation r9: %w", device.ErrNotFound), codes.NotFound, "RESERVATION_NOT_FOUND"},
+		{"unhealthy", fmt.Errorf("GPU-0: %w", device.ErrUnhealthyDevice), codes.FailedPrecondition, "DEVICE_UNHEALTHY"},
+		{"held, untyped", fmt.Errorf("GPU-0 held by r1 of alloc-2: %w", device.ErrDeviceHeld), codes.FailedPrecondition, "DEVICE_HELD"},
+		{"held, typed and wrapped", fmt.Errorf("record reservation: %w", held), codes.FailedPrecondition, "DEVICE_HELD"},
+		{"over shared capacity", fmt.Errorf("record reservation: %w", overrun), codes.FailedPrecondition, "CAPACITY_EXCEEDED"},
+		{"plugin down", fmt.Errorf("plugin nvidia: %w", device.ErrPluginUnavailable), codes.Unavailable, "PLUGIN_UNAVAILABLE"},
+		{"plugin answer rejected", fmt.Errorf("plugin nvidia: env LD_PRELOAD: %w", device.ErrPluginResponse), codes.Internal, "PLUGIN_RESPONSE_INVALID"},
+		{"shutting down", device.ErrShuttingDown, codes.Unavailable, "SHUTTING_DOWN"},
+		{"shutting down wins over plugin down", errors.Join(device.ErrPluginUnavailable, device.ErrShuttingDown), codes.Unavailable, "SHUTTING_DOWN"},
+		{"joined: bad request wins", errors.Join(device.ErrUnhealthyDevice, &device.FieldError{Field: "owner_id", Rule: "empty"}), codes.InvalidArgument, "INVALID_REQUEST"},
 		{"deadline", fmt.Errorf("reserve: %w", context.DeadlineExceeded), codes.DeadlineExceeded, ""},
 		{"a gRPC status passes through", status.Error(codes.ResourceExhausted, "too many"), codes.ResourceExhausted, ""},
 		{"anything else", errors.New("disk on fire"), codes.Unknown, ""},

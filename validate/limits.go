@@ -6,6 +6,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/textline"
 )
 
@@ -47,8 +48,8 @@ const (
 	// MaxPathLen bounds, in bytes, a mount or device node path (Linux PATH_MAX).
 	MaxPathLen = 4096
 	// MaxTakeOverPrefixes bounds the owner prefixes one Reserve may take devices over
-	// from.
-	MaxTakeOverPrefixes = 16
+	// from: the contract's limit.
+	MaxTakeOverPrefixes = device.MaxTakeOverPrefixes
 	// MaxStreamFilters bounds each filter list (groups, plugins) of one Fingerprint or
 	// Stats request: matching costs groups × filters on every change, for every
 	// distinct filter.

@@ -156,32 +156,14 @@ func (d *Driver) resolve(ctx context.Context, results []resourceapi.DeviceReques
 	return out, nil
 }
 
-// reserveError explains a refused Reserve of ids.
+// reserveError explains a refused Reserve of ids: a held device or a counter over its
+// capacity in the contract's words (device.HeldError, device.CapacityError), with the
+// claim's owner, each holder and each counter; any other error as the agent sent it.
 func reserveError(ids []string, err error) error {
-	if held, ok := client.IsHeld(err); ok && len(held.GetConflicts()) > 0 {
-		var parts []string
-		for _, c := range held.GetConflicts() {
-			who := "owner " + c.GetOwnerId()
-			if c.GetReservationId() != "" {
-				who += " (reservation " + c.GetReservationId() + ")"
-			} else {
-				who += " (a Reserve in flight)"
-			}
-			parts = append(parts, strings.Join(c.GetDeviceIds(), ", ")+" held by "+who)
-		}
-		return fmt.Errorf("devices held by another owner: %s: %w", strings.Join(parts, "; "), err)
-	}
-	if ce, ok := client.IsCapacityExceeded(err); ok && len(ce.GetOverruns()) > 0 {
-		var parts []string
-		for _, o := range ce.GetOverruns() {
-			var users []string
-			for _, u := range o.GetUsers() {
-				users = append(users, u.GetOwnerId())
-			}
-			parts = append(parts, fmt.Sprintf("counter %s of %s: %d of %d used by %s, %d more asked",
-				o.GetCounter(), o.GetCounterSet(), o.GetUsed(), o.GetCapacity(), strings.Join(users, ", "), o.GetRequested()))
-		}
-		return fmt.Errorf("shared capacity exceeded: %s: %w", strings.Join(parts, "; "), err)
+	if held, ok := client.HeldError(err); ok {
+		err = held
+	} else if ce, ok := client.CapacityError(err); ok {
+		err = ce
 	}
 	return fmt.Errorf("reserve %s: %w", strings.Join(ids, ", "), err)
 }

@@ -25,19 +25,16 @@ import (
 type fakeAgent struct {
 	addr endpoint.Address
 
-	mu       sync.Mutex
-	groups   []device.Group
-	health   map[string]device.DeviceState
-	res      []*device.Reservation // oldest first
-	nextID   int
-	reserves int // Reserve calls that made a reservation
-	releases int // Release calls
-	// noTakeOver makes it an agent that predates take-over: it ignores
-	// TakeOverOwnerPrefixes.
-	noTakeOver bool
-	takeOvers  [][]string // TakeOverOwnerPrefixes of each Reserve that had some
-	watchers   map[chan device.Snapshot]bool
-	seq        uint64
+	mu        sync.Mutex
+	groups    []device.Group
+	health    map[string]device.DeviceState
+	res       []*device.Reservation // oldest first
+	nextID    int
+	reserves  int        // Reserve calls that made a reservation
+	releases  int        // Release calls
+	takeOvers [][]string // TakeOverOwnerPrefixes of each Reserve that had some
+	watchers  map[chan device.Snapshot]bool
+	seq       uint64
 
 	srv *servertest.Agent
 }
@@ -208,9 +205,6 @@ func (a *fakeAgent) reserve(req device.ReserveRequest) (device.Reservation, erro
 	takeOver := req.TakeOverOwnerPrefixes
 	if len(takeOver) > 0 {
 		a.takeOvers = append(a.takeOvers, slices.Clone(takeOver))
-	}
-	if a.noTakeOver {
-		takeOver = nil
 	}
 	want := slices.Sorted(slices.Values(req.DeviceIDs))
 	held := &device.HeldError{OwnerID: req.OwnerID}

@@ -14,6 +14,7 @@ import (
 	prapi "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/devicehost/devicehost/client"
+	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -84,14 +85,9 @@ func (b *Bridge) allocate(ctx context.Context, resource string, ids []string) (*
 	b.allocMu.Lock()
 	defer b.allocMu.Unlock()
 	res, err := b.c.Reserve(ctx, req)
-	if held, ok := client.IsHeld(err); ok && staleOwn(held, r, keyOf(g)) {
+	if held, ok := client.HeldError(err); ok && staleOwn(held, r, keyOf(g)) {
 		if req.TakeOverOwnerPrefixes, err = b.takeOverPrefixes(ctx, resource, held); err == nil {
 			res, err = b.c.Reserve(ctx, req)
-			if held, ok := client.IsHeld(err); ok && staleOwn(held, r, keyOf(g)) {
-				// The agent did not take them over: it predates take-over, which the
-				// client's message says; keep it rather than only the holders.
-				err = status.Error(status.Code(err), status.Convert(err).Message())
-			}
 		}
 	}
 	if err != nil {
@@ -120,21 +116,17 @@ func (bk *booking) podOrNone() string {
 // staleOwn reports whether every holder in held, of devices of group g, is a
 // reservation the bridge made for r: held only because the release loop has not caught
 // up with the kubelet.
-func staleOwn(held *pb.DeviceHeld, r Resource, g groupKey) bool {
-	if len(held.GetConflicts()) == 0 {
+func staleOwn(held *device.HeldError, r Resource, g groupKey) bool {
+	if len(held.Conflicts) == 0 {
 		return false
 	}
-	for _, c := range held.GetConflicts() {
-		if !r.ownedBy(c.GetOwnerId(), g) || c.GetReservationId() == "" {
+	for _, c := range held.Conflicts {
+		if !r.ownedBy(c.Holder.OwnerID, g) || c.Holder.ReservationID == "" {
 			return false
 		}
 	}
 	return true
 }
-
-// maxTakeOverPrefixes is the most owner prefixes the agent takes in one Reserve
-// (take_over_owner_prefixes).
-const maxTakeOverPrefixes = 16
 
 // takeOverPrefixes returns the owner prefixes that let a Reserve take over the
 // holders in held (each a reservation of the bridge for resource, see staleOwn),
@@ -144,11 +136,11 @@ const maxTakeOverPrefixes = 16
 // ("kubelet/<resource>/", "k8s/<namespace>/<pod>/"), so it covers that holder and the
 // bridge's others like it; the agent applies it only to holders of the requested
 // devices, and only the bridge (under allocMu) makes such holders. Past
-// maxTakeOverPrefixes distinct ones, the two roots "kubelet/<resource>/" and "k8s/"
-// stand for them all.
-func (b *Bridge) takeOverPrefixes(ctx context.Context, resource string, held *pb.DeviceHeld) ([]string, error) {
+// client.MaxTakeOverPrefixes distinct ones, the two roots "kubelet/<resource>/" and
+// "k8s/" stand for them all.
+func (b *Bridge) takeOverPrefixes(ctx context.Context, resource string, held *device.HeldError) ([]string, error) {
 	refuse := func(why string) error {
-		return status.Errorf(codes.FailedPrecondition, "%s: not taken over: %s", holderList(held), why)
+		return status.Errorf(codes.FailedPrecondition, "%s: not taken over: %s", held.Holders(), why)
 	}
 	if b.pods == nil {
 		return nil, refuse("cannot tell whether a pod still holds them: the PodResources socket cannot be used")
@@ -161,36 +153,22 @@ func (b *Bridge) takeOverPrefixes(ctx context.Context, resource string, held *pb
 	}
 	inUse := holders(list)[resource]
 	var prefixes []string
-	for _, c := range held.GetConflicts() {
-		for _, dev := range c.GetHeldDeviceIds() {
+	for _, c := range held.Conflicts {
+		for _, dev := range c.Held {
 			if pod := inUse[dev]; pod != "" {
 				return nil, refuse(fmt.Sprintf("the kubelet's PodResources says container %s still holds %s of reservation %s",
-					pod, dev, c.GetReservationId()))
+					pod, dev, c.Holder.ReservationID))
 			}
 		}
-		owner := c.GetOwnerId()
+		owner := c.Holder.OwnerID
 		prefixes = append(prefixes, owner[:strings.LastIndexByte(owner, '/')+1])
 	}
 	slices.Sort(prefixes)
 	prefixes = slices.Compact(prefixes)
-	if len(prefixes) > maxTakeOverPrefixes {
+	if len(prefixes) > client.MaxTakeOverPrefixes {
 		prefixes = []string{podOwnerPrefix, ownerPrefix + resource + "/"}
 	}
 	return prefixes, nil
-}
-
-// holderList names each holder in held: "GPU-1 held by reservation res-.. of owner
-// "o"; ...", or "GPU-1 being reserved by owner "o"" for a Reserve in flight.
-func holderList(held *pb.DeviceHeld) string {
-	parts := make([]string, 0, len(held.GetConflicts()))
-	for _, c := range held.GetConflicts() {
-		if c.GetReservationId() == "" {
-			parts = append(parts, fmt.Sprintf("%s being reserved by owner %q", strings.Join(c.GetDeviceIds(), ", "), c.GetOwnerId()))
-			continue
-		}
-		parts = append(parts, fmt.Sprintf("%s held by reservation %s of owner %q", strings.Join(c.GetDeviceIds(), ", "), c.GetReservationId(), c.GetOwnerId()))
-	}
-	return strings.Join(parts, "; ")
 }
 
 // reserveError is a failed Reserve as the status the kubelet gets: the agent's code,
@@ -202,8 +180,8 @@ func reserveError(resource string, ids []string, err error) error {
 		code = codes.Unavailable
 	}
 	msg := status.Convert(err).Message()
-	if held, ok := client.IsHeld(err); ok && len(held.GetConflicts()) > 0 {
-		msg = holderList(held)
+	if held, ok := client.HeldError(err); ok {
+		msg = held.Holders()
 	}
 	return status.Errorf(code, "allocate %s (%s): %s", resource, strings.Join(ids, ", "), msg)
 }

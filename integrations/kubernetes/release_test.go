@@ -294,34 +294,11 @@ func TestAllocateNeverTakesOverWhatAPodHolds(t *testing.T) {
 	}
 }
 
-// Against an agent that predates take-over, the Allocate fails saying so, and nothing
-// is released.
-func TestAllocateOnAnAgentWithoutTakeOver(t *testing.T) {
-	ctx := testContext(t)
-	agent := startAgent(t, eightGPUs())
-	agent.mu.Lock()
-	agent.noTakeOver = true
-	agent.mu.Unlock()
-	h := startBridge(t, agent, func(c *kubernetes.Config) { c.ReleaseGrace = time.Hour })
-	c := h.healthyPlugin(t, ctx)
-	if _, err := allocate(ctx, c, gpuID(0), gpuID(1)); err != nil {
-		t.Fatal(err)
-	}
-	old := agent.active()[0]
-	_, err := allocate(ctx, c, gpuID(1))
-	if err == nil || !strings.Contains(err.Error(), "predates take-over") || !strings.Contains(err.Error(), old.ID) {
-		t.Errorf("Allocate on an old agent: %v; want it to say the agent predates take-over, naming %s", err, old.ID)
-	}
-	if rs := agent.active(); len(rs) != 1 || rs[0].ID != old.ID || agent.releaseCount() != 0 {
-		t.Errorf("active reservations %+v, %d Release calls; want %s kept, none", rs, agent.releaseCount(), old.ID)
-	}
-}
-
 // Stale reservations of more pods than the agent takes prefixes for in one Reserve are
 // taken over with the bridge's two roots, still in one Reserve.
 func TestAllocateTakesOverManyPods(t *testing.T) {
 	ctx := testContext(t)
-	const n = 18 // more than the agent's 16 take-over prefixes
+	const n = device.MaxTakeOverPrefixes + 2 // more prefixes than the agent takes in one Reserve
 	g := device.Group{GroupKey: h100, Plugin: "nvidia-example"}
 	for i := range n {
 		g.Devices = append(g.Devices, device.DeviceInfo{ID: gpuID(i), Locality: device.Locality{NUMANode: -1}})

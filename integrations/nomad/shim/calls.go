@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/client"
+	dev "github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -90,12 +91,12 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration) (<-chan *dev
 // no place in Nomad's reservation; they are logged at DEBUG. The follower, if one runs,
 // is told, so that it names the reservation after its task soon.
 //
-// Devices held by reservations of "nomad/" owners (allocations Nomad has since moved
-// the devices away from) are taken over in the same call: the agent releases those
-// reservations in the durable write that makes the new one (take_over_owner_prefixes),
-// so the devices are never free in between and a refusal releases nothing. A device
-// held by any other owner, or by a Reserve still in flight, is refused with an error
-// naming the holder.
+// Devices that live reservations of "nomad/" owners hold (allocations Nomad has since
+// moved the devices away from) are taken over in the same call: the agent releases
+// those reservations in the durable write that makes the new one
+// (take_over_owner_prefixes), so the devices are never free in between and a refusal
+// releases nothing. A device held by any other owner, or by a Reserve still in flight,
+// is refused with an error naming the holder (see refusal).
 func (p *Plugin) Reserve(deviceIDs []string) (*device.ContainerReservation, error) {
 	c, timeout, err := p.conn()
 	if err != nil {
@@ -111,14 +112,7 @@ func (p *Plugin) Reserve(deviceIDs []string) (*device.ContainerReservation, erro
 		TakeOverOwnerPrefixes: []string{OwnerPrefix}}
 	res, err := c.Reserve(ctx, req)
 	if err != nil {
-		if held, ok := client.IsHeld(err); ok {
-			if refused := refusal(held); refused != nil {
-				err = refused
-			}
-		} else if ce, ok := client.IsCapacityExceeded(err); ok && len(ce.GetOverruns()) > 0 {
-			err = capacityRefusal(ce)
-		}
-		return nil, fmt.Errorf("devicehost: reserve %s: %w", strings.Join(deviceIDs, ", "), err)
+		return nil, fmt.Errorf("devicehost: reserve %s: %w", strings.Join(deviceIDs, ", "), refusal(err))
 	}
 	p.nudge()
 	for _, id := range res.GetTakenOverReservationIds() {
@@ -131,53 +125,18 @@ func (p *Plugin) Reserve(deviceIDs []string) (*device.ContainerReservation, erro
 	return reservationToNomad(res.GetReservation()), nil
 }
 
-// refusal says who holds the devices of a refused take-over: holders that are no
-// Nomad allocation, and Reserves still in flight. It returns nil when held names a
-// live "nomad/" holder (an agent that predates take-over; client.Reserve's error says
-// so) or no holder at all.
-func refusal(held *pb.DeviceHeld) error {
-	var refused []string
-	for _, cf := range held.GetConflicts() {
-		ids := strings.Join(cf.GetDeviceIds(), ", ")
-		switch {
-		case cf.GetReservationId() == "":
-			refused = append(refused, fmt.Sprintf("%s being reserved for owner %q", ids, cf.GetOwnerId()))
-		case strings.HasPrefix(cf.GetOwnerId(), OwnerPrefix):
-			return nil
-		default:
-			refused = append(refused, fmt.Sprintf("%s held by reservation %s of owner %q, not a Nomad allocation",
-				ids, cf.GetReservationId(), cf.GetOwnerId()))
-		}
+// refusal is err, a failed Reserve, in Nomad's terms: a held device names its holders
+// (device.HeldError.Holders), a counter over its capacity the counters and their users
+// (device.CapacityError.Counters), without the asking owner, which is the shim's own
+// placeholder (the allocation is not known yet). Any other error is err.
+func refusal(err error) error {
+	if held, ok := client.HeldError(err); ok {
+		return fmt.Errorf("%s: %w", held.Holders(), dev.ErrDeviceHeld)
 	}
-	if len(refused) == 0 {
-		return nil
+	if ce, ok := client.CapacityError(err); ok {
+		return fmt.Errorf("%s: %w", ce.Counters(), dev.ErrCapacityExceeded)
 	}
-	return errors.New(strings.Join(refused, "; "))
-}
-
-// capacityRefusal says which counters a refused Reserve would take past their capacity
-// and which reservations use them, in Nomad's terms: the asking owner is the shim's
-// own placeholder (the allocation is not known yet), so it is left out.
-func capacityRefusal(ce *pb.CapacityExceeded) error {
-	const shown = 3 // holders named per counter; the rest are counted
-	var parts []string
-	for _, o := range ce.GetOverruns() {
-		var users []string
-		for i, u := range o.GetUsers() {
-			if i == shown {
-				users = append(users, fmt.Sprintf("%d more", len(o.GetUsers())-shown))
-				break
-			}
-			users = append(users, fmt.Sprintf("%q (reservation %s)", u.GetOwnerId(), u.GetReservationId()))
-		}
-		parts = append(parts, fmt.Sprintf("counter %q of set %q: %d requested, %d of %d used by %s",
-			o.GetCounter(), o.GetCounterSet(), o.GetRequested(), o.GetUsed(), o.GetCapacity(), strings.Join(users, ", ")))
-		if len(parts) == shown && len(ce.GetOverruns()) > shown {
-			parts = append(parts, fmt.Sprintf("and %d more counters", len(ce.GetOverruns())-shown))
-			break
-		}
-	}
-	return errors.New("shared capacity exceeded: " + strings.Join(parts, "; "))
+	return err
 }
 
 // groupOf finds the one group that holds every device, from the latest snapshot, or,

@@ -109,9 +109,9 @@ type fakeLedger struct {
 	releases int               // Release calls
 	reowns   int               // Reown calls
 	inFlight map[string]string // device → owner of a Reserve "in flight"
-	// noTakeOver makes it an agent that predates take-over: it ignores
-	// TakeOverOwnerPrefixes.
-	noTakeOver bool
+	// overruns, when set, refuses every Reserve that no device refuses with a
+	// *CapacityError naming them.
+	overruns []dev.Overrun
 }
 
 func newFakeLedger() *fakeLedger {
@@ -132,9 +132,6 @@ func (l *fakeLedger) reserve(_ context.Context, req dev.ReserveRequest) (dev.Res
 	defer l.mu.Unlock()
 	l.reserves = append(l.reserves, req)
 	takeOver := req.TakeOverOwnerPrefixes
-	if l.noTakeOver {
-		takeOver = nil
-	}
 	held := &dev.HeldError{OwnerID: req.OwnerID}
 	var victims []string
 	for _, r := range l.sortedActive() {
@@ -161,6 +158,9 @@ func (l *fakeLedger) reserve(_ context.Context, req dev.ReserveRequest) (dev.Res
 	}
 	if len(held.Conflicts) > 0 {
 		return dev.Reservation{}, held
+	}
+	if len(l.overruns) > 0 {
+		return dev.Reservation{}, &dev.CapacityError{OwnerID: req.OwnerID, Overruns: l.overruns}
 	}
 	l.seq++
 	r := dev.Reservation{

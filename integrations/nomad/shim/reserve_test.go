@@ -2,6 +2,7 @@ package shim
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"reflect"
 	"strings"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/hashicorp/nomad/plugins/device"
 
+	dev "github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -89,30 +91,12 @@ func TestReserveRefusesOtherOwners(t *testing.T) {
 	if err == nil {
 		t.Fatal("Reserve took a device held by a Kubernetes pod")
 	}
-	for _, want := range []string{"GPU-b", k8s, `"k8s/default/train/main"`, "not a Nomad allocation"} {
-		if !strings.Contains(err.Error(), want) {
-			t.Errorf("error %q does not name %s", err, want)
-		}
+	if want := `devicehost: reserve GPU-a, GPU-b: GPU-b held by reservation ` + k8s + ` of owner "k8s/default/train/main": device held`; err.Error() != want || !errors.Is(err, dev.ErrDeviceHeld) {
+		t.Errorf("error %q\nwant %q, a device held", err, want)
 	}
 	active, released := l.state()
 	if len(released) != 0 || len(active) != 2 || active[0].ID != nomadRes {
 		t.Errorf("after the refusal: active %+v, released %q; want both holders untouched", active, released)
-	}
-}
-
-// Against an agent that predates take-over the Reserve is refused, saying why, and
-// nothing is released.
-func TestReserveOnAnAgentWithoutTakeOver(t *testing.T) {
-	l := newFakeLedger()
-	l.noTakeOver = true
-	p := reserveShim(t, l, "GPU-a")
-	old := l.hold("nomad/old", "GPU-a")
-	_, err := p.Reserve([]string{"GPU-a"})
-	if err == nil || !strings.Contains(err.Error(), "predates take-over; upgrade the agent") || !strings.Contains(err.Error(), old) {
-		t.Fatalf("err = %v; want it to say the agent predates take-over, naming %s", err, old)
-	}
-	if active, released := l.state(); len(released) != 0 || len(active) != 1 || l.releases != 0 {
-		t.Errorf("after the refusal: active %+v, released %q, %d Release calls; want %s untouched", active, released, l.releases, old)
 	}
 }
 
@@ -215,30 +199,38 @@ func TestUnconfigured(t *testing.T) {
 // A Reserve over shared capacity is refused naming each counter, its use and the first
 // holders, with the rest counted; the shim's placeholder owner is not among them.
 func TestCapacityRefusalMessage(t *testing.T) {
-	users := func(n int) []*pb.Holder {
-		var out []*pb.Holder
+	users := func(n int) []dev.Holder {
+		var out []dev.Holder
 		for i := range n {
-			out = append(out, &pb.Holder{ReservationId: fmt.Sprintf("res-%d", i), OwnerId: fmt.Sprintf("nomad/default/job/alloc-%d/main", i)})
+			out = append(out, dev.Holder{ReservationID: fmt.Sprintf("res-%d", i), OwnerID: fmt.Sprintf("nomad/default/job/alloc-%d/main", i)})
 		}
 		return out
 	}
-	ce := &pb.CapacityExceeded{OwnerId: "nomad/PLACEHOLDER", Overruns: []*pb.CounterOverrun{
-		{Plugin: "nvidia-example", CounterSet: "GPU-0", Counter: "compute-slices", Capacity: 7, Used: 7, Requested: 7, Users: users(7)},
-		{Plugin: "nvidia-example", CounterSet: "GPU-0", Counter: "memory-slice-0", Capacity: 1, Used: 1, Requested: 1, Users: users(1)},
-		{Plugin: "nvidia-example", CounterSet: "GPU-0", Counter: "memory-slice-1", Capacity: 1, Used: 1, Requested: 1, Users: users(1)},
-		{Plugin: "nvidia-example", CounterSet: "GPU-0", Counter: "memory-slice-2", Capacity: 1, Used: 1, Requested: 1, Users: users(1)},
-	}}
-	got := capacityRefusal(ce).Error()
+	set := dev.CounterSetKey{Plugin: "nvidia-example", Name: "GPU-0"}
+	l := newFakeLedger()
+	l.overruns = []dev.Overrun{
+		{Set: set, Counter: "compute-slices", Capacity: 7, Used: 7, Requested: 7, Users: users(7)},
+		{Set: set, Counter: "memory-slice-0", Capacity: 1, Used: 1, Requested: 1, Users: users(1)},
+		{Set: set, Counter: "memory-slice-1", Capacity: 1, Used: 1, Requested: 1, Users: users(1)},
+		{Set: set, Counter: "memory-slice-2", Capacity: 1, Used: 1, Requested: 1, Users: users(1)},
+	}
+	p := reserveShim(t, l, "GPU-a")
+	_, err := p.Reserve([]string{"GPU-a"})
+	if !errors.Is(err, dev.ErrCapacityExceeded) {
+		t.Fatalf("Reserve over capacity: %v; want a capacity refusal", err)
+	}
+	got := err.Error()
 	for _, want := range []string{
-		`shared capacity exceeded: counter "compute-slices" of set "GPU-0": 7 requested, 7 of 7 used by "nomad/default/job/alloc-0/main" (reservation res-0)`,
-		`(reservation res-2), 4 more; counter "memory-slice-0"`,
-		"; and 1 more counters",
+		`devicehost: reserve GPU-a: counter "compute-slices" of set "GPU-0" (plugin "nvidia-example"): 7 requested, 7 of 7 used by ` +
+			`reservation res-0 of owner "nomad/default/job/alloc-0/main", `,
+		`reservation res-2 of owner "nomad/default/job/alloc-2/main", 4 more; counter "memory-slice-0"`,
+		"; and 2 more counters: shared capacity exceeded",
 	} {
 		if !strings.Contains(got, want) {
 			t.Errorf("message %q\nwant %q in it", got, want)
 		}
 	}
-	if strings.Contains(got, "PLACEHOLDER") || strings.Contains(got, "memory-slice-2") {
-		t.Errorf("message %q names the placeholder owner or more than 3 counters", got)
+	if owner := l.reserves[0].OwnerID; strings.Contains(got, owner) || strings.Contains(got, "memory-slice-1") {
+		t.Errorf("message %q names the placeholder owner %s or more than 2 counters", got, owner)
 	}
 }

@@ -184,6 +184,93 @@ func (PluginStatus) EnumDescriptor() ([]byte, []int) {
 	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{2}
 }
 
+// ErrorReason lists the reasons of the google.rpc.ErrorInfo detail (domain
+// "devicehost.v1.DeviceHost") that the host's errors carry, with the status code each
+// comes with. As in google/api/error_reason.proto, the reason on the wire is the value's
+// name ("DEVICE_HELD"), never its number; the names are part of the API.
+// buf:lint:ignore ENUM_VALUE_PREFIX
+type ErrorReason int32
+
+const (
+	// Never sent.
+	ErrorReason_ERROR_REASON_UNSPECIFIED ErrorReason = 0
+	// INVALID_ARGUMENT, with a google.rpc.BadRequest naming the fields.
+	ErrorReason_INVALID_REQUEST ErrorReason = 1
+	// NOT_FOUND: a device or group no plugin reports.
+	ErrorReason_DEVICE_UNKNOWN ErrorReason = 2
+	// NOT_FOUND: a reservation ID the ledger does not have.
+	ErrorReason_RESERVATION_NOT_FOUND ErrorReason = 3
+	// FAILED_PRECONDITION: a requested device is not healthy.
+	ErrorReason_DEVICE_UNHEALTHY ErrorReason = 4
+	// FAILED_PRECONDITION, with a DeviceHeld detail naming the holders.
+	ErrorReason_DEVICE_HELD ErrorReason = 5
+	// FAILED_PRECONDITION, with a CapacityExceeded detail: the devices and the live
+	// reservations together would use more of a shared counter (a GPU's slices) than it
+	// has.
+	ErrorReason_CAPACITY_EXCEEDED ErrorReason = 6
+	// UNAVAILABLE: the owning plugin is down or did not answer in time.
+	ErrorReason_PLUGIN_UNAVAILABLE ErrorReason = 7
+	// UNAVAILABLE: the host is shutting down.
+	ErrorReason_SHUTTING_DOWN ErrorReason = 8
+	// INTERNAL: the plugin's answer broke a validation rule.
+	ErrorReason_PLUGIN_RESPONSE_INVALID ErrorReason = 9
+)
+
+// Enum value maps for ErrorReason.
+var (
+	ErrorReason_name = map[int32]string{
+		0: "ERROR_REASON_UNSPECIFIED",
+		1: "INVALID_REQUEST",
+		2: "DEVICE_UNKNOWN",
+		3: "RESERVATION_NOT_FOUND",
+		4: "DEVICE_UNHEALTHY",
+		5: "DEVICE_HELD",
+		6: "CAPACITY_EXCEEDED",
+		7: "PLUGIN_UNAVAILABLE",
+		8: "SHUTTING_DOWN",
+		9: "PLUGIN_RESPONSE_INVALID",
+	}
+	ErrorReason_value = map[string]int32{
+		"ERROR_REASON_UNSPECIFIED": 0,
+		"INVALID_REQUEST":          1,
+		"DEVICE_UNKNOWN":           2,
+		"RESERVATION_NOT_FOUND":    3,
+		"DEVICE_UNHEALTHY":         4,
+		"DEVICE_HELD":              5,
+		"CAPACITY_EXCEEDED":        6,
+		"PLUGIN_UNAVAILABLE":       7,
+		"SHUTTING_DOWN":            8,
+		"PLUGIN_RESPONSE_INVALID":  9,
+	}
+)
+
+func (x ErrorReason) Enum() *ErrorReason {
+	p := new(ErrorReason)
+	*p = x
+	return p
+}
+
+func (x ErrorReason) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ErrorReason) Descriptor() protoreflect.EnumDescriptor {
+	return file_devicehost_v1_devicehost_proto_enumTypes[3].Descriptor()
+}
+
+func (ErrorReason) Type() protoreflect.EnumType {
+	return &file_devicehost_v1_devicehost_proto_enumTypes[3]
+}
+
+func (x ErrorReason) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ErrorReason.Descriptor instead.
+func (ErrorReason) EnumDescriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{3}
+}
+
 type FingerprintRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Only groups matching one of these filters. Empty means all.
@@ -2689,7 +2776,18 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x16PLUGIN_STATUS_STARTING\x10\x01\x12\x19\n" +
 	"\x15PLUGIN_STATUS_RUNNING\x10\x02\x12\x1c\n" +
 	"\x18PLUGIN_STATUS_RESTARTING\x10\x03\x12\x18\n" +
-	"\x14PLUGIN_STATUS_FAILED\x10\x042\xde\x04\n" +
+	"\x14PLUGIN_STATUS_FAILED\x10\x04*\xf5\x01\n" +
+	"\vErrorReason\x12\x1c\n" +
+	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12\x13\n" +
+	"\x0fINVALID_REQUEST\x10\x01\x12\x12\n" +
+	"\x0eDEVICE_UNKNOWN\x10\x02\x12\x19\n" +
+	"\x15RESERVATION_NOT_FOUND\x10\x03\x12\x14\n" +
+	"\x10DEVICE_UNHEALTHY\x10\x04\x12\x0f\n" +
+	"\vDEVICE_HELD\x10\x05\x12\x15\n" +
+	"\x11CAPACITY_EXCEEDED\x10\x06\x12\x16\n" +
+	"\x12PLUGIN_UNAVAILABLE\x10\a\x12\x11\n" +
+	"\rSHUTTING_DOWN\x10\b\x12\x1b\n" +
+	"\x17PLUGIN_RESPONSE_INVALID\x10\t2\xde\x04\n" +
 	"\n" +
 	"DeviceHost\x12V\n" +
 	"\vFingerprint\x12!.devicehost.v1.FingerprintRequest\x1a\".devicehost.v1.FingerprintResponse0\x01\x12D\n" +
@@ -2712,111 +2810,112 @@ func file_devicehost_v1_devicehost_proto_rawDescGZIP() []byte {
 	return file_devicehost_v1_devicehost_proto_rawDescData
 }
 
-var file_devicehost_v1_devicehost_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_devicehost_v1_devicehost_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
 var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
 var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	(Health)(0),                      // 0: devicehost.v1.Health
 	(ReservationState)(0),            // 1: devicehost.v1.ReservationState
 	(PluginStatus)(0),                // 2: devicehost.v1.PluginStatus
-	(*FingerprintRequest)(nil),       // 3: devicehost.v1.FingerprintRequest
-	(*FingerprintResponse)(nil),      // 4: devicehost.v1.FingerprintResponse
-	(*CounterSet)(nil),               // 5: devicehost.v1.CounterSet
-	(*CounterConsumption)(nil),       // 6: devicehost.v1.CounterConsumption
-	(*DeviceGroup)(nil),              // 7: devicehost.v1.DeviceGroup
-	(*Device)(nil),                   // 8: devicehost.v1.Device
-	(*Locality)(nil),                 // 9: devicehost.v1.Locality
-	(*Holder)(nil),                   // 10: devicehost.v1.Holder
-	(*Value)(nil),                    // 11: devicehost.v1.Value
-	(*GroupFilter)(nil),              // 12: devicehost.v1.GroupFilter
-	(*StatsRequest)(nil),             // 13: devicehost.v1.StatsRequest
-	(*StatsResponse)(nil),            // 14: devicehost.v1.StatsResponse
-	(*GroupStats)(nil),               // 15: devicehost.v1.GroupStats
-	(*DeviceStats)(nil),              // 16: devicehost.v1.DeviceStats
-	(*ReserveRequest)(nil),           // 17: devicehost.v1.ReserveRequest
-	(*ReserveResponse)(nil),          // 18: devicehost.v1.ReserveResponse
-	(*ContainerReservation)(nil),     // 19: devicehost.v1.ContainerReservation
-	(*Mount)(nil),                    // 20: devicehost.v1.Mount
-	(*DeviceSpec)(nil),               // 21: devicehost.v1.DeviceSpec
-	(*ReleaseRequest)(nil),           // 22: devicehost.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),          // 23: devicehost.v1.ReleaseResponse
-	(*Reservation)(nil),              // 24: devicehost.v1.Reservation
-	(*ListReservationsRequest)(nil),  // 25: devicehost.v1.ListReservationsRequest
-	(*ListReservationsResponse)(nil), // 26: devicehost.v1.ListReservationsResponse
-	(*ReownReservationRequest)(nil),  // 27: devicehost.v1.ReownReservationRequest
-	(*ReownReservationResponse)(nil), // 28: devicehost.v1.ReownReservationResponse
-	(*ListPluginsRequest)(nil),       // 29: devicehost.v1.ListPluginsRequest
-	(*Plugin)(nil),                   // 30: devicehost.v1.Plugin
-	(*ListPluginsResponse)(nil),      // 31: devicehost.v1.ListPluginsResponse
-	(*DeviceHeld)(nil),               // 32: devicehost.v1.DeviceHeld
-	(*CapacityExceeded)(nil),         // 33: devicehost.v1.CapacityExceeded
-	(*CounterOverrun)(nil),           // 34: devicehost.v1.CounterOverrun
-	(*DeviceConflict)(nil),           // 35: devicehost.v1.DeviceConflict
-	nil,                              // 36: devicehost.v1.CounterSet.CapacityEntry
-	nil,                              // 37: devicehost.v1.CounterSet.UsedEntry
-	nil,                              // 38: devicehost.v1.CounterConsumption.CountersEntry
-	nil,                              // 39: devicehost.v1.DeviceGroup.AttributesEntry
-	nil,                              // 40: devicehost.v1.DeviceStats.ValuesEntry
-	nil,                              // 41: devicehost.v1.ContainerReservation.EnvsEntry
-	(*timestamppb.Timestamp)(nil),    // 42: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 43: google.protobuf.Duration
+	(ErrorReason)(0),                 // 3: devicehost.v1.ErrorReason
+	(*FingerprintRequest)(nil),       // 4: devicehost.v1.FingerprintRequest
+	(*FingerprintResponse)(nil),      // 5: devicehost.v1.FingerprintResponse
+	(*CounterSet)(nil),               // 6: devicehost.v1.CounterSet
+	(*CounterConsumption)(nil),       // 7: devicehost.v1.CounterConsumption
+	(*DeviceGroup)(nil),              // 8: devicehost.v1.DeviceGroup
+	(*Device)(nil),                   // 9: devicehost.v1.Device
+	(*Locality)(nil),                 // 10: devicehost.v1.Locality
+	(*Holder)(nil),                   // 11: devicehost.v1.Holder
+	(*Value)(nil),                    // 12: devicehost.v1.Value
+	(*GroupFilter)(nil),              // 13: devicehost.v1.GroupFilter
+	(*StatsRequest)(nil),             // 14: devicehost.v1.StatsRequest
+	(*StatsResponse)(nil),            // 15: devicehost.v1.StatsResponse
+	(*GroupStats)(nil),               // 16: devicehost.v1.GroupStats
+	(*DeviceStats)(nil),              // 17: devicehost.v1.DeviceStats
+	(*ReserveRequest)(nil),           // 18: devicehost.v1.ReserveRequest
+	(*ReserveResponse)(nil),          // 19: devicehost.v1.ReserveResponse
+	(*ContainerReservation)(nil),     // 20: devicehost.v1.ContainerReservation
+	(*Mount)(nil),                    // 21: devicehost.v1.Mount
+	(*DeviceSpec)(nil),               // 22: devicehost.v1.DeviceSpec
+	(*ReleaseRequest)(nil),           // 23: devicehost.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),          // 24: devicehost.v1.ReleaseResponse
+	(*Reservation)(nil),              // 25: devicehost.v1.Reservation
+	(*ListReservationsRequest)(nil),  // 26: devicehost.v1.ListReservationsRequest
+	(*ListReservationsResponse)(nil), // 27: devicehost.v1.ListReservationsResponse
+	(*ReownReservationRequest)(nil),  // 28: devicehost.v1.ReownReservationRequest
+	(*ReownReservationResponse)(nil), // 29: devicehost.v1.ReownReservationResponse
+	(*ListPluginsRequest)(nil),       // 30: devicehost.v1.ListPluginsRequest
+	(*Plugin)(nil),                   // 31: devicehost.v1.Plugin
+	(*ListPluginsResponse)(nil),      // 32: devicehost.v1.ListPluginsResponse
+	(*DeviceHeld)(nil),               // 33: devicehost.v1.DeviceHeld
+	(*CapacityExceeded)(nil),         // 34: devicehost.v1.CapacityExceeded
+	(*CounterOverrun)(nil),           // 35: devicehost.v1.CounterOverrun
+	(*DeviceConflict)(nil),           // 36: devicehost.v1.DeviceConflict
+	nil,                              // 37: devicehost.v1.CounterSet.CapacityEntry
+	nil,                              // 38: devicehost.v1.CounterSet.UsedEntry
+	nil,                              // 39: devicehost.v1.CounterConsumption.CountersEntry
+	nil,                              // 40: devicehost.v1.DeviceGroup.AttributesEntry
+	nil,                              // 41: devicehost.v1.DeviceStats.ValuesEntry
+	nil,                              // 42: devicehost.v1.ContainerReservation.EnvsEntry
+	(*timestamppb.Timestamp)(nil),    // 43: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 44: google.protobuf.Duration
 }
 var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
-	12, // 0: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
-	7,  // 1: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
-	42, // 2: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
-	5,  // 3: devicehost.v1.FingerprintResponse.counter_sets:type_name -> devicehost.v1.CounterSet
-	36, // 4: devicehost.v1.CounterSet.capacity:type_name -> devicehost.v1.CounterSet.CapacityEntry
-	37, // 5: devicehost.v1.CounterSet.used:type_name -> devicehost.v1.CounterSet.UsedEntry
-	38, // 6: devicehost.v1.CounterConsumption.counters:type_name -> devicehost.v1.CounterConsumption.CountersEntry
-	39, // 7: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
-	8,  // 8: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
+	13, // 0: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
+	8,  // 1: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
+	43, // 2: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
+	6,  // 3: devicehost.v1.FingerprintResponse.counter_sets:type_name -> devicehost.v1.CounterSet
+	37, // 4: devicehost.v1.CounterSet.capacity:type_name -> devicehost.v1.CounterSet.CapacityEntry
+	38, // 5: devicehost.v1.CounterSet.used:type_name -> devicehost.v1.CounterSet.UsedEntry
+	39, // 6: devicehost.v1.CounterConsumption.counters:type_name -> devicehost.v1.CounterConsumption.CountersEntry
+	40, // 7: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
+	9,  // 8: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
 	0,  // 9: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
-	42, // 10: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
-	9,  // 11: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
-	10, // 12: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
-	6,  // 13: devicehost.v1.Device.consumes:type_name -> devicehost.v1.CounterConsumption
-	10, // 14: devicehost.v1.Device.blocked_by:type_name -> devicehost.v1.Holder
-	43, // 15: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
-	12, // 16: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
-	15, // 17: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
-	42, // 18: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
-	16, // 19: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
-	40, // 20: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
-	42, // 21: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
-	19, // 22: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
-	41, // 23: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
-	20, // 24: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
-	21, // 25: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
+	43, // 10: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
+	10, // 11: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
+	11, // 12: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
+	7,  // 13: devicehost.v1.Device.consumes:type_name -> devicehost.v1.CounterConsumption
+	11, // 14: devicehost.v1.Device.blocked_by:type_name -> devicehost.v1.Holder
+	44, // 15: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	13, // 16: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
+	16, // 17: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
+	43, // 18: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
+	17, // 19: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
+	41, // 20: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
+	43, // 21: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	20, // 22: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
+	42, // 23: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
+	21, // 24: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
+	22, // 25: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
 	1,  // 26: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
-	19, // 27: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
-	42, // 28: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	42, // 29: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
+	20, // 27: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
+	43, // 28: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	43, // 29: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
 	1,  // 30: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
-	24, // 31: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
-	24, // 32: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
+	25, // 31: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
+	25, // 32: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
 	2,  // 33: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
-	42, // 34: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
-	42, // 35: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
-	30, // 36: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
-	35, // 37: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
-	34, // 38: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
-	10, // 39: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
-	11, // 40: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
-	11, // 41: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
-	3,  // 42: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
-	13, // 43: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
-	17, // 44: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
-	22, // 45: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
-	25, // 46: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
-	27, // 47: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
-	29, // 48: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
-	4,  // 49: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
-	14, // 50: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
-	18, // 51: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
-	23, // 52: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
-	26, // 53: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
-	28, // 54: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
-	31, // 55: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
+	43, // 34: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
+	43, // 35: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
+	31, // 36: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
+	36, // 37: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
+	35, // 38: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
+	11, // 39: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
+	12, // 40: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
+	12, // 41: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
+	4,  // 42: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
+	14, // 43: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
+	18, // 44: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
+	23, // 45: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
+	26, // 46: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
+	28, // 47: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
+	30, // 48: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
+	5,  // 49: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
+	15, // 50: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
+	19, // 51: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
+	24, // 52: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
+	27, // 53: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
+	29, // 54: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
+	32, // 55: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
 	49, // [49:56] is the sub-list for method output_type
 	42, // [42:49] is the sub-list for method input_type
 	42, // [42:42] is the sub-list for extension type_name
@@ -2844,7 +2943,7 @@ func file_devicehost_v1_devicehost_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_devicehost_v1_devicehost_proto_rawDesc), len(file_devicehost_v1_devicehost_proto_rawDesc)),
-			NumEnums:      3,
+			NumEnums:      4,
 			NumMessages:   39,
 			NumExtensions: 0,
 			NumServices:   1,

@@ -38,19 +38,7 @@ const (
 // DeviceHost serves the node's devices.
 //
 // Errors carry a google.rpc.ErrorInfo detail (domain "devicehost.v1.DeviceHost") whose
-// reason a caller can branch on:
-//
-//	INVALID_REQUEST          INVALID_ARGUMENT (with google.rpc.BadRequest naming the fields)
-//	DEVICE_UNKNOWN           NOT_FOUND: a device or group no plugin reports
-//	RESERVATION_NOT_FOUND    NOT_FOUND: a reservation ID the ledger does not have
-//	DEVICE_UNHEALTHY         FAILED_PRECONDITION: a requested device is not healthy
-//	DEVICE_HELD              FAILED_PRECONDITION, with a DeviceHeld detail naming the holders
-//	CAPACITY_EXCEEDED        FAILED_PRECONDITION, with a CapacityExceeded detail: the devices
-//	                         and the live reservations together would use more of a shared
-//	                         counter (a GPU's slices) than it has
-//	PLUGIN_UNAVAILABLE       UNAVAILABLE: the owning plugin is down or did not answer in time
-//	SHUTTING_DOWN            UNAVAILABLE: the host is shutting down
-//	PLUGIN_RESPONSE_INVALID  INTERNAL: the plugin's answer broke a validation rule
+// reason a caller can branch on: the name of an ErrorReason value.
 type DeviceHostClient interface {
 	// Fingerprint streams the inventory with its state: the first message is the full
 	// current snapshot, then a full snapshot on every change. A slow reader skips to the
@@ -178,19 +166,7 @@ func (c *deviceHostClient) ListPlugins(ctx context.Context, in *ListPluginsReque
 // DeviceHost serves the node's devices.
 //
 // Errors carry a google.rpc.ErrorInfo detail (domain "devicehost.v1.DeviceHost") whose
-// reason a caller can branch on:
-//
-//	INVALID_REQUEST          INVALID_ARGUMENT (with google.rpc.BadRequest naming the fields)
-//	DEVICE_UNKNOWN           NOT_FOUND: a device or group no plugin reports
-//	RESERVATION_NOT_FOUND    NOT_FOUND: a reservation ID the ledger does not have
-//	DEVICE_UNHEALTHY         FAILED_PRECONDITION: a requested device is not healthy
-//	DEVICE_HELD              FAILED_PRECONDITION, with a DeviceHeld detail naming the holders
-//	CAPACITY_EXCEEDED        FAILED_PRECONDITION, with a CapacityExceeded detail: the devices
-//	                         and the live reservations together would use more of a shared
-//	                         counter (a GPU's slices) than it has
-//	PLUGIN_UNAVAILABLE       UNAVAILABLE: the owning plugin is down or did not answer in time
-//	SHUTTING_DOWN            UNAVAILABLE: the host is shutting down
-//	PLUGIN_RESPONSE_INVALID  INTERNAL: the plugin's answer broke a validation rule
+// reason a caller can branch on: the name of an ErrorReason value.
 type DeviceHostServer interface {
 	// Fingerprint streams the inventory with its state: the first message is the full
 	// current snapshot, then a full snapshot on every change. A slow reader skips to the
