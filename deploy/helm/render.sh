@@ -77,7 +77,9 @@ render devicehost.yaml "# devicehost on every GPU node of a Kubernetes cluster: 
 #
 # The bundled nvidia-example plugin reads the GPUs through NVML: the node needs the
 # NVIDIA driver, and the agent container the driver's libnvidia-ml (with the NVIDIA
-# container toolkit, runtimeClassName: nvidia below provides it).
+# container toolkit, runtimeClassName: nvidia below provides it). The pod runs on the
+# nodes labelled nvidia.com/gpu.present=true (the GPU Operator sets it; else
+# kubectl label node NODE nvidia.com/gpu.present=true). Step by step: docs/kubernetes.md.
 #
 # Or with Helm: helm install devicehost deploy/helm/devicehost -n kube-system
 # (--set mode=dra or mode=both for the DRA driver; see docs/kubernetes.md)."

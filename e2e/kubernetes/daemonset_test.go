@@ -73,6 +73,34 @@ type daemonSet struct {
 	agentSocket string // the agent's socket on the host
 	pluginDir   string // where the install-plugins init container puts the plugins
 	stateDir    string
+	// nodeSelector is the pod template's: the labels a node needs for the DaemonSet to
+	// run on it.
+	nodeSelector map[string]string
+}
+
+// templateSelector is the part of a DaemonSet that says where its pods run.
+type templateSelector struct {
+	Kind string `yaml:"kind"`
+	Spec struct {
+		Template struct {
+			Spec struct {
+				NodeSelector map[string]string `yaml:"nodeSelector"`
+			} `yaml:"spec"`
+		} `yaml:"template"`
+	} `yaml:"spec"`
+}
+
+// unselected returns the nodeSelector's keys that labels lack or give another value,
+// as key=value, sorted; none means a node with labels gets the DaemonSet's pod.
+func unselected(selector, labels map[string]string) []string {
+	var miss []string
+	for k, v := range selector {
+		if got, ok := labels[k]; !ok || got != v {
+			miss = append(miss, k+"="+v)
+		}
+	}
+	slices.Sort(miss)
+	return miss
 }
 
 // pluginConfig is what the suite adds to the ConfigMap's plugin block: simulated GPUs, and
@@ -172,6 +200,15 @@ func renderDaemonSet(file, base, kubeletRoot, cdiDir string) (*daemonSet, error)
 		return hc, nil
 	}
 	out := &daemonSet{}
+	sels, err := k8smanifest.Docs[templateSelector](file)
+	if err != nil {
+		return nil, err
+	}
+	for _, d := range sels {
+		if d.Kind == "DaemonSet" {
+			out.nodeSelector = d.Spec.Template.Spec.NodeSelector
+		}
+	}
 	for _, c := range spec.Containers {
 		hc, err := render(c)
 		if err != nil {
@@ -248,5 +285,22 @@ func TestRenderDaemonSet(t *testing.T) {
 		if !strings.Contains(string(cfg), want) {
 			t.Errorf("agent config:\n%s\nwant %s in it", cfg, want)
 		}
+	}
+	// The node node.sh brings up has the labels the DaemonSet selects.
+	script, err := os.ReadFile("node.sh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`(?m)^NODE_LABELS=(\S+)$`).FindSubmatch(script)
+	if m == nil {
+		t.Fatal("node.sh sets no NODE_LABELS")
+	}
+	labels := map[string]string{}
+	for _, kv := range strings.Split(string(m[1]), ",") {
+		k, v, _ := strings.Cut(kv, "=")
+		labels[k] = v
+	}
+	if miss := unselected(ds.nodeSelector, labels); len(miss) > 0 {
+		t.Errorf("the DaemonSet's nodeSelector %v needs %v, which node.sh's NODE_LABELS=%s lacks", ds.nodeSelector, miss, m[1])
 	}
 }

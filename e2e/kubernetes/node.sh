@@ -27,6 +27,9 @@ RUN="${DEVICEHOST_E2E_RUN:-/var/lib/devicehost-e2e}"
 LOGS="${DEVICEHOST_E2E_LOGS:-/tmp/devicehost-e2e-logs}"
 KUBELET_ROOT=/var/lib/kubelet
 NODE_NAME=devicehost-e2e
+# The label the GPU Operator gives a GPU node, which the chart's default nodeSelector asks
+# for (the node's GPUs are simulated); the suite checks that the DaemonSet selects the node.
+NODE_LABELS=nvidia.com/gpu.present=true
 CGROUP_NAME=devicehost-e2e # the kubelet's cgroupRoot, in every v1 hierarchy
 BRIDGE=dhe2e0
 CNI_NET=devicehost-e2e
@@ -373,7 +376,7 @@ start_containerd() {
 start_kubelet() {
   spawn kubelet "$BIN_K8S/kubelet" --config "$RUN/kubelet/config.yaml" \
     --kubeconfig "$RUN/kubelet.kubeconfig" --root-dir "$KUBELET_ROOT" \
-    --hostname-override "$NODE_NAME" --node-ip "$NODE_IP" --v=2
+    --hostname-override "$NODE_NAME" --node-ip "$NODE_IP" --node-labels "$NODE_LABELS" --v=2
 }
 
 # running NAME CMD...: CMD succeeds; fails the whole script at once if NAME has exited.

@@ -145,6 +145,18 @@ func startStack(t *testing.T) *stack {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The DaemonSet would run on this node: its nodeSelector matches the node's labels.
+	var nd struct {
+		Metadata struct {
+			Labels map[string]string `json:"labels"`
+		} `json:"metadata"`
+	}
+	if err := n.kubectlJSON(&nd, "get", "node", n.nodeName); err != nil {
+		t.Fatal(err)
+	}
+	if miss := unselected(ds.nodeSelector, nd.Metadata.Labels); len(miss) > 0 {
+		t.Fatalf("node %s lacks %v of the DaemonSet's nodeSelector: the DaemonSet would not run on it (node.sh's NODE_LABELS)", n.nodeName, miss)
+	}
 	// The install-plugins init container: the image's plugins into the plugin directory.
 	plugin, err := os.ReadFile(n.nvidiaEx)
 	if err != nil {
