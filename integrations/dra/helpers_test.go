@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/go-hclog"
+	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	corev1 "k8s.io/api/core/v1"
@@ -68,7 +69,16 @@ func TestMain(m *testing.M) {
 			fmt.Fprintf(os.Stderr, "build devicehost: %v\n%s", err, out)
 			return 1
 		}
-		return m.Run()
+		code := m.Run()
+		if code == 0 {
+			// The driver, its kubelet servers and its client start goroutines: none
+			// may outlive the test that started it.
+			if err := goleak.Find(); err != nil {
+				fmt.Fprintf(os.Stderr, "goleak: %v\n", err)
+				return 1
+			}
+		}
+		return code
 	}())
 }
 
