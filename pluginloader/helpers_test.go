@@ -78,6 +78,29 @@ func testContext(t *testing.T) context.Context {
 	return ctx
 }
 
+// hangDeadline is a context for a call that must end on its own, by a deadline or a
+// kill of the code under test: 60s, far beyond what such a call takes on a loaded
+// machine and far short of the 1000s sleeps a test's processes hang in.
+func hangDeadline(t *testing.T) context.Context {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// returnsBefore runs call on a goroutine of its own and fails the test if it has not
+// returned when ctx ends. A call that hangs is left running.
+func returnsBefore(t *testing.T, ctx context.Context, what string, call func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() { defer close(done); call() }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		t.Fatalf("%s has not returned: %v", what, context.Cause(ctx))
+	}
+}
+
 // testLogger logs to the test's output at DEBUG, named "host".
 func testLogger(t *testing.T) hclog.Logger {
 	t.Helper()
