@@ -1,13 +1,10 @@
 package pluginloader_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -149,49 +146,6 @@ func copyBinary(t *testing.T, src, dir, name string, perm os.FileMode) string {
 		t.Fatal(err)
 	}
 	return dst
-}
-
-// logBuffer is an io.Writer for a host logger that a test can wait on.
-type logBuffer struct {
-	mu      sync.Mutex
-	buf     bytes.Buffer
-	changed chan struct{} // closed (and replaced) on every write
-}
-
-func newLogBuffer() *logBuffer { return &logBuffer{changed: make(chan struct{})} }
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	n, err := b.buf.Write(p)
-	close(b.changed)
-	b.changed = make(chan struct{})
-	return n, err
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
-// waitForLine returns the first line containing substr, waiting for it until ctx ends.
-func (b *logBuffer) waitForLine(ctx context.Context, substr string) (string, error) {
-	for {
-		b.mu.Lock()
-		text, changed := b.buf.String(), b.changed
-		b.mu.Unlock()
-		for line := range strings.Lines(text) {
-			if strings.Contains(line, substr) {
-				return strings.TrimSuffix(line, "\n"), nil
-			}
-		}
-		select {
-		case <-changed:
-		case <-ctx.Done():
-			return "", fmt.Errorf("no log line with %q before %w; log so far:\n%s", substr, ctx.Err(), text)
-		}
-	}
 }
 
 // waitContext bounds a wait for something that takes milliseconds when it works.

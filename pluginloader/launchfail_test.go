@@ -16,6 +16,7 @@ import (
 
 	"github.com/devicehost/devicehost/pluginloader"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 // script writes a shell script plugin into a new temp dir and returns it as a Binary.
@@ -218,7 +219,7 @@ func TestLaunchChildOutsideGroup(t *testing.T) {
 		t.Skip("needs " + setsid)
 	}
 	childFile := filepath.Join(t.TempDir(), "child")
-	logs := newLogBuffer()
+	logs := &logtest.Recorder{}
 	host := hclog.New(&hclog.LoggerOptions{Name: "host", Level: hclog.Info, Output: logs})
 
 	bin := script(t, setsid+` /bin/sh -c 'echo $$ > "$CHILD"; exec /bin/sleep 1000' & until [ -s "$CHILD" ]; do /bin/sleep 0.01; done; echo starting; wait`)
