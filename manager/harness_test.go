@@ -1,7 +1,6 @@
 package manager
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -23,6 +22,7 @@ import (
 	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 // This file holds the in-process test harness: fakeDevices, a deviceplugin.Plugin whose
@@ -335,40 +335,15 @@ func (l *launcher) latest(name string) (*inproc, int) {
 }
 
 // logRecorder is an hclog sink that keeps every line. Safe for concurrent use.
-type logRecorder struct {
-	mu     sync.Mutex
-	buf    bytes.Buffer
-	notify chan struct{} // gets a value after each write
-}
+type logRecorder struct{ logtest.Recorder }
 
-func newLogRecorder() *logRecorder { return &logRecorder{notify: make(chan struct{}, 1)} }
-
-func (r *logRecorder) Write(p []byte) (int, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.buf.Write(p)
-	select {
-	case r.notify <- struct{}{}:
-	default:
-	}
-	return len(p), nil
-}
-
-func (r *logRecorder) String() string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.buf.String()
-}
+func newLogRecorder() *logRecorder { return &logRecorder{} }
 
 // lines returns the lines holding every one of subs.
 func (r *logRecorder) lines(subs ...string) []string {
 	var out []string
-	for _, line := range strings.Split(r.String(), "\n") {
-		all := true
-		for _, s := range subs {
-			all = all && strings.Contains(line, s)
-		}
-		if all && line != "" {
+	for _, line := range r.Lines() {
+		if logtest.Containing(subs...)(line) {
 			out = append(out, line)
 		}
 	}
@@ -378,18 +353,13 @@ func (r *logRecorder) lines(subs ...string) []string {
 // waitLine waits until a log line holds every one of subs and returns it.
 func (r *logRecorder) waitLine(t *testing.T, subs ...string) string {
 	t.Helper()
-	deadline := time.NewTimer(testTimeout)
-	defer deadline.Stop()
-	for {
-		if ls := r.lines(subs...); len(ls) > 0 {
-			return ls[0]
-		}
-		select {
-		case <-r.notify:
-		case <-deadline.C:
-			t.Fatalf("no log line with %q within %v; log:\n%s", subs, testTimeout, r.String())
-		}
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	line, err := r.Wait(ctx, logtest.Containing(subs...))
+	if err != nil {
+		t.Fatalf("no log line with %q within %v; log:\n%s", subs, testTimeout, r.String())
 	}
+	return line
 }
 
 // testConfig is a Config with short timings for tests, logging into a new recorder.

@@ -510,9 +510,13 @@ func waitLines(t *testing.T, r *logRecorder, n int, subs ...string) {
 	t.Helper()
 	deadline := time.NewTimer(testTimeout)
 	defer deadline.Stop()
-	for len(r.lines(subs...)) < n {
+	for {
+		changed := r.Changed()
+		if len(r.lines(subs...)) >= n {
+			return
+		}
 		select {
-		case <-r.notify:
+		case <-changed:
 		case <-deadline.C:
 			t.Fatalf("%d log lines with %q within %v, want %d; log:\n%s", len(r.lines(subs...)), subs, testTimeout, n, r.String())
 		}

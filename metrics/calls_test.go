@@ -1,11 +1,8 @@
 package metrics_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -20,46 +17,19 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/servertest"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 // logWatch is an io.Writer for a logger that lets a test wait for a line.
-type logWatch struct {
-	mu      sync.Mutex
-	buf     bytes.Buffer
-	written chan struct{} // closed and replaced on every Write
-}
+type logWatch struct{ logtest.Recorder }
 
-func newLogWatch() *logWatch { return &logWatch{written: make(chan struct{})} }
-
-func (w *logWatch) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	close(w.written)
-	w.written = make(chan struct{})
-	return w.buf.Write(p)
-}
+func newLogWatch() *logWatch { return &logWatch{} }
 
 // wait waits until the log holds a line with every one of subs.
 func (w *logWatch) wait(t *testing.T, ctx context.Context, subs ...string) {
 	t.Helper()
-	for {
-		w.mu.Lock()
-		text, changed := w.buf.String(), w.written
-		w.mu.Unlock()
-		for _, line := range strings.Split(text, "\n") {
-			all := true
-			for _, s := range subs {
-				all = all && strings.Contains(line, s)
-			}
-			if all {
-				return
-			}
-		}
-		select {
-		case <-changed:
-		case <-ctx.Done():
-			t.Fatalf("no log line with %q:\n%s", subs, text)
-		}
+	if _, err := w.Wait(ctx, logtest.Containing(subs...)); err != nil {
+		t.Fatalf("no log line with %q:\n%s", subs, w)
 	}
 }
 

@@ -1,20 +1,20 @@
 package pluginloader
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"maps"
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
+
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 // These tests run the plugin dir watcher in a synctest bubble, so that settle periods
@@ -27,25 +27,6 @@ const (
 	testSettle = time.Second
 	testRescan = 5 * time.Second
 )
-
-// syncBuffer is a log destination safe to read while the watcher writes.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-// count is how many log lines hold substr.
-func (b *syncBuffer) count(substr string) int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return strings.Count(b.buf.String(), substr)
-}
 
 // appliedSets records what the watcher hands on.
 type appliedSets struct {
@@ -83,7 +64,7 @@ func (a *appliedSets) take() [][]string {
 // startUnwatched starts a watcher whose watch always fails on an empty plugin dir,
 // stopped at the end of the bubble. It returns the dir, the watcher, what it hands on
 // and its log.
-func startUnwatched(t *testing.T) (string, *DirWatch, *appliedSets, *syncBuffer) {
+func startUnwatched(t *testing.T) (string, *DirWatch, *appliedSets, *logtest.Recorder) {
 	t.Helper()
 	dir := filepath.Join(t.TempDir(), "plugins")
 	if err := os.Mkdir(dir, 0o755); err != nil {
@@ -92,7 +73,7 @@ func startUnwatched(t *testing.T) (string, *DirWatch, *appliedSets, *syncBuffer)
 	if err := os.Chmod(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	logs := &syncBuffer{}
+	logs := &logtest.Recorder{}
 	got := &appliedSets{}
 	d := WatchDir(dir, DirWatchConfig{
 		Settle:   testSettle,
@@ -157,7 +138,7 @@ func TestDirWatchUnwatchedRescansAndSettles(t *testing.T) {
 		time.Sleep(testSettle)
 		wantApplied(t, got, "once gone for the settle period", []string{})
 
-		if n := logs.count("cannot watch the plugin dir; listing it periodically instead"); n != 1 {
+		if n := logs.Count("cannot watch the plugin dir; listing it periodically instead"); n != 1 {
 			t.Errorf("%d lines about the failing watch, want 1 (once per distinct error)", n)
 		}
 	})

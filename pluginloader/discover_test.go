@@ -11,6 +11,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/devicehost/devicehost/pluginloader"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 // pluginDir makes a plugin dir (mode 0755) holding files name -> mode; a mode with
@@ -61,7 +62,7 @@ func TestDiscover(t *testing.T) {
 		"notes.txt": 0o644,
 		"sub":       os.ModeDir,
 	})
-	logs := newLogBuffer()
+	logs := &logtest.Recorder{}
 	log := hclog.New(&hclog.LoggerOptions{Output: logs, Level: hclog.Info})
 
 	bins, err := pluginloader.Discover(dir, log)

@@ -1,13 +1,10 @@
 package pluginloader_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -78,6 +75,29 @@ func testContext(t *testing.T) context.Context {
 	return ctx
 }
 
+// hangDeadline is a context for a call that must end on its own, by a deadline or a
+// kill of the code under test: 60s, far beyond what such a call takes on a loaded
+// machine and far short of the 1000s sleeps a test's processes hang in.
+func hangDeadline(t *testing.T) context.Context {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// returnsBefore runs call on a goroutine of its own and fails the test if it has not
+// returned when ctx ends. A call that hangs is left running.
+func returnsBefore(t *testing.T, ctx context.Context, what string, call func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() { defer close(done); call() }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		t.Fatalf("%s has not returned: %v", what, context.Cause(ctx))
+	}
+}
+
 // testLogger logs to the test's output at DEBUG, named "host".
 func testLogger(t *testing.T) hclog.Logger {
 	t.Helper()
@@ -126,49 +146,6 @@ func copyBinary(t *testing.T, src, dir, name string, perm os.FileMode) string {
 		t.Fatal(err)
 	}
 	return dst
-}
-
-// logBuffer is an io.Writer for a host logger that a test can wait on.
-type logBuffer struct {
-	mu      sync.Mutex
-	buf     bytes.Buffer
-	changed chan struct{} // closed (and replaced) on every write
-}
-
-func newLogBuffer() *logBuffer { return &logBuffer{changed: make(chan struct{})} }
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	n, err := b.buf.Write(p)
-	close(b.changed)
-	b.changed = make(chan struct{})
-	return n, err
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
-// waitForLine returns the first line containing substr, waiting for it until ctx ends.
-func (b *logBuffer) waitForLine(ctx context.Context, substr string) (string, error) {
-	for {
-		b.mu.Lock()
-		text, changed := b.buf.String(), b.changed
-		b.mu.Unlock()
-		for line := range strings.Lines(text) {
-			if strings.Contains(line, substr) {
-				return strings.TrimSuffix(line, "\n"), nil
-			}
-		}
-		select {
-		case <-changed:
-		case <-ctx.Done():
-			return "", fmt.Errorf("no log line with %q before %w; log so far:\n%s", substr, ctx.Err(), text)
-		}
-	}
 }
 
 // waitContext bounds a wait for something that takes milliseconds when it works.

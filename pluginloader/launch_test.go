@@ -25,6 +25,7 @@ import (
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 // firstFingerprint opens a Fingerprint stream and returns its first message.
@@ -462,13 +463,13 @@ func TestParentLogger(t *testing.T) {
 	cfg := fixtureplugin.Config{LogInfo: infoMsg, LogDebug: debugMsg}
 
 	t.Run("JSON host", func(t *testing.T) {
-		logs := newLogBuffer()
+		logs := &logtest.Recorder{}
 		host := hclog.New(&hclog.LoggerOptions{Name: "host", Level: hclog.Info, Output: logs, JSONFormat: true})
 		launchFixture(t, cfg, pluginloader.Options{Logger: host})
 
-		line, err := logs.waitForLine(waitContext(t), infoMsg)
+		line, err := logs.Wait(waitContext(t), logtest.Containing(infoMsg))
 		if err != nil {
-			t.Fatal(err)
+			t.Fatalf("%v; log:\n%s", err, logs)
 		}
 		var entry map[string]any
 		if err := json.Unmarshal([]byte(line), &entry); err != nil {
@@ -491,13 +492,13 @@ func TestParentLogger(t *testing.T) {
 	})
 
 	t.Run("text host", func(t *testing.T) {
-		logs := newLogBuffer()
+		logs := &logtest.Recorder{}
 		host := hclog.New(&hclog.LoggerOptions{Name: "host", Level: hclog.Info, Output: logs})
 		launchFixture(t, cfg, pluginloader.Options{Logger: host})
 
-		line, err := logs.waitForLine(waitContext(t), infoMsg)
+		line, err := logs.Wait(waitContext(t), logtest.Containing(infoMsg))
 		if err != nil {
-			t.Fatal(err)
+			t.Fatalf("%v; log:\n%s", err, logs)
 		}
 		if !strings.Contains(line, "[INFO]  host."+fixtureplugin.Name) {
 			t.Errorf("plugin line not in the host's text format at INFO, named after the plugin: %q", line)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/devicehost/devicehost/pluginloader"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 const (
@@ -40,11 +41,11 @@ func TestPluginLogCannotForgeHostLines(t *testing.T) {
 	}
 
 	t.Run("text host", func(t *testing.T) {
-		logs := newLogBuffer()
+		logs := &logtest.Recorder{}
 		host := hclog.New(&hclog.LoggerOptions{Name: "host", Level: hclog.Info, Output: logs})
 		launchFixture(t, cfg, pluginloader.Options{Logger: host})
-		if _, err := logs.waitForLine(waitContext(t), "end of test lines"); err != nil {
-			t.Fatal(err)
+		if _, err := logs.Wait(waitContext(t), logtest.Containing("end of test lines")); err != nil {
+			t.Fatalf("%v; log:\n%s", err, logs)
 		}
 		out := logs.String()
 		for line := range strings.Lines(out) {
@@ -68,11 +69,11 @@ func TestPluginLogCannotForgeHostLines(t *testing.T) {
 	})
 
 	t.Run("JSON host", func(t *testing.T) {
-		logs := newLogBuffer()
+		logs := &logtest.Recorder{}
 		host := hclog.New(&hclog.LoggerOptions{Name: "host", Level: hclog.Info, Output: logs, JSONFormat: true})
 		launchFixture(t, cfg, pluginloader.Options{Logger: host})
-		if _, err := logs.waitForLine(waitContext(t), "end of test lines"); err != nil {
-			t.Fatal(err)
+		if _, err := logs.Wait(waitContext(t), logtest.Containing("end of test lines")); err != nil {
+			t.Fatalf("%v; log:\n%s", err, logs)
 		}
 		for line := range strings.Lines(logs.String()) {
 			var entry map[string]any
@@ -98,7 +99,7 @@ var droppedRe = regexp.MustCompile(`plugin fixture: (\d+) log lines dropped \(ra
 func TestPluginLogRateLimit(t *testing.T) {
 	const flood = 20000
 	limit := pluginloader.LogLimit{Rate: 50, Burst: 100, ReportEvery: 100 * time.Millisecond}
-	logs := newLogBuffer()
+	logs := &logtest.Recorder{}
 	host := hclog.New(&hclog.LoggerOptions{Name: "host", Level: hclog.Info, Output: logs})
 
 	start := time.Now()

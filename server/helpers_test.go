@@ -1,13 +1,9 @@
 package server_test
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
 	"os"
 	"path/filepath"
-	"sync"
 	"testing"
 	"time"
 
@@ -22,6 +18,7 @@ import (
 	"github.com/devicehost/devicehost/endpoint"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 func TestMain(m *testing.M) {
@@ -121,32 +118,8 @@ func (w *watchFeed) Watch(ctx context.Context) <-chan device.Snapshot {
 	return w.snaps
 }
 
-// logRecorder is a mutex-guarded io.Writer for a JSON hclog logger.
-type logRecorder struct {
-	mu      sync.Mutex
-	buf     bytes.Buffer
-	written chan struct{} // closed and replaced on every Write
-}
-
-func (r *logRecorder) Write(p []byte) (int, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.written != nil {
-		close(r.written)
-		r.written = nil
-	}
-	return r.buf.Write(p)
-}
-
-// changed returns a channel closed by the next Write.
-func (r *logRecorder) changed() <-chan struct{} {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.written == nil {
-		r.written = make(chan struct{})
-	}
-	return r.written
-}
+// logRecorder records a JSON hclog logger's lines.
+type logRecorder struct{ logtest.Recorder }
 
 // waitCallLines waits until n lines have been logged for calls of method, and returns
 // them. The server logs a call once it has answered it, so a client can see the answer
@@ -155,7 +128,7 @@ func (r *logRecorder) waitCallLines(t *testing.T, method string, n int) []map[st
 	t.Helper()
 	ctx := testContext(t)
 	for {
-		changed := r.changed()
+		changed := r.Changed()
 		if lines := r.callLines(t, method); len(lines) >= n {
 			return lines
 		}
@@ -170,18 +143,9 @@ func (r *logRecorder) waitCallLines(t *testing.T, method string, n int) []map[st
 // lines returns every line logged so far, decoded.
 func (r *logRecorder) lines(t *testing.T) []map[string]any {
 	t.Helper()
-	r.mu.Lock()
-	data := append([]byte(nil), r.buf.Bytes()...)
-	r.mu.Unlock()
-	var out []map[string]any
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	sc.Buffer(nil, 1<<20)
-	for sc.Scan() {
-		var m map[string]any
-		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
-			t.Fatalf("log line %q is not JSON: %v", sc.Text(), err)
-		}
-		out = append(out, m)
+	out, err := r.JSON()
+	if err != nil {
+		t.Fatal(err)
 	}
 	return out
 }

@@ -126,7 +126,7 @@ func TestStreamLimits(t *testing.T) {
 	// A stream that ends frees its place.
 	a2cancel()
 	for {
-		changed := h.logs.changed()
+		changed := h.logs.Changed()
 		s, cancel, err := open(connA)
 		if err == nil {
 			t.Cleanup(cancel)

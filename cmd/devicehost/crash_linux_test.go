@@ -73,10 +73,10 @@ func (s agentSetup) start(t *testing.T) *agentProcess {
 // kill SIGKILLs the agent alone (not its process group) and waits until it has exited.
 func (a *agentProcess) kill(t *testing.T, ctx context.Context) {
 	t.Helper()
-	if err := a.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+	if err := a.Cmd.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	if err := a.waitExit(ctx); err == nil || !strings.Contains(err.Error(), "killed") {
+	if err := a.Wait(ctx); err == nil || !strings.Contains(err.Error(), "killed") {
 		t.Fatalf("agent exit after SIGKILL: %v", err)
 	}
 }
@@ -363,7 +363,7 @@ func TestAgentSIGKILLUnderReserveLoadKeepsAcknowledgedReservations(t *testing.T)
 		keepers = append(keepers, &ackedReservation{id: resp.GetReservationId(), owner: owner, device: dev, container: resp.GetReservation()})
 	}
 
-	pluginPID := childPID(t, first.cmd.Process.Pid, "plugin", devPluginName)
+	pluginPID := childPID(t, first.Cmd.Process.Pid, "plugin", devPluginName)
 	plugin := watchProcess(t, pluginPID)
 
 	load := startReserveLoad(t, ctx, client, group, gpus[2:])
@@ -605,7 +605,7 @@ func TestAgentRefusesACorruptStateFile(t *testing.T) {
 				t.Fatal(err)
 			}
 			agent := setup.start(t)
-			err := agent.waitExit(ctx)
+			err := agent.Wait(ctx)
 			var exit *exec.ExitError
 			if !errors.As(err, &exit) || exit.ExitCode() != 1 {
 				t.Fatalf("agent on a corrupt state file: %v, want exit status 1", err)
@@ -613,7 +613,7 @@ func TestAgentRefusesACorruptStateFile(t *testing.T) {
 			// One line that says which file, what is wrong, and how to recover.
 			wantParts := []string{"state file " + path + ": ", "not a readable bbolt database",
 				"the file was left untouched", "restore it from a backup", "mv " + path + " " + path + ".corrupt"}
-			line, _ := agent.stderr.wait(ctx, func(l string) bool { return strings.HasPrefix(l, "devicehost: ") })
+			line, _ := agent.Stderr.Wait(ctx, func(l string) bool { return strings.HasPrefix(l, "devicehost: ") })
 			for _, part := range wantParts {
 				if !strings.Contains(line, part) {
 					t.Errorf("error line %q does not say %q", line, part)
@@ -656,7 +656,7 @@ func TestAgentSIGKILLLeavesAKeptPluginToReattach(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Reserve: %v", err)
 	}
-	pluginPID := childPID(t, first.cmd.Process.Pid, "plugin", devPluginName)
+	pluginPID := childPID(t, first.Cmd.Process.Pid, "plugin", devPluginName)
 	plugin := watchProcess(t, pluginPID)
 	// The kept plugin listens on a Unix socket in the state dir, in a dir only the
 	// agent's user may enter: with AutoMTLS off, that is its only protection.
@@ -671,7 +671,7 @@ func TestAgentSIGKILLLeavesAKeptPluginToReattach(t *testing.T) {
 	first.kill(t, ctx)
 	second := setup.start(t)
 	client = second.client(t, ctx)
-	if _, err := second.stderr.wait(ctx, func(l string) bool {
+	if _, err := second.Stderr.Wait(ctx, func(l string) bool {
 		return strings.Contains(l, "reattached to the plugin process left running by the previous host") &&
 			strings.Contains(l, fmt.Sprintf(`"pid":%d`, pluginPID))
 	}); err != nil {
@@ -680,7 +680,7 @@ func TestAgentSIGKILLLeavesAKeptPluginToReattach(t *testing.T) {
 	if plugin.exited(0) {
 		t.Fatalf("kept plugin process %d did not outlive the agent", pluginPID)
 	}
-	if pid, err := findChildPID(second.cmd.Process.Pid, "plugin", devPluginName); pid != 0 || err != nil {
+	if pid, err := findChildPID(second.Cmd.Process.Pid, "plugin", devPluginName); pid != 0 || err != nil {
 		t.Errorf("the restarted agent started plugin process %d (%v) instead of reattaching to %d", pid, err, pluginPID)
 	}
 
@@ -695,10 +695,10 @@ func TestAgentSIGKILLLeavesAKeptPluginToReattach(t *testing.T) {
 	}
 
 	// A clean stop stops the kept plugin as well.
-	if err := second.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := second.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	if err := second.waitExit(ctx); err != nil {
+	if err := second.Wait(ctx); err != nil {
 		t.Errorf("agent exit after SIGTERM: %v, want exit status 0", err)
 	}
 	if !plugin.exited(15 * time.Second) {

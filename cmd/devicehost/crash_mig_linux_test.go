@@ -199,10 +199,10 @@ plugin "nvidia-example" {
 			return true
 		})
 		if t.Failed() || cycle == kills {
-			if err := agent.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+			if err := agent.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 				t.Fatal(err)
 			}
-			if err := agent.waitExit(ctx); err != nil {
+			if err := agent.Wait(ctx); err != nil {
 				t.Errorf("agent exit after SIGTERM: %v", err)
 			}
 			break
@@ -257,7 +257,7 @@ plugin "nvidia-example" {
 				t.Fatalf("cycle %d: the load made %d Reserves: %v", cycle, acks.Load(), ctx.Err())
 			}
 		}
-		pid := childPID(t, agent.cmd.Process.Pid, "plugin", devPluginName)
+		pid := childPID(t, agent.Cmd.Process.Pid, "plugin", devPluginName)
 		plugin := watchProcess(t, pid)
 		agent.kill(t, ctx)
 		stop()

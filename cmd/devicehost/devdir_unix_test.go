@@ -145,7 +145,7 @@ func TestDevAgentCleansUpAfterAKilledOne(t *testing.T) {
 	banner := regexp.MustCompile(`\((\S+) is removed on exit\)`)
 	devDir := func(t *testing.T, a *agentProcess) string {
 		t.Helper()
-		l, err := a.stdout.wait(ctx, banner.MatchString)
+		l, err := a.Stdout.Wait(ctx, banner.MatchString)
 		if err != nil {
 			t.Fatalf("no dev banner: %v", err)
 		}
@@ -153,10 +153,10 @@ func TestDevAgentCleansUpAfterAKilledOne(t *testing.T) {
 	}
 	first := startAgentProcessIn(t, tmp, endpoint.Address{}, "agent", "-dev", "-log-json")
 	firstDir := devDir(t, first)
-	if err := syscall.Kill(-first.cmd.Process.Pid, syscall.SIGKILL); err != nil {
+	if err := syscall.Kill(-first.Cmd.Process.Pid, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	<-first.exited
+	<-first.Exited()
 	if _, err := os.Stat(firstDir); err != nil {
 		t.Fatalf("a SIGKILLed agent removed its directory?: %v", err)
 	}
@@ -170,13 +170,13 @@ func TestDevAgentCleansUpAfterAKilledOne(t *testing.T) {
 	}
 	// Its banner's grpcurl examples use the socket it made there.
 	sock := filepath.Join(secondDir, devSocketName)
-	if l, err := second.stdout.wait(ctx, func(l string) bool { return strings.Contains(l, "grpcurl ") }); err != nil || !strings.Contains(l, " -unix "+sock+" ") {
+	if l, err := second.Stdout.Wait(ctx, func(l string) bool { return strings.Contains(l, "grpcurl ") }); err != nil || !strings.Contains(l, " -unix "+sock+" ") {
 		t.Errorf("banner's grpcurl line %q (%v), want it on -unix %s", l, err, sock)
 	} else if fi, err := os.Stat(sock); err != nil || fi.Mode().Type() != os.ModeSocket {
 		t.Errorf("%s, the banner's socket: %v, %v; want a socket", sock, fi, err)
 	}
 	found := false
-	for _, l := range second.stderr.snapshot() {
+	for _, l := range second.Stderr.Lines() {
 		found = found || (strings.Contains(l, "no longer running") && strings.Contains(l, firstDir))
 	}
 	if !found {

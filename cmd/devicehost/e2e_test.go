@@ -1,20 +1,15 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -27,113 +22,24 @@ import (
 	"github.com/devicehost/devicehost/endpoint"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/tools/agenttest"
 )
 
-// The end-to-end test builds the devicehost binary once and runs `agent -dev` as a
+// The end-to-end tests run the devicehost binary (agenttest.Binary, built once) as a
 // real process: plugin re-executed from the same binary, real sockets, real signals.
 
-var e2eBuild struct {
-	once sync.Once
-	dir  string
-	bin  string
-	err  error
-}
-
-// devicehostBinary builds ./cmd/devicehost once per test run (with -race when the
-// tests run with it) and returns the binary's path.
-func devicehostBinary(t testing.TB) string {
-	t.Helper()
-	e2eBuild.once.Do(func() {
-		goTool, err := exec.LookPath("go")
-		if err != nil {
-			e2eBuild.err = err
-			return
-		}
-		dir, err := os.MkdirTemp("", "dhbin")
-		if err != nil {
-			e2eBuild.err = err
-			return
-		}
-		e2eBuild.dir = dir
-		e2eBuild.bin = filepath.Join(dir, "devicehost")
-		args := []string{"build", "-o", e2eBuild.bin}
-		if raceEnabled {
-			args = append(args, "-race")
-		}
-		out, err := exec.Command(goTool, append(args, ".")...).CombinedOutput()
-		if err != nil {
-			e2eBuild.err = errors.New("go build: " + err.Error() + "\n" + string(out))
-		}
-	})
-	if e2eBuild.err != nil {
-		t.Fatalf("build devicehost: %v", e2eBuild.err)
-	}
-	return e2eBuild.bin
-}
-
 func cleanupE2E() {
-	if e2eBuild.dir != "" {
-		os.RemoveAll(e2eBuild.dir)
-	}
+	agenttest.RemoveBinary()
 	if fixtureBuild.dir != "" {
 		os.RemoveAll(fixtureBuild.dir)
 	}
 }
 
-// lineRecorder collects the lines of a process's output as they come.
-type lineRecorder struct {
-	mu      sync.Mutex
-	lines   []string
-	changed chan struct{} // gets a value (non-blocking) after each new line
-}
-
-func newLineRecorder() *lineRecorder { return &lineRecorder{changed: make(chan struct{}, 1)} }
-
-// consume reads r to EOF.
-func (r *lineRecorder) consume(rd io.Reader) {
-	sc := bufio.NewScanner(rd)
-	sc.Buffer(nil, 1<<20)
-	for sc.Scan() {
-		r.mu.Lock()
-		r.lines = append(r.lines, sc.Text())
-		r.mu.Unlock()
-		select {
-		case r.changed <- struct{}{}:
-		default:
-		}
-	}
-}
-
-func (r *lineRecorder) snapshot() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return append([]string(nil), r.lines...)
-}
-
-// wait returns the first line that match accepts, waiting for it until ctx ends.
-func (r *lineRecorder) wait(ctx context.Context, match func(string) bool) (string, error) {
-	for {
-		for _, l := range r.snapshot() {
-			if match(l) {
-				return l, nil
-			}
-		}
-		select {
-		case <-r.changed:
-		case <-ctx.Done():
-			return "", ctx.Err()
-		}
-	}
-}
-
-// agentProcess is a running `devicehost agent`.
+// agentProcess is a running `devicehost agent` (or another devicehost command) and the
+// address it serves on.
 type agentProcess struct {
-	cmd    *exec.Cmd
-	addr   endpoint.Address
-	stdout *lineRecorder
-	stderr *lineRecorder
-	exited chan struct{} // closed once the process has exited and its output is read
-	err    error         // cmd.Wait's result, set before exited closes
+	*agenttest.Process
+	addr endpoint.Address
 }
 
 // startDevAgent runs `devicehost agent -dev -log-json` on a socket in a fresh directory.
@@ -157,9 +63,7 @@ func tempDir(t testing.TB, prefix string) string {
 }
 
 // startAgentProcess runs the devicehost binary with args, a command line that serves
-// on addr, in a process group of its own, and records its output. Cleanup SIGKILLs
-// the group if the agent still runs (its plugins die with it through their parent-death
-// signal, unless kept for reattach) and, if the test failed, logs the agent's output.
+// on addr, as agenttest.Start does (stdout and stderr recorded apart).
 func startAgentProcess(t testing.TB, addr endpoint.Address, args ...string) *agentProcess {
 	t.Helper()
 	// A SIGKILLed -dev agent cannot remove its temporary directory: give it a TMPDIR the
@@ -171,60 +75,8 @@ func startAgentProcess(t testing.TB, addr endpoint.Address, args ...string) *age
 // startAgentProcessIn is startAgentProcess with TMPDIR set to tmp.
 func startAgentProcessIn(t testing.TB, tmp string, addr endpoint.Address, args ...string) *agentProcess {
 	t.Helper()
-	bin := devicehostBinary(t)
-	a := &agentProcess{
-		addr:   addr,
-		stdout: newLineRecorder(),
-		stderr: newLineRecorder(),
-		exited: make(chan struct{}),
-	}
-	a.cmd = exec.Command(bin, args...)
-	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	a.cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
-	outPipe, err := a.cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	errPipe, err := a.cmd.StderrPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := a.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		var wg sync.WaitGroup
-		wg.Add(2)
-		go func() { defer wg.Done(); a.stdout.consume(outPipe) }()
-		go func() { defer wg.Done(); a.stderr.consume(errPipe) }()
-		wg.Wait()
-		a.err = a.cmd.Wait()
-		close(a.exited)
-	}()
-	t.Cleanup(func() {
-		select {
-		case <-a.exited:
-		default:
-			syscall.Kill(-a.cmd.Process.Pid, syscall.SIGKILL)
-			<-a.exited
-		}
-		if t.Failed() {
-			t.Logf("agent %v stdout:\n%s", args, strings.Join(a.stdout.snapshot(), "\n"))
-			t.Logf("agent %v stderr:\n%s", args, strings.Join(a.stderr.snapshot(), "\n"))
-		}
-	})
-	return a
-}
-
-// waitExit waits until the agent has exited, or ctx ends, and returns cmd.Wait's
-// result.
-func (a *agentProcess) waitExit(ctx context.Context) error {
-	select {
-	case <-a.exited:
-		return a.err
-	case <-ctx.Done():
-		return fmt.Errorf("agent still running: %w", ctx.Err())
-	}
+	p := agenttest.Start(t, agenttest.Command{Path: agenttest.Binary(t), Args: args, TempDir: tmp})
+	return &agentProcess{Process: p, addr: addr}
 }
 
 // client connects to the agent and waits until its health is SERVING.
@@ -439,7 +291,7 @@ func TestEndToEndDevAgent(t *testing.T) {
 	stopStats()
 
 	// SIGKILL the plugin: its devices turn unhealthy, then healthy after the restart.
-	pluginPID := childPID(t, agent.cmd.Process.Pid, "plugin", "nvidia-example")
+	pluginPID := childPID(t, agent.Cmd.Process.Pid, "plugin", "nvidia-example")
 	if err := syscall.Kill(pluginPID, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
@@ -449,13 +301,13 @@ func TestEndToEndDevAgent(t *testing.T) {
 	waitFingerprint(t, "8 healthy GPUs after the plugin restarted", fpStream, func(fp *pb.FingerprintResponse) bool {
 		return len(devicesWithHealth(fp, pb.Health_HEALTH_HEALTHY)) == 8
 	})
-	if restarted := childPID(t, agent.cmd.Process.Pid, "plugin", "nvidia-example"); restarted == pluginPID {
+	if restarted := childPID(t, agent.Cmd.Process.Pid, "plugin", "nvidia-example"); restarted == pluginPID {
 		t.Errorf("plugin PID %d unchanged after SIGKILL", restarted)
 	}
 
 	// A line the plugin itself logged (its "simulated GPUs" line, with the machine it
 	// simulates) comes out of the agent's log, as JSON, under the plugin's name alone.
-	if _, err := agent.stderr.wait(ctx, func(l string) bool {
+	if _, err := agent.Stderr.Wait(ctx, func(l string) bool {
 		var m struct {
 			Level   string `json:"@level"`
 			Module  string `json:"@module"`
@@ -467,22 +319,22 @@ func TestEndToEndDevAgent(t *testing.T) {
 	}
 
 	// SIGTERM: exit 0 within a few seconds, socket and dev directory removed, plugin gone.
-	banner, err := agent.stdout.wait(ctx, func(l string) bool { return strings.Contains(l, "is removed on exit") })
+	banner, err := agent.Stdout.Wait(ctx, func(l string) bool { return strings.Contains(l, "is removed on exit") })
 	if err != nil {
 		t.Fatalf("no dev banner: %v", err)
 	}
 	devDir := regexp.MustCompile(`\((\S+) is removed on exit\)`).FindStringSubmatch(banner)[1]
-	pluginPID = childPID(t, agent.cmd.Process.Pid, "plugin", "nvidia-example")
-	if err := agent.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	pluginPID = childPID(t, agent.Cmd.Process.Pid, "plugin", "nvidia-example")
+	if err := agent.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
 	select {
-	case <-agent.exited:
+	case <-agent.Exited():
 	case <-time.After(15 * time.Second):
 		t.Fatal("agent still running 15s after SIGTERM")
 	}
-	if agent.err != nil {
-		t.Errorf("agent exit: %v, want exit status 0", agent.err)
+	if agent.Err() != nil {
+		t.Errorf("agent exit: %v, want exit status 0", agent.Err())
 	}
 	if _, err := os.Stat(agent.addr.Path); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("socket %s still there after exit (%v)", agent.addr.Path, err)
@@ -493,7 +345,7 @@ func TestEndToEndDevAgent(t *testing.T) {
 	if err := syscall.Kill(pluginPID, 0); !errors.Is(err, syscall.ESRCH) {
 		t.Errorf("plugin process %d still exists after the agent exited (kill 0: %v)", pluginPID, err)
 	}
-	for _, l := range agent.stderr.snapshot() {
+	for _, l := range agent.Stderr.Lines() {
 		if strings.Contains(l, "DATA RACE") || strings.Contains(l, "panic:") {
 			t.Errorf("agent log: %s", l)
 		}

@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -29,6 +28,7 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 // fixturePluginDir returns the dir the fixture plugin was built into (once per test
@@ -37,24 +37,6 @@ func fixturePluginDir(t *testing.T) string {
 	t.Helper()
 	fixturePlugin(t)
 	return fixtureBuild.dir
-}
-
-// syncBuffer is a mutex-guarded log sink.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 // metricsAgent is serveAgent running in-process on the real manager, with metrics on a
@@ -79,7 +61,7 @@ func startMetricsAgent(t *testing.T, ctx context.Context, fc fixtureplugin.Confi
 	cfg.StatsInterval = 100 * time.Millisecond
 	cfg.Plugins[fixtureplugin.Name] = pluginSettings{ConfigJSON: fc.JSON(), Env: []string{"FIXTURE_PID_FILE=" + pidFile}}
 
-	logs := &syncBuffer{}
+	logs := &logtest.Recorder{}
 	log := hclog.New(&hclog.LoggerOptions{Output: logs, Level: hclog.Debug, JSONFormat: true})
 	mx, err := metrics.New(metrics.Options{Logger: log.Named("metrics"), Hostname: "test-node"})
 	if err != nil {
@@ -368,7 +350,7 @@ func TestAgentMetrics(t *testing.T) {
 // -metrics-listen tcp://127.0.0.1:0 logs.
 func loggedMetricsURL(t *testing.T, ctx context.Context, agent *agentProcess) string {
 	t.Helper()
-	line, err := agent.stderr.wait(ctx, func(l string) bool { return strings.Contains(l, `"serving metrics"`) })
+	line, err := agent.Stderr.Wait(ctx, func(l string) bool { return strings.Contains(l, `"serving metrics"`) })
 	if err != nil {
 		t.Fatalf("no log line saying where the metrics are: %v", err)
 	}
@@ -488,7 +470,7 @@ func TestDevAgentServesDCGMMetrics(t *testing.T) {
 	}
 
 	// SIGKILL the plugin: it is restarted, counted, and its GPUs report again.
-	pluginPID := childPID(t, agent.cmd.Process.Pid, "plugin", devPluginName)
+	pluginPID := childPID(t, agent.Cmd.Process.Pid, "plugin", devPluginName)
 	if err := syscall.Kill(pluginPID, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}

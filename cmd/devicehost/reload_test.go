@@ -79,7 +79,7 @@ func (e logEntry) str(key string) string { s, _ := e[key].(string); return s }
 func (a *agentProcess) waitLog(t *testing.T, ctx context.Context, msg string, ok func(logEntry) bool) logEntry {
 	t.Helper()
 	var found logEntry
-	_, err := a.stderr.wait(ctx, func(l string) bool {
+	_, err := a.Stderr.Wait(ctx, func(l string) bool {
 		var e logEntry
 		if json.Unmarshal([]byte(l), &e) != nil || !strings.Contains(e.str("@message"), msg) {
 			return false
@@ -99,7 +99,7 @@ func (a *agentProcess) waitLog(t *testing.T, ctx context.Context, msg string, ok
 // logCount counts the agent's log lines containing s.
 func (a *agentProcess) logCount(s string) int {
 	n := 0
-	for _, l := range a.stderr.snapshot() {
+	for _, l := range a.Stderr.Lines() {
 		if strings.Contains(l, s) {
 			n++
 		}
@@ -224,7 +224,7 @@ func TestAgentReloadsItsConfigOnSIGHUP(t *testing.T) {
 	client := agent.client(t, watchCtx)
 	hup := func() {
 		t.Helper()
-		if err := agent.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		if err := agent.Cmd.Process.Signal(syscall.SIGHUP); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -320,10 +320,10 @@ func TestAgentReloadsItsConfigOnSIGHUP(t *testing.T) {
 	}
 
 	stopWatch()
-	if err := agent.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := agent.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	if err := agent.waitExit(ctx); err != nil {
+	if err := agent.Wait(ctx); err != nil {
 		t.Errorf("agent exit after SIGTERM: %v, want 0", err)
 	}
 }

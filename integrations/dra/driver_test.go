@@ -329,7 +329,7 @@ func TestAgentRestartBetweenPrepareAndUnprepare(t *testing.T) {
 		t.Fatalf("prepare: %s", p.GetError())
 	}
 
-	r.agent.kill()
+	r.agent.Kill()
 	health.wait(t, 8, drahealthpb.HealthStatus_UNKNOWN)
 	r.waitSlices("agent-unreachable taints", func(d []resourceapi.Device) bool {
 		for _, dev := range d {
@@ -376,7 +376,7 @@ func TestPluginKilledTaintsAndHealth(t *testing.T) {
 	health.wait(t, 8, drahealthpb.HealthStatus_HEALTHY)
 	// The ResourceSlice controller is running (its start waits for an informer).
 	r.waitSlices("8 GPUs", func(d []resourceapi.Device) bool { return len(d) == 8 })
-	pids := r.agent.pluginPIDs()
+	pids := pluginPIDs(r.agent)
 	if len(pids) == 0 {
 		t.Fatal("the agent has no plugin process")
 	}

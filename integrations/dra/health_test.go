@@ -45,7 +45,7 @@ func TestHealthSocketStuckWatch(t *testing.T) {
 	p.Wait(t, "a working driver", healthpb.HealthCheckResponse_SERVING)
 
 	stuck.Store(true)
-	r.agent.kill() // the disconnection is an update the watch gets stuck on
+	r.agent.Kill() // the disconnection is an update the watch gets stuck on
 	p.Wait(t, "the agent watch stuck", healthpb.HealthCheckResponse_NOT_SERVING)
 	if !strings.Contains(rd.log.String(), "the agent watch loop has made no progress") {
 		t.Errorf("the driver's log does not name the stuck loop:\n%s", rd.log)
@@ -64,7 +64,7 @@ func TestHealthSocketAgentGone(t *testing.T) {
 	p := watchProbe(t, sock)
 	p.Wait(t, "a working driver", healthpb.HealthCheckResponse_SERVING)
 
-	r.agent.kill()
+	r.agent.Kill()
 	p.Wait(t, "the agent gone", healthpb.HealthCheckResponse_NOT_SERVING)
 	if !strings.Contains(rd.log.String(), "the agent has been unreachable for") {
 		t.Errorf("the driver's log does not say the agent is unreachable:\n%s", rd.log)

@@ -1,23 +1,20 @@
 package dra
 
 import (
-	"bufio"
 	"context"
 	"fmt"
-	"io"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
+	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	corev1 "k8s.io/api/core/v1"
@@ -36,6 +33,8 @@ import (
 	"github.com/devicehost/devicehost/client"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server/servertest"
+	"github.com/devicehost/devicehost/tools/agenttest"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 const (
@@ -44,75 +43,18 @@ const (
 	testDriver  = "devicehost.io"
 )
 
-// agentBin is the devicehost binary TestMain builds from the main module.
-var agentBin string
-
 func TestMain(m *testing.M) {
-	os.Exit(func() int {
-		dir, err := os.MkdirTemp("", "dra-bin")
-		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
+	code := m.Run()
+	agenttest.RemoveBinary()
+	if code == 0 {
+		// The driver, its kubelet servers and its client start goroutines: none may
+		// outlive the test that started it.
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintf(os.Stderr, "goleak: %v\n", err)
+			code = 1
 		}
-		defer os.RemoveAll(dir)
-		root, err := filepath.Abs(filepath.Join("..", ".."))
-		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return 1
-		}
-		agentBin = filepath.Join(dir, "devicehost")
-		// Not -race even when the tests are: the agent is not what they test.
-		cmd := exec.Command("go", "build", "-o", agentBin, "./cmd/devicehost")
-		cmd.Dir = root
-		if out, err := cmd.CombinedOutput(); err != nil {
-			fmt.Fprintf(os.Stderr, "build devicehost: %v\n%s", err, out)
-			return 1
-		}
-		return m.Run()
-	}())
-}
-
-// lines records a process's output.
-type lines struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lines) consume(r io.Reader) {
-	sc := bufio.NewScanner(r)
-	sc.Buffer(nil, 1<<20)
-	for sc.Scan() {
-		l.mu.Lock()
-		l.b.WriteString(sc.Text() + "\n")
-		l.mu.Unlock()
 	}
-}
-
-// Write keeps p: a logger writing here goes on at once, as one writing to a
-// process's stderr does (a pipe with a reader on the other end would hold every log
-// line until the reader has it).
-func (l *lines) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lines) String() string { l.mu.Lock(); defer l.mu.Unlock(); return l.b.String() }
-
-// agentProcess is a running `devicehost agent -dev`.
-type agentProcess struct {
-	cmd    *exec.Cmd
-	out    *lines
-	exited chan struct{}
-}
-
-func (a *agentProcess) kill() {
-	select {
-	case <-a.exited:
-	default:
-		syscall.Kill(-a.cmd.Process.Pid, syscall.SIGKILL)
-		<-a.exited
-	}
+	os.Exit(code)
 }
 
 // rig is one node: a real agent -dev with a durable state dir, a fake API server
@@ -121,8 +63,8 @@ type rig struct {
 	t                              testing.TB
 	dir, sock, state               string
 	pluginDir, registryDir, cdiDir string
-	agent                          *agentProcess
-	c                              *client.Client // the test's own client of the agent
+	agent                          *agenttest.Process // stdout and stderr in Stdout
+	c                              *client.Client     // the test's own client of the agent
 	kube                           *fake.Clientset
 	// staleHook, if set when a driver starts, sees its stale-claim rounds.
 	staleHook func(staleRound)
@@ -153,28 +95,11 @@ func (r *rig) address() string { return "unix://" + r.sock }
 func (r *rig) startAgent() {
 	t := r.t
 	t.Helper()
-	a := &agentProcess{out: &lines{}, exited: make(chan struct{})}
-	a.cmd = exec.Command(agentBin, "agent", "-dev", "-listen", r.address(), "-state-dir", r.state)
-	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	a.cmd.Env = append(os.Environ(), "TMPDIR="+r.dir)
-	pipe, err := a.cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	a.cmd.Stderr = a.cmd.Stdout
-	if err := a.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		a.out.consume(pipe)
-		a.cmd.Wait()
-		close(a.exited)
-	}()
-	t.Cleanup(func() {
-		a.kill()
-		if t.Failed() {
-			t.Logf("agent output:\n%s", a.out)
-		}
+	a := agenttest.Start(t, agenttest.Command{
+		Path:        agenttest.Binary(t),
+		Args:        []string{"agent", "-dev", "-listen", r.address(), "-state-dir", r.state},
+		TempDir:     r.dir,
+		MergeOutput: true,
 	})
 	r.agent = a
 	if r.c != nil {
@@ -207,7 +132,7 @@ type runningDriver struct {
 	d      *Driver
 	cancel context.CancelFunc
 	done   chan error
-	log    *lines
+	log    *logtest.Recorder
 	once   sync.Once
 }
 
@@ -220,7 +145,7 @@ func (r *rig) startDriver(edit func(*Config)) *runningDriver {
 	if err != nil {
 		t.Fatal(err)
 	}
-	log := &lines{}
+	log := &logtest.Recorder{}
 	cfg := Config{
 		Agent: agent, Kube: r.kube, NodeName: testNode, DriverName: testDriver,
 		PluginDir: r.pluginDir, RegistryDir: r.registryDir, CDIDir: r.cdiDir,
@@ -505,7 +430,7 @@ func taintOf(devs []resourceapi.Device, name, key string) (resourceapi.DeviceTai
 }
 
 // pluginPIDs are the agent's child processes (its plugins).
-func (a *agentProcess) pluginPIDs() []int {
+func pluginPIDs(a *agenttest.Process) []int {
 	var out []int
 	entries, _ := os.ReadDir("/proc")
 	for _, e := range entries {
@@ -520,7 +445,7 @@ func (a *agentProcess) pluginPIDs() []int {
 		// pid (comm) state ppid ...
 		s := string(stat)
 		fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
-		if len(fields) > 1 && fields[1] == strconv.Itoa(a.cmd.Process.Pid) && fields[0] != "Z" {
+		if len(fields) > 1 && fields[1] == strconv.Itoa(a.Cmd.Process.Pid) && fields[0] != "Z" {
 			out = append(out, pid)
 		}
 	}

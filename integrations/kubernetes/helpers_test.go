@@ -1,7 +1,6 @@
 package kubernetes_test
 
 import (
-	"bytes"
 	"context"
 	"path/filepath"
 	"sync"
@@ -15,6 +14,7 @@ import (
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/integrations/kubernetes"
 	"github.com/devicehost/devicehost/integrations/kubernetes/kubelettest"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 func TestMain(m *testing.M) {
@@ -31,7 +31,7 @@ type harness struct {
 	pods    *kubelettest.PodResources
 	client  *client.Client // the bridge's connection to the agent
 	cfg     kubernetes.Config
-	logs    *syncBuffer
+	logs    *logtest.Recorder
 
 	cancel context.CancelFunc
 	runErr chan error
@@ -65,7 +65,7 @@ func startBridgeWith(t testing.TB, agent *fakeAgent, setup func(*kubernetes.Brid
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	logs := &syncBuffer{}
+	logs := &logtest.Recorder{}
 	h := &harness{agent: agent, kubelet: k, pods: pods, client: c, logs: logs, runErr: make(chan error, 1)}
 	h.cfg = kubernetes.Config{
 		Client:               c,
@@ -179,24 +179,6 @@ func withHealth(n int, id, h string) func([]*dpapi.Device) bool {
 		}
 		return true
 	}
-}
-
-// syncBuffer is a bytes.Buffer safe for concurrent use, for logs.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 // fakeClock is a clock a test moves by hand.

@@ -1,12 +1,9 @@
 package ledger
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"path/filepath"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -15,6 +12,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 func TestMain(m *testing.M) {
@@ -112,17 +110,8 @@ func ids(rs []device.Reservation) []string {
 	return out
 }
 
-// logCapture is an hclog logger writing JSON lines into a mutex-guarded buffer.
-type logCapture struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (c *logCapture) Write(p []byte) (int, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.buf.Write(p)
-}
+// logCapture records an hclog logger's JSON lines.
+type logCapture struct{ logtest.Recorder }
 
 func newLogCapture() (*logCapture, hclog.Logger) {
 	c := &logCapture{}
@@ -132,18 +121,12 @@ func newLogCapture() (*logCapture, hclog.Logger) {
 // lines returns the logged lines whose message is msg (or starts with it, when prefix).
 func (c *logCapture) lines(t *testing.T, msg string, prefix bool) []map[string]any {
 	t.Helper()
-	c.mu.Lock()
-	text := c.buf.String()
-	c.mu.Unlock()
+	all, err := c.JSON()
+	if err != nil {
+		t.Fatal(err)
+	}
 	var out []map[string]any
-	for _, line := range strings.Split(strings.TrimSpace(text), "\n") {
-		if line == "" {
-			continue
-		}
-		var m map[string]any
-		if err := json.Unmarshal([]byte(line), &m); err != nil {
-			t.Fatalf("log line %q: %v", line, err)
-		}
+	for _, m := range all {
 		got, _ := m["@message"].(string)
 		if got == msg || (prefix && strings.HasPrefix(got, msg)) {
 			out = append(out, m)

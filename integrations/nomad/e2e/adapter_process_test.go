@@ -15,6 +15,7 @@ import (
 
 	"github.com/devicehost/devicehost/integrations/nomad/adapter"
 	dpb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/logtest"
 	"github.com/devicehost/devicehost/validate"
 )
 
@@ -23,7 +24,7 @@ import (
 func newAdapter(t *testing.T, exampleBin string) (*adapter.Adapter, <-chan error) {
 	t.Helper()
 	exits := make(chan error, 1)
-	logs := &lineRecorder{}
+	logs := &logtest.Recorder{}
 	a := adapter.New(adapter.Options{
 		Logger: hclog.New(&hclog.LoggerOptions{Level: hclog.Debug, Output: logs}),
 		OnExit: func(err error) { exits <- err },

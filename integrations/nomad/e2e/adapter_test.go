@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/agenttest"
 )
 
 const exampleGroup = "nomad/file/mock" // the example plugin's vendor/type/name
@@ -22,7 +23,7 @@ type exampleUnderAgent struct {
 	bins    map[string]string
 	devDir  string
 	address string
-	agent   *agentProcess
+	agent   *agenttest.Process
 }
 
 func startExampleUnderAgent(t *testing.T) *exampleUnderAgent {
@@ -75,7 +76,7 @@ plugin "nomad-broken" {
 	t.Cleanup(func() {
 		// The agent's plugins die with it (parent-death signal), and the example plugin
 		// with the adapter: nothing may be left behind.
-		e.agent.kill()
+		e.agent.Kill()
 		noProcesses(t, "after the agent was killed", bins[exampleName])
 	})
 	return e

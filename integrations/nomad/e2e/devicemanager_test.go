@@ -21,6 +21,7 @@ import (
 
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 const h100 = "NVIDIA H100 80GB HBM3"
@@ -32,7 +33,7 @@ const h100 = "NVIDIA H100 80GB HBM3"
 type nomadDevices struct {
 	mgr  devicemanager.Manager
 	node *nodeRecorder
-	log  *lineRecorder
+	log  *logtest.Recorder
 }
 
 // Its log is kept from level on, and shown if the test fails.
@@ -46,7 +47,7 @@ func startNomadDevicesWith(t testing.TB, shimBin string, cfg map[string]any, lev
 	t.Helper()
 	dir := tempDir(t, "dhnp")
 	install(t, shimBin, dir, shim.BinaryName)
-	logs := &lineRecorder{}
+	logs := &logtest.Recorder{}
 	log := hclog.New(&hclog.LoggerOptions{Name: "nomad", Level: level, Output: logs})
 	l, err := loader.NewPluginLoader(&loader.PluginLoaderConfig{
 		Logger:    log,
@@ -298,7 +299,7 @@ func TestNomadDeviceManagerOnDevAgent(t *testing.T) {
 	}
 
 	// The agent goes away: every GPU unhealthy, saying so; back when it is.
-	agent.kill()
+	agent.Kill()
 	n.node.wait(t, "8 H100s unhealthy with the agent gone", eightH100s(func(d *structs.NodeDevice) bool {
 		return !d.Healthy && strings.Contains(d.HealthDescription, "devicehost agent at "+address+" unreachable")
 	}))

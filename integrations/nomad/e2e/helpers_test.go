@@ -6,11 +6,9 @@
 package e2e
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,7 +16,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -29,6 +26,7 @@ import (
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/agenttest"
 )
 
 const testTimeout = 60 * time.Second
@@ -40,8 +38,7 @@ const (
 	adapterPkg  = "./cmd/devicehost-plugin-nomad"
 	adapterName = "devicehost-plugin-nomad"
 	shimPkg     = "./cmd/nomad-device-devicehost"
-	agentPkg    = "./cmd/devicehost"
-	agentName   = "devicehost"
+	agentName   = "devicehost" // agenttest.Binary, from the main module
 )
 
 // binaries are the built programs, by name.
@@ -53,13 +50,14 @@ var binaries struct {
 }
 
 // build builds every binary the tests use once per test run and returns its path by
-// file name: devicehost (from the main module, as its own tests build it), Nomad's
+// file name: devicehost (agenttest.Binary, from the main module), Nomad's
 // example device plugin (unmodified, from the Nomad v1.6.3 module), the adapter and
 // the shim.
 func build(t testing.TB) map[string]string {
 	t.Helper()
+	agent := agenttest.Binary(t)
 	binaries.once.Do(func() {
-		binaries.paths, binaries.err = buildAll()
+		binaries.paths, binaries.err = buildAll(agent)
 	})
 	if binaries.err != nil {
 		t.Fatalf("build: %v", binaries.err)
@@ -67,7 +65,7 @@ func build(t testing.TB) map[string]string {
 	return binaries.paths
 }
 
-func buildAll() (map[string]string, error) {
+func buildAll(agent string) (map[string]string, error) {
 	goTool, err := exec.LookPath("go")
 	if err != nil {
 		return nil, err
@@ -77,7 +75,6 @@ func buildAll() (map[string]string, error) {
 		return nil, err
 	}
 	nomadRoot := filepath.Dir(here)
-	mainRoot := filepath.Join(nomadRoot, "..", "..")
 	dir, err := os.MkdirTemp("", "dhnomad-bin")
 	if err != nil {
 		return nil, err
@@ -97,7 +94,6 @@ func buildAll() (map[string]string, error) {
 		return nil
 	}
 	for _, b := range []struct{ root, pkg, name string }{
-		{mainRoot, agentPkg, agentName},
 		{nomadRoot, examplePkg, exampleName},
 		{nomadRoot, adapterPkg, adapterName},
 		{nomadRoot, shimPkg, shim.BinaryName},
@@ -107,7 +103,7 @@ func buildAll() (map[string]string, error) {
 		}
 	}
 	return map[string]string{
-		agentName:       filepath.Join(dir, agentName),
+		agentName:       agent,
 		exampleName:     filepath.Join(dir, exampleName),
 		adapterName:     filepath.Join(dir, adapterName),
 		shim.BinaryName: filepath.Join(dir, shim.BinaryName),
@@ -129,6 +125,7 @@ func goEnv(goTool, dir, key string) (string, error) {
 }
 
 func cleanupBinaries() {
+	agenttest.RemoveBinary()
 	if binaries.dir != "" {
 		os.RemoveAll(binaries.dir)
 	}
@@ -160,88 +157,12 @@ func install(t testing.TB, src, dir, name string) string {
 	return dst
 }
 
-// lineRecorder collects the lines of a process's output as they come.
-type lineRecorder struct {
-	mu    sync.Mutex
-	lines []string
-}
-
-func (r *lineRecorder) consume(rd io.Reader) {
-	sc := bufio.NewScanner(rd)
-	sc.Buffer(nil, 1<<20)
-	for sc.Scan() {
-		r.add(sc.Text())
-	}
-}
-
-func (r *lineRecorder) add(line string) {
-	r.mu.Lock()
-	r.lines = append(r.lines, line)
-	r.mu.Unlock()
-}
-
-// Write records p's lines (for loggers).
-func (r *lineRecorder) Write(p []byte) (int, error) {
-	for _, l := range strings.Split(strings.TrimRight(string(p), "\n"), "\n") {
-		r.add(l)
-	}
-	return len(p), nil
-}
-
-func (r *lineRecorder) String() string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return strings.Join(r.lines, "\n")
-}
-
-// agentProcess is a running `devicehost agent`.
-type agentProcess struct {
-	cmd    *exec.Cmd
-	out    *lineRecorder
-	exited chan struct{}
-}
-
-// startAgent runs the devicehost binary with args in a process group of its own, with
-// TMPDIR set to tmp (a SIGKILLed -dev agent cannot remove its temporary directory), and
-// records its output. Cleanup SIGKILLs the group if the agent still runs (its plugins
-// die with it through their parent-death signal) and, if the test failed, logs the
-// agent's output.
-func startAgent(t testing.TB, bin, tmp string, args ...string) *agentProcess {
+// startAgent runs bin with args as agenttest.Start does, with TMPDIR set to tmp (a
+// SIGKILLed -dev agent cannot remove its temporary directory), its stdout and stderr
+// recorded together in Stdout.
+func startAgent(t testing.TB, bin, tmp string, args ...string) *agenttest.Process {
 	t.Helper()
-	a := &agentProcess{out: &lineRecorder{}, exited: make(chan struct{})}
-	a.cmd = exec.Command(bin, args...)
-	a.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	a.cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
-	pipe, err := a.cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	a.cmd.Stderr = a.cmd.Stdout
-	if err := a.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		a.out.consume(pipe)
-		a.cmd.Wait()
-		close(a.exited)
-	}()
-	t.Cleanup(func() {
-		a.kill()
-		if t.Failed() {
-			t.Logf("agent %v output:\n%s", args, a.out)
-		}
-	})
-	return a
-}
-
-// kill SIGKILLs the agent's process group and waits for it to exit.
-func (a *agentProcess) kill() {
-	select {
-	case <-a.exited:
-	default:
-		syscall.Kill(-a.cmd.Process.Pid, syscall.SIGKILL)
-		<-a.exited
-	}
+	return agenttest.Start(t, agenttest.Command{Path: bin, Args: args, TempDir: tmp, MergeOutput: true})
 }
 
 // dial connects a client to address, waits until the agent serves, and closes it at

@@ -71,7 +71,7 @@ func TestNomadAgentMIG(t *testing.T) {
 			}
 		}
 		return err == nil && healthy == 56
-	}, nomad.out)
+	}, nomad.Stdout)
 
 	out := filepath.Join(tmp, "visible")
 	allocID := n.runBatchJob(nomadBin, tmp, "mig", fmt.Sprintf(`echo "$NVIDIA_VISIBLE_DEVICES" > %[1]s.tmp && mv %[1]s.tmp %[1]s && exec sleep 3600`, out), migGroup, 1)
@@ -82,7 +82,7 @@ func TestNomadAgentMIG(t *testing.T) {
 		b, err := os.ReadFile(out)
 		visible = strings.TrimSpace(string(b))
 		return err == nil
-	}, nomad.out)
+	}, nomad.Stdout)
 	if !strings.HasPrefix(visible, "MIG-") || strings.Contains(visible, ",") {
 		t.Fatalf("the task's NVIDIA_VISIBLE_DEVICES=%q; want one MIG UUID", visible)
 	}
@@ -94,7 +94,7 @@ func TestNomadAgentMIG(t *testing.T) {
 			r = rs[0]
 		}
 		return r != nil
-	}, nomad.out)
+	}, nomad.Stdout)
 	part := r.GetDeviceIds()[0]
 	gpu, _, ok := strings.Cut(part, "-mig-")
 	if len(r.GetDeviceIds()) != 1 || !ok || r.GetType() != "mig" || r.GetName() != mig1g10 {
@@ -123,7 +123,7 @@ func TestNomadAgentMIG(t *testing.T) {
 	waitFor(t, gpu+" unhealthy in Nomad's node status, naming "+owner, func() bool {
 		held = gpuIn()
 		return held.ID != "" && !held.Healthy && strings.Contains(held.HealthDescription, fmt.Sprintf("%q", owner))
-	}, nomad.out)
+	}, nomad.Stdout)
 	t.Logf("nomad node status: %s healthy=%v %q", gpu, held.Healthy, held.HealthDescription)
 	devs, err := n.nodeDevices(nodeID)
 	if err != nil {
@@ -144,6 +144,6 @@ func TestNomadAgentMIG(t *testing.T) {
 	waitFor(t, "the release of "+r.GetReservationId(), func() bool {
 		rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: owner})
 		return err == nil && len(rs) == 1 && rs[0].GetState() == pb.ReservationState_RESERVATION_STATE_RELEASED
-	}, nomad.out)
-	waitFor(t, gpu+" healthy again in Nomad's node status", func() bool { return gpuIn().Healthy }, nomad.out)
+	}, nomad.Stdout)
+	waitFor(t, gpu+" healthy again in Nomad's node status", func() bool { return gpuIn().Healthy }, nomad.Stdout)
 }

@@ -20,6 +20,7 @@ import (
 
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/agenttest"
 )
 
 // nomadCache is where a Nomad v1.6.3 binary built here is kept between runs (see
@@ -78,7 +79,7 @@ func TestNomadAgent(t *testing.T) {
 	nomadAddr := "http://127.0.0.1:" + ports[0]
 	proxy := startProxy(t, "127.0.0.1:"+ports[0])
 	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, proxy.addr, grace)
-	startNomad := func() *agentProcess {
+	startNomad := func() *agenttest.Process {
 		return startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
 	}
 	nomad := startNomad()
@@ -102,7 +103,7 @@ func TestNomadAgent(t *testing.T) {
 				r = rs[0]
 			}
 			return r != nil
-		}, nomad.out)
+		}, nomad.Stdout)
 		return r
 	}
 	// released waits until r is released and returns when.
@@ -115,7 +116,7 @@ func TestNomadAgent(t *testing.T) {
 				at = rs[0].GetReleasedAt().AsTime()
 			}
 			return !at.IsZero()
-		}, nomad.out)
+		}, nomad.Stdout)
 		return at
 	}
 
@@ -171,7 +172,7 @@ func TestNomadAgent(t *testing.T) {
 				return err == nil && !slices.ContainsFunc(rs, func(o *pb.Reservation) bool {
 					return strings.HasPrefix(o.GetOwnerId(), "nomad/default/"+name+"/") || !strings.Contains(strings.TrimPrefix(o.GetOwnerId(), "nomad/"), "/")
 				})
-			}, nomad.out)
+			}, nomad.Stdout)
 		}
 		if len(took) > 0 {
 			t.Logf("after nomad alloc stop, task end to devices free: released by the shim in %d of %d runs, median %v, worst %v; taken over by Nomad's replacement in %d",
@@ -201,7 +202,7 @@ func TestNomadAgent(t *testing.T) {
 			t.Fatalf("after the outage: %v, %v; want %s active", rs, err, r.GetReservationId())
 		}
 		var warnings []string
-		for l := range strings.Lines(nomad.out.String()) {
+		for l := range strings.Lines(nomad.Stdout.String()) {
 			if strings.Contains(l, "[WARN]") && strings.Contains(l, "cannot read this node's allocations from Nomad:") {
 				warnings = append(warnings, strings.TrimSpace(l[:min(len(l), 400)]))
 			}
@@ -228,10 +229,10 @@ func TestNomadAgent(t *testing.T) {
 		r := named(name, allocID)
 		n.waitStatus(allocID, "running")
 		old := nomad
-		if err := old.cmd.Process.Signal(syscall.SIGINT); err != nil {
+		if err := old.Cmd.Process.Signal(syscall.SIGINT); err != nil {
 			t.Fatal(err)
 		}
-		<-old.exited
+		<-old.Exited()
 		nomad = startNomad()
 		n.waitNodeWithGPUs(8)
 		n.waitStatus(allocID, "running")
@@ -263,7 +264,7 @@ func TestNomadAgent(t *testing.T) {
 			free.Sub(drained).Round(time.Millisecond), free.Sub(finished).Round(time.Millisecond))
 	})
 	if t.Failed() {
-		t.Logf("nomad output:\n%s", nomad.out)
+		t.Logf("nomad output:\n%s", nomad.Stdout)
 	}
 }
 

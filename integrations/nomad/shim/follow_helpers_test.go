@@ -1,7 +1,6 @@
 package shim
 
 import (
-	"bytes"
 	"slices"
 	"strings"
 	"sync"
@@ -13,6 +12,7 @@ import (
 
 	dev "github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/integrations/nomad/nomadapi/nomadtest"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 // fakeClock is a clock that moves only when Advance is called: Now is the real time
@@ -109,30 +109,6 @@ func (e *events) wait(t *testing.T, what string, ok func(followEvent) bool) (fol
 	}
 }
 
-// syncBuffer is a log output safe for concurrent use.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) count(s string) int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return strings.Count(b.buf.String(), s)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // followed is a shim following a Nomad stand-in, against a fake agent's ledger.
 type followed struct {
 	p     *Plugin
@@ -140,7 +116,7 @@ type followed struct {
 	l     *fakeLedger
 	clock *fakeClock
 	ev    *events
-	log   *syncBuffer
+	log   *logtest.Recorder
 }
 
 // followShim starts a fake agent with the H100s ids and a Nomad stand-in, and a shim
@@ -148,7 +124,7 @@ type followed struct {
 // follower's first pass is done.
 func followShim(t *testing.T, extra map[string]any, ids ...string) *followed {
 	t.Helper()
-	f := &followed{nomad: nomadtest.New(t, nil), l: newFakeLedger(), clock: &fakeClock{}, ev: newEvents(), log: &syncBuffer{}}
+	f := &followed{nomad: nomadtest.New(t, nil), l: newFakeLedger(), clock: &fakeClock{}, ev: newEvents(), log: &logtest.Recorder{}}
 	path := socketPath(t)
 	startAgent(t, fake(newSnapshots(snapshot(ids...)), f.l), path)
 	f.p = New(hclog.New(&hclog.LoggerOptions{Output: f.log, Level: hclog.Debug}))

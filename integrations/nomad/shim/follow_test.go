@@ -10,6 +10,7 @@ import (
 	"github.com/hashicorp/nomad/nomad/structs"
 
 	"github.com/devicehost/devicehost/integrations/nomad/nomadapi/nomadtest"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 const grace = DefaultReleaseGrace
@@ -42,7 +43,7 @@ func TestFollowNamesTheTask(t *testing.T) {
 	if blocking == 0 {
 		t.Errorf("requests %+v; want blocking queries", reqs)
 	}
-	if f.log.count("[WARN]") != 0 {
+	if f.log.Count("[WARN]") != 0 {
 		t.Errorf("warnings with Nomad readable:\n%s", f.log)
 	}
 }
@@ -67,7 +68,7 @@ func TestFollowReleasesEndedAllocations(t *testing.T) {
 			if !slices.Equal(ev.released, []string{r.ID}) || !f.released(r.ID) {
 				t.Fatalf("after the grace period: released %v; want %s", ev.released, r.ID)
 			}
-			if n := f.log.count("released a reservation no running Nomad allocation holds"); n != 1 {
+			if n := f.log.Count("released a reservation no running Nomad allocation holds"); n != 1 {
 				t.Errorf("%d release lines, want 1:\n%s", n, f.log)
 			}
 		})
@@ -162,10 +163,10 @@ func TestFollowClientRestart(t *testing.T) {
 	if got := f.reservationOf(t, r.OwnerID); got.ID != r.ID {
 		t.Errorf("reservation %+v after the restart; want %s kept", got, r.ID)
 	}
-	if n := f.log.count("cannot read this node's allocations from Nomad"); n != 1 {
+	if n := f.log.Count("cannot read this node's allocations from Nomad"); n != 1 {
 		t.Errorf("%d warnings about the outage, want 1:\n%s", n, f.log)
 	}
-	if n := f.log.count("reading this node's allocations from Nomad again"); n != 1 {
+	if n := f.log.Count("reading this node's allocations from Nomad again"); n != 1 {
 		t.Errorf("%d recoveries logged, want 1", n)
 	}
 }
@@ -216,13 +217,13 @@ func TestFollowWithoutAccess(t *testing.T) {
 	if len(active) != 1 || !isReserveOwner(active[0].OwnerID) || len(released) != 1 {
 		t.Errorf("ledger %+v, released %v; want one reservation of a made-up owner, the first taken over", active, released)
 	}
-	if n := f.log.count("[WARN]"); n != 1 || !strings.Contains(f.log.String(), "namespace") {
+	if n := f.log.Count("[WARN]"); n != 1 || !strings.Contains(f.log.String(), "namespace") {
 		t.Errorf("%d warnings, want 1 with the policy hint:\n%s", n, f.log)
 	}
 	f.nomad.Fail(&nomadtest.Failure{Code: 502, Body: "Bad Gateway"})
 	f.clock.Advance(time.Minute)
 	f.ev.wait(t, "a 502", func(ev followEvent) bool { return ev.kind == evFailed && strings.Contains(ev.err.Error(), "502") })
-	if n := f.log.count("[WARN]"); n != 2 {
+	if n := f.log.Count("[WARN]"); n != 2 {
 		t.Errorf("%d warnings after the reason changed, want 2:\n%s", n, f.log)
 	}
 	for _, r := range f.nomad.Requests() {
@@ -244,7 +245,7 @@ func TestFollowNoAgent(t *testing.T) {
 	if _, err := f.p.Reserve([]string{"GPU-a"}); err != nil {
 		t.Fatal(err)
 	}
-	if n := f.log.count("[WARN]"); n != 1 || !strings.Contains(f.log.String(), "is the Nomad agent running") {
+	if n := f.log.Count("[WARN]"); n != 1 || !strings.Contains(f.log.String(), "is the Nomad agent running") {
 		t.Errorf("%d warnings, want 1 saying the agent is not reached:\n%s", n, f.log)
 	}
 }
@@ -327,7 +328,7 @@ func TestFollowOwnerRefused(t *testing.T) {
 	if len(active) != 1 || !isReserveOwner(active[0].OwnerID) || len(released) != 0 {
 		t.Errorf("ledger %+v, released %v; want the reservation kept with its made-up owner", active, released)
 	}
-	if n := f.log.count("cannot name a reservation after the Nomad task"); n != 1 {
+	if n := f.log.Count("cannot name a reservation after the Nomad task"); n != 1 {
 		t.Errorf("%d warnings, want 1:\n%s", n, f.log)
 	}
 }
@@ -339,7 +340,7 @@ func TestFollowQuietAtStartup(t *testing.T) {
 	s.Stop()
 	path := socketPath(t)
 	startAgent(t, fake(newSnapshots(snapshot("GPU-a")), newFakeLedger()), path)
-	ev, clk, logs := newEvents(), &fakeClock{}, &syncBuffer{}
+	ev, clk, logs := newEvents(), &fakeClock{}, &logtest.Recorder{}
 	p := New(hclog.New(&hclog.LoggerOptions{Output: logs, Level: hclog.Debug}))
 	p.clock, p.observe = clk, ev.add
 	t.Cleanup(p.Close)
@@ -352,7 +353,7 @@ func TestFollowQuietAtStartup(t *testing.T) {
 	s.Start()
 	clk.Advance(20 * time.Second)
 	ev.wait(t, "an answer", func(ev followEvent) bool { return ev.kind == evFetched })
-	if n := logs.count("[WARN]"); n != 0 || logs.count("cannot read this node's allocations from Nomad yet") == 0 {
+	if n := logs.Count("[WARN]"); n != 0 || logs.Count("cannot read this node's allocations from Nomad yet") == 0 {
 		t.Errorf("%d warnings at startup, want none (and DEBUG lines):\n%s", n, logs)
 	}
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/devicehost/devicehost/deviceplugin/deviceplugintest"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
 
 // runtimeCache reads dir as a container runtime does, with the CDI library's cache.
@@ -55,9 +56,9 @@ func simUUIDs(machine string, idx ...int) []string {
 }
 
 // newLoggedPlugin is newTestPlugin with the plugin's log captured.
-func newLoggedPlugin(t *testing.T, cfg Config) (*Plugin, *fakeClock, *lockedBuffer) {
+func newLoggedPlugin(t *testing.T, cfg Config) (*Plugin, *fakeClock, *logtest.Recorder) {
 	t.Helper()
-	logs := &lockedBuffer{}
+	logs := &logtest.Recorder{}
 	p := New(hclog.New(&hclog.LoggerOptions{Output: logs, Level: hclog.Debug}))
 	clk := newFakeClock()
 	p.clock = clk

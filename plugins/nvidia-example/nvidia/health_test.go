@@ -136,11 +136,21 @@ func TestHealthBook(t *testing.T) {
 }
 
 // scriptedEventSet answers Wait from a list, then reports timeouts; it records Free.
+// Make it with newScriptedEventSet.
 type scriptedEventSet struct {
 	nvml.EventSet
 	mu      sync.Mutex
 	results []waitResult
 	freed   bool
+	drained chan struct{} // closed once results is empty
+}
+
+func newScriptedEventSet(results []waitResult) *scriptedEventSet {
+	s := &scriptedEventSet{results: results, drained: make(chan struct{})}
+	if len(results) == 0 {
+		close(s.drained)
+	}
+	return s
 }
 
 type waitResult struct {
@@ -156,6 +166,9 @@ func (s *scriptedEventSet) Wait(uint32) (nvml.EventData, nvml.Return) {
 	}
 	r := s.results[0]
 	s.results = s.results[1:]
+	if len(s.results) == 0 {
+		close(s.drained)
+	}
 	return r.ev, r.ret
 }
 
@@ -164,12 +177,6 @@ func (s *scriptedEventSet) Free() nvml.Return {
 	defer s.mu.Unlock()
 	s.freed = true
 	return nvml.SUCCESS
-}
-
-func (s *scriptedEventSet) drained() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.results) == 0
 }
 
 // deviceWithUUID is a GPU on a driver that reports no recovery action.
@@ -220,16 +227,17 @@ func TestXIDWatchCornerCases(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			clk := newFakeClock()
-			set := &scriptedEventSet{results: tt.results}
+			set := newScriptedEventSet(tt.results)
 			w := &xidWatch{logger: hclog.NewNullLogger(), clock: clk, health: newHealthBook(time.Minute),
 				set: set, gpus: map[string]bool{"GPU-a": true, "GPU-b": true}, poll: time.Millisecond}
 			ctx, cancel := context.WithCancel(context.Background())
 			done := make(chan struct{})
 			go func() { defer close(done); w.run(ctx) }()
 
-			deadline := time.Now().Add(10 * time.Second)
-			for !set.drained() && time.Now().Before(deadline) {
-				time.Sleep(time.Millisecond)
+			select {
+			case <-set.drained:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("the watch did not take its %d scripted results within 10s", len(tt.results))
 			}
 			if tt.results[len(tt.results)-1].ret != nvml.SUCCESS {
 				clk.waitForTimerAt(t, t0.Add(waitErrorBackoff)) // backing off, not spinning

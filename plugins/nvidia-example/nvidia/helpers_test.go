@@ -22,9 +22,10 @@ var t0 = time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
 
 // fakeClock is a clock that moves only when Advance is called. Safe for concurrent use.
 type fakeClock struct {
-	mu     sync.Mutex
-	now    time.Time
-	timers []*fakeTimer
+	mu      sync.Mutex
+	now     time.Time
+	timers  []*fakeTimer
+	waiting chan struct{} // closed (and replaced) when a timer is made
 }
 
 type fakeTimer struct {
@@ -33,7 +34,7 @@ type fakeTimer struct {
 	c   chan time.Time
 }
 
-func newFakeClock() *fakeClock { return &fakeClock{now: t0} }
+func newFakeClock() *fakeClock { return &fakeClock{now: t0, waiting: make(chan struct{})} }
 
 func (c *fakeClock) Now() time.Time {
 	c.mu.Lock()
@@ -45,6 +46,8 @@ func (c *fakeClock) TimerAt(at time.Time) timer {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	t := &fakeTimer{clk: c, at: at, c: make(chan time.Time, 1)}
+	close(c.waiting)
+	c.waiting = make(chan struct{})
 	if at.After(c.now) {
 		c.timers = append(c.timers, t)
 	} else {
@@ -71,18 +74,21 @@ func (c *fakeClock) Advance(d time.Duration) {
 // has reached its select and touches nothing until the clock moves.
 func (c *fakeClock) waitForTimerAt(t *testing.T, at time.Time) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.NewTimer(10 * time.Second)
+	defer deadline.Stop()
 	for {
 		c.mu.Lock()
 		found := slices.ContainsFunc(c.timers, func(ft *fakeTimer) bool { return ft.at.Equal(at) })
+		waiting := c.waiting
 		c.mu.Unlock()
 		if found {
 			return
 		}
-		if time.Now().After(deadline) {
+		select {
+		case <-waiting:
+		case <-deadline.C:
 			t.Fatalf("nobody waited for a timer at %s", at)
 		}
-		time.Sleep(time.Millisecond)
 	}
 }
 

@@ -1,10 +1,8 @@
 package nvidia
 
 import (
-	"bytes"
 	"context"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -17,25 +15,8 @@ import (
 
 	"github.com/devicehost/devicehost/deviceplugin/deviceplugintest"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/logtest"
 )
-
-// lockedBuffer is a log sink safe for concurrent writes and reads.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 // missingNVML behaves like go-nvml when libnvidia-ml cannot be loaded: Init fails and
 // any other call would crash (here: panics, since no other function is set).
@@ -46,7 +27,7 @@ func missingNVML() nvml.Interface {
 // Without NVML and without simulate the plugin reports zero devices, says why once,
 // keeps its streams open without work and ends them when asked.
 func TestNoNVMLNoSimulate(t *testing.T) {
-	logs := &lockedBuffer{}
+	logs := &logtest.Recorder{}
 	p := New(hclog.New(&hclog.LoggerOptions{Output: logs, Level: hclog.Trace}))
 	p.clock = newFakeClock()
 	p.openNVML = missingNVML
