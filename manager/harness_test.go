@@ -30,8 +30,9 @@ import (
 // go-plugin's in-process test connection; a launcher that starts one per launch; a log recorder; and
 // startManager. Real plugin processes are in process_test.go.
 
-// testTimeout bounds every wait in these tests.
-const testTimeout = 10 * time.Second
+// testTimeout bounds every wait in these tests: a deadline a hang hits, generous for a
+// loaded 2-core machine running the race detector, never a speed check.
+const testTimeout = 30 * time.Second
 
 // fakeDevices is a device plugin whose state outlives its "processes", like hardware: a
 // relaunched plugin reports the same devices. Safe for concurrent use.
