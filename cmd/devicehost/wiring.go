@@ -24,15 +24,16 @@ import (
 //
 // The manager reports a plugin that rejects its config (manager.Config.OnConfigRejected)
 // to rejected, as a config error naming the plugin's block; serveAgent decides what it
-// means (at start, the agent exits with it).
+// means (at start, the agent exits with it). That report comes from the manager's
+// goroutines: it reads the plugin settings in force under mu.
 type realManager struct {
 	cfg      agentConfig
 	onCommit func(time.Duration, int) // told of every ledger commit when set (the metrics' ObserveLedgerCommit)
 	rejected *rejections              // where rejected configs are reported; nil: logged by the manager
 	built    *manager.Manager         // what factory built; nil before
 
-	mu     sync.Mutex   // guards blocks, which the manager's callback reads
-	blocks pluginBlocks // where the plugin blocks in force are
+	mu     sync.Mutex   // guards blocks and cfg.Plugins once factory has returned
+	blocks pluginBlocks // where the plugin blocks in force are in the config file
 }
 
 // factory is a device.Factory of the real manager.
