@@ -151,10 +151,35 @@ type Config struct {
 	// metrics; the manager does not depend on what it does.
 	OnLedgerCommit func(took time.Duration, writes int)
 
+	// OnConfigRejected, when set, is told of each plugin run that ends because the
+	// plugin rejected its config (its SetConfig answered INVALID_ARGUMENT), instead of
+	// the manager logging it: what a rejected config means (an agent that does not
+	// start, a line naming where the config came from) is the caller's to decide. The
+	// plugin is listed as failed either way and is not restarted until its binary or
+	// settings change. It is called before the failure is recorded, so before the
+	// failure can close Ready. Called from the plugin's supervisor goroutine: quick,
+	// never blocking. SetPlugins' own check of new configs returns its rejections
+	// instead.
+	OnConfigRejected func(*ConfigRejectedError)
+
 	// gcRetryMin, set by tests only, is the GC's delay before retrying a failed plugin
 	// cleanup (doubling from there); zero means the ledger's default.
 	gcRetryMin time.Duration
 }
+
+// ConfigRejectedError is a plugin's refusal of the config its settings hand it: its
+// SetConfig answered INVALID_ARGUMENT, and the error matches
+// pluginloader.ErrConfigRejected. Err is the launch's error, with the plugin's message
+// (for a real plugin, a *pluginloader.ConfigError holds it apart).
+type ConfigRejectedError struct {
+	Plugin string
+	Err    error
+}
+
+func (e *ConfigRejectedError) Error() string { return e.Err.Error() }
+
+// Unwrap returns Err.
+func (e *ConfigRejectedError) Unwrap() error { return e.Err }
 
 // ErrNoPluginDir is New's error, wrapped with the path, when Config.PluginDir does not
 // exist. (A dir removed while the manager runs is not an error: its plugins are stopped
@@ -304,6 +329,12 @@ func checkPlugins(stateDir string, plugins map[string]PluginConfig) error {
 }
 
 // equal reports whether two plugin settings launch the plugin the same way.
+// configChanged reports whether o hands the plugin another config than pc does: what
+// its SetConfig sees (ConfigJSON) or may read (its environment).
+func (pc PluginConfig) configChanged(o PluginConfig) bool {
+	return !bytes.Equal(pc.ConfigJSON, o.ConfigJSON) || !slices.Equal(pc.Env, o.Env) || pc.InheritEnv != o.InheritEnv
+}
+
 func (pc PluginConfig) equal(o PluginConfig) bool {
 	return bytes.Equal(pc.ConfigJSON, o.ConfigJSON) && pc.SHA256 == o.SHA256 &&
 		slices.Equal(pc.Env, o.Env) && pc.InheritEnv == o.InheritEnv && pc.Reattach == o.Reattach &&

@@ -68,9 +68,15 @@ func (sl *slot) hasFailed() bool {
 // for good (see docs/plugins.md#how-the-manager-runs-a-plugin) gets another try. The
 // plugin dir is listed again too, so a change there that went unnoticed is picked up.
 //
+// A plugin whose config changes (ConfigJSON, Env, InheritEnv) is first handed the new
+// config in a process of its own, beside the running one, which is stopped at once:
+// when the plugin rejects it, SetPlugins fails with a *ConfigRejectedError per such
+// plugin (joined), and the running plugins and settings stay as they were.
+//
 // It returns once the plugins to stop or restart have stopped and their replacements
 // have been started (not fingerprinted). It fails, changing nothing, when a setting
-// cannot be honoured (Reattach without StateDir) or the manager is shutting down. Safe
+// cannot be honoured (Reattach without StateDir), a plugin rejects its new config, or
+// the manager is shutting down. Safe
 // for concurrent use: calls, and the dir watcher's changes, are applied one at a time.
 func (m *Manager) SetPlugins(plugins map[string]PluginConfig) error {
 	if err := checkPlugins(m.cfg.StateDir, plugins); err != nil {
@@ -82,11 +88,76 @@ func (m *Manager) SetPlugins(plugins map[string]PluginConfig) error {
 	if m.stopping.Load() {
 		return fmt.Errorf("set plugins: %w", device.ErrShuttingDown)
 	}
+	if err := m.checkConfigsLocked(plugins); err != nil {
+		return err
+	}
 	m.pluginCfg = plugins
 	m.reconcileLocked(true)
 	if m.dir != nil {
 		m.dir.Poke()
 	}
+	return nil
+}
+
+// checkConfigsLocked hands each plugin whose config next changes (ConfigJSON, Env or
+// InheritEnv, against what its slot runs) the new config, in a fresh process of its
+// binary launched beside the running one and stopped again at once, so that a config
+// the plugin rejects is refused before the running process is stopped for it. It
+// returns those rejections, each a *ConfigRejectedError, joined; any other failure of
+// such a launch is left to the plugin's real start to report. Plugins are checked at
+// once, each within StartTimeout. Called with reconfMu held.
+func (m *Manager) checkConfigsLocked(next map[string]PluginConfig) error {
+	prev := m.pluginCfg
+	m.pluginCfg = next
+	want := m.desiredLocked()
+	m.pluginCfg = prev
+	m.supsMu.RLock()
+	var check []pluginSpec
+	for _, name := range slices.Sorted(maps.Keys(want)) {
+		spec := want[name]
+		sl := m.slots[name]
+		if spec.missing || sl == nil || sl.sup == nil || !spec.pc.configChanged(sl.spec.pc) {
+			continue
+		}
+		check = append(check, spec)
+	}
+	m.supsMu.RUnlock()
+
+	errs := make([]error, len(check))
+	var wg sync.WaitGroup
+	for i, spec := range check {
+		wg.Go(func() { errs[i] = m.checkConfig(spec) })
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// checkConfig launches spec's binary once with spec's settings, not kept across host
+// crashes whatever they say, and stops it: a *ConfigRejectedError when the plugin
+// rejected the config, nil otherwise.
+func (m *Manager) checkConfig(spec pluginSpec) error {
+	name := spec.bin.Name
+	m.log.Info("checking the plugin's new config in a process of its own before applying it", "plugin", name)
+	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.StartTimeout)
+	defer cancel()
+	p, err := m.launch(ctx, spec.bin, pluginloader.Options{
+		Logger:       m.cfg.Logger.With("config_check", true),
+		StartTimeout: m.cfg.StartTimeout,
+		SHA256:       spec.pc.SHA256,
+		Env:          spec.pc.Env,
+		InheritEnv:   spec.pc.InheritEnv,
+		ConfigJSON:   spec.pc.ConfigJSON,
+	})
+	if err != nil {
+		if errors.Is(err, pluginloader.ErrConfigRejected) {
+			return &ConfigRejectedError{Plugin: name, Err: err}
+		}
+		m.log.Debug("config check launch failed; the plugin's start will say why", "plugin", name, "error", err)
+		return nil
+	}
+	kctx, kcancel := context.WithTimeout(context.Background(), m.cfg.KillTimeout)
+	defer kcancel()
+	p.Kill(kctx)
 	return nil
 }
 
@@ -351,6 +422,13 @@ func (m *Manager) startSlot(sl *slot) {
 		sl.mu.Lock()
 		sl.failed = true
 		sl.mu.Unlock()
+		if errors.Is(err, pluginloader.ErrConfigRejected) && m.cfg.OnConfigRejected != nil {
+			// Told before the failure is recorded, which may make the manager ready: a
+			// caller that checks for rejections once Ready is closed sees this one.
+			m.cfg.OnConfigRejected(&ConfigRejectedError{Plugin: name, Err: err})
+			m.reg.Failed(name, err)
+			return
+		}
 		m.reg.Failed(name, err)
 		hint := "fix it and send the agent SIGHUP"
 		if fromDir {

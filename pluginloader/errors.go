@@ -30,6 +30,22 @@ var (
 	ErrNotPlugin = errors.New("not a devicehost plugin")
 )
 
+// ConfigError is Launch's error when the plugin rejected its config: SetConfig
+// answered INVALID_ARGUMENT. It matches ErrConfigRejected. Message is the plugin's own
+// text, escaped to one line and clipped, for a caller that reports it with where the
+// config came from.
+type ConfigError struct {
+	Plugin  string
+	Message string
+}
+
+func (e *ConfigError) Error() string {
+	return fmt.Sprintf("plugin %q: %s: %v", e.Plugin, e.Message, ErrConfigRejected)
+}
+
+// Unwrap returns ErrConfigRejected.
+func (e *ConfigError) Unwrap() error { return ErrConfigRejected }
+
 // ErrExited is wrapped by errors that are due to the plugin process having exited: from
 // Launch when the plugin dies while starting, and from RPCError.
 var ErrExited = errors.New("plugin process exited")

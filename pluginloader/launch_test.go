@@ -298,10 +298,24 @@ func TestLaunchConfigRejected(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			logs := newLogBuffer()
+			host := hclog.New(&hclog.LoggerOptions{Name: "host", Level: hclog.Info, Output: logs})
 			_, err := pluginloader.Launch(testContext(t), fixtureBinary(),
-				pluginloader.Options{Logger: testLogger(t), ConfigJSON: tt.config})
+				pluginloader.Options{Logger: host, ConfigJSON: tt.config})
 			if !errors.Is(err, pluginloader.ErrConfigRejected) || !strings.Contains(err.Error(), tt.wantMsg) {
 				t.Errorf("Launch: got %v, want ErrConfigRejected with %q", err, tt.wantMsg)
+			}
+			var ce *pluginloader.ConfigError
+			if !errors.As(err, &ce) || ce.Plugin != "fixture" || !strings.Contains(ce.Message, tt.wantMsg) {
+				t.Errorf("Launch: got %#v, want a *ConfigError of plugin \"fixture\" with %q", ce, tt.wantMsg)
+			}
+			// The kill that follows is said to be the host's, not logged as a crash.
+			got := logs.String()
+			if !strings.Contains(got, "stopping plugin after it rejected its config: plugin=fixture") {
+				t.Errorf("log does not say why the plugin is stopped:\n%s", got)
+			}
+			if strings.Contains(got, "[ERROR]") {
+				t.Errorf("log has an ERROR line for the plugin the host stopped:\n%s", got)
 			}
 		})
 	}

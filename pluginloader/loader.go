@@ -19,6 +19,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -107,6 +108,8 @@ type Plugin struct {
 	pid      int
 	reattach *plugin.ReattachConfig // nil when the plugin cannot be reattached
 	killOnce sync.Once
+	// stopping is set once Kill begins: an exit from then on is the host's doing.
+	stopping atomic.Bool
 	// cleanedUp is set by Kill once go-plugin's goroutines have ended, which orders
 	// cmd.ProcessState (written by them) before a read that checks it.
 	cleanedUp bool
@@ -183,7 +186,9 @@ func CheckDir(path string) (string, error) {
 // (checked before the binary runs), ErrNotPlugin (no go-plugin handshake with the
 // host's magic cookie), ErrProtocolVersion (go-plugin handshake or GetPluginInfo
 // without "v1"; the message names both sides' versions), ErrConfigRejected (SetConfig
-// answered INVALID_ARGUMENT; the message is the plugin's, clipped), ErrExited (the
+// answered INVALID_ARGUMENT: a *ConfigError with the plugin's message, clipped; the
+// kill that follows is logged at INFO as "stopping plugin after it rejected its
+// config"), ErrExited (the
 // plugin died while starting; the message says how), or context.DeadlineExceeded when
 // StartTimeout passed (the message names the step that did not answer). On error
 // nothing is left running.
@@ -212,7 +217,7 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 		HandshakeConfig:  deviceplugin.Handshake,
 		VersionedPlugins: deviceplugin.VersionedPlugins(nil),
 		AllowedProtocols: []plugin.Protocol{plugin.ProtocolGRPC},
-		Logger:           pluginLogger{log.Named(name)},
+		Logger:           pluginLogger{Logger: log.Named(name), stopping: &p.stopping},
 		StartTimeout:     timeout,
 		// The environment is built here (processEnv): go-plugin's own inheritance would
 		// put the host's variables after Env, so they would win over it.
@@ -347,7 +352,9 @@ func (p *Plugin) handshake(ctx, launchCtx context.Context, timeout time.Duration
 		HostVersion:     opts.HostVersion,
 	})
 	if status.Code(err) == codes.InvalidArgument && !deadlineReached(launchCtx) {
-		return fmt.Errorf("plugin %q: %s: %w", p.name, textline.Escape(status.Convert(err).Message(), maxQuoted), ErrConfigRejected)
+		// Said here, so that the kill that follows is not taken for a crash.
+		p.log.Info("stopping plugin after it rejected its config", "plugin", p.name)
+		return &ConfigError{Plugin: p.name, Message: textline.Escape(status.Convert(err).Message(), maxQuoted)}
 	}
 	if err != nil {
 		return p.launchRPCError(ctx, launchCtx, timeout, "SetConfig", err)
@@ -586,6 +593,7 @@ const escapeWait = 2 * time.Second
 // goroutines then end when that process closes them).
 func (p *Plugin) Kill(ctx context.Context) {
 	p.killOnce.Do(func() {
+		p.stopping.Store(true)
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
@@ -642,7 +650,26 @@ func (p *Plugin) forceKill() {
 // go-plugin parses the plugin's stderr lines with the logger Named returns, unless that
 // logger's level is Off. It is, so that pluginLog (ClientConfig.Stderr) alone turns
 // them into log lines; the returned logger still logs what go-plugin says itself.
-type pluginLogger struct{ hclog.Logger }
+//
+// go-plugin logs the process's exit at ERROR when it was not clean ("plugin process
+// exited: error=\"signal: killed\""). Once Kill has begun that exit is the host's
+// own doing, said where it was decided (a stop, a plugin that rejected its config),
+// so it is logged at DEBUG; an exit nobody asked for stays an ERROR.
+type pluginLogger struct {
+	hclog.Logger
+	stopping *atomic.Bool // the Plugin's: set once Kill begins
+}
+
+// goPluginExited is go-plugin's message for the exit of a process it launched.
+const goPluginExited = "plugin process exited"
+
+func (l pluginLogger) Error(msg string, args ...any) {
+	if msg == goPluginExited && l.stopping.Load() {
+		l.Logger.Debug(msg+" (stopped by the host)", args...)
+		return
+	}
+	l.Logger.Error(msg, args...)
+}
 
 func (l pluginLogger) Named(string) hclog.Logger      { return stderrOff(l) }
 func (l pluginLogger) ResetNamed(string) hclog.Logger { return stderrOff(l) }

@@ -43,6 +43,8 @@ type agentArgs struct {
 	dev bool
 	// set holds the flags given explicitly; they win over -dev's settings too.
 	set map[string]bool
+	// blocks is where the config file's plugin blocks are; nil without -config.
+	blocks pluginBlocks
 }
 
 // parseAgentArgs reads the agent's flags and config file: defaults, then the file,
@@ -67,8 +69,10 @@ func parseAgentArgs(env *cmdEnv, args []string) (agentArgs, error) {
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 
 	cfg := def
+	var blocks pluginBlocks
 	if *configPath != "" {
-		if err := loadConfigFile(*configPath, &cfg); err != nil {
+		var err error
+		if blocks, err = loadConfig(*configPath, &cfg); err != nil {
 			return agentArgs{}, err
 		}
 	}
@@ -96,7 +100,7 @@ func parseAgentArgs(env *cmdEnv, args []string) (agentArgs, error) {
 	if err := checkMetrics(cfg); err != nil {
 		return agentArgs{}, usageError{err.Error()}
 	}
-	return agentArgs{cfg: cfg, dev: *dev, set: set}, nil
+	return agentArgs{cfg: cfg, dev: *dev, set: set, blocks: blocks}, nil
 }
 
 // runAgent is `devicehost agent`.
@@ -152,9 +156,10 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 		}
 		onCommit = mx.ObserveLedgerCommit
 	}
-	mgr := &realManager{cfg: cfg, onCommit: onCommit}
+	rejected := newRejections()
+	mgr := &realManager{cfg: cfg, onCommit: onCommit, rejected: rejected, blocks: a.blocks}
 	r := &reloader{env: env, args: args, devDir: devDir, log: log, cur: cfg, setPlugins: mgr.setPlugins}
-	return serveAgent(ctx, cfg, log, mgr.factory, mx, banner, reloadHook{signals: hup, apply: r.reload})
+	return serveAgent(ctx, cfg, log, mgr.factory, mx, banner, reloadHook{signals: hup, apply: r.reload, rejected: rejected})
 }
 
 // devConfig turns cfg into -dev's: socket and state in dir, no plugin dir, and the
@@ -215,7 +220,9 @@ var devDeviceIDs = []string{"GPU-*", "MIG-*"}
 // metrics, then the manager. banner, if set, is called once the API is listening. mx
 // nil means no metrics; otherwise cfg.MetricsListen must be set. reload.apply runs for
 // each reload signal, between the other events (under systemd, between RELOADING=1 and
-// READY=1 once the agent was ready).
+// READY=1 once the agent was ready). A plugin config rejection reported to
+// reload.rejected before the manager is ready stops the agent: serveAgent shuts down
+// and returns it.
 func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManager device.Factory, mx *metrics.Metrics, banner func(endpoint.Address), reload reloadHook) error {
 	addr, err := endpoint.Parse(cfg.Listen)
 	if err != nil {
@@ -292,11 +299,26 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManag
 	// Under systemd (Type=notify): READY=1 when the manager is ready, which is what
 	// turns health SERVING; STOPPING=1 as shutdown begins.
 	ready := mgr.Ready()
-	var serveErr error
+	var serveErr, startErr error
 wait:
 	for {
 		select {
+		case <-reload.rejected.ready():
+			errs := reload.rejected.take()
+			if ready != nil {
+				// Still starting: a config a plugin rejects is the agent's config error.
+				startErr = errors.Join(errs...)
+				break wait
+			}
+			for _, err := range errs {
+				log.Error("plugin rejected its config and will not run until its block is fixed and the agent gets SIGHUP", "error", err.Error())
+			}
 		case <-ready:
+			// A rejection is reported before it can make the manager ready.
+			if errs := reload.rejected.take(); len(errs) > 0 {
+				startErr = errors.Join(errs...)
+				break wait
+			}
 			ready = nil
 			sdNotify(log, daemon.SdNotifyReady)
 		case <-reload.signals:
@@ -335,6 +357,9 @@ wait:
 	}
 	<-metricsDone
 	shutdownManager(mgr, log)
+	if startErr != nil {
+		return startErr
+	}
 	if serveErr != nil {
 		return fmt.Errorf("serve the host API on %s: %w", lis.Address, serveErr)
 	}

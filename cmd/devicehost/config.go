@@ -171,10 +171,21 @@ type configSchema struct {
 // loadConfigFile reads an HCL (or, for a .json name, HCL JSON) config file over cfg.
 // Every problem is reported with the file, line and key.
 func loadConfigFile(path string, cfg *agentConfig) error {
+	_, err := loadConfig(path, cfg)
+	return err
+}
+
+// pluginBlocks says where each plugin block of a config file is (its `plugin "name"`
+// header), by plugin name, for errors about a block found after the file was loaded: a
+// config the plugin rejects.
+type pluginBlocks map[string]hcl.Range
+
+// loadConfig is loadConfigFile, which also returns where the file's plugin blocks are.
+func loadConfig(path string, cfg *agentConfig) (pluginBlocks, error) {
 	var fs fileSchema
 	diags, err := decodeConfigFile(path, &fs)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	d := decoder{diags: diags}
 	d.address(fs.Listen, false, &cfg.Listen)
@@ -200,7 +211,7 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 	d.str(fs.MetricsTLSKey, &cfg.MetricsTLS.Key)
 	d.str(fs.MetricsTLSCA, &cfg.MetricsTLS.CA)
 
-	seen := map[string]hcl.Range{}
+	seen := pluginBlocks{}
 	for _, p := range fs.Plugins {
 		if first, dup := seen[p.Name]; dup {
 			d.diags = append(d.diags, &hcl.Diagnostic{
@@ -241,9 +252,9 @@ func loadConfigFile(path string, cfg *agentConfig) error {
 		}
 	}
 	if d.diags.HasErrors() {
-		return diagError(path, d.diags)
+		return nil, diagError(path, d.diags)
 	}
-	return nil
+	return seen, nil
 }
 
 // decoder converts attributes to Go values, collecting diagnostics that point at the

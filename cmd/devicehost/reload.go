@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"maps"
 	"os"
@@ -13,9 +14,15 @@ import (
 // reloadHook is how serveAgent re-reads its configuration: apply runs, in serveAgent's
 // own goroutine and once its manager runs, for each value from signals (SIGHUP). The
 // zero value never reloads.
+//
+// rejected, when set, reports plugins that rejected the config the running
+// configuration gives them: one before the manager is ready is an error of the agent's
+// config, which serveAgent stops with; a later one (a plugin added to the plugin dir,
+// or restarted) is logged.
 type reloadHook struct {
-	signals <-chan os.Signal
-	apply   func()
+	signals  <-chan os.Signal
+	apply    func()
+	rejected *rejections
 }
 
 // reloader re-reads the agent's configuration on SIGHUP: the command line again (so the
@@ -23,7 +30,9 @@ type reloadHook struct {
 // can change live is applied: the plugin blocks (through the manager's SetPlugins) and
 // log_level (on the root logger, so every logger named from it follows). The rest is
 // logged as needing a restart and left as it runs. A file that does not load is refused
-// with the same file:line message as at start, and nothing changes.
+// with the same file:line message as at start, and nothing changes; so is a file whose
+// plugin blocks give a plugin a config it rejects (the manager checks each new config
+// before it stops the running plugin for it).
 //
 // Used from serveAgent's goroutine only.
 type reloader struct {
@@ -32,8 +41,9 @@ type reloader struct {
 	devDir string   // -dev's temporary dir; "" without -dev
 	log    hclog.Logger
 	cur    agentConfig // the running configuration
-	// setPlugins hands plugin blocks to the running manager: realManager.setPlugins.
-	setPlugins func(agentConfig) error
+	// setPlugins hands plugin blocks, and where they are in the file, to the running
+	// manager: realManager.setPlugins. A *pluginConfigRejected refuses the reload.
+	setPlugins func(agentConfig, pluginBlocks) error
 }
 
 // reload re-reads the configuration and applies it to the running manager.
@@ -50,12 +60,24 @@ func (r *reloader) reload() {
 	}
 	running := r.cur
 
+	// The new level first, so that plugins restarted for their new settings log at it.
 	if next.LogLevel != running.LogLevel {
 		r.log.SetLevel(hclog.LevelFromString(next.LogLevel))
+	}
+	err = r.setPlugins(next, a.blocks)
+	var rejected *pluginConfigRejected
+	if errors.As(err, &rejected) {
+		// A plugin rejected its new config: the file is refused as a whole, as one that
+		// does not load is, and nothing has changed (the plugins still run).
+		r.log.SetLevel(hclog.LevelFromString(running.LogLevel))
+		r.log.Error("configuration reload refused; the running configuration is kept", "error", err.Error())
+		return
+	}
+	if next.LogLevel != running.LogLevel {
 		r.log.Info("log level changed", "from", running.LogLevel, "to", next.LogLevel)
 		running.LogLevel = next.LogLevel
 	}
-	if err := r.setPlugins(next); err != nil {
+	if err != nil {
 		r.log.Error("plugin settings not applied; the running ones are kept", "error", err)
 	} else {
 		running.Plugins = next.Plugins

@@ -121,3 +121,27 @@ func TestParseConfigCDISpecDir(t *testing.T) {
 		}
 	}
 }
+
+// An unknown key is named with the known key it most likely meant, as the agent names
+// its own.
+func TestParseConfigSuggestsKnownKey(t *testing.T) {
+	tests := []struct {
+		name string
+		json string
+		want string // the whole error
+	}{
+		{"transposed", `{"mgi":"on-demand"}`, `config: json: unknown field "mgi" (did you mean "mig"?)`},
+		{"missing letter", `{"simulate":"dgxh100","replica":2}`, `config: json: unknown field "replica" (did you mean "replicas"?)`},
+		{"in a fault", `{"simulate":"dgxh100","inject_faults":[{"gpu_index":0,"xid":79,"afer":"1s"}]}`,
+			`config: json: unknown field "afer" (did you mean "after"?)`},
+		{"nothing near", `{"colour":"green"}`, `config: json: unknown field "colour"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := parseConfig([]byte(tt.json))
+			if err == nil || err.Error() != tt.want {
+				t.Errorf("parseConfig(%s): got %v, want %s", tt.json, err, tt.want)
+			}
+		})
+	}
+}
