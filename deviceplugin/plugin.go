@@ -56,6 +56,21 @@ type Releaser interface {
 	Release(ctx context.Context, reservationID string, deviceIDs []string) error
 }
 
+// ConfigChecker is implemented by plugins that can tell whether SetConfig would accept
+// a config without applying it. The host calls CheckConfig on the running process
+// before it restarts the plugin for a new config (an agent reload), so a config the
+// plugin rejects is refused while the running one serves on. Plugins without it answer
+// UNIMPLEMENTED, and the host applies the config as it always has.
+//
+// CheckConfig must parse and validate configJSON exactly as SetConfig does and return
+// the error SetConfig would return for it (it becomes INVALID_ARGUMENT, as SetConfig's
+// does), and must change nothing: no hardware, no files, no plugin state; the config in
+// force stays. It may be called at any time, before SetConfig too, concurrently with
+// every other call.
+type ConfigChecker interface {
+	CheckConfig(ctx context.Context, configJSON []byte) error
+}
+
 // LiveReservation is one reservation the host holds live, as Reconcile hands it over.
 type LiveReservation struct {
 	ID        string
