@@ -329,12 +329,6 @@ func checkPlugins(stateDir string, plugins map[string]PluginConfig) error {
 }
 
 // equal reports whether two plugin settings launch the plugin the same way.
-// configChanged reports whether o hands the plugin another config than pc does: what
-// its SetConfig sees (ConfigJSON) or may read (its environment).
-func (pc PluginConfig) configChanged(o PluginConfig) bool {
-	return !bytes.Equal(pc.ConfigJSON, o.ConfigJSON) || !slices.Equal(pc.Env, o.Env) || pc.InheritEnv != o.InheritEnv
-}
-
 func (pc PluginConfig) equal(o PluginConfig) bool {
 	return bytes.Equal(pc.ConfigJSON, o.ConfigJSON) && pc.SHA256 == o.SHA256 &&
 		slices.Equal(pc.Env, o.Env) && pc.InheritEnv == o.InheritEnv && pc.Reattach == o.Reattach &&
