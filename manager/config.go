@@ -168,9 +168,10 @@ type Config struct {
 }
 
 // ConfigRejectedError is a plugin's refusal of the config its settings hand it: its
-// SetConfig answered INVALID_ARGUMENT, and the error matches
-// pluginloader.ErrConfigRejected. Err is the launch's error, with the plugin's message
-// (for a real plugin, a *pluginloader.ConfigError holds it apart).
+// SetConfig (at a start) or CheckConfig (SetPlugins' check) answered INVALID_ARGUMENT,
+// and the error matches pluginloader.ErrConfigRejected. Err is the launch's or the
+// check's error, with the plugin's message (for a real plugin, a
+// *pluginloader.ConfigError holds it apart).
 type ConfigRejectedError struct {
 	Plugin string
 	Err    error
