@@ -1,8 +1,9 @@
 // Package deviceplugin is the SDK for device plugin authors.
 //
-// A plugin author implements Plugin (and, optionally, Releaser) and calls Serve from
-// main. The messages are the protocol's own protobuf types (package devicepluginv1), so
-// what a plugin builds is exactly what goes on the wire and what the host validates.
+// A plugin author implements Plugin (and, optionally, Releaser, Reconciler and
+// ConfigChecker) and calls Serve from main. The messages are the protocol's own
+// protobuf types (package devicepluginv1), so what a plugin builds is exactly what goes
+// on the wire and what the host validates.
 //
 // The same package holds the go-plugin glue the host uses to talk to a plugin: the
 // handshake, the plugin set and the gRPC client side.
