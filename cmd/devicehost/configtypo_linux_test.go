@@ -105,6 +105,11 @@ func TestAgentRefusesAReloadWithAPluginConfigTypo(t *testing.T) {
 	if n := agent.logCount("configuration reloaded"); n != 0 {
 		t.Errorf("%d lines say the configuration was reloaded, want 0", n)
 	}
+	// The running process checked the config (CheckConfig): no process was launched
+	// with it, so none was stopped for rejecting it.
+	if n := agent.logCount("stopping plugin after it rejected its config"); n != 0 {
+		t.Errorf("%d plugin processes were launched with the refused config, want 0", n)
+	}
 
 	// The plugin that ran serves on, the same process, with the same devices.
 	if got := childPID(t, agent.Cmd.Process.Pid, "plugin", "nvidia-example"); got != pluginPID {
