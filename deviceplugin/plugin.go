@@ -1,8 +1,9 @@
 // Package deviceplugin is the SDK for device plugin authors.
 //
-// A plugin author implements Plugin (and, optionally, Releaser) and calls Serve from
-// main. The messages are the protocol's own protobuf types (package devicepluginv1), so
-// what a plugin builds is exactly what goes on the wire and what the host validates.
+// A plugin author implements Plugin (and, optionally, Releaser, Reconciler and
+// ConfigChecker) and calls Serve from main. The messages are the protocol's own
+// protobuf types (package devicepluginv1), so what a plugin builds is exactly what goes
+// on the wire and what the host validates.
 //
 // The same package holds the go-plugin glue the host uses to talk to a plugin: the
 // handshake, the plugin set and the gRPC client side.
@@ -54,6 +55,21 @@ type Plugin interface {
 // again for the same reservation, and that call must succeed and change nothing.
 type Releaser interface {
 	Release(ctx context.Context, reservationID string, deviceIDs []string) error
+}
+
+// ConfigChecker is implemented by plugins that can tell whether SetConfig would accept
+// a config without applying it. The host calls CheckConfig on the running process
+// before it restarts the plugin for a new config (an agent reload), so a config the
+// plugin rejects is refused while the running one serves on. Plugins without it answer
+// UNIMPLEMENTED, and the host applies the config as it always has.
+//
+// CheckConfig must parse and validate configJSON exactly as SetConfig does and return
+// the error SetConfig would return for it (it becomes INVALID_ARGUMENT, as SetConfig's
+// does), and must change nothing: no hardware, no files, no plugin state; the config in
+// force stays. It may be called at any time, before SetConfig too, concurrently with
+// every other call.
+type ConfigChecker interface {
+	CheckConfig(ctx context.Context, configJSON []byte) error
 }
 
 // LiveReservation is one reservation the host holds live, as Reconcile hands it over.

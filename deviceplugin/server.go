@@ -15,7 +15,7 @@ import (
 // Server adapts a Plugin to the generated pb.DevicePluginServer; it is what Serve
 // registers. It is safe for concurrent use and holds no resources of its own.
 //
-// Errors: SetConfig's error becomes INVALID_ARGUMENT with its message; an error that
+// Errors: SetConfig's and CheckConfig's errors become INVALID_ARGUMENT with their message; an error that
 // already carries a gRPC status keeps it; a stream whose context ended answers with the
 // context's code (CANCELED / DEADLINE_EXCEEDED); other errors reach the host as UNKNOWN
 // with their message. Fingerprint, Stats and Reserve before the first SetConfig are
@@ -51,10 +51,30 @@ func (s *Server) SetConfig(ctx context.Context, req *pb.SetConfigRequest) (*pb.S
 			"host chose protocol version %q, plugin speaks [%s]", v, ProtocolVersion)
 	}
 	if err := s.impl.SetConfig(ctx, req.GetConfigJson()); err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+		return nil, configError(err)
 	}
 	s.configured.Store(true)
 	return &pb.SetConfigResponse{}, nil
+}
+
+// CheckConfig calls impl's CheckConfig when it implements ConfigChecker, else answers
+// UNIMPLEMENTED (the host then applies a new config without checking it first). It
+// needs no SetConfig before it.
+func (s *Server) CheckConfig(ctx context.Context, req *pb.CheckConfigRequest) (*pb.CheckConfigResponse, error) {
+	chk, ok := s.impl.(ConfigChecker)
+	if !ok {
+		return nil, status.Error(codes.Unimplemented, "plugin does not implement CheckConfig")
+	}
+	if err := chk.CheckConfig(ctx, req.GetConfigJson()); err != nil {
+		return nil, configError(err)
+	}
+	return &pb.CheckConfigResponse{}, nil
+}
+
+// configError is how a config the plugin refuses reaches the host, from SetConfig and
+// CheckConfig alike: INVALID_ARGUMENT with the error's message.
+func configError(err error) error {
+	return status.Error(codes.InvalidArgument, err.Error())
 }
 
 // Fingerprint runs impl.Fingerprint until the stream's context ends.

@@ -499,3 +499,58 @@ func TestExamplePlugin(t *testing.T) {
 	_, err = c.Reserve(ctx, &pb.ReserveRequest{DeviceIds: []string{"w9"}})
 	wantCode(t, "Reserve w9", err, codes.Unknown)
 }
+
+// checkingPlugin adds CheckConfig to funcPlugin.
+type checkingPlugin struct {
+	funcPlugin
+	checkConfig func(ctx context.Context, cfg []byte) error
+}
+
+func (p *checkingPlugin) CheckConfig(ctx context.Context, cfg []byte) error {
+	return p.checkConfig(ctx, cfg)
+}
+
+// CheckConfig reaches a ConfigChecker, with or without SetConfig before it, and its
+// refusal is INVALID_ARGUMENT with its message, as SetConfig's is; a plugin without
+// it answers UNIMPLEMENTED.
+func TestCheckConfig(t *testing.T) {
+	req := &pb.CheckConfigRequest{ConfigJson: []byte(`{"a":1}`)}
+	t.Run("unimplemented", func(t *testing.T) {
+		setConfigs := 0
+		c := deviceplugintest.Connect(t, &funcPlugin{setConfig: func(context.Context, []byte) error {
+			setConfigs++
+			return nil
+		}})
+		_, err := c.CheckConfig(testContext(t), req)
+		wantCode(t, "CheckConfig", err, codes.Unimplemented)
+		if setConfigs != 0 {
+			t.Errorf("CheckConfig of a plugin without it called SetConfig %d times, want 0", setConfigs)
+		}
+	})
+	tests := []struct {
+		name     string
+		implErr  error
+		wantCode codes.Code
+		wantMsg  string
+	}{
+		{name: "accepted", wantCode: codes.OK},
+		{name: "rejected", implErr: errors.New("a: must be a string"), wantCode: codes.InvalidArgument, wantMsg: "a: must be a string"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			seen := make(chan []byte, 1)
+			c := deviceplugintest.Connect(t, &checkingPlugin{checkConfig: func(_ context.Context, cfg []byte) error {
+				seen <- cfg
+				return tt.implErr
+			}})
+			_, err := c.CheckConfig(testContext(t), req) // before any SetConfig
+			wantCode(t, "CheckConfig", err, tt.wantCode)
+			if got := status.Convert(err).Message(); tt.wantMsg != "" && got != tt.wantMsg {
+				t.Errorf("CheckConfig message: got %q, want %q", got, tt.wantMsg)
+			}
+			if got := <-seen; string(got) != string(req.ConfigJson) {
+				t.Errorf("config the plugin saw: got %q, want %q", got, req.ConfigJson)
+			}
+		})
+	}
+}

@@ -168,9 +168,10 @@ type Config struct {
 }
 
 // ConfigRejectedError is a plugin's refusal of the config its settings hand it: its
-// SetConfig answered INVALID_ARGUMENT, and the error matches
-// pluginloader.ErrConfigRejected. Err is the launch's error, with the plugin's message
-// (for a real plugin, a *pluginloader.ConfigError holds it apart).
+// SetConfig (at a start) or CheckConfig (SetPlugins' check) answered INVALID_ARGUMENT,
+// and the error matches pluginloader.ErrConfigRejected. Err is the launch's or the
+// check's error, with the plugin's message (for a real plugin, a
+// *pluginloader.ConfigError holds it apart).
 type ConfigRejectedError struct {
 	Plugin string
 	Err    error
@@ -329,12 +330,6 @@ func checkPlugins(stateDir string, plugins map[string]PluginConfig) error {
 }
 
 // equal reports whether two plugin settings launch the plugin the same way.
-// configChanged reports whether o hands the plugin another config than pc does: what
-// its SetConfig sees (ConfigJSON) or may read (its environment).
-func (pc PluginConfig) configChanged(o PluginConfig) bool {
-	return !bytes.Equal(pc.ConfigJSON, o.ConfigJSON) || !slices.Equal(pc.Env, o.Env) || pc.InheritEnv != o.InheritEnv
-}
-
 func (pc PluginConfig) equal(o PluginConfig) bool {
 	return bytes.Equal(pc.ConfigJSON, o.ConfigJSON) && pc.SHA256 == o.SHA256 &&
 		slices.Equal(pc.Env, o.Env) && pc.InheritEnv == o.InheritEnv && pc.Reattach == o.Reattach &&

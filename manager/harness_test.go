@@ -264,6 +264,11 @@ func startInproc(t testing.TB, impl deviceplugin.Plugin) (*inproc, error) {
 func (p *inproc) Client() pb.DevicePluginClient   { return p.Conn.Client() }
 func (p *inproc) Info() *pb.GetPluginInfoResponse { return p.info }
 
+// CheckConfig is pluginloader's CheckConfig, on the in-process connection.
+func (p *inproc) CheckConfig(ctx context.Context, configJSON []byte) error {
+	return pluginloader.CheckConfig(ctx, p.info.GetName(), p, p.Client(), configJSON)
+}
+
 // exit makes the plugin "die": Exited closes with reason and its server stops.
 func (p *inproc) exit(reason string) { p.Exit(reason) }
 

@@ -1,6 +1,7 @@
 package manager
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -68,10 +69,10 @@ func (sl *slot) hasFailed() bool {
 // for good (see docs/plugins.md#how-the-manager-runs-a-plugin) gets another try. The
 // plugin dir is listed again too, so a change there that went unnoticed is picked up.
 //
-// A plugin whose config changes (ConfigJSON, Env, InheritEnv) is first handed the new
-// config in a process of its own, beside the running one, which is stopped at once:
-// when the plugin rejects it, SetPlugins fails with a *ConfigRejectedError per such
-// plugin (joined), and the running plugins and settings stay as they were.
+// A plugin whose ConfigJSON changes is first asked, on its running process, whether it
+// accepts the new config (CheckConfig, which changes nothing in it; see
+// checkConfigsLocked): when it rejects it, SetPlugins fails with a *ConfigRejectedError
+// per such plugin (joined), and the running plugins and settings stay as they were.
 //
 // It returns once the plugins to stop or restart have stopped and their replacements
 // have been started (not fingerprinted). It fails, changing nothing, when a setting
@@ -99,65 +100,80 @@ func (m *Manager) SetPlugins(plugins map[string]PluginConfig) error {
 	return nil
 }
 
-// checkConfigsLocked hands each plugin whose config next changes (ConfigJSON, Env or
-// InheritEnv, against what its slot runs) the new config, in a fresh process of its
-// binary launched beside the running one and stopped again at once, so that a config
-// the plugin rejects is refused before the running process is stopped for it. It
-// returns those rejections, each a *ConfigRejectedError, joined; any other failure of
-// such a launch is left to the plugin's real start to report. Plugins are checked at
-// once, each within StartTimeout. Called with reconfMu held.
+// checkConfigsLocked asks the running process of each plugin whose ConfigJSON next
+// changes whether it accepts the new config (CheckConfig: the plugin validates it as
+// SetConfig would, changing nothing), so that a config the plugin rejects is refused
+// before the running process is stopped for it. It returns those rejections, each a
+// *ConfigRejectedError, joined.
+//
+// A plugin is asked only when its process answers for what the new settings launch:
+// the same binary and the same environment (see askRunning). Any other plugin, one not
+// running, one without CheckConfig (UNIMPLEMENTED) and a check that fails otherwise are
+// not checked: the new config is applied, and a rejection at its start goes to
+// OnConfigRejected. No process is launched for a check. Plugins are asked at once,
+// each within StartTimeout. Called with reconfMu held.
 func (m *Manager) checkConfigsLocked(next map[string]PluginConfig) error {
 	prev := m.pluginCfg
 	m.pluginCfg = next
 	want := m.desiredLocked()
 	m.pluginCfg = prev
+	type check struct {
+		name string
+		sup  *supervise.Supervisor
+		cfg  []byte
+	}
+	var checks []check
 	m.supsMu.RLock()
-	var check []pluginSpec
 	for _, name := range slices.Sorted(maps.Keys(want)) {
 		spec := want[name]
 		sl := m.slots[name]
-		if spec.missing || sl == nil || sl.sup == nil || !spec.pc.configChanged(sl.spec.pc) {
+		if spec.missing || sl == nil || sl.sup == nil || !askRunning(sl.spec, spec) {
 			continue
 		}
-		check = append(check, spec)
+		checks = append(checks, check{name: name, sup: sl.sup, cfg: spec.pc.ConfigJSON})
 	}
 	m.supsMu.RUnlock()
 
-	errs := make([]error, len(check))
+	errs := make([]error, len(checks))
 	var wg sync.WaitGroup
-	for i, spec := range check {
-		wg.Go(func() { errs[i] = m.checkConfig(spec) })
+	for i, c := range checks {
+		wg.Go(func() { errs[i] = m.checkConfig(c.name, c.sup, c.cfg) })
 	}
 	wg.Wait()
 	return errors.Join(errs...)
 }
 
-// checkConfig launches spec's binary once with spec's settings, not kept across host
-// crashes whatever they say, and stops it: a *ConfigRejectedError when the plugin
-// rejected the config, nil otherwise.
-func (m *Manager) checkConfig(spec pluginSpec) error {
-	name := spec.bin.Name
-	m.log.Info("checking the plugin's new config in a process of its own before applying it", "plugin", name)
+// askRunning reports whether a change from the settings a process runs with (run) to
+// next is one to check on that process: its ConfigJSON changes, and the process is what
+// next would launch but for the config, the same binary (path, arguments, file, SHA256
+// pin) in the same environment (Env, InheritEnv). A process of another binary or
+// environment could answer otherwise than the plugin's next start will; an Env or
+// InheritEnv change alone is not checked.
+func askRunning(run, next pluginSpec) bool {
+	return !bytes.Equal(run.pc.ConfigJSON, next.pc.ConfigJSON) &&
+		!run.missing && run.fromDir == next.fromDir &&
+		run.bin.Path == next.bin.Path && slices.Equal(run.bin.Args, next.bin.Args) &&
+		run.file.SameContent(next.file) && run.pc.SHA256 == next.pc.SHA256 &&
+		slices.Equal(run.pc.Env, next.pc.Env) && run.pc.InheritEnv == next.pc.InheritEnv
+}
+
+// checkConfig asks sup's running process about configJSON, within StartTimeout: a
+// *ConfigRejectedError when the plugin rejects it, nil otherwise (accepted, or not
+// checked: then its start will say).
+func (m *Manager) checkConfig(name string, sup *supervise.Supervisor, configJSON []byte) error {
 	ctx, cancel := context.WithTimeout(context.Background(), m.cfg.StartTimeout)
 	defer cancel()
-	p, err := m.launch(ctx, spec.bin, pluginloader.Options{
-		Logger:       m.cfg.Logger.With("config_check", true),
-		StartTimeout: m.cfg.StartTimeout,
-		SHA256:       spec.pc.SHA256,
-		Env:          spec.pc.Env,
-		InheritEnv:   spec.pc.InheritEnv,
-		ConfigJSON:   spec.pc.ConfigJSON,
-	})
-	if err != nil {
-		if errors.Is(err, pluginloader.ErrConfigRejected) {
-			return &ConfigRejectedError{Plugin: name, Err: err}
-		}
-		m.log.Debug("config check launch failed; the plugin's start will say why", "plugin", name, "error", err)
-		return nil
+	err := sup.CheckConfig(ctx, configJSON)
+	switch {
+	case err == nil:
+		m.log.Debug("running plugin accepts its new config", "plugin", name)
+	case errors.Is(err, pluginloader.ErrConfigRejected):
+		return &ConfigRejectedError{Plugin: name, Err: err}
+	case errors.Is(err, pluginloader.ErrConfigCheckUnsupported):
+		m.log.Debug("plugin cannot check a config before it is applied; its new config is not checked", "plugin", name)
+	default:
+		m.log.Debug("new config not checked on the running plugin; its start will tell", "plugin", name, "error", err)
 	}
-	kctx, kcancel := context.WithTimeout(context.Background(), m.cfg.KillTimeout)
-	defer kcancel()
-	p.Kill(kctx)
 	return nil
 }
 

@@ -30,8 +30,13 @@ var (
 	ErrNotPlugin = errors.New("not a devicehost plugin")
 )
 
+// ErrConfigCheckUnsupported is wrapped by CheckConfig's error when the plugin does not
+// implement CheckConfig (it answered UNIMPLEMENTED): whether it accepts a config is
+// only known once SetConfig is handed it.
+var ErrConfigCheckUnsupported = errors.New("plugin cannot check a config without applying it")
+
 // ConfigError is Launch's error when the plugin rejected its config: SetConfig
-// answered INVALID_ARGUMENT. It matches ErrConfigRejected. Message is the plugin's own
+// answered INVALID_ARGUMENT; and CheckConfig's, when CheckConfig did. It matches ErrConfigRejected. Message is the plugin's own
 // text, escaped to one line and clipped, for a caller that reports it with where the
 // config came from.
 type ConfigError struct {

@@ -298,7 +298,7 @@ func TestLaunchConfigRejected(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			logs := newLogBuffer()
+			logs := &logtest.Recorder{}
 			host := hclog.New(&hclog.LoggerOptions{Name: "host", Level: hclog.Info, Output: logs})
 			_, err := pluginloader.Launch(testContext(t), fixtureBinary(),
 				pluginloader.Options{Logger: host, ConfigJSON: tt.config})

@@ -59,12 +59,12 @@ func TestAgentExitsOnAPluginConfigTypo(t *testing.T) {
 	path, addr := writeTypoConfig(t, typoConfig)
 	agent := startAgentProcess(t, addr, "agent", "-dev", "-config", path, "-listen", addr.String())
 
-	err := agent.waitExit(ctx)
+	err := agent.Wait(ctx)
 	var exit *exec.ExitError
 	if !errors.As(err, &exit) || exit.ExitCode() != 1 {
 		t.Fatalf("agent with a plugin config typo: %v, want exit status 1", err)
 	}
-	stderr := strings.Join(agent.stderr.snapshot(), "\n")
+	stderr := strings.Join(agent.Stderr.Lines(), "\n")
 	want := path + `:3,1: Plugin config rejected; plugin "nvidia-example": config: json: unknown field "mgi" (did you mean "mig"?)`
 	if !strings.Contains(stderr, want) {
 		t.Errorf("stderr does not say %q:\n%s", want, stderr)
@@ -89,12 +89,12 @@ func TestAgentRefusesAReloadWithAPluginConfigTypo(t *testing.T) {
 	defer stopWatch()
 	client := agent.client(t, watchCtx)
 	_, before := healthyGPUs(t, ctx, client)
-	pluginPID := childPID(t, agent.cmd.Process.Pid, "plugin", "nvidia-example")
+	pluginPID := childPID(t, agent.Cmd.Process.Pid, "plugin", "nvidia-example")
 
 	if err := os.WriteFile(path, []byte(typoConfig), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := agent.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+	if err := agent.Cmd.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
 	refused := agent.waitLog(t, ctx, "configuration reload refused; the running configuration is kept", nil)
@@ -105,25 +105,30 @@ func TestAgentRefusesAReloadWithAPluginConfigTypo(t *testing.T) {
 	if n := agent.logCount("configuration reloaded"); n != 0 {
 		t.Errorf("%d lines say the configuration was reloaded, want 0", n)
 	}
+	// The running process checked the config (CheckConfig): no process was launched
+	// with it, so none was stopped for rejecting it.
+	if n := agent.logCount("stopping plugin after it rejected its config"); n != 0 {
+		t.Errorf("%d plugin processes were launched with the refused config, want 0", n)
+	}
 
 	// The plugin that ran serves on, the same process, with the same devices.
-	if got := childPID(t, agent.cmd.Process.Pid, "plugin", "nvidia-example"); got != pluginPID {
+	if got := childPID(t, agent.Cmd.Process.Pid, "plugin", "nvidia-example"); got != pluginPID {
 		t.Errorf("plugin process %d, then %d: the refused reload restarted it", pluginPID, got)
 	}
 	if _, after := healthyGPUs(t, ctx, client); strings.Join(after, ",") != strings.Join(before, ",") {
 		t.Errorf("healthy GPUs after the refused reload: %v, want %v", after, before)
 	}
-	for _, l := range agent.stderr.snapshot() {
+	for _, l := range agent.Stderr.Lines() {
 		if strings.Contains(l, `"@level":"error"`) && !strings.Contains(l, "configuration reload refused") {
 			t.Errorf("ERROR line beside the refusal: %s", l)
 		}
 	}
 
 	stopWatch()
-	if err := agent.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := agent.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	if err := agent.waitExit(ctx); err != nil {
+	if err := agent.Wait(ctx); err != nil {
 		t.Errorf("agent exit after SIGTERM: %v, want 0", err)
 	}
 }

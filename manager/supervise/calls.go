@@ -44,6 +44,21 @@ func (s *Supervisor) Release(ctx context.Context, reservationID string, deviceID
 	return err
 }
 
+// ErrNotRunning is CheckConfig's error, wrapped, when no process of the plugin runs
+// (between runs, or after it failed for good).
+var ErrNotRunning = errors.New("plugin not running")
+
+// CheckConfig asks the running process whether it would accept configJSON, changing
+// nothing in it (see pluginloader's (*Plugin).CheckConfig for its errors), bounded by
+// ctx and the process's exit. It fails with ErrNotRunning when no process runs.
+func (s *Supervisor) CheckConfig(ctx context.Context, configJSON []byte) error {
+	p := s.Current()
+	if p == nil {
+		return fmt.Errorf("plugin %q: %w", s.name, ErrNotRunning)
+	}
+	return p.CheckConfig(ctx, configJSON)
+}
+
 // call runs one unary RPC on the running plugin, bounded by ctx, ReserveTimeout and the
 // plugin's exit, and wraps its failure with the manager's sentinel errors. A failure
 // that looks like a dead connection is an exit when pluginloader.RPCError says so.

@@ -31,6 +31,9 @@ type Plugin interface {
 	// what pluginloader.CallContext and RPCError read to tell a plugin's exit from a
 	// failed RPC.
 	pluginloader.Process
+	// CheckConfig asks the process whether it would accept configJSON, changing
+	// nothing in it; its errors are pluginloader's (*Plugin).CheckConfig's.
+	CheckConfig(ctx context.Context, configJSON []byte) error
 	// Kill stops the process (gracefully, then forcefully when ctx ends); called exactly
 	// once per launched plugin.
 	Kill(ctx context.Context)
@@ -109,8 +112,8 @@ type Config struct {
 
 // Supervisor owns one plugin: it launches it, consumes its fingerprints and stats, and
 // restarts it with backoff when it fails. Run is its only long-lived goroutine (with the
-// per-run stream goroutines it starts and joins). Reserve, Release and Current may be
-// called from any goroutine.
+// per-run stream goroutines it starts and joins). Reserve, Release, CheckConfig and
+// Current may be called from any goroutine.
 type Supervisor struct {
 	name   string
 	bin    pluginloader.Binary

@@ -162,6 +162,10 @@ type Plugin struct {
 	// claims (the binary sets it from FIXTURE_INFO_PROTOCOLS). Used by the server that
 	// Server returns.
 	InfoProtocolVersions []string
+	// NoCheckConfig, when set, makes the server that Server returns answer CheckConfig
+	// with UNIMPLEMENTED, as a plugin without it does (the binary sets it from
+	// FIXTURE_NO_CHECK_CONFIG=1).
+	NoCheckConfig bool
 
 	mu        sync.Mutex
 	cfg       Config
@@ -171,8 +175,9 @@ type Plugin struct {
 }
 
 var (
-	_ deviceplugin.Plugin   = (*Plugin)(nil)
-	_ deviceplugin.Releaser = (*Plugin)(nil)
+	_ deviceplugin.Plugin        = (*Plugin)(nil)
+	_ deviceplugin.Releaser      = (*Plugin)(nil)
+	_ deviceplugin.ConfigChecker = (*Plugin)(nil)
 )
 
 // New returns a fixture plugin with the default config.
@@ -187,35 +192,13 @@ func (p *Plugin) Info() deviceplugin.Info {
 
 // SetConfig reads the knobs. Unknown knobs are refused, so a typo in a test fails loudly.
 func (p *Plugin) SetConfig(ctx context.Context, configJSON []byte) error {
-	var cfg Config
-	if len(bytes.TrimSpace(configJSON)) > 0 {
-		dec := json.NewDecoder(bytes.NewReader(configJSON))
-		dec.DisallowUnknownFields()
-		if err := dec.Decode(&cfg); err != nil {
-			return fmt.Errorf("fixture config: %w", err)
-		}
-	}
-	if cfg.RejectConfig != "" {
-		return errors.New(cfg.RejectConfig)
+	cfg, err := parseConfig(configJSON)
+	if err != nil {
+		return err
 	}
 	if cfg.SetConfigHang {
 		<-ctx.Done()
 		return ctx.Err()
-	}
-	if len(cfg.Groups) == 0 {
-		cfg.Groups = DefaultGroups()
-	}
-	if cfg.FingerprintPadBytes < 0 || cfg.LogFlood < 0 {
-		return errors.New("fixture config: fingerprint_pad_bytes and log_flood must be 0 or more")
-	}
-	if cfg.FingerprintEndAfter < 0 {
-		return fmt.Errorf("fixture config: fingerprint_end_after: must be 0 or more, got %d", cfg.FingerprintEndAfter)
-	}
-	if cfg.AttributeBytes < 0 || cfg.AttributeBytes > MaxAttributeBytes {
-		return fmt.Errorf("fixture config: attribute_bytes: must be 0 to %d, got %d", MaxAttributeBytes, cfg.AttributeBytes)
-	}
-	if cfg.StatsValueBytes < 0 || cfg.StatsValueBytes > MaxStatsValueBytes {
-		return fmt.Errorf("fixture config: stats_value_bytes: must be 0 to %d, got %d", MaxStatsValueBytes, cfg.StatsValueBytes)
 	}
 
 	p.mu.Lock()
@@ -248,6 +231,45 @@ func (p *Plugin) SetConfig(ctx context.Context, configJSON []byte) error {
 		log.Info(fmt.Sprintf("fixture: flood line %d", i))
 	}
 	return nil
+}
+
+// CheckConfig refuses what SetConfig refuses (reject_config included), with the same
+// message, and changes nothing: set_config_hang, exit_after and the log knobs are
+// SetConfig's doing only.
+func (p *Plugin) CheckConfig(_ context.Context, configJSON []byte) error {
+	_, err := parseConfig(configJSON)
+	return err
+}
+
+// parseConfig decodes and checks the knobs; no groups means DefaultGroups.
+func parseConfig(configJSON []byte) (Config, error) {
+	var cfg Config
+	if len(bytes.TrimSpace(configJSON)) > 0 {
+		dec := json.NewDecoder(bytes.NewReader(configJSON))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&cfg); err != nil {
+			return Config{}, fmt.Errorf("fixture config: %w", err)
+		}
+	}
+	if cfg.RejectConfig != "" {
+		return Config{}, errors.New(cfg.RejectConfig)
+	}
+	if len(cfg.Groups) == 0 {
+		cfg.Groups = DefaultGroups()
+	}
+	if cfg.FingerprintPadBytes < 0 || cfg.LogFlood < 0 {
+		return Config{}, errors.New("fixture config: fingerprint_pad_bytes and log_flood must be 0 or more")
+	}
+	if cfg.FingerprintEndAfter < 0 {
+		return Config{}, fmt.Errorf("fixture config: fingerprint_end_after: must be 0 or more, got %d", cfg.FingerprintEndAfter)
+	}
+	if cfg.AttributeBytes < 0 || cfg.AttributeBytes > MaxAttributeBytes {
+		return Config{}, fmt.Errorf("fixture config: attribute_bytes: must be 0 to %d, got %d", MaxAttributeBytes, cfg.AttributeBytes)
+	}
+	if cfg.StatsValueBytes < 0 || cfg.StatsValueBytes > MaxStatsValueBytes {
+		return Config{}, fmt.Errorf("fixture config: stats_value_bytes: must be 0 to %d, got %d", MaxStatsValueBytes, cfg.StatsValueBytes)
+	}
+	return cfg, nil
 }
 
 // stderr is where log_raw goes: Stderr, or os.Stderr.
@@ -506,9 +528,14 @@ func (p *Plugin) Release(_ context.Context, reservationID string, deviceIDs []st
 }
 
 // Server returns the gRPC server for p: the SDK's adapter, with GetPluginInfo's
-// protocol versions replaced when InfoProtocolVersions is set.
+// protocol versions replaced when InfoProtocolVersions is set, and without CheckConfig
+// when NoCheckConfig is.
 func (p *Plugin) Server() pb.DevicePluginServer {
-	s := deviceplugin.NewServer(p)
+	var impl deviceplugin.Plugin = p
+	if p.NoCheckConfig {
+		impl = checkless{Plugin: p, Releaser: p}
+	}
+	s := deviceplugin.NewServer(impl)
 	if len(p.InfoProtocolVersions) == 0 {
 		return s
 	}
@@ -527,4 +554,10 @@ func (s *infoOverride) GetPluginInfo(ctx context.Context, req *pb.GetPluginInfoR
 	}
 	resp.ProtocolVersions = s.versions
 	return resp, nil
+}
+
+// checkless is the fixture without CheckConfig: the SDK answers it UNIMPLEMENTED.
+type checkless struct {
+	deviceplugin.Plugin
+	deviceplugin.Releaser
 }

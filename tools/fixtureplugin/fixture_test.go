@@ -403,7 +403,37 @@ func TestSetConfigRejects(t *testing.T) {
 			if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("SetConfig(%s): got %v, want INVALID_ARGUMENT naming %q", tt.config, err, tt.want)
 			}
+			// CheckConfig refuses it alike, with the same message.
+			_, cerr := c.CheckConfig(testContext(t), &pb.CheckConfigRequest{ConfigJson: []byte(tt.config)})
+			if status.Code(cerr) != codes.InvalidArgument || status.Convert(cerr).Message() != status.Convert(err).Message() {
+				t.Errorf("CheckConfig(%s): got %v, want SetConfig's %v", tt.config, cerr, err)
+			}
 		})
+	}
+}
+
+// CheckConfig of a good config changes nothing: the running config stays.
+func TestCheckConfigChangesNothing(t *testing.T) {
+	p := fixtureplugin.New()
+	t.Cleanup(p.Stop)
+	running := fixtureplugin.Config{Groups: []fixtureplugin.Group{{Vendor: "fixture", Type: "widget", Name: "running", IDs: []string{"r0"}}}}
+	if err := p.SetConfig(testContext(t), running.JSON()); err != nil {
+		t.Fatalf("SetConfig: %v", err)
+	}
+	other := fixtureplugin.Config{Groups: []fixtureplugin.Group{{Vendor: "fixture", Type: "widget", Name: "other", IDs: []string{"o0"}}}}
+	if err := p.CheckConfig(testContext(t), other.JSON()); err != nil {
+		t.Fatalf("CheckConfig: %v", err)
+	}
+	ctx, cancel := context.WithCancel(testContext(t))
+	defer cancel()
+	var got []*pb.DeviceGroup
+	_ = p.Fingerprint(ctx, func(m *pb.FingerprintResponse) error {
+		got = m.GetGroups()
+		cancel()
+		return nil
+	})
+	if len(got) != 1 || got[0].GetName() != "running" {
+		t.Errorf("inventory after CheckConfig: %v, want the running config's group", got)
 	}
 }
 

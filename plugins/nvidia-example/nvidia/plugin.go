@@ -66,7 +66,10 @@ type Plugin struct {
 	closed bool
 }
 
-var _ deviceplugin.Plugin = (*Plugin)(nil)
+var (
+	_ deviceplugin.Plugin        = (*Plugin)(nil)
+	_ deviceplugin.ConfigChecker = (*Plugin)(nil)
+)
 
 // New returns an unconfigured plugin that logs to logger (hclog.NewNullLogger when nil).
 func New(logger hclog.Logger) *Plugin {
@@ -197,6 +200,31 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 	}
 	p.rt = rt
 	return nil
+}
+
+// CheckConfig refuses what SetConfig would refuse, with the same message, and changes
+// nothing: no GPU, no file, no state of the plugin. It checks the keys and values
+// (parseConfig) and, with simulate, the simulator's state file (read only, and only
+// when SetConfig would read it: not the file of the machine that runs) and the GPUs
+// that inject_faults name. What only applying shows is not checked: whether the GPUs
+// offer mig_layout's profiles (SetConfig creates the instances), and the CDI spec
+// directory. MIG mode, the layout and the CDI spec are SetConfig's alone. Safe to call
+// at any time, beside every other call.
+func (p *Plugin) CheckConfig(_ context.Context, configJSON []byte) error {
+	s, err := parseConfig(configJSON)
+	if err != nil || s.simulate == "" {
+		return err
+	}
+	uuids := simulatedUUIDs(s.simulate)
+	p.mu.Lock()
+	loaded := p.sim != nil && p.sim.path == s.simStateFile && p.sim.machine == s.simulate
+	p.mu.Unlock()
+	if !loaded {
+		if _, err := loadSimMIG(s.simStateFile, s.simulate, uuids); err != nil {
+			return err
+		}
+	}
+	return checkFaults(s.faults, uuids)
 }
 
 // openRealNVML returns the initialised NVML library, or nil with one log line when

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -140,24 +141,16 @@ func newSimLib(name string, clk clock, mig *simMIG) *simLib {
 // scheduleFaults turns checked fault specs into XID events counted from start. It is
 // called once, before the library is shared.
 func (l *simLib) scheduleFaults(start time.Time, faults []faultSpec) error {
+	uuids := make([]string, len(l.devices))
+	for i, d := range l.devices {
+		uuids[i] = d.uuid
+	}
 	for _, f := range faults {
-		var dev *simDevice
-		if f.gpuIndex >= 0 {
-			if f.gpuIndex >= len(l.devices) {
-				return fmt.Errorf("config: %s.gpu_index = %d: the simulated machine has GPUs 0 to %d",
-					f.key, f.gpuIndex, len(l.devices)-1)
-			}
-			dev = l.devices[f.gpuIndex]
-		} else {
-			for _, d := range l.devices {
-				if d.uuid == f.gpuID {
-					dev = d
-				}
-			}
-			if dev == nil {
-				return fmt.Errorf("config: %s.gpu_id = %q: no such simulated GPU", f.key, f.gpuID)
-			}
+		i, err := faultGPU(f, uuids)
+		if err != nil {
+			return err
 		}
+		dev := l.devices[i]
 		l.faults = append(l.faults, &simFault{at: start.Add(f.after), device: dev, xid: f.xid})
 		if f.action != nil {
 			a := simAction{device: dev, from: start.Add(f.after), action: *f.action}
@@ -172,6 +165,32 @@ func (l *simLib) scheduleFaults(start time.Time, faults []faultSpec) error {
 		}
 	}
 	return nil
+}
+
+// checkFaults refuses faults that name no GPU of a simulated machine whose GPUs have
+// uuids (by index), as scheduleFaults does.
+func checkFaults(faults []faultSpec, uuids []string) error {
+	for _, f := range faults {
+		if _, err := faultGPU(f, uuids); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// faultGPU is the index of the simulated GPU that f names, among GPUs with uuids.
+func faultGPU(f faultSpec, uuids []string) (int, error) {
+	if f.gpuIndex >= 0 {
+		if f.gpuIndex >= len(uuids) {
+			return 0, fmt.Errorf("config: %s.gpu_index = %d: the simulated machine has GPUs 0 to %d",
+				f.key, f.gpuIndex, len(uuids)-1)
+		}
+		return f.gpuIndex, nil
+	}
+	if i := slices.Index(uuids, f.gpuID); i >= 0 {
+		return i, nil
+	}
+	return 0, fmt.Errorf("config: %s.gpu_id = %q: no such simulated GPU", f.key, f.gpuID)
 }
 
 func (l *simLib) DeviceGetCount() (int, nvml.Return) { return len(l.devices), nvml.SUCCESS }
