@@ -1,6 +1,7 @@
 // Package backoff is the one jittered exponential backoff of devicehost: the manager's
 // plugin restarts and stats stream reopenings, the ledger GC's cleanup retries and the
-// client's watch reconnects all wait by it.
+// client's watch reconnects all wait by it; it is public because the kubelet bridge's
+// registrar and the Nomad shim (module integrations/nomad) wait by it too.
 //
 // A delay starts at Base, doubles with every failure in a row up to Max, and is spread
 // by ±Fraction (20%) of jitter, so that many waiters that failed together do not retry

@@ -4,6 +4,7 @@
 // field, a table cell or a log value: Line for prose, Escape for text that must reach
 // the reader as it was, Words for a caller that quotes what is not printable itself.
 // All three cut at a character boundary within their limit and read no more than needed.
+// It is public because the Nomad module (its API client and shim) prints untrusted text too.
 // See docs/plugins.md#what-a-plugin-cannot-do-to-the-agent.
 package textline
 

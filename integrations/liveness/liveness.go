@@ -4,7 +4,8 @@
 // probe to restart a component that is stuck: NOT_SERVING while one of its loops has not
 // come back to the select it waits in for StallTimeout (see Monitor.Loop), while it has
 // not reached the agent for AgentTimeout, and once Run's context has ended; SERVING
-// again as soon as none holds. See docs/kubernetes.md#install-with-helm (Probes).
+// again as soon as none holds. Public for the DRA driver, a module of its own.
+// See docs/kubernetes.md#install-with-helm (Probes).
 package liveness
 
 import (
