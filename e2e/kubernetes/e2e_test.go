@@ -279,9 +279,6 @@ func (s *stack) restartKubelet(t *testing.T, i int, quiet time.Duration) {
 	}
 	lag := regAt.Sub(sockAt)
 	t.Logf("restart %d: kubelet.sock back; bridge registered %v after it (seen %v after)", i, lag.Round(time.Millisecond), d.Round(time.Millisecond))
-	if lag > 5*time.Second {
-		t.Errorf("restart %d: bridge registered %v after the new kubelet.sock, want within 5 s", i, lag)
-	}
 	// No failed registration after it; stop at the first one. A failed try while the
 	// kubelet was starting is logged, not counted.
 	var early, errs []string
