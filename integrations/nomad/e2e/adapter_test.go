@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -17,8 +18,7 @@ import (
 const exampleGroup = "nomad/file/mock" // the example plugin's vendor/type/name
 
 // exampleUnderAgent is Nomad's example device plugin, run by the devicehost agent
-// through the adapter (plugin "nomad-example"), with a second adapter ("nomad-broken")
-// whose Nomad config the example plugin rejects.
+// through the adapter (plugin "nomad-example").
 type exampleUnderAgent struct {
 	bins    map[string]string
 	devDir  string
@@ -43,7 +43,6 @@ func startExampleUnderAgent(t *testing.T) *exampleUnderAgent {
 		}
 	}
 	install(t, bins[adapterName], pluginDir, "nomad-example")
-	install(t, bins[adapterName], pluginDir, "nomad-broken")
 	config := fmt.Sprintf(`
 listen         = %q
 plugin_dir     = %q
@@ -60,14 +59,7 @@ plugin "nomad-example" {
     }
   }
 }
-
-plugin "nomad-broken" {
-  config {
-    nomad_plugin = %q
-    nomad_config = { list_period = "soon" } # the object form works too
-  }
-}
-`, e.address, pluginDir, filepath.Join(tmp, "state"), bins[exampleName], e.devDir, bins[exampleName])
+`, e.address, pluginDir, filepath.Join(tmp, "state"), bins[exampleName], e.devDir)
 	cfgPath := filepath.Join(tmp, "devicehost.hcl")
 	if err := os.WriteFile(cfgPath, []byte(config), 0o600); err != nil {
 		t.Fatal(err)
@@ -85,8 +77,7 @@ plugin "nomad-broken" {
 // Nomad's example device plugin, built unmodified from Nomad v1.6.3, runs under the
 // real devicehost agent through the adapter: its devices show in `devicehost devices`,
 // Reserve returns its mounts, a file made unhealthy shows unhealthy, its stats arrive,
-// a SIGKILL of it recovers, and a Nomad config it rejects fails its plugin for good
-// with the example's own message.
+// and a SIGKILL of it recovers.
 func TestNomadExamplePluginUnderAgent(t *testing.T) {
 	e := startExampleUnderAgent(t)
 	c := dial(t, e.address)
@@ -179,11 +170,47 @@ func TestNomadExamplePluginUnderAgent(t *testing.T) {
 	if err != nil || len(rs) != 1 {
 		t.Errorf("job-1's reservations after the crash: %v, %v; want one active", rs, err)
 	}
+}
 
-	// The rejected config: failed for good, with the example plugin's own message.
-	if p := byName["nomad-broken"]; p.GetStatus() != pb.PluginStatus_PLUGIN_STATUS_FAILED ||
-		!strings.Contains(p.GetLastError(), `failed to parse list period "soon"`) {
-		t.Errorf("nomad-broken: %v; want failed, with the example's message about list_period", p)
+// A Nomad config that Nomad's example plugin rejects is a config error of the agent's:
+// it exits 1 naming the plugin block's file:line and the example plugin's own message.
+func TestNomadConfigRejectedStopsTheAgent(t *testing.T) {
+	bins := build(t)
+	tmp := tempDir(t, "dhnr")
+	pluginDir := filepath.Join(tmp, "plugins")
+	if err := os.Mkdir(pluginDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	install(t, bins[adapterName], pluginDir, "nomad-broken")
+	config := fmt.Sprintf(`listen     = %q
+plugin_dir = %q
+state_dir  = %q
+
+plugin "nomad-broken" {
+  config {
+    nomad_plugin = %q
+    nomad_config = { list_period = "soon" } # the object form works too
+  }
+}
+`, "unix://"+filepath.Join(tmp, "dh.sock"), pluginDir, filepath.Join(tmp, "state"), bins[exampleName])
+	cfgPath := filepath.Join(tmp, "devicehost.hcl")
+	if err := os.WriteFile(cfgPath, []byte(config), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	agent := startAgent(t, bins[agentName], tmp, "agent", "-config", cfgPath)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	err := agent.Wait(ctx)
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 1 {
+		t.Fatalf("agent with a Nomad config the plugin rejects: %v, want exit status 1", err)
+	}
+	out := strings.Join(agent.Stdout.Lines(), "\n")
+	if want := cfgPath + `:5,1: Plugin config rejected; plugin "nomad-broken"`; !strings.Contains(out, want) {
+		t.Errorf("output does not say %q:\n%s", want, out)
+	}
+	if !strings.Contains(out, `failed to parse list period "soon"`) {
+		t.Errorf("output does not carry the example plugin's message about list_period:\n%s", out)
 	}
 }
 
