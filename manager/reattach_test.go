@@ -23,6 +23,7 @@ import (
 	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/proc"
 )
 
 // These tests keep real plugin processes across a "crash" of the host (PluginConfig.Reattach).
@@ -185,26 +186,14 @@ func fixtureChildren(t *testing.T) []int {
 	if err != nil {
 		t.Fatal(err)
 	}
-	entries, err := os.ReadDir("/proc")
+	kids, err := proc.Children(os.Getpid())
 	if err != nil {
 		t.Fatal(err)
 	}
 	var out []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		stat, err := os.ReadFile("/proc/" + e.Name() + "/stat")
-		if err != nil {
-			continue // gone meanwhile
-		}
-		f := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
-		if len(f) < 2 || f[1] != strconv.Itoa(os.Getpid()) {
-			continue
-		}
-		if exe, err := os.Readlink("/proc/" + e.Name() + "/exe"); err == nil && alive(pid) && exe == want {
-			out = append(out, pid)
+	for _, p := range kids {
+		if p.Exe == want && !p.Zombie() {
+			out = append(out, p.PID)
 		}
 	}
 	return out

@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -23,6 +22,7 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/tools/agenttest"
+	"github.com/devicehost/devicehost/tools/proc"
 )
 
 // The end-to-end tests run the devicehost binary (agenttest.Binary, built once) as a
@@ -148,36 +148,17 @@ func childPID(t *testing.T, parent int, args ...string) int {
 // findChildPID returns the child of parent whose command line contains all of args, or
 // 0 when there is none.
 func findChildPID(parent int, args ...string) (int, error) {
-	entries, err := os.ReadDir("/proc")
+	kids, err := proc.Children(parent)
 	if err != nil {
 		return 0, err
 	}
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
-		if err != nil {
-			continue
-		}
-		// pid (comm) state ppid ...; comm may hold spaces and parentheses.
-		rest := string(stat[strings.LastIndexByte(string(stat), ')')+1:])
-		fields := strings.Fields(rest)
-		if len(fields) < 2 || fields[1] != strconv.Itoa(parent) {
-			continue
-		}
-		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err != nil {
-			continue
-		}
-		argv := strings.Join(strings.Split(string(cmdline), "\x00"), " ")
-		all := true
+	for _, p := range kids {
+		all := p.Argv != nil
 		for _, a := range args {
-			all = all && strings.Contains(argv, a)
+			all = all && strings.Contains(p.Cmdline(), a)
 		}
 		if all {
-			return pid, nil
+			return p.PID, nil
 		}
 	}
 	return 0, nil

@@ -7,13 +7,14 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/devicehost/devicehost/tools/proc"
 )
 
 // TestRealNode runs devicehost's agent and kubelet bridge, as the DaemonSet runs them,
@@ -303,23 +304,10 @@ func (s *stack) pluginPID() int {
 		return 0
 	}
 	exe := filepath.Join(s.ds.pluginDir, "nvidia-example")
-	entries, _ := os.ReadDir("/proc")
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		if got, _ := os.Readlink(fmt.Sprintf("/proc/%d/exe", pid)); got != exe {
-			continue
-		}
-		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if err != nil {
-			continue
-		}
-		// Fields after the command name (which may hold spaces) in parentheses.
-		f := strings.Fields(string(stat[strings.LastIndexByte(string(stat), ')')+1:]))
-		if len(f) > 1 && f[1] == strconv.Itoa(s.agent.cmd.Process.Pid) {
-			return pid
+	kids, _ := proc.Children(s.agent.cmd.Process.Pid)
+	for _, p := range kids {
+		if p.Exe == exe {
+			return p.PID
 		}
 	}
 	return 0

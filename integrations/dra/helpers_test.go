@@ -6,8 +6,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -35,6 +33,7 @@ import (
 	"github.com/devicehost/devicehost/server/servertest"
 	"github.com/devicehost/devicehost/tools/agenttest"
 	"github.com/devicehost/devicehost/tools/logtest"
+	"github.com/devicehost/devicehost/tools/proc"
 )
 
 const (
@@ -431,22 +430,11 @@ func taintOf(devs []resourceapi.Device, name, key string) (resourceapi.DeviceTai
 
 // pluginPIDs are the agent's child processes (its plugins).
 func pluginPIDs(a *agenttest.Process) []int {
+	kids, _ := proc.Children(a.Cmd.Process.Pid)
 	var out []int
-	entries, _ := os.ReadDir("/proc")
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
-		if err != nil {
-			continue
-		}
-		// pid (comm) state ppid ...
-		s := string(stat)
-		fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
-		if len(fields) > 1 && fields[1] == strconv.Itoa(a.Cmd.Process.Pid) && fields[0] != "Z" {
-			out = append(out, pid)
+	for _, p := range kids {
+		if !p.Zombie() {
+			out = append(out, p.PID)
 		}
 	}
 	return out

@@ -30,6 +30,7 @@ import (
 
 	"github.com/devicehost/devicehost/client"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/proc"
 )
 
 func main() {
@@ -510,23 +511,10 @@ func lister(ctx context.Context, address string, calls *atomic.Int64, errs *tall
 
 // childPID returns the child of parent whose command line contains arg, or 0.
 func childPID(parent int, arg string) int {
-	entries, _ := os.ReadDir("/proc")
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
-		if err != nil {
-			continue
-		}
-		fields := strings.Fields(string(stat[strings.LastIndexByte(string(stat), ')')+1:]))
-		if len(fields) < 2 || fields[1] != strconv.Itoa(parent) {
-			continue
-		}
-		if cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline")); err == nil &&
-			slices.Contains(strings.Split(string(cmdline), "\x00"), arg) {
-			return pid
+	kids, _ := proc.Children(parent)
+	for _, p := range kids {
+		if slices.Contains(p.Argv, arg) {
+			return p.PID
 		}
 	}
 	return 0

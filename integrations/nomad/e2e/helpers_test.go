@@ -6,14 +6,12 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -27,6 +25,7 @@ import (
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/tools/agenttest"
+	"github.com/devicehost/devicehost/tools/proc"
 )
 
 const testTimeout = 60 * time.Second
@@ -219,29 +218,13 @@ func findDevice(snap *pb.FingerprintResponse, group, id string) *pb.Device {
 // processes returns the IDs of the running processes whose executable is exe and
 // whose arguments after the program name start with args.
 func processes(exe string, args ...string) []int {
-	entries, _ := os.ReadDir("/proc")
+	all, _ := proc.List()
 	var pids []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
+	for _, p := range all {
+		if p.Exe != exe || p.Zombie() || len(p.Argv) < 1+len(args) || !equal(p.Argv[1:1+len(args)], args) {
 			continue
 		}
-		link, err := os.Readlink(filepath.Join("/proc", e.Name(), "exe"))
-		if err != nil || link != exe {
-			continue
-		}
-		cmdline, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err != nil {
-			continue
-		}
-		argv := strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00")
-		if len(argv) < 1+len(args) || !equal(argv[1:1+len(args)], args) {
-			continue
-		}
-		if st, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil && zombie(st) {
-			continue
-		}
-		pids = append(pids, pid)
+		pids = append(pids, p.PID)
 	}
 	return pids
 }
@@ -256,12 +239,6 @@ func equal(a, b []string) bool {
 		}
 	}
 	return true
-}
-
-// zombie reports whether /proc/PID/stat says the process is a zombie.
-func zombie(stat []byte) bool {
-	i := bytes.LastIndexByte(stat, ')')
-	return i >= 0 && i+2 < len(stat) && stat[i+2] == 'Z'
 }
 
 // onlyProcess waits until exactly one process runs exe with args and returns it.

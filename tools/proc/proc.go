@@ -1,0 +1,87 @@
+// Package proc lists the processes of this Linux machine from /proc, for tests and
+// tools that must see what an agent started (its plugins, their children) or left
+// behind: one reader of /proc/<pid>/stat, cmdline and exe instead of one per test.
+package proc
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+)
+
+// Process is one process as List read it.
+type Process struct {
+	PID   int
+	PPID  int
+	State byte     // the state letter of /proc/<pid>/stat: 'R', 'S', 'Z'...
+	Exe   string   // the /proc/<pid>/exe link; "" where it cannot be read
+	Argv  []string // from /proc/<pid>/cmdline; nil where it cannot be read
+}
+
+// Zombie reports whether the process has exited and waits to be reaped.
+func (p Process) Zombie() bool { return p.State == 'Z' }
+
+// Cmdline is Argv joined with spaces.
+func (p Process) Cmdline() string { return strings.Join(p.Argv, " ") }
+
+// List reads every process in /proc. A process that goes away while List reads it is
+// left out.
+func List() ([]Process, error) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil, err
+	}
+	var out []Process
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		p, ok := read(pid)
+		if ok {
+			out = append(out, p)
+		}
+	}
+	return out, nil
+}
+
+// Children returns the processes whose parent is ppid, zombies included.
+func Children(ppid int) ([]Process, error) {
+	all, err := List()
+	if err != nil {
+		return nil, err
+	}
+	var out []Process
+	for _, p := range all {
+		if p.PPID == ppid {
+			out = append(out, p)
+		}
+	}
+	return out, nil
+}
+
+// read reads one process; false when it is gone or its stat cannot be parsed.
+func read(pid int) (Process, bool) {
+	dir := filepath.Join("/proc", strconv.Itoa(pid))
+	stat, err := os.ReadFile(filepath.Join(dir, "stat"))
+	if err != nil {
+		return Process{}, false
+	}
+	// pid (comm) state ppid ...: comm may hold spaces and parentheses.
+	fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+	if len(fields) < 2 || len(fields[0]) != 1 {
+		return Process{}, false
+	}
+	ppid, err := strconv.Atoi(fields[1])
+	if err != nil {
+		return Process{}, false
+	}
+	p := Process{PID: pid, PPID: ppid, State: fields[0][0]}
+	p.Exe, _ = os.Readlink(filepath.Join(dir, "exe"))
+	if cmdline, err := os.ReadFile(filepath.Join(dir, "cmdline")); err == nil && len(cmdline) > 0 {
+		p.Argv = strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00")
+	}
+	return p, true
+}

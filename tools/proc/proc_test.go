@@ -1,0 +1,62 @@
+package proc
+
+import (
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"testing"
+)
+
+// A child this test starts is listed as its child, with its executable and arguments,
+// and as a zombie once it exited and before it is reaped.
+func TestChildren(t *testing.T) {
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		t.Skip("no sleep(1):", err)
+	}
+	cmd := exec.Command(sleep, "1000")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+
+	kids, err := Children(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	i := slices.IndexFunc(kids, func(p Process) bool { return p.PID == cmd.Process.Pid })
+	if i < 0 {
+		t.Fatalf("children of %d = %+v, want %d among them", os.Getpid(), kids, cmd.Process.Pid)
+	}
+	want, _ := os.Readlink("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/exe")
+	if p := kids[i]; p.PPID != os.Getpid() || p.Exe != want || !slices.Equal(p.Argv, []string{sleep, "1000"}) || p.Zombie() {
+		t.Errorf("child = %+v, want parent %d, exe %s, argv [%s 1000], not a zombie", p, os.Getpid(), want, sleep)
+	}
+
+	// Killed and not yet reaped: a zombie, still our child.
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	waitZombie(t, cmd.Process.Pid)
+}
+
+func waitZombie(t *testing.T, pid int) {
+	t.Helper()
+	// A SIGKILLed child turns zombie as soon as the kernel has delivered the signal, and
+	// stays one until Wait reaps it (at cleanup): poll its state until then; a hang is
+	// bounded by go test's deadline.
+	for {
+		kids, err := Children(os.Getpid())
+		if err != nil {
+			t.Fatal(err)
+		}
+		i := slices.IndexFunc(kids, func(p Process) bool { return p.PID == pid })
+		if i < 0 {
+			t.Fatalf("killed child %d no longer listed before it was reaped", pid)
+		}
+		if kids[i].Zombie() {
+			return
+		}
+	}
+}
