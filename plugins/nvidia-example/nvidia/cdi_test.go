@@ -177,6 +177,32 @@ func TestCDISpecFollowsTheInventory(t *testing.T) {
 	}
 }
 
+// A plugin the host stops takes its spec away (a helm uninstall leaves no spec naming
+// GPUs nobody serves); a plugin that never configured CDI has nothing to remove.
+func TestCDISpecRemovedAtShutdown(t *testing.T) {
+	dir := t.TempDir()
+	p, _, logs := newLoggedPlugin(t, Config{Simulate: "dgxh100", CDISpecDir: &dir})
+	s := startFingerprint(t, p)
+	s.next(t)
+	if got := len(cdiDevices(t, dir)); got != 8 {
+		t.Fatalf("spec has %d GPUs, want 8", got)
+	}
+	if err := s.stop(t); err != nil {
+		t.Fatalf("Fingerprint: %v", err)
+	}
+	p.Shutdown()
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		t.Errorf("spec dir after Shutdown holds %v, want nothing", entries)
+	}
+	if !strings.Contains(logs.String(), "CDI spec removed at shutdown") {
+		t.Errorf("log lacks the removal:\n%s", logs)
+	}
+	if _, err := p.Reserve(context.Background(), []string{simUUIDs("dgxh100", 0)[0]}); err == nil {
+		t.Error("Reserve after Shutdown succeeded, want the plugin closed")
+	}
+	New(hclog.NewNullLogger()).Shutdown() // never configured: nothing to remove, no panic
+}
+
 // A spec dir that cannot be written is logged once, naming the path and why, while
 // the plugin goes on fingerprinting and reserving; once the dir is fixed the next
 // re-read writes the spec.

@@ -92,7 +92,11 @@ func New(logger hclog.Logger) *Plugin {
 // call it. It does not Close the plugin: a stream may still be inside an NVML event
 // wait, and process exit releases NVML anyway.
 func Main() {
-	deviceplugin.Serve(New(deviceplugin.Logger()))
+	p := New(deviceplugin.Logger())
+	deviceplugin.Serve(p)
+	// Serve returns when the host stops the plugin (an agent that stops, a helm
+	// uninstall), not when the plugin crashes or is killed.
+	p.Shutdown()
 }
 
 // runtime is everything one successful SetConfig decided. It never changes; a later
@@ -249,6 +253,23 @@ func (p *Plugin) openRealNVML() nvml.Interface {
 	driver, _ := p.nvml.SystemGetDriverVersion()
 	p.logger.Info("using NVML", "driver_version", driver)
 	return p.nvml
+}
+
+// Shutdown is Close for a plugin the host has stopped: its CDI spec goes too, since
+// nobody keeps its devices up to date any more and a runtime must not resolve them. The
+// next plugin to start writes it again before it reports a GPU.
+func (p *Plugin) Shutdown() {
+	p.mu.Lock()
+	rt := p.rt
+	p.mu.Unlock()
+	if rt != nil && rt.cdi != nil {
+		if err := rt.cdi.w.Remove(); err != nil {
+			p.logger.Warn("CDI spec not removed at shutdown", "error", err)
+		} else {
+			p.logger.Info("CDI spec removed at shutdown", "path", rt.cdi.w.Path())
+		}
+	}
+	p.Close()
 }
 
 // Close shuts NVML down. Call it once every other call has returned; the plugin
