@@ -3,6 +3,7 @@
 # grpc_health_probe for the health checks. Builds as docs/operations.md, "Build and Docker", says.
 #
 #   docker build -t devicehost .
+#   scripts/image -o devicehost.tar     # the same without Docker (buildah), for ctr images import
 #   docker run --rm -v /run/devicehost:/run/devicehost devicehost agent -dev -listen unix:///run/devicehost/devicehost.sock
 
 FROM golang:1.26-trixie AS build
@@ -13,7 +14,10 @@ ENV CGO_ENABLED=1 CGO_CFLAGS="-O2 -g -Wno-deprecated-declarations"
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
-RUN go build -trimpath -o /out/devicehost ./cmd/devicehost \
+# The version `devicehost version` prints and the agent logs (scripts/image passes the git
+# commit); declared after the download so a new version reuses its layer.
+ARG VERSION=dev
+RUN go build -trimpath -ldflags "-X main.version=${VERSION}" -o /out/devicehost ./cmd/devicehost \
  && go build -trimpath -o /out/plugins/nvidia-example ./plugins/nvidia-example \
  && (cd integrations/dra && CGO_ENABLED=0 go build -trimpath -o /out/devicehost-dra-plugin ./cmd/devicehost-dra-plugin) \
  && GOBIN=/out CGO_ENABLED=0 go install github.com/grpc-ecosystem/grpc-health-probe@v0.4.62

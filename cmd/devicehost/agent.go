@@ -278,7 +278,7 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManag
 	}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(lis) }()
-	log.Info("listening", "address", lis.Address.String())
+	log.Info("listening", "address", lis.Address.String(), "version", version)
 	metricsDone := make(chan struct{})
 	if mx != nil {
 		// A metrics server that fails is logged; the API goes on.

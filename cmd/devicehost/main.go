@@ -5,6 +5,7 @@
 //	devicehost agent -config /etc/devicehost/devicehost.hcl
 //	devicehost devices | stats | plugins | reserve | release | reservations
 //	devicehost kubelet-plugin                the Kubernetes device plugin, a client of the agent
+//	devicehost version                       the version it was built from
 package main
 
 import (
@@ -48,8 +49,23 @@ func commands() []command {
 		{name: "release", summary: "release a reservation, or all of an owner's", run: runRelease},
 		{name: "reservations", summary: "list reservations", run: runReservations},
 		{name: "kubelet-plugin", summary: "serve the agent's devices to the kubelet (Kubernetes device plugin)", run: runKubeletPlugin},
+		{name: "version", summary: "print the version devicehost was built from", run: runVersion},
 		{name: "plugin", summary: "serve a bundled plugin (run by the agent)", hidden: true, run: runPlugin},
 	}
+}
+
+// version is the version the binary was built from: the Dockerfile sets it with
+// -ldflags "-X main.version=..." (scripts/image passes the git commit); "dev" otherwise.
+var version = "dev"
+
+// runVersion is `devicehost version`: prints "devicehost VERSION".
+func runVersion(_ context.Context, env *cmdEnv, args []string) error {
+	fs := newFlagSet(env, "version", "")
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	fmt.Fprintf(env.stdout, "devicehost %s\n", version)
+	return nil
 }
 
 func main() {
