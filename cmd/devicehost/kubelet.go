@@ -27,7 +27,7 @@ const (
 )
 
 // kubeletHealthSocketName is the default health socket's name, in the directory of the
-// agent's unix socket (in the DaemonSet, the emptyDir the pod's containers share).
+// agent's unix socket (in the DaemonSet, the node's /run/devicehost, which every container mounts).
 const kubeletHealthSocketName = "kubelet-plugin-health.sock"
 
 const kubeletPluginUsage = `[-config FILE] [flags]

@@ -68,7 +68,7 @@ func checkBridgeDaemonSet(t *testing.T, file string) {
 			volumes[v.Name] = v.HostPath.Path
 		}
 	}
-	for _, p := range []string{"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/opt/devicehost/plugins", "/var/lib/devicehost", "/var/run/cdi"} {
+	for _, p := range []string{"/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources", "/opt/devicehost/plugins", "/var/lib/devicehost", "/var/run/cdi", "/run/devicehost"} {
 		if !slices.Contains(slices.Collect(maps.Values(volumes)), p) {
 			t.Errorf("no hostPath volume for %s", p)
 		}
@@ -122,8 +122,9 @@ func checkBridgeDaemonSet(t *testing.T, file string) {
 	if len(k.Resources) != 1 || k.Resources[0].Name != "nvidia.com/gpu" {
 		t.Errorf("resources %+v, want nvidia.com/gpu", k.Resources)
 	}
-	// The socket's directory is one emptyDir both containers mount at the same place;
-	// the kubelet's directories are where the bridge's flags say.
+	// The socket's directory is the node's /run/devicehost (the host's CLI reads the
+	// ledger there), which both containers mount at the same place; the kubelet's
+	// directories are where the bridge's flags say.
 	mountOf := func(c k8smanifest.Container, path string) string {
 		for _, m := range c.VolumeMounts {
 			if strings.HasPrefix(path, m.MountPath+"/") {
@@ -133,8 +134,8 @@ func checkBridgeDaemonSet(t *testing.T, file string) {
 		return ""
 	}
 	sock := strings.TrimPrefix(a.cfg.Listen, "unix://")
-	if v := mountOf(agent, sock); v == "" || volumes[v] != "emptyDir" || mountOf(bridge, sock) != v {
-		t.Errorf("socket %s: agent's volume %q, bridge's %q; want one shared emptyDir", sock, v, mountOf(bridge, sock))
+	if v := mountOf(agent, sock); v == "" || volumes[v] != "/run/devicehost" || mountOf(bridge, sock) != v {
+		t.Errorf("socket %s: agent's volume %q, bridge's %q; want one shared hostPath /run/devicehost", sock, v, mountOf(bridge, sock))
 	}
 	if v := mountOf(bridge, k.DevicePluginDir+"/x"); volumes[v] != "/var/lib/kubelet/device-plugins" {
 		t.Errorf("-device-plugin-dir %s is not the kubelet's device-plugins hostPath", k.DevicePluginDir)
@@ -161,7 +162,7 @@ func checkBridgeDaemonSet(t *testing.T, file string) {
 		t.Errorf("agent liveness probe %v, want %v", got, want)
 	}
 	// The bridge's: grpc_health_probe on the health socket it serves, in a volume of
-	// its own container (the shared emptyDir).
+	// its own container (the shared socket directory).
 	if bridge.LivenessProbe == nil {
 		t.Fatal("the kubelet-plugin has no liveness probe")
 	}
@@ -169,8 +170,8 @@ func checkBridgeDaemonSet(t *testing.T, file string) {
 	if got := bridge.LivenessProbe.Exec.Command; k.HealthSocket == "" || !slices.Equal(got, want) {
 		t.Errorf("kubelet-plugin liveness probe %v, want %v", got, want)
 	}
-	if v := mountOf(bridge, k.HealthSocket); volumes[v] != "emptyDir" {
-		t.Errorf("the bridge's health socket %s is on volume %q, want the emptyDir", k.HealthSocket, v)
+	if v := mountOf(bridge, k.HealthSocket); volumes[v] != "/run/devicehost" {
+		t.Errorf("the bridge's health socket %s is on volume %q, want the socket directory", k.HealthSocket, v)
 	}
 }
 

@@ -69,7 +69,7 @@ render() {
 render devicehost.yaml "# devicehost on every GPU node of a Kubernetes cluster: one pod per node with two
 # containers, the agent (which runs the device plugins and owns the reservation ledger)
 # and the kubelet bridge (\`devicehost kubelet-plugin\`, which serves the agent's devices
-# to the kubelet as nvidia.com/gpu). They share the agent's socket through an emptyDir.
+# to the kubelet as nvidia.com/gpu). They share the agent's socket through the node's /run/devicehost.
 #
 #   docker build -t devicehost:latest .        # then push it where your nodes pull from
 #   kubectl apply -f deploy/kubernetes/devicehost.yaml

@@ -265,7 +265,7 @@ func TestRenderDaemonSet(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := filepath.Join(base, "ds", "emptydir", "socket", "devicehost.sock"); ds.agentSocket != want {
+	if want := filepath.Join(base, "ds", "hostpath", "run", "devicehost", "devicehost.sock"); ds.agentSocket != want {
 		t.Errorf("agent socket %s, want %s", ds.agentSocket, want)
 	}
 	args := strings.Join(ds.bridge.args, " ")

@@ -27,7 +27,7 @@ app.kubernetes.io/name: {{ include "devicehost.name" . }}
 {{ .Values.image.repository }}:{{ .Values.image.tag }}
 {{- end -}}
 
-{{/* The agent's socket, in the emptyDir every container mounts at /run/devicehost. */}}
+{{/* The agent's socket, in the socket hostPath every container mounts at /run/devicehost. */}}
 {{- define "devicehost.agentAddress" -}}
 unix:///run/devicehost/devicehost.sock
 {{- end -}}

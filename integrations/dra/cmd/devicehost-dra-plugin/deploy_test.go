@@ -131,8 +131,8 @@ func TestDeployDRADaemonSet(t *testing.T) {
 			listen := regexp.MustCompile(`(?m)^\s*listen\s*=\s*"unix://([^"]*)"`).FindStringSubmatch(cm.Data["devicehost.hcl"])
 			if listen == nil || s.address != "unix://"+listen[1] {
 				t.Errorf("the driver dials %s, the agent's config says %v", s.address, listen)
-			} else if mountOf(listen[1]).EmptyDir == nil {
-				t.Errorf("the agent's socket %s is not on the shared emptyDir in the driver", listen[1])
+			} else if got := hostPath(listen[1]); got != "/run/devicehost" {
+				t.Errorf("the agent's socket %s is on hostPath %q in the driver, want the node's /run/devicehost", listen[1], got)
 			}
 			// The kubelet dials the driver's sockets at the paths it registers: the
 			// same on the node as in the container.
