@@ -44,10 +44,22 @@ debian_packages() {
 gobuild() {
   local name=$1 ver=$2 modver=$3 ldflags=$4
   shift 4
-  local out="$CACHE/$name-$ver"
+  local out="$CACHE/$name-$ver" p want
   if [ -f "$out/.complete" ]; then
-    log "cached $name $ver"
-    return
+    # A cache entry made before a binary joined the list lacks it: build again (with a
+    # warm Go build cache, mostly linking).
+    want=""
+    for p in "$@"; do
+      [[ $p =~ /v[0-9]+$ ]] && p=${p%/*} # a module root's main package: go build drops /vN
+      p=${p##*/}
+      [ -n "${RENAME:-}" ] && [ "$p" = "${RENAME%%:*}" ] && p=${RENAME#*:}
+      [ -x "$out/bin/$p" ] || want+=" $p"
+    done
+    if [ -z "$want" ]; then
+      log "cached $name $ver"
+      return
+    fi
+    log "cached $name $ver lacks$want: building it again"
   fi
   local t0=$SECONDS
   rm -rf "$out"
@@ -111,6 +123,7 @@ build_kubernetes() {
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-scheduler \
     k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-proxy \
     k8s.io/kubernetes/cmd/kubectl
 }
 

@@ -34,8 +34,9 @@ CGROUP_NAME=devicehost-e2e # the kubelet's cgroupRoot, in every v1 hierarchy
 BRIDGE=dhe2e0
 CNI_NET=devicehost-e2e
 POD_SUBNET=10.244.77.0/24
-# The node's IP: the CNI bridge's gateway address, on a bridge made before the kubelet
-# starts (the kubelet refuses a loopback node IP, and these VMs have no dummy links).
+# The node's IP: the CNI bridge's gateway address, on a bridge made before the API server
+# starts (the kubelet refuses a loopback node IP, and these VMs have no dummy links). The
+# API server listens there too, so that pods reach it through the kubernetes Service.
 NODE_IP=10.244.77.1
 SERVICE_RANGE=10.96.0.0/24
 ETCD_PORT=23790
@@ -43,6 +44,8 @@ ETCD_PEER_PORT=23800
 APISERVER_PORT=16443
 KUBELET_PORT=20250
 KUBELET_HEALTHZ_PORT=20248
+KUBE_PROXY_HEALTHZ_PORT=20256
+KUBE_PROXY_METRICS_PORT=20249
 IMAGE="localhost/devicehost-e2e/busybox:$PAUSE_VERSION"
 
 BIN_CONTAINERD="$CACHE/containerd-$CONTAINERD_VERSION/bin"
@@ -55,7 +58,7 @@ export PATH="$BIN_CONTAINERD:$BIN_CRICTL:$BIN_K8S:$PATH"
 PKI="$RUN/pki"
 CONTAINERD_SOCK="$RUN/containerd/containerd.sock"
 KUBECONFIG_ADMIN="$RUN/admin.kubeconfig"
-COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler containerd kubelet)
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler containerd kubelet kube-proxy)
 
 # Logs go to the script's stderr as it started (fd 3), also from commands whose output a
 # wait silences.
@@ -139,7 +142,7 @@ stop_component() {
 check_binaries() {
   local b
   for b in "$BIN_ETCD/etcd" "$BIN_K8S/kube-apiserver" "$BIN_K8S/kube-controller-manager" \
-    "$BIN_K8S/kube-scheduler" "$BIN_K8S/kubelet" "$BIN_K8S/kubectl" "$BIN_CONTAINERD/containerd" \
+    "$BIN_K8S/kube-scheduler" "$BIN_K8S/kubelet" "$BIN_K8S/kube-proxy" "$BIN_K8S/kubectl" "$BIN_CONTAINERD/containerd" \
     "$BIN_CONTAINERD/ctr" "$BIN_CONTAINERD/containerd-shim-runc-v2" "$BIN_CRICTL/crictl" \
     "$BIN_PAUSE/pause" /usr/sbin/runc /usr/bin/busybox /usr/lib/cni/bridge /usr/lib/cni/host-local \
     /usr/lib/cni/loopback; do
@@ -177,7 +180,7 @@ pki() {
         -out "$1.crt" 2>/dev/null
     fi
   }
-  cert apiserver "/CN=kube-apiserver" "IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
+  cert apiserver "/CN=kube-apiserver" "IP:$NODE_IP,IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
   cert admin "/O=system:masters/CN=devicehost-e2e-admin"
   cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client"
   cert kubelet "/O=system:nodes/CN=system:node:$NODE_NAME"
@@ -194,7 +197,7 @@ kind: Config
 clusters:
 - name: e2e
   cluster:
-    server: https://127.0.0.1:$APISERVER_PORT
+    server: https://$NODE_IP:$APISERVER_PORT
     certificate-authority: $PKI/ca.crt
 users:
 - name: e2e
@@ -280,6 +283,8 @@ state = "$RUN/containerd/state"
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
 EOF
+  # Pods get a route to the Service range through the node (kube-proxy's rules there
+  # lead the kubernetes Service to the API server), and no default route.
   cat >"$RUN/cni/net.d/10-$CNI_NET.conflist" <<EOF
 {
   "cniVersion": "1.0.0",
@@ -293,6 +298,7 @@ EOF
       "ipam": {
         "type": "host-local",
         "ranges": [[{"subnet": "$POD_SUBNET"}]],
+        "routes": [{"dst": "$SERVICE_RANGE"}],
         "dataDir": "$RUN/cni/ipam"
       }
     }
@@ -344,11 +350,11 @@ start_etcd() {
     --initial-cluster "$NODE_NAME=http://127.0.0.1:$ETCD_PEER_PORT" --unsafe-no-fsync --log-level warn
 }
 start_kube-apiserver() {
-  # --endpoint-reconciler-type none: the kubernetes Service's endpoint would be 127.0.0.1,
-  # which the reconciler refuses.
+  # On the node's bridge address, which is also the kubernetes Service's endpoint: pods
+  # reach it at 10.96.0.1:443 through kube-proxy's rules, as on a real node.
   spawn kube-apiserver "$BIN_K8S/kube-apiserver" --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
-    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" \
-    --endpoint-reconciler-type none --service-cluster-ip-range "$SERVICE_RANGE" \
+    --bind-address "$NODE_IP" --advertise-address "$NODE_IP" --secure-port "$APISERVER_PORT" \
+    --service-cluster-ip-range "$SERVICE_RANGE" \
     --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
     --client-ca-file "$PKI/ca.crt" --authorization-mode Node,RBAC \
     --kubelet-client-certificate "$PKI/apiserver-kubelet-client.crt" \
@@ -369,6 +375,15 @@ start_kube-scheduler() {
   spawn kube-scheduler "$BIN_K8S/kube-scheduler" --kubeconfig "$KUBECONFIG_ADMIN" \
     --authentication-kubeconfig "$KUBECONFIG_ADMIN" --authorization-kubeconfig "$KUBECONFIG_ADMIN" \
     --leader-elect=false --bind-address 127.0.0.1 --secure-port 0 --profiling=false --v=1
+}
+# kube-proxy in iptables mode: Service IPs (the kubernetes Service, for pods' in-cluster
+# clients) as on a real node. The conntrack table is left as the machine has it.
+start_kube-proxy() {
+  spawn kube-proxy "$BIN_K8S/kube-proxy" --kubeconfig "$KUBECONFIG_ADMIN" \
+    --hostname-override "$NODE_NAME" --bind-address "$NODE_IP" --proxy-mode iptables \
+    --cluster-cidr "$POD_SUBNET" --conntrack-max-per-core 0 \
+    --healthz-bind-address "127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT" \
+    --metrics-bind-address "127.0.0.1:$KUBE_PROXY_METRICS_PORT" --profiling=false --v=1
 }
 start_containerd() {
   spawn containerd "$BIN_CONTAINERD/containerd" --config "$RUN/containerd/config.toml"
@@ -393,6 +408,7 @@ wait_component() {
     kube-apiserver) wait_for 90 "kube-apiserver ready" running kube-apiserver kubectl_admin get --raw /readyz ;;
     containerd) wait_for 30 "containerd serving" running containerd ctr --address "$CONTAINERD_SOCK" version ;;
     kubelet) wait_for 60 "kubelet healthy" running kubelet curl -fsS "http://127.0.0.1:$KUBELET_HEALTHZ_PORT/healthz" ;;
+    kube-proxy) wait_for 60 "kube-proxy healthy" running kube-proxy curl -fsS "http://127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT/healthz" ;;
     *) sleep 1 ;;
   esac
   running "$1" true
@@ -402,6 +418,8 @@ start_one() {
   "start_$1"
   wait_component "$1"
 }
+
+service_routed() { iptables -t nat -S KUBE-SERVICES | grep -q 'default/kubernetes:https cluster IP'; }
 
 node_ready() {
   kubectl_admin get node "$NODE_NAME" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}{" "}{.spec.taints}' |
@@ -421,6 +439,9 @@ up() {
   pki
   write_configs
   log "configs in $(($(ms) - t0)) ms"
+  ip link add "$BRIDGE" type bridge
+  ip addr add "$NODE_IP/${POD_SUBNET#*/}" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
   local c
   for c in etcd kube-apiserver kube-controller-manager kube-scheduler containerd; do
     t=$(ms)
@@ -430,15 +451,16 @@ up() {
   t=$(ms)
   ctr --address "$CONTAINERD_SOCK" -n k8s.io images import --local "$(image_archive)" >/dev/null
   log "image $IMAGE imported in $(($(ms) - t)) ms"
-  ip link add "$BRIDGE" type bridge
-  ip addr add "$NODE_IP/${POD_SUBNET#*/}" dev "$BRIDGE"
-  ip link set "$BRIDGE" up
   t=$(ms)
   start_one kubelet
   wait_for 90 "node $NODE_NAME Ready and untainted" node_ready
   wait_for 60 "default service account" kubectl_admin -n default get serviceaccount default
   wait_for 60 "root CA config map" kubectl_admin -n default get configmap kube-root-ca.crt
   log "kubelet up, node Ready in $(($(ms) - t)) ms"
+  t=$(ms)
+  start_one kube-proxy
+  wait_for 60 "kube-proxy's rule for the kubernetes Service" service_routed
+  log "kube-proxy up, kubernetes Service routed in $(($(ms) - t)) ms"
   cat >"$RUN/env" <<EOF
 KUBECONFIG=$KUBECONFIG_ADMIN
 DEVICEHOST_E2E_NODE=$NODE_NAME
@@ -450,6 +472,8 @@ DEVICEHOST_E2E_CDI_DIR=$RUN/cdi
 DEVICEHOST_E2E_CONTAINERD_SOCK=$CONTAINERD_SOCK
 DEVICEHOST_E2E_KUBECTL=$BIN_K8S/kubectl
 DEVICEHOST_E2E_CRICTL=$BIN_CRICTL/crictl
+DEVICEHOST_E2E_CTR=$BIN_CONTAINERD/ctr
+DEVICEHOST_E2E_NODE_IP=$NODE_IP
 EOF
   log "node up in $(($(ms) - t0)) ms"
 }
@@ -534,6 +558,7 @@ down_all() {
   # The kubelet first (it would start what we stop), then the pods, through the runtime
   # while it still runs, so that the CNI plugin releases the pods' network.
   stop_component kubelet
+  stop_component kube-proxy
   if alive containerd >/dev/null && [ -S "$CONTAINERD_SOCK" ]; then
     timeout 60 crictl --runtime-endpoint "unix://$CONTAINERD_SOCK" rmp -f -a >/dev/null 2>&1 || true
   fi

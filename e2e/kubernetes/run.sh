@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The real-node suite, as .ci/run runs it: build the node's binaries (or reuse the cached
-# ones, see build.sh), then run the Go driver, which brings the node up (node.sh up), runs
-# the cases against the real agent and bridge, and takes the node down. Needs root.
+# The real-node suite, as .ci/run runs it: build the node's binaries and devicehost's
+# images (or reuse the cached ones, see build.sh and scripts/image), then run the Go
+# driver, which brings the node up (node.sh up), runs the cases against the real agent
+# and bridge (as host processes, and as the Helm release's pods), and takes the node
+# down. Needs root.
 #
 #   bash e2e/kubernetes/run.sh                 # everything
 #   E2E_COUNT=2 bash e2e/kubernetes/run.sh     # the cases twice on one node
@@ -18,7 +20,28 @@ flock -w 900 9 || { echo "another devicehost e2e run holds /var/lock/devicehost-
 
 t0=$SECONDS
 bash e2e/kubernetes/build.sh
+bash e2e/kubernetes/build.sh helm
 echo "e2e: node binaries ready in $((SECONDS - t0))s"
+source e2e/kubernetes/versions.sh
+export DEVICEHOST_E2E_HELM="${DEVICEHOST_E2E_CACHE:-/var/cache/devicehost-e2e}/helm-$HELM_VERSION/bin/helm"
+
+# devicehost's image, twice: the version of this tree, and the same tree tagged as
+# another version, which TestRealNodeHelm upgrades to (and rolls back from). Both
+# cached by their inputs' hash (scripts/image).
+t0=$SECONDS
+images="${DEVICEHOST_E2E_CACHE:-/var/cache/devicehost-e2e}/images"
+mkdir -p "$images"
+version=$(scripts/image -print-tag)
+DEVICEHOST_E2E_IMAGES=""
+# One file per role, overwritten each run (scripts/image keeps its own cache).
+for role in current next; do
+  tag=$version
+  [ "$role" = next ] && tag+=-next
+  scripts/image -o "$images/$role.tar" -tag "$tag"
+  DEVICEHOST_E2E_IMAGES+="$tag=$images/$role.tar "
+done
+export DEVICEHOST_E2E_IMAGES
+echo "e2e: images ready in $((SECONDS - t0))s: $DEVICEHOST_E2E_IMAGES"
 
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
