@@ -25,7 +25,9 @@ import (
 // nvidia-example plugin simulates a DGX H100 through the chart's agent config.
 
 const (
-	helmNamespace = "devicehost"
+	// The namespace docs/kubernetes.md installs into: the agent container is privileged,
+	// which Pod Security's baseline refuses elsewhere.
+	helmNamespace = "kube-system"
 	helmRelease   = "devicehost"
 	// helmImageRepo is the image's repository: scripts/image names it devicehost:TAG.
 	helmImageRepo = "devicehost"
@@ -179,9 +181,6 @@ func (h *helmStack) run(args ...string) ([]byte, error) {
 // gives them, for mode and the image's tag, with the node's values file.
 func (h *helmStack) installArgs(verb, mode, tag string) []string {
 	args := []string{verb, helmRelease, h.chart, "-n", helmNamespace}
-	if verb == "install" {
-		args = append(args, "--create-namespace")
-	}
 	return append(args, "--set", "mode="+mode, "--set", "image.repository="+helmImageRepo, "--set", "image.tag="+tag,
 		"--set", "image.pullPolicy=Never", "--set", "runtimeClassName=", "-f", h.values)
 }
@@ -457,6 +456,20 @@ func (h *helmStack) uninstall(t *testing.T) {
 		dHelm.Round(time.Millisecond), (dHelm + d).Round(time.Millisecond), ledger)
 }
 
+// deletePodReleased deletes a device-plugin pod and waits until the release's bridge has
+// released its reservation (after the release grace of the node's values).
+func (h *helmStack) deletePodReleased(t *testing.T, name string) {
+	t.Helper()
+	h.s.deletePod(t, name)
+	waitFor(t, 90*time.Second, "pod "+name+"'s reservation released", func() (bool, string) {
+		rs, err := h.s.reservations("-owner", podOwner(name), "-state", "active")
+		if err != nil {
+			return false, err.Error()
+		}
+		return len(rs) == 0, fmt.Sprintf("%d active", len(rs))
+	})
+}
+
 // activeByID is the agent's active reservations by ID.
 func (h *helmStack) activeByID(t *testing.T) map[string]*pb.Reservation {
 	t.Helper()
@@ -540,14 +553,7 @@ func (h *helmStack) caseDevicePlugin(t *testing.T) {
 	t.Logf("reinstalled: the ledger names %s as the holder of %v again, %v after the install", res.GetOwnerId(), res.GetDeviceIds(), time.Since(start).Round(time.Millisecond))
 	h.gpuPodsRunning(t, "after the reinstall", name)
 
-	h.s.deletePod(t, name)
-	waitFor(t, 90*time.Second, "the pod's reservation released by the reinstalled bridge", func() (bool, string) {
-		rs, err := h.s.reservations("-owner", podOwner(name), "-state", "active")
-		if err != nil {
-			return false, err.Error()
-		}
-		return len(rs) == 0, fmt.Sprintf("%d active", len(rs))
-	})
+	h.deletePodReleased(t, name)
 	h.checkProbes(t, pod.Metadata.Name)
 	h.uninstall(t)
 }
@@ -684,14 +690,7 @@ func (h *helmStack) caseBoth(t *testing.T) {
 			t.Errorf("the pod made after the %s got %v, held by the running pods", what, shared)
 		}
 		t.Logf("a new pod of 2 GPUs ran %v after its create, %v after the roll's pod was ready", dRun.Round(time.Millisecond), time.Since(ready).Round(time.Millisecond))
-		h.s.deletePod(t, name)
-		waitFor(t, 90*time.Second, "the new pod's reservation released", func() (bool, string) {
-			rs, err := h.s.reservations("-owner", podOwner(name), "-state", "active")
-			if err != nil {
-				return false, err.Error()
-			}
-			return len(rs) == 0, fmt.Sprintf("%d active", len(rs))
-		})
+		h.deletePodReleased(t, name)
 		// And a new claim, through the restarted driver.
 		ready = time.Now()
 		name2, c2, res2, _ := h.d.runClaimPod(t, "helm-after-"+strings.Fields(what)[1]+"-dra", tmpl)
