@@ -8,7 +8,14 @@
 #   bash e2e/kubernetes/run.sh                 # everything
 #   E2E_COUNT=2 bash e2e/kubernetes/run.sh     # the cases twice on one node
 #   E2E_RUN='TestRealNode/KubeletRestart' ...  # one case (go test -run)
+#   bash e2e/kubernetes/run.sh -prepare        # only build (or reuse) the node and images
 set -euo pipefail
+prepare=false
+case "${1:-}" in
+  "") ;;
+  -prepare) prepare=true ;;
+  *) echo "usage: $0 [-prepare]" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/../.."
 export CGO_CFLAGS="${CGO_CFLAGS:--O2 -g -Wno-deprecated-declarations}"
 LOGS="${DEVICEHOST_E2E_LOGS:-/tmp/devicehost-e2e-logs}"
@@ -42,6 +49,7 @@ for role in current next; do
 done
 export DEVICEHOST_E2E_IMAGES
 echo "e2e: images ready in $((SECONDS - t0))s: $DEVICEHOST_E2E_IMAGES"
+$prepare && exit 0
 
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
