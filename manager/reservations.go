@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"runtime/trace"
 	"slices"
 	"strings"
 	"time"
@@ -71,22 +72,32 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		return device.Reservation{}, errors.New("reserve: internal: a request without an owner or devices (validate.ReserveRequest refuses it)")
 	}
 	ids := slices.Clone(req.DeviceIDs)
+	// Each step is a runtime/trace region (free unless the agent is being traced), in
+	// the call's task where the server started one: tools/hostbench's breakdown and `go
+	// tool trace` read them. See docs/benchmarks.md#where-a-reserve-goes.
 	// Claim before checking the store: a Reserve that commits between the check and the
 	// claim would otherwise leave this one asking the plugin for a device already held.
+	region := trace.StartRegion(ctx, "claim")
 	release, err := m.claim(req.OwnerID, ids)
+	region.End()
 	if err != nil {
 		return device.Reservation{}, err
 	}
 	defer release()
 	takeOver := slices.Clone(req.TakeOverOwnerPrefixes)
-	if existing, err := m.store.Check(req.OwnerID, ids, takeOver, nil, nil); err != nil || existing != nil {
+	region = trace.StartRegion(ctx, "ledger check")
+	existing, err := m.store.Check(req.OwnerID, ids, takeOver, nil, nil)
+	region.End()
+	if err != nil || existing != nil {
 		if existing != nil {
 			return *existing, nil
 		}
 		return device.Reservation{}, err
 	}
+	region = trace.StartRegion(ctx, "route")
 	snap := m.reg.Snapshot()
 	plugin, err := route(snap, req.Group, ids)
+	region.End()
 	if err != nil {
 		return device.Reservation{}, m.awaitedError(ids, err)
 	}
@@ -96,12 +107,16 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	// checks it again, atomically with its write.
 	consumes, caps := consumption(snap, req.Group, ids)
 	if len(consumes) > 0 {
+		region = trace.StartRegion(ctx, "counter sets")
 		unlock, err := m.lockCounterSets(ctx, consumes)
 		if err != nil {
+			region.End()
 			return device.Reservation{}, fmt.Errorf("reserve: %w", err)
 		}
 		defer unlock()
-		if _, err := m.store.Check(req.OwnerID, ids, takeOver, consumes, caps); err != nil {
+		_, err = m.store.Check(req.OwnerID, ids, takeOver, consumes, caps)
+		region.End()
+		if err != nil {
 			return device.Reservation{}, err
 		}
 	}
@@ -110,13 +125,19 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if s == nil { // removed since the snapshot was taken
 		return device.Reservation{}, fmt.Errorf("plugin %q was removed: %w", plugin, device.ErrPluginUnavailable)
 	}
+	region = trace.StartRegion(ctx, "plugin")
 	res, err := s.Reserve(ctx, ids)
+	region.End()
 	if err != nil {
 		return device.Reservation{}, err
 	}
-	if err := validate.Reservation(res, ids); err != nil {
+	region = trace.StartRegion(ctx, "validate answer")
+	err = validate.Reservation(res, ids)
+	region.End()
+	if err != nil {
 		return device.Reservation{}, fmt.Errorf("plugin %q answered Reserve with a reservation that breaks the rules: %s: %w", plugin, textline.Line(err.Error(), 0), device.ErrPluginResponse)
 	}
+	region = trace.StartRegion(ctx, "ledger commit")
 	r, _, err := m.store.Reserve(ctx, device.Reservation{
 		ID:        ledger.NewID(),
 		OwnerID:   req.OwnerID,
@@ -128,10 +149,13 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		State:     device.ReservationActive,
 		CreatedAt: m.cfg.Now(),
 	}, takeOver, caps)
+	region.End()
 	if err != nil {
 		return device.Reservation{}, fmt.Errorf("record reservation: %w", err)
 	}
+	region = trace.StartRegion(ctx, "refresh")
 	m.reg.Refresh()
+	region.End()
 	for _, id := range r.TakenOver {
 		m.log.Info("reservation taken over: released in the write that made the new one",
 			"reservation_id", id, "new_reservation_id", r.ID, "new_owner_id", r.OwnerID, "devices", strings.Join(ids, ","))
@@ -351,12 +375,16 @@ func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (devic
 	if m.stopping.Load() {
 		return device.ReleaseResult{}, fmt.Errorf("release: %w", device.ErrShuttingDown)
 	}
+	region := trace.StartRegion(ctx, "ledger commit")
 	released, already, err := m.store.Release(ctx, req, m.cfg.Now())
+	region.End()
 	if err != nil {
 		return device.ReleaseResult{}, err
 	}
 	if len(released) > 0 {
+		region = trace.StartRegion(ctx, "refresh")
 		m.reg.Refresh()
+		region.End()
 	}
 	var res device.ReleaseResult
 	for _, r := range released {

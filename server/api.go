@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"runtime/trace"
 	"time"
 
 	"google.golang.org/grpc"
@@ -138,14 +139,18 @@ func streamClosed(ctx context.Context) error {
 // Reserve validates the request and reserves the devices, taking them over from the
 // owners the request names (take_over_owner_prefixes) when it names any.
 func (s *Server) Reserve(ctx context.Context, in *pb.ReserveRequest) (*pb.ReserveResponse, error) {
+	region := trace.StartRegion(ctx, "validate request")
 	req := reserveRequestFromProto(in)
-	if err := validate.ReserveRequest(req); err != nil {
+	err := validate.ReserveRequest(req)
+	region.End()
+	if err != nil {
 		return nil, toStatus(err)
 	}
 	res, err := s.mgr.Reserve(ctx, req)
 	if err != nil {
 		return nil, toStatus(err)
 	}
+	defer trace.StartRegion(ctx, "reply").End()
 	return &pb.ReserveResponse{
 		ReservationId:           res.ID,
 		Reservation:             containerToProto(res.Container),
@@ -156,8 +161,11 @@ func (s *Server) Reserve(ctx context.Context, in *pb.ReserveRequest) (*pb.Reserv
 // Release validates the request, ends the reservations it names and says which it
 // released and which were released before.
 func (s *Server) Release(ctx context.Context, in *pb.ReleaseRequest) (*pb.ReleaseResponse, error) {
+	region := trace.StartRegion(ctx, "validate request")
 	req := releaseRequestFromProto(in)
-	if err := validate.ReleaseRequest(req); err != nil {
+	err := validate.ReleaseRequest(req)
+	region.End()
+	if err != nil {
 		return nil, toStatus(err)
 	}
 	res, err := s.mgr.Release(ctx, req)

@@ -144,6 +144,8 @@ func New(cfg Config) (*Server, error) {
 	opts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(maxRecv),
 		grpc.ForceServerCodecV2(fanout.NewCodec()),
+		// First, so that a call's task has ended by the time its end is logged.
+		grpc.StatsHandler(traceTasks{}),
 		grpc.StatsHandler(callLog{log: log}),
 		grpc.StatsHandler(limits),
 		grpc.UnknownServiceHandler(unknownMethod),

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime/trace"
 	"slices"
 	"time"
 
@@ -46,10 +47,6 @@ type storageError struct{ err error }
 
 func (e *storageError) Error() string { return e.err.Error() }
 func (e *storageError) Unwrap() error { return e.err }
-
-// errNothingWritten rolls back a batch in which every request was refused, saving the
-// commit's fsync.
-var errNothingWritten = errors.New("nothing written")
 
 // txn is what a request's run func sees: the batch's view of the reservations (the
 // index plus the batch's earlier changes) and the bbolt transaction. A run func must
@@ -258,10 +255,12 @@ func (l *Ledger) commit(batch []*request) {
 		}
 	}
 	if len(ov.recs) > 0 {
+		region := trace.StartRegion(traceContext(batch), "ledger: index")
 		l.mu.Lock()
 		l.idx.apply(ov)
 		l.mu.Unlock()
 		l.notify(ov.recs)
+		region.End()
 	}
 	for i, req := range batch {
 		req.answer(resps[i])
@@ -270,30 +269,53 @@ func (l *Ledger) commit(batch []*request) {
 
 // runBatch runs batch in one transaction; wrote says whether it committed anything
 // (a batch whose requests were all refused, or wrote nothing, is rolled back).
+//
+// Its steps are runtime/trace regions in the task of the batch's first caller (deferred
+// writes have none): "ledger: apply" (the requests' decisions and writes) and "ledger:
+// bolt commit" (bbolt's Commit, with its fsyncs); commit marks "ledger: index".
 func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrote bool, err error) {
 	resps = make([]response, len(batch))
 	ov = newOverlay(l.idx) // only this goroutine writes l.idx, so reading it unlocked is safe
-	err = l.db.Update(func(tx *bolt.Tx) error {
-		w := &txn{tx: tx, ov: ov}
-		for i, req := range batch {
-			if err := req.ctx.Err(); err != nil {
-				resps[i].err = err
-				continue
-			}
-			val, err := req.run(w)
-			if se := (*storageError)(nil); errors.As(err, &se) {
-				return se.err
-			}
-			resps[i] = response{val: val, err: err}
-		}
-		if !w.dirty {
-			return errNothingWritten
-		}
-		wrote = true
-		return nil
-	})
-	if errors.Is(err, errNothingWritten) {
-		err = nil
+	ctx := traceContext(batch)
+	tx, err := l.db.Begin(true)
+	if err != nil {
+		return nil, nil, false, err
 	}
-	return resps, ov, wrote, err
+	region := trace.StartRegion(ctx, "ledger: apply")
+	w := &txn{tx: tx, ov: ov}
+	for i, req := range batch {
+		if err := req.ctx.Err(); err != nil {
+			resps[i].err = err
+			continue
+		}
+		val, err := req.run(w)
+		if se := (*storageError)(nil); errors.As(err, &se) {
+			region.End()
+			_ = tx.Rollback()
+			return nil, nil, false, se.err
+		}
+		resps[i] = response{val: val, err: err}
+	}
+	region.End()
+	if !w.dirty {
+		return resps, ov, false, tx.Rollback() // nothing written: no commit, no fsync
+	}
+	region = trace.StartRegion(ctx, "ledger: bolt commit")
+	err = tx.Commit()
+	region.End()
+	if err != nil {
+		return nil, nil, false, err
+	}
+	return resps, ov, true, nil
+}
+
+// traceContext is the context of batch's first caller, whose trace task the batch's
+// regions go into; Background when the batch holds only deferred writes.
+func traceContext(batch []*request) context.Context {
+	for _, req := range batch {
+		if req.notify == nil {
+			return req.ctx
+		}
+	}
+	return context.Background()
 }

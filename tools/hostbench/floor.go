@@ -18,6 +18,7 @@ import (
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	pluginpb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/calltrace"
 )
 
 // The plugin agent -dev runs and its config (as cmd/devicehost's devPluginName and
@@ -29,16 +30,37 @@ const (
 
 // floorSteps are the figures of one floor run, each in the order measured.
 type floorSteps struct {
-	reserve, unary, logged, plugin, commit []time.Duration
+	reserve, release, unary, logged, plugin, commit []time.Duration
 }
 
-// floor is the floor scenario (see docs/benchmarks.md#hostbench): it takes turns between
-// -floor-block Reserve+Release cycles (the Reserve timed) and as many floor measurements,
-// each of which times, in turn, a health Check, a ListPlugins (a unary call the agent
-// logs at INFO, as it does Reserve), the plugin's Reserve called directly and a bare
-// bbolt commit.
+// floor is the floor scenario (see docs/benchmarks.md#reserve-end-to-end). The floor of a
+// Reserve is a unary round trip to the agent, the plugin's Reserve called directly and
+// one bbolt commit; of a Release, the round trip and the commit. It measures both views:
+//
+//   - alone: each part in a phase of its own, nothing else running (-floor-cycles
+//     Reserve+Release cycles, both timed; as many health Checks, plugin Reserves and
+//     bare commits);
+//   - interleaved: -floor-block Reserve+Release cycles back to back (the Reserve timed)
+//     taking turns with as many floor measurements, each of which times, in turn, a
+//     health Check, a ListPlugins (a unary call the agent logs at INFO, as it does
+//     Reserve), the plugin's Reserve and a bare commit;
+//
+// then, with an agent built with -tags cpuprofile, where a Reserve's time goes inside
+// the agent (breakdown).
 func (b *bench) floor(ctx context.Context) error {
-	sess, err := b.open(ctx, 0, append([]string{"-state-dir", "$DIR/state"}, b.agentFlags...)...)
+	trace := b.trace
+	if trace == "" && b.breakdown {
+		f, err := os.CreateTemp("", "hostbench-trace")
+		if err != nil {
+			return err
+		}
+		trace = f.Name()
+		f.Close()
+		defer os.Remove(trace)
+	}
+	bb := *b
+	bb.trace = trace // the agent's DEVICEHOST_TRACE
+	sess, err := bb.open(ctx, 0, append([]string{"-state-dir", "$DIR/state"}, b.agentFlags...)...)
 	if err != nil {
 		return err
 	}
@@ -70,32 +92,46 @@ func (b *bench) floor(ctx context.Context) error {
 
 	var s floorSteps
 	i := 0
-	floorStep := func() error {
-		i++
+	unary := func() error {
 		start := time.Now()
 		if _, err := hc.Check(ctx, &healthpb.HealthCheckRequest{Service: "devicehost.v1.DeviceHost"}); err != nil {
 			return fmt.Errorf("health check: %w", err)
 		}
 		s.unary = append(s.unary, time.Since(start))
-
-		start = time.Now()
+		return nil
+	}
+	logged := func() error {
+		start := time.Now()
 		if _, err := c.ListPlugins(ctx, &pb.ListPluginsRequest{}); err != nil {
 			return fmt.Errorf("list plugins: %w", err)
 		}
 		s.logged = append(s.logged, time.Since(start))
-
-		start = time.Now()
+		return nil
+	}
+	plugin := func() error {
+		start := time.Now()
 		if _, err := p.Client().Reserve(ctx, &pluginpb.ReserveRequest{DeviceIds: []string{d.id}}); err != nil {
 			return fmt.Errorf("plugin reserve: %w", err)
 		}
 		s.plugin = append(s.plugin, time.Since(start))
-
-		start = time.Now()
+		return nil
+	}
+	commit := func() error {
+		i++
+		start := time.Now()
 		err := db.Update(func(tx *bolt.Tx) error { return tx.Bucket([]byte("b")).Put(fmt.Appendf(nil, "k%d", i), value) })
 		if err != nil {
 			return fmt.Errorf("bbolt commit: %w", err)
 		}
 		s.commit = append(s.commit, time.Since(start))
+		return nil
+	}
+	floorStep := func() error {
+		for _, f := range []func() error{unary, logged, plugin, commit} {
+			if err := f(); err != nil {
+				return err
+			}
+		}
 		return nil
 	}
 	cycle := func() error {
@@ -108,9 +144,11 @@ func (b *bench) floor(ctx context.Context) error {
 			return fmt.Errorf("reserve: %w", err)
 		}
 		s.reserve = append(s.reserve, time.Since(start))
+		start = time.Now()
 		if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: r.GetReservationId()}}); err != nil {
 			return fmt.Errorf("release: %w", err)
 		}
+		s.release = append(s.release, time.Since(start))
 		return nil
 	}
 	// A step is b.floorBlock Reserve+Release cycles back to back, as a caller making
@@ -134,19 +172,45 @@ func (b *bench) floor(ctx context.Context) error {
 			return err
 		}
 	}
-	s = floorSteps{}
+	us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
+	p50, p99 := func(ds []time.Duration) float64 { return us(calltrace.Percentile(ds, 50)) }, func(ds []time.Duration) float64 { return us(calltrace.Percentile(ds, 99)) }
 
+	// Alone: each part in its own phase.
+	phase := func(f func() error) error {
+		end := time.Now().Add(b.floorTime)
+		for n := 0; n < b.floorCycles && (n < 100 || time.Now().Before(end)); n++ {
+			if err := f(); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	s = floorSteps{}
+	for _, f := range []func() error{cycle, unary, plugin, commit} {
+		if err := phase(f); err != nil {
+			return err
+		}
+	}
+	alone := s
+	fl := p50(alone.unary) + p50(alone.plugin) + p50(alone.commit)
+	relFl := p50(alone.unary) + p50(alone.commit)
+	fmt.Printf("alone:       Reserve p50 %.0f µs; floor %.0f µs (unary %.0f + plugin %.0f + commit %.0f): x%.2f (goal <= 1.3)\n",
+		p50(alone.reserve), fl, p50(alone.unary), p50(alone.plugin), p50(alone.commit), p50(alone.reserve)/fl)
+	fmt.Printf("             Release p50 %.0f µs; floor %.0f µs (unary + commit): x%.2f; p99: Reserve %.0f, Release %.0f, unary %.0f, plugin %.0f, commit %.0f µs; %d of each\n",
+		p50(alone.release), relFl, p50(alone.release)/relFl,
+		p99(alone.reserve), p99(alone.release), p99(alone.unary), p99(alone.plugin), p99(alone.commit), len(alone.reserve))
+
+	// Interleaved: taking turns, in blocks.
+	s = floorSteps{}
 	stopPerf := func() error { return nil }
 	if b.perf != "" {
 		if stopPerf, err = startPerf(a.cmd.Process.Pid, b.perf); err != nil {
 			return err
 		}
 	}
-	if b.cpuProfile != "" || b.trace != "" {
-		for _, p := range []string{b.cpuProfile, b.trace} {
-			if err := os.Remove(p); p != "" && err != nil && !errors.Is(err, os.ErrNotExist) {
-				return err // a file left from before would read as this run's
-			}
+	if b.cpuProfile != "" {
+		if err := os.Remove(b.cpuProfile); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err // a file left from before would read as this run's
 		}
 		if err := a.cmd.Process.Signal(syscall.SIGUSR1); err != nil {
 			return err
@@ -171,21 +235,52 @@ func (b *bench) floor(ctx context.Context) error {
 	if err := stopPerf(); err != nil {
 		return err
 	}
-	if b.cpuProfile != "" || b.trace != "" {
-		if err := a.stopProfiles(b.cpuProfile, b.trace); err != nil {
+	if b.cpuProfile != "" {
+		if err := a.stopProfiles(b.cpuProfile); err != nil {
 			return err
 		}
 	}
-
-	us := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
 	n := len(s.reserve)
-	res, un, pl, co := percentile(s.reserve, 50), percentile(s.unary, 50), percentile(s.plugin, 50), percentile(s.commit, 50)
-	fl := un + pl + co
-	fmt.Printf("Reserve end-to-end p50 %.0f µs; floor %.0f µs (unary %.0f + plugin %.0f + commit %.0f): x%.2f (goal <= 1.3)\n",
-		us(res), us(fl), us(un), us(pl), us(co), float64(res)/float64(fl))
+	fl = p50(s.unary) + p50(s.plugin) + p50(s.commit)
+	fmt.Printf("interleaved: Reserve p50 %.0f µs; floor %.0f µs (unary %.0f + plugin %.0f + commit %.0f): x%.2f (goal <= 1.3)\n",
+		p50(s.reserve), fl, p50(s.unary), p50(s.plugin), p50(s.commit), p50(s.reserve)/fl)
 	fmt.Printf("  p99: Reserve %.0f µs; unary %.0f, plugin %.0f, commit %.0f; ListPlugins (a unary the agent logs) p50 %.0f µs; %d cycles in %v; agent CPU %.0f µs a cycle (Reserve+Release+health+ListPlugins)\n",
-		us(percentile(s.reserve, 99)), us(percentile(s.unary, 99)), us(percentile(s.plugin, 99)), us(percentile(s.commit, 99)),
-		us(percentile(s.logged, 50)), n, took.Round(time.Millisecond), us(cpu1-cpu0)/float64(n))
+		p99(s.reserve), p99(s.unary), p99(s.plugin), p99(s.commit),
+		p50(s.logged), n, took.Round(time.Millisecond), us(cpu1-cpu0)/float64(n))
+
+	if trace == "" {
+		return nil
+	}
+	// Breakdown: the agent traced through Reserve+Release cycles made alone.
+	if err := os.Remove(trace); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	if err := a.cmd.Process.Signal(syscall.SIGUSR1); err != nil {
+		return err
+	}
+	s = floorSteps{}
+	if err := phase(cycle); err != nil {
+		return err
+	}
+	if err := a.stopProfiles(trace); err != nil {
+		fmt.Printf("breakdown: none (%v)\n", err)
+		return nil
+	}
+	f, err := os.Open(trace)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	calls, err := calltrace.Read(f)
+	if err != nil {
+		return fmt.Errorf("read the agent's trace: %w", err)
+	}
+	fmt.Printf("breakdown: %d Reserve+Release cycles alone with the agent traced (Reserve p50 %.0f µs, Release %.0f µs seen by the caller)\n",
+		len(s.reserve), p50(s.reserve), p50(s.release))
+	// The agent's own part: the call less the plugin's Reserve and bbolt's commit
+	// (goal p50 <= 100 µs for a Reserve).
+	printBreakdown(os.Stdout, "Reserve", calls["/devicehost.v1.DeviceHost/Reserve"], "plugin", "ledger: bolt commit")
+	printBreakdown(os.Stdout, "Release", calls["/devicehost.v1.DeviceHost/Release"], "ledger: bolt commit")
 	return nil
 }
 

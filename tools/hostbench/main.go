@@ -18,7 +18,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -33,6 +32,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/calltrace"
 	"github.com/devicehost/devicehost/tools/rawgrpc"
 )
 
@@ -45,13 +45,14 @@ func main() {
 	statsStreams := flag.Int("stats-streams", 1000, "Stats streams at 1s in the stats scenario")
 	cycles := flag.Int("cycles", 300, "Reserve+Release cycles per p50 (fewer when -cycle-time runs out)")
 	cycleTime := flag.Duration("cycle-time", 20*time.Second, "longest time one p50 measurement may take")
-	floorCycles := flag.Int("floor-cycles", 2000, "Reserve calls of the floor scenario (fewer when -floor-time runs out)")
-	floorTime := flag.Duration("floor-time", time.Minute, "longest time the floor scenario's measured loop may take")
+	floorCycles := flag.Int("floor-cycles", 1000, "floor scenario: calls of each phase (fewer when -floor-time runs out)")
+	floorTime := flag.Duration("floor-time", time.Minute, "floor scenario: longest time one phase may take")
 	agentFlags := flag.String("agent-flags", "", "floor scenario: more `flags` for the agent, space-separated; $DIR is its directory (e.g. \"-metrics-listen unix://$DIR/metrics.sock\")")
 	floorBlock := flag.Int("floor-block", 10, "floor scenario: Reserve+Release cycles back to back between floor measurements (as many)")
 	perfOut := flag.String("perf", "", "floor scenario: record the agent's CPU during the loop with `perf record -g` into this file")
 	cpuProfile := flag.String("cpuprofile", "", "floor and partition scenarios: the agent's Go CPU profile during the (49-held) loop into this `file` (an agent built with -tags cpuprofile)")
-	traceOut := flag.String("trace", "", "floor and partition scenarios: the agent's execution trace during the (49-held) loop into this `file` (an agent built with -tags cpuprofile)")
+	traceOut := flag.String("trace", "", "floor scenario: keep the agent's execution trace of the breakdown phase in this `file`; partition scenario: the agent's execution trace during the 49-held loop (an agent built with -tags cpuprofile)")
+	breakdown := flag.Bool("breakdown", true, "floor scenario: trace the agent through -floor-cycles more cycles and print where a Reserve's and a Release's time goes (an agent built with -tags cpuprofile)")
 	only := flag.String("only", "reserve,rss,fanout,stats", "scenarios to run, comma-separated (floor: see above)")
 	hold := flag.String("hold", "", "internal: hold -streams reading Fingerprint streams on this `socket` until stdin closes")
 	flag.Parse()
@@ -69,7 +70,7 @@ func main() {
 	b := &bench{
 		bin: *agentBin, limits: *limits, streams: *streams, conns: *conns,
 		cycles: *cycles, cycleTime: *cycleTime,
-		floorCycles: *floorCycles, floorTime: *floorTime, floorBlock: max(*floorBlock, 1), agentFlags: strings.Fields(*agentFlags), perf: *perfOut, cpuProfile: *cpuProfile, trace: *traceOut,
+		floorCycles: *floorCycles, floorTime: *floorTime, breakdown: *breakdown, floorBlock: max(*floorBlock, 1), agentFlags: strings.Fields(*agentFlags), perf: *perfOut, cpuProfile: *cpuProfile, trace: *traceOut,
 	}
 	ctx := context.Background()
 	var err error
@@ -118,6 +119,7 @@ type bench struct {
 	floorCycles int
 	floorTime   time.Duration
 	floorBlock  int
+	breakdown   bool
 	agentFlags  []string
 	perf        string
 	cpuProfile  string // the agent's environment gets DEVICEHOST_CPUPROFILE
@@ -338,17 +340,7 @@ func (b *bench) p50Cycle(ctx context.Context, c pb.DeviceHostClient, d device) (
 		}
 		ds = append(ds, time.Since(start))
 	}
-	return percentile(ds, 50), len(ds), nil
-}
-
-func percentile(ds []time.Duration, p int) time.Duration {
-	if len(ds) == 0 {
-		return 0
-	}
-	s := slices.Clone(ds)
-	slices.Sort(s)
-	i := (len(s)*p + 99) / 100
-	return s[max(i-1, 0)]
+	return calltrace.Percentile(ds, 50), len(ds), nil
 }
 
 func ms(d time.Duration) string { return fmt.Sprintf("%.2f ms", float64(d)/float64(time.Millisecond)) }
@@ -667,7 +659,7 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 	defer mu.Unlock()
 	perMsg := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) / float64(len(lat)) }
 	fmt.Printf("%-44s p50 %s, p99 %s (%d changes %v apart, %d messages; agent CPU %.1f µs a message, the watchers' own %.1f µs)\n",
-		fmt.Sprintf("Fingerprint change -> %d watchers", n), ms(percentile(lat, 50)), ms(percentile(lat, 99)), changes, changeGap, len(lat),
+		fmt.Sprintf("Fingerprint change -> %d watchers", n), ms(calltrace.Percentile(lat, 50)), ms(calltrace.Percentile(lat, 99)), changes, changeGap, len(lat),
 		perMsg(cpu1-cpu0), perMsg(self1-self0))
 	return nil
 }

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/calltrace"
 )
 
 // partitionConfig turns on on-demand MIG for the dev agent's simulated DGX H100. The
@@ -122,7 +123,7 @@ func (b *bench) partition(ctx context.Context) error {
 		}
 		partDs = append(partDs, ds...)
 	}
-	wholeP50, partP50 := percentile(wholeDs, 50), percentile(partDs, 50)
+	wholeP50, partP50 := calltrace.Percentile(wholeDs, 50), calltrace.Percentile(partDs, 50)
 	fmt.Printf("%-44s %s whole GPU, %s 1g.10gb partition (%d rounds of %d cycles each): x%.2f\n",
 		"Reserve+Release p50, on-demand MIG", ms(wholeP50), ms(partP50), rounds, perRound, float64(partP50)/float64(wholeP50))
 
@@ -169,7 +170,7 @@ func (b *bench) partition(ctx context.Context) error {
 			}
 		}
 	}
-	noneP50, fullP50 := percentile(none, 50), percentile(full, 50)
+	noneP50, fullP50 := calltrace.Percentile(none, 50), calltrace.Percentile(full, 50)
 	fmt.Printf("%-44s %s with none held, %s with %d partitions held on 7 GPUs (%d rounds of %d cycles each): x%.2f\n",
 		"Reserve+Release p50, 1g.10gb partition", ms(noneP50), ms(fullP50), len(holds), rounds, perRound, float64(fullP50)/float64(noneP50))
 	// The agent's CPU per cycle reads steadier than wall time on a busy machine.

@@ -1,0 +1,182 @@
+// Package calltrace reads what an agent's execution trace (runtime/trace) says of its
+// gRPC calls: while it is traced, the server makes each call a task named after its
+// method, from its headers to its status (server/tracetask.go), and the handler marks its
+// steps as regions in it (Server.Reserve, manager.Manager.Reserve and Release). Breakdown
+// turns the calls of one method into the p50 and p99 of each step; tools/hostbench prints
+// it (docs/benchmarks.md#where-a-reserve-goes).
+package calltrace
+
+import (
+	"cmp"
+	"errors"
+	"io"
+	"slices"
+	"time"
+
+	"golang.org/x/exp/trace"
+)
+
+// The rows Breakdown adds to the regions' own.
+const (
+	GRPCIn  = "gRPC in (headers to handler)"
+	Between = "between steps"
+	GRPCOut = "gRPC out (reply to status sent)"
+	Total   = "total, server side"
+	Own     = "agent's own part"
+)
+
+// Call is one gRPC call of the agent as its execution trace shows it: the task the
+// server's stats handler makes of each call while tracing (server/tracetask.go), from
+// its headers to its status, and the regions its handler marked in it.
+type Call struct {
+	Begin, End trace.Time
+	Regions    []Span // its top-level regions, in the order they began
+}
+
+// Span is one region of a call.
+type Span struct {
+	Name       string
+	Begin, End trace.Time
+	// Goroutine is the one the region ran on: the handler's, or another that worked
+	// for the call (the ledger's writer).
+	Goroutine trace.GoID
+}
+
+// Read reads an execution trace and returns its complete calls by method (the
+// task's type): those whose task began and ended within the trace.
+func Read(r io.Reader) (map[string][]Call, error) {
+	rd, err := trace.NewReader(r)
+	if err != nil {
+		return nil, err
+	}
+	type open struct {
+		method string
+		c      Call
+	}
+	tasks := make(map[trace.TaskID]*open)
+	// Regions nest per goroutine: a stack of the open ones on each.
+	stacks := make(map[trace.GoID][]Span)
+	out := make(map[string][]Call)
+	for {
+		ev, err := rd.ReadEvent()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, err
+		}
+		switch ev.Kind() {
+		case trace.EventTaskBegin:
+			t := ev.Task()
+			tasks[t.ID] = &open{method: t.Type, c: Call{Begin: ev.Time()}}
+		case trace.EventTaskEnd:
+			t := ev.Task()
+			if o, ok := tasks[t.ID]; ok {
+				o.c.End = ev.Time()
+				// Appended as they ended: put them in the order they began.
+				slices.SortStableFunc(o.c.Regions, func(a, b Span) int { return cmp.Compare(a.Begin, b.Begin) })
+				out[o.method] = append(out[o.method], o.c)
+				delete(tasks, t.ID)
+			}
+		case trace.EventRegionBegin:
+			g := ev.Goroutine()
+			stacks[g] = append(stacks[g], Span{Name: ev.Region().Type, Begin: ev.Time(), Goroutine: g})
+		case trace.EventRegionEnd:
+			g, reg := ev.Goroutine(), ev.Region()
+			st := stacks[g]
+			if len(st) == 0 {
+				continue // began before the trace did
+			}
+			sp := st[len(st)-1]
+			stacks[g] = st[:len(st)-1]
+			sp.End = ev.Time()
+			if o, ok := tasks[reg.Task]; ok && len(st) == 1 { // top-level regions only
+				o.c.Regions = append(o.c.Regions, sp)
+			}
+		}
+	}
+	return out, nil
+}
+
+// Row is one line of a breakdown: a step's p50 and p99 over the calls.
+type Row struct {
+	Name     string
+	P50, P99 time.Duration
+}
+
+// Breakdown works out, over calls, the p50 and p99 of: the time from the call's headers
+// to its first region ("gRPC in"), each region (summed within a call when it recurs),
+// the time between regions ("between steps"), from the last region to the status
+// ("gRPC out"), the whole call ("total, server side"), and the whole call less the
+// regions named in external ("agent's own part"). Steps are in the order they first
+// appear. Regions on another goroutine than the call's first region (work done for the
+// call elsewhere, inside one of the handler's steps) get rows of their own but are not
+// counted in "between steps".
+func Breakdown(calls []Call, external ...string) []Row {
+	var order []string
+	per := make(map[string][]time.Duration)
+	add := func(name string, d time.Duration) {
+		if _, ok := per[name]; !ok {
+			order = append(order, name)
+		}
+		per[name] = append(per[name], d)
+	}
+	const in, between, out, total, own = GRPCIn, Between, GRPCOut, Total, Own
+	for _, c := range calls {
+		if len(c.Regions) == 0 {
+			continue
+		}
+		sums := make(map[string]time.Duration)
+		var names []string
+		var inRegions time.Duration
+		handler := c.Regions[0].Goroutine
+		first, last := c.Regions[0].Begin, c.Regions[0].End
+		for _, r := range c.Regions {
+			d := time.Duration(r.End - r.Begin)
+			if _, ok := sums[r.Name]; !ok {
+				names = append(names, r.Name)
+			}
+			sums[r.Name] += d
+			if r.Goroutine == handler {
+				inRegions += d
+				last = max(last, r.End)
+			}
+		}
+		whole := time.Duration(c.End - c.Begin)
+		gapIn, gapOut := time.Duration(first-c.Begin), time.Duration(c.End-last)
+		add(in, gapIn)
+		for _, n := range names {
+			add(n, sums[n])
+		}
+		add(between, whole-gapIn-gapOut-inRegions)
+		add(out, gapOut)
+		add(total, whole)
+		ownPart := whole
+		for _, e := range external {
+			ownPart -= sums[e]
+		}
+		add(own, ownPart)
+	}
+	// Keep the summary rows last, whatever order the steps came in.
+	for _, n := range []string{between, out, total, own} {
+		if i := slices.Index(order, n); i >= 0 {
+			order = append(slices.Delete(order, i, i+1), n)
+		}
+	}
+	rows := make([]Row, 0, len(order))
+	for _, n := range order {
+		rows = append(rows, Row{Name: n, P50: Percentile(per[n], 50), P99: Percentile(per[n], 99)})
+	}
+	return rows
+}
+
+// Percentile is the p-th percentile of ds (nearest rank); 0 for none.
+func Percentile(ds []time.Duration, p int) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	i := (len(s)*p + 99) / 100
+	return s[max(i-1, 0)]
+}

@@ -1,0 +1,168 @@
+package calltrace_test
+
+import (
+	"bytes"
+	"context"
+	"runtime/trace"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/devicehost/devicehost/tools/calltrace"
+)
+
+// traced runs f with the process traced and returns what Read makes of the trace.
+func traced(t *testing.T, f func()) map[string][]calltrace.Call {
+	t.Helper()
+	var buf bytes.Buffer
+	if err := trace.Start(&buf); err != nil {
+		t.Fatal(err)
+	}
+	f()
+	trace.Stop()
+	calls, err := calltrace.Read(&buf)
+	if err != nil {
+		t.Fatalf("Read: %v", err)
+	}
+	return calls
+}
+
+// spin keeps the goroutine busy for at least d, so a step has a length the test knows
+// from below.
+func spin(d time.Duration) {
+	for start := time.Now(); time.Since(start) < d; {
+	}
+}
+
+func TestReadFindsEachCallsTopLevelRegionsInOrder(t *testing.T) {
+	calls := traced(t, func() {
+		for range 3 {
+			ctx, task := trace.NewTask(context.Background(), "/svc/Reserve")
+			trace.WithRegion(ctx, "validate", func() {})
+			trace.WithRegion(ctx, "plugin", func() {
+				trace.WithRegion(ctx, "nested", func() { spin(100 * time.Microsecond) })
+			})
+			trace.WithRegion(ctx, "commit", func() {})
+			task.End()
+		}
+		// A region outside any task, and a task never ended: neither is a call.
+		trace.WithRegion(context.Background(), "loose", func() {})
+		_, open := trace.NewTask(context.Background(), "/svc/Open")
+		_ = open
+		ctx, task := trace.NewTask(context.Background(), "/svc/Release")
+		trace.WithRegion(ctx, "commit", func() {})
+		task.End()
+	})
+	if got := len(calls["/svc/Reserve"]); got != 3 {
+		t.Fatalf("Reserve calls = %d, want 3 (all: %v)", got, calls)
+	}
+	if got := len(calls["/svc/Release"]); got != 1 {
+		t.Fatalf("Release calls = %d, want 1", got)
+	}
+	if _, ok := calls["/svc/Open"]; ok {
+		t.Error("a task that never ended was read as a call")
+	}
+	for _, c := range calls["/svc/Reserve"] {
+		var names []string
+		for _, r := range c.Regions {
+			names = append(names, r.Name)
+			if r.Begin < c.Begin || r.End > c.End || r.End < r.Begin {
+				t.Errorf("region %s [%d, %d] outside its call [%d, %d]", r.Name, r.Begin, r.End, c.Begin, c.End)
+			}
+		}
+		if want := []string{"validate", "plugin", "commit"}; !slices.Equal(names, want) {
+			t.Errorf("regions = %v, want %v (top level only, in order)", names, want)
+		}
+	}
+}
+
+func TestBreakdownSplitsTheCallAndLeavesTheExternalStepsOut(t *testing.T) {
+	calls := traced(t, func() {
+		ctx, task := trace.NewTask(context.Background(), "/svc/Reserve")
+		spin(50 * time.Microsecond) // before the handler's first step
+		trace.WithRegion(ctx, "validate", func() { spin(20 * time.Microsecond) })
+		trace.WithRegion(ctx, "plugin", func() { spin(300 * time.Microsecond) })
+		spin(40 * time.Microsecond) // between steps
+		trace.WithRegion(ctx, "commit", func() {
+			// Work done for the call on another goroutine, within one of its steps.
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				trace.WithRegion(ctx, "worker", func() { spin(50 * time.Microsecond) })
+			}()
+			<-done
+			spin(200 * time.Microsecond)
+		})
+		trace.WithRegion(ctx, "plugin", func() { spin(100 * time.Microsecond) }) // a step made twice
+		spin(60 * time.Microsecond)                                              // after the last step
+		task.End()
+	})["/svc/Reserve"]
+	if len(calls) != 1 {
+		t.Fatalf("calls = %d, want 1", len(calls))
+	}
+	rows := calltrace.Breakdown(calls, "plugin", "commit")
+	got := map[string]time.Duration{}
+	var names []string
+	for _, r := range rows {
+		names = append(names, r.Name)
+		got[r.Name] = r.P50
+		if r.P50 != r.P99 {
+			t.Errorf("%s: p50 %v != p99 %v over one call", r.Name, r.P50, r.P99)
+		}
+	}
+	want := []string{calltrace.GRPCIn, "validate", "plugin", "commit", "worker", calltrace.Between, calltrace.GRPCOut, calltrace.Total, calltrace.Own}
+	if !slices.Equal(names, want) {
+		t.Fatalf("rows = %q, want %q", names, want)
+	}
+	atLeast := map[string]time.Duration{
+		calltrace.GRPCIn: 50 * time.Microsecond, "validate": 20 * time.Microsecond,
+		"plugin": 400 * time.Microsecond, "commit": 250 * time.Microsecond, "worker": 50 * time.Microsecond,
+		calltrace.Between: 40 * time.Microsecond, calltrace.GRPCOut: 60 * time.Microsecond,
+	}
+	for name, min := range atLeast {
+		if got[name] < min {
+			t.Errorf("%s = %v, want at least %v (what it spun)", name, got[name], min)
+		}
+	}
+	// The handler's parts add up to the whole (the worker's step is inside the commit),
+	// and the agent's own part is the whole less the external steps, exactly.
+	c := calls[0]
+	whole := time.Duration(c.End - c.Begin)
+	if got[calltrace.Total] != whole {
+		t.Errorf("total = %v, want the task's span %v", got[calltrace.Total], whole)
+	}
+	sum := got[calltrace.GRPCIn] + got["validate"] + got["plugin"] + got["commit"] + got[calltrace.Between] + got[calltrace.GRPCOut]
+	if got["worker"] > got["commit"] {
+		t.Errorf("worker %v longer than the commit %v it ran in", got["worker"], got["commit"])
+	}
+	if sum != whole {
+		t.Errorf("the rows add up to %v, want the whole %v", sum, whole)
+	}
+	if own := whole - got["plugin"] - got["commit"]; got[calltrace.Own] != own {
+		t.Errorf("own part = %v, want %v (the whole less plugin and commit)", got[calltrace.Own], own)
+	}
+}
+
+func TestBreakdownOfNoCallsIsEmpty(t *testing.T) {
+	if rows := calltrace.Breakdown(nil, "plugin"); len(rows) != 0 {
+		t.Errorf("rows = %v, want none", rows)
+	}
+}
+
+func TestPercentile(t *testing.T) {
+	ds := []time.Duration{5, 1, 4, 2, 3}
+	for _, tc := range []struct {
+		p    int
+		want time.Duration
+	}{{50, 3}, {99, 5}, {1, 1}, {100, 5}} {
+		if got := calltrace.Percentile(ds, tc.p); got != tc.want {
+			t.Errorf("p%d = %v, want %v", tc.p, got, tc.want)
+		}
+	}
+	if got := calltrace.Percentile(nil, 50); got != 0 {
+		t.Errorf("p50 of none = %v, want 0", got)
+	}
+	if !slices.Equal(ds, []time.Duration{5, 1, 4, 2, 3}) {
+		t.Error("Percentile sorted its argument in place")
+	}
+}

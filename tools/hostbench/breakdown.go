@@ -1,0 +1,27 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/devicehost/devicehost/tools/calltrace"
+)
+
+// printBreakdown prints the breakdown of calls of method; the agent's own part is the
+// whole call less the external regions (the plugin, the ledger's commit).
+func printBreakdown(w io.Writer, method string, calls []calltrace.Call, external ...string) {
+	rows := calltrace.Breakdown(calls, external...)
+	if len(rows) == 0 {
+		fmt.Fprintf(w, "  %s: no traced calls\n", method)
+		return
+	}
+	fmt.Fprintf(w, "  %-58s %8s %8s\n", fmt.Sprintf("%s (%d calls), µs", method, len(calls)), "p50", "p99")
+	for _, r := range rows {
+		name := r.Name
+		if name == calltrace.Own {
+			name = fmt.Sprintf("%s (total less %s)", name, strings.Join(external, ", "))
+		}
+		fmt.Fprintf(w, "    %-56s %8.1f %8.1f\n", name, float64(r.P50)/1e3, float64(r.P99)/1e3)
+	}
+}
