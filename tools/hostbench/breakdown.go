@@ -8,13 +8,13 @@ import (
 	"github.com/devicehost/devicehost/tools/calltrace"
 )
 
-// printBreakdown prints the breakdown of calls of method; the agent's own part is the
+// printBreakdown prints the breakdown of calls of method and returns its rows; the agent's own part is the
 // whole call less the external regions (the plugin, the ledger's commit).
-func printBreakdown(w io.Writer, method string, calls []calltrace.Call, external ...string) {
+func printBreakdown(w io.Writer, method string, calls []calltrace.Call, external ...string) []calltrace.Row {
 	rows := calltrace.Breakdown(calls, external...)
 	if len(rows) == 0 {
 		fmt.Fprintf(w, "  %s: no traced calls\n", method)
-		return
+		return nil
 	}
 	fmt.Fprintf(w, "  %-58s %8s %8s\n", fmt.Sprintf("%s (%d calls), µs", method, len(calls)), "p50", "p99")
 	for _, r := range rows {
@@ -24,4 +24,5 @@ func printBreakdown(w io.Writer, method string, calls []calltrace.Call, external
 		}
 		fmt.Fprintf(w, "    %-56s %8.1f %8.1f\n", name, float64(r.P50)/1e3, float64(r.P99)/1e3)
 	}
+	return rows
 }

@@ -194,6 +194,9 @@ func (b *bench) floor(ctx context.Context) error {
 	alone := s
 	fl := p50(alone.unary) + p50(alone.plugin) + p50(alone.commit)
 	relFl := p50(alone.unary) + p50(alone.commit)
+	row("Reserve p50, alone", p50(alone.reserve), "µs")
+	row("Release p50, alone", p50(alone.release), "µs")
+	row("Reserve over its floor, alone", p50(alone.reserve)/fl, "x")
 	fmt.Printf("alone:       Reserve p50 %.0f µs; floor %.0f µs (unary %.0f + plugin %.0f + commit %.0f): x%.2f (goal <= 1.3)\n",
 		p50(alone.reserve), fl, p50(alone.unary), p50(alone.plugin), p50(alone.commit), p50(alone.reserve)/fl)
 	fmt.Printf("             Release p50 %.0f µs; floor %.0f µs (unary + commit): x%.2f; p99: Reserve %.0f, Release %.0f, unary %.0f, plugin %.0f, commit %.0f µs; %d of each\n",
@@ -242,6 +245,8 @@ func (b *bench) floor(ctx context.Context) error {
 	}
 	n := len(s.reserve)
 	fl = p50(s.unary) + p50(s.plugin) + p50(s.commit)
+	row("Reserve p50, interleaved", p50(s.reserve), "µs")
+	row("Reserve over its floor, interleaved", p50(s.reserve)/fl, "x")
 	fmt.Printf("interleaved: Reserve p50 %.0f µs; floor %.0f µs (unary %.0f + plugin %.0f + commit %.0f): x%.2f (goal <= 1.3)\n",
 		p50(s.reserve), fl, p50(s.unary), p50(s.plugin), p50(s.commit), p50(s.reserve)/fl)
 	fmt.Printf("  p99: Reserve %.0f µs; unary %.0f, plugin %.0f, commit %.0f; ListPlugins (a unary the agent logs) p50 %.0f µs; %d cycles in %v; agent CPU %.0f µs a cycle (Reserve+Release+health+ListPlugins)\n",
@@ -279,8 +284,16 @@ func (b *bench) floor(ctx context.Context) error {
 		len(s.reserve), p50(s.reserve), p50(s.release))
 	// The agent's own part: the call less the plugin's Reserve and bbolt's commit
 	// (goal p50 <= 100 µs for a Reserve).
-	printBreakdown(os.Stdout, "Reserve", calls["/devicehost.v1.DeviceHost/Reserve"], "plugin", "ledger: bolt commit")
-	printBreakdown(os.Stdout, "Release", calls["/devicehost.v1.DeviceHost/Release"], "ledger: bolt commit")
+	for _, r := range printBreakdown(os.Stdout, "Reserve", calls["/devicehost.v1.DeviceHost/Reserve"], "plugin", "ledger: bolt commit") {
+		if r.Name == calltrace.Own || r.Name == calltrace.Total {
+			row("Reserve traced: "+r.Name+" p50", float64(r.P50)/1e3, "µs")
+		}
+	}
+	for _, r := range printBreakdown(os.Stdout, "Release", calls["/devicehost.v1.DeviceHost/Release"], "ledger: bolt commit") {
+		if r.Name == calltrace.Own || r.Name == calltrace.Total {
+			row("Release traced: "+r.Name+" p50", float64(r.P50)/1e3, "µs")
+		}
+	}
 	return nil
 }
 

@@ -54,6 +54,7 @@ func main() {
 	traceOut := flag.String("trace", "", "floor scenario: keep the agent's execution trace of the breakdown phase in this `file`; partition scenario: the agent's execution trace during the 49-held loop (an agent built with -tags cpuprofile)")
 	breakdown := flag.Bool("breakdown", true, "floor scenario: trace the agent through -floor-cycles more cycles and print where a Reserve's and a Release's time goes (an agent built with -tags cpuprofile)")
 	only := flag.String("only", "reserve,rss,fanout,stats", "scenarios to run, comma-separated (floor: see above)")
+	rowsOut := flag.String("rows", "", "also write each headline figure as a `file` of tab-separated name, value, unit lines (scripts/bench -compare reads them)")
 	hold := flag.String("hold", "", "internal: hold -streams reading Fingerprint streams on this `socket` until stdin closes")
 	flag.Parse()
 	if *hold != "" {
@@ -106,6 +107,22 @@ func main() {
 			os.Exit(1)
 		}
 	}
+	if *rowsOut != "" {
+		if err := os.WriteFile(*rowsOut, rows.Bytes(), 0o644); err != nil {
+			fmt.Fprintf(os.Stderr, "hostbench: -rows: %v\n", err)
+			os.Exit(1)
+		}
+	}
+}
+
+// rows holds the headline figures of the scenarios run, one "name\tvalue\tunit" line
+// each, for -rows.
+var rows bytes.Buffer
+
+// row records a headline figure. Names are stable: scripts/bench -compare matches the
+// rows of two agents by them.
+func row(name string, v float64, unit string) {
+	fmt.Fprintf(&rows, "%s\t%g\t%s\n", name, v, unit)
 }
 
 type bench struct {
@@ -658,6 +675,10 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 	mu.Lock()
 	defer mu.Unlock()
 	perMsg := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) / float64(len(lat)) }
+	msf := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+	row(fmt.Sprintf("fanout %d watchers p50", n), msf(calltrace.Percentile(lat, 50)), "ms")
+	row(fmt.Sprintf("fanout %d watchers p99", n), msf(calltrace.Percentile(lat, 99)), "ms")
+	row(fmt.Sprintf("fanout %d watchers agent CPU per change per 1000", n), perMsg(cpu1-cpu0), "ms")
 	fmt.Printf("%-44s p50 %s, p99 %s (%d changes %v apart, %d messages; agent CPU %.1f µs a message, the watchers' own %.1f µs)\n",
 		fmt.Sprintf("Fingerprint change -> %d watchers", n), ms(calltrace.Percentile(lat, 50)), ms(calltrace.Percentile(lat, 99)), changes, changeGap, len(lat),
 		perMsg(cpu1-cpu0), perMsg(self1-self0))

@@ -124,6 +124,8 @@ func (b *bench) partition(ctx context.Context) error {
 		partDs = append(partDs, ds...)
 	}
 	wholeP50, partP50 := calltrace.Percentile(wholeDs, 50), calltrace.Percentile(partDs, 50)
+	row("partition Reserve+Release p50, whole GPU", float64(wholeP50)/1e3, "µs")
+	row("partition Reserve+Release p50, 1g.10gb", float64(partP50)/1e3, "µs")
 	fmt.Printf("%-44s %s whole GPU, %s 1g.10gb partition (%d rounds of %d cycles each): x%.2f\n",
 		"Reserve+Release p50, on-demand MIG", ms(wholeP50), ms(partP50), rounds, perRound, float64(partP50)/float64(wholeP50))
 
@@ -175,6 +177,8 @@ func (b *bench) partition(ctx context.Context) error {
 		"Reserve+Release p50, 1g.10gb partition", ms(noneP50), ms(fullP50), len(holds), rounds, perRound, float64(fullP50)/float64(noneP50))
 	// The agent's CPU per cycle reads steadier than wall time on a busy machine.
 	perNone, perHeld := cpuNone/time.Duration(len(none)), cpuFull/time.Duration(len(full))
+	row("partition Reserve+Release p50, 1g.10gb with 49 held", float64(fullP50)/1e3, "µs")
+	row("partition agent CPU per cycle with 49 held", float64(perHeld)/1e3, "µs")
 	fmt.Printf("%-44s %d µs with none held, %d µs with %d held: x%.2f\n",
 		"  the agent's CPU per cycle", perNone.Microseconds(), perHeld.Microseconds(), len(holds), float64(perHeld)/float64(perNone))
 	return nil
