@@ -87,12 +87,6 @@ build_containerd() {
     github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2
 }
 
-build_crictl() {
-  gobuild crictl "$CRICTL_VERSION" "sigs.k8s.io/cri-tools@$CRICTL_VERSION" \
-    "-X sigs.k8s.io/cri-tools/pkg/version.Version=$CRICTL_VERSION" \
-    sigs.k8s.io/cri-tools/cmd/crictl
-}
-
 build_etcd() {
   # The etcd server's main package is the root of go.etcd.io/etcd/server/v3 (the module
   # go.etcd.io/etcd/v3 holds no command): go build names it "server".
@@ -159,17 +153,15 @@ case "$only" in
     debian_packages
     build_pause
     build_containerd
-    build_crictl
     build_etcd
     build_kubernetes
     ;;
   debian) debian_packages ;;
   pause) build_pause ;;
   containerd) build_containerd ;;
-  crictl) build_crictl ;;
   etcd) build_etcd ;;
   kubernetes) build_kubernetes ;;
   helm) build_helm ;;
-  *) echo "usage: $0 [all|debian|pause|containerd|crictl|etcd|kubernetes|helm]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|debian|pause|containerd|etcd|kubernetes|helm]" >&2; exit 2 ;;
 esac
 log "done in $((SECONDS - t_all))s"

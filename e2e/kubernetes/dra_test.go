@@ -67,10 +67,11 @@ var (
 
 // buildDRA builds devicehost-dra-plugin from its own module (GOWORK off, as the Nomad
 // e2e builds across modules), once per test binary, beside the suite's other binaries.
+// With -race, as buildDevicehost's: see there.
 func (n *nodeEnv) buildDRA() (string, error) {
 	bin := filepath.Join(n.run, "bin", draBinary)
 	draBuildOnce.Do(func() {
-		cmd := exec.Command("go", "build", "-o", bin, "./cmd/"+draBinary)
+		cmd := exec.Command("go", "build", "-race", "-o", bin, "./cmd/"+draBinary)
 		cmd.Dir = filepath.Join(n.root, "integrations", "dra")
 		cmd.Env = append(os.Environ(), "GOWORK=off")
 		if out, err := cmd.CombinedOutput(); err != nil {

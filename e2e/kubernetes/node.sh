@@ -49,11 +49,10 @@ KUBE_PROXY_METRICS_PORT=20249
 IMAGE="localhost/devicehost-e2e/busybox:$PAUSE_VERSION"
 
 BIN_CONTAINERD="$CACHE/containerd-$CONTAINERD_VERSION/bin"
-BIN_CRICTL="$CACHE/crictl-$CRICTL_VERSION/bin"
 BIN_ETCD="$CACHE/etcd-$ETCD_VERSION/bin"
 BIN_K8S="$CACHE/kubernetes-$KUBERNETES_VERSION/bin"
 BIN_PAUSE="$CACHE/pause-$PAUSE_VERSION/bin"
-export PATH="$BIN_CONTAINERD:$BIN_CRICTL:$BIN_K8S:$PATH"
+export PATH="$BIN_CONTAINERD:$BIN_K8S:$PATH"
 
 PKI="$RUN/pki"
 CONTAINERD_SOCK="$RUN/containerd/containerd.sock"
@@ -143,7 +142,7 @@ check_binaries() {
   local b
   for b in "$BIN_ETCD/etcd" "$BIN_K8S/kube-apiserver" "$BIN_K8S/kube-controller-manager" \
     "$BIN_K8S/kube-scheduler" "$BIN_K8S/kubelet" "$BIN_K8S/kube-proxy" "$BIN_K8S/kubectl" "$BIN_CONTAINERD/containerd" \
-    "$BIN_CONTAINERD/ctr" "$BIN_CONTAINERD/containerd-shim-runc-v2" "$BIN_CRICTL/crictl" \
+    "$BIN_CONTAINERD/ctr" "$BIN_CONTAINERD/containerd-shim-runc-v2" \
     "$BIN_PAUSE/pause" /usr/sbin/runc /usr/bin/busybox /usr/lib/cni/bridge /usr/lib/cni/host-local \
     /usr/lib/cni/loopback; do
     [ -x "$b" ] || die "$b is missing: run e2e/kubernetes/build.sh"
@@ -471,7 +470,6 @@ DEVICEHOST_E2E_KUBELET_ROOT=$KUBELET_ROOT
 DEVICEHOST_E2E_CDI_DIR=$RUN/cdi
 DEVICEHOST_E2E_CONTAINERD_SOCK=$CONTAINERD_SOCK
 DEVICEHOST_E2E_KUBECTL=$BIN_K8S/kubectl
-DEVICEHOST_E2E_CRICTL=$BIN_CRICTL/crictl
 DEVICEHOST_E2E_CTR=$BIN_CONTAINERD/ctr
 DEVICEHOST_E2E_NODE_IP=$NODE_IP
 EOF
@@ -542,7 +540,7 @@ stray_pids() {
     exe=$(readlink "$p/exe" 2>/dev/null) || continue
     # Only this node's binaries: the cache directory may hold other suites' too.
     case "$exe" in
-      "$BIN_CONTAINERD"/* | "$BIN_CRICTL"/* | "$BIN_ETCD"/* | "$BIN_K8S"/* | "$BIN_PAUSE"/* | "$RUN"/*)
+      "$BIN_CONTAINERD"/* | "$BIN_ETCD"/* | "$BIN_K8S"/* | "$BIN_PAUSE"/* | "$RUN"/*)
         echo "${p#/proc/}" ;;
     esac
   done
@@ -555,13 +553,13 @@ down_all() {
   if [ -e "$KUBELET_ROOT" ] && [ ! -e "$KUBELET_ROOT/.devicehost-e2e" ]; then
     die "$KUBELET_ROOT exists and is not this suite's: not touching it"
   fi
-  # The kubelet first (it would start what we stop), then the pods, through the runtime
-  # while it still runs, so that the CNI plugin releases the pods' network.
+  # The kubelet first (it would start what we stop). The pods' processes are then killed
+  # with the rest (stray_pids: the node's cgroups), and what their network leaves is all
+  # under $RUN, removed below: containerd's network namespaces (mounted under its state
+  # dir), the host-local IPAM's leases (its dataDir), the CNI results; their veths go
+  # with the namespaces, and the bridge is deleted by name.
   stop_component kubelet
   stop_component kube-proxy
-  if alive containerd >/dev/null && [ -S "$CONTAINERD_SOCK" ]; then
-    timeout 60 crictl --runtime-endpoint "unix://$CONTAINERD_SOCK" rmp -f -a >/dev/null 2>&1 || true
-  fi
   for c in containerd kube-scheduler kube-controller-manager kube-apiserver etcd; do
     stop_component "$c"
   done

@@ -25,30 +25,48 @@ export DEVICEHOST_E2E_LOGS="$LOGS"
 exec 9>/var/lock/devicehost-e2e.lock
 flock -w 900 9 || { echo "another devicehost e2e run holds /var/lock/devicehost-e2e.lock"; exit 1; }
 
-t0=$SECONDS
-bash e2e/kubernetes/build.sh
-bash e2e/kubernetes/build.sh helm
-echo "e2e: node binaries ready in $((SECONDS - t0))s"
-source e2e/kubernetes/versions.sh
-export DEVICEHOST_E2E_HELM="${DEVICEHOST_E2E_CACHE:-/var/cache/devicehost-e2e}/helm-$HELM_VERSION/bin/helm"
-
 # devicehost's image, twice: the version of this tree, and the same tree tagged as
 # another version, which TestRealNodeHelm upgrades to (and rolls back from). Both
-# cached by their inputs' hash (scripts/image).
-t0=$SECONDS
+# cached by their inputs' hash (scripts/image). Built beside the node's binaries: a cold
+# image build spends minutes on apt, mmdebstrap and module downloads, which then overlap
+# the node's compiles instead of adding to them. Its log is printed when both are done.
 images="${DEVICEHOST_E2E_CACHE:-/var/cache/devicehost-e2e}/images"
 mkdir -p "$images"
 version=$(scripts/image -print-tag)
 DEVICEHOST_E2E_IMAGES=""
-# One file per role, overwritten each run (scripts/image keeps its own cache).
 for role in current next; do
   tag=$version
   [ "$role" = next ] && tag+=-next
-  scripts/image -o "$images/$role.tar" -tag "$tag"
   DEVICEHOST_E2E_IMAGES+="$tag=$images/$role.tar "
 done
 export DEVICEHOST_E2E_IMAGES
-echo "e2e: images ready in $((SECONDS - t0))s: $DEVICEHOST_E2E_IMAGES"
+image_log=$(mktemp)
+(
+  t0=$SECONDS
+  # One file per role, overwritten each run (scripts/image keeps its own cache).
+  for role in current next; do
+    tag=$version
+    [ "$role" = next ] && tag+=-next
+    scripts/image -o "$images/$role.tar" -tag "$tag"
+  done
+  echo "e2e: images ready in $((SECONDS - t0))s: $DEVICEHOST_E2E_IMAGES"
+) >"$image_log" 2>&1 &
+image_pid=$!
+trap 'kill "$image_pid" 2>/dev/null || true; rm -f "$image_log"' EXIT
+
+t0=$SECONDS
+node_status=0
+{ bash e2e/kubernetes/build.sh && bash e2e/kubernetes/build.sh helm; } || node_status=$?
+echo "e2e: node binaries ready in $((SECONDS - t0))s (status $node_status)"
+image_status=0
+wait "$image_pid" || image_status=$?
+trap - EXIT
+cat "$image_log"
+rm -f "$image_log"
+[ "$node_status" = 0 ] || { echo "e2e: building the node's binaries failed (exit $node_status)"; exit 1; }
+[ "$image_status" = 0 ] || { echo "e2e: building devicehost's images failed (exit $image_status)"; exit 1; }
+source e2e/kubernetes/versions.sh
+export DEVICEHOST_E2E_HELM="${DEVICEHOST_E2E_CACHE:-/var/cache/devicehost-e2e}/helm-$HELM_VERSION/bin/helm"
 $prepare && exit 0
 
 rm -rf "$LOGS"

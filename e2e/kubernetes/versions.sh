@@ -1,6 +1,5 @@
 # Pinned versions of the e2e node's components (sourced by build.sh and node.sh).
 CONTAINERD_VERSION=v2.2.9
-CRICTL_VERSION=v1.37.0
 KUBERNETES_VERSION=v1.37.2
 # The etcd that k8s.io/kubernetes v1.37.2's go.mod pins (go.etcd.io/etcd/server/v3).
 ETCD_VERSION=v3.7.0
