@@ -12,7 +12,7 @@ import (
 )
 
 // TestReserveAndReleaseMarkTheirSteps: traced, a Reserve and a Release show their steps as
-// regions of the caller's task, in the order they run (the ledger writer's inside the
+// regions of the caller's task, in the order they run (the group commit's inside the
 // caller's "ledger commit"), which is what hostbench's breakdown and `go tool trace`
 // show an operator.
 func TestReserveAndReleaseMarkTheirSteps(t *testing.T) {

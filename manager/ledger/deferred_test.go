@@ -83,7 +83,7 @@ func TestDeferredWriteCommitsWhenDue(t *testing.T) {
 		default:
 		}
 		time.Sleep(time.Nanosecond)
-		synctest.Wait() // the writer's commit, fsync included, is done or blocked
+		synctest.Wait() // the commit, fsync included, is done or blocked
 		select {
 		case err := <-done:
 			if err != nil {

@@ -217,7 +217,7 @@ type gcRun struct {
 
 	spawn func(e GCEntry) // starts a worker running the plugin cleanup of e
 
-	committedMu sync.Mutex    // guards committed; the ledger's writer appends to it
+	committedMu sync.Mutex    // guards committed; the goroutine committing deferred writes appends to it
 	committed   []gcResult    // outcomes of deferred writes not yet handled
 	commitWake  chan struct{} // buffered(1): committed grew
 }

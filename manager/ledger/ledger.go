@@ -105,8 +105,8 @@ type Options struct {
 	// fsyncs done), with how long the transaction took, fsyncs included, and how many
 	// writes shared it (group commit: callers' requests and deferred writes, at most
 	// 256). A batch that wrote nothing (every request refused) is not a commit. It is
-	// called on the writer goroutine, so it must be quick and must not block: every
-	// write waits for it.
+	// called on the goroutine that committed (a caller leading the group commit, see
+	// submit), so it must be quick and must not block: every write waits for it.
 	OnCommit func(took time.Duration, writes int)
 }
 
@@ -114,27 +114,36 @@ type Options struct {
 // returns are deep copies the caller may keep and modify; values passed in are copied
 // before they are stored.
 //
-// Open starts one writer goroutine; Close stops it. Writes (Reserve, Release,
-// CleanupDone, Delete, SaveReattach, DeleteReattach) take a context: it bounds only the
-// wait for the writer to accept the request and is checked once more just before the
-// request is applied; a request the writer has applied is not abandoned, the call
-// returns when the commit is durable or has failed.
+// Writes are group-committed by their callers (see submit): no goroutine runs while the
+// ledger is idle. Writes (Reserve, Release, CleanupDone, Delete, SaveReattach,
+// DeleteReattach) take a context: it bounds the wait for the request to be accepted
+// (maxQueued wait for a commit at most) and for a commit to take it up, and is checked
+// once more just before the request is applied; a request that was taken up is not
+// abandoned, the call returns when the commit is durable or has failed.
 type Ledger struct {
 	path string
 	db   *bolt.DB
 	now  func() time.Time
 	log  hclog.Logger
 
-	reqs      chan *request // to the writer; unbuffered so Close can refuse senders
 	quit      chan struct{} // closed by Close
 	closeOnce sync.Once
 	closeErr  error
-	wg        sync.WaitGroup                       // the writer
 	commits   atomic.Int64                         // successful batches, for tests and the benchmark
 	onCommit  func(took time.Duration, writes int) // Options.OnCommit; nil: none
 
-	// mu guards idx. Only the writer goroutine mutates idx (under mu.Lock); it may read
-	// idx without mu, since no one else writes it.
+	// The group commit (submit): wmu guards the queue and the lead.
+	wmu      sync.Mutex
+	queue    []*request    // accepted, not yet taken into a batch; oldest first
+	queueBuf []*request    // the queue's array, reused whenever it empties
+	leading  bool          // a goroutine leads: commits the queue; it alone writes the file and idx
+	kicked   bool          // deferred writes are due: the leader makes one more round
+	closed   bool          // Close has begun: no more requests
+	idle     *sync.Cond    // on wmu: broadcast when leading ends
+	slots    chan struct{} // one per accepted request until a batch takes it: at most maxQueued
+
+	// mu guards idx. Only the leader mutates idx (under mu.Lock); it may read idx
+	// without mu, since no one else writes it.
 	mu  sync.RWMutex
 	idx *index
 
@@ -142,10 +151,10 @@ type Ledger struct {
 	subs  map[*feed]struct{} // told after each commit that changed reservations
 
 	deferMu     sync.Mutex
-	deferred    []*request    // deferred writes, oldest first (see submitDeferred)
-	deferDue    time.Time     // when the oldest must be committed; zero: at once
-	deferClosed bool          // the writer has stopped taking deferred writes
-	deferWake   chan struct{} // buffered(1): tells the writer deferDue changed
+	deferred    []*request  // deferred writes, oldest first (see submitDeferred)
+	deferDue    time.Time   // when the oldest must be committed; zero: at once
+	deferClosed bool        // Close has stopped taking deferred writes
+	deferTimer  *time.Timer // fires (deferredDue) when the oldest is due
 }
 
 // Open opens the ledger at path (normally filepath.Join(stateDir, DefaultFileName)),
@@ -182,20 +191,22 @@ func Open(path string, opts Options) (*Ledger, error) {
 		db:   db,
 		now:  opts.Now,
 		log:  opts.Logger,
-		reqs: make(chan *request),
 		quit: make(chan struct{}),
 		idx:  idx,
 		subs: make(map[*feed]struct{}),
 
 		onCommit: opts.OnCommit,
 
-		deferWake: make(chan struct{}, 1),
+		queueBuf: make([]*request, 0, maxQueued),
+		slots:    make(chan struct{}, maxQueued),
 	}
+	l.queue = l.queueBuf
+	l.idle = sync.NewCond(&l.wmu)
+	l.deferTimer = time.AfterFunc(time.Hour, l.deferredDue)
+	l.deferTimer.Stop()
 	c := idx.counts()
 	l.log.Info("opened reservation ledger", "path", path, "reservations", c.Total,
 		"live", c.Live, "released", c.Released, "cleanup_pending", c.CleanupPending)
-	l.wg.Add(1)
-	go l.writeLoop()
 	return l, nil
 }
 
@@ -207,14 +218,14 @@ func (l *Ledger) Path() string { return l.path }
 // For benchmarks and metrics; safe for concurrent use.
 func (l *Ledger) Commits() int64 { return l.commits.Load() }
 
-// Close stops the writer once the requests it has accepted, and the deferred writes
-// waiting, are committed, refuses later writes with ErrClosed, and closes the file.
+// Close refuses later writes with ErrClosed, waits until the requests accepted, and the
+// deferred writes waiting, are committed, and closes the file.
 // Reads keep answering from memory. Close is idempotent; stop any GC running on the
 // ledger first.
 func (l *Ledger) Close() error {
 	l.closeOnce.Do(func() {
 		close(l.quit)
-		l.wg.Wait()
+		l.stopWrites()
 		if err := l.db.Close(); err != nil {
 			l.closeErr = fmt.Errorf("close state file %s: %w", l.path, err)
 		}
@@ -223,8 +234,8 @@ func (l *Ledger) Close() error {
 }
 
 // feed is one subscriber's view of the commits: the IDs of the reservations that
-// changed since it last drained them, and a coalesced wake-up. It never blocks the
-// writer.
+// changed since it last drained them, and a coalesced wake-up. It never blocks a
+// commit.
 type feed struct {
 	wake chan struct{} // buffered(1)
 	mu   sync.Mutex

@@ -30,7 +30,7 @@ import (
 // by some 15%, past the 10% scripts/bench allows. And a long read transaction holds
 // bbolt's mmap lock: a List of every reservation would stall any commit that grows the
 // file, and every Reserve waiting on that commit, for its whole scan. Reads never
-// waiting for the disk or the writer is the point of the index.
+// waiting for the disk or a commit is the point of the index.
 //
 // Layout: a flags byte (flagCleanupPending), then in this order the owner, the group
 // (vendor, type, name), the plugin, the device IDs, the creation and release times,

@@ -375,7 +375,7 @@ func TestConcurrentReservesAllDurableAndShareCommits(t *testing.T) {
 func TestBatchStorageFailureIsolated(t *testing.T) {
 	l := newLedger(t)
 	ctx := context.Background()
-	// Hold the writer inside a batch so the following requests queue up together.
+	// Hold the leader inside a batch so the following requests queue up together.
 	entered, unblock := make(chan struct{}), make(chan struct{})
 	blockerDone := make(chan error, 1)
 	go func() {

@@ -226,8 +226,8 @@ func TestTakeOverInAFailedBatchIsRetriedWhole(t *testing.T) {
 	fail := &request{ctx: ctx, done: make(chan response, 1), run: func(*txn) (any, error) {
 		return nil, &storageError{errors.New("disk on fire")}
 	}}
-	// The writer is idle (every write so far has been answered), so this goroutine
-	// may run a batch as the writer would.
+	// No one leads the group commit (every write so far has been answered), so this
+	// goroutine may run a batch as a leader would.
 	l.commit([]*request{take, fail})
 	if resp := <-fail.done; resp.err == nil {
 		t.Fatal("the failing request succeeded")

@@ -17,13 +17,16 @@ import (
 // transaction, bounding its size.
 const maxBatch = 256
 
-// request is one write handed to the writer goroutine.
+// request is one write, queued for the leader to commit (see submit).
 type request struct {
 	ctx  context.Context
 	run  func(w *txn) (any, error) // decides first, then writes; see txn
-	done chan response             // buffered(1): the writer never blocks on it
+	done chan response             // buffered(1): the leader never blocks on it
+	// leadGiven (under Ledger.wmu) says the lead was handed to this request's caller,
+	// which then may not withdraw it.
+	leadGiven bool
 	// notify, set for a deferred write instead of done, gets the outcome: nil once the
-	// write is durable. Called on the writer goroutine; it must not block.
+	// write is durable. Called on the committing goroutine; it must not block.
 	notify func(error)
 }
 
@@ -39,6 +42,8 @@ func (req *request) answer(resp response) {
 type response struct {
 	val any
 	err error
+	// lead, instead of an answer, hands the lead to the request's caller (see submit).
+	lead bool
 }
 
 // storageError marks an error from bbolt itself inside a batch: it aborts the whole
@@ -102,29 +107,134 @@ func (w *txn) deleteReattach(plugin string) error {
 	return nil
 }
 
-// submit hands run to the writer and waits for its durable result. ctx bounds only the
-// wait to be accepted (see Ledger).
+// maxQueued bounds the requests accepted and not yet taken into a batch: a caller past
+// it waits (bounded by its context) for room.
+const maxQueued = 4 * maxBatch
+
+// submit queues run and waits for its durable result. ctx bounds only the wait to be
+// accepted and, once queued, the wait for a batch to take it: a request withdrawn
+// when ctx ends was never applied; one taken into a batch is answered when its commit
+// is durable or has failed (see Ledger).
+//
+// Group commit without a writer goroutine: the first caller to find no commit running
+// leads. It commits the queue (its own request and whatever queued meanwhile, up to
+// maxBatch, with the deferred writes waiting) on its own goroutine, and again while more
+// queue up, until its own request is answered; it then hands the lead to the oldest
+// request still queued, or stops leading when none is. A lone Reserve so makes its
+// commit itself: no hand-off to a writer and back, two goroutine switches (and the
+// thread wake-ups behind them) saved on every write.
 func (l *Ledger) submit(ctx context.Context, run func(w *txn) (any, error)) (any, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	req := &request{ctx: ctx, run: run, done: make(chan response, 1)}
 	select {
-	case l.reqs <- req:
+	case l.slots <- struct{}{}:
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	case <-l.quit:
 		return nil, ErrClosed
 	}
-	resp := <-req.done
-	return resp.val, resp.err
+	req := &request{ctx: ctx, run: run, done: make(chan response, 1)}
+	l.wmu.Lock()
+	if l.closed {
+		l.wmu.Unlock()
+		<-l.slots
+		return nil, ErrClosed
+	}
+	l.queue = append(l.queue, req)
+	lead := !l.leading
+	l.leading = true
+	l.wmu.Unlock()
+	if lead {
+		l.lead(req)
+	}
+	wait := ctx.Done()
+	for {
+		select {
+		case resp := <-req.done:
+			if resp.lead { // handed the lead while still queued
+				l.lead(req)
+				continue
+			}
+			return resp.val, resp.err
+		case <-wait:
+			// Still queued (not in a batch, not handed the lead): withdrawn, never applied.
+			l.wmu.Lock()
+			if i := slices.Index(l.queue, req); i >= 0 && !req.leadGiven {
+				l.queue = slices.Delete(l.queue, i, i+1)
+				l.wmu.Unlock()
+				<-l.slots
+				return nil, ctx.Err()
+			}
+			l.wmu.Unlock()
+			wait = nil // taken: its answer comes
+		}
+	}
+}
+
+// lead commits batches while this goroutine holds the lead (l.leading, set by whoever
+// gave it): until own is answered (nil: one round, for due deferred writes), then hands
+// the lead on (see submit). Only the leader touches the file and the index.
+func (l *Ledger) lead(own *request) {
+	batch := make([]*request, 0, maxBatch)
+	answered := own == nil
+	for {
+		l.wmu.Lock()
+		n := min(len(l.queue), maxBatch)
+		batch = append(batch[:0], l.queue[:n]...)
+		clear(l.queue[:n])
+		l.queue = l.queue[n:]
+		if len(l.queue) == 0 {
+			l.queue = l.queueBuf // reuse the array from its start
+		}
+		l.kicked = false
+		l.wmu.Unlock()
+		for range n {
+			<-l.slots
+		}
+		answered = answered || slices.Contains(batch, own)
+		if d := l.takeDeferred(); len(d) > 0 {
+			batch = append(d, batch...)
+		}
+		if len(batch) > 0 {
+			l.commit(batch)
+		}
+		clear(batch) // drop references to answered requests
+		l.armDeferred()
+		l.wmu.Lock()
+		switch {
+		case !answered:
+			l.wmu.Unlock()
+			continue
+		case len(l.queue) > 0:
+			// Under wmu, so that next's caller cannot withdraw it meanwhile; the send
+			// never blocks: next is queued, so unanswered, and done is buffered.
+			next := l.queue[0]
+			next.leadGiven = true
+			next.done <- response{lead: true}
+			l.wmu.Unlock()
+			return
+		default:
+			// Deferred writes fell due meanwhile: the timer's goroutine commits them, not
+			// this caller, whose own write is done.
+			kicked := l.kicked
+			l.kicked = false
+			l.leading = false
+			l.idle.Broadcast()
+			l.wmu.Unlock()
+			if kicked {
+				l.deferTimer.Reset(0)
+			}
+			return
+		}
+	}
 }
 
 // submitDeferred queues run as a deferred write: it is applied, in the order deferred
-// writes were queued and ahead of the other requests, in the next batch the writer
+// writes were queued and ahead of the other requests, in the next batch a leader
 // commits, and is committed on its own no later than within after it was queued (at
 // once while maxBatch or more are waiting). It never blocks. notify gets the outcome on
-// the writer goroutine (nil once durable), or ErrClosed at once, on the caller's
+// the committing goroutine (nil once durable), or ErrClosed at once, on the caller's
 // goroutine, when the ledger is closed; it must not block.
 //
 // Deferred writes are for bookkeeping whose loss in a crash is harmless because it is
@@ -139,21 +249,18 @@ func (l *Ledger) submitDeferred(within time.Duration, run func(w *txn) (any, err
 		notify(ErrClosed)
 		return
 	}
-	wake := len(l.deferred) == 0 || due.Before(l.deferDue)
-	if wake {
+	arm := len(l.deferred) == 0 || due.Before(l.deferDue)
+	if arm {
 		l.deferDue = due
 	}
 	l.deferred = append(l.deferred, req)
 	if len(l.deferred) == maxBatch {
-		l.deferDue, wake = time.Time{}, true // a full batch waits no longer
+		l.deferDue, arm = time.Time{}, true // a full batch waits no longer
+	}
+	if arm {
+		l.deferTimer.Reset(max(time.Until(l.deferDue), 0))
 	}
 	l.deferMu.Unlock()
-	if wake {
-		select {
-		case l.deferWake <- struct{}{}:
-		default: // the writer will look at deferDue anyway
-		}
-	}
 }
 
 // takeDeferred removes and returns up to maxBatch deferred writes, oldest first.
@@ -161,6 +268,9 @@ func (l *Ledger) takeDeferred() []*request {
 	l.deferMu.Lock()
 	defer l.deferMu.Unlock()
 	n := min(len(l.deferred), maxBatch)
+	if n == 0 {
+		return nil
+	}
 	out := slices.Clone(l.deferred[:n])
 	l.deferred = slices.Delete(l.deferred, 0, n)
 	if len(l.deferred) >= maxBatch {
@@ -169,65 +279,52 @@ func (l *Ledger) takeDeferred() []*request {
 	return out
 }
 
-// armDeferred sets t to fire when the oldest deferred write is due, or stops it when
-// none is waiting.
-func (l *Ledger) armDeferred(t *time.Timer) {
+// armDeferred sets the timer to fire when the oldest deferred write is due, or stops it
+// when none is waiting.
+func (l *Ledger) armDeferred() {
 	l.deferMu.Lock()
-	n, due := len(l.deferred), l.deferDue
-	l.deferMu.Unlock()
-	if n == 0 {
-		t.Stop()
+	defer l.deferMu.Unlock()
+	if len(l.deferred) == 0 {
+		l.deferTimer.Stop()
 		return
 	}
-	t.Reset(max(time.Until(due), 0))
+	l.deferTimer.Reset(max(time.Until(l.deferDue), 0))
 }
 
-// writeLoop is the writer goroutine: it takes one request, then every other request
-// already waiting (those that queued during the previous commit), and commits them
-// together with the deferred writes waiting. When no request comes, the deferred
-// writes get a commit of their own once they are due. On Close it commits the deferred
-// writes still waiting, then returns.
-func (l *Ledger) writeLoop() {
-	defer l.wg.Done()
-	batch := make([]*request, 0, maxBatch)
-	timer := time.NewTimer(time.Hour)
-	timer.Stop()
-	defer timer.Stop()
-	for {
-		select {
-		case req := <-l.reqs:
-			batch = append(batch[:0], req)
-		case <-l.deferWake:
-			l.armDeferred(timer)
-			continue
-		case <-timer.C:
-			batch = batch[:0]
-		case <-l.quit:
-			l.deferMu.Lock()
-			l.deferClosed = true
-			l.deferMu.Unlock()
-			for d := l.takeDeferred(); len(d) > 0; d = l.takeDeferred() {
-				l.commit(d)
-			}
-			return
-		}
-	gather:
-		for len(batch) < maxBatch {
-			select {
-			case req := <-l.reqs:
-				batch = append(batch, req)
-			default:
-				break gather
-			}
-		}
-		if d := l.takeDeferred(); len(d) > 0 {
-			batch = append(d, batch...)
-		}
-		if len(batch) > 0 {
-			l.commit(batch)
-		}
-		clear(batch) // drop references to answered requests
-		l.armDeferred(timer)
+// deferredDue runs when the oldest deferred write is due (the timer's goroutine): it
+// commits the deferred writes, leading itself when no one leads, or tells the leader
+// to make one more round.
+func (l *Ledger) deferredDue() {
+	l.wmu.Lock()
+	if l.closed {
+		l.wmu.Unlock()
+		return
+	}
+	if l.leading {
+		l.kicked = true
+		l.wmu.Unlock()
+		return
+	}
+	l.leading = true
+	l.wmu.Unlock()
+	l.lead(nil)
+}
+
+// stopWrites refuses new requests, waits for the leader to answer those accepted,
+// then commits the deferred writes still waiting (see Close).
+func (l *Ledger) stopWrites() {
+	l.wmu.Lock()
+	l.closed = true
+	for l.leading {
+		l.idle.Wait()
+	}
+	l.wmu.Unlock()
+	l.deferMu.Lock()
+	l.deferClosed = true
+	l.deferTimer.Stop()
+	l.deferMu.Unlock()
+	for d := l.takeDeferred(); len(d) > 0; d = l.takeDeferred() {
+		l.commit(d)
 	}
 }
 
@@ -275,7 +372,7 @@ func (l *Ledger) commit(batch []*request) {
 // bolt commit" (bbolt's Commit, with its fsyncs); commit marks "ledger: index".
 func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrote bool, err error) {
 	resps = make([]response, len(batch))
-	ov = newOverlay(l.idx) // only this goroutine writes l.idx, so reading it unlocked is safe
+	ov = newOverlay(l.idx) // only the leader writes l.idx, so reading it unlocked is safe
 	ctx := traceContext(batch)
 	tx, err := l.db.Begin(true)
 	if err != nil {

@@ -30,7 +30,7 @@ const (
 // its headers to its status, and the regions its handler marked in it.
 type Call struct {
 	Begin, End trace.Time
-	Regions    []Span // its top-level regions, in the order they began
+	Regions    []Span // its regions, in the order they began
 }
 
 // Span is one region of a call.
@@ -38,8 +38,11 @@ type Span struct {
 	Name       string
 	Begin, End trace.Time
 	// Goroutine is the one the region ran on: the handler's, or another that worked
-	// for the call (the ledger's writer).
+	// for the call (a write's group commit, led by another caller).
 	Goroutine trace.GoID
+	// Nested says it began inside another region of the same goroutine (a group
+	// commit's steps inside the handler's "ledger commit", when the handler leads it).
+	Nested bool
 }
 
 // Read reads an execution trace and returns its complete calls by method (the
@@ -80,7 +83,7 @@ func Read(r io.Reader) (map[string][]Call, error) {
 			}
 		case trace.EventRegionBegin:
 			g := ev.Goroutine()
-			stacks[g] = append(stacks[g], Span{Name: ev.Region().Type, Begin: ev.Time(), Goroutine: g})
+			stacks[g] = append(stacks[g], Span{Name: ev.Region().Type, Begin: ev.Time(), Goroutine: g, Nested: len(stacks[g]) > 0})
 		case trace.EventRegionEnd:
 			g, reg := ev.Goroutine(), ev.Region()
 			st := stacks[g]
@@ -90,7 +93,7 @@ func Read(r io.Reader) (map[string][]Call, error) {
 			sp := st[len(st)-1]
 			stacks[g] = st[:len(st)-1]
 			sp.End = ev.Time()
-			if o, ok := tasks[reg.Task]; ok && len(st) == 1 { // top-level regions only
+			if o, ok := tasks[reg.Task]; ok {
 				o.c.Regions = append(o.c.Regions, sp)
 			}
 		}
@@ -109,9 +112,9 @@ type Row struct {
 // the time between regions ("between steps"), from the last region to the status
 // ("gRPC out"), the whole call ("total, server side"), and the whole call less the
 // regions named in external ("agent's own part"). Steps are in the order they first
-// appear. Regions on another goroutine than the call's first region (work done for the
-// call elsewhere, inside one of the handler's steps) get rows of their own but are not
-// counted in "between steps".
+// appear. Nested regions, and regions on another goroutine than the call's first region
+// (work done for the call elsewhere, inside one of the handler's steps), get rows of
+// their own but are not counted in "between steps".
 func Breakdown(calls []Call, external ...string) []Row {
 	var order []string
 	per := make(map[string][]time.Duration)
@@ -137,7 +140,7 @@ func Breakdown(calls []Call, external ...string) []Row {
 				names = append(names, r.Name)
 			}
 			sums[r.Name] += d
-			if r.Goroutine == handler {
+			if r.Goroutine == handler && !r.Nested {
 				inRegions += d
 				last = max(last, r.End)
 			}

@@ -34,7 +34,7 @@ func spin(d time.Duration) {
 	}
 }
 
-func TestReadFindsEachCallsTopLevelRegionsInOrder(t *testing.T) {
+func TestReadFindsEachCallsRegionsInOrder(t *testing.T) {
 	calls := traced(t, func() {
 		for range 3 {
 			ctx, task := trace.NewTask(context.Background(), "/svc/Reserve")
@@ -69,9 +69,12 @@ func TestReadFindsEachCallsTopLevelRegionsInOrder(t *testing.T) {
 			if r.Begin < c.Begin || r.End > c.End || r.End < r.Begin {
 				t.Errorf("region %s [%d, %d] outside its call [%d, %d]", r.Name, r.Begin, r.End, c.Begin, c.End)
 			}
+			if r.Nested != (r.Name == "nested") {
+				t.Errorf("region %s: Nested = %v", r.Name, r.Nested)
+			}
 		}
-		if want := []string{"validate", "plugin", "commit"}; !slices.Equal(names, want) {
-			t.Errorf("regions = %v, want %v (top level only, in order)", names, want)
+		if want := []string{"validate", "plugin", "nested", "commit"}; !slices.Equal(names, want) {
+			t.Errorf("regions = %v, want %v (in the order they began)", names, want)
 		}
 	}
 }
@@ -91,7 +94,9 @@ func TestBreakdownSplitsTheCallAndLeavesTheExternalStepsOut(t *testing.T) {
 				trace.WithRegion(ctx, "worker", func() { spin(50 * time.Microsecond) })
 			}()
 			<-done
-			spin(200 * time.Microsecond)
+			spin(100 * time.Microsecond)
+			// A step of the commit made on the handler itself (a group commit it leads).
+			trace.WithRegion(ctx, "inner", func() { spin(100 * time.Microsecond) })
 		})
 		trace.WithRegion(ctx, "plugin", func() { spin(100 * time.Microsecond) }) // a step made twice
 		spin(60 * time.Microsecond)                                              // after the last step
@@ -110,13 +115,13 @@ func TestBreakdownSplitsTheCallAndLeavesTheExternalStepsOut(t *testing.T) {
 			t.Errorf("%s: p50 %v != p99 %v over one call", r.Name, r.P50, r.P99)
 		}
 	}
-	want := []string{calltrace.GRPCIn, "validate", "plugin", "commit", "worker", calltrace.Between, calltrace.GRPCOut, calltrace.Total, calltrace.Own}
+	want := []string{calltrace.GRPCIn, "validate", "plugin", "commit", "worker", "inner", calltrace.Between, calltrace.GRPCOut, calltrace.Total, calltrace.Own}
 	if !slices.Equal(names, want) {
 		t.Fatalf("rows = %q, want %q", names, want)
 	}
 	atLeast := map[string]time.Duration{
 		calltrace.GRPCIn: 50 * time.Microsecond, "validate": 20 * time.Microsecond,
-		"plugin": 400 * time.Microsecond, "commit": 250 * time.Microsecond, "worker": 50 * time.Microsecond,
+		"plugin": 400 * time.Microsecond, "commit": 250 * time.Microsecond, "worker": 50 * time.Microsecond, "inner": 100 * time.Microsecond,
 		calltrace.Between: 40 * time.Microsecond, calltrace.GRPCOut: 60 * time.Microsecond,
 	}
 	for name, min := range atLeast {
@@ -132,8 +137,10 @@ func TestBreakdownSplitsTheCallAndLeavesTheExternalStepsOut(t *testing.T) {
 		t.Errorf("total = %v, want the task's span %v", got[calltrace.Total], whole)
 	}
 	sum := got[calltrace.GRPCIn] + got["validate"] + got["plugin"] + got["commit"] + got[calltrace.Between] + got[calltrace.GRPCOut]
-	if got["worker"] > got["commit"] {
-		t.Errorf("worker %v longer than the commit %v it ran in", got["worker"], got["commit"])
+	for _, in := range []string{"worker", "inner"} {
+		if got[in] > got["commit"] {
+			t.Errorf("%s %v longer than the commit %v it ran in", in, got[in], got["commit"])
+		}
 	}
 	if sum != whole {
 		t.Errorf("the rows add up to %v, want the whole %v", sum, whole)
