@@ -82,8 +82,8 @@ func TestReleasesWhenPodIsGone(t *testing.T) {
 	// The kubelet still sees the GPUs as its own: healthy.
 	h.waitGPUs(t, ctx, "8 healthy GPUs with two held by the pod", kubelettest.AllHealth(8, dpapi.Healthy))
 
+	gone := time.Now() // before the pod leaves: the bridge cannot see it gone earlier
 	h.pods.SetPods()
-	gone := time.Now()
 	released := h.waitReleased(t, ctx, res.ID)
 	if d := released.Sub(gone); d < grace {
 		t.Errorf("released %v after the pod was gone, before the grace period of %v", d, grace)
@@ -102,10 +102,12 @@ func TestReleasesAllocationWithoutPod(t *testing.T) {
 	h := startBridge(t, agent, withGrace)
 	c := h.healthyPlugin(t, ctx)
 
+	// Read before the call: the bridge may start the grace period anywhere inside it,
+	// and under load the call's return can come tens of milliseconds after that.
+	allocated := time.Now()
 	if _, err := allocate(ctx, c, gpuID(4)); err != nil {
 		t.Fatal(err)
 	}
-	allocated := time.Now()
 	res := agent.active()[0]
 	released := h.waitReleased(t, ctx, res.ID)
 	if d := released.Sub(allocated); d < grace {
