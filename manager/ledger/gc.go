@@ -249,17 +249,17 @@ func retryFirst(a, b *gcItem) bool {
 
 // Run works until ctx ends, then waits for the cleanups it started (they get ctx, so a
 // cleanup func that honours it returns promptly) and returns nil. It wakes on every
-// ledger commit that changes reservations, on the Interval tick, when a retry is due,
-// when a cleanup ends or a deferred write commits, and on RetryNow. Run must not be
-// called twice at once, and should end before the ledger is closed (deferred writes it
-// queued are committed by then, or by Close).
+// ledger commit that changes released reservations or leaves more than MaxReservations,
+// on the Interval tick, when a retry is due, when a cleanup ends or a deferred write
+// commits, and on RetryNow. Run must not be called twice at once, and should end before
+// the ledger is closed (deferred writes it queued are committed by then, or by Close).
 func (g *GC) Run(ctx context.Context) error {
 	if !g.running.CompareAndSwap(false, true) {
 		return errors.New("gc: already running")
 	}
 	defer g.running.Store(false)
 
-	changes, unsubscribe := g.l.subscribe()
+	changes, unsubscribe := g.l.subscribe(g.cfg.MaxReservations)
 	defer unsubscribe()
 	ticker := time.NewTicker(g.cfg.Interval)
 	defer ticker.Stop()

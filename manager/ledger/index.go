@@ -257,6 +257,25 @@ func (o *overlay) holder(dev string) string {
 	return o.base.held[dev]
 }
 
+// feedChanges returns the IDs of o's changes that the change feeds are told of (see
+// Ledger.subscribe): all but the live reservations that were not released before o (a
+// new reservation, a live one reowned or taken over by its owner). The feeds' reader,
+// the GC, keeps released reservations only; telling it of a new one would wake it for
+// nothing on every Reserve, on the other core while the Reserve's reply is being sent.
+// Called before o is applied to its base.
+func (o *overlay) feedChanges() []string {
+	ids := make([]string, 0, len(o.recs))
+	for id, r := range o.recs {
+		if r != nil && r.State == device.ReservationActive {
+			if _, was := o.base.released[id]; !was {
+				continue
+			}
+		}
+		ids = append(ids, id)
+	}
+	return ids
+}
+
 func (o *overlay) put(r *device.Reservation) {
 	o.drop(r.ID)
 	o.recs[r.ID] = r

@@ -238,6 +238,7 @@ func (l *Ledger) Close() error {
 // commit.
 type feed struct {
 	wake chan struct{} // buffered(1)
+	over int           // also woken after a commit that leaves more reservations than this (0: never)
 	mu   sync.Mutex
 	ids  map[string]struct{}
 }
@@ -254,11 +255,14 @@ func (f *feed) drain() []string {
 	return out
 }
 
-// subscribe returns a feed told, after every commit that changed reservations, which
-// ones changed (once the index shows the change), and a func that ends the
-// subscription.
-func (l *Ledger) subscribe() (*feed, func()) {
-	f := &feed{wake: make(chan struct{}, 1), ids: make(map[string]struct{})}
+// subscribe returns a feed told, after every commit that changed released reservations,
+// which ones changed (once the index shows the change), and a func that ends the
+// subscription. A change is a reservation released, deleted or changed while released;
+// a live reservation's making or changing is not told (overlay.feedChanges), but when
+// over > 0 the feed is also woken, with nothing to drain, after every commit that leaves
+// more than over reservations in the ledger (the GC's MaxReservations).
+func (l *Ledger) subscribe(over int) (*feed, func()) {
+	f := &feed{wake: make(chan struct{}, 1), over: over, ids: make(map[string]struct{})}
 	l.subMu.Lock()
 	l.subs[f] = struct{}{}
 	l.subMu.Unlock()
@@ -269,12 +273,15 @@ func (l *Ledger) subscribe() (*feed, func()) {
 	}
 }
 
-func (l *Ledger) notify(changed map[string]*device.Reservation) {
+func (l *Ledger) notify(changed []string, total int) {
 	l.subMu.Lock()
 	defer l.subMu.Unlock()
 	for f := range l.subs {
+		if len(changed) == 0 && (f.over <= 0 || total <= f.over) {
+			continue
+		}
 		f.mu.Lock()
-		for id := range changed {
+		for _, id := range changed {
 			f.ids[id] = struct{}{}
 		}
 		f.mu.Unlock()

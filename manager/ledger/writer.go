@@ -353,10 +353,12 @@ func (l *Ledger) commit(batch []*request) {
 	}
 	if len(ov.recs) > 0 {
 		region := trace.StartRegion(traceContext(batch), "ledger: index")
+		told := ov.feedChanges()
 		l.mu.Lock()
 		l.idx.apply(ov)
+		total := len(l.idx.live) + len(l.idx.released)
 		l.mu.Unlock()
-		l.notify(ov.recs)
+		l.notify(told, total)
 		region.End()
 	}
 	for i, req := range batch {

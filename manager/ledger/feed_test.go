@@ -1,0 +1,87 @@
+package ledger
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/devicehost/devicehost/device"
+)
+
+// The change feed (the GC's) is told of what released reservations need: a Release, a
+// take-over, a deletion. A new live reservation, or a live one reowned, does not wake
+// it, so a Reserve does not make the GC run a pass for nothing.
+func TestFeedToldOfReleasedChangesOnly(t *testing.T) {
+	l := newLedger(t)
+	f, stop := l.subscribe(0)
+	defer stop()
+	told := func() []string {
+		t.Helper()
+		select {
+		case <-f.wake:
+		default:
+			return nil
+		}
+		ids := f.drain()
+		slices.Sort(ids)
+		return ids
+	}
+
+	a := reserve(t, l, "alloc-a", "GPU-0")
+	if got := told(); got != nil {
+		t.Fatalf("after a Reserve the feed was told %v, want nothing", got)
+	}
+	if _, err := l.Reown(context.Background(), device.ReownRequest{ReservationID: a.ID, OwnerID: "alloc-a", NewOwnerID: "alloc-b"}); err != nil {
+		t.Fatal(err)
+	}
+	if got := told(); got != nil {
+		t.Fatalf("after a Reown of a live reservation the feed was told %v, want nothing", got)
+	}
+	release(t, l, a.ID, time.Now())
+	if got := told(); !slices.Equal(got, []string{a.ID}) {
+		t.Fatalf("after a Release the feed was told %v, want [%s]", got, a.ID)
+	}
+
+	// A take-over: the new reservation is not told, the one taken over is.
+	old := reserve(t, l, "kubelet/x", "GPU-1")
+	r := res("k8s/pod", "GPU-1")
+	got, _, err := l.Reserve(context.Background(), r, []string{"kubelet/"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got.TakenOver) != 1 {
+		t.Fatalf("took over %v, want [%s]", got.TakenOver, old.ID)
+	}
+	if ids := told(); !slices.Equal(ids, []string{old.ID}) {
+		t.Fatalf("after a take-over the feed was told %v, want only the reservation taken over [%s]", ids, old.ID)
+	}
+}
+
+// A feed with a limit is woken, with nothing to drain, by every commit that leaves more
+// reservations than the limit, live ones included: the GC checks MaxReservations then.
+func TestFeedWokenOverItsLimit(t *testing.T) {
+	l := newLedger(t)
+	f, stop := l.subscribe(2)
+	defer stop()
+	woken := func() bool {
+		select {
+		case <-f.wake:
+			return true
+		default:
+			return false
+		}
+	}
+	reserve(t, l, "alloc-a", "GPU-0")
+	reserve(t, l, "alloc-b", "GPU-1")
+	if woken() {
+		t.Fatal("woken by a Reserve that leaves 2 reservations, the limit")
+	}
+	reserve(t, l, "alloc-c", "GPU-2")
+	if !woken() {
+		t.Fatal("not woken by a Reserve that leaves 3 reservations, over the limit of 2")
+	}
+	if ids := f.drain(); len(ids) != 0 {
+		t.Fatalf("drained %v after live reservations only, want nothing", ids)
+	}
+}
