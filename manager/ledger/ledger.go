@@ -148,7 +148,7 @@ type Ledger struct {
 	idx *index
 
 	subMu sync.Mutex
-	subs  map[*feed]struct{} // told after each commit that changed reservations
+	subs  map[*feed]struct{} // told after each commit that changed released reservations (see subscribe)
 
 	deferMu     sync.Mutex
 	deferred    []*request  // deferred writes, oldest first (see submitDeferred)

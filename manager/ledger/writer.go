@@ -356,7 +356,7 @@ func (l *Ledger) commit(batch []*request) {
 		told := ov.feedChanges()
 		l.mu.Lock()
 		l.idx.apply(ov)
-		total := len(l.idx.live) + len(l.idx.released)
+		total := l.idx.counts().Total
 		l.mu.Unlock()
 		l.notify(told, total)
 		region.End()
