@@ -452,6 +452,7 @@ func TestReasonsAreTheWireStrings(t *testing.T) {
 		{client.ReasonPluginUnavailable, "PLUGIN_UNAVAILABLE"},
 		{client.ReasonShuttingDown, "SHUTTING_DOWN"},
 		{client.ReasonPluginResponse, "PLUGIN_RESPONSE_INVALID"},
+		{client.ReasonPermissionDenied, "PERMISSION_DENIED"},
 	}
 	for _, p := range pairs {
 		if p[0] != p[1] {
@@ -509,13 +510,13 @@ func TestCalls(t *testing.T) {
 	if err != nil || fmt.Sprint(rel.GetReleasedReservationIds(), rel.GetAlreadyReleasedReservationIds()) != "[res-2] [res-1]" {
 		t.Errorf("ReleaseOwner = %v, %v; want res-2 released now, res-1 before", rel, err)
 	}
-	if got := <-reqs; got != (device.ReleaseRequest{OwnerID: "job-42"}) {
+	if got := <-reqs; !reflect.DeepEqual(got, device.ReleaseRequest{OwnerID: "job-42"}) {
 		t.Errorf("manager got %+v, want a release by owner", got)
 	}
 	if _, err := c.ReleaseReservation(ctx, "res-1"); err != nil {
 		t.Error(err)
 	}
-	if got := <-reqs; got != (device.ReleaseRequest{ReservationID: "res-1"}) {
+	if got := <-reqs; !reflect.DeepEqual(got, device.ReleaseRequest{ReservationID: "res-1"}) {
 		t.Errorf("manager got %+v, want a release by ID", got)
 	}
 	rs, err := c.Reservations(ctx, nil)

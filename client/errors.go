@@ -25,6 +25,7 @@ var (
 	ReasonPluginUnavailable   = pb.ErrorReason_PLUGIN_UNAVAILABLE.String()
 	ReasonShuttingDown        = pb.ErrorReason_SHUTTING_DOWN.String()
 	ReasonPluginResponse      = pb.ErrorReason_PLUGIN_RESPONSE_INVALID.String()
+	ReasonPermissionDenied    = pb.ErrorReason_PERMISSION_DENIED.String()
 )
 
 // Reason returns the ErrorInfo reason of the agent's error err (one of the Reason

@@ -395,6 +395,25 @@ type Capacity map[CounterSetKey]map[string]int64
 type ReleaseRequest struct {
 	ReservationID string
 	OwnerID       string
+	// OwnerPrefixes, when not nil, are the owners the caller may release for: a
+	// reservation (named by ReservationID) whose owner starts with none of them is not
+	// released, and the error is a *PermissionError. Checked with the release, in one
+	// step, so an owner cannot change in between.
+	OwnerPrefixes []string
+}
+
+// OwnerUnder reports whether owner starts with one of prefixes; a nil prefixes means
+// any owner (ReleaseRequest.OwnerPrefixes).
+func OwnerUnder(owner string, prefixes []string) bool {
+	if prefixes == nil {
+		return true
+	}
+	for _, p := range prefixes {
+		if strings.HasPrefix(owner, p) {
+			return true
+		}
+	}
+	return false
 }
 
 // ReownRequest names a live reservation, the owner it has, and the owner to give it.

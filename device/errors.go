@@ -31,6 +31,9 @@ var (
 	ErrNotFound = errors.New("not found")
 	// ErrShuttingDown: the manager is shutting down and takes no new work.
 	ErrShuttingDown = errors.New("shutting down")
+	// ErrPermissionDenied: the caller may not make this call, or not for this owner;
+	// see PermissionError.
+	ErrPermissionDenied = errors.New("permission denied")
 )
 
 // FieldError says which request field is wrong and why. It matches ErrInvalidRequest
@@ -156,3 +159,45 @@ func (e *CapacityError) Counters() string {
 
 // Unwrap returns ErrCapacityExceeded.
 func (e *CapacityError) Unwrap() error { return ErrCapacityExceeded }
+
+// PermissionError says why a caller may not make a call: where it called (the
+// listener), who it is (the peer), what it asked and the grant it lacked. It matches
+// ErrPermissionDenied under errors.Is. It is the one wording of a refusal by grant:
+// the server's for a call outside its grants, the ledger's for a reservation of an
+// owner outside them.
+type PermissionError struct {
+	Listener string   // the listener's name; empty where the refusal is the ledger's
+	Peer     string   // the caller, e.g. "uid=1000,gid=1000,pid=42"; empty where unknown
+	Call     string   // what was asked, e.g. "Reserve for owner \"nomad/x\""
+	Lacks    string   // the grant that would allow it, e.g. "reserve:nomad/x"
+	Has      []string // the grants the caller has, in the config's words
+}
+
+// Error is `permission denied: listener "NAME" peer PEER may not CALL: it lacks grant
+// "LACKS" (it has: HAS)`, leaving out what is unknown.
+func (e *PermissionError) Error() string {
+	var b strings.Builder
+	b.WriteString(ErrPermissionDenied.Error())
+	b.WriteString(": ")
+	if e.Listener != "" {
+		fmt.Fprintf(&b, "listener %q ", e.Listener)
+	}
+	if e.Peer != "" {
+		fmt.Fprintf(&b, "peer %s ", e.Peer)
+	}
+	if e.Listener == "" && e.Peer == "" {
+		b.WriteString("the caller ")
+	}
+	fmt.Fprintf(&b, "may not %s: it lacks grant %q", e.Call, e.Lacks)
+	if e.Has != nil {
+		has := "nothing"
+		if len(e.Has) > 0 {
+			has = strings.Join(e.Has, ", ")
+		}
+		fmt.Fprintf(&b, " (it has: %s)", has)
+	}
+	return b.String()
+}
+
+// Unwrap makes errors.Is(err, ErrPermissionDenied) true.
+func (e *PermissionError) Unwrap() error { return ErrPermissionDenied }

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"fmt"
 	"runtime/trace"
 	"time"
 
@@ -146,6 +147,9 @@ func (s *Server) Reserve(ctx context.Context, in *pb.ReserveRequest) (*pb.Reserv
 	if err != nil {
 		return nil, toStatus(err)
 	}
+	if err := mayReserve(ctx, req); err != nil {
+		return nil, toStatus(err)
+	}
 	res, err := s.mgr.Reserve(ctx, req)
 	if err != nil {
 		return nil, toStatus(err)
@@ -168,9 +172,15 @@ func (s *Server) Release(ctx context.Context, in *pb.ReleaseRequest) (*pb.Releas
 	if err != nil {
 		return nil, toStatus(err)
 	}
+	if req.OwnerID != "" {
+		if err := mayOwn(ctx, fmt.Sprintf("release for owner %q", req.OwnerID), req.OwnerID); err != nil {
+			return nil, toStatus(err)
+		}
+	}
+	req.OwnerPrefixes = ownerPrefixes(ctx)
 	res, err := s.mgr.Release(ctx, req)
 	if err != nil {
-		return nil, toStatus(err)
+		return nil, toStatus(withCaller(ctx, err))
 	}
 	return &pb.ReleaseResponse{
 		ReleasedReservationIds:        res.Released,
@@ -203,6 +213,11 @@ func (s *Server) ReownReservation(ctx context.Context, in *pb.ReownReservationRe
 	req := device.ReownRequest{ReservationID: in.GetReservationId(), OwnerID: in.GetOwnerId(), NewOwnerID: in.GetNewOwnerId()}
 	if err := validate.ReownRequest(req); err != nil {
 		return nil, toStatus(err)
+	}
+	for _, owner := range []string{req.OwnerID, req.NewOwnerID} {
+		if err := mayOwn(ctx, fmt.Sprintf("reown reservation %q from owner %q to %q", req.ReservationID, req.OwnerID, req.NewOwnerID), owner); err != nil {
+			return nil, toStatus(err)
+		}
 	}
 	r, err := s.mgr.Reown(ctx, req)
 	if err != nil {

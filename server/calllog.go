@@ -17,8 +17,8 @@ import (
 // callLog is a grpc stats.Handler that logs every call once, when it ends: method, code,
 // duration, peer and, when it failed, the error message. The peer is the client's
 // address on tcp; on a unix socket, whose clients have no address, it is the client
-// process's uid and pid (peer_uid, peer_pid) where Serve could read them (see
-// peerListener), and left out where it could not.
+// process's uid, gid and pid (peer_uid, peer_gid, peer_pid) where Serve could read them
+// (see taggedListener), and left out where it could not.
 //
 // It is a stats handler rather than an interceptor because grpc-go ends some calls
 // before any interceptor runs (a request over the size limit, for one) and a stats
@@ -90,20 +90,28 @@ func callLevel(method string, code codes.Code, serverStream bool) hclog.Level {
 	return level
 }
 
-// peerArgs are the log fields that name a call's peer: the address of a tcp client,
-// the uid and pid of a unix socket's (a peerAddr), and none for an address that says
-// nothing (a unix client's unnamed socket is "" or "@").
+// peerArgs are the log fields that name a call's peer: its listener where the server
+// has named listeners, the address of a tcp client, the uid, gid and pid of a unix
+// socket's, and none for an address that says nothing (a unix client's unnamed socket
+// is "" or "@").
 func peerArgs(a net.Addr) []any {
-	switch a := a.(type) {
-	case nil:
-		return nil
-	case peerAddr:
-		return []any{"peer_uid", a.uid, "peer_pid", a.pid}
+	var args []any
+	if ca, ok := a.(*connAddr); ok {
+		if ca.listener.Name != "" {
+			args = append(args, "listener", ca.listener.Name)
+		}
+		if ca.hasCred {
+			return append(args, "peer_uid", ca.cred.uid, "peer_gid", ca.cred.gid, "peer_pid", ca.cred.pid)
+		}
+		a = ca.remote
+	}
+	if a == nil {
+		return args
 	}
 	if s := a.String(); s != "" && s != "@" {
-		return []any{"peer", s}
+		args = append(args, "peer", s)
 	}
-	return nil
+	return args
 }
 
 // TagConn implements stats.Handler.

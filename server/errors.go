@@ -30,6 +30,7 @@ var errorCodes = []struct {
 	reason   pb.ErrorReason // ERROR_REASON_UNSPECIFIED for none
 }{
 	{device.ErrShuttingDown, codes.Unavailable, pb.ErrorReason_SHUTTING_DOWN},
+	{device.ErrPermissionDenied, codes.PermissionDenied, pb.ErrorReason_PERMISSION_DENIED},
 	{device.ErrInvalidRequest, codes.InvalidArgument, pb.ErrorReason_INVALID_REQUEST},
 	{device.ErrUnknownDevice, codes.NotFound, pb.ErrorReason_DEVICE_UNKNOWN},
 	{device.ErrNotFound, codes.NotFound, pb.ErrorReason_RESERVATION_NOT_FOUND},

@@ -22,6 +22,10 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	if path := os.Getenv(childReserveEnv); path != "" {
+		runChildReserve(path)
+		return
+	}
 	goleak.VerifyTestMain(m)
 }
 

@@ -8,17 +8,17 @@ import (
 
 // peerCred reads the credentials of c's client (SO_PEERCRED); ok is false when they
 // cannot be read.
-func peerCred(c *net.UnixConn) (_ peerAddr, ok bool) {
+func peerCred(c *net.UnixConn) (_ peerCredentials, ok bool) {
 	raw, err := c.SyscallConn()
 	if err != nil {
-		return peerAddr{}, false
+		return peerCredentials{}, false
 	}
 	var cred *unix.Ucred
 	var credErr error
 	if err := raw.Control(func(fd uintptr) {
 		cred, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
 	}); err != nil || credErr != nil {
-		return peerAddr{}, false
+		return peerCredentials{}, false
 	}
-	return peerAddr{uid: cred.Uid, pid: cred.Pid}, true
+	return peerCredentials{uid: cred.Uid, gid: cred.Gid, pid: cred.Pid}, true
 }

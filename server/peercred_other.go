@@ -6,4 +6,4 @@ import "net"
 
 // peerCred reads the credentials of c's client; on this platform it cannot (ok false),
 // and the call log leaves the peer out.
-func peerCred(*net.UnixConn) (_ peerAddr, ok bool) { return peerAddr{}, false }
+func peerCred(*net.UnixConn) (_ peerCredentials, ok bool) { return peerCredentials{}, false }

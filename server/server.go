@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"sync"
 
 	"github.com/hashicorp/go-hclog"
@@ -65,8 +66,13 @@ type Config struct {
 	// 10 s at most, with or without open calls; a client that pings more often is
 	// disconnected.
 	KeepaliveEnforcement keepalive.EnforcementPolicy
-	// ServerOptions are added to the gRPC server's options, e.g. grpc.Creds for TLS.
+	// ServerOptions are added to the gRPC server's options. A grpc.Creds among them
+	// replaces the server's own, which give each listener its TLS (Listener.TLS): give
+	// one only to serve with Serve alone.
 	ServerOptions []grpc.ServerOption
+	// PeerGrants give peers more than their listener allows (see PeerGrant), on every
+	// listener ServeListener serves.
+	PeerGrants []PeerGrant
 }
 
 // streamWorkers is how many goroutines serve calls, each one call after another, instead
@@ -141,6 +147,8 @@ func New(cfg Config) (*Server, error) {
 		stats:        fanout.NewFeeds[device.StatsSnapshot](quit),
 	}
 	unary, stream := interceptors(log)
+	acc := &access{grants: slices.Clone(cfg.PeerGrants)}
+	authUnary, authStream := acc.interceptors()
 	opts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(maxRecv),
 		grpc.ForceServerCodecV2(fanout.NewCodec()),
@@ -149,8 +157,9 @@ func New(cfg Config) (*Server, error) {
 		grpc.StatsHandler(callLog{log: log}),
 		grpc.StatsHandler(limits),
 		grpc.UnknownServiceHandler(unknownMethod),
-		grpc.ChainUnaryInterceptor(unary),
-		grpc.ChainStreamInterceptor(stream),
+		grpc.Creds(listenerCreds{}),
+		grpc.ChainUnaryInterceptor(unary, authUnary),
+		grpc.ChainStreamInterceptor(stream, authStream),
 		grpc.NumStreamWorkers(streamWorkers),
 	}
 	opts = append(opts, transportOptions(int(limits.maxPerConn), kp, kep)...)
@@ -169,11 +178,25 @@ func New(cfg Config) (*Server, error) {
 	return s, nil
 }
 
-// Serve accepts connections on lis until Shutdown, and closes lis when it returns. It
-// returns nil after Shutdown. The clients of a unix socket are logged by their uid and
-// pid (see peerListener).
+// Serve accepts connections on lis until Shutdown, and closes lis when it returns; its
+// clients may do everything (the admin grant). It returns nil after Shutdown. The
+// clients of a unix socket are logged by their uid, gid and pid.
 func (s *Server) Serve(lis net.Listener) error {
-	err := s.grpc.Serve(peerListener{lis})
+	return s.ServeListener(lis, Listener{Allow: AllowAll})
+}
+
+// ServeListener is Serve for a listener whose clients may do what l allows, with the
+// server's PeerGrants, and get l.TLS. A call outside its grants fails with
+// PERMISSION_DENIED naming the listener, the peer and the grant it lacked.
+func (s *Server) ServeListener(lis net.Listener, l Listener) error {
+	l.Allow.reserve = slices.Clone(l.Allow.reserve)
+	if l.TLS != nil {
+		l.TLS = l.TLS.Clone()
+		if !slices.Contains(l.TLS.NextProtos, "h2") {
+			l.TLS.NextProtos = append(l.TLS.NextProtos, "h2") // gRPC clients insist on it
+		}
+	}
+	err := s.grpc.Serve(taggedListener{Listener: lis, l: &l})
 	if errors.Is(err, grpc.ErrServerStopped) {
 		return nil
 	}

@@ -716,7 +716,7 @@ func TestReleaseAndListReservations(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Release: %v", err)
 	}
-	if got, want := <-releases, (device.ReleaseRequest{OwnerID: "alloc-1"}); got != want {
+	if got, want := <-releases, (device.ReleaseRequest{OwnerID: "alloc-1"}); !reflect.DeepEqual(got, want) {
 		t.Errorf("manager Release got %+v, want %+v", got, want)
 	}
 	assertProtoEqual(t, "Release", rel, &pb.ReleaseResponse{

@@ -20,7 +20,9 @@ import (
 // req names either one reservation (an unknown ID wraps device.ErrNotFound) or every
 // reservation of one owner (an owner with none is not an error: both results are empty).
 // req is one the host API's server has validated (validate.ReleaseRequest); setting both
-// fields or neither is an "internal:" error.
+// fields or neither is an "internal:" error. With req.OwnerPrefixes, a reservation of an
+// owner under none of them fails the call with a *device.PermissionError, and nothing
+// is released.
 func (l *Ledger) Release(ctx context.Context, req device.ReleaseRequest, now time.Time) (released, already []device.Reservation, err error) {
 	if (req.ReservationID == "") == (req.OwnerID == "") {
 		return nil, nil, fmt.Errorf("release: %w: the request must name exactly one of a reservation and an owner", errInternal)
@@ -43,6 +45,12 @@ func (l *Ledger) Release(ctx context.Context, req device.ReleaseRequest, now tim
 		var out result
 		for _, id := range ids {
 			r := w.get(id)
+			if !device.OwnerUnder(r.OwnerID, req.OwnerPrefixes) {
+				return nil, &device.PermissionError{
+					Call:  fmt.Sprintf("release reservation %q of owner %q", r.ID, r.OwnerID),
+					Lacks: "reserve:" + r.OwnerID,
+				}
+			}
 			if r.State != device.ReservationActive {
 				out.already = append(out.already, r)
 				continue

@@ -27,6 +27,11 @@ func TestRelease(t *testing.T) {
 		{"by owner: every reservation, oldest first", device.ReleaseRequest{OwnerID: "alloc-a"}, []string{"a0", "a1", "a2"}, nil, []string{"b1"}},
 		{"by owner without reservations", device.ReleaseRequest{OwnerID: "alloc-z"}, []string{}, nil, []string{"a1", "a2", "b1"}},
 		{"unknown ID", device.ReleaseRequest{ReservationID: "res-nope"}, nil, device.ErrNotFound, []string{"a1", "a2", "b1"}},
+		// A caller whose grants cover some owners only (server.Allow).
+		{"by ID of an owner the caller may release for", device.ReleaseRequest{ReservationID: "{a1}", OwnerPrefixes: []string{"x/", "alloc-a"}}, []string{"a1"}, nil, []string{"a2", "b1"}},
+		{"by ID of another owner", device.ReleaseRequest{ReservationID: "{a1}", OwnerPrefixes: []string{"alloc-b"}}, nil, device.ErrPermissionDenied, []string{"a1", "a2", "b1"}},
+		{"by ID of another owner, released before", device.ReleaseRequest{ReservationID: "{a0}", OwnerPrefixes: []string{}}, nil, device.ErrPermissionDenied, []string{"a1", "a2", "b1"}},
+		{"by owner, not the caller's", device.ReleaseRequest{OwnerID: "alloc-a", OwnerPrefixes: []string{"alloc-b"}}, nil, device.ErrPermissionDenied, []string{"a1", "a2", "b1"}},
 		// validate.ReleaseRequest refuses these at the server; the ledger asserts it.
 		{"neither field", device.ReleaseRequest{}, nil, errInternal, []string{"a1", "a2", "b1"}},
 		{"both fields", device.ReleaseRequest{ReservationID: "{a1}", OwnerID: "alloc-a"}, nil, errInternal, []string{"a1", "a2", "b1"}},

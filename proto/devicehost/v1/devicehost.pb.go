@@ -214,21 +214,26 @@ const (
 	ErrorReason_SHUTTING_DOWN ErrorReason = 8
 	// INTERNAL: the plugin's answer broke a validation rule.
 	ErrorReason_PLUGIN_RESPONSE_INVALID ErrorReason = 9
+	// PERMISSION_DENIED: the grants of the caller's listener and peer do not allow the
+	// call, or not for the owners it touches; the message names the listener, the peer
+	// and the grant it lacked.
+	ErrorReason_PERMISSION_DENIED ErrorReason = 10
 )
 
 // Enum value maps for ErrorReason.
 var (
 	ErrorReason_name = map[int32]string{
-		0: "ERROR_REASON_UNSPECIFIED",
-		1: "INVALID_REQUEST",
-		2: "DEVICE_UNKNOWN",
-		3: "RESERVATION_NOT_FOUND",
-		4: "DEVICE_UNHEALTHY",
-		5: "DEVICE_HELD",
-		6: "CAPACITY_EXCEEDED",
-		7: "PLUGIN_UNAVAILABLE",
-		8: "SHUTTING_DOWN",
-		9: "PLUGIN_RESPONSE_INVALID",
+		0:  "ERROR_REASON_UNSPECIFIED",
+		1:  "INVALID_REQUEST",
+		2:  "DEVICE_UNKNOWN",
+		3:  "RESERVATION_NOT_FOUND",
+		4:  "DEVICE_UNHEALTHY",
+		5:  "DEVICE_HELD",
+		6:  "CAPACITY_EXCEEDED",
+		7:  "PLUGIN_UNAVAILABLE",
+		8:  "SHUTTING_DOWN",
+		9:  "PLUGIN_RESPONSE_INVALID",
+		10: "PERMISSION_DENIED",
 	}
 	ErrorReason_value = map[string]int32{
 		"ERROR_REASON_UNSPECIFIED": 0,
@@ -241,6 +246,7 @@ var (
 		"PLUGIN_UNAVAILABLE":       7,
 		"SHUTTING_DOWN":            8,
 		"PLUGIN_RESPONSE_INVALID":  9,
+		"PERMISSION_DENIED":        10,
 	}
 )
 
@@ -2776,7 +2782,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x16PLUGIN_STATUS_STARTING\x10\x01\x12\x19\n" +
 	"\x15PLUGIN_STATUS_RUNNING\x10\x02\x12\x1c\n" +
 	"\x18PLUGIN_STATUS_RESTARTING\x10\x03\x12\x18\n" +
-	"\x14PLUGIN_STATUS_FAILED\x10\x04*\xf5\x01\n" +
+	"\x14PLUGIN_STATUS_FAILED\x10\x04*\x8c\x02\n" +
 	"\vErrorReason\x12\x1c\n" +
 	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fINVALID_REQUEST\x10\x01\x12\x12\n" +
@@ -2787,7 +2793,9 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x11CAPACITY_EXCEEDED\x10\x06\x12\x16\n" +
 	"\x12PLUGIN_UNAVAILABLE\x10\a\x12\x11\n" +
 	"\rSHUTTING_DOWN\x10\b\x12\x1b\n" +
-	"\x17PLUGIN_RESPONSE_INVALID\x10\t2\xde\x04\n" +
+	"\x17PLUGIN_RESPONSE_INVALID\x10\t\x12\x15\n" +
+	"\x11PERMISSION_DENIED\x10\n" +
+	"2\xde\x04\n" +
 	"\n" +
 	"DeviceHost\x12V\n" +
 	"\vFingerprint\x12!.devicehost.v1.FingerprintRequest\x1a\".devicehost.v1.FingerprintResponse0\x01\x12D\n" +
