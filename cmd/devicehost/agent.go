@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/hashicorp/go-hclog"
+	"google.golang.org/grpc"
 
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/endpoint"
@@ -233,29 +235,40 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManag
 	if err != nil {
 		return err
 	}
+	listeners, grants, err := openListeners(cfg, lis)
+	closeAll := func() {
+		for _, l := range listeners {
+			l.lis.Close()
+		}
+	}
+	if err != nil {
+		closeAll()
+		return err
+	}
 	var mlis net.Listener
 	var maddr endpoint.Address
 	if mx != nil {
 		if mlis, maddr, err = listenMetrics(cfg); err != nil {
-			lis.Close()
+			closeAll()
 			return err
 		}
 	}
 	mgr, err := newManager(log)
 	if err != nil {
-		lis.Close()
+		closeAll()
 		closeListener(mlis)
 		return fmt.Errorf("start the device manager: %w", err)
 	}
-	api, opts := mgr, lis.ServerOptions()
+	api := mgr
+	var opts []grpc.ServerOption
 	if mx != nil {
 		if err := mx.CollectManager(mgr); err != nil {
-			lis.Close()
+			closeAll()
 			closeListener(mlis)
 			shutdownManager(mgr, log)
 			return err
 		}
-		api, opts = mx.Instrument(mgr), append(opts, mx.ServerOptions()...)
+		api, opts = mx.Instrument(mgr), mx.ServerOptions()
 	}
 	srv, err := server.New(server.Config{
 		Manager:           api,
@@ -263,12 +276,13 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManag
 		MaxStreams:        cfg.MaxStreams,
 		MaxStreamsPerConn: cfg.MaxStreamsPerConn,
 		ServerOptions:     opts,
+		PeerGrants:        grants,
 	})
 	if err == nil && mx != nil {
 		err = mx.CollectServer(srv)
 	}
 	if err != nil {
-		lis.Close()
+		closeAll()
 		closeListener(mlis)
 		if srv != nil {
 			srv.Shutdown(context.Background())
@@ -276,9 +290,12 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManag
 		shutdownManager(mgr, log)
 		return err
 	}
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(lis) }()
+	served := make(chan error, len(listeners))
+	for _, l := range listeners {
+		go func() { served <- srv.ServeListener(l.lis, l.access) }()
+	}
 	log.Info("listening", "address", lis.Address.String(), "version", version)
+	logAccess(log, listeners, cfg.Grants)
 	metricsDone := make(chan struct{})
 	if mx != nil {
 		// A metrics server that fails is logged; the API goes on.
@@ -347,6 +364,10 @@ wait:
 	sctx, cancel := context.WithTimeout(context.Background(), serverShutdownTimeout)
 	srv.Shutdown(sctx)
 	cancel()
+	for range len(listeners) - 1 {
+		// Every Serve has returned after Shutdown; the first error is the one to tell.
+		serveErr = cmp.Or(serveErr, <-served)
+	}
 	if serveErr == nil {
 		serveErr = <-served
 	}
@@ -361,10 +382,64 @@ wait:
 		return startErr
 	}
 	if serveErr != nil {
-		return fmt.Errorf("serve the host API on %s: %w", lis.Address, serveErr)
+		return fmt.Errorf("serve the host API: %w", serveErr)
 	}
 	log.Info("stopped")
 	return nil
+}
+
+// apiListener is one endpoint of the host API and what its clients may do.
+type apiListener struct {
+	lis    *endpoint.Listener
+	access server.Listener
+}
+
+// openListeners opens cfg's listener blocks beside main, the listen address's (the
+// admin one), and reads the grants. On error the listeners opened are returned, for the
+// caller to close.
+func openListeners(cfg agentConfig, main *endpoint.Listener) ([]apiListener, []server.PeerGrant, error) {
+	out := []apiListener{{lis: main, access: server.Listener{Name: mainListener, Allow: server.AllowAll, TLS: main.TLSConfig()}}}
+	for _, l := range cfg.Listeners {
+		allow, err := server.ParseAllow(l.Allow)
+		if err != nil {
+			return out, nil, fmt.Errorf("listener %q: %w", l.Name, err)
+		}
+		addr, err := endpoint.Parse(l.Address)
+		if err != nil {
+			return out, nil, fmt.Errorf("listener %q: %w", l.Name, err)
+		}
+		lis, err := endpoint.Listen(addr, l.TLS)
+		if err != nil {
+			return out, nil, fmt.Errorf("listener %q: %w", l.Name, err)
+		}
+		out = append(out, apiListener{lis: lis, access: server.Listener{Name: l.Name, Allow: allow, TLS: lis.TLSConfig()}})
+	}
+	var grants []server.PeerGrant
+	for _, g := range cfg.Grants {
+		allow, err := server.ParseAllow(g.Allow)
+		if err != nil {
+			return out, nil, fmt.Errorf("grant: %w", err)
+		}
+		grants = append(grants, server.PeerGrant{UID: g.UID, GID: g.GID, Identity: g.Identity, Allow: allow})
+	}
+	return out, grants, nil
+}
+
+// logAccess says once at start who may do what: with no listener or grant blocks, that
+// every client of the one listener may do everything; otherwise each listener's grants
+// and each grant.
+func logAccess(log hclog.Logger, listeners []apiListener, grants []grantSettings) {
+	if len(listeners) == 1 && len(grants) == 0 {
+		log.Info("access control is off: every client of the API may do everything (admin); listener and grant blocks restrict it", "address", listeners[0].lis.Address.String())
+		return
+	}
+	for _, l := range listeners {
+		log.Info("listener", "name", l.access.Name, "address", l.lis.Address.String(), "allow", l.access.Allow.String())
+	}
+	for _, g := range grantsText(grants) {
+		peer, allow, _ := strings.Cut(g, " ")
+		log.Info("grant", "peer", peer, "allow", strings.ReplaceAll(allow, ",", ", "))
+	}
 }
 
 // closeListener closes l unless it is nil.

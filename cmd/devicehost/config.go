@@ -22,6 +22,7 @@ import (
 	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/internal/idpattern"
 	"github.com/devicehost/devicehost/manager"
+	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/textline"
 )
 
@@ -73,12 +74,37 @@ type agentConfig struct {
 	MaxStreams        int
 	MaxStreamsPerConn int
 
+	// Listeners are the API endpoints beside Listen, each with its grants; Grants give
+	// peers more than their listener allows. Listen itself is always admin.
+	Listeners []listenerSettings
+	Grants    []grantSettings
+
 	// Plugins by plugin (binary) name.
 	Plugins map[string]pluginSettings
 	// Bundled names plugins built into this binary to run by re-executing it
 	// (`devicehost plugin <name>`); agent -dev sets it.
 	Bundled []string
 }
+
+// listenerSettings is one `listener "name" { ... }` block: an API endpoint whose
+// clients may do what Allow grants (server.ParseAllow's words).
+type listenerSettings struct {
+	Name    string
+	Address string
+	TLS     endpoint.TLS
+	Allow   []string
+}
+
+// grantSettings is one `grant { ... }` block: what a peer may do on every listener,
+// beyond its listener's grants. Exactly one of UID, GID and Identity is set.
+type grantSettings struct {
+	UID, GID *uint32
+	Identity string
+	Allow    []string
+}
+
+// mainListener names the listener of `listen` in logs and refusals.
+const mainListener = "main"
 
 // pluginSettings is one `plugin "name" { ... }` block.
 type pluginSettings struct {
@@ -128,7 +154,28 @@ type fileSchema struct {
 	MetricsTLSCert     *hcl.Attribute `hcl:"metrics_tls_cert,optional"`
 	MetricsTLSKey      *hcl.Attribute `hcl:"metrics_tls_key,optional"`
 	MetricsTLSCA       *hcl.Attribute `hcl:"metrics_tls_ca,optional"`
-	Plugins            []pluginSchema `hcl:"plugin,block"`
+	Plugins            []pluginSchema   `hcl:"plugin,block"`
+	Listeners          []listenerSchema `hcl:"listener,block"`
+	Grants             []grantSchema    `hcl:"grant,block"`
+}
+
+type listenerSchema struct {
+	Name     string         `hcl:"name,label"`
+	Address  *hcl.Attribute `hcl:"address,optional"`
+	Allow    *hcl.Attribute `hcl:"allow,optional"`
+	TLSCert  *hcl.Attribute `hcl:"tls_cert,optional"`
+	TLSKey   *hcl.Attribute `hcl:"tls_key,optional"`
+	TLSCA    *hcl.Attribute `hcl:"tls_ca,optional"`
+	Insecure *hcl.Attribute `hcl:"insecure,optional"`
+	DefRange hcl.Range      `hcl:",def_range"`
+}
+
+type grantSchema struct {
+	UID      *hcl.Attribute `hcl:"uid,optional"`
+	GID      *hcl.Attribute `hcl:"gid,optional"`
+	Identity *hcl.Attribute `hcl:"identity,optional"`
+	Allow    *hcl.Attribute `hcl:"allow,optional"`
+	DefRange hcl.Range      `hcl:",def_range"`
 }
 
 type pluginSchema struct {
@@ -210,6 +257,8 @@ func loadConfig(path string, cfg *agentConfig) (pluginBlocks, error) {
 	d.str(fs.MetricsTLSCert, &cfg.MetricsTLS.Cert)
 	d.str(fs.MetricsTLSKey, &cfg.MetricsTLS.Key)
 	d.str(fs.MetricsTLSCA, &cfg.MetricsTLS.CA)
+
+	d.access(fs.Listeners, fs.Grants, fs.Listen, cfg)
 
 	seen := pluginBlocks{}
 	for _, p := range fs.Plugins {
@@ -649,4 +698,122 @@ func checkLogLevel(s string) error {
 		return fmt.Errorf("%q is not a log level; want trace, debug, info, warn or error", s)
 	}
 	return nil
+}
+
+// access decodes the listener and grant blocks into cfg (docs/configuration.md#access).
+// listen is the file's listen attribute, for a listener block at its address.
+func (d *decoder) access(listeners []listenerSchema, grantBlocks []grantSchema, listen *hcl.Attribute, cfg *agentConfig) {
+	block := func(r hcl.Range, summary, detail string) {
+		d.diags = append(d.diags, &hcl.Diagnostic{Severity: hcl.DiagError, Summary: summary, Detail: detail, Subject: r.Ptr()})
+	}
+	names := map[string]int{}
+	addrs := map[string]int{}
+	anyTLS := cfg.TLS.Cert != ""
+	for _, l := range listeners {
+		if l.Name == mainListener {
+			block(l.DefRange, "Reserved listener name", fmt.Sprintf("listener %q is the listen attribute's; name this one otherwise", l.Name))
+			continue
+		}
+		if line, dup := names[l.Name]; dup {
+			block(l.DefRange, "Duplicate listener block", fmt.Sprintf("listener %q is already configured at line %d.", l.Name, line))
+			continue
+		}
+		names[l.Name] = l.DefRange.Start.Line
+		ls := listenerSettings{Name: l.Name}
+		if l.Address == nil {
+			block(l.DefRange, "Missing address", fmt.Sprintf("listener %q: give it an address (unix:///path.sock or tcp://host:port)", l.Name))
+		} else {
+			d.address(l.Address, false, &ls.Address)
+		}
+		if l.Allow == nil {
+			block(l.DefRange, "Missing allow", fmt.Sprintf("listener %q: say what its clients may do, e.g. allow = [%q]", l.Name, server.GrantRead))
+		} else {
+			d.grants(l.Allow, &ls.Allow)
+		}
+		d.str(l.TLSCert, &ls.TLS.Cert)
+		d.str(l.TLSKey, &ls.TLS.Key)
+		d.str(l.TLSCA, &ls.TLS.CA)
+		d.boolean(l.Insecure, &ls.TLS.Insecure)
+		if ls.Address == "" {
+			continue
+		}
+		addr, err := endpoint.Parse(ls.Address)
+		if err != nil {
+			continue // reported by d.address
+		}
+		if err := ls.TLS.Check(addr); err != nil {
+			block(l.DefRange, "Invalid listener", fmt.Sprintf("listener %q: %v", l.Name, err))
+		}
+		anyTLS = anyTLS || ls.TLS.Cert != ""
+		key := addr.String()
+		if main, err := endpoint.Parse(cfg.Listen); err == nil && main.String() == key {
+			where := "the default listen address"
+			if listen != nil {
+				where = fmt.Sprintf("listen (line %d)", listen.Range.Start.Line)
+			}
+			d.fail(l.Address, "Duplicate address", fmt.Sprintf("%s is %s's; give listener %q an address of its own", key, where, l.Name))
+		} else if line, dup := addrs[key]; dup {
+			d.fail(l.Address, "Duplicate address", fmt.Sprintf("%s is already a listener's at line %d", key, line))
+		}
+		addrs[key] = l.Address.Range.Start.Line
+		cfg.Listeners = append(cfg.Listeners, ls)
+	}
+	for _, g := range grantBlocks {
+		var gs grantSettings
+		set := 0
+		for _, a := range []*hcl.Attribute{g.UID, g.GID, g.Identity} {
+			if a != nil {
+				set++
+			}
+		}
+		if set != 1 {
+			block(g.DefRange, "Invalid grant", "a grant names exactly one peer: uid = N, gid = N or identity = \"...\" (a client certificate's SAN or common name)")
+			continue
+		}
+		for _, id := range []struct {
+			a   *hcl.Attribute
+			out **uint32
+		}{{g.UID, &gs.UID}, {g.GID, &gs.GID}} {
+			if id.a == nil {
+				continue
+			}
+			n := -1
+			d.integer(id.a, 0, &n)
+			if n >= 0 {
+				v := uint32(n)
+				*id.out = &v
+			}
+		}
+		if g.Identity != nil {
+			d.str(g.Identity, &gs.Identity)
+			if gs.Identity == "" {
+				d.fail(g.Identity, "Invalid grant", "must not be empty")
+			} else if !anyTLS {
+				d.fail(g.Identity, "Invalid grant", "identity grants match TLS client certificates, and no listener (nor listen) has tls_cert: give one, or grant by uid or gid")
+			}
+		}
+		if g.Allow == nil {
+			block(g.DefRange, "Missing allow", fmt.Sprintf("grant: say what the peer may do, e.g. allow = [%q]", server.GrantRead))
+		} else {
+			d.grants(g.Allow, &gs.Allow)
+		}
+		cfg.Grants = append(cfg.Grants, gs)
+	}
+}
+
+// grants decodes a list of grants (server.ParseAllow's words).
+func (d *decoder) grants(a *hcl.Attribute, out *[]string) {
+	v, ok := d.value(a, cty.List(cty.String))
+	if !ok {
+		return
+	}
+	var words []string
+	for _, e := range v.AsValueSlice() {
+		words = append(words, e.AsString())
+	}
+	if _, err := server.ParseAllow(words); err != nil {
+		d.fail(a, "Invalid grant", err.Error())
+		return
+	}
+	*out = words
 }

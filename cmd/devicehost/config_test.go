@@ -272,6 +272,18 @@ func TestLoadConfigFileErrors(t *testing.T) {
 		{"plugin config block with a label", "plugin \"p\" {\n  config {\n    volume \"data\" {\n      path = \"/a\"\n    }\n  }\n}\n", 3,
 			[]string{"Unsupported block label", `volume "data": a block in a plugin config takes no labels`}},
 		{"syntax error", "listen = \n", 1, []string{"Invalid expression"}},
+		{"unknown grant", "listener \"b\" {\n  address = \"unix:///b.sock\"\n  allow = [\"read\", \"reserv:k8s/\"]\n}\n", 3, []string{"allow", `unknown grant "reserv:k8s/"`}},
+		{"listener without allow", "listener \"b\" {\n  address = \"unix:///b.sock\"\n}\n", 1, []string{"Missing allow", `listener "b"`}},
+		{"listener without address", "\nlistener \"b\" {\n  allow = [\"read\"]\n}\n", 2, []string{"Missing address", `listener "b"`}},
+		{"listener named main", "listener \"main\" {\n  address = \"unix:///b.sock\"\n  allow = [\"read\"]\n}\n", 1, []string{"Reserved listener name"}},
+		{"duplicate listener", "listener \"b\" {\n  address = \"unix:///b.sock\"\n  allow = [\"read\"]\n}\nlistener \"b\" {\n  address = \"unix:///c.sock\"\n  allow = [\"read\"]\n}\n", 5, []string{"Duplicate listener block", "line 1"}},
+		{"listener at listen's address", "listen = \"unix:///a.sock\"\nlistener \"b\" {\n  address = \"unix:///a.sock\"\n  allow = [\"read\"]\n}\n", 3, []string{"Duplicate address", "listen (line 1)"}},
+		{"two listeners at one address", "listener \"b\" {\n  address = \"unix:///b.sock\"\n  allow = [\"read\"]\n}\nlistener \"c\" {\n  address = \"unix:///b.sock\"\n  allow = [\"admin\"]\n}\n", 6, []string{"Duplicate address", "line 2"}},
+		{"tcp listener without TLS", "listener \"b\" {\n  address = \"tcp://0.0.0.0:7000\"\n  allow = [\"read\"]\n}\n", 1, []string{"Invalid listener", `listener "b"`, "TLS"}},
+		{"grant of two peers", "grant {\n  uid = 0\n  gid = 0\n  allow = [\"admin\"]\n}\n", 1, []string{"Invalid grant", "exactly one peer"}},
+		{"grant of a negative uid", "grant {\n  uid = -1\n  allow = [\"admin\"]\n}\n", 2, []string{"uid", "at least 0"}},
+		{"grant without allow", "grant {\n  gid = 5\n}\n", 1, []string{"Missing allow"}},
+		{"identity grant without TLS", "grant {\n  identity = \"spiffe://x\"\n  allow = [\"read\"]\n}\n", 2, []string{"identity", "no listener (nor listen) has tls_cert"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

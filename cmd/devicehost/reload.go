@@ -121,5 +121,23 @@ func restartOnly(running, next agentConfig) []string {
 	check("metrics_tls_cert", running.MetricsTLS.Cert, next.MetricsTLS.Cert)
 	check("metrics_tls_key", running.MetricsTLS.Key, next.MetricsTLS.Key)
 	check("metrics_tls_ca", running.MetricsTLS.CA, next.MetricsTLS.CA)
+	check("listener", running.Listeners, next.Listeners)
+	check("grant", grantsText(running.Grants), grantsText(next.Grants))
+	return out
+}
+
+// grantsText renders grant blocks by value, for comparing them.
+func grantsText(gs []grantSettings) []string {
+	var out []string
+	for _, g := range gs {
+		id := "identity=" + g.Identity
+		switch {
+		case g.UID != nil:
+			id = fmt.Sprintf("uid=%d", *g.UID)
+		case g.GID != nil:
+			id = fmt.Sprintf("gid=%d", *g.GID)
+		}
+		out = append(out, id+" "+strings.Join(g.Allow, ","))
+	}
 	return out
 }
