@@ -116,8 +116,16 @@ func checkBridgeDaemonSet(t *testing.T, file string) {
 	if agent.Args[0] != "agent" || bridge.Args[0] != "kubelet-plugin" {
 		t.Errorf("subcommands %q and %q, want agent and kubelet-plugin", agent.Args[0], bridge.Args[0])
 	}
-	if k.Address != a.cfg.Listen {
-		t.Errorf("the bridge dials %s, the agent listens on %s", k.Address, a.cfg.Listen)
+	// The bridge dials a listener of its own, which lets it read and reserve for the
+	// owners it makes, nothing more.
+	var bridgeListener listenerSettings
+	for _, l := range a.cfg.Listeners {
+		if l.Address == k.Address {
+			bridgeListener = l
+		}
+	}
+	if want := []string{"read", "reserve:kubelet/", "reserve:k8s/"}; !slices.Equal(bridgeListener.Allow, want) {
+		t.Errorf("the bridge dials %s, a listener allowing %q among %+v; want one allowing %q", k.Address, bridgeListener.Allow, a.cfg.Listeners, want)
 	}
 	if len(k.Resources) != 1 || k.Resources[0].Name != "nvidia.com/gpu" {
 		t.Errorf("resources %+v, want nvidia.com/gpu", k.Resources)
@@ -134,8 +142,17 @@ func checkBridgeDaemonSet(t *testing.T, file string) {
 		return ""
 	}
 	sock := strings.TrimPrefix(a.cfg.Listen, "unix://")
-	if v := mountOf(agent, sock); v == "" || volumes[v] != "/run/devicehost" || mountOf(bridge, sock) != v {
-		t.Errorf("socket %s: agent's volume %q, bridge's %q; want one shared hostPath /run/devicehost", sock, v, mountOf(bridge, sock))
+	if v := mountOf(agent, sock); v == "" || volumes[v] != "/run/devicehost" {
+		t.Errorf("admin socket %s: agent's volume %q, want the hostPath /run/devicehost", sock, v)
+	}
+	if v := mountOf(bridge, sock); v != "" {
+		t.Errorf("the bridge mounts the admin socket %s (volume %q)", sock, v)
+	}
+	// The bridge's own socket: the same path on the node, in the agent and in the bridge.
+	bsock := strings.TrimPrefix(k.Address, "unix://")
+	if va, vb := mountOf(agent, bsock), mountOf(bridge, bsock); volumes[va] != "/run/devicehost" || volumes[vb] != "/run/devicehost/kubelet-plugin" ||
+		!strings.HasPrefix(bsock, "/run/devicehost/kubelet-plugin/") {
+		t.Errorf("bridge socket %s: agent's volume %q (%s), bridge's %q (%s); want the node's /run/devicehost/kubelet-plugin in both", bsock, va, volumes[va], vb, volumes[vb])
 	}
 	if v := mountOf(bridge, k.DevicePluginDir+"/x"); volumes[v] != "/var/lib/kubelet/device-plugins" {
 		t.Errorf("-device-plugin-dir %s is not the kubelet's device-plugins hostPath", k.DevicePluginDir)
@@ -170,8 +187,8 @@ func checkBridgeDaemonSet(t *testing.T, file string) {
 	if got := bridge.LivenessProbe.Exec.Command; k.HealthSocket == "" || !slices.Equal(got, want) {
 		t.Errorf("kubelet-plugin liveness probe %v, want %v", got, want)
 	}
-	if v := mountOf(bridge, k.HealthSocket); volumes[v] != "/run/devicehost" {
-		t.Errorf("the bridge's health socket %s is on volume %q, want the socket directory", k.HealthSocket, v)
+	if v := mountOf(bridge, k.HealthSocket); volumes[v] != "/run/devicehost/kubelet-plugin" {
+		t.Errorf("the bridge's health socket %s is on volume %q, want its socket directory", k.HealthSocket, v)
 	}
 }
 

@@ -69,7 +69,9 @@ render() {
 render devicehost.yaml "# devicehost on every GPU node of a Kubernetes cluster: one pod per node with two
 # containers, the agent (which runs the device plugins and owns the reservation ledger)
 # and the kubelet bridge (\`devicehost kubelet-plugin\`, which serves the agent's devices
-# to the kubelet as nvidia.com/gpu). They share the agent's socket through the node's /run/devicehost.
+# to the kubelet as nvidia.com/gpu). The bridge reaches the agent through a socket of its
+# own under the node's /run/devicehost, which lets it reserve for pods only; the CLI uses
+# the admin socket there, monitoring the read-only one (docs/configuration.md, \"Access\").
 #
 #   docker build -t devicehost:latest .        # then push it where your nodes pull from
 #   kubectl apply -f deploy/kubernetes/devicehost.yaml
@@ -91,7 +93,8 @@ render dra.yaml "# devicehost as a Kubernetes DRA driver (driver name devicehost
   --set mode=dra --show-only templates/deviceclasses.yaml --show-only templates/rbac.yaml
 
 render devicehost-dra.yaml "# devicehost with the DRA driver on every GPU node: one pod per node with the agent and
-# devicehost-dra-plugin (driver devicehost.io), sharing the agent's socket.
+# devicehost-dra-plugin (driver devicehost.io), which reaches the agent through a socket
+# of its own that lets it reserve for claims only.
 #
 #   kubectl apply -f deploy/kubernetes/dra.yaml -f deploy/kubernetes/devicehost-dra.yaml
 #   kubectl apply -f deploy/kubernetes/example-dra-pod.yaml" \

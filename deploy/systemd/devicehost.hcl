@@ -7,6 +7,19 @@ state_dir  = "/var/lib/devicehost"                    # StateDirectory=devicehos
 plugin_dir = "/opt/devicehost/plugins"                # read-only to the agent (ProtectSystem=strict)
 log_level  = "info"                                   # journald keeps plain lines; log_json = true for JSON
 
+# listen is the admin socket (the CLI, operators). Each client of the node gets a socket
+# of its own that allows what it needs and no more (docs/configuration.md, "Access"):
+# the Nomad shim (nomad-device-devicehost, address = this socket) may reserve for Nomad
+# allocations only, monitoring may read.
+listener "nomad" {
+  address = "unix:///run/devicehost/nomad/devicehost.sock"
+  allow   = ["read", "reserve:nomad/"]
+}
+listener "monitoring" {
+  address = "unix:///run/devicehost/read-only/devicehost.sock"
+  allow   = ["read"]
+}
+
 plugin "nvidia-example" {
   # sha256 = "<sha256sum /opt/devicehost/plugins/nvidia-example>"
   # reattach = true    # keep the plugin running across an agent crash: needs the unit's KillMode=process

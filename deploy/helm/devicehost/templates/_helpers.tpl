@@ -32,6 +32,20 @@ app.kubernetes.io/name: {{ include "devicehost.name" . }}
 unix:///run/devicehost/devicehost.sock
 {{- end -}}
 
+{{/* The sockets of the agent's other listeners, each in a directory of its own under
+the socket directory, so that a container mounts its own and no other (the
+"access" section of docs/configuration.md): the kubelet bridge's, the DRA
+driver's, and a read-only one for the node's monitoring. */}}
+{{- define "devicehost.bridgeSocketDir" -}}
+/run/devicehost/kubelet-plugin
+{{- end -}}
+{{- define "devicehost.draSocketDir" -}}
+/run/devicehost/dra-plugin
+{{- end -}}
+{{- define "devicehost.readOnlySocketDir" -}}
+/run/devicehost/read-only
+{{- end -}}
+
 {{/* The DRA driver's directory under the kubelet's plugins directory. */}}
 {{- define "devicehost.draPluginDir" -}}
 {{ .Values.kubeletDir }}/plugins/{{ .Values.dra.driverName }}

@@ -128,11 +128,17 @@ func TestDeployDRADaemonSet(t *testing.T) {
 				}
 				return ""
 			}
+			// The driver dials a listener of its own, which lets it read and reserve
+			// for claims, nothing more, and does not mount the agent's admin socket.
 			listen := regexp.MustCompile(`(?m)^\s*listen\s*=\s*"unix://([^"]*)"`).FindStringSubmatch(cm.Data["devicehost.hcl"])
-			if listen == nil || s.address != "unix://"+listen[1] {
-				t.Errorf("the driver dials %s, the agent's config says %v", s.address, listen)
-			} else if got := hostPath(listen[1]); got != "/run/devicehost" {
-				t.Errorf("the agent's socket %s is on hostPath %q in the driver, want the node's /run/devicehost", listen[1], got)
+			if listen == nil || hostPath(listen[1]) != "" {
+				t.Errorf("the driver mounts the agent's admin socket %v", listen)
+			}
+			own := regexp.MustCompile(`(?s)listener "dra-driver" \{\s*address = "unix://([^"]*)"\s*allow\s*= (\[[^]]*\])`).FindStringSubmatch(cm.Data["devicehost.hcl"])
+			if own == nil || s.address != "unix://"+own[1] || own[2] != `["read", "reserve:k8s-claim/"]` {
+				t.Errorf("the driver dials %s; the agent's dra-driver listener: %q, want it there allowing read and reserve:k8s-claim/", s.address, own)
+			} else if got := hostPath(own[1]); got != "/run/devicehost/dra-plugin" {
+				t.Errorf("the driver's socket %s is on hostPath %q in the driver, want the node's /run/devicehost/dra-plugin", own[1], got)
 			}
 			// The kubelet dials the driver's sockets at the paths it registers: the
 			// same on the node as in the container.
