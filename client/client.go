@@ -317,6 +317,27 @@ func (c *Client) Reown(ctx context.Context, reservationID, owner, newOwner strin
 	return resp.GetReservation(), nil
 }
 
+// Cordon takes a device out of service (the admin grant): it keeps its holder, but no
+// new one may take it, and every path stops offering it. With drain, the paths that can
+// also ask the holder's runtime to let go. Cordoning again replaces the reason.
+func (c *Client) Cordon(ctx context.Context, deviceID, reason string, drain bool) (*pb.Cordon, error) {
+	resp, err := c.api.CordonDevice(ctx, &pb.CordonDeviceRequest{DeviceId: deviceID, Reason: reason, Drain: drain})
+	if err != nil {
+		return nil, err
+	}
+	return resp.GetCordon(), nil
+}
+
+// Uncordon puts a cordoned device back in service and returns the cordon it lifted;
+// nil when the device was not cordoned.
+func (c *Client) Uncordon(ctx context.Context, deviceID string) (*pb.Cordon, error) {
+	resp, err := c.api.UncordonDevice(ctx, &pb.UncordonDeviceRequest{DeviceId: deviceID})
+	if err != nil {
+		return nil, err
+	}
+	return resp.GetLifted(), nil
+}
+
 // Plugins lists the agent's plugins with their status, restarts and last error.
 func (c *Client) Plugins(ctx context.Context) ([]*pb.Plugin, error) {
 	resp, err := c.api.ListPlugins(ctx, &pb.ListPluginsRequest{})

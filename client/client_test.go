@@ -453,6 +453,7 @@ func TestReasonsAreTheWireStrings(t *testing.T) {
 		{client.ReasonShuttingDown, "SHUTTING_DOWN"},
 		{client.ReasonPluginResponse, "PLUGIN_RESPONSE_INVALID"},
 		{client.ReasonPermissionDenied, "PERMISSION_DENIED"},
+		{client.ReasonDeviceCordoned, "DEVICE_CORDONED"},
 	}
 	for _, p := range pairs {
 		if p[0] != p[1] {

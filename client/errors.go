@@ -26,6 +26,7 @@ var (
 	ReasonShuttingDown        = pb.ErrorReason_SHUTTING_DOWN.String()
 	ReasonPluginResponse      = pb.ErrorReason_PLUGIN_RESPONSE_INVALID.String()
 	ReasonPermissionDenied    = pb.ErrorReason_PERMISSION_DENIED.String()
+	ReasonDeviceCordoned      = pb.ErrorReason_DEVICE_CORDONED.String()
 )
 
 // Reason returns the ErrorInfo reason of the agent's error err (one of the Reason

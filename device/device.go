@@ -70,6 +70,15 @@ type Manager interface {
 	// is not an error. An unknown reservation ID wraps ErrNotFound; a released
 	// reservation, or one whose owner is not req.OwnerID, is a *FieldError.
 	Reown(ctx context.Context, req ReownRequest) (Reservation, error)
+	// Cordon takes a known device out of service, durably before it returns: it keeps
+	// its holder, but Reserve refuses it to any new one (a *CordonedError) and the
+	// snapshots show the cordon, whatever the device's health, until Uncordon.
+	// Cordoning a cordoned device replaces its cordon. An unknown device wraps
+	// ErrUnknownDevice.
+	Cordon(ctx context.Context, req CordonRequest) (Cordon, error)
+	// Uncordon lifts a device's cordon, durably before it returns, and returns it; nil
+	// when the device was not cordoned (not an error).
+	Uncordon(ctx context.Context, deviceID string) (*Cordon, error)
 	// Ready is closed once every configured plugin has fingerprinted, failed, or
 	// exceeded the readiness timeout.
 	Ready() <-chan struct{}
@@ -193,6 +202,24 @@ type DeviceState struct {
 	// reservations whose use of a counter leaves too little of it for this device:
 	// it cannot be reserved until they are released. Sorted by reservation ID.
 	BlockedBy []Holder
+	// Cordon is set while the device is cordoned (Manager.Cordon).
+	Cordon *Cordon
+}
+
+// Cordon is a device taken out of service by an operator.
+type Cordon struct {
+	Reason string    // why, as the operator said it
+	By     string    // who: the caller's listener and peer
+	Since  time.Time // when
+	Drain  bool      // the holder's runtime is asked to let go where a path can
+}
+
+// CordonRequest names a device to cordon, why and by whom.
+type CordonRequest struct {
+	DeviceID string
+	Reason   string
+	By       string
+	Drain    bool
 }
 
 // Holder names the live reservation that holds a device.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 )
 
 // Sentinel errors. A Manager wraps them with the details (device IDs, holder, plugin,
@@ -34,6 +35,8 @@ var (
 	// ErrPermissionDenied: the caller may not make this call, or not for this owner;
 	// see PermissionError.
 	ErrPermissionDenied = errors.New("permission denied")
+	// ErrDeviceCordoned: a device an operator took out of service; see CordonedError.
+	ErrDeviceCordoned = errors.New("device cordoned")
 )
 
 // FieldError says which request field is wrong and why. It matches ErrInvalidRequest
@@ -201,3 +204,24 @@ func (e *PermissionError) Error() string {
 
 // Unwrap makes errors.Is(err, ErrPermissionDenied) true.
 func (e *PermissionError) Unwrap() error { return ErrPermissionDenied }
+
+// CordonedError says that a Reserve asked for a cordoned device, why and by whom. It
+// matches ErrDeviceCordoned under errors.Is.
+type CordonedError struct {
+	DeviceID string
+	Cordon   Cordon
+}
+
+// Error is `device "ID" is cordoned since TIME by BY: REASON: device cordoned` (with
+// "(drain)" after the time for a drain).
+func (e *CordonedError) Error() string {
+	drain := ""
+	if e.Cordon.Drain {
+		drain = " (drain)"
+	}
+	return fmt.Sprintf("device %q is cordoned since %s%s by %s: %s: %v", e.DeviceID,
+		e.Cordon.Since.UTC().Format(time.RFC3339), drain, e.Cordon.By, e.Cordon.Reason, ErrDeviceCordoned)
+}
+
+// Unwrap makes errors.Is(err, ErrDeviceCordoned) true.
+func (e *CordonedError) Unwrap() error { return ErrDeviceCordoned }

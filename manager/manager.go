@@ -184,6 +184,7 @@ func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 		Logger:       log,
 		Now:          cfg.Now,
 		Holders:      m.store.Holders,
+		Cordons:      m.ledger.Cordons,
 		CounterUse:   m.store.Usage,
 		Store:        m.ledger,
 		StoreTimeout: ledgerWriteTimeout,

@@ -433,3 +433,35 @@ func fromContainerReservation(res *pb.ContainerReservation) device.ContainerRese
 	}
 	return out
 }
+
+// Cordon takes a known device out of service; see device.Manager. req is trusted, as
+// Reserve's is: the server checks it (validate.CordonRequest) and names who asks.
+func (m *Manager) Cordon(ctx context.Context, req device.CordonRequest) (device.Cordon, error) {
+	if m.stopping.Load() {
+		return device.Cordon{}, fmt.Errorf("cordon: %w", device.ErrShuttingDown)
+	}
+	if _, ok := m.reg.Snapshot().State.Devices[req.DeviceID]; !ok {
+		return device.Cordon{}, fmt.Errorf("cordon: device %q: %w", req.DeviceID, device.ErrUnknownDevice)
+	}
+	c, err := m.ledger.Cordon(ctx, req.DeviceID, device.Cordon{Reason: req.Reason, By: req.By, Since: m.cfg.Now(), Drain: req.Drain})
+	if err != nil {
+		return device.Cordon{}, err
+	}
+	m.reg.Refresh()
+	m.log.Info("device cordoned", "device", req.DeviceID, "reason", textline.Line(req.Reason, 0), "by", req.By, "drain", req.Drain)
+	return c, nil
+}
+
+// Uncordon lifts a device's cordon; see device.Manager.
+func (m *Manager) Uncordon(ctx context.Context, deviceID string) (*device.Cordon, error) {
+	if m.stopping.Load() {
+		return nil, fmt.Errorf("uncordon: %w", device.ErrShuttingDown)
+	}
+	was, err := m.ledger.Uncordon(ctx, deviceID)
+	if err != nil || was == nil {
+		return was, err
+	}
+	m.reg.Refresh()
+	m.log.Info("device uncordoned", "device", deviceID, "was_reason", textline.Line(was.Reason, 0))
+	return was, nil
+}

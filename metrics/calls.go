@@ -27,6 +27,8 @@ var results = []struct {
 }{
 	{device.ErrInvalidRequest, "invalid_request"},
 	{device.ErrDeviceHeld, "device_held"},
+	{device.ErrDeviceCordoned, "device_cordoned"},
+	{device.ErrPermissionDenied, "permission_denied"},
 	{device.ErrUnknownDevice, "device_unknown"},
 	{device.ErrUnhealthyDevice, "device_unhealthy"},
 	{device.ErrPluginUnavailable, "plugin_unavailable"},

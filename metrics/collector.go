@@ -39,6 +39,8 @@ var (
 	reservedDesc = prometheus.NewDesc("devicehost_device_reserved",
 		"1 when a live reservation holds the device (owner and reservation name it), else 0 with both empty: one series per device.",
 		reservedLabels, nil)
+	cordonedDesc = prometheus.NewDesc("devicehost_device_cordoned",
+		"1 while the device is cordoned (taken out of service: no new holder on any path), else 0: one series per device.", deviceLabels, nil)
 	pluginStatusDesc = prometheus.NewDesc("devicehost_plugin_status",
 		"1 for the plugin's current status, 0 for the others (starting, running, restarting, failed).", []string{"plugin", "status"}, nil)
 	pluginRestartsDesc = prometheus.NewDesc("devicehost_plugin_restarts_total",
@@ -53,7 +55,7 @@ var (
 )
 
 // reservedFamilies are the agent's own families that a stat's name must not take.
-var reservedFamilies = map[string]bool{"devicehost_device_healthy": true, "devicehost_device_reserved": true}
+var reservedFamilies = map[string]bool{"devicehost_device_healthy": true, "devicehost_device_reserved": true, "devicehost_device_cordoned": true}
 
 // collector exports a device.Manager's devices, plugins and stats at each scrape, from
 // its Snapshot and LatestStats: a scrape never costs the plugins a call. It is an
@@ -133,6 +135,7 @@ func (s *scrape) devices(snap device.Snapshot) {
 			st := snap.State.Devices[d.ID]
 			labels := []string{g.Plugin, g.Vendor, g.Type, g.Name, d.ID}
 			s.send(healthyDesc, prometheus.GaugeValue, boolValue(st.Health == device.HealthHealthy), labels...)
+			s.send(cordonedDesc, prometheus.GaugeValue, boolValue(st.Cordon != nil), labels...)
 			owner, res := "", ""
 			if st.Holder != nil {
 				owner, res = st.Holder.OwnerID, st.Holder.ReservationID

@@ -38,7 +38,8 @@ func gpuSnapshot() device.Snapshot {
 			Devices: map[string]device.DeviceState{
 				"w0":    {Health: device.HealthUnhealthy, Reason: "widget on fire"},
 				"GPU-a": {Health: device.HealthHealthy},
-				"GPU-b": {Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "res-1", OwnerID: "job-1"}},
+				"GPU-b": {Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "res-1", OwnerID: "job-1"},
+					Cordon: &device.Cordon{Reason: "ECC storm", By: "admin", Since: t0}},
 			},
 			Plugins: []device.PluginState{
 				{Name: "acme", Status: device.PluginRestarting, Restarts: 3, LastError: "exit 1", LastErrorAt: t0, DeviceCount: 1},
@@ -187,7 +188,7 @@ func TestStatNamesAndUnits(t *testing.T) {
 			t.Errorf("%s is a %v, want a gauge", name, typ)
 		}
 	}
-	if got, want := len(f.names("devicehost_device_"))-2, len(want); got != want { // less healthy and reserved
+	if got, want := len(f.names("devicehost_device_"))-3, len(want); got != want { // less healthy, reserved and cordoned
 		t.Errorf("stat families %v, want %d", f.names("devicehost_device_"), want)
 	}
 	if got := f.value(t, "devicehost_metrics_series_dropped", map[string]string{"plugin": "acme", "reason": "not_a_number"}); got != 1 {
@@ -236,6 +237,12 @@ func TestDeviceAndPluginState(t *testing.T) {
 	}
 	if n := len(f.series("devicehost_device_reserved", nil)); n != 3 {
 		t.Errorf("devicehost_device_reserved has %d series, want one per device (3)", n)
+	}
+	// A cordoned device keeps its holder's series and has its own cordoned one.
+	for id, want := range map[string]float64{"GPU-a": 0, "GPU-b": 1, "w0": 0} {
+		if got := f.value(t, "devicehost_device_cordoned", dev(id)); got != want {
+			t.Errorf("cordoned{%s} = %v, want %v", id, got, want)
+		}
 	}
 	for _, st := range []string{"starting", "running", "restarting", "failed"} {
 		want := 0.0

@@ -239,14 +239,8 @@ func (a *access) whoCalls(ctx context.Context) (_ *caller, ok bool) {
 	if addr.listener.Allow.admin {
 		return nil, false // nothing to check, and no caller to make
 	}
-	c := &caller{listener: addr.listener.Name, peer: addr.String(), allow: addr.listener.Allow}
-	var names []string
-	if info, ok := p.AuthInfo.(credentials.TLSInfo); ok && len(info.State.VerifiedChains) > 0 && len(info.State.VerifiedChains[0]) > 0 {
-		names = certIdentities(info.State.VerifiedChains[0][0])
-		if len(names) > 0 {
-			c.peer += fmt.Sprintf(" (certificate %q)", names[0])
-		}
-	}
+	name, names := peerName(p, addr)
+	c := &caller{listener: addr.listener.Name, peer: name, allow: addr.listener.Allow}
 	for _, g := range a.grants {
 		switch {
 		case g.UID != nil && addr.hasCred && *g.UID == addr.cred.uid,
@@ -256,6 +250,20 @@ func (a *access) whoCalls(ctx context.Context) (_ *caller, ok bool) {
 		}
 	}
 	return c, true
+}
+
+// peerName names p, a client of addr's listener: its credentials or address, and the
+// first identity of its verified client certificate, if any; names are all of the
+// certificate's identities (certIdentities).
+func peerName(p *peer.Peer, addr *connAddr) (name string, names []string) {
+	name = addr.String()
+	if info, ok := p.AuthInfo.(credentials.TLSInfo); ok && len(info.State.VerifiedChains) > 0 && len(info.State.VerifiedChains[0]) > 0 {
+		names = certIdentities(info.State.VerifiedChains[0][0])
+		if len(names) > 0 {
+			name += fmt.Sprintf(" (certificate %q)", names[0])
+		}
+	}
+	return name, names
 }
 
 // certIdentities are the names a client certificate proves: its URI, DNS and email
@@ -284,6 +292,8 @@ var methodGrants = map[string]string{
 	"/devicehost.v1.DeviceHost/Reserve":                              GrantReserve,
 	"/devicehost.v1.DeviceHost/Release":                              GrantReserve,
 	"/devicehost.v1.DeviceHost/ReownReservation":                     GrantReserve,
+	"/devicehost.v1.DeviceHost/CordonDevice":                         GrantAdmin,
+	"/devicehost.v1.DeviceHost/UncordonDevice":                       GrantAdmin,
 	"/grpc.health.v1.Health/Check":                                   GrantRead,
 	"/grpc.health.v1.Health/List":                                    GrantRead,
 	"/grpc.health.v1.Health/Watch":                                   GrantRead,
@@ -407,4 +417,23 @@ func mayReserve(ctx context.Context, req device.ReserveRequest) error {
 		}
 	}
 	return nil
+}
+
+// describeCaller names the caller of ctx's call for a record of what it did (a
+// cordon's By): its listener and peer, e.g. `listener "main" uid=0,gid=0,pid=42`, the
+// peer's address where it is no listener's, "unknown" where there is no peer.
+func describeCaller(ctx context.Context) string {
+	p, _ := peer.FromContext(ctx)
+	if p == nil || p.Addr == nil {
+		return "unknown"
+	}
+	addr, ok := p.Addr.(*connAddr)
+	if !ok {
+		return p.Addr.String()
+	}
+	out, _ := peerName(p, addr)
+	if addr.listener.Name != "" {
+		out = fmt.Sprintf("listener %q %s", addr.listener.Name, out)
+	}
+	return out
 }

@@ -102,6 +102,14 @@ func startAccessHost(t *testing.T, ls map[string]server.Allow, pg []server.PeerG
 			h.reach("Release " + req.OwnerID)
 			return device.ReleaseResult{}, nil
 		},
+		CordonFunc: func(_ context.Context, req device.CordonRequest) (device.Cordon, error) {
+			h.reach("Cordon " + req.DeviceID)
+			return device.Cordon{Reason: req.Reason, By: req.By}, nil
+		},
+		UncordonFunc: func(_ context.Context, id string) (*device.Cordon, error) {
+			h.reach("Uncordon " + id)
+			return nil, nil
+		},
 		ReownFunc: func(_ context.Context, req device.ReownRequest) (device.Reservation, error) {
 			h.reach("Reown " + req.NewOwnerID)
 			return device.Reservation{ID: req.ReservationID, OwnerID: req.NewOwnerID}, nil
@@ -235,6 +243,14 @@ var rpcs = []rpc{
 		_, err := pb.NewDeviceHostClient(c).ReownReservation(ctx, &pb.ReownReservationRequest{ReservationId: "r-k8s", OwnerId: "k8s/ns/pod/c", NewOwnerId: "nomad/default/job/a/t"})
 		return err
 	}, "Reown nomad/default/job/a/t"},
+	{"CordonDevice", func(ctx context.Context, c *grpc.ClientConn) error {
+		_, err := pb.NewDeviceHostClient(c).CordonDevice(ctx, &pb.CordonDeviceRequest{DeviceId: "GPU-0", Reason: "ECC storm"})
+		return err
+	}, "Cordon GPU-0"},
+	{"UncordonDevice", func(ctx context.Context, c *grpc.ClientConn) error {
+		_, err := pb.NewDeviceHostClient(c).UncordonDevice(ctx, &pb.UncordonDeviceRequest{DeviceId: "GPU-0"})
+		return err
+	}, "Uncordon GPU-0"},
 	{"Unknown method", func(ctx context.Context, c *grpc.ClientConn) error {
 		return c.Invoke(ctx, "/devicehost.v1.DeviceHost/Cordon", &pb.ListPluginsRequest{}, &pb.ListPluginsResponse{})
 	}, "unimplemented"},

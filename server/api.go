@@ -235,3 +235,35 @@ func (s *Server) ListPlugins(context.Context, *pb.ListPluginsRequest) (*pb.ListP
 	}
 	return out, nil
 }
+
+// CordonDevice validates the request and takes the device out of service, in the name
+// of the caller (its listener and peer).
+func (s *Server) CordonDevice(ctx context.Context, in *pb.CordonDeviceRequest) (*pb.CordonDeviceResponse, error) {
+	req := device.CordonRequest{DeviceID: in.GetDeviceId(), Reason: in.GetReason(), Drain: in.GetDrain(), By: describeCaller(ctx)}
+	if err := validate.CordonRequest(req); err != nil {
+		return nil, toStatus(err)
+	}
+	c, err := s.mgr.Cordon(ctx, req)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &pb.CordonDeviceResponse{Cordon: cordonToProto(c)}, nil
+}
+
+// UncordonDevice puts the device back in service and returns the cordon it lifted.
+func (s *Server) UncordonDevice(ctx context.Context, in *pb.UncordonDeviceRequest) (*pb.UncordonDeviceResponse, error) {
+	var f device.CordonRequest
+	f.DeviceID, f.Reason = in.GetDeviceId(), "-"
+	if err := validate.CordonRequest(f); err != nil {
+		return nil, toStatus(err)
+	}
+	was, err := s.mgr.Uncordon(ctx, f.DeviceID)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	out := &pb.UncordonDeviceResponse{}
+	if was != nil {
+		out.Lifted = cordonToProto(*was)
+	}
+	return out, nil
+}

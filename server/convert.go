@@ -105,6 +105,9 @@ func snapshotToProto(snap device.Snapshot, f streamFilter) *pb.FingerprintRespon
 			for _, h := range ds.BlockedBy {
 				pd.BlockedBy = append(pd.BlockedBy, &pb.Holder{ReservationId: h.ReservationID, OwnerId: h.OwnerID})
 			}
+			if ds.Cordon != nil {
+				pd.Cordon = cordonToProto(*ds.Cordon)
+			}
 			pg.Devices = append(pg.Devices, pd)
 		}
 		out.Groups = append(out.Groups, pg)
@@ -268,4 +271,8 @@ func pluginToProto(p device.PluginState) *pb.Plugin {
 		Path:        p.Path,
 		DeviceCount: uint32(max(p.DeviceCount, 0)),
 	}
+}
+
+func cordonToProto(c device.Cordon) *pb.Cordon {
+	return &pb.Cordon{Reason: c.Reason, By: c.By, Since: timeToProto(c.Since), Drain: c.Drain}
 }

@@ -35,6 +35,7 @@ var errorCodes = []struct {
 	{device.ErrUnknownDevice, codes.NotFound, pb.ErrorReason_DEVICE_UNKNOWN},
 	{device.ErrNotFound, codes.NotFound, pb.ErrorReason_RESERVATION_NOT_FOUND},
 	{device.ErrUnhealthyDevice, codes.FailedPrecondition, pb.ErrorReason_DEVICE_UNHEALTHY},
+	{device.ErrDeviceCordoned, codes.FailedPrecondition, pb.ErrorReason_DEVICE_CORDONED},
 	{device.ErrDeviceHeld, codes.FailedPrecondition, pb.ErrorReason_DEVICE_HELD},
 	{device.ErrCapacityExceeded, codes.FailedPrecondition, pb.ErrorReason_CAPACITY_EXCEEDED},
 	{device.ErrPluginUnavailable, codes.Unavailable, pb.ErrorReason_PLUGIN_UNAVAILABLE},

@@ -217,3 +217,17 @@ func statsInterval(d time.Duration) error {
 	}
 	return nil
 }
+
+// cordonRequest is CordonRequest's body; see its doc comment for the rules.
+func cordonRequest(req device.CordonRequest) error {
+	var f fields
+	f.checkID("device_id", req.DeviceID)
+	// The reason is shown wherever the device is refused: an owner's rules (printable,
+	// not blank nor padded) at MaxNameLen bytes.
+	if req.Reason == "" {
+		f.add("reason", RuleEmpty, "say why the device is out of service")
+	} else {
+		f.checkOwner("reason", req.Reason)
+	}
+	return f.err()
+}

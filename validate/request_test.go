@@ -284,6 +284,30 @@ func TestReownRequest(t *testing.T) {
 	}
 }
 
+func TestCordonRequest(t *testing.T) {
+	tests := []struct {
+		name string
+		req  device.CordonRequest
+		want []device.FieldError
+	}{
+		{name: "valid", req: device.CordonRequest{DeviceID: "GPU-0", Reason: "ECC storm"}},
+		{name: "nothing set", want: []device.FieldError{
+			fe("device_id", validate.RuleEmpty), fe("reason", validate.RuleEmpty, "say why the device is out of service"),
+		}},
+		{name: "reason that would fake a line", req: device.CordonRequest{DeviceID: "GPU-0", Reason: "ok\nGPU-1 healthy"},
+			want: []device.FieldError{fe("reason", validate.RuleNotPrintable)}},
+		{name: "reason too long", req: device.CordonRequest{DeviceID: "GPU-0", Reason: strings.Repeat("r", validate.MaxNameLen+1)},
+			want: []device.FieldError{fe("reason", validate.RuleTooLong, fmt.Sprintf("%d bytes, limit %d", validate.MaxNameLen+1, validate.MaxNameLen))}},
+		{name: "blank reason", req: device.CordonRequest{DeviceID: "GPU-0", Reason: "   "},
+			want: []device.FieldError{fe("reason", validate.RuleSpaces, "only spaces")}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			checkFieldErrors(t, validate.CordonRequest(tt.req), tt.want)
+		})
+	}
+}
+
 func TestReservationFilter(t *testing.T) {
 	tests := []struct {
 		name string

@@ -99,6 +99,12 @@ func ReleaseRequest(req device.ReleaseRequest) error { return releaseRequest(req
 // (RuleSpaces).
 func ReownRequest(req device.ReownRequest) error { return reownRequest(req) }
 
+// CordonRequest checks a host API CordonDevice request; violations are
+// *device.FieldError. device_id must be set and follow ReserveRequest's rules for IDs;
+// reason must be set, printable, at most MaxNameLen bytes, and not blank or
+// space-padded.
+func CordonRequest(req device.CordonRequest) error { return cordonRequest(req) }
+
 // ReservationFilter checks a host API ListReservations filter; violations are
 // *device.FieldError. owner_id and device_id may be empty but otherwise follow
 // ReserveRequest's rules for IDs; state must be one of the ReservationState values

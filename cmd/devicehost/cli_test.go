@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
@@ -106,14 +107,21 @@ func mustRunCLI(t *testing.T, args ...string) string {
 }
 
 func TestDevicesTable(t *testing.T) {
-	addr := startAgent(t, &devicetest.Fake{WatchFunc: watchOnce(twoGroups())})
+	snap := twoGroups()
+	snap.State.Devices = maps.Clone(snap.State.Devices)
+	for id, c := range map[string]device.Cordon{"GPU-0": {Reason: "ECC storm", By: "admin"}, "GPU-2": {Reason: "firmware update", Drain: true}} {
+		st := snap.State.Devices[id]
+		st.Cordon = &c
+		snap.State.Devices[id] = st
+	}
+	addr := startAgent(t, &devicetest.Fake{WatchFunc: watchOnce(snap)})
 	got := mustRunCLI(t, "devices", "-address", addr)
 	want := strings.Join([]string{
-		"GROUP                             DEVICE  HEALTH     REASON                    HOLDER",
-		"nvidia/gpu/NVIDIA A100            GPU-a0  healthy    -                         -",
-		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0   healthy    -                         alloc-1 (r1)",
-		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-1   unhealthy  XID 79: fell off the bus  -",
-		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-2   healthy    -                         -",
+		"GROUP                             DEVICE  HEALTH     REASON                    HOLDER        CORDONED",
+		"nvidia/gpu/NVIDIA A100            GPU-a0  healthy    -                         -             -",
+		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0   healthy    -                         alloc-1 (r1)  ECC storm",
+		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-1   unhealthy  XID 79: fell off the bus  -             -",
+		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-2   healthy    -                         -             drain: firmware update",
 		"",
 	}, "\n")
 	if got != want {
@@ -148,11 +156,11 @@ func TestDevicesTableShared(t *testing.T) {
 	addr := startAgent(t, &devicetest.Fake{WatchFunc: watchOnce(snap)})
 	got := mustRunCLI(t, "devices", "-address", addr)
 	want := strings.Join([]string{
-		"GROUP               DEVICE   HEALTH   REASON  HOLDER                            SHARES",
-		"nvidia/gpu/H100     GPU-0    healthy  -       blocked by job-1 (r1) and 1 more  GPU-0",
-		"nvidia/gpu/H100     GPU-1    healthy  -       -                                 -",
-		"nvidia/mig/1g.10gb  MIG-0-0  healthy  -       job-1 (r1)                        GPU-0",
-		"nvidia/mig/1g.10gb  MIG-0-1  healthy  -       -                                 GPU-0",
+		"GROUP               DEVICE   HEALTH   REASON  HOLDER                            CORDONED  SHARES",
+		"nvidia/gpu/H100     GPU-0    healthy  -       blocked by job-1 (r1) and 1 more  -         GPU-0",
+		"nvidia/gpu/H100     GPU-1    healthy  -       -                                 -         -",
+		"nvidia/mig/1g.10gb  MIG-0-0  healthy  -       job-1 (r1)                        -         GPU-0",
+		"nvidia/mig/1g.10gb  MIG-0-1  healthy  -       -                                 -         GPU-0",
 		"",
 	}, "\n")
 	if got != want {
@@ -602,7 +610,7 @@ func TestTablesEscapeCellsThatCouldFakeColumnsOrRows(t *testing.T) {
 		State: device.State{Devices: map[string]device.DeviceState{
 			"GPU-0": {Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "r1", OwnerID: spoof}},
 			"GPU-1": {Health: device.HealthUnhealthy, Reason: "XID 79\nnvidia/gpu/x  GPU-99  healthy  -  -"},
-			"GPU-2": {Health: device.HealthUnhealthy, Reason: "\x1b[2Jcleared"},
+			"GPU-2": {Health: device.HealthUnhealthy, Reason: "\x1b[2Jcleared", Cordon: &device.Cordon{Reason: "ECC  x\x1b[2J"}},
 		}},
 	}
 	mgr := &devicetest.Fake{
@@ -624,10 +632,10 @@ func TestTablesEscapeCellsThatCouldFakeColumnsOrRows(t *testing.T) {
 		want []string
 	}{
 		{[]string{"devices"}, []string{
-			`GROUP                             DEVICE  HEALTH     REASON                                         HOLDER`,
-			`nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0   healthy    -                                              "job-7  GPU-37c4  healthy  spoof" (r1)`,
-			`nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-1   unhealthy  "XID 79\nnvidia/gpu/x  GPU-99  healthy  -  -"  -`,
-			`nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-2   unhealthy  "\x1b[2Jcleared"                               -`,
+			`GROUP                             DEVICE  HEALTH     REASON                                         HOLDER                                  CORDONED`,
+			`nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0   healthy    -                                              "job-7  GPU-37c4  healthy  spoof" (r1)  -`,
+			`nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-1   unhealthy  "XID 79\nnvidia/gpu/x  GPU-99  healthy  -  -"  -                                       -`,
+			`nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-2   unhealthy  "\x1b[2Jcleared"                               -                                       "ECC  x\x1b[2J"`,
 		}},
 		{[]string{"reservations"}, []string{
 			`RESERVATION  OWNER                              GROUP                             DEVICES  STATE   CREATED  RELEASED`,

@@ -15,7 +15,7 @@ import (
 
 // runDevices is `devicehost devices`.
 func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
-	fs, cf := newClientFlagSet(env, "devices", "[-json] [-address ADDR]\n\nLists every device with its group, health and holder.")
+	fs, cf := newClientFlagSet(env, "devices", "[-json] [-address ADDR]\n\nLists every device with its group, health, holder and cordon.")
 	asJSON := fs.Bool("json", false, "print the Fingerprint snapshot as JSON")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -38,7 +38,7 @@ func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
 	shared := slices.ContainsFunc(fp.GetGroups(), func(g *pb.DeviceGroup) bool {
 		return slices.ContainsFunc(g.GetDevices(), func(d *pb.Device) bool { return len(d.GetConsumes()) > 0 })
 	})
-	header := []string{"GROUP", "DEVICE", "HEALTH", "REASON", "HOLDER"}
+	header := []string{"GROUP", "DEVICE", "HEALTH", "REASON", "HOLDER", "CORDONED"}
 	if shared {
 		header = append(header, "SHARES")
 	}
@@ -55,7 +55,7 @@ func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
 				}
 			}
 			row := []string{cell(groupName(g.GetVendor(), g.GetType(), g.GetName())), cell(d.GetId()),
-				cell(healthName(d.GetHealth())), cell(d.GetHealthReason()), holder}
+				cell(healthName(d.GetHealth())), cell(d.GetHealthReason()), holder, cordonCell(d.GetCordon())}
 			if shared {
 				sets := make([]string, len(d.GetConsumes()))
 				for i, c := range d.GetConsumes() {
@@ -128,4 +128,17 @@ func groupsNote(vendor, typ, name string) string {
 		return "any group of the agent's"
 	}
 	return fmt.Sprintf("any group matching vendor=%q type=%q name=%q", vendor, typ, name)
+}
+
+// cordonCell is the CORDONED column: the reason of a cordon, "drain: " before it for a
+// drain; empty for a device in service.
+func cordonCell(c *pb.Cordon) string {
+	switch {
+	case c == nil:
+		return cell("")
+	case c.GetDrain():
+		return "drain: " + cell(c.GetReason())
+	default:
+		return cell(c.GetReason())
+	}
 }

@@ -24,6 +24,8 @@ type Fake struct {
 	ReleaseFunc      func(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error)
 	ReservationsFunc func(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)
 	ReownFunc        func(ctx context.Context, req device.ReownRequest) (device.Reservation, error)
+	CordonFunc       func(ctx context.Context, req device.CordonRequest) (device.Cordon, error)
+	UncordonFunc     func(ctx context.Context, deviceID string) (*device.Cordon, error)
 	ReadyFunc        func() <-chan struct{}
 	ShutdownFunc     func(ctx context.Context) error
 }
@@ -130,4 +132,20 @@ func (f *Fake) Shutdown(ctx context.Context) error {
 		return nil
 	}
 	return f.ShutdownFunc(ctx)
+}
+
+// Cordon calls CordonFunc; without one it answers device.ErrUnknownDevice.
+func (f *Fake) Cordon(ctx context.Context, req device.CordonRequest) (device.Cordon, error) {
+	if f.CordonFunc == nil {
+		return device.Cordon{}, device.ErrUnknownDevice
+	}
+	return f.CordonFunc(ctx, req)
+}
+
+// Uncordon calls UncordonFunc; without one it answers nil, nil (not cordoned).
+func (f *Fake) Uncordon(ctx context.Context, deviceID string) (*device.Cordon, error) {
+	if f.UncordonFunc == nil {
+		return nil, nil
+	}
+	return f.UncordonFunc(ctx, deviceID)
 }

@@ -245,9 +245,21 @@ func renderDaemonSet(file, base, kubeletRoot, cdiDir string) (*daemonSet, error)
 			return nil, fmt.Errorf("the agent's config path %s maps to no volume", p)
 		}
 	}
-	// The bridge must reach the agent's socket through its own mounts.
-	if addr := out.bridge.args[slices.Index(out.bridge.args, "-address")+1]; addr != "unix://"+out.agentSocket {
-		return nil, fmt.Errorf("the bridge dials %s, the agent listens on %s", addr, out.agentSocket)
+	// The bridge must reach a listener of the agent's through its own mounts: one of
+	// its own, which lets it reserve for pods (docs/configuration.md, "Access").
+	addr := out.bridge.args[slices.Index(out.bridge.args, "-address")+1]
+	var listens []string
+	for _, m := range regexp.MustCompile(`(?s)listener "[^"]*" \{\s*address = "([^"]*)"\s*allow\s*= (\[[^]]*\])`).FindAllSubmatch(cfg, -1) {
+		listens = append(listens, string(m[1]))
+		if string(m[1]) == addr && !strings.Contains(string(m[2]), `"reserve:k8s/"`) {
+			return nil, fmt.Errorf("the bridge dials %s, a listener allowing %s: not reserve:k8s/", addr, m[2])
+		}
+	}
+	if !slices.Contains(listens, addr) {
+		return nil, fmt.Errorf("the bridge dials %s, the agent listens on %s and %v", addr, out.agentSocket, listens)
+	}
+	if p := strings.TrimPrefix(addr, "unix://"); !strings.HasPrefix(p, base) {
+		return nil, fmt.Errorf("the bridge's socket %s maps to no volume", p)
 	}
 	return out, nil
 }

@@ -70,6 +70,9 @@ const (
 	taintUnhealthy = "unhealthy"
 	taintHeld      = "held"
 	taintBlocked   = "blocked"
+	// taintCordoned: an operator took the device out of service (devicehost cordon);
+	// NoExecute for a drain, so that Kubernetes evicts the pod that holds it.
+	taintCordoned = "cordoned"
 )
 
 // buildView turns the agent's snapshot into the pool's ResourceSlices: every device
@@ -365,8 +368,9 @@ func (p *pciAttributes) lookup(bus string) pciLookup {
 }
 
 // taints says why the scheduler must not give d to a claim now: it is not healthy
-// (or the agent cannot be reached), a reservation of an owner outside DRA holds it,
-// or such reservations use the shared capacity it needs.
+// (or the agent cannot be reached), an operator cordoned it (NoExecute for a drain:
+// its pod is evicted), a reservation of an owner outside DRA holds it, or such
+// reservations use the shared capacity it needs.
 func taints(driver string, d *pb.Device, disconnected error) []resourceapi.DeviceTaint {
 	var out []resourceapi.DeviceTaint
 	add := func(key, value string) {
@@ -379,6 +383,12 @@ func taints(driver string, d *pb.Device, disconnected error) []resourceapi.Devic
 		add(taintUnhealthy, labelValue(d.GetHealthReason(), "unhealthy"))
 	case d.GetHealth() != pb.Health_HEALTH_HEALTHY:
 		add(taintUnhealthy, labelValue(d.GetHealthReason(), "unknown"))
+	}
+	if c := d.GetCordon(); c != nil {
+		add(taintCordoned, labelValue(c.GetReason(), "cordoned"))
+		if c.GetDrain() {
+			out[len(out)-1].Effect = resourceapi.DeviceTaintEffectNoExecute
+		}
 	}
 	if h := d.GetHolder(); h != nil && !strings.HasPrefix(h.GetOwnerId(), ClaimOwnerPrefix) {
 		add(taintHeld, labelValue(h.GetOwnerId(), "held"))

@@ -144,6 +144,31 @@ func TestBuildViewFieldByField(t *testing.T) {
 		}
 	}
 
+	// Cordoned by an operator: tainted NoSchedule with the reason, even while a claim of
+	// this driver holds it; NoExecute for a drain, so Kubernetes evicts the claim's pod.
+	snap.Groups[1].Devices[0].Cordon = &pb.Cordon{Reason: "ECC storm", By: "admin"}
+	v, _ = buildView(snap, buildOptions{driver: "devicehost.io", pool: "node-a"})
+	cordoned := func(v *view) []resourceapi.DeviceTaint {
+		for _, sl := range v.slices {
+			for _, d := range sl.Devices {
+				if d.Name == DeviceName(snap.Groups[1].Devices[0].GetId()) {
+					return d.Taints
+				}
+			}
+		}
+		t.Fatalf("no device %s in the slices", snap.Groups[1].Devices[0].GetId())
+		return nil
+	}
+	if diff := cmp.Diff([]resourceapi.DeviceTaint{{Key: "devicehost.io/cordoned", Value: "ECC.storm", Effect: resourceapi.DeviceTaintEffectNoSchedule}}, cordoned(v)); diff != "" {
+		t.Errorf("cordoned device: taints (-want +got):\n%s", diff)
+	}
+	snap.Groups[1].Devices[0].Cordon.Drain = true
+	v, _ = buildView(snap, buildOptions{driver: "devicehost.io", pool: "node-a"})
+	if diff := cmp.Diff([]resourceapi.DeviceTaint{{Key: "devicehost.io/cordoned", Value: "ECC.storm", Effect: resourceapi.DeviceTaintEffectNoExecute}}, cordoned(v)); diff != "" {
+		t.Errorf("drained device: taints (-want +got):\n%s", diff)
+	}
+	snap.Groups[1].Devices[0].Cordon = nil
+
 	// Agent unreachable: every device tainted, health unknown.
 	v, _ = buildView(snap, buildOptions{driver: "devicehost.io", pool: "node-a", disconnected: errors.New("connection refused")})
 	for _, d := range v.slices[1].Devices {

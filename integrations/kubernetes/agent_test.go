@@ -183,6 +183,16 @@ func (a *fakeAgent) block(id string, by ...device.Holder) {
 	a.publishLocked()
 }
 
+// cordon sets device id's cordon (nil: none), keeping its health, and publishes it.
+func (a *fakeAgent) cordon(id string, c *device.Cordon) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	s := a.health[id]
+	s.Cordon = c
+	a.health[id] = s
+	a.publishLocked()
+}
+
 func (a *fakeAgent) reserve(req device.ReserveRequest) (device.Reservation, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()

@@ -71,6 +71,20 @@ func TestHealthFollowsTheAgent(t *testing.T) {
 	h.waitGPUs(t, ctx, "GPU 5 of unknown health", withHealth(8, gpuID(5), dpapi.Unhealthy))
 }
 
+// A cordoned device is offered to no pod: unhealthy for the kubelet while cordoned,
+// healthy as soon as it is uncordoned, whatever its own health says.
+func TestCordonedDeviceIsUnhealthy(t *testing.T) {
+	ctx := testContext(t)
+	agent := startAgent(t, eightGPUs())
+	h := startBridge(t, agent)
+	h.waitGPUs(t, ctx, "8 healthy GPUs", kubelettest.AllHealth(8, dpapi.Healthy))
+
+	agent.cordon(gpuID(2), &device.Cordon{Reason: "ECC storm", By: "admin"})
+	h.waitGPUs(t, ctx, "GPU 2 unhealthy while cordoned", withHealth(8, gpuID(2), dpapi.Unhealthy))
+	agent.cordon(gpuID(2), nil)
+	h.waitGPUs(t, ctx, "GPU 2 healthy once uncordoned", kubelettest.AllHealth(8, dpapi.Healthy))
+}
+
 // While the agent is unreachable the kubelet keeps every device, unhealthy; when the
 // agent is back the real state returns.
 func TestAgentGoneMarksEverythingUnhealthy(t *testing.T) {

@@ -135,8 +135,8 @@ func (v view) groups(r Resource) []*pb.DeviceGroup {
 }
 
 // devices is what ListAndWatch reports for r: every device of r's groups with its
-// NUMA node. A device is Healthy only while the agent is reachable, reports it healthy,
-// and nothing outside the kubelet's own allocations of r holds it (a device another
+// NUMA node. A device is Healthy only while the agent is reachable, reports it healthy
+// and not cordoned (devicehost cordon: offered to no new holder), and nothing outside the kubelet's own allocations of r holds it (a device another
 // owner reserved through the agent must not be handed to a pod), nor blocks it (a
 // partition whose GPU's slices, or a whole GPU whose partitions, live reservations use:
 // the agent would refuse it; it is Healthy again once they are released). While the
@@ -148,7 +148,7 @@ func (v view) devices(r Resource) []*dpapi.Device {
 		for _, d := range g.GetDevices() {
 			dev := &dpapi.Device{ID: d.GetId(), Health: dpapi.Unhealthy}
 			owner := d.GetHolder().GetOwnerId()
-			if v.connected && d.GetHealth() == pb.Health_HEALTH_HEALTHY && (owner == "" || r.ownedBy(owner, keyOf(g))) && len(d.GetBlockedBy()) == 0 {
+			if v.connected && d.GetHealth() == pb.Health_HEALTH_HEALTHY && d.GetCordon() == nil && (owner == "" || r.ownedBy(owner, keyOf(g))) && len(d.GetBlockedBy()) == 0 {
 				dev.Health = dpapi.Healthy
 			}
 			if n := d.GetLocality().GetNumaNode(); n >= 0 {

@@ -31,6 +31,7 @@ type Registry struct {
 	log          hclog.Logger
 	now          func() time.Time
 	holders      func() map[string]device.Holder
+	cordons      func() map[string]device.Cordon
 	counterUse   func() map[device.CounterSetKey]device.CounterUse
 	store        BindingStore
 	storeTimeout time.Duration
@@ -65,6 +66,9 @@ type Config struct {
 	// Holders returns the live reservations' holders, by device ID; nil: none. It is
 	// called with the registry's lock held, so it must not call the registry.
 	Holders func() map[string]device.Holder
+	// Cordons returns the cordoned devices' cordons, by device ID; nil: none. Called
+	// like Holders, with the registry's lock held.
+	Cordons func() map[string]device.Cordon
 	// CounterUse returns what live reservations use of the plugins' shared counters;
 	// nil: nothing. Called like Holders, with the registry's lock held.
 	CounterUse func() map[device.CounterSetKey]device.CounterUse
@@ -96,6 +100,7 @@ func New(cfg Config) *Registry {
 		log:          cfg.Logger,
 		now:          cfg.Now,
 		holders:      cfg.Holders,
+		cordons:      cfg.Cordons,
 		counterUse:   cfg.CounterUse,
 		store:        cfg.Store,
 		storeTimeout: cfg.StoreTimeout,
@@ -116,6 +121,9 @@ func New(cfg Config) *Registry {
 	}
 	if r.holders == nil {
 		r.holders = func() map[string]device.Holder { return nil }
+	}
+	if r.cordons == nil {
+		r.cordons = func() map[string]device.Cordon { return nil }
 	}
 	if r.counterUse == nil {
 		r.counterUse = func() map[device.CounterSetKey]device.CounterUse { return nil }
@@ -177,9 +185,13 @@ func (r *Registry) Refresh() {
 func (r *Registry) deviceStatesLocked(inv device.Inventory) (map[string]device.DeviceState, map[device.CounterSetKey]map[string]int64) {
 	states := make(map[string]device.DeviceState, len(r.devState))
 	holders := r.holders()
+	cordons := r.cordons()
 	for id, st := range r.devState {
 		if h, ok := holders[id]; ok {
 			st.Holder = &h
+		}
+		if c, ok := cordons[id]; ok {
+			st.Cordon = &c
 		}
 		states[id] = st
 	}

@@ -155,6 +155,11 @@ type Ledger struct {
 	deferDue    time.Time   // when the oldest must be committed; zero: at once
 	deferClosed bool        // Close has stopped taking deferred writes
 	deferTimer  *time.Timer // fires (deferredDue) when the oldest is due
+
+	// cordonMu serialises Cordon and Uncordon, each a commit and then a new cordons
+	// map; cordons is what Cordons returns (cordons.go).
+	cordonMu sync.Mutex
+	cordons  atomic.Pointer[map[string]device.Cordon]
 }
 
 // Open opens the ledger at path (normally filepath.Join(stateDir, DefaultFileName)),
@@ -186,6 +191,15 @@ func Open(path string, opts Options) (*Ledger, error) {
 		_ = db.Close() // the load error is the one that matters; nothing was written
 		return nil, err
 	}
+	cordons, err := loadCordons(db, path)
+	if err != nil && !errors.Is(err, ErrCorrupt) {
+		_ = db.Close()
+		return nil, err
+	}
+	if err != nil {
+		// The devices stay cordoned (loadCordons): say why.
+		opts.Logger.Error("damaged cordon records: their devices stay cordoned until uncordoned or cordoned again", "error", err.Error())
+	}
 	l := &Ledger{
 		path: path,
 		db:   db,
@@ -200,6 +214,7 @@ func Open(path string, opts Options) (*Ledger, error) {
 		queueBuf: make([]*request, 0, maxQueued),
 		slots:    make(chan struct{}, maxQueued),
 	}
+	l.cordons.Store(&cordons)
 	l.queue = l.queueBuf
 	l.idle = sync.NewCond(&l.wmu)
 	l.deferTimer = time.AfterFunc(time.Hour, l.deferredDue)

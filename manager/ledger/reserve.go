@@ -202,6 +202,10 @@ func reserveRun(rec device.Reservation, takeOver []string, caps device.Capacity)
 		if err != nil || prior != nil {
 			return reserveResult{r: prior, existing: true}, err
 		}
+		// A cordoned device keeps its holder (prior, above) but takes no new one.
+		if err := checkCordons(w, rec.DeviceIDs); err != nil {
+			return nil, err
+		}
 		nr := rec // a fresh copy per run: the batch may be retried
 		switch {
 		case nr.ID == "":

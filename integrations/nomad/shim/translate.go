@@ -36,6 +36,9 @@ func groupsToNomad(snap *pb.FingerprintResponse) []*device.DeviceGroup {
 		for _, d := range g.GetDevices() {
 			nd := &device.Device{ID: d.GetId()}
 			switch bs := d.GetBlockedBy(); {
+			case d.GetCordon() != nil:
+				// Offered to no new allocation, whatever its health.
+				nd.HealthDesc = fmt.Sprintf("cordoned by %s: %s", d.GetCordon().GetBy(), d.GetCordon().GetReason())
 			case d.GetHealth() == pb.Health_HEALTH_HEALTHY && len(bs) > 0:
 				nd.HealthDesc = fmt.Sprintf("cannot be reserved now: the shared capacity it needs is in use by reservation %s of owner %q", bs[0].GetReservationId(), bs[0].GetOwnerId())
 				if len(bs) > 1 {

@@ -39,3 +39,25 @@ func TestGroupsToNomadPartitions(t *testing.T) {
 		t.Errorf("GPU with its blockers gone: unhealthy %q", d.HealthDesc)
 	}
 }
+
+// A cordoned device is unhealthy to Nomad whatever its health, with the reason and who
+// cordoned it, so the scheduler places no new allocation on it; healthy once uncordoned.
+func TestCordonedDeviceUnhealthyToNomad(t *testing.T) {
+	snap := &pb.FingerprintResponse{Groups: []*pb.DeviceGroup{
+		{Vendor: "nvidia", Type: "gpu", Name: "H100", Devices: []*pb.Device{
+			{Id: "GPU-0", Health: pb.Health_HEALTH_HEALTHY, Cordon: &pb.Cordon{Reason: "ECC storm", By: `listener "main" uid=0,gid=0,pid=7`}},
+			{Id: "GPU-1", Health: pb.Health_HEALTH_HEALTHY},
+		}},
+	}}
+	devs := groupsToNomad(snap)[0].Devices
+	if devs[0].Healthy || devs[0].HealthDesc != `cordoned by listener "main" uid=0,gid=0,pid=7: ECC storm` {
+		t.Errorf("cordoned GPU: healthy %v, %q", devs[0].Healthy, devs[0].HealthDesc)
+	}
+	if !devs[1].Healthy {
+		t.Errorf("GPU-1 unhealthy: %q", devs[1].HealthDesc)
+	}
+	snap.Groups[0].Devices[0].Cordon = nil
+	if d := groupsToNomad(snap)[0].Devices[0]; !d.Healthy {
+		t.Errorf("uncordoned GPU: unhealthy %q", d.HealthDesc)
+	}
+}

@@ -218,6 +218,9 @@ const (
 	// call, or not for the owners it touches; the message names the listener, the peer
 	// and the grant it lacked.
 	ErrorReason_PERMISSION_DENIED ErrorReason = 10
+	// FAILED_PRECONDITION: a requested device is cordoned; the message says why and by
+	// whom.
+	ErrorReason_DEVICE_CORDONED ErrorReason = 11
 )
 
 // Enum value maps for ErrorReason.
@@ -234,6 +237,7 @@ var (
 		8:  "SHUTTING_DOWN",
 		9:  "PLUGIN_RESPONSE_INVALID",
 		10: "PERMISSION_DENIED",
+		11: "DEVICE_CORDONED",
 	}
 	ErrorReason_value = map[string]int32{
 		"ERROR_REASON_UNSPECIFIED": 0,
@@ -247,6 +251,7 @@ var (
 		"SHUTTING_DOWN":            8,
 		"PLUGIN_RESPONSE_INVALID":  9,
 		"PERMISSION_DENIED":        10,
+		"DEVICE_CORDONED":          11,
 	}
 )
 
@@ -277,6 +282,273 @@ func (ErrorReason) EnumDescriptor() ([]byte, []int) {
 	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{3}
 }
 
+type CordonDeviceRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A device the agent knows (a plugin reports it, or has reported it in this run).
+	DeviceId string `protobuf:"bytes,1,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	// Why: shown wherever the device is refused or not offered. Required.
+	Reason string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	// Also ask the holder's runtime to let go where a path can (the DRA driver's taint
+	// becomes NoExecute, so Kubernetes evicts the pod).
+	Drain         bool `protobuf:"varint,3,opt,name=drain,proto3" json:"drain,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CordonDeviceRequest) Reset() {
+	*x = CordonDeviceRequest{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CordonDeviceRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CordonDeviceRequest) ProtoMessage() {}
+
+func (x *CordonDeviceRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CordonDeviceRequest.ProtoReflect.Descriptor instead.
+func (*CordonDeviceRequest) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *CordonDeviceRequest) GetDeviceId() string {
+	if x != nil {
+		return x.DeviceId
+	}
+	return ""
+}
+
+func (x *CordonDeviceRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *CordonDeviceRequest) GetDrain() bool {
+	if x != nil {
+		return x.Drain
+	}
+	return false
+}
+
+type CordonDeviceResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Cordon        *Cordon                `protobuf:"bytes,1,opt,name=cordon,proto3" json:"cordon,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CordonDeviceResponse) Reset() {
+	*x = CordonDeviceResponse{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CordonDeviceResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CordonDeviceResponse) ProtoMessage() {}
+
+func (x *CordonDeviceResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CordonDeviceResponse.ProtoReflect.Descriptor instead.
+func (*CordonDeviceResponse) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *CordonDeviceResponse) GetCordon() *Cordon {
+	if x != nil {
+		return x.Cordon
+	}
+	return nil
+}
+
+type UncordonDeviceRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	DeviceId      string                 `protobuf:"bytes,1,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UncordonDeviceRequest) Reset() {
+	*x = UncordonDeviceRequest{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UncordonDeviceRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UncordonDeviceRequest) ProtoMessage() {}
+
+func (x *UncordonDeviceRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UncordonDeviceRequest.ProtoReflect.Descriptor instead.
+func (*UncordonDeviceRequest) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *UncordonDeviceRequest) GetDeviceId() string {
+	if x != nil {
+		return x.DeviceId
+	}
+	return ""
+}
+
+type UncordonDeviceResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The cordon lifted; unset when the device was not cordoned.
+	Lifted        *Cordon `protobuf:"bytes,1,opt,name=lifted,proto3" json:"lifted,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UncordonDeviceResponse) Reset() {
+	*x = UncordonDeviceResponse{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UncordonDeviceResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UncordonDeviceResponse) ProtoMessage() {}
+
+func (x *UncordonDeviceResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UncordonDeviceResponse.ProtoReflect.Descriptor instead.
+func (*UncordonDeviceResponse) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *UncordonDeviceResponse) GetLifted() *Cordon {
+	if x != nil {
+		return x.Lifted
+	}
+	return nil
+}
+
+// Cordon is a device taken out of service by an operator.
+type Cordon struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Reason string                 `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
+	// Who cordoned it: the caller's listener and peer.
+	By            string                 `protobuf:"bytes,2,opt,name=by,proto3" json:"by,omitempty"`
+	Since         *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=since,proto3" json:"since,omitempty"`
+	Drain         bool                   `protobuf:"varint,4,opt,name=drain,proto3" json:"drain,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Cordon) Reset() {
+	*x = Cordon{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Cordon) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Cordon) ProtoMessage() {}
+
+func (x *Cordon) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Cordon.ProtoReflect.Descriptor instead.
+func (*Cordon) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *Cordon) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *Cordon) GetBy() string {
+	if x != nil {
+		return x.By
+	}
+	return ""
+}
+
+func (x *Cordon) GetSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Since
+	}
+	return nil
+}
+
+func (x *Cordon) GetDrain() bool {
+	if x != nil {
+		return x.Drain
+	}
+	return false
+}
+
 type FingerprintRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Only groups matching one of these filters. Empty means all.
@@ -290,7 +562,7 @@ type FingerprintRequest struct {
 
 func (x *FingerprintRequest) Reset() {
 	*x = FingerprintRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[0]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -302,7 +574,7 @@ func (x *FingerprintRequest) String() string {
 func (*FingerprintRequest) ProtoMessage() {}
 
 func (x *FingerprintRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[0]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -315,7 +587,7 @@ func (x *FingerprintRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FingerprintRequest.ProtoReflect.Descriptor instead.
 func (*FingerprintRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{0}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *FingerprintRequest) GetGroups() []*GroupFilter {
@@ -347,7 +619,7 @@ type FingerprintResponse struct {
 
 func (x *FingerprintResponse) Reset() {
 	*x = FingerprintResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[1]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -359,7 +631,7 @@ func (x *FingerprintResponse) String() string {
 func (*FingerprintResponse) ProtoMessage() {}
 
 func (x *FingerprintResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[1]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -372,7 +644,7 @@ func (x *FingerprintResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FingerprintResponse.ProtoReflect.Descriptor instead.
 func (*FingerprintResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{1}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *FingerprintResponse) GetGroups() []*DeviceGroup {
@@ -412,7 +684,7 @@ type CounterSet struct {
 
 func (x *CounterSet) Reset() {
 	*x = CounterSet{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -424,7 +696,7 @@ func (x *CounterSet) String() string {
 func (*CounterSet) ProtoMessage() {}
 
 func (x *CounterSet) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -437,7 +709,7 @@ func (x *CounterSet) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CounterSet.ProtoReflect.Descriptor instead.
 func (*CounterSet) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{2}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *CounterSet) GetPlugin() string {
@@ -480,7 +752,7 @@ type CounterConsumption struct {
 
 func (x *CounterConsumption) Reset() {
 	*x = CounterConsumption{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -492,7 +764,7 @@ func (x *CounterConsumption) String() string {
 func (*CounterConsumption) ProtoMessage() {}
 
 func (x *CounterConsumption) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -505,7 +777,7 @@ func (x *CounterConsumption) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CounterConsumption.ProtoReflect.Descriptor instead.
 func (*CounterConsumption) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{3}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CounterConsumption) GetCounterSet() string {
@@ -537,7 +809,7 @@ type DeviceGroup struct {
 
 func (x *DeviceGroup) Reset() {
 	*x = DeviceGroup{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -549,7 +821,7 @@ func (x *DeviceGroup) String() string {
 func (*DeviceGroup) ProtoMessage() {}
 
 func (x *DeviceGroup) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -562,7 +834,7 @@ func (x *DeviceGroup) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceGroup.ProtoReflect.Descriptor instead.
 func (*DeviceGroup) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{4}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *DeviceGroup) GetVendor() string {
@@ -623,14 +895,17 @@ type Device struct {
 	Consumes []*CounterConsumption `protobuf:"bytes,7,rep,name=consumes,proto3" json:"consumes,omitempty"`
 	// Live reservations of other devices that use so much of a counter this device
 	// consumes that it cannot be reserved now (empty when it can, or when it is held).
-	BlockedBy     []*Holder `protobuf:"bytes,8,rep,name=blocked_by,json=blockedBy,proto3" json:"blocked_by,omitempty"`
+	BlockedBy []*Holder `protobuf:"bytes,8,rep,name=blocked_by,json=blockedBy,proto3" json:"blocked_by,omitempty"`
+	// Set while the device is cordoned (CordonDevice): no new holder may take it,
+	// whatever its health.
+	Cordon        *Cordon `protobuf:"bytes,9,opt,name=cordon,proto3" json:"cordon,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Device) Reset() {
 	*x = Device{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -642,7 +917,7 @@ func (x *Device) String() string {
 func (*Device) ProtoMessage() {}
 
 func (x *Device) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -655,7 +930,7 @@ func (x *Device) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Device.ProtoReflect.Descriptor instead.
 func (*Device) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{5}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Device) GetId() string {
@@ -714,6 +989,13 @@ func (x *Device) GetBlockedBy() []*Holder {
 	return nil
 }
 
+func (x *Device) GetCordon() *Cordon {
+	if x != nil {
+		return x.Cordon
+	}
+	return nil
+}
+
 type Locality struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	PciBusId string                 `protobuf:"bytes,1,opt,name=pci_bus_id,json=pciBusId,proto3" json:"pci_bus_id,omitempty"`
@@ -725,7 +1007,7 @@ type Locality struct {
 
 func (x *Locality) Reset() {
 	*x = Locality{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -737,7 +1019,7 @@ func (x *Locality) String() string {
 func (*Locality) ProtoMessage() {}
 
 func (x *Locality) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -750,7 +1032,7 @@ func (x *Locality) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Locality.ProtoReflect.Descriptor instead.
 func (*Locality) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{6}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Locality) GetPciBusId() string {
@@ -777,7 +1059,7 @@ type Holder struct {
 
 func (x *Holder) Reset() {
 	*x = Holder{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -789,7 +1071,7 @@ func (x *Holder) String() string {
 func (*Holder) ProtoMessage() {}
 
 func (x *Holder) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -802,7 +1084,7 @@ func (x *Holder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Holder.ProtoReflect.Descriptor instead.
 func (*Holder) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{7}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Holder) GetReservationId() string {
@@ -835,7 +1117,7 @@ type Value struct {
 
 func (x *Value) Reset() {
 	*x = Value{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -847,7 +1129,7 @@ func (x *Value) String() string {
 func (*Value) ProtoMessage() {}
 
 func (x *Value) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -860,7 +1142,7 @@ func (x *Value) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Value.ProtoReflect.Descriptor instead.
 func (*Value) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{8}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Value) GetKind() isValue_Kind {
@@ -953,7 +1235,7 @@ type GroupFilter struct {
 
 func (x *GroupFilter) Reset() {
 	*x = GroupFilter{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -965,7 +1247,7 @@ func (x *GroupFilter) String() string {
 func (*GroupFilter) ProtoMessage() {}
 
 func (x *GroupFilter) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -978,7 +1260,7 @@ func (x *GroupFilter) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GroupFilter.ProtoReflect.Descriptor instead.
 func (*GroupFilter) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{9}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *GroupFilter) GetVendor() string {
@@ -1018,7 +1300,7 @@ type StatsRequest struct {
 
 func (x *StatsRequest) Reset() {
 	*x = StatsRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1030,7 +1312,7 @@ func (x *StatsRequest) String() string {
 func (*StatsRequest) ProtoMessage() {}
 
 func (x *StatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1043,7 +1325,7 @@ func (x *StatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsRequest.ProtoReflect.Descriptor instead.
 func (*StatsRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{10}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *StatsRequest) GetInterval() *durationpb.Duration {
@@ -1077,7 +1359,7 @@ type StatsResponse struct {
 
 func (x *StatsResponse) Reset() {
 	*x = StatsResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1089,7 +1371,7 @@ func (x *StatsResponse) String() string {
 func (*StatsResponse) ProtoMessage() {}
 
 func (x *StatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1102,7 +1384,7 @@ func (x *StatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsResponse.ProtoReflect.Descriptor instead.
 func (*StatsResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{11}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *StatsResponse) GetGroups() []*GroupStats {
@@ -1132,7 +1414,7 @@ type GroupStats struct {
 
 func (x *GroupStats) Reset() {
 	*x = GroupStats{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1144,7 +1426,7 @@ func (x *GroupStats) String() string {
 func (*GroupStats) ProtoMessage() {}
 
 func (x *GroupStats) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1157,7 +1439,7 @@ func (x *GroupStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GroupStats.ProtoReflect.Descriptor instead.
 func (*GroupStats) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{12}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *GroupStats) GetVendor() string {
@@ -1206,7 +1488,7 @@ type DeviceStats struct {
 
 func (x *DeviceStats) Reset() {
 	*x = DeviceStats{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1218,7 +1500,7 @@ func (x *DeviceStats) String() string {
 func (*DeviceStats) ProtoMessage() {}
 
 func (x *DeviceStats) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1231,7 +1513,7 @@ func (x *DeviceStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceStats.ProtoReflect.Descriptor instead.
 func (*DeviceStats) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{13}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *DeviceStats) GetDeviceId() string {
@@ -1282,7 +1564,7 @@ type ReserveRequest struct {
 
 func (x *ReserveRequest) Reset() {
 	*x = ReserveRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1294,7 +1576,7 @@ func (x *ReserveRequest) String() string {
 func (*ReserveRequest) ProtoMessage() {}
 
 func (x *ReserveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1307,7 +1589,7 @@ func (x *ReserveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveRequest.ProtoReflect.Descriptor instead.
 func (*ReserveRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{14}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ReserveRequest) GetOwnerId() string {
@@ -1365,7 +1647,7 @@ type ReserveResponse struct {
 
 func (x *ReserveResponse) Reset() {
 	*x = ReserveResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1377,7 +1659,7 @@ func (x *ReserveResponse) String() string {
 func (*ReserveResponse) ProtoMessage() {}
 
 func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1390,7 +1672,7 @@ func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveResponse.ProtoReflect.Descriptor instead.
 func (*ReserveResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{15}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ReserveResponse) GetReservationId() string {
@@ -1426,7 +1708,7 @@ type ContainerReservation struct {
 
 func (x *ContainerReservation) Reset() {
 	*x = ContainerReservation{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1438,7 +1720,7 @@ func (x *ContainerReservation) String() string {
 func (*ContainerReservation) ProtoMessage() {}
 
 func (x *ContainerReservation) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1451,7 +1733,7 @@ func (x *ContainerReservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ContainerReservation.ProtoReflect.Descriptor instead.
 func (*ContainerReservation) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{16}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ContainerReservation) GetEnvs() map[string]string {
@@ -1493,7 +1775,7 @@ type Mount struct {
 
 func (x *Mount) Reset() {
 	*x = Mount{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1505,7 +1787,7 @@ func (x *Mount) String() string {
 func (*Mount) ProtoMessage() {}
 
 func (x *Mount) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1518,7 +1800,7 @@ func (x *Mount) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Mount.ProtoReflect.Descriptor instead.
 func (*Mount) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{17}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *Mount) GetHostPath() string {
@@ -1553,7 +1835,7 @@ type DeviceSpec struct {
 
 func (x *DeviceSpec) Reset() {
 	*x = DeviceSpec{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1565,7 +1847,7 @@ func (x *DeviceSpec) String() string {
 func (*DeviceSpec) ProtoMessage() {}
 
 func (x *DeviceSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1578,7 +1860,7 @@ func (x *DeviceSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceSpec.ProtoReflect.Descriptor instead.
 func (*DeviceSpec) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{18}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *DeviceSpec) GetHostPath() string {
@@ -1617,7 +1899,7 @@ type ReleaseRequest struct {
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1629,7 +1911,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1642,7 +1924,7 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{19}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ReleaseRequest) GetTarget() isReleaseRequest_Target {
@@ -1703,7 +1985,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1715,7 +1997,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1728,7 +2010,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{20}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ReleaseResponse) GetReleasedReservationIds() []string {
@@ -1766,7 +2048,7 @@ type Reservation struct {
 
 func (x *Reservation) Reset() {
 	*x = Reservation{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1778,7 +2060,7 @@ func (x *Reservation) String() string {
 func (*Reservation) ProtoMessage() {}
 
 func (x *Reservation) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1791,7 +2073,7 @@ func (x *Reservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Reservation.ProtoReflect.Descriptor instead.
 func (*Reservation) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{21}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *Reservation) GetReservationId() string {
@@ -1891,7 +2173,7 @@ type ListReservationsRequest struct {
 
 func (x *ListReservationsRequest) Reset() {
 	*x = ListReservationsRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1903,7 +2185,7 @@ func (x *ListReservationsRequest) String() string {
 func (*ListReservationsRequest) ProtoMessage() {}
 
 func (x *ListReservationsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1916,7 +2198,7 @@ func (x *ListReservationsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListReservationsRequest.ProtoReflect.Descriptor instead.
 func (*ListReservationsRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{22}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ListReservationsRequest) GetOwnerId() string {
@@ -1949,7 +2231,7 @@ type ListReservationsResponse struct {
 
 func (x *ListReservationsResponse) Reset() {
 	*x = ListReservationsResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1961,7 +2243,7 @@ func (x *ListReservationsResponse) String() string {
 func (*ListReservationsResponse) ProtoMessage() {}
 
 func (x *ListReservationsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1974,7 +2256,7 @@ func (x *ListReservationsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListReservationsResponse.ProtoReflect.Descriptor instead.
 func (*ListReservationsResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{23}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ListReservationsResponse) GetReservations() []*Reservation {
@@ -2000,7 +2282,7 @@ type ReownReservationRequest struct {
 
 func (x *ReownReservationRequest) Reset() {
 	*x = ReownReservationRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2012,7 +2294,7 @@ func (x *ReownReservationRequest) String() string {
 func (*ReownReservationRequest) ProtoMessage() {}
 
 func (x *ReownReservationRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2025,7 +2307,7 @@ func (x *ReownReservationRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReownReservationRequest.ProtoReflect.Descriptor instead.
 func (*ReownReservationRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{24}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ReownReservationRequest) GetReservationId() string {
@@ -2059,7 +2341,7 @@ type ReownReservationResponse struct {
 
 func (x *ReownReservationResponse) Reset() {
 	*x = ReownReservationResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2071,7 +2353,7 @@ func (x *ReownReservationResponse) String() string {
 func (*ReownReservationResponse) ProtoMessage() {}
 
 func (x *ReownReservationResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2084,7 +2366,7 @@ func (x *ReownReservationResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReownReservationResponse.ProtoReflect.Descriptor instead.
 func (*ReownReservationResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{25}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ReownReservationResponse) GetReservation() *Reservation {
@@ -2102,7 +2384,7 @@ type ListPluginsRequest struct {
 
 func (x *ListPluginsRequest) Reset() {
 	*x = ListPluginsRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2114,7 +2396,7 @@ func (x *ListPluginsRequest) String() string {
 func (*ListPluginsRequest) ProtoMessage() {}
 
 func (x *ListPluginsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2127,7 +2409,7 @@ func (x *ListPluginsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPluginsRequest.ProtoReflect.Descriptor instead.
 func (*ListPluginsRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{26}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{31}
 }
 
 type Plugin struct {
@@ -2150,7 +2432,7 @@ type Plugin struct {
 
 func (x *Plugin) Reset() {
 	*x = Plugin{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2162,7 +2444,7 @@ func (x *Plugin) String() string {
 func (*Plugin) ProtoMessage() {}
 
 func (x *Plugin) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2175,7 +2457,7 @@ func (x *Plugin) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Plugin.ProtoReflect.Descriptor instead.
 func (*Plugin) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{27}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *Plugin) GetName() string {
@@ -2250,7 +2532,7 @@ type ListPluginsResponse struct {
 
 func (x *ListPluginsResponse) Reset() {
 	*x = ListPluginsResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2262,7 +2544,7 @@ func (x *ListPluginsResponse) String() string {
 func (*ListPluginsResponse) ProtoMessage() {}
 
 func (x *ListPluginsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2275,7 +2557,7 @@ func (x *ListPluginsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPluginsResponse.ProtoReflect.Descriptor instead.
 func (*ListPluginsResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{28}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ListPluginsResponse) GetPlugins() []*Plugin {
@@ -2300,7 +2582,7 @@ type DeviceHeld struct {
 
 func (x *DeviceHeld) Reset() {
 	*x = DeviceHeld{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[29]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2312,7 +2594,7 @@ func (x *DeviceHeld) String() string {
 func (*DeviceHeld) ProtoMessage() {}
 
 func (x *DeviceHeld) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[29]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2325,7 +2607,7 @@ func (x *DeviceHeld) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceHeld.ProtoReflect.Descriptor instead.
 func (*DeviceHeld) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{29}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *DeviceHeld) GetOwnerId() string {
@@ -2357,7 +2639,7 @@ type CapacityExceeded struct {
 
 func (x *CapacityExceeded) Reset() {
 	*x = CapacityExceeded{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[30]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2369,7 +2651,7 @@ func (x *CapacityExceeded) String() string {
 func (*CapacityExceeded) ProtoMessage() {}
 
 func (x *CapacityExceeded) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[30]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2382,7 +2664,7 @@ func (x *CapacityExceeded) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CapacityExceeded.ProtoReflect.Descriptor instead.
 func (*CapacityExceeded) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{30}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *CapacityExceeded) GetOwnerId() string {
@@ -2418,7 +2700,7 @@ type CounterOverrun struct {
 
 func (x *CounterOverrun) Reset() {
 	*x = CounterOverrun{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[31]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2430,7 +2712,7 @@ func (x *CounterOverrun) String() string {
 func (*CounterOverrun) ProtoMessage() {}
 
 func (x *CounterOverrun) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[31]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2443,7 +2725,7 @@ func (x *CounterOverrun) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CounterOverrun.ProtoReflect.Descriptor instead.
 func (*CounterOverrun) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{31}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *CounterOverrun) GetPlugin() string {
@@ -2514,7 +2796,7 @@ type DeviceConflict struct {
 
 func (x *DeviceConflict) Reset() {
 	*x = DeviceConflict{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[32]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2526,7 +2808,7 @@ func (x *DeviceConflict) String() string {
 func (*DeviceConflict) ProtoMessage() {}
 
 func (x *DeviceConflict) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[32]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2539,7 +2821,7 @@ func (x *DeviceConflict) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceConflict.ProtoReflect.Descriptor instead.
 func (*DeviceConflict) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{32}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *DeviceConflict) GetReservationId() string {
@@ -2574,7 +2856,22 @@ var File_devicehost_v1_devicehost_proto protoreflect.FileDescriptor
 
 const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\n" +
-	"\x1edevicehost/v1/devicehost.proto\x12\rdevicehost.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"b\n" +
+	"\x1edevicehost/v1/devicehost.proto\x12\rdevicehost.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"`\n" +
+	"\x13CordonDeviceRequest\x12\x1b\n" +
+	"\tdevice_id\x18\x01 \x01(\tR\bdeviceId\x12\x16\n" +
+	"\x06reason\x18\x02 \x01(\tR\x06reason\x12\x14\n" +
+	"\x05drain\x18\x03 \x01(\bR\x05drain\"E\n" +
+	"\x14CordonDeviceResponse\x12-\n" +
+	"\x06cordon\x18\x01 \x01(\v2\x15.devicehost.v1.CordonR\x06cordon\"4\n" +
+	"\x15UncordonDeviceRequest\x12\x1b\n" +
+	"\tdevice_id\x18\x01 \x01(\tR\bdeviceId\"G\n" +
+	"\x16UncordonDeviceResponse\x12-\n" +
+	"\x06lifted\x18\x01 \x01(\v2\x15.devicehost.v1.CordonR\x06lifted\"x\n" +
+	"\x06Cordon\x12\x16\n" +
+	"\x06reason\x18\x01 \x01(\tR\x06reason\x12\x0e\n" +
+	"\x02by\x18\x02 \x01(\tR\x02by\x120\n" +
+	"\x05since\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12\x14\n" +
+	"\x05drain\x18\x04 \x01(\bR\x05drain\"b\n" +
 	"\x12FingerprintRequest\x122\n" +
 	"\x06groups\x18\x01 \x03(\v2\x1a.devicehost.v1.GroupFilterR\x06groups\x12\x18\n" +
 	"\aplugins\x18\x02 \x03(\tR\aplugins\"\xc1\x01\n" +
@@ -2612,7 +2909,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\adevices\x18\x06 \x03(\v2\x15.devicehost.v1.DeviceR\adevices\x1aS\n" +
 	"\x0fAttributesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12*\n" +
-	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\x84\x03\n" +
+	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\xb3\x03\n" +
 	"\x06Device\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12-\n" +
 	"\x06health\x18\x02 \x01(\x0e2\x15.devicehost.v1.HealthR\x06health\x12#\n" +
@@ -2622,7 +2919,8 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x06holder\x18\x06 \x01(\v2\x15.devicehost.v1.HolderR\x06holder\x12=\n" +
 	"\bconsumes\x18\a \x03(\v2!.devicehost.v1.CounterConsumptionR\bconsumes\x124\n" +
 	"\n" +
-	"blocked_by\x18\b \x03(\v2\x15.devicehost.v1.HolderR\tblockedBy\"E\n" +
+	"blocked_by\x18\b \x03(\v2\x15.devicehost.v1.HolderR\tblockedBy\x12-\n" +
+	"\x06cordon\x18\t \x01(\v2\x15.devicehost.v1.CordonR\x06cordon\"E\n" +
 	"\bLocality\x12\x1c\n" +
 	"\n" +
 	"pci_bus_id\x18\x01 \x01(\tR\bpciBusId\x12\x1b\n" +
@@ -2782,7 +3080,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x16PLUGIN_STATUS_STARTING\x10\x01\x12\x19\n" +
 	"\x15PLUGIN_STATUS_RUNNING\x10\x02\x12\x1c\n" +
 	"\x18PLUGIN_STATUS_RESTARTING\x10\x03\x12\x18\n" +
-	"\x14PLUGIN_STATUS_FAILED\x10\x04*\x8c\x02\n" +
+	"\x14PLUGIN_STATUS_FAILED\x10\x04*\xa1\x02\n" +
 	"\vErrorReason\x12\x1c\n" +
 	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fINVALID_REQUEST\x10\x01\x12\x12\n" +
@@ -2795,7 +3093,8 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\rSHUTTING_DOWN\x10\b\x12\x1b\n" +
 	"\x17PLUGIN_RESPONSE_INVALID\x10\t\x12\x15\n" +
 	"\x11PERMISSION_DENIED\x10\n" +
-	"2\xde\x04\n" +
+	"\x12\x13\n" +
+	"\x0fDEVICE_CORDONED\x10\v2\x96\x06\n" +
 	"\n" +
 	"DeviceHost\x12V\n" +
 	"\vFingerprint\x12!.devicehost.v1.FingerprintRequest\x1a\".devicehost.v1.FingerprintResponse0\x01\x12D\n" +
@@ -2804,7 +3103,9 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\aRelease\x12\x1d.devicehost.v1.ReleaseRequest\x1a\x1e.devicehost.v1.ReleaseResponse\x12c\n" +
 	"\x10ListReservations\x12&.devicehost.v1.ListReservationsRequest\x1a'.devicehost.v1.ListReservationsResponse\x12c\n" +
 	"\x10ReownReservation\x12&.devicehost.v1.ReownReservationRequest\x1a'.devicehost.v1.ReownReservationResponse\x12T\n" +
-	"\vListPlugins\x12!.devicehost.v1.ListPluginsRequest\x1a\".devicehost.v1.ListPluginsResponseBCZAgithub.com/devicehost/devicehost/proto/devicehost/v1;devicehostv1b\x06proto3"
+	"\vListPlugins\x12!.devicehost.v1.ListPluginsRequest\x1a\".devicehost.v1.ListPluginsResponse\x12W\n" +
+	"\fCordonDevice\x12\".devicehost.v1.CordonDeviceRequest\x1a#.devicehost.v1.CordonDeviceResponse\x12]\n" +
+	"\x0eUncordonDevice\x12$.devicehost.v1.UncordonDeviceRequest\x1a%.devicehost.v1.UncordonDeviceResponseBCZAgithub.com/devicehost/devicehost/proto/devicehost/v1;devicehostv1b\x06proto3"
 
 var (
 	file_devicehost_v1_devicehost_proto_rawDescOnce sync.Once
@@ -2819,116 +3120,129 @@ func file_devicehost_v1_devicehost_proto_rawDescGZIP() []byte {
 }
 
 var file_devicehost_v1_devicehost_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
+var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 44)
 var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	(Health)(0),                      // 0: devicehost.v1.Health
 	(ReservationState)(0),            // 1: devicehost.v1.ReservationState
 	(PluginStatus)(0),                // 2: devicehost.v1.PluginStatus
 	(ErrorReason)(0),                 // 3: devicehost.v1.ErrorReason
-	(*FingerprintRequest)(nil),       // 4: devicehost.v1.FingerprintRequest
-	(*FingerprintResponse)(nil),      // 5: devicehost.v1.FingerprintResponse
-	(*CounterSet)(nil),               // 6: devicehost.v1.CounterSet
-	(*CounterConsumption)(nil),       // 7: devicehost.v1.CounterConsumption
-	(*DeviceGroup)(nil),              // 8: devicehost.v1.DeviceGroup
-	(*Device)(nil),                   // 9: devicehost.v1.Device
-	(*Locality)(nil),                 // 10: devicehost.v1.Locality
-	(*Holder)(nil),                   // 11: devicehost.v1.Holder
-	(*Value)(nil),                    // 12: devicehost.v1.Value
-	(*GroupFilter)(nil),              // 13: devicehost.v1.GroupFilter
-	(*StatsRequest)(nil),             // 14: devicehost.v1.StatsRequest
-	(*StatsResponse)(nil),            // 15: devicehost.v1.StatsResponse
-	(*GroupStats)(nil),               // 16: devicehost.v1.GroupStats
-	(*DeviceStats)(nil),              // 17: devicehost.v1.DeviceStats
-	(*ReserveRequest)(nil),           // 18: devicehost.v1.ReserveRequest
-	(*ReserveResponse)(nil),          // 19: devicehost.v1.ReserveResponse
-	(*ContainerReservation)(nil),     // 20: devicehost.v1.ContainerReservation
-	(*Mount)(nil),                    // 21: devicehost.v1.Mount
-	(*DeviceSpec)(nil),               // 22: devicehost.v1.DeviceSpec
-	(*ReleaseRequest)(nil),           // 23: devicehost.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),          // 24: devicehost.v1.ReleaseResponse
-	(*Reservation)(nil),              // 25: devicehost.v1.Reservation
-	(*ListReservationsRequest)(nil),  // 26: devicehost.v1.ListReservationsRequest
-	(*ListReservationsResponse)(nil), // 27: devicehost.v1.ListReservationsResponse
-	(*ReownReservationRequest)(nil),  // 28: devicehost.v1.ReownReservationRequest
-	(*ReownReservationResponse)(nil), // 29: devicehost.v1.ReownReservationResponse
-	(*ListPluginsRequest)(nil),       // 30: devicehost.v1.ListPluginsRequest
-	(*Plugin)(nil),                   // 31: devicehost.v1.Plugin
-	(*ListPluginsResponse)(nil),      // 32: devicehost.v1.ListPluginsResponse
-	(*DeviceHeld)(nil),               // 33: devicehost.v1.DeviceHeld
-	(*CapacityExceeded)(nil),         // 34: devicehost.v1.CapacityExceeded
-	(*CounterOverrun)(nil),           // 35: devicehost.v1.CounterOverrun
-	(*DeviceConflict)(nil),           // 36: devicehost.v1.DeviceConflict
-	nil,                              // 37: devicehost.v1.CounterSet.CapacityEntry
-	nil,                              // 38: devicehost.v1.CounterSet.UsedEntry
-	nil,                              // 39: devicehost.v1.CounterConsumption.CountersEntry
-	nil,                              // 40: devicehost.v1.DeviceGroup.AttributesEntry
-	nil,                              // 41: devicehost.v1.DeviceStats.ValuesEntry
-	nil,                              // 42: devicehost.v1.ContainerReservation.EnvsEntry
-	(*timestamppb.Timestamp)(nil),    // 43: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 44: google.protobuf.Duration
+	(*CordonDeviceRequest)(nil),      // 4: devicehost.v1.CordonDeviceRequest
+	(*CordonDeviceResponse)(nil),     // 5: devicehost.v1.CordonDeviceResponse
+	(*UncordonDeviceRequest)(nil),    // 6: devicehost.v1.UncordonDeviceRequest
+	(*UncordonDeviceResponse)(nil),   // 7: devicehost.v1.UncordonDeviceResponse
+	(*Cordon)(nil),                   // 8: devicehost.v1.Cordon
+	(*FingerprintRequest)(nil),       // 9: devicehost.v1.FingerprintRequest
+	(*FingerprintResponse)(nil),      // 10: devicehost.v1.FingerprintResponse
+	(*CounterSet)(nil),               // 11: devicehost.v1.CounterSet
+	(*CounterConsumption)(nil),       // 12: devicehost.v1.CounterConsumption
+	(*DeviceGroup)(nil),              // 13: devicehost.v1.DeviceGroup
+	(*Device)(nil),                   // 14: devicehost.v1.Device
+	(*Locality)(nil),                 // 15: devicehost.v1.Locality
+	(*Holder)(nil),                   // 16: devicehost.v1.Holder
+	(*Value)(nil),                    // 17: devicehost.v1.Value
+	(*GroupFilter)(nil),              // 18: devicehost.v1.GroupFilter
+	(*StatsRequest)(nil),             // 19: devicehost.v1.StatsRequest
+	(*StatsResponse)(nil),            // 20: devicehost.v1.StatsResponse
+	(*GroupStats)(nil),               // 21: devicehost.v1.GroupStats
+	(*DeviceStats)(nil),              // 22: devicehost.v1.DeviceStats
+	(*ReserveRequest)(nil),           // 23: devicehost.v1.ReserveRequest
+	(*ReserveResponse)(nil),          // 24: devicehost.v1.ReserveResponse
+	(*ContainerReservation)(nil),     // 25: devicehost.v1.ContainerReservation
+	(*Mount)(nil),                    // 26: devicehost.v1.Mount
+	(*DeviceSpec)(nil),               // 27: devicehost.v1.DeviceSpec
+	(*ReleaseRequest)(nil),           // 28: devicehost.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),          // 29: devicehost.v1.ReleaseResponse
+	(*Reservation)(nil),              // 30: devicehost.v1.Reservation
+	(*ListReservationsRequest)(nil),  // 31: devicehost.v1.ListReservationsRequest
+	(*ListReservationsResponse)(nil), // 32: devicehost.v1.ListReservationsResponse
+	(*ReownReservationRequest)(nil),  // 33: devicehost.v1.ReownReservationRequest
+	(*ReownReservationResponse)(nil), // 34: devicehost.v1.ReownReservationResponse
+	(*ListPluginsRequest)(nil),       // 35: devicehost.v1.ListPluginsRequest
+	(*Plugin)(nil),                   // 36: devicehost.v1.Plugin
+	(*ListPluginsResponse)(nil),      // 37: devicehost.v1.ListPluginsResponse
+	(*DeviceHeld)(nil),               // 38: devicehost.v1.DeviceHeld
+	(*CapacityExceeded)(nil),         // 39: devicehost.v1.CapacityExceeded
+	(*CounterOverrun)(nil),           // 40: devicehost.v1.CounterOverrun
+	(*DeviceConflict)(nil),           // 41: devicehost.v1.DeviceConflict
+	nil,                              // 42: devicehost.v1.CounterSet.CapacityEntry
+	nil,                              // 43: devicehost.v1.CounterSet.UsedEntry
+	nil,                              // 44: devicehost.v1.CounterConsumption.CountersEntry
+	nil,                              // 45: devicehost.v1.DeviceGroup.AttributesEntry
+	nil,                              // 46: devicehost.v1.DeviceStats.ValuesEntry
+	nil,                              // 47: devicehost.v1.ContainerReservation.EnvsEntry
+	(*timestamppb.Timestamp)(nil),    // 48: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 49: google.protobuf.Duration
 }
 var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
-	13, // 0: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
-	8,  // 1: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
-	43, // 2: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
-	6,  // 3: devicehost.v1.FingerprintResponse.counter_sets:type_name -> devicehost.v1.CounterSet
-	37, // 4: devicehost.v1.CounterSet.capacity:type_name -> devicehost.v1.CounterSet.CapacityEntry
-	38, // 5: devicehost.v1.CounterSet.used:type_name -> devicehost.v1.CounterSet.UsedEntry
-	39, // 6: devicehost.v1.CounterConsumption.counters:type_name -> devicehost.v1.CounterConsumption.CountersEntry
-	40, // 7: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
-	9,  // 8: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
-	0,  // 9: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
-	43, // 10: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
-	10, // 11: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
-	11, // 12: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
-	7,  // 13: devicehost.v1.Device.consumes:type_name -> devicehost.v1.CounterConsumption
-	11, // 14: devicehost.v1.Device.blocked_by:type_name -> devicehost.v1.Holder
-	44, // 15: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
-	13, // 16: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
-	16, // 17: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
-	43, // 18: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
-	17, // 19: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
-	41, // 20: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
-	43, // 21: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
-	20, // 22: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
-	42, // 23: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
-	21, // 24: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
-	22, // 25: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
-	1,  // 26: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
-	20, // 27: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
-	43, // 28: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	43, // 29: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
-	1,  // 30: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
-	25, // 31: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
-	25, // 32: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
-	2,  // 33: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
-	43, // 34: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
-	43, // 35: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
-	31, // 36: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
-	36, // 37: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
-	35, // 38: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
-	11, // 39: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
-	12, // 40: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
-	12, // 41: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
-	4,  // 42: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
-	14, // 43: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
-	18, // 44: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
-	23, // 45: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
-	26, // 46: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
-	28, // 47: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
-	30, // 48: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
-	5,  // 49: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
-	15, // 50: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
-	19, // 51: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
-	24, // 52: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
-	27, // 53: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
-	29, // 54: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
-	32, // 55: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
-	49, // [49:56] is the sub-list for method output_type
-	42, // [42:49] is the sub-list for method input_type
-	42, // [42:42] is the sub-list for extension type_name
-	42, // [42:42] is the sub-list for extension extendee
-	0,  // [0:42] is the sub-list for field type_name
+	8,  // 0: devicehost.v1.CordonDeviceResponse.cordon:type_name -> devicehost.v1.Cordon
+	8,  // 1: devicehost.v1.UncordonDeviceResponse.lifted:type_name -> devicehost.v1.Cordon
+	48, // 2: devicehost.v1.Cordon.since:type_name -> google.protobuf.Timestamp
+	18, // 3: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
+	13, // 4: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
+	48, // 5: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
+	11, // 6: devicehost.v1.FingerprintResponse.counter_sets:type_name -> devicehost.v1.CounterSet
+	42, // 7: devicehost.v1.CounterSet.capacity:type_name -> devicehost.v1.CounterSet.CapacityEntry
+	43, // 8: devicehost.v1.CounterSet.used:type_name -> devicehost.v1.CounterSet.UsedEntry
+	44, // 9: devicehost.v1.CounterConsumption.counters:type_name -> devicehost.v1.CounterConsumption.CountersEntry
+	45, // 10: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
+	14, // 11: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
+	0,  // 12: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
+	48, // 13: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
+	15, // 14: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
+	16, // 15: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
+	12, // 16: devicehost.v1.Device.consumes:type_name -> devicehost.v1.CounterConsumption
+	16, // 17: devicehost.v1.Device.blocked_by:type_name -> devicehost.v1.Holder
+	8,  // 18: devicehost.v1.Device.cordon:type_name -> devicehost.v1.Cordon
+	49, // 19: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	18, // 20: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
+	21, // 21: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
+	48, // 22: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
+	22, // 23: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
+	46, // 24: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
+	48, // 25: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	25, // 26: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
+	47, // 27: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
+	26, // 28: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
+	27, // 29: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
+	1,  // 30: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
+	25, // 31: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
+	48, // 32: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	48, // 33: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
+	1,  // 34: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
+	30, // 35: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
+	30, // 36: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
+	2,  // 37: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
+	48, // 38: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
+	48, // 39: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
+	36, // 40: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
+	41, // 41: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
+	40, // 42: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
+	16, // 43: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
+	17, // 44: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
+	17, // 45: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
+	9,  // 46: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
+	19, // 47: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
+	23, // 48: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
+	28, // 49: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
+	31, // 50: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
+	33, // 51: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
+	35, // 52: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
+	4,  // 53: devicehost.v1.DeviceHost.CordonDevice:input_type -> devicehost.v1.CordonDeviceRequest
+	6,  // 54: devicehost.v1.DeviceHost.UncordonDevice:input_type -> devicehost.v1.UncordonDeviceRequest
+	10, // 55: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
+	20, // 56: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
+	24, // 57: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
+	29, // 58: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
+	32, // 59: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
+	34, // 60: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
+	37, // 61: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
+	5,  // 62: devicehost.v1.DeviceHost.CordonDevice:output_type -> devicehost.v1.CordonDeviceResponse
+	7,  // 63: devicehost.v1.DeviceHost.UncordonDevice:output_type -> devicehost.v1.UncordonDeviceResponse
+	55, // [55:64] is the sub-list for method output_type
+	46, // [46:55] is the sub-list for method input_type
+	46, // [46:46] is the sub-list for extension type_name
+	46, // [46:46] is the sub-list for extension extendee
+	0,  // [0:46] is the sub-list for field type_name
 }
 
 func init() { file_devicehost_v1_devicehost_proto_init() }
@@ -2936,13 +3250,13 @@ func file_devicehost_v1_devicehost_proto_init() {
 	if File_devicehost_v1_devicehost_proto != nil {
 		return
 	}
-	file_devicehost_v1_devicehost_proto_msgTypes[8].OneofWrappers = []any{
+	file_devicehost_v1_devicehost_proto_msgTypes[13].OneofWrappers = []any{
 		(*Value_IntValue)(nil),
 		(*Value_FloatValue)(nil),
 		(*Value_StringValue)(nil),
 		(*Value_BoolValue)(nil),
 	}
-	file_devicehost_v1_devicehost_proto_msgTypes[19].OneofWrappers = []any{
+	file_devicehost_v1_devicehost_proto_msgTypes[24].OneofWrappers = []any{
 		(*ReleaseRequest_ReservationId)(nil),
 		(*ReleaseRequest_OwnerId)(nil),
 	}
@@ -2952,7 +3266,7 @@ func file_devicehost_v1_devicehost_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_devicehost_v1_devicehost_proto_rawDesc), len(file_devicehost_v1_devicehost_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   39,
+			NumMessages:   44,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

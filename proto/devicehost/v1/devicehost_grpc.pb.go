@@ -29,6 +29,8 @@ const (
 	DeviceHost_ListReservations_FullMethodName = "/devicehost.v1.DeviceHost/ListReservations"
 	DeviceHost_ReownReservation_FullMethodName = "/devicehost.v1.DeviceHost/ReownReservation"
 	DeviceHost_ListPlugins_FullMethodName      = "/devicehost.v1.DeviceHost/ListPlugins"
+	DeviceHost_CordonDevice_FullMethodName     = "/devicehost.v1.DeviceHost/CordonDevice"
+	DeviceHost_UncordonDevice_FullMethodName   = "/devicehost.v1.DeviceHost/UncordonDevice"
 )
 
 // DeviceHostClient is the client API for DeviceHost service.
@@ -61,6 +63,16 @@ type DeviceHostClient interface {
 	ReownReservation(ctx context.Context, in *ReownReservationRequest, opts ...grpc.CallOption) (*ReownReservationResponse, error)
 	// ListPlugins reports each plugin's status.
 	ListPlugins(ctx context.Context, in *ListPluginsRequest, opts ...grpc.CallOption) (*ListPluginsResponse, error)
+	// CordonDevice takes a device out of service: it keeps its holder, but no new
+	// reservation may hold it (Reserve answers FAILED_PRECONDITION, DEVICE_CORDONED), and
+	// every path that offers devices (the kubelet bridge, the DRA driver, the Nomad shim)
+	// stops offering it, through the cordon Fingerprint shows. With drain, the paths that
+	// can also ask the holder's runtime to let go. Durable before it is answered, across
+	// agent restarts. Cordoning a cordoned device replaces its reason.
+	CordonDevice(ctx context.Context, in *CordonDeviceRequest, opts ...grpc.CallOption) (*CordonDeviceResponse, error)
+	// UncordonDevice puts a cordoned device back in service at once, on every path.
+	// Uncordoning a device that is not cordoned is not an error.
+	UncordonDevice(ctx context.Context, in *UncordonDeviceRequest, opts ...grpc.CallOption) (*UncordonDeviceResponse, error)
 }
 
 type deviceHostClient struct {
@@ -159,6 +171,26 @@ func (c *deviceHostClient) ListPlugins(ctx context.Context, in *ListPluginsReque
 	return out, nil
 }
 
+func (c *deviceHostClient) CordonDevice(ctx context.Context, in *CordonDeviceRequest, opts ...grpc.CallOption) (*CordonDeviceResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CordonDeviceResponse)
+	err := c.cc.Invoke(ctx, DeviceHost_CordonDevice_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *deviceHostClient) UncordonDevice(ctx context.Context, in *UncordonDeviceRequest, opts ...grpc.CallOption) (*UncordonDeviceResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UncordonDeviceResponse)
+	err := c.cc.Invoke(ctx, DeviceHost_UncordonDevice_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // DeviceHostServer is the server API for DeviceHost service.
 // All implementations must embed UnimplementedDeviceHostServer
 // for forward compatibility.
@@ -189,6 +221,16 @@ type DeviceHostServer interface {
 	ReownReservation(context.Context, *ReownReservationRequest) (*ReownReservationResponse, error)
 	// ListPlugins reports each plugin's status.
 	ListPlugins(context.Context, *ListPluginsRequest) (*ListPluginsResponse, error)
+	// CordonDevice takes a device out of service: it keeps its holder, but no new
+	// reservation may hold it (Reserve answers FAILED_PRECONDITION, DEVICE_CORDONED), and
+	// every path that offers devices (the kubelet bridge, the DRA driver, the Nomad shim)
+	// stops offering it, through the cordon Fingerprint shows. With drain, the paths that
+	// can also ask the holder's runtime to let go. Durable before it is answered, across
+	// agent restarts. Cordoning a cordoned device replaces its reason.
+	CordonDevice(context.Context, *CordonDeviceRequest) (*CordonDeviceResponse, error)
+	// UncordonDevice puts a cordoned device back in service at once, on every path.
+	// Uncordoning a device that is not cordoned is not an error.
+	UncordonDevice(context.Context, *UncordonDeviceRequest) (*UncordonDeviceResponse, error)
 	mustEmbedUnimplementedDeviceHostServer()
 }
 
@@ -219,6 +261,12 @@ func (UnimplementedDeviceHostServer) ReownReservation(context.Context, *ReownRes
 }
 func (UnimplementedDeviceHostServer) ListPlugins(context.Context, *ListPluginsRequest) (*ListPluginsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListPlugins not implemented")
+}
+func (UnimplementedDeviceHostServer) CordonDevice(context.Context, *CordonDeviceRequest) (*CordonDeviceResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CordonDevice not implemented")
+}
+func (UnimplementedDeviceHostServer) UncordonDevice(context.Context, *UncordonDeviceRequest) (*UncordonDeviceResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method UncordonDevice not implemented")
 }
 func (UnimplementedDeviceHostServer) mustEmbedUnimplementedDeviceHostServer() {}
 func (UnimplementedDeviceHostServer) testEmbeddedByValue()                    {}
@@ -353,6 +401,42 @@ func _DeviceHost_ListPlugins_Handler(srv interface{}, ctx context.Context, dec f
 	return interceptor(ctx, in, info, handler)
 }
 
+func _DeviceHost_CordonDevice_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CordonDeviceRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(DeviceHostServer).CordonDevice(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: DeviceHost_CordonDevice_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(DeviceHostServer).CordonDevice(ctx, req.(*CordonDeviceRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _DeviceHost_UncordonDevice_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UncordonDeviceRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(DeviceHostServer).UncordonDevice(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: DeviceHost_UncordonDevice_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(DeviceHostServer).UncordonDevice(ctx, req.(*UncordonDeviceRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // DeviceHost_ServiceDesc is the grpc.ServiceDesc for DeviceHost service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -379,6 +463,14 @@ var DeviceHost_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListPlugins",
 			Handler:    _DeviceHost_ListPlugins_Handler,
+		},
+		{
+			MethodName: "CordonDevice",
+			Handler:    _DeviceHost_CordonDevice_Handler,
+		},
+		{
+			MethodName: "UncordonDevice",
+			Handler:    _DeviceHost_UncordonDevice_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{
