@@ -157,4 +157,3 @@ func TestIdentityGrants(t *testing.T) {
 		}
 	}
 }
-

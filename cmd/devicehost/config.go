@@ -132,28 +132,28 @@ func defaultAgentConfig() agentConfig {
 // fileSchema is the top level of the config file. Every attribute is decoded as an
 // *hcl.Attribute (nil when absent) so that a bad value is reported at its own line.
 type fileSchema struct {
-	Listen             *hcl.Attribute `hcl:"listen,optional"`
-	PluginDir          *hcl.Attribute `hcl:"plugin_dir,optional"`
-	StateDir           *hcl.Attribute `hcl:"state_dir,optional"`
-	StatsInterval      *hcl.Attribute `hcl:"stats_interval,optional"`
-	LogLevel           *hcl.Attribute `hcl:"log_level,optional"`
-	LogJSON            *hcl.Attribute `hcl:"log_json,optional"`
-	ReserveTimeout     *hcl.Attribute `hcl:"reserve_timeout,optional"`
-	StartTimeout       *hcl.Attribute `hcl:"start_timeout,optional"`
-	ReadyTimeout       *hcl.Attribute `hcl:"ready_timeout,optional"`
-	GCInterval         *hcl.Attribute `hcl:"gc_interval,optional"`
-	GCMaxReservations  *hcl.Attribute `hcl:"gc_max_reservations,optional"`
-	GCParallelDestroys *hcl.Attribute `hcl:"gc_parallel_destroys,optional"`
-	MaxStreams         *hcl.Attribute `hcl:"max_streams,optional"`
-	MaxStreamsPerConn  *hcl.Attribute `hcl:"max_streams_per_connection,optional"`
-	TLSCert            *hcl.Attribute `hcl:"tls_cert,optional"`
-	TLSKey             *hcl.Attribute `hcl:"tls_key,optional"`
-	TLSCA              *hcl.Attribute `hcl:"tls_ca,optional"`
-	Insecure           *hcl.Attribute `hcl:"insecure,optional"`
-	MetricsListen      *hcl.Attribute `hcl:"metrics_listen,optional"`
-	MetricsTLSCert     *hcl.Attribute `hcl:"metrics_tls_cert,optional"`
-	MetricsTLSKey      *hcl.Attribute `hcl:"metrics_tls_key,optional"`
-	MetricsTLSCA       *hcl.Attribute `hcl:"metrics_tls_ca,optional"`
+	Listen             *hcl.Attribute   `hcl:"listen,optional"`
+	PluginDir          *hcl.Attribute   `hcl:"plugin_dir,optional"`
+	StateDir           *hcl.Attribute   `hcl:"state_dir,optional"`
+	StatsInterval      *hcl.Attribute   `hcl:"stats_interval,optional"`
+	LogLevel           *hcl.Attribute   `hcl:"log_level,optional"`
+	LogJSON            *hcl.Attribute   `hcl:"log_json,optional"`
+	ReserveTimeout     *hcl.Attribute   `hcl:"reserve_timeout,optional"`
+	StartTimeout       *hcl.Attribute   `hcl:"start_timeout,optional"`
+	ReadyTimeout       *hcl.Attribute   `hcl:"ready_timeout,optional"`
+	GCInterval         *hcl.Attribute   `hcl:"gc_interval,optional"`
+	GCMaxReservations  *hcl.Attribute   `hcl:"gc_max_reservations,optional"`
+	GCParallelDestroys *hcl.Attribute   `hcl:"gc_parallel_destroys,optional"`
+	MaxStreams         *hcl.Attribute   `hcl:"max_streams,optional"`
+	MaxStreamsPerConn  *hcl.Attribute   `hcl:"max_streams_per_connection,optional"`
+	TLSCert            *hcl.Attribute   `hcl:"tls_cert,optional"`
+	TLSKey             *hcl.Attribute   `hcl:"tls_key,optional"`
+	TLSCA              *hcl.Attribute   `hcl:"tls_ca,optional"`
+	Insecure           *hcl.Attribute   `hcl:"insecure,optional"`
+	MetricsListen      *hcl.Attribute   `hcl:"metrics_listen,optional"`
+	MetricsTLSCert     *hcl.Attribute   `hcl:"metrics_tls_cert,optional"`
+	MetricsTLSKey      *hcl.Attribute   `hcl:"metrics_tls_key,optional"`
+	MetricsTLSCA       *hcl.Attribute   `hcl:"metrics_tls_ca,optional"`
 	Plugins            []pluginSchema   `hcl:"plugin,block"`
 	Listeners          []listenerSchema `hcl:"listener,block"`
 	Grants             []grantSchema    `hcl:"grant,block"`
