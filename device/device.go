@@ -79,6 +79,13 @@ type Manager interface {
 	// Uncordon lifts a device's cordon, durably before it returns, and returns it; nil
 	// when the device was not cordoned (not an error).
 	Uncordon(ctx context.Context, deviceID string) (*Cordon, error)
+	// Events returns a page of the audit trail (every change to the ledger and to the
+	// cordons, with who made it), oldest first, from the events the ledger still holds
+	// (bounded by count and age).
+	Events(ctx context.Context, f EventFilter) (EventsResult, error)
+	// EventsAfter returns a channel closed once the trail holds an event with a Seq
+	// larger than seq (at once if it does), or the manager shuts down.
+	EventsAfter(seq uint64) <-chan struct{}
 	// Ready is closed once every configured plugin has fingerprinted, failed, or
 	// exceeded the readiness timeout.
 	Ready() <-chan struct{}

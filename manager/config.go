@@ -107,6 +107,11 @@ type Config struct {
 	// once, so that releasing thousands at once causes no spike (its deletions share
 	// ledger commits, a batch at a time). Zero means DefaultGCParallelDestroys (2).
 	GCParallelDestroys int
+	// MaxEvents bounds the audit trail kept in the ledger (Manager.Events): the oldest
+	// go first. Zero means ledger.DefaultMaxEvents (10000); negative keeps none.
+	// MaxEventAge drops older events; zero means ledger.DefaultMaxEventAge (7 days).
+	MaxEvents   int
+	MaxEventAge time.Duration
 
 	// StatsInterval is how often each plugin is asked for stats (one stream per plugin)
 	// and how often WatchStats readers can be served. Zero means 1s; New refuses one

@@ -253,9 +253,11 @@ func openLedger(dir string, cfg Config) (*ledger.Ledger, error) {
 		return nil, fmt.Errorf("state dir: %w", err)
 	}
 	return ledger.Open(filepath.Join(dir, ledger.DefaultFileName), ledger.Options{
-		Logger:   cfg.Logger.Named("manager").Named("ledger"),
-		Now:      cfg.Now,
-		OnCommit: cfg.OnLedgerCommit,
+		Logger:      cfg.Logger.Named("manager").Named("ledger"),
+		Now:         cfg.Now,
+		OnCommit:    cfg.OnLedgerCommit,
+		MaxEvents:   cfg.MaxEvents,
+		MaxEventAge: cfg.MaxEventAge,
 	})
 }
 

@@ -465,3 +465,11 @@ func (m *Manager) Uncordon(ctx context.Context, deviceID string) (*device.Cordon
 	m.log.Info("device uncordoned", "device", deviceID, "was_reason", textline.Line(was.Reason, 0))
 	return was, nil
 }
+
+// Events returns a page of the audit trail; see device.Manager.
+func (m *Manager) Events(ctx context.Context, f device.EventFilter) (device.EventsResult, error) {
+	return m.ledger.Events(ctx, f)
+}
+
+// EventsAfter is closed once the trail holds an event after seq; see device.Manager.
+func (m *Manager) EventsAfter(seq uint64) <-chan struct{} { return m.ledger.EventsAfter(seq) }

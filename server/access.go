@@ -293,6 +293,7 @@ var methodGrants = map[string]string{
 	"/devicehost.v1.DeviceHost/Release":                              GrantReserve,
 	"/devicehost.v1.DeviceHost/ReownReservation":                     GrantReserve,
 	"/devicehost.v1.DeviceHost/CordonDevice":                         GrantAdmin,
+	"/devicehost.v1.DeviceHost/WatchEvents":                          GrantRead,
 	"/devicehost.v1.DeviceHost/UncordonDevice":                       GrantAdmin,
 	"/grpc.health.v1.Health/Check":                                   GrantRead,
 	"/grpc.health.v1.Health/List":                                    GrantRead,

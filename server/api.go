@@ -150,7 +150,7 @@ func (s *Server) Reserve(ctx context.Context, in *pb.ReserveRequest) (*pb.Reserv
 	if err := mayReserve(ctx, req); err != nil {
 		return nil, toStatus(err)
 	}
-	res, err := s.mgr.Reserve(ctx, req)
+	res, err := s.mgr.Reserve(device.WithCaller(ctx, describeCaller(ctx)), req)
 	if err != nil {
 		return nil, toStatus(err)
 	}
@@ -178,7 +178,7 @@ func (s *Server) Release(ctx context.Context, in *pb.ReleaseRequest) (*pb.Releas
 		}
 	}
 	req.OwnerPrefixes = ownerPrefixes(ctx)
-	res, err := s.mgr.Release(ctx, req)
+	res, err := s.mgr.Release(device.WithCaller(ctx, describeCaller(ctx)), req)
 	if err != nil {
 		return nil, toStatus(withCaller(ctx, err))
 	}
@@ -219,7 +219,7 @@ func (s *Server) ReownReservation(ctx context.Context, in *pb.ReownReservationRe
 			return nil, toStatus(err)
 		}
 	}
-	r, err := s.mgr.Reown(ctx, req)
+	r, err := s.mgr.Reown(device.WithCaller(ctx, describeCaller(ctx)), req)
 	if err != nil {
 		return nil, toStatus(err)
 	}
@@ -243,7 +243,7 @@ func (s *Server) CordonDevice(ctx context.Context, in *pb.CordonDeviceRequest) (
 	if err := validate.CordonRequest(req); err != nil {
 		return nil, toStatus(err)
 	}
-	c, err := s.mgr.Cordon(ctx, req)
+	c, err := s.mgr.Cordon(device.WithCaller(ctx, req.By), req)
 	if err != nil {
 		return nil, toStatus(err)
 	}
@@ -257,7 +257,7 @@ func (s *Server) UncordonDevice(ctx context.Context, in *pb.UncordonDeviceReques
 	if err := validate.CordonRequest(f); err != nil {
 		return nil, toStatus(err)
 	}
-	was, err := s.mgr.Uncordon(ctx, f.DeviceID)
+	was, err := s.mgr.Uncordon(device.WithCaller(ctx, describeCaller(ctx)), f.DeviceID)
 	if err != nil {
 		return nil, toStatus(err)
 	}

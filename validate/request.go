@@ -231,3 +231,11 @@ func cordonRequest(req device.CordonRequest) error {
 	}
 	return f.err()
 }
+
+// eventFilter is EventFilter's body; see its doc comment for the rules.
+func eventFilter(f device.EventFilter) error {
+	var fs fields
+	fs.checkOptionalID("owner_id", f.Owner)
+	fs.checkOptionalID("device_id", f.Device)
+	return fs.err()
+}

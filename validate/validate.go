@@ -105,6 +105,11 @@ func ReownRequest(req device.ReownRequest) error { return reownRequest(req) }
 // space-padded.
 func CordonRequest(req device.CordonRequest) error { return cordonRequest(req) }
 
+// EventFilter checks a host API WatchEvents request's filters; violations are
+// *device.FieldError. owner_id and device_id may be empty but otherwise follow
+// ReserveRequest's rules for IDs.
+func EventFilter(f device.EventFilter) error { return eventFilter(f) }
+
 // ReservationFilter checks a host API ListReservations filter; violations are
 // *device.FieldError. owner_id and device_id may be empty but otherwise follow
 // ReserveRequest's rules for IDs; state must be one of the ReservationState values

@@ -69,6 +69,11 @@ type agentConfig struct {
 	GCMaxReservations  int
 	GCParallelDestroys int
 
+	// The audit trail's bounds: events kept (-1: none; zero: the default) and their
+	// age (zero: the default).
+	EventMaxCount int
+	EventMaxAge   time.Duration
+
 	// Fingerprint and Stats streams open at once, in all and per connection; zero means
 	// the server's defaults.
 	MaxStreams        int
@@ -144,6 +149,8 @@ type fileSchema struct {
 	GCInterval         *hcl.Attribute   `hcl:"gc_interval,optional"`
 	GCMaxReservations  *hcl.Attribute   `hcl:"gc_max_reservations,optional"`
 	GCParallelDestroys *hcl.Attribute   `hcl:"gc_parallel_destroys,optional"`
+	EventMaxCount      *hcl.Attribute   `hcl:"event_max_count,optional"`
+	EventMaxAge        *hcl.Attribute   `hcl:"event_max_age,optional"`
 	MaxStreams         *hcl.Attribute   `hcl:"max_streams,optional"`
 	MaxStreamsPerConn  *hcl.Attribute   `hcl:"max_streams_per_connection,optional"`
 	TLSCert            *hcl.Attribute   `hcl:"tls_cert,optional"`
@@ -247,6 +254,8 @@ func loadConfig(path string, cfg *agentConfig) (pluginBlocks, error) {
 	d.duration(fs.GCInterval, minGCInterval, &cfg.GCInterval)
 	d.integer(fs.GCMaxReservations, 1, &cfg.GCMaxReservations)
 	d.integer(fs.GCParallelDestroys, 1, &cfg.GCParallelDestroys)
+	d.integer(fs.EventMaxCount, -1, &cfg.EventMaxCount)
+	d.duration(fs.EventMaxAge, time.Minute, &cfg.EventMaxAge)
 	d.integer(fs.MaxStreams, 1, &cfg.MaxStreams)
 	d.integer(fs.MaxStreamsPerConn, 1, &cfg.MaxStreamsPerConn)
 	d.str(fs.TLSCert, &cfg.TLS.Cert)

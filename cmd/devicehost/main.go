@@ -48,6 +48,7 @@ func commands() []command {
 		{name: "reserve", summary: "reserve devices for an owner", run: runReserve},
 		{name: "release", summary: "release a reservation, or all of an owner's", run: runRelease},
 		{name: "reservations", summary: "list reservations", run: runReservations},
+		{name: "events", summary: "show the audit trail: every change, with who made it", run: runEvents},
 		{name: "cordon", summary: "take a device out of service: its holder keeps it, no new one gets it", run: runCordon},
 		{name: "drain", summary: "cordon a device and wait until its holder lets go", run: runDrain},
 		{name: "uncordon", summary: "put a cordoned device back in service", run: runUncordon},

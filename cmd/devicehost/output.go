@@ -32,6 +32,11 @@ func newTable(w io.Writer, header ...string) *table {
 	return t
 }
 
+// newTableNoHeader is a table without a header row: the next rows of one already shown.
+func newTableNoHeader(w io.Writer) *table {
+	return &table{tw: tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)}
+}
+
 // row adds a row of raw values, each escaped with cell.
 func (t *table) row(cols ...string) {
 	out := make([]string, len(cols))

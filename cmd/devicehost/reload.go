@@ -115,6 +115,8 @@ func restartOnly(running, next agentConfig) []string {
 	check("gc_interval", running.GCInterval, next.GCInterval)
 	check("gc_max_reservations", running.GCMaxReservations, next.GCMaxReservations)
 	check("gc_parallel_destroys", running.GCParallelDestroys, next.GCParallelDestroys)
+	check("event_max_count", running.EventMaxCount, next.EventMaxCount)
+	check("event_max_age", running.EventMaxAge, next.EventMaxAge)
 	check("max_streams", running.MaxStreams, next.MaxStreams)
 	check("max_streams_per_connection", running.MaxStreamsPerConn, next.MaxStreamsPerConn)
 	check("metrics_listen", running.MetricsListen, next.MetricsListen)

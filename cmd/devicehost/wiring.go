@@ -210,6 +210,8 @@ func newManager(cfg agentConfig, log hclog.Logger, onCommit func(time.Duration, 
 		GCInterval:         cfg.GCInterval,
 		GCMaxReservations:  cfg.GCMaxReservations,
 		GCParallelDestroys: cfg.GCParallelDestroys,
+		MaxEvents:          cfg.EventMaxCount,
+		MaxEventAge:        cfg.EventMaxAge,
 
 		Plugins: pluginConfigs(cfg),
 	}

@@ -26,6 +26,8 @@ type Fake struct {
 	ReownFunc        func(ctx context.Context, req device.ReownRequest) (device.Reservation, error)
 	CordonFunc       func(ctx context.Context, req device.CordonRequest) (device.Cordon, error)
 	UncordonFunc     func(ctx context.Context, deviceID string) (*device.Cordon, error)
+	EventsFunc       func(ctx context.Context, f device.EventFilter) (device.EventsResult, error)
+	EventsAfterFunc  func(seq uint64) <-chan struct{}
 	ReadyFunc        func() <-chan struct{}
 	ShutdownFunc     func(ctx context.Context) error
 }
@@ -148,4 +150,21 @@ func (f *Fake) Uncordon(ctx context.Context, deviceID string) (*device.Cordon, e
 		return nil, nil
 	}
 	return f.UncordonFunc(ctx, deviceID)
+}
+
+// Events calls EventsFunc; without one the trail is empty.
+func (f *Fake) Events(ctx context.Context, filter device.EventFilter) (device.EventsResult, error) {
+	if f.EventsFunc == nil {
+		return device.EventsResult{Through: filter.After}, nil
+	}
+	return f.EventsFunc(ctx, filter)
+}
+
+// EventsAfter calls EventsAfterFunc; without one no event ever comes (a channel never
+// closed).
+func (f *Fake) EventsAfter(seq uint64) <-chan struct{} {
+	if f.EventsAfterFunc == nil {
+		return make(chan struct{})
+	}
+	return f.EventsAfterFunc(seq)
 }

@@ -1,6 +1,7 @@
 package ledger
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -55,7 +56,11 @@ func (l *Ledger) Cordon(ctx context.Context, id string, c device.Cordon) (device
 			return nil, &storageError{fmt.Errorf("store cordon of device %q: %w", id, err)}
 		}
 		w.dirty = true
-		return nil, nil
+		detail := c.Reason
+		if c.Drain {
+			detail = "drain: " + detail
+		}
+		return nil, w.event(device.Event{Kind: device.EventCordon, By: cmp.Or(device.CallerOf(ctx), c.By), Devices: []string{id}, Detail: detail})
 	})
 	if err != nil {
 		return device.Cordon{}, fmt.Errorf("cordon device %q: %w", id, err)
@@ -84,7 +89,7 @@ func (l *Ledger) Uncordon(ctx context.Context, id string) (*device.Cordon, error
 			return nil, &storageError{fmt.Errorf("delete cordon of device %q: %w", id, err)}
 		}
 		w.dirty = true
-		return nil, nil
+		return nil, w.event(device.Event{Kind: device.EventUncordon, By: device.CallerOf(ctx), Devices: []string{id}, Detail: "was: " + was.Reason})
 	})
 	if err != nil {
 		return nil, fmt.Errorf("uncordon device %q: %w", id, err)

@@ -578,7 +578,7 @@ func (r *gcRun) record(it *gcItem, cleaned bool) {
 	run := cleanupDoneRun(id)
 	var owner string // for the deletion's log line
 	if it.del {
-		run = deleteRun([]string{id}, cleaned)
+		run = deleteRun([]string{id}, cleaned, "gc")
 		if r.log.IsDebug() {
 			if rec := r.l.lookup(id); rec != nil {
 				owner = rec.OwnerID

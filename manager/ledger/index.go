@@ -237,6 +237,7 @@ type overlay struct {
 	recs map[string]*device.Reservation // nil value: deleted in this batch
 	held map[string]string              // "" value: freed in this batch
 	ctr  overlayCounters                // the batch's change to the shared counters' use
+	ev   eventDelta                     // the batch's events (events.go)
 }
 
 func newOverlay(base *index) *overlay {

@@ -108,6 +108,11 @@ type Options struct {
 	// called on the goroutine that committed (a caller leading the group commit, see
 	// submit), so it must be quick and must not block: every write waits for it.
 	OnCommit func(took time.Duration, writes int)
+	// MaxEvents bounds the audit trail's events (the oldest go first); zero means
+	// DefaultMaxEvents, negative keeps none. MaxEventAge drops those older; zero means
+	// DefaultMaxEventAge.
+	MaxEvents   int
+	MaxEventAge time.Duration
 }
 
 // Ledger is an open state file. All methods are safe for concurrent use. Values it
@@ -160,6 +165,13 @@ type Ledger struct {
 	// map; cordons is what Cordons returns (cordons.go).
 	cordonMu sync.Mutex
 	cordons  atomic.Pointer[map[string]device.Cordon]
+
+	ev *eventLog // the audit trail (events.go)
+
+	refusedMu     sync.Mutex
+	refusedWindow time.Time // the second refusals are being counted in
+	refusedIn     int       // refusals recorded in it
+	refusedLost   int       // refusals not recorded since the last one that was
 }
 
 // Open opens the ledger at path (normally filepath.Join(stateDir, DefaultFileName)),
@@ -191,6 +203,18 @@ func Open(path string, opts Options) (*Ledger, error) {
 		_ = db.Close() // the load error is the one that matters; nothing was written
 		return nil, err
 	}
+	maxEvents, maxAge := opts.MaxEvents, opts.MaxEventAge
+	if maxEvents == 0 {
+		maxEvents = DefaultMaxEvents
+	}
+	if maxAge <= 0 {
+		maxAge = DefaultMaxEventAge
+	}
+	ev, err := loadEventLog(db, maxEvents, maxAge, opts.Now)
+	if err != nil {
+		_ = db.Close()
+		return nil, fmt.Errorf("read the events of %s: %w", path, err)
+	}
 	cordons, err := loadCordons(db, path)
 	if err != nil && !errors.Is(err, ErrCorrupt) {
 		_ = db.Close()
@@ -207,6 +231,7 @@ func Open(path string, opts Options) (*Ledger, error) {
 		log:  opts.Logger,
 		quit: make(chan struct{}),
 		idx:  idx,
+		ev:   ev,
 		subs: make(map[*feed]struct{}),
 
 		onCommit: opts.OnCommit,
@@ -240,6 +265,7 @@ func (l *Ledger) Commits() int64 { return l.commits.Load() }
 func (l *Ledger) Close() error {
 	l.closeOnce.Do(func() {
 		close(l.quit)
+		l.flushEvents() // the events waiting go with the last commits
 		l.stopWrites()
 		if err := l.db.Close(); err != nil {
 			l.closeErr = fmt.Errorf("close state file %s: %w", l.path, err)

@@ -32,6 +32,7 @@ func (l *Ledger) Release(ctx context.Context, req device.ReleaseRequest, now tim
 	}
 	now = normTime(now)
 	type result struct{ released, already []*device.Reservation }
+	by := device.CallerOf(ctx)
 	val, err := l.submit(ctx, func(w *txn) (any, error) {
 		var ids []string
 		if req.ReservationID != "" {
@@ -62,9 +63,21 @@ func (l *Ledger) Release(ctx context.Context, req device.ReleaseRequest, now tim
 			}
 			out.released = append(out.released, &nr)
 		}
+		if len(out.released) > 0 {
+			e := device.Event{Kind: device.EventRelease, By: by, Owner: req.OwnerID}
+			for _, r := range out.released {
+				e.Owner = cmp.Or(req.OwnerID, r.OwnerID)
+				e.Reservations = append(e.Reservations, r.ID)
+				e.Devices = append(e.Devices, r.DeviceIDs...)
+			}
+			if err := w.event(e); err != nil {
+				return nil, err
+			}
+		}
 		return out, nil
 	})
 	if err != nil {
+		l.refused(ctx, "release", device.Event{Owner: req.OwnerID, Reservations: nonEmpty(req.ReservationID)}, err)
 		return nil, nil, fmt.Errorf("release: %w", err)
 	}
 	res := val.(result)
@@ -119,7 +132,7 @@ func (l *Ledger) Delete(ctx context.Context, ids ...string) error {
 	if len(ids) == 0 {
 		return nil
 	}
-	if _, err := l.submit(ctx, deleteRun(ids, false)); err != nil {
+	if _, err := l.submit(ctx, deleteRun(ids, false, device.CallerOf(ctx))); err != nil {
 		return fmt.Errorf("delete reservations: %w", err)
 	}
 	return nil
@@ -127,7 +140,7 @@ func (l *Ledger) Delete(ctx context.Context, ids ...string) error {
 
 // deleteRun is the write of Delete; cleaned deletes reservations whose cleanup is still
 // recorded as pending too (the caller has just done it).
-func deleteRun(ids []string, cleaned bool) func(w *txn) (any, error) {
+func deleteRun(ids []string, cleaned bool, by string) func(w *txn) (any, error) {
 	return func(w *txn) (any, error) {
 		for _, id := range ids {
 			switch r := w.get(id); {
@@ -138,12 +151,22 @@ func deleteRun(ids []string, cleaned bool) func(w *txn) (any, error) {
 				return nil, fmt.Errorf("reservation %q: %w", id, ErrCleanupPending)
 			}
 		}
+		e := device.Event{Kind: device.EventDelete, By: by}
 		for _, id := range ids {
-			if w.get(id) != nil {
+			if r := w.get(id); r != nil {
 				if err := w.deleteReservation(id); err != nil {
 					return nil, err
 				}
+				e.Owner = r.OwnerID
+				e.Reservations = append(e.Reservations, id)
+				e.Devices = append(e.Devices, r.DeviceIDs...)
 			}
+		}
+		if len(e.Reservations) > 1 {
+			e.Owner = "" // several owners, perhaps: the reservations say
+		}
+		if len(e.Reservations) > 0 {
+			return nil, w.event(e)
 		}
 		return nil, nil
 	}

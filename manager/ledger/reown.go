@@ -18,6 +18,7 @@ func (l *Ledger) Reown(ctx context.Context, req device.ReownRequest) (device.Res
 	if req.NewOwnerID == "" {
 		return device.Reservation{}, fmt.Errorf("reown: %w: no new owner ID", errInternal)
 	}
+	by := device.CallerOf(ctx)
 	val, err := l.submit(ctx, func(w *txn) (any, error) {
 		r := w.get(req.ReservationID)
 		if err := checkReown(r, req); err != nil || r.OwnerID == req.NewOwnerID {
@@ -28,9 +29,14 @@ func (l *Ledger) Reown(ctx context.Context, req device.ReownRequest) (device.Res
 		if err := w.putReservation(&nr); err != nil {
 			return nil, err
 		}
+		if err := w.event(device.Event{Kind: device.EventReown, By: by, Owner: r.OwnerID, NewOwner: nr.OwnerID,
+			Devices: nr.DeviceIDs, Reservations: []string{nr.ID}}); err != nil {
+			return nil, err
+		}
 		return &nr, nil
 	})
 	if err != nil {
+		l.refused(ctx, "reown", device.Event{Owner: req.OwnerID, NewOwner: req.NewOwnerID, Reservations: nonEmpty(req.ReservationID)}, err)
 		return device.Reservation{}, fmt.Errorf("reown: %w", err)
 	}
 	return clone(val.(*device.Reservation)), nil

@@ -176,8 +176,9 @@ func (l *Ledger) Reserve(ctx context.Context, r device.Reservation, takeOver []s
 		rec.CreatedAt = l.now()
 	}
 	rec.CreatedAt = normTime(rec.CreatedAt)
-	val, err := l.submit(ctx, reserveRun(rec, slices.Clone(takeOver), caps))
+	val, err := l.submit(ctx, reserveRun(rec, slices.Clone(takeOver), caps, device.CallerOf(ctx)))
 	if err != nil {
+		l.refused(ctx, "reserve", device.Event{Owner: rec.OwnerID, Devices: rec.DeviceIDs}, err)
 		return device.Reservation{}, false, fmt.Errorf("reserve: %w", err)
 	}
 	got := val.(reserveResult)
@@ -196,7 +197,7 @@ type reserveResult struct {
 // reserveRun is the write of Reserve for rec (checked, stamped, owned by
 // the run). It decides from the batch's view on every run, so a batch retried after a
 // storage failure decides afresh.
-func reserveRun(rec device.Reservation, takeOver []string, caps device.Capacity) func(w *txn) (any, error) {
+func reserveRun(rec device.Reservation, takeOver []string, caps device.Capacity, by string) func(w *txn) (any, error) {
 	return func(w *txn) (any, error) {
 		prior, victims, err := decide(w, rec.OwnerID, rec.DeviceIDs, takeOver, rec.Consumes, caps)
 		if err != nil || prior != nil {
@@ -227,8 +228,15 @@ func reserveRun(rec device.Reservation, takeOver []string, caps device.Capacity)
 				return nil, err
 			}
 			taken = append(taken, vr.ID)
+			if err := w.event(device.Event{Kind: device.EventTakeOver, By: by, Owner: vr.OwnerID, Devices: vr.DeviceIDs,
+				Reservations: []string{vr.ID}, Detail: fmt.Sprintf("taken over by reservation %s of owner %q", nr.ID, nr.OwnerID)}); err != nil {
+				return nil, err
+			}
 		}
 		if err := w.putReservation(&nr); err != nil {
+			return nil, err
+		}
+		if err := w.event(device.Event{Kind: device.EventReserve, By: by, Owner: nr.OwnerID, Devices: nr.DeviceIDs, Reservations: []string{nr.ID}}); err != nil {
 			return nil, err
 		}
 		return reserveResult{r: &nr, takenOver: taken}, nil

@@ -222,7 +222,7 @@ func TestTakeOverInAFailedBatchIsRetriedWhole(t *testing.T) {
 	a := reserve(t, l, "nomad/a", "GPU-1")
 	rec := res("nomad/b", "GPU-1")
 	rec.State, rec.CreatedAt = device.ReservationActive, t0
-	take := &request{ctx: ctx, run: reserveRun(rec, []string{"nomad/"}, nil), done: make(chan response, 1)}
+	take := &request{ctx: ctx, run: reserveRun(rec, []string{"nomad/"}, nil, ""), done: make(chan response, 1)}
 	fail := &request{ctx: ctx, done: make(chan response, 1), run: func(*txn) (any, error) {
 		return nil, &storageError{errors.New("disk on fire")}
 	}}

@@ -60,6 +60,7 @@ func (e *storageError) Unwrap() error { return e.err }
 type txn struct {
 	tx    *bolt.Tx
 	ov    *overlay
+	ev    *eventLog // the trail events are written to (event)
 	dirty bool
 }
 
@@ -345,6 +346,7 @@ func (l *Ledger) commit(batch []*request) {
 		batch[0].answer(response{err: fmt.Errorf("state file %s: commit: %w", l.path, err)})
 		return
 	}
+	l.applyEvents(ov.ev)
 	if wrote {
 		l.commits.Add(1)
 		if l.onCommit != nil {
@@ -381,7 +383,7 @@ func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrot
 		return nil, nil, false, err
 	}
 	region := trace.StartRegion(ctx, "ledger: apply")
-	w := &txn{tx: tx, ov: ov}
+	w := &txn{tx: tx, ov: ov, ev: l.ev}
 	for i, req := range batch {
 		if err := req.ctx.Err(); err != nil {
 			resps[i].err = err

@@ -282,6 +282,257 @@ func (ErrorReason) EnumDescriptor() ([]byte, []int) {
 	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{3}
 }
 
+type WatchEventsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Only events after this position (0: from the oldest held).
+	AfterSeq uint64 `protobuf:"varint,1,opt,name=after_seq,json=afterSeq,proto3" json:"after_seq,omitempty"`
+	// Go on with new events once the trail is read, until the caller ends the call.
+	Follow bool `protobuf:"varint,2,opt,name=follow,proto3" json:"follow,omitempty"`
+	// Only events of this owner (as the owner or a reown's new owner); ending in "/":
+	// every owner that starts with it.
+	OwnerId string `protobuf:"bytes,3,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
+	// Only events that concern this device.
+	DeviceId      string `protobuf:"bytes,4,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchEventsRequest) Reset() {
+	*x = WatchEventsRequest{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchEventsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchEventsRequest) ProtoMessage() {}
+
+func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchEventsRequest.ProtoReflect.Descriptor instead.
+func (*WatchEventsRequest) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *WatchEventsRequest) GetAfterSeq() uint64 {
+	if x != nil {
+		return x.AfterSeq
+	}
+	return 0
+}
+
+func (x *WatchEventsRequest) GetFollow() bool {
+	if x != nil {
+		return x.Follow
+	}
+	return false
+}
+
+func (x *WatchEventsRequest) GetOwnerId() string {
+	if x != nil {
+		return x.OwnerId
+	}
+	return ""
+}
+
+func (x *WatchEventsRequest) GetDeviceId() string {
+	if x != nil {
+		return x.DeviceId
+	}
+	return ""
+}
+
+type WatchEventsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The next events, in order.
+	Events []*Event `protobuf:"bytes,1,rep,name=events,proto3" json:"events,omitempty"`
+	// The oldest position the ledger holds: after_seq + 1 below it means events were
+	// dropped (the trail's bounds) before the consumer read them.
+	OldestSeq     uint64 `protobuf:"varint,2,opt,name=oldest_seq,json=oldestSeq,proto3" json:"oldest_seq,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchEventsResponse) Reset() {
+	*x = WatchEventsResponse{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchEventsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchEventsResponse) ProtoMessage() {}
+
+func (x *WatchEventsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchEventsResponse.ProtoReflect.Descriptor instead.
+func (*WatchEventsResponse) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *WatchEventsResponse) GetEvents() []*Event {
+	if x != nil {
+		return x.Events
+	}
+	return nil
+}
+
+func (x *WatchEventsResponse) GetOldestSeq() uint64 {
+	if x != nil {
+		return x.OldestSeq
+	}
+	return 0
+}
+
+// Event is one change, as the audit trail records it.
+type Event struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Its position: increasing in commit order, never reused; gaps are allowed.
+	Seq  uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	Time *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=time,proto3" json:"time,omitempty"`
+	// reserve, take-over, release, reown, gc-delete, cordon, uncordon, refused.
+	Kind string `protobuf:"bytes,3,opt,name=kind,proto3" json:"kind,omitempty"`
+	// Who: the caller's listener and peer; "gc" for the garbage collector.
+	By string `protobuf:"bytes,4,opt,name=by,proto3" json:"by,omitempty"`
+	// For a refused call: reserve, release or reown.
+	Call    string `protobuf:"bytes,5,opt,name=call,proto3" json:"call,omitempty"`
+	OwnerId string `protobuf:"bytes,6,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
+	// A reown's new owner.
+	NewOwnerId     string   `protobuf:"bytes,7,opt,name=new_owner_id,json=newOwnerId,proto3" json:"new_owner_id,omitempty"`
+	DeviceIds      []string `protobuf:"bytes,8,rep,name=device_ids,json=deviceIds,proto3" json:"device_ids,omitempty"`
+	ReservationIds []string `protobuf:"bytes,9,rep,name=reservation_ids,json=reservationIds,proto3" json:"reservation_ids,omitempty"`
+	// A cordon's reason, a take-over's new holder, a refusal's error.
+	Detail        string `protobuf:"bytes,10,opt,name=detail,proto3" json:"detail,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Event) Reset() {
+	*x = Event{}
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Event) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Event) ProtoMessage() {}
+
+func (x *Event) ProtoReflect() protoreflect.Message {
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Event.ProtoReflect.Descriptor instead.
+func (*Event) Descriptor() ([]byte, []int) {
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *Event) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *Event) GetTime() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Time
+	}
+	return nil
+}
+
+func (x *Event) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *Event) GetBy() string {
+	if x != nil {
+		return x.By
+	}
+	return ""
+}
+
+func (x *Event) GetCall() string {
+	if x != nil {
+		return x.Call
+	}
+	return ""
+}
+
+func (x *Event) GetOwnerId() string {
+	if x != nil {
+		return x.OwnerId
+	}
+	return ""
+}
+
+func (x *Event) GetNewOwnerId() string {
+	if x != nil {
+		return x.NewOwnerId
+	}
+	return ""
+}
+
+func (x *Event) GetDeviceIds() []string {
+	if x != nil {
+		return x.DeviceIds
+	}
+	return nil
+}
+
+func (x *Event) GetReservationIds() []string {
+	if x != nil {
+		return x.ReservationIds
+	}
+	return nil
+}
+
+func (x *Event) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
 type CordonDeviceRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// A device the agent knows (a plugin reports it, or has reported it in this run).
@@ -297,7 +548,7 @@ type CordonDeviceRequest struct {
 
 func (x *CordonDeviceRequest) Reset() {
 	*x = CordonDeviceRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[0]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -309,7 +560,7 @@ func (x *CordonDeviceRequest) String() string {
 func (*CordonDeviceRequest) ProtoMessage() {}
 
 func (x *CordonDeviceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[0]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -322,7 +573,7 @@ func (x *CordonDeviceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CordonDeviceRequest.ProtoReflect.Descriptor instead.
 func (*CordonDeviceRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{0}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *CordonDeviceRequest) GetDeviceId() string {
@@ -355,7 +606,7 @@ type CordonDeviceResponse struct {
 
 func (x *CordonDeviceResponse) Reset() {
 	*x = CordonDeviceResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[1]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -367,7 +618,7 @@ func (x *CordonDeviceResponse) String() string {
 func (*CordonDeviceResponse) ProtoMessage() {}
 
 func (x *CordonDeviceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[1]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -380,7 +631,7 @@ func (x *CordonDeviceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CordonDeviceResponse.ProtoReflect.Descriptor instead.
 func (*CordonDeviceResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{1}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *CordonDeviceResponse) GetCordon() *Cordon {
@@ -399,7 +650,7 @@ type UncordonDeviceRequest struct {
 
 func (x *UncordonDeviceRequest) Reset() {
 	*x = UncordonDeviceRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -411,7 +662,7 @@ func (x *UncordonDeviceRequest) String() string {
 func (*UncordonDeviceRequest) ProtoMessage() {}
 
 func (x *UncordonDeviceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[2]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -424,7 +675,7 @@ func (x *UncordonDeviceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UncordonDeviceRequest.ProtoReflect.Descriptor instead.
 func (*UncordonDeviceRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{2}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *UncordonDeviceRequest) GetDeviceId() string {
@@ -444,7 +695,7 @@ type UncordonDeviceResponse struct {
 
 func (x *UncordonDeviceResponse) Reset() {
 	*x = UncordonDeviceResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -456,7 +707,7 @@ func (x *UncordonDeviceResponse) String() string {
 func (*UncordonDeviceResponse) ProtoMessage() {}
 
 func (x *UncordonDeviceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[3]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -469,7 +720,7 @@ func (x *UncordonDeviceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UncordonDeviceResponse.ProtoReflect.Descriptor instead.
 func (*UncordonDeviceResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{3}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *UncordonDeviceResponse) GetLifted() *Cordon {
@@ -493,7 +744,7 @@ type Cordon struct {
 
 func (x *Cordon) Reset() {
 	*x = Cordon{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -505,7 +756,7 @@ func (x *Cordon) String() string {
 func (*Cordon) ProtoMessage() {}
 
 func (x *Cordon) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[4]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -518,7 +769,7 @@ func (x *Cordon) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Cordon.ProtoReflect.Descriptor instead.
 func (*Cordon) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{4}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Cordon) GetReason() string {
@@ -562,7 +813,7 @@ type FingerprintRequest struct {
 
 func (x *FingerprintRequest) Reset() {
 	*x = FingerprintRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -574,7 +825,7 @@ func (x *FingerprintRequest) String() string {
 func (*FingerprintRequest) ProtoMessage() {}
 
 func (x *FingerprintRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[5]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -587,7 +838,7 @@ func (x *FingerprintRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FingerprintRequest.ProtoReflect.Descriptor instead.
 func (*FingerprintRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{5}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *FingerprintRequest) GetGroups() []*GroupFilter {
@@ -619,7 +870,7 @@ type FingerprintResponse struct {
 
 func (x *FingerprintResponse) Reset() {
 	*x = FingerprintResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -631,7 +882,7 @@ func (x *FingerprintResponse) String() string {
 func (*FingerprintResponse) ProtoMessage() {}
 
 func (x *FingerprintResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[6]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -644,7 +895,7 @@ func (x *FingerprintResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FingerprintResponse.ProtoReflect.Descriptor instead.
 func (*FingerprintResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{6}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *FingerprintResponse) GetGroups() []*DeviceGroup {
@@ -684,7 +935,7 @@ type CounterSet struct {
 
 func (x *CounterSet) Reset() {
 	*x = CounterSet{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -696,7 +947,7 @@ func (x *CounterSet) String() string {
 func (*CounterSet) ProtoMessage() {}
 
 func (x *CounterSet) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[7]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -709,7 +960,7 @@ func (x *CounterSet) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CounterSet.ProtoReflect.Descriptor instead.
 func (*CounterSet) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{7}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *CounterSet) GetPlugin() string {
@@ -752,7 +1003,7 @@ type CounterConsumption struct {
 
 func (x *CounterConsumption) Reset() {
 	*x = CounterConsumption{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -764,7 +1015,7 @@ func (x *CounterConsumption) String() string {
 func (*CounterConsumption) ProtoMessage() {}
 
 func (x *CounterConsumption) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[8]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -777,7 +1028,7 @@ func (x *CounterConsumption) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CounterConsumption.ProtoReflect.Descriptor instead.
 func (*CounterConsumption) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{8}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *CounterConsumption) GetCounterSet() string {
@@ -809,7 +1060,7 @@ type DeviceGroup struct {
 
 func (x *DeviceGroup) Reset() {
 	*x = DeviceGroup{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -821,7 +1072,7 @@ func (x *DeviceGroup) String() string {
 func (*DeviceGroup) ProtoMessage() {}
 
 func (x *DeviceGroup) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[9]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -834,7 +1085,7 @@ func (x *DeviceGroup) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceGroup.ProtoReflect.Descriptor instead.
 func (*DeviceGroup) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{9}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *DeviceGroup) GetVendor() string {
@@ -905,7 +1156,7 @@ type Device struct {
 
 func (x *Device) Reset() {
 	*x = Device{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -917,7 +1168,7 @@ func (x *Device) String() string {
 func (*Device) ProtoMessage() {}
 
 func (x *Device) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[10]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -930,7 +1181,7 @@ func (x *Device) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Device.ProtoReflect.Descriptor instead.
 func (*Device) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{10}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Device) GetId() string {
@@ -1007,7 +1258,7 @@ type Locality struct {
 
 func (x *Locality) Reset() {
 	*x = Locality{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1019,7 +1270,7 @@ func (x *Locality) String() string {
 func (*Locality) ProtoMessage() {}
 
 func (x *Locality) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[11]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1032,7 +1283,7 @@ func (x *Locality) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Locality.ProtoReflect.Descriptor instead.
 func (*Locality) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{11}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Locality) GetPciBusId() string {
@@ -1059,7 +1310,7 @@ type Holder struct {
 
 func (x *Holder) Reset() {
 	*x = Holder{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1071,7 +1322,7 @@ func (x *Holder) String() string {
 func (*Holder) ProtoMessage() {}
 
 func (x *Holder) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[12]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1084,7 +1335,7 @@ func (x *Holder) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Holder.ProtoReflect.Descriptor instead.
 func (*Holder) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{12}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Holder) GetReservationId() string {
@@ -1117,7 +1368,7 @@ type Value struct {
 
 func (x *Value) Reset() {
 	*x = Value{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1129,7 +1380,7 @@ func (x *Value) String() string {
 func (*Value) ProtoMessage() {}
 
 func (x *Value) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[13]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1142,7 +1393,7 @@ func (x *Value) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Value.ProtoReflect.Descriptor instead.
 func (*Value) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{13}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Value) GetKind() isValue_Kind {
@@ -1235,7 +1486,7 @@ type GroupFilter struct {
 
 func (x *GroupFilter) Reset() {
 	*x = GroupFilter{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1247,7 +1498,7 @@ func (x *GroupFilter) String() string {
 func (*GroupFilter) ProtoMessage() {}
 
 func (x *GroupFilter) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[14]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1260,7 +1511,7 @@ func (x *GroupFilter) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GroupFilter.ProtoReflect.Descriptor instead.
 func (*GroupFilter) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{14}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *GroupFilter) GetVendor() string {
@@ -1300,7 +1551,7 @@ type StatsRequest struct {
 
 func (x *StatsRequest) Reset() {
 	*x = StatsRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1312,7 +1563,7 @@ func (x *StatsRequest) String() string {
 func (*StatsRequest) ProtoMessage() {}
 
 func (x *StatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[15]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1325,7 +1576,7 @@ func (x *StatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsRequest.ProtoReflect.Descriptor instead.
 func (*StatsRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{15}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *StatsRequest) GetInterval() *durationpb.Duration {
@@ -1359,7 +1610,7 @@ type StatsResponse struct {
 
 func (x *StatsResponse) Reset() {
 	*x = StatsResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1371,7 +1622,7 @@ func (x *StatsResponse) String() string {
 func (*StatsResponse) ProtoMessage() {}
 
 func (x *StatsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[16]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1384,7 +1635,7 @@ func (x *StatsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsResponse.ProtoReflect.Descriptor instead.
 func (*StatsResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{16}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *StatsResponse) GetGroups() []*GroupStats {
@@ -1414,7 +1665,7 @@ type GroupStats struct {
 
 func (x *GroupStats) Reset() {
 	*x = GroupStats{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1426,7 +1677,7 @@ func (x *GroupStats) String() string {
 func (*GroupStats) ProtoMessage() {}
 
 func (x *GroupStats) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[17]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1439,7 +1690,7 @@ func (x *GroupStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GroupStats.ProtoReflect.Descriptor instead.
 func (*GroupStats) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{17}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *GroupStats) GetVendor() string {
@@ -1488,7 +1739,7 @@ type DeviceStats struct {
 
 func (x *DeviceStats) Reset() {
 	*x = DeviceStats{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1500,7 +1751,7 @@ func (x *DeviceStats) String() string {
 func (*DeviceStats) ProtoMessage() {}
 
 func (x *DeviceStats) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[18]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1513,7 +1764,7 @@ func (x *DeviceStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceStats.ProtoReflect.Descriptor instead.
 func (*DeviceStats) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{18}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *DeviceStats) GetDeviceId() string {
@@ -1564,7 +1815,7 @@ type ReserveRequest struct {
 
 func (x *ReserveRequest) Reset() {
 	*x = ReserveRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1576,7 +1827,7 @@ func (x *ReserveRequest) String() string {
 func (*ReserveRequest) ProtoMessage() {}
 
 func (x *ReserveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[19]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1589,7 +1840,7 @@ func (x *ReserveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveRequest.ProtoReflect.Descriptor instead.
 func (*ReserveRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{19}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ReserveRequest) GetOwnerId() string {
@@ -1647,7 +1898,7 @@ type ReserveResponse struct {
 
 func (x *ReserveResponse) Reset() {
 	*x = ReserveResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1659,7 +1910,7 @@ func (x *ReserveResponse) String() string {
 func (*ReserveResponse) ProtoMessage() {}
 
 func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[20]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1672,7 +1923,7 @@ func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveResponse.ProtoReflect.Descriptor instead.
 func (*ReserveResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{20}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ReserveResponse) GetReservationId() string {
@@ -1708,7 +1959,7 @@ type ContainerReservation struct {
 
 func (x *ContainerReservation) Reset() {
 	*x = ContainerReservation{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1720,7 +1971,7 @@ func (x *ContainerReservation) String() string {
 func (*ContainerReservation) ProtoMessage() {}
 
 func (x *ContainerReservation) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[21]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1733,7 +1984,7 @@ func (x *ContainerReservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ContainerReservation.ProtoReflect.Descriptor instead.
 func (*ContainerReservation) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{21}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ContainerReservation) GetEnvs() map[string]string {
@@ -1775,7 +2026,7 @@ type Mount struct {
 
 func (x *Mount) Reset() {
 	*x = Mount{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1787,7 +2038,7 @@ func (x *Mount) String() string {
 func (*Mount) ProtoMessage() {}
 
 func (x *Mount) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[22]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1800,7 +2051,7 @@ func (x *Mount) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Mount.ProtoReflect.Descriptor instead.
 func (*Mount) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{22}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *Mount) GetHostPath() string {
@@ -1835,7 +2086,7 @@ type DeviceSpec struct {
 
 func (x *DeviceSpec) Reset() {
 	*x = DeviceSpec{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1847,7 +2098,7 @@ func (x *DeviceSpec) String() string {
 func (*DeviceSpec) ProtoMessage() {}
 
 func (x *DeviceSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[23]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1860,7 +2111,7 @@ func (x *DeviceSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceSpec.ProtoReflect.Descriptor instead.
 func (*DeviceSpec) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{23}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *DeviceSpec) GetHostPath() string {
@@ -1899,7 +2150,7 @@ type ReleaseRequest struct {
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1911,7 +2162,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[24]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1924,7 +2175,7 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{24}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ReleaseRequest) GetTarget() isReleaseRequest_Target {
@@ -1985,7 +2236,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1997,7 +2248,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[25]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2010,7 +2261,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{25}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ReleaseResponse) GetReleasedReservationIds() []string {
@@ -2048,7 +2299,7 @@ type Reservation struct {
 
 func (x *Reservation) Reset() {
 	*x = Reservation{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2060,7 +2311,7 @@ func (x *Reservation) String() string {
 func (*Reservation) ProtoMessage() {}
 
 func (x *Reservation) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[26]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2073,7 +2324,7 @@ func (x *Reservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Reservation.ProtoReflect.Descriptor instead.
 func (*Reservation) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{26}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *Reservation) GetReservationId() string {
@@ -2173,7 +2424,7 @@ type ListReservationsRequest struct {
 
 func (x *ListReservationsRequest) Reset() {
 	*x = ListReservationsRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2185,7 +2436,7 @@ func (x *ListReservationsRequest) String() string {
 func (*ListReservationsRequest) ProtoMessage() {}
 
 func (x *ListReservationsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[27]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2198,7 +2449,7 @@ func (x *ListReservationsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListReservationsRequest.ProtoReflect.Descriptor instead.
 func (*ListReservationsRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{27}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ListReservationsRequest) GetOwnerId() string {
@@ -2231,7 +2482,7 @@ type ListReservationsResponse struct {
 
 func (x *ListReservationsResponse) Reset() {
 	*x = ListReservationsResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2243,7 +2494,7 @@ func (x *ListReservationsResponse) String() string {
 func (*ListReservationsResponse) ProtoMessage() {}
 
 func (x *ListReservationsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[28]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2256,7 +2507,7 @@ func (x *ListReservationsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListReservationsResponse.ProtoReflect.Descriptor instead.
 func (*ListReservationsResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{28}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ListReservationsResponse) GetReservations() []*Reservation {
@@ -2282,7 +2533,7 @@ type ReownReservationRequest struct {
 
 func (x *ReownReservationRequest) Reset() {
 	*x = ReownReservationRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[29]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2294,7 +2545,7 @@ func (x *ReownReservationRequest) String() string {
 func (*ReownReservationRequest) ProtoMessage() {}
 
 func (x *ReownReservationRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[29]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2307,7 +2558,7 @@ func (x *ReownReservationRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReownReservationRequest.ProtoReflect.Descriptor instead.
 func (*ReownReservationRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{29}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *ReownReservationRequest) GetReservationId() string {
@@ -2341,7 +2592,7 @@ type ReownReservationResponse struct {
 
 func (x *ReownReservationResponse) Reset() {
 	*x = ReownReservationResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[30]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2353,7 +2604,7 @@ func (x *ReownReservationResponse) String() string {
 func (*ReownReservationResponse) ProtoMessage() {}
 
 func (x *ReownReservationResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[30]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2366,7 +2617,7 @@ func (x *ReownReservationResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReownReservationResponse.ProtoReflect.Descriptor instead.
 func (*ReownReservationResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{30}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ReownReservationResponse) GetReservation() *Reservation {
@@ -2384,7 +2635,7 @@ type ListPluginsRequest struct {
 
 func (x *ListPluginsRequest) Reset() {
 	*x = ListPluginsRequest{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[31]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2396,7 +2647,7 @@ func (x *ListPluginsRequest) String() string {
 func (*ListPluginsRequest) ProtoMessage() {}
 
 func (x *ListPluginsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[31]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2409,7 +2660,7 @@ func (x *ListPluginsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPluginsRequest.ProtoReflect.Descriptor instead.
 func (*ListPluginsRequest) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{31}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{34}
 }
 
 type Plugin struct {
@@ -2432,7 +2683,7 @@ type Plugin struct {
 
 func (x *Plugin) Reset() {
 	*x = Plugin{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[32]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2444,7 +2695,7 @@ func (x *Plugin) String() string {
 func (*Plugin) ProtoMessage() {}
 
 func (x *Plugin) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[32]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2457,7 +2708,7 @@ func (x *Plugin) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Plugin.ProtoReflect.Descriptor instead.
 func (*Plugin) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{32}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *Plugin) GetName() string {
@@ -2532,7 +2783,7 @@ type ListPluginsResponse struct {
 
 func (x *ListPluginsResponse) Reset() {
 	*x = ListPluginsResponse{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[33]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2544,7 +2795,7 @@ func (x *ListPluginsResponse) String() string {
 func (*ListPluginsResponse) ProtoMessage() {}
 
 func (x *ListPluginsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[33]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2557,7 +2808,7 @@ func (x *ListPluginsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPluginsResponse.ProtoReflect.Descriptor instead.
 func (*ListPluginsResponse) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{33}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ListPluginsResponse) GetPlugins() []*Plugin {
@@ -2582,7 +2833,7 @@ type DeviceHeld struct {
 
 func (x *DeviceHeld) Reset() {
 	*x = DeviceHeld{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[34]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2594,7 +2845,7 @@ func (x *DeviceHeld) String() string {
 func (*DeviceHeld) ProtoMessage() {}
 
 func (x *DeviceHeld) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[34]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2607,7 +2858,7 @@ func (x *DeviceHeld) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceHeld.ProtoReflect.Descriptor instead.
 func (*DeviceHeld) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{34}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *DeviceHeld) GetOwnerId() string {
@@ -2639,7 +2890,7 @@ type CapacityExceeded struct {
 
 func (x *CapacityExceeded) Reset() {
 	*x = CapacityExceeded{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[35]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2651,7 +2902,7 @@ func (x *CapacityExceeded) String() string {
 func (*CapacityExceeded) ProtoMessage() {}
 
 func (x *CapacityExceeded) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[35]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2664,7 +2915,7 @@ func (x *CapacityExceeded) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CapacityExceeded.ProtoReflect.Descriptor instead.
 func (*CapacityExceeded) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{35}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *CapacityExceeded) GetOwnerId() string {
@@ -2700,7 +2951,7 @@ type CounterOverrun struct {
 
 func (x *CounterOverrun) Reset() {
 	*x = CounterOverrun{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[36]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2712,7 +2963,7 @@ func (x *CounterOverrun) String() string {
 func (*CounterOverrun) ProtoMessage() {}
 
 func (x *CounterOverrun) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[36]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2725,7 +2976,7 @@ func (x *CounterOverrun) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CounterOverrun.ProtoReflect.Descriptor instead.
 func (*CounterOverrun) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{36}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *CounterOverrun) GetPlugin() string {
@@ -2796,7 +3047,7 @@ type DeviceConflict struct {
 
 func (x *DeviceConflict) Reset() {
 	*x = DeviceConflict{}
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[37]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2808,7 +3059,7 @@ func (x *DeviceConflict) String() string {
 func (*DeviceConflict) ProtoMessage() {}
 
 func (x *DeviceConflict) ProtoReflect() protoreflect.Message {
-	mi := &file_devicehost_v1_devicehost_proto_msgTypes[37]
+	mi := &file_devicehost_v1_devicehost_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2821,7 +3072,7 @@ func (x *DeviceConflict) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceConflict.ProtoReflect.Descriptor instead.
 func (*DeviceConflict) Descriptor() ([]byte, []int) {
-	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{37}
+	return file_devicehost_v1_devicehost_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *DeviceConflict) GetReservationId() string {
@@ -2856,7 +3107,30 @@ var File_devicehost_v1_devicehost_proto protoreflect.FileDescriptor
 
 const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\n" +
-	"\x1edevicehost/v1/devicehost.proto\x12\rdevicehost.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"`\n" +
+	"\x1edevicehost/v1/devicehost.proto\x12\rdevicehost.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x81\x01\n" +
+	"\x12WatchEventsRequest\x12\x1b\n" +
+	"\tafter_seq\x18\x01 \x01(\x04R\bafterSeq\x12\x16\n" +
+	"\x06follow\x18\x02 \x01(\bR\x06follow\x12\x19\n" +
+	"\bowner_id\x18\x03 \x01(\tR\aownerId\x12\x1b\n" +
+	"\tdevice_id\x18\x04 \x01(\tR\bdeviceId\"b\n" +
+	"\x13WatchEventsResponse\x12,\n" +
+	"\x06events\x18\x01 \x03(\v2\x14.devicehost.v1.EventR\x06events\x12\x1d\n" +
+	"\n" +
+	"oldest_seq\x18\x02 \x01(\x04R\toldestSeq\"\x9e\x02\n" +
+	"\x05Event\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12.\n" +
+	"\x04time\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x04time\x12\x12\n" +
+	"\x04kind\x18\x03 \x01(\tR\x04kind\x12\x0e\n" +
+	"\x02by\x18\x04 \x01(\tR\x02by\x12\x12\n" +
+	"\x04call\x18\x05 \x01(\tR\x04call\x12\x19\n" +
+	"\bowner_id\x18\x06 \x01(\tR\aownerId\x12 \n" +
+	"\fnew_owner_id\x18\a \x01(\tR\n" +
+	"newOwnerId\x12\x1d\n" +
+	"\n" +
+	"device_ids\x18\b \x03(\tR\tdeviceIds\x12'\n" +
+	"\x0freservation_ids\x18\t \x03(\tR\x0ereservationIds\x12\x16\n" +
+	"\x06detail\x18\n" +
+	" \x01(\tR\x06detail\"`\n" +
 	"\x13CordonDeviceRequest\x12\x1b\n" +
 	"\tdevice_id\x18\x01 \x01(\tR\bdeviceId\x12\x16\n" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\x12\x14\n" +
@@ -3094,7 +3368,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x17PLUGIN_RESPONSE_INVALID\x10\t\x12\x15\n" +
 	"\x11PERMISSION_DENIED\x10\n" +
 	"\x12\x13\n" +
-	"\x0fDEVICE_CORDONED\x10\v2\x96\x06\n" +
+	"\x0fDEVICE_CORDONED\x10\v2\xee\x06\n" +
 	"\n" +
 	"DeviceHost\x12V\n" +
 	"\vFingerprint\x12!.devicehost.v1.FingerprintRequest\x1a\".devicehost.v1.FingerprintResponse0\x01\x12D\n" +
@@ -3105,7 +3379,8 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x10ReownReservation\x12&.devicehost.v1.ReownReservationRequest\x1a'.devicehost.v1.ReownReservationResponse\x12T\n" +
 	"\vListPlugins\x12!.devicehost.v1.ListPluginsRequest\x1a\".devicehost.v1.ListPluginsResponse\x12W\n" +
 	"\fCordonDevice\x12\".devicehost.v1.CordonDeviceRequest\x1a#.devicehost.v1.CordonDeviceResponse\x12]\n" +
-	"\x0eUncordonDevice\x12$.devicehost.v1.UncordonDeviceRequest\x1a%.devicehost.v1.UncordonDeviceResponseBCZAgithub.com/devicehost/devicehost/proto/devicehost/v1;devicehostv1b\x06proto3"
+	"\x0eUncordonDevice\x12$.devicehost.v1.UncordonDeviceRequest\x1a%.devicehost.v1.UncordonDeviceResponse\x12V\n" +
+	"\vWatchEvents\x12!.devicehost.v1.WatchEventsRequest\x1a\".devicehost.v1.WatchEventsResponse0\x01BCZAgithub.com/devicehost/devicehost/proto/devicehost/v1;devicehostv1b\x06proto3"
 
 var (
 	file_devicehost_v1_devicehost_proto_rawDescOnce sync.Once
@@ -3120,129 +3395,136 @@ func file_devicehost_v1_devicehost_proto_rawDescGZIP() []byte {
 }
 
 var file_devicehost_v1_devicehost_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 44)
+var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 47)
 var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	(Health)(0),                      // 0: devicehost.v1.Health
 	(ReservationState)(0),            // 1: devicehost.v1.ReservationState
 	(PluginStatus)(0),                // 2: devicehost.v1.PluginStatus
 	(ErrorReason)(0),                 // 3: devicehost.v1.ErrorReason
-	(*CordonDeviceRequest)(nil),      // 4: devicehost.v1.CordonDeviceRequest
-	(*CordonDeviceResponse)(nil),     // 5: devicehost.v1.CordonDeviceResponse
-	(*UncordonDeviceRequest)(nil),    // 6: devicehost.v1.UncordonDeviceRequest
-	(*UncordonDeviceResponse)(nil),   // 7: devicehost.v1.UncordonDeviceResponse
-	(*Cordon)(nil),                   // 8: devicehost.v1.Cordon
-	(*FingerprintRequest)(nil),       // 9: devicehost.v1.FingerprintRequest
-	(*FingerprintResponse)(nil),      // 10: devicehost.v1.FingerprintResponse
-	(*CounterSet)(nil),               // 11: devicehost.v1.CounterSet
-	(*CounterConsumption)(nil),       // 12: devicehost.v1.CounterConsumption
-	(*DeviceGroup)(nil),              // 13: devicehost.v1.DeviceGroup
-	(*Device)(nil),                   // 14: devicehost.v1.Device
-	(*Locality)(nil),                 // 15: devicehost.v1.Locality
-	(*Holder)(nil),                   // 16: devicehost.v1.Holder
-	(*Value)(nil),                    // 17: devicehost.v1.Value
-	(*GroupFilter)(nil),              // 18: devicehost.v1.GroupFilter
-	(*StatsRequest)(nil),             // 19: devicehost.v1.StatsRequest
-	(*StatsResponse)(nil),            // 20: devicehost.v1.StatsResponse
-	(*GroupStats)(nil),               // 21: devicehost.v1.GroupStats
-	(*DeviceStats)(nil),              // 22: devicehost.v1.DeviceStats
-	(*ReserveRequest)(nil),           // 23: devicehost.v1.ReserveRequest
-	(*ReserveResponse)(nil),          // 24: devicehost.v1.ReserveResponse
-	(*ContainerReservation)(nil),     // 25: devicehost.v1.ContainerReservation
-	(*Mount)(nil),                    // 26: devicehost.v1.Mount
-	(*DeviceSpec)(nil),               // 27: devicehost.v1.DeviceSpec
-	(*ReleaseRequest)(nil),           // 28: devicehost.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),          // 29: devicehost.v1.ReleaseResponse
-	(*Reservation)(nil),              // 30: devicehost.v1.Reservation
-	(*ListReservationsRequest)(nil),  // 31: devicehost.v1.ListReservationsRequest
-	(*ListReservationsResponse)(nil), // 32: devicehost.v1.ListReservationsResponse
-	(*ReownReservationRequest)(nil),  // 33: devicehost.v1.ReownReservationRequest
-	(*ReownReservationResponse)(nil), // 34: devicehost.v1.ReownReservationResponse
-	(*ListPluginsRequest)(nil),       // 35: devicehost.v1.ListPluginsRequest
-	(*Plugin)(nil),                   // 36: devicehost.v1.Plugin
-	(*ListPluginsResponse)(nil),      // 37: devicehost.v1.ListPluginsResponse
-	(*DeviceHeld)(nil),               // 38: devicehost.v1.DeviceHeld
-	(*CapacityExceeded)(nil),         // 39: devicehost.v1.CapacityExceeded
-	(*CounterOverrun)(nil),           // 40: devicehost.v1.CounterOverrun
-	(*DeviceConflict)(nil),           // 41: devicehost.v1.DeviceConflict
-	nil,                              // 42: devicehost.v1.CounterSet.CapacityEntry
-	nil,                              // 43: devicehost.v1.CounterSet.UsedEntry
-	nil,                              // 44: devicehost.v1.CounterConsumption.CountersEntry
-	nil,                              // 45: devicehost.v1.DeviceGroup.AttributesEntry
-	nil,                              // 46: devicehost.v1.DeviceStats.ValuesEntry
-	nil,                              // 47: devicehost.v1.ContainerReservation.EnvsEntry
-	(*timestamppb.Timestamp)(nil),    // 48: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 49: google.protobuf.Duration
+	(*WatchEventsRequest)(nil),       // 4: devicehost.v1.WatchEventsRequest
+	(*WatchEventsResponse)(nil),      // 5: devicehost.v1.WatchEventsResponse
+	(*Event)(nil),                    // 6: devicehost.v1.Event
+	(*CordonDeviceRequest)(nil),      // 7: devicehost.v1.CordonDeviceRequest
+	(*CordonDeviceResponse)(nil),     // 8: devicehost.v1.CordonDeviceResponse
+	(*UncordonDeviceRequest)(nil),    // 9: devicehost.v1.UncordonDeviceRequest
+	(*UncordonDeviceResponse)(nil),   // 10: devicehost.v1.UncordonDeviceResponse
+	(*Cordon)(nil),                   // 11: devicehost.v1.Cordon
+	(*FingerprintRequest)(nil),       // 12: devicehost.v1.FingerprintRequest
+	(*FingerprintResponse)(nil),      // 13: devicehost.v1.FingerprintResponse
+	(*CounterSet)(nil),               // 14: devicehost.v1.CounterSet
+	(*CounterConsumption)(nil),       // 15: devicehost.v1.CounterConsumption
+	(*DeviceGroup)(nil),              // 16: devicehost.v1.DeviceGroup
+	(*Device)(nil),                   // 17: devicehost.v1.Device
+	(*Locality)(nil),                 // 18: devicehost.v1.Locality
+	(*Holder)(nil),                   // 19: devicehost.v1.Holder
+	(*Value)(nil),                    // 20: devicehost.v1.Value
+	(*GroupFilter)(nil),              // 21: devicehost.v1.GroupFilter
+	(*StatsRequest)(nil),             // 22: devicehost.v1.StatsRequest
+	(*StatsResponse)(nil),            // 23: devicehost.v1.StatsResponse
+	(*GroupStats)(nil),               // 24: devicehost.v1.GroupStats
+	(*DeviceStats)(nil),              // 25: devicehost.v1.DeviceStats
+	(*ReserveRequest)(nil),           // 26: devicehost.v1.ReserveRequest
+	(*ReserveResponse)(nil),          // 27: devicehost.v1.ReserveResponse
+	(*ContainerReservation)(nil),     // 28: devicehost.v1.ContainerReservation
+	(*Mount)(nil),                    // 29: devicehost.v1.Mount
+	(*DeviceSpec)(nil),               // 30: devicehost.v1.DeviceSpec
+	(*ReleaseRequest)(nil),           // 31: devicehost.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),          // 32: devicehost.v1.ReleaseResponse
+	(*Reservation)(nil),              // 33: devicehost.v1.Reservation
+	(*ListReservationsRequest)(nil),  // 34: devicehost.v1.ListReservationsRequest
+	(*ListReservationsResponse)(nil), // 35: devicehost.v1.ListReservationsResponse
+	(*ReownReservationRequest)(nil),  // 36: devicehost.v1.ReownReservationRequest
+	(*ReownReservationResponse)(nil), // 37: devicehost.v1.ReownReservationResponse
+	(*ListPluginsRequest)(nil),       // 38: devicehost.v1.ListPluginsRequest
+	(*Plugin)(nil),                   // 39: devicehost.v1.Plugin
+	(*ListPluginsResponse)(nil),      // 40: devicehost.v1.ListPluginsResponse
+	(*DeviceHeld)(nil),               // 41: devicehost.v1.DeviceHeld
+	(*CapacityExceeded)(nil),         // 42: devicehost.v1.CapacityExceeded
+	(*CounterOverrun)(nil),           // 43: devicehost.v1.CounterOverrun
+	(*DeviceConflict)(nil),           // 44: devicehost.v1.DeviceConflict
+	nil,                              // 45: devicehost.v1.CounterSet.CapacityEntry
+	nil,                              // 46: devicehost.v1.CounterSet.UsedEntry
+	nil,                              // 47: devicehost.v1.CounterConsumption.CountersEntry
+	nil,                              // 48: devicehost.v1.DeviceGroup.AttributesEntry
+	nil,                              // 49: devicehost.v1.DeviceStats.ValuesEntry
+	nil,                              // 50: devicehost.v1.ContainerReservation.EnvsEntry
+	(*timestamppb.Timestamp)(nil),    // 51: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 52: google.protobuf.Duration
 }
 var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
-	8,  // 0: devicehost.v1.CordonDeviceResponse.cordon:type_name -> devicehost.v1.Cordon
-	8,  // 1: devicehost.v1.UncordonDeviceResponse.lifted:type_name -> devicehost.v1.Cordon
-	48, // 2: devicehost.v1.Cordon.since:type_name -> google.protobuf.Timestamp
-	18, // 3: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
-	13, // 4: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
-	48, // 5: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
-	11, // 6: devicehost.v1.FingerprintResponse.counter_sets:type_name -> devicehost.v1.CounterSet
-	42, // 7: devicehost.v1.CounterSet.capacity:type_name -> devicehost.v1.CounterSet.CapacityEntry
-	43, // 8: devicehost.v1.CounterSet.used:type_name -> devicehost.v1.CounterSet.UsedEntry
-	44, // 9: devicehost.v1.CounterConsumption.counters:type_name -> devicehost.v1.CounterConsumption.CountersEntry
-	45, // 10: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
-	14, // 11: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
-	0,  // 12: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
-	48, // 13: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
-	15, // 14: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
-	16, // 15: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
-	12, // 16: devicehost.v1.Device.consumes:type_name -> devicehost.v1.CounterConsumption
-	16, // 17: devicehost.v1.Device.blocked_by:type_name -> devicehost.v1.Holder
-	8,  // 18: devicehost.v1.Device.cordon:type_name -> devicehost.v1.Cordon
-	49, // 19: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
-	18, // 20: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
-	21, // 21: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
-	48, // 22: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
-	22, // 23: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
-	46, // 24: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
-	48, // 25: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
-	25, // 26: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
-	47, // 27: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
-	26, // 28: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
-	27, // 29: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
-	1,  // 30: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
-	25, // 31: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
-	48, // 32: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	48, // 33: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
-	1,  // 34: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
-	30, // 35: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
-	30, // 36: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
-	2,  // 37: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
-	48, // 38: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
-	48, // 39: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
-	36, // 40: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
-	41, // 41: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
-	40, // 42: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
-	16, // 43: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
-	17, // 44: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
-	17, // 45: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
-	9,  // 46: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
-	19, // 47: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
-	23, // 48: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
-	28, // 49: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
-	31, // 50: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
-	33, // 51: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
-	35, // 52: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
-	4,  // 53: devicehost.v1.DeviceHost.CordonDevice:input_type -> devicehost.v1.CordonDeviceRequest
-	6,  // 54: devicehost.v1.DeviceHost.UncordonDevice:input_type -> devicehost.v1.UncordonDeviceRequest
-	10, // 55: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
-	20, // 56: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
-	24, // 57: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
-	29, // 58: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
-	32, // 59: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
-	34, // 60: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
-	37, // 61: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
-	5,  // 62: devicehost.v1.DeviceHost.CordonDevice:output_type -> devicehost.v1.CordonDeviceResponse
-	7,  // 63: devicehost.v1.DeviceHost.UncordonDevice:output_type -> devicehost.v1.UncordonDeviceResponse
-	55, // [55:64] is the sub-list for method output_type
-	46, // [46:55] is the sub-list for method input_type
-	46, // [46:46] is the sub-list for extension type_name
-	46, // [46:46] is the sub-list for extension extendee
-	0,  // [0:46] is the sub-list for field type_name
+	6,  // 0: devicehost.v1.WatchEventsResponse.events:type_name -> devicehost.v1.Event
+	51, // 1: devicehost.v1.Event.time:type_name -> google.protobuf.Timestamp
+	11, // 2: devicehost.v1.CordonDeviceResponse.cordon:type_name -> devicehost.v1.Cordon
+	11, // 3: devicehost.v1.UncordonDeviceResponse.lifted:type_name -> devicehost.v1.Cordon
+	51, // 4: devicehost.v1.Cordon.since:type_name -> google.protobuf.Timestamp
+	21, // 5: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
+	16, // 6: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
+	51, // 7: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
+	14, // 8: devicehost.v1.FingerprintResponse.counter_sets:type_name -> devicehost.v1.CounterSet
+	45, // 9: devicehost.v1.CounterSet.capacity:type_name -> devicehost.v1.CounterSet.CapacityEntry
+	46, // 10: devicehost.v1.CounterSet.used:type_name -> devicehost.v1.CounterSet.UsedEntry
+	47, // 11: devicehost.v1.CounterConsumption.counters:type_name -> devicehost.v1.CounterConsumption.CountersEntry
+	48, // 12: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
+	17, // 13: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
+	0,  // 14: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
+	51, // 15: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
+	18, // 16: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
+	19, // 17: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
+	15, // 18: devicehost.v1.Device.consumes:type_name -> devicehost.v1.CounterConsumption
+	19, // 19: devicehost.v1.Device.blocked_by:type_name -> devicehost.v1.Holder
+	11, // 20: devicehost.v1.Device.cordon:type_name -> devicehost.v1.Cordon
+	52, // 21: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	21, // 22: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
+	24, // 23: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
+	51, // 24: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
+	25, // 25: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
+	49, // 26: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
+	51, // 27: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	28, // 28: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
+	50, // 29: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
+	29, // 30: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
+	30, // 31: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
+	1,  // 32: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
+	28, // 33: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
+	51, // 34: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	51, // 35: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
+	1,  // 36: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
+	33, // 37: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
+	33, // 38: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
+	2,  // 39: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
+	51, // 40: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
+	51, // 41: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
+	39, // 42: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
+	44, // 43: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
+	43, // 44: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
+	19, // 45: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
+	20, // 46: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
+	20, // 47: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
+	12, // 48: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
+	22, // 49: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
+	26, // 50: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
+	31, // 51: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
+	34, // 52: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
+	36, // 53: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
+	38, // 54: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
+	7,  // 55: devicehost.v1.DeviceHost.CordonDevice:input_type -> devicehost.v1.CordonDeviceRequest
+	9,  // 56: devicehost.v1.DeviceHost.UncordonDevice:input_type -> devicehost.v1.UncordonDeviceRequest
+	4,  // 57: devicehost.v1.DeviceHost.WatchEvents:input_type -> devicehost.v1.WatchEventsRequest
+	13, // 58: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
+	23, // 59: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
+	27, // 60: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
+	32, // 61: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
+	35, // 62: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
+	37, // 63: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
+	40, // 64: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
+	8,  // 65: devicehost.v1.DeviceHost.CordonDevice:output_type -> devicehost.v1.CordonDeviceResponse
+	10, // 66: devicehost.v1.DeviceHost.UncordonDevice:output_type -> devicehost.v1.UncordonDeviceResponse
+	5,  // 67: devicehost.v1.DeviceHost.WatchEvents:output_type -> devicehost.v1.WatchEventsResponse
+	58, // [58:68] is the sub-list for method output_type
+	48, // [48:58] is the sub-list for method input_type
+	48, // [48:48] is the sub-list for extension type_name
+	48, // [48:48] is the sub-list for extension extendee
+	0,  // [0:48] is the sub-list for field type_name
 }
 
 func init() { file_devicehost_v1_devicehost_proto_init() }
@@ -3250,13 +3532,13 @@ func file_devicehost_v1_devicehost_proto_init() {
 	if File_devicehost_v1_devicehost_proto != nil {
 		return
 	}
-	file_devicehost_v1_devicehost_proto_msgTypes[13].OneofWrappers = []any{
+	file_devicehost_v1_devicehost_proto_msgTypes[16].OneofWrappers = []any{
 		(*Value_IntValue)(nil),
 		(*Value_FloatValue)(nil),
 		(*Value_StringValue)(nil),
 		(*Value_BoolValue)(nil),
 	}
-	file_devicehost_v1_devicehost_proto_msgTypes[24].OneofWrappers = []any{
+	file_devicehost_v1_devicehost_proto_msgTypes[27].OneofWrappers = []any{
 		(*ReleaseRequest_ReservationId)(nil),
 		(*ReleaseRequest_OwnerId)(nil),
 	}
@@ -3266,7 +3548,7 @@ func file_devicehost_v1_devicehost_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_devicehost_v1_devicehost_proto_rawDesc), len(file_devicehost_v1_devicehost_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   44,
+			NumMessages:   47,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -31,6 +31,7 @@ const (
 	DeviceHost_ListPlugins_FullMethodName      = "/devicehost.v1.DeviceHost/ListPlugins"
 	DeviceHost_CordonDevice_FullMethodName     = "/devicehost.v1.DeviceHost/CordonDevice"
 	DeviceHost_UncordonDevice_FullMethodName   = "/devicehost.v1.DeviceHost/UncordonDevice"
+	DeviceHost_WatchEvents_FullMethodName      = "/devicehost.v1.DeviceHost/WatchEvents"
 )
 
 // DeviceHostClient is the client API for DeviceHost service.
@@ -73,6 +74,12 @@ type DeviceHostClient interface {
 	// UncordonDevice puts a cordoned device back in service at once, on every path.
 	// Uncordoning a device that is not cordoned is not an error.
 	UncordonDevice(ctx context.Context, in *UncordonDeviceRequest, opts ...grpc.CallOption) (*UncordonDeviceResponse, error)
+	// WatchEvents streams the audit trail: every change to the reservations and the
+	// cordons (and every Reserve, Release and Reown the ledger refused), with who made
+	// it, from the events the ledger holds (bounded by count and age), oldest first. With
+	// follow it goes on with each new event. A consumer that reconnects resumes with
+	// after_seq set to the last seq it saw, and misses nothing the ledger still holds.
+	WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchEventsResponse], error)
 }
 
 type deviceHostClient struct {
@@ -191,6 +198,25 @@ func (c *deviceHostClient) UncordonDevice(ctx context.Context, in *UncordonDevic
 	return out, nil
 }
 
+func (c *deviceHostClient) WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchEventsResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &DeviceHost_ServiceDesc.Streams[2], DeviceHost_WatchEvents_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WatchEventsRequest, WatchEventsResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type DeviceHost_WatchEventsClient = grpc.ServerStreamingClient[WatchEventsResponse]
+
 // DeviceHostServer is the server API for DeviceHost service.
 // All implementations must embed UnimplementedDeviceHostServer
 // for forward compatibility.
@@ -231,6 +257,12 @@ type DeviceHostServer interface {
 	// UncordonDevice puts a cordoned device back in service at once, on every path.
 	// Uncordoning a device that is not cordoned is not an error.
 	UncordonDevice(context.Context, *UncordonDeviceRequest) (*UncordonDeviceResponse, error)
+	// WatchEvents streams the audit trail: every change to the reservations and the
+	// cordons (and every Reserve, Release and Reown the ledger refused), with who made
+	// it, from the events the ledger holds (bounded by count and age), oldest first. With
+	// follow it goes on with each new event. A consumer that reconnects resumes with
+	// after_seq set to the last seq it saw, and misses nothing the ledger still holds.
+	WatchEvents(*WatchEventsRequest, grpc.ServerStreamingServer[WatchEventsResponse]) error
 	mustEmbedUnimplementedDeviceHostServer()
 }
 
@@ -267,6 +299,9 @@ func (UnimplementedDeviceHostServer) CordonDevice(context.Context, *CordonDevice
 }
 func (UnimplementedDeviceHostServer) UncordonDevice(context.Context, *UncordonDeviceRequest) (*UncordonDeviceResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method UncordonDevice not implemented")
+}
+func (UnimplementedDeviceHostServer) WatchEvents(*WatchEventsRequest, grpc.ServerStreamingServer[WatchEventsResponse]) error {
+	return status.Error(codes.Unimplemented, "method WatchEvents not implemented")
 }
 func (UnimplementedDeviceHostServer) mustEmbedUnimplementedDeviceHostServer() {}
 func (UnimplementedDeviceHostServer) testEmbeddedByValue()                    {}
@@ -437,6 +472,17 @@ func _DeviceHost_UncordonDevice_Handler(srv interface{}, ctx context.Context, de
 	return interceptor(ctx, in, info, handler)
 }
 
+func _DeviceHost_WatchEvents_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchEventsRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(DeviceHostServer).WatchEvents(m, &grpc.GenericServerStream[WatchEventsRequest, WatchEventsResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type DeviceHost_WatchEventsServer = grpc.ServerStreamingServer[WatchEventsResponse]
+
 // DeviceHost_ServiceDesc is the grpc.ServiceDesc for DeviceHost service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -482,6 +528,11 @@ var DeviceHost_ServiceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "Stats",
 			Handler:       _DeviceHost_Stats_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "WatchEvents",
+			Handler:       _DeviceHost_WatchEvents_Handler,
 			ServerStreams: true,
 		},
 	},
