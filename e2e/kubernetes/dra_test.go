@@ -51,6 +51,7 @@ func TestRealNodeDRA(t *testing.T) {
 	t.Run("RestartsUnderPod", d.caseRestarts)
 	t.Run("BesideDevicePlugin", d.caseBesideBridge)
 	t.Run("MIGPartition", d.caseMIG)
+	t.Run("CordonAndDrain", d.caseCordonDrain)
 }
 
 // draStack is the stack with the DRA driver beside it.

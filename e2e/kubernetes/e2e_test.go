@@ -30,6 +30,7 @@ func TestRealNode(t *testing.T) {
 	t.Run("AgentRestartUnderPod", s.caseAgentRestart)
 	t.Run("PodDeletedReleased", s.casePodDeleted)
 	t.Run("BridgeRestartNoDuplicates", s.caseBridgeRestart)
+	t.Run("CordonedGPUOfferedToNoNewPod", s.caseCordon)
 }
 
 // A pod asking for 2 GPUs runs, sees its two GPUs, and the ledger names its container.

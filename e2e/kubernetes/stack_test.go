@@ -221,8 +221,11 @@ func (s *stack) bridgeReleaseGrace(t *testing.T) time.Duration {
 }
 
 // cli runs a devicehost client subcommand against the agent, bounded to 15 s.
-func (s *stack) cli(args ...string) ([]byte, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+func (s *stack) cli(args ...string) ([]byte, error) { return s.cliWithin(15*time.Second, args...) }
+
+// cliWithin is cli for a command that may take up to limit.
+func (s *stack) cliWithin(limit time.Duration, args ...string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, s.n.devicehost, append([]string{args[0], "-address", "unix://" + s.ds.agentSocket}, args[1:]...)...)
 	var stderr bytes.Buffer

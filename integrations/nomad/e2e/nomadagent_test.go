@@ -248,6 +248,54 @@ func TestNomadAgent(t *testing.T) {
 	})
 
 	// Last: the node stays ineligible after its drain.
+	// A GPU cordoned at the agent (devicehost cordon) is unhealthy to Nomad: a job that
+	// needs it is not placed, and is once the GPU is uncordoned.
+	t.Run("cordon", func(t *testing.T) {
+		ctx := context.Background()
+		fp, err := c.Devices(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, d := range fp.GetGroups()[0].GetDevices() {
+			ids = append(ids, d.GetId())
+		}
+		start := time.Now()
+		for _, id := range ids[:7] {
+			if _, err := c.Cordon(ctx, id, "e2e: ECC storm", false); err != nil {
+				t.Fatal(err)
+			}
+		}
+		uncordon := func() {
+			for _, id := range ids[:7] {
+				if _, err := c.Uncordon(ctx, id); err != nil {
+					t.Error(err)
+				}
+			}
+		}
+		defer uncordon()
+		n.waitNodeWithGPUs(1)
+		dGone := time.Since(start)
+		name := "cordoned"
+		n.submitBatchJob(nomadBin, tmp, name, "sleep 3600", "nvidia/gpu", 2)
+		defer n.deleteJob(name)
+		n.waitPlacementFailed(name)
+		var allocs []allocStub
+		if err := n.get("/v1/job/"+name+"/allocations", &allocs); err != nil || len(allocs) != 0 {
+			t.Fatalf("allocations of a job for 2 GPUs with 7 of 8 cordoned: %v (%v), want none", allocs, err)
+		}
+		start = time.Now()
+		uncordon()
+		n.waitNodeWithGPUs(8)
+		dBack := time.Since(start)
+		allocID := n.waitAlloc(name)
+		r := named(name, allocID)
+		t.Logf("7 GPUs cordoned: Nomad sees 1 healthy %v after the cordon, places no job for 2; uncordoned: 8 healthy %v after, the job placed on %v",
+			dGone.Round(time.Millisecond), dBack.Round(time.Millisecond), r.GetDeviceIds())
+		n.deleteJob(name)
+		released(r)
+	})
+
 	t.Run("drain", func(t *testing.T) {
 		name := "drained"
 		allocID := job(name, "sleep 3600")
@@ -619,6 +667,37 @@ func (n *nomadHTTP) waitFinished(id, status string) time.Time {
 // and asks for count devices of device, never restarted or rescheduled, so a test sees
 // each allocation's own end. It returns the job's allocation once there is one.
 func (n *nomadHTTP) runBatchJob(bin, dir, name, script, device string, count int) string {
+	n.t.Helper()
+	n.submitBatchJob(bin, dir, name, script, device, count)
+	return n.waitAlloc(name)
+}
+
+// waitPlacementFailed waits until an evaluation of job says Nomad could not place it.
+func (n *nomadHTTP) waitPlacementFailed(job string) {
+	n.t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		var evals []struct {
+			Status         string
+			FailedTGAllocs map[string]any
+			BlockedEval    string
+		}
+		if err := n.get("/v1/job/"+job+"/evaluations", &evals); err == nil {
+			for _, e := range evals {
+				if len(e.FailedTGAllocs) > 0 || e.Status == "blocked" {
+					return
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			n.t.Fatalf("no evaluation of %s failed to place it", job)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// submitBatchJob is runBatchJob without waiting for an allocation.
+func (n *nomadHTTP) submitBatchJob(bin, dir, name, script, device string, count int) {
 	t := n.t
 	t.Helper()
 	path := filepath.Join(dir, name+".hcl")
@@ -657,5 +736,4 @@ job %q {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("nomad job run %s: %v\n%s", name, err, out)
 	}
-	return n.waitAlloc(name)
 }
