@@ -89,6 +89,7 @@ listener "kubelet-bridge" {
 listener "monitoring" {
   address = "unix://%[1]s/ro.sock"
   allow   = ["read"]
+  mode    = "0666"
 }
 grant {
   uid   = %[2]d
@@ -96,6 +97,11 @@ grant {
 }
 `, dir, os.Getuid()+1))
 	sock := func(name string) string { return filepath.Join(dir, name+".sock") }
+	for name, want := range map[string]os.FileMode{"admin": 0o660, "bridge": 0o660, "ro": 0o666} {
+		if fi, err := os.Stat(sock(name)); err != nil || fi.Mode().Perm() != want {
+			t.Errorf("%s.sock: %v, %v; want mode %v", name, fi.Mode(), err, want)
+		}
+	}
 	for _, tt := range []struct {
 		sock, owner string
 		want        codes.Code

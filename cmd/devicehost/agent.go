@@ -412,6 +412,14 @@ func openListeners(cfg agentConfig, main *endpoint.Listener) ([]apiListener, []s
 		if err != nil {
 			return out, nil, fmt.Errorf("listener %q: %w", l.Name, err)
 		}
+		if l.Mode != 0 {
+			// Who may connect at all is the file's mode (and its directory's); what
+			// they may do once connected, the grants.
+			if err := os.Chmod(addr.Path, l.Mode); err != nil {
+				lis.Close()
+				return out, nil, fmt.Errorf("listener %q: %w", l.Name, err)
+			}
+		}
 		out = append(out, apiListener{lis: lis, access: server.Listener{Name: l.Name, Allow: allow, TLS: lis.TLSConfig()}})
 	}
 	var grants []server.PeerGrant

@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"math"
 	"math/big"
+	"os"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -98,6 +100,8 @@ type listenerSettings struct {
 	Address string
 	TLS     endpoint.TLS
 	Allow   []string
+	// Mode is a unix socket's file mode; zero: endpoint.SocketMode (0660).
+	Mode os.FileMode
 }
 
 // grantSettings is one `grant { ... }` block: what a peer may do on every listener,
@@ -174,6 +178,7 @@ type listenerSchema struct {
 	TLSKey   *hcl.Attribute `hcl:"tls_key,optional"`
 	TLSCA    *hcl.Attribute `hcl:"tls_ca,optional"`
 	Insecure *hcl.Attribute `hcl:"insecure,optional"`
+	Mode     *hcl.Attribute `hcl:"mode,optional"`
 	DefRange hcl.Range      `hcl:",def_range"`
 }
 
@@ -749,6 +754,19 @@ func (d *decoder) access(listeners []listenerSchema, grantBlocks []grantSchema, 
 		addr, err := endpoint.Parse(ls.Address)
 		if err != nil {
 			continue // reported by d.address
+		}
+		if l.Mode != nil {
+			var s string
+			d.str(l.Mode, &s)
+			m, err := strconv.ParseUint(s, 8, 32)
+			switch {
+			case err != nil || m > 0o777 || m == 0:
+				d.fail(l.Mode, "Invalid mode", fmt.Sprintf("%q is not a file mode: want octal permission bits, e.g. \"0666\"", s))
+			case addr.Network != "unix":
+				d.fail(l.Mode, "Invalid mode", "a mode is for a unix socket; this listener is "+addr.Network)
+			default:
+				ls.Mode = os.FileMode(m)
+			}
 		}
 		if err := ls.TLS.Check(addr); err != nil {
 			block(l.DefRange, "Invalid listener", fmt.Sprintf("listener %q: %v", l.Name, err))

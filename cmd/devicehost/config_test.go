@@ -280,6 +280,8 @@ func TestLoadConfigFileErrors(t *testing.T) {
 		{"listener at listen's address", "listen = \"unix:///a.sock\"\nlistener \"b\" {\n  address = \"unix:///a.sock\"\n  allow = [\"read\"]\n}\n", 3, []string{"Duplicate address", "listen (line 1)"}},
 		{"two listeners at one address", "listener \"b\" {\n  address = \"unix:///b.sock\"\n  allow = [\"read\"]\n}\nlistener \"c\" {\n  address = \"unix:///b.sock\"\n  allow = [\"admin\"]\n}\n", 6, []string{"Duplicate address", "line 2"}},
 		{"tcp listener without TLS", "listener \"b\" {\n  address = \"tcp://0.0.0.0:7000\"\n  allow = [\"read\"]\n}\n", 1, []string{"Invalid listener", `listener "b"`, "TLS"}},
+		{"listener mode not octal", "listener \"b\" {\n  address = \"unix:///b.sock\"\n  allow = [\"read\"]\n  mode = \"rw-rw-rw-\"\n}\n", 4, []string{"Invalid mode", `"rw-rw-rw-" is not a file mode`}},
+		{"listener mode on tcp", "listener \"b\" {\n  address = \"tcp://127.0.0.1:7000\"\n  insecure = true\n  allow = [\"read\"]\n  mode = \"0666\"\n}\n", 5, []string{"Invalid mode", "for a unix socket"}},
 		{"grant of two peers", "grant {\n  uid = 0\n  gid = 0\n  allow = [\"admin\"]\n}\n", 1, []string{"Invalid grant", "exactly one peer"}},
 		{"grant of a negative uid", "grant {\n  uid = -1\n  allow = [\"admin\"]\n}\n", 2, []string{"uid", "at least 0"}},
 		{"grant without allow", "grant {\n  gid = 5\n}\n", 1, []string{"Missing allow"}},
