@@ -1,10 +1,10 @@
 // Package server serves the devicehost host API (devicehost.v1.DeviceHost) over gRPC as a
 // thin adapter over a device.Manager: it converts between protobuf and the domain types,
 // maps domain errors to gRPC codes, and adds the health service, reflection, a log line
-// per call, panic recovery, and the limits that keep many or careless clients from taking
-// the agent down (streams, flow-control windows, keepalive, the paced fan-out of package
-// fanout). It depends on the manager's contract only, so any device.Manager can be
-// served. See docs/api.md.
+// per call, panic recovery, the grants of each listener and peer (access.go), and the
+// limits that keep many or careless clients from taking the agent down (streams,
+// flow-control windows, keepalive, the paced fan-out of package fanout). It depends on
+// the manager's contract only, so any device.Manager can be served. See docs/api.md.
 package server
 
 import (
