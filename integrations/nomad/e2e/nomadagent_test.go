@@ -288,6 +288,14 @@ func TestNomadAgent(t *testing.T) {
 		uncordon()
 		n.waitNodeWithGPUs(8)
 		dBack := time.Since(start)
+		// Nomad v1.6.3 does not unblock a blocked evaluation when a node's devices turn
+		// healthy (only on changes of node status or class, or allocations ending): ask
+		// for one, as an operator would with nomad job eval.
+		cmd := exec.Command(nomadBin, "job", "eval", "-detach", name)
+		cmd.Env = append(os.Environ(), "NOMAD_ADDR="+nomadAddr)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("nomad job eval: %v\n%s", err, out)
+		}
 		allocID := n.waitAlloc(name)
 		r := named(name, allocID)
 		t.Logf("7 GPUs cordoned: Nomad sees 1 healthy %v after the cordon, places no job for 2; uncordoned: 8 healthy %v after, the job placed on %v",
