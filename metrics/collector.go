@@ -62,13 +62,14 @@ var reservedFamilies = map[string]bool{"devicehost_device_healthy": true, "devic
 // unchecked collector (Describe sends nothing): the stat families depend on what the
 // plugins send. Safe for concurrent scrapes; it keeps nothing between them.
 type collector struct {
-	mgr       device.Manager
-	hostname  string
-	maxSeries int
+	mgr          device.Manager
+	hostname     string
+	maxSeries    int
+	holderLabels bool // the dcgm-exporter series of a held device name its holder
 }
 
-func newCollector(mgr device.Manager, hostname string, maxSeries int) *collector {
-	return &collector{mgr: mgr, hostname: hostname, maxSeries: maxSeries}
+func newCollector(mgr device.Manager, hostname string, maxSeries int, holderLabels bool) *collector {
+	return &collector{mgr: mgr, hostname: hostname, maxSeries: maxSeries, holderLabels: holderLabels}
 }
 
 // Describe implements prometheus.Collector; it describes nothing (unchecked).
@@ -87,7 +88,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	s.plugins(snap.State)
 	s.devices(snap)
-	s.stats(c.mgr.LatestStats(), snap.Inventory)
+	s.stats(c.mgr.LatestStats(), snap)
 	s.reportDropped()
 }
 
@@ -147,7 +148,8 @@ func (s *scrape) devices(snap device.Snapshot) {
 
 // stats exports every device's stats: NVIDIA GPUs' and MIG devices' mapped stats under
 // dcgm-exporter's names and labels, everything else as devicehost_device_<stat>.
-func (s *scrape) stats(stats device.StatsSnapshot, inv device.Inventory) {
+func (s *scrape) stats(stats device.StatsSnapshot, snap device.Snapshot) {
+	inv := snap.Inventory
 	busIDs := make(map[string]string)
 	models := make(map[groupID]device.Value) // MIG groups' GPU model
 	for _, g := range inv.Groups {
@@ -161,6 +163,11 @@ func (s *scrape) stats(stats device.StatsSnapshot, inv device.Inventory) {
 	for _, g := range stats.Groups {
 		for _, d := range g.Devices {
 			l := s.dcgmLabelsOf(g, d, busIDs[d.ID], models[groupID{g.Plugin, g.GroupKey}])
+			if h := snap.State.Devices[d.ID].Holder; l.use && s.c.holderLabels && h != nil {
+				names, values := holderLabels(h.OwnerID)
+				l.names = append(slices.Clip(l.names), names...)
+				l.values = append(l.values, values...)
+			}
 			for _, name := range slices.Sorted(maps.Keys(d.Values)) {
 				v := d.Values[name]
 				if l.use && l.isLabel(name) {
@@ -343,4 +350,23 @@ func boolValue(b bool) float64 {
 		return 1
 	}
 	return 0
+}
+
+// holderLabels are the labels dcgm-exporter gives the workload of a device, from its
+// holder's owner ID (docs/reservations.md, owner IDs): pod, namespace and container of
+// a kubelet bridge's container (k8s/<namespace>/<pod>/<container>); dra_claim_name and
+// dra_claim_namespace of a DRA claim (k8s-claim/<namespace>/<claim>/<uid>);
+// nomad_namespace, nomad_job, nomad_alloc_id and nomad_task of a Nomad task
+// (nomad/<namespace>/<job>/<alloc>/<task>). Other owners get none.
+func holderLabels(owner string) (names, values []string) {
+	parts := strings.Split(owner, "/")
+	switch {
+	case len(parts) == 4 && parts[0] == "k8s":
+		return []string{"pod", "namespace", "container"}, []string{parts[2], parts[1], parts[3]}
+	case len(parts) == 4 && parts[0] == "k8s-claim":
+		return []string{"dra_claim_name", "dra_claim_namespace"}, []string{parts[2], parts[1]}
+	case len(parts) == 5 && parts[0] == "nomad":
+		return []string{"nomad_namespace", "nomad_job", "nomad_alloc_id", "nomad_task"}, parts[1:5]
+	}
+	return nil, nil
 }

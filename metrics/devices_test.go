@@ -3,6 +3,7 @@ package metrics_test
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"strings"
@@ -469,5 +470,79 @@ func TestEveryManagerIsCollected(t *testing.T) {
 	}
 	if err := m.CollectManager(nil); err == nil {
 		t.Error("CollectManager(nil) = nil, want an error")
+	}
+}
+
+// The dcgm-exporter series of a held device name its workload as dcgm-exporter does:
+// pod, namespace and container for the kubelet bridge's holder, the claim for the DRA
+// driver's, the allocation for Nomad's; an unheld device, or one of another owner, keeps
+// dcgm-exporter's device labels alone; NoHolderLabels turns them off.
+func TestDCGMSeriesNameTheirHolder(t *testing.T) {
+	snapWith := func(a, b string) device.Snapshot {
+		snap := gpuSnapshot()
+		snap.State.Devices = maps.Clone(snap.State.Devices)
+		for id, owner := range map[string]string{"GPU-a": a, "GPU-b": b} {
+			st := snap.State.Devices[id]
+			st.Holder = nil
+			if owner != "" {
+				st.Holder = &device.Holder{ReservationID: "res-" + id, OwnerID: owner}
+			}
+			snap.State.Devices[id] = st
+		}
+		return snap
+	}
+	fake := newFake(snapWith("k8s/ml/trainer-0/main", "nomad/default/train/8f3c/worker"), gpuStats())
+	s := serve(t, metrics.Options{}, fake)
+	util := func(f families, uuid string) map[string]string {
+		t.Helper()
+		for _, m := range f["DCGM_FI_DEV_GPU_UTIL"].GetMetric() {
+			l := map[string]string{}
+			for _, p := range m.GetLabel() {
+				l[p.GetName()] = p.GetValue()
+			}
+			if l["UUID"] == uuid {
+				return l
+			}
+		}
+		t.Fatalf("no DCGM_FI_DEV_GPU_UTIL series of %s", uuid)
+		return nil
+	}
+	holder := func(l map[string]string) map[string]string {
+		out := map[string]string{}
+		for _, k := range []string{"pod", "namespace", "container", "dra_claim_name", "dra_claim_namespace",
+			"nomad_namespace", "nomad_job", "nomad_alloc_id", "nomad_task"} {
+			if v, ok := l[k]; ok {
+				out[k] = v
+			}
+		}
+		return out
+	}
+	for _, tt := range []struct {
+		a, b         string
+		wantA, wantB map[string]string
+	}{
+		{"k8s/ml/trainer-0/main", "nomad/default/train/8f3c/worker",
+			map[string]string{"pod": "trainer-0", "namespace": "ml", "container": "main"},
+			map[string]string{"nomad_namespace": "default", "nomad_job": "train", "nomad_alloc_id": "8f3c", "nomad_task": "worker"}},
+		{"k8s-claim/ml/pair-gpus/uid-1", "",
+			map[string]string{"dra_claim_name": "pair-gpus", "dra_claim_namespace": "ml"}, map[string]string{}},
+		{"job-42", "kubelet/nvidia.com/gpu/0123", map[string]string{}, map[string]string{}},
+	} {
+		fake.set(snapWith(tt.a, tt.b), gpuStats())
+		f := s.scrape(t)
+		if got := holder(util(f, "GPU-a")); !maps.Equal(got, tt.wantA) {
+			t.Errorf("GPU-a held by %q: holder labels %v, want %v", tt.a, got, tt.wantA)
+		}
+		if got := holder(util(f, "GPU-b")); !maps.Equal(got, tt.wantB) {
+			t.Errorf("GPU-b held by %q: holder labels %v, want %v", tt.b, got, tt.wantB)
+		}
+		if got := util(f, "GPU-a")["gpu"]; got != "0" {
+			t.Errorf("GPU-a's gpu label %q: the device labels must stay", got)
+		}
+	}
+
+	off := serve(t, metrics.Options{NoHolderLabels: true}, newFake(snapWith("k8s/ml/trainer-0/main", ""), gpuStats()))
+	if got := holder(util(off.scrape(t), "GPU-a")); len(got) != 0 {
+		t.Errorf("holder labels with NoHolderLabels: %v", got)
 	}
 }

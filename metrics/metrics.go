@@ -66,6 +66,11 @@ type Options struct {
 	MaxSeriesPerPlugin int
 	// MaxScrapes bounds the scrapes gathered at once. Zero means DefaultMaxScrapes.
 	MaxScrapes int
+	// NoHolderLabels leaves the holder labels (pod, namespace, container; the DRA
+	// claim's; the Nomad allocation's) off the dcgm-exporter series of held devices:
+	// one series per device whoever holds it, at the price of not seeing which
+	// workload a GPU's figures are for.
+	NoHolderLabels bool
 }
 
 // Metrics is the agent's metrics registry and its HTTP endpoint.
@@ -79,6 +84,8 @@ type Metrics struct {
 	reg       *prometheus.Registry
 	hostname  string
 	maxSeries int
+	// noHolderLabels is Options.NoHolderLabels.
+	noHolderLabels bool
 
 	reserve      *prometheus.HistogramVec
 	release      *prometheus.HistogramVec
@@ -118,6 +125,8 @@ func New(opts Options) (*Metrics, error) {
 		reg:       prometheus.NewRegistry(),
 		hostname:  host,
 		maxSeries: cmp.Or(opts.MaxSeriesPerPlugin, DefaultMaxSeriesPerPlugin),
+
+		noHolderLabels: opts.NoHolderLabels,
 		reserve: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "devicehost_reserve_duration_seconds",
 			Help:    "Time the device manager took to answer Reserve (plugin call and durable commit included), by result.",
@@ -229,7 +238,7 @@ func (m *Metrics) CollectManager(mgr device.Manager) error {
 	if m.haveManager {
 		return errors.New("metrics: CollectManager called twice")
 	}
-	if err := m.reg.Register(newCollector(mgr, m.hostname, m.maxSeries)); err != nil {
+	if err := m.reg.Register(newCollector(mgr, m.hostname, m.maxSeries, !m.noHolderLabels)); err != nil {
 		return fmt.Errorf("metrics: register the device collector: %w", err)
 	}
 	m.haveManager = true

@@ -153,7 +153,7 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 	var mx *metrics.Metrics
 	var onCommit func(time.Duration, int)
 	if cfg.MetricsListen != "" {
-		if mx, err = metrics.New(metrics.Options{Logger: log.Named("metrics")}); err != nil {
+		if mx, err = metrics.New(metrics.Options{Logger: log.Named("metrics"), NoHolderLabels: !cfg.MetricsHolderLabels}); err != nil {
 			return err
 		}
 		onCommit = mx.ObserveLedgerCommit

@@ -60,6 +60,9 @@ type agentConfig struct {
 	// none. MetricsTLS holds its TLS files (Insecure is not used: see metricsTLS).
 	MetricsListen string
 	MetricsTLS    endpoint.TLS
+	// MetricsHolderLabels puts the holder's labels on the dcgm-exporter series of held
+	// devices (metrics.Options.NoHolderLabels).
+	MetricsHolderLabels bool
 
 	StatsInterval  time.Duration
 	ReserveTimeout time.Duration
@@ -135,6 +138,8 @@ func defaultAgentConfig() agentConfig {
 		StateDir:  defaultStateDir,
 		LogLevel:  defaultLogLevel,
 		Plugins:   map[string]pluginSettings{},
+
+		MetricsHolderLabels: true,
 	}
 }
 
@@ -165,6 +170,7 @@ type fileSchema struct {
 	MetricsTLSCert     *hcl.Attribute   `hcl:"metrics_tls_cert,optional"`
 	MetricsTLSKey      *hcl.Attribute   `hcl:"metrics_tls_key,optional"`
 	MetricsTLSCA       *hcl.Attribute   `hcl:"metrics_tls_ca,optional"`
+	MetricsHolderLabel *hcl.Attribute   `hcl:"metrics_holder_labels,optional"`
 	Plugins            []pluginSchema   `hcl:"plugin,block"`
 	Listeners          []listenerSchema `hcl:"listener,block"`
 	Grants             []grantSchema    `hcl:"grant,block"`
@@ -271,6 +277,7 @@ func loadConfig(path string, cfg *agentConfig) (pluginBlocks, error) {
 	d.str(fs.MetricsTLSCert, &cfg.MetricsTLS.Cert)
 	d.str(fs.MetricsTLSKey, &cfg.MetricsTLS.Key)
 	d.str(fs.MetricsTLSCA, &cfg.MetricsTLS.CA)
+	d.boolean(fs.MetricsHolderLabel, &cfg.MetricsHolderLabels)
 
 	d.access(fs.Listeners, fs.Grants, fs.Listen, cfg)
 

@@ -46,6 +46,9 @@ metrics_listen       = "tcp://0.0.0.0:9400"
 metrics_tls_cert     = "/etc/dh/metrics-cert.pem"
 metrics_tls_key      = "/etc/dh/metrics-key.pem"
 metrics_tls_ca       = "/etc/dh/metrics-ca.pem"
+metrics_holder_labels = false
+event_max_count      = 500
+event_max_age        = "24h"
 
 plugin "nvidia-example" {
   sha256      = "9F86D081884C7D659A2FEAA0C55AD015A3BF4F1B2B0B822CD15D6C15B0F00A08"
@@ -83,6 +86,8 @@ plugin "fpga" {}
 		GCInterval:         10 * time.Minute,
 		GCMaxReservations:  5000,
 		GCParallelDestroys: 4,
+		EventMaxCount:      500,
+		EventMaxAge:        24 * time.Hour,
 		Plugins: map[string]pluginSettings{
 			"nvidia-example": {
 				SHA256:     "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",

@@ -123,6 +123,7 @@ func restartOnly(running, next agentConfig) []string {
 	check("metrics_tls_cert", running.MetricsTLS.Cert, next.MetricsTLS.Cert)
 	check("metrics_tls_key", running.MetricsTLS.Key, next.MetricsTLS.Key)
 	check("metrics_tls_ca", running.MetricsTLS.CA, next.MetricsTLS.CA)
+	check("metrics_holder_labels", running.MetricsHolderLabels, next.MetricsHolderLabels)
 	check("listener", running.Listeners, next.Listeners)
 	check("grant", grantsText(running.Grants), grantsText(next.Grants))
 	return out
