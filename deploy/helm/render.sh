@@ -37,6 +37,13 @@ if bad=$("$HELM" template devicehost "$chart" --set mode=nvidia 2>&1); then
   echo "helm template accepted mode=nvidia" >&2; exit 1
 fi
 grep -q "mode" <<<"$bad" || { echo "helm template's error for mode=nvidia does not name mode: $bad" >&2; exit 1; }
+# In mode both, DRA's extended resource may not be a name the kubelet bridge serves.
+if bad=$("$HELM" template devicehost "$chart" --set mode=both --set dra.extendedResourceName=nvidia.com/gpu 2>&1); then
+  echo "helm template accepted mode=both with dra.extendedResourceName=nvidia.com/gpu, the bridge's resource" >&2; exit 1
+fi
+grep -q 'dra.extendedResourceName "nvidia.com/gpu": in mode both the kubelet bridge serves nvidia.com/gpu' <<<"$bad" ||
+  { echo "helm template's error for the conflicting extended resource does not say so: $bad" >&2; exit 1; }
+"$HELM" template devicehost "$chart" --set mode=both --set dra.extendedResourceName=devicehost.io/gpu >/dev/null
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -89,8 +96,11 @@ render devicehost.yaml "# devicehost on every GPU node of a Kubernetes cluster: 
 render dra.yaml "# devicehost as a Kubernetes DRA driver (driver name devicehost.io): the device classes
 # that select its devices, and the RBAC its devicehost-dra-plugin container needs. Apply it
 # with devicehost-dra.yaml (the agent and the driver) or devicehost-both.yaml (the agent,
-# the driver and the kubelet bridge); see docs/kubernetes.md." \
-  --set mode=dra --show-only templates/deviceclasses.yaml --show-only templates/rbac.yaml
+# the driver and the kubelet bridge); see docs/kubernetes.md. Its gpu.devicehost.io serves
+# no extended resource, since with devicehost-both.yaml the bridge serves nvidia.com/gpu;
+# with devicehost-dra.yaml add extendedResourceName: nvidia.com/gpu to its spec, as Helm's
+# mode=dra does, so unchanged pods asking for nvidia.com/gpu get GPUs through DRA." \
+  --set mode=dra --set dra.extendedResourceName= --show-only templates/deviceclasses.yaml --show-only templates/rbac.yaml
 
 render devicehost-dra.yaml "# devicehost with the DRA driver on every GPU node: one pod per node with the agent and
 # devicehost-dra-plugin (driver devicehost.io), which reaches the agent through a socket

@@ -572,6 +572,7 @@ func (h *helmStack) caseDRA(t *testing.T) {
 	})
 	t.Logf("the release's driver published 8 GPUs with its in-cluster account, %v after the pod was ready", d.Round(time.Millisecond))
 	h.checkRBAC(t)
+	h.extendedResourcePod(t)
 
 	tmpl := h.d.createTemplate(t, "helm-dra", gpuClass, 2, "")
 	name, c, res, _ := h.d.runClaimPod(t, "helm-dra", tmpl)
@@ -728,4 +729,52 @@ func intersect(a, b []string) []string {
 		}
 	}
 	return out
+}
+
+// extendedResourcePod: in dra mode the chart's whole-GPU DeviceClass serves
+// nvidia.com/gpu (DRAExtendedResource), so an unchanged pod asking limits
+// nvidia.com/gpu: 2, as for the device plugin, is scheduled through DRA: the scheduler
+// makes a claim for it, the driver prepares it (owner k8s-claim/...), the container sees
+// its 2 GPUs, and deleting the pod frees them at once.
+func (h *helmStack) extendedResourcePod(t *testing.T) {
+	t.Helper()
+	start := time.Now()
+	name := h.d.createPod(t, "helm-dra-ext", 2)
+	out, dRun := h.d.waitPodReady(t, name, 90*time.Second)
+	prefix := claimOwner + podNamespace + "/" + name + "-extended-resources-"
+	var res *pb.Reservation
+	waitFor(t, 60*time.Second, "a reservation of the pod's extended-resource claim", func() (bool, string) {
+		rs, err := h.s.reservations("-state", "active")
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, r := range rs {
+			if strings.HasPrefix(r.GetOwnerId(), prefix) {
+				res = r
+				return true, ""
+			}
+		}
+		return false, fmt.Sprintf("no owner under %s among %d active", prefix, len(rs))
+	})
+	ids := slices.Sorted(slices.Values(res.GetDeviceIds()))
+	if got := parsePodView(out).gpus(); len(ids) != 2 || !slices.Equal(got, ids) {
+		t.Errorf("pod %s asking nvidia.com/gpu: 2: its claim's reservation holds %v, its container sees %v", name, ids, got)
+	}
+	t.Logf("pod %s (limits nvidia.com/gpu: 2, no claim of its own) running %v after its create, through DRA: reservation %s, owner %s, devices %v",
+		name, dRun.Round(time.Millisecond), res.GetReservationId(), res.GetOwnerId(), ids)
+	deleted := time.Now()
+	h.s.deletePod(t, name)
+	waitFor(t, releaseAtOnce+10*time.Second, "the extended-resource claim released", func() (bool, string) {
+		rs, err := h.s.reservations("-state", "active")
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, r := range rs {
+			if r.GetReservationId() == res.GetReservationId() {
+				return false, "still active"
+			}
+		}
+		return true, ""
+	})
+	t.Logf("deleted: its GPUs free %v after the delete (%v in all)", time.Since(deleted).Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
 }

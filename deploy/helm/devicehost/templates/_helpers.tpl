@@ -23,6 +23,30 @@ app.kubernetes.io/name: {{ include "devicehost.name" . }}
 {{- end -}}
 {{- end -}}
 
+{{/* The extended resource the whole-GPU DeviceClass serves ("" for none), after
+dra.extendedResourceName: "auto" is nvidia.com/gpu in dra mode and none in both mode. A
+name the kubelet bridge serves too (a resource block of kubeletPlugin.config, or
+nvidia.com/gpu when it has none) is refused in both mode: one name, one path. */}}
+{{- define "devicehost.extendedResourceName" -}}
+{{- $name := .Values.dra.extendedResourceName | default "" | toString -}}
+{{- if eq $name "auto" -}}
+{{- $name = ternary "nvidia.com/gpu" "" (eq .Values.mode "dra") -}}
+{{- end -}}
+{{- if and $name (eq .Values.mode "both") -}}
+{{- $served := list -}}
+{{- range regexFindAll "resource\\s+\"[^\"]+\"" .Values.kubeletPlugin.config -1 -}}
+{{- $served = append $served (regexReplaceAll "resource\\s+\"([^\"]+)\"" . "${1}") -}}
+{{- end -}}
+{{- if not $served -}}
+{{- $served = list "nvidia.com/gpu" -}}
+{{- end -}}
+{{- if has $name $served -}}
+{{- fail (printf "dra.extendedResourceName %q: in mode both the kubelet bridge serves %s already (kubeletPlugin.config); give DRA another name, or \"\" for none" $name (join ", " $served)) -}}
+{{- end -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
 {{- define "devicehost.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag }}
 {{- end -}}
