@@ -170,9 +170,11 @@ func (d *draStack) draContainer() hostContainer {
 }
 
 // serviceAccountKubeconfig writes a kubeconfig for the ServiceAccount: the admin
-// kubeconfig's cluster and a token the API server issues for it.
+// kubeconfig's cluster and a token the API server issues for it, bound to the node (as
+// a pod's token on the node is: the driver's claim status needs it, see rbac.yaml).
 func (n *nodeEnv) serviceAccountKubeconfig(file, namespace, name string) error {
-	token, err := n.kubectl(nil, "-n", namespace, "create", "token", name, "--duration=2h")
+	token, err := n.kubectl(nil, "-n", namespace, "create", "token", name, "--duration=2h",
+		"--bound-object-kind", "Node", "--bound-object-name", n.nodeName)
 	if err != nil {
 		return err
 	}
@@ -395,6 +397,21 @@ type claim struct {
 				} `json:"results"`
 			} `json:"devices"`
 		} `json:"allocation"`
+		// Devices is the drivers' status of the claim's devices.
+		Devices []struct {
+			Driver     string `json:"driver"`
+			Pool       string `json:"pool"`
+			Device     string `json:"device"`
+			Conditions []struct {
+				Type   string `json:"type"`
+				Status string `json:"status"`
+			} `json:"conditions"`
+			Data struct {
+				UUID         string   `json:"uuid"`
+				Product      string   `json:"product"`
+				CDIDeviceIDs []string `json:"cdiDeviceIDs"`
+			} `json:"data"`
+		} `json:"devices"`
 	} `json:"status"`
 }
 
@@ -728,6 +745,7 @@ func (d *draStack) caseTwoGPUs(t *testing.T) {
 	if _, err := os.Stat(d.claimSpec(c)); err != nil {
 		t.Errorf("the claim's CDI spec: %v", err)
 	}
+	d.waitClaimStatus(t, c, ids)
 	t.Logf("container sees NVIDIA_VISIBLE_DEVICES=%s DEVICEHOST_CLAIM=%s, device nodes %v", v.env, v.claim, v.devs)
 
 	// Device health in the pod's status (ResourceHealthStatus): each of the two GPUs,
@@ -1077,4 +1095,29 @@ func TestDRAContainer(t *testing.T) {
 			t.Errorf("%s: driver args %q, want %q", tc.file, got, want)
 		}
 	}
+}
+
+// waitClaimStatus waits until the claim's status.devices name each of ids, Ready and
+// Healthy, with its CDI IDs (DRAResourceClaimDeviceStatus).
+func (d *draStack) waitClaimStatus(t *testing.T, c *claim, ids []string) {
+	t.Helper()
+	var status []string
+	dStatus := waitFor(t, 30*time.Second, "the claim's device status", func() (bool, string) {
+		var cs claim
+		if err := d.n.kubectlJSON(&cs, "-n", podNamespace, "get", "resourceclaim", c.Metadata.Name); err != nil {
+			return false, err.Error()
+		}
+		status = nil
+		for _, ds := range cs.Status.Devices {
+			cond := map[string]string{}
+			for _, c := range ds.Conditions {
+				cond[c.Type] = c.Status
+			}
+			status = append(status, fmt.Sprintf("%s Ready=%s Healthy=%s cdi=%d", ds.Data.UUID, cond["Ready"], cond["Healthy"], len(ds.Data.CDIDeviceIDs)))
+		}
+		slices.Sort(status)
+		want := []string{ids[0] + " Ready=True Healthy=True cdi=2", ids[1] + " Ready=True Healthy=True cdi=2"}
+		return slices.Equal(status, want), fmt.Sprintf("status.devices %v, want %v", status, want)
+	})
+	t.Logf("claim %s: status.devices written within %v: %v", c.Metadata.Name, dStatus.Round(time.Millisecond), status)
 }

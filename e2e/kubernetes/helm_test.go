@@ -576,6 +576,9 @@ func (h *helmStack) caseDRA(t *testing.T) {
 
 	tmpl := h.d.createTemplate(t, "helm-dra", gpuClass, 2, "")
 	name, c, res, _ := h.d.runClaimPod(t, "helm-dra", tmpl)
+	// The chart's RBAC lets the driver write the claim's device status: its pod's
+	// token names the node (associated-node:patch on resourceclaims/driver).
+	h.d.waitClaimStatus(t, c, slices.Sorted(slices.Values(res.GetDeviceIds())))
 	before := h.activeByID(t)
 
 	agent := releaseProcess(t, "agent")

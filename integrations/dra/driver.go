@@ -109,6 +109,9 @@ type Driver struct {
 	// beforeUpdate, if set, is called by the agent watch before it takes in each
 	// update (tests).
 	beforeUpdate func()
+
+	// statuses are the claims whose device status the driver writes (status.go).
+	statuses claimStatuses
 }
 
 // New checks cfg and returns a Driver; it starts nothing.
@@ -161,6 +164,7 @@ func New(cfg Config) (*Driver, error) {
 		changed:   make(chan struct{}),
 		stale:     make(map[string]time.Time),
 		pci:       &pciAttributes{},
+		statuses:  claimStatuses{claims: make(map[string]*preparedClaim)},
 	}
 	if cfg.SysfsRoot != "" {
 		d.pci.sysfs = []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(cfg.SysfsRoot)}
@@ -233,6 +237,7 @@ func (d *Driver) Run(ctx context.Context) error {
 	g.Go(func() error { return d.publishLoop(gctx, helper) })
 	g.Go(func() error { return d.staleLoop(gctx) })
 	g.Go(func() error { return d.sliceGoneLoop(gctx) })
+	g.Go(func() error { return d.statusLoop(gctx) })
 	g.Go(func() error {
 		select {
 		case err := <-d.fatal:

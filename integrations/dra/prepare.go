@@ -108,6 +108,11 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 		// The reservations stay: the kubelet's retry gets them back and writes again.
 		return nil, fmt.Errorf("write CDI spec: %w", err)
 	}
+	pc := &preparedClaim{namespace: c.Namespace, name: c.Name, devices: devs, cdi: cdiByDevice}
+	v, _ := d.current()
+	if err := d.writeClaimStatus(ctx, ref.uid, pc, v); err != nil {
+		d.log.Warn("claim prepared, its device status not written", "error", err)
+	}
 	out := make([]kubeletplugin.Device, 0, len(devs))
 	for _, a := range devs {
 		out = append(out, kubeletplugin.Device{
@@ -192,6 +197,9 @@ func (d *Driver) unprepare(ctx context.Context, ref claimRef) error {
 	}
 	if err := d.cdi.remove(ref.uid); err != nil {
 		return fmt.Errorf("remove CDI spec: %w", err)
+	}
+	if err := d.clearClaimStatus(ctx, ref); err != nil {
+		d.log.Warn("claim unprepared, its device status not cleared", "error", err)
 	}
 	if n := len(resp.GetReleasedReservationIds()); n > 0 {
 		d.log.Info("claim unprepared", "claim", ref.namespace+"/"+ref.name, "uid", ref.uid, "released", resp.GetReleasedReservationIds())

@@ -1,0 +1,104 @@
+package dra
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"syscall"
+	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// claimDeviceStatus is a claim's status.devices, as statusOf says them.
+func (r *rig) claimDeviceStatus(t *testing.T, ns, name string) []string {
+	t.Helper()
+	c, err := r.kube.ResourceV1().ResourceClaims(ns).Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return statusOf(t, c)
+}
+
+// statusOf is c's status.devices as "driver/pool/device Ready= Healthy= uuid= type= cdi=".
+func statusOf(t *testing.T, c *resourceapi.ResourceClaim) []string {
+	t.Helper()
+	var out []string
+	for _, d := range c.Status.Devices {
+		cond := map[string]string{}
+		for _, c := range d.Conditions {
+			cond[c.Type] = string(c.Status)
+		}
+		var data deviceStatusData
+		if d.Data != nil {
+			if err := json.Unmarshal(d.Data.Raw, &data); err != nil {
+				t.Fatalf("device %s: data %s: %v", d.Device, d.Data.Raw, err)
+			}
+		}
+		out = append(out, fmt.Sprintf("%s/%s/%s Ready=%s Healthy=%s uuid=%s type=%s cdi=%d",
+			d.Driver, d.Pool, d.Device, cond["Ready"], cond["Healthy"], data.UUID, data.Type, len(data.CDIDeviceIDs)))
+	}
+	return out
+}
+
+// After Prepare the claim's status names each of its devices, Ready, with its health
+// and UUID; the health follows the device's; Unprepare removes the entries.
+func TestClaimDeviceStatus(t *testing.T) {
+	r := newRig(t)
+	r.startDriver(nil)
+	k := r.kubelet()
+	ids, _ := gpus(r.waitDevices("GPUs", func(s *pb.FingerprintResponse) bool { ids, _ := gpus(s); return len(ids) == 8 }))
+	r.waitSlices("8 GPUs", func(d []resourceapi.Device) bool { return len(d) == 8 })
+	c := r.claim("pair", DeviceName(ids[2]), DeviceName(ids[5]))
+	if p := k.prepare(t, c); p.GetError() != "" {
+		t.Fatalf("prepare: %s", p.GetError())
+	}
+	want := func(healthy string) []string {
+		var out []string
+		for _, id := range []string{ids[2], ids[5]} {
+			out = append(out, fmt.Sprintf("%s/%s/%s Ready=True Healthy=%s uuid=%s type=gpu cdi=2", testDriver, testNode, DeviceName(id), healthy, id))
+		}
+		return out
+	}
+	// Every stored version of the claim is looked at (a watch), so a state that lasts
+	// only a moment (the plugin down before its restart) is seen too.
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	w, err := r.kube.ResourceV1().ResourceClaims(c.Namespace).Watch(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	last := r.claimDeviceStatus(t, c.Namespace, c.Name)
+	waitStatus := func(what string, want []string) {
+		t.Helper()
+		for fmt.Sprint(last) != fmt.Sprint(want) {
+			select {
+			case ev, ok := <-w.ResultChan():
+				if !ok {
+					t.Fatalf("%s: the watch ended", what)
+				}
+				if obj, ok := ev.Object.(*resourceapi.ResourceClaim); ok && obj.Name == c.Name {
+					last = statusOf(t, obj)
+				}
+			case <-ctx.Done():
+				t.Fatalf("%s: claim status %q, want %q", what, last, want)
+			}
+		}
+	}
+	waitStatus("prepared", want("True"))
+
+	for _, pid := range pluginPIDs(r.agent) {
+		syscall.Kill(pid, syscall.SIGKILL)
+	}
+	waitStatus("the plugin killed", want("False"))
+	waitStatus("the plugin back", want("True"))
+
+	if e := k.unprepare(t, c); e != "" {
+		t.Fatalf("unprepare: %s", e)
+	}
+	waitStatus("unprepared", nil)
+}
