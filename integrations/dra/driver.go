@@ -241,6 +241,11 @@ func (d *Driver) Run(ctx context.Context) error {
 	g.Go(func() error {
 		select {
 		case err := <-d.fatal:
+			if ctx.Err() != nil {
+				// Run is ending: the helper's servers stop with its context, and say
+				// so ("the server has been stopped"); that is no failure of Run.
+				return nil
+			}
 			return err
 		case <-gctx.Done():
 			return nil
