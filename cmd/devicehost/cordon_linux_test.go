@@ -78,7 +78,7 @@ func TestCordonThroughTheCLIOutlivesAKill(t *testing.T) {
 	}
 
 	// Drain: its holder does not let go within the timeout, and is named.
-	r := runCLI(t, "drain", "-device", ids[0], "-timeout", "1s", "-address", addr)
+	r := runCLI(t, "drain", "-device", ids[0], "-timeout", "3s", "-address", addr)
 	if r.code == 0 || !strings.Contains(r.stderr, "still held by job-1") {
 		t.Errorf("drain of a held GPU with a short timeout: exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
 	}
