@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"reflect"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -177,13 +176,7 @@ func TestEventsBoundedAndResumable(t *testing.T) {
 
 // Events older than MaxEventAge go as new ones are written.
 func TestEventsDroppedWithAge(t *testing.T) {
-	var mu sync.Mutex
-	now := t0
-	clock := func() time.Time {
-		mu.Lock()
-		defer mu.Unlock()
-		return now
-	}
+	clock, advance := settableClock()
 	l, err := Open(statePath(t), Options{MaxEventAge: time.Hour, Now: clock})
 	if err != nil {
 		t.Fatal(err)
@@ -191,9 +184,7 @@ func TestEventsDroppedWithAge(t *testing.T) {
 	defer l.Close()
 	reserve(t, l, "old-1", "GPU-1")
 	reserve(t, l, "old-2", "GPU-2")
-	mu.Lock()
-	now = now.Add(2 * time.Hour)
-	mu.Unlock()
+	advance(2 * time.Hour)
 	reserve(t, l, "new", "GPU-3")
 	if got := allEvents(t, l, device.EventFilter{}); len(got) != 1 || got[0].Owner != "new" {
 		t.Errorf("events after two hours: %v, want the new one alone", got)
@@ -203,13 +194,7 @@ func TestEventsDroppedWithAge(t *testing.T) {
 // A flood of refused calls cannot push the changes out of the trail: a bounded number
 // a second is recorded, and the next recorded says how many were not.
 func TestRefusalFloodIsBounded(t *testing.T) {
-	var mu sync.Mutex
-	now := t0
-	clock := func() time.Time {
-		mu.Lock()
-		defer mu.Unlock()
-		return now
-	}
+	clock, advance := settableClock()
 	l, err := Open(statePath(t), Options{Now: clock})
 	if err != nil {
 		t.Fatal(err)
@@ -232,9 +217,7 @@ func TestRefusalFloodIsBounded(t *testing.T) {
 	if refused != refusedPerSecond {
 		t.Errorf("%d refusals recorded of 200 in one second, want %d", refused, refusedPerSecond)
 	}
-	mu.Lock()
-	now = now.Add(time.Second) // a new second: the next refusal is recorded, with the count
-	mu.Unlock()
+	advance(time.Second) // a new second: the next refusal is recorded, with the count
 	if _, _, err := l.Reserve(ctx, res("other", "GPU-0"), nil, nil); err == nil {
 		t.Fatal("a Reserve of a held device succeeded")
 	}

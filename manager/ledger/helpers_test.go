@@ -4,6 +4,7 @@ import (
 	"context"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -75,6 +76,22 @@ func res(owner string, devs ...string) device.Reservation {
 func tickingClock() func() time.Time {
 	var n atomic.Int64
 	return func() time.Time { return t0.Add(time.Duration(n.Add(1)) * time.Second) }
+}
+
+// settableClock is a clock that stays at t0 until advance moves it on. Safe for
+// concurrent use.
+func settableClock() (clock func() time.Time, advance func(time.Duration)) {
+	var mu sync.Mutex
+	now := t0
+	return func() time.Time {
+			mu.Lock()
+			defer mu.Unlock()
+			return now
+		}, func(d time.Duration) {
+			mu.Lock()
+			now = now.Add(d)
+			mu.Unlock()
+		}
 }
 
 // reserve reserves a new reservation of owner for devs and fails the test otherwise.
