@@ -904,20 +904,7 @@ func (d *draStack) caseBesideBridge(t *testing.T) {
 	tmpl3 := d.createTemplate(t, "three", gpuClass, 3, "")
 	pending := d.createClaimPod(t, "dra-needs-held", tmpl3)
 	defer d.deletePod(t, pending)
-	var msg string
-	dVerdict := waitFor(t, 60*time.Second, "pod "+pending+" unschedulable", func() (bool, string) {
-		p, err := d.getPod(pending)
-		if err != nil {
-			return false, err.Error()
-		}
-		for _, c := range p.Status.Conditions {
-			if c.Type == "PodScheduled" && c.Status == "False" && c.Message != "" {
-				msg = c.Message
-				return true, ""
-			}
-		}
-		return false, fmt.Sprintf("phase %s, conditions %+v", p.Status.Phase, p.Status.Conditions)
-	})
+	msg, dVerdict := d.waitUnschedulable(t, pending, 60*time.Second)
 	pc := d.podClaim(t, pending, 30*time.Second)
 	// It stays so: watched for a while (the scheduler retries on every slice change).
 	window := 5 * time.Second
