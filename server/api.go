@@ -252,12 +252,11 @@ func (s *Server) CordonDevice(ctx context.Context, in *pb.CordonDeviceRequest) (
 
 // UncordonDevice puts the device back in service and returns the cordon it lifted.
 func (s *Server) UncordonDevice(ctx context.Context, in *pb.UncordonDeviceRequest) (*pb.UncordonDeviceResponse, error) {
-	var f device.CordonRequest
-	f.DeviceID, f.Reason = in.GetDeviceId(), "-"
-	if err := validate.CordonRequest(f); err != nil {
+	id := in.GetDeviceId()
+	if err := validate.UncordonRequest(id); err != nil {
 		return nil, toStatus(err)
 	}
-	was, err := s.mgr.Uncordon(device.WithCaller(ctx, describeCaller(ctx)), f.DeviceID)
+	was, err := s.mgr.Uncordon(device.WithCaller(ctx, describeCaller(ctx)), id)
 	if err != nil {
 		return nil, toStatus(err)
 	}

@@ -239,3 +239,10 @@ func eventFilter(f device.EventFilter) error {
 	fs.checkOptionalID("device_id", f.Device)
 	return fs.err()
 }
+
+// uncordonRequest is UncordonRequest's body.
+func uncordonRequest(deviceID string) error {
+	var f fields
+	f.checkID("device_id", deviceID)
+	return f.err()
+}

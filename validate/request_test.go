@@ -308,6 +308,12 @@ func TestCordonRequest(t *testing.T) {
 	}
 }
 
+func TestUncordonRequest(t *testing.T) {
+	checkFieldErrors(t, validate.UncordonRequest("GPU-0"), nil)
+	checkFieldErrors(t, validate.UncordonRequest(""), []device.FieldError{fe("device_id", validate.RuleEmpty)})
+	checkFieldErrors(t, validate.UncordonRequest("GPU-0\nGPU-1"), []device.FieldError{fe("device_id", validate.RuleNotPrintable)})
+}
+
 func TestReservationFilter(t *testing.T) {
 	tests := []struct {
 		name string

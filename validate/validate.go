@@ -110,6 +110,10 @@ func CordonRequest(req device.CordonRequest) error { return cordonRequest(req) }
 // ReserveRequest's rules for IDs.
 func EventFilter(f device.EventFilter) error { return eventFilter(f) }
 
+// UncordonRequest checks the device_id of a host API UncordonDevice request by
+// CordonRequest's rule for it; a violation is a *device.FieldError.
+func UncordonRequest(deviceID string) error { return uncordonRequest(deviceID) }
+
 // ReservationFilter checks a host API ListReservations filter; violations are
 // *device.FieldError. owner_id and device_id may be empty but otherwise follow
 // ReserveRequest's rules for IDs; state must be one of the ReservationState values
