@@ -83,6 +83,10 @@ type Config struct {
 	// outlives the plugin process as a real GPU's does; "" keeps it in memory. Unset
 	// means DefaultSimStateFile(simulate). Only valid with Simulate.
 	SimStateFile *string `json:"sim_state_file,omitempty"`
+	// SimMIGModeOff are GPU indexes whose MIG mode the simulated operator turns off
+	// (nvidia-smi -i N -mig 0) rather than on: a node that mixes MIG-enabled and whole
+	// GPUs. Only valid with Simulate; not for GPUs named in MIGLayout.
+	SimMIGModeOff []int `json:"sim_mig_mode_off,omitempty"`
 }
 
 // MIG modes of Config.MIG.
@@ -144,6 +148,7 @@ type settings struct {
 	layout            map[int][]string // mig_layout by GPU index
 	replicas          int
 	simStateFile      string // "" in memory
+	simMIGModeOff     map[int]bool
 }
 
 // layoutFor returns the static layout of GPU index: the profiles it must hold, or
@@ -160,7 +165,7 @@ func (s settings) layoutFor(index int) (profiles []string, fill string, ok bool)
 // demand.
 func (s settings) wantsMIG(index int) bool {
 	_, _, static := s.layoutFor(index)
-	return static || s.migOnDemand
+	return static || s.migOnDemand && !s.simMIGModeOff[index]
 }
 
 // faultSpec is a parsed FaultConfig; gpuIndex is -1 when the fault names a GPU ID.
@@ -287,6 +292,22 @@ func parseConfig(configJSON []byte) (settings, error) {
 		errs = append(errs, fmt.Errorf("config: sim_state_file = %q: must be an absolute path", *c.SimStateFile))
 	default:
 		s.simStateFile = filepath.Clean(*c.SimStateFile)
+	}
+	if len(c.SimMIGModeOff) > 0 && c.Simulate == "" {
+		errs = append(errs, errors.New("config: sim_mig_mode_off: only valid with simulate"))
+	}
+	for i, idx := range c.SimMIGModeOff {
+		switch _, _, static := s.layoutFor(idx); {
+		case idx < 0:
+			errs = append(errs, fmt.Errorf("config: sim_mig_mode_off[%d] = %d: a GPU index is 0 or more", i, idx))
+		case static:
+			errs = append(errs, fmt.Errorf("config: sim_mig_mode_off[%d] = %d: GPU %d has a mig_layout, which needs MIG mode on", i, idx, idx))
+		default:
+			if s.simMIGModeOff == nil {
+				s.simMIGModeOff = make(map[int]bool)
+			}
+			s.simMIGModeOff[idx] = true
+		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		return settings{}, err

@@ -162,6 +162,41 @@ func TestMIGOnDemandFingerprint(t *testing.T) {
 		len(devices(resp)), len(resp.GetCounterSets()), proto.Size(resp), validate.MaxFingerprintBytes)
 }
 
+// A node that mixes MIG-enabled and whole GPUs: with sim_mig_mode_off the simulated
+// operator turns MIG mode off on those GPUs, which on-demand MIG then offers whole,
+// consuming no counters; a GPU that still has instances keeps MIG mode on and the
+// config is refused, naming it.
+func TestMIGOnDemandMixedNode(t *testing.T) {
+	state := filepath.Join(t.TempDir(), "sim.json")
+	cfg := onDemand(state)
+	cfg.SimMIGModeOff = []int{4, 5, 6, 7}
+	p, _ := newTestPlugin(t, cfg)
+	resp := fingerprintOf(t, p)
+	got := groupSizes(resp)
+	if got["nvidia/gpu/"+h100] != 8 || got["nvidia/mig/1g.10gb"] != 28 || got["nvidia/mig/7g.80gb"] != 4 {
+		t.Errorf("groups = %v, want 8 whole GPUs and MIG partitions on 4 of them", got)
+	}
+	if n := len(resp.GetCounterSets()); n != 4 {
+		t.Errorf("%d counter sets, want one per MIG-enabled GPU (4)", n)
+	}
+	for i := range 8 {
+		d := devices(resp)[simulatedUUID("dgxh100", i)]
+		if consumes := len(d.GetConsumes()) > 0; consumes != (i < 4) {
+			t.Errorf("GPU %d consumes counters: %v, want %v (MIG mode on: %v)", i, consumes, i < 4, i < 4)
+		}
+	}
+
+	// The operator's simulated `nvidia-smi -mig 0` refuses a GPU with instances.
+	if _, err := p.Reserve(context.Background(), onDemandIDs(0, "1g.10gb", 0)); err != nil {
+		t.Fatal(err)
+	}
+	cfg.SimMIGModeOff = []int{0}
+	err := p.SetConfig(context.Background(), mustJSON(t, cfg))
+	if err == nil || !strings.Contains(err.Error(), "GPUs [0] still have MIG instances") {
+		t.Errorf("SetConfig turning MIG mode off under an instance = %v, want a refusal naming GPU 0", err)
+	}
+}
+
 // profileNames are the MIG profiles of each simulated machine, as nvidia-smi names
 // them, sorted.
 var profileNames = map[string][]string{
@@ -589,6 +624,9 @@ func TestMIGConfig(t *testing.T) {
 		{`{"replicas": 1000}`, "replicas = 1000"},
 		{`{"sim_state_file": "/x.json"}`, "only valid with simulate"},
 		{`{"simulate": "dgxh100", "sim_state_file": "x.json"}`, "absolute"},
+		{`{"sim_mig_mode_off": [1]}`, "sim_mig_mode_off: only valid with simulate"},
+		{`{"simulate": "dgxh100", "sim_mig_mode_off": [-1]}`, "sim_mig_mode_off[0] = -1"},
+		{`{"simulate": "dgxh100", "mig_layout": {"2": ["1g.10gb"]}, "sim_mig_mode_off": [2]}`, "GPU 2 has a mig_layout"},
 	}
 	for _, tt := range bad {
 		if _, err := parseConfig([]byte(tt.cfg)); err == nil || !strings.Contains(err.Error(), tt.want) {

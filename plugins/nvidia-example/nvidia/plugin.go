@@ -163,15 +163,22 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 		if ret := sim.Init(); ret != nvml.SUCCESS {
 			return fmt.Errorf("simulate %s: init: %w", s.simulate, ret)
 		}
-		// The simulated operator turns MIG mode on where the config partitions GPUs
-		// (on real GPUs that is the operator's job: the plugin never changes it).
-		var want []int
+		// The simulated operator turns MIG mode on where the config partitions GPUs,
+		// and off where sim_mig_mode_off says (on real GPUs that is the operator's job:
+		// the plugin never changes it).
+		var want, off []int
 		for i := range sim.devices {
-			if s.wantsMIG(i) {
+			if s.simMIGModeOff[i] {
+				off = append(off, i)
+			} else if s.wantsMIG(i) {
 				want = append(want, i)
 			}
 		}
 		changed, err := mig.enableMIG(want)
+		if err != nil {
+			return err
+		}
+		turnedOff, err := mig.disableMIG(off)
 		if err != nil {
 			return err
 		}
@@ -181,7 +188,7 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 		rt.gpm = true
 		p.logger.Info("running on simulated GPUs", "machine", s.simulate, "gpus", len(sim.devices),
 			"xid_events_scheduled", len(sim.faults), "sim_state_file", s.simStateFile,
-			"mig_instances", mig.instanceCount(), "mig_mode_turned_on", changed)
+			"mig_instances", mig.instanceCount(), "mig_mode_turned_on", changed, "mig_mode_turned_off", turnedOff)
 	} else if lib := p.openRealNVML(); lib != nil {
 		rt.lib = lib
 		rt.numaFromNVML = lib.Extensions().LookupSymbol("nvmlDeviceGetNumaNodeId") == nil

@@ -208,6 +208,43 @@ func (m *simMIG) enableMIG(indexes []int) (changed []int, err error) {
 	return changed, nil
 }
 
+// disableMIG turns MIG mode off for the GPUs at indexes, as an operator's
+// `nvidia-smi -i N -mig 0` would; like that, it refuses a GPU that still has GPU
+// instances. It returns the indexes it changed.
+func (m *simMIG) disableMIG(indexes []int) (changed []int, err error) {
+	on := false
+	m.view(func(st *simMIGState) {
+		for _, i := range indexes {
+			on = on || i < len(st.GPUs) && st.GPUs[i].MigMode == nvml.DEVICE_MIG_ENABLE
+		}
+	})
+	if !on {
+		return nil, nil
+	}
+	var busy []int
+	ret := m.update(func(st *simMIGState) nvml.Return {
+		for _, i := range indexes {
+			if i >= len(st.GPUs) || st.GPUs[i].MigMode != nvml.DEVICE_MIG_ENABLE {
+				continue
+			}
+			if len(st.GPUs[i].GIs) > 0 {
+				busy = append(busy, i)
+				continue
+			}
+			st.GPUs[i].MigMode = nvml.DEVICE_MIG_DISABLE
+			changed = append(changed, i)
+		}
+		return nvml.SUCCESS
+	})
+	if ret != nvml.SUCCESS {
+		return nil, fmt.Errorf("sim_state_file %q: %w", m.path, ret)
+	}
+	if len(busy) > 0 {
+		return changed, fmt.Errorf("sim_mig_mode_off: GPUs %v still have MIG instances (sim_state_file %q); MIG mode stays on", busy, m.path)
+	}
+	return changed, nil
+}
+
 // instanceCount is the number of GPU instances on every GPU together.
 func (m *simMIG) instanceCount() int {
 	n := 0
