@@ -52,6 +52,8 @@ func TestRealNodeDRA(t *testing.T) {
 	t.Run("BesideDevicePlugin", d.caseBesideBridge)
 	t.Run("MIGPartition", d.caseMIG)
 	t.Run("CordonAndDrain", d.caseCordonDrain)
+	t.Run("AdminTaintRule", d.caseTaintRule)
+	t.Run("PrioritizedMIGOrGPU", d.casePrioritized)
 }
 
 // draStack is the stack with the DRA driver beside it.
@@ -465,18 +467,26 @@ func (d *draStack) submitTemplate(t *testing.T, prefix string, spec any) string 
 // (2 GPUs), under a name of the suite.
 func (d *draStack) exampleTemplate(t *testing.T) string {
 	t.Helper()
-	file := filepath.Join(d.n.root, "deploy", "kubernetes", "example-dra-pod.yaml")
-	docs, err := yamlDocs(file)
+	return d.manifestTemplate(t, "example-dra-pod.yaml", "two-gpus")
+}
+
+// manifestTemplate creates the ResourceClaimTemplate named name of the manifest file
+// (under deploy/kubernetes), under a name of the suite.
+func (d *draStack) manifestTemplate(t *testing.T, file, name string) string {
+	t.Helper()
+	path := filepath.Join(d.n.root, "deploy", "kubernetes", file)
+	docs, err := yamlDocs(path)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, doc := range docs {
-		if doc["kind"] == "ResourceClaimTemplate" {
+		meta, _ := doc["metadata"].(map[string]any)
+		if doc["kind"] == "ResourceClaimTemplate" && meta["name"] == name {
 			spec, _ := doc["spec"].(map[string]any)
-			return d.submitTemplate(t, "example", spec["spec"])
+			return d.submitTemplate(t, name, spec["spec"])
 		}
 	}
-	t.Fatalf("%s has no ResourceClaimTemplate", file)
+	t.Fatalf("%s has no ResourceClaimTemplate %s", path, name)
 	return ""
 }
 
@@ -945,24 +955,8 @@ func (d *draStack) caseBesideBridge(t *testing.T) {
 // 1g.10gb partition gets a MIG device: the container sees its MIG UUID and its GPU's
 // device node. The agent goes back to its plain config after.
 func (d *draStack) caseMIG(t *testing.T) {
-	plain := d.agent.c
-	migCfg := d.agentConfigVariant(t, "mig", `mig            = "on-demand"
-        sim_state_file = "`+filepath.Join(d.n.run, "ds", "nvidia-sim-mig.json")+`"`)
-	restart := func(c hostContainer) time.Duration {
-		start := time.Now()
-		d.agent.stop(t, syscall.SIGTERM)
-		d.agent.c = c
-		d.agent.start(t)
-		return time.Since(start)
-	}
-	restart(migCfg)
-	defer func() {
-		restart(plain)
-		d.waitAgentHealthy(t, 60*time.Second)
-		d.waitPool(t, 60*time.Second, "8 GPUs and nothing else", func(p pool) (bool, string) {
-			return len(p.devices) == 8 && len(p.ofType("gpu")) == 8, p.String()
-		})
-	}()
+	d.withAgentConfig(t, d.agentConfigVariant(t, "mig", `mig            = "on-demand"
+        sim_state_file = "`+filepath.Join(d.n.run, "ds", "nvidia-sim-mig.json")+`"`))
 	var nMIG int
 	// Untainted but for the GPUs (and their partitions) a device-plugin pod of an
 	// earlier case may still hold in the bridge's release grace.
@@ -1002,6 +996,26 @@ func (d *draStack) caseMIG(t *testing.T) {
 	checkDeviceNodes(t, spec, v.devs, ids)
 	t.Logf("MIG claim %s: partition %s, container sees NVIDIA_VISIBLE_DEVICES=%s, device nodes %v", c.Metadata.Name, ids[0], v.env, v.devs)
 	d.deleteReleased(t, name, c, res)
+}
+
+// withAgentConfig restarts the agent in container c (a config variant) and, when t's
+// test ends, back in the one it had, with the pool back to the 8 GPUs alone.
+func (d *draStack) withAgentConfig(t *testing.T, c hostContainer) {
+	t.Helper()
+	plain := d.agent.c
+	restart := func(c hostContainer) {
+		d.agent.stop(t, syscall.SIGTERM)
+		d.agent.c = c
+		d.agent.start(t)
+	}
+	restart(c)
+	t.Cleanup(func() {
+		restart(plain)
+		d.waitAgentHealthy(t, 60*time.Second)
+		d.waitPool(t, 60*time.Second, "8 GPUs and nothing else", func(p pool) (bool, string) {
+			return len(p.devices) == 8 && len(p.ofType("gpu")) == 8, p.String()
+		})
+	})
 }
 
 // agentConfigVariant writes a copy of the agent's config with extra lines in the

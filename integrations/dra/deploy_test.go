@@ -96,3 +96,65 @@ func TestDeployManifests(t *testing.T) {
 		}
 	}
 }
+
+// deploy/kubernetes/examples/mig-or-gpu.yaml asks first for a 1g.10gb MIG instance (its
+// selector matches that profile and no other) and then for a whole GPU, each by a
+// DeviceClass of dra.yaml; its pod uses the claim.
+func TestPrioritizedExample(t *testing.T) {
+	classes := make(map[string]bool)
+	for _, obj := range readManifests(t, "dra.yaml") {
+		if c, ok := obj.(*resourceapi.DeviceClass); ok {
+			classes[c.Name] = true
+		}
+	}
+	var tmpl *resourceapi.ResourceClaimTemplate
+	var pod *corev1.Pod
+	for _, obj := range readManifests(t, "examples/mig-or-gpu.yaml") {
+		switch o := obj.(type) {
+		case *resourceapi.ResourceClaimTemplate:
+			tmpl = o
+		case *corev1.Pod:
+			pod = o
+		}
+	}
+	if tmpl == nil || pod == nil {
+		t.Fatalf("examples/mig-or-gpu.yaml: template %v, pod %v; want both", tmpl, pod)
+	}
+	reqs := tmpl.Spec.Spec.Devices.Requests
+	if len(reqs) != 1 || len(reqs[0].FirstAvailable) != 2 {
+		t.Fatalf("template %s requests %+v; want one request with 2 alternatives", tmpl.Name, reqs)
+	}
+	alts := reqs[0].FirstAvailable
+	if alts[0].DeviceClassName != "mig.devicehost.io" || alts[1].DeviceClassName != "gpu.devicehost.io" || len(alts[1].Selectors) != 0 {
+		t.Errorf("alternatives %+v; want a MIG instance first, then any whole GPU", alts)
+	}
+	for _, a := range alts {
+		if !classes[a.DeviceClassName] {
+			t.Errorf("alternative %s: DeviceClass %s is not in dra.yaml", a.Name, a.DeviceClassName)
+		}
+	}
+	snap := &pb.FingerprintResponse{Groups: []*pb.DeviceGroup{
+		{Vendor: "nvidia", Type: "mig", Name: "1g.10gb", Plugin: "nvidia", Devices: []*pb.Device{{Id: "MIG-1", Health: pb.Health_HEALTH_HEALTHY}}},
+		{Vendor: "nvidia", Type: "mig", Name: "2g.20gb", Plugin: "nvidia", Devices: []*pb.Device{{Id: "MIG-2", Health: pb.Health_HEALTH_HEALTHY}}},
+	}}
+	v, _ := buildView(snap, buildOptions{driver: DefaultDriverName, pool: testNode})
+	if len(alts[0].Selectors) != 1 || alts[0].Selectors[0].CEL == nil {
+		t.Fatalf("the MIG alternative's selectors %+v; want one CEL expression", alts[0].Selectors)
+	}
+	prog := dracel.GetCompiler(dracel.Features{}).CompileCELExpression(alts[0].Selectors[0].CEL.Expression, dracel.Options{})
+	if prog.Error != nil {
+		t.Fatal(prog.Error)
+	}
+	for _, d := range v.slices[0].Devices {
+		got, _, err := prog.DeviceMatches(context.Background(), dracel.Device{Driver: DefaultDriverName, Attributes: d.Attributes, Capacity: d.Capacity})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := d.Name == DeviceName("MIG-1"); got != want {
+			t.Errorf("the MIG alternative's selector on %s: %v, want %v", d.Name, got, want)
+		}
+	}
+	if len(pod.Spec.ResourceClaims) != 1 || pod.Spec.ResourceClaims[0].ResourceClaimTemplateName == nil || *pod.Spec.ResourceClaims[0].ResourceClaimTemplateName != tmpl.Name {
+		t.Errorf("pod %s claims %+v; want one from template %s", pod.Name, pod.Spec.ResourceClaims, tmpl.Name)
+	}
+}
