@@ -164,7 +164,7 @@ func New(cfg Config) (*Driver, error) {
 		changed:   make(chan struct{}),
 		stale:     make(map[string]time.Time),
 		pci:       &pciAttributes{},
-		statuses:  claimStatuses{claims: make(map[string]*preparedClaim)},
+		statuses:  newClaimStatuses(),
 	}
 	if cfg.SysfsRoot != "" {
 		d.pci.sysfs = []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(cfg.SysfsRoot)}

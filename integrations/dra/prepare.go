@@ -108,10 +108,10 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 		// The reservations stay: the kubelet's retry gets them back and writes again.
 		return nil, fmt.Errorf("write CDI spec: %w", err)
 	}
-	pc := &preparedClaim{namespace: c.Namespace, name: c.Name, devices: devs, cdi: cdiByDevice}
-	v, _ := d.current()
-	if err := d.writeClaimStatus(ctx, ref.uid, pc, v); err != nil {
-		d.log.Warn("claim prepared, its device status not written", "error", err)
+	// The claim's device status is written by statusLoop, after the answer: the
+	// kubelet waits on nothing the API server does.
+	if d.cfg.Kube != nil {
+		d.statuses.add(ref.uid, &preparedClaim{namespace: c.Namespace, name: c.Name, devices: devs, cdi: cdiByDevice})
 	}
 	out := make([]kubeletplugin.Device, 0, len(devs))
 	for _, a := range devs {

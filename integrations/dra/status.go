@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -48,13 +47,34 @@ type preparedClaim struct {
 type claimStatuses struct {
 	mu     sync.Mutex
 	claims map[string]*preparedClaim // by claim UID
+	kick   chan struct{}             // a claim was added: statusLoop has a status to write
+	// write is held across each write of a claim's status, so that a clear (Unprepare)
+	// and statusLoop's write of the same claim never cross: no entry is written after
+	// the claim's entries were removed.
+	write sync.Mutex
+}
+
+func newClaimStatuses() claimStatuses {
+	return claimStatuses{claims: make(map[string]*preparedClaim), kick: make(chan struct{}, 1)}
+}
+
+// add records a claim just prepared, its status not written yet (health nil), and
+// wakes statusLoop.
+func (cs *claimStatuses) add(uid string, pc *preparedClaim) {
+	cs.mu.Lock()
+	cs.claims[uid] = pc
+	cs.mu.Unlock()
+	select {
+	case cs.kick <- struct{}{}:
+	default:
+	}
 }
 
 // statusWriteTimeout bounds one write of a claim's status.
 const statusWriteTimeout = 10 * time.Second
 
 // writeClaimStatus applies the status of claim pc's devices in view v (nil: healthy as
-// prepared), and records it as written.
+// prepared), and records it as written. Only with statuses.write held.
 func (d *Driver) writeClaimStatus(ctx context.Context, uid string, pc *preparedClaim, v *view) error {
 	if d.cfg.Kube == nil {
 		return nil
@@ -113,7 +133,6 @@ func (d *Driver) writeClaimStatus(ctx context.Context, uid string, pc *preparedC
 	}
 	d.statuses.mu.Lock()
 	pc.health = health
-	d.statuses.claims[uid] = pc
 	d.statuses.mu.Unlock()
 	return nil
 }
@@ -121,6 +140,8 @@ func (d *Driver) writeClaimStatus(ctx context.Context, uid string, pc *preparedC
 // clearClaimStatus removes the driver's entries from the claim's status, and forgets it.
 // A claim already gone is not an error.
 func (d *Driver) clearClaimStatus(ctx context.Context, ref claimRef) error {
+	d.statuses.write.Lock()
+	defer d.statuses.write.Unlock()
 	d.statuses.mu.Lock()
 	delete(d.statuses.claims, ref.uid)
 	d.statuses.mu.Unlock()
@@ -138,41 +159,79 @@ func (d *Driver) clearClaimStatus(ctx context.Context, ref claimRef) error {
 	return nil
 }
 
-// statusLoop writes again the device status of every claim it prepared whose devices'
-// health changed in the current view, until ctx ends.
+// statusRetry is how soon statusLoop tries again a status the API server refused.
+var statusRetry = 5 * time.Second
+
+// statusLoop writes the device status of every claim prepared since (health nil) and
+// again of every one whose devices' health changed in the current view, until ctx
+// ends. A write that fails is tried again statusRetry later.
 func (d *Driver) statusLoop(ctx context.Context) error {
+	retry := time.NewTimer(statusRetry)
+	retry.Stop()
+	defer retry.Stop()
 	for {
 		v, changed := d.current()
-		if v != nil {
-			d.statuses.mu.Lock()
-			var due []string
-			for uid, pc := range d.statuses.claims {
-				for _, a := range pc.devices {
-					h := pb.Health_HEALTH_UNKNOWN
-					if cur, ok := v.devices[a.ref.name]; ok && v.disconnected == nil {
-						h = cur.health
-					}
-					if h != pc.health[a.ref.name] {
-						due = append(due, uid)
-						break
-					}
-				}
+		failed := false
+		for _, uid := range d.statuses.due(v) {
+			if err := d.writeDue(ctx, uid, v); err != nil && ctx.Err() == nil {
+				failed = true
+				d.log.Warn("claim device status not written", "error", err)
 			}
-			claims := maps.Clone(d.statuses.claims)
-			d.statuses.mu.Unlock()
-			slices.Sort(due)
-			for _, uid := range due {
-				if err := d.writeClaimStatus(ctx, uid, claims[uid], v); err != nil && ctx.Err() == nil {
-					d.log.Warn("claim device status not updated", "error", err)
-				}
-			}
+		}
+		if failed {
+			retry.Reset(statusRetry)
 		}
 		select {
 		case <-changed:
+		case <-d.statuses.kick:
+		case <-retry.C:
 		case <-ctx.Done():
 			return nil
 		}
 	}
+}
+
+// due are the UIDs of the claims whose status is not written yet, or says another
+// health than view v (nil: no view yet) does, sorted.
+func (cs *claimStatuses) due(v *view) []string {
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	var out []string
+	for uid, pc := range cs.claims {
+		if pc.health == nil {
+			out = append(out, uid)
+			continue
+		}
+		if v == nil {
+			continue
+		}
+		for _, a := range pc.devices {
+			h := pb.Health_HEALTH_UNKNOWN
+			if cur, ok := v.devices[a.ref.name]; ok && v.disconnected == nil {
+				h = cur.health
+			}
+			if h != pc.health[a.ref.name] {
+				out = append(out, uid)
+				break
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// writeDue writes claim uid's status, if the claim is still prepared once no other
+// write of a status runs.
+func (d *Driver) writeDue(ctx context.Context, uid string, v *view) error {
+	d.statuses.write.Lock()
+	defer d.statuses.write.Unlock()
+	d.statuses.mu.Lock()
+	pc := d.statuses.claims[uid]
+	d.statuses.mu.Unlock()
+	if pc == nil {
+		return nil
+	}
+	return d.writeClaimStatus(ctx, uid, pc, v)
 }
 
 // truncate cuts s to at most n bytes.

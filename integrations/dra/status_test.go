@@ -4,11 +4,16 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	k8stesting "k8s.io/client-go/testing"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
@@ -101,4 +106,39 @@ func TestClaimDeviceStatus(t *testing.T) {
 		t.Fatalf("unprepare: %s", e)
 	}
 	waitStatus("unprepared", nil)
+}
+
+// A status the API server refuses is written again later, and the prepare's answer
+// never waited on it: the claim is prepared while its status write fails.
+func TestClaimDeviceStatusRetried(t *testing.T) {
+	old := statusRetry
+	statusRetry = 50 * time.Millisecond
+	t.Cleanup(func() { statusRetry = old })
+	r := newRig(t)
+	var refused atomic.Int64
+	r.kube.PrependReactor("patch", "resourceclaims", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if a.GetSubresource() == "status" && refused.Add(1) <= 3 {
+			return true, nil, apierrors.NewServiceUnavailable("e2e: the API server is busy")
+		}
+		return false, nil, nil
+	})
+	r.startDriver(nil)
+	k := r.kubelet()
+	ids, _ := gpus(r.waitDevices("GPUs", func(s *pb.FingerprintResponse) bool { ids, _ := gpus(s); return len(ids) == 8 }))
+	r.waitSlices("8 GPUs", func(d []resourceapi.Device) bool { return len(d) == 8 })
+	c := r.claim("retried", DeviceName(ids[1]))
+	if p := k.prepare(t, c); p.GetError() != "" || len(p.GetDevices()) != 1 {
+		t.Fatalf("prepare while status writes fail: %s %v", p.GetError(), p.GetDevices())
+	}
+	want := fmt.Sprintf("[%s/%s/%s Ready=True Healthy=True uuid=%s type=gpu cdi=2]", testDriver, testNode, DeviceName(ids[1]), ids[1])
+	deadline := time.Now().Add(testTimeout)
+	for got := fmt.Sprint(r.claimDeviceStatus(t, c.Namespace, c.Name)); got != want; got = fmt.Sprint(r.claimDeviceStatus(t, c.Namespace, c.Name)) {
+		if time.Now().After(deadline) {
+			t.Fatalf("claim status %s after %d refused writes, want %s", got, refused.Load(), want)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := refused.Load(); n < 4 {
+		t.Errorf("%d status writes, want the 3 refused and one more", n)
+	}
 }
