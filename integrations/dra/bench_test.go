@@ -4,12 +4,17 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	k8stesting "k8s.io/client-go/testing"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
@@ -33,6 +38,19 @@ import (
 func BenchmarkPrepare(b *testing.B) {
 	r := newRig(b)
 	r.cdiDir = tmpfsDir(b)
+	// The claims' device status writes (after each prepare, off its answer, and the
+	// clear at each unprepare) are counted by a reactor that answers them: the fake
+	// clientset would run the API server's server-side apply in this process, which a
+	// node does not pay. The driver's side of each write (the apply configuration, its
+	// JSON) stays in the figures.
+	var statusWrites atomic.Int64
+	r.kube.PrependReactor("patch", "resourceclaims", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if a.GetSubresource() != "status" {
+			return false, nil, nil
+		}
+		statusWrites.Add(1)
+		return true, &resourceapi.ResourceClaim{}, nil
+	})
 	drv := r.startDriver(nil)
 	k := r.kubelet()
 	ids, group := gpus(r.waitDevices("GPUs", func(s *pb.FingerprintResponse) bool { ids, _ := gpus(s); return len(ids) == 8 }))
@@ -114,6 +132,7 @@ func BenchmarkPrepare(b *testing.B) {
 	hp := p50(helper)
 	b.ReportMetric(float64(hp.Microseconds()), "helper-p50-µs")
 	b.ReportMetric(float64(rp+hp)/float64(rp), "floor")
+	b.ReportMetric(float64(statusWrites.Load())/float64(n), "status-writes/op")
 }
 
 // tmpfsDir is a new directory on /dev/shm when that is a tmpfs, removed at the end,
@@ -134,3 +153,116 @@ func tmpfsDir(b *testing.B) string {
 
 // tmpfsMagic is statfs's f_type of a tmpfs (linux/magic.h).
 const tmpfsMagic = 0x01021994
+
+// BenchmarkSliceChange measures what one change of the agent's devices costs the driver
+// on a DGX H100 with on-demand MIG (8 GPUs, every placement of every MIG profile, 8
+// counter sets: 5 slices): a partition held by a hand reservation (the driver taints it
+// devicehost.io/held) and released again, each a change the driver turns into new
+// slices through the helper. cpu-ms/change is the CPU of this whole test process per
+// change (target: the driver's at most 5 ms), so it counts, besides the driver and
+// the helper's slice controller, the fake API server and the test's own client: an
+// upper bound of the driver's part. The agent is a process of its own, not counted.
+func BenchmarkSliceChange(b *testing.B) {
+	cfg := filepath.Join(b.TempDir(), "agent.hcl")
+	if err := os.WriteFile(cfg, []byte(`plugin "nvidia-example" {
+  config {
+    simulate = "dgxh100"
+    mig      = "on-demand"
+  }
+}
+`), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	r := newRigArgs(b, "-config", cfg)
+	snap := r.waitDevices("GPUs and MIG partitions", func(s *pb.FingerprintResponse) bool { return len(s.GetCounterSets()) == 8 })
+	var part *pb.DeviceGroup
+	total := 0
+	for _, g := range snap.GetGroups() {
+		total += len(g.GetDevices())
+		if g.GetType() == "mig" && g.GetName() == "1g.10gb" {
+			part = g
+		}
+	}
+	if part == nil {
+		b.Fatal("no 1g.10gb partitions")
+	}
+	id := part.GetDevices()[0].GetId()
+	name := DeviceName(id)
+	r.startDriver(nil)
+	r.waitSlices("every device", func(d []resourceapi.Device) bool { return len(d) == total })
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	w, err := r.kube.ResourceV1().ResourceSlices().Watch(ctx, metav1.ListOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer w.Stop()
+	// waitTaint waits for the slice update that says the partition is held (or not).
+	waitTaint := func(held bool) {
+		for {
+			select {
+			case ev := <-w.ResultChan():
+				s, ok := ev.Object.(*resourceapi.ResourceSlice)
+				if !ok {
+					continue
+				}
+				for _, d := range s.Spec.Devices {
+					if d.Name != name {
+						continue
+					}
+					has := slices.ContainsFunc(d.Taints, func(t resourceapi.DeviceTaint) bool { return t.Key == testDriver+"/held" })
+					if has == held {
+						return
+					}
+				}
+			case <-ctx.Done():
+				b.Fatalf("partition %s held=%v: no such slice update", id, held)
+			}
+		}
+	}
+	var cpu, wall []time.Duration
+	measure := func(change func()) {
+		c0, t0 := processCPU(b), time.Now()
+		change()
+		wall = append(wall, time.Since(t0))
+		cpu = append(cpu, processCPU(b)-c0)
+	}
+	for b.Loop() {
+		var resID string
+		measure(func() {
+			res, err := r.c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "bench/hand", Vendor: part.GetVendor(), Type: part.GetType(), Name: part.GetName(), DeviceIds: []string{id}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			resID = res.GetReservationId()
+			waitTaint(true)
+		})
+		measure(func() {
+			if _, err := r.c.ReleaseReservation(ctx, resID); err != nil {
+				b.Fatal(err)
+			}
+			waitTaint(false)
+		})
+	}
+	p50 := func(ds []time.Duration) time.Duration {
+		s := slices.Clone(ds)
+		slices.Sort(s)
+		return s[len(s)/2]
+	}
+	var sum time.Duration
+	for _, c := range cpu {
+		sum += c
+	}
+	b.ReportMetric(float64(sum.Microseconds())/1000/float64(len(cpu)), "cpu-ms/change")
+	b.ReportMetric(float64(p50(wall).Microseconds())/1000, "p50-ms/change")
+	b.ReportMetric(float64(total), "devices")
+}
+
+// processCPU is the CPU time (user and system) this process has used.
+func processCPU(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}

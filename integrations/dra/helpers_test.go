@@ -67,15 +67,23 @@ type rig struct {
 	kube                           *fake.Clientset
 	// staleHook, if set when a driver starts, sees its stale-claim rounds.
 	staleHook func(staleRound)
+	agentArgs []string // more arguments of the agent
 	// updateHook, if set when a driver starts, is its beforeUpdate.
 	updateHook func()
 }
 
 func newRig(t testing.TB) *rig {
 	t.Helper()
+	return newRigArgs(t)
+}
+
+// newRigArgs is newRig with the agent given more arguments (a -config).
+func newRigArgs(t testing.TB, agentArgs ...string) *rig {
+	t.Helper()
 	dir := servertest.ShortTempDir(t, "dra")
 	r := &rig{t: t, dir: dir, sock: filepath.Join(dir, "dh.sock"), state: filepath.Join(dir, "state"),
-		pluginDir: filepath.Join(dir, "plugins", testDriver), registryDir: filepath.Join(dir, "reg"), cdiDir: filepath.Join(dir, "cdi")}
+		pluginDir: filepath.Join(dir, "plugins", testDriver), registryDir: filepath.Join(dir, "reg"), cdiDir: filepath.Join(dir, "cdi"),
+		agentArgs: agentArgs}
 	for _, d := range []string{r.pluginDir, r.registryDir} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)
@@ -96,7 +104,7 @@ func (r *rig) startAgent() {
 	t.Helper()
 	a := agenttest.Start(t, agenttest.Command{
 		Path:        agenttest.Binary(t),
-		Args:        []string{"agent", "-dev", "-listen", r.address(), "-state-dir", r.state},
+		Args:        append([]string{"agent", "-dev", "-listen", r.address(), "-state-dir", r.state}, r.agentArgs...),
 		TempDir:     r.dir,
 		MergeOutput: true,
 	})
