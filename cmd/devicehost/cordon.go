@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -89,7 +92,10 @@ func waitFree(ctx context.Context, env *cmdEnv, conn pb.DeviceHostClient, id str
 	for {
 		fp, err := stream.Recv()
 		if err != nil {
-			if last != nil && ctx.Err() != nil {
+			// The timeout: ctx's, or the server's end of the stream at the same deadline,
+			// which can come first (gRPC then says DeadlineExceeded while ctx.Err() is
+			// still nil, its timer not yet run).
+			if last != nil && (ctx.Err() != nil || status.Code(err) == codes.DeadlineExceeded) {
 				return fmt.Errorf("drain: %s is still held by %s (%s); it stays cordoned: release it through its runtime, or wait and drain again",
 					id, cell(last.GetOwnerId()), cell(last.GetReservationId()))
 			}
