@@ -454,6 +454,7 @@ func TestReasonsAreTheWireStrings(t *testing.T) {
 		{client.ReasonPluginResponse, "PLUGIN_RESPONSE_INVALID"},
 		{client.ReasonPermissionDenied, "PERMISSION_DENIED"},
 		{client.ReasonDeviceCordoned, "DEVICE_CORDONED"},
+		{client.ReasonNoCDIDevices, "NO_CDI_DEVICES"},
 	}
 	for _, p := range pairs {
 		if p[0] != p[1] {

@@ -27,6 +27,7 @@ var (
 	ReasonPluginResponse      = pb.ErrorReason_PLUGIN_RESPONSE_INVALID.String()
 	ReasonPermissionDenied    = pb.ErrorReason_PERMISSION_DENIED.String()
 	ReasonDeviceCordoned      = pb.ErrorReason_DEVICE_CORDONED.String()
+	ReasonNoCDIDevices        = pb.ErrorReason_NO_CDI_DEVICES.String()
 )
 
 // Reason returns the ErrorInfo reason of the agent's error err (one of the Reason

@@ -166,6 +166,9 @@ type DeviceInfo struct {
 	// Consumes is what holding the device uses of its plugin's counter sets, sorted by
 	// set name; empty when it shares nothing.
 	Consumes []Consumption
+	// CDIDevices are the CDI names (kind=name) the plugin says expose the device to a
+	// container; empty when it keeps no CDI spec. What an admin access hands out.
+	CDIDevices []string
 }
 
 // Health of a device. The zero value is HealthUnknown.
@@ -211,6 +214,21 @@ type DeviceState struct {
 	BlockedBy []Holder
 	// Cordon is set while the device is cordoned (Manager.Cordon).
 	Cordon *Cordon
+	// AdminAccess are the live admin accesses of the device (ReserveRequest.AdminAccess),
+	// sorted by ID; they are not holders.
+	AdminAccess []Holder
+}
+
+// AdminAccess is a live admin access (ReserveRequest.AdminAccess): an owner that sees
+// devices without holding them.
+type AdminAccess struct {
+	ID         string // "acc-" and 16 hex digits
+	OwnerID    string
+	Group      GroupKey
+	DeviceIDs  []string
+	CDIDevices []string // what the owner was handed: the devices' CDI names
+	Since      time.Time
+	By         string // who asked: the caller's listener and peer
 }
 
 // Cordon is a device taken out of service by an operator.
@@ -315,6 +333,14 @@ type ReserveRequest struct {
 	// reservations keep holding their devices. Empty: nothing is taken over. At most
 	// MaxTakeOverPrefixes.
 	TakeOverOwnerPrefixes []string
+	// AdminAccess asks for the devices' CDI names (DeviceInfo.CDIDevices) without
+	// holding them, as Kubernetes' DRA admin access does for monitoring and debugging
+	// workloads: nothing is asked of the plugin, no holder is recorded, a held or
+	// cordoned device is given too, and it refuses no other Reserve. The access is
+	// recorded (an "acc-" ID, DeviceState.AdminAccess) until a Release of its ID or its
+	// owner. A device with no CDI names fails with ErrNoCDIDevices. Not with
+	// TakeOverOwnerPrefixes.
+	AdminAccess bool
 }
 
 // MaxTakeOverPrefixes is the most owner prefixes one Reserve may take devices over from
@@ -396,6 +422,9 @@ type Reservation struct {
 	CreatedAt      time.Time
 	ReleasedAt     time.Time // zero while active
 	CleanupPending bool      // released, plugin cleanup not yet done
+	// AdminAccess marks an admin access listed with the reservations
+	// (ReservationFilter.IncludeAdminAccess): it holds none of its devices.
+	AdminAccess bool
 	// TakenOver is set only in the answer of the Reserve that made this reservation:
 	// the IDs of the reservations it took over (released in the same write), sorted.
 	// It is never stored: listings and a retried Reserve leave it empty.
@@ -469,4 +498,7 @@ type ReservationFilter struct {
 	OwnerID  string // ending in "/": every owner that starts with it
 	DeviceID string
 	State    ReservationState
+	// IncludeAdminAccess also lists the live admin accesses that match, after the
+	// reservations, by ID (Reservation.AdminAccess set).
+	IncludeAdminAccess bool
 }

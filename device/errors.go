@@ -37,6 +37,9 @@ var (
 	ErrPermissionDenied = errors.New("permission denied")
 	// ErrDeviceCordoned: a device an operator took out of service; see CordonedError.
 	ErrDeviceCordoned = errors.New("device cordoned")
+	// ErrNoCDIDevices: an admin access (ReserveRequest.AdminAccess) to a device whose
+	// plugin reports no CDI names for it, so there is nothing to hand out.
+	ErrNoCDIDevices = errors.New("no CDI devices")
 )
 
 // FieldError says which request field is wrong and why. It matches ErrInvalidRequest

@@ -18,6 +18,9 @@ const (
 	EventCordon   EventKind = "cordon"    // a device taken out of service
 	EventUncordon EventKind = "uncordon"  // a device put back in service
 	EventRefused  EventKind = "refused"   // a Reserve, Release or Reown the ledger refused
+	// An admin access given (ReserveRequest.AdminAccess), and one ended by a Release.
+	EventAdminAccess    EventKind = "admin-access"
+	EventAdminAccessEnd EventKind = "admin-access-end"
 )
 
 // Event is one entry of the audit trail, kept in the ledger (Manager.Events).

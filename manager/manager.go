@@ -185,6 +185,7 @@ func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 		Now:          cfg.Now,
 		Holders:      m.store.Holders,
 		Cordons:      m.ledger.Cordons,
+		AdminAccess:  m.ledger.AccessByDevice,
 		CounterUse:   m.store.Usage,
 		Store:        m.ledger,
 		StoreTimeout: ledgerWriteTimeout,

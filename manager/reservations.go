@@ -71,6 +71,9 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if req.OwnerID == "" || len(req.DeviceIDs) == 0 {
 		return device.Reservation{}, errors.New("reserve: internal: a request without an owner or devices (validate.ReserveRequest refuses it)")
 	}
+	if req.AdminAccess {
+		return m.adminAccess(ctx, req)
+	}
 	ids := slices.Clone(req.DeviceIDs)
 	// Each step is a runtime/trace region (free unless the agent is being traced), in
 	// the call's task where the server started one: tools/hostbench's breakdown and `go
@@ -375,6 +378,35 @@ func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (devic
 	if m.stopping.Load() {
 		return device.ReleaseResult{}, fmt.Errorf("release: %w", device.ErrShuttingDown)
 	}
+	// Admin accesses end with their ID, or with their owner's Release.
+	if ledger.IsAccessID(req.ReservationID) || req.OwnerID != "" {
+		ended, err := m.ledger.RevokeAccess(ctx, req)
+		if err != nil {
+			return device.ReleaseResult{}, err
+		}
+		var res device.ReleaseResult
+		for _, a := range ended {
+			res.Released = append(res.Released, a.ID)
+		}
+		if req.ReservationID != "" {
+			if len(ended) == 0 {
+				return device.ReleaseResult{}, fmt.Errorf("admin access %s: %w", req.ReservationID, device.ErrNotFound)
+			}
+			m.reg.Refresh()
+			return res, nil
+		}
+		if len(ended) > 0 {
+			defer m.reg.Refresh()
+		}
+		more, err := m.releaseReservations(ctx, req)
+		more.Released = append(res.Released, more.Released...)
+		return more, err
+	}
+	return m.releaseReservations(ctx, req)
+}
+
+// releaseReservations is Release of reservations (not admin accesses).
+func (m *Manager) releaseReservations(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
 	region := trace.StartRegion(ctx, "ledger commit")
 	released, already, err := m.store.Release(ctx, req, m.cfg.Now())
 	region.End()
@@ -396,6 +428,61 @@ func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (devic
 	return res, nil
 }
 
+// adminAccess gives req's owner its devices' CDI names without holding them (see
+// device.ReserveRequest.AdminAccess): no plugin call, no holder, no cordon or health
+// check (a debugging workload may want a device out of service), recorded in the
+// ledger apart from the reservations. The answer is a Reservation whose ID is the
+// access's ("acc-...").
+func (m *Manager) adminAccess(ctx context.Context, req device.ReserveRequest) (device.Reservation, error) {
+	snap := m.reg.Snapshot()
+	var plugin string
+	infos := make(map[string]device.DeviceInfo, len(req.DeviceIDs))
+	for _, g := range snap.Inventory.Groups {
+		if g.GroupKey != req.Group {
+			continue
+		}
+		for _, d := range g.Devices {
+			if slices.Contains(req.DeviceIDs, d.ID) {
+				infos[d.ID] = d
+				if plugin != "" && plugin != g.Plugin {
+					return device.Reservation{}, fmt.Errorf("admin access: devices %s of group %s belong to more than one plugin: %w",
+						strings.Join(req.DeviceIDs, ", "), req.Group, device.ErrUnknownDevice)
+				}
+				plugin = g.Plugin
+			}
+		}
+	}
+	var unknown, noCDI, cdi []string
+	for _, id := range req.DeviceIDs {
+		info, ok := infos[id]
+		switch {
+		case !ok:
+			unknown = append(unknown, id)
+		case len(info.CDIDevices) == 0:
+			noCDI = append(noCDI, id)
+		default:
+			cdi = append(cdi, info.CDIDevices...)
+		}
+	}
+	if len(unknown) > 0 {
+		return device.Reservation{}, m.awaitedError(unknown, fmt.Errorf("admin access: %s not in group %s: %w",
+			strings.Join(unknown, ", "), req.Group, device.ErrUnknownDevice))
+	}
+	if len(noCDI) > 0 {
+		return device.Reservation{}, fmt.Errorf("admin access to %s: plugin %q reports no CDI names for them (it keeps no CDI spec): %w",
+			strings.Join(noCDI, ", "), plugin, device.ErrNoCDIDevices)
+	}
+	a, err := m.ledger.GrantAccess(ctx, device.AdminAccess{OwnerID: req.OwnerID, Group: req.Group, DeviceIDs: req.DeviceIDs,
+		CDIDevices: cdi, Since: m.cfg.Now(), By: device.CallerOf(ctx)})
+	if err != nil {
+		return device.Reservation{}, err
+	}
+	m.reg.Refresh()
+	return device.Reservation{ID: a.ID, OwnerID: a.OwnerID, Group: a.Group, Plugin: plugin, DeviceIDs: a.DeviceIDs,
+		Container: device.ContainerReservation{Envs: map[string]string{}, CDIDevices: a.CDIDevices},
+		State:     device.ReservationActive, CreatedAt: a.Since, AdminAccess: true}, nil
+}
+
 // Reown hands a live reservation to another owner; see device.Manager. req is trusted,
 // as Reserve's is: the server checks it with validate.ReownRequest.
 func (m *Manager) Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error) {
@@ -413,7 +500,19 @@ func (m *Manager) Reown(ctx context.Context, req device.ReownRequest) (device.Re
 // Reservations lists the reservations matching f, oldest first. f is trusted, as
 // Reserve's request is: the server checks it with validate.ReservationFilter.
 func (m *Manager) Reservations(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error) {
-	return m.store.List(ctx, f)
+	rs, err := m.store.List(ctx, f)
+	if err != nil || !f.IncludeAdminAccess || f.State == device.ReservationReleased {
+		return rs, err
+	}
+	for _, a := range m.ledger.Accesses() {
+		owner := a.OwnerID == f.OwnerID || strings.HasSuffix(f.OwnerID, "/") && strings.HasPrefix(a.OwnerID, f.OwnerID)
+		if (f.OwnerID == "" || owner) && (f.DeviceID == "" || slices.Contains(a.DeviceIDs, f.DeviceID)) {
+			rs = append(rs, device.Reservation{ID: a.ID, OwnerID: a.OwnerID, Group: a.Group, DeviceIDs: a.DeviceIDs,
+				Container: device.ContainerReservation{Envs: map[string]string{}, CDIDevices: a.CDIDevices},
+				State:     device.ReservationActive, CreatedAt: a.Since, AdminAccess: true})
+		}
+	}
+	return rs, nil
 }
 
 // fromContainerReservation converts a reservation that validate.Reservation accepted.

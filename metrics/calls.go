@@ -28,6 +28,7 @@ var results = []struct {
 	{device.ErrInvalidRequest, "invalid_request"},
 	{device.ErrDeviceHeld, "device_held"},
 	{device.ErrDeviceCordoned, "device_cordoned"},
+	{device.ErrNoCDIDevices, "no_cdi_devices"},
 	{device.ErrPermissionDenied, "permission_denied"},
 	{device.ErrUnknownDevice, "device_unknown"},
 	{device.ErrUnhealthyDevice, "device_unhealthy"},

@@ -41,6 +41,8 @@ var (
 		reservedLabels, nil)
 	cordonedDesc = prometheus.NewDesc("devicehost_device_cordoned",
 		"1 while the device is cordoned (taken out of service: no new holder on any path), else 0: one series per device.", deviceLabels, nil)
+	adminAccessDesc = prometheus.NewDesc("devicehost_device_admin_access",
+		"Live admin accesses of the device (monitoring or debugging workloads that see it without holding it; not holders): one series per device.", deviceLabels, nil)
 	pluginStatusDesc = prometheus.NewDesc("devicehost_plugin_status",
 		"1 for the plugin's current status, 0 for the others (starting, running, restarting, failed).", []string{"plugin", "status"}, nil)
 	pluginRestartsDesc = prometheus.NewDesc("devicehost_plugin_restarts_total",
@@ -55,7 +57,8 @@ var (
 )
 
 // reservedFamilies are the agent's own families that a stat's name must not take.
-var reservedFamilies = map[string]bool{"devicehost_device_healthy": true, "devicehost_device_reserved": true, "devicehost_device_cordoned": true}
+var reservedFamilies = map[string]bool{"devicehost_device_healthy": true, "devicehost_device_reserved": true, "devicehost_device_cordoned": true,
+	"devicehost_device_admin_access": true}
 
 // collector exports a device.Manager's devices, plugins and stats at each scrape, from
 // its Snapshot and LatestStats: a scrape never costs the plugins a call. It is an
@@ -137,6 +140,7 @@ func (s *scrape) devices(snap device.Snapshot) {
 			labels := []string{g.Plugin, g.Vendor, g.Type, g.Name, d.ID}
 			s.send(healthyDesc, prometheus.GaugeValue, boolValue(st.Health == device.HealthHealthy), labels...)
 			s.send(cordonedDesc, prometheus.GaugeValue, boolValue(st.Cordon != nil), labels...)
+			s.send(adminAccessDesc, prometheus.GaugeValue, float64(len(st.AdminAccess)), labels...)
 			owner, res := "", ""
 			if st.Holder != nil {
 				owner, res = st.Holder.OwnerID, st.Holder.ReservationID

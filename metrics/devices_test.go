@@ -40,7 +40,8 @@ func gpuSnapshot() device.Snapshot {
 				"w0":    {Health: device.HealthUnhealthy, Reason: "widget on fire"},
 				"GPU-a": {Health: device.HealthHealthy},
 				"GPU-b": {Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "res-1", OwnerID: "job-1"},
-					Cordon: &device.Cordon{Reason: "ECC storm", By: "admin", Since: t0}},
+					Cordon:      &device.Cordon{Reason: "ECC storm", By: "admin", Since: t0},
+					AdminAccess: []device.Holder{{ReservationID: "acc-1", OwnerID: "k8s-claim/mon/dcgm/u1"}, {ReservationID: "acc-2", OwnerID: "k8s-claim/mon/debug/u2"}}},
 			},
 			Plugins: []device.PluginState{
 				{Name: "acme", Status: device.PluginRestarting, Restarts: 3, LastError: "exit 1", LastErrorAt: t0, DeviceCount: 1},
@@ -189,7 +190,7 @@ func TestStatNamesAndUnits(t *testing.T) {
 			t.Errorf("%s is a %v, want a gauge", name, typ)
 		}
 	}
-	if got, want := len(f.names("devicehost_device_"))-3, len(want); got != want { // less healthy, reserved and cordoned
+	if got, want := len(f.names("devicehost_device_"))-4, len(want); got != want { // less healthy, reserved, cordoned and admin_access
 		t.Errorf("stat families %v, want %d", f.names("devicehost_device_"), want)
 	}
 	if got := f.value(t, "devicehost_metrics_series_dropped", map[string]string{"plugin": "acme", "reason": "not_a_number"}); got != 1 {
@@ -243,6 +244,12 @@ func TestDeviceAndPluginState(t *testing.T) {
 	for id, want := range map[string]float64{"GPU-a": 0, "GPU-b": 1, "w0": 0} {
 		if got := f.value(t, "devicehost_device_cordoned", dev(id)); got != want {
 			t.Errorf("cordoned{%s} = %v, want %v", id, got, want)
+		}
+	}
+	// Admin accesses are counted apart from the holder, which they are not.
+	for id, want := range map[string]float64{"GPU-a": 0, "GPU-b": 2, "w0": 0} {
+		if got := f.value(t, "devicehost_device_admin_access", dev(id)); got != want {
+			t.Errorf("admin_access{%s} = %v, want %v", id, got, want)
 		}
 	}
 	for _, st := range []string{"starting", "running", "restarting", "failed"} {

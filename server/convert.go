@@ -3,6 +3,7 @@ package server
 import (
 	"fmt"
 	"maps"
+	"slices"
 	"time"
 
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -108,6 +109,10 @@ func snapshotToProto(snap device.Snapshot, f streamFilter) *pb.FingerprintRespon
 			if ds.Cordon != nil {
 				pd.Cordon = cordonToProto(*ds.Cordon)
 			}
+			pd.CdiDevices = slices.Clone(d.CDIDevices)
+			for _, h := range ds.AdminAccess {
+				pd.AdminAccess = append(pd.AdminAccess, &pb.Holder{ReservationId: h.ReservationID, OwnerId: h.OwnerID})
+			}
 			pg.Devices = append(pg.Devices, pd)
 		}
 		out.Groups = append(out.Groups, pg)
@@ -159,6 +164,7 @@ func reserveRequestFromProto(in *pb.ReserveRequest) device.ReserveRequest {
 		},
 		DeviceIDs:             append([]string(nil), in.GetDeviceIds()...),
 		TakeOverOwnerPrefixes: append([]string(nil), in.GetTakeOverOwnerPrefixes()...),
+		AdminAccess:           in.GetAdminAccess(),
 	}
 }
 
@@ -210,7 +216,7 @@ func reservationStateToProto(s device.ReservationState) pb.ReservationState {
 // reservationFilterFromProto converts a ListReservations request. An unknown state is a
 // *device.FieldError.
 func reservationFilterFromProto(in *pb.ListReservationsRequest) (device.ReservationFilter, error) {
-	f := device.ReservationFilter{OwnerID: in.GetOwnerId(), DeviceID: in.GetDeviceId()}
+	f := device.ReservationFilter{OwnerID: in.GetOwnerId(), DeviceID: in.GetDeviceId(), IncludeAdminAccess: in.GetIncludeAdminAccess()}
 	switch in.GetState() {
 	case pb.ReservationState_RESERVATION_STATE_UNSPECIFIED:
 		f.State = device.ReservationAny
@@ -241,6 +247,7 @@ func reservationToProto(r device.Reservation) *pb.Reservation {
 		CreatedAt:      timeToProto(r.CreatedAt),
 		ReleasedAt:     timeToProto(r.ReleasedAt),
 		CleanupPending: r.CleanupPending,
+		AdminAccess:    r.AdminAccess,
 	}
 }
 

@@ -36,6 +36,7 @@ var errorCodes = []struct {
 	{device.ErrNotFound, codes.NotFound, pb.ErrorReason_RESERVATION_NOT_FOUND},
 	{device.ErrUnhealthyDevice, codes.FailedPrecondition, pb.ErrorReason_DEVICE_UNHEALTHY},
 	{device.ErrDeviceCordoned, codes.FailedPrecondition, pb.ErrorReason_DEVICE_CORDONED},
+	{device.ErrNoCDIDevices, codes.FailedPrecondition, pb.ErrorReason_NO_CDI_DEVICES},
 	{device.ErrDeviceHeld, codes.FailedPrecondition, pb.ErrorReason_DEVICE_HELD},
 	{device.ErrCapacityExceeded, codes.FailedPrecondition, pb.ErrorReason_CAPACITY_EXCEEDED},
 	{device.ErrPluginUnavailable, codes.Unavailable, pb.ErrorReason_PLUGIN_UNAVAILABLE},

@@ -85,6 +85,7 @@ func fingerprint(resp *pb.FingerprintResponse) error {
 				}
 			}
 			c.checkConsumption(dItem, d.GetConsumes(), sets)
+			c.checkDeviceCDI(dItem, d.GetId(), d.GetCdiDevices())
 		}
 	}
 	if n := countDevices(resp.GetGroups()); n > MaxDevices {
@@ -287,4 +288,32 @@ func allHex(s string) bool {
 		}
 	}
 	return true
+}
+
+// checkDeviceCDI checks the CDI names a plugin reports for device id: at most
+// MaxDeviceCDINames, each a valid CDI name of at most MaxNameLen bytes whose device part
+// is id (the names expose this device, not another), none twice.
+func (c *collector) checkDeviceCDI(item, id string, names []string) {
+	if len(names) > MaxDeviceCDINames {
+		c.add(at(item, "cdi_devices"), RuleTooMany, tooMany(len(names), MaxDeviceCDINames))
+		names = names[:MaxDeviceCDINames]
+	}
+	seen := make(map[string]bool, len(names))
+	for i, name := range names {
+		where := at(item, fmt.Sprintf("cdi_device[%d] %s", i, q(name)))
+		switch dev, why := parseCDIName(name); {
+		case name == "":
+			c.add(where, RuleEmpty, "")
+		case len(name) > MaxNameLen:
+			c.add(where, RuleTooLong, tooLong(len(name), MaxNameLen))
+		case why != "":
+			c.add(where, RuleCDIName, why)
+		case dev != id:
+			c.add(where, RuleNotRequested, "names device "+q(dev)+", not this one")
+		case seen[name]:
+			c.add(where, RuleDuplicate, "")
+		default:
+			seen[name] = true
+		}
+	}
 }

@@ -41,6 +41,11 @@ func goodFingerprint() *pb.FingerprintResponse {
 	}}
 }
 
+// cdiNames sets GPU-0's CDI names.
+func cdiNames(names ...string) func(*pb.FingerprintResponse) {
+	return func(r *pb.FingerprintResponse) { r.Groups[0].Devices[0].CdiDevices = names }
+}
+
 func TestFingerprint(t *testing.T) {
 	attr := func(r *pb.FingerprintResponse, name string, v *pb.Value) {
 		r.Groups[0].Attributes[name] = v
@@ -62,6 +67,38 @@ func TestFingerprint(t *testing.T) {
 			mutate: func(r *pb.FingerprintResponse) { r.Groups[0].Devices[1].HealthReason = "" },
 		},
 		{name: "nil locality", mutate: func(r *pb.FingerprintResponse) { r.Groups[0].Devices[0].Locality = nil }},
+		{name: "CDI names of the device", mutate: cdiNames("nvidia.com/gpu=GPU-0", "example.com/debug=GPU-0")},
+		{
+			name: "too many CDI names",
+			mutate: func(r *pb.FingerprintResponse) {
+				var names []string
+				for i := range validate.MaxDeviceCDINames + 1 {
+					names = append(names, fmt.Sprintf("example.com/k%d=GPU-0", i))
+				}
+				cdiNames(names...)(r)
+			},
+			want: []found{{dev0 + ": cdi_devices", validate.RuleTooMany}},
+		},
+		{
+			name:   "CDI name of another device",
+			mutate: cdiNames("nvidia.com/gpu=GPU-1"),
+			want:   []found{{dev0 + `: cdi_device[0] "nvidia.com/gpu=GPU-1"`, validate.RuleNotRequested}},
+		},
+		{
+			name:   "CDI name without a kind",
+			mutate: cdiNames("GPU-0"),
+			want:   []found{{dev0 + `: cdi_device[0] "GPU-0"`, validate.RuleCDIName}},
+		},
+		{
+			name:   "CDI name twice",
+			mutate: cdiNames("nvidia.com/gpu=GPU-0", "nvidia.com/gpu=GPU-0"),
+			want:   []found{{dev0 + `: cdi_device[1] "nvidia.com/gpu=GPU-0"`, validate.RuleDuplicate}},
+		},
+		{
+			name:   "empty CDI name",
+			mutate: cdiNames(""),
+			want:   []found{{dev0 + `: cdi_device[0] ""`, validate.RuleEmpty}},
+		},
 		{name: "uppercase PCI hex", mutate: pci("0000:AB:1F.0")},
 		{name: "empty PCI bus ID", mutate: pci("")},
 		{

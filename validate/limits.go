@@ -45,6 +45,9 @@ const (
 	MaxDeviceNodes = 2 * MaxDevicesPerGroup
 	// MaxCDIDevices bounds the CDI device names of one reservation.
 	MaxCDIDevices = MaxDevicesPerGroup
+	// MaxDeviceCDINames bounds the CDI names a plugin reports for one device in its
+	// fingerprint (Device.cdi_devices): what an admin access hands out.
+	MaxDeviceCDINames = 8
 	// MaxPathLen bounds, in bytes, a mount or device node path (Linux PATH_MAX).
 	MaxPathLen = 4096
 	// MaxTakeOverPrefixes bounds the owner prefixes one Reserve may take devices over

@@ -117,6 +117,9 @@ func reserveRequest(req device.ReserveRequest) error {
 		}
 	}
 	f.checkPrefixes("take_over_owner_prefixes", req.TakeOverOwnerPrefixes)
+	if req.AdminAccess && len(req.TakeOverOwnerPrefixes) > 0 {
+		f.add("take_over_owner_prefixes", RuleAdminTakeOver, "")
+	}
 	return f.err()
 }
 

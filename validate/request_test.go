@@ -130,6 +130,12 @@ func TestReserveRequest(t *testing.T) {
 				fe("take_over_owner_prefixes[8]", validate.RuleTooLong, fmt.Sprintf("%d bytes, limit %d", len(long)+1, validate.MaxNameLen)),
 			},
 		},
+		{name: "admin access", mutate: func(r *device.ReserveRequest) { r.AdminAccess = true }},
+		{
+			name:   "admin access taking over",
+			mutate: func(r *device.ReserveRequest) { r.AdminAccess, r.TakeOverOwnerPrefixes = true, []string{"nomad/"} },
+			want:   []device.FieldError{fe("take_over_owner_prefixes", validate.RuleAdminTakeOver)},
+		},
 		{
 			name:   "take-over prefix duplicate",
 			mutate: func(r *device.ReserveRequest) { r.TakeOverOwnerPrefixes = []string{"nomad/", "k8s/", "nomad/"} },

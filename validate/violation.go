@@ -46,7 +46,8 @@ const (
 	RuleNotRequested  Rule = "device not requested" // a CDI device for a device the caller did not ask for
 	RuleExactlyOne    Rule = "exactly one of reservation_id and owner_id must be set"
 	RuleState         Rule = "unknown reservation state"
-	RuleOwnerPrefix   Rule = "invalid owner prefix" // a take-over prefix that is not "segment/.../"
+	RuleOwnerPrefix   Rule = "invalid owner prefix"  // a take-over prefix that is not "segment/.../"
+	RuleAdminTakeOver Rule = "not with admin_access" // an admin access takes nothing over
 	// Shared capacity (counter sets).
 	RuleUnknownCounterSet Rule = "unknown counter set"       // a device consumes from a set the fingerprint does not declare
 	RuleUnknownCounter    Rule = "unknown counter"           // a device consumes a counter its set does not have

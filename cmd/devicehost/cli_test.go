@@ -129,6 +129,34 @@ func TestDevicesTable(t *testing.T) {
 	}
 }
 
+// Admin accesses (monitoring or debugging workloads that see a device without holding
+// it) have a column of their own, apart from the holder, shown only when there is one.
+func TestDevicesTableAdminAccess(t *testing.T) {
+	snap := twoGroups()
+	snap.State.Devices = maps.Clone(snap.State.Devices)
+	for id, acc := range map[string][]device.Holder{
+		"GPU-0": {{ReservationID: "acc-1", OwnerID: "k8s-claim/mon/dcgm/u1"}, {ReservationID: "acc-2", OwnerID: "k8s-claim/mon/dbg/u2"}},
+		"GPU-2": {{ReservationID: "acc-1", OwnerID: "k8s-claim/mon/dcgm/u1"}},
+	} {
+		st := snap.State.Devices[id]
+		st.AdminAccess = acc
+		snap.State.Devices[id] = st
+	}
+	addr := startAgent(t, &devicetest.Fake{WatchFunc: watchOnce(snap)})
+	got := mustRunCLI(t, "devices", "-address", addr)
+	want := strings.Join([]string{
+		"GROUP                             DEVICE  HEALTH     REASON                    HOLDER        CORDONED  ADMIN ACCESS",
+		"nvidia/gpu/NVIDIA A100            GPU-a0  healthy    -                         -             -         -",
+		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0   healthy    -                         alloc-1 (r1)  -         k8s-claim/mon/dcgm/u1 (acc-1), k8s-claim/mon/dbg/u2 (acc-2)",
+		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-1   unhealthy  XID 79: fell off the bus  -             -         -",
+		"nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-2   healthy    -                         -             -         k8s-claim/mon/dcgm/u1 (acc-1)",
+		"",
+	}, "\n")
+	if got != want {
+		t.Errorf("devices:\ngot\n%s\nwant\n%s", got, want)
+	}
+}
+
 // Partitions show the counter set they share (their GPU), and a free one that cannot be
 // reserved now shows who blocks it.
 func TestDevicesTableShared(t *testing.T) {

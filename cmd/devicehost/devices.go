@@ -39,6 +39,14 @@ func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
 		return slices.ContainsFunc(g.GetDevices(), func(d *pb.Device) bool { return len(d.GetConsumes()) > 0 })
 	})
 	header := []string{"GROUP", "DEVICE", "HEALTH", "REASON", "HOLDER", "CORDONED"}
+	// Admin accesses (monitoring or debugging workloads that see a device without
+	// holding it) get a column of their own, apart from the holder.
+	admin := slices.ContainsFunc(fp.GetGroups(), func(g *pb.DeviceGroup) bool {
+		return slices.ContainsFunc(g.GetDevices(), func(d *pb.Device) bool { return len(d.GetAdminAccess()) > 0 })
+	})
+	if admin {
+		header = append(header, "ADMIN ACCESS")
+	}
 	if shared {
 		header = append(header, "SHARES")
 	}
@@ -56,6 +64,16 @@ func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
 			}
 			row := []string{cell(groupName(g.GetVendor(), g.GetType(), g.GetName())), cell(d.GetId()),
 				cell(healthName(d.GetHealth())), cell(d.GetHealthReason()), holder, cordonCell(d.GetCordon())}
+			if admin {
+				var owners []string
+				for _, a := range d.GetAdminAccess() {
+					owners = append(owners, fmt.Sprintf("%s (%s)", cell(a.GetOwnerId()), cell(a.GetReservationId())))
+				}
+				if len(owners) == 0 {
+					owners = []string{cell("")}
+				}
+				row = append(row, strings.Join(owners, ", "))
+			}
 			if shared {
 				sets := make([]string, len(d.GetConsumes()))
 				for i, c := range d.GetConsumes() {

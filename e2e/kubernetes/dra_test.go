@@ -54,6 +54,7 @@ func TestRealNodeDRA(t *testing.T) {
 	t.Run("CordonAndDrain", d.caseCordonDrain)
 	t.Run("AdminTaintRule", d.caseTaintRule)
 	t.Run("PrioritizedMIGOrGPU", d.casePrioritized)
+	t.Run("AdminAccess", d.caseAdminAccess)
 }
 
 // draStack is the stack with the DRA driver beside it.

@@ -172,7 +172,8 @@ func parseOwner(owner string) (claimRef, bool) {
 
 // claimReservations lists the agent's live reservations of claims, by claim.
 func (d *Driver) claimReservations(ctx context.Context) (map[claimRef][]*pb.Reservation, error) {
-	rs, err := d.agent.Reservations(ctx, &pb.ListReservationsRequest{State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
+	// With the claims' admin accesses: a claim that has only those is prepared too.
+	rs, err := d.agent.Reservations(ctx, &pb.ListReservationsRequest{State: pb.ReservationState_RESERVATION_STATE_ACTIVE, IncludeAdminAccess: true})
 	if err != nil {
 		return nil, fmt.Errorf("list reservations: %w", err)
 	}

@@ -38,6 +38,9 @@ func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceap
 type allocated struct {
 	request string
 	ref     deviceRef
+	// admin: the claim has the device with admin access (DRAAdminAccess): it sees the
+	// device without holding it.
+	admin bool
 }
 
 func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, error) {
@@ -62,23 +65,29 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 		return nil, err
 	}
 
-	// One Reserve per device group, in the order the groups first appear.
-	var order []groupKey
-	byGroup := make(map[groupKey][]string)
+	// One Reserve per device group, in the order the groups first appear; the devices
+	// of an admin access request apart (an admin access of the agent: no holder).
+	type reserveKey struct {
+		group groupKey
+		admin bool
+	}
+	var order []reserveKey
+	byGroup := make(map[reserveKey][]string)
 	for _, a := range devs {
-		if _, ok := byGroup[a.ref.group]; !ok {
-			order = append(order, a.ref.group)
+		k := reserveKey{a.ref.group, a.admin}
+		if _, ok := byGroup[k]; !ok {
+			order = append(order, k)
 		}
-		if !slices.Contains(byGroup[a.ref.group], a.ref.id) {
-			byGroup[a.ref.group] = append(byGroup[a.ref.group], a.ref.id)
+		if !slices.Contains(byGroup[k], a.ref.id) {
+			byGroup[k] = append(byGroup[k], a.ref.id)
 		}
 	}
 	owner := ref.owner()
 	var reservations []*pb.Reservation
 	cdiByDevice := make(map[string][]string) // agent device ID -> CDI IDs
-	for _, g := range order {
-		ids := byGroup[g]
-		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: g.vendor, Type: g.typ, Name: g.name, DeviceIds: ids})
+	for _, k := range order {
+		g, ids := k.group, byGroup[k]
+		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: g.vendor, Type: g.typ, Name: g.name, DeviceIds: ids, AdminAccess: k.admin})
 		if err != nil {
 			return nil, reserveError(ids, err)
 		}
@@ -141,7 +150,7 @@ func (d *Driver) resolve(ctx context.Context, results []resourceapi.DeviceReques
 				missing = append(missing, r.Pool+"/"+r.Device)
 				continue
 			}
-			out = append(out, allocated{request: r.Request, ref: ref})
+			out = append(out, allocated{request: r.Request, ref: ref, admin: r.AdminAccess != nil && *r.AdminAccess})
 		}
 		return out, missing
 	}

@@ -56,6 +56,9 @@ func fromFingerprint(plugin string, resp *pb.FingerprintResponse) fingerprint {
 			if d.GetLocality() != nil {
 				info.Locality.NUMANode = int(d.GetLocality().GetNumaNode())
 			}
+			if len(d.GetCdiDevices()) > 0 {
+				info.CDIDevices = slices.Clone(d.GetCdiDevices())
+			}
 			for _, c := range d.GetConsumes() {
 				info.Consumes = append(info.Consumes, device.Consumption{
 					Set:      device.CounterSetKey{Plugin: plugin, Name: c.GetCounterSet()},

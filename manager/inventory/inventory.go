@@ -32,6 +32,7 @@ type Registry struct {
 	now          func() time.Time
 	holders      func() map[string]device.Holder
 	cordons      func() map[string]device.Cordon
+	adminAccess  func() map[string][]device.Holder
 	counterUse   func() map[device.CounterSetKey]device.CounterUse
 	store        BindingStore
 	storeTimeout time.Duration
@@ -69,6 +70,9 @@ type Config struct {
 	// Cordons returns the cordoned devices' cordons, by device ID; nil: none. Called
 	// like Holders, with the registry's lock held.
 	Cordons func() map[string]device.Cordon
+	// AdminAccess returns the live admin accesses, by device ID, each sorted by ID;
+	// nil: none. Called like Holders, with the registry's lock held.
+	AdminAccess func() map[string][]device.Holder
 	// CounterUse returns what live reservations use of the plugins' shared counters;
 	// nil: nothing. Called like Holders, with the registry's lock held.
 	CounterUse func() map[device.CounterSetKey]device.CounterUse
@@ -101,6 +105,7 @@ func New(cfg Config) *Registry {
 		now:          cfg.Now,
 		holders:      cfg.Holders,
 		cordons:      cfg.Cordons,
+		adminAccess:  cfg.AdminAccess,
 		counterUse:   cfg.CounterUse,
 		store:        cfg.Store,
 		storeTimeout: cfg.StoreTimeout,
@@ -124,6 +129,9 @@ func New(cfg Config) *Registry {
 	}
 	if r.cordons == nil {
 		r.cordons = func() map[string]device.Cordon { return nil }
+	}
+	if r.adminAccess == nil {
+		r.adminAccess = func() map[string][]device.Holder { return nil }
 	}
 	if r.counterUse == nil {
 		r.counterUse = func() map[device.CounterSetKey]device.CounterUse { return nil }
@@ -186,6 +194,7 @@ func (r *Registry) deviceStatesLocked(inv device.Inventory) (map[string]device.D
 	states := make(map[string]device.DeviceState, len(r.devState))
 	holders := r.holders()
 	cordons := r.cordons()
+	access := r.adminAccess()
 	for id, st := range r.devState {
 		if h, ok := holders[id]; ok {
 			st.Holder = &h
@@ -193,6 +202,7 @@ func (r *Registry) deviceStatesLocked(inv device.Inventory) (map[string]device.D
 		if c, ok := cordons[id]; ok {
 			st.Cordon = &c
 		}
+		st.AdminAccess = access[id]
 		states[id] = st
 	}
 	if len(inv.CounterSets) == 0 {

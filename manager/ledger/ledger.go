@@ -166,6 +166,11 @@ type Ledger struct {
 	cordonMu sync.Mutex
 	cordons  atomic.Pointer[map[string]device.Cordon]
 
+	// accessMu serialises the changes of admin accesses, each a commit and then a new
+	// accessView; access is what Accesses and AccessByDevice return (access.go).
+	accessMu sync.Mutex
+	access   atomic.Pointer[accessView]
+
 	ev *eventLog // the audit trail (events.go)
 
 	refusedMu     sync.Mutex
@@ -215,6 +220,14 @@ func Open(path string, opts Options) (*Ledger, error) {
 		_ = db.Close()
 		return nil, fmt.Errorf("read the events of %s: %w", path, err)
 	}
+	access, err := loadAccesses(db, path)
+	if err != nil && !errors.Is(err, ErrCorrupt) {
+		_ = db.Close()
+		return nil, err
+	}
+	if err != nil {
+		opts.Logger.Error("damaged admin access records: left out; their owners' Release still ends the others", "error", err.Error())
+	}
 	cordons, err := loadCordons(db, path)
 	if err != nil && !errors.Is(err, ErrCorrupt) {
 		_ = db.Close()
@@ -240,6 +253,7 @@ func Open(path string, opts Options) (*Ledger, error) {
 		slots:    make(chan struct{}, maxQueued),
 	}
 	l.cordons.Store(&cordons)
+	l.access.Store(newAccessView(access))
 	l.queue = l.queueBuf
 	l.idle = sync.NewCond(&l.wmu)
 	l.deferTimer = time.AfterFunc(time.Hour, l.deferredDue)

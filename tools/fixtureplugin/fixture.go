@@ -44,6 +44,8 @@ type Group struct {
 	Name         string   `json:"name"`
 	IDs          []string `json:"ids"`
 	UnhealthyIDs []string `json:"unhealthy_ids,omitempty"`
+	// CDIKind, when set, gives each device the CDI name CDIKind=<ID> (Device.cdi_devices).
+	CDIKind string `json:"cdi_kind,omitempty"`
 }
 
 // StatValue is one extra stats value of the stats_values knob.
@@ -402,6 +404,9 @@ func inventory(cfg Config, toggled bool) *pb.FingerprintResponse {
 			d := &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: &pb.Locality{NumaNode: -1}}
 			if slices.Contains(g.UnhealthyIDs, id) {
 				d.Health, d.HealthReason = pb.Health_HEALTH_UNHEALTHY, "fixture: configured unhealthy"
+			}
+			if g.CDIKind != "" {
+				d.CdiDevices = []string{g.CDIKind + "=" + id}
 			}
 			if toggled && gi == 0 && di == 0 {
 				if d.Health == pb.Health_HEALTH_HEALTHY {

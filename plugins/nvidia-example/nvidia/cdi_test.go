@@ -2,6 +2,7 @@ package nvidia
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -302,5 +303,56 @@ func TestCDISpecListsHostUVMNodes(t *testing.T) {
 	}
 	if want := []string{"/dev/nvidiactl c 195:255", "/dev/nvidia-uvm  0:0"}; !slices.Equal(common, want) {
 		t.Errorf("common device nodes = %q, want %q", common, want)
+	}
+}
+
+// With a CDI spec, every device of the fingerprint but an on-demand MIG partition names
+// its CDI name (what the host hands an admin access), and the spec resolves each; without
+// a spec, none names one.
+func TestFingerprintCDINames(t *testing.T) {
+	dir := t.TempDir()
+	cfg := Config{Simulate: "dgxh100", CDISpecDir: &dir, MIG: MIGOnDemand, MIGLayout: json.RawMessage(`{"1": ["3g.40gb"]}`), Replicas: 2}
+	p, _ := newTestPlugin(t, cfg)
+	resp := fingerprintOf(t, p)
+	named, bare := 0, 0
+	for _, g := range resp.GetGroups() {
+		for _, d := range g.GetDevices() {
+			names := d.GetCdiDevices()
+			if strings.Contains(d.GetId(), "-mig-") { // an on-demand partition
+				if len(names) != 0 {
+					t.Errorf("on-demand partition %s names %v, want none (its instance exists only while reserved)", d.GetId(), names)
+				}
+				bare++
+				continue
+			}
+			if want := []string{cdiKind + "=" + d.GetId()}; !slices.Equal(names, want) {
+				t.Errorf("%s %s names %v, want %v", g.GetType(), d.GetId(), names, want)
+			}
+			named++
+		}
+	}
+	inSpec := cdiDevices(t, dir)
+	for _, g := range resp.GetGroups() {
+		for _, d := range g.GetDevices() {
+			for _, n := range d.GetCdiDevices() {
+				if !slices.Contains(inSpec, strings.TrimPrefix(n, cdiKind+"=")) {
+					t.Errorf("%s: its CDI name %s is not in the spec", d.GetId(), n)
+				}
+			}
+		}
+	}
+	if named == 0 || bare == 0 {
+		t.Fatalf("%d named devices, %d partitions: the fingerprint lacks a kind", named, bare)
+	}
+
+	off := ""
+	cfg.CDISpecDir = &off
+	q, _ := newTestPlugin(t, cfg)
+	for _, g := range fingerprintOf(t, q).GetGroups() {
+		for _, d := range g.GetDevices() {
+			if len(d.GetCdiDevices()) > 0 {
+				t.Fatalf("without a CDI spec %s names %v", d.GetId(), d.GetCdiDevices())
+			}
+		}
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/devicehost/devicehost/deviceplugin/cdi"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
@@ -240,7 +241,10 @@ func (rt *runtime) numaNode(g gpu, busID string) int32 {
 // (nvidia/gpu.shared/<name>), one per MIG profile (nvidia/mig/<profile>), and a counter
 // set per GPU whose devices share it. A partition's health is its GPU's. recovery is
 // the earliest time an unhealthy GPU turns healthy (zero when none is unhealthy).
-func (inv *inventory) fingerprint(h *healthBook, now time.Time) (resp *pb.FingerprintResponse, recovery time.Time) {
+// With cdiNames (the plugin keeps a CDI spec) every device but an on-demand MIG
+// partition carries its CDI name, which its spec resolves whoever holds it; a
+// partition's instance exists only while it is reserved.
+func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool) (resp *pb.FingerprintResponse, recovery time.Time) {
 	type key struct{ typ, name string }
 	groups := make(map[key]*pb.DeviceGroup)
 	add := func(typ, name string, attrs func() map[string]*pb.Value, dev *pb.Device) {
@@ -269,6 +273,9 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time) (resp *pb.Finger
 			if use != nil {
 				dev.Consumes = []*pb.CounterConsumption{{CounterSet: d.id, Counters: use}}
 			}
+			if cdiNames {
+				dev.CdiDevices = []string{cdi.Name(cdiKind, id)}
+			}
 			return dev
 		}
 		var whole map[string]int64
@@ -286,8 +293,9 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time) (resp *pb.Finger
 		case modeOnDemand:
 			for _, prof := range plan.profiles {
 				for _, pl := range prof.placements {
-					add("mig", prof.name, func() map[string]*pb.Value { return migAttrs(prof, d) },
-						device(partitionID(d.id, prof.name, pl.Start), partitionUse(prof, pl)))
+					dev := device(partitionID(d.id, prof.name, pl.Start), partitionUse(prof, pl))
+					dev.CdiDevices = nil
+					add("mig", prof.name, func() map[string]*pb.Value { return migAttrs(prof, d) }, dev)
 				}
 			}
 		}

@@ -355,7 +355,7 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 			nextScan = now.Add(rt.fingerprintPeriod)
 		}
 		pending := pollRecoveryActions(rt.health, inv.gpus, now)
-		resp, recovery := inv.fingerprint(rt.health, now)
+		resp, recovery := inv.fingerprint(rt.health, now, rt.cdi != nil)
 		if last == nil || !protoEqual(resp, last) {
 			if err := send(resp); err != nil {
 				return err

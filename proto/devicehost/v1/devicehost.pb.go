@@ -221,6 +221,9 @@ const (
 	// FAILED_PRECONDITION: a requested device is cordoned; the message says why and by
 	// whom.
 	ErrorReason_DEVICE_CORDONED ErrorReason = 11
+	// FAILED_PRECONDITION: an admin access to a device whose plugin reports no CDI
+	// names for it (Device.cdi_devices).
+	ErrorReason_NO_CDI_DEVICES ErrorReason = 12
 )
 
 // Enum value maps for ErrorReason.
@@ -238,6 +241,7 @@ var (
 		9:  "PLUGIN_RESPONSE_INVALID",
 		10: "PERMISSION_DENIED",
 		11: "DEVICE_CORDONED",
+		12: "NO_CDI_DEVICES",
 	}
 	ErrorReason_value = map[string]int32{
 		"ERROR_REASON_UNSPECIFIED": 0,
@@ -252,6 +256,7 @@ var (
 		"PLUGIN_RESPONSE_INVALID":  9,
 		"PERMISSION_DENIED":        10,
 		"DEVICE_CORDONED":          11,
+		"NO_CDI_DEVICES":           12,
 	}
 )
 
@@ -1149,7 +1154,15 @@ type Device struct {
 	BlockedBy []*Holder `protobuf:"bytes,8,rep,name=blocked_by,json=blockedBy,proto3" json:"blocked_by,omitempty"`
 	// Set while the device is cordoned (CordonDevice): no new holder may take it,
 	// whatever its health.
-	Cordon        *Cordon `protobuf:"bytes,9,opt,name=cordon,proto3" json:"cordon,omitempty"`
+	Cordon *Cordon `protobuf:"bytes,9,opt,name=cordon,proto3" json:"cordon,omitempty"`
+	// Reported by the plugin: the CDI device names (kind=name) that expose this device to
+	// a container, from a CDI spec the plugin keeps; empty when it keeps none. At most 8,
+	// each at most 256 bytes. What an admin access (ReserveRequest.admin_access) hands out.
+	CdiDevices []string `protobuf:"bytes,10,rep,name=cdi_devices,json=cdiDevices,proto3" json:"cdi_devices,omitempty"`
+	// Live admin accesses of the device (ReserveRequest.admin_access), sorted by
+	// reservation ID: monitoring or debugging workloads that see the device without
+	// holding it. They are not holders: the device stays free or held as it is.
+	AdminAccess   []*Holder `protobuf:"bytes,11,rep,name=admin_access,json=adminAccess,proto3" json:"admin_access,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1243,6 +1256,20 @@ func (x *Device) GetBlockedBy() []*Holder {
 func (x *Device) GetCordon() *Cordon {
 	if x != nil {
 		return x.Cordon
+	}
+	return nil
+}
+
+func (x *Device) GetCdiDevices() []string {
+	if x != nil {
+		return x.CdiDevices
+	}
+	return nil
+}
+
+func (x *Device) GetAdminAccess() []*Holder {
+	if x != nil {
+		return x.AdminAccess
 	}
 	return nil
 }
@@ -1809,8 +1836,16 @@ type ReserveRequest struct {
 	// takes nothing over. For a runtime that is never told when an allocation ends
 	// (Nomad's device plugins).
 	TakeOverOwnerPrefixes []string `protobuf:"bytes,6,rep,name=take_over_owner_prefixes,json=takeOverOwnerPrefixes,proto3" json:"take_over_owner_prefixes,omitempty"`
-	unknownFields         protoimpl.UnknownFields
-	sizeCache             protoimpl.SizeCache
+	// Admin access (as Kubernetes' DRA adminAccess): the owner gets the devices' CDI
+	// names (Device.cdi_devices) without reserving them. Nothing is asked of the
+	// plugin, no holder is recorded, held and cordoned devices are given too, and other
+	// Reserves of the devices are not refused. The ledger records the access (ID
+	// "acc-..."; Device.admin_access) until a Release of its ID or of its owner. A
+	// device whose plugin reports no CDI names is refused (FAILED_PRECONDITION). Not
+	// with take_over_owner_prefixes.
+	AdminAccess   bool `protobuf:"varint,7,opt,name=admin_access,json=adminAccess,proto3" json:"admin_access,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReserveRequest) Reset() {
@@ -1883,6 +1918,13 @@ func (x *ReserveRequest) GetTakeOverOwnerPrefixes() []string {
 		return x.TakeOverOwnerPrefixes
 	}
 	return nil
+}
+
+func (x *ReserveRequest) GetAdminAccess() bool {
+	if x != nil {
+		return x.AdminAccess
+	}
+	return false
 }
 
 type ReserveResponse struct {
@@ -2293,8 +2335,12 @@ type Reservation struct {
 	ReleasedAt    *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=released_at,json=releasedAt,proto3" json:"released_at,omitempty"`
 	// True while the plugin's cleanup for a released reservation has not yet succeeded.
 	CleanupPending bool `protobuf:"varint,12,opt,name=cleanup_pending,json=cleanupPending,proto3" json:"cleanup_pending,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// An admin access (ReserveRequest.admin_access), listed only when asked for
+	// (ListReservationsRequest.include_admin_access): it holds none of its devices. Its
+	// ID starts "acc-"; it is active until released, and then gone.
+	AdminAccess   bool `protobuf:"varint,13,opt,name=admin_access,json=adminAccess,proto3" json:"admin_access,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Reservation) Reset() {
@@ -2411,15 +2457,25 @@ func (x *Reservation) GetCleanupPending() bool {
 	return false
 }
 
+func (x *Reservation) GetAdminAccess() bool {
+	if x != nil {
+		return x.AdminAccess
+	}
+	return false
+}
+
 type ListReservationsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Filters; empty fields match anything. An owner_id ending in "/" matches every owner
 	// that starts with it ("nomad/default/train/": a Nomad job's reservations).
-	OwnerId       string           `protobuf:"bytes,1,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
-	DeviceId      string           `protobuf:"bytes,2,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
-	State         ReservationState `protobuf:"varint,3,opt,name=state,proto3,enum=devicehost.v1.ReservationState" json:"state,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	OwnerId  string           `protobuf:"bytes,1,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
+	DeviceId string           `protobuf:"bytes,2,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	State    ReservationState `protobuf:"varint,3,opt,name=state,proto3,enum=devicehost.v1.ReservationState" json:"state,omitempty"`
+	// Also list the live admin accesses that match (Reservation.admin_access), after the
+	// reservations, by ID.
+	IncludeAdminAccess bool `protobuf:"varint,4,opt,name=include_admin_access,json=includeAdminAccess,proto3" json:"include_admin_access,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *ListReservationsRequest) Reset() {
@@ -2471,6 +2527,13 @@ func (x *ListReservationsRequest) GetState() ReservationState {
 		return x.State
 	}
 	return ReservationState_RESERVATION_STATE_UNSPECIFIED
+}
+
+func (x *ListReservationsRequest) GetIncludeAdminAccess() bool {
+	if x != nil {
+		return x.IncludeAdminAccess
+	}
+	return false
 }
 
 type ListReservationsResponse struct {
@@ -3183,7 +3246,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\adevices\x18\x06 \x03(\v2\x15.devicehost.v1.DeviceR\adevices\x1aS\n" +
 	"\x0fAttributesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12*\n" +
-	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\xb3\x03\n" +
+	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\x8e\x04\n" +
 	"\x06Device\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12-\n" +
 	"\x06health\x18\x02 \x01(\x0e2\x15.devicehost.v1.HealthR\x06health\x12#\n" +
@@ -3194,7 +3257,11 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\bconsumes\x18\a \x03(\v2!.devicehost.v1.CounterConsumptionR\bconsumes\x124\n" +
 	"\n" +
 	"blocked_by\x18\b \x03(\v2\x15.devicehost.v1.HolderR\tblockedBy\x12-\n" +
-	"\x06cordon\x18\t \x01(\v2\x15.devicehost.v1.CordonR\x06cordon\"E\n" +
+	"\x06cordon\x18\t \x01(\v2\x15.devicehost.v1.CordonR\x06cordon\x12\x1f\n" +
+	"\vcdi_devices\x18\n" +
+	" \x03(\tR\n" +
+	"cdiDevices\x128\n" +
+	"\fadmin_access\x18\v \x03(\v2\x15.devicehost.v1.HolderR\vadminAccess\"E\n" +
 	"\bLocality\x12\x1c\n" +
 	"\n" +
 	"pci_bus_id\x18\x01 \x01(\tR\bpciBusId\x12\x1b\n" +
@@ -3235,7 +3302,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\ttimestamp\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\ttimestamp\x1aO\n" +
 	"\vValuesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12*\n" +
-	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\xc3\x01\n" +
+	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\xe6\x01\n" +
 	"\x0eReserveRequest\x12\x19\n" +
 	"\bowner_id\x18\x01 \x01(\tR\aownerId\x12\x16\n" +
 	"\x06vendor\x18\x02 \x01(\tR\x06vendor\x12\x12\n" +
@@ -3243,7 +3310,8 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x04name\x18\x04 \x01(\tR\x04name\x12\x1d\n" +
 	"\n" +
 	"device_ids\x18\x05 \x03(\tR\tdeviceIds\x127\n" +
-	"\x18take_over_owner_prefixes\x18\x06 \x03(\tR\x15takeOverOwnerPrefixes\"\xbc\x01\n" +
+	"\x18take_over_owner_prefixes\x18\x06 \x03(\tR\x15takeOverOwnerPrefixes\x12!\n" +
+	"\fadmin_access\x18\a \x01(\bR\vadminAccess\"\xbc\x01\n" +
 	"\x0fReserveResponse\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12E\n" +
 	"\vreservation\x18\x02 \x01(\v2#.devicehost.v1.ContainerReservationR\vreservation\x12;\n" +
@@ -3272,7 +3340,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x06target\"\x94\x01\n" +
 	"\x0fReleaseResponse\x128\n" +
 	"\x18released_reservation_ids\x18\x01 \x03(\tR\x16releasedReservationIds\x12G\n" +
-	" already_released_reservation_ids\x18\x02 \x03(\tR\x1dalreadyReleasedReservationIds\"\xe5\x03\n" +
+	" already_released_reservation_ids\x18\x02 \x03(\tR\x1dalreadyReleasedReservationIds\"\x88\x04\n" +
 	"\vReservation\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x19\n" +
 	"\bowner_id\x18\x02 \x01(\tR\aownerId\x12\x16\n" +
@@ -3289,11 +3357,13 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12;\n" +
 	"\vreleased_at\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\n" +
 	"releasedAt\x12'\n" +
-	"\x0fcleanup_pending\x18\f \x01(\bR\x0ecleanupPending\"\x88\x01\n" +
+	"\x0fcleanup_pending\x18\f \x01(\bR\x0ecleanupPending\x12!\n" +
+	"\fadmin_access\x18\r \x01(\bR\vadminAccess\"\xba\x01\n" +
 	"\x17ListReservationsRequest\x12\x19\n" +
 	"\bowner_id\x18\x01 \x01(\tR\aownerId\x12\x1b\n" +
 	"\tdevice_id\x18\x02 \x01(\tR\bdeviceId\x125\n" +
-	"\x05state\x18\x03 \x01(\x0e2\x1f.devicehost.v1.ReservationStateR\x05state\"Z\n" +
+	"\x05state\x18\x03 \x01(\x0e2\x1f.devicehost.v1.ReservationStateR\x05state\x120\n" +
+	"\x14include_admin_access\x18\x04 \x01(\bR\x12includeAdminAccess\"Z\n" +
 	"\x18ListReservationsResponse\x12>\n" +
 	"\freservations\x18\x01 \x03(\v2\x1a.devicehost.v1.ReservationR\freservations\"}\n" +
 	"\x17ReownReservationRequest\x12%\n" +
@@ -3354,7 +3424,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x16PLUGIN_STATUS_STARTING\x10\x01\x12\x19\n" +
 	"\x15PLUGIN_STATUS_RUNNING\x10\x02\x12\x1c\n" +
 	"\x18PLUGIN_STATUS_RESTARTING\x10\x03\x12\x18\n" +
-	"\x14PLUGIN_STATUS_FAILED\x10\x04*\xa1\x02\n" +
+	"\x14PLUGIN_STATUS_FAILED\x10\x04*\xb5\x02\n" +
 	"\vErrorReason\x12\x1c\n" +
 	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fINVALID_REQUEST\x10\x01\x12\x12\n" +
@@ -3368,7 +3438,8 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x17PLUGIN_RESPONSE_INVALID\x10\t\x12\x15\n" +
 	"\x11PERMISSION_DENIED\x10\n" +
 	"\x12\x13\n" +
-	"\x0fDEVICE_CORDONED\x10\v2\xee\x06\n" +
+	"\x0fDEVICE_CORDONED\x10\v\x12\x12\n" +
+	"\x0eNO_CDI_DEVICES\x10\f2\xee\x06\n" +
 	"\n" +
 	"DeviceHost\x12V\n" +
 	"\vFingerprint\x12!.devicehost.v1.FingerprintRequest\x1a\".devicehost.v1.FingerprintResponse0\x01\x12D\n" +
@@ -3473,58 +3544,59 @@ var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
 	15, // 18: devicehost.v1.Device.consumes:type_name -> devicehost.v1.CounterConsumption
 	19, // 19: devicehost.v1.Device.blocked_by:type_name -> devicehost.v1.Holder
 	11, // 20: devicehost.v1.Device.cordon:type_name -> devicehost.v1.Cordon
-	52, // 21: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
-	21, // 22: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
-	24, // 23: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
-	51, // 24: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
-	25, // 25: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
-	49, // 26: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
-	51, // 27: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
-	28, // 28: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
-	50, // 29: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
-	29, // 30: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
-	30, // 31: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
-	1,  // 32: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
-	28, // 33: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
-	51, // 34: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	51, // 35: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
-	1,  // 36: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
-	33, // 37: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
-	33, // 38: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
-	2,  // 39: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
-	51, // 40: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
-	51, // 41: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
-	39, // 42: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
-	44, // 43: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
-	43, // 44: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
-	19, // 45: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
-	20, // 46: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
-	20, // 47: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
-	12, // 48: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
-	22, // 49: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
-	26, // 50: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
-	31, // 51: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
-	34, // 52: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
-	36, // 53: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
-	38, // 54: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
-	7,  // 55: devicehost.v1.DeviceHost.CordonDevice:input_type -> devicehost.v1.CordonDeviceRequest
-	9,  // 56: devicehost.v1.DeviceHost.UncordonDevice:input_type -> devicehost.v1.UncordonDeviceRequest
-	4,  // 57: devicehost.v1.DeviceHost.WatchEvents:input_type -> devicehost.v1.WatchEventsRequest
-	13, // 58: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
-	23, // 59: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
-	27, // 60: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
-	32, // 61: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
-	35, // 62: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
-	37, // 63: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
-	40, // 64: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
-	8,  // 65: devicehost.v1.DeviceHost.CordonDevice:output_type -> devicehost.v1.CordonDeviceResponse
-	10, // 66: devicehost.v1.DeviceHost.UncordonDevice:output_type -> devicehost.v1.UncordonDeviceResponse
-	5,  // 67: devicehost.v1.DeviceHost.WatchEvents:output_type -> devicehost.v1.WatchEventsResponse
-	58, // [58:68] is the sub-list for method output_type
-	48, // [48:58] is the sub-list for method input_type
-	48, // [48:48] is the sub-list for extension type_name
-	48, // [48:48] is the sub-list for extension extendee
-	0,  // [0:48] is the sub-list for field type_name
+	19, // 21: devicehost.v1.Device.admin_access:type_name -> devicehost.v1.Holder
+	52, // 22: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	21, // 23: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
+	24, // 24: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
+	51, // 25: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
+	25, // 26: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
+	49, // 27: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
+	51, // 28: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	28, // 29: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
+	50, // 30: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
+	29, // 31: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
+	30, // 32: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
+	1,  // 33: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
+	28, // 34: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
+	51, // 35: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	51, // 36: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
+	1,  // 37: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
+	33, // 38: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
+	33, // 39: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
+	2,  // 40: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
+	51, // 41: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
+	51, // 42: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
+	39, // 43: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
+	44, // 44: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
+	43, // 45: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
+	19, // 46: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
+	20, // 47: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
+	20, // 48: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
+	12, // 49: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
+	22, // 50: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
+	26, // 51: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
+	31, // 52: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
+	34, // 53: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
+	36, // 54: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
+	38, // 55: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
+	7,  // 56: devicehost.v1.DeviceHost.CordonDevice:input_type -> devicehost.v1.CordonDeviceRequest
+	9,  // 57: devicehost.v1.DeviceHost.UncordonDevice:input_type -> devicehost.v1.UncordonDeviceRequest
+	4,  // 58: devicehost.v1.DeviceHost.WatchEvents:input_type -> devicehost.v1.WatchEventsRequest
+	13, // 59: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
+	23, // 60: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
+	27, // 61: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
+	32, // 62: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
+	35, // 63: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
+	37, // 64: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
+	40, // 65: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
+	8,  // 66: devicehost.v1.DeviceHost.CordonDevice:output_type -> devicehost.v1.CordonDeviceResponse
+	10, // 67: devicehost.v1.DeviceHost.UncordonDevice:output_type -> devicehost.v1.UncordonDeviceResponse
+	5,  // 68: devicehost.v1.DeviceHost.WatchEvents:output_type -> devicehost.v1.WatchEventsResponse
+	59, // [59:69] is the sub-list for method output_type
+	49, // [49:59] is the sub-list for method input_type
+	49, // [49:49] is the sub-list for extension type_name
+	49, // [49:49] is the sub-list for extension extendee
+	0,  // [0:49] is the sub-list for field type_name
 }
 
 func init() { file_devicehost_v1_devicehost_proto_init() }

@@ -666,7 +666,14 @@ type Device struct {
 	Locality     *Locality `protobuf:"bytes,4,opt,name=locality,proto3" json:"locality,omitempty"`
 	// What holding the device uses of the plugin's counter sets; none: it shares
 	// nothing with the plugin's other devices.
-	Consumes      []*CounterConsumption `protobuf:"bytes,5,rep,name=consumes,proto3" json:"consumes,omitempty"`
+	Consumes []*CounterConsumption `protobuf:"bytes,5,rep,name=consumes,proto3" json:"consumes,omitempty"`
+	// The CDI device names (kind=name, e.g. "nvidia.com/gpu=GPU-...") that expose the
+	// device to a container, from a CDI spec the plugin keeps written, with no Reserve;
+	// empty when it keeps none. At most 8, each a valid CDI qualified name of at most 256
+	// bytes. The host hands them to admin accesses (monitoring or debugging workloads
+	// that see a device without holding it), so only names that resolve while the
+	// device exists, whoever holds it.
+	CdiDevices    []string `protobuf:"bytes,6,rep,name=cdi_devices,json=cdiDevices,proto3" json:"cdi_devices,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -732,6 +739,13 @@ func (x *Device) GetLocality() *Locality {
 func (x *Device) GetConsumes() []*CounterConsumption {
 	if x != nil {
 		return x.Consumes
+	}
+	return nil
+}
+
+func (x *Device) GetCdiDevices() []string {
+	if x != nil {
+		return x.CdiDevices
 	}
 	return nil
 }
@@ -1614,13 +1628,15 @@ const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
 	"attributes\x1aU\n" +
 	"\x0fAttributesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12,\n" +
-	"\x05value\x18\x02 \x01(\v2\x16.deviceplugin.v1.ValueR\x05value:\x028\x01\"\xe6\x01\n" +
+	"\x05value\x18\x02 \x01(\v2\x16.deviceplugin.v1.ValueR\x05value:\x028\x01\"\x87\x02\n" +
 	"\x06Device\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12/\n" +
 	"\x06health\x18\x02 \x01(\x0e2\x17.deviceplugin.v1.HealthR\x06health\x12#\n" +
 	"\rhealth_reason\x18\x03 \x01(\tR\fhealthReason\x125\n" +
 	"\blocality\x18\x04 \x01(\v2\x19.deviceplugin.v1.LocalityR\blocality\x12?\n" +
-	"\bconsumes\x18\x05 \x03(\v2#.deviceplugin.v1.CounterConsumptionR\bconsumes\"E\n" +
+	"\bconsumes\x18\x05 \x03(\v2#.deviceplugin.v1.CounterConsumptionR\bconsumes\x12\x1f\n" +
+	"\vcdi_devices\x18\x06 \x03(\tR\n" +
+	"cdiDevices\"E\n" +
 	"\bLocality\x12\x1c\n" +
 	"\n" +
 	"pci_bus_id\x18\x01 \x01(\tR\bpciBusId\x12\x1b\n" +

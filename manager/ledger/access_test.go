@@ -1,0 +1,67 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+
+	bolt "go.etcd.io/bbolt"
+
+	"github.com/devicehost/devicehost/device"
+)
+
+// Admin accesses outlive the ledger; a damaged record is left out, named in the log,
+// and the others stay; a Release of another owner's access by ID is refused.
+func TestAdminAccessRecords(t *testing.T) {
+	ctx := context.Background()
+	path := statePath(t)
+	l, err := Open(path, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpu := device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "H100"}
+	a, err := l.GrantAccess(ctx, device.AdminAccess{OwnerID: "k8s-claim/mon/a/u1", Group: gpu, DeviceIDs: []string{"GPU-0", "GPU-1"}, CDIDevices: []string{"nvidia.com/gpu=GPU-0", "nvidia.com/gpu=GPU-1"}, Since: t0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := l.GrantAccess(ctx, device.AdminAccess{OwnerID: "k8s-claim/mon/b/u2", Group: gpu, DeviceIDs: []string{"GPU-1"}, Since: t0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.RevokeAccess(ctx, device.ReleaseRequest{ReservationID: b.ID, OwnerPrefixes: []string{"k8s-claim/mon/a/"}}); !errors.Is(err, device.ErrPermissionDenied) || !strings.Contains(err.Error(), b.ID) {
+		t.Errorf("release of another owner's access by ID = %v, want permission denied naming it", err)
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	db, err := bolt.Open(path, 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucketAccess).Put([]byte(b.ID), []byte("garbage")) }); err != nil {
+		t.Fatal(err)
+	}
+	db.Close()
+
+	logs, logger := newLogCapture()
+	l, err = Open(path, Options{Logger: logger})
+	if err != nil {
+		t.Fatalf("open with a damaged admin access record: %v", err)
+	}
+	defer l.Close()
+	if got := l.Accesses(); len(got) != 1 || got[0].ID != a.ID || !slices.Equal(got[0].CDIDevices, a.CDIDevices) || !got[0].Since.Equal(t0) {
+		t.Errorf("accesses after a reopen = %+v, want %s as granted", got, a.ID)
+	}
+	if by := l.AccessByDevice()["GPU-1"]; len(by) != 1 || by[0].ReservationID != a.ID {
+		t.Errorf("GPU-1's accesses = %v, want %s alone", by, a.ID)
+	}
+	if !strings.Contains(logs.String(), b.ID) || !strings.Contains(logs.String(), "damaged admin access") {
+		t.Errorf("the log does not name the damaged record %s:\n%s", b.ID, logs)
+	}
+	gone, err := l.RevokeAccess(ctx, device.ReleaseRequest{OwnerID: "k8s-claim/mon/a/u1"})
+	if err != nil || len(gone) != 1 || gone[0].ID != a.ID || len(l.Accesses()) != 0 {
+		t.Errorf("release of the owner = %v, %v; accesses left %v", gone, err, l.Accesses())
+	}
+}
