@@ -1,6 +1,7 @@
 package dra
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/protobuf/proto"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -265,4 +267,49 @@ func processCPU(b *testing.B) time.Duration {
 		b.Fatal(err)
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// BenchmarkViewChange is the driver's own work for one change of a large pool: the
+// agent's snapshot of a DGX H100 with on-demand MIG (232 devices, 8 counter sets) with
+// one partition's holder changed, turned into the view (buildView) and compared with
+// the last publish (encodeSlices), as watchLoop and publishLoop do. The helper's
+// slice controller and the API server come after, and are not in it.
+func BenchmarkViewChange(b *testing.B) {
+	cfg := filepath.Join(b.TempDir(), "agent.hcl")
+	if err := os.WriteFile(cfg, []byte(`plugin "nvidia-example" {
+  config {
+    simulate = "dgxh100"
+    mig      = "on-demand"
+  }
+}
+`), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	r := newRigArgs(b, "-config", cfg)
+	snap := r.waitDevices("GPUs and MIG partitions", func(s *pb.FingerprintResponse) bool { return len(s.GetCounterSets()) == 8 })
+	held := proto.Clone(snap).(*pb.FingerprintResponse)
+	var part *pb.Device
+	for _, g := range held.GetGroups() {
+		if g.GetType() == "mig" && part == nil {
+			part = g.GetDevices()[0]
+		}
+	}
+	part.Holder = &pb.Holder{ReservationId: "res-1", OwnerId: "bench/hand"}
+	snaps := []*pb.FingerprintResponse{snap, held}
+	o := buildOptions{driver: testDriver, pool: testNode, pci: &pciAttributes{}, cache: newViewCache()}
+	var last []byte
+	publishes := 0
+	for i := 0; b.Loop(); i++ {
+		// A fresh copy each time, as each snapshot off the stream is.
+		b.StopTimer()
+		s := proto.Clone(snaps[i%2]).(*pb.FingerprintResponse)
+		b.StartTimer()
+		v, _ := buildView(s, o)
+		enc, _ := v.encoding()
+		if !bytes.Equal(enc, last) {
+			publishes++
+		}
+		last = enc
+	}
+	b.ReportMetric(float64(publishes)/float64(b.N), "publishes/op")
 }

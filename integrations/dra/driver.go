@@ -261,6 +261,7 @@ func (d *Driver) Run(ctx context.Context) error {
 func (d *Driver) watchLoop(ctx context.Context, mon *liveness.Monitor, tokens <-chan struct{}) error {
 	var lastSnap *pb.FingerprintResponse
 	wasDown := true
+	cache := newViewCache()
 	updates := d.agent.WatchDevices(ctx)
 	for {
 		u, ok := liveness.Next(tokens, updates)
@@ -271,7 +272,7 @@ func (d *Driver) watchLoop(ctx context.Context, mon *liveness.Monitor, tokens <-
 		if d.beforeUpdate != nil {
 			d.beforeUpdate()
 		}
-		o := buildOptions{driver: d.cfg.DriverName, pool: d.cfg.NodeName, pci: d.pci}
+		o := buildOptions{driver: d.cfg.DriverName, pool: d.cfg.NodeName, pci: d.pci, cache: cache}
 		snap := u.Snapshot
 		if u.Disconnected() {
 			if !wasDown {
@@ -317,7 +318,7 @@ func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper) 
 		v, changed := d.current()
 		enc, ok := []byte(nil), false
 		if v != nil {
-			enc, ok = encodeSlices(v.slices)
+			enc, ok = v.encoding()
 		}
 		if v != nil && (!published || !ok || !bytes.Equal(enc, last)) {
 			if err := helper.PublishResources(ctx, v.resources()); err != nil {

@@ -1,6 +1,7 @@
 package dra
 
 import (
+	"bytes"
 	"cmp"
 	"encoding/binary"
 	"fmt"
@@ -10,6 +11,7 @@ import (
 	"sync"
 
 	"github.com/blang/semver/v4"
+	"google.golang.org/protobuf/proto"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/dynamic-resource-allocation/deviceattribute"
@@ -51,6 +53,18 @@ type view struct {
 	order   []string // device names in publishing order
 	// disconnected is why the agent cannot be read, or nil.
 	disconnected error
+	// enc, where the build had a cache, is what encoding returns, made of the cached
+	// devices' encodings; nil: encodeSlices.
+	enc []byte
+}
+
+// encoding is what the publish loop compares to tell whether a view publishes the
+// same ResourceSlices as the last one; ok false: none (publish).
+func (v *view) encoding() (enc []byte, ok bool) {
+	if v.enc != nil {
+		return v.enc, true
+	}
+	return encodeSlices(v.slices)
 }
 
 // buildOptions are the inputs of buildView besides the snapshot.
@@ -63,7 +77,38 @@ type buildOptions struct {
 	// pci looks up the PCI attributes (nil: each build looks them up again in the
 	// host's /sys).
 	pci *pciAttributes
+	// cache, when set, keeps each device as built from one snapshot to the next (see
+	// viewCache); one goroutine's builds only.
+	cache *viewCache
 }
+
+// viewCache keeps each device as the last build made it, with what it was made from,
+// so that the next snapshot rebuilds and encodes again only the devices that changed:
+// a Reserve changes one device's holder of the hundreds a MIG machine publishes. Not
+// safe for concurrent builds: watchLoop's alone use it.
+type viewCache struct {
+	sets    string                  // the counter sets the devices were built against
+	groups  map[groupKey][]byte     // each group's input (see cachedDevice)
+	devices map[string]cachedDevice // by agent device ID
+	scratch []byte                  // a device's input, encoded to be compared
+}
+
+// cachedDevice is a device as built, the input it was built from (the agent's device,
+// deterministically encoded; its group's, without devices, and whether the agent was
+// reachable are in viewCache.groups), its encoding, and what building it found wrong.
+type cachedDevice struct {
+	in       []byte
+	dev      resourceapi.Device
+	enc      []byte
+	problems []string
+}
+
+func newViewCache() *viewCache {
+	return &viewCache{groups: make(map[groupKey][]byte), devices: make(map[string]cachedDevice)}
+}
+
+// deterministic encodes the agent's messages for the cache's comparisons.
+var deterministic = proto.MarshalOptions{Deterministic: true}
 
 // taint keys, after the driver name and '/'.
 const (
@@ -102,6 +147,22 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 		sets = append(sets, set)
 	}
 	slices.SortFunc(sets, func(a, b resourceapi.CounterSet) int { return strings.Compare(a.Name, b.Name) })
+	cache, next := o.cache, map[string]cachedDevice(nil)
+	if cache != nil {
+		var sig strings.Builder
+		for k, n := range setNames {
+			fmt.Fprintf(&sig, "%q %q %q\n", k[0], k[1], n)
+		}
+		// A map's order is random: sort the lines so that equal sets read equal.
+		lines := strings.Split(sig.String(), "\n")
+		slices.Sort(lines)
+		if joined := strings.Join(lines, "\n"); joined != cache.sets {
+			cache.sets, cache.devices = joined, make(map[string]cachedDevice)
+		}
+		next = make(map[string]cachedDevice, len(cache.devices))
+	}
+	nextGroups := make(map[groupKey][]byte)
+	var encs [][]byte // the devices' encodings, in order, where cached
 
 	groups := slices.Clone(snap.GetGroups())
 	slices.SortFunc(groups, func(a, b *pb.DeviceGroup) int {
@@ -111,16 +172,60 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 	var devices []resourceapi.Device
 	for _, g := range groups {
 		key := groupKey{g.GetVendor(), g.GetType(), g.GetName()}
-		common, capacity, gp := groupAttributes(g)
-		problems = append(problems, gp...)
+		sameGroup := false
+		if cache != nil {
+			bare := &pb.DeviceGroup{Vendor: g.GetVendor(), Type: g.GetType(), Name: g.GetName(), Plugin: g.GetPlugin(), Attributes: g.GetAttributes()}
+			groupIn, err := deterministic.Marshal(bare)
+			if err == nil {
+				if o.disconnected != nil {
+					groupIn = append(groupIn, o.disconnected.Error()...)
+				}
+				sameGroup = bytes.Equal(groupIn, cache.groups[key])
+				nextGroups[key] = groupIn
+			}
+		}
+		var common map[resourceapi.QualifiedName]resourceapi.DeviceAttribute
+		var capacity map[resourceapi.QualifiedName]resourceapi.DeviceCapacity
+		groupDone := false
 		devs := slices.Clone(g.GetDevices())
 		slices.SortFunc(devs, func(a, b *pb.Device) int { return strings.Compare(a.GetId(), b.GetId()) })
 		for _, d := range devs {
-			name := DeviceName(d.GetId())
+			var in []byte
+			c, cached := cachedDevice{}, false
+			if cache != nil {
+				c, cached = cache.devices[d.GetId()]
+			}
+			name := c.dev.Name // the DRA name depends on the ID alone
+			if !cached {
+				name = DeviceName(d.GetId())
+			}
 			if _, dup := v.devices[name]; dup {
 				problems = append(problems, fmt.Sprintf("device %s: its DRA name %s is taken; left out", d.GetId(), name))
 				continue
 			}
+			if cache != nil {
+				var err error
+				cache.scratch, err = deterministic.MarshalAppend(cache.scratch[:0], d)
+				if err == nil {
+					if cached && sameGroup && bytes.Equal(c.in, cache.scratch) {
+						problems = append(problems, c.problems...)
+						devices = append(devices, c.dev)
+						encs = append(encs, c.enc)
+						next[d.GetId()] = c
+						v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason()}
+						v.order = append(v.order, name)
+						continue
+					}
+					in = slices.Clone(cache.scratch)
+				}
+			}
+			if !groupDone {
+				var gp []string
+				common, capacity, gp = groupAttributes(g)
+				problems = append(problems, gp...)
+				groupDone = true
+			}
+			firstProblem := len(problems)
 			dev := resourceapi.Device{Name: name, Attributes: make(map[resourceapi.QualifiedName]resourceapi.DeviceAttribute)}
 			for k, a := range common {
 				dev.Attributes[k] = a
@@ -157,15 +262,30 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 				trimAttributes(&dev)
 			}
 			devices = append(devices, dev)
+			if cache != nil {
+				enc, err := dev.Marshal()
+				if in == nil || err != nil {
+					encs = append(encs, nil) // no cached encoding: the view's enc is not made
+				} else {
+					encs = append(encs, enc)
+					next[d.GetId()] = cachedDevice{in: in, dev: dev, enc: enc, problems: slices.Clone(problems[firstProblem:])}
+				}
+			}
 			v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason()}
 			v.order = append(v.order, name)
 		}
+	}
+	if cache != nil {
+		cache.devices, cache.groups = next, nextGroups
 	}
 	for chunk := range slices.Chunk(sets, maxCounterSetsPerSlice) {
 		v.slices = append(v.slices, resourceslice.Slice{SharedCounters: chunk})
 	}
 	for chunk := range slices.Chunk(devices, maxDevicesPerSlice) {
 		v.slices = append(v.slices, resourceslice.Slice{Devices: chunk})
+	}
+	if cache != nil && !slices.ContainsFunc(encs, func(b []byte) bool { return b == nil }) {
+		v.enc = cachedEncoding(v.slices, encs)
 	}
 	if len(v.slices) == 0 {
 		// A pool with no devices is still published, empty, so the scheduler sees
@@ -192,6 +312,40 @@ func encodeSlices(slices []resourceslice.Slice) (enc []byte, ok bool) {
 		enc = append(enc, b...)
 	}
 	return enc, true
+}
+
+// cachedEncoding is encodeSlices' counterpart for a view built with a cache: each
+// slice of counter sets encoded whole, each slice of devices as its devices' cached
+// encodings (encs, in the slices' order), each after its length. Two views built so
+// encode equal exactly when their slices are equal; it is never compared with
+// encodeSlices'.
+func cachedEncoding(slices []resourceslice.Slice, encs [][]byte) []byte {
+	size := 0
+	for _, e := range encs {
+		size += len(e) + binary.MaxVarintLen64
+	}
+	enc := make([]byte, 0, size+len(slices)*(1+binary.MaxVarintLen64)+4096)
+	i := 0
+	for _, s := range slices {
+		if len(s.Devices) == 0 {
+			b, err := sliceSpec(s).Marshal()
+			if err != nil {
+				return nil
+			}
+			enc = append(enc, 'c')
+			enc = binary.AppendUvarint(enc, uint64(len(b)))
+			enc = append(enc, b...)
+			continue
+		}
+		enc = append(enc, 'd')
+		enc = binary.AppendUvarint(enc, uint64(len(s.Devices)))
+		for range s.Devices {
+			enc = binary.AppendUvarint(enc, uint64(len(encs[i])))
+			enc = append(enc, encs[i]...)
+			i++
+		}
+	}
+	return enc
 }
 
 // sliceSpec carries every field of s (TestSliceSpecHasEveryField keeps it so).

@@ -4,14 +4,19 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"maps"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"google.golang.org/protobuf/proto"
 	resourceapi "k8s.io/api/resource/v1"
+	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/dynamic-resource-allocation/deviceattribute"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
@@ -289,5 +294,69 @@ func TestPCIAttributesBounded(t *testing.T) {
 	}
 	if l := p.lookup("not-a-bus-id"); l.busErr == nil {
 		t.Error("bus ID \"not-a-bus-id\": no error")
+	}
+}
+
+// A view built with the cache is the view built without it, change after change (the
+// changes of TestEncodeSlicesSeesEveryChange, one after another, each undone or not at
+// random, the agent lost and found); and its encoding is equal to the last exactly when
+// the slices are.
+func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
+	const (
+		gpu = "GPU-8f3a4b2c-1d2e-3f40-5a6b-7c8d9e0f1a2b"
+		mig = "MIG-8f3a4b2c-1d2e-3f40-5a6b-7c8d9e0f1a2b-1g.10gb-0"
+		bus = "0000:17:00.0"
+	)
+	changes := []func(*pb.FingerprintResponse){
+		func(s *pb.FingerprintResponse) { s.Groups[0].Devices[0].Holder.OwnerId = "k8s-claim/default/pair/uid-1" },
+		func(s *pb.FingerprintResponse) { s.Groups[0].Devices[0].Holder = nil },
+		func(s *pb.FingerprintResponse) { s.Groups[1].Devices[0].HealthReason = "XID 48" },
+		func(s *pb.FingerprintResponse) { s.Groups[1].Devices[0].Health = pb.Health_HEALTH_HEALTHY },
+		func(s *pb.FingerprintResponse) { s.Groups[0].Attributes["power_limit"] = intValue(600, "W") },
+		func(s *pb.FingerprintResponse) { s.CounterSets[0].Capacity["compute_slices"] = 6 },
+		func(s *pb.FingerprintResponse) { s.Groups[1].Devices[0].Consumes[0].Counters["memory_slices"] = 2 },
+		func(s *pb.FingerprintResponse) { s.Groups[0].Devices[0].Locality.NumaNode = 0 },
+		func(s *pb.FingerprintResponse) { s.Groups[1].Devices = nil },
+		func(s *pb.FingerprintResponse) { s.Groups[1].Devices = append(s.Groups[1].Devices, &pb.Device{Id: mig + "x"}) },
+		func(s *pb.FingerprintResponse) { s.CounterSets[0].Name = "gpu-1"; s.Groups[0].Devices[0].Consumes[0].CounterSet = "gpu-1" },
+		func(s *pb.FingerprintResponse) { s.CounterSets = nil },
+		func(s *pb.FingerprintResponse) { s.Groups[0].Name = "NVIDIA H200" },
+		func(s *pb.FingerprintResponse) {
+			s.Groups[0].Devices[0].Cordon = &pb.Cordon{Reason: "ECC storm", Drain: true}
+		},
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	cache := newViewCache()
+	var lastSlices []resourceslice.Slice
+	var lastEnc []byte
+	for step := range 300 {
+		snap := partitionedSnapshot(gpu, mig, bus)
+		var applied []int
+		for i, change := range changes {
+			if rng.IntN(4) == 0 {
+				change(snap)
+				applied = append(applied, i)
+			}
+		}
+		var lost error
+		if rng.IntN(8) == 0 {
+			lost = errors.New("connection refused")
+		}
+		o := buildOptions{driver: "devicehost.io", pool: "node-a", pci: &pciAttributes{}, disconnected: lost}
+		fresh, freshProblems := buildView(proto.Clone(snap).(*pb.FingerprintResponse), o)
+		o.cache = cache
+		cached, cachedProblems := buildView(snap, o)
+		if !apiequality.Semantic.DeepEqual(fresh.slices, cached.slices) || !slices.Equal(fresh.order, cached.order) ||
+			!maps.Equal(fresh.devices, cached.devices) || !slices.Equal(freshProblems, cachedProblems) {
+			t.Fatalf("step %d (changes %v, agent lost: %v): the cached build differs from a fresh one:\nfresh  %+v\ncached %+v", step, applied, lost, fresh.slices, cached.slices)
+		}
+		enc, ok := cached.encoding()
+		if !ok || cached.enc == nil {
+			t.Fatalf("step %d: a cached build has no encoding", step)
+		}
+		if sameSlices, sameEnc := apiequality.Semantic.DeepEqual(lastSlices, cached.slices), bytes.Equal(lastEnc, enc); sameSlices != sameEnc {
+			t.Fatalf("step %d (changes %v): slices equal to the last: %v, encodings equal: %v", step, applied, sameSlices, sameEnc)
+		}
+		lastSlices, lastEnc = cached.slices, enc
 	}
 }
