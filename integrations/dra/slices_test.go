@@ -308,7 +308,9 @@ func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 		bus = "0000:17:00.0"
 	)
 	changes := []func(*pb.FingerprintResponse){
-		func(s *pb.FingerprintResponse) { s.Groups[0].Devices[0].Holder.OwnerId = "k8s-claim/default/pair/uid-1" },
+		func(s *pb.FingerprintResponse) {
+			s.Groups[0].Devices[0].Holder.OwnerId = "k8s-claim/default/pair/uid-1"
+		},
 		func(s *pb.FingerprintResponse) { s.Groups[0].Devices[0].Holder = nil },
 		func(s *pb.FingerprintResponse) { s.Groups[1].Devices[0].HealthReason = "XID 48" },
 		func(s *pb.FingerprintResponse) { s.Groups[1].Devices[0].Health = pb.Health_HEALTH_HEALTHY },
@@ -317,8 +319,13 @@ func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 		func(s *pb.FingerprintResponse) { s.Groups[1].Devices[0].Consumes[0].Counters["memory_slices"] = 2 },
 		func(s *pb.FingerprintResponse) { s.Groups[0].Devices[0].Locality.NumaNode = 0 },
 		func(s *pb.FingerprintResponse) { s.Groups[1].Devices = nil },
-		func(s *pb.FingerprintResponse) { s.Groups[1].Devices = append(s.Groups[1].Devices, &pb.Device{Id: mig + "x"}) },
-		func(s *pb.FingerprintResponse) { s.CounterSets[0].Name = "gpu-1"; s.Groups[0].Devices[0].Consumes[0].CounterSet = "gpu-1" },
+		func(s *pb.FingerprintResponse) {
+			s.Groups[1].Devices = append(s.Groups[1].Devices, &pb.Device{Id: mig + "x"})
+		},
+		func(s *pb.FingerprintResponse) {
+			s.CounterSets[0].Name = "gpu-1"
+			s.Groups[0].Devices[0].Consumes[0].CounterSet = "gpu-1"
+		},
 		func(s *pb.FingerprintResponse) { s.CounterSets = nil },
 		func(s *pb.FingerprintResponse) { s.Groups[0].Name = "NVIDIA H200" },
 		func(s *pb.FingerprintResponse) {
