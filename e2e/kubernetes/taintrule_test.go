@@ -101,7 +101,6 @@ func (d *draStack) caseTaintRule(t *testing.T) {
 
 	// NoExecute: Kubernetes' device-taint eviction controller evicts the holder's pod;
 	// the kubelet unprepares its claim and the ledger frees both GPUs.
-	start = time.Now()
 	d.createTaintRule(t, "e2e-held-noexecute", poolName, held, "NoExecute")
 	dFree := waitFor(t, 90*time.Second, "the evicted holder's GPUs free in the ledger", func() (bool, string) {
 		rs, err := d.reservations("-owner", hc.owner(), "-state", "active")
