@@ -405,3 +405,28 @@ func TestJSONWriterResolvesLikeYAML(t *testing.T) {
 		t.Fatalf("after the sibling's Remove: devices %v, want %v", got, want)
 	}
 }
+
+// BenchmarkWriteJSON writes a claim-sized spec (the DRA driver's, one per prepared
+// claim) and removes it, on /dev/shm where it is a tmpfs (as /var/run/cdi is on a node).
+func BenchmarkWriteJSON(b *testing.B) {
+	dir := b.TempDir()
+	if st, err := os.Stat("/dev/shm"); err == nil && st.IsDir() {
+		if d, err := os.MkdirTemp("/dev/shm", "cdi-bench"); err == nil {
+			dir = d
+			b.Cleanup(func() { os.RemoveAll(d) })
+		}
+	}
+	w, err := cdi.NewJSONWriter(dir, "devicehost.io-claim-bench")
+	if err != nil {
+		b.Fatal(err)
+	}
+	s := widgetSpec("w0", "w1")
+	for b.Loop() {
+		if _, err := w.Write(s); err != nil {
+			b.Fatal(err)
+		}
+		if err := w.Remove(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
