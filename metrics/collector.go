@@ -164,31 +164,115 @@ func (s *scrape) stats(stats device.StatsSnapshot, snap device.Snapshot) {
 			models[groupID{g.Plugin, g.GroupKey}] = g.Attributes[dcgmModelAttr]
 		}
 	}
+	var shares map[string][]share
+	if s.c.holderLabels {
+		shares = sharesOf(snap, stats)
+	}
 	for _, g := range stats.Groups {
 		for _, d := range g.Devices {
 			l := s.dcgmLabelsOf(g, d, busIDs[d.ID], models[groupID{g.Plugin, g.GroupKey}])
+			// One set of dcgm series per workload: the device's holder, or each holder of
+			// its shares (time-sliced replicas) with the share it holds; else one plain.
+			sets := []share{{ratio: -1}}
 			if h := snap.State.Devices[d.ID].Holder; l.use && s.c.holderLabels && h != nil {
-				names, values := holderLabels(h.OwnerID)
-				l.names = append(slices.Clip(l.names), names...)
-				l.values = append(l.values, values...)
+				sets = []share{{owner: h.OwnerID, ratio: -1}}
+			} else if l.use && len(shares[d.ID]) > 0 {
+				sets = shares[d.ID]
 			}
-			for _, name := range slices.Sorted(maps.Keys(d.Values)) {
-				v := d.Values[name]
-				if l.use && l.isLabel(name) {
-					continue
+			for _, sh := range sets {
+				ln, lv := l.names, l.values
+				if sh.owner != "" {
+					names, values := holderLabels(sh.owner)
+					ln = append(slices.Clip(ln), names...)
+					lv = append(slices.Clip(lv), values...)
 				}
-				f, mapped := dcgmFields[name]
-				switch {
-				case l.use && mapped && l.invalid:
-					s.drop(g.Plugin, dropInvalid)
-				case l.use && mapped:
-					s.dcgmSeries(g.Plugin, f, v, l.names, l.values)
-				default:
-					s.statSeries(g, d.ID, name, v)
+				if sh.ratio >= 0 && !l.invalid {
+					s.emit(g.Plugin, shareRatioName, shareRatioHelp, prometheus.GaugeValue, ln, lv, sh.ratio)
+				}
+				for _, name := range slices.Sorted(maps.Keys(d.Values)) {
+					v := d.Values[name]
+					if l.use && l.isLabel(name) {
+						continue
+					}
+					f, mapped := dcgmFields[name]
+					switch {
+					case l.use && mapped && l.invalid:
+						s.drop(g.Plugin, dropInvalid)
+					case l.use && mapped:
+						s.dcgmSeries(g.Plugin, f, v, ln, lv)
+					case sh == sets[0]: // the devicehost_device_ series once, whatever the holders
+						s.statSeries(g, d.ID, name, v)
+					}
 				}
 			}
 		}
 	}
+}
+
+// The share a workload holds of a time-sliced device (devicehost_share_compute_ratio).
+const (
+	shareRatioName = "devicehost_share_compute_ratio"
+	shareRatioHelp = "The share of the device's compute its shares give this workload (time-sliced replicas: the slices it holds over the device's), on the dcgm-exporter labels of the device and the workload."
+)
+
+// share is one workload's part of a device: its owner, and the ratio of the device it
+// holds (negative: the whole device, or none known).
+type share struct {
+	owner string
+	ratio float64
+}
+
+// sharesOf finds, for each device with stats of its own, the workloads that hold
+// shares of it: held devices without stats of their own (time-sliced replicas) that
+// consume the counter set named after it, each holder's ratio the largest of the
+// counters' use over capacity, summed over its shares. Holders whose owners give no
+// dcgm labels are folded into one set with no owner. Sorted by owner.
+func sharesOf(snap device.Snapshot, stats device.StatsSnapshot) map[string][]share {
+	withStats := make(map[string]bool)
+	for _, g := range stats.Groups {
+		for _, d := range g.Devices {
+			withStats[d.ID] = true
+		}
+	}
+	caps := make(map[device.CounterSetKey]map[string]int64, len(snap.Inventory.CounterSets))
+	for _, cs := range snap.Inventory.CounterSets {
+		caps[cs.Key] = cs.Capacity
+	}
+	byDevice := make(map[string]map[string]float64) // device ID -> owner -> ratio
+	for _, g := range snap.Inventory.Groups {
+		for _, d := range g.Devices {
+			h := snap.State.Devices[d.ID].Holder
+			if h == nil || withStats[d.ID] {
+				continue
+			}
+			for _, c := range d.Consumes {
+				if !withStats[c.Set.Name] || c.Set.Plugin != g.Plugin {
+					continue
+				}
+				ratio := 0.0
+				for k, n := range c.Counters {
+					if capacity := caps[c.Set][k]; capacity > 0 {
+						ratio = max(ratio, float64(n)/float64(capacity))
+					}
+				}
+				owner := h.OwnerID
+				if names, _ := holderLabels(owner); len(names) == 0 {
+					owner = ""
+				}
+				if byDevice[c.Set.Name] == nil {
+					byDevice[c.Set.Name] = make(map[string]float64)
+				}
+				byDevice[c.Set.Name][owner] += ratio
+			}
+		}
+	}
+	out := make(map[string][]share, len(byDevice))
+	for id, owners := range byDevice {
+		for _, owner := range slices.Sorted(maps.Keys(owners)) {
+			out[id] = append(out[id], share{owner: owner, ratio: owners[owner]})
+		}
+	}
+	return out
 }
 
 // groupID names a group of one plugin.

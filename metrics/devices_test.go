@@ -553,3 +553,58 @@ func TestDCGMSeriesNameTheirHolder(t *testing.T) {
 		t.Errorf("holder labels with NoHolderLabels: %v", got)
 	}
 }
+
+// A time-sliced GPU's dcgm series come once per workload that holds replicas of it,
+// each naming the workload and, as devicehost_share_compute_ratio, the share it holds;
+// holders that give no labels share one set; the devicehost_device_ series stay one.
+func TestDCGMSeriesPerShareHolder(t *testing.T) {
+	snap := gpuSnapshot()
+	gpuA := device.CounterSetKey{Plugin: "nvidia-example", Name: "GPU-a"}
+	slice := []device.Consumption{{Set: gpuA, Counters: map[string]int64{"time-slices": 1}}}
+	shared := device.GroupKey{Vendor: "nvidia", Type: "gpu.shared", Name: h100.Name}
+	snap.Inventory.Groups = append(snap.Inventory.Groups, device.Group{GroupKey: shared, Plugin: "nvidia-example", Devices: []device.DeviceInfo{
+		{ID: "GPU-a-r0", Consumes: slice}, {ID: "GPU-a-r1", Consumes: slice}, {ID: "GPU-a-r2", Consumes: slice}, {ID: "GPU-a-r3", Consumes: slice},
+	}})
+	snap.Inventory.CounterSets = []device.CounterSet{{Key: gpuA, Capacity: map[string]int64{"time-slices": 4}}}
+	snap.State.Devices = maps.Clone(snap.State.Devices)
+	for id, owner := range map[string]string{"GPU-a-r0": "k8s/ml/p1/main", "GPU-a-r1": "k8s/ml/p1/main", "GPU-a-r2": "k8s/ml/p2/main", "GPU-a-r3": "job-42"} {
+		snap.State.Devices[id] = device.DeviceState{Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "res-" + id, OwnerID: owner}}
+	}
+	s := serve(t, metrics.Options{}, newFake(snap, gpuStats()))
+	f := s.scrape(t)
+	pods := map[string]int{}
+	for _, m := range f["DCGM_FI_DEV_GPU_UTIL"].GetMetric() {
+		l := map[string]string{}
+		for _, p := range m.GetLabel() {
+			l[p.GetName()] = p.GetValue()
+		}
+		if l["UUID"] == "GPU-a" {
+			pods[l["pod"]]++
+		}
+	}
+	if want := map[string]int{"p1": 1, "p2": 1, "": 1}; !maps.Equal(pods, want) {
+		t.Errorf("GPU-a's DCGM_FI_DEV_GPU_UTIL series by pod = %v, want one each for p1, p2 and the unlabelled holder %v", pods, want)
+	}
+	ratios := map[string]float64{}
+	for _, m := range f["devicehost_share_compute_ratio"].GetMetric() {
+		l := map[string]string{}
+		for _, p := range m.GetLabel() {
+			l[p.GetName()] = p.GetValue()
+		}
+		if l["UUID"] != "GPU-a" {
+			t.Errorf("a share ratio series of %s, want GPU-a's only", l["UUID"])
+		}
+		ratios[l["pod"]] = m.GetGauge().GetValue()
+	}
+	if want := map[string]float64{"p1": 0.5, "p2": 0.25, "": 0.25}; !maps.Equal(ratios, want) {
+		t.Errorf("share ratios by pod = %v, want %v", ratios, want)
+	}
+	if n := len(f.series("devicehost_device_pcie_replays", map[string]string{"device": "GPU-a"})); n != 1 {
+		t.Errorf("GPU-a's devicehost_device_pcie_replays has %d series, want 1 whatever its holders", n)
+	}
+
+	off := serve(t, metrics.Options{NoHolderLabels: true}, newFake(snap, gpuStats()))
+	if f := off.scrape(t); len(f["devicehost_share_compute_ratio"].GetMetric()) != 0 {
+		t.Errorf("share ratios with NoHolderLabels: %v", f["devicehost_share_compute_ratio"].GetMetric())
+	}
+}
