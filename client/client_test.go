@@ -455,6 +455,7 @@ func TestReasonsAreTheWireStrings(t *testing.T) {
 		{client.ReasonPermissionDenied, "PERMISSION_DENIED"},
 		{client.ReasonDeviceCordoned, "DEVICE_CORDONED"},
 		{client.ReasonNoCDIDevices, "NO_CDI_DEVICES"},
+		{client.ReasonTooManyAccesses, "TOO_MANY_ADMIN_ACCESSES"},
 	}
 	for _, p := range pairs {
 		if p[0] != p[1] {

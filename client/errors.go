@@ -28,6 +28,7 @@ var (
 	ReasonPermissionDenied    = pb.ErrorReason_PERMISSION_DENIED.String()
 	ReasonDeviceCordoned      = pb.ErrorReason_DEVICE_CORDONED.String()
 	ReasonNoCDIDevices        = pb.ErrorReason_NO_CDI_DEVICES.String()
+	ReasonTooManyAccesses     = pb.ErrorReason_TOO_MANY_ADMIN_ACCESSES.String()
 )
 
 // Reason returns the ErrorInfo reason of the agent's error err (one of the Reason

@@ -40,7 +40,13 @@ var (
 	// ErrNoCDIDevices: an admin access (ReserveRequest.AdminAccess) to a device whose
 	// plugin reports no CDI names for it, so there is nothing to hand out.
 	ErrNoCDIDevices = errors.New("no CDI devices")
+	// ErrTooManyAccesses: an admin access to a device that has MaxAdminAccessPerDevice.
+	ErrTooManyAccesses = errors.New("too many admin accesses")
 )
+
+// MaxAdminAccessPerDevice bounds the live admin accesses of one device, so that no
+// caller can grow every Fingerprint without end.
+const MaxAdminAccessPerDevice = 32
 
 // FieldError says which request field is wrong and why. It matches ErrInvalidRequest
 // under errors.Is.

@@ -29,6 +29,7 @@ var results = []struct {
 	{device.ErrDeviceHeld, "device_held"},
 	{device.ErrDeviceCordoned, "device_cordoned"},
 	{device.ErrNoCDIDevices, "no_cdi_devices"},
+	{device.ErrTooManyAccesses, "too_many_admin_accesses"},
 	{device.ErrPermissionDenied, "permission_denied"},
 	{device.ErrUnknownDevice, "device_unknown"},
 	{device.ErrUnhealthyDevice, "device_unhealthy"},

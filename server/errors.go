@@ -37,6 +37,7 @@ var errorCodes = []struct {
 	{device.ErrUnhealthyDevice, codes.FailedPrecondition, pb.ErrorReason_DEVICE_UNHEALTHY},
 	{device.ErrDeviceCordoned, codes.FailedPrecondition, pb.ErrorReason_DEVICE_CORDONED},
 	{device.ErrNoCDIDevices, codes.FailedPrecondition, pb.ErrorReason_NO_CDI_DEVICES},
+	{device.ErrTooManyAccesses, codes.ResourceExhausted, pb.ErrorReason_TOO_MANY_ADMIN_ACCESSES},
 	{device.ErrDeviceHeld, codes.FailedPrecondition, pb.ErrorReason_DEVICE_HELD},
 	{device.ErrCapacityExceeded, codes.FailedPrecondition, pb.ErrorReason_CAPACITY_EXCEEDED},
 	{device.ErrPluginUnavailable, codes.Unavailable, pb.ErrorReason_PLUGIN_UNAVAILABLE},

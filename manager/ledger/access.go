@@ -87,6 +87,12 @@ func (l *Ledger) GrantAccess(ctx context.Context, a device.AdminAccess) (device.
 			return cloneAccess(have), nil
 		}
 	}
+	for _, d := range a.DeviceIDs {
+		if n := len(cur.byDevice[d]); n >= device.MaxAdminAccessPerDevice {
+			return device.AdminAccess{}, fmt.Errorf("admin access for owner %q: device %s has %d admin accesses, the most it may have; release one first: %w",
+				a.OwnerID, d, n, device.ErrTooManyAccesses)
+		}
+	}
 	a.ID = newAccessID()
 	a.Since = normTime(a.Since)
 	a.DeviceIDs = slices.Clone(a.DeviceIDs)

@@ -3,6 +3,7 @@ package ledger
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -63,5 +64,46 @@ func TestAdminAccessRecords(t *testing.T) {
 	gone, err := l.RevokeAccess(ctx, device.ReleaseRequest{OwnerID: "k8s-claim/mon/a/u1"})
 	if err != nil || len(gone) != 1 || gone[0].ID != a.ID || len(l.Accesses()) != 0 {
 		t.Errorf("release of the owner = %v, %v; accesses left %v", gone, err, l.Accesses())
+	}
+}
+
+// A device takes at most MaxAdminAccessPerDevice admin accesses: the next is refused,
+// naming the device and the bound, and nothing is recorded; the same owner asking again
+// still gets its own back, and a release makes room.
+func TestAdminAccessBound(t *testing.T) {
+	ctx := context.Background()
+	l, err := Open(statePath(t), Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	grant := func(owner string, ids ...string) (device.AdminAccess, error) {
+		return l.GrantAccess(ctx, device.AdminAccess{OwnerID: owner, DeviceIDs: ids, Since: t0})
+	}
+	var first device.AdminAccess
+	for i := range device.MaxAdminAccessPerDevice {
+		a, err := grant(fmt.Sprintf("mon/%d", i), "GPU-0")
+		if err != nil {
+			t.Fatalf("access %d: %v", i, err)
+		}
+		if i == 0 {
+			first = a
+		}
+	}
+	_, err = grant("mon/extra", "GPU-1", "GPU-0")
+	if !errors.Is(err, device.ErrTooManyAccesses) || !strings.Contains(err.Error(), "GPU-0") || !strings.Contains(err.Error(), fmt.Sprint(device.MaxAdminAccessPerDevice)) {
+		t.Errorf("access past the bound = %v, want ErrTooManyAccesses naming GPU-0 and %d", err, device.MaxAdminAccessPerDevice)
+	}
+	if n := len(l.AccessByDevice()["GPU-1"]); n != 0 {
+		t.Errorf("a refused access left %d on GPU-1", n)
+	}
+	if again, err := grant("mon/0", "GPU-0"); err != nil || again.ID != first.ID {
+		t.Errorf("the first owner again at the bound = %s, %v; want %s back", again.ID, err, first.ID)
+	}
+	if _, err := l.RevokeAccess(ctx, device.ReleaseRequest{OwnerID: "mon/0"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := grant("mon/extra", "GPU-1", "GPU-0"); err != nil {
+		t.Errorf("access after a release made room: %v", err)
 	}
 }

@@ -224,6 +224,9 @@ const (
 	// FAILED_PRECONDITION: an admin access to a device whose plugin reports no CDI
 	// names for it (Device.cdi_devices).
 	ErrorReason_NO_CDI_DEVICES ErrorReason = 12
+	// RESOURCE_EXHAUSTED: an admin access to a device that has as many as it may have
+	// (the message says how many); release one first.
+	ErrorReason_TOO_MANY_ADMIN_ACCESSES ErrorReason = 13
 )
 
 // Enum value maps for ErrorReason.
@@ -242,6 +245,7 @@ var (
 		10: "PERMISSION_DENIED",
 		11: "DEVICE_CORDONED",
 		12: "NO_CDI_DEVICES",
+		13: "TOO_MANY_ADMIN_ACCESSES",
 	}
 	ErrorReason_value = map[string]int32{
 		"ERROR_REASON_UNSPECIFIED": 0,
@@ -257,6 +261,7 @@ var (
 		"PERMISSION_DENIED":        10,
 		"DEVICE_CORDONED":          11,
 		"NO_CDI_DEVICES":           12,
+		"TOO_MANY_ADMIN_ACCESSES":  13,
 	}
 )
 
@@ -3424,7 +3429,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x16PLUGIN_STATUS_STARTING\x10\x01\x12\x19\n" +
 	"\x15PLUGIN_STATUS_RUNNING\x10\x02\x12\x1c\n" +
 	"\x18PLUGIN_STATUS_RESTARTING\x10\x03\x12\x18\n" +
-	"\x14PLUGIN_STATUS_FAILED\x10\x04*\xb5\x02\n" +
+	"\x14PLUGIN_STATUS_FAILED\x10\x04*\xd2\x02\n" +
 	"\vErrorReason\x12\x1c\n" +
 	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fINVALID_REQUEST\x10\x01\x12\x12\n" +
@@ -3439,7 +3444,8 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x11PERMISSION_DENIED\x10\n" +
 	"\x12\x13\n" +
 	"\x0fDEVICE_CORDONED\x10\v\x12\x12\n" +
-	"\x0eNO_CDI_DEVICES\x10\f2\xee\x06\n" +
+	"\x0eNO_CDI_DEVICES\x10\f\x12\x1b\n" +
+	"\x17TOO_MANY_ADMIN_ACCESSES\x10\r2\xee\x06\n" +
 	"\n" +
 	"DeviceHost\x12V\n" +
 	"\vFingerprint\x12!.devicehost.v1.FingerprintRequest\x1a\".devicehost.v1.FingerprintResponse0\x01\x12D\n" +
