@@ -165,17 +165,7 @@ const tmpfsMagic = 0x01021994
 // the helper's slice controller, the fake API server and the test's own client: an
 // upper bound of the driver's part. The agent is a process of its own, not counted.
 func BenchmarkSliceChange(b *testing.B) {
-	cfg := filepath.Join(b.TempDir(), "agent.hcl")
-	if err := os.WriteFile(cfg, []byte(`plugin "nvidia-example" {
-  config {
-    simulate = "dgxh100"
-    mig      = "on-demand"
-  }
-}
-`), 0o644); err != nil {
-		b.Fatal(err)
-	}
-	r := newRigArgs(b, "-config", cfg)
+	r := newRigArgs(b, "-config", onDemandAgentConfig(b))
 	snap := r.waitDevices("GPUs and MIG partitions", func(s *pb.FingerprintResponse) bool { return len(s.GetCounterSets()) == 8 })
 	var part *pb.DeviceGroup
 	total := 0
@@ -275,17 +265,7 @@ func processCPU(b *testing.B) time.Duration {
 // the last publish (encodeSlices), as watchLoop and publishLoop do. The helper's
 // slice controller and the API server come after, and are not in it.
 func BenchmarkViewChange(b *testing.B) {
-	cfg := filepath.Join(b.TempDir(), "agent.hcl")
-	if err := os.WriteFile(cfg, []byte(`plugin "nvidia-example" {
-  config {
-    simulate = "dgxh100"
-    mig      = "on-demand"
-  }
-}
-`), 0o644); err != nil {
-		b.Fatal(err)
-	}
-	r := newRigArgs(b, "-config", cfg)
+	r := newRigArgs(b, "-config", onDemandAgentConfig(b))
 	snap := r.waitDevices("GPUs and MIG partitions", func(s *pb.FingerprintResponse) bool { return len(s.GetCounterSets()) == 8 })
 	held := proto.Clone(snap).(*pb.FingerprintResponse)
 	var part *pb.Device
@@ -312,4 +292,21 @@ func BenchmarkViewChange(b *testing.B) {
 		last = enc
 	}
 	b.ReportMetric(float64(publishes)/float64(b.N), "publishes/op")
+}
+
+// onDemandAgentConfig is an agent config whose nvidia-example plugin simulates a DGX
+// H100 with on-demand MIG: 8 GPUs, every placement of every profile, 8 counter sets.
+func onDemandAgentConfig(b *testing.B) string {
+	b.Helper()
+	cfg := filepath.Join(b.TempDir(), "agent.hcl")
+	if err := os.WriteFile(cfg, []byte(`plugin "nvidia-example" {
+  config {
+    simulate = "dgxh100"
+    mig      = "on-demand"
+  }
+}
+`), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	return cfg
 }
