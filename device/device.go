@@ -225,10 +225,19 @@ type AdminAccess struct {
 	ID         string // "acc-" and 16 hex digits
 	OwnerID    string
 	Group      GroupKey
+	Plugin     string // the devices' plugin when the access was given
 	DeviceIDs  []string
 	CDIDevices []string // what the owner was handed: the devices' CDI names
 	Since      time.Time
 	By         string // who asked: the caller's listener and peer
+}
+
+// Reservation is a as a listing shows it (Reservation.AdminAccess set): live, holding
+// nothing, its container reservation the CDI names it handed out.
+func (a AdminAccess) Reservation() Reservation {
+	return Reservation{ID: a.ID, OwnerID: a.OwnerID, Group: a.Group, Plugin: a.Plugin, DeviceIDs: a.DeviceIDs,
+		Container: ContainerReservation{Envs: map[string]string{}, CDIDevices: a.CDIDevices},
+		State:     ReservationActive, CreatedAt: a.Since, AdminAccess: true}
 }
 
 // Cordon is a device taken out of service by an operator.
@@ -463,6 +472,16 @@ type ReleaseRequest struct {
 	// released, and the error is a *PermissionError. Checked with the release, in one
 	// step, so an owner cannot change in between.
 	OwnerPrefixes []string
+}
+
+// OwnerMatches reports whether owner is one that filter, an owner filter of a listing,
+// selects: empty selects every owner, one ending in "/" every owner that starts with it
+// ("nomad/default/train/": a Nomad job's), any other that owner alone.
+func OwnerMatches(filter, owner string) bool {
+	if strings.HasSuffix(filter, "/") {
+		return strings.HasPrefix(owner, filter)
+	}
+	return filter == "" || owner == filter
 }
 
 // OwnerUnder reports whether owner starts with one of prefixes; a nil prefixes means

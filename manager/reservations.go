@@ -472,15 +472,13 @@ func (m *Manager) adminAccess(ctx context.Context, req device.ReserveRequest) (d
 		return device.Reservation{}, fmt.Errorf("admin access to %s: plugin %q reports no CDI names for them (it keeps no CDI spec): %w",
 			strings.Join(noCDI, ", "), plugin, device.ErrNoCDIDevices)
 	}
-	a, err := m.ledger.GrantAccess(ctx, device.AdminAccess{OwnerID: req.OwnerID, Group: req.Group, DeviceIDs: req.DeviceIDs,
-		CDIDevices: cdi, Since: m.cfg.Now(), By: device.CallerOf(ctx)})
+	a, err := m.ledger.GrantAccess(ctx, device.AdminAccess{OwnerID: req.OwnerID, Group: req.Group, Plugin: plugin,
+		DeviceIDs: req.DeviceIDs, CDIDevices: cdi, Since: m.cfg.Now(), By: device.CallerOf(ctx)})
 	if err != nil {
 		return device.Reservation{}, err
 	}
 	m.reg.Refresh()
-	return device.Reservation{ID: a.ID, OwnerID: a.OwnerID, Group: a.Group, Plugin: plugin, DeviceIDs: a.DeviceIDs,
-		Container: device.ContainerReservation{Envs: map[string]string{}, CDIDevices: a.CDIDevices},
-		State:     device.ReservationActive, CreatedAt: a.Since, AdminAccess: true}, nil
+	return a.Reservation(), nil
 }
 
 // Reown hands a live reservation to another owner; see device.Manager. req is trusted,
@@ -505,11 +503,8 @@ func (m *Manager) Reservations(ctx context.Context, f device.ReservationFilter) 
 		return rs, err
 	}
 	for _, a := range m.ledger.Accesses() {
-		owner := a.OwnerID == f.OwnerID || strings.HasSuffix(f.OwnerID, "/") && strings.HasPrefix(a.OwnerID, f.OwnerID)
-		if (f.OwnerID == "" || owner) && (f.DeviceID == "" || slices.Contains(a.DeviceIDs, f.DeviceID)) {
-			rs = append(rs, device.Reservation{ID: a.ID, OwnerID: a.OwnerID, Group: a.Group, DeviceIDs: a.DeviceIDs,
-				Container: device.ContainerReservation{Envs: map[string]string{}, CDIDevices: a.CDIDevices},
-				State:     device.ReservationActive, CreatedAt: a.Since, AdminAccess: true})
+		if device.OwnerMatches(f.OwnerID, a.OwnerID) && (f.DeviceID == "" || slices.Contains(a.DeviceIDs, f.DeviceID)) {
+			rs = append(rs, a.Reservation())
 		}
 	}
 	return rs, nil

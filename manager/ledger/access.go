@@ -2,8 +2,6 @@ package ledger
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -36,6 +34,7 @@ type accessRecord struct {
 	Vendor  string    `json:"vendor"`
 	Type    string    `json:"type"`
 	Name    string    `json:"name"`
+	Plugin  string    `json:"plugin,omitempty"`
 	Devices []string  `json:"devices"`
 	CDI     []string  `json:"cdi"`
 	Since   time.Time `json:"since"`
@@ -60,11 +59,7 @@ func newAccessView(byID map[string]device.AdminAccess) *accessView {
 }
 
 // newAccessID is a new admin access ID: "acc-" and 16 hex digits.
-func newAccessID() string {
-	var b [8]byte
-	_, _ = rand.Read(b[:])
-	return "acc-" + hex.EncodeToString(b[:])
-}
+func newAccessID() string { return "acc-" + randomHex() }
 
 // IsAccessID reports whether id names an admin access rather than a reservation.
 func IsAccessID(id string) bool { return strings.HasPrefix(id, "acc-") }
@@ -98,7 +93,7 @@ func (l *Ledger) GrantAccess(ctx context.Context, a device.AdminAccess) (device.
 	a.DeviceIDs = slices.Clone(a.DeviceIDs)
 	a.CDIDevices = slices.Clone(a.CDIDevices)
 	payload, err := json.Marshal(accessRecord{Owner: a.OwnerID, Vendor: a.Group.Vendor, Type: a.Group.Type, Name: a.Group.Name,
-		Devices: a.DeviceIDs, CDI: a.CDIDevices, Since: a.Since, By: a.By})
+		Plugin: a.Plugin, Devices: a.DeviceIDs, CDI: a.CDIDevices, Since: a.Since, By: a.By})
 	if err != nil {
 		return device.AdminAccess{}, fmt.Errorf("admin access: %w", err)
 	}
@@ -232,7 +227,7 @@ func loadAccesses(db *bolt.DB, path string) (map[string]device.AdminAccess, erro
 				return nil
 			}
 			out[string(k)] = device.AdminAccess{ID: string(k), OwnerID: rec.Owner,
-				Group:     device.GroupKey{Vendor: rec.Vendor, Type: rec.Type, Name: rec.Name},
+				Group: device.GroupKey{Vendor: rec.Vendor, Type: rec.Type, Name: rec.Name}, Plugin: rec.Plugin,
 				DeviceIDs: rec.Devices, CDIDevices: rec.CDI, Since: rec.Since, By: rec.By}
 			return nil
 		})

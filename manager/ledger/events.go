@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -349,13 +348,7 @@ func decodeEvent(seq uint64, v []byte) device.Event {
 // matchEvent reports whether e matches f's owner and device.
 func matchEvent(e device.Event, f device.EventFilter) bool {
 	if f.Owner != "" {
-		match := func(o string) bool {
-			if strings.HasSuffix(f.Owner, "/") {
-				return strings.HasPrefix(o, f.Owner)
-			}
-			return o == f.Owner
-		}
-		if !match(e.Owner) && !match(e.NewOwner) {
+		if !device.OwnerMatches(f.Owner, e.Owner) && !device.OwnerMatches(f.Owner, e.NewOwner) {
 			return false
 		}
 	}

@@ -48,9 +48,7 @@ func (l *Ledger) List(_ context.Context, f device.ReservationFilter) ([]device.R
 	}
 	// An owner ending in "/" is a prefix: "nomad/default/train/" lists a job's.
 	prefix := strings.HasSuffix(f.OwnerID, "/")
-	ownerOK := func(owner string) bool {
-		return f.OwnerID == "" || owner == f.OwnerID || (prefix && strings.HasPrefix(owner, f.OwnerID))
-	}
+	ownerOK := func(owner string) bool { return device.OwnerMatches(f.OwnerID, owner) }
 	match := func(r *device.Reservation) bool {
 		return ownerOK(r.OwnerID) &&
 			(f.State == device.ReservationAny || r.State == f.State) &&

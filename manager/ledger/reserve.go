@@ -15,10 +15,14 @@ import (
 // NewID returns a fresh reservation ID: "res-" and 16 hex digits from crypto/rand.
 // Reserve calls it for a reservation that comes without an ID; a caller that needs the
 // ID before the commit (to hand it to the plugin, say) may call it itself.
-func NewID() string {
+func NewID() string { return "res-" + randomHex() }
+
+// randomHex is 16 random hex digits: a new reservation's or admin access's ID after its
+// prefix.
+func randomHex() string {
 	var b [8]byte
 	_, _ = rand.Read(b[:]) // never fails; the runtime aborts the program if it could not
-	return "res-" + hex.EncodeToString(b[:])
+	return hex.EncodeToString(b[:])
 }
 
 // ConflictError is the contract's device.HeldError: it says which live reservations
