@@ -35,15 +35,11 @@ func runDevices(ctx context.Context, env *cmdEnv, args []string) error {
 	// Partitioned devices (shared counters) get a column naming the counter sets each
 	// uses (for a MIG partition, its GPU), and a free device that cannot be reserved
 	// now names the reservations that block it where the holder would be.
-	shared := slices.ContainsFunc(fp.GetGroups(), func(g *pb.DeviceGroup) bool {
-		return slices.ContainsFunc(g.GetDevices(), func(d *pb.Device) bool { return len(d.GetConsumes()) > 0 })
-	})
+	shared := anyDevice(fp, func(d *pb.Device) bool { return len(d.GetConsumes()) > 0 })
 	header := []string{"GROUP", "DEVICE", "HEALTH", "REASON", "HOLDER", "CORDONED"}
 	// Admin accesses (monitoring or debugging workloads that see a device without
 	// holding it) get a column of their own, apart from the holder.
-	admin := slices.ContainsFunc(fp.GetGroups(), func(g *pb.DeviceGroup) bool {
-		return slices.ContainsFunc(g.GetDevices(), func(d *pb.Device) bool { return len(d.GetAdminAccess()) > 0 })
-	})
+	admin := anyDevice(fp, func(d *pb.Device) bool { return len(d.GetAdminAccess()) > 0 })
 	if admin {
 		header = append(header, "ADMIN ACCESS")
 	}
@@ -159,4 +155,9 @@ func cordonCell(c *pb.Cordon) string {
 	default:
 		return cell(c.GetReason())
 	}
+}
+
+// anyDevice reports whether some device of fp satisfies f.
+func anyDevice(fp *pb.FingerprintResponse, f func(*pb.Device) bool) bool {
+	return slices.ContainsFunc(fp.GetGroups(), func(g *pb.DeviceGroup) bool { return slices.ContainsFunc(g.GetDevices(), f) })
 }

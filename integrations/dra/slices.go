@@ -149,13 +149,11 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 	slices.SortFunc(sets, func(a, b resourceapi.CounterSet) int { return strings.Compare(a.Name, b.Name) })
 	cache, next := o.cache, map[string]cachedDevice(nil)
 	if cache != nil {
-		var sig strings.Builder
+		lines := make([]string, 0, len(setNames))
 		for k, n := range setNames {
-			fmt.Fprintf(&sig, "%q %q %q\n", k[0], k[1], n)
+			lines = append(lines, fmt.Sprintf("%q %q %q", k[0], k[1], n))
 		}
-		// A map's order is random: sort the lines so that equal sets read equal.
-		lines := strings.Split(sig.String(), "\n")
-		slices.Sort(lines)
+		slices.Sort(lines) // a map's order is random: equal sets must read equal
 		if joined := strings.Join(lines, "\n"); joined != cache.sets {
 			cache.sets, cache.devices = joined, make(map[string]cachedDevice)
 		}
