@@ -55,8 +55,7 @@ func BenchmarkPrepare(b *testing.B) {
 	})
 	drv := r.startDriver(nil)
 	k := r.kubelet()
-	ids, group := gpus(r.waitDevices("GPUs", func(s *pb.FingerprintResponse) bool { ids, _ := gpus(s); return len(ids) == 8 }))
-	r.waitSlices("8 GPUs", func(d []resourceapi.Device) bool { return len(d) == 8 })
+	ids, group := r.waitGPUs()
 	ctx := context.Background()
 	var reserve, prepare, own, helper []time.Duration
 	n := 0

@@ -136,8 +136,7 @@ func TestPrepareUnprepare(t *testing.T) {
 	r := newRig(t)
 	r.startDriver(nil)
 	k := r.kubelet()
-	ids, _ := gpus(r.waitDevices("GPUs", func(s *pb.FingerprintResponse) bool { ids, _ := gpus(s); return len(ids) == 8 }))
-	r.waitSlices("8 GPUs", func(d []resourceapi.Device) bool { return len(d) == 8 })
+	ids, _ := r.waitGPUs()
 	c := r.claim("pair", DeviceName(ids[2]), DeviceName(ids[5]))
 
 	first := k.prepare(t, c)

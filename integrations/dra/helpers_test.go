@@ -399,6 +399,15 @@ func (r *rig) waitDevices(what string, ok func(*pb.FingerprintResponse) bool) *p
 	return nil
 }
 
+// waitGPUs waits until the agent reports -dev's 8 GPUs and the driver has published
+// them, and returns their IDs and group.
+func (r *rig) waitGPUs() ([]string, *pb.DeviceGroup) {
+	r.t.Helper()
+	ids, group := gpus(r.waitDevices("GPUs", func(s *pb.FingerprintResponse) bool { ids, _ := gpus(s); return len(ids) == 8 }))
+	r.waitSlices("8 GPUs", func(d []resourceapi.Device) bool { return len(d) == 8 })
+	return ids, group
+}
+
 // gpus returns the agent's GPU IDs, sorted, and their group.
 func gpus(snap *pb.FingerprintResponse) (ids []string, group *pb.DeviceGroup) {
 	for _, g := range snap.GetGroups() {

@@ -14,8 +14,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	k8stesting "k8s.io/client-go/testing"
-
-	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
 // claimDeviceStatus is a claim's status.devices, as statusOf says them.
@@ -55,8 +53,7 @@ func TestClaimDeviceStatus(t *testing.T) {
 	r := newRig(t)
 	r.startDriver(nil)
 	k := r.kubelet()
-	ids, _ := gpus(r.waitDevices("GPUs", func(s *pb.FingerprintResponse) bool { ids, _ := gpus(s); return len(ids) == 8 }))
-	r.waitSlices("8 GPUs", func(d []resourceapi.Device) bool { return len(d) == 8 })
+	ids, _ := r.waitGPUs()
 	c := r.claim("pair", DeviceName(ids[2]), DeviceName(ids[5]))
 	if p := k.prepare(t, c); p.GetError() != "" {
 		t.Fatalf("prepare: %s", p.GetError())
@@ -124,8 +121,7 @@ func TestClaimDeviceStatusRetried(t *testing.T) {
 	})
 	r.startDriver(nil)
 	k := r.kubelet()
-	ids, _ := gpus(r.waitDevices("GPUs", func(s *pb.FingerprintResponse) bool { ids, _ := gpus(s); return len(ids) == 8 }))
-	r.waitSlices("8 GPUs", func(d []resourceapi.Device) bool { return len(d) == 8 })
+	ids, _ := r.waitGPUs()
 	c := r.claim("retried", DeviceName(ids[1]))
 	if p := k.prepare(t, c); p.GetError() != "" || len(p.GetDevices()) != 1 {
 		t.Fatalf("prepare while status writes fail: %s %v", p.GetError(), p.GetDevices())
