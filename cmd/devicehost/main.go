@@ -17,6 +17,8 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+
+	"github.com/devicehost/devicehost/plugins/nvidia-example/nvidia"
 )
 
 // command is one subcommand. run gets the arguments after the subcommand's name and
@@ -73,6 +75,9 @@ func runVersion(_ context.Context, env *cmdEnv, args []string) error {
 }
 
 func main() {
+	// The bundled nvidia-example plugin runs this binary as its simulated MPS control
+	// daemon (sharing = "mps" with simulate).
+	nvidia.RunSimulatedMPSIfAsked()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, &cmdEnv{stdout: os.Stdout, stderr: os.Stderr, getenv: os.Getenv}, os.Args[1:])
 	stop()

@@ -44,6 +44,8 @@ const (
 //	    mig                 = "on-demand"
 //	    mig_layout          = { "0" = ["3g.40gb", "2g.20gb"] }
 //	    replicas            = 4
+//	    sharing             = "mps"        # or "time-slicing" (the default with replicas)
+//	    mps_isolation       = "per-holder" # or "shared" (the default)
 //	    sim_state_file      = "/var/lib/devicehost/nvidia-sim.json"
 //	  }
 //	}
@@ -77,8 +79,26 @@ type Config struct {
 	MIGLayout json.RawMessage `json:"mig_layout,omitempty"`
 	// Replicas N (2 to MaxReplicas) offers each GPU that is not partitioned by MIG as
 	// N time-sliced replicas besides the whole GPU, each consuming one of the GPU's N
-	// shares. 0: off.
+	// shares. 0: off. With Sharing "mps" (2 to MaxMPSShares) the N shares are MPS
+	// shares instead, of whole GPUs and of static MIG devices (see mps.go).
 	Replicas int `json:"replicas,omitempty"`
+	// Sharing is how replicas share a device: "time-slicing" (the default when
+	// replicas is set) or "mps": each share is 1/N of the device's memory and compute,
+	// served by an MPS control daemon the plugin runs (see mps.go).
+	Sharing string `json:"sharing,omitempty"`
+	// MPSIsolation, with sharing = "mps": "shared" (the default), one control daemon per
+	// device mediating every holder, each holder's limits set in its environment; or
+	// "per-holder", a control daemon per holder whose default limits are its shares,
+	// which the holder cannot raise.
+	MPSIsolation string `json:"mps_isolation,omitempty"`
+	// MPSDir is the absolute directory under which each control daemon gets its pipe
+	// and log directories, mounted into the holders' containers. Unset means
+	// DefaultMPSDir on real NVML, and DefaultSimMPSDir(simulate) with Simulate.
+	MPSDir string `json:"mps_dir,omitempty"`
+	// MPSControl is the absolute path of nvidia-cuda-mps-control. Unset means the one on
+	// the PATH on real NVML, and the simulated daemon (this binary in another role)
+	// with Simulate.
+	MPSControl string `json:"mps_control,omitempty"`
 	// SimStateFile is where a simulated machine keeps its MIG state, so that it
 	// outlives the plugin process as a real GPU's does; "" keeps it in memory. Unset
 	// means DefaultSimStateFile(simulate). Only valid with Simulate.
@@ -94,6 +114,32 @@ const MIGOnDemand = "on-demand"
 
 // MaxReplicas bounds Config.Replicas.
 const MaxReplicas = 64
+
+// Sharing modes of Config.Sharing, and isolations of Config.MPSIsolation.
+const (
+	SharingTimeSlicing = "time-slicing"
+	SharingMPS         = "mps"
+	MPSShared          = "shared"
+	MPSPerHolder       = "per-holder"
+)
+
+// MaxMPSShares bounds Config.Replicas with sharing = "mps": an MPS server takes at most
+// 48 clients per device on Volta and later.
+const MaxMPSShares = 48
+
+// DefaultMPSDir is where the control daemons' pipe and log directories go on real
+// NVML: a tmpfs, gone at a reboot as the daemons are.
+const DefaultMPSDir = "/run/devicehost/nvidia-mps"
+
+// DefaultSimMPSDir is the MPS directory of simulated machine machine when mps_dir is
+// not set.
+func DefaultSimMPSDir(machine string) string {
+	return filepath.Join(os.TempDir(), fmt.Sprintf("devicehost-mps-%s-%d", machine, os.Getuid()))
+}
+
+// maxMPSDir bounds mps_dir's length: each daemon's control pipe,
+// <mps_dir>/<12 hex>/holder-<k>/pipe/control, must fit a Unix socket path (108 bytes).
+const maxMPSDir = 64
 
 // DefaultSimStateFile is the state file of simulated machine machine when
 // sim_state_file is not set: in the temporary directory, which (like a real GPU's MIG
@@ -146,8 +192,9 @@ type settings struct {
 	migOnDemand       bool
 	layoutAll         string           // mig_layout as one profile for every GPU
 	layout            map[int][]string // mig_layout by GPU index
-	replicas          int
-	simStateFile      string // "" in memory
+	replicas          int              // time-sliced replicas per GPU
+	mps               mpsSettings      // mps.shares > 0: MPS shares instead
+	simStateFile      string           // "" in memory
 	simMIGModeOff     map[int]bool
 }
 
@@ -278,10 +325,7 @@ func parseConfig(configJSON []byte) (settings, error) {
 	if s.layoutAll != "" && s.migOnDemand {
 		errs = append(errs, fmt.Errorf("config: mig_layout = %q and mig = %q: a layout for every GPU leaves none on demand; give mig_layout by GPU index", s.layoutAll, MIGOnDemand))
 	}
-	if c.Replicas != 0 && (c.Replicas < 2 || c.Replicas > MaxReplicas) {
-		errs = append(errs, fmt.Errorf("config: replicas = %d: want 2 to %d, or 0 for none", c.Replicas, MaxReplicas))
-	}
-	s.replicas = c.Replicas
+	errs = append(errs, parseSharing(c, &s)...)
 	switch {
 	case c.SimStateFile != nil && c.Simulate == "":
 		errs = append(errs, errors.New("config: sim_state_file: only valid with simulate"))
@@ -313,6 +357,59 @@ func parseConfig(configJSON []byte) (settings, error) {
 		return settings{}, err
 	}
 	return s, nil
+}
+
+// parseSharing reads replicas, sharing and the mps_ keys.
+func parseSharing(c Config, s *settings) []error {
+	var errs []error
+	switch c.Sharing {
+	case "", SharingTimeSlicing:
+		if c.Replicas != 0 && (c.Replicas < 2 || c.Replicas > MaxReplicas) {
+			errs = append(errs, fmt.Errorf("config: replicas = %d: want 2 to %d, or 0 for none", c.Replicas, MaxReplicas))
+		}
+		if c.Sharing != "" && c.Replicas == 0 {
+			errs = append(errs, fmt.Errorf("config: sharing = %q: needs replicas, the shares per GPU", c.Sharing))
+		}
+		s.replicas = c.Replicas
+		for key, set := range map[string]bool{"mps_isolation": c.MPSIsolation != "", "mps_dir": c.MPSDir != "", "mps_control": c.MPSControl != ""} {
+			if set {
+				errs = append(errs, fmt.Errorf("config: %s: only valid with sharing = %q", key, SharingMPS))
+			}
+		}
+		slices.SortFunc(errs, func(a, b error) int { return strings.Compare(a.Error(), b.Error()) })
+		return errs
+	case SharingMPS:
+	default:
+		return []error{fmt.Errorf("config: sharing = %q: want %q or %q", c.Sharing, SharingTimeSlicing, SharingMPS)}
+	}
+	if c.Replicas < 2 || c.Replicas > MaxMPSShares {
+		errs = append(errs, fmt.Errorf("config: replicas = %d: sharing = %q wants 2 to %d shares per device (an MPS server's clients)", c.Replicas, SharingMPS, MaxMPSShares))
+	}
+	m := mpsSettings{shares: c.Replicas, isolation: MPSShared, dir: c.MPSDir, control: c.MPSControl}
+	switch c.MPSIsolation {
+	case "", MPSShared:
+	case MPSPerHolder:
+		m.isolation = MPSPerHolder
+	default:
+		errs = append(errs, fmt.Errorf("config: mps_isolation = %q: want %q or %q", c.MPSIsolation, MPSShared, MPSPerHolder))
+	}
+	switch {
+	case m.dir == "" && c.Simulate != "":
+		m.dir = DefaultSimMPSDir(c.Simulate)
+	case m.dir == "":
+		m.dir = DefaultMPSDir
+	case !filepath.IsAbs(m.dir):
+		errs = append(errs, fmt.Errorf("config: mps_dir = %q: must be an absolute path", m.dir))
+	case len(filepath.Clean(m.dir)) > maxMPSDir:
+		errs = append(errs, fmt.Errorf("config: mps_dir = %q: %d bytes, at most %d: the control pipes under it must fit a Unix socket path", m.dir, len(filepath.Clean(m.dir)), maxMPSDir))
+	default:
+		m.dir = filepath.Clean(m.dir)
+	}
+	if m.control != "" && !filepath.IsAbs(m.control) {
+		errs = append(errs, fmt.Errorf("config: mps_control = %q: must be an absolute path", m.control))
+	}
+	s.mps = m
+	return errs
 }
 
 // parseLayout reads mig_layout: a profile name, or an object from GPU index to a

@@ -3,8 +3,10 @@ package nvidia
 import (
 	"context"
 	"encoding/json"
+	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -15,7 +17,13 @@ import (
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	RunSimulatedMPSIfAsked() // the tests' simulated MPS control daemon is this binary
+	// Under -race, every process sleeps 1 s at exit by default: each control client
+	// run would take that long.
+	os.Setenv("GORACE", strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
+	goleak.VerifyTestMain(m)
+}
 
 // t0 is where every fake clock starts.
 var t0 = time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)

@@ -68,7 +68,8 @@ type target struct {
 	gpu       int         // index into inventory.gpus
 	profile   *migProfile // targetPartition
 	placement nvml.GpuInstancePlacement
-	uuid      string // what NVIDIA_VISIBLE_DEVICES names: the GPU's or the MIG device's
+	uuid      string    // what NVIDIA_VISIBLE_DEVICES names: the GPU's or the MIG device's
+	mps       mpsLimits // targetMPS: what the share may use
 }
 
 type targetKind int
@@ -78,6 +79,7 @@ const (
 	targetReplica                     // a time-sliced replica
 	targetPartition                   // an on-demand MIG device
 	targetStatic                      // a MIG device of a static layout
+	targetMPS                         // an MPS share of a GPU or of a static MIG device
 )
 
 // gpuDesc is what a fingerprint says about one GPU.
@@ -112,6 +114,12 @@ func (rt *runtime) scan() (*inventory, error) {
 		case modeStatic:
 			for _, m := range plan.static {
 				inv.targets[m.uuid] = target{kind: targetStatic, gpu: i, profile: m.profile, placement: m.placement, uuid: m.uuid}
+				if plan.mps > 0 && m.profile != nil {
+					share := mpsShare(int64(m.profile.info.MemorySizeMB), plan.mps)
+					for k := range plan.mps {
+						inv.targets[mpsShareID(m.uuid, k)] = target{kind: targetMPS, gpu: i, uuid: m.uuid, mps: share}
+					}
+				}
 			}
 			continue // the whole GPU is carved up
 		case modeOnDemand:
@@ -124,6 +132,9 @@ func (rt *runtime) scan() (*inventory, error) {
 		inv.targets[g.uuid] = target{kind: targetGPU, gpu: i, uuid: g.uuid}
 		for k := range plan.replicas {
 			inv.targets[replicaID(g.uuid, k)] = target{kind: targetReplica, gpu: i, uuid: g.uuid}
+		}
+		for k := range plan.mps {
+			inv.targets[mpsShareID(g.uuid, k)] = target{kind: targetMPS, gpu: i, uuid: g.uuid, mps: mpsShare(plan.memMiB, plan.mps)}
 		}
 	}
 	rt.latest.Store(inv)
@@ -237,14 +248,16 @@ func (rt *runtime) numaNode(g gpu, busID string) int32 {
 }
 
 // fingerprint builds the message for the inventory with health at now: one group per
-// product name for whole GPUs (nvidia/gpu/<name>) and their replicas
-// (nvidia/gpu.shared/<name>), one per MIG profile (nvidia/mig/<profile>), and a counter
-// set per GPU whose devices share it. A partition's health is its GPU's. recovery is
+// product name for whole GPUs (nvidia/gpu/<name>), their replicas
+// (nvidia/gpu.shared/<name>) and their MPS shares (nvidia/gpu.mps/<name>), one per MIG
+// profile (nvidia/mig/<profile>) and its MPS shares (nvidia/mig/<profile>.mps), and a
+// counter set per GPU whose devices share it (and per static MIG device with shares).
+// An MPS share is unhealthy while its control daemon is down (mps may be nil). A partition's health is its GPU's. recovery is
 // the earliest time an unhealthy GPU turns healthy (zero when none is unhealthy).
 // With cdiNames (the plugin keeps a CDI spec) every device but an on-demand MIG
 // partition carries its CDI name, which its spec resolves whoever holds it; a
 // partition's instance exists only while it is reserved.
-func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool) (resp *pb.FingerprintResponse, recovery time.Time) {
+func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool, mps *mpsSupervisor) (resp *pb.FingerprintResponse, recovery time.Time) {
 	type key struct{ typ, name string }
 	groups := make(map[key]*pb.DeviceGroup)
 	add := func(typ, name string, attrs func() map[string]*pb.Value, dev *pb.Device) {
@@ -264,19 +277,37 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool) (
 		if !healthy && !until.IsZero() && (recovery.IsZero() || until.Before(recovery)) {
 			recovery = until
 		}
-		device := func(id string, use map[string]int64) *pb.Device {
+		deviceIn := func(id, set string, use map[string]int64) *pb.Device {
 			dev := &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: d.locality}
 			if !healthy {
 				dev.Health = pb.Health_HEALTH_UNHEALTHY
 				dev.HealthReason = reason
 			}
 			if use != nil {
-				dev.Consumes = []*pb.CounterConsumption{{CounterSet: d.id, Counters: use}}
+				dev.Consumes = []*pb.CounterConsumption{{CounterSet: set, Counters: use}}
 			}
 			if cdiNames {
 				dev.CdiDevices = []string{cdi.Name(cdiKind, id)}
 			}
 			return dev
+		}
+		device := func(id string, use map[string]int64) *pb.Device { return deviceIn(id, d.id, use) }
+		// share is MPS share k of the device uuid (the GPU or a static MIG device).
+		share := func(uuid string, k int, l mpsLimits) *pb.Device {
+			dev := deviceIn(mpsShareID(uuid, k), uuid, l.counters())
+			if dev.Health == pb.Health_HEALTH_HEALTHY {
+				if ok, why := mps.health(dev.Id, uuid); !ok {
+					dev.Health, dev.HealthReason = pb.Health_HEALTH_UNHEALTHY, why
+				}
+			}
+			return dev
+		}
+		shareAttrs := func(base map[string]*pb.Value, l mpsLimits) map[string]*pb.Value {
+			a := maps.Clone(base)
+			a["memory"] = intValue(l.MemMiB, unitMiB)
+			a["mps_shares"] = intValue(int64(plan.mps), "")
+			a["mps_active_thread_percentage"] = intValue(int64(l.Threads), unitPercent)
+			return a
 		}
 		var whole map[string]int64
 		if plan.hasCounters() {
@@ -287,7 +318,18 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool) (
 		switch plan.mode {
 		case modeStatic:
 			for _, m := range plan.static {
-				add("mig", migGroupName(m.profile), func() map[string]*pb.Value { return migAttrs(m.profile, d) }, device(m.uuid, nil))
+				if plan.mps == 0 || m.profile == nil {
+					add("mig", migGroupName(m.profile), func() map[string]*pb.Value { return migAttrs(m.profile, d) }, device(m.uuid, nil))
+					continue
+				}
+				l := mpsShare(int64(m.profile.info.MemorySizeMB), plan.mps)
+				resp.CounterSets = append(resp.CounterSets, &pb.CounterSet{Name: m.uuid, Counters: l.times(plan.mps).counters()})
+				add("mig", migGroupName(m.profile), func() map[string]*pb.Value { return migAttrs(m.profile, d) },
+					deviceIn(m.uuid, m.uuid, l.times(plan.mps).counters()))
+				for k := range plan.mps {
+					add("mig", migGroupName(m.profile)+".mps", func() map[string]*pb.Value { return shareAttrs(migAttrs(m.profile, d), l) },
+						share(m.uuid, k, l))
+				}
 			}
 			continue
 		case modeOnDemand:
@@ -306,6 +348,10 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool) (
 				a["replicas"] = intValue(int64(plan.replicas), "")
 				return a
 			}, device(replicaID(d.id, k), map[string]int64{counterTimeSlices: 1}))
+		}
+		for k := range plan.mps {
+			l := mpsShare(plan.memMiB, plan.mps)
+			add("gpu.mps", d.name, func() map[string]*pb.Value { return shareAttrs(d.attrs, l) }, share(d.id, k, l))
 		}
 	}
 	for _, g := range groups {

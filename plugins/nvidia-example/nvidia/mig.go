@@ -3,6 +3,7 @@ package nvidia
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"strings"
@@ -47,6 +48,8 @@ type gpuPlan struct {
 	computeSlices uint32
 	static        []migDevice // modeStatic: the GPU's MIG devices
 	replicas      int         // modeWhole: time-sliced replicas, 0 for none
+	mps           int         // modeWhole and modeStatic: MPS shares per device, 0 for none
+	memMiB        int64       // modeWhole: the GPU's memory, which its MPS shares divide
 }
 
 // Counter names of a GPU's counter set (see gpuPlan.counters).
@@ -60,12 +63,15 @@ func memorySliceCounter(i uint32) string { return fmt.Sprintf("memory-slice-%d",
 func instancesCounter(profile string) string { return "instances-" + profile }
 
 // hasCounters says whether the GPU shares capacity between its devices.
-func (p *gpuPlan) hasCounters() bool { return p.mode == modeOnDemand || p.replicas > 0 }
+func (p *gpuPlan) hasCounters() bool {
+	return p.mode == modeOnDemand || p.replicas > 0 || p.mode == modeWhole && p.mps > 0
+}
 
 // counters is the capacity of the GPU's counter set: for on-demand MIG one counter
 // per memory slice (capacity 1, so placements that overlap conflict), its compute
 // slices, and, for a profile that allows fewer instances than it has placements
-// (1g.10gb+me: one), its instance count; for replicas, its time slices.
+// (1g.10gb+me: one), its instance count; for replicas, its time slices; for MPS
+// shares of a whole GPU, its memory and compute as its shares divide them.
 func (p *gpuPlan) counters() map[string]int64 {
 	c := make(map[string]int64)
 	if p.mode == modeOnDemand {
@@ -81,6 +87,9 @@ func (p *gpuPlan) counters() map[string]int64 {
 	}
 	if p.replicas > 0 {
 		c[counterTimeSlices] = int64(p.replicas)
+	}
+	if p.mode == modeWhole && p.mps > 0 {
+		maps.Copy(c, mpsShare(p.memMiB, p.mps).times(p.mps).counters())
 	}
 	return c
 }
@@ -203,8 +212,16 @@ func (rt *runtime) planGPU(g gpu) gpuPlan {
 	switch p.mode {
 	case modeStatic:
 		p.static = readMIGDevices(g, p.profiles)
+		p.mps = rt.mps.shares
 	case modeWhole:
 		p.replicas = rt.replicas
+		if rt.mps.shares > 0 {
+			if mem, ret := g.dev.GetMemoryInfo(); ret == nvml.SUCCESS {
+				p.mps, p.memMiB = rt.mps.shares, int64(mem.Total>>20)
+			} else {
+				rt.logger.Warn("GPU offers no MPS shares: its memory is unknown", "gpu", g.uuid, "error", ret)
+			}
+		}
 	}
 	return p
 }

@@ -60,6 +60,7 @@ type Plugin struct {
 
 	mu     sync.Mutex
 	sim    *simMIG        // the simulated machine's MIG state, kept across SetConfigs
+	mps    *mpsSupervisor // MPS control daemons, kept across SetConfigs; nil when off
 	rt     *runtime       // nil until SetConfig succeeds
 	nvml   nvml.Interface // the real library once opened, shared by every runtime
 	nvmlUp bool           // nvml initialised
@@ -92,6 +93,7 @@ func New(logger hclog.Logger) *Plugin {
 // call it. It does not Close the plugin: a stream may still be inside an NVML event
 // wait, and process exit releases NVML anyway.
 func Main() {
+	RunSimulatedMPSIfAsked()
 	p := New(deviceplugin.Logger())
 	deviceplugin.Serve(p)
 	// Serve returns when the host stops the plugin (an agent that stops, a helm
@@ -115,7 +117,8 @@ type runtime struct {
 	// gpm says whether the library has every call GPU performance monitoring needs
 	// (gpmSymbols).
 	gpm    bool
-	migMu  *sync.Mutex // the plugin's
+	mpsSup *mpsSupervisor // the plugin's; nil without sharing = "mps"
+	migMu  *sync.Mutex    // the plugin's
 	latest atomic.Pointer[inventory]
 }
 
@@ -203,6 +206,9 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 		}
 		rt.reportMIGModes()
 	}
+	if err := p.configureMPSLocked(rt); err != nil {
+		return err
+	}
 	if old := p.rt; old != nil && old.cdi != nil && (rt.cdi == nil || rt.cdi.w.Path() != old.cdi.w.Path()) {
 		// The spec moved or is off: the old file would name GPUs nobody keeps up to date.
 		if err := old.cdi.w.Remove(); err != nil {
@@ -210,6 +216,35 @@ func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 		}
 	}
 	p.rt = rt
+	return nil
+}
+
+// configureMPSLocked gives rt the MPS supervisor its settings want: the one running
+// when its directory, control binary and isolation are the same, else a new one. A
+// change that would strand the daemons of held shares is refused. Called with p.mu
+// held, after every other step of SetConfig succeeded.
+func (p *Plugin) configureMPSLocked(rt *runtime) error {
+	want := rt.mps.shares > 0
+	if p.mps != nil && want && p.mps.sameAs(rt.settings.mps) {
+		rt.mpsSup = p.mps
+		return nil
+	}
+	if p.mps != nil {
+		if n := p.mps.active(); n > 0 {
+			return fmt.Errorf("config: the MPS settings (sharing, mps_isolation, mps_dir, mps_control) cannot change while %d MPS control daemons serve held shares; release those shares first", n)
+		}
+	}
+	var sup *mpsSupervisor
+	if want {
+		var err error
+		if sup, err = newMPSSupervisor(rt.settings.mps, rt.simulate != "", p.logger); err != nil {
+			return err
+		}
+	}
+	if p.mps != nil {
+		p.mps.close()
+	}
+	p.mps, rt.mpsSup = sup, sup
 	return nil
 }
 
@@ -288,6 +323,9 @@ func (p *Plugin) Close() {
 		return
 	}
 	p.closed = true
+	if p.mps != nil {
+		p.mps.close()
+	}
 	if p.nvmlUp {
 		if ret := p.nvml.Shutdown(); ret != nvml.SUCCESS {
 			p.logger.Warn("NVML shutdown failed", "error", ret)
@@ -346,6 +384,7 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 	nextScan := rt.clock.Now().Add(rt.fingerprintPeriod)
 	for {
 		changed := rt.health.changes()
+		mpsChanged := rt.mpsSup.changes()
 		now := rt.clock.Now()
 		if !now.Before(nextScan) {
 			if inv, err = rt.scan(); err != nil {
@@ -355,7 +394,7 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 			nextScan = now.Add(rt.fingerprintPeriod)
 		}
 		pending := pollRecoveryActions(rt.health, inv.gpus, now)
-		resp, recovery := inv.fingerprint(rt.health, now, rt.cdi != nil)
+		resp, recovery := inv.fingerprint(rt.health, now, rt.cdi != nil, rt.mpsSup)
 		if last == nil || !protoEqual(resp, last) {
 			if err := send(resp); err != nil {
 				return err
@@ -375,6 +414,7 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 			t.Stop()
 			return nil
 		case <-changed:
+		case <-mpsChanged:
 		case <-t.C():
 		}
 		t.Stop()
@@ -432,7 +472,7 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*p
 // device. IDs that are unknown, ignored or repeated refuse the whole request with an
 // error naming them, as a gRPC status: NOT_FOUND for unknown or ignored IDs, else
 // INVALID_ARGUMENT.
-func (p *Plugin) Reserve(_ context.Context, deviceIDs []string) (*pb.ContainerReservation, error) {
+func (p *Plugin) Reserve(ctx context.Context, deviceIDs []string) (*pb.ContainerReservation, error) {
 	rt, err := p.runtime()
 	if err != nil {
 		return nil, err
@@ -478,6 +518,11 @@ func (p *Plugin) Reserve(_ context.Context, deviceIDs []string) (*pb.ContainerRe
 		return nil, status.Error(code, "reserve: "+strings.Join(problems, "; "))
 	}
 
+	if shares, device, err := mpsRequest(inv, deviceIDs); err != nil {
+		return nil, err
+	} else if len(shares) > 0 {
+		return rt.reserveShares(ctx, inv, device, shares)
+	}
 	uuids, err := rt.prepare(inv, deviceIDs)
 	if err != nil {
 		return nil, err
@@ -546,6 +591,9 @@ func (p *Plugin) Release(_ context.Context, _ string, deviceIDs []string) error 
 	if err != nil || rt.lib == nil {
 		return err
 	}
+	if rt.mpsSup != nil {
+		rt.mpsSup.release(deviceIDs) // the daemon of the last share of a device stops
+	}
 	inv, err := rt.current()
 	if err != nil {
 		return fmt.Errorf("release: %w", err)
@@ -575,7 +623,7 @@ func (p *Plugin) Release(_ context.Context, _ string, deviceIDs []string) error 
 // if a crash left it without one); every other instance on an on-demand GPU (left by
 // a Reserve the host never recorded, or by a crash mid-create) is destroyed. Static
 // layouts and whole GPUs are not touched.
-func (p *Plugin) Reconcile(_ context.Context, live []deviceplugin.LiveReservation) error {
+func (p *Plugin) Reconcile(ctx context.Context, live []deviceplugin.LiveReservation) error {
 	rt, err := p.runtime()
 	if err != nil || rt.lib == nil {
 		return err
@@ -583,6 +631,12 @@ func (p *Plugin) Reconcile(_ context.Context, live []deviceplugin.LiveReservatio
 	inv, err := rt.current()
 	if err != nil {
 		return fmt.Errorf("reconcile: %w", err)
+	}
+	var mpsErr error
+	if rt.mpsSup != nil {
+		if mpsErr = rt.mpsSup.reconcile(ctx, rt.mpsWants(inv, live)); mpsErr != nil {
+			mpsErr = fmt.Errorf("reconcile: %w", mpsErr)
+		}
 	}
 	held := make(map[string]bool)
 	for _, r := range live {
@@ -623,7 +677,7 @@ func (p *Plugin) Reconcile(_ context.Context, live []deviceplugin.LiveReservatio
 	}
 	rt.logger.Info("reconciled MIG instances with the live reservations", "reservations", len(live), "kept", kept, "destroyed", destroyed)
 	rt.publishCDILocked(inv)
-	return errors.Join(errs...)
+	return errors.Join(append(errs, mpsErr)...)
 }
 
 var (
@@ -655,10 +709,18 @@ func (rt *runtime) publishCDILocked(inv *inventory) {
 		for k := range plan.replicas {
 			more = append(more, cdiAlias{name: replicaID(g.uuid, k), parent: g})
 		}
+		if plan.mode == modeWhole {
+			for k := range plan.mps {
+				more = append(more, cdiAlias{name: mpsShareID(g.uuid, k), parent: g})
+			}
+		}
 		switch plan.mode {
 		case modeStatic:
 			for _, m := range readMIGDevices(g, nil) {
 				more = append(more, cdiAlias{name: m.uuid, parent: g, mig: true, gi: m.gi, ci: m.ci})
+				for k := range plan.mps {
+					more = append(more, cdiAlias{name: mpsShareID(m.uuid, k), parent: g, mig: true, gi: m.gi, ci: m.ci})
+				}
 			}
 		case modeOnDemand:
 			for _, m := range readMIGDevices(g, plan.profiles) {

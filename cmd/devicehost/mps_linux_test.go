@@ -1,0 +1,172 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// mpsDaemons reads the daemon records under the plugin's mps_dir: pid by directory.
+func mpsDaemons(t *testing.T, dir string) map[string]int {
+	t.Helper()
+	files, _ := filepath.Glob(filepath.Join(dir, "*", "*", "daemon.json"))
+	out := map[string]int{}
+	for _, f := range files {
+		raw, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var rec struct {
+			PID int `json:"pid"`
+		}
+		if err := json.Unmarshal(raw, &rec); err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+		out[filepath.Dir(f)] = rec.PID
+	}
+	return out
+}
+
+// pidRuns says whether pid runs (a zombie does not).
+func pidRuns(pid int) bool {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	s := string(raw)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	return len(f) > 0 && f[0] != "Z"
+}
+
+// The nvidia-example plugin's MPS shares through a real agent: the ledger keeps shares
+// and their whole GPU apart through the counters; each holder gets its own control
+// daemon (per-holder isolation) with its limits; an agent SIGKILLed with live shares
+// comes back to the same daemons (adopted, not doubled); a Release stops its daemon; and
+// once the last share is released and the agent stopped, no daemon is left.
+func TestAgentMPSShares(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the devicehost binary")
+	}
+	// Under -race every process sleeps 1 s at exit, and the plugin runs a control
+	// client (this binary too) for each step of a daemon's start.
+	t.Setenv("GORACE", "atexit_sleep_ms=0")
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	mpsDir := tempDir(t, "mps")
+	setup := newAgentSetup(t, fmt.Sprintf(`
+plugin "nvidia-example" {
+  config {
+    simulate       = "dgxh100"
+    replicas       = 4
+    sharing        = "mps"
+    mps_isolation  = "per-holder"
+    mps_dir        = %q
+    sim_state_file = %q
+  }
+}
+`, mpsDir, filepath.Join(tempDir(t, "dhsim"), "sim.json")))
+	agent := setup.start(t)
+	c := agent.client(t, ctx)
+	fp := currentFingerprint(t, ctx, c, "32 healthy MPS shares", func(fp *pb.FingerprintResponse) bool {
+		for _, g := range fp.GetGroups() {
+			if g.GetType() == "gpu.mps" {
+				return len(devicesWithHealth(&pb.FingerprintResponse{Groups: []*pb.DeviceGroup{g}}, pb.Health_HEALTH_HEALTHY)) == 32
+			}
+		}
+		return false
+	})
+	var gpus, shares *pb.DeviceGroup
+	for _, g := range fp.GetGroups() {
+		switch g.GetType() {
+		case "gpu":
+			gpus = g
+		case "gpu.mps":
+			shares = g
+		}
+	}
+	gpu0, gpu1 := gpus.GetDevices()[0].GetId(), gpus.GetDevices()[1].GetId()
+	share := func(gpu string, k int) string { return fmt.Sprintf("%s::mps::%d", gpu, k) }
+
+	a, err := c.Reserve(ctx, reserveRequest(shares, "holder-a", share(gpu0, 0), share(gpu0, 1)))
+	if err != nil {
+		t.Fatalf("Reserve of two shares: %v", err)
+	}
+	env := a.GetReservation().GetEnvs()
+	if env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "50" || env["NVIDIA_VISIBLE_DEVICES"] != gpu0 ||
+		!strings.HasPrefix(env["CUDA_MPS_PIPE_DIRECTORY"], mpsDir+"/") {
+		t.Errorf("envs of two shares: %v", env)
+	}
+	if _, err := c.Reserve(ctx, reserveRequest(gpus, "whole", gpu0)); status.Code(err) == codes.OK {
+		t.Errorf("whole GPU 0 reserved while two of its shares are held")
+	}
+	if _, err := c.Reserve(ctx, reserveRequest(gpus, "whole", gpu1)); err != nil {
+		t.Fatalf("Reserve of whole GPU 1: %v", err)
+	}
+	if _, err := c.Reserve(ctx, reserveRequest(shares, "holder-c", share(gpu1, 0))); status.Code(err) == codes.OK {
+		t.Errorf("a share of GPU 1 reserved while the whole GPU is held")
+	}
+	b, err := c.Reserve(ctx, reserveRequest(shares, "holder-b", share(gpu0, 3)))
+	if err != nil {
+		t.Fatalf("Reserve of a third share: %v", err)
+	}
+	if b.GetReservation().GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"] == env["CUDA_MPS_PIPE_DIRECTORY"] {
+		t.Errorf("two holders share the pipe directory %s under per-holder isolation", env["CUDA_MPS_PIPE_DIRECTORY"])
+	}
+	before := mpsDaemons(t, mpsDir)
+	if len(before) != 2 {
+		t.Fatalf("daemons %v, want one per holder", before)
+	}
+
+	// The agent dies with live shares: the daemons run on, and the next agent's plugin
+	// adopts them rather than starting others.
+	agent.kill(t, ctx)
+	agent = setup.start(t)
+	c = agent.client(t, ctx)
+	currentFingerprint(t, ctx, c, "shares back", func(fp *pb.FingerprintResponse) bool {
+		return len(devicesWithHealth(fp, pb.Health_HEALTH_HEALTHY)) > 0
+	})
+	after := mpsDaemons(t, mpsDir)
+	for dir, pid := range before {
+		if after[dir] != pid || !pidRuns(pid) {
+			t.Errorf("daemon in %s: pid %d before the agent's restart, %d after (alive %v)", dir, pid, after[dir], pidRuns(after[dir]))
+		}
+	}
+	if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: a.GetReservationId()}}); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	liveAfterCleanups(t, ctx, c) // the plugin's Release runs after the API's answer
+	for dir, pid := range before {
+		if strings.Contains(env["CUDA_MPS_PIPE_DIRECTORY"], dir) && pidRuns(pid) {
+			t.Errorf("holder a's daemon %d still runs after its Release", pid)
+		}
+	}
+	if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: b.GetReservationId()}}); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	liveAfterCleanups(t, ctx, c)
+	if err := agent.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := agent.Wait(ctx); err != nil {
+		t.Fatalf("agent stop: %v", err)
+	}
+	for _, pid := range before {
+		if pidRuns(pid) {
+			t.Errorf("daemon %d runs after the last Release and the agent's stop", pid)
+		}
+	}
+	if entries, _ := os.ReadDir(mpsDir); len(entries) != 0 {
+		t.Errorf("mps_dir holds %d entries after the last Release", len(entries))
+	}
+}

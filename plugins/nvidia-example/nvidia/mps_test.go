@@ -1,0 +1,388 @@
+package nvidia
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/devicehost/devicehost/deviceplugin"
+	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+)
+
+// mpsDir is a short directory for a test's control daemons (their pipes must fit a
+// Unix socket path, which t.TempDir's long names may not).
+func mpsDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "mps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+func mpsConfig(dir, isolation string) Config {
+	return Config{Simulate: "dgxh100", Replicas: 4, Sharing: SharingMPS, MPSIsolation: isolation, MPSDir: dir}
+}
+
+// newMPSPlugin is a plugin on simulated GPUs with 4 MPS shares per GPU; every share it
+// still holds is released when the test ends, so that no daemon outlives it.
+func newMPSPlugin(t *testing.T, cfg Config) *Plugin {
+	t.Helper()
+	p, _ := newTestPlugin(t, cfg)
+	t.Cleanup(func() {
+		if p.mps != nil {
+			p.mps.mu.Lock()
+			var held []string
+			for id := range p.mps.byShare {
+				held = append(held, id)
+			}
+			p.mps.mu.Unlock()
+			p.mps.release(held)
+		}
+	})
+	return p
+}
+
+// daemonOf reads the daemon.json of the daemon that serves share of device.
+func daemonOf(t *testing.T, p *Plugin, device string, shares ...string) (mpsRecord, string) {
+	t.Helper()
+	dir := filepath.Join(p.mps.settings.dir, p.mps.keyFor(device, shares))
+	rec, err := readMPSRecord(filepath.Join(dir, mpsDaemonFile))
+	if err != nil {
+		t.Fatalf("daemon of %s %v: %v", device, shares, err)
+	}
+	return rec, dir
+}
+
+// ask sends one command to the daemon whose directory is dir, as a holder's
+// CUDA client library would, and returns its answer.
+func ask(t *testing.T, p *Plugin, dir, command string) string {
+	t.Helper()
+	out, err := p.mps.command(filepath.Join(dir, "pipe"), filepath.Join(dir, "log"), command)
+	if err != nil {
+		t.Fatalf("%s: %v", command, err)
+	}
+	return strings.TrimSpace(out)
+}
+
+func reserve(t *testing.T, p *Plugin, ids ...string) *pb.ContainerReservation {
+	t.Helper()
+	res, err := p.Reserve(context.Background(), ids)
+	if err != nil {
+		t.Fatalf("Reserve(%v): %v", ids, err)
+	}
+	return res
+}
+
+func release(t *testing.T, p *Plugin, ids ...string) {
+	t.Helper()
+	if err := p.Release(context.Background(), "r", ids); err != nil {
+		t.Fatalf("Release(%v): %v", ids, err)
+	}
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not within 10 s: %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestMPSConfigErrors(t *testing.T) {
+	tests := []struct {
+		name string
+		cfg  Config
+		want string
+	}{
+		{"too many shares", Config{Replicas: 49, Sharing: "mps"}, "replicas = 49: sharing = \"mps\" wants 2 to 48"},
+		{"no shares", Config{Sharing: "mps"}, "replicas = 0"},
+		{"unknown sharing", Config{Replicas: 2, Sharing: "mig"}, `sharing = "mig": want "time-slicing" or "mps"`},
+		{"time-slicing without replicas", Config{Sharing: "time-slicing"}, "needs replicas"},
+		{"unknown isolation", Config{Replicas: 2, Sharing: "mps", MPSIsolation: "strict"}, `mps_isolation = "strict"`},
+		{"relative dir", Config{Replicas: 2, Sharing: "mps", MPSDir: "mps"}, `mps_dir = "mps": must be an absolute path`},
+		{"long dir", Config{Replicas: 2, Sharing: "mps", MPSDir: "/" + strings.Repeat("d", 70)}, "at most 64"},
+		{"relative control", Config{Replicas: 2, Sharing: "mps", MPSControl: "bin/mps"}, `mps_control = "bin/mps"`},
+		{"mps keys without mps", Config{Replicas: 2, MPSIsolation: "shared"}, `mps_isolation: only valid with sharing = "mps"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := parseConfig(mustJSON(t, tt.cfg))
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("parseConfig(%+v) = %v, want an error with %q", tt.cfg, err, tt.want)
+			}
+		})
+	}
+	p, _ := newUnconfigured(t)
+	err := p.SetConfig(context.Background(), mustJSON(t, Config{Simulate: "dgxh100", Replicas: 2, Sharing: "mps", MPSControl: "/nonexistent/nvidia-cuda-mps-control"}))
+	if err == nil || !strings.Contains(err.Error(), "not an executable file") {
+		t.Errorf("SetConfig with a missing mps_control: %v, want it refused", err)
+	}
+}
+
+func TestMPSSharesInFingerprint(t *testing.T) {
+	p := newMPSPlugin(t, mpsConfig(mpsDir(t), ""))
+	fp := startFingerprint(t, p).next(t)
+	gpu0 := simulatedUUID("dgxh100", 0)
+	devs := devices(fp)
+	var sets = make(map[string]map[string]int64)
+	for _, cs := range fp.GetCounterSets() {
+		sets[cs.GetName()] = cs.GetCounters()
+	}
+	capacity := sets[gpu0]
+	if capacity[counterMPSCompute] != 100 || capacity[counterMPSMemory] <= 0 || capacity[counterMPSMemory]%4 != 0 {
+		t.Fatalf("GPU 0's counter set = %v, want 100%% compute and its memory in 4 equal shares", capacity)
+	}
+	whole := devs[gpu0].GetConsumes()[0].GetCounters()
+	if whole[counterMPSCompute] != 100 || whole[counterMPSMemory] != capacity[counterMPSMemory] {
+		t.Errorf("the whole GPU consumes %v, want all of %v", whole, capacity)
+	}
+	for k := range 4 {
+		d := devs[mpsShareID(gpu0, k)]
+		if d == nil {
+			t.Fatalf("no share %d of GPU 0 in %v", k, fp)
+		}
+		use := d.GetConsumes()[0]
+		if use.GetCounterSet() != gpu0 || use.GetCounters()[counterMPSCompute] != 25 || use.GetCounters()[counterMPSMemory] != capacity[counterMPSMemory]/4 {
+			t.Errorf("share %d consumes %v, want a quarter of %v", k, use, capacity)
+		}
+		if len(d.GetCdiDevices()) != 0 && d.GetCdiDevices()[0] != "nvidia.com/gpu="+mpsShareID(gpu0, k) {
+			t.Errorf("share %d CDI names %v", k, d.GetCdiDevices())
+		}
+	}
+	var group *pb.DeviceGroup
+	for _, g := range fp.GetGroups() {
+		if g.GetType() == "gpu.mps" {
+			group = g
+		}
+	}
+	if group == nil || len(group.GetDevices()) != 32 {
+		t.Fatalf("gpu.mps group = %v, want 8 GPUs x 4 shares", group)
+	}
+	if got := group.GetAttributes()["memory"].GetIntValue(); got != capacity[counterMPSMemory]/4 {
+		t.Errorf("a share's memory attribute = %d MiB, want %d", got, capacity[counterMPSMemory]/4)
+	}
+}
+
+func TestMPSSharesOfStaticMIG(t *testing.T) {
+	cfg := mpsConfig(mpsDir(t), "")
+	cfg.MIGLayout = []byte(`{"0": ["3g.40gb"]}`)
+	cfg.Replicas = 2
+	p := newMPSPlugin(t, cfg)
+	fp := startFingerprint(t, p).next(t)
+	var mig *pb.Device
+	var shares []*pb.Device
+	for _, g := range fp.GetGroups() {
+		switch {
+		case g.GetType() == "mig" && g.GetName() == "3g.40gb":
+			mig = g.GetDevices()[0]
+		case g.GetType() == "mig" && g.GetName() == "3g.40gb.mps":
+			shares = g.GetDevices()
+		}
+	}
+	if mig == nil || len(shares) != 2 {
+		t.Fatalf("groups %v: want a 3g.40gb device and its 2 MPS shares", fp.GetGroups())
+	}
+	set := mig.GetConsumes()[0]
+	if set.GetCounterSet() != mig.GetId() || set.GetCounters()[counterMPSCompute] != 100 {
+		t.Errorf("the MIG device consumes %v, want all of its own counter set", set)
+	}
+	if got := shares[0].GetConsumes()[0]; got.GetCounterSet() != mig.GetId() || got.GetCounters()[counterMPSCompute] != 50 {
+		t.Errorf("a share consumes %v, want half of the MIG device's", got)
+	}
+	res := reserve(t, p, shares[1].GetId())
+	if got := res.GetEnvs()["NVIDIA_VISIBLE_DEVICES"]; got != mig.GetId() {
+		t.Errorf("NVIDIA_VISIBLE_DEVICES = %q, want the MIG device %s", got, mig.GetId())
+	}
+	rec, _ := daemonOf(t, p, mig.GetId(), shares[1].GetId())
+	if rec.Device != mig.GetId() {
+		t.Errorf("the daemon serves %s, want the MIG device %s", rec.Device, mig.GetId())
+	}
+}
+
+// TestMPSSharedDaemon: one daemon per device serves every holder of its shares; it
+// starts with the first share and stops after the last.
+func TestMPSSharedDaemon(t *testing.T) {
+	p := newMPSPlugin(t, mpsConfig(mpsDir(t), ""))
+	gpu0 := simulatedUUID("dgxh100", 0)
+	a := reserve(t, p, mpsShareID(gpu0, 0))
+	rec, dir := daemonOf(t, p, gpu0)
+	if !processAlive(rec.PID, rec.Start) {
+		t.Fatalf("daemon %d not running after the first share's Reserve", rec.PID)
+	}
+	env := a.GetEnvs()
+	if env["CUDA_MPS_PIPE_DIRECTORY"] != filepath.Join(dir, "pipe") || env["CUDA_MPS_LOG_DIRECTORY"] != filepath.Join(dir, "log") {
+		t.Errorf("envs %v, want the daemon's directories under %s", env, dir)
+	}
+	if env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "25" || !strings.HasPrefix(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=") {
+		t.Errorf("envs %v, want one share's limits", env)
+	}
+	if len(a.GetMounts()) != 2 || a.GetMounts()[0].GetHostPath() != filepath.Join(dir, "pipe") {
+		t.Errorf("mounts %v, want the pipe and log directories", a.GetMounts())
+	}
+	// A second holder of two shares: the same daemon, twice the limits.
+	b := reserve(t, p, mpsShareID(gpu0, 2), mpsShareID(gpu0, 3))
+	if rec2, _ := daemonOf(t, p, gpu0); rec2.PID != rec.PID {
+		t.Errorf("second holder got daemon %d, want the device's one, %d", rec2.PID, rec.PID)
+	}
+	if got := b.GetEnvs()["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]; got != "50" {
+		t.Errorf("two shares' thread percentage = %s, want 50", got)
+	}
+	mem1, _ := strconv.Atoi(strings.TrimSuffix(strings.TrimPrefix(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0="), "M"))
+	mem2, _ := strconv.Atoi(strings.TrimSuffix(strings.TrimPrefix(b.GetEnvs()["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0="), "M"))
+	if mem1 <= 0 || mem2 != 2*mem1 {
+		t.Errorf("memory limits %d and %d MiB, want the second twice the first", mem1, mem2)
+	}
+	release(t, p, mpsShareID(gpu0, 0))
+	if !processAlive(rec.PID, rec.Start) {
+		t.Fatalf("daemon stopped while a holder still has shares")
+	}
+	release(t, p, mpsShareID(gpu0, 2), mpsShareID(gpu0, 3))
+	if processAlive(rec.PID, rec.Start) {
+		t.Errorf("daemon %d still runs after the last share's Release", rec.PID)
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("daemon directory %s left after the last Release: %v", dir, err)
+	}
+	// Release is idempotent.
+	release(t, p, mpsShareID(gpu0, 0))
+}
+
+// TestMPSPerHolderDaemons: each holder gets a daemon of its own whose default limits
+// are its shares, whatever its environment says.
+func TestMPSPerHolderDaemons(t *testing.T) {
+	p := newMPSPlugin(t, mpsConfig(mpsDir(t), MPSPerHolder))
+	gpu0 := simulatedUUID("dgxh100", 0)
+	a := reserve(t, p, mpsShareID(gpu0, 1))
+	b := reserve(t, p, mpsShareID(gpu0, 2), mpsShareID(gpu0, 3))
+	recA, dirA := daemonOf(t, p, gpu0, mpsShareID(gpu0, 1))
+	recB, dirB := daemonOf(t, p, gpu0, mpsShareID(gpu0, 2))
+	if recA.PID == recB.PID || dirA == dirB {
+		t.Fatalf("two holders share daemon %d in %s", recA.PID, dirA)
+	}
+	if a.GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"] != filepath.Join(dirA, "pipe") || b.GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"] != filepath.Join(dirB, "pipe") {
+		t.Errorf("pipe dirs %q and %q, want each holder's own", a.GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"], b.GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"])
+	}
+	if got := ask(t, p, dirA, "get_default_active_thread_percentage"); got != "25.0" {
+		t.Errorf("holder A's daemon default thread percentage = %q, want 25.0", got)
+	}
+	if got := ask(t, p, dirB, "get_default_active_thread_percentage"); got != "50.0" {
+		t.Errorf("holder B's daemon default thread percentage = %q, want 50.0", got)
+	}
+	memA, _ := parseMiB(ask(t, p, dirA, "get_default_device_pinned_mem_limit 0"))
+	if want := recA.Limits.MemMiB; memA != want || want <= 0 {
+		t.Errorf("holder A's pinned memory limit = %d MiB, want %d", memA, want)
+	}
+	release(t, p, mpsShareID(gpu0, 1))
+	if processAlive(recA.PID, recA.Start) || !processAlive(recB.PID, recB.Start) {
+		t.Errorf("after A's Release: A's daemon alive %v (want false), B's %v (want true)",
+			processAlive(recA.PID, recA.Start), processAlive(recB.PID, recB.Start))
+	}
+}
+
+// TestMPSDaemonKilledIsRestarted: a daemon killed with SIGKILL makes its shares
+// unhealthy with the reason, and comes back on the same pipe with the same limits.
+func TestMPSDaemonKilledIsRestarted(t *testing.T) {
+	p := newMPSPlugin(t, mpsConfig(mpsDir(t), MPSPerHolder))
+	gpu0 := simulatedUUID("dgxh100", 0)
+	share := mpsShareID(gpu0, 0)
+	reserve(t, p, share, mpsShareID(gpu0, 1))
+	rec, dir := daemonOf(t, p, gpu0, share)
+	fp := startFingerprint(t, p)
+	if d := devices(fp.next(t))[share]; d.GetHealth() != pb.Health_HEALTH_HEALTHY {
+		t.Fatalf("share before the kill: %v", d)
+	}
+	if err := syscall.Kill(rec.PID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	d := devices(fp.next(t))[share]
+	if d.GetHealth() != pb.Health_HEALTH_UNHEALTHY || !strings.Contains(d.GetHealthReason(), "MPS control daemon for "+gpu0+" exited") {
+		t.Fatalf("share after its daemon was killed: %v, want unhealthy with the daemon's exit", d)
+	}
+	if d := devices(fp.next(t))[share]; d.GetHealth() != pb.Health_HEALTH_HEALTHY {
+		t.Fatalf("share after the restart: %v, want healthy", d)
+	}
+	again, _ := daemonOf(t, p, gpu0, share)
+	if again.PID == rec.PID || !processAlive(again.PID, again.Start) {
+		t.Fatalf("daemon after the restart: pid %d (was %d)", again.PID, rec.PID)
+	}
+	if got := ask(t, p, dir, "get_default_active_thread_percentage"); got != "50.0" {
+		t.Errorf("restarted daemon's thread percentage = %q, want the holder's 50.0", got)
+	}
+}
+
+// TestMPSRestartAdoptsDaemons: a new plugin process finds the daemons of live shares
+// and adopts them (no second daemon), and stops the ones no live reservation holds.
+func TestMPSRestartAdoptsDaemons(t *testing.T) {
+	dir := mpsDir(t)
+	stateFile := filepath.Join(t.TempDir(), "sim.json")
+	cfg := mpsConfig(dir, MPSPerHolder)
+	cfg.SimStateFile = &stateFile
+	first := newMPSPlugin(t, cfg)
+	gpu0, gpu1 := simulatedUUID("dgxh100", 0), simulatedUUID("dgxh100", 1)
+	reserve(t, first, mpsShareID(gpu0, 0))
+	reserve(t, first, mpsShareID(gpu1, 3))
+	kept, _ := daemonOf(t, first, gpu0, mpsShareID(gpu0, 0))
+	stray, strayDir := daemonOf(t, first, gpu1, mpsShareID(gpu1, 3))
+	// The plugin process ends (the host restarts it): its daemons run on.
+	first.mps.close()
+	first.mps = nil
+
+	second := newMPSPlugin(t, cfg)
+	live := []deviceplugin.LiveReservation{{ID: "r1", DeviceIDs: []string{mpsShareID(gpu0, 0)}}}
+	if err := second.Reconcile(context.Background(), live); err != nil {
+		t.Fatalf("Reconcile: %v", err)
+	}
+	again, _ := daemonOf(t, second, gpu0, mpsShareID(gpu0, 0))
+	if again.PID != kept.PID || !processAlive(kept.PID, kept.Start) {
+		t.Errorf("live share's daemon: pid %d after the restart, want the adopted %d", again.PID, kept.PID)
+	}
+	if processAlive(stray.PID, stray.Start) {
+		t.Errorf("daemon %d of a share no live reservation holds still runs", stray.PID)
+	}
+	if _, err := os.Stat(strayDir); !os.IsNotExist(err) {
+		t.Errorf("stray daemon's directory %s left: %v", strayDir, err)
+	}
+	// The adopted daemon is supervised: a kill restarts it.
+	if err := syscall.Kill(kept.PID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the adopted daemon restarted", func() bool {
+		rec, err := readMPSRecord(filepath.Join(dir, second.mps.keyFor(gpu0, []string{mpsShareID(gpu0, 0)}), mpsDaemonFile))
+		return err == nil && rec.PID != kept.PID && processAlive(rec.PID, rec.Start)
+	})
+	release(t, second, mpsShareID(gpu0, 0))
+	entries, _ := os.ReadDir(dir)
+	if len(entries) != 0 {
+		t.Errorf("%s holds %d entries after the last Release, want none", dir, len(entries))
+	}
+}
+
+func TestMPSReserveRefusals(t *testing.T) {
+	p := newMPSPlugin(t, mpsConfig(mpsDir(t), ""))
+	gpu0, gpu1 := simulatedUUID("dgxh100", 0), simulatedUUID("dgxh100", 1)
+	for _, ids := range [][]string{
+		{mpsShareID(gpu0, 0), mpsShareID(gpu1, 0)},
+		{mpsShareID(gpu0, 0), gpu1},
+	} {
+		_, err := p.Reserve(context.Background(), ids)
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "names one device's daemon") {
+			t.Errorf("Reserve(%v) = %v, want INVALID_ARGUMENT naming the rule", ids, err)
+		}
+	}
+	if p.mps.active() != 0 {
+		t.Errorf("%d daemons after refused Reserves, want none", p.mps.active())
+	}
+}
