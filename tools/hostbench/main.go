@@ -4,7 +4,7 @@
 // scripts/bench; nothing here passes or fails on a timing. Its scenarios and what each
 // figure means: docs/benchmarks.md#hostbench.
 //
-// Usage: hostbench -agent bin/devicehost [-limits] [-only reserve,rss,fanout,stats,floor,partition]
+// Usage: hostbench -agent bin/devicehost [-limits] [-only reserve,rss,fanout,stats,floor,partition,mps]
 package main
 
 import (
@@ -98,6 +98,8 @@ func main() {
 			err = b.floor(ctx)
 		case "partition":
 			err = b.partition(ctx)
+		case "mps":
+			err = b.mps(ctx)
 		default:
 			fmt.Fprintf(os.Stderr, "hostbench: unknown scenario %q\n", sc)
 			os.Exit(2)

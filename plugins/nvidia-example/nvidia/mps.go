@@ -115,6 +115,8 @@ type mpsSupervisor struct {
 	daemon   func() *exec.Cmd // a control daemon in the foreground
 	client   func() *exec.Cmd // a control client
 	restart  backoff.Backoff
+	// deviceDirs memoises each device's directory name (a digest), off the Reserve path.
+	deviceDirs sync.Map
 
 	mu       sync.Mutex
 	daemons  map[string]*mpsDaemon // by key, its directory under settings.dir
@@ -241,10 +243,13 @@ type mpsDaemon struct {
 func (s *mpsSupervisor) keyFor(device string, shares []string) string {
 	// The device's directory is a short digest of its UUID (daemon.json names the
 	// device): control pipes under it must fit a Unix socket's 108 bytes.
-	sum := sha256.Sum256([]byte(device))
-	dir := hex.EncodeToString(sum[:6])
+	dir, ok := s.deviceDirs.Load(device)
+	if !ok {
+		sum := sha256.Sum256([]byte(device))
+		dir, _ = s.deviceDirs.LoadOrStore(device, hex.EncodeToString(sum[:6]))
+	}
 	if s.settings.isolation == MPSShared {
-		return dir
+		return dir.(string)
 	}
 	// One holder's shares are its own, so its lowest share names its daemon.
 	low := -1
