@@ -189,6 +189,9 @@ func (s *scrape) stats(stats device.StatsSnapshot, snap device.Snapshot) {
 				if sh.ratio >= 0 && !l.invalid {
 					s.emit(g.Plugin, shareRatioName, shareRatioHelp, prometheus.GaugeValue, ln, lv, sh.ratio)
 				}
+				if sh.memBytes > 0 && !l.invalid {
+					s.emit(g.Plugin, shareMemoryName, shareMemoryHelp, prometheus.GaugeValue, ln, lv, sh.memBytes)
+				}
 				for _, name := range slices.Sorted(maps.Keys(d.Values)) {
 					v := d.Values[name]
 					if l.use && l.isLabel(name) {
@@ -215,11 +218,32 @@ const (
 	shareRatioHelp = "The share of the device's compute its shares give this workload (time-sliced replicas: the slices it holds over the device's), on the dcgm-exporter labels of the device and the workload."
 )
 
-// share is one workload's part of a device: its owner, and the ratio of the device it
-// holds (negative: the whole device, or none known).
+// The device memory a workload's MPS shares may pin (devicehost_share_memory_limit_bytes).
+const (
+	shareMemoryName = "devicehost_share_memory_limit_bytes"
+	shareMemoryHelp = "The device memory this workload's MPS shares may use (their group's memory attribute, summed over the shares it holds), on the dcgm-exporter labels of the device and the workload."
+)
+
+// share is one workload's part of a device: its owner, the ratio of the device it
+// holds (negative: the whole device, or none known), and the memory its MPS shares
+// may use (0: no limit known).
 type share struct {
-	owner string
-	ratio float64
+	owner    string
+	ratio    float64
+	memBytes float64
+}
+
+// mpsShareLimit is the memory one device of an MPS share group (type or name ending in
+// ".mps", as the nvidia-example plugin's gpu.mps and mig/<profile>.mps) may use: its
+// group's memory attribute, in MiB; 0 for other groups.
+func mpsShareLimit(g device.Group) float64 {
+	if !strings.HasSuffix(g.Type, ".mps") && !strings.HasSuffix(g.Name, ".mps") {
+		return 0
+	}
+	if v, ok := g.Attributes["memory"]; ok && v.Kind == device.KindInt && v.Unit == "MiB" && v.Int > 0 {
+		return float64(v.Int) * (1 << 20)
+	}
+	return 0
 }
 
 // sharesOf finds, for each device with stats of its own, the workloads that hold
@@ -238,8 +262,9 @@ func sharesOf(snap device.Snapshot, stats device.StatsSnapshot) map[string][]sha
 	for _, cs := range snap.Inventory.CounterSets {
 		caps[cs.Key] = cs.Capacity
 	}
-	byDevice := make(map[string]map[string]float64) // device ID -> owner -> ratio
+	byDevice := make(map[string]map[string]share) // device ID -> owner -> its share
 	for _, g := range snap.Inventory.Groups {
+		limit := mpsShareLimit(g)
 		for _, d := range g.Devices {
 			h := snap.State.Devices[d.ID].Holder
 			if h == nil || withStats[d.ID] {
@@ -260,16 +285,18 @@ func sharesOf(snap device.Snapshot, stats device.StatsSnapshot) map[string][]sha
 					owner = ""
 				}
 				if byDevice[c.Set.Name] == nil {
-					byDevice[c.Set.Name] = make(map[string]float64)
+					byDevice[c.Set.Name] = make(map[string]share)
 				}
-				byDevice[c.Set.Name][owner] += ratio
+				sh := byDevice[c.Set.Name][owner]
+				sh.owner, sh.ratio, sh.memBytes = owner, sh.ratio+ratio, sh.memBytes+limit
+				byDevice[c.Set.Name][owner] = sh
 			}
 		}
 	}
 	out := make(map[string][]share, len(byDevice))
 	for id, owners := range byDevice {
 		for _, owner := range slices.Sorted(maps.Keys(owners)) {
-			out[id] = append(out[id], share{owner: owner, ratio: owners[owner]})
+			out[id] = append(out[id], owners[owner])
 		}
 	}
 	return out

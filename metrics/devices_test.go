@@ -608,3 +608,50 @@ func TestDCGMSeriesPerShareHolder(t *testing.T) {
 		t.Errorf("share ratios with NoHolderLabels: %v", f["devicehost_share_compute_ratio"].GetMetric())
 	}
 }
+
+// An MPS-shared GPU's series come once per workload that holds shares of it, each
+// with the compute ratio and the memory its shares may use; a replica group's shares
+// carry no memory limit.
+func TestMPSShareLimitsPerHolder(t *testing.T) {
+	snap := gpuSnapshot()
+	gpuA := device.CounterSetKey{Plugin: "nvidia-example", Name: "GPU-a"}
+	use := []device.Consumption{{Set: gpuA, Counters: map[string]int64{"mps-memory-mib": 20480, "mps-compute-percent": 25}}}
+	mpsKey := device.GroupKey{Vendor: "nvidia", Type: "gpu.mps", Name: h100.Name}
+	snap.Inventory.Groups = append(snap.Inventory.Groups, device.Group{GroupKey: mpsKey, Plugin: "nvidia-example",
+		Attributes: map[string]device.Value{"memory": {Kind: device.KindInt, Int: 20480, Unit: "MiB"}},
+		Devices: []device.DeviceInfo{
+			{ID: "GPU-a::mps::0", Consumes: use}, {ID: "GPU-a::mps::1", Consumes: use}, {ID: "GPU-a::mps::2", Consumes: use}, {ID: "GPU-a::mps::3", Consumes: use},
+		}})
+	snap.Inventory.CounterSets = []device.CounterSet{{Key: gpuA, Capacity: map[string]int64{"mps-memory-mib": 81920, "mps-compute-percent": 100}}}
+	snap.State.Devices = maps.Clone(snap.State.Devices)
+	for id, owner := range map[string]string{"GPU-a::mps::0": "k8s/ml/p1/main", "GPU-a::mps::1": "k8s/ml/p1/main", "GPU-a::mps::3": "k8s/ml/p2/main"} {
+		snap.State.Devices[id] = device.DeviceState{Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "res-" + id, OwnerID: owner}}
+	}
+	f := serve(t, metrics.Options{}, newFake(snap, gpuStats())).scrape(t)
+	byPod := func(name string) map[string]float64 {
+		out := map[string]float64{}
+		for _, m := range f[name].GetMetric() {
+			l := map[string]string{}
+			for _, p := range m.GetLabel() {
+				l[p.GetName()] = p.GetValue()
+			}
+			if l["UUID"] != "GPU-a" {
+				if strings.HasPrefix(name, "devicehost_share_") {
+					t.Errorf("%s series of %s, want GPU-a's only", name, l["UUID"])
+				}
+				continue
+			}
+			out[l["pod"]] = m.GetGauge().GetValue()
+		}
+		return out
+	}
+	if got, want := byPod("devicehost_share_memory_limit_bytes"), map[string]float64{"p1": 2 * 20480 << 20, "p2": 20480 << 20}; !maps.Equal(got, want) {
+		t.Errorf("memory limits by pod = %v, want %v", got, want)
+	}
+	if got, want := byPod("devicehost_share_compute_ratio"), map[string]float64{"p1": 0.5, "p2": 0.25}; !maps.Equal(got, want) {
+		t.Errorf("compute ratios by pod = %v, want %v", got, want)
+	}
+	if got := byPod("DCGM_FI_DEV_FB_USED"); len(got) != 2 {
+		t.Errorf("GPU-a's DCGM_FI_DEV_FB_USED series by pod = %v, want one per holder", got)
+	}
+}
