@@ -418,3 +418,110 @@ func TestKubeletPluginPartitions(t *testing.T) {
 		t.Errorf("Allocate of the whole %s once its partitions were released: %v", gpu, err)
 	}
 }
+
+// With MPS shares on the simulated DGX H100, the bridge serves nvidia.com/gpu.mps: the
+// preferred allocation of two shares keeps them on one GPU, an Allocate answers the
+// daemon's pipe directory (env and mount) and the shares' limits, the GPU they divide
+// turns unhealthy under nvidia.com/gpu, and once the pod is gone its daemon is stopped.
+func TestKubeletPluginMPSShares(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the devicehost binary")
+	}
+	t.Setenv("GORACE", "atexit_sleep_ms=0") // the simulated daemon's control clients
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	mpsDir := tempDir(t, "mps")
+	cfgPath := filepath.Join(tempDir(t, "dhkm"), "agent.hcl")
+	cfg := fmt.Sprintf("plugin \"nvidia-example\" {\n  config {\n    simulate = \"dgxh100\"\n    replicas = 4\n    sharing = \"mps\"\n    mps_dir = %q\n  }\n}\n", mpsDir)
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	addr := endpoint.Address{Network: "unix", Path: filepath.Join(tempDir(t, "dhka"), "devicehost.sock")}
+	agent := startAgentProcess(t, addr, "agent", "-dev", "-log-json", "-listen", addr.String(), "-config", cfgPath)
+	agent.client(t, ctx)
+	dpDir := tempDir(t, "dhkd")
+	k, err := kubelettest.Start(dpDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer k.Close()
+	prSock := filepath.Join(tempDir(t, "dhkp"), "kubelet.sock")
+	pods, err := kubelettest.StartPodResources(prSock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pods.Close()
+	startAgentProcess(t, endpoint.Address{}, "kubelet-plugin", "-address", addr.String(),
+		"-device-plugin-dir", dpDir, "-pod-resources-socket", prSock,
+		"-release-grace", "1s", "-pod-resources-interval", "100ms", "-log-json")
+
+	const mpsResource = "nvidia.com/gpu.mps"
+	u, err := k.WaitDevices(ctx, mpsResource, kubelettest.AllHealth(32, dpapi.Healthy))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var avail []string
+	for _, d := range u.Devices {
+		avail = append(avail, d.GetID())
+	}
+	c, err := k.Client(mpsResource)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pref, err := c.GetPreferredAllocation(ctx, &dpapi.PreferredAllocationRequest{ContainerRequests: []*dpapi.ContainerPreferredAllocationRequest{{
+		AvailableDeviceIDs: avail, AllocationSize: 2,
+	}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	two := pref.GetContainerResponses()[0].GetDeviceIDs()
+	gpu, _, _ := strings.Cut(two[0], "::")
+	if len(two) != 2 || !strings.HasPrefix(two[1], gpu+"::mps::") {
+		t.Fatalf("preferred 2 shares: %v, want two of one GPU", two)
+	}
+	resp, err := c.Allocate(ctx, &dpapi.AllocateRequest{ContainerRequests: []*dpapi.ContainerAllocateRequest{{DevicesIds: two}}})
+	if err != nil {
+		t.Fatalf("Allocate of %v: %v", two, err)
+	}
+	cr := resp.GetContainerResponses()[0]
+	pipe := cr.GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"]
+	if !strings.HasPrefix(pipe, mpsDir+"/") || cr.GetEnvs()["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "50" || cr.GetEnvs()["NVIDIA_VISIBLE_DEVICES"] != gpu {
+		t.Errorf("Allocate envs %v, want the daemon's pipe under %s, 50%% and %s", cr.GetEnvs(), mpsDir, gpu)
+	}
+	mounted := false
+	for _, m := range cr.GetMounts() {
+		mounted = mounted || m.GetHostPath() == pipe && m.GetContainerPath() == pipe
+	}
+	if !mounted {
+		t.Errorf("Allocate mounts %v, want the pipe directory %s", cr.GetMounts(), pipe)
+	}
+	if _, err := os.Stat(filepath.Join(pipe, "control")); err != nil {
+		t.Errorf("the daemon's control pipe: %v", err)
+	}
+	pods.SetPods(kubelettest.Pod("default", "mps", "main", mpsResource, two...))
+	if _, err := k.WaitDevices(ctx, e2eGPUResource, func(devs []*dpapi.Device) bool {
+		for _, d := range devs {
+			if d.GetID() == gpu {
+				return d.GetHealth() == dpapi.Unhealthy
+			}
+		}
+		return false
+	}); err != nil {
+		t.Fatalf("%s under %s with two of its shares held: %v", gpu, e2eGPUResource, err)
+	}
+	pods.SetPods()
+	if _, err := k.WaitDevices(ctx, e2eGPUResource, kubelettest.AllHealth(8, dpapi.Healthy)); err != nil {
+		t.Fatalf("%s after its shares' pod ended: %v", gpu, err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		entries, _ := os.ReadDir(mpsDir)
+		if len(entries) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s still holds %d daemon directories after the pod ended", mpsDir, len(entries))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

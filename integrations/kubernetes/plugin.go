@@ -62,7 +62,8 @@ func (p *resourcePlugin) ListAndWatch(_ *dpapi.Empty, stream dpapi.DevicePlugin_
 
 // GetPreferredAllocation proposes, for each container request, allocation_size of the
 // available devices that include every must-include one and span as few device
-// groups, then NUMA nodes, then PCIe roots as possible.
+// groups, then NUMA nodes, then PCIe roots, then parent devices (counter sets) as
+// possible.
 func (p *resourcePlugin) GetPreferredAllocation(_ context.Context, req *dpapi.PreferredAllocationRequest) (*dpapi.PreferredAllocationResponse, error) {
 	if n := len(req.GetContainerRequests()); n > maxContainerRequests {
 		return nil, status.Errorf(codes.InvalidArgument, "%d container requests; at most %d", n, maxContainerRequests)
@@ -72,12 +73,16 @@ func (p *resourcePlugin) GetPreferredAllocation(_ context.Context, req *dpapi.Pr
 	places := map[string]placement{}
 	for _, g := range v.groups(r) {
 		for _, d := range g.GetDevices() {
-			places[d.GetId()] = placement{
+			pl := placement{
 				id:    d.GetId(),
 				group: groupLabel(g),
 				numa:  d.GetLocality().GetNumaNode(),
 				root:  p.b.pcieRoot(d.GetLocality().GetPciBusId()),
 			}
+			if c := d.GetConsumes(); len(c) > 0 {
+				pl.parent = c[0].GetCounterSet()
+			}
+			places[d.GetId()] = pl
 		}
 	}
 	resp := &dpapi.PreferredAllocationResponse{}

@@ -7,22 +7,27 @@ import (
 )
 
 // placement is where a device sits, for GetPreferredAllocation: its device group, NUMA
-// node and PCIe root (each a key; an empty root or a NUMA node of -1 means unknown, and
-// unknowns count as one place).
+// node, PCIe root and parent (each a key; an empty root or a NUMA node of -1 means
+// unknown, and unknowns count as one place). The parent is the counter set the device
+// consumes: the GPU that replicas or MPS shares divide ("" for a device that divides
+// nothing).
 type placement struct {
-	id    string
-	group string
-	numa  int32
-	root  string
+	id     string
+	group  string
+	numa   int32
+	root   string
+	parent string
 }
 
 // placementLevels are the keys a preferred allocation keeps together, most important
 // first: one device group (a container's devices make one reservation, of one group),
-// then as few NUMA nodes, then as few PCIe roots as possible.
+// then as few NUMA nodes, then as few PCIe roots, then as few parents as possible (a
+// container's MPS shares must all be of one GPU: its pipe directory names one daemon).
 var placementLevels = []func(placement) string{
 	func(p placement) string { return p.group },
 	func(p placement) string { return strconv.Itoa(int(p.numa)) },
 	func(p placement) string { return p.root },
+	func(p placement) string { return p.parent },
 }
 
 // preferDevices chooses size devices among available (which must hold every device of

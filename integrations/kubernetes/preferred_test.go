@@ -59,6 +59,16 @@ func TestPreferDevices(t *testing.T) {
 			{id: "a0", group: "A100", numa: 0}, {id: "a1", group: "A100", numa: 1},
 			{id: "h0", group: "H100", numa: 0}, {id: "h1", group: "H100", numa: 0},
 		}, []string{"a1"}, 2, []string{"a0", "a1"}},
+		{"shares of one GPU on a root of two", []placement{
+			{id: "a::mps::0", group: "g", root: "r", parent: "GPU-a"}, {id: "a::mps::1", group: "g", root: "r", parent: "GPU-a"},
+			{id: "b::mps::0", group: "g", root: "r", parent: "GPU-b"}, {id: "b::mps::1", group: "g", root: "r", parent: "GPU-b"},
+			{id: "b::mps::2", group: "g", root: "r", parent: "GPU-b"},
+		}, []string{"b::mps::0"}, 2, []string{"b::mps::0", "b::mps::1"}},
+		{"shares: the tightest GPU that fits", []placement{
+			{id: "a::mps::0", group: "g", root: "r", parent: "GPU-a"}, {id: "a::mps::1", group: "g", root: "r", parent: "GPU-a"},
+			{id: "a::mps::2", group: "g", root: "r", parent: "GPU-a"},
+			{id: "b::mps::3", group: "g", root: "r", parent: "GPU-b"}, {id: "b::mps::2", group: "g", root: "r", parent: "GPU-b"},
+		}, nil, 2, []string{"b::mps::2", "b::mps::3"}},
 		{"duplicates in available count once", append(slices.Clone(dgx), dgx...), nil, 2, []string{"0", "1"}},
 		{"size zero", dgx, nil, 0, []string{}},
 	} {
