@@ -21,9 +21,15 @@ import (
 // a GPU held whole, the whole GPU while a partition of it is held) is unhealthy, with the
 // blocking reservation in the reason, so Nomad never places a task on one the agent would
 // refuse.
+//
+// A group of MPS shares (type or name ending in ".mps") becomes one Nomad group per
+// device the shares divide, named "<name> <device>" (the counter set they consume):
+// Nomad's scheduler takes all the instances of one device request from one group, in
+// no particular order within it, and a task's MPS shares must all be of one device
+// (its pipe directory names that device's daemon).
 func groupsToNomad(snap *pb.FingerprintResponse) []*device.DeviceGroup {
 	out := make([]*device.DeviceGroup, 0, len(snap.GetGroups()))
-	for _, g := range snap.GetGroups() {
+	for _, g := range splitShareGroups(snap.GetGroups()) {
 		ng := &device.DeviceGroup{Vendor: g.GetVendor(), Type: g.GetType(), Name: g.GetName()}
 		if len(g.GetAttributes()) > 0 {
 			ng.Attributes = make(map[string]*structs.Attribute, len(g.GetAttributes()))
@@ -62,6 +68,41 @@ func groupsToNomad(snap *pb.FingerprintResponse) []*device.DeviceGroup {
 	slices.SortFunc(out, func(a, b *device.DeviceGroup) int {
 		return cmp.Or(strings.Compare(a.Vendor, b.Vendor), strings.Compare(a.Type, b.Type), strings.Compare(a.Name, b.Name))
 	})
+	return out
+}
+
+// splitShareGroups returns groups with each MPS share group split by the device its
+// shares divide (see groupsToNomad); other groups are as they are.
+func splitShareGroups(groups []*pb.DeviceGroup) []*pb.DeviceGroup {
+	out := make([]*pb.DeviceGroup, 0, len(groups))
+	for _, g := range groups {
+		if !strings.HasSuffix(g.GetType(), ".mps") && !strings.HasSuffix(g.GetName(), ".mps") {
+			out = append(out, g)
+			continue
+		}
+		byParent := make(map[string]*pb.DeviceGroup)
+		var order []string
+		for _, d := range g.GetDevices() {
+			parent := ""
+			if c := d.GetConsumes(); len(c) > 0 {
+				parent = c[0].GetCounterSet()
+			}
+			sg := byParent[parent]
+			if sg == nil {
+				name := g.GetName()
+				if parent != "" {
+					name += " " + parent
+				}
+				sg = &pb.DeviceGroup{Vendor: g.GetVendor(), Type: g.GetType(), Name: name, Attributes: g.GetAttributes()}
+				byParent[parent] = sg
+				order = append(order, parent)
+			}
+			sg.Devices = append(sg.Devices, d)
+		}
+		for _, p := range order {
+			out = append(out, byParent[p])
+		}
+	}
 	return out
 }
 

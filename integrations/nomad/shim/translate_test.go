@@ -1,6 +1,9 @@
 package shim
 
 import (
+	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"testing"
 
@@ -37,6 +40,34 @@ func TestGroupsToNomadPartitions(t *testing.T) {
 	snap.Groups[0].Devices[0].BlockedBy = nil
 	if d := groupsToNomad(snap)[0].Devices[0]; !d.Healthy {
 		t.Errorf("GPU with its blockers gone: unhealthy %q", d.HealthDesc)
+	}
+}
+
+// MPS shares become one Nomad group per GPU they divide, so that Nomad's scheduler,
+// which takes a request's instances from one group, gives a task shares of one GPU.
+func TestGroupsToNomadSplitsMPSSharesByGPU(t *testing.T) {
+	share := func(gpu string, k int) *pb.Device {
+		return &pb.Device{Id: fmt.Sprintf("%s::mps::%d", gpu, k), Health: pb.Health_HEALTH_HEALTHY,
+			Consumes: []*pb.CounterConsumption{{CounterSet: gpu, Counters: map[string]int64{"mps-compute-percent": 50}}}}
+	}
+	snap := &pb.FingerprintResponse{Groups: []*pb.DeviceGroup{
+		{Vendor: "nvidia", Type: "gpu", Name: "H100", Devices: []*pb.Device{{Id: "GPU-0", Health: pb.Health_HEALTH_HEALTHY}}},
+		{Vendor: "nvidia", Type: "gpu.mps", Name: "H100", Devices: []*pb.Device{share("GPU-0", 0), share("GPU-1", 0), share("GPU-0", 1), share("GPU-1", 1)}},
+	}}
+	groups := groupsToNomad(snap)
+	got := map[string][]string{}
+	for _, g := range groups {
+		for _, d := range g.Devices {
+			got[g.Type+"/"+g.Name] = append(got[g.Type+"/"+g.Name], d.ID)
+		}
+	}
+	want := map[string][]string{
+		"gpu/H100":           {"GPU-0"},
+		"gpu.mps/H100 GPU-0": {"GPU-0::mps::0", "GPU-0::mps::1"},
+		"gpu.mps/H100 GPU-1": {"GPU-1::mps::0", "GPU-1::mps::1"},
+	}
+	if !maps.EqualFunc(got, want, slices.Equal) {
+		t.Errorf("Nomad groups %v, want %v", got, want)
 	}
 }
 

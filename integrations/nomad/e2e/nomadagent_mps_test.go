@@ -1,0 +1,97 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/devicehost/devicehost/integrations/nomad/shim"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// mpsAgentConfig offers `agent -dev`'s simulated GPUs as 4 MPS shares each, one control
+// daemon per GPU (the agent's binary, simulated), under the %q directory.
+const mpsAgentConfig = `plugin "nvidia-example" {
+  config {
+    simulate = "dgxh100"
+    replicas = 4
+    sharing  = "mps"
+    mps_dir  = %q
+  }
+}
+`
+
+// A real Nomad v1.6.3 agent runs a job on MPS shares: `device "nvidia/gpu.mps" { count =
+// 2 }` gets two shares of one GPU (the shim offers each GPU's shares as a group of its
+// own), the task's environment names that GPU, the daemon's pipe directory and two
+// shares' limits, and once the job is stopped the daemon is gone.
+func TestNomadAgentMPS(t *testing.T) {
+	nomadBin := nomadBinary(t)
+	bins := build(t)
+	tmp := tempDir(t, "dhnmps")
+	mpsDir := filepath.Join(tempDir(t, "mps"), "d")
+	cfgPath := filepath.Join(tmp, "agent.hcl")
+	writeFile(t, cfgPath, fmt.Sprintf(mpsAgentConfig, mpsDir))
+	address := "unix://" + filepath.Join(tmp, "dh.sock")
+	startAgent(t, bins[agentName], tmp, "agent", "-dev", "-listen", address, "-config", cfgPath, "-log-json")
+	c := dial(t, address)
+
+	ports := freePorts(t, 3)
+	nomadAddr := "127.0.0.1:" + ports[0]
+	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, nomadAddr, 2*time.Second)
+	nomad := startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
+	n := &nomadHTTP{t: t, addr: "http://" + nomadAddr}
+	defer n.stopAll()
+	nodeID := n.waitNodeWithGPUs(8)
+	waitFor(t, "8 MPS share groups of 4 in Nomad's node status", func() bool {
+		devs, err := n.nodeDevices(nodeID)
+		groups := 0
+		for name, ds := range devs {
+			if strings.HasPrefix(name, "nvidia/gpu.mps/") && len(ds) == 4 {
+				groups++
+			}
+		}
+		return err == nil && groups == 8
+	}, nomad.Stdout)
+
+	out := filepath.Join(tmp, "env")
+	script := fmt.Sprintf(`printf '%%s %%s %%s\n' "$NVIDIA_VISIBLE_DEVICES" "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" > %[1]s.tmp && mv %[1]s.tmp %[1]s && exec sleep 3600`, out)
+	allocID := n.runBatchJob(nomadBin, tmp, "mps", script, "nvidia/gpu.mps", 2)
+	var fields []string
+	waitFor(t, "the task's environment", func() bool {
+		b, err := os.ReadFile(out)
+		fields = strings.Fields(string(b))
+		return err == nil
+	}, nomad.Stdout)
+	if len(fields) != 3 || !strings.HasPrefix(fields[0], "GPU-") || !strings.HasPrefix(fields[1], mpsDir+"/") || fields[2] != "50" {
+		t.Fatalf("the task saw NVIDIA_VISIBLE_DEVICES, CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = %q; want one GPU, a pipe under %s, 50", fields, mpsDir)
+	}
+	if _, err := os.Stat(filepath.Join(fields[1], "control")); err != nil {
+		t.Errorf("the daemon's control pipe: %v", err)
+	}
+	owner := shim.AllocOwner("default", "mps", allocID, "train")
+	var r *pb.Reservation
+	waitFor(t, "a reservation of "+owner, func() bool {
+		rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: owner, State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
+		if err == nil && len(rs) == 1 {
+			r = rs[0]
+		}
+		return r != nil
+	}, nomad.Stdout)
+	for _, id := range r.GetDeviceIds() {
+		if !strings.HasPrefix(id, fields[0]+"::mps::") {
+			t.Errorf("the task's reservation holds %v; want two shares of %s", r.GetDeviceIds(), fields[0])
+		}
+	}
+	t.Logf("task %s on %v: pipe %s", owner, r.GetDeviceIds(), fields[1])
+
+	n.deleteJob("mps")
+	waitFor(t, "the daemon gone after the job stopped", func() bool {
+		entries, err := os.ReadDir(mpsDir)
+		return err == nil && len(entries) == 0
+	}, nomad.Stdout)
+}
