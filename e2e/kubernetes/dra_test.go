@@ -55,6 +55,8 @@ func TestRealNodeDRA(t *testing.T) {
 	t.Run("AdminTaintRule", d.caseTaintRule)
 	t.Run("PrioritizedMIGOrGPU", d.casePrioritized)
 	t.Run("AdminAccess", d.caseAdminAccess)
+	t.Run("MPSDevicePlugin", d.caseMPSDevicePlugin)
+	t.Run("MPSClaims", d.caseMPSClaims)
 }
 
 // draStack is the stack with the DRA driver beside it.
@@ -397,6 +399,10 @@ type claim struct {
 					Driver  string `json:"driver"`
 					Pool    string `json:"pool"`
 					Device  string `json:"device"`
+					// Of a consumable device (MPS shares): the allocation's share and
+					// what it consumes.
+					ShareID          string            `json:"shareID,omitempty"`
+					ConsumedCapacity map[string]string `json:"consumedCapacity,omitempty"`
 				} `json:"results"`
 			} `json:"devices"`
 		} `json:"allocation"`

@@ -2,11 +2,13 @@ package dra
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/runtime"
 	dracel "k8s.io/dynamic-resource-allocation/cel"
 
@@ -37,10 +39,11 @@ func TestDeployManifests(t *testing.T) {
 	snap := &pb.FingerprintResponse{Groups: []*pb.DeviceGroup{
 		{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia", Devices: []*pb.Device{{Id: "GPU-1", Health: pb.Health_HEALTH_HEALTHY}}},
 		{Vendor: "nvidia", Type: "mig", Name: "1g.10gb", Plugin: "nvidia", Devices: []*pb.Device{{Id: "MIG-1", Health: pb.Health_HEALTH_HEALTHY}}},
+		{Vendor: "nvidia", Type: "gpu.mps", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia", Devices: []*pb.Device{{Id: "GPU-1::mps::0", Health: pb.Health_HEALTH_HEALTHY}}},
 	}}
 	v, _ := buildView(snap, buildOptions{driver: DefaultDriverName, pool: testNode})
 	devs := v.slices[0].Devices
-	for class, want := range map[string]string{"gpu.devicehost.io": DeviceName("GPU-1"), "mig.devicehost.io": DeviceName("MIG-1")} {
+	for class, want := range map[string]string{"gpu.devicehost.io": DeviceName("GPU-1"), "mig.devicehost.io": DeviceName("MIG-1"), "gpu-mps.devicehost.io": DeviceName("GPU-1::mps::0")} {
 		c := classes[class]
 		if c == nil || len(c.Spec.Selectors) != 1 || c.Spec.Selectors[0].CEL == nil {
 			t.Fatalf("DeviceClass %s: %v; want one with a CEL selector", class, c)
@@ -93,6 +96,90 @@ func TestDeployManifests(t *testing.T) {
 		}
 		if len(pod.Spec.ResourceClaims) != 1 || pod.Spec.ResourceClaims[0].ResourceClaimTemplateName == nil || *pod.Spec.ResourceClaims[0].ResourceClaimTemplateName != tmpl.Name {
 			t.Errorf("pod %s claims %+v; want one from template %s", tc.pod, pod.Spec.ResourceClaims, tmpl.Name)
+		}
+	}
+}
+
+// deploy/kubernetes/examples/mps-shares.yaml asks for 40Gi of a GPU's MPS shares, of
+// the gpu-mps DeviceClass, which selects the pooled devices the driver publishes (one
+// per GPU, consumable, in steps of one share); its pod uses the claim.
+func TestMPSSharesExample(t *testing.T) {
+	classes := make(map[string]*resourceapi.DeviceClass)
+	for _, obj := range readManifests(t, "dra.yaml") {
+		if c, ok := obj.(*resourceapi.DeviceClass); ok {
+			classes[c.Name] = c
+		}
+	}
+	var tmpl *resourceapi.ResourceClaimTemplate
+	var pod *corev1.Pod
+	for _, obj := range readManifests(t, "examples/mps-shares.yaml") {
+		switch o := obj.(type) {
+		case *resourceapi.ResourceClaimTemplate:
+			tmpl = o
+		case *corev1.Pod:
+			pod = o
+		}
+	}
+	if tmpl == nil || pod == nil {
+		t.Fatalf("examples/mps-shares.yaml: template %v, pod %v; want both", tmpl, pod)
+	}
+	reqs := tmpl.Spec.Spec.Devices.Requests
+	if len(reqs) != 1 || reqs[0].Exactly == nil || classes[reqs[0].Exactly.DeviceClassName] == nil || reqs[0].Exactly.Capacity == nil {
+		t.Fatalf("template %s requests %+v; want one device of a DeviceClass of dra.yaml, with a capacity request", tmpl.Name, reqs)
+	}
+	asked := reqs[0].Exactly.Capacity.Requests["memory"]
+	share := func(gpu string, k int) *pb.Device {
+		return &pb.Device{Id: fmt.Sprintf("%s::mps::%d", gpu, k), Health: pb.Health_HEALTH_HEALTHY,
+			Consumes: []*pb.CounterConsumption{{CounterSet: gpu, Counters: map[string]int64{"mps-compute-percent": 25, "mps-memory-mib": 20480}}}}
+	}
+	snap := &pb.FingerprintResponse{
+		CounterSets: []*pb.CounterSet{{Plugin: "nvidia", Name: "GPU-1", Capacity: map[string]int64{"mps-compute-percent": 100, "mps-memory-mib": 81920}}},
+		Groups: []*pb.DeviceGroup{
+			{Vendor: "nvidia", Type: "gpu", Name: "H100", Plugin: "nvidia", Devices: []*pb.Device{{Id: "GPU-1", Health: pb.Health_HEALTH_HEALTHY}}},
+			{Vendor: "nvidia", Type: "gpu.mps", Name: "H100", Plugin: "nvidia",
+				Attributes: map[string]*pb.Value{"memory": {Kind: &pb.Value_IntValue{IntValue: 20480}, Unit: "MiB"}, "bar1": {Kind: &pb.Value_IntValue{IntValue: 131072}, Unit: "MiB"}},
+				Devices:    []*pb.Device{share("GPU-1", 0), share("GPU-1", 1), share("GPU-1", 2), share("GPU-1", 3)}},
+		},
+	}
+	v, problems := buildView(snap, buildOptions{driver: DefaultDriverName, pool: testNode})
+	var pooled []resourceapi.Device
+	for _, sl := range v.slices {
+		for _, d := range sl.Devices {
+			if *d.Attributes["type"].StringValue == "gpu.mps" {
+				pooled = append(pooled, d)
+			}
+		}
+	}
+	if len(pooled) != 1 {
+		t.Fatalf("gpu.mps devices %+v (problems %v); want the 4 shares pooled as one", pooled, problems)
+	}
+	d := pooled[0]
+	prog := dracel.GetCompiler(dracel.Features{}).CompileCELExpression(classes[reqs[0].Exactly.DeviceClassName].Spec.Selectors[0].CEL.Expression, dracel.Options{})
+	if ok, _, err := prog.DeviceMatches(context.Background(), dracel.Device{Driver: DefaultDriverName, Attributes: d.Attributes, Capacity: d.Capacity}); err != nil || !ok {
+		t.Errorf("the class does not select the pooled device: %v, %v", ok, err)
+	}
+	mem := d.Capacity["memory"]
+	if d.AllowMultipleAllocations == nil || !*d.AllowMultipleAllocations || mem.RequestPolicy == nil || mem.RequestPolicy.ValidRange == nil ||
+		mem.Value.Cmp(resource.MustParse("80Gi")) != 0 || mem.RequestPolicy.ValidRange.Step.Cmp(resource.MustParse("20Gi")) != 0 {
+		t.Errorf("pooled device: multiple allocations %v, memory %+v; want consumable 80Gi in steps of 20Gi", d.AllowMultipleAllocations, mem)
+	}
+	// Each allocation would consume a capacity without a request policy whole.
+	if len(d.Capacity) != 1 {
+		t.Errorf("pooled device capacities %v; want memory alone", d.Capacity)
+	}
+	if p := *d.Attributes["parent"].StringValue; p != "GPU-1" {
+		t.Errorf("pooled device's parent %q, want GPU-1", p)
+	}
+	use := d.ConsumesCounters[0].Counters
+	memUse, computeUse := use[label("mps-memory-mib")].Value, use[label("mps-compute-percent")].Value
+	if len(d.ConsumesCounters) != 1 || memUse.Value() != 81920 || computeUse.Value() != 100 {
+		t.Errorf("pooled device consumes %+v; want all 4 shares' counters", d.ConsumesCounters)
+	}
+	// What the example asks is two shares; a request between steps takes whole shares.
+	p := v.devices[d.Name].mps
+	for q, want := range map[string]int{asked.String(): 2, "10Gi": 1, "41Gi": 3} {
+		if got := p.sharesFor(map[resourceapi.QualifiedName]resource.Quantity{"memory": resource.MustParse(q)}); got != want {
+			t.Errorf("%s of shares of 20Gi: %d shares, want %d", q, got, want)
 		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 
@@ -41,6 +42,10 @@ type allocated struct {
 	// admin: the claim has the device with admin access (DRAAdminAccess): it sees the
 	// device without holding it.
 	admin bool
+	// consumed is the capacity the allocation takes of a consumable device, and
+	// shareID the allocation's share of it.
+	consumed map[resourceapi.QualifiedName]resource.Quantity
+	shareID  *types.UID
 }
 
 func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, error) {
@@ -73,18 +78,43 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 	}
 	var order []reserveKey
 	byGroup := make(map[reserveKey][]string)
+	// MPS shares pooled as one consumable device (mpspool.go): as many shares as the
+	// claim's allocations of it consume, in one Reserve per pooled device.
+	var poolOrder []*mpsPool
+	poolShares := make(map[*mpsPool]int)
 	for _, a := range devs {
-		k := reserveKey{a.ref.group, a.admin}
+		if p := a.ref.mps; p != nil && !a.admin {
+			if _, ok := poolShares[p]; !ok {
+				poolOrder = append(poolOrder, p)
+			}
+			poolShares[p] += p.sharesFor(a.consumed)
+			continue
+		}
+		k, ids := reserveKey{a.ref.group, a.admin}, []string{a.ref.id}
+		if p := a.ref.mps; p != nil { // admin access to a pooled device: to all its shares
+			k.group, ids = p.group, p.shares
+		}
 		if _, ok := byGroup[k]; !ok {
 			order = append(order, k)
 		}
-		if !slices.Contains(byGroup[k], a.ref.id) {
-			byGroup[k] = append(byGroup[k], a.ref.id)
+		for _, id := range ids {
+			if !slices.Contains(byGroup[k], id) {
+				byGroup[k] = append(byGroup[k], id)
+			}
 		}
 	}
 	owner := ref.owner()
 	var reservations []*pb.Reservation
 	cdiByDevice := make(map[string][]string) // agent device ID -> CDI IDs
+	for _, p := range poolOrder {
+		resp, ids, err := d.reserveShares(ctx, owner, p, poolShares[p])
+		if err != nil {
+			return nil, reserveError(ids, err)
+		}
+		reservations = append(reservations, &pb.Reservation{ReservationId: resp.GetReservationId(), Reservation: resp.GetReservation()})
+		id := mpsPoolID(p.parent)
+		cdiByDevice[id] = append(slices.Clone(resp.GetReservation().GetCdiDevices()), d.cdi.id(ref.uid, resp.GetReservationId()))
+	}
 	for _, k := range order {
 		g, ids := k.group, byGroup[k]
 		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: g.vendor, Type: g.typ, Name: g.name, DeviceIds: ids, AdminAccess: k.admin})
@@ -113,6 +143,15 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 			cdiByDevice[id] = append(append(cdiByDevice[id], claimID), common...)
 		}
 	}
+	for _, a := range devs {
+		if p := a.ref.mps; p != nil && a.admin {
+			for _, id := range p.shares {
+				cdiByDevice[a.ref.id] = append(cdiByDevice[a.ref.id], cdiByDevice[id]...)
+			}
+			slices.Sort(cdiByDevice[a.ref.id])
+			cdiByDevice[a.ref.id] = slices.Compact(cdiByDevice[a.ref.id])
+		}
+	}
 	if err := d.cdi.write(ref.uid, c.Namespace+"/"+c.Name, reservations); err != nil {
 		// The reservations stay: the kubelet's retry gets them back and writes again.
 		return nil, fmt.Errorf("write CDI spec: %w", err)
@@ -129,6 +168,7 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 			PoolName:     d.cfg.NodeName,
 			DeviceName:   a.ref.name,
 			CDIDeviceIDs: cdiByDevice[a.ref.id],
+			ShareID:      a.shareID,
 		})
 	}
 	return out, nil
@@ -150,7 +190,7 @@ func (d *Driver) resolve(ctx context.Context, results []resourceapi.DeviceReques
 				missing = append(missing, r.Pool+"/"+r.Device)
 				continue
 			}
-			out = append(out, allocated{request: r.Request, ref: ref, admin: r.AdminAccess != nil && *r.AdminAccess})
+			out = append(out, allocated{request: r.Request, ref: ref, admin: r.AdminAccess != nil && *r.AdminAccess, consumed: r.ConsumedCapacity, shareID: r.ShareID})
 		}
 		return out, missing
 	}

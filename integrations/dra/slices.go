@@ -42,6 +42,7 @@ type deviceRef struct {
 	id     string // the agent's device ID
 	health pb.Health
 	reason string
+	mps    *mpsPool // a pooled device of MPS shares (mpspool.go); id is mpsPoolID
 }
 
 // view is what one Fingerprint snapshot gives the driver: the pool's slices, and the
@@ -126,6 +127,7 @@ const (
 // what had to be left out, for the log.
 func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems []string) {
 	v = &view{pool: o.pool, devices: make(map[string]deviceRef), disconnected: o.disconnected}
+	snap, pools := poolShares(snap)
 	if o.pci == nil {
 		o.pci = &pciAttributes{}
 	}
@@ -210,7 +212,7 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 						devices = append(devices, c.dev)
 						encs = append(encs, c.enc)
 						next[d.GetId()] = c
-						v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason()}
+						v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
 						v.order = append(v.order, name)
 						continue
 					}
@@ -238,6 +240,12 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 			if strings.HasPrefix(d.GetId(), "GPU-") || strings.HasPrefix(d.GetId(), "MIG-") {
 				dev.Attributes["uuid"] = str(d.GetId())
 			}
+			// The device it divides (a MIG partition's or an MPS share's GPU, a static MIG
+			// device's shares' instance): a claim's constraints can match it, so that its
+			// MPS shares are of one GPU (matchAttribute: <driver>/parent).
+			if c := d.GetConsumes(); len(c) == 1 && c[0].GetCounterSet() != d.GetId() {
+				dev.Attributes["parent"] = str(c[0].GetCounterSet())
+			}
 			problems = append(problems, localityAttributes(dev.Attributes, d, o.pci)...)
 			for _, c := range d.GetConsumes() {
 				set, ok := setNames[[2]string{g.GetPlugin(), c.GetCounterSet()}]
@@ -255,6 +263,9 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 				return strings.Compare(a.CounterSet, b.CounterSet)
 			})
 			dev.Taints = taints(o.driver, d, o.disconnected)
+			if p := pools[d.GetId()]; p != nil {
+				p.consumable(&dev)
+			}
 			if n := len(dev.Attributes) + len(dev.Capacity); n > maxAttributesPerDevice {
 				problems = append(problems, fmt.Sprintf("device %s: %d attributes and capacities, DRA allows %d; the group's attributes past the limit are left out", d.GetId(), n, maxAttributesPerDevice))
 				trimAttributes(&dev)
@@ -269,7 +280,7 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 					next[d.GetId()] = cachedDevice{in: in, dev: dev, enc: enc, problems: slices.Clone(problems[firstProblem:])}
 				}
 			}
-			v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason()}
+			v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
 			v.order = append(v.order, name)
 		}
 	}
@@ -557,7 +568,7 @@ func taints(driver string, d *pb.Device, disconnected error) []resourceapi.Devic
 // trimAttributes drops attributes, in reverse name order, until the device fits
 // DRA's limit; the identifying ones stay.
 func trimAttributes(dev *resourceapi.Device) {
-	keep := map[resourceapi.QualifiedName]bool{"id": true, "uuid": true, "productName": true, "vendor": true, "type": true}
+	keep := map[resourceapi.QualifiedName]bool{"id": true, "uuid": true, "parent": true, "productName": true, "vendor": true, "type": true}
 	names := make([]resourceapi.QualifiedName, 0, len(dev.Attributes))
 	for k := range dev.Attributes {
 		if !keep[k] && !strings.Contains(string(k), "/") {

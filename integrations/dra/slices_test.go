@@ -100,6 +100,7 @@ func TestBuildViewFieldByField(t *testing.T) {
 			Name: DeviceName(gpu),
 			Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
 				"id": sv(gpu), "uuid": sv(gpu), "vendor": sv("nvidia"), "type": sv("gpu"),
+				"parent":        sv("gpu-0"), // the fixture's counter set is not named after the GPU
 				"productName":   sv("NVIDIA H100 80GB HBM3"),
 				"powerLimit":    {IntValue: ptr.To[int64](700)},
 				"driverVersion": ver("535.104.5"), "cudaVersion": ver("12.2.0"), "computeCapability": ver("9.0.0"),
@@ -116,6 +117,7 @@ func TestBuildViewFieldByField(t *testing.T) {
 			Name: DeviceName(mig),
 			Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
 				"id": sv(mig), "uuid": sv(mig), "vendor": sv("nvidia"), "type": sv("mig"), "productName": sv("1g.10gb"),
+				"parent": sv("gpu-0"),
 			},
 			ConsumesCounters: []resourceapi.DeviceCounterConsumption{{CounterSet: "nvidia-gpu-0", Counters: map[string]resourceapi.Counter{
 				label("memory_slices"): q("1"), label("compute_slices"): q("1")}}},

@@ -106,6 +106,9 @@ func (d *Driver) writeClaimStatus(ctx context.Context, uid string, pc *preparedC
 			msg = "no reason given"
 		}
 		data := deviceStatusData{UUID: a.ref.id, Product: a.ref.group.name, Type: a.ref.group.typ, CDIDeviceIDs: pc.cdi[a.ref.id]}
+		if a.ref.mps != nil {
+			data.UUID = a.ref.mps.parent // the device its MPS shares divide
+		}
 		if a.ref.group.typ == "mig" {
 			data.Product, data.MIGProfile = "", a.ref.group.name
 		}
@@ -113,8 +116,12 @@ func (d *Driver) writeClaimStatus(ctx context.Context, uid string, pc *preparedC
 		if err != nil {
 			return err
 		}
-		st.WithDevices(resourceapply.AllocatedDeviceStatus().
-			WithDriver(d.cfg.DriverName).WithPool(d.cfg.NodeName).WithDevice(a.ref.name).
+		ds := resourceapply.AllocatedDeviceStatus().
+			WithDriver(d.cfg.DriverName).WithPool(d.cfg.NodeName).WithDevice(a.ref.name)
+		if a.shareID != nil {
+			ds.WithShareID(string(*a.shareID)) // an allocation of a consumable device
+		}
+		st.WithDevices(ds.
 			WithConditions(
 				metaapply.Condition().WithType("Ready").WithStatus(metav1.ConditionTrue).WithReason("Prepared").
 					WithMessage("reserved at the agent and prepared for the claim's pods").WithLastTransitionTime(now),

@@ -1,0 +1,190 @@
+package dra
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/utils/ptr"
+
+	"github.com/devicehost/devicehost/client"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// MPS shares as DRA consumable capacity (DRAConsumableCapacity). The agent's MPS
+// shares (a group whose type or name ends in ".mps": N shares of a GPU or MIG device,
+// each consuming 1/N of that device's counter set) are published as one device per
+// device they divide, with allowMultipleAllocations and a memory capacity of all N
+// shares, whose request policy is one share: a default of one, steps of one. A claim
+// asking capacity.requests.memory gets that much of one device (the scheduler rounds it
+// up to whole shares), and Prepare reserves as many of the device's shares at the
+// agent, so the MPS limits its container gets are what it asked for. The pooled device
+// consumes the whole counter set (once, however many claims share it), so that the
+// scheduler never gives the device whole and in shares at once, as the agent's ledger
+// never does.
+
+// mpsPool is one pooled device: the shares of the device parent.
+type mpsPool struct {
+	parent   string   // the divided device's counter set: its UUID
+	shares   []string // the agent's share IDs, in order
+	shareMiB int64    // one share's memory
+	group    groupKey // the agent's share group
+}
+
+// mpsPoolID is the agent-side ID a pooled device is known by in the view.
+func mpsPoolID(parent string) string { return parent + "::mps" }
+
+// isShareGroup says whether a group holds MPS shares.
+func isShareGroup(g *pb.DeviceGroup) bool {
+	return strings.HasSuffix(g.GetType(), ".mps") || strings.HasSuffix(g.GetName(), ".mps")
+}
+
+// poolShares returns snap with each MPS share group replaced by a group of pooled
+// devices, one per divided device, and the pools by pooled ID. snap is not changed.
+// A share group without a memory attribute in MiB is left as it is.
+func poolShares(snap *pb.FingerprintResponse) (*pb.FingerprintResponse, map[string]*mpsPool) {
+	if !slices.ContainsFunc(snap.GetGroups(), isShareGroup) {
+		return snap, nil
+	}
+	pools := make(map[string]*mpsPool)
+	out := &pb.FingerprintResponse{CounterSets: snap.GetCounterSets(), Timestamp: snap.GetTimestamp()}
+	for _, g := range snap.GetGroups() {
+		mem := g.GetAttributes()["memory"]
+		if !isShareGroup(g) || mem.GetUnit() != "MiB" || mem.GetIntValue() <= 0 {
+			out.Groups = append(out.Groups, g)
+			continue
+		}
+		byParent := make(map[string]*pb.Device)
+		var order []string
+		for _, d := range g.GetDevices() {
+			if len(d.GetConsumes()) != 1 {
+				continue // not a share of one device
+			}
+			c := d.GetConsumes()[0]
+			parent := c.GetCounterSet()
+			p, ok := pools[mpsPoolID(parent)]
+			if !ok {
+				p = &mpsPool{parent: parent, shareMiB: mem.GetIntValue(), group: groupKey{g.GetVendor(), g.GetType(), g.GetName()}}
+				pools[mpsPoolID(parent)] = p
+				byParent[parent] = &pb.Device{Id: mpsPoolID(parent), Health: pb.Health_HEALTH_HEALTHY, Locality: d.GetLocality(),
+					Consumes: []*pb.CounterConsumption{{CounterSet: parent, Counters: map[string]int64{}}}}
+				order = append(order, parent)
+			}
+			p.shares = append(p.shares, d.GetId())
+			pd := byParent[parent]
+			for k, n := range c.GetCounters() {
+				pd.Consumes[0].Counters[k] += n
+			}
+			if d.GetHealth() != pb.Health_HEALTH_HEALTHY && pd.GetHealth() == pb.Health_HEALTH_HEALTHY {
+				pd.Health, pd.HealthReason = d.GetHealth(), d.GetHealthReason()
+			}
+			if d.GetCordon() != nil && pd.GetCordon() == nil {
+				pd.Cordon = d.GetCordon()
+			}
+			// Shares held outside DRA (the kubelet bridge, Nomad, by hand) keep the
+			// pooled device from the scheduler: it cannot know how many are left.
+			if h := d.GetHolder(); h != nil && !strings.HasPrefix(h.GetOwnerId(), ClaimOwnerPrefix) && pd.GetHolder() == nil {
+				pd.Holder = h
+			}
+			pd.BlockedBy = append(pd.BlockedBy, d.GetBlockedBy()...)
+		}
+		pg := &pb.DeviceGroup{Vendor: g.GetVendor(), Type: g.GetType(), Name: g.GetName(), Plugin: g.GetPlugin(), Attributes: maps.Clone(g.GetAttributes())}
+		for _, parent := range order {
+			pd := byParent[parent]
+			slices.SortFunc(pd.BlockedBy, func(a, b *pb.Holder) int { return strings.Compare(a.GetReservationId(), b.GetReservationId()) })
+			pd.BlockedBy = slices.CompactFunc(pd.BlockedBy, func(a, b *pb.Holder) bool { return a.GetReservationId() == b.GetReservationId() })
+			pg.Devices = append(pg.Devices, pd)
+		}
+		if len(pg.Devices) > 0 {
+			// Every pooled device of the group has all its shares' memory.
+			n := int64(len(pools[mpsPoolID(order[0])].shares))
+			pg.Attributes["memory"] = &pb.Value{Kind: &pb.Value_IntValue{IntValue: n * mem.GetIntValue()}, Unit: "MiB"}
+		}
+		out.Groups = append(out.Groups, pg)
+	}
+	return out, pools
+}
+
+// consumable makes dev, the pooled device of p, consumable: many allocations, each of
+// whole shares of its memory.
+//
+// Its memory is its only capacity: every capacity of a device that allows multiple
+// allocations is consumable, and one without a request policy is consumed whole by each
+// allocation (the GPU's bar1 would let one claim in).
+func (p *mpsPool) consumable(dev *resourceapi.Device) {
+	dev.AllowMultipleAllocations = ptr.To(true)
+	share := *resource.NewQuantity(p.shareMiB<<20, resource.BinarySI)
+	dev.Capacity = make(map[resourceapi.QualifiedName]resourceapi.DeviceCapacity, 1)
+	dev.Capacity["memory"] = resourceapi.DeviceCapacity{
+		Value: *resource.NewQuantity(int64(len(p.shares))*p.shareMiB<<20, resource.BinarySI),
+		RequestPolicy: &resourceapi.CapacityRequestPolicy{
+			Default:    &share,
+			ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: &share, Step: &share},
+		},
+	}
+}
+
+// sharesFor is how many shares of p a claim's consumed memory takes (one when the
+// allocation says none).
+func (p *mpsPool) sharesFor(consumed map[resourceapi.QualifiedName]resource.Quantity) int {
+	q, ok := consumed["memory"]
+	if !ok {
+		return 1
+	}
+	share := p.shareMiB << 20
+	return max(1, int((q.Value()+share-1)/share))
+}
+
+// reserveShares reserves k shares of p for owner at the agent: the ones a reservation
+// of owner already holds (the kubelet asking again), else free ones, retrying with a
+// fresh reading when another claim took one first.
+func (d *Driver) reserveShares(ctx context.Context, owner string, p *mpsPool, k int) (*pb.ReserveResponse, []string, error) {
+	if k > len(p.shares) {
+		return nil, nil, fmt.Errorf("%d MPS shares of %s asked for; it has %d", k, p.parent, len(p.shares))
+	}
+	held, err := d.agent.Reservations(ctx, &pb.ListReservationsRequest{OwnerId: owner, State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
+	if err != nil {
+		return nil, nil, fmt.Errorf("read the claim's reservations: %w", err)
+	}
+	for _, r := range held {
+		if len(r.GetDeviceIds()) > 0 && slices.Contains(p.shares, r.GetDeviceIds()[0]) {
+			ids := r.GetDeviceIds()
+			resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: p.group.vendor, Type: p.group.typ, Name: p.group.name, DeviceIds: ids})
+			return resp, ids, err
+		}
+	}
+	var lastErr error
+	for range 3 {
+		snap, err := d.agent.Devices(ctx)
+		if err != nil {
+			return nil, nil, fmt.Errorf("read the agent's devices: %w", err)
+		}
+		free := make(map[string]bool)
+		for _, g := range snap.GetGroups() {
+			for _, dv := range g.GetDevices() {
+				if dv.GetHolder() == nil && len(dv.GetBlockedBy()) == 0 && dv.GetHealth() == pb.Health_HEALTH_HEALTHY && dv.GetCordon() == nil {
+					free[dv.GetId()] = true
+				}
+			}
+		}
+		var ids []string
+		for _, id := range p.shares {
+			if free[id] && len(ids) < k {
+				ids = append(ids, id)
+			}
+		}
+		if len(ids) < k {
+			return nil, nil, fmt.Errorf("%d MPS shares of %s asked for; %d are free at the agent", k, p.parent, len(ids))
+		}
+		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: p.group.vendor, Type: p.group.typ, Name: p.group.name, DeviceIds: ids})
+		if _, taken := client.HeldError(err); !taken {
+			return resp, ids, err
+		}
+		lastErr = err
+	}
+	return nil, nil, lastErr
+}
