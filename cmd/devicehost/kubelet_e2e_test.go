@@ -81,6 +81,29 @@ func healthChanged(fp *pb.FingerprintResponse) time.Time {
 
 // The kubelet-plugin, a process of its own, against `agent -dev` and stand-ins of the
 // kubelet and its PodResources API: what a node running both sees.
+// startKubeletBridge starts a kubelet stand-in (device-plugin registration and pod
+// resources) and the bridge between it and the agent at addr (release grace 1s, pods
+// read every 100ms), with more flags for the bridge; Cleanup stops them.
+func startKubeletBridge(t *testing.T, addr endpoint.Address, more ...string) (*kubelettest.Kubelet, *kubelettest.PodResources, *agentProcess) {
+	t.Helper()
+	dpDir := tempDir(t, "dhkd")
+	k, err := kubelettest.Start(dpDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(k.Close)
+	prSock := filepath.Join(tempDir(t, "dhkp"), "kubelet.sock")
+	pods, err := kubelettest.StartPodResources(prSock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pods.Close)
+	bridge := startAgentProcess(t, endpoint.Address{}, append([]string{"kubelet-plugin", "-address", addr.String(),
+		"-device-plugin-dir", dpDir, "-pod-resources-socket", prSock,
+		"-release-grace", "1s", "-pod-resources-interval", "100ms", "-log-json"}, more...)...)
+	return k, pods, bridge
+}
+
 func TestKubeletPluginEndToEnd(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds and runs the devicehost binary")
@@ -93,21 +116,7 @@ func TestKubeletPluginEndToEnd(t *testing.T) {
 	agent := startAgentProcess(t, addr, agentArgs...)
 	api := agent.client(t, ctx)
 
-	dpDir := tempDir(t, "dhkd")
-	k, err := kubelettest.Start(dpDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer k.Close()
-	prSock := filepath.Join(tempDir(t, "dhkp"), "kubelet.sock")
-	pods, err := kubelettest.StartPodResources(prSock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pods.Close()
-	bridge := startAgentProcess(t, endpoint.Address{}, "kubelet-plugin", "-address", addr.String(),
-		"-device-plugin-dir", dpDir, "-pod-resources-socket", prSock,
-		"-release-grace", "1s", "-pod-resources-interval", "100ms", "-log-json", "-log-level", "debug")
+	k, pods, bridge := startKubeletBridge(t, addr, "-log-level", "debug")
 
 	// 8 GPUs registered under nvidia.com/gpu, healthy, with their NUMA nodes.
 	regs, err := k.WaitRegistrations(ctx, e2eGPUResource, 1)
@@ -296,7 +305,7 @@ func TestKubeletPluginEndToEnd(t *testing.T) {
 	if err := bridge.Wait(sctx); err != nil {
 		t.Errorf("kubelet-plugin exit after SIGTERM: %v, want exit status 0", err)
 	}
-	if _, err := os.Stat(filepath.Join(dpDir, "devicehost-nvidia.com_gpu.sock")); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(filepath.Join(k.Dir(), "devicehost-nvidia.com_gpu.sock")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("plugin socket after exit: %v, want it removed", err)
 	}
 	if _, err := os.Stat(k.Socket()); err != nil {
@@ -336,21 +345,7 @@ func TestKubeletPluginPartitions(t *testing.T) {
 	addr := endpoint.Address{Network: "unix", Path: filepath.Join(tempDir(t, "dhka"), "devicehost.sock")}
 	agent := startAgentProcess(t, addr, "agent", "-dev", "-log-json", "-listen", addr.String(), "-config", cfgPath)
 	agent.client(t, ctx)
-	dpDir := tempDir(t, "dhkd")
-	k, err := kubelettest.Start(dpDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer k.Close()
-	prSock := filepath.Join(tempDir(t, "dhkp"), "kubelet.sock")
-	pods, err := kubelettest.StartPodResources(prSock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pods.Close()
-	startAgentProcess(t, endpoint.Address{}, "kubelet-plugin", "-address", addr.String(),
-		"-device-plugin-dir", dpDir, "-pod-resources-socket", prSock,
-		"-release-grace", "1s", "-pod-resources-interval", "100ms", "-log-json")
+	k, pods, _ := startKubeletBridge(t, addr)
 
 	const migResource = "nvidia.com/mig-1g.10gb"
 	u, err := k.WaitDevices(ctx, migResource, kubelettest.AllHealth(56, dpapi.Healthy))
@@ -439,21 +434,7 @@ func TestKubeletPluginMPSShares(t *testing.T) {
 	addr := endpoint.Address{Network: "unix", Path: filepath.Join(tempDir(t, "dhka"), "devicehost.sock")}
 	agent := startAgentProcess(t, addr, "agent", "-dev", "-log-json", "-listen", addr.String(), "-config", cfgPath)
 	agent.client(t, ctx)
-	dpDir := tempDir(t, "dhkd")
-	k, err := kubelettest.Start(dpDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer k.Close()
-	prSock := filepath.Join(tempDir(t, "dhkp"), "kubelet.sock")
-	pods, err := kubelettest.StartPodResources(prSock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pods.Close()
-	startAgentProcess(t, endpoint.Address{}, "kubelet-plugin", "-address", addr.String(),
-		"-device-plugin-dir", dpDir, "-pod-resources-socket", prSock,
-		"-release-grace", "1s", "-pod-resources-interval", "100ms", "-log-json")
+	k, pods, _ := startKubeletBridge(t, addr)
 
 	const mpsResource = "nvidia.com/gpu.mps"
 	u, err := k.WaitDevices(ctx, mpsResource, kubelettest.AllHealth(32, dpapi.Healthy))

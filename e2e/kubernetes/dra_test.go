@@ -1029,23 +1029,28 @@ func (d *draStack) withAgentConfig(t *testing.T, c hostContainer) {
 // nvidia-example plugin's config block, and returns the agent's container with it.
 func (d *draStack) agentConfigVariant(t *testing.T, suffix, extra string) hostContainer {
 	t.Helper()
-	c := d.agent.c
+	const anchor = `simulate     = "dgxh100"`
+	return configVariant(t, d.agent.c, suffix, anchor, anchor+"\n        "+extra)
+}
+
+// configVariant writes a copy of the config file container c runs with (its -config),
+// anchor replaced by with, beside it with suffix in its name, and returns c with it.
+func configVariant(t *testing.T, c hostContainer, suffix, anchor, with string) hostContainer {
+	t.Helper()
 	c.args = slices.Clone(c.args)
 	i := slices.Index(c.args, "-config")
 	if i < 0 || i+1 >= len(c.args) {
-		t.Fatalf("agent args %v: no -config", c.args)
+		t.Fatalf("%s args %v: no -config", c.name, c.args)
 	}
 	data, err := os.ReadFile(c.args[i+1])
 	if err != nil {
 		t.Fatal(err)
 	}
-	const anchor = `simulate     = "dgxh100"`
 	if !bytes.Contains(data, []byte(anchor)) {
-		t.Fatalf("agent config %s: no %s to add to", c.args[i+1], anchor)
+		t.Fatalf("%s config %s: no %s to add to", c.name, c.args[i+1], anchor)
 	}
-	variant := strings.Replace(string(data), anchor, anchor+"\n        "+extra, 1)
 	file := strings.TrimSuffix(c.args[i+1], ".hcl") + "-" + suffix + ".hcl"
-	if err := os.WriteFile(file, []byte(variant), 0o644); err != nil {
+	if err := os.WriteFile(file, bytes.Replace(data, []byte(anchor), []byte(with), 1), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	c.args[i+1] = file

@@ -1,7 +1,6 @@
 package kubernetes
 
 import (
-	"bytes"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -172,49 +171,15 @@ func (d *draStack) caseMPSClaims(t *testing.T) {
 	t.Logf("daemons stopped %v after the pods were gone", time.Since(start).Round(time.Millisecond))
 }
 
-// allocatableOf is the node's allocatable count of resource (-1: not listed).
-func (s *stack) allocatableOf(resource string) (int, error) {
-	var nd struct {
-		Status struct {
-			Allocatable map[string]string `json:"allocatable"`
-		} `json:"status"`
-	}
-	if err := s.n.kubectlJSON(&nd, "get", "node", s.n.nodeName); err != nil {
-		return 0, err
-	}
-	v, ok := nd.Status.Allocatable[resource]
-	if !ok {
-		return -1, nil
-	}
-	return strconv.Atoi(v)
-}
-
 // withBridgeResource restarts the bridge with a copy of its config that also serves the
 // agent's nvidia devices of type typ as resource, and restores its own config when the
 // test ends.
 func (s *stack) withBridgeResource(t *testing.T, resource, typ string) {
 	t.Helper()
 	plain := s.bridge.c
-	c := plain
-	c.args = slices.Clone(c.args)
-	i := slices.Index(c.args, "-config")
-	if i < 0 || i+1 >= len(c.args) {
-		t.Fatalf("bridge args %v: no -config", c.args)
-	}
-	data, err := os.ReadFile(c.args[i+1])
-	if err != nil {
-		t.Fatal(err)
-	}
 	const anchor = "kubernetes {"
-	if !bytes.Contains(data, []byte(anchor)) {
-		t.Fatalf("bridge config %s: no %q", c.args[i+1], anchor)
-	}
 	block := fmt.Sprintf("%s\n  resource %q {\n    vendor = \"nvidia\"\n    type   = %q\n  }\n", anchor, resource, typ)
-	file := strings.TrimSuffix(c.args[i+1], ".hcl") + "-" + strings.ReplaceAll(typ, ".", "-") + ".hcl"
-	if err := os.WriteFile(file, bytes.Replace(data, []byte(anchor), []byte(block), 1), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	c.args[i+1] = file
+	c := configVariant(t, plain, strings.ReplaceAll(typ, ".", "-"), anchor, block)
 	restart := func(c hostContainer) {
 		s.bridge.stop(t, syscall.SIGTERM)
 		s.bridge.c = c

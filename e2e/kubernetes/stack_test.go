@@ -280,7 +280,10 @@ func (s *stack) waitAgentHealthy(t *testing.T, limit time.Duration) {
 }
 
 // allocatable is the node's allocatable count of the GPU resource (-1: not listed).
-func (s *stack) allocatable() (int, error) {
+func (s *stack) allocatable() (int, error) { return s.allocatableOf(gpuResource) }
+
+// allocatableOf is the node's allocatable count of resource (-1: not listed).
+func (s *stack) allocatableOf(resource string) (int, error) {
 	var nd struct {
 		Status struct {
 			Allocatable map[string]string `json:"allocatable"`
@@ -289,7 +292,7 @@ func (s *stack) allocatable() (int, error) {
 	if err := s.n.kubectlJSON(&nd, "get", "node", s.n.nodeName); err != nil {
 		return 0, err
 	}
-	v, ok := nd.Status.Allocatable[gpuResource]
+	v, ok := nd.Status.Allocatable[resource]
 	if !ok {
 		return -1, nil
 	}

@@ -26,6 +26,38 @@ func readManifests(t *testing.T, name string) []runtime.Object {
 	return objs
 }
 
+// deviceClasses are the DeviceClasses of deploy/kubernetes/dra.yaml by name.
+func deviceClasses(t *testing.T) map[string]*resourceapi.DeviceClass {
+	t.Helper()
+	classes := make(map[string]*resourceapi.DeviceClass)
+	for _, obj := range readManifests(t, "dra.yaml") {
+		if c, ok := obj.(*resourceapi.DeviceClass); ok {
+			classes[c.Name] = c
+		}
+	}
+	return classes
+}
+
+// example reads an example of deploy/kubernetes: its one ResourceClaimTemplate and its
+// one Pod, failing the test without both.
+func example(t *testing.T, file string) (*resourceapi.ResourceClaimTemplate, *corev1.Pod) {
+	t.Helper()
+	var tmpl *resourceapi.ResourceClaimTemplate
+	var pod *corev1.Pod
+	for _, obj := range readManifests(t, file) {
+		switch o := obj.(type) {
+		case *resourceapi.ResourceClaimTemplate:
+			tmpl = o
+		case *corev1.Pod:
+			pod = o
+		}
+	}
+	if tmpl == nil || pod == nil {
+		t.Fatalf("%s: template %v, pod %v; want both", file, tmpl, pod)
+	}
+	return tmpl, pod
+}
+
 // deploy/kubernetes/dra.yaml has the DeviceClass gpu.devicehost.io, whose selector
 // picks the GPUs the driver publishes and not their MIG partitions (and
 // mig.devicehost.io the other way round); the example claims 2 of it.
@@ -104,24 +136,10 @@ func TestDeployManifests(t *testing.T) {
 // the gpu-mps DeviceClass, which selects the pooled devices the driver publishes (one
 // per GPU, consumable, in steps of one share); its pod uses the claim.
 func TestMPSSharesExample(t *testing.T) {
-	classes := make(map[string]*resourceapi.DeviceClass)
-	for _, obj := range readManifests(t, "dra.yaml") {
-		if c, ok := obj.(*resourceapi.DeviceClass); ok {
-			classes[c.Name] = c
-		}
-	}
-	var tmpl *resourceapi.ResourceClaimTemplate
-	var pod *corev1.Pod
-	for _, obj := range readManifests(t, "examples/mps-shares.yaml") {
-		switch o := obj.(type) {
-		case *resourceapi.ResourceClaimTemplate:
-			tmpl = o
-		case *corev1.Pod:
-			pod = o
-		}
-	}
-	if tmpl == nil || pod == nil {
-		t.Fatalf("examples/mps-shares.yaml: template %v, pod %v; want both", tmpl, pod)
+	classes := deviceClasses(t)
+	tmpl, pod := example(t, "examples/mps-shares.yaml")
+	if len(pod.Spec.ResourceClaims) != 1 || pod.Spec.ResourceClaims[0].ResourceClaimTemplateName == nil || *pod.Spec.ResourceClaims[0].ResourceClaimTemplateName != tmpl.Name {
+		t.Errorf("pod %s claims %+v; want one from template %s", pod.Name, pod.Spec.ResourceClaims, tmpl.Name)
 	}
 	reqs := tmpl.Spec.Spec.Devices.Requests
 	if len(reqs) != 1 || reqs[0].Exactly == nil || classes[reqs[0].Exactly.DeviceClassName] == nil || reqs[0].Exactly.Capacity == nil {
@@ -188,25 +206,8 @@ func TestMPSSharesExample(t *testing.T) {
 // selector matches that profile and no other) and then for a whole GPU, each by a
 // DeviceClass of dra.yaml; its pod uses the claim.
 func TestPrioritizedExample(t *testing.T) {
-	classes := make(map[string]bool)
-	for _, obj := range readManifests(t, "dra.yaml") {
-		if c, ok := obj.(*resourceapi.DeviceClass); ok {
-			classes[c.Name] = true
-		}
-	}
-	var tmpl *resourceapi.ResourceClaimTemplate
-	var pod *corev1.Pod
-	for _, obj := range readManifests(t, "examples/mig-or-gpu.yaml") {
-		switch o := obj.(type) {
-		case *resourceapi.ResourceClaimTemplate:
-			tmpl = o
-		case *corev1.Pod:
-			pod = o
-		}
-	}
-	if tmpl == nil || pod == nil {
-		t.Fatalf("examples/mig-or-gpu.yaml: template %v, pod %v; want both", tmpl, pod)
-	}
+	classes := deviceClasses(t)
+	tmpl, pod := example(t, "examples/mig-or-gpu.yaml")
 	reqs := tmpl.Spec.Spec.Devices.Requests
 	if len(reqs) != 1 || len(reqs[0].FirstAvailable) != 2 {
 		t.Fatalf("template %s requests %+v; want one request with 2 alternatives", tmpl.Name, reqs)
@@ -216,7 +217,7 @@ func TestPrioritizedExample(t *testing.T) {
 		t.Errorf("alternatives %+v; want a MIG instance first, then any whole GPU", alts)
 	}
 	for _, a := range alts {
-		if !classes[a.DeviceClassName] {
+		if classes[a.DeviceClassName] == nil {
 			t.Errorf("alternative %s: DeviceClass %s is not in dra.yaml", a.Name, a.DeviceClassName)
 		}
 	}

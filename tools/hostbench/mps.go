@@ -83,27 +83,11 @@ func (b *bench) mps(ctx context.Context) error {
 		return fmt.Errorf("reserve the daemon's holder: %w", err)
 	}
 	wholeDev, shareDev := device{group: whole, id: gpus[6]}, share(gpus[7], 1)
-	for range 30 {
-		if err := cycle(ctx, c, wholeDev); err != nil {
-			return err
-		}
-		if err := cycle(ctx, c, shareDev); err != nil {
-			return err
-		}
-	}
 	const rounds = 6
 	perRound := max(b.cycles/rounds, 10)
-	var wholeDs, shareDs []time.Duration
-	for range rounds {
-		ds, _, err := b.cyclesCPU(ctx, a, c, wholeDev, perRound)
-		if err != nil {
-			return err
-		}
-		wholeDs = append(wholeDs, ds...)
-		if ds, _, err = b.cyclesCPU(ctx, a, c, shareDev, perRound); err != nil {
-			return err
-		}
-		shareDs = append(shareDs, ds...)
+	wholeDs, shareDs, err := b.alternate(ctx, a, c, wholeDev, shareDev, rounds, perRound)
+	if err != nil {
+		return err
 	}
 	wholeP50, shareP50 := calltrace.Percentile(wholeDs, 50), calltrace.Percentile(shareDs, 50)
 	row("mps Reserve+Release p50, whole GPU", float64(wholeP50)/1e3, "µs")

@@ -98,30 +98,14 @@ func (b *bench) partition(ctx context.Context) error {
 	last := gpus[len(gpus)-1]
 	wholeDev := device{group: whole, id: last}
 	partDev := device{group: mig, id: partsOf(last)[0]}
-	for range 30 { // warm up both
-		if err := cycle(ctx, c, wholeDev); err != nil {
-			return err
-		}
-		if err := cycle(ctx, c, partDev); err != nil {
-			return err
-		}
-	}
 	// A whole GPU against a partition, and then none held against 49 held, each in
 	// alternating rounds, so that a machine's load moving during the run weighs on
 	// both sides alike.
 	const rounds = 6
 	perRound := max(b.cycles/rounds, 10)
-	var wholeDs, partDs []time.Duration
-	for range rounds {
-		ds, _, err := b.cyclesCPU(ctx, a, c, wholeDev, perRound)
-		if err != nil {
-			return err
-		}
-		wholeDs = append(wholeDs, ds...)
-		if ds, _, err = b.cyclesCPU(ctx, a, c, partDev, perRound); err != nil {
-			return err
-		}
-		partDs = append(partDs, ds...)
+	wholeDs, partDs, err := b.alternate(ctx, a, c, wholeDev, partDev, rounds, perRound)
+	if err != nil {
+		return err
 	}
 	wholeP50, partP50 := calltrace.Percentile(wholeDs, 50), calltrace.Percentile(partDs, 50)
 	row("partition Reserve+Release p50, whole GPU", float64(wholeP50)/1e3, "µs")
@@ -182,6 +166,32 @@ func (b *bench) partition(ctx context.Context) error {
 	fmt.Printf("%-44s %d µs with none held, %d µs with %d held: x%.2f\n",
 		"  the agent's CPU per cycle", perNone.Microseconds(), perHeld.Microseconds(), len(holds), float64(perHeld)/float64(perNone))
 	return nil
+}
+
+// alternate warms x and y up (30 cycles each), then runs rounds of perRound
+// Reserve+Release cycles of x and of y, taking turns, so that a machine's load moving
+// during the run weighs on both alike; it returns each side's cycle times.
+func (b *bench) alternate(ctx context.Context, a *agent, c pb.DeviceHostClient, x, y device, rounds, perRound int) (xs, ys []time.Duration, err error) {
+	for range 30 {
+		if err := cycle(ctx, c, x); err != nil {
+			return nil, nil, err
+		}
+		if err := cycle(ctx, c, y); err != nil {
+			return nil, nil, err
+		}
+	}
+	for range rounds {
+		ds, _, err := b.cyclesCPU(ctx, a, c, x, perRound)
+		if err != nil {
+			return nil, nil, err
+		}
+		xs = append(xs, ds...)
+		if ds, _, err = b.cyclesCPU(ctx, a, c, y, perRound); err != nil {
+			return nil, nil, err
+		}
+		ys = append(ys, ds...)
+	}
+	return xs, ys, nil
 }
 
 // cyclesCPU runs n Reserve+Release cycles of d and returns each one's time and the

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
@@ -39,6 +40,21 @@ func (n *nomadHTTP) nodeDevices(id string) (map[string][]nodeDevice, error) {
 		out[g.Vendor+"/"+g.Type+"/"+g.Name] = g.Instances
 	}
 	return out, nil
+}
+
+// waitActiveReservation waits until owner has exactly one active reservation at the
+// agent c, and returns it.
+func waitActiveReservation(t *testing.T, c *client.Client, owner string, log fmt.Stringer) *pb.Reservation {
+	t.Helper()
+	var r *pb.Reservation
+	waitFor(t, "a reservation of "+owner, func() bool {
+		rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: owner, State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
+		if err == nil && len(rs) == 1 {
+			r = rs[0]
+		}
+		return r != nil
+	}, log)
+	return r
 }
 
 // A real Nomad v1.6.3 agent with nomad-device-devicehost against `devicehost agent
@@ -87,14 +103,7 @@ func TestNomadAgentMIG(t *testing.T) {
 		t.Fatalf("the task's NVIDIA_VISIBLE_DEVICES=%q; want one MIG UUID", visible)
 	}
 	owner := shim.AllocOwner("default", "mig", allocID, "train")
-	var r *pb.Reservation
-	waitFor(t, "a reservation of "+owner, func() bool {
-		rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: owner, State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
-		if err == nil && len(rs) == 1 {
-			r = rs[0]
-		}
-		return r != nil
-	}, nomad.Stdout)
+	r := waitActiveReservation(t, c, owner, nomad.Stdout)
 	part := r.GetDeviceIds()[0]
 	gpu, _, ok := strings.Cut(part, "-mig-")
 	if len(r.GetDeviceIds()) != 1 || !ok || r.GetType() != "mig" || r.GetName() != mig1g10 {

@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -10,7 +9,6 @@ import (
 	"time"
 
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
-	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
 // mpsAgentConfig offers `agent -dev`'s simulated GPUs as 4 MPS shares each, one control
@@ -74,14 +72,7 @@ func TestNomadAgentMPS(t *testing.T) {
 		t.Errorf("the daemon's control pipe: %v", err)
 	}
 	owner := shim.AllocOwner("default", "mps", allocID, "train")
-	var r *pb.Reservation
-	waitFor(t, "a reservation of "+owner, func() bool {
-		rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: owner, State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
-		if err == nil && len(rs) == 1 {
-			r = rs[0]
-		}
-		return r != nil
-	}, nomad.Stdout)
+	r := waitActiveReservation(t, c, owner, nomad.Stdout)
 	for _, id := range r.GetDeviceIds() {
 		if !strings.HasPrefix(id, fields[0]+"::mps::") {
 			t.Errorf("the task's reservation holds %v; want two shares of %s", r.GetDeviceIds(), fields[0])

@@ -35,13 +35,7 @@ func BenchmarkMPSReserve(b *testing.B) {
 			b.Fatal(err)
 		}
 		b.Cleanup(func() {
-			p.mps.mu.Lock()
-			var held []string
-			for id := range p.mps.byShare {
-				held = append(held, id)
-			}
-			p.mps.mu.Unlock()
-			p.mps.release(held)
+			releaseAllShares(p)
 			p.Close()
 		})
 		return p

@@ -2,8 +2,10 @@ package nvidia
 
 import (
 	"context"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -38,18 +40,20 @@ func mpsConfig(dir, isolation string) Config {
 func newMPSPlugin(t *testing.T, cfg Config) *Plugin {
 	t.Helper()
 	p, _ := newTestPlugin(t, cfg)
-	t.Cleanup(func() {
-		if p.mps != nil {
-			p.mps.mu.Lock()
-			var held []string
-			for id := range p.mps.byShare {
-				held = append(held, id)
-			}
-			p.mps.mu.Unlock()
-			p.mps.release(held)
-		}
-	})
+	t.Cleanup(func() { releaseAllShares(p) })
 	return p
+}
+
+// releaseAllShares releases every share p's daemons still serve, so that none of them
+// outlives a test.
+func releaseAllShares(p *Plugin) {
+	if p.mps == nil {
+		return
+	}
+	p.mps.mu.Lock()
+	held := slices.Collect(maps.Keys(p.mps.byShare))
+	p.mps.mu.Unlock()
+	p.mps.release(held)
 }
 
 // daemonOf reads the daemon.json of the daemon that serves share of device.
