@@ -35,29 +35,11 @@ func (b *bench) mps(ctx context.Context) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	cfg := filepath.Join(dir, "mps.hcl")
-	if err := os.WriteFile(cfg, fmt.Appendf(nil, mpsConfig, filepath.Join(dir, "d")), 0o600); err != nil {
-		return err
-	}
-	a, err := b.start(ctx, 0, "-config", cfg)
+	a, c, fp, stop, err := b.startConfigured(ctx, dir, fmt.Sprintf(mpsConfig, filepath.Join(dir, "d")))
 	if err != nil {
 		return err
 	}
-	defer a.stop()
-	conn, err := a.dial()
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	c := pb.NewDeviceHostClient(conn)
-	stream, err := c.Fingerprint(ctx, &pb.FingerprintRequest{})
-	if err != nil {
-		return err
-	}
-	fp, err := stream.Recv()
-	if err != nil {
-		return err
-	}
+	defer stop()
 	var whole, shares *pb.DeviceGroup
 	for _, g := range fp.GetGroups() {
 		switch g.GetType() {

@@ -39,29 +39,11 @@ func (b *bench) partition(ctx context.Context) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
-	cfg := filepath.Join(dir, "mig.hcl")
-	if err := os.WriteFile(cfg, []byte(partitionConfig), 0o600); err != nil {
-		return err
-	}
-	a, err := b.start(ctx, 0, "-config", cfg)
+	a, c, fp, stop, err := b.startConfigured(ctx, dir, partitionConfig)
 	if err != nil {
 		return err
 	}
-	defer a.stop()
-	conn, err := a.dial()
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	c := pb.NewDeviceHostClient(conn)
-	stream, err := c.Fingerprint(ctx, &pb.FingerprintRequest{})
-	if err != nil {
-		return err
-	}
-	fp, err := stream.Recv()
-	if err != nil {
-		return err
-	}
+	defer stop()
 	var whole *pb.DeviceGroup
 	var mig *pb.DeviceGroup
 	devices := 0
@@ -166,6 +148,34 @@ func (b *bench) partition(ctx context.Context) error {
 	fmt.Printf("%-44s %d µs with none held, %d µs with %d held: x%.2f\n",
 		"  the agent's CPU per cycle", perNone.Microseconds(), perHeld.Microseconds(), len(holds), float64(perHeld)/float64(perNone))
 	return nil
+}
+
+// startConfigured starts an agent with config (written to dir), connects to it and
+// reads its first Fingerprint; stop closes the connection and stops the agent.
+func (b *bench) startConfigured(ctx context.Context, dir, config string) (a *agent, c pb.DeviceHostClient, fp *pb.FingerprintResponse, stop func(), err error) {
+	cfg := filepath.Join(dir, "agent.hcl")
+	if err := os.WriteFile(cfg, []byte(config), 0o600); err != nil {
+		return nil, nil, nil, nil, err
+	}
+	if a, err = b.start(ctx, 0, "-config", cfg); err != nil {
+		return nil, nil, nil, nil, err
+	}
+	conn, err := a.dial()
+	if err != nil {
+		a.stop()
+		return nil, nil, nil, nil, err
+	}
+	stop = func() { conn.Close(); a.stop() }
+	c = pb.NewDeviceHostClient(conn)
+	stream, err := c.Fingerprint(ctx, &pb.FingerprintRequest{})
+	if err == nil {
+		fp, err = stream.Recv()
+	}
+	if err != nil {
+		stop()
+		return nil, nil, nil, nil, err
+	}
+	return a, c, fp, stop, nil
 }
 
 // alternate warms x and y up (30 cycles each), then runs rounds of perRound
