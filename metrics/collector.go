@@ -247,9 +247,9 @@ func mpsShareLimit(g device.Group) float64 {
 }
 
 // sharesOf finds, for each device with stats of its own, the workloads that hold
-// shares of it: held devices without stats of their own (time-sliced replicas) that
-// consume the counter set named after it, each holder's ratio the largest of the
-// counters' use over capacity, summed over its shares. Holders whose owners give no
+// shares of it: held devices without stats of their own (time-sliced replicas, MPS
+// shares) that consume every counter of the counter set named after it, each holder's
+// ratio the largest of the counters' use over capacity, summed over its shares. Holders whose owners give no
 // dcgm labels are folded into one set with no owner. Sorted by owner.
 func sharesOf(snap device.Snapshot, stats device.StatsSnapshot) map[string][]share {
 	withStats := make(map[string]bool)
@@ -271,7 +271,7 @@ func sharesOf(snap device.Snapshot, stats device.StatsSnapshot) map[string][]sha
 				continue
 			}
 			for _, c := range d.Consumes {
-				if !withStats[c.Set.Name] || c.Set.Plugin != g.Plugin {
+				if !withStats[c.Set.Name] || c.Set.Plugin != g.Plugin || !drawsOnAll(c, caps[c.Set]) {
 					continue
 				}
 				ratio := 0.0
@@ -300,6 +300,19 @@ func sharesOf(snap device.Snapshot, stats device.StatsSnapshot) map[string][]sha
 		}
 	}
 	return out
+}
+
+// drawsOnAll says whether c draws on every counter of its set (capacity caps): a
+// share of the device the set is named after. A share of an on-demand MIG placement
+// draws on that placement's slices of its GPU's set only; its workload is no share of
+// the GPU's series.
+func drawsOnAll(c device.Consumption, caps map[string]int64) bool {
+	for k := range caps {
+		if _, ok := c.Counters[k]; !ok {
+			return false
+		}
+	}
+	return true
 }
 
 // groupID names a group of one plugin.

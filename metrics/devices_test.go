@@ -655,3 +655,30 @@ func TestMPSShareLimitsPerHolder(t *testing.T) {
 		t.Errorf("GPU-a's DCGM_FI_DEV_FB_USED series by pod = %v, want one per holder", got)
 	}
 }
+
+// A share of an on-demand MIG placement draws on a few counters of its GPU's set: its
+// holder is no share of the GPU, so the GPU's series stay one plain set.
+func TestSharesOfPlacementsAreNoShareOfTheGPU(t *testing.T) {
+	snap := gpuSnapshot()
+	gpuA := device.CounterSetKey{Plugin: "nvidia-example", Name: "GPU-a"}
+	use := []device.Consumption{{Set: gpuA, Counters: map[string]int64{"memory-slice-0": 1, "compute-slices": 1}}}
+	key := device.GroupKey{Vendor: "nvidia", Type: "mig", Name: "1g.10gb.mps"}
+	snap.Inventory.Groups = append(snap.Inventory.Groups, device.Group{GroupKey: key, Plugin: "nvidia-example",
+		Attributes: map[string]device.Value{"memory": {Kind: device.KindInt, Int: 4864, Unit: "MiB"}},
+		Devices:    []device.DeviceInfo{{ID: "GPU-a-mig-1g.10gb-0::mps::0", Consumes: use}}})
+	snap.Inventory.CounterSets = []device.CounterSet{{Key: gpuA, Capacity: map[string]int64{"memory-slice-0": 2, "memory-slice-1": 2, "compute-slices": 14}}}
+	snap.State.Devices = maps.Clone(snap.State.Devices)
+	snap.State.Devices["GPU-a-mig-1g.10gb-0::mps::0"] = device.DeviceState{Health: device.HealthHealthy,
+		Holder: &device.Holder{ReservationID: "res-1", OwnerID: "k8s/ml/p1/main"}}
+	f := serve(t, metrics.Options{}, newFake(snap, gpuStats())).scrape(t)
+	if got := f["devicehost_share_compute_ratio"].GetMetric(); len(got) != 0 {
+		t.Errorf("share ratios %v, want none: the share is of a placement, not of the GPU", got)
+	}
+	for _, m := range f["DCGM_FI_DEV_FB_USED"].GetMetric() {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == "pod" {
+				t.Errorf("GPU series %v carries a pod label", m.GetLabel())
+			}
+		}
+	}
+}

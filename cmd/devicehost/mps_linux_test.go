@@ -170,3 +170,67 @@ plugin "nvidia-example" {
 		t.Errorf("mps_dir holds %d entries after the last Release", len(entries))
 	}
 }
+
+// MPS shares of on-demand MIG placements through a real agent: the ledger keeps a
+// share and its whole placement apart; a share of an overlapping placement passes the
+// counters but is refused by the plugin, naming the instance in its way; after the
+// last share's Release the instance is gone and the overlapping placement is free.
+func TestAgentMPSSharesOfOnDemandMIG(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the devicehost binary")
+	}
+	t.Setenv("GORACE", "atexit_sleep_ms=0")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	mpsDir := tempDir(t, "mps")
+	setup := newAgentSetup(t, fmt.Sprintf(`
+plugin "nvidia-example" {
+  config {
+    simulate       = "dgxh100"
+    mig            = "on-demand"
+    replicas       = 2
+    sharing        = "mps"
+    mps_dir        = %q
+    sim_state_file = %q
+  }
+}
+`, mpsDir, filepath.Join(tempDir(t, "dhsim"), "sim.json")))
+	agent := setup.start(t)
+	defer agent.kill(t, ctx)
+	c := agent.client(t, ctx)
+	groups := map[string]*pb.DeviceGroup{}
+	currentFingerprint(t, ctx, c, "on-demand MIG shares", func(fp *pb.FingerprintResponse) bool {
+		for _, g := range fp.GetGroups() {
+			groups[g.GetName()] = g
+		}
+		return groups["1g.10gb.mps"] != nil && groups["2g.20gb"] != nil
+	})
+	gpu0 := groups["1g.10gb"].GetDevices()[0].GetId()
+	gpu0 = gpu0[:strings.Index(gpu0, "-mig-")]
+	small, large := gpu0+"-mig-1g.10gb-0", gpu0+"-mig-2g.20gb-0"
+
+	a, err := c.Reserve(ctx, reserveRequest(groups["1g.10gb.mps"], "holder-a", small+"::mps::0"))
+	if err != nil {
+		t.Fatalf("Reserve of a share of %s: %v", small, err)
+	}
+	if env := a.GetReservation().GetEnvs(); !strings.HasPrefix(env["NVIDIA_VISIBLE_DEVICES"], "MIG-") || env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "50" {
+		t.Errorf("envs of a share: %v, want its new MIG device and half its threads", env)
+	}
+	if _, err := c.Reserve(ctx, reserveRequest(groups["1g.10gb"], "whole", small)); status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("whole %s beside its held share: %v, want FAILED_PRECONDITION", small, err)
+	}
+	_, err = c.Reserve(ctx, reserveRequest(groups["2g.20gb.mps"], "holder-b", large+"::mps::0"))
+	if err == nil || !strings.Contains(err.Error(), small) { // the plugin's refusal, passed on as the agent passes every plugin refusal on
+		t.Errorf("a share of the overlapping %s: %v, want a refusal naming %s", large, err, small)
+	}
+	if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: a.GetReservationId()}}); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	liveAfterCleanups(t, ctx, c)
+	if d := mpsDaemons(t, mpsDir); len(d) != 0 {
+		t.Errorf("daemons after the last share's Release: %v", d)
+	}
+	if _, err := c.Reserve(ctx, reserveRequest(groups["2g.20gb"], "whole", large)); err != nil {
+		t.Errorf("whole %s after the share's Release: %v", large, err)
+	}
+}

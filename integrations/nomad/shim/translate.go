@@ -10,6 +10,7 @@ import (
 	"github.com/hashicorp/nomad/plugins/device"
 	"github.com/hashicorp/nomad/plugins/shared/structs"
 
+	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/integrations/nomad/units"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
@@ -29,7 +30,7 @@ import (
 // (its pipe directory names that device's daemon).
 func groupsToNomad(snap *pb.FingerprintResponse) []*device.DeviceGroup {
 	out := make([]*device.DeviceGroup, 0, len(snap.GetGroups()))
-	for _, g := range splitShareGroups(snap.GetGroups()) {
+	for _, g := range splitShareGroups(snap) {
 		ng := &device.DeviceGroup{Vendor: g.GetVendor(), Type: g.GetType(), Name: g.GetName()}
 		if len(g.GetAttributes()) > 0 {
 			ng.Attributes = make(map[string]*structs.Attribute, len(g.GetAttributes()))
@@ -71,29 +72,32 @@ func groupsToNomad(snap *pb.FingerprintResponse) []*device.DeviceGroup {
 	return out
 }
 
-// splitShareGroups returns groups with each MPS share group split by the device its
-// shares divide (see groupsToNomad); other groups are as they are.
-func splitShareGroups(groups []*pb.DeviceGroup) []*pb.DeviceGroup {
+// splitShareGroups returns snap's groups with each MPS share group split by the device
+// its shares divide (see groupsToNomad); other groups are as they are. Shares of part
+// of a device (an on-demand MIG placement's, see client.ShareParent) are left out:
+// Nomad could give one task shares of two placements, which no daemon serves together.
+func splitShareGroups(snap *pb.FingerprintResponse) []*pb.DeviceGroup {
+	groups := snap.GetGroups()
 	out := make([]*pb.DeviceGroup, 0, len(groups))
+	var sets client.CounterSets
 	for _, g := range groups {
-		if !strings.HasSuffix(g.GetType(), ".mps") && !strings.HasSuffix(g.GetName(), ".mps") {
+		if !client.IsShareGroup(g) {
 			out = append(out, g)
 			continue
+		}
+		if sets == nil {
+			sets = client.IndexCounterSets(snap)
 		}
 		byParent := make(map[string]*pb.DeviceGroup)
 		var order []string
 		for _, d := range g.GetDevices() {
-			parent := ""
-			if c := d.GetConsumes(); len(c) > 0 {
-				parent = c[0].GetCounterSet()
+			parent, ok := sets.ShareParent(g.GetPlugin(), d)
+			if !ok {
+				continue
 			}
 			sg := byParent[parent]
 			if sg == nil {
-				name := g.GetName()
-				if parent != "" {
-					name += " " + parent
-				}
-				sg = &pb.DeviceGroup{Vendor: g.GetVendor(), Type: g.GetType(), Name: name, Attributes: g.GetAttributes()}
+				sg = &pb.DeviceGroup{Vendor: g.GetVendor(), Type: g.GetType(), Name: g.GetName() + " " + parent, Attributes: g.GetAttributes()}
 				byParent[parent] = sg
 				order = append(order, parent)
 			}

@@ -71,6 +71,28 @@ func TestGroupsToNomadSplitsMPSSharesByGPU(t *testing.T) {
 	}
 }
 
+// Shares of an on-demand MIG placement draw on part of their GPU's counter set, so no
+// Nomad group can hold the shares of one placement only: they are left out, and the
+// shares of a static MIG device (all of its own set) are offered.
+func TestGroupsToNomadLeavesOutSharesOfPlacements(t *testing.T) {
+	snap := &pb.FingerprintResponse{
+		CounterSets: []*pb.CounterSet{
+			{Plugin: "nvidia", Name: "GPU-0", Capacity: map[string]int64{"memory-slice-0": 2, "memory-slice-1": 2, "compute-slices": 14}},
+			{Plugin: "nvidia", Name: "MIG-1", Capacity: map[string]int64{"mps-compute-percent": 100, "mps-memory-mib": 40000}},
+		},
+		Groups: []*pb.DeviceGroup{{Vendor: "nvidia", Type: "mig", Name: "1g.10gb.mps", Plugin: "nvidia", Devices: []*pb.Device{
+			{Id: "GPU-0-mig-1g.10gb-0::mps::0", Health: pb.Health_HEALTH_HEALTHY,
+				Consumes: []*pb.CounterConsumption{{CounterSet: "GPU-0", Counters: map[string]int64{"memory-slice-0": 1, "compute-slices": 1}}}},
+			{Id: "MIG-1::mps::0", Health: pb.Health_HEALTH_HEALTHY,
+				Consumes: []*pb.CounterConsumption{{CounterSet: "MIG-1", Counters: map[string]int64{"mps-compute-percent": 50, "mps-memory-mib": 20000}}}},
+		}}},
+	}
+	groups := groupsToNomad(snap)
+	if len(groups) != 1 || groups[0].Name != "1g.10gb.mps MIG-1" || len(groups[0].Devices) != 1 || groups[0].Devices[0].ID != "MIG-1::mps::0" {
+		t.Errorf("Nomad groups %+v, want only the static MIG device's share, in its own group", groups)
+	}
+}
+
 // A cordoned device is unhealthy to Nomad whatever its health, with the reason and who
 // cordoned it, so the scheduler places no new allocation on it; healthy once uncordoned.
 func TestCordonedDeviceUnhealthyToNomad(t *testing.T) {

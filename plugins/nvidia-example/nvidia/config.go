@@ -127,6 +127,11 @@ const (
 // 48 clients per device on Volta and later.
 const MaxMPSShares = 48
 
+// MaxOnDemandMPSShares bounds Config.Replicas with sharing = "mps" and mig =
+// "on-demand": every placement of every profile is offered in shares (about 25
+// placements per H100, 8 GPUs), which must stay inside the host's bounds on devices.
+const MaxOnDemandMPSShares = 8
+
 // DefaultMPSDir is where the control daemons' pipe and log directories go on real
 // NVML: a tmpfs, gone at a reboot as the daemons are.
 const DefaultMPSDir = "/run/devicehost/nvidia-mps"
@@ -384,6 +389,9 @@ func parseSharing(c Config, s *settings) []error {
 	}
 	if c.Replicas < 2 || c.Replicas > MaxMPSShares {
 		errs = append(errs, fmt.Errorf("config: replicas = %d: sharing = %q wants 2 to %d shares per device (an MPS server's clients)", c.Replicas, SharingMPS, MaxMPSShares))
+	} else if c.MIG == MIGOnDemand && c.Replicas > MaxOnDemandMPSShares {
+		errs = append(errs, fmt.Errorf("config: replicas = %d: sharing = %q with mig = %q wants 2 to %d shares per placement (each placement of each profile is offered in shares: more would pass the host's bound of 4096 devices per fingerprint on an 8-GPU machine)",
+			c.Replicas, SharingMPS, MIGOnDemand, MaxOnDemandMPSShares))
 	}
 	m := mpsSettings{shares: c.Replicas, isolation: MPSShared, dir: c.MPSDir, control: c.MPSControl}
 	switch c.MPSIsolation {

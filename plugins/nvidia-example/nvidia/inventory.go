@@ -66,10 +66,17 @@ type inventory struct {
 type target struct {
 	kind      targetKind
 	gpu       int         // index into inventory.gpus
-	profile   *migProfile // targetPartition
+	profile   *migProfile // targetPartition, and targetMPS of a partition
 	placement nvml.GpuInstancePlacement
-	uuid      string    // what NVIDIA_VISIBLE_DEVICES names: the GPU's or the MIG device's
+	uuid      string    // what NVIDIA_VISIBLE_DEVICES names: the GPU's or the MIG device's ("" for a partition: made at Reserve)
 	mps       mpsLimits // targetMPS: what the share may use
+	divides   string    // targetMPS: the device the share is of (a GPU's or static MIG device's UUID, or a partition's ID)
+}
+
+// onDemand says whether the target is of an on-demand MIG placement, whose instance
+// exists only while something holds it.
+func (t target) onDemand() bool {
+	return t.kind == targetPartition || t.kind == targetMPS && t.uuid == ""
 }
 
 type targetKind int
@@ -79,7 +86,7 @@ const (
 	targetReplica                     // a time-sliced replica
 	targetPartition                   // an on-demand MIG device
 	targetStatic                      // a MIG device of a static layout
-	targetMPS                         // an MPS share of a GPU or of a static MIG device
+	targetMPS                         // an MPS share of a GPU, a static MIG device or an on-demand placement
 )
 
 // gpuDesc is what a fingerprint says about one GPU.
@@ -117,15 +124,20 @@ func (rt *runtime) scan() (*inventory, error) {
 				if plan.mps > 0 && m.profile != nil {
 					share := mpsShare(int64(m.profile.info.MemorySizeMB), plan.mps)
 					for k := range plan.mps {
-						inv.targets[mpsShareID(m.uuid, k)] = target{kind: targetMPS, gpu: i, uuid: m.uuid, mps: share}
+						inv.targets[mpsShareID(m.uuid, k)] = target{kind: targetMPS, gpu: i, uuid: m.uuid, mps: share, divides: m.uuid}
 					}
 				}
 			}
 			continue // the whole GPU is carved up
 		case modeOnDemand:
 			for _, prof := range plan.profiles {
+				share := mpsShare(int64(prof.info.MemorySizeMB), plan.mps)
 				for _, pl := range prof.placements {
-					inv.targets[partitionID(g.uuid, prof.name, pl.Start)] = target{kind: targetPartition, gpu: i, profile: prof, placement: pl}
+					id := partitionID(g.uuid, prof.name, pl.Start)
+					inv.targets[id] = target{kind: targetPartition, gpu: i, profile: prof, placement: pl}
+					for k := range plan.mps {
+						inv.targets[mpsShareID(id, k)] = target{kind: targetMPS, gpu: i, profile: prof, placement: pl, mps: share, divides: id}
+					}
 				}
 			}
 		}
@@ -133,8 +145,10 @@ func (rt *runtime) scan() (*inventory, error) {
 		for k := range plan.replicas {
 			inv.targets[replicaID(g.uuid, k)] = target{kind: targetReplica, gpu: i, uuid: g.uuid}
 		}
-		for k := range plan.mps {
-			inv.targets[mpsShareID(g.uuid, k)] = target{kind: targetMPS, gpu: i, uuid: g.uuid, mps: mpsShare(plan.memMiB, plan.mps)}
+		if plan.mode == modeWhole {
+			for k := range plan.mps {
+				inv.targets[mpsShareID(g.uuid, k)] = target{kind: targetMPS, gpu: i, uuid: g.uuid, mps: mpsShare(plan.memMiB, plan.mps), divides: g.uuid}
+			}
 		}
 	}
 	rt.latest.Store(inv)
@@ -292,11 +306,12 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool, m
 			return dev
 		}
 		device := func(id string, use map[string]int64) *pb.Device { return deviceIn(id, d.id, use) }
-		// share is MPS share k of the device uuid (the GPU or a static MIG device).
-		share := func(uuid string, k int, l mpsLimits) *pb.Device {
-			dev := deviceIn(mpsShareID(uuid, k), uuid, l.counters())
+		// share is MPS share k of the device divided (the GPU, a static MIG device or an
+		// on-demand placement), consuming use of counter set set.
+		share := func(divided string, k int, set string, use map[string]int64) *pb.Device {
+			dev := deviceIn(mpsShareID(divided, k), set, use)
 			if dev.Health == pb.Health_HEALTH_HEALTHY {
-				if ok, why := mps.health(dev.Id, uuid); !ok {
+				if ok, why := mps.health(dev.Id, divided); !ok {
 					dev.Health, dev.HealthReason = pb.Health_HEALTH_UNHEALTHY, why
 				}
 			}
@@ -328,16 +343,23 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool, m
 					deviceIn(m.uuid, m.uuid, l.times(plan.mps).counters()))
 				for k := range plan.mps {
 					add("mig", migGroupName(m.profile)+".mps", func() map[string]*pb.Value { return shareAttrs(migAttrs(m.profile, d), l) },
-						share(m.uuid, k, l))
+						share(m.uuid, k, m.uuid, l.counters()))
 				}
 			}
 			continue
 		case modeOnDemand:
 			for _, prof := range plan.profiles {
+				l := mpsShare(int64(prof.info.MemorySizeMB), plan.mps)
 				for _, pl := range prof.placements {
-					dev := device(partitionID(d.id, prof.name, pl.Start), partitionUse(prof, pl))
+					id := partitionID(d.id, prof.name, pl.Start)
+					dev := device(id, partitionUse(prof, pl, plan.partitionScale()))
 					dev.CdiDevices = nil
 					add("mig", prof.name, func() map[string]*pb.Value { return migAttrs(prof, d) }, dev)
+					for k := range plan.mps {
+						sh := share(id, k, d.id, partitionUse(prof, pl, 1))
+						sh.CdiDevices = nil
+						add("mig", prof.name+".mps", func() map[string]*pb.Value { return shareAttrs(migAttrs(prof, d), l) }, sh)
+					}
 				}
 			}
 		}
@@ -349,9 +371,11 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool, m
 				return a
 			}, device(replicaID(d.id, k), map[string]int64{counterTimeSlices: 1}))
 		}
-		for k := range plan.mps {
+		if plan.mode == modeWhole {
 			l := mpsShare(plan.memMiB, plan.mps)
-			add("gpu.mps", d.name, func() map[string]*pb.Value { return shareAttrs(d.attrs, l) }, share(d.id, k, l))
+			for k := range plan.mps {
+				add("gpu.mps", d.name, func() map[string]*pb.Value { return shareAttrs(d.attrs, l) }, share(d.id, k, d.id, l.counters()))
+			}
 		}
 	}
 	for _, g := range groups {

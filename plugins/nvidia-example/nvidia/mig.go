@@ -9,6 +9,8 @@ import (
 	"strings"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // gpuMode is how the plugin offers one GPU.
@@ -48,7 +50,7 @@ type gpuPlan struct {
 	computeSlices uint32
 	static        []migDevice // modeStatic: the GPU's MIG devices
 	replicas      int         // modeWhole: time-sliced replicas, 0 for none
-	mps           int         // modeWhole and modeStatic: MPS shares per device, 0 for none
+	mps           int         // MPS shares per device (a whole GPU, a static MIG device or an on-demand placement), 0 for none
 	memMiB        int64       // modeWhole: the GPU's memory, which its MPS shares divide
 }
 
@@ -71,17 +73,20 @@ func (p *gpuPlan) hasCounters() bool {
 // per memory slice (capacity 1, so placements that overlap conflict), its compute
 // slices, and, for a profile that allows fewer instances than it has placements
 // (1g.10gb+me: one), its instance count; for replicas, its time slices; for MPS
-// shares of a whole GPU, its memory and compute as its shares divide them.
+// shares of a whole GPU, its memory and compute as its shares divide them. With MPS
+// shares of on-demand placements every on-demand counter is N times as large (see
+// partitionUse).
 func (p *gpuPlan) counters() map[string]int64 {
 	c := make(map[string]int64)
 	if p.mode == modeOnDemand {
+		n := p.partitionScale()
 		for i := range p.memSlices {
-			c[memorySliceCounter(i)] = 1
+			c[memorySliceCounter(i)] = n
 		}
-		c[counterComputeSlices] = int64(p.computeSlices)
+		c[counterComputeSlices] = int64(p.computeSlices) * n
 		for _, prof := range p.profiles {
 			if limited(prof) {
-				c[instancesCounter(prof.name)] = int64(prof.info.InstanceCount)
+				c[instancesCounter(prof.name)] = int64(prof.info.InstanceCount) * n
 			}
 		}
 	}
@@ -96,14 +101,24 @@ func (p *gpuPlan) counters() map[string]int64 {
 
 func limited(p *migProfile) bool { return int(p.info.InstanceCount) < len(p.placements) }
 
-// partitionUse is what profile at placement consumes of its GPU's counters.
-func partitionUse(prof *migProfile, pl nvml.GpuInstancePlacement) map[string]int64 {
-	c := map[string]int64{counterComputeSlices: int64(prof.info.SliceCount)}
+// partitionScale is what an on-demand GPU's counters are multiplied by: its MPS
+// shares per placement, or 1 without MPS.
+func (p *gpuPlan) partitionScale() int64 { return int64(max(p.mps, 1)) }
+
+// partitionUse is what profile at placement consumes of its GPU's counters, times
+// scale. A whole on-demand MIG device consumes its placement times the GPU's
+// partitionScale; one MPS share of it consumes the placement once, so its N shares
+// together take what the device takes. Shares of two different placements that
+// overlap fit the counters (1 + 1 of N), but never the hardware: the second
+// placement's instance cannot be created while the first exists, and its Reserve is
+// refused then (additive counters cannot say "the same placement's shares only").
+func partitionUse(prof *migProfile, pl nvml.GpuInstancePlacement, scale int64) map[string]int64 {
+	c := map[string]int64{counterComputeSlices: int64(prof.info.SliceCount) * scale}
 	for s := pl.Start; s < pl.Start+pl.Size; s++ {
-		c[memorySliceCounter(s)] = 1
+		c[memorySliceCounter(s)] = scale
 	}
 	if limited(prof) {
-		c[instancesCounter(prof.name)] = 1
+		c[instancesCounter(prof.name)] = scale
 	}
 	return c
 }
@@ -212,6 +227,8 @@ func (rt *runtime) planGPU(g gpu) gpuPlan {
 	switch p.mode {
 	case modeStatic:
 		p.static = readMIGDevices(g, p.profiles)
+		p.mps = rt.mps.shares
+	case modeOnDemand:
 		p.mps = rt.mps.shares
 	case modeWhole:
 		p.replicas = rt.replicas
@@ -563,4 +580,29 @@ func (rt *runtime) applyGPULayout(g gpu, plan gpuPlan) error {
 	}
 	rt.logger.Info("mig_layout applied", "gpu", g.uuid, "index", g.index, "created", created, "kept", len(existing))
 	return nil
+}
+
+// partitionRefusal is the error of a Reserve of ids whose on-demand placement t could
+// not be made: FAILED_PRECONDITION when the GPU has no room for it, naming the
+// instances in its way (a placement's MPS shares share its one instance, but shares of
+// two placements that overlap cannot both have one, though the counters let them by).
+func (rt *runtime) partitionRefusal(inv *inventory, ids []string, t target, err error) error {
+	code := codes.Internal
+	if errors.Is(err, nvml.ERROR_INSUFFICIENT_RESOURCES) || errors.Is(err, nvml.ERROR_IN_USE) {
+		code = codes.FailedPrecondition
+		g := inv.gpus[t.gpu]
+		var inWay []string
+		if existing, lerr := listGPUInstances(g, inv.plans[t.gpu].profiles); lerr == nil {
+			for _, e := range existing {
+				pl := e.info.Placement
+				if pl.Start < t.placement.Start+t.placement.Size && t.placement.Start < pl.Start+pl.Size {
+					inWay = append(inWay, partitionID(g.uuid, e.profile.name, pl.Start))
+				}
+			}
+		}
+		if len(inWay) > 0 {
+			err = fmt.Errorf("%w: its placement overlaps the MIG instance of %s, held whole or in MPS shares", err, strings.Join(inWay, ", "))
+		}
+	}
+	return status.Errorf(code, "reserve %s: %v", strings.Join(ids, ", "), err)
 }

@@ -213,6 +213,13 @@ func TestMIGFingerprintSize(t *testing.T) {
 		t.Run(m, func(t *testing.T) {
 			p, _ := newTestPlugin(t, Config{Simulate: m, MIG: MIGOnDemand, SimStateFile: ptr("")})
 			resp := fingerprintOf(t, p)
+			// With the most MPS shares per placement, the fingerprint still passes the
+			// host's checks (fingerprintOf) and its size bound.
+			shared, _ := newTestPlugin(t, Config{Simulate: m, MIG: MIGOnDemand, SimStateFile: ptr(""),
+				Sharing: SharingMPS, Replicas: MaxOnDemandMPSShares, MPSDir: mpsDir(t)})
+			if size := proto.Size(fingerprintOf(t, shared)); size > validate.MaxFingerprintBytes {
+				t.Errorf("with %d MPS shares per placement the fingerprint is %d bytes, over %d", MaxOnDemandMPSShares, size, validate.MaxFingerprintBytes)
+			}
 			size := proto.Size(resp)
 			t.Logf("%s fully partitionable: %d devices in %d groups, %d counter sets, %d bytes (limit %d)",
 				m, len(devices(resp)), len(resp.GetGroups()), len(resp.GetCounterSets()), size, validate.MaxFingerprintBytes)

@@ -69,8 +69,12 @@ const (
 	counterMPSCompute = "mps-compute-percent"
 )
 
-// mpsShare is what one of a device's n shares consumes and may use.
+// mpsShare is what one of a device's n shares consumes and may use; nothing when
+// there are none.
 func mpsShare(deviceMemMiB int64, n int) mpsLimits {
+	if n <= 0 {
+		return mpsLimits{}
+	}
 	return mpsLimits{Threads: 100 / n, MemMiB: deviceMemMiB / int64(n)}
 }
 
@@ -221,7 +225,8 @@ func (s *mpsSupervisor) health(share, device string) (ok bool, reason string) {
 // mpsDaemon is one control daemon: its process is owned by its run goroutine.
 type mpsDaemon struct {
 	key     string
-	device  string     // CUDA_VISIBLE_DEVICES: a GPU's or MIG device's UUID
+	device  string     // the device its shares divide: a GPU's or static MIG device's UUID, or a partition's ID
+	visible string     // CUDA_VISIBLE_DEVICES: a GPU's or MIG device's UUID
 	limits  *mpsLimits // per-holder: the daemon's default limits
 	pipeDir string
 	logDir  string
@@ -262,10 +267,10 @@ func (s *mpsSupervisor) keyFor(device string, shares []string) string {
 }
 
 // newDaemonLocked adds the daemon of key; the caller starts its run.
-func (s *mpsSupervisor) newDaemonLocked(key, device string, limits *mpsLimits, adopt bool) *mpsDaemon {
+func (s *mpsSupervisor) newDaemonLocked(key, device, visible string, limits *mpsLimits, adopt bool) *mpsDaemon {
 	dir := filepath.Join(s.settings.dir, key)
 	d := &mpsDaemon{
-		key: key, device: device, limits: limits, adopt: adopt,
+		key: key, device: device, visible: visible, limits: limits, adopt: adopt,
 		pipeDir: filepath.Join(dir, "pipe"), logDir: filepath.Join(dir, "log"),
 		after: s.stopping[key], ready: make(chan struct{}), stop: make(chan struct{}),
 		finished: make(chan struct{}), shares: make(map[string]bool),
@@ -283,8 +288,9 @@ type mpsAnswer struct {
 
 // acquire serves shares (all of device, one holder's) with a daemon that is up: the
 // device's (shared), starting it when it is the first, or a new one of the holder's
-// (per-holder). limits is what the shares add up to.
-func (s *mpsSupervisor) acquire(ctx context.Context, device string, shares []string, limits mpsLimits) (mpsAnswer, error) {
+// (per-holder). visible is the GPU or MIG device the daemon runs on; limits is what
+// the shares add up to.
+func (s *mpsSupervisor) acquire(ctx context.Context, device, visible string, shares []string, limits mpsLimits) (mpsAnswer, error) {
 	key := s.keyFor(device, shares)
 	s.mu.Lock()
 	d := s.daemons[key]
@@ -294,7 +300,7 @@ func (s *mpsSupervisor) acquire(ctx context.Context, device string, shares []str
 		if s.settings.isolation == MPSPerHolder {
 			own = &limits
 		}
-		d = s.newDaemonLocked(key, device, own, false)
+		d = s.newDaemonLocked(key, device, visible, own, false)
 	case d.wasUp && !d.up:
 		s.mu.Unlock()
 		return mpsAnswer{}, fmt.Errorf("the MPS control daemon of %s is down (%s); it is being restarted", device, d.reason)
@@ -346,9 +352,25 @@ func (s *mpsSupervisor) release(shares []string) {
 
 // mpsWant is a daemon that live reservations need.
 type mpsWant struct {
-	device string
-	shares []string
-	limits *mpsLimits // per-holder
+	device  string // the divided device
+	visible string // the GPU or MIG device it runs on
+	shares  []string
+	limits  *mpsLimits // per-holder
+}
+
+// serves says whether a daemon serves shares of device.
+func (s *mpsSupervisor) serves(device string) bool {
+	if s == nil {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, d := range s.daemons {
+		if d.device == device {
+			return true
+		}
+	}
+	return false
 }
 
 // reconcile makes the daemons match the live reservations' shares: each one wanted is
@@ -371,7 +393,7 @@ func (s *mpsSupervisor) reconcile(ctx context.Context, want map[string]mpsWant) 
 	for key, w := range want {
 		d := s.daemons[key]
 		if d == nil {
-			d = s.newDaemonLocked(key, w.device, w.limits, true)
+			d = s.newDaemonLocked(key, w.device, w.visible, w.limits, true)
 			wait = append(wait, d)
 		}
 		for id := range d.shares {
@@ -577,7 +599,7 @@ func (s *mpsSupervisor) start(d *mpsDaemon) (*mpsProc, error) {
 	}
 	defer out.Close()
 	cmd := s.daemon()
-	cmd.Env = append(envOr(cmd.Env), "CUDA_VISIBLE_DEVICES="+d.device,
+	cmd.Env = append(envOr(cmd.Env), "CUDA_VISIBLE_DEVICES="+d.visible,
 		"CUDA_MPS_PIPE_DIRECTORY="+d.pipeDir, "CUDA_MPS_LOG_DIRECTORY="+d.logDir)
 	cmd.Stdout, cmd.Stderr = out, out
 	// Its own process group: a signal meant for the agent's terminal does not end it.
@@ -608,7 +630,7 @@ func (s *mpsSupervisor) start(d *mpsDaemon) (*mpsProc, error) {
 			return fail(err)
 		}
 	}
-	rec := mpsRecord{PID: p.pid, Start: p.start, Device: d.device, Limits: d.limits}
+	rec := mpsRecord{PID: p.pid, Start: p.start, Device: d.visible, Limits: d.limits}
 	if err := writeMPSRecord(filepath.Join(filepath.Dir(d.pipeDir), mpsDaemonFile), rec); err != nil {
 		return fail(err)
 	}
@@ -745,7 +767,7 @@ func (s *mpsSupervisor) adopt(d *mpsDaemon) *mpsProc {
 	if !processAlive(rec.PID, rec.Start) {
 		return nil
 	}
-	if rec.Device != d.device || !equalLimits(rec.Limits, d.limits) {
+	if rec.Device != d.visible || !equalLimits(rec.Limits, d.limits) {
 		s.logger.Warn("MPS control daemon serves other limits; replacing it", "device", d.device, "pid", rec.PID)
 		s.quit(d.pipeDir, d.logDir)
 		if !waitGone(rec.PID, rec.Start, mpsQuitTimeout) {
@@ -904,8 +926,8 @@ func mpsRequest(inv *inventory, ids []string) (shares []string, device string, e
 	for _, id := range ids {
 		if t := inv.targets[id]; t.kind == targetMPS {
 			shares = append(shares, id)
-			devs[t.uuid] = true
-			device = t.uuid
+			devs[t.divides] = true
+			device = t.divides
 		} else {
 			others = append(others, id)
 		}
@@ -925,15 +947,40 @@ func mpsRequest(inv *inventory, ids []string) (shares []string, device string, e
 
 // reserveShares answers a Reserve of MPS shares of device: its daemon up (started if
 // need be), the holder's limits (k shares: k times one's) in its environment, and the
-// daemon's directories mounted.
+// daemon's directories mounted. Shares of an on-demand placement have its MIG instance
+// made first, when no other share has; it goes again when the daemon cannot start.
 func (rt *runtime) reserveShares(ctx context.Context, inv *inventory, device string, shares []string) (*pb.ContainerReservation, error) {
-	limits := inv.targets[shares[0]].mps.times(len(shares))
-	ans, err := rt.mpsSup.acquire(ctx, device, shares, limits)
+	t := inv.targets[shares[0]]
+	limits := t.mps.times(len(shares))
+	visible := t.uuid
+	if t.onDemand() {
+		rt.migMu.Lock()
+		defer rt.migMu.Unlock()
+		g := inv.gpus[t.gpu]
+		uuid, created, err := createPartition(g, t.profile, t.placement)
+		if err != nil {
+			return nil, rt.partitionRefusal(inv, shares, t, err)
+		}
+		visible = uuid
+		if created {
+			rt.publishCDILocked(inv)
+		}
+		defer func() {
+			if !rt.mpsSup.serves(device) {
+				// The daemon did not start and no other holder's shares keep the instance.
+				if err := destroyPartition(g, t.profile, t.placement.Start); err != nil {
+					rt.logger.Warn("MIG instance of a refused MPS share not destroyed", "device", device, "error", err)
+				}
+				rt.publishCDILocked(inv)
+			}
+		}()
+	}
+	ans, err := rt.mpsSup.acquire(ctx, device, visible, shares, limits)
 	if err != nil {
 		return nil, status.Errorf(codes.Unavailable, "reserve %s: %v", strings.Join(shares, ", "), err)
 	}
 	envs := ans.env()
-	envs["NVIDIA_VISIBLE_DEVICES"] = device
+	envs["NVIDIA_VISIBLE_DEVICES"] = visible
 	names := make([]string, 0, len(shares))
 	for _, id := range shares {
 		names = append(names, cdi.Name(cdiKind, id))
@@ -950,19 +997,27 @@ func (rt *runtime) reserveShares(ctx context.Context, inv *inventory, device str
 
 // mpsWants are the daemons the live reservations' MPS shares need: one per device
 // (shared), or one per reservation and device (per-holder) with that holder's limits.
-func (rt *runtime) mpsWants(inv *inventory, live []deviceplugin.LiveReservation) map[string]mpsWant {
+// partitions gives the MIG device UUID of each on-demand placement whose instance
+// exists, by partition ID.
+func (rt *runtime) mpsWants(inv *inventory, live []deviceplugin.LiveReservation, partitions map[string]string) map[string]mpsWant {
 	want := make(map[string]mpsWant)
 	for _, r := range live {
 		byDevice := make(map[string][]string)
 		for _, id := range r.DeviceIDs {
 			if t, ok := inv.targets[id]; ok && t.kind == targetMPS {
-				byDevice[t.uuid] = append(byDevice[t.uuid], id)
+				byDevice[t.divides] = append(byDevice[t.divides], id)
 			}
 		}
 		for device, shares := range byDevice {
+			visible := inv.targets[shares[0]].uuid
+			if visible == "" {
+				if visible = partitions[device]; visible == "" {
+					continue // its instance could not be made: Reconcile says so
+				}
+			}
 			key := rt.mpsSup.keyFor(device, shares)
 			w := want[key]
-			w.device = device
+			w.device, w.visible = device, visible
 			w.shares = append(w.shares, shares...)
 			if rt.mps.isolation == MPSPerHolder {
 				l := inv.targets[shares[0]].mps.times(len(shares))

@@ -113,6 +113,7 @@ func TestMPSConfigErrors(t *testing.T) {
 	}{
 		{"too many shares", Config{Replicas: 49, Sharing: "mps"}, "replicas = 49: sharing = \"mps\" wants 2 to 48"},
 		{"no shares", Config{Sharing: "mps"}, "replicas = 0"},
+		{"too many shares on demand", Config{Replicas: 9, Sharing: "mps", MIG: MIGOnDemand}, `replicas = 9: sharing = "mps" with mig = "on-demand" wants 2 to 8 shares per placement`},
 		{"unknown sharing", Config{Replicas: 2, Sharing: "mig"}, `sharing = "mig": want "time-slicing" or "mps"`},
 		{"time-slicing without replicas", Config{Sharing: "time-slicing"}, "needs replicas"},
 		{"unknown isolation", Config{Replicas: 2, Sharing: "mps", MPSIsolation: "strict"}, `mps_isolation = "strict"`},
@@ -388,5 +389,130 @@ func TestMPSReserveRefusals(t *testing.T) {
 	}
 	if p.mps.active() != 0 {
 		t.Errorf("%d daemons after refused Reserves, want none", p.mps.active())
+	}
+}
+
+// TestMPSSharesOfOnDemandMIG: an on-demand placement is offered in shares that
+// together take what its whole MIG device takes; the first share's Reserve makes the
+// instance and its daemon, the last share's Release ends both, and a share of a
+// placement that overlaps a held one is refused naming it.
+func TestMPSSharesOfOnDemandMIG(t *testing.T) {
+	cfg := onDemand(filepath.Join(t.TempDir(), "sim.json"))
+	cfg.Sharing, cfg.Replicas, cfg.MPSDir = SharingMPS, 2, mpsDir(t)
+	p := newMPSPlugin(t, cfg)
+	sim := simOf(t, p)
+	fp := fingerprintOf(t, p)
+	small := onDemandIDs(0, "1g.10gb", 0)[0]
+	large := onDemandIDs(0, "2g.20gb", 0)[0]
+	other := onDemandIDs(0, "1g.10gb", 2)[0]
+	a, b, c := mpsShareID(small, 0), mpsShareID(small, 1), mpsShareID(large, 0)
+	devs := devices(fp)
+	for _, id := range []string{a, b, c, mpsShareID(other, 1)} {
+		if devs[id] == nil {
+			t.Fatalf("no device %s in the fingerprint", id)
+		}
+	}
+	if n := groupSizes(fp)["nvidia/mig/1g.10gb.mps"]; n != 8*7*2 {
+		t.Errorf("nvidia/mig/1g.10gb.mps has %d shares, want 2 per placement: %d", n, 8*7*2)
+	}
+	// The counters: both shares of a placement fit, as does its whole device alone; a
+	// share beside the whole device, or beside a whole overlapping device, does not.
+	if k := fits(fp, a, b); k != "" {
+		t.Errorf("two shares of one placement do not fit: %s", k)
+	}
+	if k := fits(fp, a, small); k == "" {
+		t.Error("a share and its whole placement fit the counters together")
+	}
+	if k := fits(fp, a, large); k == "" {
+		t.Error("a share and a whole overlapping placement fit the counters together")
+	}
+
+	resA := reserve(t, p, a)
+	instances := simInstances(sim, 0)
+	if len(instances) != 1 {
+		t.Fatalf("instances after the first share's Reserve: %v, want one", instances)
+	}
+	mig := resA.GetEnvs()["NVIDIA_VISIBLE_DEVICES"]
+	if !strings.HasPrefix(mig, "MIG-") {
+		t.Fatalf("NVIDIA_VISIBLE_DEVICES = %q, want the new MIG device", mig)
+	}
+	rec, _ := daemonOf(t, p, small)
+	if rec.Device != mig {
+		t.Errorf("the daemon runs on %s, want the MIG device %s", rec.Device, mig)
+	}
+	if got := resA.GetEnvs()["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]; got != "50" {
+		t.Errorf("one of 2 shares: thread percentage %s, want 50", got)
+	}
+	if got := resA.GetCdiDevices(); len(got) != 1 || !strings.HasSuffix(got[0], "="+a) {
+		t.Errorf("CDI devices %v, want the share's own name", got)
+	}
+	resB := reserve(t, p, b)
+	if got := resB.GetEnvs()["NVIDIA_VISIBLE_DEVICES"]; got != mig {
+		t.Errorf("second share on %s, want the same MIG device %s", got, mig)
+	}
+	if rec2, _ := daemonOf(t, p, small); rec2.PID != rec.PID {
+		t.Errorf("second share's daemon %d, want the placement's one, %d", rec2.PID, rec.PID)
+	}
+
+	// Overlapping placement: the counters let it by, the hardware does not.
+	_, err := p.Reserve(context.Background(), []string{c})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), small) {
+		t.Errorf("Reserve of a share of an overlapping placement: %v, want FAILED_PRECONDITION naming %s", err, small)
+	}
+	if n := len(simInstances(sim, 0)); n != 1 || p.mps.serves(large) {
+		t.Errorf("after the refusal: %d instances, a daemon for %s: %v; want the one instance and no daemon", n, large, p.mps.serves(large))
+	}
+
+	release(t, p, a)
+	if len(simInstances(sim, 0)) != 1 || !processAlive(rec.PID, rec.Start) {
+		t.Error("the instance or its daemon went while a share was still held")
+	}
+	release(t, p, b)
+	if got := simInstances(sim, 0); len(got) != 0 {
+		t.Errorf("instances after the last share's Release: %v, want none", got)
+	}
+	if processAlive(rec.PID, rec.Start) {
+		t.Errorf("daemon %d runs on after the last share's Release", rec.PID)
+	}
+	// The placement is free for a whole device again.
+	reserve(t, p, large)
+	release(t, p, large)
+}
+
+// TestMPSOnDemandSharesOutliveThePlugin: a new plugin process keeps the instance and
+// adopts the daemon of live shares of an on-demand placement, and ends both once no
+// live reservation holds them.
+func TestMPSOnDemandSharesOutliveThePlugin(t *testing.T) {
+	cfg := onDemand(filepath.Join(t.TempDir(), "sim.json"))
+	cfg.Sharing, cfg.Replicas, cfg.MPSDir = SharingMPS, 2, mpsDir(t)
+	first := newMPSPlugin(t, cfg)
+	part := onDemandIDs(1, "3g.40gb", 4)[0]
+	share := mpsShareID(part, 1)
+	mig := reserve(t, first, share).GetEnvs()["NVIDIA_VISIBLE_DEVICES"]
+	rec, _ := daemonOf(t, first, part)
+	first.mps.close()
+	first.mps = nil
+
+	second := newMPSPlugin(t, cfg)
+	live := []deviceplugin.LiveReservation{{ID: "r1", DeviceIDs: []string{share}}}
+	if err := second.Reconcile(context.Background(), live); err != nil {
+		t.Fatalf("Reconcile: %v", err)
+	}
+	sim := simOf(t, second)
+	if got := simInstances(sim, 1); len(got) != 1 {
+		t.Fatalf("instances after Reconcile with the live share: %v, want its one", got)
+	}
+	again, _ := daemonOf(t, second, part)
+	if again.PID != rec.PID || again.Device != mig {
+		t.Errorf("daemon after the restart: pid %d on %s, want the adopted %d on %s", again.PID, again.Device, rec.PID, mig)
+	}
+	if err := second.Reconcile(context.Background(), nil); err != nil {
+		t.Fatalf("Reconcile with nothing live: %v", err)
+	}
+	if got := simInstances(sim, 1); len(got) != 0 {
+		t.Errorf("instances after Reconcile with nothing live: %v, want none", got)
+	}
+	if processAlive(rec.PID, rec.Start) {
+		t.Errorf("daemon %d runs on with no live share", rec.PID)
 	}
 }

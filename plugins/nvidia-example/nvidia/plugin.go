@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"reflect"
 	"slices"
 	"strings"
@@ -568,11 +569,7 @@ func (rt *runtime) prepare(inv *inventory, ids []string) ([]string, error) {
 					err = errors.Join(err, fmt.Errorf("undoing an earlier device of this request: %w", uerr))
 				}
 			}
-			code := codes.Internal
-			if errors.Is(err, nvml.ERROR_INSUFFICIENT_RESOURCES) || errors.Is(err, nvml.ERROR_IN_USE) {
-				code = codes.FailedPrecondition
-			}
-			return nil, status.Errorf(code, "reserve %s: %v", ids[i], err)
+			return nil, rt.partitionRefusal(inv, ids[i:i+1], t, err)
 		}
 		if created {
 			made = append(made, t)
@@ -583,28 +580,32 @@ func (rt *runtime) prepare(inv *inventory, ids []string) ([]string, error) {
 	return uuids, nil
 }
 
-// Release destroys the MIG instances of the on-demand MIG devices among deviceIDs;
-// other devices need nothing. Idempotent: an instance already gone is fine, and so
-// are IDs the plugin no longer reports.
+// Release destroys the MIG instances of the on-demand MIG devices among deviceIDs,
+// and stops the MPS daemons their last shares leave idle (and an on-demand
+// placement's instance with its last share); other devices need nothing. Idempotent:
+// an instance already gone is fine, and so are IDs the plugin no longer reports.
 func (p *Plugin) Release(_ context.Context, _ string, deviceIDs []string) error {
 	rt, err := p.runtime()
 	if err != nil || rt.lib == nil {
 		return err
 	}
-	if rt.mpsSup != nil {
-		rt.mpsSup.release(deviceIDs) // the daemon of the last share of a device stops
-	}
 	inv, err := rt.current()
 	if err != nil {
+		if rt.mpsSup != nil {
+			rt.mpsSup.release(deviceIDs)
+		}
 		return fmt.Errorf("release: %w", err)
 	}
 	rt.migMu.Lock()
 	defer rt.migMu.Unlock()
+	if rt.mpsSup != nil {
+		rt.mpsSup.release(deviceIDs) // the daemon of the last share of a device stops
+	}
 	var errs []error
 	destroyed := false
 	for _, id := range deviceIDs {
 		t, ok := inv.targets[id]
-		if !ok || t.kind != targetPartition {
+		if !ok || !t.onDemand() || t.kind == targetMPS && rt.mpsSup.serves(t.divides) {
 			continue
 		}
 		if err := destroyPartition(inv.gpus[t.gpu], t.profile, t.placement.Start); err != nil {
@@ -619,9 +620,11 @@ func (p *Plugin) Release(_ context.Context, _ string, deviceIDs []string) error 
 }
 
 // Reconcile makes the on-demand GPUs' MIG instances match the live reservations: an
-// instance that a live reservation's device names is kept (its compute instance made
-// if a crash left it without one); every other instance on an on-demand GPU (left by
-// a Reserve the host never recorded, or by a crash mid-create) is destroyed. Static
+// instance that a live reservation's device, or an MPS share of it, names is kept (its
+// compute instance made if a crash left it without one; a placement with live shares
+// gets its instance made again if it is gone, for their daemon); every other instance
+// on an on-demand GPU (left by a Reserve the host never recorded, or by a crash
+// mid-create) is destroyed. Then the MPS daemons match the live shares. Static
 // layouts and whole GPUs are not touched.
 func (p *Plugin) Reconcile(ctx context.Context, live []deviceplugin.LiveReservation) error {
 	rt, err := p.runtime()
@@ -632,22 +635,22 @@ func (p *Plugin) Reconcile(ctx context.Context, live []deviceplugin.LiveReservat
 	if err != nil {
 		return fmt.Errorf("reconcile: %w", err)
 	}
-	var mpsErr error
-	if rt.mpsSup != nil {
-		if mpsErr = rt.mpsSup.reconcile(ctx, rt.mpsWants(inv, live)); mpsErr != nil {
-			mpsErr = fmt.Errorf("reconcile: %w", mpsErr)
-		}
-	}
 	held := make(map[string]bool)
+	shared := make(map[string]target) // on-demand placements with live MPS shares, by partition ID
 	for _, r := range live {
 		for _, id := range r.DeviceIDs {
 			held[id] = true
+			if t, ok := inv.targets[id]; ok && t.kind == targetMPS && t.onDemand() {
+				held[t.divides] = true
+				shared[t.divides] = t
+			}
 		}
 	}
 	rt.migMu.Lock()
 	defer rt.migMu.Unlock()
 	var errs []error
 	kept, destroyed := 0, 0
+	partitions := make(map[string]string) // partition ID -> its MIG device's UUID
 	for i, g := range inv.gpus {
 		plan := inv.plans[i]
 		if plan.mode != modeOnDemand {
@@ -661,8 +664,10 @@ func (p *Plugin) Reconcile(ctx context.Context, live []deviceplugin.LiveReservat
 		for _, e := range existing {
 			id := partitionID(g.uuid, e.profile.name, e.info.Placement.Start)
 			if t, ok := inv.targets[id]; ok && held[id] && t.placement == e.info.Placement {
-				if _, _, err := createPartition(g, e.profile, e.info.Placement); err != nil {
+				if uuid, _, err := createPartition(g, e.profile, e.info.Placement); err != nil {
 					errs = append(errs, fmt.Errorf("reconcile: adopting %s: %w", id, err))
+				} else {
+					partitions[id] = uuid
 				}
 				kept++
 				continue
@@ -675,9 +680,27 @@ func (p *Plugin) Reconcile(ctx context.Context, live []deviceplugin.LiveReservat
 			destroyed++
 		}
 	}
+	for _, id := range slices.Sorted(maps.Keys(shared)) {
+		if _, ok := partitions[id]; ok {
+			continue
+		}
+		t := shared[id]
+		uuid, _, err := createPartition(inv.gpus[t.gpu], t.profile, t.placement)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("reconcile: the MIG instance of %s, whose MPS shares are held: %w", id, err))
+			continue
+		}
+		rt.logger.Info("reconcile: made again the MIG instance of held MPS shares", "device", id)
+		partitions[id] = uuid
+	}
 	rt.logger.Info("reconciled MIG instances with the live reservations", "reservations", len(live), "kept", kept, "destroyed", destroyed)
 	rt.publishCDILocked(inv)
-	return errors.Join(append(errs, mpsErr)...)
+	if rt.mpsSup != nil {
+		if err := rt.mpsSup.reconcile(ctx, rt.mpsWants(inv, live, partitions)); err != nil {
+			errs = append(errs, fmt.Errorf("reconcile: %w", err))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 var (
@@ -725,8 +748,11 @@ func (rt *runtime) publishCDILocked(inv *inventory) {
 		case modeOnDemand:
 			for _, m := range readMIGDevices(g, plan.profiles) {
 				if m.profile != nil {
-					more = append(more, cdiAlias{name: partitionID(g.uuid, m.profile.name, m.placement.Start), parent: g,
-						mig: true, gi: m.gi, ci: m.ci})
+					id := partitionID(g.uuid, m.profile.name, m.placement.Start)
+					more = append(more, cdiAlias{name: id, parent: g, mig: true, gi: m.gi, ci: m.ci})
+					for k := range plan.mps {
+						more = append(more, cdiAlias{name: mpsShareID(id, k), parent: g, mig: true, gi: m.gi, ci: m.ci})
+					}
 				}
 			}
 		}
