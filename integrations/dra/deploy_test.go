@@ -60,7 +60,8 @@ func example(t *testing.T, file string) (*resourceapi.ResourceClaimTemplate, *co
 
 // deploy/kubernetes/dra.yaml has the DeviceClass gpu.devicehost.io, whose selector
 // picks the GPUs the driver publishes and not their MIG partitions (and
-// mig.devicehost.io the other way round); the example claims 2 of it.
+// mig.devicehost.io the other way round), and one for the MPS shares of each, which
+// neither of the first two picks; the example claims 2 of it.
 func TestDeployManifests(t *testing.T) {
 	classes := make(map[string]*resourceapi.DeviceClass)
 	for _, obj := range readManifests(t, "dra.yaml") {
@@ -68,14 +69,29 @@ func TestDeployManifests(t *testing.T) {
 			classes[c.Name] = c
 		}
 	}
-	snap := &pb.FingerprintResponse{Groups: []*pb.DeviceGroup{
-		{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia", Devices: []*pb.Device{{Id: "GPU-1", Health: pb.Health_HEALTH_HEALTHY}}},
-		{Vendor: "nvidia", Type: "mig", Name: "1g.10gb", Plugin: "nvidia", Devices: []*pb.Device{{Id: "MIG-1", Health: pb.Health_HEALTH_HEALTHY}}},
-		{Vendor: "nvidia", Type: "gpu.mps", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia", Devices: []*pb.Device{{Id: "GPU-1::mps::0", Health: pb.Health_HEALTH_HEALTHY}}},
-	}}
-	v, _ := buildView(snap, buildOptions{driver: DefaultDriverName, pool: testNode})
-	devs := v.slices[0].Devices
-	for class, want := range map[string]string{"gpu.devicehost.io": DeviceName("GPU-1"), "mig.devicehost.io": DeviceName("MIG-1"), "gpu-mps.devicehost.io": DeviceName("GPU-1::mps::0")} {
+	// A static MIG device's shares, as the nvidia-example plugin groups them: the
+	// ".mps" on the group's name, pooled by the driver.
+	snap := &pb.FingerprintResponse{
+		CounterSets: []*pb.CounterSet{{Plugin: "nvidia", Name: "MIG-2", Capacity: map[string]int64{"mps-compute-percent": 100, "mps-memory-mib": 10240}}},
+		Groups: []*pb.DeviceGroup{
+			{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia", Devices: []*pb.Device{{Id: "GPU-1", Health: pb.Health_HEALTH_HEALTHY}}},
+			{Vendor: "nvidia", Type: "mig", Name: "1g.10gb", Plugin: "nvidia", Devices: []*pb.Device{{Id: "MIG-1", Health: pb.Health_HEALTH_HEALTHY}}},
+			{Vendor: "nvidia", Type: "gpu.mps", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia", Devices: []*pb.Device{{Id: "GPU-1::mps::0", Health: pb.Health_HEALTH_HEALTHY}}},
+			{Vendor: "nvidia", Type: "mig", Name: "1g.10gb.mps", Plugin: "nvidia",
+				Attributes: map[string]*pb.Value{"memory": {Kind: &pb.Value_IntValue{IntValue: 5120}, Unit: "MiB"}},
+				Devices:    []*pb.Device{migShare("MIG-2", 0, 2, 10240), migShare("MIG-2", 1, 2, 10240)}},
+		},
+	}
+	v, problems := buildView(snap, buildOptions{driver: DefaultDriverName, pool: testNode})
+	if len(problems) > 0 {
+		t.Fatalf("building the view: %v", problems)
+	}
+	var devs []resourceapi.Device
+	for _, sl := range v.slices {
+		devs = append(devs, sl.Devices...)
+	}
+	for class, want := range map[string]string{"gpu.devicehost.io": DeviceName("GPU-1"), "mig.devicehost.io": DeviceName("MIG-1"),
+		"gpu-mps.devicehost.io": DeviceName("GPU-1::mps::0"), "mig-mps.devicehost.io": DeviceName("MIG-2::mps")} {
 		c := classes[class]
 		if c == nil || len(c.Spec.Selectors) != 1 || c.Spec.Selectors[0].CEL == nil {
 			t.Fatalf("DeviceClass %s: %v; want one with a CEL selector", class, c)
@@ -199,6 +215,104 @@ func TestMPSSharesExample(t *testing.T) {
 		if got := p.sharesFor(map[resourceapi.QualifiedName]resource.Quantity{"memory": resource.MustParse(q)}); got != want {
 			t.Errorf("%s of shares of 20Gi: %d shares, want %d", q, got, want)
 		}
+	}
+}
+
+// migShare is share k of n of the static MIG device mig of memMiB, as the nvidia-example
+// plugin reports it.
+func migShare(mig string, k, n int, memMiB int64) *pb.Device {
+	return &pb.Device{Id: fmt.Sprintf("%s::mps::%d", mig, k), Health: pb.Health_HEALTH_HEALTHY,
+		Consumes: []*pb.CounterConsumption{{CounterSet: mig, Counters: map[string]int64{"mps-compute-percent": int64(100 / n), "mps-memory-mib": memMiB / int64(n)}}}}
+}
+
+// deploy/kubernetes/examples/mig-mps-shares.yaml asks for 20Gi of the MPS shares of a
+// 3g.40gb MIG device, of the mig-mps DeviceClass and a selector of the profile, which
+// together select the pooled shares of each 3g.40gb device and nothing else (not the MIG
+// device whole, not another profile's shares, not a GPU's); what it asks is two of
+// the device's four shares; its pod uses the claim.
+func TestMIGMPSSharesExample(t *testing.T) {
+	classes := deviceClasses(t)
+	tmpl, pod := example(t, "examples/mig-mps-shares.yaml")
+	if len(pod.Spec.ResourceClaims) != 1 || pod.Spec.ResourceClaims[0].ResourceClaimTemplateName == nil || *pod.Spec.ResourceClaims[0].ResourceClaimTemplateName != tmpl.Name {
+		t.Errorf("pod %s claims %+v; want one from template %s", pod.Name, pod.Spec.ResourceClaims, tmpl.Name)
+	}
+	reqs := tmpl.Spec.Spec.Devices.Requests
+	if len(reqs) != 1 || reqs[0].Exactly == nil || classes[reqs[0].Exactly.DeviceClassName] == nil || reqs[0].Exactly.Capacity == nil {
+		t.Fatalf("template %s requests %+v; want one device of a DeviceClass of dra.yaml, with a capacity request", tmpl.Name, reqs)
+	}
+	exprs := []string{classes[reqs[0].Exactly.DeviceClassName].Spec.Selectors[0].CEL.Expression}
+	for _, sel := range reqs[0].Exactly.Selectors {
+		if sel.CEL == nil {
+			t.Fatalf("template %s: selector %+v; want CEL", tmpl.Name, sel)
+		}
+		exprs = append(exprs, sel.CEL.Expression)
+	}
+	mem := func(mib int64) map[string]*pb.Value {
+		return map[string]*pb.Value{"memory": {Kind: &pb.Value_IntValue{IntValue: mib}, Unit: "MiB"}}
+	}
+	set := func(name string, mib int64) *pb.CounterSet {
+		return &pb.CounterSet{Plugin: "nvidia", Name: name, Capacity: map[string]int64{"mps-compute-percent": 100, "mps-memory-mib": mib}}
+	}
+	whole := func(mig string, mib int64) *pb.Device {
+		return &pb.Device{Id: mig, Health: pb.Health_HEALTH_HEALTHY,
+			Consumes: []*pb.CounterConsumption{{CounterSet: mig, Counters: map[string]int64{"mps-compute-percent": 100, "mps-memory-mib": mib}}}}
+	}
+	snap := &pb.FingerprintResponse{
+		CounterSets: []*pb.CounterSet{set("MIG-3g", 40960), set("MIG-2g", 20480), set("GPU-1", 81920)},
+		Groups: []*pb.DeviceGroup{
+			{Vendor: "nvidia", Type: "mig", Name: "3g.40gb", Plugin: "nvidia", Attributes: mem(40960), Devices: []*pb.Device{whole("MIG-3g", 40960)}},
+			{Vendor: "nvidia", Type: "mig", Name: "2g.20gb", Plugin: "nvidia", Attributes: mem(20480), Devices: []*pb.Device{whole("MIG-2g", 20480)}},
+			{Vendor: "nvidia", Type: "mig", Name: "3g.40gb.mps", Plugin: "nvidia", Attributes: mem(10240),
+				Devices: []*pb.Device{migShare("MIG-3g", 0, 4, 40960), migShare("MIG-3g", 1, 4, 40960), migShare("MIG-3g", 2, 4, 40960), migShare("MIG-3g", 3, 4, 40960)}},
+			{Vendor: "nvidia", Type: "mig", Name: "2g.20gb.mps", Plugin: "nvidia", Attributes: mem(5120),
+				Devices: []*pb.Device{migShare("MIG-2g", 0, 4, 20480), migShare("MIG-2g", 1, 4, 20480), migShare("MIG-2g", 2, 4, 20480), migShare("MIG-2g", 3, 4, 20480)}},
+			{Vendor: "nvidia", Type: "gpu.mps", Name: "3g.40gb", Plugin: "nvidia", Attributes: mem(20480), // a GPU named like the profile
+				Devices: []*pb.Device{migShare("GPU-1", 0, 4, 81920), migShare("GPU-1", 1, 4, 81920), migShare("GPU-1", 2, 4, 81920), migShare("GPU-1", 3, 4, 81920)}},
+		},
+	}
+	v, problems := buildView(snap, buildOptions{driver: DefaultDriverName, pool: testNode})
+	if len(problems) > 0 {
+		t.Fatalf("building the view: %v", problems)
+	}
+	var selected []resourceapi.Device
+	for _, sl := range v.slices {
+		for _, d := range sl.Devices {
+			all := true
+			for _, e := range exprs {
+				prog := dracel.GetCompiler(dracel.Features{}).CompileCELExpression(e, dracel.Options{})
+				if prog.Error != nil {
+					t.Fatal(prog.Error)
+				}
+				ok, _, err := prog.DeviceMatches(context.Background(), dracel.Device{Driver: DefaultDriverName, Attributes: d.Attributes, Capacity: d.Capacity})
+				if err != nil {
+					t.Fatalf("%s on %s: %v", e, d.Name, err)
+				}
+				all = all && ok
+			}
+			if all {
+				selected = append(selected, d)
+			}
+		}
+	}
+	if len(selected) != 1 || selected[0].Name != DeviceName("MIG-3g::mps") {
+		var names []string
+		for _, d := range selected {
+			names = append(names, d.Name)
+		}
+		t.Fatalf("the example's class and selector pick %v; want the 3g.40gb device's shares alone, %s", names, DeviceName("MIG-3g::mps"))
+	}
+	d := selected[0]
+	if p := *d.Attributes["parent"].StringValue; p != "MIG-3g" {
+		t.Errorf("pooled shares' parent %q, want their MIG device MIG-3g", p)
+	}
+	capMem := d.Capacity["memory"]
+	if d.AllowMultipleAllocations == nil || !*d.AllowMultipleAllocations || capMem.RequestPolicy == nil || capMem.RequestPolicy.ValidRange == nil ||
+		capMem.Value.Cmp(resource.MustParse("40Gi")) != 0 || capMem.RequestPolicy.ValidRange.Step.Cmp(resource.MustParse("10Gi")) != 0 {
+		t.Errorf("pooled shares: multiple allocations %v, memory %+v; want consumable 40Gi in steps of 10Gi", d.AllowMultipleAllocations, capMem)
+	}
+	asked := reqs[0].Exactly.Capacity.Requests["memory"]
+	if got := v.devices[d.Name].mps.sharesFor(map[resourceapi.QualifiedName]resource.Quantity{"memory": asked}); got != 2 {
+		t.Errorf("the example's %s of shares of 10Gi: %d shares, want 2", asked.String(), got)
 	}
 }
 

@@ -26,6 +26,14 @@ import (
 // consumes the whole counter set (once, however many claims share it), so that the
 // scheduler never gives the device whole and in shares at once, as the agent's ledger
 // never does.
+//
+// A pooled device's type is its divided device's with ".mps" after it, and its product
+// name the divided device's: gpu.mps and the GPU's product for a GPU's shares, mig.mps
+// and the MIG profile for a static MIG device's. The nvidia-example plugin puts the
+// suffix of a MIG device's shares on their group's name (mig/3g.40gb.mps); published as
+// it is, the pooled device would be of type mig, which the DeviceClass of whole MIG
+// devices selects, so that a claim for a MIG device could get one share of one, and
+// selectors of a MIG profile (productName == "3g.40gb") would not match its shares.
 
 // mpsPool is one pooled device: the shares of the device parent.
 type mpsPool struct {
@@ -38,34 +46,34 @@ type mpsPool struct {
 // mpsPoolID is the agent-side ID a pooled device is known by in the view.
 func mpsPoolID(parent string) string { return parent + "::mps" }
 
-// isShareGroup says whether a group holds MPS shares.
-func isShareGroup(g *pb.DeviceGroup) bool {
-	return strings.HasSuffix(g.GetType(), ".mps") || strings.HasSuffix(g.GetName(), ".mps")
-}
-
 // poolShares returns snap with each MPS share group replaced by a group of pooled
 // devices, one per divided device, and the pools by pooled ID. snap is not changed.
-// A share group without a memory attribute in MiB is left as it is.
+// A share group without a memory attribute in MiB is left as it is. Shares that divide
+// no device of their own counter set (an on-demand MIG placement's: they draw on the
+// placement's slices of the GPU's set, see client.ShareParent) are left out: no pooled
+// device could stand for them, and published one by one a claim could get shares of
+// two placements, which no container can use at once.
 func poolShares(snap *pb.FingerprintResponse) (*pb.FingerprintResponse, map[string]*mpsPool) {
-	if !slices.ContainsFunc(snap.GetGroups(), isShareGroup) {
+	if !slices.ContainsFunc(snap.GetGroups(), client.IsShareGroup) {
 		return snap, nil
 	}
+	sets := client.IndexCounterSets(snap)
 	pools := make(map[string]*mpsPool)
 	out := &pb.FingerprintResponse{CounterSets: snap.GetCounterSets(), Timestamp: snap.GetTimestamp()}
 	for _, g := range snap.GetGroups() {
 		mem := g.GetAttributes()["memory"]
-		if !isShareGroup(g) || mem.GetUnit() != "MiB" || mem.GetIntValue() <= 0 {
+		if !client.IsShareGroup(g) || mem.GetUnit() != "MiB" || mem.GetIntValue() <= 0 {
 			out.Groups = append(out.Groups, g)
 			continue
 		}
 		byParent := make(map[string]*pb.Device)
 		var order []string
 		for _, d := range g.GetDevices() {
-			if len(d.GetConsumes()) != 1 {
+			parent, ok := sets.ShareParent(g.GetPlugin(), d)
+			if !ok {
 				continue // not a share of one device
 			}
 			c := d.GetConsumes()[0]
-			parent := c.GetCounterSet()
 			p, ok := pools[mpsPoolID(parent)]
 			if !ok {
 				p = &mpsPool{parent: parent, shareMiB: mem.GetIntValue(), group: groupKey{g.GetVendor(), g.GetType(), g.GetName()}}
@@ -92,7 +100,8 @@ func poolShares(snap *pb.FingerprintResponse) (*pb.FingerprintResponse, map[stri
 			}
 			pd.BlockedBy = append(pd.BlockedBy, d.GetBlockedBy()...)
 		}
-		pg := &pb.DeviceGroup{Vendor: g.GetVendor(), Type: g.GetType(), Name: g.GetName(), Plugin: g.GetPlugin(), Attributes: maps.Clone(g.GetAttributes())}
+		typ, name := pooledGroup(g)
+		pg := &pb.DeviceGroup{Vendor: g.GetVendor(), Type: typ, Name: name, Plugin: g.GetPlugin(), Attributes: maps.Clone(g.GetAttributes())}
 		for _, parent := range order {
 			pd := byParent[parent]
 			slices.SortFunc(pd.BlockedBy, func(a, b *pb.Holder) int { return strings.Compare(a.GetReservationId(), b.GetReservationId()) })
@@ -103,10 +112,19 @@ func poolShares(snap *pb.FingerprintResponse) (*pb.FingerprintResponse, map[stri
 			// Every pooled device of the group has all its shares' memory.
 			n := int64(len(pools[mpsPoolID(order[0])].shares))
 			pg.Attributes["memory"] = &pb.Value{Kind: &pb.Value_IntValue{IntValue: n * mem.GetIntValue()}, Unit: "MiB"}
+			out.Groups = append(out.Groups, pg)
 		}
-		out.Groups = append(out.Groups, pg)
 	}
 	return out, pools
+}
+
+// pooledGroup is the type and name a share group's pooled devices are published under
+// (see the top of this file): the suffix on the type, the divided device's name.
+func pooledGroup(g *pb.DeviceGroup) (typ, name string) {
+	if strings.HasSuffix(g.GetType(), ".mps") {
+		return g.GetType(), g.GetName()
+	}
+	return g.GetType() + ".mps", strings.TrimSuffix(g.GetName(), ".mps")
 }
 
 // consumable makes dev, the pooled device of p, consumable: many allocations, each of

@@ -2,14 +2,17 @@ package dra
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
+	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/uuid"
@@ -20,6 +23,12 @@ import (
 // mpsAgentConfig is an agent config whose nvidia-example plugin offers each simulated
 // GPU as 4 MPS shares, its control daemons under a short directory of the test's.
 func mpsAgentConfig(t testing.TB) string {
+	t.Helper()
+	return mpsAgentConfigWith(t, "")
+}
+
+// mpsAgentConfigWith is mpsAgentConfig with more lines in the plugin's config block.
+func mpsAgentConfigWith(t testing.TB, more string) string {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "mps")
 	if err != nil {
@@ -33,9 +42,10 @@ func mpsAgentConfig(t testing.TB) string {
     replicas = 4
     sharing  = "mps"
     mps_dir  = %q
+%s
   }
 }
-`, filepath.Join(dir, "d"))), 0o644); err != nil {
+`, filepath.Join(dir, "d"), more)), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	return file
@@ -140,5 +150,179 @@ func TestMPSSharesAsConsumableCapacity(t *testing.T) {
 				t.Errorf("%s held by %s after both unprepares", d.GetId(), d.GetHolder().GetOwnerId())
 			}
 		}
+	}
+}
+
+// Static MIG devices' MPS shares pooled as a GPU's are: with GPU 0 split into a 3g.40gb
+// and a 2g.20gb MIG device, each MIG device is published once more as a shareable
+// device of type mig.mps, so that a claim of whole MIG devices (type mig) never gets a
+// share and one of shares never a whole device. It is named by its MIG profile as its
+// MIG device is, its parent that MIG device, its memory the MIG device's in steps of
+// one share, and it consumes the MIG device's counter set whole. A claim of two shares'
+// memory gets two shares of that MIG device at the agent with two shares' MPS limits,
+// its status names the MIG device and its profile, and unprepare frees the shares.
+func TestStaticMIGSharesAsConsumableCapacity(t *testing.T) {
+	t.Setenv("GORACE", "atexit_sleep_ms=0") // the simulated MPS daemon's control clients
+	r := newRigArgs(t, "-config", mpsAgentConfigWith(t, `    mig_layout = { "0" = ["3g.40gb", "2g.20gb"] }`))
+	r.startDriver(nil)
+	k := r.kubelet()
+	// Untainted: a share is unhealthy until its MPS daemon is up, and Prepare takes
+	// healthy shares only.
+	devs := r.waitSlices("7 GPUs, 2 MIG devices and 9 pooled MPS devices, untainted", func(d []resourceapi.Device) bool {
+		n := 0
+		for _, dv := range d {
+			if len(dv.Taints) > 0 {
+				return false
+			}
+			if a := dv.AllowMultipleAllocations; a != nil && *a {
+				n++
+			}
+		}
+		return len(d) == 18 && n == 9
+	})
+	attr := func(d resourceapi.Device, name resourceapi.QualifiedName) string {
+		if a := d.Attributes[name]; a.StringValue != nil {
+			return *a.StringValue
+		}
+		return ""
+	}
+	byType := make(map[string][]resourceapi.Device)
+	for _, d := range devs {
+		byType[attr(d, "type")] = append(byType[attr(d, "type")], d)
+	}
+	for _, d := range byType["mig"] {
+		if d.AllowMultipleAllocations != nil {
+			t.Errorf("device %s (%s, %s) of type mig is shareable; want only whole MIG devices of type mig", d.Name, attr(d, "id"), attr(d, "productName"))
+		}
+	}
+	if len(byType["mig"]) != 2 || len(byType["mig.mps"]) != 2 {
+		t.Fatalf("%d devices of type mig, %d of type mig.mps; want 2 of each: the MIG devices, and their shares pooled", len(byType["mig"]), len(byType["mig.mps"]))
+	}
+	var mig, pooled resourceapi.Device
+	for _, d := range byType["mig"] {
+		if attr(d, "productName") == "3g.40gb" {
+			mig = d
+		}
+	}
+	for _, d := range byType["mig.mps"] {
+		if attr(d, "productName") == "3g.40gb" {
+			pooled = d
+		}
+	}
+	if mig.Name == "" || pooled.Name == "" {
+		t.Fatalf("3g.40gb: MIG device %q, pooled shares %q; want both", mig.Name, pooled.Name)
+	}
+	migUUID := attr(mig, "uuid")
+	for _, a := range []resourceapi.QualifiedName{"gpuModel", "resource.kubernetes.io/pciBusID"} {
+		if attr(pooled, a) == "" || attr(pooled, a) != attr(mig, a) {
+			t.Errorf("pooled shares' %s %q; want their MIG device's, %q", a, attr(pooled, a), attr(mig, a))
+		}
+	}
+	if attr(pooled, "parent") != migUUID {
+		t.Errorf("pooled shares' parent %q; want their MIG device, %s", attr(pooled, "parent"), migUUID)
+	}
+	mem := pooled.Capacity["memory"]
+	if pooled.AllowMultipleAllocations == nil || !*pooled.AllowMultipleAllocations || mem.RequestPolicy == nil || mem.RequestPolicy.ValidRange == nil ||
+		mem.Value.Cmp(resource.MustParse("40Gi")) != 0 || mem.RequestPolicy.ValidRange.Step.Cmp(resource.MustParse("10Gi")) != 0 || len(pooled.Capacity) != 1 {
+		t.Errorf("pooled shares: multiple allocations %v, capacity %+v; want memory alone, consumable 40Gi in steps of 10Gi", pooled.AllowMultipleAllocations, pooled.Capacity)
+	}
+	// The MIG device whole and its shares take the same counters: the scheduler gives
+	// it one way or the other, never both.
+	if len(mig.ConsumesCounters) != 1 || !apiequality.Semantic.DeepEqual(pooled.ConsumesCounters, mig.ConsumesCounters) {
+		t.Errorf("pooled shares consume %+v; want what their MIG device consumes, %+v", pooled.ConsumesCounters, mig.ConsumesCounters)
+	}
+
+	ctx := context.Background()
+	c := r.consumingClaim("a", pooled.Name, "20Gi")
+	if p := k.prepare(t, c); p.GetError() != "" || len(p.GetDevices()) != 1 {
+		t.Fatalf("prepare of a claim of two shares' memory: %q %v", p.GetError(), p.GetDevices())
+	}
+	owner := claimRef{c.Namespace, c.Name, string(c.UID)}.owner()
+	rs, err := r.c.Reservations(ctx, &pb.ListReservationsRequest{OwnerId: owner, State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
+	if err != nil || len(rs) != 1 || len(rs[0].GetDeviceIds()) != 2 {
+		t.Fatalf("the claim's reservations %v %v; want one of two shares", rs, err)
+	}
+	for _, id := range rs[0].GetDeviceIds() {
+		if !strings.HasPrefix(id, migUUID+"::mps::") {
+			t.Errorf("the claim holds %s; want shares of %s", id, migUUID)
+		}
+	}
+	env := rs[0].GetReservation().GetEnvs()
+	if env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "50" || env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] != "0=20480M" || env["CUDA_MPS_PIPE_DIRECTORY"] == "" {
+		t.Errorf("the claim's environment %v; want two shares' limits of the 3g.40gb device and its daemon's pipe", env)
+	}
+	want := deviceStatusData{UUID: migUUID, Type: "mig.mps", MIGProfile: "3g.40gb"}
+	var got deviceStatusData
+	for deadline := time.Now().Add(testTimeout); ; time.Sleep(10 * time.Millisecond) { // the status is written after the answer
+		cl, err := r.kube.ResourceV1().ResourceClaims(c.Namespace).Get(ctx, c.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ds := cl.Status.Devices; len(ds) == 1 && ds[0].Data != nil {
+			got = deviceStatusData{}
+			if err := json.Unmarshal(ds[0].Data.Raw, &got); err != nil {
+				t.Fatal(err)
+			}
+			got.CDIDeviceIDs = nil
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the claim's device status: none written in %v", testTimeout)
+		}
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("the claim's device status %+v; want %+v", got, want)
+	}
+
+	if e := k.unprepare(t, c); e != "" {
+		t.Fatal(e)
+	}
+	snap, err := r.c.Devices(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, g := range snap.GetGroups() {
+		for _, d := range g.GetDevices() {
+			if d.GetHolder() != nil {
+				t.Errorf("%s held by %s after the unprepare", d.GetId(), d.GetHolder().GetOwnerId())
+			}
+		}
+	}
+}
+
+// The MPS shares of on-demand MIG placements are not published: each draws on its
+// placement's slices of the GPU's counter set, not on a set of a device of its own, so
+// no pooled device could stand for them, and published one by one a claim could get
+// shares of two placements. Neither the shares nor a pooled device of them appear in
+// the slices, and a whole GPU's shares beside them are pooled as before.
+func TestOnDemandMIGSharesAreNotPublished(t *testing.T) {
+	gpuSet := &pb.CounterSet{Plugin: "nvidia", Name: "GPU-1", Capacity: map[string]int64{"memory-slice-0": 2, "memory-slice-1": 2, "compute-slices": 14}}
+	placementShare := func(k int) *pb.Device {
+		return &pb.Device{Id: fmt.Sprintf("GPU-1-mig-1g.10gb-0::mps::%d", k), Health: pb.Health_HEALTH_HEALTHY,
+			Consumes: []*pb.CounterConsumption{{CounterSet: "GPU-1", Counters: map[string]int64{"memory-slice-0": 1, "compute-slices": 1}}}}
+	}
+	mem := func(mib int64) map[string]*pb.Value {
+		return map[string]*pb.Value{"memory": {Kind: &pb.Value_IntValue{IntValue: mib}, Unit: "MiB"}}
+	}
+	snap := &pb.FingerprintResponse{
+		CounterSets: []*pb.CounterSet{gpuSet, {Plugin: "nvidia", Name: "GPU-2", Capacity: map[string]int64{"mps-compute-percent": 100, "mps-memory-mib": 81920}}},
+		Groups: []*pb.DeviceGroup{
+			{Vendor: "nvidia", Type: "mig", Name: "1g.10gb.mps", Plugin: "nvidia", Attributes: mem(5120), Devices: []*pb.Device{placementShare(0), placementShare(1)}},
+			{Vendor: "nvidia", Type: "gpu.mps", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia", Attributes: mem(40960),
+				Devices: []*pb.Device{migShare("GPU-2", 0, 2, 81920), migShare("GPU-2", 1, 2, 81920)}},
+		},
+	}
+	v, problems := buildView(snap, buildOptions{driver: DefaultDriverName, pool: testNode})
+	if len(problems) > 0 {
+		t.Fatalf("building the view: %v", problems)
+	}
+	var names []string
+	for _, sl := range v.slices {
+		for _, d := range sl.Devices {
+			names = append(names, d.Name)
+		}
+	}
+	if len(names) != 1 || names[0] != DeviceName("GPU-2::mps") {
+		t.Errorf("published devices %v; want the whole GPU's pooled shares alone, %s", names, DeviceName("GPU-2::mps"))
 	}
 }

@@ -109,7 +109,7 @@ func (d *Driver) writeClaimStatus(ctx context.Context, uid string, pc *preparedC
 		if a.ref.mps != nil {
 			data.UUID = a.ref.mps.parent // the device its MPS shares divide
 		}
-		if a.ref.group.typ == "mig" {
+		if a.ref.group.typ == "mig" || a.ref.group.typ == "mig.mps" { // a MIG device or its pooled shares
 			data.Product, data.MIGProfile = "", a.ref.group.name
 		}
 		raw, err := json.Marshal(data)
