@@ -258,6 +258,10 @@ func (c *Client) Devices(ctx context.Context) (*pb.FingerprintResponse, error) {
 // (req.TakeOverOwnerPrefixes); it refuses a request with more (INVALID_ARGUMENT).
 const MaxTakeOverPrefixes = device.MaxTakeOverPrefixes
 
+// MaxOwnerLabelLen is the longest value a Reserve's owner_labels may have, in bytes
+// (several pods joined by ",").
+const MaxOwnerLabelLen = device.MaxOwnerLabelLen
+
 // Reserve reserves devices of one group for an owner and returns the reservation ID and
 // how to expose the devices to a container. A held device is an error IsHeld reports
 // with its holders (HeldError: the same as the contract's error); unknown and unhealthy

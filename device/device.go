@@ -260,6 +260,8 @@ type CordonRequest struct {
 type Holder struct {
 	ReservationID string
 	OwnerID       string
+	// OwnerLabels are the reservation's (ReserveRequest.OwnerLabels).
+	OwnerLabels OwnerLabels
 }
 
 // PluginStatus is where a plugin is in its life. The zero value is PluginStarting.
@@ -350,7 +352,46 @@ type ReserveRequest struct {
 	// owner. A device with no CDI names fails with ErrNoCDIDevices. Not with
 	// TakeOverOwnerPrefixes.
 	AdminAccess bool
+	// OwnerLabels name the owner's workload on the metrics of the devices it holds
+	// (keys among OwnerLabelKeys, values at most MaxOwnerLabelLen bytes): the pods a DRA
+	// claim is reserved for, whose owner ID names only the claim. Recorded with the
+	// reservation; a retry keeps the first Reserve's.
+	OwnerLabels map[string]string
 }
+
+// OwnerLabelKeys are the keys ReserveRequest.OwnerLabels may have: the labels
+// dcgm-exporter gives a pod's series, in the order of OwnerLabels' fields.
+var OwnerLabelKeys = []string{"pod", "namespace"}
+
+// OwnerLabels are a reservation's owner labels (ReserveRequest.OwnerLabels, by key).
+// Comparable, so that Holders stay comparable.
+type OwnerLabels struct {
+	Pod       string // "pod": a pod, or several joined by ","
+	Namespace string // "namespace"
+}
+
+// OwnerLabelsOf returns the owner labels of a Reserve's map (keys OwnerLabelKeys).
+func OwnerLabelsOf(m map[string]string) OwnerLabels {
+	return OwnerLabels{Pod: m["pod"], Namespace: m["namespace"]}
+}
+
+// Map returns l by key (OwnerLabelKeys), leaving out empty values; nil when all are.
+func (l OwnerLabels) Map() map[string]string {
+	if l == (OwnerLabels{}) {
+		return nil
+	}
+	m := make(map[string]string, 2)
+	for k, v := range map[string]string{"pod": l.Pod, "namespace": l.Namespace} {
+		if v != "" {
+			m[k] = v
+		}
+	}
+	return m
+}
+
+// MaxOwnerLabelLen bounds, in bytes, one owner label's value (several pod names
+// joined by ",").
+const MaxOwnerLabelLen = 1024
 
 // MaxTakeOverPrefixes is the most owner prefixes one Reserve may take devices over from
 // (ReserveRequest.TakeOverOwnerPrefixes). The host API refuses a request with more
@@ -438,6 +479,8 @@ type Reservation struct {
 	// the IDs of the reservations it took over (released in the same write), sorted.
 	// It is never stored: listings and a retried Reserve leave it empty.
 	TakenOver []string
+	// OwnerLabels are the Reserve's (ReserveRequest.OwnerLabels); zero for none.
+	OwnerLabels OwnerLabels
 }
 
 // CounterSetKey names a counter set (shared capacity, e.g. one GPU's slices): the plugin

@@ -142,15 +142,16 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	}
 	region = trace.StartRegion(ctx, "ledger commit")
 	r, _, err := m.store.Reserve(ctx, device.Reservation{
-		ID:        ledger.NewID(),
-		OwnerID:   req.OwnerID,
-		Group:     req.Group,
-		Plugin:    plugin,
-		DeviceIDs: ids,
-		Consumes:  consumes,
-		Container: fromContainerReservation(res),
-		State:     device.ReservationActive,
-		CreatedAt: m.cfg.Now(),
+		ID:          ledger.NewID(),
+		OwnerID:     req.OwnerID,
+		Group:       req.Group,
+		Plugin:      plugin,
+		DeviceIDs:   ids,
+		Consumes:    consumes,
+		Container:   fromContainerReservation(res),
+		State:       device.ReservationActive,
+		CreatedAt:   m.cfg.Now(),
+		OwnerLabels: device.OwnerLabelsOf(req.OwnerLabels), // validated at the server
 	}, takeOver, caps)
 	region.End()
 	if err != nil {

@@ -175,14 +175,14 @@ func (s *scrape) stats(stats device.StatsSnapshot, snap device.Snapshot) {
 			// its shares (time-sliced replicas) with the share it holds; else one plain.
 			sets := []share{{ratio: -1}}
 			if h := snap.State.Devices[d.ID].Holder; l.use && s.c.holderLabels && h != nil {
-				sets = []share{{owner: h.OwnerID, ratio: -1}}
+				sets = []share{{owner: h.OwnerID, labels: h.OwnerLabels, ratio: -1}}
 			} else if l.use && len(shares[d.ID]) > 0 {
 				sets = shares[d.ID]
 			}
 			for _, sh := range sets {
 				ln, lv := l.names, l.values
 				if sh.owner != "" {
-					names, values := holderLabels(sh.owner)
+					names, values := holderLabels(sh.owner, sh.labels)
 					ln = append(slices.Clip(ln), names...)
 					lv = append(slices.Clip(lv), values...)
 				}
@@ -229,6 +229,7 @@ const (
 // may use (0: no limit known).
 type share struct {
 	owner    string
+	labels   device.OwnerLabels // the holder's
 	ratio    float64
 	memBytes float64
 }
@@ -281,7 +282,7 @@ func sharesOf(snap device.Snapshot, stats device.StatsSnapshot) map[string][]sha
 					}
 				}
 				owner := h.OwnerID
-				if names, _ := holderLabels(owner); len(names) == 0 {
+				if names, _ := holderLabels(owner, device.OwnerLabels{}); len(names) == 0 {
 					owner = ""
 				}
 				if byDevice[c.Set.Name] == nil {
@@ -289,6 +290,9 @@ func sharesOf(snap device.Snapshot, stats device.StatsSnapshot) map[string][]sha
 				}
 				sh := byDevice[c.Set.Name][owner]
 				sh.owner, sh.ratio, sh.memBytes = owner, sh.ratio+ratio, sh.memBytes+limit
+				if owner != "" {
+					sh.labels = h.OwnerLabels // one owner's reservations: the DRA driver gives each the same
+				}
 				byDevice[c.Set.Name][owner] = sh
 			}
 		}
@@ -483,16 +487,25 @@ func boolValue(b bool) float64 {
 // holderLabels are the labels dcgm-exporter gives the workload of a device, from its
 // holder's owner ID (docs/reservations.md, owner IDs): pod, namespace and container of
 // a kubelet bridge's container (k8s/<namespace>/<pod>/<container>); dra_claim_name and
-// dra_claim_namespace of a DRA claim (k8s-claim/<namespace>/<claim>/<uid>);
-// nomad_namespace, nomad_job, nomad_alloc_id and nomad_task of a Nomad task
-// (nomad/<namespace>/<job>/<alloc>/<task>). Other owners get none.
-func holderLabels(owner string) (names, values []string) {
+// dra_claim_namespace of a DRA claim (k8s-claim/<namespace>/<claim>/<uid>), with pod
+// and namespace from the reservation's owner labels where the driver gave them (the
+// pods the claim is reserved for); nomad_namespace, nomad_job, nomad_alloc_id and
+// nomad_task of a Nomad task (nomad/<namespace>/<job>/<alloc>/<task>). Other owners get
+// none.
+func holderLabels(owner string, ownerLabels device.OwnerLabels) (names, values []string) {
 	parts := strings.Split(owner, "/")
 	switch {
 	case len(parts) == 4 && parts[0] == "k8s":
 		return []string{"pod", "namespace", "container"}, []string{parts[2], parts[1], parts[3]}
 	case len(parts) == 4 && parts[0] == "k8s-claim":
-		return []string{"dra_claim_name", "dra_claim_namespace"}, []string{parts[2], parts[1]}
+		names, values = []string{"dra_claim_name", "dra_claim_namespace"}, []string{parts[2], parts[1]}
+		if ownerLabels.Pod != "" {
+			names, values = append(names, "pod"), append(values, ownerLabels.Pod)
+		}
+		if ownerLabels.Namespace != "" {
+			names, values = append(names, "namespace"), append(values, ownerLabels.Namespace)
+		}
+		return names, values
 	case len(parts) == 5 && parts[0] == "nomad":
 		return []string{"nomad_namespace", "nomad_job", "nomad_alloc_id", "nomad_task"}, parts[1:5]
 	}

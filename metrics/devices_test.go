@@ -482,7 +482,8 @@ func TestEveryManagerIsCollected(t *testing.T) {
 
 // The dcgm-exporter series of a held device name its workload as dcgm-exporter does:
 // pod, namespace and container for the kubelet bridge's holder, the claim for the DRA
-// driver's, the allocation for Nomad's; an unheld device, or one of another owner, keeps
+// driver's (and the pods it is reserved for, where the driver gave them as owner labels),
+// the allocation for Nomad's; an unheld device, or one of another owner, keeps
 // dcgm-exporter's device labels alone; NoHolderLabels turns them off.
 func TestDCGMSeriesNameTheirHolder(t *testing.T) {
 	snapWith := func(a, b string) device.Snapshot {
@@ -493,6 +494,9 @@ func TestDCGMSeriesNameTheirHolder(t *testing.T) {
 			st.Holder = nil
 			if owner != "" {
 				st.Holder = &device.Holder{ReservationID: "res-" + id, OwnerID: owner}
+			}
+			if owner == "k8s-claim/ml/pair-gpus/uid-1" {
+				st.Holder.OwnerLabels = device.OwnerLabels{Pod: "trainer-0,trainer-1", Namespace: "ml"}
 			}
 			snap.State.Devices[id] = st
 		}
@@ -531,8 +535,11 @@ func TestDCGMSeriesNameTheirHolder(t *testing.T) {
 		{"k8s/ml/trainer-0/main", "nomad/default/train/8f3c/worker",
 			map[string]string{"pod": "trainer-0", "namespace": "ml", "container": "main"},
 			map[string]string{"nomad_namespace": "default", "nomad_job": "train", "nomad_alloc_id": "8f3c", "nomad_task": "worker"}},
-		{"k8s-claim/ml/pair-gpus/uid-1", "",
-			map[string]string{"dra_claim_name": "pair-gpus", "dra_claim_namespace": "ml"}, map[string]string{}},
+		{"k8s-claim/ml/pair-gpus/uid-1", "k8s-claim/ml/solo/uid-2",
+			map[string]string{"dra_claim_name": "pair-gpus", "dra_claim_namespace": "ml", "pod": "trainer-0,trainer-1", "namespace": "ml"},
+			map[string]string{"dra_claim_name": "solo", "dra_claim_namespace": "ml"}},
+		{"k8s-claim/ml/pair-gpus/uid-1", "", // a claim's labels with no holder of the other GPU
+			map[string]string{"dra_claim_name": "pair-gpus", "dra_claim_namespace": "ml", "pod": "trainer-0,trainer-1", "namespace": "ml"}, map[string]string{}},
 		{"job-42", "kubelet/nvidia.com/gpu/0123", map[string]string{}, map[string]string{}},
 	} {
 		fake.set(snapWith(tt.a, tt.b), gpuStats())

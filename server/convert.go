@@ -165,6 +165,7 @@ func reserveRequestFromProto(in *pb.ReserveRequest) device.ReserveRequest {
 		DeviceIDs:             append([]string(nil), in.GetDeviceIds()...),
 		TakeOverOwnerPrefixes: append([]string(nil), in.GetTakeOverOwnerPrefixes()...),
 		AdminAccess:           in.GetAdminAccess(),
+		OwnerLabels:           maps.Clone(in.GetOwnerLabels()),
 	}
 }
 
@@ -248,6 +249,7 @@ func reservationToProto(r device.Reservation) *pb.Reservation {
 		ReleasedAt:     timeToProto(r.ReleasedAt),
 		CleanupPending: r.CleanupPending,
 		AdminAccess:    r.AdminAccess,
+		OwnerLabels:    r.OwnerLabels.Map(),
 	}
 }
 

@@ -3,6 +3,8 @@ package validate
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -120,7 +122,37 @@ func reserveRequest(req device.ReserveRequest) error {
 	if req.AdminAccess && len(req.TakeOverOwnerPrefixes) > 0 {
 		f.add("take_over_owner_prefixes", RuleAdminTakeOver, "")
 	}
+	f.checkOwnerLabels("owner_labels", req.OwnerLabels)
 	return f.err()
+}
+
+// checkOwnerLabels checks a Reserve's owner labels: at most as many as
+// device.OwnerLabelKeys (RuleTooMany, nothing else checked), keys among them, each value non-empty, at most
+// device.MaxOwnerLabelLen bytes, valid UTF-8 and printable. A field is
+// "owner_labels[<key>]", the key escaped and cut to 40 bytes, whatever it holds.
+func (f *fields) checkOwnerLabels(field string, labels map[string]string) {
+	if len(labels) > len(device.OwnerLabelKeys) { // not sorted nor searched: a huge map costs nothing more
+		f.add(field, RuleTooMany, fmt.Sprintf("%d, limit %d: %s", len(labels), len(device.OwnerLabelKeys), strings.Join(device.OwnerLabelKeys, ", ")))
+		return
+	}
+	for _, k := range slices.Sorted(maps.Keys(labels)) {
+		name := fmt.Sprintf("%s[%s]", field, textline.Escape(k, 40))
+		if !slices.Contains(device.OwnerLabelKeys, k) {
+			f.add(name, RuleOwnerLabel, "want one of "+strings.Join(device.OwnerLabelKeys, ", "))
+			continue
+		}
+		v := labels[k]
+		switch {
+		case v == "":
+			f.add(name, RuleEmpty, "")
+		case len(v) > device.MaxOwnerLabelLen:
+			f.add(name, RuleTooLong, tooLong(len(v), device.MaxOwnerLabelLen))
+		case !utf8.ValidString(v):
+			f.add(name, RuleInvalidUTF8, "")
+		case !textline.Printable(v):
+			f.add(name, RuleNotPrintable, "")
+		}
+	}
 }
 
 // checkPrefixes checks take-over owner prefixes: at most MaxTakeOverPrefixes, none

@@ -132,6 +132,37 @@ func TestReserveRequest(t *testing.T) {
 		},
 		{name: "admin access", mutate: func(r *device.ReserveRequest) { r.AdminAccess = true }},
 		{
+			name:   "owner labels of the pods",
+			mutate: func(r *device.ReserveRequest) { r.OwnerLabels = map[string]string{"pod": "a,b", "namespace": "ml"} },
+		},
+		{
+			name: "owner labels malformed",
+			mutate: func(r *device.ReserveRequest) {
+				r.OwnerLabels = map[string]string{"pod": strings.Repeat("p", device.MaxOwnerLabelLen+1), "namespace": ""}
+			},
+			want: []device.FieldError{
+				fe(`owner_labels[namespace]`, validate.RuleEmpty),
+				fe(`owner_labels[pod]`, validate.RuleTooLong, fmt.Sprintf("%d bytes, limit %d", device.MaxOwnerLabelLen+1, device.MaxOwnerLabelLen)),
+			},
+		},
+		{
+			name:   "owner label not printable",
+			mutate: func(r *device.ReserveRequest) { r.OwnerLabels = map[string]string{"pod": "a\x1b[2Jb"} },
+			want:   []device.FieldError{fe(`owner_labels[pod]`, validate.RuleNotPrintable)},
+		},
+		{
+			name:   "owner label of an unknown key, escaped",
+			mutate: func(r *device.ReserveRequest) { r.OwnerLabels = map[string]string{"gpu\n" + long: "0"} },
+			want:   []device.FieldError{fe(`owner_labels[gpu\n`+strings.Repeat("o", 32)+`...]`, validate.RuleOwnerLabel, "want one of pod, namespace")},
+		},
+		{
+			name: "too many owner labels",
+			mutate: func(r *device.ReserveRequest) {
+				r.OwnerLabels = map[string]string{"pod": "a", "namespace": "b", "container": "c"}
+			},
+			want: []device.FieldError{fe("owner_labels", validate.RuleTooMany, "3, limit 2: pod, namespace")},
+		},
+		{
 			name:   "admin access taking over",
 			mutate: func(r *device.ReserveRequest) { r.AdminAccess, r.TakeOverOwnerPrefixes = true, []string{"nomad/"} },
 			want:   []device.FieldError{fe("take_over_owner_prefixes", validate.RuleAdminTakeOver)},

@@ -48,6 +48,7 @@ const (
 	RuleState         Rule = "unknown reservation state"
 	RuleOwnerPrefix   Rule = "invalid owner prefix"  // a take-over prefix that is not "segment/.../"
 	RuleAdminTakeOver Rule = "not with admin_access" // an admin access takes nothing over
+	RuleOwnerLabel    Rule = "unknown owner label"   // an owner label key not in device.OwnerLabelKeys
 	// Shared capacity (counter sets).
 	RuleUnknownCounterSet Rule = "unknown counter set"       // a device consumes from a set the fingerprint does not declare
 	RuleUnknownCounter    Rule = "unknown counter"           // a device consumes a counter its set does not have

@@ -147,6 +147,9 @@ func TestPrepareUnprepare(t *testing.T) {
 	if len(rs) != 1 || !slices.Equal(rs[0].GetDeviceIds(), []string{ids[2], ids[5]}) {
 		t.Fatalf("reservations of the claim: %v; want one of %s, %s", rs, ids[2], ids[5])
 	}
+	if l := rs[0].GetOwnerLabels(); len(l) != 2 || l["pod"] != "pair-pod" || l["namespace"] != "default" {
+		t.Errorf("the reservation's owner labels %v; want the pod the claim is reserved for, pair-pod in default", l)
+	}
 	claimCDI := testDriver + "/claim=" + string(c.UID) + "-" + rs[0].GetReservationId()
 	if len(first.GetDevices()) != 2 {
 		t.Fatalf("prepare: %d devices, want 2", len(first.GetDevices()))

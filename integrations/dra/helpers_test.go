@@ -285,6 +285,8 @@ func (r *rig) claim(name string, devices ...string) *resourceapi.ResourceClaim {
 	t.Helper()
 	c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name, UID: uuid.NewUUID()}}
 	c.Status.Allocation = &resourceapi.AllocationResult{}
+	// Reserved for its pod, as the scheduler leaves a claim the kubelet prepares.
+	c.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: name + "-pod", UID: uuid.NewUUID()}}
 	for _, d := range devices {
 		c.Status.Allocation.Devices.Results = append(c.Status.Allocation.Devices.Results,
 			resourceapi.DeviceRequestAllocationResult{Request: "gpus", Driver: testDriver, Pool: testNode, Device: d})

@@ -157,10 +157,10 @@ func (p *mpsPool) sharesFor(consumed map[resourceapi.QualifiedName]resource.Quan
 	return max(1, int((q.Value()+share-1)/share))
 }
 
-// reserveShares reserves k shares of p for owner at the agent: the ones a reservation
+// reserveShares reserves k shares of p for owner (with its labels) at the agent: the ones a reservation
 // of owner already holds (the kubelet asking again), else free ones, retrying with a
 // fresh reading when another claim took one first.
-func (d *Driver) reserveShares(ctx context.Context, owner string, p *mpsPool, k int) (*pb.ReserveResponse, []string, error) {
+func (d *Driver) reserveShares(ctx context.Context, owner string, labels map[string]string, p *mpsPool, k int) (*pb.ReserveResponse, []string, error) {
 	if k > len(p.shares) {
 		return nil, nil, fmt.Errorf("%d MPS shares of %s asked for; it has %d", k, p.parent, len(p.shares))
 	}
@@ -171,7 +171,7 @@ func (d *Driver) reserveShares(ctx context.Context, owner string, p *mpsPool, k 
 	for _, r := range held {
 		if len(r.GetDeviceIds()) > 0 && slices.Contains(p.shares, r.GetDeviceIds()[0]) {
 			ids := r.GetDeviceIds()
-			resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: p.group.vendor, Type: p.group.typ, Name: p.group.name, DeviceIds: ids})
+			resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: p.group.vendor, Type: p.group.typ, Name: p.group.name, DeviceIds: ids, OwnerLabels: labels})
 			return resp, ids, err
 		}
 	}
@@ -198,7 +198,7 @@ func (d *Driver) reserveShares(ctx context.Context, owner string, p *mpsPool, k 
 		if len(ids) < k {
 			return nil, nil, fmt.Errorf("%d MPS shares of %s asked for; %d are free at the agent", k, p.parent, len(ids))
 		}
-		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: p.group.vendor, Type: p.group.typ, Name: p.group.name, DeviceIds: ids})
+		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: p.group.vendor, Type: p.group.typ, Name: p.group.name, DeviceIds: ids, OwnerLabels: labels})
 		if _, taken := client.HeldError(err); !taken {
 			return resp, ids, err
 		}

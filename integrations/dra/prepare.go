@@ -48,6 +48,31 @@ type allocated struct {
 	shareID  *types.UID
 }
 
+// ownerLabels are the agent's owner labels for c's reservations (the pod and namespace
+// labels of its devices' metrics): the pods c is reserved for, sorted and joined by ","
+// as far as they fit client.MaxOwnerLabelLen, and c's namespace; nil when it is
+// reserved for no pod.
+func ownerLabels(c *resourceapi.ResourceClaim) map[string]string {
+	var pods []string
+	for _, r := range c.Status.ReservedFor {
+		if r.APIGroup == "" && r.Resource == "pods" && r.Name != "" {
+			pods = append(pods, r.Name)
+		}
+	}
+	if len(pods) == 0 {
+		return nil
+	}
+	slices.Sort(pods)
+	joined := pods[0]
+	for _, p := range pods[1:] {
+		if len(joined)+1+len(p) > client.MaxOwnerLabelLen {
+			break
+		}
+		joined += "," + p
+	}
+	return map[string]string{"pod": joined, "namespace": c.Namespace}
+}
+
 func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]kubeletplugin.Device, error) {
 	ref := claimRef{c.Namespace, c.Name, string(c.UID)}
 	if !validUID(ref.uid) {
@@ -103,11 +128,11 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 			}
 		}
 	}
-	owner := ref.owner()
+	owner, labels := ref.owner(), ownerLabels(c)
 	var reservations []*pb.Reservation
 	cdiByDevice := make(map[string][]string) // agent device ID -> CDI IDs
 	for _, p := range poolOrder {
-		resp, ids, err := d.reserveShares(ctx, owner, p, poolShares[p])
+		resp, ids, err := d.reserveShares(ctx, owner, labels, p, poolShares[p])
 		if err != nil {
 			return nil, reserveError(ids, err)
 		}
@@ -117,7 +142,7 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 	}
 	for _, k := range order {
 		g, ids := k.group, byGroup[k]
-		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: g.vendor, Type: g.typ, Name: g.name, DeviceIds: ids, AdminAccess: k.admin})
+		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: g.vendor, Type: g.typ, Name: g.name, DeviceIds: ids, AdminAccess: k.admin, OwnerLabels: labels})
 		if err != nil {
 			return nil, reserveError(ids, err)
 		}

@@ -3,8 +3,13 @@ package dra
 import (
 	"context"
 	"fmt"
+	"maps"
+	"strings"
 	"testing"
 	"time"
+
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/device"
@@ -60,5 +65,33 @@ func TestReserveErrorWordsRefusals(t *testing.T) {
 				t.Errorf("reserveError:\n got %q\nwant %q", got, tt.want)
 			}
 		})
+	}
+}
+
+// A claim's owner labels name the pods it is reserved for, sorted and joined by ",",
+// as many whole names as fit the agent's bound, and its namespace; consumers that are
+// not pods are left out, and a claim reserved for no pod has none.
+func TestOwnerLabelsNameTheClaimsPods(t *testing.T) {
+	claim := func(consumers ...resourceapi.ResourceClaimConsumerReference) *resourceapi.ResourceClaim {
+		c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "ml", Name: "gpus"}}
+		c.Status.ReservedFor = consumers
+		return c
+	}
+	pod := func(name string) resourceapi.ResourceClaimConsumerReference {
+		return resourceapi.ResourceClaimConsumerReference{Resource: "pods", Name: name}
+	}
+	if got := ownerLabels(claim(pod("trainer-1"), resourceapi.ResourceClaimConsumerReference{APIGroup: "apps", Resource: "statefulsets", Name: "x"}, pod("trainer-0"))); !maps.Equal(got, map[string]string{"pod": "trainer-0,trainer-1", "namespace": "ml"}) {
+		t.Errorf("two pods and a statefulset: %v; want the pods, sorted", got)
+	}
+	if got := ownerLabels(claim()); got != nil {
+		t.Errorf("no consumer: %v; want none", got)
+	}
+	var many []resourceapi.ResourceClaimConsumerReference
+	for i := range 10 {
+		many = append(many, pod(fmt.Sprintf("%d%s", i, strings.Repeat("p", 199)))) // 200 bytes each
+	}
+	got := ownerLabels(claim(many...))["pod"]
+	if n := strings.Count(got, ",") + 1; len(got) > client.MaxOwnerLabelLen || n != 5 || !strings.HasPrefix(got, many[0].Name+","+many[1].Name) {
+		t.Errorf("ten pods of 200 bytes: %d bytes, %d names; want the first 5 whole, within %d bytes", len(got), n, client.MaxOwnerLabelLen)
 	}
 }

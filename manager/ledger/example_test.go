@@ -45,7 +45,8 @@ func Example() {
 	fmt.Println(r2.ID, existing)
 	_, _, err = l.Reserve(ctx, device.Reservation{OwnerID: "alloc-2", DeviceIDs: []string{"GPU-b"}}, nil, nil)
 	fmt.Println(errors.Is(err, device.ErrDeviceHeld), err)
-	fmt.Println(l.Holders()["GPU-a"])
+	h := l.Holders()["GPU-a"]
+	fmt.Println(h.ReservationID, h.OwnerID)
 
 	// Release: the devices are free at once, the plugin cleanup is owed.
 	released, _, _ := l.Release(ctx, device.ReleaseRequest{OwnerID: "alloc-1"}, time.Time{})
@@ -68,7 +69,7 @@ func Example() {
 	// res-example false <nil>
 	// res-example true
 	// true reserve: owner "alloc-2": GPU-b held by reservation res-example of owner "alloc-1": device held
-	// {res-example alloc-1}
+	// res-example alloc-1
 	// 1 released true
 	// cleaned up alloc-1 res-example
 }

@@ -496,3 +496,52 @@ func TestLoadReattachNamesCorruptData(t *testing.T) {
 		t.Errorf("LoadReattach of damaged data = %v, %v; want ErrCorrupt naming plugin p1", ok, err)
 	}
 }
+
+// A Reserve's owner labels are the reservation's for good: its holder carries them,
+// they survive a reopen of the file and the release (the packed form), and a Reown
+// drops them, since they named the old owner's workload.
+func TestOwnerLabelsAreKept(t *testing.T) {
+	path := statePath(t)
+	l, err := Open(path, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	labels := device.OwnerLabels{Pod: "trainer-0,trainer-1", Namespace: "ml"}
+	r := res("k8s-claim/ml/gpus/0d1f", "GPU-1")
+	r.OwnerLabels = labels
+	a, _, err := l.Reserve(ctx, r, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reserve(t, l, "k8s-claim/ml/other/7e2a", "GPU-2")
+	if h := l.Holders(); h["GPU-1"].OwnerLabels != labels || h["GPU-2"].OwnerLabels != (device.OwnerLabels{}) {
+		t.Errorf("holders %+v; want GPU-1's with %+v, GPU-2's with none", h, labels)
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	l = openLedger(t, path)
+	if got, err := l.Get(a.ID); err != nil || got.OwnerLabels != labels {
+		t.Errorf("Get after reopen: %+v, %v; want owner labels %+v", got.OwnerLabels, err, labels)
+	}
+	if h := l.Holders(); h["GPU-1"].OwnerLabels != labels {
+		t.Errorf("GPU-1's holder after reopen %+v; want owner labels %+v", h["GPU-1"], labels)
+	}
+	release(t, l, a.ID, t0.Add(time.Minute))
+	if got, err := l.Get(a.ID); err != nil || got.OwnerLabels != labels {
+		t.Errorf("Get after release: %+v, %v; want owner labels %+v", got.OwnerLabels, err, labels)
+	}
+	c, _, err := l.Reserve(ctx, func() device.Reservation {
+		r := res("k8s-claim/ml/third/9a9a", "GPU-3")
+		r.OwnerLabels = labels
+		return r
+	}(), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := l.Reown(ctx, device.ReownRequest{ReservationID: c.ID, OwnerID: c.OwnerID, NewOwnerID: "k8s/ml/trainer-2/main"})
+	if err != nil || got.OwnerLabels != (device.OwnerLabels{}) || l.Holders()["GPU-3"].OwnerLabels != (device.OwnerLabels{}) {
+		t.Errorf("after Reown: %+v, holder %+v, %v; want no owner labels", got.OwnerLabels, l.Holders()["GPU-3"], err)
+	}
+}

@@ -34,8 +34,9 @@ import (
 //
 // Layout: a flags byte (flagCleanupPending), then in this order the owner, the group
 // (vendor, type, name), the plugin, the device IDs, the creation and release times,
-// the container reservation: envs, mounts, device nodes, CDI names; and the use of
-// counter sets: per set its name and its counters (name, varint). A string is its
+// the container reservation: envs, mounts, device nodes, CDI names; the use of
+// counter sets: per set its name and its counters (name, varint); and the owner
+// labels. A string is its
 // length (uvarint) and bytes; a list or map is its length plus one (0 for nil, so nil
 // and empty stay apart) and its elements; a time is 0 for the zero time, else 1, its
 // Unix seconds (varint) and nanoseconds (uvarint).
@@ -60,11 +61,7 @@ func pack(r *device.Reservation) packed {
 	p.time(r.CreatedAt)
 	p.time(r.ReleasedAt)
 	c := r.Container
-	p.count(c.Envs == nil, len(c.Envs))
-	for _, k := range slices.Sorted(maps.Keys(c.Envs)) {
-		p.str(k)
-		p.str(c.Envs[k])
-	}
+	p.strMap(c.Envs)
 	p.count(c.Mounts == nil, len(c.Mounts))
 	for _, m := range c.Mounts {
 		p.str(m.HostPath)
@@ -87,6 +84,8 @@ func pack(r *device.Reservation) packed {
 			p.b = binary.AppendVarint(p.b, cons.Counters[k])
 		}
 	}
+	p.str(r.OwnerLabels.Pod)
+	p.str(r.OwnerLabels.Namespace)
 	return packed(p.b)
 }
 
@@ -132,13 +131,7 @@ func (p packed) unpack(id string) *device.Reservation {
 	r.CreatedAt = u.time()
 	r.ReleasedAt = u.time()
 	c := &r.Container
-	if n, ok := u.count(); ok {
-		c.Envs = make(map[string]string, n)
-		for range n {
-			k := u.str()
-			c.Envs[k] = u.str()
-		}
-	}
+	c.Envs = u.strMap()
 	if n, ok := u.count(); ok {
 		c.Mounts = make([]device.Mount, n)
 		for i := range c.Mounts {
@@ -166,6 +159,7 @@ func (p packed) unpack(id string) *device.Reservation {
 			r.Consumes[i] = cons
 		}
 	}
+	r.OwnerLabels = device.OwnerLabels{Pod: u.str(), Namespace: u.str()}
 	if u.i != len(u.s) {
 		panic("ledger: packed reservation has trailing bytes") // only pack makes them
 	}
@@ -186,6 +180,15 @@ func (p *packer) count(isNil bool, n int) {
 		return
 	}
 	p.b = binary.AppendUvarint(p.b, uint64(n)+1)
+}
+
+// strMap packs m, its keys sorted.
+func (p *packer) strMap(m map[string]string) {
+	p.count(m == nil, len(m))
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		p.str(k)
+		p.str(m[k])
+	}
 }
 
 func (p *packer) strs(ss []string) {
@@ -256,6 +259,20 @@ func (u *unpacker) count() (n int, ok bool) {
 		return 0, false
 	}
 	return int(c - 1), true
+}
+
+// strMap unpacks what packer.strMap packed.
+func (u *unpacker) strMap() map[string]string {
+	n, ok := u.count()
+	if !ok {
+		return nil
+	}
+	m := make(map[string]string, n)
+	for range n {
+		k := u.str()
+		m[k] = u.str()
+	}
+	return m
 }
 
 func (u *unpacker) strs() []string {

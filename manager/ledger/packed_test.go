@@ -18,6 +18,7 @@ func TestPackedKeepsEveryField(t *testing.T) {
 	full.CreatedAt = time.Date(2026, 3, 1, 12, 0, 0, 123456789, time.UTC)
 	full.ReleasedAt = full.CreatedAt.Add(90 * time.Minute)
 	full.CleanupPending = true
+	full.OwnerLabels = device.OwnerLabels{Pod: "trainer-0,trainer-1", Namespace: "ml"}
 	full.Consumes = []device.Consumption{
 		{Set: device.CounterSetKey{Plugin: full.Plugin, Name: "GPU-0"}, Counters: map[string]int64{"memory-slice-0": 1, "compute-slices": 7}},
 		{Set: device.CounterSetKey{Plugin: full.Plugin, Name: "GPU-1"}, Counters: map[string]int64{}},

@@ -93,7 +93,8 @@ func (l *Ledger) Holders() map[string]device.Holder {
 	defer l.mu.RUnlock()
 	out := make(map[string]device.Holder, len(l.idx.held))
 	for dev, id := range l.idx.held {
-		out[dev] = device.Holder{ReservationID: id, OwnerID: l.idx.live[id].OwnerID}
+		r := l.idx.live[id]
+		out[dev] = device.Holder{ReservationID: id, OwnerID: r.OwnerID, OwnerLabels: r.OwnerLabels}
 	}
 	return out
 }

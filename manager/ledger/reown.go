@@ -26,6 +26,7 @@ func (l *Ledger) Reown(ctx context.Context, req device.ReownRequest) (device.Res
 		}
 		nr := *r // shares r's immutable slices and maps
 		nr.OwnerID = req.NewOwnerID
+		nr.OwnerLabels = device.OwnerLabels{} // they named the old owner's workload
 		if err := w.putReservation(&nr); err != nil {
 			return nil, err
 		}

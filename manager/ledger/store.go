@@ -81,6 +81,9 @@ type recordV1 struct {
 	// Consumes is left out when empty, so that a file of a host without shared
 	// counters stays readable by a version that predates them.
 	Consumes []consumptionV1 `json:"consumes,omitempty"`
+	// OwnerLabels likewise (ReserveRequest.OwnerLabels, by key), for a version that
+	// predates them.
+	OwnerLabels map[string]string `json:"owner_labels,omitempty"`
 }
 
 // consumptionV1 is a reservation's use of one counter set of its plugin.
@@ -125,6 +128,7 @@ func encodeReservation(r *device.Reservation) ([]byte, error) {
 		CreatedAt:      r.CreatedAt,
 		ReleasedAt:     r.ReleasedAt,
 		CleanupPending: r.CleanupPending,
+		OwnerLabels:    r.OwnerLabels.Map(),
 	}
 	for _, c := range r.Consumes {
 		rec.Consumes = append(rec.Consumes, consumptionV1{Set: c.Set.Name, Counters: c.Counters})
@@ -182,6 +186,7 @@ func decodeReservation(key, v []byte) (*device.Reservation, error) {
 		CreatedAt:      normTime(rec.CreatedAt),
 		ReleasedAt:     normTime(rec.ReleasedAt),
 		CleanupPending: rec.CleanupPending,
+		OwnerLabels:    device.OwnerLabelsOf(rec.OwnerLabels),
 	}
 	for _, c := range rec.Consumes {
 		r.Consumes = append(r.Consumes, device.Consumption{Set: device.CounterSetKey{Plugin: rec.Plugin, Name: c.Set}, Counters: c.Counters})

@@ -1848,7 +1848,13 @@ type ReserveRequest struct {
 	// "acc-..."; Device.admin_access) until a Release of its ID or of its owner. A
 	// device whose plugin reports no CDI names is refused (FAILED_PRECONDITION). Not
 	// with take_over_owner_prefixes.
-	AdminAccess   bool `protobuf:"varint,7,opt,name=admin_access,json=adminAccess,proto3" json:"admin_access,omitempty"`
+	AdminAccess bool `protobuf:"varint,7,opt,name=admin_access,json=adminAccess,proto3" json:"admin_access,omitempty"`
+	// Labels of the owner's workload, for the dcgm-exporter series of the devices it
+	// holds (docs/metrics.md, holder labels): at most "pod" and "namespace", each value
+	// at most 1024 bytes of printable UTF-8 (several pods joined by ","). The DRA driver
+	// sets them to the pods its claim is reserved for. Recorded with the reservation;
+	// a retry keeps the first Reserve's, and ReownReservation drops them.
+	OwnerLabels   map[string]string `protobuf:"bytes,8,rep,name=owner_labels,json=ownerLabels,proto3" json:"owner_labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1930,6 +1936,13 @@ func (x *ReserveRequest) GetAdminAccess() bool {
 		return x.AdminAccess
 	}
 	return false
+}
+
+func (x *ReserveRequest) GetOwnerLabels() map[string]string {
+	if x != nil {
+		return x.OwnerLabels
+	}
+	return nil
 }
 
 type ReserveResponse struct {
@@ -2343,7 +2356,9 @@ type Reservation struct {
 	// An admin access (ReserveRequest.admin_access), listed only when asked for
 	// (ListReservationsRequest.include_admin_access): it holds none of its devices. Its
 	// ID starts "acc-"; it is active until released, and then gone.
-	AdminAccess   bool `protobuf:"varint,13,opt,name=admin_access,json=adminAccess,proto3" json:"admin_access,omitempty"`
+	AdminAccess bool `protobuf:"varint,13,opt,name=admin_access,json=adminAccess,proto3" json:"admin_access,omitempty"`
+	// ReserveRequest.owner_labels of the Reserve that made it.
+	OwnerLabels   map[string]string `protobuf:"bytes,14,rep,name=owner_labels,json=ownerLabels,proto3" json:"owner_labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2467,6 +2482,13 @@ func (x *Reservation) GetAdminAccess() bool {
 		return x.AdminAccess
 	}
 	return false
+}
+
+func (x *Reservation) GetOwnerLabels() map[string]string {
+	if x != nil {
+		return x.OwnerLabels
+	}
+	return nil
 }
 
 type ListReservationsRequest struct {
@@ -3307,7 +3329,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\ttimestamp\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\ttimestamp\x1aO\n" +
 	"\vValuesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12*\n" +
-	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\xe6\x01\n" +
+	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\xf9\x02\n" +
 	"\x0eReserveRequest\x12\x19\n" +
 	"\bowner_id\x18\x01 \x01(\tR\aownerId\x12\x16\n" +
 	"\x06vendor\x18\x02 \x01(\tR\x06vendor\x12\x12\n" +
@@ -3316,7 +3338,11 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\n" +
 	"device_ids\x18\x05 \x03(\tR\tdeviceIds\x127\n" +
 	"\x18take_over_owner_prefixes\x18\x06 \x03(\tR\x15takeOverOwnerPrefixes\x12!\n" +
-	"\fadmin_access\x18\a \x01(\bR\vadminAccess\"\xbc\x01\n" +
+	"\fadmin_access\x18\a \x01(\bR\vadminAccess\x12Q\n" +
+	"\fowner_labels\x18\b \x03(\v2..devicehost.v1.ReserveRequest.OwnerLabelsEntryR\vownerLabels\x1a>\n" +
+	"\x10OwnerLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xbc\x01\n" +
 	"\x0fReserveResponse\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12E\n" +
 	"\vreservation\x18\x02 \x01(\v2#.devicehost.v1.ContainerReservationR\vreservation\x12;\n" +
@@ -3345,7 +3371,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x06target\"\x94\x01\n" +
 	"\x0fReleaseResponse\x128\n" +
 	"\x18released_reservation_ids\x18\x01 \x03(\tR\x16releasedReservationIds\x12G\n" +
-	" already_released_reservation_ids\x18\x02 \x03(\tR\x1dalreadyReleasedReservationIds\"\x88\x04\n" +
+	" already_released_reservation_ids\x18\x02 \x03(\tR\x1dalreadyReleasedReservationIds\"\x98\x05\n" +
 	"\vReservation\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x19\n" +
 	"\bowner_id\x18\x02 \x01(\tR\aownerId\x12\x16\n" +
@@ -3363,7 +3389,11 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\vreleased_at\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\n" +
 	"releasedAt\x12'\n" +
 	"\x0fcleanup_pending\x18\f \x01(\bR\x0ecleanupPending\x12!\n" +
-	"\fadmin_access\x18\r \x01(\bR\vadminAccess\"\xba\x01\n" +
+	"\fadmin_access\x18\r \x01(\bR\vadminAccess\x12N\n" +
+	"\fowner_labels\x18\x0e \x03(\v2+.devicehost.v1.Reservation.OwnerLabelsEntryR\vownerLabels\x1a>\n" +
+	"\x10OwnerLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xba\x01\n" +
 	"\x17ListReservationsRequest\x12\x19\n" +
 	"\bowner_id\x18\x01 \x01(\tR\aownerId\x12\x1b\n" +
 	"\tdevice_id\x18\x02 \x01(\tR\bdeviceId\x125\n" +
@@ -3472,7 +3502,7 @@ func file_devicehost_v1_devicehost_proto_rawDescGZIP() []byte {
 }
 
 var file_devicehost_v1_devicehost_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 47)
+var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 49)
 var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	(Health)(0),                      // 0: devicehost.v1.Health
 	(ReservationState)(0),            // 1: devicehost.v1.ReservationState
@@ -3524,19 +3554,21 @@ var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	nil,                              // 47: devicehost.v1.CounterConsumption.CountersEntry
 	nil,                              // 48: devicehost.v1.DeviceGroup.AttributesEntry
 	nil,                              // 49: devicehost.v1.DeviceStats.ValuesEntry
-	nil,                              // 50: devicehost.v1.ContainerReservation.EnvsEntry
-	(*timestamppb.Timestamp)(nil),    // 51: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 52: google.protobuf.Duration
+	nil,                              // 50: devicehost.v1.ReserveRequest.OwnerLabelsEntry
+	nil,                              // 51: devicehost.v1.ContainerReservation.EnvsEntry
+	nil,                              // 52: devicehost.v1.Reservation.OwnerLabelsEntry
+	(*timestamppb.Timestamp)(nil),    // 53: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 54: google.protobuf.Duration
 }
 var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
 	6,  // 0: devicehost.v1.WatchEventsResponse.events:type_name -> devicehost.v1.Event
-	51, // 1: devicehost.v1.Event.time:type_name -> google.protobuf.Timestamp
+	53, // 1: devicehost.v1.Event.time:type_name -> google.protobuf.Timestamp
 	11, // 2: devicehost.v1.CordonDeviceResponse.cordon:type_name -> devicehost.v1.Cordon
 	11, // 3: devicehost.v1.UncordonDeviceResponse.lifted:type_name -> devicehost.v1.Cordon
-	51, // 4: devicehost.v1.Cordon.since:type_name -> google.protobuf.Timestamp
+	53, // 4: devicehost.v1.Cordon.since:type_name -> google.protobuf.Timestamp
 	21, // 5: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
 	16, // 6: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
-	51, // 7: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
+	53, // 7: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
 	14, // 8: devicehost.v1.FingerprintResponse.counter_sets:type_name -> devicehost.v1.CounterSet
 	45, // 9: devicehost.v1.CounterSet.capacity:type_name -> devicehost.v1.CounterSet.CapacityEntry
 	46, // 10: devicehost.v1.CounterSet.used:type_name -> devicehost.v1.CounterSet.UsedEntry
@@ -3544,65 +3576,67 @@ var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
 	48, // 12: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
 	17, // 13: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
 	0,  // 14: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
-	51, // 15: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
+	53, // 15: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
 	18, // 16: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
 	19, // 17: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
 	15, // 18: devicehost.v1.Device.consumes:type_name -> devicehost.v1.CounterConsumption
 	19, // 19: devicehost.v1.Device.blocked_by:type_name -> devicehost.v1.Holder
 	11, // 20: devicehost.v1.Device.cordon:type_name -> devicehost.v1.Cordon
 	19, // 21: devicehost.v1.Device.admin_access:type_name -> devicehost.v1.Holder
-	52, // 22: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	54, // 22: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
 	21, // 23: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
 	24, // 24: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
-	51, // 25: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
+	53, // 25: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
 	25, // 26: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
 	49, // 27: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
-	51, // 28: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
-	28, // 29: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
-	50, // 30: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
-	29, // 31: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
-	30, // 32: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
-	1,  // 33: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
-	28, // 34: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
-	51, // 35: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	51, // 36: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
-	1,  // 37: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
-	33, // 38: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
-	33, // 39: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
-	2,  // 40: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
-	51, // 41: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
-	51, // 42: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
-	39, // 43: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
-	44, // 44: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
-	43, // 45: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
-	19, // 46: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
-	20, // 47: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
-	20, // 48: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
-	12, // 49: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
-	22, // 50: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
-	26, // 51: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
-	31, // 52: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
-	34, // 53: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
-	36, // 54: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
-	38, // 55: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
-	7,  // 56: devicehost.v1.DeviceHost.CordonDevice:input_type -> devicehost.v1.CordonDeviceRequest
-	9,  // 57: devicehost.v1.DeviceHost.UncordonDevice:input_type -> devicehost.v1.UncordonDeviceRequest
-	4,  // 58: devicehost.v1.DeviceHost.WatchEvents:input_type -> devicehost.v1.WatchEventsRequest
-	13, // 59: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
-	23, // 60: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
-	27, // 61: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
-	32, // 62: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
-	35, // 63: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
-	37, // 64: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
-	40, // 65: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
-	8,  // 66: devicehost.v1.DeviceHost.CordonDevice:output_type -> devicehost.v1.CordonDeviceResponse
-	10, // 67: devicehost.v1.DeviceHost.UncordonDevice:output_type -> devicehost.v1.UncordonDeviceResponse
-	5,  // 68: devicehost.v1.DeviceHost.WatchEvents:output_type -> devicehost.v1.WatchEventsResponse
-	59, // [59:69] is the sub-list for method output_type
-	49, // [49:59] is the sub-list for method input_type
-	49, // [49:49] is the sub-list for extension type_name
-	49, // [49:49] is the sub-list for extension extendee
-	0,  // [0:49] is the sub-list for field type_name
+	53, // 28: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	50, // 29: devicehost.v1.ReserveRequest.owner_labels:type_name -> devicehost.v1.ReserveRequest.OwnerLabelsEntry
+	28, // 30: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
+	51, // 31: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
+	29, // 32: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
+	30, // 33: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
+	1,  // 34: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
+	28, // 35: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
+	53, // 36: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	53, // 37: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
+	52, // 38: devicehost.v1.Reservation.owner_labels:type_name -> devicehost.v1.Reservation.OwnerLabelsEntry
+	1,  // 39: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
+	33, // 40: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
+	33, // 41: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
+	2,  // 42: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
+	53, // 43: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
+	53, // 44: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
+	39, // 45: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
+	44, // 46: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
+	43, // 47: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
+	19, // 48: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
+	20, // 49: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
+	20, // 50: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
+	12, // 51: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
+	22, // 52: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
+	26, // 53: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
+	31, // 54: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
+	34, // 55: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
+	36, // 56: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
+	38, // 57: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
+	7,  // 58: devicehost.v1.DeviceHost.CordonDevice:input_type -> devicehost.v1.CordonDeviceRequest
+	9,  // 59: devicehost.v1.DeviceHost.UncordonDevice:input_type -> devicehost.v1.UncordonDeviceRequest
+	4,  // 60: devicehost.v1.DeviceHost.WatchEvents:input_type -> devicehost.v1.WatchEventsRequest
+	13, // 61: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
+	23, // 62: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
+	27, // 63: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
+	32, // 64: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
+	35, // 65: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
+	37, // 66: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
+	40, // 67: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
+	8,  // 68: devicehost.v1.DeviceHost.CordonDevice:output_type -> devicehost.v1.CordonDeviceResponse
+	10, // 69: devicehost.v1.DeviceHost.UncordonDevice:output_type -> devicehost.v1.UncordonDeviceResponse
+	5,  // 70: devicehost.v1.DeviceHost.WatchEvents:output_type -> devicehost.v1.WatchEventsResponse
+	61, // [61:71] is the sub-list for method output_type
+	51, // [51:61] is the sub-list for method input_type
+	51, // [51:51] is the sub-list for extension type_name
+	51, // [51:51] is the sub-list for extension extendee
+	0,  // [0:51] is the sub-list for field type_name
 }
 
 func init() { file_devicehost_v1_devicehost_proto_init() }
@@ -3626,7 +3660,7 @@ func file_devicehost_v1_devicehost_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_devicehost_v1_devicehost_proto_rawDesc), len(file_devicehost_v1_devicehost_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   47,
+			NumMessages:   49,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
