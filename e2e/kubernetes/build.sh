@@ -34,8 +34,11 @@ debian_packages() {
   log "apt-get install ${missing[*]}"
   local t0=$SECONDS
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null ||
-    { apt-get update >/dev/null && apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null; }
+  # One apt-get at a time: .ci/run builds the node's binaries and the images side by
+  # side, and each may install packages; the second waits for the first's dpkg lock.
+  flock /var/lock/devicehost-apt apt-get -o DPkg::Lock::Timeout=300 install -y --no-install-recommends "${missing[@]}" >/dev/null ||
+    { flock /var/lock/devicehost-apt apt-get -o DPkg::Lock::Timeout=300 update >/dev/null &&
+      flock /var/lock/devicehost-apt apt-get -o DPkg::Lock::Timeout=300 install -y --no-install-recommends "${missing[@]}" >/dev/null; }
   log "installed ${missing[*]} in $((SECONDS - t0))s"
 }
 
