@@ -328,6 +328,16 @@ type DeviceStats struct {
 	ID     string
 	Values map[string]Value // by metric name, e.g. "gpu_utilization"
 	Time   time.Time        // when the plugin sampled them
+	// Processes are the processes on the device and the memory each uses, where the
+	// plugin reports them (validated: at most 64, PIDs unique and not 0).
+	Processes []ProcessMemory
+}
+
+// ProcessMemory is one process on a device: its PID (the host's PID namespace) and
+// the device memory it uses.
+type ProcessMemory struct {
+	PID       uint32
+	UsedBytes int64
 }
 
 // ReserveRequest asks for devices of one group for one owner.
@@ -358,6 +368,12 @@ type ReserveRequest struct {
 	// reservation; a retry keeps the first Reserve's.
 	OwnerLabels map[string]string
 }
+
+// ReservationEnv is the env var the host adds to every reservation's container
+// answer: the reservation's ID, so that a process the container starts can be told
+// apart from another holder's of the same device (per-holder GPU memory in the
+// metrics). It overrides a plugin's answer of the same name.
+const ReservationEnv = "DEVICEHOST_RESERVATION_ID"
 
 // OwnerLabelKeys are the keys ReserveRequest.OwnerLabels may have: the labels
 // dcgm-exporter gives a pod's series, in the order of OwnerLabels' fields.

@@ -26,6 +26,8 @@ const (
 	MaxAttributes = 64
 	// MaxStatsValues bounds the values of one device in one stats message.
 	MaxStatsValues = 128
+	// MaxProcessesPerDevice bounds the processes of one device in one stats message.
+	MaxProcessesPerDevice = 64
 	// MaxNameLen bounds, in bytes, every name and ID: vendor, type, model name, device
 	// IDs, attribute and metric names, env names, CDI device names, owner and
 	// reservation IDs.

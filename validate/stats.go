@@ -50,6 +50,34 @@ func stats(resp *pb.StatsResponse, known func(string) bool) error {
 			}
 		}
 		c.checkValues(item, "value", d.GetValues(), MaxStatsValues)
+		c.checkProcesses(item, d.GetProcesses())
 	}
 	return c.err()
+}
+
+// checkProcesses checks a device's processes: at most MaxProcessesPerDevice, each
+// present, its pid not 0 and not repeated, its memory from 0 to MaxCounterValue bytes.
+func (c *collector) checkProcesses(item string, procs []*pb.ProcessMemory) {
+	if len(procs) > MaxProcessesPerDevice {
+		c.add(at(item, "processes"), RuleTooMany, tooMany(len(procs), MaxProcessesPerDevice))
+		procs = procs[:MaxProcessesPerDevice]
+	}
+	seen := make(map[uint32]int, len(procs))
+	for i, p := range procs {
+		field := at(item, fmt.Sprintf("processes[%d]", i))
+		switch {
+		case p == nil:
+			c.add(field, RuleMissing, "")
+			continue
+		case p.GetPid() == 0:
+			c.add(field, RuleEmpty, "pid 0")
+		case p.GetUsedBytes() < 0 || p.GetUsedBytes() > MaxCounterValue:
+			c.add(field, RuleCounterRange, fmt.Sprintf("used_bytes %d, want 0 to %d", p.GetUsedBytes(), int64(MaxCounterValue)))
+		}
+		if first, dup := seen[p.GetPid()]; dup && p.GetPid() != 0 {
+			c.add(field, RuleDuplicate, fmt.Sprintf("pid %d first at processes[%d]", p.GetPid(), first))
+		} else {
+			seen[p.GetPid()] = i
+		}
+	}
 }

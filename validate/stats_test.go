@@ -50,6 +50,35 @@ func TestStats(t *testing.T) {
 		{name: "good", mutate: func(*pb.StatsResponse) {}, known: known},
 		{name: "empty", mutate: func(r *pb.StatsResponse) { r.Devices = nil }, known: nil},
 		{
+			name: "processes",
+			mutate: func(r *pb.StatsResponse) {
+				r.Devices[0].Processes = []*pb.ProcessMemory{{Pid: 4242, UsedBytes: 1 << 30}, {Pid: 4243}}
+			},
+			known: known,
+		},
+		{
+			name: "processes broken",
+			mutate: func(r *pb.StatsResponse) {
+				r.Devices[0].Processes = []*pb.ProcessMemory{{Pid: 0}, nil, {Pid: 7, UsedBytes: -1}, {Pid: 8, UsedBytes: 1<<50 + 1}, {Pid: 7}}
+			},
+			known: known,
+			want: []found{
+				{d0 + ": processes[0]", validate.RuleEmpty}, {d0 + ": processes[1]", validate.RuleMissing},
+				{d0 + ": processes[2]", validate.RuleCounterRange}, {d0 + ": processes[3]", validate.RuleCounterRange},
+				{d0 + ": processes[4]", validate.RuleDuplicate},
+			},
+		},
+		{
+			name: "too many processes",
+			mutate: func(r *pb.StatsResponse) {
+				for i := range validate.MaxProcessesPerDevice + 1 {
+					r.Devices[0].Processes = append(r.Devices[0].Processes, &pb.ProcessMemory{Pid: uint32(i + 1)})
+				}
+			},
+			known: known,
+			want:  []found{{d0 + ": processes", validate.RuleTooMany}},
+		},
+		{
 			name:   "nil entry",
 			mutate: func(r *pb.StatsResponse) { r.Devices[1] = nil },
 			known:  known,

@@ -52,7 +52,9 @@ func Fingerprint(resp *pb.FingerprintResponse) error { return fingerprint(resp) 
 // timestamp; an encoded size over MaxStatsBytes (RuleTooLarge on item "stats"); more
 // than MaxDevices entries or MaxStatsValues values in one; and each
 // value's name and value by the rules of Fingerprint's attributes (no NaN or Inf,
-// known units, valid UTF-8, kind set).
+// known units, valid UTF-8, kind set); more than MaxProcessesPerDevice processes of a
+// device, a nil one, a pid 0 (RuleEmpty) or repeated (RuleDuplicate), used_bytes
+// outside 0 to MaxCounterValue (RuleCounterRange).
 func Stats(resp *pb.StatsResponse, known func(deviceID string) bool) error {
 	return stats(resp, known)
 }

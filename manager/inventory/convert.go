@@ -135,7 +135,11 @@ func fromStats(resp *pb.StatsResponse, received time.Time) map[string]device.Dev
 		if d.GetTimestamp() != nil {
 			t = d.GetTimestamp().AsTime()
 		}
-		out[d.GetDeviceId()] = device.DeviceStats{ID: d.GetDeviceId(), Values: fromValues(d.GetValues()), Time: t}
+		st := device.DeviceStats{ID: d.GetDeviceId(), Values: fromValues(d.GetValues()), Time: t}
+		for _, p := range d.GetProcesses() {
+			st.Processes = append(st.Processes, device.ProcessMemory{PID: p.GetPid(), UsedBytes: p.GetUsedBytes()})
+		}
+		out[d.GetDeviceId()] = st
 	}
 	return out
 }

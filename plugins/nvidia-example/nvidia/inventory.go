@@ -438,6 +438,9 @@ func (rt *runtime) sample(now time.Time, gpm *gpmSampler) (*pb.StatsResponse, er
 	}
 	ts := timestamppb.New(now)
 	resp := &pb.StatsResponse{}
+	if sim, ok := rt.lib.(interface{ rescanProcesses() }); ok {
+		sim.rescanProcesses()
+	}
 	for _, g := range gpus {
 		plan := plans[g.uuid]
 		shared := rt.gpuStats(g)
@@ -453,7 +456,7 @@ func (rt *runtime) sample(now time.Time, gpm *gpmSampler) (*pb.StatsResponse, er
 				v["tensor_active"] = floatValue(pct, unitPercent)
 			}
 		}
-		resp.Devices = append(resp.Devices, &pb.DeviceStats{DeviceId: g.uuid, Values: v, Timestamp: ts})
+		resp.Devices = append(resp.Devices, &pb.DeviceStats{DeviceId: g.uuid, Values: v, Timestamp: ts, Processes: processesOf(g.dev)})
 		if plan == nil || plan.mode == modeWhole {
 			continue
 		}
@@ -474,7 +477,11 @@ func (rt *runtime) sample(now time.Time, gpm *gpmSampler) (*pb.StatsResponse, er
 			if pct, ok := gpm.tensorActive(g, m.gi); ok {
 				mv["tensor_active"] = floatValue(pct, unitPercent)
 			}
-			resp.Devices = append(resp.Devices, &pb.DeviceStats{DeviceId: id, Values: mv, Timestamp: ts})
+			var procs []*pb.ProcessMemory
+			if m.dev != nil {
+				procs = processesOf(m.dev)
+			}
+			resp.Devices = append(resp.Devices, &pb.DeviceStats{DeviceId: id, Values: mv, Timestamp: ts, Processes: procs})
 		}
 	}
 	gpm.endRound()
@@ -507,6 +514,40 @@ func (rt *runtime) gpuStats(g gpu) map[string]*pb.Value {
 		v["ecc_errors_uncorrected"] = intValue(int64(n), unitCount)
 	}
 	return v
+}
+
+// maxProcesses is the most processes a device's stats report (the host's bound).
+const maxProcesses = 64
+
+// processesOf returns the compute processes on dev (a GPU or a MIG device) and the
+// memory each uses, as NVML reports them: a PID listed twice (once per compute
+// instance) once with its memory summed, a use NVML cannot tell (its "not available"
+// value) as 0, at most maxProcesses, lowest PIDs first; none when NVML cannot say.
+func processesOf(dev nvml.Device) []*pb.ProcessMemory {
+	infos, ret := dev.GetComputeRunningProcesses()
+	if ret != nvml.SUCCESS || len(infos) == 0 {
+		return nil
+	}
+	used := make(map[uint32]int64, len(infos))
+	for _, p := range infos {
+		if p.Pid == 0 {
+			continue
+		}
+		if b := p.UsedGpuMemory; b <= 1<<50 {
+			used[p.Pid] += int64(b)
+		} else {
+			used[p.Pid] += 0
+		}
+	}
+	pids := slices.Sorted(maps.Keys(used))
+	if len(pids) > maxProcesses {
+		pids = pids[:maxProcesses]
+	}
+	out := make([]*pb.ProcessMemory, len(pids))
+	for i, pid := range pids {
+		out[i] = &pb.ProcessMemory{Pid: pid, UsedBytes: min(used[pid], 1<<50)}
+	}
+	return out
 }
 
 // addMemory adds dev's memory use (a GPU's, or a MIG device's own) to v.

@@ -93,6 +93,7 @@ type simLib struct {
 	actions []simAction
 	// gpmSamples counts the GPM samples allocated and not yet freed.
 	gpmSamples atomic.Int64
+	procs      simProcs // the processes the stats report (simprocs.go)
 }
 
 // simAction is a recovery action a GPU asks for from from until until (zero: for

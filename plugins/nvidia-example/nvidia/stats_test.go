@@ -1,6 +1,9 @@
 package nvidia
 
 import (
+	"maps"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -103,6 +106,9 @@ func TestStatsAreDeterministic(t *testing.T) {
 		s := startStats(t, p, time.Second)
 		resp := s.next(t)
 		s.stop(t)
+		for _, d := range resp.GetDevices() {
+			d.Processes = nil // what runs on this machine (simprocs.go), which may change between them
+		}
 		return resp
 	}
 	if a, b := sample(), sample(); !protoEqual(a, b) {
@@ -167,5 +173,42 @@ func TestStatsCarryTheLastXID(t *testing.T) {
 		if got == nil || got.GetIntValue() != want[d.GetDeviceId()] {
 			t.Errorf("%s: last_xid = %v, want %d", d.GetDeviceId(), got, want[d.GetDeviceId()])
 		}
+	}
+}
+
+// A simulated device's processes are those on this machine whose environment names it
+// in NVIDIA_VISIBLE_DEVICES, each using DEVICEHOST_SIM_FB_USED_MIB MiB: a process
+// started naming GPU 2 and GPU 5 is reported on both with its memory, on no other; once
+// it is gone the next sample leaves it out.
+func TestStatsReportSimulatedProcesses(t *testing.T) {
+	p, clk := newTestPlugin(t, Config{Simulate: "dgxh100"})
+	gpu2, gpu5 := simulatedUUID("dgxh100", 2), simulatedUUID("dgxh100", 5)
+	cmd := exec.Command("sleep", "60")
+	cmd.Env = []string{"NVIDIA_VISIBLE_DEVICES=" + gpu2 + "," + gpu5, simFBUsedEnv + "=300", "PATH=" + os.Getenv("PATH")}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	pid := uint32(cmd.Process.Pid)
+	mine := func(resp *pb.StatsResponse) map[string]int64 {
+		out := map[string]int64{}
+		for _, d := range resp.GetDevices() {
+			for _, pr := range d.GetProcesses() {
+				if pr.GetPid() == pid {
+					out[d.GetDeviceId()] = pr.GetUsedBytes()
+				}
+			}
+		}
+		return out
+	}
+	s := startStats(t, p, time.Second)
+	if got, want := mine(s.next(t)), map[string]int64{gpu2: 300 << 20, gpu5: 300 << 20}; !maps.Equal(got, want) {
+		t.Errorf("the process on %v, want %v", got, want)
+	}
+	cmd.Process.Kill()
+	cmd.Wait()
+	clk.Advance(time.Second)
+	if got := mine(s.next(t)); len(got) != 0 {
+		t.Errorf("the process gone, still on %v", got)
 	}
 }

@@ -1022,7 +1022,12 @@ type DeviceStats struct {
 	// Sampled values keyed by metric name, e.g. "gpu_utilization".
 	Values map[string]*Value `protobuf:"bytes,2,rep,name=values,proto3" json:"values,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// When the values were sampled.
-	Timestamp     *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=timestamp,proto3" json:"timestamp,omitempty"`
+	Timestamp *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=timestamp,proto3" json:"timestamp,omitempty"`
+	// The processes using the device and the device memory each uses (NVML's running
+	// compute processes), as the plugin sees them: at most 64, each pid once and not 0,
+	// memory from 0 to 2^50 bytes. Optional. The host tells the holders of a shared
+	// device apart by them (per-holder memory in its metrics).
+	Processes     []*ProcessMemory `protobuf:"bytes,4,rep,name=processes,proto3" json:"processes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1078,6 +1083,67 @@ func (x *DeviceStats) GetTimestamp() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *DeviceStats) GetProcesses() []*ProcessMemory {
+	if x != nil {
+		return x.Processes
+	}
+	return nil
+}
+
+// ProcessMemory is one process on a device: its PID in the host's PID namespace, and
+// the device memory it uses.
+type ProcessMemory struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pid           uint32                 `protobuf:"varint,1,opt,name=pid,proto3" json:"pid,omitempty"`
+	UsedBytes     int64                  `protobuf:"varint,2,opt,name=used_bytes,json=usedBytes,proto3" json:"used_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ProcessMemory) Reset() {
+	*x = ProcessMemory{}
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ProcessMemory) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ProcessMemory) ProtoMessage() {}
+
+func (x *ProcessMemory) ProtoReflect() protoreflect.Message {
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ProcessMemory.ProtoReflect.Descriptor instead.
+func (*ProcessMemory) Descriptor() ([]byte, []int) {
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *ProcessMemory) GetPid() uint32 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+func (x *ProcessMemory) GetUsedBytes() int64 {
+	if x != nil {
+		return x.UsedBytes
+	}
+	return 0
+}
+
 type ReserveRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	DeviceIds     []string               `protobuf:"bytes,1,rep,name=device_ids,json=deviceIds,proto3" json:"device_ids,omitempty"`
@@ -1087,7 +1153,7 @@ type ReserveRequest struct {
 
 func (x *ReserveRequest) Reset() {
 	*x = ReserveRequest{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[17]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1099,7 +1165,7 @@ func (x *ReserveRequest) String() string {
 func (*ReserveRequest) ProtoMessage() {}
 
 func (x *ReserveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[17]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1112,7 +1178,7 @@ func (x *ReserveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveRequest.ProtoReflect.Descriptor instead.
 func (*ReserveRequest) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{17}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ReserveRequest) GetDeviceIds() []string {
@@ -1131,7 +1197,7 @@ type ReserveResponse struct {
 
 func (x *ReserveResponse) Reset() {
 	*x = ReserveResponse{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[18]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1143,7 +1209,7 @@ func (x *ReserveResponse) String() string {
 func (*ReserveResponse) ProtoMessage() {}
 
 func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[18]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1156,7 +1222,7 @@ func (x *ReserveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReserveResponse.ProtoReflect.Descriptor instead.
 func (*ReserveResponse) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{18}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ReserveResponse) GetReservation() *ContainerReservation {
@@ -1181,7 +1247,7 @@ type ContainerReservation struct {
 
 func (x *ContainerReservation) Reset() {
 	*x = ContainerReservation{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[19]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1193,7 +1259,7 @@ func (x *ContainerReservation) String() string {
 func (*ContainerReservation) ProtoMessage() {}
 
 func (x *ContainerReservation) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[19]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1206,7 +1272,7 @@ func (x *ContainerReservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ContainerReservation.ProtoReflect.Descriptor instead.
 func (*ContainerReservation) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{19}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ContainerReservation) GetEnvs() map[string]string {
@@ -1248,7 +1314,7 @@ type Mount struct {
 
 func (x *Mount) Reset() {
 	*x = Mount{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[20]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1260,7 +1326,7 @@ func (x *Mount) String() string {
 func (*Mount) ProtoMessage() {}
 
 func (x *Mount) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[20]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1273,7 +1339,7 @@ func (x *Mount) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Mount.ProtoReflect.Descriptor instead.
 func (*Mount) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{20}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *Mount) GetHostPath() string {
@@ -1309,7 +1375,7 @@ type DeviceSpec struct {
 
 func (x *DeviceSpec) Reset() {
 	*x = DeviceSpec{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[21]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1321,7 +1387,7 @@ func (x *DeviceSpec) String() string {
 func (*DeviceSpec) ProtoMessage() {}
 
 func (x *DeviceSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[21]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1334,7 +1400,7 @@ func (x *DeviceSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceSpec.ProtoReflect.Descriptor instead.
 func (*DeviceSpec) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{21}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *DeviceSpec) GetHostPath() string {
@@ -1369,7 +1435,7 @@ type ReleaseRequest struct {
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[22]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1381,7 +1447,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[22]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1394,7 +1460,7 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{22}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ReleaseRequest) GetReservationId() string {
@@ -1419,7 +1485,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[23]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1431,7 +1497,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[23]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1444,7 +1510,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{23}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{24}
 }
 
 type ReconcileRequest struct {
@@ -1457,7 +1523,7 @@ type ReconcileRequest struct {
 
 func (x *ReconcileRequest) Reset() {
 	*x = ReconcileRequest{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[24]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1469,7 +1535,7 @@ func (x *ReconcileRequest) String() string {
 func (*ReconcileRequest) ProtoMessage() {}
 
 func (x *ReconcileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[24]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1482,7 +1548,7 @@ func (x *ReconcileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReconcileRequest.ProtoReflect.Descriptor instead.
 func (*ReconcileRequest) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{24}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ReconcileRequest) GetReservations() []*LiveReservation {
@@ -1502,7 +1568,7 @@ type LiveReservation struct {
 
 func (x *LiveReservation) Reset() {
 	*x = LiveReservation{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[25]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1514,7 +1580,7 @@ func (x *LiveReservation) String() string {
 func (*LiveReservation) ProtoMessage() {}
 
 func (x *LiveReservation) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[25]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1527,7 +1593,7 @@ func (x *LiveReservation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LiveReservation.ProtoReflect.Descriptor instead.
 func (*LiveReservation) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{25}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *LiveReservation) GetReservationId() string {
@@ -1552,7 +1618,7 @@ type ReconcileResponse struct {
 
 func (x *ReconcileResponse) Reset() {
 	*x = ReconcileResponse{}
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[26]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1564,7 +1630,7 @@ func (x *ReconcileResponse) String() string {
 func (*ReconcileResponse) ProtoMessage() {}
 
 func (x *ReconcileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[26]
+	mi := &file_deviceplugin_v1_deviceplugin_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1577,7 +1643,7 @@ func (x *ReconcileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReconcileResponse.ProtoReflect.Descriptor instead.
 func (*ReconcileResponse) Descriptor() ([]byte, []int) {
-	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{26}
+	return file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP(), []int{27}
 }
 
 var File_deviceplugin_v1_deviceplugin_proto protoreflect.FileDescriptor
@@ -1653,14 +1719,19 @@ const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
 	"\fStatsRequest\x125\n" +
 	"\binterval\x18\x01 \x01(\v2\x19.google.protobuf.DurationR\binterval\"G\n" +
 	"\rStatsResponse\x126\n" +
-	"\adevices\x18\x01 \x03(\v2\x1c.deviceplugin.v1.DeviceStatsR\adevices\"\xf9\x01\n" +
+	"\adevices\x18\x01 \x03(\v2\x1c.deviceplugin.v1.DeviceStatsR\adevices\"\xb7\x02\n" +
 	"\vDeviceStats\x12\x1b\n" +
 	"\tdevice_id\x18\x01 \x01(\tR\bdeviceId\x12@\n" +
 	"\x06values\x18\x02 \x03(\v2(.deviceplugin.v1.DeviceStats.ValuesEntryR\x06values\x128\n" +
-	"\ttimestamp\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\ttimestamp\x1aQ\n" +
+	"\ttimestamp\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\ttimestamp\x12<\n" +
+	"\tprocesses\x18\x04 \x03(\v2\x1e.deviceplugin.v1.ProcessMemoryR\tprocesses\x1aQ\n" +
 	"\vValuesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12,\n" +
-	"\x05value\x18\x02 \x01(\v2\x16.deviceplugin.v1.ValueR\x05value:\x028\x01\"/\n" +
+	"\x05value\x18\x02 \x01(\v2\x16.deviceplugin.v1.ValueR\x05value:\x028\x01\"@\n" +
+	"\rProcessMemory\x12\x10\n" +
+	"\x03pid\x18\x01 \x01(\rR\x03pid\x12\x1d\n" +
+	"\n" +
+	"used_bytes\x18\x02 \x01(\x03R\tusedBytes\"/\n" +
 	"\x0eReserveRequest\x12\x1d\n" +
 	"\n" +
 	"device_ids\x18\x01 \x03(\tR\tdeviceIds\"Z\n" +
@@ -1723,7 +1794,7 @@ func file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP() []byte {
 }
 
 var file_deviceplugin_v1_deviceplugin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_deviceplugin_v1_deviceplugin_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
+var file_deviceplugin_v1_deviceplugin_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
 var file_deviceplugin_v1_deviceplugin_proto_goTypes = []any{
 	(Health)(0),                   // 0: deviceplugin.v1.Health
 	(*GetPluginInfoRequest)(nil),  // 1: deviceplugin.v1.GetPluginInfoRequest
@@ -1743,66 +1814,68 @@ var file_deviceplugin_v1_deviceplugin_proto_goTypes = []any{
 	(*StatsRequest)(nil),          // 15: deviceplugin.v1.StatsRequest
 	(*StatsResponse)(nil),         // 16: deviceplugin.v1.StatsResponse
 	(*DeviceStats)(nil),           // 17: deviceplugin.v1.DeviceStats
-	(*ReserveRequest)(nil),        // 18: deviceplugin.v1.ReserveRequest
-	(*ReserveResponse)(nil),       // 19: deviceplugin.v1.ReserveResponse
-	(*ContainerReservation)(nil),  // 20: deviceplugin.v1.ContainerReservation
-	(*Mount)(nil),                 // 21: deviceplugin.v1.Mount
-	(*DeviceSpec)(nil),            // 22: deviceplugin.v1.DeviceSpec
-	(*ReleaseRequest)(nil),        // 23: deviceplugin.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),       // 24: deviceplugin.v1.ReleaseResponse
-	(*ReconcileRequest)(nil),      // 25: deviceplugin.v1.ReconcileRequest
-	(*LiveReservation)(nil),       // 26: deviceplugin.v1.LiveReservation
-	(*ReconcileResponse)(nil),     // 27: deviceplugin.v1.ReconcileResponse
-	nil,                           // 28: deviceplugin.v1.CounterSet.CountersEntry
-	nil,                           // 29: deviceplugin.v1.CounterConsumption.CountersEntry
-	nil,                           // 30: deviceplugin.v1.DeviceGroup.AttributesEntry
-	nil,                           // 31: deviceplugin.v1.DeviceStats.ValuesEntry
-	nil,                           // 32: deviceplugin.v1.ContainerReservation.EnvsEntry
-	(*durationpb.Duration)(nil),   // 33: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil), // 34: google.protobuf.Timestamp
+	(*ProcessMemory)(nil),         // 18: deviceplugin.v1.ProcessMemory
+	(*ReserveRequest)(nil),        // 19: deviceplugin.v1.ReserveRequest
+	(*ReserveResponse)(nil),       // 20: deviceplugin.v1.ReserveResponse
+	(*ContainerReservation)(nil),  // 21: deviceplugin.v1.ContainerReservation
+	(*Mount)(nil),                 // 22: deviceplugin.v1.Mount
+	(*DeviceSpec)(nil),            // 23: deviceplugin.v1.DeviceSpec
+	(*ReleaseRequest)(nil),        // 24: deviceplugin.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),       // 25: deviceplugin.v1.ReleaseResponse
+	(*ReconcileRequest)(nil),      // 26: deviceplugin.v1.ReconcileRequest
+	(*LiveReservation)(nil),       // 27: deviceplugin.v1.LiveReservation
+	(*ReconcileResponse)(nil),     // 28: deviceplugin.v1.ReconcileResponse
+	nil,                           // 29: deviceplugin.v1.CounterSet.CountersEntry
+	nil,                           // 30: deviceplugin.v1.CounterConsumption.CountersEntry
+	nil,                           // 31: deviceplugin.v1.DeviceGroup.AttributesEntry
+	nil,                           // 32: deviceplugin.v1.DeviceStats.ValuesEntry
+	nil,                           // 33: deviceplugin.v1.ContainerReservation.EnvsEntry
+	(*durationpb.Duration)(nil),   // 34: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil), // 35: google.protobuf.Timestamp
 }
 var file_deviceplugin_v1_deviceplugin_proto_depIdxs = []int32{
 	11, // 0: deviceplugin.v1.FingerprintResponse.groups:type_name -> deviceplugin.v1.DeviceGroup
 	9,  // 1: deviceplugin.v1.FingerprintResponse.counter_sets:type_name -> deviceplugin.v1.CounterSet
-	28, // 2: deviceplugin.v1.CounterSet.counters:type_name -> deviceplugin.v1.CounterSet.CountersEntry
-	29, // 3: deviceplugin.v1.CounterConsumption.counters:type_name -> deviceplugin.v1.CounterConsumption.CountersEntry
+	29, // 2: deviceplugin.v1.CounterSet.counters:type_name -> deviceplugin.v1.CounterSet.CountersEntry
+	30, // 3: deviceplugin.v1.CounterConsumption.counters:type_name -> deviceplugin.v1.CounterConsumption.CountersEntry
 	12, // 4: deviceplugin.v1.DeviceGroup.devices:type_name -> deviceplugin.v1.Device
-	30, // 5: deviceplugin.v1.DeviceGroup.attributes:type_name -> deviceplugin.v1.DeviceGroup.AttributesEntry
+	31, // 5: deviceplugin.v1.DeviceGroup.attributes:type_name -> deviceplugin.v1.DeviceGroup.AttributesEntry
 	0,  // 6: deviceplugin.v1.Device.health:type_name -> deviceplugin.v1.Health
 	13, // 7: deviceplugin.v1.Device.locality:type_name -> deviceplugin.v1.Locality
 	10, // 8: deviceplugin.v1.Device.consumes:type_name -> deviceplugin.v1.CounterConsumption
-	33, // 9: deviceplugin.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	34, // 9: deviceplugin.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
 	17, // 10: deviceplugin.v1.StatsResponse.devices:type_name -> deviceplugin.v1.DeviceStats
-	31, // 11: deviceplugin.v1.DeviceStats.values:type_name -> deviceplugin.v1.DeviceStats.ValuesEntry
-	34, // 12: deviceplugin.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
-	20, // 13: deviceplugin.v1.ReserveResponse.reservation:type_name -> deviceplugin.v1.ContainerReservation
-	32, // 14: deviceplugin.v1.ContainerReservation.envs:type_name -> deviceplugin.v1.ContainerReservation.EnvsEntry
-	21, // 15: deviceplugin.v1.ContainerReservation.mounts:type_name -> deviceplugin.v1.Mount
-	22, // 16: deviceplugin.v1.ContainerReservation.devices:type_name -> deviceplugin.v1.DeviceSpec
-	26, // 17: deviceplugin.v1.ReconcileRequest.reservations:type_name -> deviceplugin.v1.LiveReservation
-	14, // 18: deviceplugin.v1.DeviceGroup.AttributesEntry.value:type_name -> deviceplugin.v1.Value
-	14, // 19: deviceplugin.v1.DeviceStats.ValuesEntry.value:type_name -> deviceplugin.v1.Value
-	1,  // 20: deviceplugin.v1.DevicePlugin.GetPluginInfo:input_type -> deviceplugin.v1.GetPluginInfoRequest
-	3,  // 21: deviceplugin.v1.DevicePlugin.SetConfig:input_type -> deviceplugin.v1.SetConfigRequest
-	5,  // 22: deviceplugin.v1.DevicePlugin.CheckConfig:input_type -> deviceplugin.v1.CheckConfigRequest
-	7,  // 23: deviceplugin.v1.DevicePlugin.Fingerprint:input_type -> deviceplugin.v1.FingerprintRequest
-	15, // 24: deviceplugin.v1.DevicePlugin.Stats:input_type -> deviceplugin.v1.StatsRequest
-	18, // 25: deviceplugin.v1.DevicePlugin.Reserve:input_type -> deviceplugin.v1.ReserveRequest
-	23, // 26: deviceplugin.v1.DevicePlugin.Release:input_type -> deviceplugin.v1.ReleaseRequest
-	25, // 27: deviceplugin.v1.DevicePlugin.Reconcile:input_type -> deviceplugin.v1.ReconcileRequest
-	2,  // 28: deviceplugin.v1.DevicePlugin.GetPluginInfo:output_type -> deviceplugin.v1.GetPluginInfoResponse
-	4,  // 29: deviceplugin.v1.DevicePlugin.SetConfig:output_type -> deviceplugin.v1.SetConfigResponse
-	6,  // 30: deviceplugin.v1.DevicePlugin.CheckConfig:output_type -> deviceplugin.v1.CheckConfigResponse
-	8,  // 31: deviceplugin.v1.DevicePlugin.Fingerprint:output_type -> deviceplugin.v1.FingerprintResponse
-	16, // 32: deviceplugin.v1.DevicePlugin.Stats:output_type -> deviceplugin.v1.StatsResponse
-	19, // 33: deviceplugin.v1.DevicePlugin.Reserve:output_type -> deviceplugin.v1.ReserveResponse
-	24, // 34: deviceplugin.v1.DevicePlugin.Release:output_type -> deviceplugin.v1.ReleaseResponse
-	27, // 35: deviceplugin.v1.DevicePlugin.Reconcile:output_type -> deviceplugin.v1.ReconcileResponse
-	28, // [28:36] is the sub-list for method output_type
-	20, // [20:28] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	32, // 11: deviceplugin.v1.DeviceStats.values:type_name -> deviceplugin.v1.DeviceStats.ValuesEntry
+	35, // 12: deviceplugin.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	18, // 13: deviceplugin.v1.DeviceStats.processes:type_name -> deviceplugin.v1.ProcessMemory
+	21, // 14: deviceplugin.v1.ReserveResponse.reservation:type_name -> deviceplugin.v1.ContainerReservation
+	33, // 15: deviceplugin.v1.ContainerReservation.envs:type_name -> deviceplugin.v1.ContainerReservation.EnvsEntry
+	22, // 16: deviceplugin.v1.ContainerReservation.mounts:type_name -> deviceplugin.v1.Mount
+	23, // 17: deviceplugin.v1.ContainerReservation.devices:type_name -> deviceplugin.v1.DeviceSpec
+	27, // 18: deviceplugin.v1.ReconcileRequest.reservations:type_name -> deviceplugin.v1.LiveReservation
+	14, // 19: deviceplugin.v1.DeviceGroup.AttributesEntry.value:type_name -> deviceplugin.v1.Value
+	14, // 20: deviceplugin.v1.DeviceStats.ValuesEntry.value:type_name -> deviceplugin.v1.Value
+	1,  // 21: deviceplugin.v1.DevicePlugin.GetPluginInfo:input_type -> deviceplugin.v1.GetPluginInfoRequest
+	3,  // 22: deviceplugin.v1.DevicePlugin.SetConfig:input_type -> deviceplugin.v1.SetConfigRequest
+	5,  // 23: deviceplugin.v1.DevicePlugin.CheckConfig:input_type -> deviceplugin.v1.CheckConfigRequest
+	7,  // 24: deviceplugin.v1.DevicePlugin.Fingerprint:input_type -> deviceplugin.v1.FingerprintRequest
+	15, // 25: deviceplugin.v1.DevicePlugin.Stats:input_type -> deviceplugin.v1.StatsRequest
+	19, // 26: deviceplugin.v1.DevicePlugin.Reserve:input_type -> deviceplugin.v1.ReserveRequest
+	24, // 27: deviceplugin.v1.DevicePlugin.Release:input_type -> deviceplugin.v1.ReleaseRequest
+	26, // 28: deviceplugin.v1.DevicePlugin.Reconcile:input_type -> deviceplugin.v1.ReconcileRequest
+	2,  // 29: deviceplugin.v1.DevicePlugin.GetPluginInfo:output_type -> deviceplugin.v1.GetPluginInfoResponse
+	4,  // 30: deviceplugin.v1.DevicePlugin.SetConfig:output_type -> deviceplugin.v1.SetConfigResponse
+	6,  // 31: deviceplugin.v1.DevicePlugin.CheckConfig:output_type -> deviceplugin.v1.CheckConfigResponse
+	8,  // 32: deviceplugin.v1.DevicePlugin.Fingerprint:output_type -> deviceplugin.v1.FingerprintResponse
+	16, // 33: deviceplugin.v1.DevicePlugin.Stats:output_type -> deviceplugin.v1.StatsResponse
+	20, // 34: deviceplugin.v1.DevicePlugin.Reserve:output_type -> deviceplugin.v1.ReserveResponse
+	25, // 35: deviceplugin.v1.DevicePlugin.Release:output_type -> deviceplugin.v1.ReleaseResponse
+	28, // 36: deviceplugin.v1.DevicePlugin.Reconcile:output_type -> deviceplugin.v1.ReconcileResponse
+	29, // [29:37] is the sub-list for method output_type
+	21, // [21:29] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_deviceplugin_v1_deviceplugin_proto_init() }
@@ -1822,7 +1895,7 @@ func file_deviceplugin_v1_deviceplugin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deviceplugin_v1_deviceplugin_proto_rawDesc), len(file_deviceplugin_v1_deviceplugin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   32,
+			NumMessages:   33,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
