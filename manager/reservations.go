@@ -140,15 +140,20 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if err != nil {
 		return device.Reservation{}, fmt.Errorf("plugin %q answered Reserve with a reservation that breaks the rules: %s: %w", plugin, textline.Line(err.Error(), 0), device.ErrPluginResponse)
 	}
+	// The container learns its reservation (device.ReservationEnv), so that the GPU
+	// processes it starts are known as its holder's (metrics: per-holder memory).
+	id := ledger.NewID()
+	container := fromContainerReservation(res)
+	container.Envs[device.ReservationEnv] = id
 	region = trace.StartRegion(ctx, "ledger commit")
 	r, _, err := m.store.Reserve(ctx, device.Reservation{
-		ID:          ledger.NewID(),
+		ID:          id,
 		OwnerID:     req.OwnerID,
 		Group:       req.Group,
 		Plugin:      plugin,
 		DeviceIDs:   ids,
 		Consumes:    consumes,
-		Container:   fromContainerReservation(res),
+		Container:   container,
 		State:       device.ReservationActive,
 		CreatedAt:   m.cfg.Now(),
 		OwnerLabels: device.OwnerLabelsOf(req.OwnerLabels), // validated at the server

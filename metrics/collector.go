@@ -69,10 +69,16 @@ type collector struct {
 	hostname     string
 	maxSeries    int
 	holderLabels bool // the dcgm-exporter series of a held device name its holder
+	// reservationOf is the reservation a process of a device belongs to ("" for none
+	// known): procReservation, or a test's.
+	reservationOf func(pid uint32) string
 }
 
-func newCollector(mgr device.Manager, hostname string, maxSeries int, holderLabels bool) *collector {
-	return &collector{mgr: mgr, hostname: hostname, maxSeries: maxSeries, holderLabels: holderLabels}
+func newCollector(mgr device.Manager, hostname string, maxSeries int, holderLabels bool, reservationOf func(uint32) string) *collector {
+	if reservationOf == nil {
+		reservationOf = procReservation
+	}
+	return &collector{mgr: mgr, hostname: hostname, maxSeries: maxSeries, holderLabels: holderLabels, reservationOf: reservationOf}
 }
 
 // Describe implements prometheus.Collector; it describes nothing (unchecked).
@@ -165,8 +171,15 @@ func (s *scrape) stats(stats device.StatsSnapshot, snap device.Snapshot) {
 		}
 	}
 	var shares map[string][]share
+	var owners map[string]string // reservation ID -> owner, of every holder
 	if s.c.holderLabels {
 		shares = sharesOf(snap, stats)
+		owners = make(map[string]string)
+		for _, st := range snap.State.Devices {
+			if h := st.Holder; h != nil {
+				owners[h.ReservationID] = h.OwnerID
+			}
+		}
 	}
 	for _, g := range stats.Groups {
 		for _, d := range g.Devices {
@@ -178,6 +191,12 @@ func (s *scrape) stats(stats device.StatsSnapshot, snap device.Snapshot) {
 				sets = []share{{owner: h.OwnerID, labels: h.OwnerLabels, ratio: -1}}
 			} else if l.use && len(shares[d.ID]) > 0 {
 				sets = shares[d.ID]
+			}
+			// A shared device whose plugin reports its processes: each workload's
+			// DCGM_FI_DEV_FB_USED is what its own processes use.
+			var used map[string]int64
+			if len(d.Processes) > 0 && sets[0].ratio >= 0 {
+				used = s.c.usedByOwner(d.Processes, owners)
 			}
 			for _, sh := range sets {
 				ln, lv := l.names, l.values
@@ -201,6 +220,8 @@ func (s *scrape) stats(stats device.StatsSnapshot, snap device.Snapshot) {
 					switch {
 					case l.use && mapped && l.invalid:
 						s.drop(g.Plugin, dropInvalid)
+					case l.use && mapped && name == memoryUsedStat && used != nil:
+						s.dcgmSeries(g.Plugin, f, device.Value{Kind: device.KindInt, Int: used[sh.owner], Unit: "B"}, ln, lv)
 					case l.use && mapped:
 						s.dcgmSeries(g.Plugin, f, v, ln, lv)
 					case sh == sets[0]: // the devicehost_device_ series once, whatever the holders
@@ -210,6 +231,28 @@ func (s *scrape) stats(stats device.StatsSnapshot, snap device.Snapshot) {
 			}
 		}
 	}
+}
+
+// memoryUsedStat is the stat of DCGM_FI_DEV_FB_USED: per workload on a shared device
+// whose plugin reports its processes.
+const memoryUsedStat = "memory_used"
+
+// usedByOwner sums the device memory of procs by the workload each belongs to (its
+// reservation's owner, by owners; as sharesOf keys them: "" for owners with no holder
+// labels). A process of no known reservation counts for none.
+func (c *collector) usedByOwner(procs []device.ProcessMemory, owners map[string]string) map[string]int64 {
+	used := make(map[string]int64)
+	for _, p := range procs {
+		owner, ok := owners[c.reservationOf(p.PID)]
+		if !ok {
+			continue
+		}
+		if names, _ := holderLabels(owner, device.OwnerLabels{}); len(names) == 0 {
+			owner = ""
+		}
+		used[owner] += p.UsedBytes
+	}
+	return used
 }
 
 // The share a workload holds of a time-sliced device (devicehost_share_compute_ratio).

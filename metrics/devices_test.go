@@ -689,3 +689,56 @@ func TestSharesOfPlacementsAreNoShareOfTheGPU(t *testing.T) {
 		}
 	}
 }
+
+// Where the plugin reports a shared GPU's processes, each workload's
+// DCGM_FI_DEV_FB_USED is the memory of its own processes (by the reservation each
+// process's container was given), not the GPU's; a process of no reservation counts for
+// none, and a workload whose processes use nothing shows 0.
+func TestFBUsedPerHolderFromProcesses(t *testing.T) {
+	snap := gpuSnapshot()
+	gpuA := device.CounterSetKey{Plugin: "nvidia-example", Name: "GPU-a"}
+	use := []device.Consumption{{Set: gpuA, Counters: map[string]int64{"mps-memory-mib": 20480, "mps-compute-percent": 25}}}
+	snap.Inventory.Groups = append(snap.Inventory.Groups, device.Group{GroupKey: device.GroupKey{Vendor: "nvidia", Type: "gpu.mps", Name: h100.Name}, Plugin: "nvidia-example",
+		Attributes: map[string]device.Value{"memory": {Kind: device.KindInt, Int: 20480, Unit: "MiB"}},
+		Devices:    []device.DeviceInfo{{ID: "GPU-a::mps::0", Consumes: use}, {ID: "GPU-a::mps::1", Consumes: use}, {ID: "GPU-a::mps::2", Consumes: use}}})
+	snap.Inventory.CounterSets = []device.CounterSet{{Key: gpuA, Capacity: map[string]int64{"mps-memory-mib": 81920, "mps-compute-percent": 100}}}
+	snap.State.Devices = maps.Clone(snap.State.Devices)
+	for id, h := range map[string]device.Holder{
+		"GPU-a::mps::0": {ReservationID: "res-p1", OwnerID: "k8s/ml/p1/main"}, "GPU-a::mps::1": {ReservationID: "res-p1", OwnerID: "k8s/ml/p1/main"},
+		"GPU-a::mps::2": {ReservationID: "res-p2", OwnerID: "k8s/ml/p2/main"},
+	} {
+		snap.State.Devices[id] = device.DeviceState{Health: device.HealthHealthy, Holder: &h}
+	}
+	stats := gpuStats()
+	stats.Groups = slices.Clone(stats.Groups)
+	for i, g := range stats.Groups {
+		if g.GroupKey != h100 {
+			continue
+		}
+		g.Devices = slices.Clone(g.Devices)
+		g.Devices[0].Processes = []device.ProcessMemory{{PID: 101, UsedBytes: 3 << 30}, {PID: 102, UsedBytes: 1 << 30}, {PID: 104, UsedBytes: 5 << 30}}
+		stats.Groups[i] = g
+	}
+	procs := map[uint32]string{101: "res-p1", 102: "res-p1", 104: "res-gone"}
+	fbByPod := func(opts metrics.Options) map[string]float64 {
+		t.Helper()
+		f := serve(t, opts, newFake(snap, stats)).scrape(t)
+		out := map[string]float64{}
+		for _, m := range f["DCGM_FI_DEV_FB_USED"].GetMetric() {
+			l := map[string]string{}
+			for _, p := range m.GetLabel() {
+				l[p.GetName()] = p.GetValue()
+			}
+			if l["UUID"] == "GPU-a" {
+				out[l["pod"]] = m.GetGauge().GetValue()
+			}
+		}
+		return out
+	}
+	if got, want := fbByPod(metrics.Options{ProcessReservation: func(pid uint32) string { return procs[pid] }}), map[string]float64{"p1": 4096, "p2": 0}; !maps.Equal(got, want) {
+		t.Errorf("GPU-a's DCGM_FI_DEV_FB_USED by pod = %v MiB, want %v: each pod's processes", got, want)
+	}
+	if got, want := fbByPod(metrics.Options{NoHolderLabels: true, ProcessReservation: func(pid uint32) string { return procs[pid] }}), map[string]float64{"": 20480}; !maps.Equal(got, want) {
+		t.Errorf("without holder labels: GPU-a's DCGM_FI_DEV_FB_USED = %v MiB, want the GPU's, %v", got, want)
+	}
+}

@@ -71,6 +71,10 @@ type Options struct {
 	// one series per device whoever holds it, at the price of not seeing which
 	// workload a GPU's figures are for.
 	NoHolderLabels bool
+	// ProcessReservation says which reservation a process on a device belongs to (""
+	// for none), for the per-workload DCGM_FI_DEV_FB_USED of shared devices. Nil reads
+	// device.ReservationEnv from /proc/<pid>/environ.
+	ProcessReservation func(pid uint32) string
 }
 
 // Metrics is the agent's metrics registry and its HTTP endpoint.
@@ -86,6 +90,8 @@ type Metrics struct {
 	maxSeries int
 	// noHolderLabels is Options.NoHolderLabels.
 	noHolderLabels bool
+	// reservationOf is Options.ProcessReservation.
+	reservationOf func(pid uint32) string
 
 	reserve      *prometheus.HistogramVec
 	release      *prometheus.HistogramVec
@@ -127,6 +133,7 @@ func New(opts Options) (*Metrics, error) {
 		maxSeries: cmp.Or(opts.MaxSeriesPerPlugin, DefaultMaxSeriesPerPlugin),
 
 		noHolderLabels: opts.NoHolderLabels,
+		reservationOf:  opts.ProcessReservation,
 		reserve: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "devicehost_reserve_duration_seconds",
 			Help:    "Time the device manager took to answer Reserve (plugin call and durable commit included), by result.",
@@ -238,7 +245,7 @@ func (m *Metrics) CollectManager(mgr device.Manager) error {
 	if m.haveManager {
 		return errors.New("metrics: CollectManager called twice")
 	}
-	if err := m.reg.Register(newCollector(mgr, m.hostname, m.maxSeries, !m.noHolderLabels)); err != nil {
+	if err := m.reg.Register(newCollector(mgr, m.hostname, m.maxSeries, !m.noHolderLabels, m.reservationOf)); err != nil {
 		return fmt.Errorf("metrics: register the device collector: %w", err)
 	}
 	m.haveManager = true
