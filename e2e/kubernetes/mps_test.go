@@ -24,9 +24,9 @@ const mpsResource = "nvidia.com/gpu.mps"
 // daemon is stopped and the GPU is back.
 func (d *draStack) caseMPSDevicePlugin(t *testing.T) {
 	mpsDir := filepath.Join(d.n.run, "ds", "mps")
-	d.withAgentConfig(t, d.agentConfigVariant(t, "mps", `replicas       = 4
+	d.withAgentConfig(t, withMetrics(t, d.agentConfigVariant(t, "mps", `replicas       = 4
         sharing        = "mps"
-        mps_dir        = "`+mpsDir+`"`))
+        mps_dir        = "`+mpsDir+`"`)))
 	d.withBridgeResource(t, mpsResource, "gpu.mps")
 	dReg := waitFor(t, 60*time.Second, "node allocatable "+mpsResource+"=32", func() (bool, string) {
 		n, err := d.allocatableOf(mpsResource)
@@ -38,6 +38,7 @@ func (d *draStack) caseMPSDevicePlugin(t *testing.T) {
 	name := d.submitPod(t, "mps", func(_, container map[string]any) {
 		container["resources"] = map[string]any{"limits": map[string]any{mpsResource: "2"}}
 		container["command"] = []string{"/bin/sh", "-c", mpsScript}
+		container["env"] = []any{map[string]any{"name": "DEVICEHOST_SIM_FB_USED_MIB", "value": strconv.Itoa(simFBUsedMiB)}}
 	})
 	defer d.deletePod(t, name)
 	out, _ := d.waitPodReady(t, name, 90*time.Second)
@@ -52,6 +53,11 @@ func (d *draStack) caseMPSDevicePlugin(t *testing.T) {
 		t.Errorf("the container's MPS environment %v: want a pipe directory under %s with its control socket, 50%% of the threads, a memory limit", env, mpsDir)
 	}
 	t.Logf("pod %s ran %v after its create, on %v: %s", name, time.Since(start).Round(time.Millisecond), ids, strings.Join([]string{"THREADS=" + env["THREADS"], "MEM=" + env["MEM"], "PIPE=" + env["PIPE"]}, " "))
+	start = time.Now()
+	holder := map[string]string{"pod": name, "namespace": podNamespace, "container": podContainer}
+	line := d.dcgmSeries(t, "DCGM_FI_DEV_GPU_UTIL", gpu, holder, nil, 30*time.Second)
+	fb := d.dcgmSeries(t, "DCGM_FI_DEV_FB_USED", gpu, holder, usesSimMemory, 30*time.Second)
+	t.Logf("the agent's metrics show the pod on its GPU's series %v after it ran: %s; its processes' memory: %s", time.Since(start).Round(time.Millisecond), line, fb)
 	dGone := d.waitAllocatable(t, 7, 30*time.Second)
 	t.Logf("%s left %s's allocatable (7) %v after the pod ran", gpu, gpuResource, dGone.Round(time.Millisecond))
 
@@ -93,9 +99,9 @@ func envOf(out string) map[string]string {
 // the pods are gone, the daemons are stopped.
 func (d *draStack) caseMPSClaims(t *testing.T) {
 	mpsDir := filepath.Join(d.n.run, "ds", "mps")
-	d.withAgentConfig(t, d.agentConfigVariant(t, "mps", `replicas       = 4
+	d.withAgentConfig(t, withMetrics(t, d.agentConfigVariant(t, "mps", `replicas       = 4
         sharing        = "mps"
-        mps_dir        = "`+mpsDir+`"`))
+        mps_dir        = "`+mpsDir+`"`)))
 	dPool := d.waitPool(t, 60*time.Second, "8 GPUs and 8 shareable MPS devices", func(p pool) (bool, string) {
 		return len(p.ofType("gpu")) == 8 && len(p.ofType("gpu.mps")) == 8, p.String()
 	})
@@ -114,6 +120,7 @@ func (d *draStack) caseMPSClaims(t *testing.T) {
 			spec["resourceClaims"] = []any{map[string]any{"name": "share", "resourceClaimTemplateName": tmpl}}
 			container["resources"] = map[string]any{"claims": []any{map[string]any{"name": "share"}}}
 			container["command"] = []string{"/bin/sh", "-c", mpsScript}
+			container["env"] = []any{map[string]any{"name": "DEVICEHOST_SIM_FB_USED_MIB", "value": strconv.Itoa(simFBUsedMiB)}}
 		})
 		out, _ := d.waitPodReady(t, name, 90*time.Second)
 		c, res := d.claimReservation(t, name, 30*time.Second)
@@ -152,6 +159,16 @@ func (d *draStack) caseMPSClaims(t *testing.T) {
 	if envC["NVIDIA_VISIBLE_DEVICES"] == gpu {
 		t.Errorf("pod c on %s, whose 4 shares a and b hold; want another GPU", gpu)
 	}
+	// Each pod on its GPU's series: a and b on one GPU, one series each, c on its own.
+	start := time.Now()
+	for _, p := range []struct{ pod, gpu string }{{a, gpu}, {b, gpu}, {c, envC["NVIDIA_VISIBLE_DEVICES"]}} {
+		claim, _ := d.claimReservation(t, p.pod, 30*time.Second)
+		holder := map[string]string{"pod": p.pod, "namespace": podNamespace, "dra_claim_name": claim.Metadata.Name}
+		line := d.dcgmSeries(t, "DCGM_FI_DEV_GPU_UTIL", p.gpu, holder, nil, 30*time.Second)
+		fb := d.dcgmSeries(t, "DCGM_FI_DEV_FB_USED", p.gpu, holder, usesSimMemory, 30*time.Second)
+		t.Logf("pod %s on %s's series: %s; its processes' memory: %s", p.pod, p.gpu, line, fb)
+	}
+	t.Logf("the agent's metrics show each pod on its GPU's series %v after the last ran", time.Since(start).Round(time.Millisecond))
 
 	whole := d.createTemplate(t, "whole-of-shared", gpuClass, 1, `device.attributes["`+draDriver+`"].id == "`+gpu+`"`)
 	pending := d.createClaimPod(t, "dra-whole-of-shared", whole)
@@ -163,7 +180,7 @@ func (d *draStack) caseMPSClaims(t *testing.T) {
 	for _, p := range []string{a, b, c} {
 		d.deletePod(t, p)
 	}
-	start := time.Now()
+	start = time.Now()
 	waitFor(t, 60*time.Second, "the daemons stopped after the pods were gone", func() (bool, string) {
 		entries, err := os.ReadDir(mpsDir)
 		return err == nil && len(entries) == 0, fmt.Sprintf("%d daemon directories (%v)", len(entries), err)
