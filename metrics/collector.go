@@ -70,11 +70,12 @@ type collector struct {
 	maxSeries    int
 	holderLabels bool // the dcgm-exporter series of a held device name its holder
 	// reservationOf is the reservation a process of a device belongs to ("" for none
-	// known): procReservation, or a test's.
-	reservationOf func(pid uint32) string
+	// known; visible false when the agent cannot see the process): procReservation,
+	// or a test's.
+	reservationOf func(pid uint32) (reservation string, visible bool)
 }
 
-func newCollector(mgr device.Manager, hostname string, maxSeries int, holderLabels bool, reservationOf func(uint32) string) *collector {
+func newCollector(mgr device.Manager, hostname string, maxSeries int, holderLabels bool, reservationOf func(uint32) (string, bool)) *collector {
 	if reservationOf == nil {
 		reservationOf = procReservation
 	}
@@ -239,11 +240,20 @@ const memoryUsedStat = "memory_used"
 
 // usedByOwner sums the device memory of procs by the workload each belongs to (its
 // reservation's owner, by owners; as sharesOf keys them: "" for owners with no holder
-// labels). A process of no known reservation counts for none.
+// labels). A process of no known reservation counts for none. Nil when the agent sees
+// none of the processes (another PID namespace): it cannot tell whose they are, and the
+// device's own figure stands.
 func (c *collector) usedByOwner(procs []device.ProcessMemory, owners map[string]string) map[string]int64 {
-	used := make(map[string]int64)
+	var used map[string]int64
 	for _, p := range procs {
-		owner, ok := owners[c.reservationOf(p.PID)]
+		res, visible := c.reservationOf(p.PID)
+		if !visible {
+			continue
+		}
+		if used == nil {
+			used = make(map[string]int64)
+		}
+		owner, ok := owners[res]
 		if !ok {
 			continue
 		}

@@ -720,6 +720,7 @@ func TestFBUsedPerHolderFromProcesses(t *testing.T) {
 		stats.Groups[i] = g
 	}
 	procs := map[uint32]string{101: "res-p1", 102: "res-p1", 104: "res-gone"}
+	seen := func(pid uint32) (string, bool) { return procs[pid], true }
 	fbByPod := func(opts metrics.Options) map[string]float64 {
 		t.Helper()
 		f := serve(t, opts, newFake(snap, stats)).scrape(t)
@@ -735,10 +736,16 @@ func TestFBUsedPerHolderFromProcesses(t *testing.T) {
 		}
 		return out
 	}
-	if got, want := fbByPod(metrics.Options{ProcessReservation: func(pid uint32) string { return procs[pid] }}), map[string]float64{"p1": 4096, "p2": 0}; !maps.Equal(got, want) {
+	if got, want := fbByPod(metrics.Options{ProcessReservation: seen}), map[string]float64{"p1": 4096, "p2": 0}; !maps.Equal(got, want) {
 		t.Errorf("GPU-a's DCGM_FI_DEV_FB_USED by pod = %v MiB, want %v: each pod's processes", got, want)
 	}
-	if got, want := fbByPod(metrics.Options{NoHolderLabels: true, ProcessReservation: func(pid uint32) string { return procs[pid] }}), map[string]float64{"": 20480}; !maps.Equal(got, want) {
+	if got, want := fbByPod(metrics.Options{NoHolderLabels: true, ProcessReservation: seen}), map[string]float64{"": 20480}; !maps.Equal(got, want) {
 		t.Errorf("without holder labels: GPU-a's DCGM_FI_DEV_FB_USED = %v MiB, want the GPU's, %v", got, want)
+	}
+	// An agent that sees none of the processes (no host PID namespace) cannot tell whose
+	// they are: each workload's series is the GPU's figure, as without processes.
+	unseen := func(uint32) (string, bool) { return "", false }
+	if got, want := fbByPod(metrics.Options{ProcessReservation: unseen}), map[string]float64{"p1": 20480, "p2": 20480}; !maps.Equal(got, want) {
+		t.Errorf("processes not visible: GPU-a's DCGM_FI_DEV_FB_USED by pod = %v MiB, want the GPU's on each, %v", got, want)
 	}
 }

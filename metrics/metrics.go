@@ -72,9 +72,10 @@ type Options struct {
 	// workload a GPU's figures are for.
 	NoHolderLabels bool
 	// ProcessReservation says which reservation a process on a device belongs to (""
-	// for none), for the per-workload DCGM_FI_DEV_FB_USED of shared devices. Nil reads
+	// for none; visible false when the agent cannot see the process), for the
+	// per-workload DCGM_FI_DEV_FB_USED of shared devices. Nil reads
 	// device.ReservationEnv from /proc/<pid>/environ.
-	ProcessReservation func(pid uint32) string
+	ProcessReservation func(pid uint32) (reservation string, visible bool)
 }
 
 // Metrics is the agent's metrics registry and its HTTP endpoint.
@@ -91,7 +92,7 @@ type Metrics struct {
 	// noHolderLabels is Options.NoHolderLabels.
 	noHolderLabels bool
 	// reservationOf is Options.ProcessReservation.
-	reservationOf func(pid uint32) string
+	reservationOf func(pid uint32) (string, bool)
 
 	reserve      *prometheus.HistogramVec
 	release      *prometheus.HistogramVec

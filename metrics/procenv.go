@@ -16,19 +16,20 @@ const maxEnvironBytes = 256 << 10
 
 // procReservation returns the reservation a process belongs to: the value of
 // device.ReservationEnv in the environment it started with (/proc/<pid>/environ), which
-// the host gave its container; "" when it has none, or the process is gone or not
-// readable (another PID namespace, no permission).
-func procReservation(pid uint32) string {
+// the host gave its container; "" when it has none. visible is false when the
+// process's environment cannot be read (gone, in a PID namespace the agent does not
+// see, no permission).
+func procReservation(pid uint32) (reservation string, visible bool) {
 	f, err := os.Open("/proc/" + strconv.FormatUint(uint64(pid), 10) + "/environ")
 	if err != nil {
-		return ""
+		return "", false
 	}
 	defer f.Close()
 	env, err := io.ReadAll(io.LimitReader(f, maxEnvironBytes))
 	if err != nil {
-		return ""
+		return "", false
 	}
-	return reservationIn(env)
+	return reservationIn(env), true
 }
 
 // reservationIn finds device.ReservationEnv's value in a NUL-separated environment. A

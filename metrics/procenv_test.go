@@ -11,7 +11,7 @@ import (
 
 // A process's reservation is read from the environment it started with: a child
 // started with the variable among others is found by its PID, one without it has none,
-// and a gone process has none.
+// and a gone process is not visible.
 func TestProcReservation(t *testing.T) {
 	start := func(env ...string) *exec.Cmd {
 		cmd := exec.Command("sleep", "60")
@@ -24,16 +24,16 @@ func TestProcReservation(t *testing.T) {
 	}
 	with := start("A=1", device.ReservationEnv+"=res-0123456789abcdef", "B="+strings.Repeat("x", 4096))
 	without := start("A=1")
-	if got := procReservation(uint32(with.Process.Pid)); got != "res-0123456789abcdef" {
-		t.Errorf("the reservation of a process started with %s: %q", device.ReservationEnv, got)
+	if got, visible := procReservation(uint32(with.Process.Pid)); got != "res-0123456789abcdef" || !visible {
+		t.Errorf("the reservation of a process started with %s: %q (visible %v)", device.ReservationEnv, got, visible)
 	}
-	if got := procReservation(uint32(without.Process.Pid)); got != "" {
-		t.Errorf("the reservation of a process started without it: %q, want none", got)
+	if got, visible := procReservation(uint32(without.Process.Pid)); got != "" || !visible {
+		t.Errorf("the reservation of a process started without it: %q (visible %v), want none, visible", got, visible)
 	}
 	without.Process.Kill()
 	without.Wait()
-	if got := procReservation(uint32(without.Process.Pid)); got != "" {
-		t.Errorf("the reservation of a gone process: %q, want none", got)
+	if got, visible := procReservation(uint32(without.Process.Pid)); got != "" || visible {
+		t.Errorf("the reservation of a gone process: %q (visible %v), want none, not visible", got, visible)
 	}
 }
 
