@@ -503,7 +503,9 @@ func TestReleaseAndReservations(t *testing.T) {
 			defer mu.Unlock()
 			filters = append(filters, f)
 			return []device.Reservation{{ID: "r1", OwnerID: "alloc-1", Group: h100, DeviceIDs: []string{"GPU-0", "GPU-2"},
-				State: device.ReservationReleased, CleanupPending: true}}, nil
+				State: device.ReservationReleased, CleanupPending: true},
+				{ID: "r3", OwnerID: "k8s-claim/ml/c/u", Group: h100, DeviceIDs: []string{"GPU-2"}, State: device.ReservationReleased,
+					OwnerLabels: device.OwnerLabels{Pod: "p-0,p-1", Namespace: "ml"}}}, nil
 		},
 	}
 	addr := startAgent(t, mgr)
@@ -517,8 +519,9 @@ func TestReleaseAndReservations(t *testing.T) {
 	}
 	got := mustRunCLI(t, "reservations", "-address", addr, "-device", "GPU-2", "-state", "released")
 	want := strings.Join([]string{
-		"RESERVATION  OWNER    GROUP                             DEVICES      STATE                       CREATED  RELEASED",
-		"r1           alloc-1  nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0,GPU-2  released (cleanup pending)  -        -",
+		"RESERVATION  OWNER                            GROUP                             DEVICES      STATE                       CREATED  RELEASED",
+		"r1           alloc-1                          nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0,GPU-2  released (cleanup pending)  -        -",
+		"r3           k8s-claim/ml/c/u (pods p-0,p-1)  nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-2        released                    -        -",
 		"",
 	}, "\n")
 	if got != want {

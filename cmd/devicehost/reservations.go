@@ -191,7 +191,11 @@ func runReservations(ctx context.Context, env *cmdEnv, args []string) error {
 		if r.GetCleanupPending() {
 			stateText += " (cleanup pending)"
 		}
-		t.row(r.GetReservationId(), r.GetOwnerId(), groupName(r.GetVendor(), r.GetType(), r.GetName()),
+		owner := r.GetOwnerId()
+		if pods := r.GetOwnerLabels()["pod"]; pods != "" { // the pods a DRA claim is reserved for
+			owner += " (pods " + pods + ")"
+		}
+		t.row(r.GetReservationId(), owner, groupName(r.GetVendor(), r.GetType(), r.GetName()),
 			strings.Join(r.GetDeviceIds(), ","), stateText, formatTime(r.GetCreatedAt()), formatTime(r.GetReleasedAt()))
 	}
 	return t.flush()
