@@ -397,10 +397,11 @@ func (l OwnerLabels) Map() map[string]string {
 		return nil
 	}
 	m := make(map[string]string, 2)
-	for k, v := range map[string]string{"pod": l.Pod, "namespace": l.Namespace} {
-		if v != "" {
-			m[k] = v
-		}
+	if l.Pod != "" {
+		m["pod"] = l.Pod
+	}
+	if l.Namespace != "" {
+		m["namespace"] = l.Namespace
 	}
 	return m
 }

@@ -253,14 +253,9 @@ func (c *collector) usedByOwner(procs []device.ProcessMemory, owners map[string]
 		if used == nil {
 			used = make(map[string]int64)
 		}
-		owner, ok := owners[res]
-		if !ok {
-			continue
+		if owner, ok := owners[res]; ok {
+			used[shareOwner(owner)] += p.UsedBytes
 		}
-		if names, _ := holderLabels(owner, device.OwnerLabels{}); len(names) == 0 {
-			owner = ""
-		}
-		used[owner] += p.UsedBytes
 	}
 	return used
 }
@@ -334,10 +329,7 @@ func sharesOf(snap device.Snapshot, stats device.StatsSnapshot) map[string][]sha
 						ratio = max(ratio, float64(n)/float64(capacity))
 					}
 				}
-				owner := h.OwnerID
-				if names, _ := holderLabels(owner, device.OwnerLabels{}); len(names) == 0 {
-					owner = ""
-				}
+				owner := shareOwner(h.OwnerID)
 				if byDevice[c.Set.Name] == nil {
 					byDevice[c.Set.Name] = make(map[string]share)
 				}
@@ -357,6 +349,15 @@ func sharesOf(snap device.Snapshot, stats device.StatsSnapshot) map[string][]sha
 		}
 	}
 	return out
+}
+
+// shareOwner is the key of owner's set of series on a shared device: owner, or "" for
+// an owner whose ID gives no holder labels (all such holders share one set).
+func shareOwner(owner string) string {
+	if names, _ := holderLabels(owner, device.OwnerLabels{}); len(names) == 0 {
+		return ""
+	}
+	return owner
 }
 
 // drawsOnAll says whether c draws on every counter of its set (capacity caps): a

@@ -533,11 +533,11 @@ func processesOf(dev nvml.Device) []*pb.ProcessMemory {
 		if p.Pid == 0 {
 			continue
 		}
-		if b := p.UsedGpuMemory; b <= 1<<50 {
-			used[p.Pid] += int64(b)
-		} else {
-			used[p.Pid] += 0
+		b := p.UsedGpuMemory
+		if b > 1<<50 { // NVML's "not available"
+			b = 0
 		}
+		used[p.Pid] += int64(b)
 	}
 	pids := slices.Sorted(maps.Keys(used))
 	if len(pids) > maxProcesses {
