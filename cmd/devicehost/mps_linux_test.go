@@ -49,6 +49,26 @@ func pidRuns(pid int) bool {
 	return len(f) > 0 && f[0] != "Z"
 }
 
+// newMPSAgentSetup is an agent setup whose nvidia-example plugin simulates a DGX H100
+// with MPS shares (sharing = "mps", its daemons under the returned mps_dir, its MIG
+// state in a file of the test's), with the plugin config lines pluginLines and the
+// agent config lines top before the plugin block.
+func newMPSAgentSetup(t *testing.T, top, pluginLines string) (setup agentSetup, mpsDir string) {
+	t.Helper()
+	mpsDir = tempDir(t, "mps")
+	return newAgentSetup(t, fmt.Sprintf(`%s
+plugin "nvidia-example" {
+  config {
+    simulate       = "dgxh100"
+    sharing        = "mps"
+    mps_dir        = %q
+    sim_state_file = %q
+%s
+  }
+}
+`, top, mpsDir, filepath.Join(tempDir(t, "dhsim"), "sim.json"), pluginLines)), mpsDir
+}
+
 // The nvidia-example plugin's MPS shares through a real agent: the ledger keeps shares
 // and their whole GPU apart through the counters; each holder gets its own control
 // daemon (per-holder isolation) with its limits; an agent SIGKILLed with live shares
@@ -63,19 +83,8 @@ func TestAgentMPSShares(t *testing.T) {
 	t.Setenv("GORACE", "atexit_sleep_ms=0")
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	mpsDir := tempDir(t, "mps")
-	setup := newAgentSetup(t, fmt.Sprintf(`
-plugin "nvidia-example" {
-  config {
-    simulate       = "dgxh100"
-    replicas       = 4
-    sharing        = "mps"
-    mps_isolation  = "per-holder"
-    mps_dir        = %q
-    sim_state_file = %q
-  }
-}
-`, mpsDir, filepath.Join(tempDir(t, "dhsim"), "sim.json")))
+	setup, mpsDir := newMPSAgentSetup(t, "", `    replicas       = 4
+    mps_isolation  = "per-holder"`)
 	agent := setup.start(t)
 	c := agent.client(t, ctx)
 	fp := currentFingerprint(t, ctx, c, "32 healthy MPS shares", func(fp *pb.FingerprintResponse) bool {
@@ -182,19 +191,8 @@ func TestAgentMPSSharesOfOnDemandMIG(t *testing.T) {
 	t.Setenv("GORACE", "atexit_sleep_ms=0")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	mpsDir := tempDir(t, "mps")
-	setup := newAgentSetup(t, fmt.Sprintf(`
-plugin "nvidia-example" {
-  config {
-    simulate       = "dgxh100"
-    mig            = "on-demand"
-    replicas       = 2
-    sharing        = "mps"
-    mps_dir        = %q
-    sim_state_file = %q
-  }
-}
-`, mpsDir, filepath.Join(tempDir(t, "dhsim"), "sim.json")))
+	setup, mpsDir := newMPSAgentSetup(t, "", `    mig            = "on-demand"
+    replicas       = 2`)
 	agent := setup.start(t)
 	defer agent.kill(t, ctx)
 	c := agent.client(t, ctx)

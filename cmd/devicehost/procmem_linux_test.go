@@ -32,19 +32,8 @@ func TestAgentFBUsedPerHolder(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	sock := filepath.Join(tempDir(t, "metrics"), "m.sock")
-	setup := newAgentSetup(t, fmt.Sprintf(`
-metrics_listen = "unix://%s"
-stats_interval = "200ms"
-plugin "nvidia-example" {
-  config {
-    simulate       = "dgxh100"
-    replicas       = 4
-    sharing        = "mps"
-    mps_dir        = %q
-    sim_state_file = %q
-  }
-}
-`, sock, tempDir(t, "mps"), filepath.Join(tempDir(t, "dhsim"), "sim.json")))
+	setup, _ := newMPSAgentSetup(t, fmt.Sprintf(`metrics_listen = "unix://%s"
+stats_interval = "200ms"`, sock), "    replicas       = 4")
 	agent := setup.start(t)
 	defer agent.kill(t, ctx)
 	c := agent.client(t, ctx)
