@@ -117,49 +117,6 @@ type deviceSpecV1 struct {
 	Permissions   string `json:"permissions"`
 }
 
-func encodeReservation(r *device.Reservation) ([]byte, error) {
-	rec := recordV1{
-		ID:             r.ID,
-		OwnerID:        r.OwnerID,
-		Group:          groupV1{Vendor: r.Group.Vendor, Type: r.Group.Type, Name: r.Group.Name},
-		Plugin:         r.Plugin,
-		DeviceIDs:      r.DeviceIDs,
-		Container:      containerV1{Envs: r.Container.Envs, CDIDevices: r.Container.CDIDevices},
-		CreatedAt:      r.CreatedAt,
-		ReleasedAt:     r.ReleasedAt,
-		CleanupPending: r.CleanupPending,
-		OwnerLabels:    r.OwnerLabels.Map(),
-	}
-	for _, c := range r.Consumes {
-		rec.Consumes = append(rec.Consumes, consumptionV1{Set: c.Set.Name, Counters: c.Counters})
-	}
-	switch r.State {
-	case device.ReservationActive:
-		rec.State = "active"
-	case device.ReservationReleased:
-		rec.State = "released"
-	default:
-		return nil, fmt.Errorf("reservation %q: cannot store state %v", r.ID, r.State)
-	}
-	if r.Container.Mounts != nil {
-		rec.Container.Mounts = make([]mountV1, len(r.Container.Mounts))
-		for i, m := range r.Container.Mounts {
-			rec.Container.Mounts[i] = mountV1(m)
-		}
-	}
-	if r.Container.Devices != nil {
-		rec.Container.Devices = make([]deviceSpecV1, len(r.Container.Devices))
-		for i, d := range r.Container.Devices {
-			rec.Container.Devices[i] = deviceSpecV1(d)
-		}
-	}
-	payload, err := json.Marshal(rec)
-	if err != nil {
-		return nil, fmt.Errorf("encode reservation %q: %w", r.ID, err)
-	}
-	return seal(payload), nil
-}
-
 // decodeReservation reads the record stored under key, checking its envelope, its
 // fields (no unknown ones) and that it is a reservation the ledger could have written.
 func decodeReservation(key, v []byte) (*device.Reservation, error) {
