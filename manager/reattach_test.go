@@ -91,7 +91,7 @@ func (l *procLauncher) waitLeftExited(t *testing.T) {
 	defer deadline.Stop()
 	for _, p := range left {
 		select {
-		case <-p.Exited():
+		case <-p.ExitContext().Done():
 		case <-deadline.C:
 			t.Fatalf("a plugin process left by the crashed host still runs after %v", testTimeout)
 		}
@@ -317,7 +317,7 @@ func TestProcessReattachOnlyToTheRecordedProcess(t *testing.T) {
 	waitExited := func(t *testing.T, p *pluginloader.Plugin) {
 		t.Helper()
 		select {
-		case <-p.Exited():
+		case <-p.ExitContext().Done():
 		case <-time.After(testTimeout):
 			t.Errorf("recorded plugin process %d still runs after %v, want it killed", p.PID(), testTimeout)
 		}

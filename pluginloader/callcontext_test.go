@@ -14,17 +14,21 @@ import (
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
-// fakeProcess stands in for a plugin process: exit closes Exited with a reason.
+// fakeProcess stands in for a plugin process: exit ends ExitContext with a reason.
 type fakeProcess struct {
-	exited chan struct{}
+	exited context.Context
+	cancel context.CancelFunc
 	once   sync.Once
 	mu     sync.Mutex
 	reason string
 }
 
-func newFakeProcess() *fakeProcess { return &fakeProcess{exited: make(chan struct{})} }
+func newFakeProcess() *fakeProcess {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &fakeProcess{exited: ctx, cancel: cancel}
+}
 
-func (p *fakeProcess) Exited() <-chan struct{} { return p.exited }
+func (p *fakeProcess) ExitContext() context.Context { return p.exited }
 
 func (p *fakeProcess) ExitReason() string {
 	p.mu.Lock()
@@ -37,7 +41,7 @@ func (p *fakeProcess) exit(reason string) {
 		p.mu.Lock()
 		p.reason = reason
 		p.mu.Unlock()
-		close(p.exited)
+		p.cancel()
 	})
 }
 
@@ -126,8 +130,8 @@ func TestCallContextEndsOnExit(t *testing.T) {
 }
 
 // TestCallContextStop: stop ends the context with context.Canceled while the plugin
-// lives, and ends the goroutine watching for the exit (synctest.Test fails on one left
-// blocked).
+// lives, and drops the watch on the exit: a later exit changes nothing (and
+// synctest.Test fails on a goroutine left blocked).
 func TestCallContextStop(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		p := newFakeProcess()

@@ -72,7 +72,7 @@ func TestLaunchFixture(t *testing.T) {
 		t.Errorf("ExitReason while running: got %q, want empty", got)
 	}
 	select {
-	case <-p.Exited():
+	case <-p.ExitContext().Done():
 		t.Fatal("Exited is closed while the plugin runs")
 	default:
 	}
@@ -129,7 +129,7 @@ func TestExitedOnSIGKILL(t *testing.T) {
 	}
 	// Noticing the exit is the behaviour; how soon is for a benchmark.
 	select {
-	case <-p.Exited():
+	case <-p.ExitContext().Done():
 	case <-ctx.Done():
 		t.Fatalf("Exited not closed after SIGKILL: %v", ctx.Err())
 	}
@@ -165,7 +165,7 @@ func TestRPCErrorKeepsCallerCancellation(t *testing.T) {
 func TestExitReasonOnCrash(t *testing.T) {
 	p := launchFixture(t, fixtureplugin.Config{ExitAfter: fixtureplugin.Duration(100 * time.Millisecond)}, pluginloader.Options{})
 	select {
-	case <-p.Exited():
+	case <-p.ExitContext().Done():
 	case <-testContext(t).Done():
 		t.Fatal("plugin with exit_after never reported exited")
 	}
@@ -388,7 +388,7 @@ func TestKill(t *testing.T) {
 		}
 		wg.Wait()
 		select {
-		case <-p.Exited():
+		case <-p.ExitContext().Done():
 		default:
 			t.Fatal("Exited not closed after Kill returned")
 		}
@@ -441,7 +441,7 @@ func TestReattach(t *testing.T) {
 	second.Kill(testContext(t))
 	for _, p := range []*pluginloader.Plugin{first, second} {
 		select {
-		case <-p.Exited():
+		case <-p.ExitContext().Done():
 		case <-testContext(t).Done():
 			t.Fatal("Exited not closed after the reattached plugin was killed")
 		}

@@ -93,7 +93,7 @@ const DefaultMaxRecvMsgSize = 4 << 20
 // Plugin is a launched, configured plugin process.
 //
 // Client's RPCs fail with codes.Unavailable or codes.Canceled once the process has exited;
-// use Exited (or RPCError) to tell that from a caller's own cancellation. Kill must be
+// use ExitContext (or RPCError) to tell that from a caller's own cancellation. Kill must be
 // called to release the process and its goroutines, even after it has exited; it may be
 // called more than once. All methods are safe for concurrent use.
 type Plugin struct {
@@ -456,15 +456,15 @@ func (p *Plugin) Info() *pb.GetPluginInfoResponse { return p.info }
 // Name is the plugin's name as the host knows it (Binary.Name).
 func (p *Plugin) Name() string { return p.name }
 
-// Exited is closed as soon as the plugin process has exited (go-plugin's done context).
-// A reattached plugin's exit is noticed by polling, within about a second.
-func (p *Plugin) Exited() <-chan struct{} { return p.rpc.ExitContext().Done() }
+// ExitContext ends as soon as the plugin process has exited (go-plugin's done
+// context). A reattached plugin's exit is noticed by polling, within about a second.
+func (p *Plugin) ExitContext() context.Context { return p.rpc.ExitContext() }
 
 // ExitReason says why the process ended ("exit status 2", "signal: killed"); empty while
 // it runs.
 func (p *Plugin) ExitReason() string {
 	select {
-	case <-p.Exited():
+	case <-p.ExitContext().Done():
 	default:
 		return ""
 	}
@@ -492,9 +492,9 @@ func (p *Plugin) ReattachConfig() *plugin.ReattachConfig {
 
 // Process is what the done-context rule (CallContext, RPCError) needs of a plugin
 // process: *Plugin, or a caller's stand-in for one (the manager's in-process test
-// plugins). Exited is closed once the process has exited; ExitReason then says why.
+// plugins). ExitContext ends once the process has exited; ExitReason then says why.
 type Process interface {
-	Exited() <-chan struct{}
+	ExitContext() context.Context
 	ExitReason() string
 }
 
@@ -525,20 +525,17 @@ func (p *Plugin) RPCError(ctx context.Context, err error) error {
 
 // CallContext returns a context for an RPC to p: it ends when ctx does or when p
 // exits (then context.Cause is ErrExited). Call cancel when the RPC is done; it
-// releases the goroutine CallContext started, and waits for it.
+// releases what CallContext registered.
+//
+// It starts no goroutine: the exit is watched by context.AfterFunc on p's exit
+// context, so a call pays a registration, not a goroutine and the thread wake-up that
+// starting one costs (measured on every Reserve: docs/benchmarks.md).
 func CallContext(ctx context.Context, p Process) (context.Context, context.CancelFunc) {
 	cctx, cancel := context.WithCancelCause(ctx)
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		select {
-		case <-p.Exited():
-			cancel(ErrExited)
-		case <-cctx.Done():
-		}
-	})
+	stop := context.AfterFunc(p.ExitContext(), func() { cancel(ErrExited) })
 	return cctx, func() {
+		stop()
 		cancel(context.Canceled)
-		wg.Wait()
 	}
 }
 
@@ -562,10 +559,10 @@ func RPCError(ctx context.Context, p Process, err error) error {
 	t := time.NewTimer(exitGrace)
 	defer t.Stop()
 	select {
-	case <-p.Exited():
+	case <-p.ExitContext().Done():
 	case <-ctx.Done():
 		select {
-		case <-p.Exited(): // ctx ended because p exited (CallContext), or both came
+		case <-p.ExitContext().Done(): // ctx ended because p exited (CallContext), or both came
 		default:
 			return err
 		}

@@ -84,8 +84,8 @@ func Serve(t testing.TB, impl deviceplugin.Plugin) (*Conn, error) {
 // Client is the host's client for the plugin.
 func (c *Conn) Client() *deviceplugin.Client { return c.client }
 
-// Exited is closed once Exit was called (it is the client's ExitContext's Done).
-func (c *Conn) Exited() <-chan struct{} { return c.exited.Done() }
+// ExitContext ends once Exit was called (it is the client's ExitContext).
+func (c *Conn) ExitContext() context.Context { return c.exited }
 
 // ExitReason is the reason Exit was first called with; "" before then.
 func (c *Conn) ExitReason() string {
@@ -94,7 +94,7 @@ func (c *Conn) ExitReason() string {
 	return c.reason
 }
 
-// Exit makes the plugin "die" with reason, as a process exit would: Exited closes and
+// Exit makes the plugin "die" with reason, as a process exit would: ExitContext ends and
 // the server stops at once, failing the RPCs in flight. Later calls do nothing.
 func (c *Conn) Exit(reason string) {
 	c.exitOnce.Do(func() {

@@ -251,7 +251,7 @@ func (s *Supervisor) runOnce(ctx context.Context, first bool) (served time.Durat
 	var upAt time.Time // written by the fingerprint goroutine; read after g.Wait
 	g.Go(func() error {
 		select {
-		case <-p.Exited():
+		case <-p.ExitContext().Done():
 			return exitError(p)
 		case <-gctx.Done():
 			return nil
