@@ -85,3 +85,38 @@ func TestFeedWokenOverItsLimit(t *testing.T) {
 		t.Fatalf("drained %v after live reservations only, want nothing", ids)
 	}
 }
+
+// The GC's own deferred writes (a cleanup recorded done, a deletion) do not wake the
+// feed: it learns their outcome from their notify, and they ride on callers' commits,
+// which would each wake it on their account. The same changes made by a caller do.
+func TestFeedNotToldOfDeferredWrites(t *testing.T) {
+	l := newLedger(t)
+	a := release(t, l, reserve(t, l, "alloc-a", "GPU-0").ID, t0)
+	b := release(t, l, reserve(t, l, "alloc-b", "GPU-1").ID, t0)
+	f, stop := l.subscribe(0)
+	defer stop()
+
+	notify, done := deferredDone()
+	l.submitDeferred(time.Hour, cleanupDoneRun(a.ID), notify)
+	notify2, done2 := deferredDone()
+	l.submitDeferred(time.Hour, deleteRun([]string{b.ID}, true, "gc"), notify2)
+	c := reserve(t, l, "alloc-c", "GPU-2") // the deferred writes ride on its commit
+	for _, d := range []<-chan error{done, done2} {
+		if err := <-d; err != nil {
+			t.Fatalf("deferred write: %v", err)
+		}
+	}
+	select {
+	case <-f.wake:
+		t.Fatalf("woken by a commit of a Reserve and two deferred writes; drained %v", f.drain())
+	default:
+	}
+
+	if err := l.CleanupDone(context.Background(), release(t, l, c.ID, t0).ID); err != nil {
+		t.Fatal(err)
+	}
+	<-f.wake
+	if ids := f.drain(); !slices.Equal(ids, []string{c.ID}) {
+		t.Fatalf("after a caller's Release and CleanupDone the feed was told %v, want [%s]", ids, c.ID)
+	}
+}

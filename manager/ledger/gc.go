@@ -56,7 +56,8 @@ type GCConfig struct {
 	// cleaned at once.
 	Cleanup func(ctx context.Context, e GCEntry) error
 	// MaxReservations: when the ledger holds more reservations than this (live and
-	// released), the oldest released ones are destroyed until it does not. Zero means
+	// released), the oldest released ones are destroyed until it holds
+	// MaxReservations less a sixteenth of it (rounded down; see gcLowWater). Zero means
 	// DefaultGCMaxReservations.
 	MaxReservations int
 	// Interval: every Interval, the released reservations released at least Interval
@@ -84,9 +85,9 @@ type GCConfig struct {
 // cleanup is attempted as soon as it is marked; a failed cleanup stays pending in the
 // ledger and is retried with exponential backoff, never dropped. A reservation is
 // destroyed (cleanup if still pending, then deletion from the ledger) when the ledger
-// holds more than MaxReservations reservations (oldest release first, only as many as
-// needed) or on the Interval tick (those released at least Interval ago). At most
-// Parallel plugin cleanups run at once.
+// holds more than MaxReservations reservations (oldest release first, down to its low
+// water mark, gcLowWater) or on the Interval tick (those released at least Interval
+// ago). At most Parallel plugin cleanups run at once.
 //
 // What the GC writes to the ledger (a cleanup done, a deletion) is deferred: it rides on
 // the next commit made for a Reserve or Release, or gets one of its own within
@@ -471,8 +472,16 @@ func (r *gcRun) oldestIdle() *gcItem {
 	return p
 }
 
+// gcLowWater is what the GC brings a ledger over max reservations down to: max less a
+// sixteenth of it. A busy host sits at its limit, where deleting only the one
+// reservation over it made every Reserve wake the GC (a goroutine and a thread woken
+// while the caller waited) and carry a deletion in its commit; with the margin the GC
+// wakes, and deletes in one batch, once per max/16 new reservations (62 at the default
+// 1000). Under 16 the margin is none: a small limit is kept exactly.
+func gcLowWater(max int) int { return max - max/16 }
+
 // plan makes due retries idle, then starts what is due, oldest release first: the
-// destroys that bring the ledger down to MaxReservations, those of reservations released
+// destroys that bring the ledger down to gcLowWater, those of reservations released
 // before the last tick's cutoff, then pending cleanups, as far as Parallel allows.
 func (r *gcRun) plan(now time.Time) {
 	for w := r.waiting.peek(); w != nil && w.next <= now.Sub(r.began); w = r.waiting.peek() {
@@ -497,7 +506,7 @@ func (r *gcRun) plan(now time.Time) {
 		}
 	case over:
 		r.lastSkipN = -1
-		excess = c.Total - r.cfg.MaxReservations - deleting
+		excess = c.Total - gcLowWater(r.cfg.MaxReservations) - deleting
 	default:
 		r.lastSkipN = -1
 	}

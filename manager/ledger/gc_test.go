@@ -179,6 +179,35 @@ func TestGCOverLimitDestroysOldestReleasedFirst(t *testing.T) {
 	}
 }
 
+// TestGCOverLimitDeletesDownToLowWater: past MaxReservations the GC deletes the oldest
+// releases down to the limit less a sixteenth (32 -> 30), then lets the ledger fill to
+// the limit again without deleting, so a host at its limit does not make every Reserve
+// carry a deletion.
+func TestGCOverLimitDeletesDownToLowWater(t *testing.T) {
+	l := newLedger(t)
+	released := releasedN(t, l, 33)
+	h := startGC(t, l, GCConfig{MaxReservations: 32})
+	h.waitUntil(t, "the ledger down to 30", func() bool { return l.Counts().Total == 30 })
+	if got, want := ids(listAll(t, l)), ids(released[3:]); !reflect.DeepEqual(got, want) {
+		t.Fatalf("after GC the ledger lists %v, want the 30 newest releases %v", got, want)
+	}
+	// Up to the limit again: nothing deleted, pass after pass.
+	later := []device.Reservation{release(t, l, reserve(t, l, "later-0", "GPU-L0").ID, t0.Add(time.Hour))}
+	later = append(later, release(t, l, reserve(t, l, "later-1", "GPU-L1").ID, t0.Add(time.Hour+time.Second)))
+	before := h.passes.Load()
+	h.g.RetryNow()
+	h.waitUntil(t, "one more pass", func() bool { return h.passes.Load() > before })
+	if c := l.Counts(); c.Total != 32 {
+		t.Fatalf("at the limit the ledger holds %d, want all 32: the GC deleted under its limit", c.Total)
+	}
+	// One over: the three oldest go.
+	later = append(later, release(t, l, reserve(t, l, "later-2", "GPU-L2").ID, t0.Add(time.Hour+2*time.Second)))
+	h.waitUntil(t, "the ledger down to 30 again", func() bool { return l.Counts().Total == 30 })
+	if got, want := ids(listAll(t, l)), ids(append(slices.Clone(released[6:]), later...)); !reflect.DeepEqual(got, want) {
+		t.Errorf("after the second GC the ledger lists %v, want %v", got, want)
+	}
+}
+
 // TestGCIntervalDestroysOldReleases: on each Interval tick, the releases at least an
 // Interval old are destroyed, so a release stays listed between one and two intervals.
 // On synctest's clock: the ticks are the GC's own and take no time.

@@ -238,10 +238,13 @@ type overlay struct {
 	held map[string]string              // "" value: freed in this batch
 	ctr  overlayCounters                // the batch's change to the shared counters' use
 	ev   eventDelta                     // the batch's events (events.go)
+	// told: the reservations a caller's write (not a deferred one) changed in this
+	// batch, the candidates for the change feeds (feedChanges).
+	told map[string]struct{}
 }
 
 func newOverlay(base *index) *overlay {
-	return &overlay{base: base, recs: make(map[string]*device.Reservation), held: make(map[string]string)}
+	return &overlay{base: base, recs: make(map[string]*device.Reservation), held: make(map[string]string), told: make(map[string]struct{})}
 }
 
 func (o *overlay) get(id string) *device.Reservation {
@@ -259,15 +262,18 @@ func (o *overlay) holder(dev string) string {
 }
 
 // feedChanges returns the IDs of o's changes that the change feeds are told of (see
-// Ledger.subscribe): all but the live reservations that were not released before o (a
-// new reservation, a live one reowned or taken over by its owner). The feeds' reader,
-// the GC, keeps released reservations only; telling it of a new one would wake it for
-// nothing on every Reserve, on the other core while the Reserve's reply is being sent.
-// Called before o is applied to its base.
+// Ledger.subscribe): those of callers' writes (o.told), less the live reservations
+// that were not released before o (a new reservation, a live one reowned or taken over
+// by its owner). The feeds' reader, the GC, keeps released reservations only; telling
+// it of a new one would wake it for nothing on every Reserve, on the other core while
+// the Reserve's reply is being sent. Its own deferred writes (a cleanup recorded done,
+// a deletion) are not told either: it learns their outcome from their notify, and
+// they ride on callers' commits, which would each wake it for them. Called before o is
+// applied to its base.
 func (o *overlay) feedChanges() []string {
-	ids := make([]string, 0, len(o.recs))
-	for id, r := range o.recs {
-		if r != nil && r.State == device.ReservationActive {
+	ids := make([]string, 0, len(o.told))
+	for id := range o.told {
+		if r := o.recs[id]; r != nil && r.State == device.ReservationActive {
 			if _, was := o.base.released[id]; !was {
 				continue
 			}

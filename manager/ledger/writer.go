@@ -62,6 +62,16 @@ type txn struct {
 	ov    *overlay
 	ev    *eventLog // the trail events are written to (event)
 	dirty bool
+	// deferred says the request running is a deferred write, whose changes the change
+	// feeds are not told of (overlay.feedChanges).
+	deferred bool
+}
+
+// changed notes id as changed by the request running, for the change feeds.
+func (w *txn) changed(id string) {
+	if !w.deferred {
+		w.ov.told[id] = struct{}{}
+	}
 }
 
 func (w *txn) get(id string) *device.Reservation { return w.ov.get(id) }
@@ -79,6 +89,7 @@ func (w *txn) putReservation(r *device.Reservation) error {
 		return &storageError{fmt.Errorf("store reservation %q: %w", r.ID, err)}
 	}
 	w.ov.put(r)
+	w.changed(r.ID)
 	w.dirty = true
 	return nil
 }
@@ -88,6 +99,7 @@ func (w *txn) deleteReservation(id string) error {
 		return &storageError{fmt.Errorf("delete reservation %q: %w", id, err)}
 	}
 	w.ov.drop(id)
+	w.changed(id)
 	w.dirty = true
 	return nil
 }
@@ -389,6 +401,7 @@ func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrot
 			resps[i].err = err
 			continue
 		}
+		w.deferred = req.notify != nil
 		val, err := req.run(w)
 		if se := (*storageError)(nil); errors.As(err, &se) {
 			region.End()
