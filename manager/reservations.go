@@ -163,7 +163,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		return device.Reservation{}, fmt.Errorf("record reservation: %w", err)
 	}
 	region = trace.StartRegion(ctx, "refresh")
-	m.reg.Refresh()
+	m.reg.Refresh(ctx)
 	region.End()
 	for _, id := range r.TakenOver {
 		m.log.Info("reservation taken over: released in the write that made the new one",
@@ -398,11 +398,11 @@ func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (devic
 			if len(ended) == 0 {
 				return device.ReleaseResult{}, fmt.Errorf("admin access %s: %w", req.ReservationID, device.ErrNotFound)
 			}
-			m.reg.Refresh()
+			m.reg.Refresh(ctx)
 			return res, nil
 		}
 		if len(ended) > 0 {
-			defer m.reg.Refresh()
+			defer m.reg.Refresh(ctx)
 		}
 		more, err := m.releaseReservations(ctx, req)
 		more.Released = append(res.Released, more.Released...)
@@ -421,7 +421,7 @@ func (m *Manager) releaseReservations(ctx context.Context, req device.ReleaseReq
 	}
 	if len(released) > 0 {
 		region = trace.StartRegion(ctx, "refresh")
-		m.reg.Refresh()
+		m.reg.Refresh(ctx)
 		region.End()
 	}
 	var res device.ReleaseResult
@@ -483,7 +483,7 @@ func (m *Manager) adminAccess(ctx context.Context, req device.ReserveRequest) (d
 	if err != nil {
 		return device.Reservation{}, err
 	}
-	m.reg.Refresh()
+	m.reg.Refresh(ctx)
 	return a.Reservation(), nil
 }
 
@@ -497,7 +497,7 @@ func (m *Manager) Reown(ctx context.Context, req device.ReownRequest) (device.Re
 	if err != nil {
 		return device.Reservation{}, err
 	}
-	m.reg.Refresh() // the holder's owner changed
+	m.reg.Refresh(ctx) // the holder's owner changed
 	return r, nil
 }
 
@@ -547,7 +547,7 @@ func (m *Manager) Cordon(ctx context.Context, req device.CordonRequest) (device.
 	if err != nil {
 		return device.Cordon{}, err
 	}
-	m.reg.Refresh()
+	m.reg.Refresh(ctx)
 	m.log.Info("device cordoned", "device", req.DeviceID, "reason", textline.Line(req.Reason, 0), "by", req.By, "drain", req.Drain)
 	return c, nil
 }
@@ -561,7 +561,7 @@ func (m *Manager) Uncordon(ctx context.Context, deviceID string) (*device.Cordon
 	if err != nil || was == nil {
 		return was, err
 	}
-	m.reg.Refresh()
+	m.reg.Refresh(ctx)
 	m.log.Info("device uncordoned", "device", deviceID, "was_reason", textline.Line(was.Reason, 0))
 	return was, nil
 }

@@ -43,8 +43,8 @@ func TestReserveAndReleaseMarkTheirSteps(t *testing.T) {
 		t.Fatal(err)
 	}
 	for method, want := range map[string][]string{
-		"Reserve": {"claim", "ledger check", "route", "plugin", "validate answer", "ledger commit", "ledger: apply", "ledger: bolt commit", "ledger: index", "refresh"},
-		"Release": {"ledger commit", "ledger: apply", "ledger: bolt commit", "ledger: index", "refresh"},
+		"Reserve": {"claim", "ledger check", "route", "plugin", "validate answer", "ledger commit", "ledger: begin", "ledger: apply", "ledger: bolt commit", "ledger: index", "refresh"},
+		"Release": {"ledger commit", "ledger: begin", "ledger: apply", "ledger: bolt commit", "ledger: index", "refresh"},
 	} {
 		if len(calls[method]) != 1 {
 			t.Fatalf("%s: %d traced calls, want 1", method, len(calls[method]))

@@ -156,9 +156,11 @@ func New(cfg Config) (*Server, error) {
 		grpc.StatsHandler(traceTasks{}),
 		grpc.StatsHandler(callLog{log: log}),
 		grpc.StatsHandler(limits),
+		// Last: what a call deferred past its reply runs after its task and log line.
+		grpc.StatsHandler(afterReplies{}),
 		grpc.UnknownServiceHandler(unknownMethod),
 		grpc.Creds(listenerCreds{}),
-		grpc.ChainUnaryInterceptor(unary, authUnary),
+		grpc.ChainUnaryInterceptor(unary, authUnary, afterReplies{}.unary),
 		grpc.ChainStreamInterceptor(stream, authStream),
 		grpc.NumStreamWorkers(streamWorkers),
 	}

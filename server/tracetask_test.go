@@ -66,3 +66,28 @@ func TestTracedCallsAreTasks(t *testing.T) {
 		}
 	}
 }
+
+// TestAfterReplyRunsOnceAnswered: what a unary handler defers with device.AfterReply
+// runs once the caller has its answer: here it waits for the client to have it, which
+// would never happen were it run before the reply.
+func TestAfterReplyRunsOnceAnswered(t *testing.T) {
+	answered, ran := make(chan struct{}), make(chan struct{})
+	mgr := &devicetest.Fake{ReserveFunc: func(ctx context.Context, _ device.ReserveRequest) (device.Reservation, error) {
+		device.AfterReply(ctx, func() {
+			<-answered
+			close(ran)
+		})
+		return device.Reservation{ID: "r1"}, nil
+	}}
+	h := startHost(t, mgr)
+	ctx := testContext(t)
+	if _, err := h.client.Reserve(ctx, &pb.ReserveRequest{OwnerId: "o", Vendor: "nvidia", Type: "gpu", Name: "H100", DeviceIds: []string{"GPU-0"}}); err != nil {
+		t.Fatal(err)
+	}
+	close(answered)
+	select {
+	case <-ran:
+	case <-ctx.Done():
+		t.Fatal("the deferred work never ran")
+	}
+}

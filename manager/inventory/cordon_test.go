@@ -1,6 +1,7 @@
 package inventory
 
 import (
+	"context"
 	"testing"
 
 	"github.com/devicehost/devicehost/device"
@@ -41,7 +42,7 @@ func TestCordonOutlivesHealth(t *testing.T) {
 		}
 	}
 	cordons = nil // uncordoned at the source
-	r.Refresh()
+	r.Refresh(context.Background())
 	if c := state("g0").Cordon; c != nil {
 		t.Errorf("after the uncordon and a refresh: g0 cordoned %+v", c)
 	}

@@ -55,6 +55,7 @@ type Registry struct {
 	devState  map[string]device.DeviceState      // by device ID bound to and reported by its plugin; Holder unset
 	blocks    map[device.CounterSetKey]setBlocks // deviceStatesLocked's blockers per counter set, for snap's inventory
 	seq       uint64
+	published uint64 // the Seq of the snapshot the watchers were last offered
 	snap      device.Snapshot
 	isReady   bool
 }
@@ -161,25 +162,46 @@ func (r *Registry) Snapshot() device.Snapshot {
 func (r *Registry) Watch(ctx context.Context) <-chan device.Snapshot {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.publishPendingLocked() // so that the new watcher does not get it twice
 	return r.watchers.subscribe(ctx, 1, &r.snap)
 }
 
 // Close closes every watcher's channel; later Watch calls get a closed channel.
 func (r *Registry) Close() { r.watchers.close() }
 
-// Refresh republishes after a change outside the registry (a reservation's holder).
-// Only the holders changed: the current snapshot's inventory and plugin states (never
-// written once made) are kept, and only the device states are rebuilt; Reserve and
-// Release call it on every reservation change.
-func (r *Registry) Refresh() {
+// Refresh makes a new snapshot after a change outside the registry (a reservation's
+// holder). Only the holders changed: the current snapshot's inventory and plugin states
+// (never written once made) are kept, and only the device states are rebuilt; Reserve
+// and Release call it on every reservation change.
+//
+// Snapshot and Watch show the new snapshot once Refresh returns; the watchers already
+// subscribed are offered it after the reply of ctx's call (device.AfterReply), so that
+// the caller whose change it is does not wait for their goroutines to be woken.
+func (r *Registry) Refresh(ctx context.Context) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	r.seq++
 	snap := r.snap
 	snap.Seq, snap.Time = r.seq, r.now()
 	snap.State.Devices, snap.State.CounterUse = r.deviceStatesLocked(snap.Inventory)
 	r.snap = snap
-	r.watchers.publish(snap)
+	r.mu.Unlock()
+	device.AfterReply(ctx, r.publishLatest)
+}
+
+// publishLatest offers the watchers the current snapshot, unless they had it already.
+func (r *Registry) publishLatest() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.publishPendingLocked()
+}
+
+// publishPendingLocked offers the watchers the current snapshot if it is newer than the
+// last they were offered (a Refresh whose publication waits for its call's reply).
+func (r *Registry) publishPendingLocked() {
+	if r.snap.Seq > r.published {
+		r.published = r.snap.Seq
+		r.watchers.publish(r.snap)
+	}
 }
 
 // deviceStatesLocked is the state of every bound device, with the live reservations'
@@ -365,5 +387,6 @@ func (r *Registry) publishLocked() {
 	r.blocks = nil // a new inventory: what devices consume and the capacities may differ
 	snap.State.Devices, snap.State.CounterUse = r.deviceStatesLocked(snap.Inventory)
 	r.snap = snap
+	r.published = snap.Seq
 	r.watchers.publish(snap)
 }

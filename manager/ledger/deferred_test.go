@@ -203,3 +203,31 @@ func TestGCReserveReleaseCycleCommitsTwice(t *testing.T) {
 		t.Errorf("after reopening: %+v, want %d released, every cleanup recorded done", c, cycles)
 	}
 }
+
+// TestDeferredWritesNotifyAfterTheReply: a deferred write that rides on a caller's
+// commit is durable when the caller's write is, but its notify (which wakes the GC)
+// waits until the caller's reply is out (device.AfterReply), so the caller does not
+// wait for that wake-up.
+func TestDeferredWritesNotifyAfterTheReply(t *testing.T) {
+	l := newLedger(t)
+	r := release(t, l, reserve(t, l, "a", "GPU-1").ID, t0)
+	notify, done := deferredDone()
+	l.submitDeferred(time.Hour, cleanupDoneRun(r.ID), notify)
+
+	ctx, run := device.WithAfterReply(context.Background())
+	if _, _, err := l.Reserve(ctx, res("b", "GPU-2"), nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := l.Get(r.ID); got.CleanupPending {
+		t.Fatal("the deferred write did not ride on the Reserve's commit")
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("notified (err %v) before the Reserve's reply", err)
+	default:
+	}
+	run()
+	if err := waitDeferred(t, done); err != nil {
+		t.Fatalf("deferred write: %v", err)
+	}
+}

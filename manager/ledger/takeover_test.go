@@ -228,7 +228,7 @@ func TestTakeOverInAFailedBatchIsRetriedWhole(t *testing.T) {
 	}}
 	// No one leads the group commit (every write so far has been answered), so this
 	// goroutine may run a batch as a leader would.
-	l.commit([]*request{take, fail})
+	l.commit([]*request{take, fail}, take)
 	if resp := <-fail.done; resp.err == nil {
 		t.Fatal("the failing request succeeded")
 	}

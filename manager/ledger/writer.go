@@ -210,7 +210,7 @@ func (l *Ledger) lead(own *request) {
 			batch = append(d, batch...)
 		}
 		if len(batch) > 0 {
-			l.commit(batch)
+			l.commit(batch, own)
 		}
 		clear(batch) // drop references to answered requests
 		l.armDeferred()
@@ -337,20 +337,24 @@ func (l *Ledger) stopWrites() {
 	l.deferTimer.Stop()
 	l.deferMu.Unlock()
 	for d := l.takeDeferred(); len(d) > 0; d = l.takeDeferred() {
-		l.commit(d)
+		l.commit(d, nil)
 	}
 }
 
 // commit runs batch in one transaction and answers every request. When the transaction
 // fails, each request is retried in a transaction of its own, so one request's storage
 // failure does not fail the others.
-func (l *Ledger) commit(batch []*request) {
+//
+// The deferred writes' notify funcs, which wake their writer (the GC) and which no
+// caller waits for, run after the reply of leader's call (device.AfterReply; leader is
+// the request whose caller leads the commit, nil for the deferred writes' timer).
+func (l *Ledger) commit(batch []*request, leader *request) {
 	start := time.Now()
 	resps, ov, wrote, err := l.runBatch(batch)
 	took := time.Since(start)
 	if err != nil && len(batch) > 1 {
 		for _, req := range batch {
-			l.commit([]*request{req})
+			l.commit([]*request{req}, leader)
 		}
 		return
 	}
@@ -375,8 +379,21 @@ func (l *Ledger) commit(batch []*request) {
 		l.notify(told, total)
 		region.End()
 	}
+	var notify []func()
 	for i, req := range batch {
+		if req.notify != nil && leader != nil {
+			n, err := req.notify, resps[i].err
+			notify = append(notify, func() { n(err) })
+			continue
+		}
 		req.answer(resps[i])
+	}
+	if len(notify) > 0 {
+		device.AfterReply(leader.ctx, func() {
+			for _, n := range notify {
+				n()
+			}
+		})
 	}
 }
 
@@ -384,17 +401,21 @@ func (l *Ledger) commit(batch []*request) {
 // (a batch whose requests were all refused, or wrote nothing, is rolled back).
 //
 // Its steps are runtime/trace regions in the task of the batch's first caller (deferred
-// writes have none): "ledger: apply" (the requests' decisions and writes) and "ledger:
-// bolt commit" (bbolt's Commit, with its fsyncs); commit marks "ledger: index".
+// writes have none): "ledger: begin" (bbolt's Begin: the file's write lock, and pages
+// freed by earlier commits made reusable), "ledger: apply" (the requests' decisions and
+// writes) and "ledger: bolt commit" (bbolt's Commit, with its fsyncs); commit marks
+// "ledger: index".
 func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrote bool, err error) {
 	resps = make([]response, len(batch))
 	ov = newOverlay(l.idx) // only the leader writes l.idx, so reading it unlocked is safe
 	ctx := traceContext(batch)
+	region := trace.StartRegion(ctx, "ledger: begin")
 	tx, err := l.db.Begin(true)
+	region.End()
 	if err != nil {
 		return nil, nil, false, err
 	}
-	region := trace.StartRegion(ctx, "ledger: apply")
+	region = trace.StartRegion(ctx, "ledger: apply")
 	w := &txn{tx: tx, ov: ov, ev: l.ev}
 	for i, req := range batch {
 		if err := req.ctx.Err(); err != nil {
