@@ -23,6 +23,9 @@ const (
 	GRPCOut = "gRPC out (reply to status sent)"
 	Total   = "total, server side"
 	Own     = "agent's own part"
+	// Outside follows a region's name for the row of its time in none of its nested
+	// regions (the ledger commit less its steps: the group commit's own work).
+	Outside = " (outside its steps)"
 )
 
 // Call is one gRPC call of the agent as its execution trace shows it: the task the
@@ -111,8 +114,9 @@ type Row struct {
 // to its first region ("gRPC in"), each region (summed within a call when it recurs),
 // the time between regions ("between steps"), from the last region to the status
 // ("gRPC out"), the whole call ("total, server side"), and the whole call less the
-// regions named in external ("agent's own part"). Steps are in the order they first
-// appear. Nested regions, and regions on another goroutine than the call's first region
+// regions named in external ("agent's own part"). A region holding nested regions
+// also gets a row of its time outside them (its name and Outside). Steps are in the
+// order they first appear. Nested regions, and regions on another goroutine than the call's first region
 // (work done for the call elsewhere, inside one of the handler's steps), get rows of
 // their own but are not counted in "between steps".
 func Breakdown(calls []Call, external ...string) []Row {
@@ -150,6 +154,9 @@ func Breakdown(calls []Call, external ...string) []Row {
 		add(in, gapIn)
 		for _, n := range names {
 			add(n, sums[n])
+			if d, ok := outside(c.Regions, n); ok {
+				add(n+Outside, d)
+			}
 		}
 		add(between, whole-gapIn-gapOut-inRegions)
 		add(out, gapOut)
@@ -171,6 +178,40 @@ func Breakdown(calls []Call, external ...string) []Row {
 		rows = append(rows, Row{Name: n, P50: Percentile(per[n], 50), P99: Percentile(per[n], 99)})
 	}
 	return rows
+}
+
+// outside sums, over the call's regions named name on its handler's goroutine that
+// hold nested regions, the time in none of those; false when none holds any.
+func outside(regions []Span, name string) (time.Duration, bool) {
+	handler := regions[0].Goroutine
+	var sum time.Duration
+	found := false
+	for _, r := range regions {
+		if r.Name != name || r.Goroutine != handler || r.Nested {
+			continue
+		}
+		var inner []Span
+		for _, n := range regions {
+			if n.Nested && n.Goroutine == handler && n.Begin >= r.Begin && n.End <= r.End {
+				inner = append(inner, n)
+			}
+		}
+		if len(inner) == 0 {
+			continue
+		}
+		found = true
+		// The union of the nested spans (one may hold another), in begin order.
+		covered, end := time.Duration(0), r.Begin
+		for _, n := range inner {
+			if n.End <= end {
+				continue
+			}
+			covered += time.Duration(n.End - max(n.Begin, end))
+			end = n.End
+		}
+		sum += time.Duration(r.End-r.Begin) - covered
+	}
+	return sum, found
 }
 
 // Percentile is the p-th percentile of ds (nearest rank); 0 for none.

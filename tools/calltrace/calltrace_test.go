@@ -115,7 +115,7 @@ func TestBreakdownSplitsTheCallAndLeavesTheExternalStepsOut(t *testing.T) {
 			t.Errorf("%s: p50 %v != p99 %v over one call", r.Name, r.P50, r.P99)
 		}
 	}
-	want := []string{calltrace.GRPCIn, "validate", "plugin", "commit", "worker", "inner", calltrace.Between, calltrace.GRPCOut, calltrace.Total, calltrace.Own}
+	want := []string{calltrace.GRPCIn, "validate", "plugin", "commit", "commit" + calltrace.Outside, "worker", "inner", calltrace.Between, calltrace.GRPCOut, calltrace.Total, calltrace.Own}
 	if !slices.Equal(names, want) {
 		t.Fatalf("rows = %q, want %q", names, want)
 	}
@@ -123,6 +123,7 @@ func TestBreakdownSplitsTheCallAndLeavesTheExternalStepsOut(t *testing.T) {
 		calltrace.GRPCIn: 50 * time.Microsecond, "validate": 20 * time.Microsecond,
 		"plugin": 400 * time.Microsecond, "commit": 250 * time.Microsecond, "worker": 50 * time.Microsecond, "inner": 100 * time.Microsecond,
 		calltrace.Between: 40 * time.Microsecond, calltrace.GRPCOut: 60 * time.Microsecond,
+		"commit" + calltrace.Outside: 100 * time.Microsecond,
 	}
 	for name, min := range atLeast {
 		if got[name] < min {
@@ -144,6 +145,10 @@ func TestBreakdownSplitsTheCallAndLeavesTheExternalStepsOut(t *testing.T) {
 	}
 	if sum != whole {
 		t.Errorf("the rows add up to %v, want the whole %v", sum, whole)
+	}
+	// The commit outside its steps: less its step on the handler, not the worker's.
+	if out := got["commit"] - got["inner"]; got["commit"+calltrace.Outside] != out {
+		t.Errorf("commit outside its steps = %v, want %v (the commit less inner)", got["commit"+calltrace.Outside], out)
 	}
 	if own := whole - got["plugin"] - got["commit"]; got[calltrace.Own] != own {
 		t.Errorf("own part = %v, want %v (the whole less plugin and commit)", got[calltrace.Own], own)
