@@ -60,6 +60,11 @@ func (f *fields) checkID(field, s string) {
 	f.checkOptionalID(field, s)
 }
 
+// idOK reports whether checkID would find nothing wrong with s.
+func idOK(s string) bool {
+	return s != "" && len(s) <= MaxNameLen && utf8.ValidString(s) && textline.Printable(s)
+}
+
 // checkOptionalID checks an identifier field that may be empty.
 func (f *fields) checkOptionalID(field, s string) {
 	if len(s) > MaxNameLen {
@@ -107,6 +112,10 @@ func reserveRequest(req device.ReserveRequest) error {
 	}
 	seen := make(map[string]int, len(ids))
 	for i, id := range ids {
+		if _, dup := seen[id]; !dup && idOK(id) { // the fast path: no field name to make
+			seen[id] = i
+			continue
+		}
 		field := fmt.Sprintf("device_ids[%d]", i)
 		f.checkID(field, id)
 		if id == "" {
@@ -135,6 +144,25 @@ func (f *fields) checkOwnerLabels(field string, labels map[string]string) {
 		f.add(field, RuleTooMany, fmt.Sprintf("%d, limit %d: %s", len(labels), len(device.OwnerLabelKeys), strings.Join(device.OwnerLabelKeys, ", ")))
 		return
 	}
+	if ownerLabelsOK(labels) { // the fast path: no field names to make
+		return
+	}
+	f.checkEachOwnerLabel(field, labels)
+}
+
+// ownerLabelsOK reports whether checkEachOwnerLabel would find nothing wrong.
+func ownerLabelsOK(labels map[string]string) bool {
+	for k, v := range labels {
+		if !slices.Contains(device.OwnerLabelKeys, k) || v == "" || len(v) > device.MaxOwnerLabelLen ||
+			!utf8.ValidString(v) || !textline.Printable(v) {
+			return false
+		}
+	}
+	return true
+}
+
+// checkEachOwnerLabel is checkOwnerLabels' check of each label, in key order.
+func (f *fields) checkEachOwnerLabel(field string, labels map[string]string) {
 	for _, k := range slices.Sorted(maps.Keys(labels)) {
 		name := fmt.Sprintf("%s[%s]", field, textline.Escape(k, 40))
 		if !slices.Contains(device.OwnerLabelKeys, k) {
