@@ -29,24 +29,35 @@ func waitDeferred(t *testing.T, ch <-chan error) error {
 	}
 }
 
-// TestDeferredWriteRidesOnTheNextCommit: a deferred write waits, uncommitted and
-// unseen, until another write commits, and is committed with it, in the same commit.
-func TestDeferredWriteRidesOnTheNextCommit(t *testing.T) {
+// makeDue makes the deferred writes waiting due now, as if their delay had passed,
+// without their timer firing (it is set for their real due time).
+func makeDue(l *Ledger) {
+	l.deferMu.Lock()
+	l.deferDue = time.Now().Add(-time.Nanosecond)
+	l.deferMu.Unlock()
+}
+
+// TestDeferredWriteRidesOnTheNextCommitOnceDue: a deferred write waits, uncommitted and
+// unseen, until it is due: a commit made before that does not carry it; the first
+// commit after it does, in the same commit.
+func TestDeferredWriteRidesOnTheNextCommitOnceDue(t *testing.T) {
 	l := newLedger(t)
 	r := release(t, l, reserve(t, l, "a", "GPU-1").ID, t0)
-	commits := l.Commits()
 
 	notify, done := deferredDone()
 	l.submitDeferred(time.Hour, cleanupDoneRun(r.ID), notify)
+	reserve(t, l, "c", "GPU-3")
 	select {
 	case err := <-done:
-		t.Fatalf("deferred write committed on its own (err %v), want it to wait for another write", err)
+		t.Fatalf("deferred write committed (err %v) before it was due", err)
 	default:
 	}
 	if got, _ := l.Get(r.ID); !got.CleanupPending {
-		t.Errorf("before any commit the deferred cleanup-done shows: %+v", got)
+		t.Errorf("before it was due the deferred cleanup-done shows: %+v", got)
 	}
 
+	makeDue(l)
+	commits := l.Commits()
 	reserve(t, l, "b", "GPU-2")
 	select { // answered before the Reserve it rode with
 	case err := <-done:
@@ -156,8 +167,9 @@ func TestCloseCommitsDeferredWrites(t *testing.T) {
 }
 
 // TestGCReserveReleaseCycleCommitsTwice: with a GC running, each Reserve+Release cycle
-// at one caller costs two commits: the GC's cleanup-done records ride on them. They are
-// all durable once the ledger is closed.
+// at one caller costs two commits: the GC's cleanup-done records make none of their own
+// (here they wait an hour to ride on one). They are all durable once the ledger is
+// closed.
 func TestGCReserveReleaseCycleCommitsTwice(t *testing.T) {
 	path := statePath(t)
 	l, err := Open(path, Options{})
@@ -213,6 +225,7 @@ func TestDeferredWritesNotifyAfterTheReply(t *testing.T) {
 	r := release(t, l, reserve(t, l, "a", "GPU-1").ID, t0)
 	notify, done := deferredDone()
 	l.submitDeferred(time.Hour, cleanupDoneRun(r.ID), notify)
+	makeDue(l)
 
 	ctx, run := device.WithAfterReply(context.Background())
 	if _, _, err := l.Reserve(ctx, res("b", "GPU-2"), nil, nil); err != nil {

@@ -100,6 +100,7 @@ func TestFeedNotToldOfDeferredWrites(t *testing.T) {
 	l.submitDeferred(time.Hour, cleanupDoneRun(a.ID), notify)
 	notify2, done2 := deferredDone()
 	l.submitDeferred(time.Hour, deleteRun([]string{b.ID}, true, "gc"), notify2)
+	makeDue(l)
 	c := reserve(t, l, "alloc-c", "GPU-2") // the deferred writes ride on its commit
 	for _, d := range []<-chan error{done, done2} {
 		if err := <-d; err != nil {

@@ -74,8 +74,8 @@ type GCConfig struct {
 	// Zero means DefaultRetryMin and DefaultRetryMax.
 	RetryMin, RetryMax time.Duration
 	// CommitDelay is how long the GC's own ledger writes (a cleanup recorded done, a
-	// released reservation deleted) may wait to share a commit with other writes
-	// before they get one of their own. Zero means DefaultGCCommitDelay.
+	// released reservation deleted) wait, to share one commit with each other and with
+	// other writes. Zero means DefaultGCCommitDelay.
 	CommitDelay time.Duration
 }
 
@@ -89,9 +89,11 @@ type GCConfig struct {
 // water mark, gcLowWater) or on the Interval tick (those released at least Interval
 // ago). At most Parallel plugin cleanups run at once.
 //
-// What the GC writes to the ledger (a cleanup done, a deletion) is deferred: it rides on
-// the next commit made for a Reserve or Release, or gets one of its own within
-// CommitDelay, so a Reserve+Release cycle costs two commits, not three or four. A crash
+// What the GC writes to the ledger (a cleanup done, a deletion) is deferred: after
+// CommitDelay it rides on the next commit made for a Reserve or Release, or gets one of
+// its own, all those due together, so a Reserve+Release cycle costs two commits, not
+// three or four, and a Reserve waits for none of the GC's writes but once in a
+// CommitDelay. A crash
 // may lose such a write; nothing acknowledged is lost by it, since the cleanup is then
 // still pending in the ledger and runs again (Cleanup must be idempotent), and the
 // released reservation is still listed and is deleted again.

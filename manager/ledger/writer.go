@@ -206,7 +206,7 @@ func (l *Ledger) lead(own *request) {
 			<-l.slots
 		}
 		answered = answered || slices.Contains(batch, own)
-		if d := l.takeDeferred(); len(d) > 0 {
+		if d := l.takeDueDeferred(); len(d) > 0 {
 			batch = append(d, batch...)
 		}
 		if len(batch) > 0 {
@@ -243,16 +243,19 @@ func (l *Ledger) lead(own *request) {
 	}
 }
 
-// submitDeferred queues run as a deferred write: it is applied, in the order deferred
-// writes were queued and ahead of the other requests, in the next batch a leader
-// commits, and is committed on its own no later than within after it was queued (at
-// once while maxBatch or more are waiting). It never blocks. notify gets the outcome on
-// the committing goroutine (nil once durable), or ErrClosed at once, on the caller's
-// goroutine, when the ledger is closed; it must not block.
+// submitDeferred queues run as a deferred write: once it is due, within after it was
+// queued (at once while maxBatch or more are waiting), it is applied, in the order
+// deferred writes were queued and ahead of the other requests, in the next batch a
+// leader commits, or committed on its own when no leader is committing then. It never
+// blocks. notify gets the outcome on the committing goroutine (nil once durable), or
+// ErrClosed at once, on the caller's goroutine, when the ledger is closed; it must not
+// block.
 //
 // Deferred writes are for bookkeeping whose loss in a crash is harmless because it is
-// redone (the GC's cleanup-done marks and deletions): they save a commit, and its
-// fsyncs, by riding on commits made for other writes.
+// redone (the GC's cleanup-done marks and deletions): they save commits, and their
+// fsyncs, by riding together on a commit made for other writes. They wait until due
+// rather than ride on the next commit, so that a busy host's Reserves do not each
+// carry the previous Release's bookkeeping: one commit in CommitDelay carries it all.
 func (l *Ledger) submitDeferred(within time.Duration, run func(w *txn) (any, error), notify func(error)) {
 	req := &request{ctx: context.Background(), run: run, notify: notify}
 	due := time.Now().Add(within)
@@ -274,6 +277,18 @@ func (l *Ledger) submitDeferred(within time.Duration, run func(w *txn) (any, err
 		l.deferTimer.Reset(max(time.Until(l.deferDue), 0))
 	}
 	l.deferMu.Unlock()
+}
+
+// takeDueDeferred is takeDeferred once the oldest deferred write is due (or a full
+// batch waits): until then they wait, so that a caller's commit carries none of them.
+func (l *Ledger) takeDueDeferred() []*request {
+	l.deferMu.Lock()
+	due := len(l.deferred) > 0 && !time.Now().Before(l.deferDue)
+	l.deferMu.Unlock()
+	if !due {
+		return nil
+	}
+	return l.takeDeferred()
 }
 
 // takeDeferred removes and returns up to maxBatch deferred writes, oldest first.
