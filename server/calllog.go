@@ -49,8 +49,15 @@ func (l callLog) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Con
 	return context.WithValue(ctx, callKey{}, &callInfo{method: info.FullMethodName})
 }
 
-// HandleRPC implements stats.Handler: it logs the call's end.
+// HandleRPC implements stats.Handler: it logs the call's end. It is called for every
+// message of every stream too (a fan-out round: one per watcher), so it looks up the
+// call in ctx, a walk up the context's chain, only for the events it uses.
 func (l callLog) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	switch s.(type) {
+	case *stats.Begin, *stats.End:
+	default:
+		return
+	}
 	call, _ := ctx.Value(callKey{}).(*callInfo)
 	if call == nil {
 		return
