@@ -48,7 +48,7 @@ func encodeReservation(r *device.Reservation) ([]byte, error) {
 	b = append(b, `,"device_ids":`...)
 	b = appendJSONStrings(b, r.DeviceIDs)
 	b = append(b, `,"container":{"envs":`...)
-	b = appendJSONStringMap(b, r.Container.Envs)
+	b = appendJSONMap(b, r.Container.Envs, appendJSONString)
 	b = append(b, `,"mounts":`...)
 	if r.Container.Mounts == nil {
 		b = append(b, "null"...)
@@ -111,7 +111,7 @@ func encodeReservation(r *device.Reservation) ([]byte, error) {
 			b = append(b, `{"set":`...)
 			b = appendJSONString(b, c.Set.Name)
 			b = append(b, `,"counters":`...)
-			b = appendJSONIntMap(b, c.Counters)
+			b = appendJSONMap(b, c.Counters, appendJSONInt)
 			b = append(b, '}')
 		}
 		b = append(b, ']')
@@ -162,8 +162,9 @@ func appendJSONStrings(b []byte, ss []string) []byte {
 	return append(b, ']')
 }
 
-// appendJSONStringMap appends m as encoding/json does: keys sorted, null for nil.
-func appendJSONStringMap(b []byte, m map[string]string) []byte {
+// appendJSONMap appends m as encoding/json does: keys sorted, each value by value, null
+// for nil.
+func appendJSONMap[V any](b []byte, m map[string]V, value func([]byte, V) []byte) []byte {
 	if m == nil {
 		return append(b, "null"...)
 	}
@@ -175,28 +176,12 @@ func appendJSONStringMap(b []byte, m map[string]string) []byte {
 		}
 		b = appendJSONString(b, k)
 		b = append(b, ':')
-		b = appendJSONString(b, m[k])
+		b = value(b, m[k])
 	}
 	return append(b, '}')
 }
 
-// appendJSONIntMap appends m as encoding/json does: keys sorted, null for nil.
-func appendJSONIntMap(b []byte, m map[string]int64) []byte {
-	if m == nil {
-		return append(b, "null"...)
-	}
-	var buf [8]string
-	b = append(b, '{')
-	for i, k := range sortedKeys(buf[:0], m) {
-		if i > 0 {
-			b = append(b, ',')
-		}
-		b = appendJSONString(b, k)
-		b = append(b, ':')
-		b = strconv.AppendInt(b, m[k], 10)
-	}
-	return append(b, '}')
-}
+func appendJSONInt(b []byte, v int64) []byte { return strconv.AppendInt(b, v, 10) }
 
 // sortedKeys appends m's keys to keys (a caller's buffer, so that a small map's keys
 // need no allocation) and sorts them.
