@@ -121,3 +121,31 @@ func TestFeedNotToldOfDeferredWrites(t *testing.T) {
 		t.Fatalf("after a caller's Release and CleanupDone the feed was told %v, want [%s]", ids, c.ID)
 	}
 }
+
+// A Release made in a call that defers work past its reply (device.AfterReply) leaves
+// its ID in the feed at once, but wakes the feed's reader (the GC) only once the reply
+// is out.
+func TestFeedWokenAfterTheReply(t *testing.T) {
+	l := newLedger(t)
+	a := reserve(t, l, "alloc-a", "GPU-0")
+	f, stop := l.subscribe(0)
+	defer stop()
+	ctx, run := device.WithAfterReply(context.Background())
+	if _, _, err := l.Release(ctx, device.ReleaseRequest{ReservationID: a.ID}, t0); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-f.wake:
+		t.Fatal("the feed was woken before the Release's reply")
+	default:
+	}
+	run()
+	select {
+	case <-f.wake:
+	default:
+		t.Fatal("the feed was not woken after the Release's reply")
+	}
+	if ids := f.drain(); !slices.Equal(ids, []string{a.ID}) {
+		t.Fatalf("the feed was told %v, want [%s]", ids, a.ID)
+	}
+}

@@ -9,6 +9,7 @@
 package ledger
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -328,9 +329,13 @@ func (l *Ledger) subscribe(over int) (*feed, func()) {
 	}
 }
 
-func (l *Ledger) notify(changed []string, total int) {
+// notify tells the feeds of a commit that changed the reservations named by changed
+// and left total in the ledger. Their IDs are theirs to drain at once; their wake-ups
+// (the GC's goroutine) wait until the reply of ctx's call is sent (device.AfterReply):
+// the caller does not wait for the GC to be woken to clean up after its Release.
+func (l *Ledger) notify(ctx context.Context, changed []string, total int) {
+	var wake []*feed
 	l.subMu.Lock()
-	defer l.subMu.Unlock()
 	for f := range l.subs {
 		if len(changed) == 0 && (f.over <= 0 || total <= f.over) {
 			continue
@@ -340,11 +345,20 @@ func (l *Ledger) notify(changed []string, total int) {
 			f.ids[id] = struct{}{}
 		}
 		f.mu.Unlock()
-		select {
-		case f.wake <- struct{}{}:
-		default: // already woken; it will drain these IDs too
-		}
+		wake = append(wake, f)
 	}
+	l.subMu.Unlock()
+	if len(wake) == 0 {
+		return
+	}
+	device.AfterReply(ctx, func() {
+		for _, f := range wake {
+			select {
+			case f.wake <- struct{}{}:
+			default: // already woken; it will drain these IDs too
+			}
+		}
+	})
 }
 
 // normTime drops the monotonic reading and the location, so a time read back from the

@@ -391,7 +391,11 @@ func (l *Ledger) commit(batch []*request, leader *request) {
 		l.idx.apply(ov)
 		total := l.idx.counts().Total
 		l.mu.Unlock()
-		l.notify(told, total)
+		ctx := context.Background()
+		if leader != nil {
+			ctx = leader.ctx
+		}
+		l.notify(ctx, told, total)
 		region.End()
 	}
 	var notify []func()
