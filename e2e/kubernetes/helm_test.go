@@ -181,7 +181,9 @@ func (h *helmStack) run(args ...string) ([]byte, error) {
 // gives them, for mode and the image's tag, with the node's values file.
 func (h *helmStack) installArgs(verb, mode, tag string) []string {
 	args := []string{verb, helmRelease, h.chart, "-n", helmNamespace}
-	return append(args, "--set", "mode="+mode, "--set", "image.repository="+helmImageRepo, "--set", "image.tag="+tag,
+	// --set-string: a tag of digits only (a short commit hash such as 4104447) would be a
+	// number to --set, which the chart's schema refuses.
+	return append(args, "--set", "mode="+mode, "--set", "image.repository="+helmImageRepo, "--set-string", "image.tag="+tag,
 		"--set", "image.pullPolicy=Never", "--set", "runtimeClassName=", "-f", h.values)
 }
 
