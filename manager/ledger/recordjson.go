@@ -1,9 +1,7 @@
 package ledger
 
 import (
-	"encoding/binary"
 	"fmt"
-	"hash/crc32"
 	"slices"
 	"strconv"
 	"time"
@@ -32,7 +30,7 @@ func encodeReservation(r *device.Reservation) ([]byte, error) {
 	default:
 		return nil, fmt.Errorf("reservation %q: cannot store state %v", r.ID, r.State)
 	}
-	b := make([]byte, 4, 1024) // the envelope's checksum goes first, filled in below
+	b := make([]byte, 4, 1024) // the envelope's checksum goes first (sealIn)
 	b = append(b, `{"id":`...)
 	b = appendJSONString(b, r.ID)
 	b = append(b, `,"owner_id":`...)
@@ -131,9 +129,7 @@ func encodeReservation(r *device.Reservation) ([]byte, error) {
 		}
 		b = append(b, '}')
 	}
-	b = append(b, '}')
-	binary.BigEndian.PutUint32(b, crc32.Checksum(b[4:], castagnoli))
-	return b, nil
+	return sealIn(append(b, '}')), nil
 }
 
 // appendJSONTime appends t as encoding/json does (time.Time's MarshalJSON: quoted RFC

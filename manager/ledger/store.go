@@ -46,10 +46,15 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 const maxCheckProblems = 3
 
 func seal(payload []byte) []byte {
-	out := make([]byte, 4+len(payload))
-	binary.BigEndian.PutUint32(out, crc32.Checksum(payload, castagnoli))
-	copy(out[4:], payload)
-	return out
+	out := make([]byte, 4, 4+len(payload))
+	return sealIn(append(out, payload...))
+}
+
+// sealIn fills in the checksum of b, a record envelope whose payload follows the 4
+// bytes left for it, and returns b.
+func sealIn(b []byte) []byte {
+	binary.BigEndian.PutUint32(b, crc32.Checksum(b[4:], castagnoli))
+	return b
 }
 
 // unseal checks an envelope and returns its payload, which aliases v.

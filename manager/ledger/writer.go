@@ -384,6 +384,12 @@ func (l *Ledger) commit(batch []*request, leader *request) {
 			l.onCommit(took, len(batch))
 		}
 	}
+	// Where the work no caller waits for goes: after the reply of the leader's call
+	// (device.AfterReply), or at once for the deferred writes' timer.
+	ctx := context.Background()
+	if leader != nil {
+		ctx = leader.ctx
+	}
 	if len(ov.recs) > 0 {
 		region := trace.StartRegion(traceContext(batch), "ledger: index")
 		told := ov.feedChanges()
@@ -391,16 +397,12 @@ func (l *Ledger) commit(batch []*request, leader *request) {
 		l.idx.apply(ov)
 		total := l.idx.counts().Total
 		l.mu.Unlock()
-		ctx := context.Background()
-		if leader != nil {
-			ctx = leader.ctx
-		}
 		l.notify(ctx, told, total)
 		region.End()
 	}
 	var notify []func()
 	for i, req := range batch {
-		if req.notify != nil && leader != nil {
+		if req.notify != nil {
 			n, err := req.notify, resps[i].err
 			notify = append(notify, func() { n(err) })
 			continue
@@ -408,7 +410,7 @@ func (l *Ledger) commit(batch []*request, leader *request) {
 		req.answer(resps[i])
 	}
 	if len(notify) > 0 {
-		device.AfterReply(leader.ctx, func() {
+		device.AfterReply(ctx, func() {
 			for _, n := range notify {
 				n()
 			}
