@@ -37,7 +37,7 @@ const agentUsage = `[-config FILE] [-dev] [flags]
 
 Runs the device host: launches the plugins, serves the host API on -listen, and stops
 cleanly on SIGINT or SIGTERM. Flags override the config file. SIGHUP re-reads the config
-file and applies its plugin blocks and log_level at once.`
+file and applies its plugin blocks, log_level and max_procs at once.`
 
 // agentArgs is the agent's command line, resolved.
 type agentArgs struct {
@@ -62,6 +62,7 @@ func parseAgentArgs(env *cmdEnv, args []string) (agentArgs, error) {
 	logLevel := fs.String("log-level", def.LogLevel, "log `level`: trace, debug, info, warn or error")
 	logJSON := fs.Bool("log-json", false, "log JSON lines")
 	metricsListen := fs.String("metrics-listen", "", "`address` to serve Prometheus metrics on (HTTP, /metrics): tcp://127.0.0.1:9400 or unix:///path.sock; off when empty")
+	maxProcs := fs.Int("max-procs", def.MaxProcs, "threads running the agent's Go code at once (GOMAXPROCS); 0: the Go runtime's choice (the cores, or the container's CPU limit)")
 	var tlsFlags endpoint.TLS
 	registerTLSFlags(fs, &tlsFlags, "the agent's certificate", "the agent's key", "CA that client certificates must chain to")
 	if err := parseFlags(fs, args); err != nil {
@@ -93,11 +94,15 @@ func parseAgentArgs(env *cmdEnv, args []string) (agentArgs, error) {
 	override("tls-ca", func() { cfg.TLS.CA = tlsFlags.CA })
 	override("insecure", func() { cfg.TLS.Insecure = tlsFlags.Insecure })
 	override("metrics-listen", func() { cfg.MetricsListen = *metricsListen })
+	override("max-procs", func() { cfg.MaxProcs = *maxProcs })
 	if err := checkLogLevel(cfg.LogLevel); err != nil {
 		return agentArgs{}, usageError{err.Error()}
 	}
 	if _, err := endpoint.Parse(cfg.Listen); err != nil {
 		return agentArgs{}, usageError{err.Error()}
+	}
+	if cfg.MaxProcs < 0 {
+		return agentArgs{}, usageError{fmt.Sprintf("-max-procs %d: want 0 (the Go runtime's choice) or more", cfg.MaxProcs)}
 	}
 	if err := checkMetrics(cfg); err != nil {
 		return agentArgs{}, usageError{err.Error()}
@@ -123,6 +128,7 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 		Output:     env.stderr,
 		Color:      hclog.ColorOff,
 	})
+	logMaxProcs(log, cfg.MaxProcs)
 
 	var banner func(endpoint.Address)
 	var devDir string

@@ -84,6 +84,11 @@ type agentConfig struct {
 	MaxStreams        int
 	MaxStreamsPerConn int
 
+	// MaxProcs caps the threads running the agent's Go code at once (GOMAXPROCS): zero
+	// leaves it to the Go runtime (the cores, or the container's CPU limit). See
+	// applyMaxProcs.
+	MaxProcs int
+
 	// Listeners are the API endpoints beside Listen, each with its grants; Grants give
 	// peers more than their listener allows. Listen itself is always admin.
 	Listeners []listenerSettings
@@ -138,6 +143,7 @@ func defaultAgentConfig() agentConfig {
 		StateDir:  defaultStateDir,
 		LogLevel:  defaultLogLevel,
 		Plugins:   map[string]pluginSettings{},
+		MaxProcs:  defaultMaxProcs,
 
 		MetricsHolderLabels: true,
 	}
@@ -162,6 +168,7 @@ type fileSchema struct {
 	EventMaxAge        *hcl.Attribute   `hcl:"event_max_age,optional"`
 	MaxStreams         *hcl.Attribute   `hcl:"max_streams,optional"`
 	MaxStreamsPerConn  *hcl.Attribute   `hcl:"max_streams_per_connection,optional"`
+	MaxProcs           *hcl.Attribute   `hcl:"max_procs,optional"`
 	TLSCert            *hcl.Attribute   `hcl:"tls_cert,optional"`
 	TLSKey             *hcl.Attribute   `hcl:"tls_key,optional"`
 	TLSCA              *hcl.Attribute   `hcl:"tls_ca,optional"`
@@ -269,6 +276,7 @@ func loadConfig(path string, cfg *agentConfig) (pluginBlocks, error) {
 	d.duration(fs.EventMaxAge, time.Minute, &cfg.EventMaxAge)
 	d.integer(fs.MaxStreams, 1, &cfg.MaxStreams)
 	d.integer(fs.MaxStreamsPerConn, 1, &cfg.MaxStreamsPerConn)
+	d.integer(fs.MaxProcs, 0, &cfg.MaxProcs)
 	d.str(fs.TLSCert, &cfg.TLS.Cert)
 	d.str(fs.TLSKey, &cfg.TLS.Key)
 	d.str(fs.TLSCA, &cfg.TLS.CA)

@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"reflect"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -49,6 +51,7 @@ metrics_tls_ca       = "/etc/dh/metrics-ca.pem"
 metrics_holder_labels = false
 event_max_count      = 500
 event_max_age        = "24h"
+max_procs            = 2
 
 plugin "nvidia-example" {
   sha256      = "9F86D081884C7D659A2FEAA0C55AD015A3BF4F1B2B0B822CD15D6C15B0F00A08"
@@ -88,6 +91,7 @@ plugin "fpga" {}
 		GCParallelDestroys: 4,
 		EventMaxCount:      500,
 		EventMaxAge:        24 * time.Hour,
+		MaxProcs:           2,
 		Plugins: map[string]pluginSettings{
 			"nvidia-example": {
 				SHA256:     "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
@@ -470,6 +474,58 @@ func TestLoadConfigFileStreamLimits(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), key) || !strings.Contains(err.Error(), "at least 1") {
 			t.Errorf("%q: %v, want an error naming %s and its lower bound", content, err, key)
 		}
+	}
+}
+
+// max_procs: one thread by default, any count from the file or -max-procs, 0 for the
+// Go runtime's own choice; a negative count is refused at its line.
+func TestMaxProcsSetting(t *testing.T) {
+	if got := defaultAgentConfig().MaxProcs; got != 1 {
+		t.Errorf("default max_procs %d, want 1", got)
+	}
+	path := writeConfig(t, "devicehost.hcl", "max_procs = 4\n")
+	cfg := defaultAgentConfig()
+	if err := loadConfigFile(path, &cfg); err != nil {
+		t.Fatalf("loadConfigFile: %v", err)
+	}
+	if cfg.MaxProcs != 4 {
+		t.Errorf("max_procs %d, want the file's 4", cfg.MaxProcs)
+	}
+	env := &cmdEnv{stdout: io.Discard, stderr: io.Discard, getenv: func(string) string { return "" }}
+	a, err := parseAgentArgs(env, []string{"-config", path, "-max-procs", "0"})
+	if err != nil {
+		t.Fatalf("parseAgentArgs: %v", err)
+	}
+	if a.cfg.MaxProcs != 0 {
+		t.Errorf("-max-procs 0 over the file's 4: %d", a.cfg.MaxProcs)
+	}
+	bad := writeConfig(t, "devicehost.hcl", "\nmax_procs = -1\n")
+	if err := loadConfigFile(bad, &cfg); err == nil || !strings.Contains(err.Error(), ":2,") || !strings.Contains(err.Error(), "at least 0") {
+		t.Errorf("max_procs = -1: %v, want an error at line 2 naming the lower bound", err)
+	}
+	if _, err := parseAgentArgs(env, []string{"-max-procs", "-2"}); err == nil || !strings.Contains(err.Error(), "-max-procs -2") {
+		t.Errorf("-max-procs -2: %v, want a usage error naming it", err)
+	}
+}
+
+// applyMaxProcs sets the Go runtime's GOMAXPROCS, gives the choice back for 0, and
+// leaves it alone when the GOMAXPROCS environment variable chose it.
+func TestApplyMaxProcs(t *testing.T) {
+	was := runtime.GOMAXPROCS(0)
+	t.Cleanup(func() { runtime.GOMAXPROCS(was) })
+	if n, fromEnv := applyMaxProcs(3); n != 3 || fromEnv || runtime.GOMAXPROCS(0) != 3 {
+		t.Errorf("applyMaxProcs(3) = %d, %v; GOMAXPROCS %d", n, fromEnv, runtime.GOMAXPROCS(0))
+	}
+	runtime.SetDefaultGOMAXPROCS()
+	def := runtime.GOMAXPROCS(0)
+	runtime.GOMAXPROCS(def + 1)
+	if n, _ := applyMaxProcs(0); n != def {
+		t.Errorf("applyMaxProcs(0) = %d, want the runtime's default %d", n, def)
+	}
+	t.Setenv("GOMAXPROCS", "5")
+	runtime.GOMAXPROCS(2)
+	if n, fromEnv := applyMaxProcs(1); n != 2 || !fromEnv {
+		t.Errorf("with GOMAXPROCS set, applyMaxProcs(1) = %d, %v; want it left at 2, from the environment", n, fromEnv)
 	}
 }
 

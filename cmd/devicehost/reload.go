@@ -27,8 +27,8 @@ type reloadHook struct {
 
 // reloader re-reads the agent's configuration on SIGHUP: the command line again (so the
 // flags given keep winning over the file), the config file, and -dev's settings. What
-// can change live is applied: the plugin blocks (through the manager's SetPlugins) and
-// log_level (on the root logger, so every logger named from it follows). The rest is
+// can change live is applied: the plugin blocks (through the manager's SetPlugins),
+// log_level (on the root logger, so every logger named from it follows) and max_procs. The rest is
 // logged as needing a restart and left as it runs. A file that does not load is refused
 // with the same file:line message as at start, and nothing changes; so is a file whose
 // plugin blocks give a plugin a config it rejects (the manager checks each new config
@@ -76,6 +76,11 @@ func (r *reloader) reload() {
 	if next.LogLevel != running.LogLevel {
 		r.log.Info("log level changed", "from", running.LogLevel, "to", next.LogLevel)
 		running.LogLevel = next.LogLevel
+	}
+	if next.MaxProcs != running.MaxProcs {
+		inForce := logMaxProcs(r.log, next.MaxProcs)
+		r.log.Info("max_procs changed", "from", running.MaxProcs, "to", next.MaxProcs, "gomaxprocs", inForce)
+		running.MaxProcs = next.MaxProcs
 	}
 	if err != nil {
 		r.log.Error("plugin settings not applied; the running ones are kept", "error", err)

@@ -168,6 +168,7 @@ plugin "b" {
 // the command line sets, so they do not change at all).
 const reloadConfigV2 = `
 log_level      = "debug"
+max_procs      = 2
 stats_interval = "2s"
 listen         = "unix:///run/devicehost-elsewhere.sock"
 plugin_dir     = "/srv/elsewhere"
@@ -255,6 +256,7 @@ func TestAgentReloadsItsConfigOnSIGHUP(t *testing.T) {
 		t.Errorf("settings reported as needing a restart: %q, want only stats_interval (listen and plugin_dir are the command line's)", got)
 	}
 	agent.waitLog(t, ctx, "log level changed", func(e logEntry) bool { return e.str("to") == "debug" })
+	agent.waitLog(t, ctx, "max_procs changed", func(e logEntry) bool { return e["to"] == 2.0 && e["gomaxprocs"] == 2.0 })
 	agent.waitLog(t, ctx, "fixture a: debug v2", func(e logEntry) bool { return e.str("@level") == "debug" })
 	fp = currentFingerprint(t, ctx, client, "a restarted with a1, b with the fixture's default devices", func(fp *pb.FingerprintResponse) bool {
 		return healthyIDs(fp, "a0", "a1", "w0", "w1") && !hasDevice(fp, "b0")
@@ -333,7 +335,7 @@ func TestAgentReloadsItsConfigOnSIGHUP(t *testing.T) {
 // added later and forgotten there would be dropped by a reload without a word.
 func TestRestartOnlyNamesEverySettingAReloadCannotApply(t *testing.T) {
 	live := map[string]bool{
-		"LogLevel": true, "Plugins": true, "Bundled": true,
+		"LogLevel": true, "Plugins": true, "Bundled": true, "MaxProcs": true,
 		// Not a setting: whether metrics_listen may be plain HTTP follows from its address.
 		"MetricsTLS.Insecure": true,
 	}
