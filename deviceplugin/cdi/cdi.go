@@ -231,41 +231,30 @@ func validateSpec(raw *cdispec.Spec) error {
 
 // writeAtomic writes data to path through a temporary file in dir (made 0755 if
 // missing) renamed over it, mode specFileMode whatever the umask: readers or the
-// path see the old content or the new, never a part.
+// path see the old content or the new, never a part. See createTemp for the system
+// calls it makes.
 func writeAtomic(dir, path string, data []byte) error {
-	f, err := os.CreateTemp(dir, "spec.*.tmp")
+	t, err := createTemp(dir)
 	if errors.Is(err, fs.ErrNotExist) {
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return err
 		}
-		f, err = os.CreateTemp(dir, "spec.*.tmp")
+		t, err = createTemp(dir)
 	}
 	if err != nil {
-		// Without the temporary file's random name, so that the same failure reads
-		// the same each time (callers log a failure once until it changes).
-		var pe *fs.PathError
-		if errors.As(err, &pe) {
-			err = pe.Err
-		}
 		return fmt.Errorf("create a temporary file in %s: %w", dir, err)
 	}
-	tmp := f.Name()
-	if err := f.Chmod(specFileMode); err != nil {
-		f.Close()
-		os.Remove(tmp)
+	if err := t.write(data); err != nil {
+		t.close()
+		t.remove()
 		return err
 	}
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		os.Remove(tmp)
+	if err := t.close(); err != nil {
+		t.remove()
 		return err
 	}
-	if err := f.Close(); err != nil {
-		os.Remove(tmp)
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		os.Remove(tmp)
+	if err := t.renameTo(path); err != nil {
+		t.remove()
 		return err
 	}
 	return nil
