@@ -88,7 +88,8 @@ type Node struct {
 // Writer keeps one CDI spec file up to date: Write replaces it, atomically (a
 // temporary file renamed over it, so a runtime never reads half a spec), whenever what
 // it would hold changes. Make one with NewWriter. Safe for concurrent use; it starts no
-// goroutines and has nothing to close. The file outlives the process on purpose:
+// goroutines and has nothing to close, unless Ahead is used (then Discard). The file
+// outlives the process on purpose:
 // containers started with its names and those still to start keep resolving them while
 // a plugin restarts; Remove takes it away.
 type Writer struct {
@@ -96,6 +97,7 @@ type Writer struct {
 	name  string // file name without extension
 	ext   string // ".yaml" or ".json"
 	cache *cdiapi.Cache
+	ahead *ahead // the directory's file made ahead (Writer.Ahead); shared with siblings
 
 	mu   sync.Mutex
 	last []byte // the spec last written, JSON; nil when none (or removed)
@@ -127,7 +129,8 @@ func newWriter(dir, name, ext string) (*Writer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("cdi: %w", err)
 	}
-	return &Writer{dir: filepath.Clean(dir), name: name, ext: ext, cache: cache}, nil
+	dir = filepath.Clean(dir)
+	return &Writer{dir: dir, name: name, ext: ext, cache: cache, ahead: &ahead{dir: dir}}, nil
 }
 
 // Sibling returns a writer of another spec file, dir/name.yaml (.json for a JSON
@@ -140,7 +143,7 @@ func (w *Writer) Sibling(name string) (*Writer, error) {
 	if !validFileName(name) {
 		return nil, fmt.Errorf("cdi: spec file name %q: want letters, digits, '.', '_' or '-' only", name)
 	}
-	return &Writer{dir: w.dir, name: name, ext: w.ext, cache: w.cache}, nil
+	return &Writer{dir: w.dir, name: name, ext: w.ext, cache: w.cache, ahead: w.ahead}, nil
 }
 
 func validFileName(name string) bool {
@@ -201,7 +204,7 @@ func (w *Writer) Write(s Spec) (changed bool, err error) {
 		}
 		out = append([]byte("---\n"), y...)
 	}
-	if err := writeAtomic(w.dir, w.Path(), out); err != nil {
+	if err := w.ahead.writeAtomic(w.Path(), out); err != nil {
 		return false, fmt.Errorf("cdi: write spec %s: %w", w.Path(), err)
 	}
 	w.last = data
@@ -225,37 +228,6 @@ func validateSpec(raw *cdispec.Spec) error {
 		if err := e.Validate(); err != nil {
 			return fmt.Errorf("invalid device %q: %w", d.Name, err)
 		}
-	}
-	return nil
-}
-
-// writeAtomic writes data to path through a temporary file in dir (made 0755 if
-// missing) renamed over it, mode specFileMode whatever the umask: readers or the
-// path see the old content or the new, never a part. See createTemp for the system
-// calls it makes.
-func writeAtomic(dir, path string, data []byte) error {
-	t, err := createTemp(dir)
-	if errors.Is(err, fs.ErrNotExist) {
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			return err
-		}
-		t, err = createTemp(dir)
-	}
-	if err != nil {
-		return fmt.Errorf("create a temporary file in %s: %w", dir, err)
-	}
-	if err := t.write(data); err != nil {
-		t.close()
-		t.remove()
-		return err
-	}
-	if err := t.close(); err != nil {
-		t.remove()
-		return err
-	}
-	if err := t.renameTo(path); err != nil {
-		t.remove()
-		return err
 	}
 	return nil
 }

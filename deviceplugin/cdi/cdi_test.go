@@ -430,3 +430,118 @@ func BenchmarkWriteJSON(b *testing.B) {
 		}
 	}
 }
+
+// openFDs counts this process's open descriptors (Linux), or skips the test.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	es, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Skipf("no /proc/self/fd: %v", err)
+	}
+	return len(es)
+}
+
+// tmpFiles lists the temporary files in dir.
+func tmpFiles(t *testing.T, dir string) []string {
+	t.Helper()
+	m, err := filepath.Glob(filepath.Join(dir, "*.tmp"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// Ahead makes the next Write's temporary file (one for a writer and its siblings)
+// and closes what earlier Writes left open; the specs are written as without it;
+// Discard leaves nothing behind.
+func TestWriterAhead(t *testing.T) {
+	dir := t.TempDir()
+	w, err := cdi.NewJSONWriter(dir, "devicehost-widgets-claim-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sib, err := w.Sibling("devicehost-widgets-claim-b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fds := openFDs(t)
+	if err := w.Ahead(); err != nil {
+		t.Fatal(err)
+	}
+	if err := sib.Ahead(); err != nil { // the same directory: still one file
+		t.Fatal(err)
+	}
+	if got := tmpFiles(t, dir); len(got) != 1 {
+		t.Fatalf("temporary files after Ahead: %v, want one", got)
+	}
+	for i := range 50 {
+		x := []*cdi.Writer{w, sib}[i%2]
+		if _, err := x.Write(widgetSpec(fmt.Sprintf("w%d", i))); err != nil {
+			t.Fatal(err)
+		}
+		if m := statFile(t, x.Path()).mode; m != 0o644 {
+			t.Errorf("%s: mode %v, want 0644", x.Path(), m)
+		}
+		if got := runtimeCache(t, dir).GetDevice(kind + fmt.Sprintf("=w%d", i)); got == nil {
+			t.Fatalf("write %d: device w%d not in the directory's specs", i, i)
+		}
+		if i%3 == 0 { // now and then a Write finds no file made ahead
+			if err := x.Ahead(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if n := openFDs(t) - fds; n > 2 {
+			t.Fatalf("write %d: %d more descriptors open than before, want at most 2 (one ahead, one written)", i, n)
+		}
+	}
+	// Ahead's file removed under it (a cleaned directory): the Write still lands.
+	if err := w.Ahead(); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range tmpFiles(t, dir) {
+		if err := os.Remove(f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := w.Write(widgetSpec("late")); err != nil {
+		t.Fatalf("write after the directory was cleaned: %v", err)
+	}
+	if runtimeCache(t, dir).GetDevice(kind+"=late") == nil {
+		t.Fatal("device late not in the directory's specs")
+	}
+	if err := w.Ahead(); err != nil {
+		t.Fatal(err)
+	}
+	w.Discard()
+	if got := tmpFiles(t, dir); len(got) != 0 {
+		t.Errorf("temporary files after Discard: %v", got)
+	}
+	if n := openFDs(t) - fds; n > 0 {
+		t.Errorf("%d more descriptors open after Discard", n)
+	}
+}
+
+// Without a later Ahead, Writes close their own descriptors past a few.
+func TestWriterAheadBoundsOpenFiles(t *testing.T) {
+	dir := t.TempDir()
+	w, err := cdi.NewJSONWriter(dir, "devicehost-widgets")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fds := openFDs(t)
+	if err := w.Ahead(); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 200 {
+		if _, err := w.Write(widgetSpec(fmt.Sprintf("w%d", i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := openFDs(t) - fds; n > 16 {
+		t.Errorf("%d more descriptors open after 200 Writes with no Ahead since the first, want at most 16", n)
+	}
+	w.Discard()
+	if n := openFDs(t) - fds; n > 0 {
+		t.Errorf("%d more descriptors open after Discard", n)
+	}
+}

@@ -8,6 +8,9 @@ import (
 	"os"
 )
 
+// renameOpen: not on Windows, where an open file cannot be renamed.
+const renameOpen = false
+
 // tempFile is a temporary spec file being written (see tempfile_unix.go, the one the
 // runtimes that read CDI specs run on).
 type tempFile struct{ f *os.File }

@@ -15,6 +15,9 @@ import (
 	"syscall"
 )
 
+// renameOpen: a file may be renamed while open, its descriptor closed later.
+const renameOpen = true
+
 // tempFile is a temporary spec file being written: its descriptor, not an *os.File.
 // os.CreateTemp, Chmod, Close and os.Rename make 11 system calls for a spec (the
 // descriptor offered to the network poller, which refuses a regular file, its flags

@@ -23,7 +23,7 @@ func TestWriteAtomicModeWhateverTheUmask(t *testing.T) {
 		umaskStrips = sync.OnceValue(readUmaskStrips)
 		strips := umaskStrips()
 		path := filepath.Join(dir, "spec.json")
-		err := writeAtomic(dir, path, []byte(`{"cdiVersion":"0.6.0"}`))
+		err := (&ahead{dir: dir}).writeAtomic(path, []byte(`{"cdiVersion":"0.6.0"}`))
 		syscall.Umask(old)
 		if err != nil {
 			t.Fatalf("umask %04o: %v", tc.mask, err)
@@ -45,10 +45,10 @@ func TestWriteAtomicModeWhateverTheUmask(t *testing.T) {
 	// A directory that is not there is made; one that cannot be is an error that names
 	// it, with no temporary file left behind.
 	sub := filepath.Join(dir, "made", "here")
-	if err := writeAtomic(sub, filepath.Join(sub, "s.json"), []byte("{}")); err != nil {
+	if err := (&ahead{dir: sub}).writeAtomic(filepath.Join(sub, "s.json"), []byte("{}")); err != nil {
 		t.Fatalf("missing directory: %v", err)
 	}
-	if err := writeAtomic(dir, filepath.Join(dir, "made"), []byte("{}")); err == nil {
+	if err := (&ahead{dir: dir}).writeAtomic(filepath.Join(dir, "made"), []byte("{}")); err == nil {
 		t.Error("rename over a non-empty directory: no error")
 	}
 	entries, _ := filepath.Glob(filepath.Join(dir, "spec.*.tmp"))

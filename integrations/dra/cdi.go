@@ -75,6 +75,28 @@ func (c *cdiSpecs) writer(uid string) (*cdi.Writer, error) {
 	return w, nil
 }
 
+// ahead does what the next claim's spec write can do before the claim comes (its
+// temporary file: cdi.Writer.Ahead), once a first spec was written. A failure is left
+// for that write to meet and report.
+func (c *cdiSpecs) ahead() {
+	c.mu.Lock()
+	base := c.base
+	c.mu.Unlock()
+	if base != nil {
+		_ = base.Ahead()
+	}
+}
+
+// discard removes what ahead made (the driver stops).
+func (c *cdiSpecs) discard() {
+	c.mu.Lock()
+	base := c.base
+	c.mu.Unlock()
+	if base != nil {
+		base.Discard()
+	}
+}
+
 // write makes claim uid's spec describe its reservations rs (namespace/name label the
 // container through DEVICEHOST_CLAIM).
 func (c *cdiSpecs) write(uid, claim string, rs []*pb.Reservation) error {

@@ -134,7 +134,7 @@ func (r *rig) resolves(ids ...string) bool {
 // answer; unprepare releases it, and again is no error.
 func TestPrepareUnprepare(t *testing.T) {
 	r := newRig(t)
-	r.startDriver(nil)
+	rd := r.startDriver(nil)
 	k := r.kubelet()
 	ids, _ := r.waitGPUs()
 	c := r.claim("pair", DeviceName(ids[2]), DeviceName(ids[5]))
@@ -187,6 +187,26 @@ func TestPrepareUnprepare(t *testing.T) {
 	}
 	if e := k.unprepare(t, c); e != "" {
 		t.Errorf("unprepare again: %s", e)
+	}
+
+	// Once a claim was prepared, the next claim's CDI spec file is made ahead, off
+	// the kubelet's wait: one temporary file in the CDI dir, which the driver removes
+	// when it stops.
+	tmps := func() []string {
+		m, err := filepath.Glob(filepath.Join(r.cdiDir, "*.tmp"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	for deadline := time.Now().Add(testTimeout); len(tmps()) != 1; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("temporary files in the CDI dir: %v, want the one made ahead", tmps())
+		}
+	}
+	rd.stop(t)
+	if got := tmps(); len(got) != 0 {
+		t.Errorf("temporary files in the CDI dir after the driver stopped: %v", got)
 	}
 }
 

@@ -176,7 +176,11 @@ func (d *Driver) statusLoop(ctx context.Context) error {
 	retry := time.NewTimer(statusRetry)
 	retry.Stop()
 	defer retry.Stop()
+	defer d.cdi.discard()
 	for {
+		// A prepare kicks this loop once it has its answer: the next claim's CDI spec
+		// file is made here, off the kubelet's wait.
+		d.cdi.ahead()
 		v, changed := d.current()
 		failed := false
 		for _, uid := range d.statuses.due(v) {
