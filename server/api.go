@@ -30,9 +30,7 @@ func (s *Server) Fingerprint(req *pb.FingerprintRequest, stream grpc.ServerStrea
 		return err
 	}
 	defer release()
-	sb, cur, _, ok := s.fingerprints.Join("", s.mgr.Watch, stream, connID(ctx), filter.key(), func(snap device.Snapshot) *fanout.Frame {
-		return fanout.Encode(snapshotToProto(snap, filter))
-	})
+	sb, cur, _, ok := s.fingerprints.Join("", s.mgr.Watch, stream, connID(ctx), filter.key(), newSnapshotEncoder(filter).encode)
 	if !ok {
 		return errServerShutdown
 	}

@@ -81,51 +81,63 @@ func snapshotToProto(snap device.Snapshot, f streamFilter) *pb.FingerprintRespon
 			Attributes: valuesToProto(g.Attributes),
 			Devices:    make([]*pb.Device, 0, len(g.Devices)),
 		}
-		for _, d := range g.Devices {
-			ds := st.Devices[d.ID]
-			pd := &pb.Device{
-				Id:           d.ID,
-				Health:       healthToProto(ds.Health),
-				HealthReason: ds.Reason,
-				HealthSince:  timeToProto(ds.Since),
-				Locality: &pb.Locality{
-					PciBusId: d.Locality.PCIBusID,
-					NumaNode: int32(d.Locality.NUMANode),
-				},
-			}
-			if ds.Holder != nil {
-				pd.Holder = &pb.Holder{
-					ReservationId: ds.Holder.ReservationID,
-					OwnerId:       ds.Holder.OwnerID,
-				}
-			}
+		for i := range g.Devices {
+			d := &g.Devices[i]
+			pg.Devices = append(pg.Devices, deviceToProto(d, st.Devices[d.ID]))
 			for _, c := range d.Consumes {
-				pd.Consumes = append(pd.Consumes, &pb.CounterConsumption{CounterSet: c.Set.Name, Counters: maps.Clone(c.Counters)})
 				sets[c.Set] = true
 			}
-			for _, h := range ds.BlockedBy {
-				pd.BlockedBy = append(pd.BlockedBy, &pb.Holder{ReservationId: h.ReservationID, OwnerId: h.OwnerID})
-			}
-			if ds.Cordon != nil {
-				pd.Cordon = cordonToProto(*ds.Cordon)
-			}
-			pd.CdiDevices = slices.Clone(d.CDIDevices)
-			for _, h := range ds.AdminAccess {
-				pd.AdminAccess = append(pd.AdminAccess, &pb.Holder{ReservationId: h.ReservationID, OwnerId: h.OwnerID})
-			}
-			pg.Devices = append(pg.Devices, pd)
 		}
 		out.Groups = append(out.Groups, pg)
 	}
 	for _, cs := range inv.CounterSets { // sorted by plugin, then name
 		if sets[cs.Key] {
-			out.CounterSets = append(out.CounterSets, &pb.CounterSet{
-				Plugin: cs.Key.Plugin, Name: cs.Key.Name,
-				Capacity: maps.Clone(cs.Capacity), Used: maps.Clone(st.CounterUse[cs.Key]),
-			})
+			out.CounterSets = append(out.CounterSets, counterSetToProto(cs, st))
 		}
 	}
 	return out
+}
+
+// counterSetToProto is counter set cs with its use in st.
+func counterSetToProto(cs device.CounterSet, st device.State) *pb.CounterSet {
+	return &pb.CounterSet{
+		Plugin: cs.Key.Plugin, Name: cs.Key.Name,
+		Capacity: maps.Clone(cs.Capacity), Used: maps.Clone(st.CounterUse[cs.Key]),
+	}
+}
+
+// deviceToProto joins device d of the inventory with its state ds.
+func deviceToProto(d *device.DeviceInfo, ds device.DeviceState) *pb.Device {
+	pd := &pb.Device{
+		Id:           d.ID,
+		Health:       healthToProto(ds.Health),
+		HealthReason: ds.Reason,
+		HealthSince:  timeToProto(ds.Since),
+		Locality: &pb.Locality{
+			PciBusId: d.Locality.PCIBusID,
+			NumaNode: int32(d.Locality.NUMANode),
+		},
+	}
+	if ds.Holder != nil {
+		pd.Holder = &pb.Holder{
+			ReservationId: ds.Holder.ReservationID,
+			OwnerId:       ds.Holder.OwnerID,
+		}
+	}
+	for _, c := range d.Consumes {
+		pd.Consumes = append(pd.Consumes, &pb.CounterConsumption{CounterSet: c.Set.Name, Counters: maps.Clone(c.Counters)})
+	}
+	for _, h := range ds.BlockedBy {
+		pd.BlockedBy = append(pd.BlockedBy, &pb.Holder{ReservationId: h.ReservationID, OwnerId: h.OwnerID})
+	}
+	if ds.Cordon != nil {
+		pd.Cordon = cordonToProto(*ds.Cordon)
+	}
+	pd.CdiDevices = slices.Clone(d.CDIDevices)
+	for _, h := range ds.AdminAccess {
+		pd.AdminAccess = append(pd.AdminAccess, &pb.Holder{ReservationId: h.ReservationID, OwnerId: h.OwnerID})
+	}
+	return pd
 }
 
 // statsToProto converts the stats of the groups that pass f.

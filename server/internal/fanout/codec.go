@@ -44,6 +44,12 @@ func NewFrame(data []byte) *Frame {
 	return &Frame{data: data, wire: mem.BufferSlice{mem.SliceBuffer(data)}}
 }
 
+// Data is the encoded message; nil when encoding failed. Not to be modified.
+func (f *Frame) Data() []byte { return f.data }
+
+// Err is the status the streams end with when the message could not be encoded.
+func (f *Frame) Err() error { return f.err }
+
 // Encode marshals m into a frame. When that fails, the frame holds the INTERNAL status
 // that a stream sending it ends with.
 func Encode(m proto.Message) *Frame {
