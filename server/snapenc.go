@@ -1,6 +1,7 @@
 package server
 
 import (
+	"maps"
 	"slices"
 	"sync"
 
@@ -14,8 +15,9 @@ import (
 
 // The field numbers the encoder writes itself.
 var (
-	fingerprintGroupsField = (&pb.FingerprintResponse{}).ProtoReflect().Descriptor().Fields().ByName("groups").Number()
-	groupDevicesField      = (&pb.DeviceGroup{}).ProtoReflect().Descriptor().Fields().ByName("devices").Number()
+	fingerprintGroupsField      = (&pb.FingerprintResponse{}).ProtoReflect().Descriptor().Fields().ByName("groups").Number()
+	fingerprintCounterSetsField = (&pb.FingerprintResponse{}).ProtoReflect().Descriptor().Fields().ByName("counter_sets").Number()
+	groupDevicesField           = (&pb.DeviceGroup{}).ProtoReflect().Descriptor().Fields().ByName("devices").Number()
 )
 
 // snapshotEncoder encodes the Fingerprint snapshots of one stream filter (one fan-out
@@ -27,14 +29,26 @@ var (
 // (232 devices, a 51 KB message) encoding the whole message on every change was a
 // quarter of the agent's CPU in a Reserve+Release loop of one partition.
 //
+// The groups' own fields and the counter sets with their use are kept the same way.
 // The bytes differ from proto.Marshal's of snapshotToProto only in the order of the
-// top-level fields (the groups last), which decoders do not see. Safe for concurrent use.
+// top-level fields (the timestamp, the counter sets, then the groups), which decoders
+// do not see. Safe for concurrent use.
 type snapshotEncoder struct {
 	filter streamFilter
 
-	mu   sync.Mutex
-	gen  uint64                                // encodes made
-	devs map[*device.DeviceInfo]*encodedDevice // by the inventory entry encoded
+	mu     sync.Mutex
+	gen    uint64                                // encodes made
+	devs   map[*device.DeviceInfo]*encodedDevice // by the inventory entry encoded
+	groups map[*device.Group]*encodedPart        // each group's own fields, by the group
+	sets   map[*device.CounterSet]*encodedPart   // each counter set with its use, by the set
+}
+
+// encodedPart is the encoding of a group's own fields (its devices apart), or of a
+// counter set with its use (used: a copy of the use it was made from).
+type encodedPart struct {
+	data []byte
+	used map[string]int64
+	gen  uint64
 }
 
 // encodedDevice is a device's encoding, with the state it was made from.
@@ -45,7 +59,8 @@ type encodedDevice struct {
 }
 
 func newSnapshotEncoder(f streamFilter) *snapshotEncoder {
-	return &snapshotEncoder{filter: f, devs: make(map[*device.DeviceInfo]*encodedDevice)}
+	return &snapshotEncoder{filter: f, devs: make(map[*device.DeviceInfo]*encodedDevice),
+		groups: make(map[*device.Group]*encodedPart), sets: make(map[*device.CounterSet]*encodedPart)}
 }
 
 // encode is snapshotToProto and proto.Marshal, with the devices' encodings reused.
@@ -72,13 +87,20 @@ func (e *snapshotEncoder) encode(snap device.Snapshot) *fanout.Frame {
 		if !e.filter.matches(g.Plugin, g.GroupKey) {
 			continue
 		}
-		gh, err := proto.Marshal(&pb.DeviceGroup{
-			Vendor: g.Vendor, Type: g.Type, Name: g.Name, Plugin: g.Plugin,
-			Attributes: valuesToProto(g.Attributes),
-		})
-		if err != nil {
-			return fanout.Encode(snapshotToProto(snap, e.filter)) // its error, in the frame
+		gp := e.groups[g]
+		if gp == nil {
+			gh, err := proto.Marshal(&pb.DeviceGroup{
+				Vendor: g.Vendor, Type: g.Type, Name: g.Name, Plugin: g.Plugin,
+				Attributes: valuesToProto(g.Attributes),
+			})
+			if err != nil {
+				return fanout.Encode(snapshotToProto(snap, e.filter)) // its error, in the frame
+			}
+			gp = &encodedPart{data: gh}
+			e.groups[g] = gp
 		}
+		gp.gen = e.gen
+		gh := gp.data
 		p := groupParts{head: gh, size: len(gh), devs: make([][]byte, 0, len(g.Devices))}
 		for i := range g.Devices {
 			d := &g.Devices[i]
@@ -102,19 +124,36 @@ func (e *snapshotEncoder) encode(snap device.Snapshot) *fanout.Frame {
 		total += protowire.SizeTag(fingerprintGroupsField) + protowire.SizeBytes(p.size)
 		parts = append(parts, p)
 	}
-	for _, cs := range inv.CounterSets {
-		if sets[cs.Key] {
-			head.CounterSets = append(head.CounterSets, counterSetToProto(cs, st))
+	var setParts [][]byte
+	for i := range inv.CounterSets {
+		cs := &inv.CounterSets[i]
+		if !sets[cs.Key] {
+			continue
 		}
-	}
-	for d, c := range e.devs {
-		if c.gen != e.gen { // a device no longer in the snapshot (or the filter)
-			delete(e.devs, d)
+		used := st.CounterUse[cs.Key]
+		sp := e.sets[cs]
+		if sp == nil || !maps.Equal(sp.used, used) {
+			data, err := proto.Marshal(counterSetToProto(*cs, st))
+			if err != nil {
+				return fanout.Encode(snapshotToProto(snap, e.filter))
+			}
+			sp = &encodedPart{data: data, used: maps.Clone(used)}
+			e.sets[cs] = sp
 		}
+		sp.gen = e.gen
+		setParts = append(setParts, sp.data)
+		total += protowire.SizeTag(fingerprintCounterSetsField) + protowire.SizeBytes(len(sp.data))
 	}
-	data, err := proto.MarshalOptions{}.MarshalAppend(make([]byte, 0, proto.Size(head)+total), head)
+	prune(e.devs, func(c *encodedDevice) bool { return c.gen != e.gen }) // no longer in the snapshot (or the filter)
+	prune(e.groups, func(c *encodedPart) bool { return c.gen != e.gen })
+	prune(e.sets, func(c *encodedPart) bool { return c.gen != e.gen })
+	data, err := proto.MarshalOptions{}.MarshalAppend(make([]byte, 0, 16+total), head) // the timestamp
 	if err != nil {
 		return fanout.Encode(snapshotToProto(snap, e.filter))
+	}
+	for _, b := range setParts {
+		data = protowire.AppendTag(data, fingerprintCounterSetsField, protowire.BytesType)
+		data = protowire.AppendBytes(data, b)
 	}
 	for _, p := range parts {
 		data = protowire.AppendTag(data, fingerprintGroupsField, protowire.BytesType)
@@ -126,6 +165,15 @@ func (e *snapshotEncoder) encode(snap device.Snapshot) *fanout.Frame {
 		}
 	}
 	return fanout.NewFrame(data)
+}
+
+// prune deletes the entries of m that drop says to.
+func prune[K comparable, V any](m map[K]V, drop func(V) bool) {
+	for k, v := range m {
+		if drop(v) {
+			delete(m, k)
+		}
+	}
 }
 
 // sameEncodedState reports whether a and b encode alike (what deviceToProto reads).

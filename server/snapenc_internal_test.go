@@ -140,8 +140,28 @@ func TestSnapshotEncoderIsSnapshotToProto(t *testing.T) {
 					t.Fatalf("seed %d step %d: the encoder keeps device %s of an earlier inventory", seed, step, d.ID)
 				}
 			}
+			for g := range e.groups {
+				if !containsAddr(inv.Groups, g) {
+					t.Fatalf("seed %d step %d: the encoder keeps group %s of an earlier inventory", seed, step, g.Name)
+				}
+			}
+			for cs := range e.sets {
+				if !containsAddr(inv.CounterSets, cs) {
+					t.Fatalf("seed %d step %d: the encoder keeps counter set %s of an earlier inventory", seed, step, cs.Key.Name)
+				}
+			}
 		}
 	}
+}
+
+// containsAddr reports whether p points at an element of s.
+func containsAddr[T any](s []T, p *T) bool {
+	for i := range s {
+		if &s[i] == p {
+			return true
+		}
+	}
+	return false
 }
 
 // BenchmarkFingerprintEncode encodes a snapshot of 8 groups of 29 devices (a DGX H100's
