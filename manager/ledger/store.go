@@ -241,8 +241,7 @@ func openBolt(path string, timeout time.Duration) (db *bolt.DB, err error) {
 		}
 	}()
 	db, err = bolt.Open(path, 0o600, &bolt.Options{
-		Timeout:        timeout,
-		NoFreelistSync: true,
+		Timeout: timeout,
 		OpenFile: func(name string, flag int, perm os.FileMode) (*os.File, error) {
 			f, err := os.OpenFile(name, flag, perm)
 			file = f
