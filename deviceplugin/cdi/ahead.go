@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"path/filepath"
+	"strings"
 	"sync"
+	"time"
 )
 
 // maxWritten bounds the descriptors of written files a directory keeps open for the
@@ -123,6 +126,38 @@ func (a *ahead) writeAtomic(path string, data []byte) error {
 		a.mu.Unlock()
 	}
 	return nil
+}
+
+// RemoveStaleTemps removes the temporary files of spec writes ("spec.*.tmp") in dir
+// last modified more than olderThan ago: what a writer killed in a write, or killed
+// holding a file made by Ahead, left behind. A writer whose file made ahead is removed
+// writes its next spec afresh. A missing dir has none.
+func RemoveStaleTemps(dir string, olderThan time.Duration) (removed int, err error) {
+	entries, err := os.ReadDir(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("cdi: %w", err)
+	}
+	cutoff := time.Now().Add(-olderThan)
+	var errs []error
+	for _, e := range entries {
+		name := e.Name()
+		if !e.Type().IsRegular() || !strings.HasPrefix(name, "spec.") || !strings.HasSuffix(name, ".tmp") {
+			continue
+		}
+		info, err := e.Info()
+		if err != nil || !info.ModTime().Before(cutoff) {
+			continue // gone meanwhile, or in use
+		}
+		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("cdi: %w", err))
+			continue
+		}
+		removed++
+	}
+	return removed, errors.Join(errs...)
 }
 
 // createTempIn is createTemp, making dir (0755) when it is missing.

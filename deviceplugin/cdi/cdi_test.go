@@ -9,6 +9,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	oci "github.com/opencontainers/runtime-spec/specs-go"
 	"go.uber.org/goleak"
@@ -543,5 +544,41 @@ func TestWriterAheadBoundsOpenFiles(t *testing.T) {
 	w.Discard()
 	if n := openFDs(t) - fds; n > 0 {
 		t.Errorf("%d more descriptors open after Discard", n)
+	}
+}
+
+// RemoveStaleTemps removes the temporary files older than its age, and leaves the
+// specs, newer temporary files and other files alone.
+func TestRemoveStaleTemps(t *testing.T) {
+	dir := t.TempDir()
+	old := time.Now().Add(-2 * time.Minute)
+	write := func(name string, mtime time.Time) {
+		t.Helper()
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chtimes(p, mtime, mtime); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("spec.123.tmp", old)
+	write("spec.456.tmp", time.Now())
+	write("devicehost.json", old)
+	write("other.tmp", old)
+	n, err := cdi.RemoveStaleTemps(dir, time.Minute)
+	if err != nil || n != 1 {
+		t.Fatalf("RemoveStaleTemps = %d, %v; want 1 removed", n, err)
+	}
+	var left []string
+	es, _ := os.ReadDir(dir)
+	for _, e := range es {
+		left = append(left, e.Name())
+	}
+	if want := []string{"devicehost.json", "other.tmp", "spec.456.tmp"}; !slices.Equal(left, want) {
+		t.Errorf("left %v, want %v", left, want)
+	}
+	if n, err := cdi.RemoveStaleTemps(filepath.Join(dir, "missing"), time.Minute); n != 0 || err != nil {
+		t.Errorf("missing dir: %d, %v", n, err)
 	}
 }

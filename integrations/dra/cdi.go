@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/devicehost/devicehost/deviceplugin/cdi"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
@@ -74,6 +75,10 @@ func (c *cdiSpecs) writer(uid string) (*cdi.Writer, error) {
 	c.writers[uid] = w
 	return w, nil
 }
+
+// staleTempAge is how old a temporary spec file in the CDI dir must be for repairCDI to
+// remove it: other writers' (the agent's kubelet bridge) live for the length of a write.
+const staleTempAge = time.Minute
 
 // ahead does what the next claim's spec write can do before the claim comes (its
 // temporary file: cdi.Writer.Ahead), once a first spec was written. A failure is left
@@ -238,9 +243,14 @@ func (d *Driver) repairCDI(ctx context.Context) error {
 			removed++
 		}
 	}
+	// A driver killed while it held a file made ahead (or in a write) left it.
+	temps, err := cdi.RemoveStaleTemps(d.cdi.dir, staleTempAge)
+	if err != nil {
+		errs = append(errs, err)
+	}
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	d.log.Debug("CDI specs match the ledger", "claims", len(byClaim), "removed", removed)
+	d.log.Debug("CDI specs match the ledger", "claims", len(byClaim), "removed", removed, "stale_temporary_files", temps)
 	return nil
 }

@@ -2,6 +2,7 @@ package dra
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -554,5 +555,37 @@ func TestPoolRepublishedAfterDeletion(t *testing.T) {
 	}
 	if !strings.Contains(rd.log.String(), "publishing them again") {
 		t.Errorf("the driver's log does not say why it published again:\n%s", rd.log)
+	}
+}
+
+// A temporary spec file a killed driver left in the CDI dir (one made ahead, say) is
+// removed when the driver starts and matches the specs to the ledger; a recent one,
+// which another writer may be using, is left.
+func TestStaleTemporarySpecFilesRemovedAtStart(t *testing.T) {
+	r := newRig(t)
+	if err := os.MkdirAll(r.cdiDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	stale, fresh := filepath.Join(r.cdiDir, "spec.1234.tmp"), filepath.Join(r.cdiDir, "spec.5678.tmp")
+	for _, p := range []string{stale, fresh} {
+		if err := os.WriteFile(p, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	old := time.Now().Add(-2 * staleTempAge)
+	if err := os.Chtimes(stale, old, old); err != nil {
+		t.Fatal(err)
+	}
+	rd := r.startDriver(nil)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	if _, err := rd.log.Wait(ctx, func(l string) bool { return strings.Contains(l, "CDI specs match the ledger") }); err != nil {
+		t.Fatalf("the driver did not match the CDI specs to the ledger: %v", err)
+	}
+	if _, err := os.Stat(stale); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("stale temporary file: %v, want removed", err)
+	}
+	if _, err := os.Stat(fresh); err != nil {
+		t.Errorf("recent temporary file: %v, want left", err)
 	}
 }
