@@ -122,8 +122,14 @@ func (a *ahead) writeAtomic(path string, data []byte) error {
 	}
 	if keep {
 		a.mu.Lock()
-		a.written = append(a.written, t)
+		keep = a.used // not if Discard came meanwhile
+		if keep {
+			a.written = append(a.written, t)
+		}
 		a.mu.Unlock()
+		if !keep {
+			t.close()
+		}
 	}
 	return nil
 }
