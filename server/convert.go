@@ -73,14 +73,8 @@ func snapshotToProto(snap device.Snapshot, f streamFilter) *pb.FingerprintRespon
 		if !f.matches(g.Plugin, g.GroupKey) {
 			continue
 		}
-		pg := &pb.DeviceGroup{
-			Vendor:     g.Vendor,
-			Type:       g.Type,
-			Name:       g.Name,
-			Plugin:     g.Plugin,
-			Attributes: valuesToProto(g.Attributes),
-			Devices:    make([]*pb.Device, 0, len(g.Devices)),
-		}
+		pg := groupToProto(&g)
+		pg.Devices = make([]*pb.Device, 0, len(g.Devices))
 		for i := range g.Devices {
 			d := &g.Devices[i]
 			pg.Devices = append(pg.Devices, deviceToProto(d, st.Devices[d.ID]))
@@ -103,6 +97,17 @@ func counterSetToProto(cs device.CounterSet, st device.State) *pb.CounterSet {
 	return &pb.CounterSet{
 		Plugin: cs.Key.Plugin, Name: cs.Key.Name,
 		Capacity: maps.Clone(cs.Capacity), Used: maps.Clone(st.CounterUse[cs.Key]),
+	}
+}
+
+// groupToProto is group g's own fields, without its devices.
+func groupToProto(g *device.Group) *pb.DeviceGroup {
+	return &pb.DeviceGroup{
+		Vendor:     g.Vendor,
+		Type:       g.Type,
+		Name:       g.Name,
+		Plugin:     g.Plugin,
+		Attributes: valuesToProto(g.Attributes),
 	}
 }
 

@@ -89,10 +89,7 @@ func (e *snapshotEncoder) encode(snap device.Snapshot) *fanout.Frame {
 		}
 		gp := e.groups[g]
 		if gp == nil {
-			gh, err := proto.Marshal(&pb.DeviceGroup{
-				Vendor: g.Vendor, Type: g.Type, Name: g.Name, Plugin: g.Plugin,
-				Attributes: valuesToProto(g.Attributes),
-			})
+			gh, err := proto.Marshal(groupToProto(g))
 			if err != nil {
 				return fanout.Encode(snapshotToProto(snap, e.filter)) // its error, in the frame
 			}

@@ -28,8 +28,8 @@ type reloadHook struct {
 // reloader re-reads the agent's configuration on SIGHUP: the command line again (so the
 // flags given keep winning over the file), the config file, and -dev's settings. What
 // can change live is applied: the plugin blocks (through the manager's SetPlugins),
-// log_level (on the root logger, so every logger named from it follows) and max_procs. The rest is
-// logged as needing a restart and left as it runs. A file that does not load is refused
+// log_level (on the root logger, so every logger named from it follows) and max_procs.
+// The rest is logged as needing a restart and left as it runs. A file that does not load is refused
 // with the same file:line message as at start, and nothing changes; so is a file whose
 // plugin blocks give a plugin a config it rejects (the manager checks each new config
 // before it stops the running plugin for it).

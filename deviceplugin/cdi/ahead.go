@@ -11,6 +11,13 @@ import (
 	"time"
 )
 
+// A spec write's temporary file is tempPrefix, a random number, tempSuffix, in the
+// spec's directory (createTemp); RemoveStaleTemps removes those a killed writer left.
+const (
+	tempPrefix = "spec."
+	tempSuffix = ".tmp"
+)
+
 // maxWritten bounds the descriptors of written files a directory keeps open for the
 // next Ahead to close; past it, Write closes its own.
 const maxWritten = 16
@@ -134,7 +141,7 @@ func (a *ahead) writeAtomic(path string, data []byte) error {
 	return nil
 }
 
-// RemoveStaleTemps removes the temporary files of spec writes ("spec.*.tmp") in dir
+// RemoveStaleTemps removes the temporary files of spec writes (tempPrefix...tempSuffix) in dir
 // last modified more than olderThan ago: what a writer killed in a write, or killed
 // holding a file made by Ahead, left behind. A writer whose file made ahead is removed
 // writes its next spec afresh. A missing dir has none.
@@ -150,7 +157,7 @@ func RemoveStaleTemps(dir string, olderThan time.Duration) (removed int, err err
 	var errs []error
 	for _, e := range entries {
 		name := e.Name()
-		if !e.Type().IsRegular() || !strings.HasPrefix(name, "spec.") || !strings.HasSuffix(name, ".tmp") {
+		if !e.Type().IsRegular() || !strings.HasPrefix(name, tempPrefix) || !strings.HasSuffix(name, tempSuffix) {
 			continue
 		}
 		info, err := e.Info()

@@ -16,7 +16,7 @@ const renameOpen = false
 type tempFile struct{ f *os.File }
 
 func createTemp(dir string) (*tempFile, error) {
-	f, err := os.CreateTemp(dir, "spec.*.tmp")
+	f, err := os.CreateTemp(dir, tempPrefix+"*"+tempSuffix)
 	if err != nil {
 		var pe *fs.PathError
 		if errors.As(err, &pe) {

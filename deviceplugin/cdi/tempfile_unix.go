@@ -30,10 +30,11 @@ type tempFile struct {
 	fd   int
 }
 
-// createTemp makes a new file "spec.<random>.tmp" in dir, mode specFileMode.
+// createTemp makes a new file tempPrefix, a random number, tempSuffix in dir, mode
+// specFileMode.
 func createTemp(dir string) (*tempFile, error) {
 	for try := 0; ; try++ {
-		name := filepath.Join(dir, "spec."+strconv.FormatUint(uint64(rand.Uint32()), 10)+".tmp")
+		name := filepath.Join(dir, tempPrefix+strconv.FormatUint(uint64(rand.Uint32()), 10)+tempSuffix)
 		fd, err := openExcl(name)
 		if errors.Is(err, syscall.EEXIST) && try < 10000 {
 			continue

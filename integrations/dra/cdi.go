@@ -84,22 +84,24 @@ const staleTempAge = time.Minute
 // temporary file: cdi.Writer.Ahead), once a first spec was written. A failure is left
 // for that write to meet and report.
 func (c *cdiSpecs) ahead() {
-	c.mu.Lock()
-	base := c.base
-	c.mu.Unlock()
-	if base != nil {
+	if base := c.baseWriter(); base != nil {
 		_ = base.Ahead()
 	}
 }
 
 // discard removes what ahead made (the driver stops).
 func (c *cdiSpecs) discard() {
-	c.mu.Lock()
-	base := c.base
-	c.mu.Unlock()
-	if base != nil {
+	if base := c.baseWriter(); base != nil {
 		base.Discard()
 	}
+}
+
+// baseWriter is the first claim spec writer made, whose siblings the others are; nil
+// before the first write.
+func (c *cdiSpecs) baseWriter() *cdi.Writer {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.base
 }
 
 // write makes claim uid's spec describe its reservations rs (namespace/name label the
