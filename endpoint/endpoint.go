@@ -46,6 +46,19 @@ var ClientKeepalive = keepalive.ClientParameters{
 	PermitWithoutStream: false,
 }
 
+// ClientStreamWindow and ClientConnWindow are the flow-control windows Dial sets, fixed.
+// gRPC's default is a window that grows by estimate: each time data arrives and no
+// estimate is under way, the client sends the server a PING and a WINDOW_UPDATE, which
+// the server reads and acknowledges. Every answer and every watch message made the
+// agent read and write once more (a tenth of its CPU in a Fingerprint change going to
+// 1,000 watchers; see docs/benchmarks.md#fixed-client-windows). Over a local socket or
+// a LAN a fixed 1 MiB is room enough: a Fingerprint of 232 devices is 51 KB, and a
+// larger message still flows, with a WINDOW_UPDATE each quarter of the window read.
+const (
+	ClientStreamWindow = 1 << 20
+	ClientConnWindow   = 1 << 20
+)
+
 // ServerKeepalivePolicy is the enforcement policy a server for Dial's clients needs
 // (server.New's default): it lets clients ping as often as ClientKeepalive does, with
 // room to spare. A server with gRPC's
@@ -409,8 +422,9 @@ func removeStaleSocket(path string) error {
 	return nil
 }
 
-// Dial makes a gRPC client for a under the transport policy, with ClientKeepalive (opts
-// come after, so they may override it). Like grpc.NewClient it does not connect; the
+// Dial makes a gRPC client for a under the transport policy, with ClientKeepalive and
+// the fixed windows ClientStreamWindow and ClientConnWindow (opts come after, so they
+// may override them). Like grpc.NewClient it does not connect; the
 // first call does.
 func Dial(a Address, t TLS, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 	cfg, err := t.config(a, false)
@@ -424,6 +438,8 @@ func Dial(a Address, t TLS, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 	all := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(creds),
 		grpc.WithKeepaliveParams(ClientKeepalive),
+		grpc.WithStaticStreamWindowSize(ClientStreamWindow),
+		grpc.WithStaticConnWindowSize(ClientConnWindow),
 	}, opts...)
 	conn, err := grpc.NewClient(a.Target(), all...)
 	if err != nil {

@@ -26,11 +26,11 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"github.com/devicehost/devicehost/endpoint"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/tools/calltrace"
 	"github.com/devicehost/devicehost/tools/rawgrpc"
@@ -246,8 +246,14 @@ func (s *session) close() {
 	s.a.stop()
 }
 
+// dial connects to the agent's socket as the host API's clients do (endpoint.Dial: its
+// keepalive and fixed flow-control windows).
 func dial(sock string) (*grpc.ClientConn, error) {
-	return grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	a, err := endpoint.Parse("unix://" + sock)
+	if err != nil {
+		return nil, err
+	}
+	return endpoint.Dial(a, endpoint.TLS{})
 }
 
 // stop ends the agent with SIGTERM and removes its directory.
