@@ -25,6 +25,24 @@ var Handshake = plugin.HandshakeConfig{
 	MagicCookieValue: "a9c3e1d4f6b2-devicehost-device-plugin",
 }
 
+// Window is the flow-control window, fixed, of both ends of the connection between the
+// host and a plugin: the host's dial (pluginloader) and Serve's server. gRPC's default
+// estimates a window by pinging the peer each time data arrives with no estimate under
+// way: a PING the host would read and answer while it waits on each answer of the
+// plugin, and one more the plugin would. A local socket needs no estimate, and 1 MiB is
+// room for any message either side sends (a larger one still flows).
+const Window = 1 << 20
+
+// WindowDialOptions fixes a client's windows at Window (the host's dial of a plugin).
+func WindowDialOptions() []grpc.DialOption {
+	return []grpc.DialOption{grpc.WithStaticStreamWindowSize(Window), grpc.WithStaticConnWindowSize(Window)}
+}
+
+// WindowServerOptions fixes a server's windows at Window (Serve's server).
+func WindowServerOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{grpc.StaticStreamWindowSize(Window), grpc.StaticConnWindowSize(Window)}
+}
+
 // VersionedPlugins is the plugin set keyed by go-plugin protocol version. The host
 // passes nil (it only dispenses clients); a plugin passes the server it serves.
 // A fresh map is returned on every call, so callers may change it.

@@ -8,6 +8,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/hashicorp/go-plugin"
+	"google.golang.org/grpc"
 )
 
 // stderr is the process's stderr as it was before go-plugin's Serve swaps os.Stderr for
@@ -50,7 +51,13 @@ func ServeConfig(impl Plugin) *plugin.ServeConfig {
 	return &plugin.ServeConfig{
 		HandshakeConfig:  Handshake,
 		VersionedPlugins: VersionedPlugins(NewServer(impl)),
-		GRPCServer:       plugin.DefaultGRPCServer,
+		GRPCServer:       grpcServer,
 		Logger:           Logger(),
 	}
+}
+
+// grpcServer is go-plugin's gRPC server with the connection's windows fixed
+// (WindowServerOptions).
+func grpcServer(opts []grpc.ServerOption) *grpc.Server {
+	return grpc.NewServer(append(opts, WindowServerOptions()...)...)
 }

@@ -14,7 +14,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -25,6 +24,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/internal/h2test"
 )
 
 func TestMain(m *testing.M) {
@@ -493,14 +493,7 @@ func TestServerKeepalivePolicyAllowsClientPings(t *testing.T) {
 // than a quarter of its window still arrives. The same calls through a client with
 // gRPC's defaults must show the pings, or the frame count is not seeing them.
 func TestDialMakesNoFlowControlPings(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "s.sock")
-	raw, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	l := &pingCounter{Listener: raw}
 	srv := grpc.NewServer()
-	healthpb.RegisterHealthServer(srv, health.NewServer())
 	big := strings.Repeat("x", 3*endpoint.ClientStreamWindow/2)
 	srv.RegisterService(&grpc.ServiceDesc{
 		ServiceName: "test.Big",
@@ -513,28 +506,18 @@ func TestDialMakesNoFlowControlPings(t *testing.T) {
 			return &healthpb.HealthCheckRequest{Service: big}, nil
 		}}},
 	}, struct{}{})
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(l) }()
-	defer func() {
-		srv.Stop()
-		<-served
-	}()
-	a, err := endpoint.Parse("unix://" + sock)
+	l, target := h2test.Serve(t, srv)
+	a, err := endpoint.Parse(target)
 	if err != nil {
 		t.Fatal(err)
 	}
 	calls := func(conn *grpc.ClientConn) int64 {
 		t.Helper()
 		defer conn.Close()
-		before := l.pings.Load()
+		pings, _ := h2test.Checks(t, l, conn, 20)
+		before := l.Received.Load()
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		c := healthpb.NewHealthClient(conn)
-		for range 20 {
-			if _, err := c.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
-				t.Fatal(err)
-			}
-		}
 		var out healthpb.HealthCheckRequest
 		if err := conn.Invoke(ctx, "/test.Big/Get", &healthpb.HealthCheckRequest{}, &out); err != nil {
 			t.Fatal(err)
@@ -542,9 +525,9 @@ func TestDialMakesNoFlowControlPings(t *testing.T) {
 		if len(out.Service) != len(big) {
 			t.Fatalf("a %d-byte answer arrived as %d bytes", len(big), len(out.Service))
 		}
-		return l.pings.Load() - before
+		return pings + l.Received.Load() - before
 	}
-	defaults, err := grpc.NewClient(a.Target(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	defaults, err := grpc.NewClient(target, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -558,57 +541,4 @@ func TestDialMakesNoFlowControlPings(t *testing.T) {
 	if n := calls(conn); n != 0 {
 		t.Errorf("a client from Dial sent %d PINGs in 21 calls, want none", n)
 	}
-}
-
-// pingCounter is a listener whose connections count the PING frames (not acks) their
-// clients send.
-type pingCounter struct {
-	net.Listener
-	pings atomic.Int64
-}
-
-func (l *pingCounter) Accept() (net.Conn, error) {
-	c, err := l.Listener.Accept()
-	if err != nil {
-		return nil, err
-	}
-	return &frameConn{Conn: c, pings: &l.pings, skip: len(http2Preface)}, nil
-}
-
-const http2Preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-// frameConn follows the HTTP/2 frames the client sends (after the preface), reading
-// each frame's 9-byte header and skipping its payload. Read by one goroutine (the
-// server's reader).
-type frameConn struct {
-	net.Conn
-	pings *atomic.Int64
-	skip  int    // bytes still to skip: the preface, or a frame's payload
-	head  []byte // a frame header read so far
-}
-
-func (c *frameConn) Read(p []byte) (int, error) {
-	n, err := c.Conn.Read(p)
-	b := p[:n]
-	for len(b) > 0 {
-		if c.skip > 0 {
-			k := min(c.skip, len(b))
-			c.skip -= k
-			b = b[k:]
-			continue
-		}
-		k := min(9-len(c.head), len(b))
-		c.head = append(c.head, b[:k]...)
-		b = b[k:]
-		if len(c.head) < 9 {
-			continue
-		}
-		length := int(c.head[0])<<16 | int(c.head[1])<<8 | int(c.head[2])
-		const typePing, flagAck = 0x6, 0x1
-		if c.head[3] == typePing && c.head[4]&flagAck == 0 {
-			c.pings.Add(1)
-		}
-		c.skip, c.head = length, c.head[:0]
-	}
-	return n, err
 }

@@ -223,7 +223,7 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 		// put the host's variables after Env, so they would win over it.
 		SkipHostEnv:     true,
 		Stderr:          p.plog,
-		GRPCDialOptions: recvLimit(name, maxRecv),
+		GRPCDialOptions: dialOptions(name, maxRecv),
 	}
 	if opts.SHA256 != "" {
 		want, err := checkSHA256(bin.Path, opts.SHA256)

@@ -7,7 +7,15 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/devicehost/devicehost/deviceplugin"
 )
+
+// dialOptions are the host's gRPC dial options for plugin name: recvLimit's, and the
+// connection's fixed windows (deviceplugin.Window).
+func dialOptions(name string, max int) []grpc.DialOption {
+	return append(recvLimit(name, max), deviceplugin.WindowDialOptions()...)
+}
 
 // recvLimit is the gRPC dial options that bound what the host reads from plugin name:
 // messages of at most max bytes (go-plugin's own options, which come first, allow 2 GiB),

@@ -1,0 +1,125 @@
+// Package h2test counts the PING frames of the HTTP/2 connections a gRPC server
+// accepts, for tests of transport settings that exist to spare them (grpc-go's window
+// estimate pings its peer after most messages it receives).
+package h2test
+
+import (
+	"context"
+	"net"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+)
+
+// Serve serves srv, with a health service added, on a new Unix socket until the test
+// ends, and returns the listener (its counts) and the socket's gRPC target.
+func Serve(t testing.TB, srv *grpc.Server) (*Listener, string) {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "s.sock")
+	raw, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &Listener{Listener: raw}
+	healthpb.RegisterHealthServer(srv, health.NewServer())
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(l) }()
+	t.Cleanup(func() {
+		srv.Stop()
+		<-served
+	})
+	return l, "unix://" + sock
+}
+
+// Checks makes n health checks on conn and returns how many PINGs l received and sent meanwhile.
+func Checks(t testing.TB, l *Listener, conn *grpc.ClientConn, n int) (received, sent int64) {
+	t.Helper()
+	r0, s0 := l.Received.Load(), l.Sent.Load()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c := healthpb.NewHealthClient(conn)
+	for range n {
+		if _, err := c.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return l.Received.Load() - r0, l.Sent.Load() - s0
+}
+
+// preface is what an HTTP/2 client sends before its first frame.
+const preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+// Listener is a listener whose connections count the PING frames (acks not counted)
+// going each way.
+type Listener struct {
+	net.Listener
+	// Received counts the PINGs the clients sent, Sent those the server sent.
+	Received, Sent atomic.Int64
+}
+
+// Accept implements net.Listener.
+func (l *Listener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return &conn{Conn: c, in: frames{skip: len(preface), pings: &l.Received}, out: frames{pings: &l.Sent}}, nil
+}
+
+type conn struct {
+	net.Conn
+	in, out frames
+}
+
+func (c *conn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	c.in.see(p[:n])
+	return n, err
+}
+
+func (c *conn) Write(p []byte) (int, error) {
+	n, err := c.Conn.Write(p)
+	c.out.see(p[:n])
+	return n, err
+}
+
+// frames follows one direction of a connection: each frame's 9-byte header, its
+// payload skipped.
+type frames struct {
+	pings *atomic.Int64
+
+	mu   sync.Mutex
+	skip int    // bytes still to skip: the preface, or a frame's payload
+	head []byte // a frame header read so far
+}
+
+func (f *frames) see(b []byte) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for len(b) > 0 {
+		if f.skip > 0 {
+			k := min(f.skip, len(b))
+			f.skip -= k
+			b = b[k:]
+			continue
+		}
+		k := min(9-len(f.head), len(b))
+		f.head = append(f.head, b[:k]...)
+		b = b[k:]
+		if len(f.head) < 9 {
+			continue
+		}
+		const typePing, flagAck = 0x6, 0x1
+		if f.head[3] == typePing && f.head[4]&flagAck == 0 {
+			f.pings.Add(1)
+		}
+		f.skip = int(f.head[0])<<16 | int(f.head[1])<<8 | int(f.head[2])
+		f.head = f.head[:0]
+	}
+}
