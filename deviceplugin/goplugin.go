@@ -30,7 +30,9 @@ var Handshake = plugin.HandshakeConfig{
 // estimates a window by pinging the peer each time data arrives with no estimate under
 // way: a PING the host would read and answer while it waits on each answer of the
 // plugin, and one more the plugin would. A local socket needs no estimate, and 1 MiB is
-// room for any message either side sends (a larger one still flows).
+// room for any message either side sends (a larger one still flows). It also bounds
+// what a plugin can make the host hold unread: 1 MiB a stream, where the estimate lets
+// the window grow to 16 MiB.
 const Window = 1 << 20
 
 // WindowDialOptions fixes a client's windows at Window (the host's dial of a plugin).

@@ -50,10 +50,10 @@ var ClientKeepalive = keepalive.ClientParameters{
 // gRPC's default is a window that grows by estimate: each time data arrives and no
 // estimate is under way, the client sends the server a PING and a WINDOW_UPDATE, which
 // the server reads and acknowledges. Every answer and every watch message made the
-// agent read and write once more (a tenth of its CPU in a Fingerprint change going to
-// 1,000 watchers; see docs/benchmarks.md#fixed-flow-control-windows-2026-12-05). Over a local socket or
-// a LAN a fixed 1 MiB is room enough: a Fingerprint of 232 devices is 51 KB, and a
-// larger message still flows, with a WINDOW_UPDATE each quarter of the window read.
+// agent read and write once more (a fifth of its CPU in a Fingerprint change going to
+// 1,000 watchers; see docs/benchmarks.md, "Fixed flow-control windows"). Over a local
+// socket or a LAN a fixed 1 MiB is room enough: a Fingerprint of 232 devices is 51 KB,
+// and a larger message still flows, with a WINDOW_UPDATE each quarter of the window read.
 const (
 	ClientStreamWindow = 1 << 20
 	ClientConnWindow   = 1 << 20
