@@ -9,7 +9,9 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
+	"github.com/devicehost/devicehost/deviceplugin"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
@@ -73,5 +75,26 @@ func TestRecvLimitOption(t *testing.T) {
 	_, err = stream.Recv()
 	if status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), "limit of 64 bytes") {
 		t.Errorf("Recv with MaxRecvMsgSize 64: got %v, want ResourceExhausted naming the 64-byte limit", err)
+	}
+}
+
+// TestMessageOverTheWindowArrives: a fingerprint of 3 MiB, under the host's limit but
+// three times the connection's fixed flow-control window (deviceplugin.Window), arrives
+// whole, twice (the window is given back as the host reads).
+func TestMessageOverTheWindowArrives(t *testing.T) {
+	const pad = 3 * deviceplugin.Window
+	p := launchFixture(t, fixtureplugin.Config{FingerprintPadBytes: pad}, pluginloader.Options{})
+	for i := range 2 {
+		stream, err := p.Client().Fingerprint(testContext(t), &pb.FingerprintRequest{})
+		if err != nil {
+			t.Fatalf("Fingerprint %d: %v", i, err)
+		}
+		resp, err := stream.Recv()
+		if err != nil {
+			t.Fatalf("Recv of a %d-byte fingerprint (%d): %v", pad, i, err)
+		}
+		if size := proto.Size(resp); size < pad {
+			t.Fatalf("fingerprint %d arrived as %d bytes, want over %d", i, size, pad)
+		}
 	}
 }
