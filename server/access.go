@@ -9,6 +9,7 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync/atomic"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -139,6 +140,13 @@ type listenerConn struct {
 // RemoteAddr implements net.Conn.
 func (c *listenerConn) RemoteAddr() net.Addr { return c.addr }
 
+// Write implements net.Conn, counting the connection's writes (connAddr.writes).
+func (c *listenerConn) Write(p []byte) (int, error) {
+	n, err := c.Conn.Write(p)
+	c.addr.writes.Add(1)
+	return n, err
+}
+
 // connAddr is a client of one listener: for a unix socket, its credentials where the
 // platform tells them; for tcp, its address.
 type connAddr struct {
@@ -146,6 +154,9 @@ type connAddr struct {
 	remote   net.Addr // the connection's own remote address
 	cred     peerCredentials
 	hasCred  bool
+	// writes counts the server's writes to the connection: afterReplies waits for one
+	// after a reply is queued.
+	writes atomic.Uint64
 }
 
 // Network implements net.Addr.

@@ -2,8 +2,10 @@ package server
 
 import (
 	"context"
+	"runtime"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/stats"
 
 	"github.com/devicehost/devicehost/device"
@@ -15,12 +17,31 @@ import (
 // deferred work: registered after the others, so after the call's trace task has ended
 // and its end is logged. A stream gets no such context: what it defers runs at once
 // (its End comes only when the stream ends).
+//
+// Sent is not yet written: End comes once the reply is queued for the connection's
+// writer goroutine. On one thread (the agent's default max_procs) that goroutine runs
+// only when End's goroutine lets it, and the deferred work readies goroutines of its
+// own (the watchers' feed, the garbage collector after a Release, which calls the
+// plugin) that would run ahead of it: the reply waited for all of them. So End first
+// yields until the connection has been written to since the handler returned (the
+// reply, unless another stream's message came first), at most maxReplyYields times.
 type afterReplies struct{}
+
+// maxReplyYields bounds End's yields waiting for the reply's write: each lets every
+// runnable goroutine run once; the writer flushes within two (it yields once itself
+// to batch a small write).
+const maxReplyYields = 8
 
 type afterReplyRunKey struct{}
 
-// runSlot is where the unary interceptor leaves the call's run func for End.
-type runSlot struct{ run func() }
+// runSlot is where the unary interceptor leaves the call's run func for End, with the
+// connection (nil if not a listenerConn's, or if the handler deferred nothing) and its
+// write count when the handler returned.
+type runSlot struct {
+	run    func()
+	conn   *connAddr
+	writes uint64
+}
 
 // TagRPC implements stats.Handler: it gives the call a slot for its run func.
 func (afterReplies) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context {
@@ -33,6 +54,9 @@ func (afterReplies) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		return
 	}
 	if slot, ok := ctx.Value(afterReplyRunKey{}).(*runSlot); ok && slot.run != nil {
+		for i := 0; slot.conn != nil && i < maxReplyYields && slot.conn.writes.Load() == slot.writes; i++ {
+			runtime.Gosched()
+		}
 		slot.run()
 	}
 }
@@ -50,5 +74,11 @@ func (afterReplies) unary(ctx context.Context, req any, _ *grpc.UnaryServerInfo,
 		return handler(ctx, req)
 	}
 	ctx, slot.run = device.WithAfterReply(ctx)
-	return handler(ctx, req)
+	resp, err := handler(ctx, req)
+	if p, _ := peer.FromContext(ctx); p != nil && device.AfterReplyPending(ctx) {
+		if a, ok := p.Addr.(*connAddr); ok {
+			slot.conn, slot.writes = a, a.writes.Load()
+		}
+	}
+	return resp, err
 }

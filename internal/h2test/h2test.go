@@ -1,6 +1,7 @@
-// Package h2test counts the PING frames of the HTTP/2 connections a gRPC server
-// accepts, for tests of transport settings that exist to spare them (grpc-go's window
-// estimate pings its peer after most messages it receives).
+// Package h2test counts the PING frames and the writes of the HTTP/2 connections a
+// gRPC server accepts, for tests of transport settings that exist to spare pings
+// (grpc-go's window estimate pings its peer after most messages it receives) and of
+// when a reply reaches the wire.
 package h2test
 
 import (
@@ -61,6 +62,8 @@ type Listener struct {
 	net.Listener
 	// Received counts the PINGs the clients sent, Sent those the server sent.
 	Received, Sent atomic.Int64
+	// Writes counts the server's writes to its connections (each a batch of frames).
+	Writes atomic.Int64
 }
 
 // Accept implements net.Listener.
@@ -69,11 +72,12 @@ func (l *Listener) Accept() (net.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &conn{Conn: c, in: frames{skip: len(preface), pings: &l.Received}, out: frames{pings: &l.Sent}}, nil
+	return &conn{Conn: c, writes: &l.Writes, in: frames{skip: len(preface), pings: &l.Received}, out: frames{pings: &l.Sent}}, nil
 }
 
 type conn struct {
 	net.Conn
+	writes  *atomic.Int64
 	in, out frames
 }
 
@@ -86,6 +90,7 @@ func (c *conn) Read(p []byte) (int, error) {
 func (c *conn) Write(p []byte) (int, error) {
 	n, err := c.Conn.Write(p)
 	c.out.see(p[:n])
+	c.writes.Add(1)
 	return n, err
 }
 
