@@ -51,15 +51,3 @@ func AfterReply(ctx context.Context, f func()) {
 	}
 	f()
 }
-
-// AfterReplyPending says whether work deferred with AfterReply in ctx's call waits for
-// the reply (the server then waits for the reply to be written before running it).
-func AfterReplyPending(ctx context.Context) bool {
-	a, ok := ctx.Value(afterReplyKey{}).(*afterReply)
-	if !ok {
-		return false
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return len(a.fns) > 0
-}

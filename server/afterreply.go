@@ -12,31 +12,35 @@ import (
 )
 
 // afterReplies runs what a unary call's handler deferred with device.AfterReply once
-// the call's status is sent. Its unary interceptor gives the handler a context that
+// the call's reply is written. Its unary interceptor gives the handler a context that
 // defers (device.WithAfterReply); it is also a grpc stats.Handler, whose End runs the
-// deferred work: registered after the others, so after the call's trace task has ended
-// and its end is logged. A stream gets no such context: what it defers runs at once
-// (its End comes only when the stream ends).
-//
-// Sent is not yet written: End comes once the reply is queued for the connection's
-// writer goroutine. On one thread (the agent's default max_procs) that goroutine runs
-// only when End's goroutine lets it, and the deferred work readies goroutines of its
-// own (the watchers' feed, the garbage collector after a Release, which calls the
-// plugin) that would run ahead of it: the reply waited for all of them. So End first
-// yields until the connection has been written to since the handler returned (the
-// reply, unless another stream's message came first), at most maxReplyYields times.
+// deferred work: registered after the others, so after the call's trace task has ended,
+// its reply is written (replyWritten) and its end is logged. A stream gets no such
+// context: what it defers runs at once (its End comes only when the stream ends).
 type afterReplies struct{}
 
-// maxReplyYields bounds End's yields waiting for the reply's write: each lets every
-// runnable goroutine run once; the writer flushes within two (it yields once itself
-// to batch a small write).
+// replyWritten is a grpc stats.Handler whose End waits, for a unary call of a listener
+// connection, until the connection has been written to since the handler returned: the
+// reply, unless another stream's message came first. grpc-go's End comes once the reply
+// is queued for the connection's writer goroutine, not written; on one thread (the
+// agent's default max_procs) that goroutine runs only when End's goroutine lets it, and
+// what the other handlers' End do would go first: the call's log line (a write to the
+// log) and the deferred work, which readies goroutines of its own (the watchers' feed,
+// the garbage collector after a Release, which calls the plugin) that run ahead of the
+// writer. So End yields until the write, at most maxReplyYields times. Registered after
+// traceTasks (a call's task ends when its reply is queued, as before) and before
+// callLog and afterReplies.
+type replyWritten struct{}
+
+// maxReplyYields bounds replyWritten's yields: each lets every runnable goroutine run
+// once; the writer flushes within two (it yields once itself to batch a small write).
 const maxReplyYields = 8
 
 type afterReplyRunKey struct{}
 
 // runSlot is where the unary interceptor leaves the call's run func for End, with the
-// connection (nil if not a listenerConn's, or if the handler deferred nothing) and its
-// write count when the handler returned.
+// connection (nil if not a listenerConn's) and its write count when the handler
+// returned, for replyWritten.
 type runSlot struct {
 	run    func()
 	conn   *connAddr
@@ -54,9 +58,6 @@ func (afterReplies) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		return
 	}
 	if slot, ok := ctx.Value(afterReplyRunKey{}).(*runSlot); ok && slot.run != nil {
-		for i := 0; slot.conn != nil && i < maxReplyYields && slot.conn.writes.Load() == slot.writes; i++ {
-			runtime.Gosched()
-		}
 		slot.run()
 	}
 }
@@ -75,10 +76,34 @@ func (afterReplies) unary(ctx context.Context, req any, _ *grpc.UnaryServerInfo,
 	}
 	ctx, slot.run = device.WithAfterReply(ctx)
 	resp, err := handler(ctx, req)
-	if p, _ := peer.FromContext(ctx); p != nil && device.AfterReplyPending(ctx) {
+	if p, _ := peer.FromContext(ctx); p != nil {
 		if a, ok := p.Addr.(*connAddr); ok {
 			slot.conn, slot.writes = a, a.writes.Load()
 		}
 	}
 	return resp, err
 }
+
+// TagRPC implements stats.Handler.
+func (replyWritten) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context { return ctx }
+
+// HandleRPC implements stats.Handler: at a unary call's end it waits for the reply's
+// write (see replyWritten).
+func (replyWritten) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	if _, ok := s.(*stats.End); !ok {
+		return
+	}
+	slot, ok := ctx.Value(afterReplyRunKey{}).(*runSlot)
+	if !ok || slot.conn == nil {
+		return
+	}
+	for i := 0; i < maxReplyYields && slot.conn.writes.Load() == slot.writes; i++ {
+		runtime.Gosched()
+	}
+}
+
+// TagConn implements stats.Handler.
+func (replyWritten) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
+
+// HandleConn implements stats.Handler.
+func (replyWritten) HandleConn(context.Context, stats.ConnStats) {}

@@ -1,14 +1,17 @@
 package server
 
 import (
+	"bytes"
 	"context"
 	"net"
 	"path/filepath"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/hashicorp/go-hclog"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/emptypb"
@@ -17,23 +20,27 @@ import (
 	"github.com/devicehost/devicehost/internal/h2test"
 )
 
-// TestAfterReplyRunsOnceTheReplyIsWritten checks that what a unary handler defers past
-// its reply (device.AfterReply: the watchers' snapshot, the garbage collector's wake-up
-// after a Release) runs after the reply went out on the connection, not before: on one
-// thread (the agent's default), work run first would hold the reply back, and a
-// deferred wake-up would run the goroutine it wakes ahead of the connection's writer.
-func TestAfterReplyRunsOnceTheReplyIsWritten(t *testing.T) {
+// TestReplyWrittenBeforeLogAndDeferredWork checks that a unary call's reply is out on
+// the connection before its log line is written and before what its handler deferred
+// (device.AfterReply: the watchers' snapshot, the garbage collector's wake-up after a
+// Release) runs: on one thread (the agent's default), work done first holds the reply
+// back, and a deferred wake-up runs the goroutine it wakes ahead of the connection's
+// writer. The server's own stats handlers, in their order (statsHandlers).
+func TestReplyWrittenBeforeLogAndDeferredWork(t *testing.T) {
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
 	raw, err := net.Listen("unix", filepath.Join(t.TempDir(), "s.sock"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The connection's writes as counted below the server's own listener wrapper,
-	// which afterReplies reads.
+	// The connection's writes as counted below the server's own listener wrapper.
 	l := &h2test.Listener{Listener: raw}
-	var before, atRun atomic.Int64
+	var before, atLog, atRun atomic.Int64
 	ran := make(chan struct{}, 1)
-	srv := grpc.NewServer(grpc.Creds(listenerCreds{}), grpc.StatsHandler(afterReplies{}), grpc.ChainUnaryInterceptor(afterReplies{}.unary))
+	logged := &writeWatcher{note: func() { atLog.Store(l.Writes.Load()) }}
+	log := hclog.New(&hclog.LoggerOptions{Output: logged, Level: hclog.Info})
+	opts := append([]grpc.ServerOption{grpc.Creds(listenerCreds{}), grpc.ChainUnaryInterceptor(afterReplies{}.unary)},
+		statsHandlers(log, &streamLimits{max: 10, maxPerConn: 10})...)
+	srv := grpc.NewServer(opts...)
 	srv.RegisterService(&grpc.ServiceDesc{
 		ServiceName: "test.After",
 		HandlerType: (*any)(nil),
@@ -76,8 +83,34 @@ func TestAfterReplyRunsOnceTheReplyIsWritten(t *testing.T) {
 		case <-ctx.Done():
 			t.Fatal("the deferred work never ran")
 		}
+		if atLog.Load() == before.Load() {
+			t.Fatalf("call %d: its log line was written before its reply", i)
+		}
 		if atRun.Load() == before.Load() {
 			t.Fatalf("call %d: the deferred work ran before the reply was written to the connection", i)
 		}
 	}
+	if !bytes.Contains(logged.bytes(), []byte("finished call")) {
+		t.Fatalf("no call was logged: %q", logged.bytes())
+	}
+}
+
+// writeWatcher is a log output that calls note at each write.
+type writeWatcher struct {
+	note func()
+	mu   sync.Mutex
+	buf  bytes.Buffer
+}
+
+func (w *writeWatcher) Write(p []byte) (int, error) {
+	w.note()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.buf.Write(p)
+}
+
+func (w *writeWatcher) bytes() []byte {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return bytes.Clone(w.buf.Bytes())
 }

@@ -152,18 +152,13 @@ func New(cfg Config) (*Server, error) {
 	opts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(maxRecv),
 		grpc.ForceServerCodecV2(fanout.NewCodec()),
-		// First, so that a call's task has ended by the time its end is logged.
-		grpc.StatsHandler(traceTasks{}),
-		grpc.StatsHandler(callLog{log: log}),
-		grpc.StatsHandler(limits),
-		// Last: what a call deferred past its reply runs after its task and log line.
-		grpc.StatsHandler(afterReplies{}),
 		grpc.UnknownServiceHandler(unknownMethod),
 		grpc.Creds(listenerCreds{}),
 		grpc.ChainUnaryInterceptor(unary, authUnary, afterReplies{}.unary),
 		grpc.ChainStreamInterceptor(stream, authStream),
 		grpc.NumStreamWorkers(streamWorkers),
 	}
+	opts = append(opts, statsHandlers(log, limits)...)
 	opts = append(opts, transportOptions(int(limits.maxPerConn), kp, kep)...)
 	opts = append(opts, cfg.ServerOptions...)
 	s.grpc = grpc.NewServer(opts...)
@@ -264,4 +259,20 @@ var errServerShutdown = status.Error(codes.Unavailable, "devicehost is shutting 
 func unknownMethod(_ any, stream grpc.ServerStream) error {
 	method, _ := grpc.MethodFromServerStream(stream)
 	return status.Error(codes.Unimplemented, fmt.Sprintf("unknown method %s", method))
+}
+
+// statsHandlers are the server's grpc stats handlers, in the order each call's End
+// reaches them.
+func statsHandlers(log hclog.Logger, limits *streamLimits) []grpc.ServerOption {
+	return []grpc.ServerOption{
+		// First, so that a call's task has ended by the time its end is logged.
+		grpc.StatsHandler(traceTasks{}),
+		// Then, before the log line and the deferred work: the reply is written.
+		grpc.StatsHandler(replyWritten{}),
+		grpc.StatsHandler(callLog{log: log}),
+		grpc.StatsHandler(limits),
+		// Last: what a call deferred past its reply runs after its task, its reply's
+		// write and its log line.
+		grpc.StatsHandler(afterReplies{}),
+	}
 }
