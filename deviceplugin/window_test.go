@@ -28,13 +28,13 @@ func TestServeMakesNoFlowControlPings(t *testing.T) {
 		return conn
 	}
 
-	l, target := h2test.Serve(t, plugin.DefaultGRPCServer(nil))
+	l, target := h2test.Serve(t, plugin.DefaultGRPCServer(nil), nil)
 	received, sent := h2test.Checks(t, l, dial(target), calls)
 	if received == 0 || sent == 0 {
 		t.Fatalf("gRPC's defaults: %d PINGs from the client, %d from the server in %d calls; want some each way, or the count does not see them", received, sent, calls)
 	}
 
-	l, target = h2test.Serve(t, deviceplugin.ServeConfig(nil).GRPCServer(nil))
+	l, target = h2test.Serve(t, deviceplugin.ServeConfig(nil).GRPCServer(nil), nil)
 	received, sent = h2test.Checks(t, l, dial(target, deviceplugin.WindowDialOptions()...), calls)
 	if received != 0 || sent != 0 {
 		t.Errorf("host and plugin windows: %d PINGs from the client, %d from the server in %d calls, want none", received, sent, calls)

@@ -506,7 +506,7 @@ func TestDialMakesNoFlowControlPings(t *testing.T) {
 			return &healthpb.HealthCheckRequest{Service: big}, nil
 		}}},
 	}, struct{}{})
-	l, target := h2test.Serve(t, srv)
+	l, target := h2test.Serve(t, srv, nil)
 	a, err := endpoint.Parse(target)
 	if err != nil {
 		t.Fatal(err)

@@ -24,7 +24,7 @@ func TestDialOptionsMakeNoFlowControlPings(t *testing.T) {
 		{"dialOptions", dialOptions("p", 1<<20), false},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			l, target := h2test.Serve(t, grpc.NewServer())
+			l, target := h2test.Serve(t, grpc.NewServer(), nil)
 			conn, err := grpc.NewClient(target, append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, tt.opts...)...)
 			if err != nil {
 				t.Fatal(err)

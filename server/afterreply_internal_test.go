@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"net"
-	"path/filepath"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -28,12 +27,9 @@ import (
 // writer. The server's own stats handlers, in their order (statsHandlers).
 func TestReplyWrittenBeforeLogAndDeferredWork(t *testing.T) {
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
-	raw, err := net.Listen("unix", filepath.Join(t.TempDir(), "s.sock"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The connection's writes as counted below the server's own listener wrapper.
-	l := &h2test.Listener{Listener: raw}
+	// The connection's writes as counted below the server's own listener wrapper; l is
+	// set before the first call.
+	var l *h2test.Listener
 	var before, atLog, atRun atomic.Int64
 	ran := make(chan struct{}, 1)
 	logged := &writeWatcher{note: func() { atLog.Store(l.Writes.Load()) }}
@@ -60,13 +56,10 @@ func TestReplyWrittenBeforeLogAndDeferredWork(t *testing.T) {
 			return interceptor(ctx, &in, &grpc.UnaryServerInfo{FullMethod: "/test.After/Call"}, handler)
 		}}},
 	}, struct{}{})
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(taggedListener{Listener: l, l: &Listener{Name: "test"}}) }()
-	defer func() {
-		srv.Stop()
-		<-served
-	}()
-	conn, err := grpc.NewClient("unix://"+raw.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+	l, target := h2test.Serve(t, srv, func(lis net.Listener) net.Listener {
+		return taggedListener{Listener: lis, l: &Listener{Name: "test"}}
+	})
+	conn, err := grpc.NewClient(target, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithStaticStreamWindowSize(1<<20), grpc.WithStaticConnWindowSize(1<<20))
 	if err != nil {
 		t.Fatal(err)

@@ -19,8 +19,9 @@ import (
 )
 
 // Serve serves srv, with a health service added, on a new Unix socket until the test
-// ends, and returns the listener (its counts) and the socket's gRPC target.
-func Serve(t testing.TB, srv *grpc.Server) (*Listener, string) {
+// ends, and returns the listener (its counts) and the socket's gRPC target. wrap, if
+// not nil, wraps the counting listener for srv (the server's own listener type).
+func Serve(t testing.TB, srv *grpc.Server, wrap func(net.Listener) net.Listener) (*Listener, string) {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "s.sock")
 	raw, err := net.Listen("unix", sock)
@@ -28,9 +29,13 @@ func Serve(t testing.TB, srv *grpc.Server) (*Listener, string) {
 		t.Fatal(err)
 	}
 	l := &Listener{Listener: raw}
+	var lis net.Listener = l
+	if wrap != nil {
+		lis = wrap(l)
+	}
 	healthpb.RegisterHealthServer(srv, health.NewServer())
 	served := make(chan error, 1)
-	go func() { served <- srv.Serve(l) }()
+	go func() { served <- srv.Serve(lis) }()
 	t.Cleanup(func() {
 		srv.Stop()
 		<-served
