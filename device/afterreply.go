@@ -7,7 +7,8 @@ import (
 
 // Work a call's answer does not need (waking the GC for its own bookkeeping, telling
 // watchers of a change) can wait until the answer is on its way: the server runs it
-// once the call's status is sent, so the caller does not wait for it. On two shared
+// once the call's reply is written to the connection, so the caller does not wait for
+// it. On two shared
 // cores each such wake-up of another goroutine cost a Reserve 5 to 10 µs while the
 // caller waited (docs/benchmarks.md#where-a-reserve-goes).
 
@@ -21,7 +22,7 @@ type afterReply struct {
 }
 
 // WithAfterReply returns ctx in which AfterReply defers work, and the func that runs it,
-// in the order it was deferred, once the call's reply is sent. run must be called
+// in the order it was deferred, once the call's reply is written. run must be called
 // exactly once; work deferred after it runs at once.
 func WithAfterReply(ctx context.Context) (_ context.Context, run func()) {
 	a := &afterReply{}

@@ -154,8 +154,8 @@ type connAddr struct {
 	remote   net.Addr // the connection's own remote address
 	cred     peerCredentials
 	hasCred  bool
-	// writes counts the server's writes to the connection: afterReplies waits for one
-	// after a reply is queued.
+	// writes counts the server's writes to the connection: replyWritten waits for one
+	// after a unary reply is queued.
 	writes atomic.Uint64
 }
 
