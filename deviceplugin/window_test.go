@@ -8,7 +8,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/devicehost/devicehost/deviceplugin"
-	"github.com/devicehost/devicehost/internal/h2test"
+	"github.com/devicehost/devicehost/tools/h2test"
 )
 
 // TestServeMakesNoFlowControlPings checks that the server Serve runs sends its host no

@@ -24,7 +24,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/devicehost/devicehost/endpoint"
-	"github.com/devicehost/devicehost/internal/h2test"
+	"github.com/devicehost/devicehost/tools/h2test"
 )
 
 func TestMain(m *testing.M) {

@@ -6,7 +6,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/devicehost/devicehost/internal/h2test"
+	"github.com/devicehost/devicehost/tools/h2test"
 )
 
 // TestDialOptionsMakeNoFlowControlPings checks that the host's connection to a plugin

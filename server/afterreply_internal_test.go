@@ -16,7 +16,7 @@ import (
 	"google.golang.org/protobuf/types/known/emptypb"
 
 	"github.com/devicehost/devicehost/device"
-	"github.com/devicehost/devicehost/internal/h2test"
+	"github.com/devicehost/devicehost/tools/h2test"
 )
 
 // TestReplyWrittenBeforeLogAndDeferredWork checks that a unary call's reply is out on
