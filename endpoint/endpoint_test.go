@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/tools/h2test"
@@ -495,17 +496,9 @@ func TestServerKeepalivePolicyAllowsClientPings(t *testing.T) {
 func TestDialMakesNoFlowControlPings(t *testing.T) {
 	srv := grpc.NewServer()
 	big := strings.Repeat("x", 3*endpoint.ClientStreamWindow/2)
-	srv.RegisterService(&grpc.ServiceDesc{
-		ServiceName: "test.Big",
-		HandlerType: (*any)(nil),
-		Methods: []grpc.MethodDesc{{MethodName: "Get", Handler: func(_ any, _ context.Context, dec func(any) error, _ grpc.UnaryServerInterceptor) (any, error) {
-			var in healthpb.HealthCheckRequest
-			if err := dec(&in); err != nil {
-				return nil, err
-			}
-			return &healthpb.HealthCheckRequest{Service: big}, nil
-		}}},
-	}, struct{}{})
+	h2test.RegisterUnary(srv, "test.Big", "Get", func(context.Context) (proto.Message, error) {
+		return &healthpb.HealthCheckRequest{Service: big}, nil
+	})
 	l, target := h2test.Serve(t, srv, nil)
 	a, err := endpoint.Parse(target)
 	if err != nil {

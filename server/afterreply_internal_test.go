@@ -13,6 +13,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/emptypb"
 
 	"github.com/devicehost/devicehost/device"
@@ -37,25 +38,14 @@ func TestReplyWrittenBeforeLogAndDeferredWork(t *testing.T) {
 	opts := append([]grpc.ServerOption{grpc.Creds(listenerCreds{}), grpc.ChainUnaryInterceptor(afterReplies{}.unary)},
 		statsHandlers(log, &streamLimits{max: 10, maxPerConn: 10})...)
 	srv := grpc.NewServer(opts...)
-	srv.RegisterService(&grpc.ServiceDesc{
-		ServiceName: "test.After",
-		HandlerType: (*any)(nil),
-		Methods: []grpc.MethodDesc{{MethodName: "Call", Handler: func(_ any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
-			var in emptypb.Empty
-			if err := dec(&in); err != nil {
-				return nil, err
-			}
-			handler := func(ctx context.Context, _ any) (any, error) {
-				before.Store(l.Writes.Load())
-				device.AfterReply(ctx, func() {
-					atRun.Store(l.Writes.Load())
-					ran <- struct{}{}
-				})
-				return &emptypb.Empty{}, nil
-			}
-			return interceptor(ctx, &in, &grpc.UnaryServerInfo{FullMethod: "/test.After/Call"}, handler)
-		}}},
-	}, struct{}{})
+	h2test.RegisterUnary(srv, "test.After", "Call", func(ctx context.Context) (proto.Message, error) {
+		before.Store(l.Writes.Load())
+		device.AfterReply(ctx, func() {
+			atRun.Store(l.Writes.Load())
+			ran <- struct{}{}
+		})
+		return &emptypb.Empty{}, nil
+	})
 	l, target := h2test.Serve(t, srv, func(lis net.Listener) net.Listener {
 		return taggedListener{Listener: lis, l: &Listener{Name: "test"}}
 	})

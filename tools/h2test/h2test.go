@@ -16,6 +16,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/emptypb"
 )
 
 // Serve serves srv, with a health service added, on a new Unix socket until the test
@@ -41,6 +43,29 @@ func Serve(t testing.TB, srv *grpc.Server, wrap func(net.Listener) net.Listener)
 		<-served
 	})
 	return l, "unix://" + sock
+}
+
+// RegisterUnary registers on srv the unary method /service/method: its request is read
+// as an emptypb.Empty (what it holds is ignored) and its answer is handle's, through
+// srv's interceptors.
+func RegisterUnary(srv *grpc.Server, service, method string, handle func(ctx context.Context) (proto.Message, error)) {
+	full := "/" + service + "/" + method
+	srv.RegisterService(&grpc.ServiceDesc{
+		ServiceName: service,
+		HandlerType: (*any)(nil),
+		Methods: []grpc.MethodDesc{{MethodName: method, Handler: func(_ any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
+			var in emptypb.Empty
+			if err := dec(&in); err != nil {
+				return nil, err
+			}
+			if interceptor == nil {
+				return handle(ctx)
+			}
+			return interceptor(ctx, &in, &grpc.UnaryServerInfo{FullMethod: full}, func(ctx context.Context, _ any) (any, error) {
+				return handle(ctx)
+			})
+		}}},
+	}, struct{}{})
 }
 
 // Checks makes n health checks on conn and returns how many PINGs l received and sent meanwhile.
