@@ -110,6 +110,8 @@ type Plugin struct {
 	killOnce sync.Once
 	// stopping is set once Kill begins: an exit from then on is the host's doing.
 	stopping atomic.Bool
+	// goLog gates go-plugin's log lines (pluginLogger); Kill shuts it before it returns.
+	goLog logGate
 	// cleanedUp is set by Kill once go-plugin's goroutines have ended, which orders
 	// cmd.ProcessState (written by them) before a read that checks it.
 	cleanedUp bool
@@ -217,7 +219,7 @@ func Launch(ctx context.Context, bin Binary, opts Options) (*Plugin, error) {
 		HandshakeConfig:  deviceplugin.Handshake,
 		VersionedPlugins: deviceplugin.VersionedPlugins(nil),
 		AllowedProtocols: []plugin.Protocol{plugin.ProtocolGRPC},
-		Logger:           pluginLogger{Logger: log.Named(name), stopping: &p.stopping},
+		Logger:           pluginLogger{Logger: log.Named(name), stopping: &p.stopping, gate: &p.goLog},
 		StartTimeout:     timeout,
 		// The environment is built here (processEnv): go-plugin's own inheritance would
 		// put the host's variables after Env, so they would win over it.
@@ -591,6 +593,7 @@ const escapeWait = 2 * time.Second
 func (p *Plugin) Kill(ctx context.Context) {
 	p.killOnce.Do(func() {
 		p.stopping.Store(true)
+		defer p.goLog.close()
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
@@ -652,28 +655,70 @@ func (p *Plugin) forceKill() {
 // exited: error=\"signal: killed\""). Once Kill has begun that exit is the host's
 // own doing, said where it was decided (a stop, a plugin that rejected its config),
 // so it is logged at DEBUG; an exit nobody asked for stays an ERROR.
+//
+// Every line goes through the Plugin's gate, which Kill shuts before it returns: some
+// of go-plugin's goroutines outlive Kill (its stdio reader ends when the connection's
+// close reaches it, and says so), and once Kill has returned the caller may close the
+// log's sink.
 type pluginLogger struct {
 	hclog.Logger
 	stopping *atomic.Bool // the Plugin's: set once Kill begins
+	gate     *logGate     // the Plugin's: shut when Kill returns
 }
 
 // goPluginExited is go-plugin's message for the exit of a process it launched.
 const goPluginExited = "plugin process exited"
 
+func (l pluginLogger) Log(level hclog.Level, msg string, args ...any) {
+	l.gate.do(func() { l.Logger.Log(level, msg, args...) })
+}
+func (l pluginLogger) Trace(msg string, args ...any) { l.Log(hclog.Trace, msg, args...) }
+func (l pluginLogger) Debug(msg string, args ...any) { l.Log(hclog.Debug, msg, args...) }
+func (l pluginLogger) Info(msg string, args ...any)  { l.Log(hclog.Info, msg, args...) }
+func (l pluginLogger) Warn(msg string, args ...any)  { l.Log(hclog.Warn, msg, args...) }
 func (l pluginLogger) Error(msg string, args ...any) {
 	if msg == goPluginExited && l.stopping.Load() {
-		l.Logger.Debug(msg+" (stopped by the host)", args...)
+		l.Log(hclog.Debug, msg+" (stopped by the host)", args...)
 		return
 	}
-	l.Logger.Error(msg, args...)
+	l.Log(hclog.Error, msg, args...)
 }
 
-func (l pluginLogger) Named(string) hclog.Logger      { return stderrOff(l) }
-func (l pluginLogger) ResetNamed(string) hclog.Logger { return stderrOff(l) }
+func (l pluginLogger) With(args ...any) hclog.Logger {
+	l.Logger = l.Logger.With(args...)
+	return l
+}
+func (l pluginLogger) Named(string) hclog.Logger      { return stderrOff{l} }
+func (l pluginLogger) ResetNamed(string) hclog.Logger { return stderrOff{l} }
 
 // stderrOff is pluginLogger reporting level Off to go-plugin's stderr reader.
-type stderrOff pluginLogger
+type stderrOff struct{ pluginLogger }
 
-func (l stderrOff) GetLevel() hclog.Level          { return hclog.Off }
+func (l stderrOff) GetLevel() hclog.Level { return hclog.Off }
+func (l stderrOff) With(args ...any) hclog.Logger {
+	l.Logger = l.Logger.With(args...)
+	return l
+}
 func (l stderrOff) Named(string) hclog.Logger      { return l }
 func (l stderrOff) ResetNamed(string) hclog.Logger { return l }
+
+// logGate lets log lines through until it is shut; shut returns once no line is being
+// written, and none is after.
+type logGate struct {
+	mu   sync.RWMutex
+	shut bool
+}
+
+func (g *logGate) do(write func()) {
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	if !g.shut {
+		write()
+	}
+}
+
+func (g *logGate) close() {
+	g.mu.Lock()
+	g.shut = true
+	g.mu.Unlock()
+}
