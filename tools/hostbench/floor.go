@@ -45,6 +45,13 @@ type floorSteps struct {
 //     health Check, a ListPlugins (a unary call the agent logs at INFO, as it does
 //     Reserve), the plugin's Reserve and a bare commit;
 //
+// //   - cold: as alone, with -floor-gap of idle before each call timed. Inside a Reserve
+//
+//	each part comes after such a pause (the plugin and the disk idle since the last
+//	cycle, the caller asleep through the call), and on a VM a thread or vCPU woken
+//	from idle costs far more than one kept busy by a tight loop: this view says how
+//	much of a Reserve's excess over the alone floor is that;
+//
 // then, with an agent built with -tags cpuprofile, where a Reserve's time goes inside
 // the agent (breakdown).
 func (b *bench) floor(ctx context.Context) error {
@@ -134,7 +141,9 @@ func (b *bench) floor(ctx context.Context) error {
 		}
 		return nil
 	}
-	cycle := func() error {
+	// gappedCycle is one Reserve+Release, both timed, each after gap of idle.
+	gappedCycle := func(gap time.Duration) error {
+		time.Sleep(gap)
 		start := time.Now()
 		r, err := c.Reserve(ctx, &pb.ReserveRequest{
 			OwnerId: benchOwner, Vendor: d.group.GetVendor(), Type: d.group.GetType(), Name: d.group.GetName(),
@@ -144,6 +153,7 @@ func (b *bench) floor(ctx context.Context) error {
 			return fmt.Errorf("reserve: %w", err)
 		}
 		s.reserve = append(s.reserve, time.Since(start))
+		time.Sleep(gap)
 		start = time.Now()
 		if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: r.GetReservationId()}}); err != nil {
 			return fmt.Errorf("release: %w", err)
@@ -151,6 +161,7 @@ func (b *bench) floor(ctx context.Context) error {
 		s.release = append(s.release, time.Since(start))
 		return nil
 	}
+	cycle := func() error { return gappedCycle(0) }
 	// A step is b.floorBlock Reserve+Release cycles back to back, as a caller making
 	// them one after another does (each Release's plugin cleanup then overlaps the next
 	// Reserve), then as many floor measurements.
@@ -202,6 +213,32 @@ func (b *bench) floor(ctx context.Context) error {
 	fmt.Printf("             Release p50 %.0f µs; floor %.0f µs (unary + commit): x%.2f; p99: Reserve %.0f, Release %.0f, unary %.0f, plugin %.0f, commit %.0f µs; %d of each\n",
 		p50(alone.release), relFl, p50(alone.release)/relFl,
 		p99(alone.reserve), p99(alone.release), p99(alone.unary), p99(alone.plugin), p99(alone.commit), len(alone.reserve))
+
+	// Cold: each part alone again, after an idle gap.
+	if b.floorGap > 0 {
+		s = floorSteps{}
+		gapped := func(f func() error) func() error {
+			return func() error {
+				time.Sleep(b.floorGap)
+				return f()
+			}
+		}
+		for _, f := range []func() error{func() error { return gappedCycle(b.floorGap) }, gapped(unary), gapped(plugin), gapped(commit)} {
+			if err := phase(f); err != nil {
+				return err
+			}
+		}
+		cold := s
+		fl := p50(cold.unary) + p50(cold.plugin) + p50(cold.commit)
+		relFl := p50(cold.unary) + p50(cold.commit)
+		row("Reserve p50, cold", p50(cold.reserve), "µs")
+		row("Reserve over its floor, cold", p50(cold.reserve)/fl, "x")
+		row("Release over its floor, cold", p50(cold.release)/relFl, "x")
+		fmt.Printf("cold:        Reserve p50 %.0f µs; floor %.0f µs (unary %.0f + plugin %.0f + commit %.0f): x%.2f (%s idle before each call)\n",
+			p50(cold.reserve), fl, p50(cold.unary), p50(cold.plugin), p50(cold.commit), p50(cold.reserve)/fl, b.floorGap)
+		fmt.Printf("             Release p50 %.0f µs; floor %.0f µs (unary + commit): x%.2f; %d of each\n",
+			p50(cold.release), relFl, p50(cold.release)/relFl, len(cold.reserve))
+	}
 
 	// Interleaved: taking turns, in blocks.
 	s = floorSteps{}

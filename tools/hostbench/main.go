@@ -48,6 +48,7 @@ func main() {
 	floorCycles := flag.Int("floor-cycles", 1000, "floor scenario: calls of each phase (fewer when -floor-time runs out)")
 	floorTime := flag.Duration("floor-time", time.Minute, "floor scenario: longest time one phase may take")
 	agentFlags := flag.String("agent-flags", "", "floor scenario: more `flags` for the agent, space-separated; $DIR is its directory (e.g. \"-metrics-listen unix://$DIR/metrics.sock\")")
+	floorGap := flag.Duration("floor-gap", time.Millisecond, "floor scenario: the cold view's idle time before each call it times, about a Reserve's length (0: no cold view)")
 	floorBlock := flag.Int("floor-block", 10, "floor scenario: Reserve+Release cycles back to back between floor measurements (as many)")
 	perfOut := flag.String("perf", "", "floor scenario: record the agent's CPU during the loop with `perf record -g` into this file")
 	cpuProfile := flag.String("cpuprofile", "", "floor and partition scenarios: the agent's Go CPU profile during the (49-held) loop into this `file` (an agent built with -tags cpuprofile)")
@@ -71,7 +72,7 @@ func main() {
 	b := &bench{
 		bin: *agentBin, limits: *limits, streams: *streams, conns: *conns,
 		cycles: *cycles, cycleTime: *cycleTime,
-		floorCycles: *floorCycles, floorTime: *floorTime, breakdown: *breakdown, floorBlock: max(*floorBlock, 1), agentFlags: strings.Fields(*agentFlags), perf: *perfOut, cpuProfile: *cpuProfile, trace: *traceOut,
+		floorCycles: *floorCycles, floorTime: *floorTime, breakdown: *breakdown, floorBlock: max(*floorBlock, 1), floorGap: *floorGap, agentFlags: strings.Fields(*agentFlags), perf: *perfOut, cpuProfile: *cpuProfile, trace: *traceOut,
 	}
 	ctx := context.Background()
 	var err error
@@ -138,6 +139,7 @@ type bench struct {
 	floorCycles int
 	floorTime   time.Duration
 	floorBlock  int
+	floorGap    time.Duration
 	breakdown   bool
 	agentFlags  []string
 	perf        string
