@@ -702,8 +702,8 @@ func (l stderrOff) With(args ...any) hclog.Logger {
 func (l stderrOff) Named(string) hclog.Logger      { return l }
 func (l stderrOff) ResetNamed(string) hclog.Logger { return l }
 
-// logGate lets log lines through until it is shut; shut returns once no line is being
-// written, and none is after.
+// logGate lets log lines through until close; close returns once no line is being
+// written, and none is written after.
 type logGate struct {
 	mu   sync.RWMutex
 	shut bool
