@@ -196,13 +196,27 @@ func (b *bench) floor(ctx context.Context) error {
 		}
 		return nil
 	}
-	s = floorSteps{}
-	for _, f := range []func() error{cycle, unary, plugin, commit} {
-		if err := phase(f); err != nil {
-			return err
+	// phases runs each part in a phase of its own (the cycle, health Checks, the plugin's
+	// Reserve, bare commits), each call timed after gap of idle.
+	phases := func(gap time.Duration) (floorSteps, error) {
+		s = floorSteps{}
+		idle := func(f func() error) func() error {
+			return func() error {
+				time.Sleep(gap)
+				return f()
+			}
 		}
+		for _, f := range []func() error{func() error { return gappedCycle(gap) }, idle(unary), idle(plugin), idle(commit)} {
+			if err := phase(f); err != nil {
+				return floorSteps{}, err
+			}
+		}
+		return s, nil
 	}
-	alone := s
+	alone, err := phases(0)
+	if err != nil {
+		return err
+	}
 	fl := p50(alone.unary) + p50(alone.plugin) + p50(alone.commit)
 	relFl := p50(alone.unary) + p50(alone.commit)
 	row("Reserve p50, alone", p50(alone.reserve), "µs")
@@ -216,19 +230,10 @@ func (b *bench) floor(ctx context.Context) error {
 
 	// Cold: each part alone again, after an idle gap.
 	if b.floorGap > 0 {
-		s = floorSteps{}
-		gapped := func(f func() error) func() error {
-			return func() error {
-				time.Sleep(b.floorGap)
-				return f()
-			}
+		cold, err := phases(b.floorGap)
+		if err != nil {
+			return err
 		}
-		for _, f := range []func() error{func() error { return gappedCycle(b.floorGap) }, gapped(unary), gapped(plugin), gapped(commit)} {
-			if err := phase(f); err != nil {
-				return err
-			}
-		}
-		cold := s
 		fl := p50(cold.unary) + p50(cold.plugin) + p50(cold.commit)
 		relFl := p50(cold.unary) + p50(cold.commit)
 		row("Reserve p50, cold", p50(cold.reserve), "µs")
