@@ -33,6 +33,7 @@ import (
 	"github.com/devicehost/devicehost/endpoint"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/tools/calltrace"
+	"github.com/devicehost/devicehost/tools/proc"
 	"github.com/devicehost/devicehost/tools/rawgrpc"
 )
 
@@ -290,24 +291,7 @@ func (a *agent) rssKiB() (int, error) {
 }
 
 // cpu is the agent process's user+system CPU time so far.
-func (a *agent) cpu() (time.Duration, error) { return processCPU(a.cmd.Process.Pid) }
-
-// processCPU is process pid's user+system CPU time so far.
-func processCPU(pid int) (time.Duration, error) {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	// Fields after the command name (which is in parentheses and may hold spaces).
-	f := strings.Fields(string(data[strings.LastIndexByte(string(data), ')')+2:]))
-	utime, err1 := strconv.Atoi(f[11])
-	stime, err2 := strconv.Atoi(f[12])
-	if err := errors.Join(err1, err2); err != nil {
-		return 0, err
-	}
-	const ticks = 100 // USER_HZ on Linux
-	return time.Duration(utime+stime) * time.Second / ticks, nil
-}
+func (a *agent) cpu() (time.Duration, error) { return proc.CPU(a.cmd.Process.Pid) }
 
 // changeGap is the quiet time before each change of the fanout scenario.
 const changeGap = 500 * time.Millisecond
@@ -627,7 +611,7 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 	if err != nil {
 		return err
 	}
-	self0, err := processCPU(os.Getpid())
+	self0, err := proc.CPU(os.Getpid())
 	if err != nil {
 		return err
 	}
@@ -678,7 +662,7 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 	if err != nil {
 		return err
 	}
-	self1, err := processCPU(os.Getpid())
+	self1, err := proc.CPU(os.Getpid())
 	if err != nil {
 		return err
 	}

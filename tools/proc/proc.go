@@ -5,10 +5,13 @@ package proc
 
 import (
 	"bytes"
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Process is one process as List read it.
@@ -60,6 +63,27 @@ func Children(ppid int) ([]Process, error) {
 		}
 	}
 	return out, nil
+}
+
+// CPU is the user and system CPU time process pid has used so far (its threads, not
+// its children), from /proc/<pid>/stat.
+func CPU(pid int) (time.Duration, error) {
+	stat, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))
+	if err != nil {
+		return 0, err
+	}
+	// After "pid (comm) ": state, ppid, ... utime and stime are the 12th and 13th.
+	fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+	if len(fields) < 13 {
+		return 0, fmt.Errorf("/proc/%d/stat: %d fields after the command, want 13 or more", pid, len(fields))
+	}
+	utime, err1 := strconv.ParseUint(fields[11], 10, 64)
+	stime, err2 := strconv.ParseUint(fields[12], 10, 64)
+	if err := errors.Join(err1, err2); err != nil {
+		return 0, fmt.Errorf("/proc/%d/stat: %w", pid, err)
+	}
+	const ticks = 100 // USER_HZ on Linux
+	return time.Duration(utime+stime) * time.Second / ticks, nil
 }
 
 // read reads one process; false when it is gone or its stat cannot be parsed.

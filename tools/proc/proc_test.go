@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strconv"
 	"testing"
+	"time"
 )
 
 // A child this test starts is listed as its child, with its executable and arguments,
@@ -58,5 +59,34 @@ func waitZombie(t *testing.T, pid int) {
 		if kids[i].Zombie() {
 			return
 		}
+	}
+}
+
+// CPU counts what a process spends: this one's grows while it computes, and a process
+// that does not exist is an error.
+func TestCPU(t *testing.T) {
+	before, err := CPU(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(time.Minute)
+	x := uint64(1)
+	for {
+		for range 1 << 20 {
+			x = x*6364136223846793005 + 1442695040888963407
+		}
+		now, err := CPU(os.Getpid())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if now-before >= 50*time.Millisecond {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("CPU stayed at %v after a minute of computing (from %v; %d)", now, before, x)
+		}
+	}
+	if _, err := CPU(1 << 30); err == nil {
+		t.Error("CPU of a pid that cannot exist: no error")
 	}
 }
