@@ -290,11 +290,20 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 	for chunk := range slices.Chunk(sets, maxCounterSetsPerSlice) {
 		v.slices = append(v.slices, resourceslice.Slice{SharedCounters: chunk})
 	}
-	for chunk := range slices.Chunk(devices, maxDevicesPerSlice) {
-		v.slices = append(v.slices, resourceslice.Slice{Devices: chunk})
+	aligned := len(encs) == len(devices)
+	var packedEncs [][]byte
+	for _, chunk := range sliceChunks(devices, maxDevicesPerSlice) {
+		devs := make([]resourceapi.Device, 0, len(chunk))
+		for _, i := range chunk {
+			devs = append(devs, devices[i])
+			if aligned {
+				packedEncs = append(packedEncs, encs[i])
+			}
+		}
+		v.slices = append(v.slices, resourceslice.Slice{Devices: devs})
 	}
-	if cache != nil && !slices.ContainsFunc(encs, func(b []byte) bool { return b == nil }) {
-		v.enc = cachedEncoding(v.slices, encs)
+	if cache != nil && aligned && !slices.ContainsFunc(packedEncs, func(b []byte) bool { return b == nil }) {
+		v.enc = cachedEncoding(v.slices, packedEncs)
 	}
 	if len(v.slices) == 0 {
 		// A pool with no devices is still published, empty, so the scheduler sees
@@ -302,6 +311,46 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 		v.slices = []resourceslice.Slice{{}}
 	}
 	return v, problems
+}
+
+// sliceChunks packs devices into slices of at most max, as the indexes of each slice's
+// devices: in their order, except that the devices consuming one counter set (a GPU,
+// its MIG placements and MPS shares) go together where the first of them is, in one
+// slice unless they are more than one holds. A change of one GPU (a partition held,
+// the placements it blocks tainted, the GPU itself) then changes one slice, which the
+// kubeletplugin helper updates alone; a change spread over two slices makes it write
+// every slice of the pool again, at a new generation.
+func sliceChunks(devices []resourceapi.Device, max int) [][]int {
+	groupOf := make(map[string]int)
+	var groups [][]int
+	for i, d := range devices {
+		key := "device " + d.Name
+		if len(d.ConsumesCounters) > 0 {
+			key = "set " + d.ConsumesCounters[0].CounterSet
+		}
+		g, ok := groupOf[key]
+		if !ok {
+			g = len(groups)
+			groupOf[key] = g
+			groups = append(groups, nil)
+		}
+		groups[g] = append(groups[g], i)
+	}
+	var out [][]int
+	var cur []int
+	for _, g := range groups {
+		if len(cur) > 0 && len(cur)+len(g) > max {
+			out, cur = append(out, cur), nil
+		}
+		for len(g) > max { // more than a slice: whole slices of it first
+			out, g = append(out, g[:max]), g[max:]
+		}
+		cur = append(cur, g...)
+	}
+	if len(cur) > 0 {
+		out = append(out, cur)
+	}
+	return out
 }
 
 // encodeSlices is what the publish loop compares to tell whether a view publishes

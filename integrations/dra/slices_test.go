@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -367,5 +368,120 @@ func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 			t.Fatalf("step %d (changes %v): slices equal to the last: %v, encodings equal: %v", step, applied, sameSlices, sameEnc)
 		}
 		lastSlices, lastEnc = cached.slices, enc
+	}
+}
+
+// onDemandSnapshot is a node of gpus GPUs, each a counter set consumed by the GPU and by
+// perProfile placements of each of three MIG profiles, listed as the agent lists them:
+// the GPUs' group, then one group per profile with every GPU's placements.
+func onDemandSnapshot(gpus, perProfile int) *pb.FingerprintResponse {
+	snap := &pb.FingerprintResponse{}
+	use := func(set string, n int64) []*pb.CounterConsumption {
+		return []*pb.CounterConsumption{{CounterSet: set, Counters: map[string]int64{"memory_slices": n}}}
+	}
+	gpuGroup := &pb.DeviceGroup{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100", Plugin: "nvidia"}
+	for i := range gpus {
+		set := fmt.Sprintf("gpu-%d", i)
+		snap.CounterSets = append(snap.CounterSets, &pb.CounterSet{Plugin: "nvidia", Name: set, Capacity: map[string]int64{"memory_slices": 8}})
+		gpuGroup.Devices = append(gpuGroup.Devices, &pb.Device{Id: fmt.Sprintf("GPU-%d", i), Consumes: use(set, 8)})
+	}
+	snap.Groups = append(snap.Groups, gpuGroup)
+	for _, profile := range []string{"1g.10gb", "2g.20gb", "3g.40gb"} {
+		g := &pb.DeviceGroup{Vendor: "nvidia", Type: "mig", Name: profile, Plugin: "nvidia"}
+		for i := range gpus {
+			for j := range perProfile {
+				g.Devices = append(g.Devices, &pb.Device{Id: fmt.Sprintf("GPU-%d-mig-%s-%d", i, profile, j), Consumes: use(fmt.Sprintf("gpu-%d", i), 1)})
+			}
+		}
+		snap.Groups = append(snap.Groups, g)
+	}
+	return snap
+}
+
+// The devices of one GPU (those consuming its counter set) share a slice, so that
+// holding one of its partitions, which taints the GPU and the placements it blocks,
+// changes one slice: the kubeletplugin helper then updates that slice alone instead of
+// writing every slice of the pool again at a new generation.
+func TestOneGPUsDevicesShareASlice(t *testing.T) {
+	const gpus, perProfile = 8, 7 // 8 GPUs of 22 devices: more than two slices
+	o := buildOptions{driver: "devicehost.io", pool: "node-a", pci: &pciAttributes{}}
+	before, _ := buildView(onDemandSnapshot(gpus, perProfile), o)
+	sliceOf := map[string]int{}
+	total := 0
+	for i, s := range before.slices {
+		if len(s.Devices) > maxDevicesPerSlice {
+			t.Fatalf("slice %d holds %d devices, DRA allows %d", i, len(s.Devices), maxDevicesPerSlice)
+		}
+		for _, d := range s.Devices {
+			sliceOf[d.Name] = i
+			total++
+		}
+	}
+	if want := gpus * (1 + 3*perProfile); total != want {
+		t.Fatalf("%d devices in the slices, want %d", total, want)
+	}
+	for _, ref := range before.devices {
+		gpu := ref.id[:len("GPU-0")]
+		if got, want := sliceOf[ref.name], sliceOf[before.devices[DeviceName(gpu)].name]; got != want {
+			t.Errorf("%s in slice %d, its GPU %s in slice %d", ref.id, got, gpu, want)
+		}
+	}
+
+	snap := onDemandSnapshot(gpus, perProfile)
+	holder := &pb.Holder{ReservationId: "res-1", OwnerId: "nomad/default/job/a/t"} // a holder outside DRA: tainted
+	for _, g := range snap.Groups {
+		for _, d := range g.Devices {
+			switch {
+			case d.Id == "GPU-5-mig-1g.10gb-0":
+				d.Holder = holder
+			case d.Id == "GPU-5" || strings.HasPrefix(d.Id, "GPU-5-mig-3g"):
+				d.BlockedBy = []*pb.Holder{holder}
+			}
+		}
+	}
+	after, _ := buildView(snap, o)
+	if len(after.slices) != len(before.slices) {
+		t.Fatalf("%d slices after the change, %d before", len(after.slices), len(before.slices))
+	}
+	var changed []int
+	for i := range after.slices {
+		if !apiequality.Semantic.DeepEqual(before.slices[i], after.slices[i]) {
+			changed = append(changed, i)
+		}
+	}
+	if len(changed) != 1 {
+		t.Errorf("holding a partition of one GPU changed slices %v, want one", changed)
+	}
+}
+
+// Devices beyond what one slice holds still fill whole slices: a counter set consumed
+// by more devices than a slice holds spans slices, and devices that consume nothing
+// keep their order.
+func TestSliceChunksBounds(t *testing.T) {
+	dev := func(name, set string) resourceapi.Device {
+		d := resourceapi.Device{Name: name}
+		if set != "" {
+			d.ConsumesCounters = []resourceapi.DeviceCounterConsumption{{CounterSet: set}}
+		}
+		return d
+	}
+	var devices []resourceapi.Device
+	for i := range 3 {
+		devices = append(devices, dev(fmt.Sprintf("plain-%d", i), ""))
+	}
+	for i := range 5 {
+		devices = append(devices, dev(fmt.Sprintf("big-%d", i), "big"))
+	}
+	devices = append(devices, dev("small-0", "small"), dev("plain-3", ""), dev("small-1", "small"))
+	got := sliceChunks(devices, 4)
+	names := make([][]string, len(got))
+	for i, c := range got {
+		for _, j := range c {
+			names[i] = append(names[i], devices[j].Name)
+		}
+	}
+	want := [][]string{{"plain-0", "plain-1", "plain-2"}, {"big-0", "big-1", "big-2", "big-3"}, {"big-4", "small-0", "small-1", "plain-3"}}
+	if !slices.EqualFunc(names, want, slices.Equal) {
+		t.Errorf("sliceChunks = %q, want %q", names, want)
 	}
 }
