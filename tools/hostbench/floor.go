@@ -35,22 +35,20 @@ type floorSteps struct {
 
 // floor is the floor scenario (see docs/benchmarks.md#reserve-end-to-end). The floor of a
 // Reserve is a unary round trip to the agent, the plugin's Reserve called directly and
-// one bbolt commit; of a Release, the round trip and the commit. It measures both views:
+// one bbolt commit; of a Release, the round trip and the commit. It measures three views:
 //
 //   - alone: each part in a phase of its own, nothing else running (-floor-cycles
 //     Reserve+Release cycles, both timed; as many health Checks, plugin Reserves and
 //     bare commits);
+//   - cold: as alone, with -floor-gap of idle before each call timed. Inside a Reserve
+//     each part comes after such a pause (the plugin and the disk idle since the last
+//     cycle, the caller asleep through the call), and on a VM a thread or vCPU woken
+//     from idle costs far more than one kept busy by a tight loop: this view says how
+//     much of a Reserve's excess over the alone floor is that;
 //   - interleaved: -floor-block Reserve+Release cycles back to back (the Reserve timed)
 //     taking turns with as many floor measurements, each of which times, in turn, a
 //     health Check, a ListPlugins (a unary call the agent logs at INFO, as it does
 //     Reserve), the plugin's Reserve and a bare commit;
-//
-// //   - cold: as alone, with -floor-gap of idle before each call timed. Inside a Reserve
-//
-//	each part comes after such a pause (the plugin and the disk idle since the last
-//	cycle, the caller asleep through the call), and on a VM a thread or vCPU woken
-//	from idle costs far more than one kept busy by a tight loop: this view says how
-//	much of a Reserve's excess over the alone floor is that;
 //
 // then, with an agent built with -tags cpuprofile, where a Reserve's time goes inside
 // the agent (breakdown).
