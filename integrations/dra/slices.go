@@ -290,19 +290,18 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 	for chunk := range slices.Chunk(sets, maxCounterSetsPerSlice) {
 		v.slices = append(v.slices, resourceslice.Slice{SharedCounters: chunk})
 	}
-	aligned := len(encs) == len(devices)
-	var packedEncs [][]byte
+	var packedEncs [][]byte // encs in the slices' order (a build with a cache)
 	for _, chunk := range sliceChunks(devices, maxDevicesPerSlice) {
 		devs := make([]resourceapi.Device, 0, len(chunk))
 		for _, i := range chunk {
 			devs = append(devs, devices[i])
-			if aligned {
+			if cache != nil {
 				packedEncs = append(packedEncs, encs[i])
 			}
 		}
 		v.slices = append(v.slices, resourceslice.Slice{Devices: devs})
 	}
-	if cache != nil && aligned && !slices.ContainsFunc(packedEncs, func(b []byte) bool { return b == nil }) {
+	if cache != nil && !slices.ContainsFunc(packedEncs, func(b []byte) bool { return b == nil }) {
 		v.enc = cachedEncoding(v.slices, packedEncs)
 	}
 	if len(v.slices) == 0 {
