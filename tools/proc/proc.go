@@ -68,12 +68,11 @@ func Children(ppid int) ([]Process, error) {
 // CPU is the user and system CPU time process pid has used so far (its threads, not
 // its children), from /proc/<pid>/stat.
 func CPU(pid int) (time.Duration, error) {
-	stat, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))
+	fields, err := statFields(filepath.Join("/proc", strconv.Itoa(pid)))
 	if err != nil {
 		return 0, err
 	}
-	// After "pid (comm) ": state, ppid, ... utime and stime are the 12th and 13th.
-	fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+	// utime and stime are the 12th and 13th after the command.
 	if len(fields) < 13 {
 		return 0, fmt.Errorf("/proc/%d/stat: %d fields after the command, want 13 or more", pid, len(fields))
 	}
@@ -89,12 +88,10 @@ func CPU(pid int) (time.Duration, error) {
 // read reads one process; false when it is gone or its stat cannot be parsed.
 func read(pid int) (Process, bool) {
 	dir := filepath.Join("/proc", strconv.Itoa(pid))
-	stat, err := os.ReadFile(filepath.Join(dir, "stat"))
+	fields, err := statFields(dir)
 	if err != nil {
 		return Process{}, false
 	}
-	// pid (comm) state ppid ...: comm may hold spaces and parentheses.
-	fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
 	if len(fields) < 2 || len(fields[0]) != 1 {
 		return Process{}, false
 	}
@@ -108,4 +105,14 @@ func read(pid int) (Process, bool) {
 		p.Argv = strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00")
 	}
 	return p, true
+}
+
+// statFields are the fields of dir's stat after "pid (comm)": state, ppid, and on. comm
+// may hold spaces and parentheses, so they start after the last ')'.
+func statFields(dir string) ([]string, error) {
+	stat, err := os.ReadFile(filepath.Join(dir, "stat"))
+	if err != nil {
+		return nil, err
+	}
+	return strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:])), nil
 }
