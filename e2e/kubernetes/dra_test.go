@@ -830,8 +830,8 @@ func (d *draStack) caseRestarts(t *testing.T) {
 		}
 	}
 
-	// The kubelet: it wipes the node's ResourceSlices when it starts; the driver's
-	// slice controller publishes them again.
+	// The kubelet: it wipes the node's ResourceSlices when it starts; the driver
+	// publishes them again.
 	kOff := fileSize(d.kubeletLog())
 	start := time.Now()
 	d.n.nodeScript(t, "stop", "kubelet")
@@ -1010,10 +1010,10 @@ func (d *draStack) caseMIG(t *testing.T) {
 
 // sliceChangeCPU measures the driver's CPU per change of its pool on the real node
 // (issue 31: at most 5 ms with on-demand MIG): rounds hand reservations of partition
-// id, which the driver taints held, and their releases, each a change it publishes
-// through the kubeletplugin helper to the API server, whose work is its own process's.
-// The driver's CPU over 2 s with no change is logged beside it. The suite's driver is a
-// -race build, like its agent: the figure is the race detector's too.
+// id, which the driver taints held, and their releases, each a change it publishes to
+// the API server, whose work is its own process's. The driver's CPU over 2 s with no
+// change is logged beside it. The suite's driver is a -race build, like its agent: the
+// figure is the race detector's too.
 func (d *draStack) sliceChangeCPU(t *testing.T, id string, rounds int) {
 	t.Helper()
 	pid := d.drv.cmd.Process.Pid

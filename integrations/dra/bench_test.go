@@ -158,11 +158,11 @@ const tmpfsMagic = 0x01021994
 // BenchmarkSliceChange measures what one change of the agent's devices costs the driver
 // on a DGX H100 with on-demand MIG (8 GPUs, every placement of every MIG profile, 8
 // counter sets: 5 slices): a partition held by a hand reservation (the driver taints it
-// devicehost.io/held) and released again, each a change the driver turns into new
-// slices through the helper. cpu-ms/change is the CPU of this whole test process per
-// change (target: the driver's at most 5 ms), so it counts, besides the driver and
-// the helper's slice controller, the fake API server and the test's own client: an
-// upper bound of the driver's part. The agent is a process of its own, not counted.
+// devicehost.io/held) and released again, each a change the driver turns into an
+// update of one slice. cpu-ms/change is the CPU of this whole test process per change
+// (target: the driver's at most 5 ms), so it counts, besides the driver, the fake API
+// server and the test's own client: an upper bound of the driver's part. The agent is
+// a process of its own, not counted.
 func BenchmarkSliceChange(b *testing.B) {
 	r := newRigArgs(b, "-config", onDemandAgentConfig(b))
 	snap := r.waitDevices("GPUs and MIG partitions", func(s *pb.FingerprintResponse) bool { return len(s.GetCounterSets()) == 8 })
@@ -261,8 +261,8 @@ func processCPU(b *testing.B) time.Duration {
 // BenchmarkViewChange is the driver's own work for one change of a large pool: the
 // agent's snapshot of a DGX H100 with on-demand MIG (232 devices, 8 counter sets) with
 // one partition's holder changed, turned into the view (buildView) and compared with
-// the last publish (encodeSlices), as watchLoop and publishLoop do. The helper's
-// slice controller and the API server come after, and are not in it.
+// the last publish (its encoding), as watchLoop and the publisher do. The write to the
+// API server comes after, and is not in it.
 func BenchmarkViewChange(b *testing.B) {
 	r := newRigArgs(b, "-config", onDemandAgentConfig(b))
 	snap := r.waitDevices("GPUs and MIG partitions", func(s *pb.FingerprintResponse) bool { return len(s.GetCounterSets()) == 8 })

@@ -7,7 +7,6 @@
 package dra
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -20,6 +19,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"golang.org/x/sync/errgroup"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/dynamic-resource-allocation/deviceattribute"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 
@@ -92,9 +92,6 @@ type Driver struct {
 	pci   *pciAttributes
 
 	fatal chan error // HandleError's fatal errors, for Run
-	// republish asks the publish loop to publish the current view again, unchanged:
-	// someone deleted the pool's slices (sliceGoneLoop).
-	republish chan struct{}
 
 	mu      sync.Mutex
 	cur     *view         // latest; nil before the first snapshot
@@ -155,16 +152,15 @@ func New(cfg Config) (*Driver, error) {
 		return nil, err
 	}
 	d := &Driver{
-		cfg:       cfg,
-		log:       cfg.Logger,
-		agent:     cfg.Agent,
-		cdi:       cdi,
-		fatal:     make(chan error, 1),
-		republish: make(chan struct{}, 1),
-		changed:   make(chan struct{}),
-		stale:     make(map[string]time.Time),
-		pci:       &pciAttributes{},
-		statuses:  newClaimStatuses(),
+		cfg:      cfg,
+		log:      cfg.Logger,
+		agent:    cfg.Agent,
+		cdi:      cdi,
+		fatal:    make(chan error, 1),
+		changed:  make(chan struct{}),
+		stale:    make(map[string]time.Time),
+		pci:      &pciAttributes{},
+		statuses: newClaimStatuses(),
 	}
 	if cfg.SysfsRoot != "" {
 		d.pci.sysfs = []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(cfg.SysfsRoot)}
@@ -189,7 +185,7 @@ func (d *Driver) Run(ctx context.Context) error {
 	mon, _ := liveness.New(liveness.Config{StallTimeout: d.cfg.HealthStallTimeout, AgentTimeout: d.cfg.HealthAgentTimeout,
 		Logger: d.log.Named("health")}) // checked by New
 	watchTokens := mon.Loop("agent watch")
-	// Only the agent watch is watched. The publish loop's first PublishResources waits
+	// Only the agent watch is watched. The publish loop's first sync waits
 	// for the ResourceSlice informer to sync with the API server (about a second in the
 	// tests, and as long as the API server is unreachable on a node that starts without
 	// it), and a stuck stale-claim loop only delays releasing claims deleted while the
@@ -234,9 +230,8 @@ func (d *Driver) Run(ctx context.Context) error {
 		g.Go(func() error { return mon.Serve(gctx, healthLis) })
 	}
 	g.Go(func() error { return d.watchLoop(gctx, mon, watchTokens) })
-	g.Go(func() error { return d.publishLoop(gctx, helper) })
+	g.Go(func() error { return d.publishLoop(gctx) })
 	g.Go(func() error { return d.staleLoop(gctx) })
-	g.Go(func() error { return d.sliceGoneLoop(gctx) })
 	g.Go(func() error { return d.statusLoop(gctx) })
 	g.Go(func() error {
 		select {
@@ -305,34 +300,65 @@ func (d *Driver) watchLoop(ctx context.Context, mon *liveness.Monitor, tokens <-
 	}
 }
 
-// publishLoop publishes the current view's pool whenever it differs from the last
-// one published, and again when asked to (republish). PublishResources can take a
-// while the first time (it starts the ResourceSlice controller and waits for its
-// informer): views that come meanwhile are skipped to the latest.
-func (d *Driver) publishLoop(ctx context.Context, helper *kubeletplugin.Helper) error {
+// publishLoop writes the current view's slices through a publisher whenever the view
+// changes, and again republishDelay after someone else's last change to them (the
+// kubelet deletes every ResourceSlice of its node when it starts; left to itself the
+// helper's controller wrote them again 30 s later, 14 s measured on the real node, and
+// until then the scheduler places no claim on this node). A write that fails is tried
+// again, after 100 ms doubling up to 30 s. The first sync waits for the informer of
+// the node's slices (about a second in the tests, and as long as the API server is
+// unreachable).
+func (d *Driver) publishLoop(ctx context.Context) error {
+	p := newPublisher(d.cfg.Kube, d.cfg.DriverName, d.cfg.NodeName, d.log)
+	factory, inf, err := p.informer()
+	if err != nil {
+		return fmt.Errorf("dra: ResourceSlice informer: %w", err)
+	}
+	factory.Start(ctx.Done())
+	defer factory.Shutdown()
+	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+		return nil // ctx ended
+	}
 	var (
-		published bool
-		last      []byte // encodeSlices of the view last published
+		backoff time.Duration
+		retry   = time.NewTimer(time.Hour)
+		settle  = time.NewTimer(time.Hour) // armed by someone else's change
+		due     = true
+		mending bool // someone else changed the slices: say so if this sync writes
 	)
+	retry.Stop()
+	settle.Stop() // since Go 1.23 a stopped timer sends nothing
+	defer retry.Stop()
+	defer settle.Stop()
 	for {
 		v, changed := d.current()
-		enc, ok := []byte(nil), false
-		if v != nil {
-			enc, ok = v.encoding()
-		}
-		if v != nil && (!published || !ok || !bytes.Equal(enc, last)) {
-			if err := helper.PublishResources(ctx, v.resources()); err != nil {
+		if v != nil && due {
+			writes, err := p.sync(ctx, v)
+			if mending && writes > 0 {
+				d.log.Info("ResourceSlices of the pool changed or deleted by someone else (the kubelet deletes them at its start): publishing them again", "writes", writes)
+			}
+			mending = false
+			if err != nil {
 				if ctx.Err() != nil {
 					return nil
 				}
-				return fmt.Errorf("dra: publish resources: %w", err)
+				backoff = min(max(2*backoff, 100*time.Millisecond), 30*time.Second)
+				d.log.Warn("ResourceSlices not published; trying again", "error", err, "retry_in", backoff)
+				retry.Reset(backoff)
+			} else {
+				backoff = 0
+				retry.Stop()
 			}
-			published, last = true, enc
 		}
+		due = true
 		select {
 		case <-changed:
-		case <-d.republish:
-			published = false
+		case <-retry.C:
+		case <-settle.C:
+			mending = true
+		case <-p.foreign:
+			settle.Reset(republishDelay) // a later change of the burst pushes it back
+			due = false
 		case <-ctx.Done():
 			return nil
 		}

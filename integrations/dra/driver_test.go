@@ -397,7 +397,7 @@ func TestPluginKilledTaintsAndHealth(t *testing.T) {
 	r.waitDevices("GPUs", func(s *pb.FingerprintResponse) bool { ids, _ := gpus(s); return len(ids) == 8 })
 	health := k.watchHealth(t)
 	health.wait(t, 8, drahealthpb.HealthStatus_HEALTHY)
-	// The ResourceSlice controller is running (its start waits for an informer).
+	// The publisher is running (its start waits for an informer).
 	r.waitSlices("8 GPUs", func(d []resourceapi.Device) bool { return len(d) == 8 })
 	pids := pluginPIDs(r.agent)
 	if len(pids) == 0 {
@@ -530,9 +530,9 @@ func TestStaleClaimReleasedAfterGrace(t *testing.T) {
 }
 
 // The kubelet deletes every ResourceSlice of its node when it starts. The driver
-// publishes its pool again within a second, not after the helper's own 30 s resync:
-// until then the scheduler would place no claim on the node. A second deletion, after
-// the first republish, is mended as well.
+// publishes its pool again within a second (the helper's controller by itself took
+// 30 s): until then the scheduler would place no claim on the node. A second
+// deletion, after the first republish, is mended as well.
 func TestPoolRepublishedAfterDeletion(t *testing.T) {
 	r := newRig(t)
 	rd := r.startDriver(nil)

@@ -199,8 +199,8 @@ func (fr *fakeRig) waitPool(t testing.TB, what string, ok func([]resourceapi.Res
 	}
 }
 
-// The agent's counter sets reach the published pool through the real helper and its
-// ResourceSlice controller: a slice of shared counters, and devices that consume them.
+// The agent's counter sets reach the published pool: a slice of shared counters, and
+// devices that consume them.
 func TestSharedCountersPublished(t *testing.T) {
 	fr := newFakeRig(t)
 	pool := fr.waitPool(t, "counters and 3 devices", func(items []resourceapi.ResourceSlice) bool {
@@ -298,8 +298,7 @@ func equalJSON(t testing.TB, a, b any) bool {
 }
 
 // BenchmarkHealthChange measures how long a device's health change at the agent takes
-// to reach the published ResourceSlice taint (on the fake clientset, through the real
-// helper's controller) and the kubelet's WatchHealthStatus stream: p50 and p99 of each
+// to reach the published ResourceSlice taint (on the fake clientset) and the kubelet's WatchHealthStatus stream: p50 and p99 of each
 // (target: 50 ms p99).
 func BenchmarkHealthChange(b *testing.B) {
 	fr := newFakeRig(b)

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -461,7 +462,8 @@ func pluginPIDs(a *agenttest.Process) []int {
 
 // newKube is a fake API server holding the node. Like the real one (and unlike the
 // fake clientset by itself), it names objects created with only a generateName, as the
-// ResourceSlice controller creates them.
+// ResourceSlice controller creates them, and gives each object it stores a
+// resourceVersion.
 func newKube() *fake.Clientset {
 	kube := fake.NewClientset(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: testNode, UID: "node-uid-1"}})
 	var n atomic.Int64
@@ -473,5 +475,15 @@ func newKube() *fake.Clientset {
 		}
 		return false, nil, nil
 	})
+	// Like the real one, it gives every object it stores a resourceVersion of its own.
+	var rv atomic.Int64
+	for _, verb := range []string{"create", "update"} {
+		kube.PrependReactor(verb, "*", func(a k8stesting.Action) (bool, runtime.Object, error) {
+			if m, err := meta.Accessor(a.(k8stesting.CreateAction).GetObject()); err == nil {
+				m.SetResourceVersion(strconv.FormatInt(rv.Add(1), 10))
+			}
+			return false, nil, nil
+		})
+	}
 	return kube
 }

@@ -54,18 +54,22 @@ type view struct {
 	order   []string // device names in publishing order
 	// disconnected is why the agent cannot be read, or nil.
 	disconnected error
-	// enc, where the build had a cache, is what encoding returns, made of the cached
-	// devices' encodings; nil: encodeSlices.
-	enc []byte
+	// encs are the slices' encodings (sliceEncoding), in their order; an entry is nil
+	// where a slice would not encode.
+	encs [][]byte
 }
 
-// encoding is what the publish loop compares to tell whether a view publishes the
-// same ResourceSlices as the last one; ok false: none (publish).
+// encoding is the whole pool's encoding: equal for two views exactly when they
+// publish the same slices. ok false: a slice would not encode.
 func (v *view) encoding() (enc []byte, ok bool) {
-	if v.enc != nil {
-		return v.enc, true
+	for _, e := range v.encs {
+		if e == nil {
+			return nil, false
+		}
+		enc = binary.AppendUvarint(enc, uint64(len(e)))
+		enc = append(enc, e...)
 	}
-	return encodeSlices(v.slices)
+	return enc, true
 }
 
 // buildOptions are the inputs of buildView besides the snapshot.
@@ -301,13 +305,23 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 		}
 		v.slices = append(v.slices, resourceslice.Slice{Devices: devs})
 	}
-	if cache != nil && !slices.ContainsFunc(packedEncs, func(b []byte) bool { return b == nil }) {
-		v.enc = cachedEncoding(v.slices, packedEncs)
-	}
 	if len(v.slices) == 0 {
 		// A pool with no devices is still published, empty, so the scheduler sees
 		// the node has none rather than an old list.
 		v.slices = []resourceslice.Slice{{}}
+	}
+	v.encs = make([][]byte, len(v.slices))
+	at := 0 // v.slices[i]'s first device in packedEncs
+	for i, s := range v.slices {
+		var devEncs [][]byte
+		if cache != nil && len(s.Devices) > 0 {
+			devEncs = packedEncs[at : at+len(s.Devices)]
+			if slices.ContainsFunc(devEncs, func(b []byte) bool { return b == nil }) {
+				devEncs = nil // not cached: encoded afresh
+			}
+		}
+		at += len(s.Devices)
+		v.encs[i] = sliceEncoding(s, devEncs)
 	}
 	return v, problems
 }
@@ -317,8 +331,8 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 // its MIG placements and MPS shares) go together where the first of them is, in one
 // slice unless they are more than one holds. A change of one GPU (a partition held,
 // the placements it blocks tainted, the GPU itself) then changes one slice, which the
-// kubeletplugin helper updates alone; a change spread over two slices makes it write
-// every slice of the pool again, at a new generation.
+// publisher updates alone; a change spread over two slices makes it write every slice
+// of the pool again, at a new generation (publish.go).
 func sliceChunks(devices []resourceapi.Device, max int) [][]int {
 	groupOf := make(map[string]int)
 	var groups [][]int
@@ -352,57 +366,49 @@ func sliceChunks(devices []resourceapi.Device, max int) [][]int {
 	return out
 }
 
-// encodeSlices is what the publish loop compares to tell whether a view publishes
-// the same ResourceSlices as the last: their protobuf encodings, each after its
-// length (deterministic: the generated code sorts map keys). It runs on every
-// snapshot, one per Reserve and per Release at the agent, while a prepare may be
-// waiting for the CPU: reflection's DeepEqual of two views took eight times as long as
-// encoding one. ok is false if one would not encode (then publish: one publish too
-// many is harmless).
-func encodeSlices(slices []resourceslice.Slice) (enc []byte, ok bool) {
-	for _, s := range slices {
-		b, err := sliceSpec(s).Marshal()
-		if err != nil {
-			return nil, false
-		}
-		enc = binary.AppendUvarint(enc, uint64(len(b)))
-		enc = append(enc, b...)
+// sliceEncoding is what the publisher compares to tell whether a slice says what it
+// last wrote there: the slice's fields besides its devices, then each device, each
+// after its length (deterministic: the generated code sorts map keys). It runs on
+// every snapshot, one per Reserve and per Release at the agent, while a prepare may
+// be waiting for the CPU: reflection's DeepEqual of two views took eight times as long
+// as encoding one, and the view cache keeps each unchanged device's encoding
+// (devEncs, in s.Devices' order; nil: encode them). nil if s would not encode (then
+// write it: one write too many is harmless).
+func sliceEncoding(s resourceslice.Slice, devEncs [][]byte) []byte {
+	rest := sliceSpec(s)
+	rest.Devices = nil
+	b, err := rest.Marshal()
+	if err != nil {
+		return nil
 	}
-	return enc, true
-}
-
-// cachedEncoding is encodeSlices' counterpart for a view built with a cache: each
-// slice of counter sets encoded whole, each slice of devices as its devices' cached
-// encodings (encs, in the slices' order), each after its length. Two views built so
-// encode equal exactly when their slices are equal; it is never compared with
-// encodeSlices'.
-func cachedEncoding(slices []resourceslice.Slice, encs [][]byte) []byte {
-	size := 0
-	for _, e := range encs {
+	size := len(b) + binary.MaxVarintLen64
+	for _, e := range devEncs {
 		size += len(e) + binary.MaxVarintLen64
 	}
-	enc := make([]byte, 0, size+len(slices)*(1+binary.MaxVarintLen64)+4096)
-	i := 0
-	for _, s := range slices {
-		if len(s.Devices) == 0 {
-			b, err := sliceSpec(s).Marshal()
-			if err != nil {
-				return nil
-			}
-			enc = append(enc, 'c')
-			enc = binary.AppendUvarint(enc, uint64(len(b)))
-			enc = append(enc, b...)
-			continue
+	enc := make([]byte, 0, size)
+	enc = binary.AppendUvarint(enc, uint64(len(b)))
+	enc = append(enc, b...)
+	for i := range s.Devices {
+		var d []byte
+		if devEncs != nil {
+			d = devEncs[i]
+		} else if d, err = s.Devices[i].Marshal(); err != nil {
+			return nil
 		}
-		enc = append(enc, 'd')
-		enc = binary.AppendUvarint(enc, uint64(len(s.Devices)))
-		for range s.Devices {
-			enc = binary.AppendUvarint(enc, uint64(len(encs[i])))
-			enc = append(enc, encs[i]...)
-			i++
-		}
+		enc = binary.AppendUvarint(enc, uint64(len(d)))
+		enc = append(enc, d...)
 	}
 	return enc
+}
+
+// encodeSlices is the encoding of a view of these slices (view.encoding), each
+// encoded afresh.
+func encodeSlices(ss []resourceslice.Slice) (enc []byte, ok bool) {
+	v := view{slices: ss, encs: make([][]byte, len(ss))}
+	for i, s := range ss {
+		v.encs[i] = sliceEncoding(s, nil)
+	}
+	return v.encoding()
 }
 
 // sliceSpec carries every field of s (TestSliceSpecHasEveryField keeps it so).
@@ -414,11 +420,6 @@ func sliceSpec(s resourceslice.Slice) *resourceapi.ResourceSliceSpec {
 		PartitionTypeAttribute: s.PartitionTypeAttribute,
 		SkipNodeOperations:     s.SkipNodeOperations,
 	}
-}
-
-// resources is the view as PublishResources takes it.
-func (v *view) resources() resourceslice.DriverResources {
-	return resourceslice.DriverResources{Pools: map[string]resourceslice.Pool{v.pool: {Slices: v.slices}}}
 }
 
 // groupAttributes converts a group's attributes (shared by its devices): vendor,

@@ -361,8 +361,11 @@ func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 			t.Fatalf("step %d (changes %v, agent lost: %v): the cached build differs from a fresh one:\nfresh  %+v\ncached %+v", step, applied, lost, fresh.slices, cached.slices)
 		}
 		enc, ok := cached.encoding()
-		if !ok || cached.enc == nil {
+		if !ok {
 			t.Fatalf("step %d: a cached build has no encoding", step)
+		}
+		if freshEnc, _ := fresh.encoding(); !bytes.Equal(enc, freshEnc) {
+			t.Fatalf("step %d (changes %v): the cached build encodes otherwise than a fresh one", step, applied)
 		}
 		if sameSlices, sameEnc := apiequality.Semantic.DeepEqual(lastSlices, cached.slices), bytes.Equal(lastEnc, enc); sameSlices != sameEnc {
 			t.Fatalf("step %d (changes %v): slices equal to the last: %v, encodings equal: %v", step, applied, sameSlices, sameEnc)
@@ -400,8 +403,8 @@ func onDemandSnapshot(gpus, perProfile int) *pb.FingerprintResponse {
 
 // The devices of one GPU (those consuming its counter set) share a slice, so that
 // holding one of its partitions, which taints the GPU and the placements it blocks,
-// changes one slice: the kubeletplugin helper then updates that slice alone instead of
-// writing every slice of the pool again at a new generation.
+// changes one slice: the publisher then updates that slice alone instead of writing
+// every slice of the pool again at a new generation.
 func TestOneGPUsDevicesShareASlice(t *testing.T) {
 	const gpus, perProfile = 8, 7 // 8 GPUs of 22 devices: more than two slices
 	o := buildOptions{driver: "devicehost.io", pool: "node-a", pci: &pciAttributes{}}
