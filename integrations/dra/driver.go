@@ -13,6 +13,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -396,27 +397,44 @@ func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 }
 
 // WatchHealthStatus implements kubeletplugin.DRAPlugin: a report of every device at
-// once, again on every change of the agent's snapshot or its reachability, and every
-// healthResend in between.
+// once, again when a device's health or the agent's reachability changes, and every
+// healthResend in between. Most of the snapshot's changes (a holder, a taint) say
+// nothing new of health: sending 232 devices to the kubelet for each Reserve was work
+// for both.
 func (d *Driver) WatchHealthStatus(ctx context.Context, reports chan<- kubeletplugin.DeviceHealthReport) error {
 	t := time.NewTicker(healthResend)
 	defer t.Stop()
+	var last *kubeletplugin.DeviceHealthReport // sent last; nil: send
 	for {
 		v, changed := d.current()
 		if v != nil {
-			select {
-			case reports <- v.healthReport(time.Now()):
-			case <-ctx.Done():
-				return nil
+			r := v.healthReport(time.Now())
+			if last == nil || !sameHealth(*last, r) {
+				select {
+				case reports <- r:
+					last = &r
+				case <-ctx.Done():
+					return nil
+				}
 			}
 		}
 		select {
 		case <-changed:
 		case <-t.C:
+			last = nil
 		case <-ctx.Done():
 			return nil
 		}
 	}
+}
+
+// sameHealth reports whether two reports say the same of every device, their times
+// aside.
+func sameHealth(a, b kubeletplugin.DeviceHealthReport) bool {
+	return slices.EqualFunc(a.Devices, b.Devices, func(x, y kubeletplugin.DeviceHealth) bool {
+		return x.PoolName == y.PoolName && x.DeviceName == y.DeviceName && x.Health == y.Health &&
+			x.HealthCheckTimeout == y.HealthCheckTimeout && x.Message == y.Message
+	})
 }
 
 // healthReport is every device's health: the agent's, or unknown while it cannot be

@@ -2,6 +2,7 @@ package dra
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -10,9 +11,11 @@ import (
 	"time"
 
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/integrations/liveness/livenesstest"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
 // watchProbe follows the driver's health socket as a liveness probe asks it, until
@@ -88,5 +91,42 @@ func TestHealthConfigRefused(t *testing.T) {
 	_, err = New(Config{Agent: agent, Kube: newKube(), NodeName: testNode, CDIDir: t.TempDir(), HealthStallTimeout: -time.Second})
 	if err == nil || !strings.Contains(err.Error(), "stall timeout -1s is negative") {
 		t.Errorf("New with a negative stall timeout: %v", err)
+	}
+}
+
+// The kubelet gets a health report when what it says changes (a device's health or
+// reason, the agent's reachability, a device more), not for each change of the pool
+// that says nothing of health (a holder, a taint): each report is every device.
+func TestHealthReportOnlyWhenHealthChanges(t *testing.T) {
+	now := time.Now()
+	report := func(change func(*pb.FingerprintResponse), lost error) kubeletplugin.DeviceHealthReport {
+		snap := onDemandSnapshot(2, 7)
+		if change != nil {
+			change(snap)
+		}
+		v, _ := buildView(snap, buildOptions{driver: testDriver, pool: testNode, pci: &pciAttributes{}, disconnected: lost})
+		return v.healthReport(now)
+	}
+	base := report(nil, nil)
+	if !sameHealth(base, report(nil, nil)) {
+		t.Fatal("the same snapshot: reports differ")
+	}
+	if !sameHealth(base, report(holdPartition(1), nil)) {
+		t.Error("a partition held (holder and taints): a report sent, want none")
+	}
+	changes := map[string]kubeletplugin.DeviceHealthReport{
+		"unhealthy": report(func(s *pb.FingerprintResponse) { s.Groups[0].Devices[1].Health = pb.Health_HEALTH_UNHEALTHY }, nil),
+		"reason": report(func(s *pb.FingerprintResponse) {
+			s.Groups[1].Devices[0].HealthReason = "XID 48"
+		}, nil),
+		"agent lost": report(nil, errors.New("connection refused")),
+		"a device more": report(func(s *pb.FingerprintResponse) {
+			s.Groups[1].Devices = append(s.Groups[1].Devices, &pb.Device{Id: "GPU-1-mig-1g.10gb-9"})
+		}, nil),
+	}
+	for what, r := range changes {
+		if sameHealth(base, r) {
+			t.Errorf("%s: no report sent, want one", what)
+		}
 	}
 }
