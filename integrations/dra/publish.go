@@ -1,7 +1,6 @@
 package dra
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"slices"
@@ -65,7 +64,7 @@ type publisher struct {
 
 // sentSlice is one slice as this process last wrote it.
 type sentSlice struct {
-	enc []byte                     // sliceEncoding of what was written
+	enc sliceEnc                   // sliceEncoding of what was written
 	obj *resourceapi.ResourceSlice // the API server's answer
 	// seen: the informer has shown obj's resourceVersion. A later one is someone
 	// else's; before, the informer is behind (what it holds is older than obj).
@@ -141,7 +140,7 @@ func (p *publisher) observe(obj any, deleted bool) {
 // candidate is a slice of the pool the API server has, and its encoding where known.
 type candidate struct {
 	obj *resourceapi.ResourceSlice
-	enc []byte // nil: not written by this process as it is; encoded when compared
+	enc *sliceEnc // nil: not written by this process as it is; encoded when compared
 }
 
 // sync makes the API server's slices of the pool say what v's do. It writes only the
@@ -165,7 +164,7 @@ func (p *publisher) sync(ctx context.Context, v *view) (writes int, err error) {
 	var all []candidate
 	p.mu.Lock()
 	for _, e := range p.sent {
-		all = append(all, candidate{obj: e.obj, enc: e.enc})
+		all = append(all, candidate{obj: e.obj, enc: &e.enc})
 	}
 	for _, o := range p.store.List() {
 		s, ok := o.(*resourceapi.ResourceSlice)
@@ -203,9 +202,10 @@ func (p *publisher) sync(ctx context.Context, v *view) (writes int, err error) {
 			continue
 		}
 		if c.enc == nil {
-			c.enc = storedEncoding(c.obj)
+			stored := storedEncoding(c.obj)
+			c.enc = &stored
 		}
-		if c.obj.Spec.Pool.ResourceSliceCount != int64(n) || v.encs[i] == nil || c.enc == nil || !bytes.Equal(c.enc, v.encs[i]) {
+		if c.obj.Spec.Pool.ResourceSliceCount != int64(n) || !c.enc.equal(v.encs[i]) {
 			changed = append(changed, i)
 		}
 	}
@@ -240,7 +240,7 @@ func (p *publisher) sync(ctx context.Context, v *view) (writes int, err error) {
 }
 
 // write writes the pool's slice i: an update of old, or a new slice where old is nil.
-func (p *publisher) write(ctx context.Context, pool resourceapi.ResourcePool, i, digits int, s resourceslice.Slice, enc []byte, old *resourceapi.ResourceSlice) error {
+func (p *publisher) write(ctx context.Context, pool resourceapi.ResourcePool, i, digits int, s resourceslice.Slice, enc sliceEnc, old *resourceapi.ResourceSlice) error {
 	obj := &resourceapi.ResourceSlice{
 		Spec: resourceapi.ResourceSliceSpec{
 			Driver:                 p.driver,
@@ -283,8 +283,8 @@ func (p *publisher) write(ctx context.Context, pool resourceapi.ResourcePool, i,
 		return fmt.Errorf("%s ResourceSlice %d of %d: %w", verb, i+1, pool.ResourceSliceCount, err)
 	}
 	p.sent[got.Name] = &sentSlice{enc: enc, obj: got}
-	if enc != nil {
-		if stored := storedEncoding(got); !bytes.Equal(stored, enc) {
+	if enc.valid {
+		if !storedEncoding(got).equal(enc) {
 			// Compared with what was sent, not with what the server kept: the next sync
 			// does not write it again, in a loop.
 			p.log.Warn("the API server did not store the ResourceSlice as written (fields dropped: a feature gate off?)",
@@ -320,8 +320,8 @@ func sliceIndex(name string, digits int) (int, bool) {
 
 // storedEncoding is the sliceEncoding of a slice as the API server has it, without
 // the times the server gave its taints (the driver sends none of its own: what it
-// compares carries none). nil if it would not encode.
-func storedEncoding(s *resourceapi.ResourceSlice) []byte {
+// compares carries none). Not valid if it would not encode.
+func storedEncoding(s *resourceapi.ResourceSlice) sliceEnc {
 	devs := s.Spec.Devices
 	if slices.ContainsFunc(devs, func(d resourceapi.Device) bool {
 		return slices.ContainsFunc(d.Taints, func(t resourceapi.DeviceTaint) bool { return t.TimeAdded != nil })

@@ -54,20 +54,40 @@ type view struct {
 	order   []string // device names in publishing order
 	// disconnected is why the agent cannot be read, or nil.
 	disconnected error
-	// encs are the slices' encodings (sliceEncoding), in their order; an entry is nil
-	// where a slice would not encode.
-	encs [][]byte
+	// encs are the slices' encodings (sliceEncoding), in their order.
+	encs []sliceEnc
+}
+
+// sliceEnc is what the publisher compares to tell whether a slice says what it last
+// wrote there: the encoding of the slice's fields besides its devices, and each
+// device's (deterministic: the generated code sorts map keys). A device the view cache
+// kept has the encoding it had, the same bytes, which compare at once. valid is false
+// where the slice would not encode (then write it: one write too many is harmless).
+type sliceEnc struct {
+	valid bool
+	rest  []byte
+	devs  [][]byte
+}
+
+// equal reports whether two valid encodings are the same.
+func (e sliceEnc) equal(o sliceEnc) bool {
+	return e.valid && o.valid && bytes.Equal(e.rest, o.rest) && slices.EqualFunc(e.devs, o.devs, bytes.Equal)
 }
 
 // encoding is the whole pool's encoding: equal for two views exactly when they
 // publish the same slices. ok false: a slice would not encode.
 func (v *view) encoding() (enc []byte, ok bool) {
 	for _, e := range v.encs {
-		if e == nil {
+		if !e.valid {
 			return nil, false
 		}
-		enc = binary.AppendUvarint(enc, uint64(len(e)))
-		enc = append(enc, e...)
+		enc = binary.AppendUvarint(enc, uint64(len(e.rest)))
+		enc = append(enc, e.rest...)
+		enc = binary.AppendUvarint(enc, uint64(len(e.devs)))
+		for _, d := range e.devs {
+			enc = binary.AppendUvarint(enc, uint64(len(d)))
+			enc = append(enc, d...)
+		}
 	}
 	return enc, true
 }
@@ -310,7 +330,7 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 		// the node has none rather than an old list.
 		v.slices = []resourceslice.Slice{{}}
 	}
-	v.encs = make([][]byte, len(v.slices))
+	v.encs = make([]sliceEnc, len(v.slices))
 	at := 0 // v.slices[i]'s first device in packedEncs
 	for i, s := range v.slices {
 		var devEncs [][]byte
@@ -366,45 +386,34 @@ func sliceChunks(devices []resourceapi.Device, max int) [][]int {
 	return out
 }
 
-// sliceEncoding is what the publisher compares to tell whether a slice says what it
-// last wrote there: the slice's fields besides its devices, then each device, each
-// after its length (deterministic: the generated code sorts map keys). It runs on
-// every snapshot, one per Reserve and per Release at the agent, while a prepare may
-// be waiting for the CPU: reflection's DeepEqual of two views took eight times as long
-// as encoding one, and the view cache keeps each unchanged device's encoding
-// (devEncs, in s.Devices' order; nil: encode them). nil if s would not encode (then
-// write it: one write too many is harmless).
-func sliceEncoding(s resourceslice.Slice, devEncs [][]byte) []byte {
+// sliceEncoding encodes s for the publisher's comparisons. It runs on every
+// snapshot, one per Reserve and per Release at the agent, while a prepare may be
+// waiting for the CPU: reflection's DeepEqual of two views took eight times as long as
+// encoding one, and the view cache keeps each unchanged device's encoding (devEncs, in
+// s.Devices' order; nil: encode them).
+func sliceEncoding(s resourceslice.Slice, devEncs [][]byte) sliceEnc {
 	rest := sliceSpec(s)
 	rest.Devices = nil
 	b, err := rest.Marshal()
 	if err != nil {
-		return nil
+		return sliceEnc{}
 	}
-	size := len(b) + binary.MaxVarintLen64
-	for _, e := range devEncs {
-		size += len(e) + binary.MaxVarintLen64
-	}
-	enc := make([]byte, 0, size)
-	enc = binary.AppendUvarint(enc, uint64(len(b)))
-	enc = append(enc, b...)
-	for i := range s.Devices {
-		var d []byte
-		if devEncs != nil {
-			d = devEncs[i]
-		} else if d, err = s.Devices[i].Marshal(); err != nil {
-			return nil
+	e := sliceEnc{valid: true, rest: b, devs: devEncs}
+	if devEncs == nil {
+		e.devs = make([][]byte, len(s.Devices))
+		for i := range s.Devices {
+			if e.devs[i], err = s.Devices[i].Marshal(); err != nil {
+				return sliceEnc{}
+			}
 		}
-		enc = binary.AppendUvarint(enc, uint64(len(d)))
-		enc = append(enc, d...)
 	}
-	return enc
+	return e
 }
 
 // encodeSlices is the encoding of a view of these slices (view.encoding), each
 // encoded afresh.
 func encodeSlices(ss []resourceslice.Slice) (enc []byte, ok bool) {
-	v := view{slices: ss, encs: make([][]byte, len(ss))}
+	v := view{slices: ss, encs: make([]sliceEnc, len(ss))}
 	for i, s := range ss {
 		v.encs[i] = sliceEncoding(s, nil)
 	}
