@@ -13,6 +13,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
@@ -83,11 +84,15 @@ func (p *publisher) ours(s *resourceapi.ResourceSlice) bool {
 		s.Spec.NodeName != nil && *s.Spec.NodeName == p.node
 }
 
-// informer returns the informer of this node's slices, its events going to observe.
+// informer returns the informer of this driver's slices on this node, its events
+// going to observe. (Other drivers' slices on the node, a device plugin's neighbour's,
+// are none of its business: decoding each of their updates would be work for nothing.)
 func (p *publisher) informer() (informers.SharedInformerFactory, cache.SharedIndexInformer, error) {
 	factory := informers.NewSharedInformerFactoryWithOptions(p.kube, 0,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.FieldSelector = resourceapi.ResourceSliceSelectorNodeName + "=" + p.node
+			o.FieldSelector = fields.AndSelectors(
+				fields.OneTermEqualSelector(resourceapi.ResourceSliceSelectorNodeName, p.node),
+				fields.OneTermEqualSelector(resourceapi.ResourceSliceSelectorDriver, p.driver)).String()
 		}))
 	inf := factory.Resource().V1().ResourceSlices().Informer()
 	_, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
