@@ -206,12 +206,22 @@ func (p *publisher) sync(ctx context.Context, v *view) (writes int, err error) {
 			changed = append(changed, i)
 			continue
 		}
-		if c.enc == nil {
+		adopt := c.enc == nil
+		if adopt {
 			stored := storedEncoding(c.obj)
 			c.enc = &stored
 		}
-		if c.obj.Spec.Pool.ResourceSliceCount != int64(n) || !c.enc.equal(v.encs[i]) {
+		switch {
+		case c.obj.Spec.Pool.ResourceSliceCount != int64(n) || !c.enc.equal(v.encs[i]):
 			changed = append(changed, i)
+		case adopt:
+			// A slice an earlier process wrote, as this one would: taken as this
+			// process's own write, so that the next sync does not encode it again.
+			p.mu.Lock()
+			if p.sent[c.obj.Name] == nil {
+				p.sent[c.obj.Name] = &sentSlice{enc: v.encs[i], obj: c.obj, seen: true}
+			}
+			p.mu.Unlock()
 		}
 	}
 	if len(changed) == 0 && len(obsolete) == 0 {

@@ -235,6 +235,12 @@ func TestPublisherAdoptsThePoolItFinds(t *testing.T) {
 	if got := again.sync(v); len(got) != 0 {
 		t.Errorf("a new publisher, the same pool: calls %v, want none", got)
 	}
+	again.p.mu.Lock()
+	adopted := len(again.p.sent)
+	again.p.mu.Unlock()
+	if adopted != len(v.slices) {
+		t.Errorf("%d slices taken as the publisher's own, want all %d (else each sync encodes them again)", adopted, len(v.slices))
+	}
 	third := newPubRig(t, kube)
 	held := onDemandView(t, 8, holdPartition(2))
 	if got := third.sync(held); got["update"] != 1 || len(got) != 1 {
