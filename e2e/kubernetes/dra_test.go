@@ -58,6 +58,24 @@ func TestRealNodeDRA(t *testing.T) {
 	t.Run("AdminAccess", d.caseAdminAccess)
 	t.Run("MPSDevicePlugin", d.caseMPSDevicePlugin)
 	t.Run("MPSClaims", d.caseMPSClaims)
+	t.Run("SlicesStoredAsWritten", d.caseStoredAsWritten)
+}
+
+// caseStoredAsWritten: every ResourceSlice the driver wrote in the cases above (GPUs,
+// MIG placements with their counters, MPS shares as consumable capacity, taints) came
+// back from the API server as written. The driver compares each answer with what it
+// sent and logs a slice the server changed: fields a feature gate dropped, or a default
+// the server filled in, which its comparisons would not know of.
+func (d *draStack) caseStoredAsWritten(t *testing.T) {
+	lines := linesSince(d.drv.log, 0)
+	if len(lines) == 0 {
+		t.Fatalf("the driver's log %s is empty", d.drv.log)
+	}
+	for _, l := range lines {
+		if strings.Contains(l.Message, "did not store the ResourceSlice as written") {
+			t.Errorf("driver: %s", l.Raw)
+		}
+	}
 }
 
 // draStack is the stack with the DRA driver beside it.
