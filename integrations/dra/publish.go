@@ -39,10 +39,10 @@ const (
 // controller (and follows its rules: one slice changed is updated in place, more
 // than one, a slice more or fewer, are written at a new generation of the pool), but
 // tells what changed by comparing each slice's encoding with the one it last wrote,
-// which the view cache makes for the unchanged devices. The helper compares every
-// device of the pool with reflection on every change, and copies the whole pool
-// first: 232 devices of 8 GPUs with on-demand MIG took it 8 ms of CPU per change,
-// where the whole publish now takes less (BenchmarkSliceChange).
+// device by device, the unchanged devices' encodings the view cache's own bytes. The
+// helper compares every device of the pool with reflection on every change, and
+// copies the whole pool first: 232 devices of 8 GPUs with on-demand MIG took it 8 ms
+// of CPU per change, half the driver's (BenchmarkSliceChange, docs/benchmarks.md).
 //
 // sync is for one goroutine (the publish loop); the informer's handler (observe)
 // runs on another.
@@ -51,15 +51,16 @@ type publisher struct {
 	driver string
 	node   string
 	log    hclog.Logger
-	store  cache.Store // the informer's: this node's slices
+	store  cache.Store // the informer's: this driver's slices on this node
 	// foreign says that someone else changed or deleted one of the pool's slices.
 	foreign chan struct{}
 	owner   *metav1.OwnerReference // the node; nil until the first sync reads it
 
 	// mu is held across each write's API call: observe sees every write recorded.
 	mu sync.Mutex
-	// sent are this process's last writes, by slice name; an entry goes when the
-	// informer shows someone else's change or deletion of the slice.
+	// sent are this process's last writes, and the slices it found as it would write
+	// them, by slice name; an entry goes when the informer shows someone else's
+	// change or deletion of the slice.
 	sent map[string]*sentSlice
 }
 
