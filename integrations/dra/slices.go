@@ -3,7 +3,6 @@ package dra
 import (
 	"bytes"
 	"cmp"
-	"encoding/binary"
 	"fmt"
 	"slices"
 	"strconv"
@@ -72,24 +71,6 @@ type sliceEnc struct {
 // equal reports whether two valid encodings are the same.
 func (e sliceEnc) equal(o sliceEnc) bool {
 	return e.valid && o.valid && bytes.Equal(e.rest, o.rest) && slices.EqualFunc(e.devs, o.devs, bytes.Equal)
-}
-
-// encoding is the whole pool's encoding: equal for two views exactly when they
-// publish the same slices. ok false: a slice would not encode.
-func (v *view) encoding() (enc []byte, ok bool) {
-	for _, e := range v.encs {
-		if !e.valid {
-			return nil, false
-		}
-		enc = binary.AppendUvarint(enc, uint64(len(e.rest)))
-		enc = append(enc, e.rest...)
-		enc = binary.AppendUvarint(enc, uint64(len(e.devs)))
-		for _, d := range e.devs {
-			enc = binary.AppendUvarint(enc, uint64(len(d)))
-			enc = append(enc, d...)
-		}
-	}
-	return enc, true
 }
 
 // buildOptions are the inputs of buildView besides the snapshot.
@@ -408,16 +389,6 @@ func sliceEncoding(s resourceslice.Slice, devEncs [][]byte) sliceEnc {
 		}
 	}
 	return e
-}
-
-// encodeSlices is the encoding of a view of these slices (view.encoding), each
-// encoded afresh.
-func encodeSlices(ss []resourceslice.Slice) (enc []byte, ok bool) {
-	v := view{slices: ss, encs: make([]sliceEnc, len(ss))}
-	for i, s := range ss {
-		v.encs[i] = sliceEncoding(s, nil)
-	}
-	return v.encoding()
 }
 
 // sliceSpec carries every field of s (TestSliceSpecHasEveryField keeps it so).
