@@ -1,6 +1,7 @@
 package dra
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -45,13 +46,33 @@ func BenchmarkPrepare(b *testing.B) {
 	// node does not pay. The driver's side of each write (the apply configuration, its
 	// JSON) stays in the figures.
 	var statusWrites atomic.Int64
+	written := make(chan string, 64) // names of claims whose device status was written
 	r.kube.PrependReactor("patch", "resourceclaims", func(a k8stesting.Action) (bool, runtime.Object, error) {
 		if a.GetSubresource() != "status" {
 			return false, nil, nil
 		}
 		statusWrites.Add(1)
+		if p, ok := a.(k8stesting.PatchAction); ok && bytes.Contains(p.GetPatch(), []byte(`"devices"`)) {
+			written <- p.GetName()
+		}
 		return true, &resourceapi.ResourceClaim{}, nil
 	})
+	// A prepared claim's device status is written after the answer, once the kubelet
+	// waits on nothing: each step waits for it before the unprepare (a claim lives
+	// longer than that), so that every prepare's status write is made and counted.
+	waitStatus := func(name string) {
+		timeout := time.After(10 * time.Second)
+		for {
+			select {
+			case n := <-written:
+				if n == name {
+					return
+				}
+			case <-timeout:
+				b.Fatalf("claim %s: no device status written in 10 s", name)
+			}
+		}
+	}
 	drv := r.startDriver(nil)
 	k := r.kubelet()
 	ids, group := r.waitGPUs()
@@ -88,6 +109,7 @@ func BenchmarkPrepare(b *testing.B) {
 					b.Fatal(p.GetError())
 				}
 				prepare = append(prepare, time.Since(start))
+				waitStatus(cPrep.Name)
 				if e := k.unprepare(b, cPrep); e != "" {
 					b.Fatal(e)
 				}
@@ -101,6 +123,7 @@ func BenchmarkPrepare(b *testing.B) {
 					b.Fatal(err, got[cOwn.UID].Err)
 				}
 				own = append(own, time.Since(start))
+				waitStatus(cOwn.Name)
 				if e := k.unprepare(b, cOwn); e != "" {
 					b.Fatal(e)
 				}

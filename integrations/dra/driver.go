@@ -110,6 +110,8 @@ type Driver struct {
 
 	// statuses are the claims whose device status the driver writes (status.go).
 	statuses claimStatuses
+	// kubelet counts the kubelet's calls in flight (calls.go).
+	kubelet *calls
 }
 
 // New checks cfg and returns a Driver; it starts nothing.
@@ -162,6 +164,7 @@ func New(cfg Config) (*Driver, error) {
 		stale:    make(map[string]time.Time),
 		pci:      &pciAttributes{},
 		statuses: newClaimStatuses(),
+		kubelet:  newCalls(),
 	}
 	if cfg.SysfsRoot != "" {
 		d.pci.sysfs = []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(cfg.SysfsRoot)}
@@ -216,6 +219,7 @@ func (d *Driver) Run(ctx context.Context) error {
 		kubeletplugin.NodeName(d.cfg.NodeName),
 		kubeletplugin.PluginDataDirectoryPath(d.cfg.PluginDir),
 		kubeletplugin.RegistrarDirectoryPath(d.cfg.RegistryDir),
+		kubeletplugin.GRPCInterceptor(d.kubelet.interceptor),
 	}, d.cfg.HelperOptions...)
 	helper, err := kubeletplugin.Start(ctx, d, opts...)
 	if err != nil {
@@ -268,6 +272,7 @@ func (d *Driver) watchLoop(ctx context.Context, mon *liveness.Monitor, tokens <-
 		if d.beforeUpdate != nil {
 			d.beforeUpdate()
 		}
+		d.kubelet.deferred(ctx, maxDefer)
 		o := buildOptions{driver: d.cfg.DriverName, pool: d.cfg.NodeName, pci: d.pci, cache: cache}
 		snap := u.Snapshot
 		if u.Disconnected() {

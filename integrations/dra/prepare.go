@@ -22,6 +22,8 @@ import (
 // a message that names what stopped it (the holder of a device, a counter over its
 // capacity, an unhealthy device, the agent being unreachable); the kubelet retries it.
 func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	d.kubelet.enter()
+	defer d.kubelet.leave()
 	out := make(map[types.UID]kubeletplugin.PrepareResult, len(claims))
 	for _, c := range claims {
 		devs, err := d.prepare(ctx, c)
@@ -252,6 +254,8 @@ func reserveError(ids []string, err error) error {
 // what is prepared), and removal of the claim's CDI spec. Unpreparing a claim that is
 // not prepared is not an error.
 func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	d.kubelet.enter()
+	defer d.kubelet.leave()
 	out := make(map[types.UID]error, len(claims))
 	for _, c := range claims {
 		ref := claimRef{c.Namespace, c.Name, string(c.UID)}

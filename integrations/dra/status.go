@@ -179,7 +179,9 @@ func (d *Driver) statusLoop(ctx context.Context) error {
 	defer d.cdi.discard()
 	for {
 		// A prepare kicks this loop once it has its answer: the next claim's CDI spec
-		// file is made here, off the kubelet's wait.
+		// file is made here, and the claim's status written, off the kubelet's wait
+		// (deferred while it waits).
+		d.kubelet.deferred(ctx, maxDefer)
 		d.cdi.ahead()
 		v, changed := d.current()
 		failed := false
