@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -1012,7 +1013,11 @@ func (d *draStack) caseMIG(t *testing.T) {
 	t.Logf("agent restarted with mig = on-demand: pool of %d GPUs and %d MIG partitions, %d counter sets in %d slices, %v after the restart",
 		len(p.ofType("gpu")), nMIG, p.counters, p.slices, dPool.Round(time.Millisecond))
 
-	d.sliceChangeCPU(t, p.ofType("mig")[0].attr("id"), 3)
+	rounds := 3 // E2E_SLICE_ROUNDS for a finer figure: /proc counts CPU in 10 ms ticks
+	if n, err := strconv.Atoi(os.Getenv("E2E_SLICE_ROUNDS")); err == nil && n > 0 {
+		rounds = n
+	}
+	d.sliceChangeCPU(t, p.ofType("mig")[0].attr("id"), rounds)
 
 	tmpl := d.createTemplate(t, "mig", migClass, 1, `device.attributes["`+draDriver+`"].productName == "1g.10gb"`)
 	name, c, res, v := d.runClaimPod(t, "dra-mig", tmpl)
