@@ -25,8 +25,7 @@ const callGrace = time.Millisecond
 // prepare kicks the claim's status write: taking the snapshot in (about 1 ms of CPU
 // for 8 GPUs with on-demand MIG) or writing the status at once takes CPU from the
 // answer the kubelet waits for, on a 2-core node. Both wait with deferred instead
-// (BenchmarkPrepare: the driver's part x1.17 -> x1.07 of its Reserve, the whole
-// NodePrepareResources x1.44 -> x1.31).
+// (docs/benchmarks.md, "What the kubelet's answer does not need waits for it").
 type calls struct {
 	mu   sync.Mutex
 	n    int
