@@ -10,7 +10,7 @@ import (
 // BenchmarkReceiveBuffer gathers a 51 KB message (a Fingerprint of 8 GPUs with
 // on-demand MIG) from the 16 KB HTTP/2 frames it arrives in, into one buffer as grpc-go's
 // proto codec does before decoding, from grpc-go's default pool and from
-// ClientBufferPool; "/gc" collects garbage every third message, as a watcher of such
+// clientBufferPool; "/gc" collects garbage every third message, as a watcher of such
 // snapshots does (not timed; it empties the pools).
 func BenchmarkReceiveBuffer(b *testing.B) {
 	frame := make([]byte, 16<<10)
@@ -22,7 +22,7 @@ func BenchmarkReceiveBuffer(b *testing.B) {
 	for _, pool := range []struct {
 		name string
 		p    mem.BufferPool
-	}{{"default", mem.DefaultBufferPool()}, {"client", ClientBufferPool}} {
+	}{{"default", mem.DefaultBufferPool()}, {"client", clientBufferPool}} {
 		for _, gc := range []bool{false, true} {
 			name := pool.name
 			if gc {

@@ -424,13 +424,13 @@ func removeStaleSocket(path string) error {
 	return nil
 }
 
-// ClientBufferPool is the clients' pool of buffers for what they receive: grpc-go's
+// clientBufferPool is the clients' pool of buffers for what they receive: grpc-go's
 // default one has no size between 32 KiB and 1 MiB, so every message in between (a
 // Fingerprint of 8 GPUs with on-demand MIG is 51 KB) took a 1 MiB buffer, cleared
-// whole at each use and allocated again after each garbage collection: 130 µs and 1
+// whole at each use and allocated again after each garbage collection: 170 µs and 1
 // MiB of the collector's budget per Fingerprint in a watcher that collects every few
 // (BenchmarkReceiveBuffer). This one has every power of two from 256 B to 1 MiB.
-var ClientBufferPool = func() mem.BufferPool {
+var clientBufferPool = func() mem.BufferPool {
 	p, err := mem.NewBinaryTieredBufferPool(8, 12, 14, 15, 16, 17, 18, 19, 20)
 	if err != nil {
 		panic(err) // fixed exponents, all valid
@@ -439,9 +439,9 @@ var ClientBufferPool = func() mem.BufferPool {
 }()
 
 // Dial makes a gRPC client for a under the transport policy, with ClientKeepalive, the
-// fixed windows ClientStreamWindow and ClientConnWindow and ClientBufferPool (opts
-// come after, so they may override them). Like grpc.NewClient it does not connect; the
-// first call does.
+// fixed windows ClientStreamWindow and ClientConnWindow, and receive buffers of every
+// power of two up to 1 MiB (clientBufferPool; opts come after, so they may override
+// them). Like grpc.NewClient it does not connect; the first call does.
 func Dial(a Address, t TLS, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 	cfg, err := t.config(a, false)
 	if err != nil {
@@ -456,7 +456,7 @@ func Dial(a Address, t TLS, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 		grpc.WithKeepaliveParams(ClientKeepalive),
 		grpc.WithStaticStreamWindowSize(ClientStreamWindow),
 		grpc.WithStaticConnWindowSize(ClientConnWindow),
-		experimental.WithBufferPool(ClientBufferPool),
+		experimental.WithBufferPool(clientBufferPool),
 	}, opts...)
 	conn, err := grpc.NewClient(a.Target(), all...)
 	if err != nil {
