@@ -329,11 +329,15 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 
 // sliceChunks packs devices into slices of at most max, as the indexes of each slice's
 // devices: in their order, except that the devices consuming one counter set (a GPU,
-// its MIG placements and MPS shares) go together where the first of them is, in one
-// slice unless they are more than one holds. A change of one GPU (a partition held,
-// the placements it blocks tainted, the GPU itself) then changes one slice, which the
-// publisher updates alone; a change spread over two slices makes it write every slice
-// of the pool again, at a new generation (publish.go).
+// its MIG placements and MPS shares), where they are more than one, go together where
+// the first of them is, in a slice of their own (slices, if more than one holds). A
+// change of one GPU (a partition held, the placements it blocks tainted, the GPU
+// itself) then changes one slice, which the publisher updates alone (a change spread
+// over two slices makes it write every slice of the pool again, at a new generation,
+// publish.go), and that slice holds that GPU's devices alone: the update encodes, and
+// the API server and every watcher of slices decode, 29 devices of a DGX H100 with
+// on-demand MIG rather than the 58 of two GPUs. Devices alone on their counter set,
+// or on none, are packed together.
 func sliceChunks(devices []resourceapi.Device, max int) [][]int {
 	groupOf := make(map[string]int)
 	var groups [][]int
@@ -353,11 +357,15 @@ func sliceChunks(devices []resourceapi.Device, max int) [][]int {
 	var out [][]int
 	var cur []int
 	for _, g := range groups {
-		if len(cur) > 0 && len(cur)+len(g) > max {
-			out, cur = append(out, cur), nil
+		if len(g) > 1 { // a GPU and what divides it: slices of its own
+			if len(cur) > 0 {
+				out, cur = append(out, cur), nil
+			}
+			out = append(out, slices.Collect(slices.Chunk(g, max))...)
+			continue
 		}
-		for len(g) > max { // more than a slice: whole slices of it first
-			out, g = append(out, g[:max]), g[max:]
+		if len(cur) == max {
+			out, cur = append(out, cur), nil
 		}
 		cur = append(cur, g...)
 	}

@@ -424,10 +424,22 @@ func TestOneGPUsDevicesShareASlice(t *testing.T) {
 	if want := gpus * (1 + 3*perProfile); total != want {
 		t.Fatalf("%d devices in the slices, want %d", total, want)
 	}
+	gpusOf := map[int]map[string]bool{} // slice -> the GPUs its devices divide
 	for _, ref := range before.devices {
 		gpu := ref.id[:len("GPU-0")]
 		if got, want := sliceOf[ref.name], sliceOf[before.devices[DeviceName(gpu)].name]; got != want {
 			t.Errorf("%s in slice %d, its GPU %s in slice %d", ref.id, got, gpu, want)
+		}
+		if gpusOf[sliceOf[ref.name]] == nil {
+			gpusOf[sliceOf[ref.name]] = map[string]bool{}
+		}
+		gpusOf[sliceOf[ref.name]][gpu] = true
+	}
+	// Each GPU's devices alone in their slice: a change of one GPU encodes 22 devices,
+	// not those of the GPUs beside it.
+	for i, g := range gpusOf {
+		if len(g) != 1 {
+			t.Errorf("slice %d holds the devices of GPUs %v, want one GPU's", i, slices.Sorted(maps.Keys(g)))
 		}
 	}
 
@@ -484,7 +496,7 @@ func TestSliceChunksBounds(t *testing.T) {
 			names[i] = append(names[i], devices[j].Name)
 		}
 	}
-	want := [][]string{{"plain-0", "plain-1", "plain-2"}, {"big-0", "big-1", "big-2", "big-3"}, {"big-4", "small-0", "small-1", "plain-3"}}
+	want := [][]string{{"plain-0", "plain-1", "plain-2"}, {"big-0", "big-1", "big-2", "big-3"}, {"big-4"}, {"small-0", "small-1"}, {"plain-3"}}
 	if !slices.EqualFunc(names, want, slices.Equal) {
 		t.Errorf("sliceChunks = %q, want %q", names, want)
 	}
