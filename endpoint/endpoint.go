@@ -22,9 +22,12 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/encoding"
+	grpcproto "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/proto"
 )
 
 // DefaultSocket is the agent's socket path when none is configured.
@@ -424,12 +427,12 @@ func removeStaleSocket(path string) error {
 	return nil
 }
 
-// clientBufferPool is the clients' pool of buffers for what they receive: grpc-go's
-// default one has no size between 32 KiB and 1 MiB, so every message in between (a
-// Fingerprint of 8 GPUs with on-demand MIG is 51 KB) took a 1 MiB buffer, cleared
-// whole at each use and allocated again after each garbage collection: 170 µs and 1
-// MiB of the collector's budget per Fingerprint in a watcher that collects every few
-// (BenchmarkReceiveBuffer). This one has every power of two from 256 B to 1 MiB.
+// clientBufferPool is the clients' pool of buffers for the messages they decode:
+// grpc-go's default one has no size between 32 KiB and 1 MiB, so every message in
+// between (a Fingerprint of 8 GPUs with on-demand MIG is 51 KB) took a 1 MiB buffer,
+// cleared whole at each use and allocated again after each garbage collection: 170 µs
+// and 1 MiB of the collector's budget per Fingerprint in a watcher that collects every
+// few (BenchmarkReceive). This one has every power of two from 256 B to 1 MiB.
 var clientBufferPool = func() mem.BufferPool {
 	p, err := mem.NewBinaryTieredBufferPool(8, 12, 14, 15, 16, 17, 18, 19, 20)
 	if err != nil {
@@ -438,10 +441,36 @@ var clientBufferPool = func() mem.BufferPool {
 	return p
 }()
 
+// clientCodec is grpc-go's proto codec but for where a message that arrived in more
+// than one piece is gathered to be decoded: grpc-go's codec always takes its default
+// pool for that, whatever pool the connection has. A message in one piece is decoded
+// where it lies.
+type clientCodec struct {
+	encoding.CodecV2
+}
+
+func newClientCodec() clientCodec {
+	return clientCodec{encoding.GetCodecV2(grpcproto.Name)}
+}
+
+// Unmarshal implements encoding.CodecV2.
+func (c clientCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	m, ok := v.(proto.Message)
+	if !ok {
+		return c.CodecV2.Unmarshal(data, v)
+	}
+	if len(data) == 1 {
+		return proto.Unmarshal(data[0].ReadOnlyData(), m)
+	}
+	buf := data.MaterializeToBuffer(clientBufferPool)
+	defer buf.Free()
+	return proto.Unmarshal(buf.ReadOnlyData(), m)
+}
+
 // Dial makes a gRPC client for a under the transport policy, with ClientKeepalive, the
-// fixed windows ClientStreamWindow and ClientConnWindow, and receive buffers of every
-// power of two up to 1 MiB (clientBufferPool; opts come after, so they may override
-// them). Like grpc.NewClient it does not connect; the first call does.
+// fixed windows ClientStreamWindow and ClientConnWindow, and messages received and
+// decoded in buffers of every power of two up to 1 MiB (clientBufferPool, clientCodec;
+// opts come after, so they may override them). Like grpc.NewClient it does not connect; the first call does.
 func Dial(a Address, t TLS, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 	cfg, err := t.config(a, false)
 	if err != nil {
@@ -457,6 +486,7 @@ func Dial(a Address, t TLS, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 		grpc.WithStaticStreamWindowSize(ClientStreamWindow),
 		grpc.WithStaticConnWindowSize(ClientConnWindow),
 		experimental.WithBufferPool(clientBufferPool),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(newClientCodec())),
 	}, opts...)
 	conn, err := grpc.NewClient(a.Target(), all...)
 	if err != nil {
