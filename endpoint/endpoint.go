@@ -24,7 +24,6 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/encoding"
 	grpcproto "google.golang.org/grpc/encoding/proto"
-	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
@@ -443,8 +442,9 @@ var clientBufferPool = func() mem.BufferPool {
 
 // clientCodec is grpc-go's proto codec but for where a message that arrived in more
 // than one piece is gathered to be decoded: grpc-go's codec always takes its default
-// pool for that, whatever pool the connection has. A message in one piece is decoded
-// where it lies.
+// pool for that, whatever pool the connection has (the connection's own buffers, for
+// frames of at most 16 KiB, are the same in both pools). A message in one piece is
+// decoded where it lies.
 type clientCodec struct {
 	encoding.CodecV2
 }
@@ -485,7 +485,6 @@ func Dial(a Address, t TLS, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 		grpc.WithKeepaliveParams(ClientKeepalive),
 		grpc.WithStaticStreamWindowSize(ClientStreamWindow),
 		grpc.WithStaticConnWindowSize(ClientConnWindow),
-		experimental.WithBufferPool(clientBufferPool),
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(newClientCodec())),
 	}, opts...)
 	conn, err := grpc.NewClient(a.Target(), all...)
