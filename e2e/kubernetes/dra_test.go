@@ -91,6 +91,9 @@ var (
 	draBuildErr  error
 )
 
+// draRace says whether the suite's DRA driver is a -race build (unless E2E_DRA_RACE=0).
+func draRace() bool { return os.Getenv("E2E_DRA_RACE") != "0" }
+
 // buildDRA builds devicehost-dra-plugin from its own module (GOWORK off, as the Nomad
 // e2e builds across modules), once per test binary, beside the suite's other binaries.
 // With -race, as buildDevicehost's (see there), unless E2E_DRA_RACE=0: the driver's
@@ -100,7 +103,7 @@ func (n *nodeEnv) buildDRA() (string, error) {
 	bin := filepath.Join(n.run, "bin", draBinary)
 	draBuildOnce.Do(func() {
 		args := []string{"build", "-race", "-o", bin, "./cmd/" + draBinary}
-		if os.Getenv("E2E_DRA_RACE") == "0" {
+		if !draRace() {
 			args = slices.Delete(args, 1, 2)
 		}
 		cmd := exec.Command("go", args...)
@@ -1082,7 +1085,7 @@ func (d *draStack) sliceChangeCPU(t *testing.T, id string, rounds int) {
 	time.Sleep(quiet)
 	idle := cpu() - idle0
 	build := "a -race build"
-	if os.Getenv("E2E_DRA_RACE") == "0" {
+	if !draRace() {
 		build = "built without -race"
 	}
 	t.Logf("the driver's CPU (%s): %v per change (%d changes of %s, %v in %v; target 5 ms); %v in %v with no change",
