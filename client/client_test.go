@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"reflect"
 	"slices"
 	"strings"
@@ -156,6 +157,43 @@ func TestWatchDevicesReconnectsAfterTheAgentRestarts(t *testing.T) {
 	}
 	cancel()
 	waitClosed(t, updates)
+}
+
+// A snapshot carries each device that did not change since the last as the last one's
+// message (the same pointer): a watcher can tell what changed without comparing.
+func TestWatchDevicesSharesTheDevicesThatDidNotChange(t *testing.T) {
+	path := socketPath(t)
+	free := inventory("GPU-a", "GPU-b", "GPU-c")
+	held := free
+	held.State = device.State{Devices: maps.Clone(free.State.Devices)}
+	held.State.Devices["GPU-b"] = device.DeviceState{Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "res-1", OwnerID: "job"}}
+	snaps := make(chan device.Snapshot, 1) // the agent's changes, sent by the test
+	snaps <- free
+	startAgent(t, &devicetest.Fake{WatchFunc: func(context.Context) <-chan device.Snapshot { return snaps }}, path)
+	c := dial(t, path)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	updates := c.WatchDevices(ctx)
+	devices := func(fp *pb.FingerprintResponse) map[string]*pb.Device {
+		m := map[string]*pb.Device{}
+		for _, g := range fp.GetGroups() {
+			for _, d := range g.GetDevices() {
+				m[d.GetId()] = d
+			}
+		}
+		return m
+	}
+	first := devices(nextSnapshot(t, updates))
+	snaps <- held
+	second := devices(nextSnapshot(t, updates))
+	for _, id := range []string{"GPU-a", "GPU-c"} {
+		if first[id] == nil || first[id] != second[id] {
+			t.Errorf("%s did not change: its message %p then %p, want the same", id, first[id], second[id])
+		}
+	}
+	if first["GPU-b"] == second["GPU-b"] || second["GPU-b"].GetHolder().GetReservationId() != "res-1" {
+		t.Errorf("GPU-b became held: %v, then %v, want a new message with the holder", first["GPU-b"], second["GPU-b"])
+	}
 }
 
 func TestWatchStatsReconnectsWithItsRequest(t *testing.T) {

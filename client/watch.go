@@ -6,6 +6,7 @@ import (
 	"io"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/devicehost/devicehost/backoff"
@@ -40,9 +41,13 @@ func (u Update[T]) Disconnected() bool { return u.Err != nil }
 // Delivery is latest-value: the channel holds at most one update, and a reader that
 // falls behind gets the newest, never a backlog, so a slow reader never holds the watch
 // up. The channel is closed only when ctx ends or the Client is closed.
+//
+// Snapshots are read-only: a device (or counter set) that one snapshot of a stream
+// carries as the previous one did is the previous one's message, the same pointer, and
+// is not decoded again. A watcher can tell the devices that did not change that way.
 func (c *Client) WatchDevices(ctx context.Context) <-chan Update[*pb.FingerprintResponse] {
 	return watch(c, ctx, func(ctx context.Context) (func() (*pb.FingerprintResponse, error), error) {
-		stream, err := c.api.Fingerprint(ctx, &pb.FingerprintRequest{})
+		stream, err := c.api.Fingerprint(ctx, &pb.FingerprintRequest{}, grpc.ForceCodecV2(newSnapshotCodec()))
 		if err != nil {
 			return nil, err
 		}

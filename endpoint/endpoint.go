@@ -459,12 +459,20 @@ func (c clientCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	if !ok {
 		return c.CodecV2.Unmarshal(data, v)
 	}
+	return Gathered(data, func(b []byte) error { return proto.Unmarshal(b, m) })
+}
+
+// Gathered calls decode with a received message's bytes in one piece: where they lie
+// if they arrived in one, else gathered in a buffer of the clients' pool, which goes
+// back to it when decode returns (decode keeps nothing of b). For a codec of one call
+// (grpc.ForceCodecV2) that decodes in its own way, as the connections Dial makes do.
+func Gathered(data mem.BufferSlice, decode func(b []byte) error) error {
 	if len(data) == 1 {
-		return proto.Unmarshal(data[0].ReadOnlyData(), m)
+		return decode(data[0].ReadOnlyData())
 	}
 	buf := data.MaterializeToBuffer(clientBufferPool)
 	defer buf.Free()
-	return proto.Unmarshal(buf.ReadOnlyData(), m)
+	return decode(buf.ReadOnlyData())
 }
 
 // Dial makes a gRPC client for a under the transport policy, with ClientKeepalive, the

@@ -1,0 +1,165 @@
+package client
+
+import (
+	"fmt"
+
+	"google.golang.org/grpc/encoding"
+	grpcproto "google.golang.org/grpc/encoding/proto"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/devicehost/devicehost/endpoint"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+)
+
+// The fields snapshotDecoder takes apart itself.
+var (
+	fingerprintGroupsField      = (&pb.FingerprintResponse{}).ProtoReflect().Descriptor().Fields().ByName("groups").Number()
+	fingerprintCounterSetsField = (&pb.FingerprintResponse{}).ProtoReflect().Descriptor().Fields().ByName("counter_sets").Number()
+	groupDevicesField           = (&pb.DeviceGroup{}).ProtoReflect().Descriptor().Fields().ByName("devices").Number()
+)
+
+// snapshotDecoder decodes the snapshots of one Fingerprint stream, each device (and
+// counter set) whose encoding is byte for byte the one it had in the stream's previous
+// snapshot given as the message decoded then, not decoded again. The agent keeps an
+// unchanged device's encoding from one snapshot to the next (server/snapenc.go), so a
+// Reserve, which changes a few of the hundreds of devices of a GPU machine with
+// on-demand MIG, costs a watcher a few devices' decoding rather than a 51 KB message's,
+// and tells it which devices are the same messages as before: the DRA driver rebuilds
+// only the devices that are not. The result is what proto.Unmarshal gives
+// (TestSnapshotDecoderDecodesAsProto). Memory: the last snapshot's encodings, about its
+// size. For one stream's goroutine.
+type snapshotDecoder struct {
+	devices map[string]*pb.Device     // the last snapshot's, by encoding
+	sets    map[string]*pb.CounterSet // likewise
+	scratch []byte                    // a group's own fields, gathered
+}
+
+func newSnapshotDecoder() *snapshotDecoder {
+	return &snapshotDecoder{}
+}
+
+// decode decodes b into m (a fresh message), as proto.Unmarshal would.
+func (d *snapshotDecoder) decode(b []byte, m *pb.FingerprintResponse) error {
+	devices := make(map[string]*pb.Device, len(d.devices))
+	sets := make(map[string]*pb.CounterSet, len(d.sets))
+	var groups []*pb.DeviceGroup
+	var setList []*pb.CounterSet
+	rest := make([]byte, 0, 32) // the other fields: the timestamp, ones this build does not know
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return fmt.Errorf("snapshot: %w", protowire.ParseError(n))
+		}
+		vn := protowire.ConsumeFieldValue(num, typ, b[n:])
+		if vn < 0 {
+			return fmt.Errorf("snapshot: %w", protowire.ParseError(vn))
+		}
+		field, value := b[:n+vn], b[n:n+vn]
+		b = b[n+vn:]
+		if typ != protowire.BytesType {
+			rest = append(rest, field...) // (a wrong wire type is proto.Unmarshal's to refuse)
+			continue
+		}
+		v, _ := protowire.ConsumeBytes(value)
+		switch num {
+		case fingerprintGroupsField:
+			g, err := d.group(v, devices)
+			if err != nil {
+				return err
+			}
+			groups = append(groups, g)
+		case fingerprintCounterSetsField:
+			cs, err := reuse(d.sets, sets, v)
+			if err != nil {
+				return fmt.Errorf("snapshot: counter set: %w", err)
+			}
+			setList = append(setList, cs)
+		default:
+			rest = append(rest, field...)
+		}
+	}
+	if err := proto.Unmarshal(rest, m); err != nil {
+		return err
+	}
+	m.Groups = append(m.Groups, groups...)
+	m.CounterSets = append(m.CounterSets, setList...)
+	d.devices, d.sets = devices, sets
+	return nil
+}
+
+// group decodes one group: its own fields afresh, its devices from the last snapshot's
+// where their encodings are the same.
+func (d *snapshotDecoder) group(b []byte, devices map[string]*pb.Device) (*pb.DeviceGroup, error) {
+	d.scratch = d.scratch[:0]
+	var devs []*pb.Device
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return nil, fmt.Errorf("snapshot: device group: %w", protowire.ParseError(n))
+		}
+		vn := protowire.ConsumeFieldValue(num, typ, b[n:])
+		if vn < 0 {
+			return nil, fmt.Errorf("snapshot: device group: %w", protowire.ParseError(vn))
+		}
+		field := b[:n+vn]
+		b = b[n+vn:]
+		if num != groupDevicesField || typ != protowire.BytesType {
+			d.scratch = append(d.scratch, field...)
+			continue
+		}
+		v, _ := protowire.ConsumeBytes(field[n:])
+		dev, err := reuse(d.devices, devices, v)
+		if err != nil {
+			return nil, fmt.Errorf("snapshot: device: %w", err)
+		}
+		devs = append(devs, dev)
+	}
+	g := &pb.DeviceGroup{}
+	if err := proto.Unmarshal(d.scratch, g); err != nil {
+		return nil, err
+	}
+	g.Devices = append(g.Devices, devs...)
+	return g, nil
+}
+
+// reuse returns the message that encodes as b: last's, or next's (the same encoding
+// twice in one snapshot), or b decoded; it records it in next.
+func reuse[T any, P interface {
+	*T
+	proto.Message
+}](last, next map[string]P, b []byte) (P, error) {
+	if m, ok := next[string(b)]; ok {
+		return m, nil
+	}
+	m, ok := last[string(b)]
+	if !ok {
+		m = P(new(T))
+		if err := proto.Unmarshal(b, m); err != nil {
+			return nil, err
+		}
+	}
+	next[string(b)] = m
+	return m, nil
+}
+
+// snapshotCodec is the codec of one Fingerprint stream: its snapshots go through the
+// stream's snapshotDecoder, everything else (the request) through gRPC's proto codec.
+type snapshotCodec struct {
+	encoding.CodecV2
+	dec *snapshotDecoder
+}
+
+func newSnapshotCodec() snapshotCodec {
+	return snapshotCodec{CodecV2: encoding.GetCodecV2(grpcproto.Name), dec: newSnapshotDecoder()}
+}
+
+// Unmarshal implements encoding.CodecV2.
+func (c snapshotCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	m, ok := v.(*pb.FingerprintResponse)
+	if !ok {
+		return c.CodecV2.Unmarshal(data, v)
+	}
+	return endpoint.Gathered(data, func(b []byte) error { return c.dec.decode(b, m) })
+}
