@@ -93,16 +93,17 @@ type buildOptions struct {
 // a Reserve changes one device's holder of the hundreds a MIG machine publishes. Not
 // safe for concurrent builds: watchLoop's alone use it.
 type viewCache struct {
-	sets    string                  // the counter sets the devices were built against
-	groups  map[groupKey][]byte     // each group's input (see cachedDevice)
-	devices map[string]cachedDevice // by agent device ID
-	scratch []byte                  // a device's input, encoded to be compared
+	sets    string                   // the counter sets the devices were built against
+	groups  map[groupKey][]byte      // each group's input (see cachedDevice)
+	devices map[string]*cachedDevice // by agent device ID
+	scratch []byte                   // a device's input, encoded to be compared
 }
 
 // cachedDevice is a device as built, the input it was built from (the agent's device,
 // deterministically encoded; its group's, without devices, and whether the agent was
 // reachable are in viewCache.groups), its encoding, and what building it found wrong.
 type cachedDevice struct {
+	src      *pb.Device // the message it was last found the same as
 	in       []byte
 	dev      resourceapi.Device
 	enc      []byte
@@ -110,7 +111,7 @@ type cachedDevice struct {
 }
 
 func newViewCache() *viewCache {
-	return &viewCache{groups: make(map[groupKey][]byte), devices: make(map[string]cachedDevice)}
+	return &viewCache{groups: make(map[groupKey][]byte), devices: make(map[string]*cachedDevice)}
 }
 
 // deterministic encodes the agent's messages for the cache's comparisons.
@@ -131,8 +132,12 @@ const (
 // sets in slices of their own (DRA wants them apart from devices). problems lists
 // what had to be left out, for the log.
 func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems []string) {
-	v = &view{pool: o.pool, devices: make(map[string]deviceRef), disconnected: o.disconnected}
 	snap, pools := poolShares(snap)
+	total := 0
+	for _, g := range snap.GetGroups() {
+		total += len(g.GetDevices())
+	}
+	v = &view{pool: o.pool, devices: make(map[string]deviceRef, total), order: make([]string, 0, total), disconnected: o.disconnected}
 	if o.pci == nil {
 		o.pci = &pciAttributes{}
 	}
@@ -154,7 +159,7 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 		sets = append(sets, set)
 	}
 	slices.SortFunc(sets, func(a, b resourceapi.CounterSet) int { return strings.Compare(a.Name, b.Name) })
-	cache, next := o.cache, map[string]cachedDevice(nil)
+	cache, next := o.cache, map[string]*cachedDevice(nil)
 	if cache != nil {
 		lines := make([]string, 0, len(setNames))
 		for k, n := range setNames {
@@ -162,19 +167,22 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 		}
 		slices.Sort(lines) // a map's order is random: equal sets must read equal
 		if joined := strings.Join(lines, "\n"); joined != cache.sets {
-			cache.sets, cache.devices = joined, make(map[string]cachedDevice)
+			cache.sets, cache.devices = joined, make(map[string]*cachedDevice)
 		}
-		next = make(map[string]cachedDevice, len(cache.devices))
+		next = make(map[string]*cachedDevice, total)
 	}
 	nextGroups := make(map[groupKey][]byte)
 	var encs [][]byte // the devices' encodings, in order, where cached
+	if cache != nil {
+		encs = make([][]byte, 0, total)
+	}
 
 	groups := slices.Clone(snap.GetGroups())
 	slices.SortFunc(groups, func(a, b *pb.DeviceGroup) int {
 		return cmp.Or(strings.Compare(a.GetPlugin(), b.GetPlugin()), strings.Compare(a.GetVendor(), b.GetVendor()),
 			strings.Compare(a.GetType(), b.GetType()), strings.Compare(a.GetName(), b.GetName()))
 	})
-	var devices []resourceapi.Device
+	devices := make([]resourceapi.Device, 0, total)
 	for _, g := range groups {
 		key := groupKey{g.GetVendor(), g.GetType(), g.GetName()}
 		sameGroup := false
@@ -196,12 +204,15 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 		slices.SortFunc(devs, func(a, b *pb.Device) int { return strings.Compare(a.GetId(), b.GetId()) })
 		for _, d := range devs {
 			var in []byte
-			c, cached := cachedDevice{}, false
+			var c *cachedDevice
 			if cache != nil {
-				c, cached = cache.devices[d.GetId()]
+				c = cache.devices[d.GetId()]
 			}
-			name := c.dev.Name // the DRA name depends on the ID alone
-			if !cached {
+			cached := c != nil
+			var name string
+			if cached {
+				name = c.dev.Name // the DRA name depends on the ID alone
+			} else {
 				name = DeviceName(d.GetId())
 			}
 			if _, dup := v.devices[name]; dup {
@@ -209,19 +220,26 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 				continue
 			}
 			if cache != nil {
-				var err error
-				cache.scratch, err = deterministic.MarshalAppend(cache.scratch[:0], d)
-				if err == nil {
-					if cached && sameGroup && bytes.Equal(c.in, cache.scratch) {
-						problems = append(problems, c.problems...)
-						devices = append(devices, c.dev)
-						encs = append(encs, c.enc)
-						next[d.GetId()] = c
-						v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
-						v.order = append(v.order, name)
-						continue
+				// The stream's decoder gives a device that did not change as the same
+				// message (client.WatchDevices): no need to encode it to tell.
+				same := cached && sameGroup && c.src == d
+				if !same {
+					var err error
+					cache.scratch, err = deterministic.MarshalAppend(cache.scratch[:0], d)
+					if err == nil {
+						same = cached && sameGroup && bytes.Equal(c.in, cache.scratch)
+						in = slices.Clone(cache.scratch)
 					}
-					in = slices.Clone(cache.scratch)
+				}
+				if same {
+					c.src = d
+					problems = append(problems, c.problems...)
+					devices = append(devices, c.dev)
+					encs = append(encs, c.enc)
+					next[d.GetId()] = c
+					v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
+					v.order = append(v.order, name)
+					continue
 				}
 			}
 			if !groupDone {
@@ -282,7 +300,7 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 					encs = append(encs, nil) // no cached encoding: the view's enc is not made
 				} else {
 					encs = append(encs, enc)
-					next[d.GetId()] = cachedDevice{in: in, dev: dev, enc: enc, problems: slices.Clone(problems[firstProblem:])}
+					next[d.GetId()] = &cachedDevice{src: d, in: in, dev: dev, enc: enc, problems: slices.Clone(problems[firstProblem:])}
 				}
 			}
 			v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
@@ -339,12 +357,17 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 // on-demand MIG rather than the 58 of two GPUs. Devices alone on their counter set,
 // or on none, are packed together.
 func sliceChunks(devices []resourceapi.Device, max int) [][]int {
-	groupOf := make(map[string]int)
+	type chunkKey struct {
+		set  bool   // name is a counter set's; else the device's
+		name string // (a device's name and a set's may be the same)
+	}
+	groupOf := make(map[chunkKey]int)
 	var groups [][]int
-	for i, d := range devices {
-		key := "device " + d.Name
+	for i := range devices {
+		d := &devices[i] // (a Device is large: not copied)
+		key := chunkKey{name: d.Name}
 		if len(d.ConsumesCounters) > 0 {
-			key = "set " + d.ConsumesCounters[0].CounterSet
+			key = chunkKey{set: true, name: d.ConsumesCounters[0].CounterSet}
 		}
 		g, ok := groupOf[key]
 		if !ok {
