@@ -1,6 +1,7 @@
 package dra
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"slices"
@@ -278,6 +279,12 @@ func (p *publisher) write(ctx context.Context, pool resourceapi.ResourcePool, i,
 	// deletion right after it) is observed after the write is recorded.
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	var prev *sliceEnc // what the slice's last write sent
+	if old != nil {
+		if e := p.sent[old.Name]; e != nil && e.obj.ResourceVersion == old.ResourceVersion {
+			prev = &e.enc
+		}
+	}
 	if old != nil {
 		// Labels, annotations and the like that someone else set stay.
 		obj.ObjectMeta = *old.ObjectMeta.DeepCopy()
@@ -300,7 +307,7 @@ func (p *publisher) write(ctx context.Context, pool resourceapi.ResourcePool, i,
 	}
 	p.sent[got.Name] = &sentSlice{enc: enc, obj: got}
 	if enc.valid {
-		if !storedEncoding(got).equal(enc) {
+		if !storedAsWritten(got, enc, prev) {
 			// Compared with what was sent, not with what the server kept: the next sync
 			// does not write it again, in a loop.
 			p.log.Warn("the API server did not store the ResourceSlice as written (fields dropped: a feature gate off?)",
@@ -338,27 +345,62 @@ func sliceIndex(name string, digits int) (int, bool) {
 // the times the server gave its taints (the driver sends none of its own: what it
 // compares carries none). Not valid if it would not encode.
 func storedEncoding(s *resourceapi.ResourceSlice) sliceEnc {
-	devs := s.Spec.Devices
-	if slices.ContainsFunc(devs, func(d resourceapi.Device) bool {
-		return slices.ContainsFunc(d.Taints, func(t resourceapi.DeviceTaint) bool { return t.TimeAdded != nil })
-	}) {
-		devs = slices.Clone(devs)
-		for i := range devs {
-			if len(devs[i].Taints) > 0 {
-				devs[i].Taints = slices.Clone(devs[i].Taints)
-				for j := range devs[i].Taints {
-					devs[i].Taints[j].TimeAdded = nil
-				}
-			}
-		}
-	}
-	return sliceEncoding(resourceslice.Slice{
-		Devices:                devs,
+	return storedEncodingReusing(s, nil)
+}
+
+// storedEncodingReusing is storedEncoding, taking reuse(i) (where not nil) as device
+// i's encoding rather than encoding it.
+func storedEncodingReusing(s *resourceapi.ResourceSlice, reuse func(i int) []byte) sliceEnc {
+	rest := resourceslice.Slice{
 		SharedCounters:         s.Spec.SharedCounters,
 		PerDeviceNodeSelection: s.Spec.PerDeviceNodeSelection,
 		PartitionTypeAttribute: s.Spec.PartitionTypeAttribute,
 		SkipNodeOperations:     s.Spec.SkipNodeOperations,
-	}, nil)
+	}
+	e := sliceEncoding(rest, nil)
+	if !e.valid {
+		return e
+	}
+	e.devs = make([][]byte, len(s.Spec.Devices))
+	for i := range s.Spec.Devices {
+		if reuse != nil {
+			if b := reuse(i); b != nil {
+				e.devs[i] = b
+				continue
+			}
+		}
+		d := &s.Spec.Devices[i]
+		if slices.ContainsFunc(d.Taints, func(t resourceapi.DeviceTaint) bool { return t.TimeAdded != nil }) {
+			c := *d
+			c.Taints = slices.Clone(d.Taints)
+			for j := range c.Taints {
+				c.Taints[j].TimeAdded = nil
+			}
+			d = &c
+		}
+		var err error
+		if e.devs[i], err = d.Marshal(); err != nil {
+			return sliceEnc{}
+		}
+	}
+	return e
+}
+
+// storedAsWritten reports whether the API server stored got as enc says it was
+// written, where prev (if not nil) is what the slice's write before sent: a device sent
+// as the same bytes again is taken as stored as it was then, without encoding it
+// again (a change of one partition's holder changes a few of a GPU's 29 devices).
+func storedAsWritten(got *resourceapi.ResourceSlice, enc sliceEnc, prev *sliceEnc) bool {
+	var reuse func(i int) []byte
+	if prev != nil && prev.valid && len(prev.devs) == len(enc.devs) && len(got.Spec.Devices) == len(enc.devs) {
+		reuse = func(i int) []byte {
+			if bytes.Equal(prev.devs[i], enc.devs[i]) {
+				return enc.devs[i]
+			}
+			return nil
+		}
+	}
+	return storedEncodingReusing(got, reuse).equal(enc)
 }
 
 // keepTaintTimes returns devs with the time the API server gave each taint that old's

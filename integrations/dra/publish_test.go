@@ -349,6 +349,48 @@ func TestPublisherKeepsTaintTimes(t *testing.T) {
 	}
 }
 
+// An update whose changed devices the API server does not keep as written is named in
+// the log too, though the check encodes only the devices that changed since the last
+// write; an update kept as written is not.
+func TestPublisherSaysWhenAnUpdateDropsFields(t *testing.T) {
+	kube := newKube()
+	var drop atomic.Bool
+	kube.PrependReactor("update", "resourceslices", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if drop.Load() {
+			s := a.(k8stesting.UpdateAction).GetObject().(*resourceapi.ResourceSlice)
+			ownDevices(s)
+			for i := range s.Spec.Devices {
+				s.Spec.Devices[i].Taints = slices.DeleteFunc(s.Spec.Devices[i].Taints, func(t resourceapi.DeviceTaint) bool {
+					return t.Key == testDriver+"/"+taintHeld
+				})
+			}
+		}
+		return false, nil, nil
+	})
+	r := newPubRig(t, kube)
+	first := onDemandView(t, 2, nil)
+	r.sync(first)
+	if got := r.sync(onDemandView(t, 2, holdPartition(1))); got["update"] != 1 {
+		t.Fatalf("a partition held: calls %v, want an update", got)
+	}
+	if r.log.String() != "" {
+		t.Fatalf("an update kept as written: log\n%s\nwant nothing", r.log)
+	}
+	drop.Store(true)
+	if got := r.sync(first); got["update"] != 1 {
+		t.Fatalf("released: calls %v, want an update", got)
+	}
+	if r.log.String() != "" {
+		t.Fatalf("an update that takes held taints off: log\n%s\nwant nothing (no device is held)", r.log)
+	}
+	if got := r.sync(onDemandView(t, 2, holdPartition(0))); got["update"] != 1 {
+		t.Fatalf("another partition held: calls %v, want an update", got)
+	}
+	if !strings.Contains(r.log.String(), "fields dropped") {
+		t.Errorf("the held partition's taint dropped: log does not say so:\n%s", r.log)
+	}
+}
+
 // An API server that does not keep a field the driver writes (a feature gate off) is
 // named in the log, and does not make the driver write the slice again and again.
 func TestPublisherSaysWhenFieldsAreDropped(t *testing.T) {
