@@ -299,7 +299,8 @@ func TestPCIAttributesBounded(t *testing.T) {
 
 // A view built with the cache is the view built without it, change after change (the
 // changes of TestSliceEncodingSeesEveryChange, one after another, each undone or not at
-// random, the agent lost and found); and its encoding is equal to the last exactly when
+// random, the agent lost and found; each device that did not change given as the last
+// snapshot's message, as the stream gives it); and its encoding is equal to the last exactly when
 // the slices are.
 func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 	const (
@@ -336,6 +337,7 @@ func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 	cache := newViewCache()
 	var lastSlices []resourceslice.Slice
 	var last *view
+	var lastSnap *pb.FingerprintResponse
 	for step := range 300 {
 		snap := partitionedSnapshot(gpu, mig, bus)
 		var applied []int
@@ -345,6 +347,8 @@ func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 				applied = append(applied, i)
 			}
 		}
+		shareUnchanged(lastSnap, snap)
+		lastSnap = snap
 		var lost error
 		if rng.IntN(8) == 0 {
 			lost = errors.New("connection refused")
@@ -367,6 +371,24 @@ func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 			t.Fatalf("step %d (changes %v): slices equal to the last: %v, encodings equal: %v", step, applied, sameSlices, sameEnc)
 		}
 		lastSlices, last = cached.slices, cached
+	}
+}
+
+// shareUnchanged makes each device of s that is equal to a device of last the same
+// message, as the stream's decoder gives them (client.WatchDevices).
+func shareUnchanged(last, s *pb.FingerprintResponse) {
+	was := make(map[string]*pb.Device)
+	for _, g := range last.GetGroups() {
+		for _, d := range g.GetDevices() {
+			was[d.GetId()] = d
+		}
+	}
+	for _, g := range s.GetGroups() {
+		for i, d := range g.GetDevices() {
+			if w := was[d.GetId()]; w != nil && proto.Equal(w, d) {
+				g.Devices[i] = w
+			}
+		}
 	}
 }
 
