@@ -228,7 +228,9 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 					cache.scratch, err = deterministic.MarshalAppend(cache.scratch[:0], d)
 					if err == nil {
 						same = cached && sameGroup && bytes.Equal(c.in, cache.scratch)
-						in = slices.Clone(cache.scratch)
+						if !same {
+							in = slices.Clone(cache.scratch)
+						}
 					}
 				}
 				if same {
