@@ -210,7 +210,7 @@ func (p *publisher) sync(ctx context.Context, v *view) (writes int, err error) {
 		}
 		adopt := c.enc == nil
 		if adopt {
-			stored := storedEncoding(c.obj)
+			stored := storedEncoding(c.obj, nil)
 			c.enc = &stored
 		}
 		switch {
@@ -284,8 +284,6 @@ func (p *publisher) write(ctx context.Context, pool resourceapi.ResourcePool, i,
 		if e := p.sent[old.Name]; e != nil && e.obj.ResourceVersion == old.ResourceVersion {
 			prev = &e.enc
 		}
-	}
-	if old != nil {
 		// Labels, annotations and the like that someone else set stay.
 		obj.ObjectMeta = *old.ObjectMeta.DeepCopy()
 		obj.ManagedFields = nil
@@ -343,14 +341,9 @@ func sliceIndex(name string, digits int) (int, bool) {
 
 // storedEncoding is the sliceEncoding of a slice as the API server has it, without
 // the times the server gave its taints (the driver sends none of its own: what it
-// compares carries none). Not valid if it would not encode.
-func storedEncoding(s *resourceapi.ResourceSlice) sliceEnc {
-	return storedEncodingReusing(s, nil)
-}
-
-// storedEncodingReusing is storedEncoding, taking reuse(i) (where not nil) as device
-// i's encoding rather than encoding it.
-func storedEncodingReusing(s *resourceapi.ResourceSlice, reuse func(i int) []byte) sliceEnc {
+// compares carries none), taking known[i] (where there is one) as device i's encoding
+// rather than encoding it. Not valid if it would not encode.
+func storedEncoding(s *resourceapi.ResourceSlice, known [][]byte) sliceEnc {
 	rest := resourceslice.Slice{
 		SharedCounters:         s.Spec.SharedCounters,
 		PerDeviceNodeSelection: s.Spec.PerDeviceNodeSelection,
@@ -363,11 +356,9 @@ func storedEncodingReusing(s *resourceapi.ResourceSlice, reuse func(i int) []byt
 	}
 	e.devs = make([][]byte, len(s.Spec.Devices))
 	for i := range s.Spec.Devices {
-		if reuse != nil {
-			if b := reuse(i); b != nil {
-				e.devs[i] = b
-				continue
-			}
+		if i < len(known) && known[i] != nil {
+			e.devs[i] = known[i]
+			continue
 		}
 		d := &s.Spec.Devices[i]
 		if slices.ContainsFunc(d.Taints, func(t resourceapi.DeviceTaint) bool { return t.TimeAdded != nil }) {
@@ -391,16 +382,16 @@ func storedEncodingReusing(s *resourceapi.ResourceSlice, reuse func(i int) []byt
 // as the same bytes again is taken as stored as it was then, without encoding it
 // again (a change of one partition's holder changes a few of a GPU's 29 devices).
 func storedAsWritten(got *resourceapi.ResourceSlice, enc sliceEnc, prev *sliceEnc) bool {
-	var reuse func(i int) []byte
+	var known [][]byte
 	if prev != nil && prev.valid && len(prev.devs) == len(enc.devs) && len(got.Spec.Devices) == len(enc.devs) {
-		reuse = func(i int) []byte {
+		known = make([][]byte, len(enc.devs))
+		for i := range enc.devs {
 			if bytes.Equal(prev.devs[i], enc.devs[i]) {
-				return enc.devs[i]
+				known[i] = enc.devs[i]
 			}
-			return nil
 		}
 	}
-	return storedEncodingReusing(got, reuse).equal(enc)
+	return storedEncoding(got, known).equal(enc)
 }
 
 // keepTaintTimes returns devs with the time the API server gave each taint that old's
