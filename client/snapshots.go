@@ -48,21 +48,15 @@ func (d *snapshotDecoder) decode(b []byte, m *pb.FingerprintResponse) error {
 	var setList []*pb.CounterSet
 	rest := make([]byte, 0, 32) // the other fields: the timestamp, ones this build does not know
 	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
-		if n < 0 {
-			return fmt.Errorf("snapshot: %w", protowire.ParseError(n))
+		num, field, v, err := nextField(b)
+		if err != nil {
+			return fmt.Errorf("snapshot: %w", err)
 		}
-		vn := protowire.ConsumeFieldValue(num, typ, b[n:])
-		if vn < 0 {
-			return fmt.Errorf("snapshot: %w", protowire.ParseError(vn))
-		}
-		field, value := b[:n+vn], b[n:n+vn]
-		b = b[n+vn:]
-		if typ != protowire.BytesType {
+		b = b[len(field):]
+		if v == nil {
 			rest = append(rest, field...) // (a wrong wire type is proto.Unmarshal's to refuse)
 			continue
 		}
-		v, _ := protowire.ConsumeBytes(value)
 		switch num {
 		case fingerprintGroupsField:
 			g, err := d.group(v, devices)
@@ -95,21 +89,15 @@ func (d *snapshotDecoder) group(b []byte, devices map[string]*pb.Device) (*pb.De
 	d.scratch = d.scratch[:0]
 	var devs []*pb.Device
 	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
-		if n < 0 {
-			return nil, fmt.Errorf("snapshot: device group: %w", protowire.ParseError(n))
+		num, field, v, err := nextField(b)
+		if err != nil {
+			return nil, fmt.Errorf("snapshot: device group: %w", err)
 		}
-		vn := protowire.ConsumeFieldValue(num, typ, b[n:])
-		if vn < 0 {
-			return nil, fmt.Errorf("snapshot: device group: %w", protowire.ParseError(vn))
-		}
-		field := b[:n+vn]
-		b = b[n+vn:]
-		if num != groupDevicesField || typ != protowire.BytesType {
+		b = b[len(field):]
+		if num != groupDevicesField || v == nil {
 			d.scratch = append(d.scratch, field...)
 			continue
 		}
-		v, _ := protowire.ConsumeBytes(field[n:])
 		dev, err := reuse(d.devices, devices, v)
 		if err != nil {
 			return nil, fmt.Errorf("snapshot: device: %w", err)
@@ -122,6 +110,27 @@ func (d *snapshotDecoder) group(b []byte, devices map[string]*pb.Device) (*pb.De
 	}
 	g.Devices = append(g.Devices, devs...)
 	return g, nil
+}
+
+// nextField splits off b's first field: its number, the field whole (its tag
+// included) and, where it is length-delimited, what it holds (else nil).
+func nextField(b []byte) (num protowire.Number, field, contents []byte, err error) {
+	num, typ, n := protowire.ConsumeTag(b)
+	if n < 0 {
+		return 0, nil, nil, protowire.ParseError(n)
+	}
+	vn := protowire.ConsumeFieldValue(num, typ, b[n:])
+	if vn < 0 {
+		return 0, nil, nil, protowire.ParseError(vn)
+	}
+	field = b[:n+vn]
+	if typ == protowire.BytesType {
+		contents, _ = protowire.ConsumeBytes(field[n:])
+		if contents == nil {
+			contents = []byte{} // empty, but length-delimited
+		}
+	}
+	return num, field, contents, nil
 }
 
 // reuse returns the message that encodes as b: last's, or next's (the same encoding
