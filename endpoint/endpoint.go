@@ -478,7 +478,8 @@ func Gathered(data mem.BufferSlice, decode func(b []byte) error) error {
 // Dial makes a gRPC client for a under the transport policy, with ClientKeepalive, the
 // fixed windows ClientStreamWindow and ClientConnWindow, and messages received and
 // decoded in buffers of every power of two up to 1 MiB (clientBufferPool, clientCodec;
-// opts come after, so they may override them). Like grpc.NewClient it does not connect; the first call does.
+// opts come after, so they may override them). Like grpc.NewClient it does not
+// connect; the first call does.
 func Dial(a Address, t TLS, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 	cfg, err := t.config(a, false)
 	if err != nil {

@@ -222,12 +222,13 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 			if cache != nil {
 				// The stream's decoder gives a device that did not change as the same
 				// message (client.WatchDevices): no need to encode it to tell.
-				same := cached && sameGroup && c.src == d
+				reusable := cached && sameGroup
+				same := reusable && c.src == d
 				if !same {
 					var err error
 					cache.scratch, err = deterministic.MarshalAppend(cache.scratch[:0], d)
 					if err == nil {
-						same = cached && sameGroup && bytes.Equal(c.in, cache.scratch)
+						same = reusable && bytes.Equal(c.in, cache.scratch)
 						if !same {
 							in = slices.Clone(cache.scratch)
 						}
