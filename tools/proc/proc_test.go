@@ -3,8 +3,10 @@ package proc
 import (
 	"os"
 	"os/exec"
+	"runtime"
 	"slices"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -88,5 +90,66 @@ func TestCPU(t *testing.T) {
 	}
 	if _, err := CPU(1 << 30); err == nil {
 		t.Error("CPU of a pid that cannot exist: no error")
+	}
+}
+
+// RunTime counts every thread's time, to the nanosecond: computing on a thread other
+// than the process's first grows it by what CPU (in ticks) sees spent, and a process
+// that does not exist is an error.
+func TestRunTime(t *testing.T) {
+	pid := os.Getpid()
+	cpu0, err := CPU(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	run0, err := RunTime(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Computing in a goroutine locked to a thread other than the first: its time is
+	// not the first thread's. (A goroutine given the first thread tries again.)
+	burnt := make(chan bool)
+	for first := true; first; first = !<-burnt {
+		go func() {
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			if syscall.Gettid() == pid {
+				burnt <- false
+				return
+			}
+			x := uint64(1)
+			for start := time.Now(); time.Since(start) < 30*time.Second && x != 0; {
+				for range 1 << 20 {
+					x = x*6364136223846793005 + 1442695040888963407
+				}
+				if now, err := RunTime(pid); err != nil || now-run0 >= 200*time.Millisecond {
+					break
+				}
+			}
+			burnt <- true
+		}()
+	}
+	run1, err := RunTime(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cpu1, err := CPU(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The ticks and the nanoseconds count the same time, but for the ticks' rounding
+	// (one per thread at most) and threads that ended.
+	run, cpu := run1-run0, cpu1-cpu0
+	if run < 200*time.Millisecond {
+		t.Fatalf("RunTime grew by %v in 30 s of computing", run)
+	}
+	if cpu < run-100*time.Millisecond || cpu > run+time.Second {
+		t.Errorf("RunTime grew by %v, CPU by %v: not the same time", run, cpu)
+	}
+	if run%(10*time.Millisecond) == 0 && run0%(10*time.Millisecond) == 0 {
+		t.Errorf("RunTime %v and %v: counted in ticks, not nanoseconds", run0, run1)
+	}
+	if _, err := RunTime(1 << 30); err == nil {
+		t.Error("RunTime of a pid that cannot exist: no error")
 	}
 }
