@@ -31,19 +31,30 @@ var (
 // (TestSnapshotDecoderDecodesAsProto). Memory: the last snapshot's encodings, about its
 // size. For one stream's goroutine.
 type snapshotDecoder struct {
-	devices map[string]*pb.Device     // the last snapshot's, by encoding
-	sets    map[string]*pb.CounterSet // likewise
-	scratch []byte                    // a group's own fields, gathered
+	devices map[string]known[*pb.Device]     // the last snapshot's, by encoding
+	sets    map[string]known[*pb.CounterSet] // likewise
+	// The maps the next snapshot fills (the ones before last, cleared): a decode
+	// allocates neither the maps nor a key for a message it had.
+	nextDevices map[string]known[*pb.Device]
+	nextSets    map[string]known[*pb.CounterSet]
+	scratch     []byte // a group's own fields, gathered
+}
+
+// known is a message decoded from the encoding key.
+type known[P any] struct {
+	key string
+	m   P
 }
 
 func newSnapshotDecoder() *snapshotDecoder {
-	return &snapshotDecoder{}
+	return &snapshotDecoder{nextDevices: make(map[string]known[*pb.Device]), nextSets: make(map[string]known[*pb.CounterSet])}
 }
 
 // decode decodes b into m (a fresh message), as proto.Unmarshal would.
 func (d *snapshotDecoder) decode(b []byte, m *pb.FingerprintResponse) error {
-	devices := make(map[string]*pb.Device, len(d.devices))
-	sets := make(map[string]*pb.CounterSet, len(d.sets))
+	devices, sets := d.nextDevices, d.nextSets
+	clear(devices)
+	clear(sets)
 	var groups []*pb.DeviceGroup
 	var setList []*pb.CounterSet
 	rest := make([]byte, 0, 32) // the other fields: the timestamp, ones this build does not know
@@ -79,13 +90,17 @@ func (d *snapshotDecoder) decode(b []byte, m *pb.FingerprintResponse) error {
 	}
 	m.Groups = append(m.Groups, groups...)
 	m.CounterSets = append(m.CounterSets, setList...)
-	d.devices, d.sets = devices, sets
+	d.devices, d.nextDevices = devices, d.devices
+	d.sets, d.nextSets = sets, d.sets
+	if d.nextDevices == nil { // the first snapshot's
+		d.nextDevices, d.nextSets = make(map[string]known[*pb.Device]), make(map[string]known[*pb.CounterSet])
+	}
 	return nil
 }
 
 // group decodes one group: its own fields afresh, its devices from the last snapshot's
 // where their encodings are the same.
-func (d *snapshotDecoder) group(b []byte, devices map[string]*pb.Device) (*pb.DeviceGroup, error) {
+func (d *snapshotDecoder) group(b []byte, devices map[string]known[*pb.Device]) (*pb.DeviceGroup, error) {
 	d.scratch = d.scratch[:0]
 	var devs []*pb.Device
 	for len(b) > 0 {
@@ -138,19 +153,20 @@ func nextField(b []byte) (num protowire.Number, field, contents []byte, err erro
 func reuse[T any, P interface {
 	*T
 	proto.Message
-}](last, next map[string]P, b []byte) (P, error) {
-	if m, ok := next[string(b)]; ok {
-		return m, nil
+}](last, next map[string]known[P], b []byte) (P, error) {
+	if k, ok := next[string(b)]; ok {
+		return k.m, nil
 	}
-	m, ok := last[string(b)]
+	k, ok := last[string(b)]
 	if !ok {
-		m = P(new(T))
+		m := P(new(T))
 		if err := proto.Unmarshal(b, m); err != nil {
 			return nil, err
 		}
+		k = known[P]{key: string(b), m: m}
 	}
-	next[string(b)] = m
-	return m, nil
+	next[k.key] = k
+	return k.m, nil
 }
 
 // snapshotCodec is the codec of one Fingerprint stream: its snapshots go through the
