@@ -93,10 +93,64 @@ type buildOptions struct {
 // a Reserve changes one device's holder of the hundreds a MIG machine publishes. Not
 // safe for concurrent builds: watchLoop's alone use it.
 type viewCache struct {
-	sets    string                   // the counter sets the devices were built against
-	groups  map[groupKey][]byte      // each group's input (see cachedDevice)
-	devices map[string]*cachedDevice // by agent device ID
-	scratch []byte                   // a device's input, encoded to be compared
+	sets     string                   // the counter sets the devices were built against
+	counters *counterSets             // as the last build made them
+	groups   map[groupKey][]byte      // each group's input (see cachedDevice)
+	devices  map[string]*cachedDevice // by agent device ID
+	chunks   map[string]*cachedChunk  // the last build's slices of devices, by first device
+	scratch  []byte                   // a device's input, encoded to be compared
+}
+
+// cachedChunk is a slice of devices as a build made it: of members' devices, in order.
+type cachedChunk struct {
+	members []*cachedDevice
+	devs    []resourceapi.Device
+	enc     sliceEnc
+}
+
+// counterSets are the agent's counter sets as DRA's, and their slices.
+type counterSets struct {
+	in       []*pb.CounterSet     // the messages they were built from
+	names    map[[2]string]string // (plugin, set) -> DRA counter set name
+	joined   string               // names as text, in order (to compare)
+	problems []string
+	slices   []resourceslice.Slice
+	encs     []sliceEnc
+}
+
+// buildCounterSets builds in as DRA's counter sets, sorted by name, in slices of
+// maxCounterSetsPerSlice.
+func buildCounterSets(in []*pb.CounterSet) *counterSets {
+	cs := &counterSets{in: slices.Clone(in), names: make(map[[2]string]string, len(in))}
+	var sets []resourceapi.CounterSet
+	seen := make(map[string]bool, len(in))
+	for _, c := range in {
+		name := label(c.GetPlugin() + "-" + c.GetName())
+		if seen[name] {
+			cs.problems = append(cs.problems, fmt.Sprintf("counter set %s of plugin %s: its DRA name %s is taken; left out", c.GetName(), c.GetPlugin(), name))
+			continue
+		}
+		seen[name] = true
+		cs.names[[2]string{c.GetPlugin(), c.GetName()}] = name
+		set := resourceapi.CounterSet{Name: name, Counters: make(map[string]resourceapi.Counter, len(c.GetCapacity()))}
+		for k, n := range c.GetCapacity() {
+			set.Counters[label(k)] = resourceapi.Counter{Value: *resource.NewQuantity(n, resource.DecimalSI)}
+		}
+		sets = append(sets, set)
+	}
+	slices.SortFunc(sets, func(a, b resourceapi.CounterSet) int { return strings.Compare(a.Name, b.Name) })
+	lines := make([]string, 0, len(cs.names))
+	for k, n := range cs.names {
+		lines = append(lines, fmt.Sprintf("%q %q %q", k[0], k[1], n))
+	}
+	slices.Sort(lines) // a map's order is random: equal sets must read equal
+	cs.joined = strings.Join(lines, "\n")
+	for chunk := range slices.Chunk(sets, maxCounterSetsPerSlice) {
+		s := resourceslice.Slice{SharedCounters: chunk}
+		cs.slices = append(cs.slices, s)
+		cs.encs = append(cs.encs, sliceEncoding(s, nil))
+	}
+	return cs
 }
 
 // cachedDevice is a device as built, the input it was built from (the agent's device,
@@ -141,40 +195,28 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 	if o.pci == nil {
 		o.pci = &pciAttributes{}
 	}
-	setNames := make(map[[2]string]string) // (plugin, set) -> DRA counter set name
-	var sets []resourceapi.CounterSet
-	seenSet := make(map[string]bool)
-	for _, cs := range snap.GetCounterSets() {
-		name := label(cs.GetPlugin() + "-" + cs.GetName())
-		if seenSet[name] {
-			problems = append(problems, fmt.Sprintf("counter set %s of plugin %s: its DRA name %s is taken; left out", cs.GetName(), cs.GetPlugin(), name))
-			continue
-		}
-		seenSet[name] = true
-		setNames[[2]string{cs.GetPlugin(), cs.GetName()}] = name
-		set := resourceapi.CounterSet{Name: name, Counters: make(map[string]resourceapi.Counter)}
-		for k, c := range cs.GetCapacity() {
-			set.Counters[label(k)] = resourceapi.Counter{Value: *resource.NewQuantity(c, resource.DecimalSI)}
-		}
-		sets = append(sets, set)
-	}
-	slices.SortFunc(sets, func(a, b resourceapi.CounterSet) int { return strings.Compare(a.Name, b.Name) })
 	cache, next := o.cache, map[string]*cachedDevice(nil)
+	var cs *counterSets
+	if cache != nil && cache.counters != nil && slices.Equal(cache.counters.in, snap.GetCounterSets()) {
+		cs = cache.counters // the same messages (client.WatchDevices): built as they were
+	} else {
+		cs = buildCounterSets(snap.GetCounterSets())
+	}
+	problems = append(problems, cs.problems...)
+	setNames := cs.names
 	if cache != nil {
-		lines := make([]string, 0, len(setNames))
-		for k, n := range setNames {
-			lines = append(lines, fmt.Sprintf("%q %q %q", k[0], k[1], n))
+		if cs.joined != cache.sets {
+			cache.sets, cache.devices = cs.joined, make(map[string]*cachedDevice)
 		}
-		slices.Sort(lines) // a map's order is random: equal sets must read equal
-		if joined := strings.Join(lines, "\n"); joined != cache.sets {
-			cache.sets, cache.devices = joined, make(map[string]*cachedDevice)
-		}
+		cache.counters = cs
 		next = make(map[string]*cachedDevice, total)
 	}
 	nextGroups := make(map[groupKey][]byte)
-	var encs [][]byte // the devices' encodings, in order, where cached
+	var encs [][]byte       // the devices' encodings, in order, where cached
+	var cds []*cachedDevice // and each device's cache entry (nil: none)
 	if cache != nil {
 		encs = make([][]byte, 0, total)
+		cds = make([]*cachedDevice, 0, total)
 	}
 
 	groups := slices.Clone(snap.GetGroups())
@@ -182,7 +224,7 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 		return cmp.Or(strings.Compare(a.GetPlugin(), b.GetPlugin()), strings.Compare(a.GetVendor(), b.GetVendor()),
 			strings.Compare(a.GetType(), b.GetType()), strings.Compare(a.GetName(), b.GetName()))
 	})
-	devices := make([]resourceapi.Device, 0, total)
+	devices := make([]*resourceapi.Device, 0, total) // (a Device is large: not copied)
 	for _, g := range groups {
 		key := groupKey{g.GetVendor(), g.GetType(), g.GetName()}
 		sameGroup := false
@@ -237,8 +279,9 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 				if same {
 					c.src = d
 					problems = append(problems, c.problems...)
-					devices = append(devices, c.dev)
+					devices = append(devices, &c.dev)
 					encs = append(encs, c.enc)
+					cds = append(cds, c)
 					next[d.GetId()] = c
 					v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
 					v.order = append(v.order, name)
@@ -296,14 +339,20 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 				problems = append(problems, fmt.Sprintf("device %s: %d attributes and capacities, DRA allows %d; the group's attributes past the limit are left out", d.GetId(), n, maxAttributesPerDevice))
 				trimAttributes(&dev)
 			}
-			devices = append(devices, dev)
-			if cache != nil {
+			if cache == nil {
+				devices = append(devices, &dev)
+			} else {
 				enc, err := dev.Marshal()
 				if in == nil || err != nil {
+					devices = append(devices, &dev)
 					encs = append(encs, nil) // no cached encoding: the view's enc is not made
+					cds = append(cds, nil)
 				} else {
+					c := &cachedDevice{src: d, in: in, dev: dev, enc: enc, problems: slices.Clone(problems[firstProblem:])}
+					next[d.GetId()] = c
+					devices = append(devices, &c.dev)
 					encs = append(encs, enc)
-					next[d.GetId()] = &cachedDevice{src: d, in: in, dev: dev, enc: enc, problems: slices.Clone(problems[firstProblem:])}
+					cds = append(cds, c)
 				}
 			}
 			v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
@@ -313,37 +362,55 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 	if cache != nil {
 		cache.devices, cache.groups = next, nextGroups
 	}
-	for chunk := range slices.Chunk(sets, maxCounterSetsPerSlice) {
-		v.slices = append(v.slices, resourceslice.Slice{SharedCounters: chunk})
+	v.slices = append(v.slices, cs.slices...)
+	v.encs = append(v.encs, cs.encs...)
+	// A slice of devices each the cache's as the last build made them, in the same
+	// order, is that build's slice (a change of one GPU builds one slice again).
+	var chunks map[string]*cachedChunk
+	if cache != nil {
+		chunks = make(map[string]*cachedChunk, len(cache.chunks))
 	}
-	var packedEncs [][]byte // encs in the slices' order (a build with a cache)
 	for _, chunk := range sliceChunks(devices, maxDevicesPerSlice) {
-		devs := make([]resourceapi.Device, 0, len(chunk))
-		for _, i := range chunk {
-			devs = append(devs, devices[i])
-			if cache != nil {
-				packedEncs = append(packedEncs, encs[i])
+		key := devices[chunk[0]].Name
+		if cache != nil {
+			if cc := cache.chunks[key]; cc != nil && len(cc.members) == len(chunk) &&
+				!slices.ContainsFunc(chunk, func(i int) bool { return cds[i] == nil }) &&
+				slices.EqualFunc(cc.members, chunk, func(c *cachedDevice, i int) bool { return c == cds[i] }) {
+				v.slices = append(v.slices, resourceslice.Slice{Devices: cc.devs})
+				v.encs = append(v.encs, cc.enc)
+				chunks[key] = cc
+				continue
 			}
 		}
-		v.slices = append(v.slices, resourceslice.Slice{Devices: devs})
+		devs := make([]resourceapi.Device, 0, len(chunk))
+		var devEncs [][]byte
+		var members []*cachedDevice
+		for _, i := range chunk {
+			devs = append(devs, *devices[i])
+			if cache != nil {
+				devEncs = append(devEncs, encs[i])
+				members = append(members, cds[i])
+			}
+		}
+		if slices.ContainsFunc(devEncs, func(b []byte) bool { return b == nil }) {
+			devEncs = nil // not cached: encoded afresh
+		}
+		s := resourceslice.Slice{Devices: devs}
+		enc := sliceEncoding(s, devEncs)
+		v.slices = append(v.slices, s)
+		v.encs = append(v.encs, enc)
+		if cache != nil && !slices.Contains(members, nil) {
+			chunks[key] = &cachedChunk{members: members, devs: devs, enc: enc}
+		}
+	}
+	if cache != nil {
+		cache.chunks = chunks
 	}
 	if len(v.slices) == 0 {
 		// A pool with no devices is still published, empty, so the scheduler sees
 		// the node has none rather than an old list.
 		v.slices = []resourceslice.Slice{{}}
-	}
-	v.encs = make([]sliceEnc, len(v.slices))
-	at := 0 // v.slices[i]'s first device in packedEncs
-	for i, s := range v.slices {
-		var devEncs [][]byte
-		if cache != nil && len(s.Devices) > 0 {
-			devEncs = packedEncs[at : at+len(s.Devices)]
-			if slices.ContainsFunc(devEncs, func(b []byte) bool { return b == nil }) {
-				devEncs = nil // not cached: encoded afresh
-			}
-		}
-		at += len(s.Devices)
-		v.encs[i] = sliceEncoding(s, devEncs)
+		v.encs = []sliceEnc{sliceEncoding(v.slices[0], nil)}
 	}
 	return v, problems
 }
@@ -359,15 +426,14 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 // the API server and every watcher of slices decode, 29 devices of a DGX H100 with
 // on-demand MIG rather than the 58 of two GPUs. Devices alone on their counter set,
 // or on none, are packed together.
-func sliceChunks(devices []resourceapi.Device, max int) [][]int {
+func sliceChunks(devices []*resourceapi.Device, max int) [][]int {
 	type chunkKey struct {
 		set  bool   // name is a counter set's; else the device's
 		name string // (a device's name and a set's may be the same)
 	}
 	groupOf := make(map[chunkKey]int)
 	var groups [][]int
-	for i := range devices {
-		d := &devices[i] // (a Device is large: not copied)
+	for i, d := range devices {
 		key := chunkKey{name: d.Name}
 		if len(d.ConsumesCounters) > 0 {
 			key = chunkKey{set: true, name: d.ConsumesCounters[0].CounterSet}

@@ -364,6 +364,9 @@ func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 		if !allEncoded(cached) {
 			t.Fatalf("step %d: a cached build has no encoding", step)
 		}
+		if !slices.EqualFunc(fresh.encs, cached.encs, sliceEnc.equal) {
+			t.Fatalf("step %d (changes %v, agent lost: %v): the cached build's encodings differ from a fresh one's", step, applied, lost)
+		}
 		if changedSlices(fresh, cached) != 0 {
 			t.Fatalf("step %d (changes %v): the cached build encodes otherwise than a fresh one", step, applied)
 		}
@@ -374,8 +377,8 @@ func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 	}
 }
 
-// shareUnchanged makes each device of s that is equal to a device of last the same
-// message, as the stream's decoder gives them (client.WatchDevices).
+// shareUnchanged makes each device and counter set of s that is equal to one of last
+// the same message, as the stream's decoder gives them (client.WatchDevices).
 func shareUnchanged(last, s *pb.FingerprintResponse) {
 	was := make(map[string]*pb.Device)
 	for _, g := range last.GetGroups() {
@@ -388,6 +391,15 @@ func shareUnchanged(last, s *pb.FingerprintResponse) {
 			if w := was[d.GetId()]; w != nil && proto.Equal(w, d) {
 				g.Devices[i] = w
 			}
+		}
+	}
+	sets := make(map[[2]string]*pb.CounterSet)
+	for _, c := range last.GetCounterSets() {
+		sets[[2]string{c.GetPlugin(), c.GetName()}] = c
+	}
+	for i, c := range s.GetCounterSets() {
+		if w := sets[[2]string{c.GetPlugin(), c.GetName()}]; w != nil && proto.Equal(w, c) {
+			s.CounterSets[i] = w
 		}
 	}
 }
@@ -496,14 +508,14 @@ func TestOneGPUsDevicesShareASlice(t *testing.T) {
 // by more devices than a slice holds spans slices, and devices that consume nothing
 // keep their order.
 func TestSliceChunksBounds(t *testing.T) {
-	dev := func(name, set string) resourceapi.Device {
-		d := resourceapi.Device{Name: name}
+	dev := func(name, set string) *resourceapi.Device {
+		d := &resourceapi.Device{Name: name}
 		if set != "" {
 			d.ConsumesCounters = []resourceapi.DeviceCounterConsumption{{CounterSet: set}}
 		}
 		return d
 	}
-	var devices []resourceapi.Device
+	var devices []*resourceapi.Device
 	for i := range 3 {
 		devices = append(devices, dev(fmt.Sprintf("plain-%d", i), ""))
 	}
