@@ -20,6 +20,8 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"golang.org/x/sync/errgroup"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/dynamic-resource-allocation/deviceattribute"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
@@ -54,6 +56,14 @@ type Config struct {
 	Agent *client.Client
 	// Kube is the API server client; required.
 	Kube kubernetes.Interface
+	// Meta is the API server's metadata client (metadata.NewForConfig), through which
+	// the informer of the pool's slices watches their metadata alone; nil: through
+	// Kube, each slice whole (a fake clientset).
+	Meta metadata.Interface
+	// ResourceREST is the REST client of the resource.k8s.io/v1 API through which the
+	// slices' updates go as bytes (slicewire.go); nil: Kube's. A fake clientset has
+	// none: its tests give one.
+	ResourceREST rest.Interface
 	// NodeName is the node's name, and the name of its pool; required.
 	NodeName string
 	// DriverName is the DRA driver's name (DefaultDriverName).
@@ -148,6 +158,12 @@ func New(cfg Config) (*Driver, error) {
 	}
 	if err := (liveness.Config{StallTimeout: cfg.HealthStallTimeout, AgentTimeout: cfg.HealthAgentTimeout}).Check(); err != nil {
 		return nil, fmt.Errorf("dra: health: %w", err)
+	}
+	if cfg.ResourceREST == nil {
+		cfg.ResourceREST = cfg.Kube.ResourceV1().RESTClient()
+	}
+	if c, ok := cfg.ResourceREST.(*rest.RESTClient); ok && c == nil {
+		return nil, errors.New("dra: Config.ResourceREST is required where Config.Kube has no REST client (a fake clientset)")
 	}
 	cfg.HelperOptions = append([]kubeletplugin.Option(nil), cfg.HelperOptions...)
 	cdi, err := newCDISpecs(cfg.CDIDir, cfg.DriverName)
@@ -315,13 +331,12 @@ func (d *Driver) watchLoop(ctx context.Context, mon *liveness.Monitor, tokens <-
 // the node's slices (about a second in the tests, and as long as the API server is
 // unreachable).
 func (d *Driver) publishLoop(ctx context.Context) error {
-	p := newPublisher(d.cfg.Kube, d.cfg.DriverName, d.cfg.NodeName, d.log)
-	factory, inf, err := p.informer()
+	p := newPublisher(d.cfg.Kube, d.cfg.Meta, d.cfg.ResourceREST, d.cfg.DriverName, d.cfg.NodeName, d.log)
+	inf, err := p.informer()
 	if err != nil {
 		return fmt.Errorf("dra: ResourceSlice informer: %w", err)
 	}
-	factory.Start(ctx.Done())
-	defer factory.Shutdown()
+	defer run(ctx, inf)()
 	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
 		return nil // ctx ended
 	}

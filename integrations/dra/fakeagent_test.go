@@ -134,7 +134,7 @@ func newFakeRig(t testing.TB) *fakeRig {
 	t.Cleanup(func() { agent.Close() })
 	kube := newKube()
 	r := &rig{t: t, dir: dir, pluginDir: filepath.Join(dir, "plugins"), registryDir: filepath.Join(dir, "reg"), cdiDir: filepath.Join(dir, "cdi"), kube: kube}
-	d, err := New(Config{Agent: agent, Kube: kube, NodeName: testNode, PluginDir: r.pluginDir, RegistryDir: r.registryDir, CDIDir: r.cdiDir,
+	d, err := New(Config{Agent: agent, Kube: kube, ResourceREST: resourceREST(t, kube), NodeName: testNode, PluginDir: r.pluginDir, RegistryDir: r.registryDir, CDIDir: r.cdiDir,
 		Logger: hclog.NewNullLogger()})
 	if err != nil {
 		t.Fatal(err)

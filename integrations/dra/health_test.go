@@ -130,3 +130,20 @@ func TestHealthReportOnlyWhenHealthChanges(t *testing.T) {
 		}
 	}
 }
+
+// A fake clientset has no REST client for the slices' updates: New says what to give
+// rather than the first update panicking.
+func TestNewWantsAResourceRESTBesideAFake(t *testing.T) {
+	agent, err := client.Dial(context.Background(), "unix:///nonexistent/dh.sock", client.WithoutReachCheck())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer agent.Close()
+	kube := newKube()
+	if _, err := New(Config{Agent: agent, Kube: kube, NodeName: testNode, CDIDir: t.TempDir()}); err == nil || !strings.Contains(err.Error(), "Config.ResourceREST is required") {
+		t.Errorf("New with a fake clientset and no ResourceREST: %v", err)
+	}
+	if _, err := New(Config{Agent: agent, Kube: kube, ResourceREST: resourceREST(t, kube), NodeName: testNode, CDIDir: t.TempDir()}); err != nil {
+		t.Errorf("New with a fake clientset and a ResourceREST: %v", err)
+	}
+}

@@ -2,11 +2,16 @@ package dra
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -18,12 +23,16 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/uuid"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
 	k8stesting "k8s.io/client-go/testing"
 	drahealthpb "k8s.io/kubelet/pkg/apis/dra-health/v1"
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
@@ -155,7 +164,7 @@ func (r *rig) startDriver(edit func(*Config)) *runningDriver {
 	}
 	log := &logtest.Recorder{}
 	cfg := Config{
-		Agent: agent, Kube: r.kube, NodeName: testNode, DriverName: testDriver,
+		Agent: agent, Kube: r.kube, ResourceREST: resourceREST(t, r.kube), NodeName: testNode, DriverName: testDriver,
 		PluginDir: r.pluginDir, RegistryDir: r.registryDir, CDIDir: r.cdiDir,
 		Logger: hclog.New(&hclog.LoggerOptions{Output: log, Level: hclog.Debug}),
 	}
@@ -486,4 +495,71 @@ func newKube() *fake.Clientset {
 		})
 	}
 	return kube
+}
+
+// resourceREST is a REST client of resource.k8s.io/v1 for Config.ResourceREST, served
+// by a server that takes ResourceSlice updates (PUT, protobuf, as the publisher
+// writes them) into kube's object tracker as the API server would take them, its
+// reactors included, and answers with the slice stored (protobuf), or the Status of
+// kube's error. Nothing else: the publisher updates through it alone.
+func resourceREST(t testing.TB, kube kubernetes.Interface) rest.Interface {
+	t.Helper()
+	info, ok := runtime.SerializerInfoForMediaType(scheme.Codecs.SupportedMediaTypes(), runtime.ContentTypeProtobuf)
+	if !ok {
+		t.Fatal("no protobuf serializer")
+	}
+	codec := scheme.Codecs.CodecForVersions(info.Serializer, info.Serializer, resourceapi.SchemeGroupVersion, resourceapi.SchemeGroupVersion)
+	const prefix = "/apis/resource.k8s.io/v1/resourceslices/"
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fail := func(err error) {
+			st := apierrors.NewBadRequest(err.Error()).Status()
+			if s, ok := err.(apierrors.APIStatus); ok {
+				st = s.Status()
+			}
+			st.Kind, st.APIVersion = "Status", "v1"
+			data, _ := json.Marshal(st)
+			w.Header().Set("Content-Type", runtime.ContentTypeJSON)
+			w.WriteHeader(int(st.Code))
+			w.Write(data)
+		}
+		if r.Method != http.MethodPut || !strings.HasPrefix(r.URL.Path, prefix) || r.Header.Get("Content-Type") != runtime.ContentTypeProtobuf {
+			fail(apierrors.NewMethodNotSupported(resourceapi.Resource("resourceslices"), r.Method+" "+r.URL.Path+" "+r.Header.Get("Content-Type")))
+			return
+		}
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			fail(err)
+			return
+		}
+		s := &resourceapi.ResourceSlice{}
+		if err := runtime.DecodeInto(codec, body, s); err != nil {
+			fail(err)
+			return
+		}
+		if name := strings.TrimPrefix(r.URL.Path, prefix); s.Name != name {
+			fail(fmt.Errorf("the body's name %q is not the path's %q", s.Name, name))
+			return
+		}
+		got, err := kube.ResourceV1().ResourceSlices().Update(r.Context(), s, metav1.UpdateOptions{})
+		if err != nil {
+			fail(err)
+			return
+		}
+		data, err := runtime.Encode(codec, got)
+		if err != nil {
+			fail(err)
+			return
+		}
+		w.Header().Set("Content-Type", runtime.ContentTypeProtobuf)
+		w.Write(data)
+	}))
+	t.Cleanup(srv.Close)
+	// No rate limit (client-go's default: 5 a second), as the fake clientset has none.
+	c, err := rest.RESTClientFor(&rest.Config{Host: srv.URL, APIPath: "/apis", QPS: -1, ContentConfig: rest.ContentConfig{
+		GroupVersion: &resourceapi.SchemeGroupVersion, NegotiatedSerializer: scheme.Codecs.WithoutConversion(),
+		ContentType: runtime.ContentTypeProtobuf, AcceptContentTypes: runtime.ContentTypeProtobuf}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }

@@ -1,8 +1,8 @@
 package dra
 
 import (
-	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -15,9 +15,13 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/client-go/informers"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/watchlist"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 )
 
@@ -49,10 +53,12 @@ const (
 // runs on another.
 type publisher struct {
 	kube   kubernetes.Interface
+	meta   sliceMeta      // the slices' metadata, for the informer
+	rest   rest.Interface // resource.k8s.io/v1, for updates as bytes
 	driver string
 	node   string
 	log    hclog.Logger
-	store  cache.Store // the informer's: this driver's slices on this node
+	store  cache.Store // the informer's: the metadata of this driver's slices on this node
 	// foreign says that someone else changed or deleted one of the pool's slices.
 	foreign chan struct{}
 	owner   *metav1.OwnerReference // the node; nil until the first sync reads it
@@ -63,6 +69,10 @@ type publisher struct {
 	// them, by slice name; an entry goes when the informer shows someone else's
 	// change or deletion of the slice.
 	sent map[string]*sentSlice
+	// others are the slices of this driver on this node that the last list showed of
+	// another pool than the node's (none of this publisher's business), by name, at
+	// the resourceVersion listed: not listed again until they change.
+	others map[string]string
 }
 
 // sentSlice is one slice as this process last wrote it.
@@ -74,39 +84,146 @@ type sentSlice struct {
 	seen bool
 }
 
-func newPublisher(kube kubernetes.Interface, driver, node string, log hclog.Logger) *publisher {
-	return &publisher{kube: kube, driver: driver, node: node, log: log,
-		foreign: make(chan struct{}, 1), sent: make(map[string]*sentSlice)}
+// newPublisher returns a publisher of the pool of driver on node. The informer of its
+// slices watches their metadata alone through meta (the API server sends each event
+// as the slice's name and resourceVersion, not its 29 devices with their attributes,
+// which the driver would decode only to see its own write again); nil meta: through
+// kube, decoding each slice (a fake clientset's tests). Updates go through rc
+// (Config.ResourceREST).
+func newPublisher(kube kubernetes.Interface, meta metadata.Interface, rc rest.Interface, driver, node string, log hclog.Logger) *publisher {
+	p := &publisher{kube: kube, rest: rc, driver: driver, node: node, log: log,
+		foreign: make(chan struct{}, 1), sent: make(map[string]*sentSlice), others: make(map[string]string)}
+	if meta != nil {
+		p.meta = meta.Resource(resourceapi.SchemeGroupVersion.WithResource("resourceslices"))
+	} else {
+		p.meta = typedSliceMeta{p}
+	}
+	return p
 }
 
 // ours reports whether s is a slice of this driver's pool on this node. (The fake
 // clientset of the tests does not apply field selectors: the node is checked here too.)
 func (p *publisher) ours(s *resourceapi.ResourceSlice) bool {
-	return s.Spec.Driver == p.driver && s.Spec.Pool.Name == p.node &&
-		s.Spec.NodeName != nil && *s.Spec.NodeName == p.node
+	return p.selects(s) && s.Spec.Pool.Name == p.node
 }
 
-// informer returns the informer of this driver's slices on this node, its events
-// going to observe. (Other drivers' slices on the node, a device plugin's neighbour's,
-// are none of its business: decoding each of their updates would be work for nothing.)
-func (p *publisher) informer() (informers.SharedInformerFactory, cache.SharedIndexInformer, error) {
-	factory := informers.NewSharedInformerFactoryWithOptions(p.kube, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.FieldSelector = fields.AndSelectors(
-				fields.OneTermEqualSelector(resourceapi.ResourceSliceSelectorNodeName, p.node),
-				fields.OneTermEqualSelector(resourceapi.ResourceSliceSelectorDriver, p.driver)).String()
-		}))
-	inf := factory.Resource().V1().ResourceSlices().Informer()
+// selects reports whether selector selects s.
+func (p *publisher) selects(s *resourceapi.ResourceSlice) bool {
+	return s.Spec.Driver == p.driver && s.Spec.NodeName != nil && *s.Spec.NodeName == p.node
+}
+
+// selector selects this driver's slices on this node.
+func (p *publisher) selector() string {
+	return fields.AndSelectors(
+		fields.OneTermEqualSelector(resourceapi.ResourceSliceSelectorNodeName, p.node),
+		fields.OneTermEqualSelector(resourceapi.ResourceSliceSelectorDriver, p.driver)).String()
+}
+
+// informer returns the informer of the metadata of this driver's slices on this node,
+// its events going to observe; run runs it. (Other drivers' slices on the node, a
+// device plugin's neighbour's, are none of its business.)
+func (p *publisher) informer() (cache.SharedIndexInformer, error) {
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			o.FieldSelector = p.selector()
+			return p.meta.List(ctx, o)
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			o.FieldSelector = p.selector()
+			return p.meta.Watch(ctx, o)
+		},
+	}
+	inf := cache.NewSharedIndexInformer(cache.ToListWatcherWithWatchListSemantics(lw, p.meta),
+		&metav1.PartialObjectMetadata{}, 0, cache.Indexers{})
 	_, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { p.observe(obj, false) },
 		UpdateFunc: func(_, obj any) { p.observe(obj, false) },
 		DeleteFunc: func(obj any) { p.observe(obj, true) },
 	})
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	p.store = inf.GetStore()
-	return factory, inf, nil
+	return inf, nil
+}
+
+// run runs inf until stop is called, which returns once it has stopped.
+func run(ctx context.Context, inf cache.SharedIndexInformer) (stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		inf.RunWithContext(ctx)
+	}()
+	return func() { cancel(); <-done }
+}
+
+// sliceMeta lists and watches the metadata of ResourceSlices (metadata.ResourceInterface).
+type sliceMeta interface {
+	List(ctx context.Context, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error)
+	Watch(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error)
+}
+
+// typedSliceMeta is a sliceMeta that reads the slices whole through the publisher's
+// kube and gives their metadata, of the slices the publisher's selector selects alone
+// (a fake clientset applies no field selector). It keeps the typed client's word on
+// watch lists.
+type typedSliceMeta struct{ p *publisher }
+
+func (m typedSliceMeta) List(ctx context.Context, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error) {
+	l, err := m.p.kube.ResourceV1().ResourceSlices().List(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	out := &metav1.PartialObjectMetadataList{ListMeta: l.ListMeta}
+	for i := range l.Items {
+		if m.p.selects(&l.Items[i]) {
+			out.Items = append(out.Items, metav1.PartialObjectMetadata{ObjectMeta: l.Items[i].ObjectMeta})
+		}
+	}
+	return out, nil
+}
+
+func (m typedSliceMeta) Watch(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+	w, err := m.p.kube.ResourceV1().ResourceSlices().Watch(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	// (Not watch.Filter: its goroutine stays blocked on a send once stopped.)
+	ch := make(chan watch.Event)
+	out := watch.NewProxyWatcher(ch)
+	go func() {
+		defer close(ch)
+		defer w.Stop()
+		for {
+			var e watch.Event
+			select {
+			case ev, ok := <-w.ResultChan():
+				if !ok {
+					return
+				}
+				e = ev
+			case <-out.StopChan():
+				return
+			}
+			if s, ok := e.Object.(*resourceapi.ResourceSlice); ok {
+				if e.Type != watch.Bookmark && !m.p.selects(s) {
+					continue
+				}
+				e.Object = &metav1.PartialObjectMetadata{ObjectMeta: s.ObjectMeta}
+			}
+			select {
+			case ch <- e:
+			case <-out.StopChan():
+				return
+			}
+		}
+	}()
+	return out, nil
+}
+
+func (m typedSliceMeta) IsWatchListSemanticsUnSupported() bool {
+	return watchlist.DoesClientNotSupportWatchListSemantics(m.p.kube)
 }
 
 // observe takes in one informer event: a slice of the pool that this process did not
@@ -116,8 +233,8 @@ func (p *publisher) observe(obj any, deleted bool) {
 	if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 		obj = tomb.Obj
 	}
-	s, ok := obj.(*resourceapi.ResourceSlice)
-	if !ok || !p.ours(s) {
+	s, ok := obj.(*metav1.PartialObjectMetadata)
+	if !ok {
 		return
 	}
 	p.mu.Lock()
@@ -126,9 +243,10 @@ func (p *publisher) observe(obj any, deleted bool) {
 	switch {
 	case deleted:
 		delete(p.sent, s.Name)
+		delete(p.others, s.Name)
 		foreign = true
 	case e == nil:
-		foreign = true
+		foreign = p.others[s.Name] != s.ResourceVersion
 	case s.ResourceVersion == e.obj.ResourceVersion:
 		e.seen = true
 	case e.seen:
@@ -166,20 +284,39 @@ func (p *publisher) sync(ctx context.Context, v *view) (writes int, err error) {
 	n := len(v.slices)
 	digits := max(sliceIndexMinDigits, len(strconv.FormatInt(int64(n-1), 16)))
 
-	// What the server has: this process's writes, and for the rest what the informer
-	// holds.
+	// What the server has: this process's writes, and for the rest what a list says
+	// (only when the informer holds a slice this process did not write as it is).
 	var all []candidate
+	unknown := false
 	p.mu.Lock()
 	for _, e := range p.sent {
 		all = append(all, candidate{obj: e.obj, enc: &e.enc})
 	}
 	for _, o := range p.store.List() {
-		s, ok := o.(*resourceapi.ResourceSlice)
-		if ok && p.ours(s) && p.sent[s.Name] == nil {
-			all = append(all, candidate{obj: s})
+		m, ok := o.(*metav1.PartialObjectMetadata)
+		if ok && p.sent[m.Name] == nil && p.others[m.Name] != m.ResourceVersion {
+			unknown = true
 		}
 	}
 	p.mu.Unlock()
+	if unknown {
+		list, err := p.kube.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: p.selector()})
+		if err != nil {
+			return 0, fmt.Errorf("list the pool's ResourceSlices: %w", err)
+		}
+		p.mu.Lock()
+		clear(p.others)
+		for i := range list.Items {
+			s := &list.Items[i]
+			switch {
+			case !p.ours(s):
+				p.others[s.Name] = s.ResourceVersion
+			case p.sent[s.Name] == nil:
+				all = append(all, candidate{obj: s})
+			}
+		}
+		p.mu.Unlock()
+	}
 	var gen int64
 	for _, c := range all {
 		gen = max(gen, c.obj.Spec.Pool.Generation)
@@ -279,15 +416,12 @@ func (p *publisher) write(ctx context.Context, pool resourceapi.ResourcePool, i,
 	// deletion right after it) is observed after the write is recorded.
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	var prev *sliceEnc // what the slice's last write sent
+	var known [][]byte // the devices stored as the view's encodings say
 	if old != nil {
-		if e := p.sent[old.Name]; e != nil && e.obj.ResourceVersion == old.ResourceVersion {
-			prev = &e.enc
-		}
 		// Labels, annotations and the like that someone else set stay.
 		obj.ObjectMeta = *old.ObjectMeta.DeepCopy()
 		obj.ManagedFields = nil
-		got, err = slices.Update(ctx, obj, metav1.UpdateOptions{})
+		got, known, err = p.update(ctx, obj, enc)
 	} else {
 		obj.GenerateName = fmt.Sprintf("%0*x", digits, i) + sliceNameSeparator + p.driver + sliceNameSeparator + p.node + sliceNameSeparator
 		obj.OwnerReferences = []metav1.OwnerReference{*p.owner}
@@ -305,7 +439,7 @@ func (p *publisher) write(ctx context.Context, pool resourceapi.ResourcePool, i,
 	}
 	p.sent[got.Name] = &sentSlice{enc: enc, obj: got}
 	if enc.valid {
-		if !storedAsWritten(got, enc, prev) {
+		if !storedEncoding(got, known).equal(enc) {
 			// Compared with what was sent, not with what the server kept: the next sync
 			// does not write it again, in a loop.
 			p.log.Warn("the API server did not store the ResourceSlice as written (fields dropped: a feature gate off?)",
@@ -377,21 +511,50 @@ func storedEncoding(s *resourceapi.ResourceSlice, known [][]byte) sliceEnc {
 	return e
 }
 
-// storedAsWritten reports whether the API server stored got as enc says it was
-// written, where prev (if not nil) is what the slice's write before sent: a device sent
-// as the same bytes again is taken as stored as it was then, without encoding it
-// again (a change of one partition's holder changes a few of a GPU's 29 devices).
-func storedAsWritten(got *resourceapi.ResourceSlice, enc sliceEnc, prev *sliceEnc) bool {
-	var known [][]byte
-	if prev != nil && prev.valid && len(prev.devs) == len(enc.devs) && len(got.Spec.Devices) == len(enc.devs) {
-		known = make([][]byte, len(enc.devs))
-		for i := range enc.devs {
-			if bytes.Equal(prev.devs[i], enc.devs[i]) {
-				known[i] = enc.devs[i]
+// update writes obj, an update of a slice, as bytes (sliceBody), each device that is
+// the view's as enc's encoding of it: the slice as the API server stored it, and
+// known, for each of its devices that was stored as those bytes, enc's encoding of it
+// (nil for the others; all nil where the answer came in another encoding).
+func (p *publisher) update(ctx context.Context, obj *resourceapi.ResourceSlice, enc sliceEnc) (*resourceapi.ResourceSlice, [][]byte, error) {
+	var devs [][]byte
+	if enc.valid && len(enc.devs) == len(obj.Spec.Devices) {
+		devs = make([][]byte, len(enc.devs))
+		for i := range devs {
+			// A taint that kept the time the server gave it (keepTaintTimes): not the
+			// view's device.
+			if !slices.ContainsFunc(obj.Spec.Devices[i].Taints, func(t resourceapi.DeviceTaint) bool { return t.TimeAdded != nil }) {
+				devs[i] = enc.devs[i]
 			}
 		}
 	}
-	return storedEncoding(got, known).equal(enc)
+	body, written, err := sliceBody(obj, devs)
+	if err != nil {
+		return nil, nil, err
+	}
+	res := p.rest.Put().Resource("resourceslices").Name(obj.Name).
+		SetHeader("Content-Type", runtime.ContentTypeProtobuf).Body(body).Do(ctx)
+	answer, err := res.Raw()
+	if err != nil {
+		return nil, nil, err
+	}
+	got, same, err := readSlice(answer, obj, written)
+	if errors.Is(err, errNotProtobuf) {
+		got = &resourceapi.ResourceSlice{}
+		if err := res.Into(got); err != nil {
+			return nil, nil, fmt.Errorf("the API server's answer: %w", err)
+		}
+		return got, nil, nil
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("the API server's answer: %w", err)
+	}
+	known := make([][]byte, len(same))
+	for i := range same {
+		if same[i] && i < len(devs) {
+			known[i] = devs[i] // nil where the device was not the view's
+		}
+	}
+	return got, known, nil
 }
 
 // keepTaintTimes returns devs with the time the API server gave each taint that old's

@@ -31,6 +31,9 @@ type pubRig struct {
 	log  *logtest.Recorder
 	// calls counts the API calls on ResourceSlices by verb (create, update, delete).
 	calls map[string]*atomic.Int32
+	// lists counts the lists of ResourceSlices with a field selector (the
+	// publisher's: the test's own select nothing).
+	lists atomic.Int32
 }
 
 func newPubRig(t *testing.T, kube *fake.Clientset) *pubRig {
@@ -44,15 +47,19 @@ func newPubRig(t *testing.T, kube *fake.Clientset) *pubRig {
 			return false, nil, nil
 		})
 	}
-	r.p = newPublisher(kube, testDriver, testNode, hclog.New(&hclog.LoggerOptions{Output: r.log}))
-	factory, inf, err := r.p.informer()
+	kube.PrependReactor("list", "resourceslices", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if l, ok := a.(k8stesting.ListAction); ok && !l.GetListRestrictions().Fields.Empty() {
+			r.lists.Add(1)
+		}
+		return false, nil, nil
+	})
+	r.p = newPublisher(kube, nil, resourceREST(t, kube), testDriver, testNode, hclog.New(&hclog.LoggerOptions{Output: r.log}))
+	inf, err := r.p.informer()
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	factory.Start(ctx.Done())
-	t.Cleanup(func() { cancel(); factory.Shutdown() })
-	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+	t.Cleanup(run(context.Background(), inf))
+	if !cache.WaitForCacheSync(t.Context().Done(), inf.HasSynced) {
 		t.Fatal("informer not synced")
 	}
 	return r
@@ -222,6 +229,70 @@ func TestPublisherWritesOnlyWhatChanged(t *testing.T) {
 		t.Errorf("more slices again: calls %v", got)
 	}
 	r.checkPool(first)
+}
+
+// The publisher's informer watches the slices' metadata: it reads whole slices only
+// when the informer shows one it did not write as it is. Changes of the pool list
+// nothing; a slice of this driver on this node of another pool is read once, left
+// alone, and read again only once it changed.
+func TestPublisherListsOnlyWhatItDidNotWrite(t *testing.T) {
+	r := newPubRig(t, newKube())
+	first, held := onDemandView(t, 8, nil), onDemandView(t, 8, holdPartition(3))
+	r.sync(first)
+	r.caughtUp()
+	lists := func(what string, want int32, sync func()) {
+		t.Helper()
+		before := r.lists.Load()
+		sync()
+		if n := r.lists.Load() - before; n != want {
+			t.Errorf("%s: the slices listed %d times, want %d", what, n, want)
+		}
+	}
+	update := func(v *view) func() {
+		return func() {
+			t.Helper()
+			if got := r.sync(v); got["update"] != 1 || len(got) != 1 {
+				t.Errorf("a partition held or released: calls %v, want one update", got)
+			}
+		}
+	}
+	lists("a partition held", 0, update(held))
+	lists("and released", 0, update(first))
+
+	ctx := context.Background()
+	other, err := r.kube.ResourceV1().ResourceSlices().Create(ctx, &resourceapi.ResourceSlice{
+		ObjectMeta: metav1.ObjectMeta{Name: "another-pool"},
+		Spec: resourceapi.ResourceSliceSpec{Driver: testDriver, NodeName: new(testNode),
+			Pool: resourceapi.ResourcePool{Name: "another-pool", Generation: 1, ResourceSliceCount: 1}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitForeign := func(what string) {
+		t.Helper()
+		select {
+		case <-r.p.foreign:
+		case <-time.After(testTimeout):
+			t.Fatalf("%s: the publisher was not told", what)
+		}
+	}
+	waitForeign("another pool's slice created")
+	lists("a partition held, another pool's slice new", 1, update(held))
+	lists("released, another pool's slice known", 0, update(first))
+	other.Labels = map[string]string{"team": "gpu-ops"}
+	if other, err = r.kube.ResourceV1().ResourceSlices().Update(ctx, other, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitForeign("another pool's slice changed")
+	lists("another pool's slice changed", 1, func() {
+		if got := r.sync(first); len(got) != 0 {
+			t.Errorf("another pool's slice changed: calls %v, want none", got)
+		}
+	})
+	got, err := r.kube.ResourceV1().ResourceSlices().Get(ctx, other.Name, metav1.GetOptions{})
+	if err != nil || got.ResourceVersion != other.ResourceVersion {
+		t.Errorf("another pool's slice after the syncs: %v, %v; want it as its owner left it (resourceVersion %s)", got, err, other.ResourceVersion)
+	}
 }
 
 // A driver that starts where an earlier process published the pool (a restart, an

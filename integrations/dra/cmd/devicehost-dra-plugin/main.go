@@ -22,6 +22,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
@@ -134,6 +135,10 @@ func run(args []string) error {
 	if err != nil {
 		return fmt.Errorf("kubernetes client: %w", err)
 	}
+	meta, err := metadata.NewForConfig(cfg)
+	if err != nil {
+		return fmt.Errorf("kubernetes metadata client: %w", err)
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
@@ -151,6 +156,7 @@ func run(args []string) error {
 	d, err := dra.New(dra.Config{
 		Agent:              agent,
 		Kube:               kube,
+		Meta:               meta,
 		NodeName:           st.nodeName,
 		DriverName:         st.driverName,
 		PluginDir:          st.pluginDir,
