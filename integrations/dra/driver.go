@@ -13,7 +13,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"slices"
 	"sync"
 	"time"
 
@@ -427,15 +426,13 @@ func (d *Driver) WatchHealthStatus(ctx context.Context, reports chan<- kubeletpl
 	var last *kubeletplugin.DeviceHealthReport // sent last; nil: send
 	for {
 		v, changed := d.current()
-		if v != nil {
+		if v != nil && (last == nil || !v.reportedIn(*last)) {
 			r := v.healthReport(time.Now())
-			if last == nil || !sameHealth(*last, r) {
-				select {
-				case reports <- r:
-					last = &r
-				case <-ctx.Done():
-					return nil
-				}
+			select {
+			case reports <- r:
+				last = &r
+			case <-ctx.Done():
+				return nil
 			}
 		}
 		select {
@@ -448,13 +445,21 @@ func (d *Driver) WatchHealthStatus(ctx context.Context, reports chan<- kubeletpl
 	}
 }
 
-// sameHealth reports whether two reports say the same of every device, their times
-// aside.
-func sameHealth(a, b kubeletplugin.DeviceHealthReport) bool {
-	return slices.EqualFunc(a.Devices, b.Devices, func(x, y kubeletplugin.DeviceHealth) bool {
-		return x.PoolName == y.PoolName && x.DeviceName == y.DeviceName && x.Health == y.Health &&
-			x.HealthCheckTimeout == y.HealthCheckTimeout && x.Message == y.Message
-	})
+// reportedIn reports whether r says of every device what v's healthReport says, their
+// times aside (checked without building a report: most changes of the pool, a holder,
+// a taint, say nothing new of health).
+func (v *view) reportedIn(r kubeletplugin.DeviceHealthReport) bool {
+	if len(r.Devices) != len(v.order) {
+		return false
+	}
+	for i, name := range v.order {
+		x, y := r.Devices[i], v.deviceHealth(name, time.Time{})
+		if x.PoolName != y.PoolName || x.DeviceName != y.DeviceName || x.Health != y.Health ||
+			x.HealthCheckTimeout != y.HealthCheckTimeout || x.Message != y.Message {
+			return false
+		}
+	}
+	return true
 }
 
 // healthReport is every device's health: the agent's, or unknown while it cannot be
@@ -462,22 +467,27 @@ func sameHealth(a, b kubeletplugin.DeviceHealthReport) bool {
 func (v *view) healthReport(now time.Time) kubeletplugin.DeviceHealthReport {
 	r := kubeletplugin.DeviceHealthReport{Devices: make([]kubeletplugin.DeviceHealth, 0, len(v.order))}
 	for _, name := range v.order {
-		ref := v.devices[name]
-		h := kubeletplugin.DeviceHealth{PoolName: v.pool, DeviceName: name, LastUpdated: now, Message: ref.reason}
-		switch {
-		case v.disconnected != nil:
-			h.Health = kubeletplugin.HealthStatusUnknown
-			h.Message = "devicehost agent unreachable: " + v.disconnected.Error()
-		case ref.health == pb.Health_HEALTH_HEALTHY:
-			h.Health = kubeletplugin.HealthStatusHealthy
-		case ref.health == pb.Health_HEALTH_UNHEALTHY:
-			h.Health = kubeletplugin.HealthStatusUnhealthy
-		default:
-			h.Health = kubeletplugin.HealthStatusUnknown
-		}
-		r.Devices = append(r.Devices, h)
+		r.Devices = append(r.Devices, v.deviceHealth(name, now))
 	}
 	return r
+}
+
+// deviceHealth is device name's health as healthReport says it.
+func (v *view) deviceHealth(name string, now time.Time) kubeletplugin.DeviceHealth {
+	ref := v.devices[name]
+	h := kubeletplugin.DeviceHealth{PoolName: v.pool, DeviceName: name, LastUpdated: now, Message: ref.reason}
+	switch {
+	case v.disconnected != nil:
+		h.Health = kubeletplugin.HealthStatusUnknown
+		h.Message = "devicehost agent unreachable: " + v.disconnected.Error()
+	case ref.health == pb.Health_HEALTH_HEALTHY:
+		h.Health = kubeletplugin.HealthStatusHealthy
+	case ref.health == pb.Health_HEALTH_UNHEALTHY:
+		h.Health = kubeletplugin.HealthStatusUnhealthy
+	default:
+		h.Health = kubeletplugin.HealthStatusUnknown
+	}
+	return h
 }
 
 var _ kubeletplugin.DRAPlugin = (*Driver)(nil)

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/integrations/liveness/livenesstest"
@@ -98,35 +97,37 @@ func TestHealthConfigRefused(t *testing.T) {
 // reason, the agent's reachability, a device more), not for each change of the pool
 // that says nothing of health (a holder, a taint): each report is every device.
 func TestHealthReportOnlyWhenHealthChanges(t *testing.T) {
-	now := time.Now()
-	report := func(change func(*pb.FingerprintResponse), lost error) kubeletplugin.DeviceHealthReport {
+	build := func(change func(*pb.FingerprintResponse), lost error) *view {
 		snap := onDemandSnapshot(2, 7)
 		if change != nil {
 			change(snap)
 		}
 		v, _ := buildView(snap, buildOptions{driver: testDriver, pool: testNode, pci: &pciAttributes{}, disconnected: lost})
-		return v.healthReport(now)
+		return v
 	}
-	base := report(nil, nil)
-	if !sameHealth(base, report(nil, nil)) {
-		t.Fatal("the same snapshot: reports differ")
+	base := build(nil, nil).healthReport(time.Now())
+	if !build(nil, nil).reportedIn(base) {
+		t.Fatal("the same snapshot: taken as not reported")
 	}
-	if !sameHealth(base, report(holdPartition(1), nil)) {
+	if !build(holdPartition(1), nil).reportedIn(base) {
 		t.Error("a partition held (holder and taints): a report sent, want none")
 	}
-	changes := map[string]kubeletplugin.DeviceHealthReport{
-		"unhealthy": report(func(s *pb.FingerprintResponse) { s.Groups[0].Devices[1].Health = pb.Health_HEALTH_UNHEALTHY }, nil),
-		"reason": report(func(s *pb.FingerprintResponse) {
+	changes := map[string]*view{
+		"unhealthy": build(func(s *pb.FingerprintResponse) { s.Groups[0].Devices[1].Health = pb.Health_HEALTH_UNHEALTHY }, nil),
+		"reason": build(func(s *pb.FingerprintResponse) {
 			s.Groups[1].Devices[0].HealthReason = "XID 48"
 		}, nil),
-		"agent lost": report(nil, errors.New("connection refused")),
-		"a device more": report(func(s *pb.FingerprintResponse) {
+		"agent lost": build(nil, errors.New("connection refused")),
+		"a device more": build(func(s *pb.FingerprintResponse) {
 			s.Groups[1].Devices = append(s.Groups[1].Devices, &pb.Device{Id: "GPU-1-mig-1g.10gb-9"})
 		}, nil),
 	}
-	for what, r := range changes {
-		if sameHealth(base, r) {
+	for what, v := range changes {
+		if v.reportedIn(base) {
 			t.Errorf("%s: no report sent, want one", what)
+		}
+		if r := v.healthReport(time.Now()); !v.reportedIn(r) {
+			t.Errorf("%s: its own report taken as not reported", what)
 		}
 	}
 }
