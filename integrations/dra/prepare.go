@@ -209,15 +209,15 @@ func (d *Driver) resolve(ctx context.Context, results []resourceapi.DeviceReques
 		var out []allocated
 		var missing []string
 		for _, r := range results {
-			ref, ok := deviceRef{}, false
+			var ref *deviceRef
 			if v != nil && r.Pool == v.pool {
-				ref, ok = v.devices[r.Device]
+				ref = v.devices[r.Device]
 			}
-			if !ok {
+			if ref == nil {
 				missing = append(missing, r.Pool+"/"+r.Device)
 				continue
 			}
-			out = append(out, allocated{request: r.Request, ref: ref, admin: r.AdminAccess != nil && *r.AdminAccess, consumed: r.ConsumedCapacity, shareID: r.ShareID})
+			out = append(out, allocated{request: r.Request, ref: *ref, admin: r.AdminAccess != nil && *r.AdminAccess, consumed: r.ConsumedCapacity, shareID: r.ShareID})
 		}
 		return out, missing
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -49,8 +50,8 @@ type deviceRef struct {
 type view struct {
 	pool    string
 	slices  []resourceslice.Slice
-	devices map[string]deviceRef
-	order   []string // device names in publishing order
+	devices map[string]*deviceRef // read-only: a device's ref may be the last view's
+	order   []string              // device names in publishing order
 	// disconnected is why the agent cannot be read, or nil.
 	disconnected error
 	// encs are the slices' encodings (sliceEncoding), in their order.
@@ -118,6 +119,16 @@ type counterSets struct {
 	encs     []sliceEnc
 }
 
+// sameCounterSets reports whether the counter sets a and b make the same DRA counter
+// sets: each the same message (client.WatchDevices gives an unchanged one so), or of
+// the same plugin, name and capacity (what a Reserve changes of a GPU's set is what
+// it uses, which DRA's counter sets do not say).
+func sameCounterSets(a, b []*pb.CounterSet) bool {
+	return slices.EqualFunc(a, b, func(x, y *pb.CounterSet) bool {
+		return x == y || x.GetPlugin() == y.GetPlugin() && x.GetName() == y.GetName() && maps.Equal(x.GetCapacity(), y.GetCapacity())
+	})
+}
+
 // buildCounterSets builds in as DRA's counter sets, sorted by name, in slices of
 // maxCounterSetsPerSlice.
 func buildCounterSets(in []*pb.CounterSet) *counterSets {
@@ -162,6 +173,7 @@ type cachedDevice struct {
 	dev      resourceapi.Device
 	enc      []byte
 	problems []string
+	ref      *deviceRef // as the last view has it
 }
 
 func newViewCache() *viewCache {
@@ -191,14 +203,15 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 	for _, g := range snap.GetGroups() {
 		total += len(g.GetDevices())
 	}
-	v = &view{pool: o.pool, devices: make(map[string]deviceRef, total), order: make([]string, 0, total), disconnected: o.disconnected}
+	v = &view{pool: o.pool, devices: make(map[string]*deviceRef, total), order: make([]string, 0, total), disconnected: o.disconnected}
 	if o.pci == nil {
 		o.pci = &pciAttributes{}
 	}
 	cache, next := o.cache, map[string]*cachedDevice(nil)
 	var cs *counterSets
-	if cache != nil && cache.counters != nil && slices.Equal(cache.counters.in, snap.GetCounterSets()) {
-		cs = cache.counters // the same messages (client.WatchDevices): built as they were
+	if cache != nil && cache.counters != nil && sameCounterSets(cache.counters.in, snap.GetCounterSets()) {
+		cs = cache.counters // built as they were
+		cs.in = slices.Clone(snap.GetCounterSets())
 	} else {
 		cs = buildCounterSets(snap.GetCounterSets())
 	}
@@ -283,7 +296,10 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 					encs = append(encs, c.enc)
 					cds = append(cds, c)
 					next[d.GetId()] = c
-					v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
+					if c.ref == nil || c.ref.mps != pools[d.GetId()] {
+						c.ref = &deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
+					}
+					v.devices[name] = c.ref
 					v.order = append(v.order, name)
 					continue
 				}
@@ -355,7 +371,11 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 					cds = append(cds, c)
 				}
 			}
-			v.devices[name] = deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
+			ref := &deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
+			if c := next[d.GetId()]; c != nil {
+				c.ref = ref
+			}
+			v.devices[name] = ref
 			v.order = append(v.order, name)
 		}
 	}

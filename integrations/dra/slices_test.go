@@ -317,6 +317,7 @@ func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 		func(s *pb.FingerprintResponse) { s.Groups[1].Devices[0].Health = pb.Health_HEALTH_HEALTHY },
 		func(s *pb.FingerprintResponse) { s.Groups[0].Attributes["power_limit"] = intValue(600, "W") },
 		func(s *pb.FingerprintResponse) { s.CounterSets[0].Capacity["compute_slices"] = 6 },
+		func(s *pb.FingerprintResponse) { s.CounterSets[0].Used = map[string]int64{"compute_slices": 1} },
 		func(s *pb.FingerprintResponse) { s.Groups[1].Devices[0].Consumes[0].Counters["memory_slices"] = 2 },
 		func(s *pb.FingerprintResponse) { s.Groups[0].Devices[0].Locality.NumaNode = 0 },
 		func(s *pb.FingerprintResponse) { s.Groups[1].Devices = nil },
@@ -358,7 +359,7 @@ func TestViewCacheBuildsWhatAFreshBuildDoes(t *testing.T) {
 		o.cache = cache
 		cached, cachedProblems := buildView(snap, o)
 		if !apiequality.Semantic.DeepEqual(fresh.slices, cached.slices) || !slices.Equal(fresh.order, cached.order) ||
-			!maps.Equal(fresh.devices, cached.devices) || !slices.Equal(freshProblems, cachedProblems) {
+			!maps.EqualFunc(fresh.devices, cached.devices, func(a, b *deviceRef) bool { return *a == *b }) || !slices.Equal(freshProblems, cachedProblems) {
 			t.Fatalf("step %d (changes %v, agent lost: %v): the cached build differs from a fresh one:\nfresh  %+v\ncached %+v", step, applied, lost, fresh.slices, cached.slices)
 		}
 		if !allEncoded(cached) {
