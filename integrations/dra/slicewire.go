@@ -50,17 +50,16 @@ func sliceBody(s *resourceapi.ResourceSlice, devs [][]byte) (body []byte, writte
 	}
 	// The spec's fields in their numbers' order, as the generated code writes them:
 	// the devices go before the first field numbered after theirs.
-	at := len(rest)
-	for b := rest; len(b) > 0; {
-		num, _, n := protowire.ConsumeField(b)
-		if n < 0 {
-			return nil, nil, fmt.Errorf("the slice's spec as encoded: %w", protowire.ParseError(n))
+	at, off := len(rest), 0
+	err = eachField(rest, "the slice's spec as encoded", func(num protowire.Number, _, whole []byte) error {
+		if num > fieldSpecDevices && at == len(rest) {
+			at = off
 		}
-		if num > fieldSpecDevices {
-			at = len(rest) - len(b)
-			break
-		}
-		b = b[n:]
+		off += len(whole)
+		return nil
+	})
+	if err != nil {
+		return nil, nil, err
 	}
 	written = make([][]byte, len(s.Spec.Devices))
 	devsLen := 0
@@ -210,21 +209,6 @@ func eachField(b []byte, what string, f func(num protowire.Number, contents, who
 		b = b[n+m:]
 	}
 	return nil
-}
-
-// field returns the contents of the last field num (of the bytes type) of message b.
-func field(b []byte, num protowire.Number, what string) ([]byte, error) {
-	var out []byte
-	err := eachField(b, what, func(n protowire.Number, contents, _ []byte) error {
-		if n == num && contents != nil {
-			out = contents
-		}
-		return nil
-	})
-	if err == nil && out == nil {
-		err = fmt.Errorf("%s: no field %d", what, num)
-	}
-	return out, err
 }
 
 // splitDevices splits an encoded ResourceSliceSpec into its devices' encodings and

@@ -3,11 +3,13 @@ package dra
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"reflect"
 	"testing"
 	"time"
 
+	"google.golang.org/protobuf/encoding/protowire"
 	resourceapi "k8s.io/api/resource/v1"
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -199,4 +201,19 @@ func TestReadSliceRefusesWhatTheDecoderRefuses(t *testing.T) {
 	if _, _, err := readSlice([]byte(`{"kind":"ResourceSlice"}`), sent, written); !errors.Is(err, errNotProtobuf) {
 		t.Errorf("a JSON answer: %v, want errNotProtobuf", err)
 	}
+}
+
+// field returns the contents of the last field num (of the bytes type) of message b.
+func field(b []byte, num protowire.Number, what string) ([]byte, error) {
+	var out []byte
+	err := eachField(b, what, func(n protowire.Number, contents, _ []byte) error {
+		if n == num && contents != nil {
+			out = contents
+		}
+		return nil
+	})
+	if err == nil && out == nil {
+		err = fmt.Errorf("%s: no field %d", what, num)
+	}
+	return out, err
 }
