@@ -110,6 +110,16 @@ func (r *pubRig) caughtUp() {
 	}
 }
 
+// waitForeign waits until the publisher is told of someone else's change (what).
+func (r *pubRig) waitForeign(what string) {
+	r.t.Helper()
+	select {
+	case <-r.p.foreign:
+	case <-time.After(testTimeout):
+		r.t.Fatalf("%s: the publisher was not told", what)
+	}
+}
+
 // ownDevices gives the slice written its own copy of its devices, so that a reactor
 // may change them as the API server would, not the view's.
 func ownDevices(s *resourceapi.ResourceSlice) {
@@ -268,22 +278,14 @@ func TestPublisherListsOnlyWhatItDidNotWrite(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitForeign := func(what string) {
-		t.Helper()
-		select {
-		case <-r.p.foreign:
-		case <-time.After(testTimeout):
-			t.Fatalf("%s: the publisher was not told", what)
-		}
-	}
-	waitForeign("another pool's slice created")
+	r.waitForeign("another pool's slice created")
 	lists("a partition held, another pool's slice new", 1, update(held))
 	lists("released, another pool's slice known", 0, update(first))
 	other.Labels = map[string]string{"team": "gpu-ops"}
 	if other, err = r.kube.ResourceV1().ResourceSlices().Update(ctx, other, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitForeign("another pool's slice changed")
+	r.waitForeign("another pool's slice changed")
 	lists("another pool's slice changed", 1, func() {
 		if got := r.sync(first); len(got) != 0 {
 			t.Errorf("another pool's slice changed: calls %v, want none", got)
@@ -328,14 +330,6 @@ func TestPublisherMendsOthersChanges(t *testing.T) {
 	r.sync(v)
 	r.caughtUp()
 	ctx := context.Background()
-	waitForeign := func(what string) {
-		t.Helper()
-		select {
-		case <-r.p.foreign:
-		case <-time.After(testTimeout):
-			t.Fatalf("%s: the publisher was not told", what)
-		}
-	}
 	items := r.stored()
 	victim := items[len(items)-1]
 	victim.Spec.Devices = victim.Spec.Devices[1:]
@@ -343,7 +337,7 @@ func TestPublisherMendsOthersChanges(t *testing.T) {
 	if _, err := r.kube.ResourceV1().ResourceSlices().Update(ctx, &victim, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitForeign("a slice edited")
+	r.waitForeign("a slice edited")
 	if got := r.sync(v); got["update"] != 1 || len(got) != 1 {
 		t.Errorf("after someone's edit: calls %v, want one update", got)
 	}
@@ -361,7 +355,7 @@ func TestPublisherMendsOthersChanges(t *testing.T) {
 	if err := r.kube.ResourceV1().ResourceSlices().Delete(ctx, items[0].Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitForeign("a slice deleted")
+	r.waitForeign("a slice deleted")
 	got := r.sync(v)
 	if got["create"] != 1 || got["update"] != int32(len(v.slices)-1) {
 		t.Errorf("after someone's deletion: calls %v, want the missing slice created and the rest updated", got)
