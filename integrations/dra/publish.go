@@ -495,7 +495,7 @@ func storedEncoding(s *resourceapi.ResourceSlice, known [][]byte) sliceEnc {
 			continue
 		}
 		d := &s.Spec.Devices[i]
-		if slices.ContainsFunc(d.Taints, func(t resourceapi.DeviceTaint) bool { return t.TimeAdded != nil }) {
+		if hasTaintTime(d) {
 			c := *d
 			c.Taints = slices.Clone(d.Taints)
 			for j := range c.Taints {
@@ -511,6 +511,11 @@ func storedEncoding(s *resourceapi.ResourceSlice, known [][]byte) sliceEnc {
 	return e
 }
 
+// hasTaintTime reports whether a taint of d has the time the API server gave it.
+func hasTaintTime(d *resourceapi.Device) bool {
+	return slices.ContainsFunc(d.Taints, func(t resourceapi.DeviceTaint) bool { return t.TimeAdded != nil })
+}
+
 // update writes obj, an update of a slice, as bytes (sliceBody), each device that is
 // the view's as enc's encoding of it: the slice as the API server stored it, and
 // known, for each of its devices that was stored as those bytes, enc's encoding of it
@@ -522,7 +527,7 @@ func (p *publisher) update(ctx context.Context, obj *resourceapi.ResourceSlice, 
 		for i := range devs {
 			// A taint that kept the time the server gave it (keepTaintTimes): not the
 			// view's device.
-			if !slices.ContainsFunc(obj.Spec.Devices[i].Taints, func(t resourceapi.DeviceTaint) bool { return t.TimeAdded != nil }) {
+			if !hasTaintTime(&obj.Spec.Devices[i]) {
 				devs[i] = enc.devs[i]
 			}
 		}

@@ -270,6 +270,9 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 			} else {
 				name = DeviceName(d.GetId())
 			}
+			newRef := func() *deviceRef {
+				return &deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
+			}
 			if _, dup := v.devices[name]; dup {
 				problems = append(problems, fmt.Sprintf("device %s: its DRA name %s is taken; left out", d.GetId(), name))
 				continue
@@ -297,7 +300,7 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 					cds = append(cds, c)
 					next[d.GetId()] = c
 					if c.ref == nil || c.ref.mps != pools[d.GetId()] {
-						c.ref = &deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
+						c.ref = newRef()
 					}
 					v.devices[name] = c.ref
 					v.order = append(v.order, name)
@@ -355,6 +358,7 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 				problems = append(problems, fmt.Sprintf("device %s: %d attributes and capacities, DRA allows %d; the group's attributes past the limit are left out", d.GetId(), n, maxAttributesPerDevice))
 				trimAttributes(&dev)
 			}
+			ref := newRef()
 			if cache == nil {
 				devices = append(devices, &dev)
 			} else {
@@ -364,16 +368,12 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 					encs = append(encs, nil) // no cached encoding: the view's enc is not made
 					cds = append(cds, nil)
 				} else {
-					c := &cachedDevice{src: d, in: in, dev: dev, enc: enc, problems: slices.Clone(problems[firstProblem:])}
+					c := &cachedDevice{src: d, in: in, dev: dev, enc: enc, problems: slices.Clone(problems[firstProblem:]), ref: ref}
 					next[d.GetId()] = c
 					devices = append(devices, &c.dev)
 					encs = append(encs, enc)
 					cds = append(cds, c)
 				}
-			}
-			ref := &deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
-			if c := next[d.GetId()]; c != nil {
-				c.ref = ref
 			}
 			v.devices[name] = ref
 			v.order = append(v.order, name)
@@ -393,8 +393,9 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 	for _, chunk := range sliceChunks(devices, maxDevicesPerSlice) {
 		key := devices[chunk[0]].Name
 		if cache != nil {
-			if cc := cache.chunks[key]; cc != nil && len(cc.members) == len(chunk) &&
-				!slices.ContainsFunc(chunk, func(i int) bool { return cds[i] == nil }) &&
+			// (A cached chunk's members are never nil: a device that is none is no
+			// member's.)
+			if cc := cache.chunks[key]; cc != nil &&
 				slices.EqualFunc(cc.members, chunk, func(c *cachedDevice, i int) bool { return c == cds[i] }) {
 				v.slices = append(v.slices, resourceslice.Slice{Devices: cc.devs})
 				v.encs = append(v.encs, cc.enc)
