@@ -82,12 +82,8 @@ func TestHealthSocketAgentGone(t *testing.T) {
 
 // Health timeouts that cannot work are refused by New.
 func TestHealthConfigRefused(t *testing.T) {
-	agent, err := client.Dial(context.Background(), "unix:///nonexistent/dh.sock", client.WithoutReachCheck())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer agent.Close()
-	_, err = New(Config{Agent: agent, Kube: newKube(), NodeName: testNode, CDIDir: t.TempDir(), HealthStallTimeout: -time.Second})
+	agent := unreachableAgent(t)
+	_, err := New(Config{Agent: agent, Kube: newKube(), NodeName: testNode, CDIDir: t.TempDir(), HealthStallTimeout: -time.Second})
 	if err == nil || !strings.Contains(err.Error(), "stall timeout -1s is negative") {
 		t.Errorf("New with a negative stall timeout: %v", err)
 	}
@@ -135,11 +131,7 @@ func TestHealthReportOnlyWhenHealthChanges(t *testing.T) {
 // A fake clientset has no REST client for the slices' updates: New says what to give
 // rather than the first update panicking.
 func TestNewWantsAResourceRESTBesideAFake(t *testing.T) {
-	agent, err := client.Dial(context.Background(), "unix:///nonexistent/dh.sock", client.WithoutReachCheck())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer agent.Close()
+	agent := unreachableAgent(t)
 	kube := newKube()
 	if _, err := New(Config{Agent: agent, Kube: kube, NodeName: testNode, CDIDir: t.TempDir()}); err == nil || !strings.Contains(err.Error(), "Config.ResourceREST is required") {
 		t.Errorf("New with a fake clientset and no ResourceREST: %v", err)
@@ -147,4 +139,16 @@ func TestNewWantsAResourceRESTBesideAFake(t *testing.T) {
 	if _, err := New(Config{Agent: agent, Kube: kube, ResourceREST: resourceREST(t, kube), NodeName: testNode, CDIDir: t.TempDir()}); err != nil {
 		t.Errorf("New with a fake clientset and a ResourceREST: %v", err)
 	}
+}
+
+// unreachableAgent is a client of an agent that is not there, for a New that is
+// refused before it would dial; closed when t ends.
+func unreachableAgent(t *testing.T) *client.Client {
+	t.Helper()
+	agent, err := client.Dial(context.Background(), "unix:///nonexistent/dh.sock", client.WithoutReachCheck())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { agent.Close() })
+	return agent
 }
