@@ -52,8 +52,8 @@ func main() {
 	agentFlags := flag.String("agent-flags", "", "floor scenario: more `flags` for the agent, space-separated; $DIR is its directory (e.g. \"-metrics-listen unix://$DIR/metrics.sock\")")
 	floorGap := flag.Duration("floor-gap", time.Millisecond, "floor scenario: the cold view's idle time before each call it times, about a Reserve's length (0: no cold view)")
 	floorBlock := flag.Int("floor-block", 10, "floor scenario: Reserve+Release cycles back to back between floor measurements (as many)")
-	perfOut := flag.String("perf", "", "floor scenario: record the agent's CPU during the loop with `perf record -g` into this file")
-	cpuProfile := flag.String("cpuprofile", "", "floor and partition scenarios: the agent's Go CPU profile during the (49-held) loop into this `file` (an agent built with -tags cpuprofile)")
+	perfOut := flag.String("perf", "", "floor and fanout scenarios: record the agent's CPU during the loop, or the changes (run one watcher count), with `perf record -g` into this file")
+	cpuProfile := flag.String("cpuprofile", "", "floor, partition and fanout scenarios: the agent's Go CPU profile during the (49-held) loop, or the changes (run one watcher count), into this `file` (an agent built with -tags cpuprofile)")
 	traceOut := flag.String("trace", "", "floor scenario: keep the agent's execution trace of the breakdown phase in this `file`; partition scenario: the agent's execution trace during the 49-held loop (an agent built with -tags cpuprofile)")
 	breakdown := flag.Bool("breakdown", true, "floor scenario: trace the agent through -floor-cycles more cycles and print where a Reserve's and a Release's time goes (an agent built with -tags cpuprofile)")
 	only := flag.String("only", "reserve,rss,fanout,stats", "scenarios to run, comma-separated (floor: see above)")
@@ -755,6 +755,20 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 	// Changes are isolated events, quiet apart; under a sustained stream of changes the
 	// agent paces its fan-out instead (see server/internal/fanout).
 	quiet := func() { time.Sleep(changeGap) }
+	if b.cpuProfile != "" {
+		if err := os.Remove(b.cpuProfile); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err // a file left from before would read as this run's
+		}
+		if err := a.cmd.Process.Signal(syscall.SIGUSR1); err != nil {
+			return err
+		}
+	}
+	stopPerf := func() error { return nil }
+	if b.perf != "" {
+		if stopPerf, err = startPerf(a.cmd.Process.Pid, b.perf); err != nil {
+			return err
+		}
+	}
 	for i := range changes / 2 {
 		quiet()
 		var id string
@@ -777,6 +791,14 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 		}
 	}
 	measuring.Store(false)
+	if err := stopPerf(); err != nil {
+		return err
+	}
+	if b.cpuProfile != "" {
+		if err := a.stopProfiles(b.cpuProfile); err != nil {
+			return err
+		}
+	}
 	mu.Lock()
 	defer mu.Unlock()
 	perMsg := func(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) / float64(len(lat)) }
