@@ -166,6 +166,13 @@ type strictStream struct {
 	grpc.ServerStream
 }
 
+// Unstrict returns the stream a StrictServices handler's stream wraps, and whether ss is
+// one: its SendMsg is the wrapped stream's own.
+func Unstrict(ss grpc.ServerStream) (grpc.ServerStream, bool) {
+	s, ok := ss.(strictStream)
+	return s.ServerStream, ok
+}
+
 // RecvMsg implements grpc.ServerStream.
 func (s strictStream) RecvMsg(v any) error {
 	m, ok := v.(proto.Message)

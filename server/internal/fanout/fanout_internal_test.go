@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+	"google.golang.org/grpc"
 )
 
 func TestMain(m *testing.M) {
@@ -419,3 +420,17 @@ func TestPacerBoundsRoundTimeShare(t *testing.T) {
 		t.Errorf("rounds took %.3f of the time beyond the burst, want at most %v", share, fanoutShare)
 	}
 }
+
+// TestUnstrict: a StrictServices stream gives up the stream it wraps; another does not.
+func TestUnstrict(t *testing.T) {
+	inner := &grpcStream{}
+	if got, ok := Unstrict(strictStream{inner}); !ok || got != inner {
+		t.Errorf("Unstrict(strictStream) = %T, %v; want the wrapped stream", got, ok)
+	}
+	if got, ok := Unstrict(inner); ok {
+		t.Errorf("Unstrict(another stream) = %T, true", got)
+	}
+}
+
+// grpcStream stands for grpc-go's stream.
+type grpcStream struct{ grpc.ServerStream }
