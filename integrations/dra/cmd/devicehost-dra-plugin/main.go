@@ -13,6 +13,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"math"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -25,6 +26,7 @@ import (
 	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/util/flowcontrol"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 
 	"github.com/devicehost/devicehost/client"
@@ -47,6 +49,8 @@ type settings struct {
 	logJSON                                   bool
 	healthSocket                              string
 	healthStall, healthAgent                  time.Duration
+	kubeQPS                                   float64
+	kubeBurst                                 int
 }
 
 // newFlags returns the command's flag set, filling s.
@@ -66,8 +70,17 @@ func newFlags(s *settings) *flag.FlagSet {
 	fs.StringVar(&s.healthSocket, "health-socket", "", "grpc.health.v1 socket `path` for a liveness probe (default <plugin-dir>/"+dra.HealthSocketName+`; "" for none)`)
 	fs.DurationVar(&s.healthStall, "health-stall-timeout", dra.DefaultHealthStallTimeout, "health NOT_SERVING once the agent watch has made no progress this long (at least 1s)")
 	fs.DurationVar(&s.healthAgent, "health-agent-timeout", dra.DefaultHealthAgentTimeout, "health NOT_SERVING once the agent has been unreachable this long (at least 1s)")
+	fs.Float64Var(&s.kubeQPS, "kube-api-qps", defaultKubeQPS, "requests a second the driver makes to the API server at most, over time (slice writes, claim status writes, lists)")
+	fs.IntVar(&s.kubeBurst, "kube-api-burst", defaultKubeBurst, "requests the driver may make to the API server at once, above -kube-api-qps")
 	return fs
 }
+
+// The API server rate limit's defaults: client-go's own, and those of the NVIDIA DRA
+// driver.
+const (
+	defaultKubeQPS   = 5
+	defaultKubeBurst = 10
+)
 
 // minHealthTimeout is the least -health-stall-timeout and -health-agent-timeout may be.
 const minHealthTimeout = time.Second
@@ -85,6 +98,12 @@ func (s *settings) finish(set map[string]bool) error {
 	if s.healthAgent < minHealthTimeout {
 		errs = append(errs, fmt.Errorf("-health-agent-timeout %v is below the minimum of %v", s.healthAgent, minHealthTimeout))
 	}
+	if !(s.kubeQPS > 0) || s.kubeQPS > math.MaxFloat32 {
+		errs = append(errs, fmt.Errorf("-kube-api-qps %v: want a number of requests a second above 0", s.kubeQPS))
+	}
+	if s.kubeBurst < 1 {
+		errs = append(errs, fmt.Errorf("-kube-api-burst %d: want 1 or more", s.kubeBurst))
+	}
 	if s.pluginDir == "" {
 		s.pluginDir = filepath.Join(kubeletplugin.KubeletPluginsDir, s.driverName)
 	}
@@ -94,6 +113,33 @@ func (s *settings) finish(set map[string]bool) error {
 		errs = append(errs, fmt.Errorf("-health-socket %q: want an absolute path", s.healthSocket))
 	}
 	return errors.Join(errs...)
+}
+
+// restConfig is the API server client's configuration: from -kubeconfig or in the
+// cluster, as protobuf, at the -kube-api-qps and -kube-api-burst pace.
+func (s *settings) restConfig() (*rest.Config, error) {
+	var cfg *rest.Config
+	var err error
+	if s.kubeconfig != "" {
+		cfg, err = clientcmd.BuildConfigFromFlags("", s.kubeconfig)
+	} else {
+		cfg, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client config: %w", err)
+	}
+	// Protobuf, as the kubelet and the controllers talk to the API server: a GPU's
+	// ResourceSlice with its MIG partitions and counters costs a fraction of JSON's CPU
+	// to encode on each change the driver publishes, and to decode in the answer and in
+	// the informer's event of that same write.
+	cfg.ContentType = runtime.ContentTypeProtobuf
+	cfg.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
+	// One limiter for every client made from cfg (the typed one, whose REST client
+	// writes the slices, and the metadata one), so that the flags bound the driver's
+	// requests as a whole.
+	cfg.QPS, cfg.Burst = float32(s.kubeQPS), s.kubeBurst
+	cfg.RateLimiter = flowcontrol.NewTokenBucketRateLimiter(cfg.QPS, cfg.Burst)
+	return cfg, nil
 }
 
 func run(args []string) error {
@@ -115,22 +161,10 @@ func run(args []string) error {
 	}
 	log := hclog.New(&hclog.LoggerOptions{Name: "dra", Level: hclog.LevelFromString(st.logLevel), JSONFormat: st.logJSON})
 
-	var cfg *rest.Config
-	var err error
-	if st.kubeconfig != "" {
-		cfg, err = clientcmd.BuildConfigFromFlags("", st.kubeconfig)
-	} else {
-		cfg, err = rest.InClusterConfig()
-	}
+	cfg, err := st.restConfig()
 	if err != nil {
-		return fmt.Errorf("kubernetes client config: %w", err)
+		return err
 	}
-	// Protobuf, as the kubelet and the controllers talk to the API server: a GPU's
-	// ResourceSlice with its MIG partitions and counters costs a fraction of JSON's CPU
-	// to encode on each change the driver publishes, and to decode in the answer and in
-	// the informer's event of that same write.
-	cfg.ContentType = runtime.ContentTypeProtobuf
-	cfg.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
 	kube, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		return fmt.Errorf("kubernetes client: %w", err)
