@@ -724,13 +724,15 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 	// (the threads' run time, in ns), not through the quiet between changes, where the
 	// agent's background work would count as the fan-out's.
 	var agentCPU, selfCPU time.Duration
-	change := func(call func() error, held bool) error {
-		pid := a.cmd.Process.Pid
-		a0, err := proc.RunTime(pid)
-		if err != nil {
-			return err
+	runTimes := func() (agent, self time.Duration, err error) {
+		if agent, err = proc.RunTime(a.cmd.Process.Pid); err != nil {
+			return 0, 0, err
 		}
-		s0, err := proc.RunTime(os.Getpid())
+		self, err = proc.RunTime(os.Getpid())
+		return agent, self, err
+	}
+	change := func(call func() error, held bool) error {
+		a0, s0, err := runTimes()
 		if err != nil {
 			return err
 		}
@@ -740,11 +742,7 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 		if err := waitFor(held); err != nil {
 			return err
 		}
-		a1, err := proc.RunTime(pid)
-		if err != nil {
-			return err
-		}
-		s1, err := proc.RunTime(os.Getpid())
+		a1, s1, err := runTimes()
 		if err != nil {
 			return err
 		}

@@ -61,6 +61,22 @@ func watchServer(t *testing.T) string {
 	return sock
 }
 
+// dialWatch starts a watchServer and returns a Client on a connection to it. The test
+// ends with no goroutine left of either.
+func dialWatch(t *testing.T) *rawgrpc.Client {
+	t.Helper()
+	t.Cleanup(func() { goleak.VerifyNone(t) }) // runs last, after the server stops
+	nc, err := net.Dial("unix", watchServer(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := rawgrpc.NewClient(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
 // message is the i-th message the server sends for req.
 func message(req []byte, i, size int) []byte {
 	m := bytes.Repeat(append(req, byte(i)), size/(len(req)+1)+1)[:size]
@@ -75,16 +91,7 @@ func message(req []byte, i, size int) []byte {
 // connection's windows hold, so that the calls finish only if the client's window
 // updates keep them open; and a call's error status.
 func TestClientReadsEveryMessageOfEveryStream(t *testing.T) {
-	t.Cleanup(func() { goleak.VerifyNone(t) }) // runs last, after the server stops
-	sock := watchServer(t)
-	nc, err := net.Dial("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := rawgrpc.NewClient(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := dialWatch(t)
 	reqs := map[uint32][]byte{}
 	want := map[uint32][2]int{}
 	for _, r := range []string{"2000 10", "40 100000", "3 3000000", "5 7 fail", "0 0"} {
@@ -163,16 +170,7 @@ func TestClientReadsEveryMessageOfEveryStream(t *testing.T) {
 
 // TestClientSaysWhyAStreamWasRefused: an unknown method ends the stream with its status.
 func TestClientSaysWhyAStreamWasRefused(t *testing.T) {
-	t.Cleanup(func() { goleak.VerifyNone(t) }) // runs last, after the server stops
-	sock := watchServer(t)
-	nc, err := net.Dial("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := rawgrpc.NewClient(nc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := dialWatch(t)
 	if _, err := c.Open("/t.S/Nope", nil); err != nil {
 		t.Fatal(err)
 	}
