@@ -5,12 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"runtime/trace"
 	"slices"
 	"strings"
 	"time"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/internal/steps"
 	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/manager/ledger"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
@@ -80,7 +80,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	// tool trace` read them. See docs/benchmarks.md#where-a-reserve-goes.
 	// Claim before checking the store: a Reserve that commits between the check and the
 	// claim would otherwise leave this one asking the plugin for a device already held.
-	region := trace.StartRegion(ctx, "claim")
+	region := steps.Start(ctx, "claim")
 	release, err := m.claim(req.OwnerID, ids)
 	region.End()
 	if err != nil {
@@ -88,7 +88,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	}
 	defer release()
 	takeOver := slices.Clone(req.TakeOverOwnerPrefixes)
-	region = trace.StartRegion(ctx, "ledger check")
+	region = steps.Start(ctx, "ledger check")
 	existing, err := m.store.Check(req.OwnerID, ids, takeOver, nil, nil)
 	region.End()
 	if err != nil || existing != nil {
@@ -97,7 +97,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		}
 		return device.Reservation{}, err
 	}
-	region = trace.StartRegion(ctx, "route")
+	region = steps.Start(ctx, "route")
 	snap := m.reg.Snapshot()
 	plugin, err := route(snap, req.Group, ids)
 	region.End()
@@ -110,7 +110,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	// checks it again, atomically with its write.
 	consumes, caps := consumption(snap, req.Group, ids)
 	if len(consumes) > 0 {
-		region = trace.StartRegion(ctx, "counter sets")
+		region = steps.Start(ctx, "counter sets")
 		unlock, err := m.lockCounterSets(ctx, consumes)
 		if err != nil {
 			region.End()
@@ -128,13 +128,13 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if s == nil { // removed since the snapshot was taken
 		return device.Reservation{}, fmt.Errorf("plugin %q was removed: %w", plugin, device.ErrPluginUnavailable)
 	}
-	region = trace.StartRegion(ctx, "plugin")
+	region = steps.Start(ctx, "plugin")
 	res, err := s.Reserve(ctx, ids)
 	region.End()
 	if err != nil {
 		return device.Reservation{}, err
 	}
-	region = trace.StartRegion(ctx, "validate answer")
+	region = steps.Start(ctx, "validate answer")
 	err = validate.Reservation(res, ids)
 	region.End()
 	if err != nil {
@@ -145,7 +145,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	id := ledger.NewID()
 	container := fromContainerReservation(res)
 	container.Envs[device.ReservationEnv] = id
-	region = trace.StartRegion(ctx, "ledger commit")
+	region = steps.Start(ctx, "ledger commit")
 	r, _, err := m.store.Reserve(ctx, device.Reservation{
 		ID:          id,
 		OwnerID:     req.OwnerID,
@@ -162,7 +162,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if err != nil {
 		return device.Reservation{}, fmt.Errorf("record reservation: %w", err)
 	}
-	region = trace.StartRegion(ctx, "refresh")
+	region = steps.Start(ctx, "refresh")
 	m.reg.Refresh(ctx)
 	region.End()
 	for _, id := range r.TakenOver {
@@ -413,14 +413,14 @@ func (m *Manager) Release(ctx context.Context, req device.ReleaseRequest) (devic
 
 // releaseReservations is Release of reservations (not admin accesses).
 func (m *Manager) releaseReservations(ctx context.Context, req device.ReleaseRequest) (device.ReleaseResult, error) {
-	region := trace.StartRegion(ctx, "ledger commit")
+	region := steps.Start(ctx, "ledger commit")
 	released, already, err := m.store.Release(ctx, req, m.cfg.Now())
 	region.End()
 	if err != nil {
 		return device.ReleaseResult{}, err
 	}
 	if len(released) > 0 {
-		region = trace.StartRegion(ctx, "refresh")
+		region = steps.Start(ctx, "refresh")
 		m.reg.Refresh(ctx)
 		region.End()
 	}

@@ -3,7 +3,6 @@ package server
 import (
 	"context"
 	"fmt"
-	"runtime/trace"
 	"time"
 
 	"google.golang.org/grpc"
@@ -11,6 +10,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/internal/steps"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server/internal/fanout"
 	"github.com/devicehost/devicehost/validate"
@@ -138,7 +138,7 @@ func streamClosed(ctx context.Context) error {
 // Reserve validates the request and reserves the devices, taking them over from the
 // owners the request names (take_over_owner_prefixes) when it names any.
 func (s *Server) Reserve(ctx context.Context, in *pb.ReserveRequest) (*pb.ReserveResponse, error) {
-	region := trace.StartRegion(ctx, "validate request")
+	region := steps.Start(ctx, "validate request")
 	req := reserveRequestFromProto(in)
 	err := validate.ReserveRequest(req)
 	region.End()
@@ -152,7 +152,7 @@ func (s *Server) Reserve(ctx context.Context, in *pb.ReserveRequest) (*pb.Reserv
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	defer trace.StartRegion(ctx, "reply").End()
+	defer steps.Start(ctx, "reply").End()
 	return &pb.ReserveResponse{
 		ReservationId:           res.ID,
 		Reservation:             containerToProto(res.Container),
@@ -163,7 +163,7 @@ func (s *Server) Reserve(ctx context.Context, in *pb.ReserveRequest) (*pb.Reserv
 // Release validates the request, ends the reservations it names and says which it
 // released and which were released before.
 func (s *Server) Release(ctx context.Context, in *pb.ReleaseRequest) (*pb.ReleaseResponse, error) {
-	region := trace.StartRegion(ctx, "validate request")
+	region := steps.Start(ctx, "validate request")
 	req := releaseRequestFromProto(in)
 	err := validate.ReleaseRequest(req)
 	region.End()

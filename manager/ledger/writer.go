@@ -4,13 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"runtime/trace"
 	"slices"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/internal/steps"
 )
 
 // maxBatch caps how many requests, and how many deferred writes, share one
@@ -391,7 +391,7 @@ func (l *Ledger) commit(batch []*request, leader *request) {
 		ctx = leader.ctx
 	}
 	if len(ov.recs) > 0 {
-		region := trace.StartRegion(traceContext(batch), "ledger: index")
+		region := steps.Start(traceContext(batch), "ledger: index")
 		told := ov.feedChanges()
 		l.mu.Lock()
 		l.idx.apply(ov)
@@ -430,13 +430,13 @@ func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrot
 	resps = make([]response, len(batch))
 	ov = newOverlay(l.idx) // only the leader writes l.idx, so reading it unlocked is safe
 	ctx := traceContext(batch)
-	region := trace.StartRegion(ctx, "ledger: begin")
+	region := steps.Start(ctx, "ledger: begin")
 	tx, err := l.db.Begin(true)
 	region.End()
 	if err != nil {
 		return nil, nil, false, err
 	}
-	region = trace.StartRegion(ctx, "ledger: apply")
+	region = steps.Start(ctx, "ledger: apply")
 	w := &txn{tx: tx, ov: ov, ev: l.ev}
 	for i, req := range batch {
 		if err := req.ctx.Err(); err != nil {
@@ -456,7 +456,7 @@ func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrot
 	if !w.dirty {
 		return resps, ov, false, tx.Rollback() // nothing written: no commit, no fsync
 	}
-	region = trace.StartRegion(ctx, "ledger: bolt commit")
+	region = steps.Start(ctx, "ledger: bolt commit")
 	err = tx.Commit()
 	region.End()
 	if err != nil {

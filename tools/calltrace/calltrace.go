@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/exp/trace"
+
+	"github.com/devicehost/devicehost/internal/steps"
 )
 
 // The rows Breakdown adds to the regions' own.
@@ -223,4 +225,22 @@ func Percentile(ds []time.Duration, p int) time.Duration {
 	slices.Sort(s)
 	i := (len(s)*p + 99) / 100
 	return s[max(i-1, 0)]
+}
+
+// FromSteps returns the calls an agent timed (internal/steps: a build with -tags
+// cpuprofile and DEVICEHOST_STEPS set) by method, as Read returns them from a trace, for
+// Breakdown: the same steps, measured without the trace's own cost. The steps of a
+// call are taken as its handler's (true of an isolated call: it leads its own commit).
+func FromSteps(records []steps.Record) map[string][]Call {
+	out := make(map[string][]Call)
+	for _, r := range records {
+		c := Call{Begin: trace.Time(r.Begin.UnixNano()), End: trace.Time(r.End.UnixNano())}
+		for _, s := range r.Steps {
+			c.Regions = append(c.Regions, Span{Name: s.Name, Begin: trace.Time(s.Begin.UnixNano()), End: trace.Time(s.End.UnixNano()), Nested: s.Nested})
+		}
+		// Kept as they ended: put them in the order they began.
+		slices.SortStableFunc(c.Regions, func(a, b Span) int { return cmp.Compare(a.Begin, b.Begin) })
+		out[r.Method] = append(out[r.Method], c)
+	}
+	return out
 }

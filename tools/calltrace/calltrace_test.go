@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/devicehost/devicehost/internal/steps"
 	"github.com/devicehost/devicehost/tools/calltrace"
 )
 
@@ -176,5 +177,63 @@ func TestPercentile(t *testing.T) {
 	}
 	if !slices.Equal(ds, []time.Duration{5, 1, 4, 2, 3}) {
 		t.Error("Percentile sorted its argument in place")
+	}
+}
+
+// TestFromStepsBreaksDownAsATraceDoes: a call the agent timed (internal/steps), written
+// and read back as hostbench does, breaks down into the same rows as a traced one, its
+// own part the whole less the external steps, exactly.
+func TestFromStepsBreaksDownAsATraceDoes(t *testing.T) {
+	steps.SetTiming(true)
+	defer steps.SetTiming(false)
+	steps.Take()
+	ctx := steps.Begin(context.Background(), "/svc/Reserve")
+	spin(50 * time.Microsecond)
+	s := steps.Start(ctx, "validate")
+	spin(20 * time.Microsecond)
+	s.End()
+	s = steps.Start(ctx, "plugin")
+	spin(300 * time.Microsecond)
+	s.End()
+	spin(40 * time.Microsecond)
+	s = steps.Start(ctx, "commit")
+	spin(100 * time.Microsecond)
+	inner := steps.Start(ctx, "inner")
+	spin(100 * time.Microsecond)
+	inner.End()
+	s.End()
+	spin(60 * time.Microsecond)
+	steps.End(ctx)
+	records, dropped := steps.Take()
+	var buf bytes.Buffer
+	if err := steps.Write(&buf, records); err != nil {
+		t.Fatal(err)
+	}
+	read, err := steps.Read(&buf)
+	if err != nil || dropped != 0 {
+		t.Fatalf("Read: %v (%d dropped)", err, dropped)
+	}
+	calls := calltrace.FromSteps(read)["/svc/Reserve"]
+	if len(calls) != 1 {
+		t.Fatalf("calls = %d, want 1", len(calls))
+	}
+	got := map[string]time.Duration{}
+	var names []string
+	for _, r := range calltrace.Breakdown(calls, "plugin", "commit") {
+		names = append(names, r.Name)
+		got[r.Name] = r.P50
+	}
+	want := []string{calltrace.GRPCIn, "validate", "plugin", "commit", "commit" + calltrace.Outside, "inner", calltrace.Between, calltrace.GRPCOut, calltrace.Total, calltrace.Own}
+	if !slices.Equal(names, want) {
+		t.Fatalf("rows = %q, want %q", names, want)
+	}
+	for name, min := range map[string]time.Duration{calltrace.GRPCIn: 50 * time.Microsecond, "plugin": 300 * time.Microsecond, "inner": 100 * time.Microsecond, calltrace.GRPCOut: 60 * time.Microsecond} {
+		if got[name] < min {
+			t.Errorf("%s = %v, want at least %v (what it spun)", name, got[name], min)
+		}
+	}
+	whole := time.Duration(calls[0].End - calls[0].Begin)
+	if got[calltrace.Total] != whole || got[calltrace.Own] != whole-got["plugin"]-got["commit"] {
+		t.Errorf("total %v, own part %v; want %v and the whole less plugin and commit", got[calltrace.Total], got[calltrace.Own], whole)
 	}
 }

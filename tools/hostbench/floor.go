@@ -15,6 +15,7 @@ import (
 	bolt "go.etcd.io/bbolt"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/devicehost/devicehost/internal/steps"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	pluginpb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
@@ -65,6 +66,15 @@ func (b *bench) floor(ctx context.Context) error {
 	}
 	bb := *b
 	bb.trace = trace // the agent's DEVICEHOST_TRACE
+	if b.breakdown {
+		f, err := os.CreateTemp("", "hostbench-steps")
+		if err != nil {
+			return err
+		}
+		bb.steps = f.Name() // the agent's DEVICEHOST_STEPS
+		f.Close()
+		defer os.Remove(bb.steps)
+	}
 	sess, err := bb.open(ctx, 0, append([]string{"-state-dir", "$DIR/state"}, b.agentFlags...)...)
 	if err != nil {
 		return err
@@ -211,6 +221,12 @@ func (b *bench) floor(ctx context.Context) error {
 		}
 		return s, nil
 	}
+	if bb.steps != "" {
+		if _, err := a.takeSteps(bb.steps); err != nil { // from the warm-up: discarded
+			fmt.Printf("timed steps: none (%v)\n", err)
+			bb.steps = ""
+		}
+	}
 	alone, err := phases(0)
 	if err != nil {
 		return err
@@ -225,6 +241,23 @@ func (b *bench) floor(ctx context.Context) error {
 	fmt.Printf("             Release p50 %.0f µs; floor %.0f µs (unary + commit): x%.2f; p99: Reserve %.0f, Release %.0f, unary %.0f, plugin %.0f, commit %.0f µs; %d of each\n",
 		p50(alone.release), relFl, p50(alone.release)/relFl,
 		p99(alone.reserve), p99(alone.release), p99(alone.unary), p99(alone.plugin), p99(alone.commit), len(alone.reserve))
+
+	// The agent's steps, timed untraced through the alone phase's cycles.
+	if bb.steps != "" {
+		records, err := a.takeSteps(bb.steps)
+		if err != nil {
+			return err
+		}
+		calls := calltrace.FromSteps(records)
+		fmt.Printf("timed: the alone phase's Reserve+Release cycles, the agent timing its steps untraced (Reserve p50 %.0f µs, Release %.0f µs seen by the caller)\n",
+			p50(alone.reserve), p50(alone.release))
+		for _, r := range printBreakdown(os.Stdout, "Reserve", calls["/devicehost.v1.DeviceHost/Reserve"], "plugin", "ledger: bolt commit") {
+			row("Reserve timed: "+r.Name+" p50", float64(r.P50)/1e3, "µs")
+		}
+		for _, r := range printBreakdown(os.Stdout, "Release", calls["/devicehost.v1.DeviceHost/Release"], "ledger: bolt commit") {
+			row("Release timed: "+r.Name+" p50", float64(r.P50)/1e3, "µs")
+		}
+	}
 
 	// Cold: each part alone again, after an idle gap.
 	if b.floorGap > 0 {
@@ -353,6 +386,30 @@ func startPerf(pid int, out string) (stop func() error, err error) {
 		}
 		return err
 	}, nil
+}
+
+// takeSteps has an agent built with -tags cpuprofile and DEVICEHOST_STEPS=path write the
+// calls it timed since it last did (SIGUSR2), and reads them. An agent without step
+// timing writes nothing: an error after 5 s.
+func (a *agent) takeSteps(path string) ([]steps.Record, error) {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	if err := a.cmd.Process.Signal(syscall.SIGUSR2); err != nil {
+		return nil, err
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		f, err := os.Open(path)
+		if err == nil {
+			defer f.Close()
+			return steps.Read(f)
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("no timed steps from the agent after 5s (an agent without them, or not built with -tags cpuprofile)")
+		}
+		time.Sleep(10 * time.Millisecond) // polling for a file another process writes; not a test
+	}
 }
 
 // stopProfiles ends the profiles an agent built with -tags cpuprofile took since

@@ -150,6 +150,7 @@ type bench struct {
 	perf        string
 	cpuProfile  string // the agent's environment gets DEVICEHOST_CPUPROFILE
 	trace       string // and DEVICEHOST_TRACE (see cmd/devicehost/cpuprofile.go)
+	steps       string // and DEVICEHOST_STEPS
 }
 
 // agent is a running `devicehost agent -dev` in its own temporary directory.
@@ -185,8 +186,8 @@ func (b *bench) start(ctx context.Context, maxStreams int, extra ...string) (*ag
 		return nil, err
 	}
 	a.cmd = exec.Command(b.bin, args...)
-	if b.cpuProfile != "" || b.trace != "" {
-		a.cmd.Env = append(os.Environ(), "DEVICEHOST_CPUPROFILE="+b.cpuProfile, "DEVICEHOST_TRACE="+b.trace)
+	if b.cpuProfile != "" || b.trace != "" || b.steps != "" {
+		a.cmd.Env = append(os.Environ(), "DEVICEHOST_CPUPROFILE="+b.cpuProfile, "DEVICEHOST_TRACE="+b.trace, "DEVICEHOST_STEPS="+b.steps)
 	}
 	a.cmd.Stdout, a.cmd.Stderr = a.log, a.log
 	if err := a.cmd.Start(); err != nil {
