@@ -28,6 +28,10 @@ import (
 //
 // Open and Close may be called while Run runs, from any goroutine.
 type Client struct {
+	// MaxMessage bounds a message's length (0: DefaultMaxMessage): a longer one ends
+	// Run with an error rather than be buffered. Set before Run.
+	MaxMessage int
+
 	nc net.Conn
 
 	wmu  sync.Mutex // the writer side: bw, fr's writes, henc and hbuf
@@ -40,6 +44,9 @@ type Client struct {
 	mu      sync.Mutex
 	streams map[uint32]*stream
 }
+
+// DefaultMaxMessage is the longest message a Client takes unless told otherwise.
+const DefaultMaxMessage = 16 << 20
 
 // WindowSize is a stream's receive window, as the client's SETTINGS announce it.
 const WindowSize = 1 << 20
@@ -130,6 +137,10 @@ func (c *Client) Open(method string, req []byte) (uint32, error) {
 // Close was called, otherwise what ended it.
 func (c *Client) Run(h Handler) error {
 	var connConsumed int
+	maxMsg := c.MaxMessage
+	if maxMsg <= 0 {
+		maxMsg = DefaultMaxMessage
+	}
 	for {
 		f, err := c.fr.ReadFrame()
 		if err != nil {
@@ -148,7 +159,7 @@ func (c *Client) Run(h Handler) error {
 			n := int(f.Length)
 			connConsumed += n
 			s.consumed += n
-			if err := c.deliver(s, id, f.Data(), h.Message); err != nil {
+			if err := c.deliver(s, id, f.Data(), maxMsg, h.Message); err != nil {
 				return err
 			}
 			var updates [2]struct {
@@ -217,12 +228,15 @@ func (c *Client) Run(h Handler) error {
 
 // deliver takes a DATA frame's payload for stream s, calling msg with every message it
 // completes: straight from the payload when a message lies in it whole.
-func (c *Client) deliver(s *stream, id uint32, p []byte, msg func(uint32, []byte)) error {
+func (c *Client) deliver(s *stream, id uint32, p []byte, maxMsg int, msg func(uint32, []byte)) error {
 	for len(p) > 0 {
 		if len(s.pending) == 0 && len(p) >= 5 {
 			n := int(binary.BigEndian.Uint32(p[1:5]))
 			if p[0] != 0 {
 				return fmt.Errorf("stream %d: a compressed message (flag %d)", id, p[0])
+			}
+			if n > maxMsg {
+				return fmt.Errorf("stream %d: a message of %d bytes, over the %d taken", id, n, maxMsg)
 			}
 			if len(p) >= 5+n {
 				if msg != nil {
@@ -238,6 +252,9 @@ func (c *Client) deliver(s *stream, id uint32, p []byte, msg func(uint32, []byte
 			n := int(binary.BigEndian.Uint32(s.pending[1:5]))
 			if s.pending[0] != 0 {
 				return fmt.Errorf("stream %d: a compressed message (flag %d)", id, s.pending[0])
+			}
+			if n > maxMsg {
+				return fmt.Errorf("stream %d: a message of %d bytes, over the %d taken", id, n, maxMsg)
 			}
 			if len(s.pending) < 5+n {
 				break

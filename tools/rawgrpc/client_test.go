@@ -190,3 +190,22 @@ func TestClientSaysWhyAStreamWasRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestClientRefusesAMessageOverItsBound: a message longer than MaxMessage ends Run with
+// an error saying so, whether its prefix comes whole in one DATA frame or split.
+func TestClientRefusesAMessageOverItsBound(t *testing.T) {
+	for _, req := range []string{"1 3000000", "2 100"} {
+		t.Run(req, func(t *testing.T) {
+			c := dialWatch(t)
+			c.MaxMessage = 99
+			if _, err := c.Open("/t.S/Watch", []byte(req)); err != nil {
+				t.Fatal(err)
+			}
+			err := c.Run(rawgrpc.Handler{})
+			c.Close()
+			if err == nil || !strings.Contains(err.Error(), "over the 99 taken") {
+				t.Errorf("Run returned %v; want the message refused as over 99 bytes", err)
+			}
+		})
+	}
+}
