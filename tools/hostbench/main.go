@@ -495,12 +495,15 @@ func openRawStreams(ctx context.Context, sock string, n, conns int, onMsg func(s
 				}
 			},
 		}
+		ended := make(chan error, 1) // the connection's reader returned
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := c.Run(h); err != nil {
+			err := c.Run(h)
+			if err != nil {
 				fmt.Fprintf(os.Stderr, "hostbench: watcher connection %d: %v\n", i, err)
 			}
+			ended <- err
 		}()
 		for range per {
 			if _, err := c.Open("/devicehost.v1.DeviceHost/Fingerprint", nil); err != nil {
@@ -511,6 +514,8 @@ func openRawStreams(ctx context.Context, sock string, n, conns int, onMsg func(s
 		for range per {
 			select {
 			case err = <-started:
+			case err = <-ended:
+				err = fmt.Errorf("the connection ended before its streams opened: %v", err)
 			case <-ctx.Done():
 				err = ctx.Err()
 			}

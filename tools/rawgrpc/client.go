@@ -86,7 +86,7 @@ func NewClient(nc net.Conn) (*Client, error) {
 	if _, err := c.bw.WriteString(http2.ClientPreface); err != nil {
 		return nil, err
 	}
-	if err := c.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: WindowSize}); err != nil {
+	if err := c.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 0}, http2.Setting{ID: http2.SettingInitialWindowSize, Val: WindowSize}); err != nil {
 		return nil, err
 	}
 	if err := c.fr.WriteWindowUpdate(0, connWindow-65535); err != nil {
