@@ -162,29 +162,21 @@ func (c *Client) Run(h Handler) error {
 			if err := c.deliver(s, id, f.Data(), maxMsg, h.Message); err != nil {
 				return err
 			}
-			var updates [2]struct {
-				id uint32
-				n  int
-			}
-			k := 0
+			var connUpdate, streamUpdate int // window to give back; 0: none yet
 			if connConsumed >= connWindow/2 {
-				updates[k].id, updates[k].n = 0, connConsumed
-				k++
-				connConsumed = 0
+				connUpdate, connConsumed = connConsumed, 0
 			}
 			if s.consumed >= WindowSize/2 && !f.StreamEnded() {
-				updates[k].id, updates[k].n = id, s.consumed
-				k++
-				s.consumed = 0
+				streamUpdate, s.consumed = s.consumed, 0
 			}
-			if k > 0 {
-				c.wmu.Lock()
-				for _, u := range updates[:k] {
-					err = errors.Join(err, c.fr.WriteWindowUpdate(u.id, uint32(u.n)))
+			if connUpdate > 0 || streamUpdate > 0 {
+				update := func(id uint32, n int) error {
+					if n == 0 {
+						return nil
+					}
+					return c.fr.WriteWindowUpdate(id, uint32(n))
 				}
-				err = errors.Join(err, c.bw.Flush())
-				c.wmu.Unlock()
-				if err != nil {
+				if err := c.write(func() error { return errors.Join(update(0, connUpdate), update(id, streamUpdate)) }); err != nil {
 					return err
 				}
 			}
@@ -231,12 +223,9 @@ func (c *Client) Run(h Handler) error {
 func (c *Client) deliver(s *stream, id uint32, p []byte, maxMsg int, msg func(uint32, []byte)) error {
 	for len(p) > 0 {
 		if len(s.pending) == 0 && len(p) >= 5 {
-			n := int(binary.BigEndian.Uint32(p[1:5]))
-			if p[0] != 0 {
-				return fmt.Errorf("stream %d: a compressed message (flag %d)", id, p[0])
-			}
-			if n > maxMsg {
-				return fmt.Errorf("stream %d: a message of %d bytes, over the %d taken", id, n, maxMsg)
+			n, err := messageLength(id, p, maxMsg)
+			if err != nil {
+				return err
 			}
 			if len(p) >= 5+n {
 				if msg != nil {
@@ -249,12 +238,9 @@ func (c *Client) deliver(s *stream, id uint32, p []byte, maxMsg int, msg func(ui
 		s.pending = append(s.pending, p...)
 		p = nil
 		for len(s.pending) >= 5 {
-			n := int(binary.BigEndian.Uint32(s.pending[1:5]))
-			if s.pending[0] != 0 {
-				return fmt.Errorf("stream %d: a compressed message (flag %d)", id, s.pending[0])
-			}
-			if n > maxMsg {
-				return fmt.Errorf("stream %d: a message of %d bytes, over the %d taken", id, n, maxMsg)
+			n, err := messageLength(id, s.pending, maxMsg)
+			if err != nil {
+				return err
 			}
 			if len(s.pending) < 5+n {
 				break
@@ -266,6 +252,19 @@ func (c *Client) deliver(s *stream, id uint32, p []byte, maxMsg int, msg func(ui
 		}
 	}
 	return nil
+}
+
+// messageLength reads the 5-byte prefix that starts b, a message of stream id: the
+// message's length, refused when it is compressed or longer than maxMsg.
+func messageLength(id uint32, b []byte, maxMsg int) (int, error) {
+	if b[0] != 0 {
+		return 0, fmt.Errorf("stream %d: a compressed message (flag %d)", id, b[0])
+	}
+	n := int(binary.BigEndian.Uint32(b[1:5]))
+	if n > maxMsg {
+		return 0, fmt.Errorf("stream %d: a message of %d bytes, over the %d taken", id, n, maxMsg)
+	}
+	return n, nil
 }
 
 // trailerError is what a stream's trailers say: nil for grpc-status 0.
