@@ -278,19 +278,9 @@ func (b *bench) floor(ctx context.Context) error {
 
 	// Interleaved: taking turns, in blocks.
 	s = floorSteps{}
-	stopPerf := func() error { return nil }
-	if b.perf != "" {
-		if stopPerf, err = startPerf(a.cmd.Process.Pid, b.perf); err != nil {
-			return err
-		}
-	}
-	if b.cpuProfile != "" {
-		if err := os.Remove(b.cpuProfile); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return err // a file left from before would read as this run's
-		}
-		if err := a.cmd.Process.Signal(syscall.SIGUSR1); err != nil {
-			return err
-		}
+	stopProfiling, err := b.profile(a)
+	if err != nil {
+		return err
 	}
 	cpu0, err := a.cpu()
 	if err != nil {
@@ -308,13 +298,8 @@ func (b *bench) floor(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if err := stopPerf(); err != nil {
+	if err := stopProfiling(); err != nil {
 		return err
-	}
-	if b.cpuProfile != "" {
-		if err := a.stopProfiles(b.cpuProfile); err != nil {
-			return err
-		}
 	}
 	n := len(s.reserve)
 	fl = p50(s.unary) + p50(s.plugin) + p50(s.commit)
@@ -366,6 +351,34 @@ func (b *bench) floor(ctx context.Context) error {
 		row("Release traced: "+r.Name+" p50", float64(r.P50)/1e3, "µs")
 	}
 	return nil
+}
+
+// profile starts what b was asked to profile the agent with, -perf and -cpuprofile,
+// and returns what stops them (once their files are written).
+func (b *bench) profile(a *agent) (stop func() error, err error) {
+	stopPerf := func() error { return nil }
+	if b.perf != "" {
+		if stopPerf, err = startPerf(a.cmd.Process.Pid, b.perf); err != nil {
+			return nil, err
+		}
+	}
+	if b.cpuProfile != "" {
+		if err := os.Remove(b.cpuProfile); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return nil, errors.Join(err, stopPerf()) // a file left from before would read as this run's
+		}
+		if err := a.cmd.Process.Signal(syscall.SIGUSR1); err != nil {
+			return nil, errors.Join(err, stopPerf())
+		}
+	}
+	return func() error {
+		if err := stopPerf(); err != nil {
+			return err
+		}
+		if b.cpuProfile != "" {
+			return a.stopProfiles(b.cpuProfile)
+		}
+		return nil
+	}, nil
 }
 
 // startPerf runs `perf record -g` on process pid into out; stop ends it and waits until

@@ -759,19 +759,9 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 	// Changes are isolated events, quiet apart; under a sustained stream of changes the
 	// agent paces its fan-out instead (see server/internal/fanout).
 	quiet := func() { time.Sleep(changeGap) }
-	if b.cpuProfile != "" {
-		if err := os.Remove(b.cpuProfile); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return err // a file left from before would read as this run's
-		}
-		if err := a.cmd.Process.Signal(syscall.SIGUSR1); err != nil {
-			return err
-		}
-	}
-	stopPerf := func() error { return nil }
-	if b.perf != "" {
-		if stopPerf, err = startPerf(a.cmd.Process.Pid, b.perf); err != nil {
-			return err
-		}
+	stopProfiling, err := b.profile(a)
+	if err != nil {
+		return err
 	}
 	for i := range changes / 2 {
 		quiet()
@@ -795,13 +785,8 @@ func (b *bench) fanoutOnce(ctx context.Context, n int) error {
 		}
 	}
 	measuring.Store(false)
-	if err := stopPerf(); err != nil {
+	if err := stopProfiling(); err != nil {
 		return err
-	}
-	if b.cpuProfile != "" {
-		if err := a.stopProfiles(b.cpuProfile); err != nil {
-			return err
-		}
 	}
 	mu.Lock()
 	defer mu.Unlock()
