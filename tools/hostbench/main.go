@@ -476,21 +476,15 @@ func openRawStreams(ctx context.Context, sock string, n, conns int, onMsg func(s
 		opened += per
 		// Stream IDs are 1, 3, 5, ... in the order opened: stream base+(id-1)/2.
 		started := make(chan error, per)
-		var mu sync.Mutex
-		headers := make(map[uint32]bool, per)
+		headers := make(map[uint32]bool, per) // used by Run's goroutine alone, which calls h
 		h := rawgrpc.Handler{
 			Headers: func(id uint32) {
-				mu.Lock()
 				headers[id] = true
-				mu.Unlock()
 				started <- nil
 			},
 			Message: func(id uint32, msg []byte) { onMsg(base+int(id-1)/2, msg, time.Now()) },
 			End: func(id uint32, err error) {
-				mu.Lock()
-				had := headers[id]
-				mu.Unlock()
-				if !had { // refused (e.g. over a stream limit)
+				if !headers[id] { // refused (e.g. over a stream limit)
 					started <- fmt.Errorf("stream %d ended before its headers: %v", id, err)
 				}
 			},

@@ -60,7 +60,7 @@ type stream struct {
 	consumed int    // bytes taken since the last WINDOW_UPDATE of the stream
 }
 
-// Handler is what Run calls. Each function may be nil.
+// Handler is what Run calls, on its own goroutine. Each function may be nil.
 type Handler struct {
 	// Headers is called when a stream's response headers arrive (the server's handler
 	// took the call).
