@@ -34,9 +34,6 @@ var timing atomic.Bool
 // kept stay until Take.
 func SetTiming(on bool) { timing.Store(on) }
 
-// Timing reports whether calls are timed.
-func Timing() bool { return timing.Load() }
-
 type callKey struct{}
 
 // Record is one call as timed: its method, when it began and ended (headers to status),
