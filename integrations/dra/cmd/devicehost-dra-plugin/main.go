@@ -137,8 +137,7 @@ func (s *settings) restConfig() (*rest.Config, error) {
 	// One limiter for every client made from cfg (the typed one, whose REST client
 	// writes the slices, and the metadata one), so that the flags bound the driver's
 	// requests as a whole.
-	cfg.QPS, cfg.Burst = float32(s.kubeQPS), s.kubeBurst
-	cfg.RateLimiter = flowcontrol.NewTokenBucketRateLimiter(cfg.QPS, cfg.Burst)
+	cfg.RateLimiter = flowcontrol.NewTokenBucketRateLimiter(float32(s.kubeQPS), s.kubeBurst)
 	return cfg, nil
 }
 
