@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"io"
+	"os"
 	"strings"
 
 	"github.com/devicehost/devicehost/tools/calltrace"
@@ -25,4 +26,17 @@ func printBreakdown(w io.Writer, method string, calls []calltrace.Call, external
 		fmt.Fprintf(w, "    %-56s %8.1f %8.1f\n", name, float64(r.P50)/1e3, float64(r.P99)/1e3)
 	}
 	return rows
+}
+
+// breakdownRows prints the breakdown of the Reserve and Release calls of calls (the
+// agent's own part: less the plugin and bbolt's commit; goal p50 <= 100 µs for a
+// Reserve) and makes each step a row named after view ("traced", "timed"), so that
+// scripts/bench -compare shows every step before and after.
+func breakdownRows(calls map[string][]calltrace.Call, view string) {
+	for _, r := range printBreakdown(os.Stdout, "Reserve", calls["/devicehost.v1.DeviceHost/Reserve"], "plugin", "ledger: bolt commit") {
+		row("Reserve "+view+": "+r.Name+" p50", float64(r.P50)/1e3, "µs")
+	}
+	for _, r := range printBreakdown(os.Stdout, "Release", calls["/devicehost.v1.DeviceHost/Release"], "ledger: bolt commit") {
+		row("Release "+view+": "+r.Name+" p50", float64(r.P50)/1e3, "µs")
+	}
 }

@@ -251,12 +251,7 @@ func (b *bench) floor(ctx context.Context) error {
 		calls := calltrace.FromSteps(records)
 		fmt.Printf("timed: the alone phase's Reserve+Release cycles, the agent timing its steps untraced (Reserve p50 %.0f µs, Release %.0f µs seen by the caller)\n",
 			p50(alone.reserve), p50(alone.release))
-		for _, r := range printBreakdown(os.Stdout, "Reserve", calls["/devicehost.v1.DeviceHost/Reserve"], "plugin", "ledger: bolt commit") {
-			row("Reserve timed: "+r.Name+" p50", float64(r.P50)/1e3, "µs")
-		}
-		for _, r := range printBreakdown(os.Stdout, "Release", calls["/devicehost.v1.DeviceHost/Release"], "ledger: bolt commit") {
-			row("Release timed: "+r.Name+" p50", float64(r.P50)/1e3, "µs")
-		}
+		breakdownRows(calls, "timed")
 	}
 
 	// Cold: each part alone again, after an idle gap.
@@ -340,16 +335,7 @@ func (b *bench) floor(ctx context.Context) error {
 	}
 	fmt.Printf("breakdown: %d Reserve+Release cycles alone with the agent traced (Reserve p50 %.0f µs, Release %.0f µs seen by the caller)\n",
 		len(s.reserve), p50(s.reserve), p50(s.release))
-	// The agent's own part: the call less the plugin's Reserve and bbolt's commit
-	// (goal p50 <= 100 µs for a Reserve).
-	// Every step is a row, so that scripts/bench -compare shows the breakdown before
-	// and after.
-	for _, r := range printBreakdown(os.Stdout, "Reserve", calls["/devicehost.v1.DeviceHost/Reserve"], "plugin", "ledger: bolt commit") {
-		row("Reserve traced: "+r.Name+" p50", float64(r.P50)/1e3, "µs")
-	}
-	for _, r := range printBreakdown(os.Stdout, "Release", calls["/devicehost.v1.DeviceHost/Release"], "ledger: bolt commit") {
-		row("Release traced: "+r.Name+" p50", float64(r.P50)/1e3, "µs")
-	}
+	breakdownRows(calls, "traced")
 	return nil
 }
 
