@@ -116,7 +116,7 @@ type Row struct {
 // to its first region ("gRPC in"), each region (summed within a call when it recurs),
 // the time between regions ("between steps"), from the last region to the status
 // ("gRPC out"), the whole call ("total, server side"), and the whole call less the
-// regions named in external ("agent's own part"). A region holding nested regions
+// regions named in external, the time any of them ran counted once ("agent's own part"). A region holding nested regions
 // also gets a row of its time outside them (its name and Outside). Steps are in the
 // order they first appear. Nested regions, and regions on another goroutine than the call's first region
 // (work done for the call elsewhere, inside one of the handler's steps), get rows of
@@ -163,11 +163,7 @@ func Breakdown(calls []Call, external ...string) []Row {
 		add(between, whole-gapIn-gapOut-inRegions)
 		add(out, gapOut)
 		add(total, whole)
-		ownPart := whole
-		for _, e := range external {
-			ownPart -= sums[e]
-		}
-		add(own, ownPart)
+		add(own, whole-covered(c.Regions, external))
 	}
 	// Keep the summary rows last, whatever order the steps came in.
 	for _, n := range []string{between, out, total, own} {
@@ -180,6 +176,31 @@ func Breakdown(calls []Call, external ...string) []Row {
 		rows = append(rows, Row{Name: n, P50: Percentile(per[n], 50), P99: Percentile(per[n], 99)})
 	}
 	return rows
+}
+
+// covered is how long, in all, at least one of the regions named in names ran: steps
+// that overlap (a Reserve's plugin call and its commit) count once.
+func covered(regions []Span, names []string) time.Duration {
+	var spans [][2]trace.Time
+	for _, r := range regions {
+		if slices.Contains(names, r.Name) {
+			spans = append(spans, [2]trace.Time{r.Begin, r.End})
+		}
+	}
+	slices.SortFunc(spans, func(a, b [2]trace.Time) int { return cmp.Compare(a[0], b[0]) })
+	var sum time.Duration
+	var end trace.Time
+	for i, s := range spans {
+		switch {
+		case i == 0 || s[0] >= end:
+			sum += time.Duration(s[1] - s[0])
+			end = s[1]
+		case s[1] > end:
+			sum += time.Duration(s[1] - end)
+			end = s[1]
+		}
+	}
+	return sum
 }
 
 // outside sums, over the call's regions named name on its handler's goroutine that

@@ -156,6 +156,45 @@ func TestBreakdownSplitsTheCallAndLeavesTheExternalStepsOut(t *testing.T) {
 	}
 }
 
+// TestBreakdownCountsOverlappingExternalStepsOnce: a Reserve asks its plugin while its
+// commit runs; its own part is the whole less the time either ran, not less both.
+func TestBreakdownCountsOverlappingExternalStepsOnce(t *testing.T) {
+	calls := traced(t, func() {
+		ctx, task := trace.NewTask(context.Background(), "/svc/Reserve")
+		spin(30 * time.Microsecond)
+		started, committed, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
+		go func() {
+			defer close(done)
+			trace.WithRegion(ctx, "plugin", func() {
+				close(started)
+				<-committed // the commit runs wholly inside the plugin call
+				spin(50 * time.Microsecond)
+			})
+		}()
+		<-started
+		trace.WithRegion(ctx, "commit", func() { spin(200 * time.Microsecond) })
+		close(committed)
+		<-done
+		spin(30 * time.Microsecond)
+		task.End()
+	})["/svc/Reserve"]
+	if len(calls) != 1 {
+		t.Fatalf("calls = %d, want 1", len(calls))
+	}
+	got := map[string]time.Duration{}
+	for _, r := range calltrace.Breakdown(calls, "plugin", "commit") {
+		got[r.Name] = r.P50
+	}
+	whole := time.Duration(calls[0].End - calls[0].Begin)
+	if got["commit"] < 200*time.Microsecond || got["plugin"] < got["commit"] {
+		t.Fatalf("plugin %v, commit %v: want the commit (200µs spun) inside the plugin call", got["plugin"], got["commit"])
+	}
+	if own := whole - got["plugin"]; got[calltrace.Own] != own {
+		t.Errorf("own part = %v, want %v (the whole less the plugin call, the commit inside it); less both would be %v",
+			got[calltrace.Own], own, whole-got["plugin"]-got["commit"])
+	}
+}
+
 func TestBreakdownOfNoCallsIsEmpty(t *testing.T) {
 	if rows := calltrace.Breakdown(nil, "plugin"); len(rows) != 0 {
 		t.Errorf("rows = %v, want none", rows)

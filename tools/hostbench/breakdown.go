@@ -10,7 +10,8 @@ import (
 )
 
 // printBreakdown prints the breakdown of calls of method and returns its rows; the agent's own part is the
-// whole call less the external regions (the plugin, the ledger's commit).
+// whole call less the time spent in the external regions (the plugin, the ledger's
+// commit; once where they overlap).
 func printBreakdown(w io.Writer, method string, calls []calltrace.Call, external ...string) []calltrace.Row {
 	rows := calltrace.Breakdown(calls, external...)
 	if len(rows) == 0 {
@@ -21,7 +22,7 @@ func printBreakdown(w io.Writer, method string, calls []calltrace.Call, external
 	for _, r := range rows {
 		name := r.Name
 		if name == calltrace.Own {
-			name = fmt.Sprintf("%s (total less %s)", name, strings.Join(external, ", "))
+			name = fmt.Sprintf("%s (total less time in %s)", name, strings.Join(external, " or "))
 		}
 		fmt.Fprintf(w, "    %-56s %8.1f %8.1f\n", name, float64(r.P50)/1e3, float64(r.P99)/1e3)
 	}
