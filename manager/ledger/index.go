@@ -26,6 +26,9 @@ type index struct {
 	seed     maphash.Seed                   // ownerKey's
 	pending  int                            // released reservations whose cleanup is owed
 	ctr      counters                       // what the live ones use of shared counters
+	// intent: the live ones recorded as intents only (intent.go): their devices held,
+	// their plugin's answer not yet in the file.
+	intent map[string]struct{}
 }
 
 // releasedRec is a released reservation in the index.
@@ -42,7 +45,14 @@ func newIndex() *index {
 		owners:   make(map[uint64]idSet),
 		seed:     maphash.MakeSeed(),
 		ctr:      newCounters(),
+		intent:   make(map[string]struct{}),
 	}
+}
+
+// isIntent reports whether live reservation id is an intent (see intent.go).
+func (x *index) isIntent(id string) bool {
+	_, ok := x.intent[id]
+	return ok
 }
 
 // get returns reservation id (nil when there is none). A released one is unpacked
@@ -116,6 +126,7 @@ func (x *index) add(r *device.Reservation) {
 }
 
 func (x *index) remove(id string) {
+	delete(x.intent, id)
 	var owner string
 	if r := x.live[id]; r != nil {
 		delete(x.live, id)
@@ -157,6 +168,13 @@ func (x *index) apply(o *overlay) {
 			x.remove(id)
 		} else {
 			x.add(r)
+		}
+	}
+	for id, is := range o.intents {
+		if is {
+			x.intent[id] = struct{}{}
+		} else {
+			delete(x.intent, id)
 		}
 	}
 }
@@ -241,10 +259,29 @@ type overlay struct {
 	// told: the reservations a caller's write (not a deferred one) changed in this
 	// batch, the candidates for the change feeds (feedChanges).
 	told map[string]struct{}
+	// intents: the reservations whose intent state this batch changed: true, recorded
+	// as an intent; false, no longer one (answered, released or withdrawn).
+	intents map[string]bool
 }
 
 func newOverlay(base *index) *overlay {
 	return &overlay{base: base, recs: make(map[string]*device.Reservation), held: make(map[string]string), told: make(map[string]struct{})}
+}
+
+// isIntent reports whether live reservation id is an intent as of this batch.
+func (o *overlay) isIntent(id string) bool {
+	if is, ok := o.intents[id]; ok {
+		return is
+	}
+	return o.base.isIntent(id)
+}
+
+// setIntent records that id becomes an intent (is) or stops being one.
+func (o *overlay) setIntent(id string, is bool) {
+	if o.intents == nil {
+		o.intents = make(map[string]bool)
+	}
+	o.intents[id] = is
 }
 
 func (o *overlay) get(id string) *device.Reservation {

@@ -9,6 +9,7 @@
 package ledger
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -114,6 +115,9 @@ type Options struct {
 	// DefaultMaxEventAge.
 	MaxEvents   int
 	MaxEventAge time.Duration
+	// AnswerDelay bounds how long an answered intent's record waits for another commit
+	// to ride on (see intent.go); zero means DefaultAnswerDelay.
+	AnswerDelay time.Duration
 }
 
 // Ledger is an open state file. All methods are safe for concurrent use. Values it
@@ -160,7 +164,14 @@ type Ledger struct {
 	deferred    []*request  // deferred writes, oldest first (see submitDeferred)
 	deferDue    time.Time   // when the oldest must be committed; zero: at once
 	deferClosed bool        // Close has stopped taking deferred writes
-	deferTimer  *time.Timer // fires (deferredDue) when the oldest is due
+	deferTimer  *time.Timer // fires (deferredDue) when the oldest deferred write or rider is due
+	riders      []*request  // riders, oldest first (see submitRider)
+	riderDue    time.Time   // when the oldest must be committed if no batch carries it sooner
+	answerDelay time.Duration
+
+	// answers holds, under mu, the plugin's answer of each intent answered while its
+	// write rides to the file (Finalize): readers see the reservation whole meanwhile.
+	answers map[string]device.ContainerReservation
 
 	// cordonMu serialises Cordon and Uncordon, each a commit and then a new cordons
 	// map; cordons is what Cordons returns (cordons.go).
@@ -248,7 +259,9 @@ func Open(path string, opts Options) (*Ledger, error) {
 		ev:   ev,
 		subs: make(map[*feed]struct{}),
 
-		onCommit: opts.OnCommit,
+		answers:     make(map[string]device.ContainerReservation),
+		answerDelay: cmp.Or(opts.AnswerDelay, DefaultAnswerDelay),
+		onCommit:    opts.OnCommit,
 
 		queueBuf: make([]*request, 0, maxQueued),
 		slots:    make(chan struct{}, maxQueued),

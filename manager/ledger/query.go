@@ -28,11 +28,21 @@ func (l *Ledger) Counts() Counts {
 func (l *Ledger) Get(id string) (device.Reservation, error) {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
-	r := l.idx.copyOf(id)
+	r := l.copyOf(id)
 	if r == nil {
 		return device.Reservation{}, fmt.Errorf("reservation %q: %w", id, device.ErrNotFound)
 	}
 	return *r, nil
+}
+
+// copyOf is idx.copyOf as readers see it (under mu): nil for an unanswered intent too,
+// an answered one with its answer (see intent.go).
+func (l *Ledger) copyOf(id string) *device.Reservation {
+	if r := l.idx.live[id]; r != nil {
+		c, _ := l.shown(r)
+		return c
+	}
+	return l.idx.copyOf(id)
 }
 
 // List returns the reservations matching f, oldest first (by CreatedAt, then ID). An
@@ -58,15 +68,16 @@ func (l *Ledger) List(_ context.Context, f device.ReservationFilter) ([]device.R
 	l.mu.RLock()
 	if f.OwnerID != "" && !prefix {
 		for _, id := range l.idx.ownerIDs(f.OwnerID) {
-			if r := l.idx.copyOf(id); match(r) {
+			if r := l.copyOf(id); r != nil && match(r) {
 				rs = append(rs, r)
 			}
 		}
 	} else {
 		for _, r := range l.idx.live {
 			if match(r) {
-				c := clone(r)
-				rs = append(rs, &c)
+				if c, ok := l.shown(r); ok {
+					rs = append(rs, c)
+				}
 			}
 		}
 		if f.State != device.ReservationActive {

@@ -24,6 +24,10 @@ func (l *Ledger) Reown(ctx context.Context, req device.ReownRequest) (device.Res
 		if err := checkReown(r, req); err != nil || r.OwnerID == req.NewOwnerID {
 			return r, err
 		}
+		if w.ov.isIntent(r.ID) { // an answered one's answer rides ahead of this write
+			return nil, &device.FieldError{Field: "reservation_id", Rule: fmt.Sprintf(
+				"reservation %s is recorded without its plugin's answer (the host stopped before writing it); it can be reowned once its plugin is up and has answered again", r.ID)}
+		}
 		nr := *r // shares r's immutable slices and maps
 		nr.OwnerID = req.NewOwnerID
 		nr.OwnerLabels = device.OwnerLabels{} // they named the old owner's workload
@@ -40,7 +44,7 @@ func (l *Ledger) Reown(ctx context.Context, req device.ReownRequest) (device.Res
 		l.refused(ctx, "reown", device.Event{Owner: req.OwnerID, NewOwner: req.NewOwnerID, Reservations: nonEmpty(req.ReservationID)}, err)
 		return device.Reservation{}, fmt.Errorf("reown: %w", err)
 	}
-	return clone(val.(*device.Reservation)), nil
+	return l.seen(val.(*device.Reservation))
 }
 
 // checkReown says why r (nil: unknown) cannot be reowned as req asks, or nil.

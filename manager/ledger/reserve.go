@@ -111,7 +111,8 @@ func decideDevices(v view, owner string, deviceIDs, takeOver []string) (*device.
 }
 
 // Check applies the conflict rules to ownerID asking for deviceIDs, without writing:
-// (r, nil) when ownerID's live reservation r holds exactly deviceIDs (a retried Reserve),
+// (r, nil) when ownerID's live reservation r holds exactly deviceIDs (a retried Reserve;
+// an *UnansweredError when r is an intent without its answer, see intent.go),
 // (nil, nil) when none of them is held, or each holder's owner starts with one of
 // takeOver (see Reserve), and a *ConflictError (device.ErrDeviceHeld) otherwise, naming
 // the holders takeOver does not match; then, when the devices use shared counters
@@ -131,8 +132,11 @@ func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string, consumes []
 	if r == nil || err != nil {
 		return nil, err
 	}
-	c := clone(r)
-	return &c, nil
+	c, ok := l.shown(r)
+	if !ok {
+		return nil, &UnansweredError{Reservation: clone(r)}
+	}
+	return c, nil
 }
 
 // Reserve records r as a live reservation, fsynced before it returns, after checking the
@@ -186,9 +190,13 @@ func (l *Ledger) Reserve(ctx context.Context, r device.Reservation, takeOver []s
 		return device.Reservation{}, false, fmt.Errorf("reserve: %w", err)
 	}
 	got := val.(reserveResult)
+	if got.existing {
+		out, err := l.seen(got.r)
+		return out, true, err
+	}
 	out := clone(got.r)
 	out.TakenOver = got.takenOver
-	return out, got.existing, nil
+	return out, false, nil
 }
 
 // reserveResult is what reserveRun answers.

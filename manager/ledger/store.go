@@ -27,6 +27,8 @@ import (
 //	reattach/<plugin name>    record envelope around the opaque reattach bytes
 //	owners/<device ID>        record envelope around the name of the plugin the device ID
 //	                          is bound to (bindings.go; created by its first write)
+//	intents/<ID>              a reservation recorded without its plugin's answer, as in
+//	                          reservations/ (intent.go; created by its first write)
 //
 // A record envelope is a 4-byte big-endian CRC-32C of the payload followed by the
 // payload. bbolt checksums only its meta pages, so the CRC is what names a record whose
@@ -291,7 +293,7 @@ func loadOrInit(db *bolt.DB, path string) (idx *index, err error) {
 		if err := checkSchema(tx, path); err != nil {
 			return err
 		}
-		return tx.Bucket(bucketReservations).ForEach(func(k, v []byte) error {
+		err := tx.Bucket(bucketReservations).ForEach(func(k, v []byte) error {
 			r, err := decodeReservation(k, v)
 			if err != nil {
 				return corruptError(path, fmt.Sprintf("reservation record %q: %v", k, err), err)
@@ -303,6 +305,10 @@ func loadOrInit(db *bolt.DB, path string) (idx *index, err error) {
 			idx.add(r)
 			return nil
 		})
+		if err != nil {
+			return err
+		}
+		return loadIntents(tx, path, idx)
 	})
 	if err != nil {
 		var sfe *StateFileError
@@ -418,4 +424,30 @@ func checkSchema(tx *bolt.Tx, path string) error {
 		}
 	}
 	return nil
+}
+
+// loadIntents adds the file's intents (see intent.go) to idx, after its reservations.
+func loadIntents(tx *bolt.Tx, path string, idx *index) error {
+	b := tx.Bucket(bucketIntents)
+	if b == nil {
+		return nil
+	}
+	return b.ForEach(func(k, v []byte) error {
+		r, err := decodeReservation(k, v)
+		switch {
+		case err != nil:
+			return corruptError(path, fmt.Sprintf("intent record %q: %v", k, err), err)
+		case r.State != device.ReservationActive:
+			return corruptError(path, fmt.Sprintf("intent record %q is not live", k), nil)
+		case idx.has(r.ID):
+			return corruptError(path, fmt.Sprintf("intent %q is a reservation record too", k), nil)
+		}
+		if dev, other := idx.clash(r); other != "" {
+			return corruptError(path, fmt.Sprintf("intent %q and live reservation %q both hold device %s",
+				r.ID, other, dev), nil)
+		}
+		idx.add(r)
+		idx.intent[r.ID] = struct{}{}
+		return nil
+	})
 }

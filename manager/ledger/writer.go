@@ -88,6 +88,13 @@ func (w *txn) putReservation(r *device.Reservation) error {
 	if err := w.tx.Bucket(bucketReservations).Put([]byte(r.ID), v); err != nil {
 		return &storageError{fmt.Errorf("store reservation %q: %w", r.ID, err)}
 	}
+	// The reservation's record supersedes its intent, whatever the write (its answer,
+	// its release, a take-over): both go in the same commit.
+	if w.ov.isIntent(r.ID) {
+		if err := w.deleteIntentKey(r.ID); err != nil {
+			return err
+		}
+	}
 	w.ov.put(r)
 	w.changed(r.ID)
 	w.dirty = true
@@ -95,6 +102,11 @@ func (w *txn) putReservation(r *device.Reservation) error {
 }
 
 func (w *txn) deleteReservation(id string) error {
+	if w.ov.isIntent(id) {
+		if err := w.deleteIntentKey(id); err != nil {
+			return err
+		}
+	}
 	if err := w.tx.Bucket(bucketReservations).Delete([]byte(id)); err != nil {
 		return &storageError{fmt.Errorf("delete reservation %q: %w", id, err)}
 	}
@@ -209,6 +221,9 @@ func (l *Ledger) lead(own *request) {
 		if d := l.takeDueDeferred(); len(d) > 0 {
 			batch = append(d, batch...)
 		}
+		if r := l.takeRiders(); len(r) > 0 {
+			batch = append(r, batch...)
+		}
 		if len(batch) > 0 {
 			l.commit(batch, own)
 		}
@@ -265,18 +280,59 @@ func (l *Ledger) submitDeferred(within time.Duration, run func(w *txn) (any, err
 		notify(ErrClosed)
 		return
 	}
-	arm := len(l.deferred) == 0 || due.Before(l.deferDue)
-	if arm {
+	if len(l.deferred) == 0 || due.Before(l.deferDue) {
 		l.deferDue = due
 	}
 	l.deferred = append(l.deferred, req)
 	if len(l.deferred) == maxBatch {
-		l.deferDue, arm = time.Time{}, true // a full batch waits no longer
+		l.deferDue = time.Time{} // a full batch waits no longer
 	}
-	if arm {
-		l.deferTimer.Reset(max(time.Until(l.deferDue), 0))
-	}
+	l.armLocked()
 	l.deferMu.Unlock()
+}
+
+// submitRider queues run as a rider: a deferred write that rides on the very next
+// batch any leader commits, ahead of the batch's other writes (and of due deferred
+// writes), or is committed on its own within after it was queued when no batch comes
+// sooner. It never blocks; notify is as submitDeferred's.
+//
+// Riders are for writes a caller was answered without, that must land before any
+// later write can read what they change (a Reserve's answer, see Finalize): every
+// batch a leader takes after the rider was queued carries it first.
+func (l *Ledger) submitRider(within time.Duration, run func(w *txn) (any, error), notify func(error)) {
+	req := &request{ctx: context.Background(), run: run, notify: notify}
+	due := time.Now().Add(within)
+	l.deferMu.Lock()
+	if l.deferClosed {
+		l.deferMu.Unlock()
+		notify(ErrClosed)
+		return
+	}
+	if len(l.riders) == 0 || due.Before(l.riderDue) {
+		l.riderDue = due
+	}
+	l.riders = append(l.riders, req)
+	if len(l.riders) == maxBatch {
+		l.riderDue = time.Time{}
+	}
+	l.armLocked()
+	l.deferMu.Unlock()
+}
+
+// takeRiders removes and returns up to maxBatch riders, oldest first.
+func (l *Ledger) takeRiders() []*request {
+	l.deferMu.Lock()
+	defer l.deferMu.Unlock()
+	n := min(len(l.riders), maxBatch)
+	if n == 0 {
+		return nil
+	}
+	out := slices.Clone(l.riders[:n])
+	l.riders = slices.Delete(l.riders, 0, n)
+	if len(l.riders) > 0 {
+		l.riderDue = time.Time{} // those left over rode on no batch: at once
+	}
+	return out
 }
 
 // takeDueDeferred is takeDeferred once the oldest deferred write is due (or a full
@@ -312,11 +368,28 @@ func (l *Ledger) takeDeferred() []*request {
 func (l *Ledger) armDeferred() {
 	l.deferMu.Lock()
 	defer l.deferMu.Unlock()
-	if len(l.deferred) == 0 {
+	l.armLocked()
+}
+
+// armLocked is armDeferred under deferMu: the timer fires when the oldest deferred
+// write or the oldest rider is due, whichever is sooner.
+func (l *Ledger) armLocked() {
+	var next time.Time
+	switch {
+	case len(l.deferred) > 0 && len(l.riders) > 0:
+		next = l.deferDue
+		if l.riderDue.Before(next) {
+			next = l.riderDue
+		}
+	case len(l.deferred) > 0:
+		next = l.deferDue
+	case len(l.riders) > 0:
+		next = l.riderDue
+	default:
 		l.deferTimer.Stop()
 		return
 	}
-	l.deferTimer.Reset(max(time.Until(l.deferDue), 0))
+	l.deferTimer.Reset(max(time.Until(next), 0))
 }
 
 // deferredDue runs when the oldest deferred write is due (the timer's goroutine): it
@@ -351,6 +424,9 @@ func (l *Ledger) stopWrites() {
 	l.deferClosed = true
 	l.deferTimer.Stop()
 	l.deferMu.Unlock()
+	for r := l.takeRiders(); len(r) > 0; r = l.takeRiders() {
+		l.commit(r, nil)
+	}
 	for d := l.takeDeferred(); len(d) > 0; d = l.takeDeferred() {
 		l.commit(d, nil)
 	}
@@ -395,6 +471,11 @@ func (l *Ledger) commit(batch []*request, leader *request) {
 		told := ov.feedChanges()
 		l.mu.Lock()
 		l.idx.apply(ov)
+		for id, is := range ov.intents {
+			if !is { // written with its answer, or no longer an intent
+				delete(l.answers, id)
+			}
+		}
 		total := l.idx.counts().Total
 		l.mu.Unlock()
 		l.notify(ctx, told, total)
