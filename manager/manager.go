@@ -72,8 +72,20 @@ type Manager struct {
 	closeErr error              // closing the ledger; written before stopped is closed
 	stopping atomic.Bool
 
+	// intentMu guards intentUp: the plugins up since answerLeftIntents last looked,
+	// woken through intentWake (buffered 1).
+	intentMu   sync.Mutex
+	intentUp   map[string]bool
+	intentWake chan struct{}
+	// answered is closed when the intents left by a stop have their answer (or ctx
+	// ends); ready when that and the first fingerprints are in (Ready).
+	answered chan struct{}
+	ready    chan struct{}
+
 	claimMu sync.Mutex
 	claims  map[string]string // device ID -> owner with a Reserve in flight
+	// cleaning: device ID -> closed when the plugin cleanup in flight for it ends.
+	cleaning map[string]chan struct{}
 	// setLocks serialise the Reserves of one counter set (lockCounterSets); created on
 	// first use, under claimMu.
 	setLocks map[device.CounterSetKey]chan struct{}
@@ -102,17 +114,22 @@ func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 	}
 	log := cfg.Logger.Named("manager")
 	m := &Manager{
-		cfg:       cfg,
-		log:       log,
-		launch:    launch,
-		stats:     inventory.NewStats(cfg.StatsInterval, cfg.Now),
-		pluginCfg: cfg.Plugins,
-		dupLogged: make(map[string]string),
-		slots:     make(map[string]*slot),
-		gone:      make(map[string]time.Time),
-		stopped:   make(chan struct{}),
-		claims:    make(map[string]string),
-		setLocks:  make(map[device.CounterSetKey]chan struct{}),
+		cfg:        cfg,
+		log:        log,
+		launch:     launch,
+		stats:      inventory.NewStats(cfg.StatsInterval, cfg.Now),
+		pluginCfg:  cfg.Plugins,
+		dupLogged:  make(map[string]string),
+		slots:      make(map[string]*slot),
+		gone:       make(map[string]time.Time),
+		stopped:    make(chan struct{}),
+		claims:     make(map[string]string),
+		cleaning:   make(map[string]chan struct{}),
+		intentUp:   make(map[string]bool),
+		intentWake: make(chan struct{}, 1),
+		answered:   make(chan struct{}),
+		ready:      make(chan struct{}),
+		setLocks:   make(map[device.CounterSetKey]chan struct{}),
 	}
 	var dirBins []pluginloader.Binary
 	var refused string
@@ -218,6 +235,16 @@ func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 		m.wg.Go(func() { m.dir.Run(ctx) })
 	}
 	m.wg.Go(func() { m.stats.Run(ctx, func() device.Inventory { return m.reg.Snapshot().Inventory }) })
+	if _, left := m.ledger.Intents(); len(left) > 0 {
+		log.Warn("reservations left without their answer by a stop: their devices stay held, and each plugin is asked again once it is up",
+			"reservations", len(left))
+		m.wg.Go(func() {
+			defer close(m.answered)
+			m.answerLeftIntents(ctx, left)
+		})
+	} else {
+		close(m.answered)
+	}
 	m.wg.Go(func() { m.readyTimer(ctx) })
 	go func() { // ends when the goroutines above have; Shutdown waits for it
 		m.wg.Wait()
@@ -269,11 +296,36 @@ func openLedger(dir string, cfg Config) (*ledger.Ledger, error) {
 // one removed less than RemovedPluginGrace ago. Any other plugin cannot clean up: that
 // is logged, once, and counted done. Called by the GC's workers, at most
 // GCParallelDestroys at once.
+//
+// Devices a newer live reservation holds are left out of the call: what the plugin
+// keeps for them is that reservation's now (a cleanup that ran before a host stop and
+// is run again after it, or one owed while the device was reserved again). A Reserve of
+// the devices waits while the plugin cleans up (claimForCleanup), so the plugin never
+// prepares a device for a new holder while it cleans up after the old one.
 func (m *Manager) cleanup(ctx context.Context, e ledger.GCEntry) error {
 	s, wait := m.cleanupTarget(e.Plugin)
 	switch {
 	case s != nil:
-		return s.Release(ctx, e.ReservationID, e.DeviceIDs)
+		release, err := m.claimForCleanup(e.ReservationID, e.DeviceIDs)
+		if err != nil {
+			return fmt.Errorf("cleanup waits for a Reserve of its devices: %w", err)
+		}
+		defer release()
+		held := m.ledger.Holders()
+		var ids []string
+		for _, d := range e.DeviceIDs {
+			if _, ok := held[d]; !ok {
+				ids = append(ids, d)
+			}
+		}
+		if len(ids) < len(e.DeviceIDs) {
+			m.log.Info("plugin cleanup of a released reservation leaves out devices a newer reservation holds",
+				"plugin", e.Plugin, "reservation_id", e.ReservationID, "devices", strings.Join(e.DeviceIDs, ","), "cleaned", strings.Join(ids, ","))
+		}
+		if len(ids) == 0 {
+			return nil
+		}
+		return s.Release(ctx, e.ReservationID, ids)
 	case wait != nil:
 		return wait
 	}
@@ -331,14 +383,28 @@ func checkNames(found, explicit []pluginloader.Binary) error {
 func (m *Manager) readyTimer(ctx context.Context) {
 	t := time.NewTimer(m.cfg.ReadyTimeout)
 	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-m.reg.Ready():
-	case <-t.C:
-		if waiting := m.reg.ForceReady(); len(waiting) > 0 {
-			m.log.Warn("ready without a first fingerprint from some plugins", "timeout", m.cfg.ReadyTimeout, "plugins", strings.Join(waiting, ", "))
+	fingerprinted, answered := m.reg.Ready(), m.answered
+	for fingerprinted != nil || answered != nil {
+		select {
+		case <-ctx.Done():
+			return
+		case <-fingerprinted:
+			fingerprinted = nil
+		case <-answered:
+			answered = nil
+		case <-t.C:
+			if waiting := m.reg.ForceReady(); len(waiting) > 0 {
+				m.log.Warn("ready without a first fingerprint from some plugins", "timeout", m.cfg.ReadyTimeout, "plugins", strings.Join(waiting, ", "))
+			}
+			if answered != nil {
+				_, left := m.ledger.Intents()
+				m.log.Warn("ready with reservations still without their answer: they are listed once their plugins have answered again",
+					"timeout", m.cfg.ReadyTimeout, "reservations", len(left))
+			}
+			fingerprinted, answered = nil, nil
 		}
 	}
+	close(m.ready)
 }
 
 // Inventory returns the current inventory of every plugin.
@@ -369,14 +435,15 @@ func (m *Manager) WatchStats(ctx context.Context, interval time.Duration) <-chan
 func (m *Manager) LatestStats() device.StatsSnapshot { return m.stats.Latest(m.Inventory()) }
 
 // Ready is closed once every plugin has had its first attempt (fingerprinted, had a
-// fingerprint refused, or failed a run), or ReadyTimeout has passed.
-func (m *Manager) Ready() <-chan struct{} { return m.reg.Ready() }
+// fingerprint refused, or failed a run) and the reservations a stop left without their
+// answer have it again (see answerLeftIntents), or ReadyTimeout has passed.
+func (m *Manager) Ready() <-chan struct{} { return m.ready }
 
 // WaitForFirstFingerprint waits for Ready and returns the inventory then. It fails only
 // when ctx ends first.
 func (m *Manager) WaitForFirstFingerprint(ctx context.Context) (device.Inventory, error) {
 	select {
-	case <-m.reg.Ready():
+	case <-m.ready:
 		return m.Inventory(), nil
 	case <-ctx.Done():
 		return device.Inventory{}, fmt.Errorf("waiting for first fingerprints: %w", context.Cause(ctx))

@@ -396,8 +396,11 @@ func (m *Manager) newSlot(name string, spec pluginSpec) *slot {
 		ReserveTimeout:     m.cfg.ReserveTimeout,
 		KillTimeout:        m.cfg.KillTimeout,
 	}
-	if m.gc != nil {
-		cfg.OnUp = m.gc.RetryNow
+	cfg.OnUp = func() {
+		if m.gc != nil {
+			m.gc.RetryNow()
+		}
+		m.intentsUp(name)
 	}
 	if pc.Reattach {
 		saved := m.saved[name]

@@ -13,6 +13,7 @@ import (
 	"github.com/devicehost/devicehost/internal/steps"
 	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/manager/ledger"
+	"github.com/devicehost/devicehost/manager/supervise"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 	"github.com/devicehost/devicehost/textline"
 	"github.com/devicehost/devicehost/validate"
@@ -37,6 +38,9 @@ type reservationStore interface {
 	List(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)
 	Holders() map[string]device.Holder
 	Usage() map[device.CounterSetKey]device.CounterUse
+	Intend(ctx context.Context, r device.Reservation, takeOver []string, caps device.Capacity) (res device.Reservation, existing bool, err error)
+	Finalize(id string, c device.ContainerReservation, by string)
+	Withdraw(ctx context.Context, id string) error
 }
 
 var _ reservationStore = (*ledger.Ledger)(nil)
@@ -46,9 +50,11 @@ var _ reservationStore = (*ledger.Ledger)(nil)
 // order: holders (ErrDeviceHeld), the inventory (ErrUnknownDevice: unknown group, devices
 // not in it or spread over two plugins), the plugin (ErrPluginUnavailable) and health
 // (ErrUnhealthyDevice); then the plugin is asked, bounded by ctx, ReserveTimeout and its
-// exit; its answer is validated (ErrPluginResponse) and the reservation recorded in the
-// ledger. A concurrent Reserve touching the same devices is refused with ErrDeviceHeld
-// while the first is in flight.
+// exit, while the reservation is recorded in the ledger as an intent (its devices
+// durably held); the answer is validated (ErrPluginResponse) and handed to the ledger,
+// which writes it with the next commit (manager/ledger/intent.go); a refusal withdraws
+// the intent. A concurrent Reserve touching the same devices is refused with
+// ErrDeviceHeld while the first is in flight.
 //
 // The trust boundary is the host API, not this method: the server (server/api.go)
 // checks every request with validate.ReserveRequest, the one place its rules live, before
@@ -81,7 +87,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	// Claim before checking the store: a Reserve that commits between the check and the
 	// claim would otherwise leave this one asking the plugin for a device already held.
 	region := steps.Start(ctx, "claim")
-	release, err := m.claim(req.OwnerID, ids)
+	release, err := m.claimAfterCleanups(ctx, req.OwnerID, ids)
 	region.End()
 	if err != nil {
 		return device.Reservation{}, err
@@ -91,6 +97,10 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	region = steps.Start(ctx, "ledger check")
 	existing, err := m.store.Check(req.OwnerID, ids, takeOver, nil, nil)
 	region.End()
+	if ue := (*ledger.UnansweredError)(nil); errors.As(err, &ue) {
+		// Its owner asks again for a reservation left without its answer by a stop.
+		return m.answerIntent(ctx, ue.Reservation)
+	}
 	if err != nil || existing != nil {
 		if existing != nil {
 			return *existing, nil
@@ -128,36 +138,62 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	if s == nil { // removed since the snapshot was taken
 		return device.Reservation{}, fmt.Errorf("plugin %q was removed: %w", plugin, device.ErrPluginUnavailable)
 	}
-	region = steps.Start(ctx, "plugin")
-	res, err := s.Reserve(ctx, ids)
-	region.End()
-	if err != nil {
-		return device.Reservation{}, err
-	}
-	region = steps.Start(ctx, "validate answer")
-	err = validate.Reservation(res, ids)
-	region.End()
-	if err != nil {
-		return device.Reservation{}, fmt.Errorf("plugin %q answered Reserve with a reservation that breaks the rules: %s: %w", plugin, textline.Line(err.Error(), 0), device.ErrPluginResponse)
-	}
-	// The container learns its reservation (device.ReservationEnv), so that the GPU
-	// processes it starts are known as its holder's (metrics: per-holder memory).
-	id := ledger.NewID()
-	container := fromContainerReservation(res)
-	container.Envs[device.ReservationEnv] = id
-	region = steps.Start(ctx, "ledger commit")
-	r, _, err := m.store.Reserve(ctx, device.Reservation{
-		ID:          id,
+	rec := device.Reservation{
+		ID:          ledger.NewID(),
 		OwnerID:     req.OwnerID,
 		Group:       req.Group,
 		Plugin:      plugin,
 		DeviceIDs:   ids,
 		Consumes:    consumes,
-		Container:   container,
 		State:       device.ReservationActive,
 		CreatedAt:   m.cfg.Now(),
 		OwnerLabels: device.OwnerLabelsOf(req.OwnerLabels), // validated at the server
-	}, takeOver, caps)
+	}
+	// The plugin is asked while the reservation is recorded as an intent (its devices
+	// durably held, its answer not yet known: manager/ledger/intent.go), so the Reserve
+	// waits for the longer of the two rather than their sum.
+	region = steps.Start(ctx, "plugin and intent")
+	intent := make(chan intended, 1)
+	go func() {
+		region := steps.Start(ctx, "ledger commit")
+		r, existing, err := m.store.Intend(ctx, rec, takeOver, caps)
+		region.End()
+		intent <- intended{r, existing, err}
+	}()
+	container, perr := m.askPlugin(ctx, s, rec.ID, ids)
+	in := <-intent
+	region.End()
+	switch {
+	case in.err == nil && in.existing:
+		// Made by another path since the check (the claim keeps other Reserves off):
+		// the plugin's answer was for the same devices.
+		return in.r, nil
+	case in.err == nil && perr != nil:
+		if err := m.store.Withdraw(context.WithoutCancel(ctx), rec.ID); err != nil {
+			m.log.Error("a refused Reserve's intent could not be withdrawn: its devices stay held until it is released or the plugin answers for it at its next start",
+				"reservation_id", rec.ID, "owner_id", rec.OwnerID, "error", err.Error())
+		}
+		m.reg.Refresh(ctx) // a refresh meanwhile may have shown the intent's holder
+		return device.Reservation{}, perr
+	case perr != nil:
+		return device.Reservation{}, perr
+	case in.err == nil:
+		region = steps.Start(ctx, "ledger answer")
+		m.store.Finalize(rec.ID, container, device.CallerOf(ctx))
+		region.End()
+		r := in.r
+		r.Container = container
+		region = steps.Start(ctx, "refresh")
+		m.reg.Refresh(ctx)
+		region.End()
+		return r, nil
+	case !errors.Is(in.err, ledger.ErrNeedsTakeOver):
+		return device.Reservation{}, fmt.Errorf("record reservation: %w", in.err)
+	}
+	// Holders to take over: the reservation is recorded whole, with their releases.
+	rec.Container = container
+	region = steps.Start(ctx, "ledger commit")
+	r, _, err := m.store.Reserve(ctx, rec, takeOver, caps)
 	region.End()
 	if err != nil {
 		return device.Reservation{}, fmt.Errorf("record reservation: %w", err)
@@ -172,14 +208,135 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	return r, nil
 }
 
-// liveReservations lists the live reservations of plugin's devices, for its Reconcile.
-func (m *Manager) liveReservations(ctx context.Context, plugin string) ([]*pb.LiveReservation, error) {
-	rs, err := m.store.List(ctx, device.ReservationFilter{State: device.ReservationActive})
+// intended is what Intend answered.
+type intended struct {
+	r        device.Reservation
+	existing bool
+	err      error
+}
+
+// askPlugin asks plugin s to reserve ids for reservation id and checks its answer: the
+// container reservation to record, which names the reservation (device.ReservationEnv)
+// so that the GPU processes it starts are known as its holder's (metrics: per-holder
+// memory).
+func (m *Manager) askPlugin(ctx context.Context, s *supervise.Supervisor, id string, ids []string) (device.ContainerReservation, error) {
+	region := steps.Start(ctx, "plugin")
+	res, err := s.Reserve(ctx, ids)
+	region.End()
 	if err != nil {
-		return nil, err
+		return device.ContainerReservation{}, err
 	}
+	region = steps.Start(ctx, "validate answer")
+	err = validate.Reservation(res, ids)
+	region.End()
+	if err != nil {
+		return device.ContainerReservation{}, fmt.Errorf("plugin %q answered Reserve with a reservation that breaks the rules: %s: %w", s.Name(), textline.Line(err.Error(), 0), device.ErrPluginResponse)
+	}
+	container := fromContainerReservation(res)
+	container.Envs[device.ReservationEnv] = id
+	return container, nil
+}
+
+// answerIntent asks intent r's plugin again for the answer the host stopped before
+// writing, and records it in the ledger itself (the caller holds r's claim): r with its answer, or the
+// plugin's error. A plugin that refuses (or breaks the rules) gets the intent withdrawn,
+// its devices freed; one that cannot be reached leaves it for its next start.
+func (m *Manager) answerIntent(ctx context.Context, r device.Reservation) (device.Reservation, error) {
+	s := m.supervisor(r.Plugin)
+	if s == nil {
+		return device.Reservation{}, fmt.Errorf("reservation %s waits for its plugin %q, which this host does not run: %w", r.ID, r.Plugin, device.ErrPluginUnavailable)
+	}
+	container, err := m.askPlugin(ctx, s, r.ID, r.DeviceIDs)
+	if errors.Is(err, device.ErrPluginResponse) {
+		if werr := m.ledger.Withdraw(context.WithoutCancel(ctx), r.ID); werr != nil {
+			err = errors.Join(err, werr)
+		} else {
+			m.log.Warn("a reservation left without its answer by a stop was withdrawn: its plugin refused it when asked again",
+				"reservation_id", r.ID, "owner_id", r.OwnerID, "plugin", r.Plugin, "error", textline.Line(err.Error(), 0))
+			m.reg.Refresh(ctx)
+		}
+	}
+	if err != nil {
+		return device.Reservation{}, err
+	}
+	out, err := m.ledger.FinalizeNow(ctx, r.ID, container, "answer asked of the plugin again: the host stopped before writing it")
+	if err != nil {
+		return device.Reservation{}, err
+	}
+	m.log.Info("a reservation left without its answer by a stop has it again", "reservation_id", r.ID, "owner_id", r.OwnerID, "plugin", r.Plugin)
+	return out, nil
+}
+
+// answerIntents answers plugin's intents among left (see answerIntent), and takes out of
+// left those no longer unanswered. An intent claimed by a Reserve (its owner asking
+// again) is left to that Reserve.
+func (m *Manager) answerIntents(ctx context.Context, plugin string, left map[string]bool) {
+	all, unanswered := m.ledger.Intents()
+	for id := range left {
+		if !unanswered[id] {
+			delete(left, id) // answered by its owner's Reserve, or released
+		}
+	}
+	for _, r := range all {
+		if !left[r.ID] || r.Plugin != plugin {
+			continue
+		}
+		release, err := m.claim(r.OwnerID, r.DeviceIDs)
+		if err != nil {
+			continue
+		}
+		cctx, cancel := context.WithTimeout(ctx, m.cfg.ReserveTimeout)
+		_, err = m.answerIntent(cctx, r)
+		cancel()
+		release()
+		switch {
+		case err == nil, errors.Is(err, device.ErrPluginResponse), errors.Is(err, device.ErrNotFound):
+			delete(left, r.ID)
+		default:
+			m.log.Warn("a reservation left without its answer by a stop is still without it: its devices stay held, and the plugin is asked again at its next start",
+				"reservation_id", r.ID, "owner_id", r.OwnerID, "plugin", plugin, "error", textline.Line(err.Error(), 0))
+		}
+	}
+}
+
+// intentsUp tells answerLeftIntents that plugin is up (a supervisor's OnUp): it never
+// blocks.
+func (m *Manager) intentsUp(plugin string) {
+	m.intentMu.Lock()
+	m.intentUp[plugin] = true
+	m.intentMu.Unlock()
+	select {
+	case m.intentWake <- struct{}{}:
+	default:
+	}
+}
+
+// answerLeftIntents answers left, the intents the state file held without their answer
+// when the manager started (a stop came between a Reserve's reply and the write of its
+// answer), plugin by plugin as each comes up (intentsUp), until none is left or ctx
+// ends. A Reserve in flight always answers or withdraws its own intent.
+func (m *Manager) answerLeftIntents(ctx context.Context, left map[string]bool) {
+	for len(left) > 0 {
+		select {
+		case <-ctx.Done():
+			return
+		case <-m.intentWake:
+		}
+		m.intentMu.Lock()
+		up := slices.Sorted(maps.Keys(m.intentUp))
+		clear(m.intentUp)
+		m.intentMu.Unlock()
+		for _, plugin := range up {
+			m.answerIntents(ctx, plugin, left)
+		}
+	}
+}
+
+// liveReservations lists the live reservations of plugin's devices, for its Reconcile:
+// its intents too, answered or not (their devices are held).
+func (m *Manager) liveReservations(_ context.Context, plugin string) ([]*pb.LiveReservation, error) {
 	var out []*pb.LiveReservation
-	for _, r := range rs {
+	for _, r := range m.ledger.Live() {
 		if r.Plugin == plugin {
 			out = append(out, &pb.LiveReservation{ReservationId: r.ID, DeviceIds: r.DeviceIDs})
 		}
@@ -347,6 +504,66 @@ func pluginState(snap device.Snapshot, name string) device.PluginState {
 func (m *Manager) claim(owner string, ids []string) (func(), error) {
 	m.claimMu.Lock()
 	defer m.claimMu.Unlock()
+	return m.claimLocked(owner, ids)
+}
+
+// claimAfterCleanups is claim once no plugin cleanup of ids is in flight: it waits for
+// those (bounded by ctx), so that a Reserve never asks the plugin for a device the
+// plugin is cleaning up after its previous holder (see cleanup).
+func (m *Manager) claimAfterCleanups(ctx context.Context, owner string, ids []string) (func(), error) {
+	for {
+		m.claimMu.Lock()
+		var wait chan struct{}
+		for _, id := range ids {
+			if ch, ok := m.cleaning[id]; ok {
+				wait = ch
+				break
+			}
+		}
+		if wait == nil {
+			defer m.claimMu.Unlock()
+			return m.claimLocked(owner, ids)
+		}
+		m.claimMu.Unlock()
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("reserve: waiting for the plugin to clean up after the devices' previous holder: %w", context.Cause(ctx))
+		}
+	}
+}
+
+// claimForCleanup marks ids as being cleaned up until the returned func is called:
+// Reserves of them wait meanwhile (claimAfterCleanups). A device a Reserve has claimed
+// is a *device.HeldError: the cleanup waits for a later try.
+func (m *Manager) claimForCleanup(reservationID string, ids []string) (func(), error) {
+	m.claimMu.Lock()
+	defer m.claimMu.Unlock()
+	for _, id := range ids {
+		if o, ok := m.claims[id]; ok {
+			return nil, &device.HeldError{OwnerID: "cleanup of " + reservationID,
+				Conflicts: []device.Conflict{{Holder: device.Holder{OwnerID: o}, Overlap: []string{id}, Held: []string{id}}}}
+		}
+		if _, ok := m.cleaning[id]; ok {
+			return nil, fmt.Errorf("device %s: another cleanup of it is in flight", id)
+		}
+	}
+	done := make(chan struct{})
+	for _, id := range ids {
+		m.cleaning[id] = done
+	}
+	return func() {
+		m.claimMu.Lock()
+		defer m.claimMu.Unlock()
+		for _, id := range ids {
+			delete(m.cleaning, id)
+		}
+		close(done)
+	}, nil
+}
+
+// claimLocked is claim under claimMu.
+func (m *Manager) claimLocked(owner string, ids []string) (func(), error) {
 	busy := make(map[string][]string) // claiming owner -> requested devices it claims
 	for _, id := range ids {
 		if o, ok := m.claims[id]; ok {
