@@ -81,6 +81,11 @@ func (b *bench) floor(ctx context.Context) error {
 	}
 	defer sess.close()
 	a, conn, c, d := sess.a, sess.conn, sess.c, sess.d
+	// The cycles take turns over two devices, as a node's allocations take turns over
+	// its GPUs: a Reserve of the device released the moment before waits for the
+	// plugin's cleanup of it (docs/reservations.md), which is no part of the agent's.
+	devs := [2]device{sess.d, sess.alt}
+	turn := 0
 	hc := healthpb.NewHealthClient(conn)
 
 	bin, err := filepath.Abs(b.bin)
@@ -151,11 +156,13 @@ func (b *bench) floor(ctx context.Context) error {
 	}
 	// gappedCycle is one Reserve+Release, both timed, each after gap of idle.
 	gappedCycle := func(gap time.Duration) error {
+		dev := devs[turn%2]
+		turn++
 		time.Sleep(gap)
 		start := time.Now()
 		r, err := c.Reserve(ctx, &pb.ReserveRequest{
-			OwnerId: benchOwner, Vendor: d.group.GetVendor(), Type: d.group.GetType(), Name: d.group.GetName(),
-			DeviceIds: []string{d.id},
+			OwnerId: benchOwner, Vendor: dev.group.GetVendor(), Type: dev.group.GetType(), Name: dev.group.GetName(),
+			DeviceIds: []string{dev.id},
 		})
 		if err != nil {
 			return fmt.Errorf("reserve: %w", err)

@@ -225,6 +225,9 @@ type session struct {
 	conn *grpc.ClientConn
 	c    pb.DeviceHostClient
 	d    device
+	// alt is another device of d's group (d when there is none): the floor's cycles
+	// take turns over the two.
+	alt device
 }
 
 // open starts an agent as start does, dials it and finds its first device; on an
@@ -240,13 +243,17 @@ func (b *bench) open(ctx context.Context, maxStreams int, extra ...string) (*ses
 		return nil, err
 	}
 	c := pb.NewDeviceHostClient(conn)
-	d, err := firstDevice(ctx, c)
+	ds, err := firstDevices(ctx, c, 2)
 	if err != nil {
 		conn.Close()
 		a.stop()
 		return nil, err
 	}
-	return &session{a: a, conn: conn, c: c, d: d}, nil
+	sess := &session{a: a, conn: conn, c: c, d: ds[0], alt: ds[0]}
+	if len(ds) > 1 {
+		sess.alt = ds[1]
+	}
+	return sess, nil
 }
 
 func (s *session) close() {
@@ -310,23 +317,30 @@ type device struct {
 	id    string
 }
 
-func firstDevice(ctx context.Context, c pb.DeviceHostClient) (device, error) {
+// firstDevices returns up to n devices of the agent's first group that has any.
+func firstDevices(ctx context.Context, c pb.DeviceHostClient, n int) ([]device, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	s, err := c.Fingerprint(ctx, &pb.FingerprintRequest{})
 	if err != nil {
-		return device{}, err
+		return nil, err
 	}
 	fp, err := s.Recv()
 	if err != nil {
-		return device{}, err
+		return nil, err
 	}
 	for _, g := range fp.GetGroups() {
+		var out []device
 		for _, d := range g.GetDevices() {
-			return device{group: g, id: d.GetId()}, nil
+			if out = append(out, device{group: g, id: d.GetId()}); len(out) == n {
+				break
+			}
+		}
+		if len(out) > 0 {
+			return out, nil
 		}
 	}
-	return device{}, errors.New("the agent has no devices")
+	return nil, errors.New("the agent has no devices")
 }
 
 // cycle reserves d and releases it again.
