@@ -36,7 +36,17 @@ func openLedger(t *testing.T, path string) *Ledger {
 	// No audit trail: its writes (at most every eventFlushEvery, riding on the next
 	// commit or making one) would make the commit counts of these tests depend on how
 	// long they take. events_test.go opens ledgers with it.
-	l, err := Open(path, Options{Now: tickingClock(), MaxEvents: -1})
+	return openWith(t, path, Options{MaxEvents: -1})
+}
+
+// openWith opens the ledger at path with opts (a tickingClock when opts.Now is nil) and
+// closes it when the test ends.
+func openWith(t *testing.T, path string, opts Options) *Ledger {
+	t.Helper()
+	if opts.Now == nil {
+		opts.Now = tickingClock()
+	}
+	l, err := Open(path, opts)
 	if err != nil {
 		t.Fatalf("Open(%s): %v", path, err)
 	}

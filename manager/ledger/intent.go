@@ -68,20 +68,11 @@ func (l *Ledger) Intend(ctx context.Context, r device.Reservation, takeOver []st
 	if r.ID == "" {
 		return device.Reservation{}, false, fmt.Errorf("intend: %w: no reservation ID", errInternal)
 	}
-	if err := checkRecord(r.OwnerID, r.DeviceIDs); err != nil {
-		return device.Reservation{}, false, fmt.Errorf("intend: %w: %w", errInternal, err)
+	rec, err := l.newRecord("intend", r)
+	if err != nil {
+		return device.Reservation{}, false, err
 	}
-	if err := checkConsumes(r.Plugin, r.Consumes); err != nil {
-		return device.Reservation{}, false, fmt.Errorf("intend: %w: %w", errInternal, err)
-	}
-	rec := clone(&r)
-	rec.State = device.ReservationActive
-	rec.ReleasedAt, rec.CleanupPending, rec.TakenOver = time.Time{}, false, nil
 	rec.Container = device.ContainerReservation{}
-	if rec.CreatedAt.IsZero() {
-		rec.CreatedAt = l.now()
-	}
-	rec.CreatedAt = normTime(rec.CreatedAt)
 	val, err := l.submit(ctx, intendRun(rec, slices.Clone(takeOver), caps))
 	if err != nil {
 		if !errors.Is(err, ErrNeedsTakeOver) {
@@ -89,12 +80,7 @@ func (l *Ledger) Intend(ctx context.Context, r device.Reservation, takeOver []st
 		}
 		return device.Reservation{}, false, fmt.Errorf("reserve: %w", err)
 	}
-	got := val.(reserveResult)
-	if got.existing {
-		out, err := l.seen(got.r)
-		return out, true, err
-	}
-	return clone(got.r), false, nil
+	return l.answered(val.(reserveResult))
 }
 
 // intendRun is the write of Intend for rec (checked, stamped, owned by the run).

@@ -16,25 +16,6 @@ import (
 	"github.com/devicehost/devicehost/device"
 )
 
-// openWith opens the ledger at path with opts (a tickingClock when opts.Now is nil) and
-// closes it when the test ends.
-func openWith(t *testing.T, path string, opts Options) *Ledger {
-	t.Helper()
-	if opts.Now == nil {
-		opts.Now = tickingClock()
-	}
-	l, err := Open(path, opts)
-	if err != nil {
-		t.Fatalf("Open(%s): %v", path, err)
-	}
-	t.Cleanup(func() {
-		if err := l.Close(); err != nil {
-			t.Errorf("Close: %v", err)
-		}
-	})
-	return l
-}
-
 // intent records an intent of owner for devs under id and fails the test otherwise.
 func intend(t *testing.T, l *Ledger, id, owner string, devs ...string) device.Reservation {
 	t.Helper()

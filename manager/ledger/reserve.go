@@ -171,11 +171,39 @@ func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string, consumes []
 // owner or devices, or naming a device twice, with an "internal:" error, since Open would
 // refuse the file with such a record in it.
 func (l *Ledger) Reserve(ctx context.Context, r device.Reservation, takeOver []string, caps device.Capacity) (res device.Reservation, existing bool, err error) {
+	rec, err := l.newRecord("reserve", r)
+	if err != nil {
+		return device.Reservation{}, false, err
+	}
+	val, err := l.submit(ctx, reserveRun(rec, slices.Clone(takeOver), caps, device.CallerOf(ctx)))
+	if err != nil {
+		l.refused(ctx, "reserve", device.Event{Owner: rec.OwnerID, Devices: rec.DeviceIDs}, err)
+		return device.Reservation{}, false, fmt.Errorf("reserve: %w", err)
+	}
+	return l.answered(val.(reserveResult))
+}
+
+// answered is what Reserve and Intend answer for their write's result: the caller's
+// copy of the new reservation, or the existing one as a reader sees it (seen).
+func (l *Ledger) answered(got reserveResult) (device.Reservation, bool, error) {
+	if got.existing {
+		out, err := l.seen(got.r)
+		return out, true, err
+	}
+	out := clone(got.r)
+	out.TakenOver = got.takenOver
+	return out, false, nil
+}
+
+// newRecord checks r for call (Reserve, Intend) against what a stored reservation must
+// be (checkRecord, checkConsumes: an "internal:" error otherwise) and returns the
+// caller's copy of it, live and stamped (CreatedAt now when zero).
+func (l *Ledger) newRecord(call string, r device.Reservation) (device.Reservation, error) {
 	if err := checkRecord(r.OwnerID, r.DeviceIDs); err != nil {
-		return device.Reservation{}, false, fmt.Errorf("reserve: %w: %w", errInternal, err)
+		return device.Reservation{}, fmt.Errorf("%s: %w: %w", call, errInternal, err)
 	}
 	if err := checkConsumes(r.Plugin, r.Consumes); err != nil {
-		return device.Reservation{}, false, fmt.Errorf("reserve: %w: %w", errInternal, err)
+		return device.Reservation{}, fmt.Errorf("%s: %w: %w", call, errInternal, err)
 	}
 	rec := clone(&r)
 	rec.State = device.ReservationActive
@@ -184,19 +212,7 @@ func (l *Ledger) Reserve(ctx context.Context, r device.Reservation, takeOver []s
 		rec.CreatedAt = l.now()
 	}
 	rec.CreatedAt = normTime(rec.CreatedAt)
-	val, err := l.submit(ctx, reserveRun(rec, slices.Clone(takeOver), caps, device.CallerOf(ctx)))
-	if err != nil {
-		l.refused(ctx, "reserve", device.Event{Owner: rec.OwnerID, Devices: rec.DeviceIDs}, err)
-		return device.Reservation{}, false, fmt.Errorf("reserve: %w", err)
-	}
-	got := val.(reserveResult)
-	if got.existing {
-		out, err := l.seen(got.r)
-		return out, true, err
-	}
-	out := clone(got.r)
-	out.TakenOver = got.takenOver
-	return out, false, nil
+	return rec, nil
 }
 
 // reserveResult is what reserveRun answers.

@@ -272,20 +272,28 @@ func (l *Ledger) lead(own *request) {
 // rather than ride on the next commit, so that a busy host's Reserves do not each
 // carry the previous Release's bookkeeping: one commit in CommitDelay carries it all.
 func (l *Ledger) submitDeferred(within time.Duration, run func(w *txn) (any, error), notify func(error)) {
+	l.queueLater(&l.deferred, &l.deferDue, within, run, notify)
+}
+
+// queueLater appends run to q, a queue of writes committed later (the deferred writes
+// or the riders), due within after now unless its oldest is due sooner (*due), and at
+// once when q holds a full batch; notify gets ErrClosed at once when the ledger is
+// closed.
+func (l *Ledger) queueLater(q *[]*request, due *time.Time, within time.Duration, run func(w *txn) (any, error), notify func(error)) {
 	req := &request{ctx: context.Background(), run: run, notify: notify}
-	due := time.Now().Add(within)
+	at := time.Now().Add(within)
 	l.deferMu.Lock()
 	if l.deferClosed {
 		l.deferMu.Unlock()
 		notify(ErrClosed)
 		return
 	}
-	if len(l.deferred) == 0 || due.Before(l.deferDue) {
-		l.deferDue = due
+	if len(*q) == 0 || at.Before(*due) {
+		*due = at
 	}
-	l.deferred = append(l.deferred, req)
-	if len(l.deferred) == maxBatch {
-		l.deferDue = time.Time{} // a full batch waits no longer
+	*q = append(*q, req)
+	if len(*q) >= maxBatch {
+		*due = time.Time{} // a full batch waits no longer
 	}
 	l.armLocked()
 	l.deferMu.Unlock()
@@ -300,37 +308,27 @@ func (l *Ledger) submitDeferred(within time.Duration, run func(w *txn) (any, err
 // later write can read what they change (a Reserve's answer, see Finalize): every
 // batch a leader takes after the rider was queued carries it first.
 func (l *Ledger) submitRider(within time.Duration, run func(w *txn) (any, error), notify func(error)) {
-	req := &request{ctx: context.Background(), run: run, notify: notify}
-	due := time.Now().Add(within)
-	l.deferMu.Lock()
-	if l.deferClosed {
-		l.deferMu.Unlock()
-		notify(ErrClosed)
-		return
-	}
-	if len(l.riders) == 0 || due.Before(l.riderDue) {
-		l.riderDue = due
-	}
-	l.riders = append(l.riders, req)
-	if len(l.riders) == maxBatch {
-		l.riderDue = time.Time{}
-	}
-	l.armLocked()
-	l.deferMu.Unlock()
+	l.queueLater(&l.riders, &l.riderDue, within, run, notify)
 }
 
 // takeRiders removes and returns up to maxBatch riders, oldest first.
 func (l *Ledger) takeRiders() []*request {
 	l.deferMu.Lock()
 	defer l.deferMu.Unlock()
-	n := min(len(l.riders), maxBatch)
+	return takeBatch(&l.riders, &l.riderDue)
+}
+
+// takeBatch removes and returns up to maxBatch writes of q, oldest first; those left
+// over (a full batch waiting) are due at once. Under deferMu.
+func takeBatch(q *[]*request, due *time.Time) []*request {
+	n := min(len(*q), maxBatch)
 	if n == 0 {
 		return nil
 	}
-	out := slices.Clone(l.riders[:n])
-	l.riders = slices.Delete(l.riders, 0, n)
-	if len(l.riders) > 0 {
-		l.riderDue = time.Time{} // those left over rode on no batch: at once
+	out := slices.Clone((*q)[:n])
+	*q = slices.Delete(*q, 0, n)
+	if len(*q) > 0 {
+		*due = time.Time{}
 	}
 	return out
 }
@@ -351,16 +349,7 @@ func (l *Ledger) takeDueDeferred() []*request {
 func (l *Ledger) takeDeferred() []*request {
 	l.deferMu.Lock()
 	defer l.deferMu.Unlock()
-	n := min(len(l.deferred), maxBatch)
-	if n == 0 {
-		return nil
-	}
-	out := slices.Clone(l.deferred[:n])
-	l.deferred = slices.Delete(l.deferred, 0, n)
-	if len(l.deferred) >= maxBatch {
-		l.deferDue = time.Time{}
-	}
-	return out
+	return takeBatch(&l.deferred, &l.deferDue)
 }
 
 // armDeferred sets the timer to fire when the oldest deferred write is due, or stops it
