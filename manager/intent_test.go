@@ -249,3 +249,62 @@ func TestReserveWaitsForTheCleanupOfItsDevices(t *testing.T) {
 		t.Error("the plugin was asked to reserve a0 while it was cleaning up after r1")
 	}
 }
+
+// TestCleanupsOfOneDeviceRunOneAtATime: two released reservations of the same device
+// whose cleanups are both owed, retried together, get them one after the other, neither
+// refused for the other.
+func TestCleanupsOfOneDeviceRunOneAtATime(t *testing.T) {
+	cfg, logs := durableConfig(t)
+	cfg.gcRetryMin = time.Hour // retried only when the test says so, both at once
+	cfg.GCParallelDestroys = 4
+	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0"))
+	m, _ := startInprocManager(t, cfg, alpha)
+	waitReady(t, m)
+
+	var refuse atomic.Bool
+	var running, most atomic.Int32
+	second := make(chan struct{})
+	refuse.Store(true)
+	alpha.set(func(f *fakeDevices) {
+		f.release = func(context.Context, string, []string) error {
+			if refuse.Load() {
+				return status.Error(codes.Unavailable, "not now")
+			}
+			n := running.Add(1)
+			defer running.Add(-1)
+			if n > most.Load() {
+				most.Store(n)
+			}
+			if n == 1 {
+				// A second cleanup of a0 would come in now, were it not waiting: a
+				// correct host makes this wait run out (well within the cleanup
+				// timeout, ReserveTimeout, which the other's wait counts against).
+				select {
+				case <-second:
+				case <-time.After(300 * time.Millisecond):
+				}
+			} else {
+				close(second)
+			}
+			return nil
+		}
+	})
+	var ids []string
+	for _, owner := range []string{"o1", "o2"} {
+		r := reserve(t, m, owner, "a0")
+		release(t, m, device.ReleaseRequest{ReservationID: r.ID})
+		logs.waitLine(t, "reservation cleanup failed; will retry", "reservation_id="+r.ID)
+		ids = append(ids, r.ID)
+	}
+	refuse.Store(false)
+	m.gc.RetryNow()
+	for _, id := range ids {
+		waitReservation(t, m, id, "cleaned up", cleanedUp)
+	}
+	if got := most.Load(); got != 1 {
+		t.Errorf("%d cleanups of a0 at once, want 1", got)
+	}
+	if lines := logs.lines("another cleanup"); len(lines) > 0 {
+		t.Errorf("a cleanup refused for the other: %q", lines)
+	}
+}

@@ -306,7 +306,7 @@ func (m *Manager) cleanup(ctx context.Context, e ledger.GCEntry) error {
 	s, wait := m.cleanupTarget(e.Plugin)
 	switch {
 	case s != nil:
-		release, err := m.claimForCleanup(e.ReservationID, e.DeviceIDs)
+		release, err := m.claimForCleanup(ctx, e.ReservationID, e.DeviceIDs)
 		if err != nil {
 			return fmt.Errorf("cleanup waits for a Reserve of its devices: %w", err)
 		}

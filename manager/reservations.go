@@ -534,32 +534,45 @@ func (m *Manager) claimAfterCleanups(ctx context.Context, owner string, ids []st
 }
 
 // claimForCleanup marks ids as being cleaned up until the returned func is called:
-// Reserves of them wait meanwhile (claimAfterCleanups). A device a Reserve has claimed
-// is a *device.HeldError: the cleanup waits for a later try.
-func (m *Manager) claimForCleanup(reservationID string, ids []string) (func(), error) {
-	m.claimMu.Lock()
-	defer m.claimMu.Unlock()
-	for _, id := range ids {
-		if o, ok := m.claims[id]; ok {
-			return nil, &device.HeldError{OwnerID: "cleanup of " + reservationID,
-				Conflicts: []device.Conflict{{Holder: device.Holder{OwnerID: o}, Overlap: []string{id}, Held: []string{id}}}}
-		}
-		if _, ok := m.cleaning[id]; ok {
-			return nil, fmt.Errorf("device %s: another cleanup of it is in flight", id)
-		}
-	}
-	done := make(chan struct{})
-	for _, id := range ids {
-		m.cleaning[id] = done
-	}
-	return func() {
+// Reserves of them wait meanwhile (claimAfterCleanups). It waits (bounded by ctx) for
+// another cleanup of one of them to end first. A device a Reserve has claimed is a
+// *device.HeldError: the cleanup waits for a later try.
+func (m *Manager) claimForCleanup(ctx context.Context, reservationID string, ids []string) (func(), error) {
+	for {
 		m.claimMu.Lock()
-		defer m.claimMu.Unlock()
+		var wait chan struct{}
 		for _, id := range ids {
-			delete(m.cleaning, id)
+			if o, ok := m.claims[id]; ok {
+				m.claimMu.Unlock()
+				return nil, &device.HeldError{OwnerID: "cleanup of " + reservationID,
+					Conflicts: []device.Conflict{{Holder: device.Holder{OwnerID: o}, Overlap: []string{id}, Held: []string{id}}}}
+			}
+			if ch, ok := m.cleaning[id]; ok && wait == nil {
+				wait = ch
+			}
 		}
-		close(done)
-	}, nil
+		if wait == nil {
+			done := make(chan struct{})
+			for _, id := range ids {
+				m.cleaning[id] = done
+			}
+			m.claimMu.Unlock()
+			return func() {
+				m.claimMu.Lock()
+				defer m.claimMu.Unlock()
+				for _, id := range ids {
+					delete(m.cleaning, id)
+				}
+				close(done)
+			}, nil
+		}
+		m.claimMu.Unlock()
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("waiting for another cleanup of the devices: %w", context.Cause(ctx))
+		}
+	}
 }
 
 // claimLocked is claim under claimMu.
