@@ -110,15 +110,27 @@ func intendRun(rec device.Reservation, takeOver []string, caps device.Capacity) 
 	}
 }
 
-// Finalize hands intent id its plugin's answer c: readers see the reservation with it
-// at once, and its record is written on the next commit (see the top of this file). A
-// reservation released or taken over meanwhile keeps its release. by is the caller the
-// trail's reserve event names.
+// Finalize hands intent id its plugin's answer c: readers see the reservation with it,
+// and the trail its reserve event, at once; its record is written on the next commit
+// (see the top of this file). A reservation released or taken over meanwhile keeps its
+// release. by is the caller the trail's reserve event names.
 func (l *Ledger) Finalize(id string, c device.ContainerReservation, by string) {
 	c = cloneContainer(c)
 	l.mu.Lock()
+	r := l.idx.live[id]
+	if r == nil || !l.idx.isIntent(id) { // released or taken over meanwhile
+		l.mu.Unlock()
+		return
+	}
 	l.answers[id] = c
+	e := device.Event{Kind: device.EventReserve, By: by, Owner: r.OwnerID, Devices: r.DeviceIDs, Reservations: []string{id}}
 	l.mu.Unlock()
+	// The trail's reserve event now, as a Reserve's comes at its commit: the
+	// reservation is durable already (its intent), and the trail writes its events
+	// later anyway (eventFlushEvery).
+	if l.ev != nil && l.ev.max > 0 {
+		l.addEvents(e)
+	}
 	l.submitRider(l.answerDelay, answerRun(id, c, by, "", true), func(err error) {
 		l.mu.Lock()
 		if !l.idx.isIntent(id) {
@@ -146,8 +158,9 @@ func (l *Ledger) FinalizeNow(ctx context.Context, id string, c device.ContainerR
 	return clone(val.(*device.Reservation)), nil
 }
 
-// answerRun writes intent id's record with its answer c, and the reserve event. quiet:
-// an id that is no longer an intent is no error (a rider's).
+// answerRun writes intent id's record with its answer c, and the reserve event. quiet
+// (a rider's, whose event Finalize made): no event, and an id that is no longer an
+// intent is no error.
 func answerRun(id string, c device.ContainerReservation, by, detail string, quiet bool) func(w *txn) (any, error) {
 	return func(w *txn) (any, error) {
 		r := w.get(id)
@@ -161,6 +174,9 @@ func answerRun(id string, c device.ContainerReservation, by, detail string, quie
 		nr.Container = c
 		if err := w.putReservation(&nr); err != nil {
 			return nil, err
+		}
+		if quiet {
+			return &nr, nil
 		}
 		if err := w.event(device.Event{Kind: device.EventReserve, By: by, Owner: nr.OwnerID, Devices: nr.DeviceIDs,
 			Reservations: []string{nr.ID}, Detail: detail}); err != nil {

@@ -301,3 +301,18 @@ func TestOpenRefusesAnIntentThatIsAlsoAReservation(t *testing.T) {
 		t.Errorf("Open = %v, want ErrCorrupt naming intent %s", err, r.ID)
 	}
 }
+
+// TestAnsweredIntentsReserveEventIsInTheTrailAtOnce: the trail shows a Reserve's event
+// once it is answered, not once its record rides to the file.
+func TestAnsweredIntentsReserveEventIsInTheTrailAtOnce(t *testing.T) {
+	l := openWith(t, statePath(t), Options{AnswerDelay: time.Hour})
+	intend(t, l, "res-a", "o1", "d0")
+	l.Finalize("res-a", res("o1", "d0").Container, "test")
+	ev, err := l.Events(context.Background(), device.EventFilter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ev.Events) != 1 || ev.Events[0].Kind != device.EventReserve || !slices.Equal(ev.Events[0].Reservations, []string{"res-a"}) || ev.Events[0].By != "test" {
+		t.Errorf("events = %+v, want res-a's reserve event by test", ev.Events)
+	}
+}
