@@ -169,6 +169,11 @@ type DeviceInfo struct {
 	// CDIDevices are the CDI names (kind=name) the plugin says expose the device to a
 	// container; empty when it keeps no CDI spec. What an admin access hands out.
 	CDIDevices []string
+	// NothingToRelease: the plugin's Reserve keeps nothing for the device that its
+	// Release would clean up, so the host's cleanup after a reservation leaves the
+	// device out of the plugin's Release (and makes no call for a reservation of only
+	// such devices).
+	NothingToRelease bool
 }
 
 // Health of a device. The zero value is HealthUnknown.

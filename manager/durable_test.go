@@ -342,6 +342,42 @@ func TestGCCleansUpThroughThePlugin(t *testing.T) {
 	}
 }
 
+// TestCleanupLeavesOutDevicesWithNothingToRelease: the GC's cleanup of a reservation
+// whose devices all say the plugin keeps nothing for them (a whole GPU) is done without
+// calling the plugin's Release; one with such a device and another gets the call for
+// the other device alone.
+func TestCleanupLeavesOutDevicesWithNothingToRelease(t *testing.T) {
+	cfg, _ := durableConfig(t)
+	g := group("acme", "gpu", "A1", "a0", "a1", "a2")
+	g.Devices[0].NothingToRelease, g.Devices[1].NothingToRelease = true, true
+	alpha := newFakeDevices("alpha", g)
+	var mu sync.Mutex
+	var calls [][]string
+	alpha.set(func(f *fakeDevices) {
+		f.release = func(_ context.Context, _ string, ids []string) error {
+			mu.Lock()
+			defer mu.Unlock()
+			calls = append(calls, ids)
+			return nil
+		}
+	})
+	m, _ := startInprocManager(t, cfg, alpha)
+	waitReady(t, m)
+	bare := reserve(t, m, "o1", "a0")
+	mixed := reserve(t, m, "o2", "a1", "a2")
+	release(t, m, device.ReleaseRequest{ReservationID: bare.ID})
+	waitReservation(t, m, bare.ID, "cleaned up", cleanedUp)
+	release(t, m, device.ReleaseRequest{ReservationID: mixed.ID})
+	if got := alpha.waitReleased(t, mixed.ID); !slices.Equal(got, []string{mixed.ID}) {
+		t.Errorf("plugin cleanups = %v; want [%s] alone (%s holds nothing the plugin keeps)", got, mixed.ID, bare.ID)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(calls) != 1 || !slices.Equal(calls[0], []string{"a2"}) {
+		t.Errorf("plugin Release calls with devices %v; want one, with a2 alone", calls)
+	}
+}
+
 // TestGCCleanupWaitsForThePlugin releases while the plugin is down: the cleanup stays
 // pending (never dropped) and runs once the plugin is back. The GC's own retry is an
 // hour away, so only the plugin's return can make it run within the test.

@@ -297,28 +297,34 @@ func openLedger(dir string, cfg Config) (*ledger.Ledger, error) {
 // is logged, once, and counted done. Called by the GC's workers, at most
 // GCParallelDestroys at once.
 //
-// Devices a newer live reservation holds are left out of the call: what the plugin
-// keeps for them is that reservation's now (a cleanup that ran before a host stop and
+// Devices the plugin says it keeps nothing for (device.DeviceInfo.NothingToRelease, in
+// the inventory now) are left out of the call, and a cleanup of only such devices is
+// done without one. Devices a newer live reservation holds are left out of the call
+// too: what the plugin keeps for them is that reservation's now (a cleanup that ran before a host stop and
 // is run again after it, or one owed while the device was reserved again). A Reserve of
 // the devices waits while the plugin cleans up (claimForCleanup), so the plugin never
 // prepares a device for a new holder while it cleans up after the old one.
 func (m *Manager) cleanup(ctx context.Context, e ledger.GCEntry) error {
+	owed := owingRelease(m.reg.Snapshot(), e.Group, e.DeviceIDs)
+	if len(owed) == 0 {
+		return nil // the plugin keeps nothing for these devices (NothingToRelease)
+	}
 	s, wait := m.cleanupTarget(e.Plugin)
 	switch {
 	case s != nil:
-		release, err := m.claimForCleanup(ctx, e.ReservationID, e.DeviceIDs)
+		release, err := m.claimForCleanup(ctx, e.ReservationID, owed)
 		if err != nil {
 			return fmt.Errorf("cleanup waits for a Reserve of its devices: %w", err)
 		}
 		defer release()
 		held := m.ledger.Holders()
 		var ids []string
-		for _, d := range e.DeviceIDs {
+		for _, d := range owed {
 			if _, ok := held[d]; !ok {
 				ids = append(ids, d)
 			}
 		}
-		if len(ids) < len(e.DeviceIDs) {
+		if len(ids) < len(owed) {
 			m.log.Info("plugin cleanup of a released reservation leaves out devices a newer reservation holds",
 				"plugin", e.Plugin, "reservation_id", e.ReservationID, "devices", strings.Join(e.DeviceIDs, ","), "cleaned", strings.Join(ids, ","))
 		}

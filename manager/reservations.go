@@ -344,6 +344,36 @@ func (m *Manager) liveReservations(_ context.Context, plugin string) ([]*pb.Live
 	return out, nil
 }
 
+// owingRelease returns those of ids (devices of group) that the plugin's Release may
+// have something to do for: all but those snap shows with NothingToRelease. A device
+// snap does not show (its plugin down, the device gone) is kept.
+func owingRelease(snap device.Snapshot, group device.GroupKey, ids []string) []string {
+	var none map[string]bool
+	for _, g := range snap.Inventory.Groups {
+		if g.GroupKey != group {
+			continue
+		}
+		for _, d := range g.Devices {
+			if d.NothingToRelease && slices.Contains(ids, d.ID) {
+				if none == nil {
+					none = make(map[string]bool, len(ids))
+				}
+				none[d.ID] = true
+			}
+		}
+	}
+	if none == nil {
+		return ids
+	}
+	var out []string
+	for _, id := range ids {
+		if !none[id] {
+			out = append(out, id)
+		}
+	}
+	return out
+}
+
 // consumption sums what ids (devices of group and of one plugin, as route found them in
 // snap) use of their plugin's counter sets, by set sorted by name, and returns the
 // capacities of those sets in snap; nothing for devices that share nothing.

@@ -52,6 +52,7 @@ func fromFingerprint(plugin string, resp *pb.FingerprintResponse) fingerprint {
 					PCIBusID: d.GetLocality().GetPciBusId(),
 					NUMANode: -1,
 				},
+				NothingToRelease: d.GetNothingToRelease(),
 			}
 			if d.GetLocality() != nil {
 				info.Locality.NUMANode = int(d.GetLocality().GetNumaNode())

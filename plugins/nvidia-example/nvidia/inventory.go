@@ -291,8 +291,10 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool, m
 		if !healthy && !until.IsZero() && (recovery.IsZero() || until.Before(recovery)) {
 			recovery = until
 		}
+		// A device is handed out as it is (Release has nothing to do for it) unless it
+		// is an MPS share or an on-demand MIG placement, below.
 		deviceIn := func(id, set string, use map[string]int64) *pb.Device {
-			dev := &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: d.locality}
+			dev := &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: d.locality, NothingToRelease: true}
 			if !healthy {
 				dev.Health = pb.Health_HEALTH_UNHEALTHY
 				dev.HealthReason = reason
@@ -310,6 +312,7 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool, m
 		// on-demand placement), consuming use of counter set set.
 		share := func(divided string, k int, set string, use map[string]int64) *pb.Device {
 			dev := deviceIn(mpsShareID(divided, k), set, use)
+			dev.NothingToRelease = false // Release stops its daemon when it is the last share
 			if dev.Health == pb.Health_HEALTH_HEALTHY {
 				if ok, why := mps.health(dev.Id, divided); !ok {
 					dev.Health, dev.HealthReason = pb.Health_HEALTH_UNHEALTHY, why
@@ -354,6 +357,7 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool, m
 					id := partitionID(d.id, prof.name, pl.Start)
 					dev := device(id, partitionUse(prof, pl, plan.partitionScale()))
 					dev.CdiDevices = nil
+					dev.NothingToRelease = false // Release destroys the instance Reserve made
 					add("mig", prof.name, func() map[string]*pb.Value { return migAttrs(prof, d) }, dev)
 					for k := range plan.mps {
 						sh := share(id, k, d.id, partitionUse(prof, pl, 1))

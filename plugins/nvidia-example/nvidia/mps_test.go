@@ -516,3 +516,53 @@ func TestMPSOnDemandSharesOutliveThePlugin(t *testing.T) {
 		t.Errorf("daemon %d runs on with no live share", rec.PID)
 	}
 }
+
+// TestFingerprintSaysWhatReleaseHasNothingFor: the devices the plugin hands out as they
+// are (whole GPUs, time-sliced replicas, static MIG devices) say Release has nothing to
+// do for them, so the host skips it; MPS shares (Release stops their daemon) and
+// on-demand MIG placements (Release destroys the instance) do not.
+func TestFingerprintSaysWhatReleaseHasNothingFor(t *testing.T) {
+	cfg := mpsConfig(mpsDir(t), "")
+	cfg.MIGLayout = []byte(`{"0": ["3g.40gb"]}`)
+	cfg.Replicas = 2
+	static := startFingerprint(t, newMPSPlugin(t, cfg)).next(t)
+	od := onDemand(filepath.Join(t.TempDir(), "sim.json"))
+	od.SimMIGModeOff = []int{4, 5, 6, 7}
+	p, _ := newTestPlugin(t, od)
+	onDemandFP := fingerprintOf(t, p)
+	p, _ = newTestPlugin(t, Config{Simulate: "dgxh100", Replicas: 4})
+	replicas := fingerprintOf(t, p)
+	for _, c := range []struct {
+		name string
+		fp   *pb.FingerprintResponse
+		want map[string]bool // by group type: NothingToRelease
+	}{
+		{"MPS over whole GPUs and a static MIG layout", static, map[string]bool{"gpu": true, "mig": true, "gpu.mps": false}},
+		{"time-sliced replicas", replicas, map[string]bool{"gpu": true, "gpu.shared": true}},
+		{"on-demand MIG", onDemandFP, map[string]bool{"gpu": true, "mig": false}},
+	} {
+		seen := map[string]int{}
+		for _, g := range c.fp.GetGroups() {
+			typ := g.GetType()
+			if strings.HasSuffix(g.GetName(), ".mps") {
+				typ = "gpu.mps" // a static MIG device's shares
+			}
+			want, ok := c.want[typ]
+			if !ok {
+				t.Errorf("%s: unexpected group %s/%s", c.name, g.GetType(), g.GetName())
+				continue
+			}
+			for _, d := range g.GetDevices() {
+				seen[typ]++
+				if d.GetNothingToRelease() != want {
+					t.Errorf("%s: %s device %s: nothing_to_release %v; want %v", c.name, typ, d.GetId(), d.GetNothingToRelease(), want)
+				}
+			}
+		}
+		for typ := range c.want {
+			if seen[typ] == 0 {
+				t.Errorf("%s: no %s device in the fingerprint", c.name, typ)
+			}
+		}
+	}
+}

@@ -673,9 +673,16 @@ type Device struct {
 	// bytes. The host hands them to admin accesses (monitoring or debugging workloads
 	// that see a device without holding it), so only names that resolve while the
 	// device exists, whoever holds it.
-	CdiDevices    []string `protobuf:"bytes,6,rep,name=cdi_devices,json=cdiDevices,proto3" json:"cdi_devices,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	CdiDevices []string `protobuf:"bytes,6,rep,name=cdi_devices,json=cdiDevices,proto3" json:"cdi_devices,omitempty"`
+	// Reserve keeps nothing for this device that Release would clean up (a whole GPU
+	// handed out as it is, not a MIG instance made for the reservation or an MPS share).
+	// The host leaves such devices out of Release, and does not call it for a released
+	// reservation whose devices all say so in the fingerprint it has when it cleans up
+	// (a device the plugin no longer reports is left in). Unset (false): Release is
+	// called as always. So a device ID must keep its answer while the plugin runs.
+	NothingToRelease bool `protobuf:"varint,7,opt,name=nothing_to_release,json=nothingToRelease,proto3" json:"nothing_to_release,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *Device) Reset() {
@@ -748,6 +755,13 @@ func (x *Device) GetCdiDevices() []string {
 		return x.CdiDevices
 	}
 	return nil
+}
+
+func (x *Device) GetNothingToRelease() bool {
+	if x != nil {
+		return x.NothingToRelease
+	}
+	return false
 }
 
 type Locality struct {
@@ -1694,7 +1708,7 @@ const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
 	"attributes\x1aU\n" +
 	"\x0fAttributesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12,\n" +
-	"\x05value\x18\x02 \x01(\v2\x16.deviceplugin.v1.ValueR\x05value:\x028\x01\"\x87\x02\n" +
+	"\x05value\x18\x02 \x01(\v2\x16.deviceplugin.v1.ValueR\x05value:\x028\x01\"\xb5\x02\n" +
 	"\x06Device\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12/\n" +
 	"\x06health\x18\x02 \x01(\x0e2\x17.deviceplugin.v1.HealthR\x06health\x12#\n" +
@@ -1702,7 +1716,8 @@ const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
 	"\blocality\x18\x04 \x01(\v2\x19.deviceplugin.v1.LocalityR\blocality\x12?\n" +
 	"\bconsumes\x18\x05 \x03(\v2#.deviceplugin.v1.CounterConsumptionR\bconsumes\x12\x1f\n" +
 	"\vcdi_devices\x18\x06 \x03(\tR\n" +
-	"cdiDevices\"E\n" +
+	"cdiDevices\x12,\n" +
+	"\x12nothing_to_release\x18\a \x01(\bR\x10nothingToRelease\"E\n" +
 	"\bLocality\x12\x1c\n" +
 	"\n" +
 	"pci_bus_id\x18\x01 \x01(\tR\bpciBusId\x12\x1b\n" +
