@@ -541,6 +541,40 @@ func (m *Manager) claim(owner string, ids []string) (func(), error) {
 // those (bounded by ctx), so that a Reserve never asks the plugin for a device the
 // plugin is cleaning up after its previous holder (see cleanup).
 func (m *Manager) claimAfterCleanups(ctx context.Context, owner string, ids []string) (func(), error) {
+	return m.afterCleanups(ctx, ids, "reserve: waiting for the plugin to clean up after the devices' previous holder",
+		func() (func(), error) { return m.claimLocked(owner, ids) })
+}
+
+// claimForCleanup marks ids as being cleaned up until the returned func is called:
+// Reserves of them wait meanwhile (claimAfterCleanups). It waits (bounded by ctx) for
+// another cleanup of one of them to end first. A device a Reserve has claimed is a
+// *device.HeldError: the cleanup waits for a later try.
+func (m *Manager) claimForCleanup(ctx context.Context, reservationID string, ids []string) (func(), error) {
+	return m.afterCleanups(ctx, ids, "waiting for another cleanup of the devices", func() (func(), error) {
+		for _, id := range ids {
+			if o, ok := m.claims[id]; ok {
+				return nil, &device.HeldError{OwnerID: "cleanup of " + reservationID,
+					Conflicts: []device.Conflict{{Holder: device.Holder{OwnerID: o}, Overlap: []string{id}, Held: []string{id}}}}
+			}
+		}
+		done := make(chan struct{})
+		for _, id := range ids {
+			m.cleaning[id] = done
+		}
+		return func() {
+			m.claimMu.Lock()
+			defer m.claimMu.Unlock()
+			for _, id := range ids {
+				delete(m.cleaning, id)
+			}
+			close(done)
+		}, nil
+	})
+}
+
+// afterCleanups calls then under claimMu once no plugin cleanup of ids is in flight,
+// waiting for those that are, bounded by ctx (an error that says it was waiting).
+func (m *Manager) afterCleanups(ctx context.Context, ids []string, waiting string, then func() (func(), error)) (func(), error) {
 	for {
 		m.claimMu.Lock()
 		var wait chan struct{}
@@ -552,55 +586,13 @@ func (m *Manager) claimAfterCleanups(ctx context.Context, owner string, ids []st
 		}
 		if wait == nil {
 			defer m.claimMu.Unlock()
-			return m.claimLocked(owner, ids)
+			return then()
 		}
 		m.claimMu.Unlock()
 		select {
 		case <-wait:
 		case <-ctx.Done():
-			return nil, fmt.Errorf("reserve: waiting for the plugin to clean up after the devices' previous holder: %w", context.Cause(ctx))
-		}
-	}
-}
-
-// claimForCleanup marks ids as being cleaned up until the returned func is called:
-// Reserves of them wait meanwhile (claimAfterCleanups). It waits (bounded by ctx) for
-// another cleanup of one of them to end first. A device a Reserve has claimed is a
-// *device.HeldError: the cleanup waits for a later try.
-func (m *Manager) claimForCleanup(ctx context.Context, reservationID string, ids []string) (func(), error) {
-	for {
-		m.claimMu.Lock()
-		var wait chan struct{}
-		for _, id := range ids {
-			if o, ok := m.claims[id]; ok {
-				m.claimMu.Unlock()
-				return nil, &device.HeldError{OwnerID: "cleanup of " + reservationID,
-					Conflicts: []device.Conflict{{Holder: device.Holder{OwnerID: o}, Overlap: []string{id}, Held: []string{id}}}}
-			}
-			if ch, ok := m.cleaning[id]; ok && wait == nil {
-				wait = ch
-			}
-		}
-		if wait == nil {
-			done := make(chan struct{})
-			for _, id := range ids {
-				m.cleaning[id] = done
-			}
-			m.claimMu.Unlock()
-			return func() {
-				m.claimMu.Lock()
-				defer m.claimMu.Unlock()
-				for _, id := range ids {
-					delete(m.cleaning, id)
-				}
-				close(done)
-			}, nil
-		}
-		m.claimMu.Unlock()
-		select {
-		case <-wait:
-		case <-ctx.Done():
-			return nil, fmt.Errorf("waiting for another cleanup of the devices: %w", context.Cause(ctx))
+			return nil, fmt.Errorf("%s: %w", waiting, context.Cause(ctx))
 		}
 	}
 }
