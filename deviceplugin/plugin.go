@@ -48,7 +48,9 @@ type Plugin interface {
 }
 
 // Releaser is implemented by plugins that clean up after a reservation ends. Plugins
-// without it answer Release with UNIMPLEMENTED, which the host treats as done.
+// without it answer Release with UNIMPLEMENTED, which the host treats as done. A device
+// whose fingerprint sets nothing_to_release (its Reserve leaves nothing to clean up) is
+// left out of Release, and a reservation of only such devices gets no call.
 //
 // Release must be idempotent: the host records a successful cleanup in a later commit
 // of its ledger, so after a host crash (or an answer lost on the way) it calls Release

@@ -300,10 +300,11 @@ func openLedger(dir string, cfg Config) (*ledger.Ledger, error) {
 // Devices the plugin says it keeps nothing for (device.DeviceInfo.NothingToRelease, in
 // the inventory now) are left out of the call, and a cleanup of only such devices is
 // done without one. Devices a newer live reservation holds are left out of the call
-// too: what the plugin keeps for them is that reservation's now (a cleanup that ran before a host stop and
-// is run again after it, or one owed while the device was reserved again). A Reserve of
-// the devices waits while the plugin cleans up (claimForCleanup), so the plugin never
-// prepares a device for a new holder while it cleans up after the old one.
+// too: what the plugin keeps for them is that reservation's now (a cleanup that ran
+// before a host stop and is run again after it, or one owed while the device was
+// reserved again). A Reserve of the devices waits while the plugin cleans up
+// (claimForCleanup), so the plugin never prepares a device for a new holder while it
+// cleans up after the old one.
 func (m *Manager) cleanup(ctx context.Context, e ledger.GCEntry) error {
 	owed := owingRelease(m.reg.Snapshot(), e.Group, e.DeviceIDs)
 	if len(owed) == 0 {
