@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/devicehost/devicehost/device"
@@ -564,17 +565,7 @@ func (m *Manager) claimForCleanup(ctx context.Context, reservationID string, ids
 			}
 		}
 		done := make(chan struct{})
-		for _, id := range ids {
-			m.cleaning[id] = done
-		}
-		return func() {
-			m.claimMu.Lock()
-			defer m.claimMu.Unlock()
-			for _, id := range ids {
-				delete(m.cleaning, id)
-			}
-			close(done)
-		}, nil
+		return holdUnder(&m.claimMu, m.cleaning, ids, done, func() { close(done) }), nil
 	})
 }
 
@@ -620,16 +611,25 @@ func (m *Manager) claimLocked(owner string, ids []string) (func(), error) {
 		}
 		return nil, e
 	}
+	return holdUnder(&m.claimMu, m.claims, ids, owner, nil), nil
+}
+
+// holdUnder sets held[id] to v for each of ids (the caller holds mu) and returns the
+// func that deletes them again under mu, then calls after (when not nil).
+func holdUnder[V any](mu *sync.Mutex, held map[string]V, ids []string, v V, after func()) func() {
 	for _, id := range ids {
-		m.claims[id] = owner
+		held[id] = v
 	}
 	return func() {
-		m.claimMu.Lock()
-		defer m.claimMu.Unlock()
+		mu.Lock()
+		defer mu.Unlock()
 		for _, id := range ids {
-			delete(m.claims, id)
+			delete(held, id)
 		}
-	}, nil
+		if after != nil {
+			after()
+		}
+	}
 }
 
 // Release ends the reservations req names, durably, frees their devices (watchers get a
