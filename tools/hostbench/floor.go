@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -331,18 +333,26 @@ func (b *bench) floor(ctx context.Context) error {
 		fmt.Printf("breakdown: none (%v)\n", err)
 		return nil
 	}
-	f, err := os.Open(trace)
+	data, err := os.ReadFile(trace)
 	if err != nil {
 		return err
 	}
-	defer f.Close()
-	calls, err := calltrace.Read(f)
+	calls, err := calltrace.Read(bytes.NewReader(data))
 	if err != nil {
 		return fmt.Errorf("read the agent's trace: %w", err)
 	}
 	fmt.Printf("breakdown: %d Reserve+Release cycles alone with the agent traced (Reserve p50 %.0f µs, Release %.0f µs seen by the caller)\n",
 		len(s.reserve), p50(s.reserve), p50(s.release))
 	breakdownRows(calls, "traced")
+	if b.timeline {
+		for _, method := range []string{pb.DeviceHost_Reserve_FullMethodName, pb.DeviceHost_Release_FullMethodName} {
+			lines, err := calltrace.Timeline(data, method, 50, 300*time.Microsecond)
+			if err != nil {
+				return fmt.Errorf("timeline: %w", err)
+			}
+			fmt.Printf("timeline: %s\n", strings.Join(lines, "\n  "))
+		}
+	}
 	return nil
 }
 

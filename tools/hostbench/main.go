@@ -56,6 +56,7 @@ func main() {
 	cpuProfile := flag.String("cpuprofile", "", "floor, partition and fanout scenarios: the agent's Go CPU profile during the (49-held) loop, or the changes (run one watcher count), into this `file` (an agent built with -tags cpuprofile)")
 	traceOut := flag.String("trace", "", "floor scenario: keep the agent's execution trace of the breakdown phase in this `file`; partition scenario: the agent's execution trace during the 49-held loop (an agent built with -tags cpuprofile)")
 	breakdown := flag.Bool("breakdown", true, "floor scenario: trace the agent through -floor-cycles more cycles and print where a Reserve's and a Release's time goes (an agent built with -tags cpuprofile)")
+	timeline := flag.Bool("timeline", false, "floor scenario, with -breakdown: also print what every goroutine of the agent did around the median traced Reserve and Release (tools/calltrace.Timeline)")
 	only := flag.String("only", "reserve,rss,fanout,stats", "scenarios to run, comma-separated (floor: see above)")
 	rowsOut := flag.String("rows", "", "also write each headline figure as a `file` of tab-separated name, value, unit lines (scripts/bench -compare reads them)")
 	grpcWatchers := flag.Bool("grpc-watchers", false, "fanout scenario: the watchers are grpc-go client streams (a goroutine each), not frame-level readers (tools/rawgrpc.Client)")
@@ -75,7 +76,7 @@ func main() {
 	b := &bench{
 		bin: *agentBin, limits: *limits, streams: *streams, conns: *conns,
 		cycles: *cycles, cycleTime: *cycleTime, grpcWatchers: *grpcWatchers,
-		floorCycles: *floorCycles, floorTime: *floorTime, breakdown: *breakdown, floorBlock: max(*floorBlock, 1), floorGap: *floorGap, agentFlags: strings.Fields(*agentFlags), perf: *perfOut, cpuProfile: *cpuProfile, trace: *traceOut,
+		floorCycles: *floorCycles, floorTime: *floorTime, breakdown: *breakdown, timeline: *timeline, floorBlock: max(*floorBlock, 1), floorGap: *floorGap, agentFlags: strings.Fields(*agentFlags), perf: *perfOut, cpuProfile: *cpuProfile, trace: *traceOut,
 	}
 	ctx := context.Background()
 	var err error
@@ -146,6 +147,7 @@ type bench struct {
 	floorBlock  int
 	floorGap    time.Duration
 	breakdown   bool
+	timeline    bool
 	agentFlags  []string
 	perf        string
 	cpuProfile  string // the agent's environment gets DEVICEHOST_CPUPROFILE
