@@ -53,10 +53,6 @@ type Span struct {
 // Read reads an execution trace and returns its complete calls by method (the
 // task's type): those whose task began and ended within the trace.
 func Read(r io.Reader) (map[string][]Call, error) {
-	rd, err := trace.NewReader(r)
-	if err != nil {
-		return nil, err
-	}
 	type open struct {
 		method string
 		c      Call
@@ -65,14 +61,7 @@ func Read(r io.Reader) (map[string][]Call, error) {
 	// Regions nest per goroutine: a stack of the open ones on each.
 	stacks := make(map[trace.GoID][]Span)
 	out := make(map[string][]Call)
-	for {
-		ev, err := rd.ReadEvent()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			return nil, err
-		}
+	err := eachEvent(r, func(ev trace.Event) bool {
 		switch ev.Kind() {
 		case trace.EventTaskBegin:
 			t := ev.Task()
@@ -93,7 +82,7 @@ func Read(r io.Reader) (map[string][]Call, error) {
 			g, reg := ev.Goroutine(), ev.Region()
 			st := stacks[g]
 			if len(st) == 0 {
-				continue // began before the trace did
+				return true // began before the trace did
 			}
 			sp := st[len(st)-1]
 			stacks[g] = st[:len(st)-1]
@@ -102,8 +91,33 @@ func Read(r io.Reader) (map[string][]Call, error) {
 				o.c.Regions = append(o.c.Regions, sp)
 			}
 		}
+		return true
+	})
+	if err != nil {
+		return nil, err
 	}
 	return out, nil
+}
+
+// eachEvent reads the execution trace in r and calls f with each event, in order, until
+// f returns false or the trace ends.
+func eachEvent(r io.Reader, f func(trace.Event) bool) error {
+	rd, err := trace.NewReader(r)
+	if err != nil {
+		return err
+	}
+	for {
+		ev, err := rd.ReadEvent()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if !f(ev) {
+			return nil
+		}
+	}
 }
 
 // Row is one line of a breakdown: a step's p50 and p99 over the calls.

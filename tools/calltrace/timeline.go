@@ -3,9 +3,7 @@ package calltrace
 import (
 	"bytes"
 	"cmp"
-	"errors"
 	"fmt"
-	"io"
 	"slices"
 	"strings"
 	"time"
@@ -35,25 +33,14 @@ func Timeline(data []byte, method string, p int, margin time.Duration) ([]string
 	slices.SortFunc(cs, func(a, b Call) int { return cmp.Compare(a.End-a.Begin, b.End-b.Begin) })
 	c := cs[max((len(cs)*p+99)/100-1, 0)]
 	from, to := c.Begin-trace.Time(margin), c.End+trace.Time(margin)
-	rd, err := trace.NewReader(bytes.NewReader(data))
-	if err != nil {
-		return nil, err
-	}
 	out := []string{fmt.Sprintf("%s at p%d: %.1f µs from its headers to its status (%d calls)",
 		method, p, float64(c.End-c.Begin)/1e3, len(cs))}
-	for {
-		ev, err := rd.ReadEvent()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			return nil, err
-		}
+	err = eachEvent(bytes.NewReader(data), func(ev trace.Event) bool {
 		if ev.Time() < from {
-			continue
+			return true
 		}
 		if ev.Time() > to {
-			break
+			return false
 		}
 		var what string
 		switch ev.Kind() {
@@ -68,7 +55,7 @@ func Timeline(data []byte, method string, p int, margin time.Duration) ([]string
 		case trace.EventStateTransition:
 			st := ev.StateTransition()
 			if st.Resource.Kind != trace.ResourceGoroutine {
-				continue
+				return true
 			}
 			old, now := st.Goroutine()
 			what = fmt.Sprintf("g%d %v -> %v", st.Resource.Goroutine(), old, now)
@@ -79,13 +66,17 @@ func Timeline(data []byte, method string, p int, margin time.Duration) ([]string
 				what += " (by " + by + ")"
 			}
 		default:
-			continue
+			return true
 		}
 		on := "-" // the scheduler's own
 		if g := ev.Goroutine(); g != trace.NoGoroutine {
 			on = fmt.Sprintf("g%d", g)
 		}
 		out = append(out, fmt.Sprintf("%9.1f µs  %-7s %s", float64(ev.Time()-c.Begin)/1e3, on, what))
+		return true
+	})
+	if err != nil {
+		return nil, err
 	}
 	return out, nil
 }
