@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"iter"
 	"maps"
 	"runtime"
 	"slices"
@@ -356,17 +357,12 @@ func (m *Manager) liveReservations(_ context.Context, plugin string) ([]*pb.Live
 // snap does not show (its plugin down, the device gone) is kept.
 func owingRelease(snap device.Snapshot, group device.GroupKey, ids []string) []string {
 	var none map[string]bool
-	for _, g := range snap.Inventory.Groups {
-		if g.GroupKey != group {
-			continue
-		}
-		for _, d := range g.Devices {
-			if d.NothingToRelease && slices.Contains(ids, d.ID) {
-				if none == nil {
-					none = make(map[string]bool, len(ids))
-				}
-				none[d.ID] = true
+	for _, d := range devicesIn(snap, group, ids) {
+		if d.NothingToRelease {
+			if none == nil {
+				none = make(map[string]bool, len(ids))
 			}
+			none[d.ID] = true
 		}
 	}
 	if none == nil {
@@ -385,26 +381,14 @@ func owingRelease(snap device.Snapshot, group device.GroupKey, ids []string) []s
 // snap) use of their plugin's counter sets, by set sorted by name, and returns the
 // capacities of those sets in snap; nothing for devices that share nothing.
 func consumption(snap device.Snapshot, group device.GroupKey, ids []string) ([]device.Consumption, device.Capacity) {
-	want := make(map[string]bool, len(ids))
-	for _, id := range ids {
-		want[id] = true
-	}
 	sum := make(map[device.CounterSetKey]map[string]int64)
-	for _, g := range snap.Inventory.Groups {
-		if g.GroupKey != group {
-			continue // route found every one of ids in group
-		}
-		for _, d := range g.Devices {
-			if !want[d.ID] {
-				continue
+	for _, d := range devicesIn(snap, group, ids) {
+		for _, c := range d.Consumes {
+			if sum[c.Set] == nil {
+				sum[c.Set] = make(map[string]int64, len(c.Counters))
 			}
-			for _, c := range d.Consumes {
-				if sum[c.Set] == nil {
-					sum[c.Set] = make(map[string]int64, len(c.Counters))
-				}
-				for name, v := range c.Counters {
-					sum[c.Set][name] += v
-				}
+			for name, v := range c.Counters {
+				sum[c.Set][name] += v
 			}
 		}
 	}
@@ -422,6 +406,23 @@ func consumption(snap device.Snapshot, group device.GroupKey, ids []string) ([]d
 		}
 	}
 	return consumes, caps
+}
+
+// devicesIn yields the plugin and the static part of each device of group in snap
+// whose ID is one of ids.
+func devicesIn(snap device.Snapshot, group device.GroupKey, ids []string) iter.Seq2[string, device.DeviceInfo] {
+	return func(yield func(string, device.DeviceInfo) bool) {
+		for _, g := range snap.Inventory.Groups {
+			if g.GroupKey != group {
+				continue
+			}
+			for _, d := range g.Devices {
+				if slices.Contains(ids, d.ID) && !yield(g.Plugin, d) {
+					return
+				}
+			}
+		}
+	}
 }
 
 // lockCounterSets takes the lock of each counter set consumes uses, in name order, and
@@ -701,20 +702,13 @@ func (m *Manager) adminAccess(ctx context.Context, req device.ReserveRequest) (d
 	snap := m.reg.Snapshot()
 	var plugin string
 	infos := make(map[string]device.DeviceInfo, len(req.DeviceIDs))
-	for _, g := range snap.Inventory.Groups {
-		if g.GroupKey != req.Group {
-			continue
+	for p, d := range devicesIn(snap, req.Group, req.DeviceIDs) {
+		infos[d.ID] = d
+		if plugin != "" && plugin != p {
+			return device.Reservation{}, fmt.Errorf("admin access: devices %s of group %s belong to more than one plugin: %w",
+				strings.Join(req.DeviceIDs, ", "), req.Group, device.ErrUnknownDevice)
 		}
-		for _, d := range g.Devices {
-			if slices.Contains(req.DeviceIDs, d.ID) {
-				infos[d.ID] = d
-				if plugin != "" && plugin != g.Plugin {
-					return device.Reservation{}, fmt.Errorf("admin access: devices %s of group %s belong to more than one plugin: %w",
-						strings.Join(req.DeviceIDs, ", "), req.Group, device.ErrUnknownDevice)
-				}
-				plugin = g.Plugin
-			}
-		}
+		plugin = p
 	}
 	var unknown, noCDI, cdi []string
 	for _, id := range req.DeviceIDs {
