@@ -47,9 +47,9 @@ func TestReserveAndReleaseMarkTheirSteps(t *testing.T) {
 	for method, want := range map[string][2][]string{
 		"Reserve": {
 			{"claim", "ledger check", "route", "plugin and intent", "plugin", "validate answer", "ledger answer", "refresh"},
-			{"ledger commit", "ledger: begin", "ledger: apply", "ledger: bolt commit", "ledger: index"},
+			{"ledger commit", "ledger: apply", "ledger: log write", "ledger: index"},
 		},
-		"Release": {{"ledger commit", "ledger: begin", "ledger: apply", "ledger: bolt commit", "ledger: index", "refresh"}, nil},
+		"Release": {{"ledger commit", "ledger: apply", "ledger: log write", "ledger: index", "refresh"}, nil},
 	} {
 		if len(calls[method]) != 1 {
 			t.Fatalf("%s: %d traced calls, want 1", method, len(calls[method]))
@@ -59,6 +59,9 @@ func TestReserveAndReleaseMarkTheirSteps(t *testing.T) {
 		var onHandler, elsewhere []string
 		var both calltrace.Span
 		for _, r := range regions {
+			if r.Name == "ledger: begin" {
+				continue // only where no transaction is open since the last checkpoint
+			}
 			if r.Goroutine == handler {
 				onHandler = append(onHandler, r.Name)
 			} else {

@@ -98,11 +98,7 @@ func (l *Ledger) GrantAccess(ctx context.Context, a device.AdminAccess) (device.
 		return device.AdminAccess{}, fmt.Errorf("admin access: %w", err)
 	}
 	_, err = l.submit(ctx, func(w *txn) (any, error) {
-		b, err := w.tx.CreateBucketIfNotExists(bucketAccess)
-		if err != nil {
-			return nil, &storageError{fmt.Errorf("admin access bucket: %w", err)}
-		}
-		if err := b.Put([]byte(a.ID), seal(payload)); err != nil {
+		if err := w.put(bucketAccess, []byte(a.ID), seal(payload)); err != nil {
 			return nil, &storageError{fmt.Errorf("store admin access %s: %w", a.ID, err)}
 		}
 		w.dirty = true
@@ -150,12 +146,11 @@ func (l *Ledger) RevokeAccess(ctx context.Context, req device.ReleaseRequest) ([
 		return nil, nil
 	}
 	_, err := l.submit(ctx, func(w *txn) (any, error) {
-		b := w.tx.Bucket(bucketAccess)
-		if b == nil {
+		if w.tx.Bucket(bucketAccess) == nil {
 			return nil, nil
 		}
 		for _, a := range gone {
-			if err := b.Delete([]byte(a.ID)); err != nil {
+			if err := w.del(bucketAccess, []byte(a.ID)); err != nil {
 				return nil, &storageError{fmt.Errorf("delete admin access %s: %w", a.ID, err)}
 			}
 			if err := w.event(device.Event{Kind: device.EventAdminAccessEnd, By: device.CallerOf(ctx), Owner: a.OwnerID,

@@ -44,17 +44,13 @@ func (l *Ledger) RecordDeviceBindings(ctx context.Context, bindings map[string]s
 	}
 	bindings, forget = maps.Clone(bindings), slices.Clone(forget)
 	_, err := l.submit(ctx, func(w *txn) (any, error) {
-		b, err := w.tx.CreateBucketIfNotExists(bucketBindings)
-		if err != nil {
-			return nil, &storageError{fmt.Errorf("device bindings bucket: %w", err)}
-		}
 		for id, plugin := range bindings {
-			if err := b.Put([]byte(id), seal([]byte(plugin))); err != nil {
+			if err := w.put(bucketBindings, []byte(id), seal([]byte(plugin))); err != nil {
 				return nil, &storageError{fmt.Errorf("store binding of device %q: %w", id, err)}
 			}
 		}
 		for _, id := range forget {
-			if err := b.Delete([]byte(id)); err != nil {
+			if err := w.del(bucketBindings, []byte(id)); err != nil {
 				return nil, &storageError{fmt.Errorf("delete binding of device %q: %w", id, err)}
 			}
 		}
@@ -74,7 +70,7 @@ func (l *Ledger) RecordDeviceBindings(ctx context.Context, bindings map[string]s
 func (l *Ledger) DeviceBindings() (map[string]string, error) {
 	out := make(map[string]string)
 	var bad []error
-	err := l.db.View(func(tx *bolt.Tx) error {
+	err := l.read(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketBindings)
 		if b == nil {
 			return nil

@@ -48,11 +48,7 @@ func (l *Ledger) Cordon(ctx context.Context, id string, c device.Cordon) (device
 	l.cordonMu.Lock()
 	defer l.cordonMu.Unlock()
 	_, err = l.submit(ctx, func(w *txn) (any, error) {
-		b, err := w.tx.CreateBucketIfNotExists(bucketCordons)
-		if err != nil {
-			return nil, &storageError{fmt.Errorf("cordons bucket: %w", err)}
-		}
-		if err := b.Put([]byte(id), seal(payload)); err != nil {
+		if err := w.put(bucketCordons, []byte(id), seal(payload)); err != nil {
 			return nil, &storageError{fmt.Errorf("store cordon of device %q: %w", id, err)}
 		}
 		w.dirty = true
@@ -81,11 +77,10 @@ func (l *Ledger) Uncordon(ctx context.Context, id string) (*device.Cordon, error
 		return nil, nil
 	}
 	_, err := l.submit(ctx, func(w *txn) (any, error) {
-		b := w.tx.Bucket(bucketCordons)
-		if b == nil {
+		if w.tx.Bucket(bucketCordons) == nil {
 			return nil, nil
 		}
-		if err := b.Delete([]byte(id)); err != nil {
+		if err := w.del(bucketCordons, []byte(id)); err != nil {
 			return nil, &storageError{fmt.Errorf("delete cordon of device %q: %w", id, err)}
 		}
 		w.dirty = true

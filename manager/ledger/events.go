@@ -203,7 +203,7 @@ func writeEvents(w *txn, events []device.Event, count, max int, maxAge time.Dura
 		if err != nil {
 			return 0, &storageError{err}
 		}
-		if err := b.Put(seqKey(e.Seq), seal(payload)); err != nil {
+		if err := w.put(bucketEvents, seqKey(e.Seq), seal(payload)); err != nil {
 			return 0, &storageError{fmt.Errorf("store event %d: %w", e.Seq, err)}
 		}
 	}
@@ -211,10 +211,11 @@ func writeEvents(w *txn, events []device.Event, count, max int, maxAge time.Dura
 	dropped := 0
 	c := b.Cursor()
 	for count+len(events)-dropped > max {
-		if k, _ := c.First(); k == nil {
+		k, _ := c.First()
+		if k == nil {
 			break
 		}
-		if err := c.Delete(); err != nil {
+		if err := w.del(bucketEvents, slices.Clone(k)); err != nil {
 			return 0, &storageError{fmt.Errorf("drop the oldest event: %w", err)}
 		}
 		dropped++
@@ -229,7 +230,7 @@ func writeEvents(w *txn, events []device.Event, count, max int, maxAge time.Dura
 		if payload, err := unseal(v); err == nil && json.Unmarshal(payload, &rec) == nil && !rec.Time.Before(cutoff) {
 			break // the oldest is young enough (an unreadable one goes)
 		}
-		if err := c.Delete(); err != nil {
+		if err := w.del(bucketEvents, slices.Clone(k)); err != nil {
 			return 0, &storageError{fmt.Errorf("drop an old event: %w", err)}
 		}
 		dropped++
@@ -294,7 +295,7 @@ func (l *Ledger) Events(_ context.Context, f device.EventFilter) (device.EventsR
 		}
 		return true
 	}
-	err := l.db.View(func(tx *bolt.Tx) error {
+	err := l.read(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketEvents)
 		if b == nil {
 			return nil

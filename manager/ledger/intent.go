@@ -279,11 +279,7 @@ func (w *txn) putIntent(r *device.Reservation) error {
 	if err != nil {
 		return &storageError{err}
 	}
-	b, err := w.tx.CreateBucketIfNotExists(bucketIntents)
-	if err != nil {
-		return &storageError{fmt.Errorf("create intents bucket: %w", err)}
-	}
-	if err := b.Put([]byte(r.ID), v); err != nil {
+	if err := w.put(bucketIntents, []byte(r.ID), v); err != nil {
 		return &storageError{fmt.Errorf("store intent %q: %w", r.ID, err)}
 	}
 	w.ov.put(r)
@@ -295,10 +291,8 @@ func (w *txn) putIntent(r *device.Reservation) error {
 // deleteIntentKey deletes intent id's key from the file and marks it no longer an
 // intent in the batch view; its record in the view is the caller's to change.
 func (w *txn) deleteIntentKey(id string) error {
-	if b := w.tx.Bucket(bucketIntents); b != nil {
-		if err := b.Delete([]byte(id)); err != nil {
-			return &storageError{fmt.Errorf("delete intent %q: %w", id, err)}
-		}
+	if err := w.del(bucketIntents, []byte(id)); err != nil {
+		return &storageError{fmt.Errorf("delete intent %q: %w", id, err)}
 	}
 	w.ov.setIntent(id, false)
 	w.dirty = true

@@ -28,18 +28,20 @@ func intend(t *testing.T, l *Ledger, id, owner string, devs ...string) device.Re
 	return got
 }
 
-// crashImage copies the state file at path as it is on disk now (every commit made so
-// far is durable in it), as a stop at this moment would leave it, and returns the copy's
-// path.
+// crashImage copies the state file at path and its log as they are on disk now (every
+// write acknowledged so far is durable in them), as a stop at this moment would leave
+// them, and returns the copy's path.
 func crashImage(t *testing.T, path string) string {
 	t.Helper()
-	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
 	image := filepath.Join(t.TempDir(), DefaultFileName)
-	if err := os.WriteFile(image, b, 0o600); err != nil {
-		t.Fatal(err)
+	for _, suffix := range []string{"", logSuffix} {
+		b, err := os.ReadFile(path + suffix)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(image+suffix, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
 	}
 	return image
 }

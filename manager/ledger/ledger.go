@@ -136,7 +136,17 @@ type Ledger struct {
 	now  func() time.Time
 	log  hclog.Logger
 
-	quit      chan struct{} // closed by Close
+	quit chan struct{} // closed by Close
+	// The write side (writer.go), the leader's alone: the bbolt transaction open across
+	// batches, nil between checkpoints when nothing waits for one; the log; the writes
+	// logged since the last checkpoint; whether a checkpoint is asked for.
+	tx               *bolt.Tx
+	wal              *writeLog
+	pending          []logOp
+	checkpointArmed  bool        // checkpointTimer runs
+	checkpointTimer  *time.Timer // fires checkpointDue
+	checkpointWanted atomic.Bool // set by checkpointDue, taken by the leader's next round
+
 	closeOnce sync.Once
 	closeErr  error
 	commits   atomic.Int64                         // successful batches, for tests and the benchmark
@@ -215,7 +225,7 @@ func Open(path string, opts Options) (*Ledger, error) {
 	if err != nil {
 		return nil, err
 	}
-	idx, err := loadOrInit(db, path)
+	idx, applied, replayed, err := loadOrInit(db, path)
 	if err != nil {
 		_ = db.Close() // the load error is the one that matters; nothing was written
 		return nil, err
@@ -249,9 +259,15 @@ func Open(path string, opts Options) (*Ledger, error) {
 		// The devices stay cordoned (loadCordons): say why.
 		opts.Logger.Error("damaged cordon records: their devices stay cordoned until uncordoned or cordoned again", "error", err.Error())
 	}
+	wal, err := openLog(path, applied)
+	if err != nil {
+		_ = db.Close()
+		return nil, err
+	}
 	l := &Ledger{
 		path: path,
 		db:   db,
+		wal:  wal,
 		now:  opts.Now,
 		log:  opts.Logger,
 		quit: make(chan struct{}),
@@ -272,18 +288,26 @@ func Open(path string, opts Options) (*Ledger, error) {
 	l.idle = sync.NewCond(&l.wmu)
 	l.deferTimer = time.AfterFunc(time.Hour, l.deferredDue)
 	l.deferTimer.Stop()
+	l.checkpointTimer = time.AfterFunc(time.Hour, l.checkpointDue)
+	l.checkpointTimer.Stop()
 	c := idx.counts()
 	l.log.Info("opened reservation ledger", "path", path, "reservations", c.Total,
 		"live", c.Live, "released", c.Released, "cleanup_pending", c.CleanupPending)
+	if replayed > 0 {
+		l.log.Info("the last stop was not clean: writes the state file lacked were applied from its log",
+			"log", wal.path, "records", replayed)
+	}
 	return l, nil
 }
 
 // Path returns the state file's path.
 func (l *Ledger) Path() string { return l.path }
 
-// Commits returns how many write transactions the ledger has committed since Open. Each
-// is one bbolt commit: two fdatasyncs of the file (its data pages, then its meta page).
-// For benchmarks and metrics; safe for concurrent use.
+// Commits returns how many batches of writes the ledger has made durable since Open.
+// Each is one record in the log (one fdatasync), or, for a batch too big for the log or
+// one whose record could not be written, a checkpoint (a bbolt commit: two fdatasyncs);
+// the checkpoints that only move the log's batches into the file are not counted. For
+// benchmarks and metrics; safe for concurrent use.
 func (l *Ledger) Commits() int64 { return l.commits.Load() }
 
 // Close refuses later writes with ErrClosed, waits until the requests accepted, and the
@@ -295,9 +319,19 @@ func (l *Ledger) Close() error {
 		close(l.quit)
 		l.flushEvents() // the events waiting go with the last commits
 		l.stopWrites()
-		if err := l.db.Close(); err != nil {
-			l.closeErr = fmt.Errorf("close state file %s: %w", l.path, err)
+		// The last checkpoint: the file alone holds everything (an older devicehost,
+		// which reads no log, finds it whole). Should it fail, the log keeps the writes
+		// for the next Open.
+		err := l.checkpoint()
+		if err != nil {
+			l.rollback()
+			err = fmt.Errorf("state file %s: last checkpoint: %w", l.path, err)
 		}
+		err = errors.Join(err, l.wal.close())
+		if cerr := l.db.Close(); cerr != nil {
+			err = errors.Join(err, fmt.Errorf("close state file %s: %w", l.path, cerr))
+		}
+		l.closeErr = err
 	})
 	return l.closeErr
 }

@@ -273,7 +273,7 @@ func openBolt(path string, timeout time.Duration) (db *bolt.DB, err error) {
 
 // loadOrInit checks the file and loads its reservations, or initialises a new file. It
 // writes only to a file that has no buckets at all.
-func loadOrInit(db *bolt.DB, path string) (idx *index, err error) {
+func loadOrInit(db *bolt.DB, path string) (idx *index, applied logPos, replayed int, err error) {
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if r := recover(); r != nil {
@@ -281,7 +281,10 @@ func loadOrInit(db *bolt.DB, path string) (idx *index, err error) {
 		}
 	}()
 	if err := checkConsistency(db, path); err != nil {
-		return nil, err
+		return nil, logPos{}, 0, err
+	}
+	if replayed, applied, err = replayLog(db, path); err != nil {
+		return nil, logPos{}, 0, err
 	}
 	idx = newIndex()
 	fresh := false
@@ -313,12 +316,12 @@ func loadOrInit(db *bolt.DB, path string) (idx *index, err error) {
 	if err != nil {
 		var sfe *StateFileError
 		if errors.As(err, &sfe) {
-			return nil, sfe
+			return nil, logPos{}, 0, sfe
 		}
-		return nil, fmt.Errorf("read state file %s: %w", path, err)
+		return nil, logPos{}, 0, fmt.Errorf("read state file %s: %w", path, err)
 	}
 	if !fresh {
-		return idx, nil
+		return idx, applied, replayed, nil
 	}
 	err = db.Update(func(tx *bolt.Tx) error {
 		meta, err := tx.CreateBucket(bucketMeta)
@@ -337,14 +340,14 @@ func loadOrInit(db *bolt.DB, path string) (idx *index, err error) {
 		return err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("initialise state file %s: %w", path, err)
+		return nil, logPos{}, 0, fmt.Errorf("initialise state file %s: %w", path, err)
 	}
 	// The file may be new: make its directory entry durable too, or a power cut could
 	// lose the whole file along with the reservations committed to it.
 	if err := syncDir(filepath.Dir(path)); err != nil {
-		return nil, fmt.Errorf("initialise state file %s: %w", path, err)
+		return nil, logPos{}, 0, fmt.Errorf("initialise state file %s: %w", path, err)
 	}
-	return idx, nil
+	return idx, applied, replayed, nil
 }
 
 func syncDir(dir string) error {

@@ -65,6 +65,40 @@ type txn struct {
 	// deferred says the request running is a deferred write, whose changes the change
 	// feeds are not told of (overlay.feedChanges).
 	deferred bool
+	ops      []logOp // the batch's writes, for its log record (wal.go)
+	// checkpoint asks for the batch to be made durable by a checkpoint: the bbolt
+	// transaction committed, the log emptied (see Ledger.checkpoint).
+	checkpoint bool
+}
+
+// put sets key of bucket (made when missing) to val, in the transaction and the batch's
+// log record. put keeps key and val: the caller must not change them.
+func (w *txn) put(bucket, key, val []byte) error {
+	b, err := w.tx.CreateBucketIfNotExists(bucket)
+	if err == nil {
+		err = b.Put(key, val)
+	}
+	if err != nil {
+		return err
+	}
+	w.ops = append(w.ops, logOp{bucket: bucket, key: key, val: val})
+	w.dirty = true
+	return nil
+}
+
+// del deletes key of bucket, in the transaction and the batch's log record; a bucket
+// not there has nothing to delete. del keeps key.
+func (w *txn) del(bucket, key []byte) error {
+	b := w.tx.Bucket(bucket)
+	if b == nil {
+		return nil
+	}
+	if err := b.Delete(key); err != nil {
+		return err
+	}
+	w.ops = append(w.ops, logOp{del: true, bucket: bucket, key: key})
+	w.dirty = true
+	return nil
 }
 
 // changed notes id as changed by the request running, for the change feeds.
@@ -85,7 +119,7 @@ func (w *txn) putReservation(r *device.Reservation) error {
 	if err != nil {
 		return &storageError{err}
 	}
-	if err := w.tx.Bucket(bucketReservations).Put([]byte(r.ID), v); err != nil {
+	if err := w.put(bucketReservations, []byte(r.ID), v); err != nil {
 		return &storageError{fmt.Errorf("store reservation %q: %w", r.ID, err)}
 	}
 	// The reservation's record supersedes its intent, whatever the write (its answer,
@@ -107,7 +141,7 @@ func (w *txn) deleteReservation(id string) error {
 			return err
 		}
 	}
-	if err := w.tx.Bucket(bucketReservations).Delete([]byte(id)); err != nil {
+	if err := w.del(bucketReservations, []byte(id)); err != nil {
 		return &storageError{fmt.Errorf("delete reservation %q: %w", id, err)}
 	}
 	w.ov.drop(id)
@@ -117,7 +151,7 @@ func (w *txn) deleteReservation(id string) error {
 }
 
 func (w *txn) putReattach(plugin string, data []byte) error {
-	if err := w.tx.Bucket(bucketReattach).Put([]byte(plugin), seal(data)); err != nil {
+	if err := w.put(bucketReattach, []byte(plugin), seal(data)); err != nil {
 		return &storageError{fmt.Errorf("store reattach data of plugin %q: %w", plugin, err)}
 	}
 	w.dirty = true
@@ -125,11 +159,19 @@ func (w *txn) putReattach(plugin string, data []byte) error {
 }
 
 func (w *txn) deleteReattach(plugin string) error {
-	if err := w.tx.Bucket(bucketReattach).Delete([]byte(plugin)); err != nil {
+	if err := w.del(bucketReattach, []byte(plugin)); err != nil {
 		return &storageError{fmt.Errorf("delete reattach data of plugin %q: %w", plugin, err)}
 	}
 	w.dirty = true
 	return nil
+}
+
+// read runs fn on the state every write acknowledged left: in the open transaction, on
+// the leader's turn, for the state file alone lacks what the log holds. fn must not
+// write.
+func (l *Ledger) read(fn func(tx *bolt.Tx) error) error {
+	_, err := l.submit(context.Background(), func(w *txn) (any, error) { return nil, fn(w.tx) })
+	return err
 }
 
 // maxQueued bounds the requests accepted and not yet taken into a batch: a caller past
@@ -223,6 +265,9 @@ func (l *Ledger) lead(own *request) {
 		}
 		if r := l.takeRiders(); len(r) > 0 {
 			batch = append(r, batch...)
+		}
+		if c := l.takeCheckpoint(); c != nil {
+			batch = append(batch, c)
 		}
 		if len(batch) > 0 {
 			l.commit(batch, own)
@@ -412,6 +457,7 @@ func (l *Ledger) stopWrites() {
 	l.deferMu.Lock()
 	l.deferClosed = true
 	l.deferTimer.Stop()
+	l.checkpointTimer.Stop()
 	l.deferMu.Unlock()
 	for r := l.takeRiders(); len(r) > 0; r = l.takeRiders() {
 		l.commit(r, nil)
@@ -488,26 +534,38 @@ func (l *Ledger) commit(batch []*request, leader *request) {
 	}
 }
 
-// runBatch runs batch in one transaction; wrote says whether it committed anything
-// (a batch whose requests were all refused, or wrote nothing, is rolled back).
+// runBatch runs batch in the open transaction and makes its writes durable; wrote says
+// whether it wrote anything (a batch whose requests were all refused, or wrote nothing,
+// makes nothing durable).
+//
+// One bbolt write transaction stays open across batches: a batch's writes go into it
+// and are made durable by their record in the log (wal.go), one fdatasync; a checkpoint
+// commits the transaction (two fdatasyncs) and empties the log, after checkpointEvery
+// or at once when the record does not fit in the log, when its write fails, or when a
+// request of the batch asks for it. A batch whose request fails on storage (or whose
+// checkpoint fails) rolls the transaction back: the next one begins again from the
+// file with the writes of the batches since the last checkpoint, which the log holds.
 //
 // Its steps are runtime/trace regions in the task of the batch's first caller (deferred
-// writes have none): "ledger: begin" (bbolt's Begin: the file's write lock, and pages
-// freed by earlier commits made reusable), "ledger: apply" (the requests' decisions and
-// writes) and "ledger: bolt commit" (bbolt's Commit, with its fsyncs); commit marks
-// "ledger: index".
+// writes have none): "ledger: begin" (bbolt's Begin, when no transaction is open: the
+// file's write lock, pages freed by the last checkpoint made reusable), "ledger: apply"
+// (the requests' decisions and writes), "ledger: log write" (the record's write and
+// fdatasync) or "ledger: checkpoint" (bbolt's Commit, with its fdatasyncs, and the log
+// emptied); commit marks "ledger: index".
 func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrote bool, err error) {
 	resps = make([]response, len(batch))
 	ov = newOverlay(l.idx) // only the leader writes l.idx, so reading it unlocked is safe
 	ctx := traceContext(batch)
-	region := steps.Start(ctx, "ledger: begin")
-	tx, err := l.db.Begin(true)
-	region.End()
-	if err != nil {
-		return nil, nil, false, err
+	if l.tx == nil {
+		region := steps.Start(ctx, "ledger: begin")
+		err := l.begin()
+		region.End()
+		if err != nil {
+			return nil, nil, false, err
+		}
 	}
-	region = steps.Start(ctx, "ledger: apply")
-	w := &txn{tx: tx, ov: ov, ev: l.ev}
+	region := steps.Start(ctx, "ledger: apply")
+	w := &txn{tx: l.tx, ov: ov, ev: l.ev}
 	for i, req := range batch {
 		if err := req.ctx.Err(); err != nil {
 			resps[i].err = err
@@ -517,22 +575,115 @@ func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrot
 		val, err := req.run(w)
 		if se := (*storageError)(nil); errors.As(err, &se) {
 			region.End()
-			_ = tx.Rollback()
+			l.rollback()
 			return nil, nil, false, se.err
 		}
 		resps[i] = response{val: val, err: err}
 	}
 	region.End()
-	if !w.dirty {
-		return resps, ov, false, tx.Rollback() // nothing written: no commit, no fsync
+	if !w.dirty && !w.checkpoint {
+		if len(l.pending) == 0 {
+			l.rollback() // nothing held for a checkpoint: no transaction kept open
+		}
+		return resps, ov, false, nil
 	}
-	region = steps.Start(ctx, "ledger: bolt commit")
-	err = tx.Commit()
+	if w.dirty && !w.checkpoint && l.wal.fits(w.ops) {
+		region = steps.Start(ctx, "ledger: log write")
+		err = l.wal.append(w.ops)
+		region.End()
+		if err == nil {
+			l.pending = append(l.pending, w.ops...)
+			if !l.checkpointArmed {
+				l.checkpointArmed = true
+				l.checkpointTimer.Reset(checkpointEvery)
+			}
+			return resps, ov, true, nil
+		}
+		// The checkpoint below makes the batch durable without the log.
+		l.log.Warn("the log could not be written: the batch is committed to the state file instead", "error", err.Error())
+	}
+	region = steps.Start(ctx, "ledger: checkpoint")
+	err = l.checkpoint()
 	region.End()
 	if err != nil {
 		return nil, nil, false, err
 	}
-	return resps, ov, true, nil
+	return resps, ov, w.dirty, nil
+}
+
+// checkpointEvery bounds how long the log holds a batch before a checkpoint puts it in
+// the state file: the work a crash leaves for the next Open to replay, and what the
+// open transaction holds in memory.
+const checkpointEvery = 500 * time.Millisecond
+
+// askCheckpoint is the write that asks for a checkpoint (see runBatch).
+func askCheckpoint(w *txn) (any, error) {
+	w.checkpoint = true
+	return nil, nil
+}
+
+// checkpointDue runs checkpointEvery after the first record since the last checkpoint
+// (the timer's goroutine): the next round of the leader, or one led here, carries a
+// checkpoint.
+func (l *Ledger) checkpointDue() {
+	l.checkpointWanted.Store(true)
+	l.deferredDue()
+}
+
+// takeCheckpoint returns the request for a checkpoint once one is due.
+func (l *Ledger) takeCheckpoint() *request {
+	if !l.checkpointWanted.Swap(false) {
+		return nil
+	}
+	return &request{ctx: context.Background(), run: askCheckpoint, notify: func(error) {}}
+}
+
+// begin opens the write transaction and makes in it the writes of the batches since
+// the last checkpoint (acknowledged: in the log, not yet in the file).
+func (l *Ledger) begin() error {
+	tx, err := l.db.Begin(true)
+	if err != nil {
+		return err
+	}
+	if err := applyOps(tx, l.pending); err != nil {
+		_ = tx.Rollback()
+		return fmt.Errorf("redo the log's writes: %w", err)
+	}
+	l.tx = tx
+	return nil
+}
+
+// rollback drops the open transaction, if any; the writes since the last checkpoint
+// stay in l.pending for the next begin.
+func (l *Ledger) rollback() {
+	if l.tx != nil {
+		_ = l.tx.Rollback()
+		l.tx = nil
+	}
+}
+
+// checkpoint commits the open transaction, so the state file holds every write
+// acknowledged, and empties the log. On failure the transaction is gone and the
+// writes since the last checkpoint wait in l.pending (and the log) for the next.
+func (l *Ledger) checkpoint() error {
+	if l.tx == nil {
+		return nil
+	}
+	tx := l.tx
+	l.tx = nil
+	if err := tx.Bucket(bucketMeta).Put(keyLogApplied, l.wal.last.encode()); err != nil {
+		_ = tx.Rollback()
+		return fmt.Errorf("store the log's position: %w", err)
+	}
+	if err := tx.Commit(); err != nil { // bbolt rolled it back
+		return err
+	}
+	clear(l.pending) // drop the references to keys and values
+	l.pending = l.pending[:0]
+	l.wal.reset()
+	l.checkpointArmed = false
+	l.checkpointTimer.Stop()
+	return nil
 }
 
 // traceContext is the context of batch's first caller, whose trace task the batch's

@@ -30,14 +30,14 @@ func printBreakdown(w io.Writer, method string, calls []calltrace.Call, external
 }
 
 // breakdownRows prints the breakdown of the Reserve and Release calls of calls (the
-// agent's own part: less the plugin and bbolt's commit; goal p50 <= 100 µs for a
+// agent's own part: less the plugin and the ledger's log write or checkpoint; goal p50 <= 100 µs for a
 // Reserve) and makes each step a row named after view ("traced", "timed"), so that
 // scripts/bench -compare shows every step before and after.
 func breakdownRows(calls map[string][]calltrace.Call, view string) {
-	for _, r := range printBreakdown(os.Stdout, "Reserve", calls["/devicehost.v1.DeviceHost/Reserve"], "plugin", "ledger: bolt commit") {
+	for _, r := range printBreakdown(os.Stdout, "Reserve", calls["/devicehost.v1.DeviceHost/Reserve"], "plugin", "ledger: log write", "ledger: checkpoint") {
 		row("Reserve "+view+": "+r.Name+" p50", float64(r.P50)/1e3, "µs")
 	}
-	for _, r := range printBreakdown(os.Stdout, "Release", calls["/devicehost.v1.DeviceHost/Release"], "ledger: bolt commit") {
+	for _, r := range printBreakdown(os.Stdout, "Release", calls["/devicehost.v1.DeviceHost/Release"], "ledger: log write", "ledger: checkpoint") {
 		row("Release "+view+": "+r.Name+" p50", float64(r.P50)/1e3, "µs")
 	}
 }
