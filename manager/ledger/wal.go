@@ -11,6 +11,8 @@ import (
 	"path/filepath"
 
 	bolt "go.etcd.io/bbolt"
+
+	"github.com/devicehost/devicehost/internal/datasync"
 )
 
 // The write-ahead log: a batch is durable once its record is in the log file, one
@@ -153,7 +155,7 @@ func (l *writeLog) append(ops []logOp) error {
 		l.broken = true
 		return fmt.Errorf("write to the log %s: %w", l.path, err)
 	}
-	if err := datasync(l.f); err != nil {
+	if err := datasync.File(l.f); err != nil {
 		l.broken = true
 		return fmt.Errorf("sync the log %s: %w", l.path, err)
 	}

@@ -17,6 +17,7 @@ import (
 	bolt "go.etcd.io/bbolt"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/devicehost/devicehost/internal/datasync"
 	"github.com/devicehost/devicehost/internal/steps"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
@@ -33,7 +34,7 @@ const (
 
 // floorSteps are the figures of one floor run, each in the order measured.
 type floorSteps struct {
-	reserve, release, unary, logged, plugin, commit []time.Duration
+	reserve, release, unary, logged, plugin, commit, logWrite []time.Duration
 }
 
 // floor is the floor scenario (see docs/benchmarks.md#reserve-end-to-end). The floor of a
@@ -42,7 +43,8 @@ type floorSteps struct {
 //
 //   - alone: each part in a phase of its own, nothing else running (-floor-cycles
 //     Reserve+Release cycles, both timed; as many health Checks, plugin Reserves and
-//     bare commits);
+//     bare commits), and the same floor with, in place of the bbolt commit, the write
+//     the ledger makes since its log (a record into a preallocated file, fdatasync);
 //   - cold: as alone, with -floor-gap of idle before each call timed. Inside a Reserve
 //     each part comes after such a pause (the plugin and the disk idle since the last
 //     cycle, the caller asleep through the call), and on a VM a thread or vCPU woken
@@ -111,6 +113,21 @@ func (b *bench) floor(ctx context.Context) error {
 		return err
 	}
 	value := make([]byte, 300) // about a reservation record
+	// And a preallocated file, as the ledger's log (manager/ledger/wal.go): a write of a
+	// record into blocks it has, and its fdatasync.
+	logFile, err := os.OpenFile(filepath.Join(a.dir, "floor.log"), os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return err
+	}
+	defer logFile.Close()
+	const logFileSize = 1 << 20
+	if _, err := logFile.Write(make([]byte, logFileSize)); err != nil {
+		return err
+	}
+	if err := logFile.Sync(); err != nil {
+		return err
+	}
+	var logOff int64
 
 	var s floorSteps
 	i := 0
@@ -146,6 +163,18 @@ func (b *bench) floor(ctx context.Context) error {
 			return fmt.Errorf("bbolt commit: %w", err)
 		}
 		s.commit = append(s.commit, time.Since(start))
+		return nil
+	}
+	logWrite := func() error {
+		start := time.Now()
+		if _, err := logFile.WriteAt(value, logOff); err != nil {
+			return fmt.Errorf("log write: %w", err)
+		}
+		if err := datasync.File(logFile); err != nil {
+			return fmt.Errorf("log write: %w", err)
+		}
+		s.logWrite = append(s.logWrite, time.Since(start))
+		logOff = (logOff + int64(len(value))) % (logFileSize - int64(len(value)))
 		return nil
 	}
 	floorStep := func() error {
@@ -223,7 +252,7 @@ func (b *bench) floor(ctx context.Context) error {
 				return f()
 			}
 		}
-		for _, f := range []func() error{func() error { return gappedCycle(gap) }, idle(unary), idle(plugin), idle(commit)} {
+		for _, f := range []func() error{func() error { return gappedCycle(gap) }, idle(unary), idle(plugin), idle(commit), idle(logWrite)} {
 			if err := phase(f); err != nil {
 				return floorSteps{}, err
 			}
@@ -245,11 +274,19 @@ func (b *bench) floor(ctx context.Context) error {
 	row("Reserve p50, alone", p50(alone.reserve), "µs")
 	row("Release p50, alone", p50(alone.release), "µs")
 	row("Reserve over its floor, alone", p50(alone.reserve)/fl, "x")
+	row("Release over its floor, alone", p50(alone.release)/relFl, "x")
 	fmt.Printf("alone:       Reserve p50 %.0f µs; floor %.0f µs (unary %.0f + plugin %.0f + commit %.0f): x%.2f (goal <= 1.3)\n",
 		p50(alone.reserve), fl, p50(alone.unary), p50(alone.plugin), p50(alone.commit), p50(alone.reserve)/fl)
 	fmt.Printf("             Release p50 %.0f µs; floor %.0f µs (unary + commit): x%.2f; p99: Reserve %.0f, Release %.0f, unary %.0f, plugin %.0f, commit %.0f µs; %d of each\n",
 		p50(alone.release), relFl, p50(alone.release)/relFl,
 		p99(alone.reserve), p99(alone.release), p99(alone.unary), p99(alone.plugin), p99(alone.commit), len(alone.reserve))
+	// The same with the write the ledger makes since its log in place of a bbolt commit.
+	lfl, lrelFl := p50(alone.unary)+p50(alone.plugin)+p50(alone.logWrite), p50(alone.unary)+p50(alone.logWrite)
+	row("log write p50, alone", p50(alone.logWrite), "µs")
+	row("Reserve over its floor with a log write, alone", p50(alone.reserve)/lfl, "x")
+	row("Release over its floor with a log write, alone", p50(alone.release)/lrelFl, "x")
+	fmt.Printf("             with a log write (%.0f µs, p99 %.0f) for the commit: Reserve x%.2f of %.0f µs, Release x%.2f of %.0f µs\n",
+		p50(alone.logWrite), p99(alone.logWrite), p50(alone.reserve)/lfl, lfl, p50(alone.release)/lrelFl, lrelFl)
 
 	// The agent's steps, timed untraced through the alone phase's cycles.
 	if bb.steps != "" {
