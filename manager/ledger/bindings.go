@@ -70,7 +70,7 @@ func (l *Ledger) RecordDeviceBindings(ctx context.Context, bindings map[string]s
 func (l *Ledger) DeviceBindings() (map[string]string, error) {
 	out := make(map[string]string)
 	var bad []error
-	err := l.read(func(tx *bolt.Tx) error {
+	err := l.read(context.Background(), func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketBindings)
 		if b == nil {
 			return nil

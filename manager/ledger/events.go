@@ -260,7 +260,7 @@ const scanMax = 4 * device.MaxEventsPerCall
 // written to the file come from memory. A record that cannot be read is returned as an
 // event of kind "unreadable" saying so, so that a consumer sees why a position is not
 // what it expected.
-func (l *Ledger) Events(_ context.Context, f device.EventFilter) (device.EventsResult, error) {
+func (l *Ledger) Events(ctx context.Context, f device.EventFilter) (device.EventsResult, error) {
 	limit := f.Limit
 	if limit <= 0 || limit > device.MaxEventsPerCall {
 		limit = device.MaxEventsPerCall
@@ -295,7 +295,7 @@ func (l *Ledger) Events(_ context.Context, f device.EventFilter) (device.EventsR
 		}
 		return true
 	}
-	err := l.read(func(tx *bolt.Tx) error {
+	err := l.read(ctx, func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketEvents)
 		if b == nil {
 			return nil

@@ -202,12 +202,15 @@ type Ledger struct {
 }
 
 // Open opens the ledger at path (normally filepath.Join(stateDir, DefaultFileName)),
-// creating the file and its directory (mode 0750) when missing, and loads every record,
-// checking each one.
+// creating the file and its directory (mode 0750) when missing, applies the writes its
+// log (path + "-wal", wal.go) holds that the file lacks (after a stop that was not
+// clean), and loads every record, checking each one.
 //
 // Open returns a *StateFileError (matching ErrLocked, ErrCorrupt or ErrSchemaVersion)
-// when the file is held by another process past opts.LockTimeout, is damaged, or was
-// written by an unknown schema version; in each case the file is left as it was.
+// when the file is held by another process past opts.LockTimeout, is damaged (or its
+// log is), or was written by an unknown schema version; in each case the file is left
+// as it was, but for the acknowledged writes applied from its log when the file itself
+// reads (a damaged record they hold is then named as the file's).
 func Open(path string, opts Options) (*Ledger, error) {
 	if opts.LockTimeout <= 0 {
 		opts.LockTimeout = DefaultLockTimeout

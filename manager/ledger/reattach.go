@@ -52,7 +52,7 @@ func (l *Ledger) DeleteReattach(ctx context.Context, plugin string) error {
 // plugin; the caller should then start the plugin fresh and DeleteReattach it.
 func (l *Ledger) LoadReattach(plugin string) ([]byte, bool, error) {
 	var out []byte
-	err := l.read(func(tx *bolt.Tx) error {
+	err := l.read(context.Background(), func(tx *bolt.Tx) error {
 		v := tx.Bucket(bucketReattach).Get([]byte(plugin))
 		if v == nil {
 			return nil
@@ -80,7 +80,7 @@ func (l *Ledger) LoadReattach(plugin string) ([]byte, bool, error) {
 // that a starting agent can find plugins it no longer runs.
 func (l *Ledger) ReattachPlugins() ([]string, error) {
 	var names []string
-	err := l.read(func(tx *bolt.Tx) error {
+	err := l.read(context.Background(), func(tx *bolt.Tx) error {
 		return tx.Bucket(bucketReattach).ForEach(func(k, _ []byte) error {
 			names = append(names, string(k))
 			return nil

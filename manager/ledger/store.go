@@ -271,8 +271,9 @@ func openBolt(path string, timeout time.Duration) (db *bolt.DB, err error) {
 	}
 }
 
-// loadOrInit checks the file and loads its reservations, or initialises a new file. It
-// writes only to a file that has no buckets at all.
+// loadOrInit checks the file, applies what its log holds that it lacks (replayLog), and
+// loads its reservations, or initialises a new file. It writes nothing else to a file
+// that has buckets.
 func loadOrInit(db *bolt.DB, path string) (idx *index, applied logPos, replayed int, err error) {
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {

@@ -167,10 +167,10 @@ func (w *txn) deleteReattach(plugin string) error {
 }
 
 // read runs fn on the state every write acknowledged left: in the open transaction, on
-// the leader's turn, for the state file alone lacks what the log holds. fn must not
-// write.
-func (l *Ledger) read(fn func(tx *bolt.Tx) error) error {
-	_, err := l.submit(context.Background(), func(w *txn) (any, error) { return nil, fn(w.tx) })
+// the leader's turn, for the state file alone lacks what the log holds. ctx bounds the
+// wait for that turn (see submit). fn must not write.
+func (l *Ledger) read(ctx context.Context, fn func(tx *bolt.Tx) error) error {
+	_, err := l.submit(ctx, func(w *txn) (any, error) { return nil, fn(w.tx) })
 	return err
 }
 
