@@ -11,6 +11,8 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+
+	"github.com/devicehost/devicehost/device"
 )
 
 // stateFileAlone is crashImage without the log: what the state file alone holds.
@@ -281,5 +283,36 @@ func TestFailedLogWriteFallsBackToACheckpoint(t *testing.T) {
 	}
 	if _, err := openWith(t, crashImage(t, path), Options{MaxEvents: -1}).Get(d.ID); err != nil {
 		t.Errorf("after a stop: Get(%s): %v", d.ID, err)
+	}
+}
+
+// TestEventsReadWaitsUnderItsCallersContext: Events reads the file on the writer's
+// turn (the file alone lacks what the log holds); a caller whose context ends while the
+// writer is busy gets its context's error, not a wait for the writer.
+func TestEventsReadWaitsUnderItsCallersContext(t *testing.T) {
+	l := openWith(t, statePath(t), Options{})
+	entered, unblock := make(chan struct{}), make(chan struct{})
+	blockerDone := make(chan error, 1)
+	go func() {
+		_, err := l.submit(context.Background(), func(*txn) (any, error) {
+			close(entered)
+			<-unblock
+			return nil, nil
+		})
+		blockerDone <- err
+	}()
+	<-entered
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := l.Events(ctx, device.EventFilter{})
+	close(unblock)
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("Events with its context ended while the writer is busy: %v, want context.Canceled", err)
+	}
+	if err := <-blockerDone; err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Events(context.Background(), device.EventFilter{}); err != nil {
+		t.Errorf("Events once the writer is free: %v", err)
 	}
 }
