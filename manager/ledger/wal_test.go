@@ -291,26 +291,13 @@ func TestFailedLogWriteFallsBackToACheckpoint(t *testing.T) {
 // writer is busy gets its context's error, not a wait for the writer.
 func TestEventsReadWaitsUnderItsCallersContext(t *testing.T) {
 	l := openWith(t, statePath(t), Options{})
-	entered, unblock := make(chan struct{}), make(chan struct{})
-	blockerDone := make(chan error, 1)
-	go func() {
-		_, err := l.submit(context.Background(), func(*txn) (any, error) {
-			close(entered)
-			<-unblock
-			return nil, nil
-		})
-		blockerDone <- err
-	}()
-	<-entered
+	release := holdLeader(t, l)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	_, err := l.Events(ctx, device.EventFilter{})
-	close(unblock)
+	release()
 	if !errors.Is(err, context.Canceled) {
 		t.Errorf("Events with its context ended while the writer is busy: %v, want context.Canceled", err)
-	}
-	if err := <-blockerDone; err != nil {
-		t.Fatal(err)
 	}
 	if _, err := l.Events(context.Background(), device.EventFilter{}); err != nil {
 		t.Errorf("Events once the writer is free: %v", err)
