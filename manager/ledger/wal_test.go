@@ -303,3 +303,27 @@ func TestEventsReadWaitsUnderItsCallersContext(t *testing.T) {
 		t.Errorf("Events once the writer is free: %v", err)
 	}
 }
+
+// TestCloseAfterAStorageFailureLeavesTheFileWhole: a storage failure drops the open
+// transaction; Close's last checkpoint still puts the batches logged before it into the
+// state file.
+func TestCloseAfterAStorageFailureLeavesTheFileWhole(t *testing.T) {
+	path := statePath(t)
+	l := openWith(t, path, Options{MaxEvents: -1})
+	a := reserve(t, l, "o1", "GPU-0")
+	_, err := l.submit(context.Background(), func(w *txn) (any, error) {
+		return nil, &storageError{errors.New("disk on fire")}
+	})
+	if err == nil {
+		t.Fatal("the failing request succeeded")
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(path + logSuffix); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := openWith(t, path, Options{MaxEvents: -1}).Get(a.ID); err != nil {
+		t.Errorf("the state file alone after Close: Get(%s): %v; want it there", a.ID, err)
+	}
+}

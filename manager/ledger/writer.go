@@ -662,12 +662,18 @@ func (l *Ledger) rollback() {
 	}
 }
 
-// checkpoint commits the open transaction, so the state file holds every write
-// acknowledged, and empties the log. On failure the transaction is gone and the
-// writes since the last checkpoint wait in l.pending (and the log) for the next.
+// checkpoint commits the open transaction (begun again first when a failure dropped it
+// with writes logged since the last checkpoint), so the state file holds every write
+// acknowledged, and empties the log. On failure the transaction is gone and the writes
+// since the last checkpoint wait in l.pending (and the log) for the next.
 func (l *Ledger) checkpoint() error {
 	if l.tx == nil {
-		return nil
+		if len(l.pending) == 0 {
+			return nil
+		}
+		if err := l.begin(); err != nil {
+			return err
+		}
 	}
 	tx := l.tx
 	l.tx = nil
