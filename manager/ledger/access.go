@@ -101,7 +101,6 @@ func (l *Ledger) GrantAccess(ctx context.Context, a device.AdminAccess) (device.
 		if err := w.put(bucketAccess, []byte(a.ID), seal(payload)); err != nil {
 			return nil, &storageError{fmt.Errorf("store admin access %s: %w", a.ID, err)}
 		}
-		w.dirty = true
 		return nil, w.event(device.Event{Kind: device.EventAdminAccess, By: device.CallerOf(ctx), Owner: a.OwnerID,
 			Devices: a.DeviceIDs, Reservations: []string{a.ID}})
 	})
@@ -158,7 +157,6 @@ func (l *Ledger) RevokeAccess(ctx context.Context, req device.ReleaseRequest) ([
 				return nil, err
 			}
 		}
-		w.dirty = true
 		return nil, nil
 	})
 	if err != nil {

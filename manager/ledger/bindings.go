@@ -54,7 +54,6 @@ func (l *Ledger) RecordDeviceBindings(ctx context.Context, bindings map[string]s
 				return nil, &storageError{fmt.Errorf("delete binding of device %q: %w", id, err)}
 			}
 		}
-		w.dirty = true
 		return nil, nil
 	})
 	if err != nil {

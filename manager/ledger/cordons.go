@@ -51,7 +51,6 @@ func (l *Ledger) Cordon(ctx context.Context, id string, c device.Cordon) (device
 		if err := w.put(bucketCordons, []byte(id), seal(payload)); err != nil {
 			return nil, &storageError{fmt.Errorf("store cordon of device %q: %w", id, err)}
 		}
-		w.dirty = true
 		detail := c.Reason
 		if c.Drain {
 			detail = "drain: " + detail
@@ -83,7 +82,6 @@ func (l *Ledger) Uncordon(ctx context.Context, id string) (*device.Cordon, error
 		if err := w.del(bucketCordons, []byte(id)); err != nil {
 			return nil, &storageError{fmt.Errorf("delete cordon of device %q: %w", id, err)}
 		}
-		w.dirty = true
 		return nil, w.event(device.Event{Kind: device.EventUncordon, By: device.CallerOf(ctx), Devices: []string{id}, Detail: "was: " + was.Reason})
 	})
 	if err != nil {

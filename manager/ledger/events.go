@@ -207,7 +207,6 @@ func writeEvents(w *txn, events []device.Event, count, max int, maxAge time.Dura
 			return 0, &storageError{fmt.Errorf("store event %d: %w", e.Seq, err)}
 		}
 	}
-	w.dirty = true
 	dropped := 0
 	c := b.Cursor()
 	for count+len(events)-dropped > max {

@@ -284,7 +284,6 @@ func (w *txn) putIntent(r *device.Reservation) error {
 	}
 	w.ov.put(r)
 	w.ov.setIntent(r.ID, true)
-	w.dirty = true
 	return nil
 }
 
@@ -295,7 +294,6 @@ func (w *txn) deleteIntentKey(id string) error {
 		return &storageError{fmt.Errorf("delete intent %q: %w", id, err)}
 	}
 	w.ov.setIntent(id, false)
-	w.dirty = true
 	return nil
 }
 

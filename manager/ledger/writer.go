@@ -58,14 +58,13 @@ func (e *storageError) Unwrap() error { return e.err }
 // make every decision before its first write, so a refused request leaves nothing
 // behind; errors from the write helpers are storageErrors, which abort the batch.
 type txn struct {
-	tx    *bolt.Tx
-	ov    *overlay
-	ev    *eventLog // the trail events are written to (event)
-	dirty bool
+	tx *bolt.Tx
+	ov *overlay
+	ev *eventLog // the trail events are written to (event)
 	// deferred says the request running is a deferred write, whose changes the change
 	// feeds are not told of (overlay.feedChanges).
 	deferred bool
-	ops      []logOp // the batch's writes, for its log record (wal.go)
+	ops      []logOp // the batch's writes, for its log record (wal.go); none: nothing to make durable
 	// checkpoint asks for the batch to be made durable by a checkpoint: the bbolt
 	// transaction committed, the log emptied (see Ledger.checkpoint).
 	checkpoint bool
@@ -82,7 +81,6 @@ func (w *txn) put(bucket, key, val []byte) error {
 		return err
 	}
 	w.ops = append(w.ops, logOp{bucket: bucket, key: key, val: val})
-	w.dirty = true
 	return nil
 }
 
@@ -97,7 +95,6 @@ func (w *txn) del(bucket, key []byte) error {
 		return err
 	}
 	w.ops = append(w.ops, logOp{del: true, bucket: bucket, key: key})
-	w.dirty = true
 	return nil
 }
 
@@ -131,7 +128,6 @@ func (w *txn) putReservation(r *device.Reservation) error {
 	}
 	w.ov.put(r)
 	w.changed(r.ID)
-	w.dirty = true
 	return nil
 }
 
@@ -146,7 +142,6 @@ func (w *txn) deleteReservation(id string) error {
 	}
 	w.ov.drop(id)
 	w.changed(id)
-	w.dirty = true
 	return nil
 }
 
@@ -154,7 +149,6 @@ func (w *txn) putReattach(plugin string, data []byte) error {
 	if err := w.put(bucketReattach, []byte(plugin), seal(data)); err != nil {
 		return &storageError{fmt.Errorf("store reattach data of plugin %q: %w", plugin, err)}
 	}
-	w.dirty = true
 	return nil
 }
 
@@ -162,7 +156,6 @@ func (w *txn) deleteReattach(plugin string) error {
 	if err := w.del(bucketReattach, []byte(plugin)); err != nil {
 		return &storageError{fmt.Errorf("delete reattach data of plugin %q: %w", plugin, err)}
 	}
-	w.dirty = true
 	return nil
 }
 
@@ -581,13 +574,13 @@ func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrot
 		resps[i] = response{val: val, err: err}
 	}
 	region.End()
-	if !w.dirty && !w.checkpoint {
+	if len(w.ops) == 0 && !w.checkpoint {
 		if len(l.pending) == 0 {
 			l.rollback() // nothing held for a checkpoint: no transaction kept open
 		}
 		return resps, ov, false, nil
 	}
-	if w.dirty && !w.checkpoint && l.wal.fits(w.ops) {
+	if len(w.ops) > 0 && !w.checkpoint && l.wal.fits(w.ops) {
 		region = steps.Start(ctx, "ledger: log write")
 		err = l.wal.append(w.ops)
 		region.End()
@@ -608,7 +601,7 @@ func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrot
 	if err != nil {
 		return nil, nil, false, err
 	}
-	return resps, ov, w.dirty, nil
+	return resps, ov, len(w.ops) > 0, nil
 }
 
 // checkpointEvery bounds how long the log holds a batch before a checkpoint puts it in
