@@ -99,7 +99,7 @@ func cycle(ctx context.Context, m *Manager, owner, dev string) error {
 // and the Release of that reservation (fsync), on a durable ledger, with 1 and 64
 // concurrent callers, each cycling its own device. The plugin runs in-process over gRPC;
 // GC cleanups run alongside as they would in production. Besides cycles/s it reports
-// durable batches per cycle (each a record in the ledger's log, one fdatasync), the CPU time of the whole test process per cycle (caller, manager, GC and
+// durable batches per cycle (each one bbolt commit), the CPU time of the whole test process per cycle (caller, manager, GC and
 // plugin together), and plugin cleanups done per cycle during the run (below 1, the GC
 // fell behind and left work for later, which the CPU figure then does not include).
 func BenchmarkReserveRelease(b *testing.B) {

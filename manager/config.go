@@ -82,7 +82,7 @@ type Config struct {
 	Plugins map[string]PluginConfig
 
 	// StateDir holds the durable state: the reservation ledger (ledger.DefaultFileName,
-	// created with the dir, mode 0700, when missing, and its write-ahead log beside it) and the sockets of plugins kept
+	// created with the dir, mode 0700, when missing) and the sockets of plugins kept
 	// across restarts (PluginConfig.Reattach). A state file that is damaged, from an
 	// unknown schema version or in use by another process makes New fail with the
 	// ledger's error, which says what is wrong and how to recover; it is never wiped.

@@ -18,8 +18,8 @@ import (
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
-// leaveIntents writes into the state file of cfg what a stop between Reserves' replies
-// and the writes of their answers leaves: intents of plugin alpha's acme/gpu/A1 devices,
+// leaveIntents writes into the state file of cfg what devicehost 189008b..c9e8f1f left
+// after a stop between Reserves' replies and the writes of their answers: intents of plugin alpha's acme/gpu/A1 devices,
 // owner -> device, and returns their IDs in the same order.
 func leaveIntents(t *testing.T, cfg Config, owners, devs []string) []string {
 	t.Helper()
@@ -48,7 +48,7 @@ func waitNoIntents(t *testing.T, m *Manager) {
 	t.Helper()
 	deadline := time.Now().Add(testTimeout)
 	for {
-		all, _ := m.ledger.Intents()
+		all := m.ledger.Intents()
 		if len(all) == 0 {
 			return
 		}
@@ -115,7 +115,7 @@ func TestRetriedReserveAnswersAnIntentWithoutItsAnswer(t *testing.T) {
 	if r.ID != in.ID || r.Container.Envs["FAKE_VISIBLE_DEVICES"] != "a0" || r.Container.Envs[device.ReservationEnv] != in.ID || alpha.reserveCalls() != 1 {
 		t.Errorf("retried Reserve = %+v after %d plugin calls, want %s with the plugin's answer after one", r, alpha.reserveCalls(), in.ID)
 	}
-	if all, _ := m.ledger.Intents(); len(all) != 0 {
+	if all := m.ledger.Intents(); len(all) != 0 {
 		t.Errorf("intents = %v, want none", all)
 	}
 	if got, ok := reservation(t, m, in.ID); !ok || got.Container.Envs["FAKE_VISIBLE_DEVICES"] != "a0" {
@@ -123,8 +123,8 @@ func TestRetriedReserveAnswersAnIntentWithoutItsAnswer(t *testing.T) {
 	}
 }
 
-// TestReserveRefusedByThePluginLeavesNothing: the intent recorded while the plugin was
-// asked is withdrawn when it refuses: no reservation, no event, the device free.
+// TestReserveRefusedByThePluginLeavesNothing: a Reserve the plugin refuses leaves no
+// reservation and no intent, the device free, and its refusal in the trail.
 func TestReserveRefusedByThePluginLeavesNothing(t *testing.T) {
 	cfg, _ := durableConfig(t)
 	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0"))
@@ -139,7 +139,7 @@ func TestReserveRefusedByThePluginLeavesNothing(t *testing.T) {
 	if _, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "o1", Group: acmeA1, DeviceIDs: []string{"a0"}}); !errors.Is(err, device.ErrPluginResponse) {
 		t.Fatalf("Reserve = %v, want the plugin's refusal", err)
 	}
-	if all, _ := m.ledger.Intents(); len(all) != 0 {
+	if all := m.ledger.Intents(); len(all) != 0 {
 		t.Errorf("intents = %v, want none", all)
 	}
 	if rs, err := m.Reservations(ctx, device.ReservationFilter{}); err != nil || len(rs) != 0 {
@@ -149,10 +149,8 @@ func TestReserveRefusedByThePluginLeavesNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, e := range ev.Events {
-		if e.Kind != device.EventRefused {
-			t.Errorf("event %+v after a refused Reserve, want none but refusals", e)
-		}
+	if len(ev.Events) != 1 || ev.Events[0].Kind != device.EventRefused || ev.Events[0].Call != "reserve" || ev.Events[0].Owner != "o1" {
+		t.Errorf("events after a refused Reserve = %+v, want its refusal alone", ev.Events)
 	}
 	if h := m.reg.Snapshot().State.Devices["a0"].Holder; h != nil {
 		t.Errorf("a0 held by %+v", h)

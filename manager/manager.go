@@ -235,7 +235,7 @@ func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 		m.wg.Go(func() { m.dir.Run(ctx) })
 	}
 	m.wg.Go(func() { m.stats.Run(ctx, func() device.Inventory { return m.reg.Snapshot().Inventory }) })
-	if _, left := m.ledger.Intents(); len(left) > 0 {
+	if left := intentIDs(m.ledger.Intents()); len(left) > 0 {
 		log.Warn("reservations left without their answer by a stop: their devices stay held, and each plugin is asked again once it is up",
 			"reservations", len(left))
 		m.wg.Go(func() {
@@ -404,7 +404,7 @@ func (m *Manager) readyTimer(ctx context.Context) {
 				m.log.Warn("ready without a first fingerprint from some plugins", "timeout", m.cfg.ReadyTimeout, "plugins", strings.Join(waiting, ", "))
 			}
 			if answered != nil {
-				_, left := m.ledger.Intents()
+				left := m.ledger.Intents()
 				m.log.Warn("ready with reservations still without their answer: they are listed once their plugins have answered again",
 					"timeout", m.cfg.ReadyTimeout, "reservations", len(left))
 			}

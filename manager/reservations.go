@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"iter"
 	"maps"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -41,9 +40,7 @@ type reservationStore interface {
 	List(ctx context.Context, f device.ReservationFilter) ([]device.Reservation, error)
 	Holders() map[string]device.Holder
 	Usage() map[device.CounterSetKey]device.CounterUse
-	Intend(ctx context.Context, r device.Reservation, takeOver []string, caps device.Capacity) (res device.Reservation, existing bool, err error)
-	Finalize(id string, c device.ContainerReservation, by string)
-	Withdraw(ctx context.Context, id string) error
+	Refused(ctx context.Context, call string, e device.Event, err error)
 }
 
 var _ reservationStore = (*ledger.Ledger)(nil)
@@ -84,6 +81,12 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		return m.adminAccess(ctx, req)
 	}
 	ids := slices.Clone(req.DeviceIDs)
+	// A refusal before the ledger's write is recorded in the trail here; one at the
+	// write, by the ledger.
+	refuse := func(err error) (device.Reservation, error) {
+		m.store.Refused(ctx, "reserve", device.Event{Owner: req.OwnerID, Devices: ids}, err)
+		return device.Reservation{}, err
+	}
 	// Each step is a runtime/trace region (free unless the agent is being traced), in
 	// the call's task where the server started one: tools/hostbench's breakdown and `go
 	// tool trace` read them. See docs/benchmarks.md#where-a-reserve-goes.
@@ -93,7 +96,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	release, err := m.claimAfterCleanups(ctx, req.OwnerID, ids)
 	region.End()
 	if err != nil {
-		return device.Reservation{}, err
+		return refuse(err)
 	}
 	defer release()
 	takeOver := slices.Clone(req.TakeOverOwnerPrefixes)
@@ -108,14 +111,14 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		if existing != nil {
 			return *existing, nil
 		}
-		return device.Reservation{}, err
+		return refuse(err)
 	}
 	region = steps.Start(ctx, "route")
 	snap := m.reg.Snapshot()
 	plugin, err := route(snap, req.Group, ids)
 	region.End()
 	if err != nil {
-		return device.Reservation{}, m.awaitedError(ids, err)
+		return refuse(m.awaitedError(ids, err))
 	}
 	// Devices that share counters (GPU partitions): Reserves of one counter set run one
 	// at a time, and the capacity is checked before the plugin carves anything, so a
@@ -133,13 +136,13 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		_, err = m.store.Check(req.OwnerID, ids, takeOver, consumes, caps)
 		region.End()
 		if err != nil {
-			return device.Reservation{}, err
+			return refuse(err)
 		}
 	}
 
 	s := m.supervisor(plugin)
 	if s == nil { // removed since the snapshot was taken
-		return device.Reservation{}, fmt.Errorf("plugin %q was removed: %w", plugin, device.ErrPluginUnavailable)
+		return refuse(fmt.Errorf("plugin %q was removed: %w", plugin, device.ErrPluginUnavailable))
 	}
 	rec := device.Reservation{
 		ID:          ledger.NewID(),
@@ -152,53 +155,14 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		CreatedAt:   m.cfg.Now(),
 		OwnerLabels: device.OwnerLabelsOf(req.OwnerLabels), // validated at the server
 	}
-	// The plugin is asked while the reservation is recorded as an intent (its devices
-	// durably held, its answer not yet known: manager/ledger/intent.go), so the Reserve
-	// waits for the longer of the two rather than their sum.
-	region = steps.Start(ctx, "plugin and intent")
-	intent := make(chan intended, 1)
-	go func() {
-		// Behind the plugin's request: the plugin connection's writer, which the call
-		// below readies, yields once before it writes, and on one thread (max_procs = 1)
-		// would otherwise run only once this commit's fdatasync gives the thread back
-		// (200-300 µs later in a trace of the agent). Yielding puts this goroutine after it.
-		runtime.Gosched()
-		region := steps.Start(ctx, "ledger commit")
-		r, existing, err := m.store.Intend(ctx, rec, takeOver, caps)
-		region.End()
-		intent <- intended{r, existing, err}
-	}()
-	container, perr := m.askPlugin(ctx, s, rec.ID, ids)
-	in := <-intent
-	region.End()
-	switch {
-	case in.err == nil && in.existing:
-		// Made by another path since the check (the claim keeps other Reserves off):
-		// the plugin's answer was for the same devices.
-		return in.r, nil
-	case in.err == nil && perr != nil:
-		if err := m.store.Withdraw(context.WithoutCancel(ctx), rec.ID); err != nil {
-			m.log.Error("a refused Reserve's intent could not be withdrawn: its devices stay held until it is released or the plugin answers for it at its next start",
-				"reservation_id", rec.ID, "owner_id", rec.OwnerID, "error", err.Error())
-		}
-		m.reg.Refresh(ctx) // a refresh meanwhile may have shown the intent's holder
-		return device.Reservation{}, perr
-	case perr != nil:
-		return device.Reservation{}, perr
-	case in.err == nil:
-		region = steps.Start(ctx, "ledger answer")
-		m.store.Finalize(rec.ID, container, device.CallerOf(ctx))
-		region.End()
-		r := in.r
-		r.Container = container
-		region = steps.Start(ctx, "refresh")
-		m.reg.Refresh(ctx)
-		region.End()
-		return r, nil
-	case !errors.Is(in.err, ledger.ErrNeedsTakeOver):
-		return device.Reservation{}, fmt.Errorf("record reservation: %w", in.err)
+	// The plugin is asked first; its answer is recorded with the reservation in one
+	// commit, durable before the caller sees it. A stop in between leaves nothing
+	// recorded, and the plugin undoes what it prepared at its next Reconcile.
+	container, err := m.askPlugin(ctx, s, rec.ID, ids)
+	if err != nil {
+		return refuse(err)
 	}
-	// Holders to take over: the reservation is recorded whole, with their releases.
+	// Holders taken over, if any, are released in the same write.
 	rec.Container = container
 	region = steps.Start(ctx, "ledger commit")
 	r, _, err := m.store.Reserve(ctx, rec, takeOver, caps)
@@ -214,13 +178,6 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 			"reservation_id", id, "new_reservation_id", r.ID, "new_owner_id", r.OwnerID, "devices", strings.Join(ids, ","))
 	}
 	return r, nil
-}
-
-// intended is what Intend answered.
-type intended struct {
-	r        device.Reservation
-	existing bool
-	err      error
 }
 
 // askPlugin asks plugin s to reserve ids for reservation id and checks its answer: the
@@ -275,11 +232,21 @@ func (m *Manager) answerIntent(ctx context.Context, r device.Reservation) (devic
 	return out, nil
 }
 
+// intentIDs is the set of the IDs of intents.
+func intentIDs(intents []device.Reservation) map[string]bool {
+	ids := make(map[string]bool, len(intents))
+	for _, r := range intents {
+		ids[r.ID] = true
+	}
+	return ids
+}
+
 // answerIntents answers plugin's intents among left (see answerIntent), and takes out of
 // left those no longer unanswered. An intent claimed by a Reserve (its owner asking
 // again) is left to that Reserve.
 func (m *Manager) answerIntents(ctx context.Context, plugin string, left map[string]bool) {
-	all, unanswered := m.ledger.Intents()
+	all := m.ledger.Intents()
+	unanswered := intentIDs(all)
 	for id := range left {
 		if !unanswered[id] {
 			delete(left, id) // answered by its owner's Reserve, or released

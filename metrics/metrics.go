@@ -147,7 +147,7 @@ func New(opts Options) (*Metrics, error) {
 		}, []string{"result"}),
 		commitTook: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "devicehost_ledger_commit_duration_seconds",
-			Help:    "Time one commit of the reservation ledger took to be durable: its record in the ledger's log and its fdatasync (a checkpoint of the state file for a commit the log could not take).",
+			Help:    "Time one commit of the reservation ledger took to be durable: one bbolt transaction, its fdatasyncs included.",
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16), // 0.1 ms to 3.3 s
 		}),
 		commitWrites: prometheus.NewHistogram(prometheus.HistogramOpts{

@@ -8,7 +8,6 @@ import (
 	"slices"
 
 	bolt "go.etcd.io/bbolt"
-	berrors "go.etcd.io/bbolt/errors"
 )
 
 // Device bindings: which plugin a device ID is bound to (the first that reported it), so
@@ -69,7 +68,7 @@ func (l *Ledger) RecordDeviceBindings(ctx context.Context, bindings map[string]s
 func (l *Ledger) DeviceBindings() (map[string]string, error) {
 	out := make(map[string]string)
 	var bad []error
-	err := l.read(context.Background(), func(tx *bolt.Tx) error {
+	err := l.read(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketBindings)
 		if b == nil {
 			return nil
@@ -87,9 +86,6 @@ func (l *Ledger) DeviceBindings() (map[string]string, error) {
 			return nil
 		})
 	})
-	if errors.Is(err, berrors.ErrDatabaseNotOpen) {
-		err = ErrClosed
-	}
 	if err != nil {
 		return nil, fmt.Errorf("read device bindings from %s: %w", l.path, err)
 	}

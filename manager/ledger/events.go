@@ -11,26 +11,22 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
-	berrors "go.etcd.io/bbolt/errors"
 
 	"github.com/devicehost/devicehost/device"
 )
 
-// The audit trail: an event for every change to the reservations and the cordons.
-// A change's events are collected in its transaction and take their positions (Seq) in
-// commit order once it is durable; watchers see them at once, from memory. They are
-// written to the file in batches, as a deferred write riding on a later commit, at
-// most eventFlushEvery after they were made (at once past eventFlushAt waiting), so a
-// Reserve pays for no event write of its own: on a 2-core machine with its disk, an
-// event in the Reserve's own transaction cost 15 to 25% of the Reserve (two more pages
-// written before its fsync). What a crash can lose is the events of the last
-// eventFlushEvery, never a change: the reservations and cordons are durable as before.
+// The audit trail: an event for every change to the reservations, the cordons and the
+// admin accesses, and for the calls the ledger refused. A change's events are written in
+// the change's own transaction, their positions (Seq) taken in commit order; watchers
+// see them once the commit is durable, so an event a watcher saw survives any crash and
+// its Seq is never given to another.
 //
 //	events/<seq, 8 bytes big-endian>    record envelope around eventRecord's JSON
 //
 // The file keeps the newest Options.MaxEvents, and none older than Options.MaxEventAge
-// (both checked as events are written). The bucket is created by the first event, so a
-// file without it (same schema version) has none, and an older devicehost ignores it.
+// (both checked in each transaction that writes events). The bucket is created by the
+// first event, so a file without it (same schema version) has none, and an older
+// devicehost ignores it.
 var bucketEvents = []byte("events")
 
 // Defaults of the trail's bounds.
@@ -39,13 +35,8 @@ const (
 	DefaultMaxEventAge = 7 * 24 * time.Hour
 )
 
-// How events are written: at most eventFlushEvery after they are made, at once when
-// eventFlushAt wait; ageDropMax bounds the old events one write drops.
-const (
-	eventFlushEvery = 200 * time.Millisecond
-	eventFlushAt    = 512
-	ageDropMax      = 1024
-)
+// ageDropMax bounds the old events one transaction drops.
+const ageDropMax = 1024
 
 // eventRecord is an event as stored.
 type eventRecord struct {
@@ -60,25 +51,24 @@ type eventRecord struct {
 	Detail       string    `json:"detail,omitempty"`
 }
 
-// eventLog is the trail's state, under mu.
+// eventLog is the trail's state. next and count change only after a commit, by the
+// leader (commit); mu guards them for the readers.
 type eventLog struct {
 	max    int // 0 or less: no events
 	maxAge time.Duration
 	now    func() time.Time
 
-	mu       sync.Mutex
-	next     uint64         // the Seq of the next event
-	count    int            // events in the file
-	pending  []device.Event // made, not yet in the file, in Seq order
-	flushing bool           // a write of pending is queued
-	timer    *time.Timer    // the next flush, while pending waits
-	wake     chan struct{}  // closed when an event is made
+	mu    sync.Mutex
+	next  uint64        // the Seq of the next event
+	count int           // events in the file
+	wake  chan struct{} // closed when an event is committed
 }
 
-// eventDelta is what a batch's transaction made of events, given their Seq once the
-// batch is durable.
+// eventDelta is what a batch's transaction made of events: those it wrote, and how
+// many old ones it dropped.
 type eventDelta struct {
-	events []device.Event
+	events  []device.Event
+	dropped int
 }
 
 func seqKey(seq uint64) []byte {
@@ -107,109 +97,75 @@ func loadEventLog(db *bolt.DB, max int, maxAge time.Duration, now func() time.Ti
 	return ev, nil
 }
 
-// event collects e as one of the batch's events; it gets its time and Seq when the
-// batch is durable (applyEvents). It writes nothing and never fails (the error is for
-// the runs' convenience).
+// event writes e in the batch's transaction, with the next Seq and the time now; it is
+// the trail's once the batch is durable (applyEvents). Its errors are storageErrors.
 func (w *txn) event(e device.Event) error {
-	if w.ev == nil || w.ev.max <= 0 {
+	ev := w.ev
+	if ev == nil || ev.max <= 0 {
 		return nil
+	}
+	ev.mu.Lock()
+	next := ev.next
+	ev.mu.Unlock()
+	e.Seq = next + uint64(len(w.ov.ev.events))
+	e.Time = normTime(ev.now())
+	payload, err := json.Marshal(eventRecord{Time: e.Time, Kind: string(e.Kind), By: e.By, Call: e.Call, Owner: e.Owner,
+		NewOwner: e.NewOwner, Devices: e.Devices, Reservations: e.Reservations, Detail: e.Detail})
+	if err != nil {
+		return &storageError{err}
+	}
+	b, err := w.tx.CreateBucketIfNotExists(bucketEvents)
+	if err != nil {
+		return &storageError{fmt.Errorf("events bucket: %w", err)}
+	}
+	b.FillPercent = 1 // appended in key order: full pages
+	if err := w.put(bucketEvents, seqKey(e.Seq), seal(payload)); err != nil {
+		return &storageError{fmt.Errorf("store event %d: %w", e.Seq, err)}
 	}
 	w.ov.ev.events = append(w.ov.ev.events, e)
 	return nil
 }
 
-// applyEvents makes a durable batch's events the trail's.
+// applyEvents makes a durable batch's events the trail's and wakes the watchers.
 func (l *Ledger) applyEvents(d eventDelta) {
-	if len(d.events) > 0 {
-		l.addEvents(d.events...)
-	}
-}
-
-// addEvents gives events their time and Seq, in order, keeps them for the file's next
-// write, and wakes the watchers.
-func (l *Ledger) addEvents(events ...device.Event) {
-	ev := l.ev
-	now := normTime(ev.now())
-	ev.mu.Lock()
-	for _, e := range events {
-		e.Seq, e.Time = ev.next, now
-		ev.next++
-		ev.pending = append(ev.pending, e)
-	}
-	close(ev.wake)
-	ev.wake = make(chan struct{})
-	flushNow := false
-	switch {
-	case ev.flushing:
-	case len(ev.pending) >= eventFlushAt:
-		flushNow = true
-	case ev.timer == nil:
-		ev.timer = time.AfterFunc(eventFlushEvery, l.flushEvents)
-	}
-	ev.mu.Unlock()
-	if flushNow {
-		l.flushEvents()
-	}
-}
-
-// flushEvents queues, as a deferred write due at once, the write of the events pending
-// now, which also drops the oldest past the bounds; they leave pending once durable. A
-// write that fails leaves them pending for the next.
-func (l *Ledger) flushEvents() {
-	ev := l.ev
-	ev.mu.Lock()
-	if ev.timer != nil {
-		ev.timer.Stop()
-		ev.timer = nil
-	}
-	if ev.flushing || len(ev.pending) == 0 {
-		ev.mu.Unlock()
+	if len(d.events) == 0 {
 		return
 	}
-	ev.flushing = true
-	batch := slices.Clone(ev.pending)
-	count := ev.count
+	ev := l.ev
+	ev.mu.Lock()
+	ev.next += uint64(len(d.events))
+	ev.count += len(d.events) - d.dropped
+	close(ev.wake)
+	ev.wake = make(chan struct{})
 	ev.mu.Unlock()
-	var dropped int
-	l.submitDeferred(0, func(w *txn) (any, error) {
-		n, err := writeEvents(w, batch, count, ev.max, ev.maxAge, ev.now())
-		dropped = n
-		return nil, err
-	}, func(err error) {
-		ev.mu.Lock()
-		defer ev.mu.Unlock()
-		ev.flushing = false
-		if err == nil {
-			ev.pending = ev.pending[len(batch):]
-			ev.count += len(batch) - dropped
-		}
-		if len(ev.pending) > 0 && !errors.Is(err, ErrClosed) && ev.timer == nil {
-			ev.timer = time.AfterFunc(eventFlushEvery, l.flushEvents)
-		}
-	})
 }
 
-// writeEvents stores events in the file, which holds count, and drops the oldest past
-// max and those older than maxAge; it returns how many it dropped.
-func writeEvents(w *txn, events []device.Event, count, max int, maxAge time.Duration, now time.Time) (int, error) {
-	b, err := w.tx.CreateBucketIfNotExists(bucketEvents)
-	if err != nil {
-		return 0, &storageError{fmt.Errorf("events bucket: %w", err)}
+// pruneEvents drops, in the batch's transaction, the oldest events past the trail's
+// bounds once the batch's own are counted (see eventLog); a batch that wrote no event
+// drops none.
+func (w *txn) pruneEvents() error {
+	if len(w.ov.ev.events) == 0 {
+		return nil
 	}
-	b.FillPercent = 1 // appended in key order: full pages
-	for _, e := range events {
-		payload, err := json.Marshal(eventRecord{Time: e.Time, Kind: string(e.Kind), By: e.By, Call: e.Call, Owner: e.Owner,
-			NewOwner: e.NewOwner, Devices: e.Devices, Reservations: e.Reservations, Detail: e.Detail})
-		if err != nil {
-			return 0, &storageError{err}
-		}
-		if err := w.put(bucketEvents, seqKey(e.Seq), seal(payload)); err != nil {
-			return 0, &storageError{fmt.Errorf("store event %d: %w", e.Seq, err)}
-		}
+	ev := w.ev
+	ev.mu.Lock()
+	count := ev.count
+	ev.mu.Unlock()
+	n, err := dropEvents(w, count+len(w.ov.ev.events), ev.max, ev.maxAge, ev.now())
+	w.ov.ev.dropped = n
+	return err
+}
+
+// dropEvents drops from the file, which holds count events, the oldest past max and
+// those older than maxAge; it returns how many it dropped.
+func dropEvents(w *txn, count, max int, maxAge time.Duration, now time.Time) (int, error) {
+	b := w.tx.Bucket(bucketEvents)
+	if b == nil {
+		return 0, nil
 	}
 	dropped := 0
 	c := b.Cursor()
-	for count+len(events)-dropped > max {
+	for count-dropped > max {
 		k, _ := c.First()
 		if k == nil {
 			break
@@ -255,46 +211,20 @@ func (l *Ledger) EventsAfter(seq uint64) <-chan struct{} {
 const scanMax = 4 * device.MaxEventsPerCall
 
 // Events returns the trail's events after f.After that match f, oldest first: at most
-// f.Limit (device.MaxEventsPerCall), reading at most scanMax events. Those not yet
-// written to the file come from memory. A record that cannot be read is returned as an
-// event of kind "unreadable" saying so, so that a consumer sees why a position is not
-// what it expected.
-func (l *Ledger) Events(ctx context.Context, f device.EventFilter) (device.EventsResult, error) {
+// f.Limit (device.MaxEventsPerCall), reading at most scanMax events, all from the file
+// (every event shown is durable). A record that cannot be read is returned as an event
+// of kind "unreadable" saying so, so that a consumer sees why a position is not what it
+// expected. ctx is not waited on: a read waits for no writer.
+func (l *Ledger) Events(_ context.Context, f device.EventFilter) (device.EventsResult, error) {
 	limit := f.Limit
 	if limit <= 0 || limit > device.MaxEventsPerCall {
 		limit = device.MaxEventsPerCall
 	}
-	// Pending first: a write that lands in between moves events from pending to the
-	// file, where the read below does not look past the first of them.
 	ev := l.ev
-	ev.mu.Lock()
-	pending := slices.Clone(ev.pending)
-	fileEnd := ev.next // the file holds positions below this, and below pending's first
-	// The trail's bounds hold for what is read whether or not its write has dropped the
-	// events past them yet.
-	low := uint64(1)
-	if ev.next > uint64(ev.max) {
-		low = ev.next - uint64(ev.max)
-	}
-	ev.mu.Unlock()
 	cutoff := ev.now().Add(-ev.maxAge)
-	if len(pending) > 0 {
-		fileEnd = pending[0].Seq
-	}
 	out := device.EventsResult{Through: f.After}
 	scanned := 0
-	take := func(e device.Event) bool {
-		if len(out.Events) >= limit || scanned >= scanMax {
-			return false
-		}
-		scanned++
-		out.Through = e.Seq
-		if e.Seq >= low && (!e.Time.Before(cutoff) || e.Kind == "unreadable") && matchEvent(e, f) {
-			out.Events = append(out.Events, e)
-		}
-		return true
-	}
-	err := l.read(ctx, func(tx *bolt.Tx) error {
+	err := l.read(func(tx *bolt.Tx) error {
 		b := tx.Bucket(bucketEvents)
 		if b == nil {
 			return nil
@@ -304,29 +234,20 @@ func (l *Ledger) Events(ctx context.Context, f device.EventFilter) (device.Event
 			out.Oldest = binary.BigEndian.Uint64(k)
 		}
 		for k, v := c.Seek(seqKey(f.After + 1)); k != nil; k, v = c.Next() {
-			seq := binary.BigEndian.Uint64(k)
-			if seq >= fileEnd || !take(decodeEvent(seq, v)) {
+			if len(out.Events) >= limit || scanned >= scanMax {
 				break
+			}
+			scanned++
+			e := decodeEvent(binary.BigEndian.Uint64(k), v)
+			out.Through = e.Seq
+			if (!e.Time.Before(cutoff) || e.Kind == "unreadable") && matchEvent(e, f) {
+				out.Events = append(out.Events, e)
 			}
 		}
 		return nil
 	})
-	if errors.Is(err, berrors.ErrDatabaseNotOpen) {
-		err = ErrClosed
-	}
 	if err != nil {
 		return device.EventsResult{}, fmt.Errorf("read events from %s: %w", l.path, err)
-	}
-	if out.Oldest == 0 && len(pending) > 0 {
-		out.Oldest = pending[0].Seq
-	}
-	if out.Oldest != 0 {
-		out.Oldest = max(out.Oldest, low)
-	}
-	for _, e := range pending {
-		if e.Seq > out.Through && !take(e) {
-			break
-		}
 	}
 	return out, nil
 }
@@ -367,8 +288,12 @@ func matchEvent(e device.Event, f device.EventFilter) bool {
 	return true
 }
 
-// refused records that the ledger refused a call of ctx's caller.
-func (l *Ledger) refused(ctx context.Context, call string, e device.Event, err error) {
+// Refused records in the trail that the host refused a call of ctx's caller (call:
+// "reserve", "release" or "reown") for err, e naming what it asked for, durably before
+// it returns. Errors of the caller's own making (its context ended) and of the host's
+// (internal, storage, closed) are not refusals and are not recorded; a flood is bounded
+// (refusedPerSecond).
+func (l *Ledger) Refused(ctx context.Context, call string, e device.Event, err error) {
 	if l.ev.max <= 0 || err == nil || errors.Is(err, ErrClosed) || errors.Is(err, errInternal) ||
 		errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return
@@ -398,7 +323,12 @@ func (l *Ledger) refused(ctx context.Context, call string, e device.Event, err e
 	if lost > 0 {
 		e.Detail += fmt.Sprintf(" (and %d refusals before it not recorded: more than %d a second)", lost, refusedPerSecond)
 	}
-	l.addEvents(e)
+	// Written before the refusal is answered, as a change's event is: bounded by the
+	// caller's wait, not by whether it gave up meanwhile.
+	_, werr := l.submit(context.WithoutCancel(ctx), func(w *txn) (any, error) { return nil, w.event(e) })
+	if werr != nil && !errors.Is(werr, ErrClosed) {
+		l.log.Warn("a refusal could not be written to the audit trail", "call", call, "error", werr.Error())
+	}
 }
 
 // refusedPerSecond bounds the refusals the trail records each second.

@@ -6,39 +6,28 @@ import (
 	"fmt"
 	"maps"
 	"slices"
-	"time"
 
 	"github.com/devicehost/devicehost/device"
 )
 
-// Intents: a Reserve recorded in two writes, so that its commit and its plugin call run
-// side by side instead of one after the other.
+// Intents: a reservation recorded before its plugin's answer. Devicehost 189008b to
+// c9e8f1f recorded every Reserve so (Intend) while it asked the plugin, and wrote the
+// answer later; a stop in between left an intent in the file without its answer. This
+// version records a Reserve whole, after its plugin answered, in one commit; it still
+// reads the intents such a file holds, and Intend remains for a caller that must hold
+// devices durably before it can ask for them.
 //
-// The manager records the reservation as an intent (Intend) while it asks the plugin:
-// an intent holds its devices and counters as a reservation does, under the same
-// conflict, capacity and cordon rules, durably before Intend returns. When the plugin
-// has answered, Finalize hands the answer over: readers see the reservation whole at
-// once, and its record, with the answer, rides on the next commit (submitRider; within
-// Options.AnswerDelay when no other commit comes sooner), in one write with the intent's
-// deletion and the trail's reserve event. A Reserve so waits for the longer of its
-// plugin call and its commit, not their sum, and still answers only once its devices
-// are durably held.
-//
-// A stop between the reply and that write (a crash, a kill) leaves an intent in the file
-// without its answer. Its devices stay held; the manager asks the plugin again when the
-// plugin is next up (the plugin protocol's Reserve answers a repeated request for
-// devices it prepared as it did the first time) and records the answer (FinalizeNow), or
-// withdraws the intent when the plugin refuses (Withdraw). Until then the intent is
-// shown by Holders and Intents only: Get and List skip it, a retried Reserve's Check
-// answers *UnansweredError, and Reown refuses it.
+// An intent holds its devices and counters as a reservation does, under the same
+// conflict, capacity and cordon rules. Its devices stay held until the manager asks the
+// plugin again when the plugin is next up (the plugin protocol's Reserve answers a
+// repeated request for devices it prepared as it did the first time) and records the
+// answer (FinalizeNow), or withdraws the intent when the plugin refuses (Withdraw).
+// Until then the intent is shown by Holders and Intents only: Get and List skip it, a
+// retried Reserve's Check answers *UnansweredError, and Reown refuses it.
 
 // bucketIntents holds the intents: intents/<ID>, a record envelope around the same
 // JSON recordV1 as a reservation's, without its container. Created by the first intent.
 var bucketIntents = []byte("intents")
-
-// DefaultAnswerDelay is how long an answered intent's record waits for another commit to
-// ride on before it is committed on its own (Options.AnswerDelay).
-const DefaultAnswerDelay = 2 * time.Millisecond
 
 // ErrNeedsTakeOver is Intend's refusal of a request that would take devices over from
 // their holders (see Reserve): such a request is recorded whole, by Reserve.
@@ -76,7 +65,7 @@ func (l *Ledger) Intend(ctx context.Context, r device.Reservation, takeOver []st
 	val, err := l.submit(ctx, intendRun(rec, slices.Clone(takeOver), caps))
 	if err != nil {
 		if !errors.Is(err, ErrNeedsTakeOver) {
-			l.refused(ctx, "reserve", device.Event{Owner: rec.OwnerID, Devices: rec.DeviceIDs}, err)
+			l.Refused(ctx, "reserve", device.Event{Owner: rec.OwnerID, Devices: rec.DeviceIDs}, err)
 		}
 		return device.Reservation{}, false, fmt.Errorf("reserve: %w", err)
 	}
@@ -110,45 +99,11 @@ func intendRun(rec device.Reservation, takeOver []string, caps device.Capacity) 
 	}
 }
 
-// Finalize hands intent id its plugin's answer c: readers see the reservation with it,
-// and the trail its reserve event, at once; its record is written on the next commit
-// (see the top of this file). A reservation released or taken over meanwhile keeps its
-// release. by is the caller the trail's reserve event names.
-func (l *Ledger) Finalize(id string, c device.ContainerReservation, by string) {
-	c = cloneContainer(c)
-	l.mu.Lock()
-	r := l.idx.live[id]
-	if r == nil || !l.idx.isIntent(id) { // released or taken over meanwhile
-		l.mu.Unlock()
-		return
-	}
-	l.answers[id] = c
-	e := device.Event{Kind: device.EventReserve, By: by, Owner: r.OwnerID, Devices: r.DeviceIDs, Reservations: []string{id}}
-	l.mu.Unlock()
-	// The trail's reserve event now, as a Reserve's comes at its commit: the
-	// reservation is durable already (its intent), and the trail writes its events
-	// later anyway (eventFlushEvery).
-	if l.ev != nil && l.ev.max > 0 {
-		l.addEvents(e)
-	}
-	l.submitRider(l.answerDelay, answerRun(id, c, by, "", true), func(err error) {
-		l.mu.Lock()
-		if !l.idx.isIntent(id) {
-			delete(l.answers, id) // written, or no longer an intent
-		}
-		l.mu.Unlock()
-		if err != nil {
-			l.log.Warn("a reservation's answer is not in the state file yet: its devices stay held, and the plugin is asked again at its next start",
-				"reservation_id", id, "error", err.Error())
-		}
-	})
-}
-
 // FinalizeNow records intent id's answer c durably before it returns (an intent left
 // by a stop, answered again), with detail in the trail's reserve event. An id that is
 // not an intent (any more) wraps device.ErrNotFound.
 func (l *Ledger) FinalizeNow(ctx context.Context, id string, c device.ContainerReservation, detail string) (device.Reservation, error) {
-	val, err := l.submit(ctx, answerRun(id, cloneContainer(c), device.CallerOf(ctx), detail, false))
+	val, err := l.submit(ctx, answerRun(id, cloneContainer(c), device.CallerOf(ctx), detail))
 	if err != nil {
 		if errors.Is(err, errNotIntent) {
 			err = fmt.Errorf("intent %q: %w", id, device.ErrNotFound)
@@ -158,25 +113,17 @@ func (l *Ledger) FinalizeNow(ctx context.Context, id string, c device.ContainerR
 	return clone(val.(*device.Reservation)), nil
 }
 
-// answerRun writes intent id's record with its answer c, and the reserve event. quiet
-// (a rider's, whose event Finalize made): no event, and an id that is no longer an
-// intent is no error.
-func answerRun(id string, c device.ContainerReservation, by, detail string, quiet bool) func(w *txn) (any, error) {
+// answerRun writes intent id's record with its answer c, and the reserve event.
+func answerRun(id string, c device.ContainerReservation, by, detail string) func(w *txn) (any, error) {
 	return func(w *txn) (any, error) {
 		r := w.get(id)
 		if r == nil || r.State != device.ReservationActive || !w.ov.isIntent(id) {
-			if quiet {
-				return nil, nil
-			}
 			return nil, errNotIntent
 		}
 		nr := *r // shares r's immutable slices and maps
 		nr.Container = c
 		if err := w.putReservation(&nr); err != nil {
 			return nil, err
-		}
-		if quiet {
-			return &nr, nil
 		}
 		if err := w.event(device.Event{Kind: device.EventReserve, By: by, Owner: nr.OwnerID, Devices: nr.DeviceIDs,
 			Reservations: []string{nr.ID}, Detail: detail}); err != nil {
@@ -206,27 +153,22 @@ func (l *Ledger) Withdraw(ctx context.Context, id string) error {
 	return nil
 }
 
-// Intents returns the live intents, answered (in memory) or not, oldest first, each
-// with the answer it has; unanswered says which have none.
-func (l *Ledger) Intents() (all []device.Reservation, unanswered map[string]bool) {
+// Intents returns the live intents (reservations recorded without their plugin's
+// answer), oldest first.
+func (l *Ledger) Intents() []device.Reservation {
 	l.mu.RLock()
 	var rs []*device.Reservation
-	unanswered = make(map[string]bool)
 	for id := range l.idx.intent {
 		c := clone(l.idx.live[id])
-		if a, ok := l.answers[id]; ok {
-			c.Container = cloneContainer(a)
-		} else {
-			unanswered[id] = true
-		}
 		rs = append(rs, &c)
 	}
 	l.mu.RUnlock()
 	sortReservations(rs)
-	for _, r := range rs {
-		all = append(all, *r)
+	all := make([]device.Reservation, len(rs))
+	for i, r := range rs {
+		all[i] = *r
 	}
-	return all, unanswered
+	return all
 }
 
 // Live returns every live reservation, intents included (answered or not: their devices
@@ -247,9 +189,8 @@ func (l *Ledger) Live() []device.Reservation {
 	return out
 }
 
-// seen is what a reader is shown of reservation r (the index's, or a batch's): a copy,
-// with its answer when it is an intent answered in memory; an *UnansweredError for an
-// intent without one. Takes mu.
+// seen is what a reader is shown of reservation r (the index's, or a batch's): a copy;
+// an *UnansweredError for an intent. Takes mu.
 func (l *Ledger) seen(r *device.Reservation) (device.Reservation, error) {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
@@ -260,16 +201,12 @@ func (l *Ledger) seen(r *device.Reservation) (device.Reservation, error) {
 	return *c, nil
 }
 
-// shown is seen under mu: nil, false for an unanswered intent.
+// shown is seen under mu: nil, false for an intent.
 func (l *Ledger) shown(r *device.Reservation) (*device.Reservation, bool) {
-	c := clone(r)
 	if r.State == device.ReservationActive && l.idx.isIntent(r.ID) {
-		a, ok := l.answers[r.ID]
-		if !ok {
-			return nil, false
-		}
-		c.Container = cloneContainer(a)
+		return nil, false
 	}
+	c := clone(r)
 	return &c, true
 }
 

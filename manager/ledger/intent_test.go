@@ -9,7 +9,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	bolt "go.etcd.io/bbolt"
 
@@ -28,20 +27,18 @@ func intend(t *testing.T, l *Ledger, id, owner string, devs ...string) device.Re
 	return got
 }
 
-// crashImage copies the state file at path and its log as they are on disk now (every
-// write acknowledged so far is durable in them), as a stop at this moment would leave
-// them, and returns the copy's path.
+// crashImage copies the state file at path as it is now (every write acknowledged so
+// far is committed to it), as a stop at this moment would leave it, and returns the
+// copy's path.
 func crashImage(t *testing.T, path string) string {
 	t.Helper()
 	image := filepath.Join(t.TempDir(), DefaultFileName)
-	for _, suffix := range []string{"", logSuffix} {
-		b, err := os.ReadFile(path + suffix)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(image+suffix, b, 0o600); err != nil {
-			t.Fatal(err)
-		}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(image, b, 0o600); err != nil {
+		t.Fatal(err)
 	}
 	return image
 }
@@ -49,11 +46,11 @@ func crashImage(t *testing.T, path string) string {
 // TestIntentHoldsItsDevicesAndShowsOnceAnswered: an intent holds its devices at once
 // (another owner is refused, Holders names it) but is not a reservation a reader can
 // use until its answer comes: Get and List skip it, its owner's retry is told it is
-// unanswered; once answered it reads whole, and its record, with the answer, rides on
-// the next commit (here a Release's: one commit for both, the answer first).
+// unanswered; once answered it reads whole, and its record, with the answer, is in
+// the file, durably (FinalizeNow).
 func TestIntentHoldsItsDevicesAndShowsOnceAnswered(t *testing.T) {
 	path := statePath(t)
-	l := openWith(t, path, Options{MaxEvents: -1, AnswerDelay: time.Hour})
+	l := openWith(t, path, Options{MaxEvents: -1})
 	ctx := context.Background()
 	in := intend(t, l, "res-a", "o1", "d0")
 	if len(in.Container.Envs) != 0 || in.State != device.ReservationActive {
@@ -79,71 +76,16 @@ func TestIntentHoldsItsDevicesAndShowsOnceAnswered(t *testing.T) {
 	}
 
 	answer := res("o1", "d0").Container
-	commits := l.Commits()
-	l.Finalize("res-a", answer, "test")
-	for _, got := range []func() (device.Reservation, error){
-		func() (device.Reservation, error) { return l.Get("res-a") },
-		func() (device.Reservation, error) {
-			r, err := l.Check("o1", []string{"d0"}, nil, nil, nil)
-			if r == nil {
-				return device.Reservation{}, err
-			}
-			return *r, err
-		},
-	} {
-		if r, err := got(); err != nil || !reflect.DeepEqual(r.Container, answer) {
-			t.Errorf("answered intent read as %+v, %v; want its answer %+v", r.Container, err, answer)
-		}
-	}
-	if rs := listAll(t, l); len(rs) != 1 || !reflect.DeepEqual(rs[0].Container, answer) {
-		t.Errorf("List = %+v, want res-a with its answer", rs)
-	}
-	if l.Commits() != commits {
-		t.Fatalf("commits %d -> %d: the answer was written before anything else was", commits, l.Commits())
-	}
-
-	release(t, l, "res-a", t0)
-	if got := l.Commits(); got != commits+1 {
-		t.Errorf("commits %d -> %d for the Release, want one: the answer rides on it", commits, got)
+	if _, err := l.FinalizeNow(ctx, "res-a", answer, ""); err != nil {
+		t.Fatal(err)
 	}
 	image := openWith(t, crashImage(t, path), Options{MaxEvents: -1})
 	r, err := image.Get("res-a")
-	if err != nil || r.State != device.ReservationReleased || !reflect.DeepEqual(r.Container, answer) {
-		t.Errorf("res-a in the file = %+v, %v; want released, with its answer", r, err)
+	if err != nil || r.State != device.ReservationActive || !reflect.DeepEqual(r.Container, answer) {
+		t.Errorf("res-a in the file = %+v, %v; want live, with its answer", r, err)
 	}
-	if all, _ := image.Intents(); len(all) != 0 {
+	if all := image.Intents(); len(all) != 0 {
 		t.Errorf("intents in the file = %v, want none", ids(all))
-	}
-}
-
-// TestAnsweredIntentIsWrittenAloneWithinAnswerDelay: with no other commit to ride on,
-// the answer is committed on its own, and a stop after that finds the reservation whole.
-func TestAnsweredIntentIsWrittenAloneWithinAnswerDelay(t *testing.T) {
-	path := statePath(t)
-	l := openWith(t, path, Options{MaxEvents: -1, AnswerDelay: time.Millisecond})
-	intend(t, l, "res-a", "o1", "d0")
-	commits := l.Commits()
-	answer := res("o1", "d0").Container
-	l.Finalize("res-a", answer, "test")
-	deadline := time.Now().Add(10 * time.Second)
-	for l.Commits() == commits {
-		if time.Now().After(deadline) {
-			t.Fatal("the answer was never committed")
-		}
-		time.Sleep(time.Millisecond)
-	}
-	image := openWith(t, crashImage(t, path), Options{MaxEvents: -1})
-	if r, err := image.Get("res-a"); err != nil || !reflect.DeepEqual(r.Container, answer) {
-		t.Errorf("res-a in the file = %+v, %v; want it with its answer", r, err)
-	}
-	if all, _ := image.Intents(); len(all) != 0 {
-		t.Errorf("intents in the file = %v, want none", ids(all))
-	}
-	l.mu.RLock()
-	n := len(l.answers)
-	l.mu.RUnlock()
-	if n != 0 {
-		t.Errorf("%d answers still kept in memory after their write", n)
 	}
 }
 
@@ -153,17 +95,15 @@ func TestAnsweredIntentIsWrittenAloneWithinAnswerDelay(t *testing.T) {
 // cannot be reowned meanwhile, and a Release ends it.
 func TestIntentLeftByAStop(t *testing.T) {
 	path := statePath(t)
-	l := openWith(t, path, Options{MaxEvents: -1, AnswerDelay: time.Hour})
+	l := openWith(t, path, Options{MaxEvents: -1})
 	intend(t, l, "res-a", "o1", "d0")
 	intend(t, l, "res-b", "o2", "d1")
 	intend(t, l, "res-c", "o3", "d2")
-	l.Finalize("res-a", res("o1", "d0").Container, "test") // in memory only: the stop comes first
 	ctx := context.Background()
 
 	image := openWith(t, crashImage(t, path), Options{})
-	all, unanswered := image.Intents()
-	if got := ids(all); !reflect.DeepEqual(got, []string{"res-a", "res-b", "res-c"}) || len(unanswered) != 3 {
-		t.Fatalf("intents after the stop = %v (%d unanswered), want res-a, res-b and res-c, none answered", got, len(unanswered))
+	if got := ids(image.Intents()); !reflect.DeepEqual(got, []string{"res-a", "res-b", "res-c"}) {
+		t.Fatalf("intents after the stop = %v, want res-a, res-b and res-c", got)
 	}
 	for _, d := range []string{"d0", "d1", "d2"} {
 		if image.Holders()[d].ReservationID == "" {
@@ -211,7 +151,7 @@ func TestIntentLeftByAStop(t *testing.T) {
 	}
 
 	again := openWith(t, image.Path(), Options{})
-	if all, _ := again.Intents(); len(all) != 0 {
+	if all := again.Intents(); len(all) != 0 {
 		t.Errorf("intents after the answers = %v, want none", ids(all))
 	}
 	if r, err := again.Get("res-a"); err != nil || r.State != device.ReservationActive || !reflect.DeepEqual(r.Container, answer) {
@@ -229,7 +169,7 @@ func TestIntentLeftByAStop(t *testing.T) {
 // nothing when it refuses, leaves taking devices over to Reserve, and hands back its
 // owner's reservation that already covers the request.
 func TestIntendRefusesWhatReserveRefuses(t *testing.T) {
-	l := openWith(t, statePath(t), Options{MaxEvents: -1, AnswerDelay: time.Hour})
+	l := openWith(t, statePath(t), Options{MaxEvents: -1})
 	ctx := context.Background()
 	held := reserve(t, l, "kube/pod-1", "d0")
 	if _, err := l.Cordon(ctx, "d9", device.Cordon{Reason: "test", Since: t0}); err != nil {
@@ -301,20 +241,5 @@ func TestOpenRefusesAnIntentThatIsAlsoAReservation(t *testing.T) {
 	_, err = Open(path, Options{})
 	if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "intent") || !strings.Contains(err.Error(), r.ID) {
 		t.Errorf("Open = %v, want ErrCorrupt naming intent %s", err, r.ID)
-	}
-}
-
-// TestAnsweredIntentsReserveEventIsInTheTrailAtOnce: the trail shows a Reserve's event
-// once it is answered, not once its record rides to the file.
-func TestAnsweredIntentsReserveEventIsInTheTrailAtOnce(t *testing.T) {
-	l := openWith(t, statePath(t), Options{AnswerDelay: time.Hour})
-	intend(t, l, "res-a", "o1", "d0")
-	l.Finalize("res-a", res("o1", "d0").Container, "test")
-	ev, err := l.Events(context.Background(), device.EventFilter{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(ev.Events) != 1 || ev.Events[0].Kind != device.EventReserve || !slices.Equal(ev.Events[0].Reservations, []string{"res-a"}) || ev.Events[0].By != "test" {
-		t.Errorf("events = %+v, want res-a's reserve event by test", ev.Events)
 	}
 }

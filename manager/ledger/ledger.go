@@ -1,15 +1,15 @@
 // Package ledger is devicehost's durable reservation ledger: every reservation the host
-// has acknowledged, its release, the plugin cleanup still owed for it, and the go-plugin
-// reattach data of running plugins, kept in one bbolt file under the state dir. A write
-// returns once it is fsynced (concurrent writes share commits); reads come from an
-// in-memory index of durable state; Open refuses a damaged or newer file with a
-// *StateFileError and never repairs it.
+// has acknowledged, its release, the plugin cleanup still owed for it, cordons, admin
+// accesses, the audit trail and plugins' reattach data, in one bbolt file under the
+// state dir, its only truth. Each group-commit batch is one bbolt transaction, a change
+// and its event in it; nothing is answered or shown before its commit is durable. Reads
+// come from an in-memory index of the file's last commit; Open refuses a damaged or
+// newer file with a *StateFileError and never repairs it.
 //
 // See docs/reservations.md.
 package ledger
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -115,9 +115,6 @@ type Options struct {
 	// DefaultMaxEventAge.
 	MaxEvents   int
 	MaxEventAge time.Duration
-	// AnswerDelay bounds how long an answered intent's record waits for another commit
-	// to ride on (see intent.go); zero means DefaultAnswerDelay.
-	AnswerDelay time.Duration
 }
 
 // Ledger is an open state file. All methods are safe for concurrent use. Values it
@@ -137,15 +134,6 @@ type Ledger struct {
 	log  hclog.Logger
 
 	quit chan struct{} // closed by Close
-	// The write side (writer.go), the leader's alone: the bbolt transaction open across
-	// batches, nil between checkpoints when nothing waits for one; the log; the writes
-	// logged since the last checkpoint; whether a checkpoint is asked for.
-	tx               *bolt.Tx
-	wal              *writeLog
-	pending          []logOp
-	checkpointArmed  bool        // checkpointTimer runs
-	checkpointTimer  *time.Timer // fires checkpointDue
-	checkpointWanted atomic.Bool // set by checkpointDue, taken by the leader's next round
 
 	closeOnce sync.Once
 	closeErr  error
@@ -174,14 +162,7 @@ type Ledger struct {
 	deferred    []*request  // deferred writes, oldest first (see submitDeferred)
 	deferDue    time.Time   // when the oldest must be committed; zero: at once
 	deferClosed bool        // Close has stopped taking deferred writes
-	deferTimer  *time.Timer // fires (deferredDue) when the oldest deferred write or rider is due
-	riders      []*request  // riders, oldest first (see submitRider)
-	riderDue    time.Time   // when the oldest must be committed if no batch carries it sooner
-	answerDelay time.Duration
-
-	// answers holds, under mu, the plugin's answer of each intent answered while its
-	// write rides to the file (Finalize): readers see the reservation whole meanwhile.
-	answers map[string]device.ContainerReservation
+	deferTimer  *time.Timer // fires (deferredDue) when the oldest deferred write is due
 
 	// cordonMu serialises Cordon and Uncordon, each a commit and then a new cordons
 	// map; cordons is what Cordons returns (cordons.go).
@@ -202,15 +183,14 @@ type Ledger struct {
 }
 
 // Open opens the ledger at path (normally filepath.Join(stateDir, DefaultFileName)),
-// creating the file and its directory (mode 0750) when missing, applies the writes its
-// log (path + "-wal", wal.go) holds that the file lacks (after a stop that was not
-// clean), and loads every record, checking each one.
+// creating the file and its directory (mode 0700) when missing, and loads every record,
+// checking each one. A log left beside the file by devicehost c9e8f1f after a stop that
+// was not clean is applied to the file first, once, then removed (migrate.go).
 //
 // Open returns a *StateFileError (matching ErrLocked, ErrCorrupt or ErrSchemaVersion)
-// when the file is held by another process past opts.LockTimeout, is damaged (or its
+// when the file is held by another process past opts.LockTimeout, is damaged (or such a
 // log is), or was written by an unknown schema version; in each case the file is left
-// as it was, but for the acknowledged writes applied from its log when the file itself
-// reads (a damaged record they hold is then named as the file's).
+// as it was (but for a log's writes applied, when the file itself reads).
 func Open(path string, opts Options) (*Ledger, error) {
 	if opts.LockTimeout <= 0 {
 		opts.LockTimeout = DefaultLockTimeout
@@ -221,14 +201,14 @@ func Open(path string, opts Options) (*Ledger, error) {
 	if opts.Logger == nil {
 		opts.Logger = hclog.NewNullLogger()
 	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return nil, fmt.Errorf("state dir of %s: %w", path, err)
 	}
 	db, err := openBolt(path, opts.LockTimeout)
 	if err != nil {
 		return nil, err
 	}
-	idx, applied, replayed, err := loadOrInit(db, path)
+	idx, replayed, err := loadOrInit(db, path)
 	if err != nil {
 		_ = db.Close() // the load error is the one that matters; nothing was written
 		return nil, err
@@ -262,15 +242,9 @@ func Open(path string, opts Options) (*Ledger, error) {
 		// The devices stay cordoned (loadCordons): say why.
 		opts.Logger.Error("damaged cordon records: their devices stay cordoned until uncordoned or cordoned again", "error", err.Error())
 	}
-	wal, err := openLog(path, applied)
-	if err != nil {
-		_ = db.Close()
-		return nil, err
-	}
 	l := &Ledger{
 		path: path,
 		db:   db,
-		wal:  wal,
 		now:  opts.Now,
 		log:  opts.Logger,
 		quit: make(chan struct{}),
@@ -278,9 +252,7 @@ func Open(path string, opts Options) (*Ledger, error) {
 		ev:   ev,
 		subs: make(map[*feed]struct{}),
 
-		answers:     make(map[string]device.ContainerReservation),
-		answerDelay: cmp.Or(opts.AnswerDelay, DefaultAnswerDelay),
-		onCommit:    opts.OnCommit,
+		onCommit: opts.OnCommit,
 
 		queueBuf: make([]*request, 0, maxQueued),
 		slots:    make(chan struct{}, maxQueued),
@@ -291,14 +263,12 @@ func Open(path string, opts Options) (*Ledger, error) {
 	l.idle = sync.NewCond(&l.wmu)
 	l.deferTimer = time.AfterFunc(time.Hour, l.deferredDue)
 	l.deferTimer.Stop()
-	l.checkpointTimer = time.AfterFunc(time.Hour, l.checkpointDue)
-	l.checkpointTimer.Stop()
 	c := idx.counts()
 	l.log.Info("opened reservation ledger", "path", path, "reservations", c.Total,
 		"live", c.Live, "released", c.Released, "cleanup_pending", c.CleanupPending)
 	if replayed > 0 {
-		l.log.Info("the last stop was not clean: writes the state file lacked were applied from its log",
-			"log", wal.path, "records", replayed)
+		l.log.Info("the writes only the log of an earlier devicehost held were applied to the state file, and the log removed",
+			"log", path+logSuffix, "records", replayed)
 	}
 	return l, nil
 }
@@ -306,11 +276,8 @@ func Open(path string, opts Options) (*Ledger, error) {
 // Path returns the state file's path.
 func (l *Ledger) Path() string { return l.path }
 
-// Commits returns how many batches of writes the ledger has made durable since Open.
-// Each is one record in the log (one fdatasync), or, for a batch too big for the log or
-// one whose record could not be written, a checkpoint (a bbolt commit: two fdatasyncs);
-// the checkpoints that only move the log's batches into the file are not counted. For
-// benchmarks and metrics; safe for concurrent use.
+// Commits returns how many batches of writes the ledger has committed since Open, each
+// one bbolt transaction. For benchmarks and metrics; safe for concurrent use.
 func (l *Ledger) Commits() int64 { return l.commits.Load() }
 
 // Close refuses later writes with ErrClosed, waits until the requests accepted, and the
@@ -320,21 +287,10 @@ func (l *Ledger) Commits() int64 { return l.commits.Load() }
 func (l *Ledger) Close() error {
 	l.closeOnce.Do(func() {
 		close(l.quit)
-		l.flushEvents() // the events waiting go with the last commits
 		l.stopWrites()
-		// The last checkpoint: the file alone holds everything (an older devicehost,
-		// which reads no log, finds it whole). Should it fail, the log keeps the writes
-		// for the next Open.
-		err := l.checkpoint()
-		if err != nil {
-			l.rollback()
-			err = fmt.Errorf("state file %s: last checkpoint: %w", l.path, err)
+		if err := l.db.Close(); err != nil {
+			l.closeErr = fmt.Errorf("close state file %s: %w", l.path, err)
 		}
-		err = errors.Join(err, l.wal.close())
-		if cerr := l.db.Close(); cerr != nil {
-			err = errors.Join(err, fmt.Errorf("close state file %s: %w", l.path, cerr))
-		}
-		l.closeErr = err
 	})
 	return l.closeErr
 }

@@ -2,12 +2,10 @@ package ledger
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 
 	bolt "go.etcd.io/bbolt"
-	berrors "go.etcd.io/bbolt/errors"
 
 	"github.com/devicehost/devicehost/device"
 )
@@ -52,7 +50,7 @@ func (l *Ledger) DeleteReattach(ctx context.Context, plugin string) error {
 // plugin; the caller should then start the plugin fresh and DeleteReattach it.
 func (l *Ledger) LoadReattach(plugin string) ([]byte, bool, error) {
 	var out []byte
-	err := l.read(context.Background(), func(tx *bolt.Tx) error {
+	err := l.read(func(tx *bolt.Tx) error {
 		v := tx.Bucket(bucketReattach).Get([]byte(plugin))
 		if v == nil {
 			return nil
@@ -67,9 +65,6 @@ func (l *Ledger) LoadReattach(plugin string) ([]byte, bool, error) {
 		}
 		return nil
 	})
-	if errors.Is(err, berrors.ErrDatabaseNotOpen) {
-		err = ErrClosed
-	}
 	if err != nil {
 		return nil, false, fmt.Errorf("load reattach data of plugin %q from %s: %w", plugin, l.path, err)
 	}
@@ -80,15 +75,12 @@ func (l *Ledger) LoadReattach(plugin string) ([]byte, bool, error) {
 // that a starting agent can find plugins it no longer runs.
 func (l *Ledger) ReattachPlugins() ([]string, error) {
 	var names []string
-	err := l.read(context.Background(), func(tx *bolt.Tx) error {
+	err := l.read(func(tx *bolt.Tx) error {
 		return tx.Bucket(bucketReattach).ForEach(func(k, _ []byte) error {
 			names = append(names, string(k))
 			return nil
 		})
 	})
-	if errors.Is(err, berrors.ErrDatabaseNotOpen) {
-		err = ErrClosed
-	}
 	if err != nil {
 		return nil, fmt.Errorf("list reattach data in %s: %w", l.path, err)
 	}

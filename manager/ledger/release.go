@@ -77,7 +77,7 @@ func (l *Ledger) Release(ctx context.Context, req device.ReleaseRequest, now tim
 		return out, nil
 	})
 	if err != nil {
-		l.refused(ctx, "release", device.Event{Owner: req.OwnerID, Reservations: nonEmpty(req.ReservationID)}, err)
+		l.Refused(ctx, "release", device.Event{Owner: req.OwnerID, Reservations: nonEmpty(req.ReservationID)}, err)
 		return nil, nil, fmt.Errorf("release: %w", err)
 	}
 	res := val.(result)

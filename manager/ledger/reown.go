@@ -41,7 +41,7 @@ func (l *Ledger) Reown(ctx context.Context, req device.ReownRequest) (device.Res
 		return &nr, nil
 	})
 	if err != nil {
-		l.refused(ctx, "reown", device.Event{Owner: req.OwnerID, NewOwner: req.NewOwnerID, Reservations: nonEmpty(req.ReservationID)}, err)
+		l.Refused(ctx, "reown", device.Event{Owner: req.OwnerID, NewOwner: req.NewOwnerID, Reservations: nonEmpty(req.ReservationID)}, err)
 		return device.Reservation{}, fmt.Errorf("reown: %w", err)
 	}
 	return l.seen(val.(*device.Reservation))

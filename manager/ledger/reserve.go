@@ -177,7 +177,7 @@ func (l *Ledger) Reserve(ctx context.Context, r device.Reservation, takeOver []s
 	}
 	val, err := l.submit(ctx, reserveRun(rec, slices.Clone(takeOver), caps, device.CallerOf(ctx)))
 	if err != nil {
-		l.refused(ctx, "reserve", device.Event{Owner: rec.OwnerID, Devices: rec.DeviceIDs}, err)
+		l.Refused(ctx, "reserve", device.Event{Owner: rec.OwnerID, Devices: rec.DeviceIDs}, err)
 		return device.Reservation{}, false, fmt.Errorf("reserve: %w", err)
 	}
 	return l.answered(val.(reserveResult))

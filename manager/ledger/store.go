@@ -271,10 +271,11 @@ func openBolt(path string, timeout time.Duration) (db *bolt.DB, err error) {
 	}
 }
 
-// loadOrInit checks the file, applies what its log holds that it lacks (replayLog), and
+// loadOrInit checks the file, applies what an earlier version's log holds that it lacks
+// (replayLog), and
 // loads its reservations, or initialises a new file. It writes nothing else to a file
 // that has buckets.
-func loadOrInit(db *bolt.DB, path string) (idx *index, applied logPos, replayed int, err error) {
+func loadOrInit(db *bolt.DB, path string) (idx *index, replayed int, err error) {
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if r := recover(); r != nil {
@@ -282,10 +283,10 @@ func loadOrInit(db *bolt.DB, path string) (idx *index, applied logPos, replayed 
 		}
 	}()
 	if err := checkConsistency(db, path); err != nil {
-		return nil, logPos{}, 0, err
+		return nil, 0, err
 	}
-	if replayed, applied, err = replayLog(db, path); err != nil {
-		return nil, logPos{}, 0, err
+	if replayed, err = replayLog(db, path); err != nil {
+		return nil, 0, err
 	}
 	idx = newIndex()
 	fresh := false
@@ -317,12 +318,12 @@ func loadOrInit(db *bolt.DB, path string) (idx *index, applied logPos, replayed 
 	if err != nil {
 		var sfe *StateFileError
 		if errors.As(err, &sfe) {
-			return nil, logPos{}, 0, sfe
+			return nil, 0, sfe
 		}
-		return nil, logPos{}, 0, fmt.Errorf("read state file %s: %w", path, err)
+		return nil, 0, fmt.Errorf("read state file %s: %w", path, err)
 	}
 	if !fresh {
-		return idx, applied, replayed, nil
+		return idx, replayed, nil
 	}
 	err = db.Update(func(tx *bolt.Tx) error {
 		meta, err := tx.CreateBucket(bucketMeta)
@@ -341,14 +342,14 @@ func loadOrInit(db *bolt.DB, path string) (idx *index, applied logPos, replayed 
 		return err
 	})
 	if err != nil {
-		return nil, logPos{}, 0, fmt.Errorf("initialise state file %s: %w", path, err)
+		return nil, 0, fmt.Errorf("initialise state file %s: %w", path, err)
 	}
 	// The file may be new: make its directory entry durable too, or a power cut could
 	// lose the whole file along with the reservations committed to it.
 	if err := syncDir(filepath.Dir(path)); err != nil {
-		return nil, logPos{}, 0, fmt.Errorf("initialise state file %s: %w", path, err)
+		return nil, 0, fmt.Errorf("initialise state file %s: %w", path, err)
 	}
-	return idx, applied, replayed, nil
+	return idx, replayed, nil
 }
 
 func syncDir(dir string) error {

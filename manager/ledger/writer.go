@@ -9,6 +9,8 @@ import (
 
 	bolt "go.etcd.io/bbolt"
 
+	berrors "go.etcd.io/bbolt/errors"
+
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/internal/steps"
 )
@@ -64,14 +66,13 @@ type txn struct {
 	// deferred says the request running is a deferred write, whose changes the change
 	// feeds are not told of (overlay.feedChanges).
 	deferred bool
-	ops      []logOp // the batch's writes, for its log record (wal.go); none: nothing to make durable
-	// checkpoint asks for the batch to be made durable by a checkpoint: the bbolt
-	// transaction committed, the log emptied (see Ledger.checkpoint).
-	checkpoint bool
+	// dirty says the batch wrote something: a batch that did not is rolled back, no
+	// commit (and no fsync) made for it.
+	dirty bool
 }
 
-// put sets key of bucket (made when missing) to val, in the transaction and the batch's
-// log record. put keeps key and val: the caller must not change them.
+// put sets key of bucket (made when missing) to val in the transaction. put keeps key
+// and val until the commit: the caller must not change them.
 func (w *txn) put(bucket, key, val []byte) error {
 	b, err := w.tx.CreateBucketIfNotExists(bucket)
 	if err == nil {
@@ -80,12 +81,12 @@ func (w *txn) put(bucket, key, val []byte) error {
 	if err != nil {
 		return err
 	}
-	w.ops = append(w.ops, logOp{bucket: bucket, key: key, val: val})
+	w.dirty = true
 	return nil
 }
 
-// del deletes key of bucket, in the transaction and the batch's log record; a bucket
-// not there has nothing to delete. del keeps key.
+// del deletes key of bucket in the transaction; a bucket not there has nothing to
+// delete. del keeps key until the commit.
 func (w *txn) del(bucket, key []byte) error {
 	b := w.tx.Bucket(bucket)
 	if b == nil {
@@ -94,7 +95,7 @@ func (w *txn) del(bucket, key []byte) error {
 	if err := b.Delete(key); err != nil {
 		return err
 	}
-	w.ops = append(w.ops, logOp{del: true, bucket: bucket, key: key})
+	w.dirty = true
 	return nil
 }
 
@@ -159,11 +160,14 @@ func (w *txn) deleteReattach(plugin string) error {
 	return nil
 }
 
-// read runs fn on the state every write acknowledged left: in the open transaction, on
-// the leader's turn, for the state file alone lacks what the log holds. ctx bounds the
-// wait for that turn (see submit). fn must not write.
-func (l *Ledger) read(ctx context.Context, fn func(tx *bolt.Tx) error) error {
-	_, err := l.submit(ctx, func(w *txn) (any, error) { return nil, fn(w.tx) })
+// read runs fn in a read-only transaction of the state file: the state of the last
+// commit, which holds every write acknowledged (a write is answered only once its
+// commit is durable). It waits for no writer. fn must not write.
+func (l *Ledger) read(fn func(tx *bolt.Tx) error) error {
+	err := l.db.View(fn)
+	if errors.Is(err, berrors.ErrDatabaseNotOpen) {
+		return ErrClosed
+	}
 	return err
 }
 
@@ -256,12 +260,6 @@ func (l *Ledger) lead(own *request) {
 		if d := l.takeDueDeferred(); len(d) > 0 {
 			batch = append(d, batch...)
 		}
-		if r := l.takeRiders(); len(r) > 0 {
-			batch = append(r, batch...)
-		}
-		if c := l.takeCheckpoint(); c != nil {
-			batch = append(batch, c)
-		}
 		if len(batch) > 0 {
 			l.commit(batch, own)
 		}
@@ -310,14 +308,6 @@ func (l *Ledger) lead(own *request) {
 // rather than ride on the next commit, so that a busy host's Reserves do not each
 // carry the previous Release's bookkeeping: one commit in CommitDelay carries it all.
 func (l *Ledger) submitDeferred(within time.Duration, run func(w *txn) (any, error), notify func(error)) {
-	l.queueLater(&l.deferred, &l.deferDue, within, run, notify)
-}
-
-// queueLater appends run to q, a queue of writes committed later (the deferred writes
-// or the riders), due within after now unless its oldest is due sooner (*due), and at
-// once when q holds a full batch; notify gets ErrClosed at once when the ledger is
-// closed.
-func (l *Ledger) queueLater(q *[]*request, due *time.Time, within time.Duration, run func(w *txn) (any, error), notify func(error)) {
 	req := &request{ctx: context.Background(), run: run, notify: notify}
 	at := time.Now().Add(within)
 	l.deferMu.Lock()
@@ -326,49 +316,15 @@ func (l *Ledger) queueLater(q *[]*request, due *time.Time, within time.Duration,
 		notify(ErrClosed)
 		return
 	}
-	if len(*q) == 0 || at.Before(*due) {
-		*due = at
+	if len(l.deferred) == 0 || at.Before(l.deferDue) {
+		l.deferDue = at
 	}
-	*q = append(*q, req)
-	if len(*q) >= maxBatch {
-		*due = time.Time{} // a full batch waits no longer
+	l.deferred = append(l.deferred, req)
+	if len(l.deferred) >= maxBatch {
+		l.deferDue = time.Time{} // a full batch waits no longer
 	}
 	l.armLocked()
 	l.deferMu.Unlock()
-}
-
-// submitRider queues run as a rider: a deferred write that rides on the very next
-// batch any leader commits, ahead of the batch's other writes (and of due deferred
-// writes), or is committed on its own within after it was queued when no batch comes
-// sooner. It never blocks; notify is as submitDeferred's.
-//
-// Riders are for writes a caller was answered without, that must land before any
-// later write can read what they change (a Reserve's answer, see Finalize): every
-// batch a leader takes after the rider was queued carries it first.
-func (l *Ledger) submitRider(within time.Duration, run func(w *txn) (any, error), notify func(error)) {
-	l.queueLater(&l.riders, &l.riderDue, within, run, notify)
-}
-
-// takeRiders removes and returns up to maxBatch riders, oldest first.
-func (l *Ledger) takeRiders() []*request {
-	l.deferMu.Lock()
-	defer l.deferMu.Unlock()
-	return takeBatch(&l.riders, &l.riderDue)
-}
-
-// takeBatch removes and returns up to maxBatch writes of q, oldest first; those left
-// over (a full batch waiting) are due at once. Under deferMu.
-func takeBatch(q *[]*request, due *time.Time) []*request {
-	n := min(len(*q), maxBatch)
-	if n == 0 {
-		return nil
-	}
-	out := slices.Clone((*q)[:n])
-	*q = slices.Delete(*q, 0, n)
-	if len(*q) > 0 {
-		*due = time.Time{}
-	}
-	return out
 }
 
 // takeDueDeferred is takeDeferred once the oldest deferred write is due (or a full
@@ -383,11 +339,21 @@ func (l *Ledger) takeDueDeferred() []*request {
 	return l.takeDeferred()
 }
 
-// takeDeferred removes and returns up to maxBatch deferred writes, oldest first.
+// takeDeferred removes and returns up to maxBatch deferred writes, oldest first; those
+// left over (a full batch waiting) are due at once.
 func (l *Ledger) takeDeferred() []*request {
 	l.deferMu.Lock()
 	defer l.deferMu.Unlock()
-	return takeBatch(&l.deferred, &l.deferDue)
+	n := min(len(l.deferred), maxBatch)
+	if n == 0 {
+		return nil
+	}
+	out := slices.Clone(l.deferred[:n])
+	l.deferred = slices.Delete(l.deferred, 0, n)
+	if len(l.deferred) > 0 {
+		l.deferDue = time.Time{}
+	}
+	return out
 }
 
 // armDeferred sets the timer to fire when the oldest deferred write is due, or stops it
@@ -398,25 +364,13 @@ func (l *Ledger) armDeferred() {
 	l.armLocked()
 }
 
-// armLocked is armDeferred under deferMu: the timer fires when the oldest deferred
-// write or the oldest rider is due, whichever is sooner.
+// armLocked is armDeferred under deferMu.
 func (l *Ledger) armLocked() {
-	var next time.Time
-	switch {
-	case len(l.deferred) > 0 && len(l.riders) > 0:
-		next = l.deferDue
-		if l.riderDue.Before(next) {
-			next = l.riderDue
-		}
-	case len(l.deferred) > 0:
-		next = l.deferDue
-	case len(l.riders) > 0:
-		next = l.riderDue
-	default:
+	if len(l.deferred) == 0 {
 		l.deferTimer.Stop()
 		return
 	}
-	l.deferTimer.Reset(max(time.Until(next), 0))
+	l.deferTimer.Reset(max(time.Until(l.deferDue), 0))
 }
 
 // deferredDue runs when the oldest deferred write is due (the timer's goroutine): it
@@ -450,11 +404,7 @@ func (l *Ledger) stopWrites() {
 	l.deferMu.Lock()
 	l.deferClosed = true
 	l.deferTimer.Stop()
-	l.checkpointTimer.Stop()
 	l.deferMu.Unlock()
-	for r := l.takeRiders(); len(r) > 0; r = l.takeRiders() {
-		l.commit(r, nil)
-	}
 	for d := l.takeDeferred(); len(d) > 0; d = l.takeDeferred() {
 		l.commit(d, nil)
 	}
@@ -499,11 +449,6 @@ func (l *Ledger) commit(batch []*request, leader *request) {
 		told := ov.feedChanges()
 		l.mu.Lock()
 		l.idx.apply(ov)
-		for id, is := range ov.intents {
-			if !is { // written with its answer, or no longer an intent
-				delete(l.answers, id)
-			}
-		}
 		total := l.idx.counts().Total
 		l.mu.Unlock()
 		l.notify(ctx, told, total)
@@ -527,38 +472,26 @@ func (l *Ledger) commit(batch []*request, leader *request) {
 	}
 }
 
-// runBatch runs batch in the open transaction and makes its writes durable; wrote says
-// whether it wrote anything (a batch whose requests were all refused, or wrote nothing,
-// makes nothing durable).
-//
-// One bbolt write transaction stays open across batches: a batch's writes go into it
-// and are made durable by their record in the log (wal.go), one fdatasync; a checkpoint
-// commits the transaction (two fdatasyncs) and empties the log, after checkpointEvery
-// or at once when the record does not fit in the log, when its write fails, or when a
-// request of the batch asks for it. A batch whose request fails on storage (or whose
-// checkpoint fails) rolls the transaction back: the next one begins again from the
-// file with the writes of the batches since the last checkpoint, which the log holds.
+// runBatch runs batch in one bbolt transaction and commits it; wrote says whether it
+// wrote anything (a batch whose requests were all refused, or wrote nothing, is rolled
+// back: no commit, no fsync).
 //
 // Its steps are runtime/trace regions in the task of the batch's first caller (deferred
-// writes have none): "ledger: begin" (bbolt's Begin, when no transaction is open: the
-// file's write lock, pages freed by the last checkpoint made reusable), "ledger: apply"
-// (the requests' decisions and writes), "ledger: log write" (the record's write and
-// fdatasync) or "ledger: checkpoint" (bbolt's Commit, with its fdatasyncs, and the log
-// emptied); commit marks "ledger: index".
+// writes have none): "ledger: begin" (bbolt's Begin: the file's write lock), "ledger:
+// apply" (the requests' decisions and writes) and "ledger: bolt commit" (bbolt's Commit, its
+// fdatasyncs included); commit marks "ledger: index".
 func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrote bool, err error) {
 	resps = make([]response, len(batch))
 	ov = newOverlay(l.idx) // only the leader writes l.idx, so reading it unlocked is safe
 	ctx := traceContext(batch)
-	if l.tx == nil {
-		region := steps.Start(ctx, "ledger: begin")
-		err := l.begin()
-		region.End()
-		if err != nil {
-			return nil, nil, false, err
-		}
+	region := steps.Start(ctx, "ledger: begin")
+	tx, err := l.db.Begin(true)
+	region.End()
+	if err != nil {
+		return nil, nil, false, err
 	}
-	region := steps.Start(ctx, "ledger: apply")
-	w := &txn{tx: l.tx, ov: ov, ev: l.ev}
+	region = steps.Start(ctx, "ledger: apply")
+	w := &txn{tx: tx, ov: ov, ev: l.ev}
 	for i, req := range batch {
 		if err := req.ctx.Err(); err != nil {
 			resps[i].err = err
@@ -568,121 +501,28 @@ func (l *Ledger) runBatch(batch []*request) (resps []response, ov *overlay, wrot
 		val, err := req.run(w)
 		if se := (*storageError)(nil); errors.As(err, &se) {
 			region.End()
-			l.rollback()
+			_ = tx.Rollback()
 			return nil, nil, false, se.err
 		}
 		resps[i] = response{val: val, err: err}
 	}
+	if err := w.pruneEvents(); err != nil {
+		region.End()
+		_ = tx.Rollback()
+		return nil, nil, false, err
+	}
 	region.End()
-	if len(w.ops) == 0 && !w.checkpoint {
-		if len(l.pending) == 0 {
-			l.rollback() // nothing held for a checkpoint: no transaction kept open
-		}
+	if !w.dirty {
+		_ = tx.Rollback()
 		return resps, ov, false, nil
 	}
-	if len(w.ops) > 0 && !w.checkpoint && l.wal.fits(w.ops) {
-		region = steps.Start(ctx, "ledger: log write")
-		err = l.wal.append(w.ops)
-		region.End()
-		if err == nil {
-			l.pending = append(l.pending, w.ops...)
-			if !l.checkpointArmed {
-				l.checkpointArmed = true
-				l.checkpointTimer.Reset(checkpointEvery)
-			}
-			return resps, ov, true, nil
-		}
-		// The checkpoint below makes the batch durable without the log.
-		l.log.Warn("the log could not be written: the batch is committed to the state file instead", "error", err.Error())
-	}
-	region = steps.Start(ctx, "ledger: checkpoint")
-	err = l.checkpoint()
+	region = steps.Start(ctx, "ledger: bolt commit")
+	err = tx.Commit() // bbolt rolls back a commit that fails
 	region.End()
 	if err != nil {
 		return nil, nil, false, err
 	}
-	return resps, ov, len(w.ops) > 0, nil
-}
-
-// checkpointEvery bounds how long the log holds a batch before a checkpoint puts it in
-// the state file: the work a crash leaves for the next Open to replay, and what the
-// open transaction holds in memory.
-const checkpointEvery = 500 * time.Millisecond
-
-// askCheckpoint is the write that asks for a checkpoint (see runBatch).
-func askCheckpoint(w *txn) (any, error) {
-	w.checkpoint = true
-	return nil, nil
-}
-
-// checkpointDue runs checkpointEvery after the first record since the last checkpoint
-// (the timer's goroutine): the next round of the leader, or one led here, carries a
-// checkpoint.
-func (l *Ledger) checkpointDue() {
-	l.checkpointWanted.Store(true)
-	l.deferredDue()
-}
-
-// takeCheckpoint returns the request for a checkpoint once one is due.
-func (l *Ledger) takeCheckpoint() *request {
-	if !l.checkpointWanted.Swap(false) {
-		return nil
-	}
-	return &request{ctx: context.Background(), run: askCheckpoint, notify: func(error) {}}
-}
-
-// begin opens the write transaction and makes in it the writes of the batches since
-// the last checkpoint (acknowledged: in the log, not yet in the file).
-func (l *Ledger) begin() error {
-	tx, err := l.db.Begin(true)
-	if err != nil {
-		return err
-	}
-	if err := applyOps(tx, l.pending); err != nil {
-		_ = tx.Rollback()
-		return fmt.Errorf("redo the log's writes: %w", err)
-	}
-	l.tx = tx
-	return nil
-}
-
-// rollback drops the open transaction, if any; the writes since the last checkpoint
-// stay in l.pending for the next begin.
-func (l *Ledger) rollback() {
-	if l.tx != nil {
-		_ = l.tx.Rollback()
-		l.tx = nil
-	}
-}
-
-// checkpoint commits the open transaction (begun again first when a failure dropped it
-// with writes logged since the last checkpoint), so the state file holds every write
-// acknowledged, and empties the log. On failure the transaction is gone and the writes
-// since the last checkpoint wait in l.pending (and the log) for the next.
-func (l *Ledger) checkpoint() error {
-	if l.tx == nil {
-		if len(l.pending) == 0 {
-			return nil
-		}
-		if err := l.begin(); err != nil {
-			return err
-		}
-	}
-	tx := l.tx
-	l.tx = nil
-	if err := tx.Bucket(bucketMeta).Put(keyLogApplied, l.wal.last.encode()); err != nil {
-		_ = tx.Rollback()
-		return fmt.Errorf("store the log's position: %w", err)
-	}
-	if err := tx.Commit(); err != nil { // bbolt rolled it back
-		return err
-	}
-	clear(l.pending) // drop the references to keys and values
-	l.pending = l.pending[:0]
-	l.wal.reset()
-	l.checkpointArmed = false
-	l.checkpointTimer.Stop()
-	return nil
+	return resps, ov, true, nil
 }
 
 // traceContext is the context of batch's first caller, whose trace task the batch's

@@ -29,9 +29,10 @@ func printBreakdown(w io.Writer, method string, calls []calltrace.Call, external
 	return rows
 }
 
-// durableWrite names the steps in which the ledger waits for the disk: the log's record,
-// a checkpoint, and, in agents before the log (2026-12-06), bbolt's commit, so that
-// scripts/bench -compare against such an agent computes its own part alike.
+// durableWrite names the steps in which the ledger waits for the disk: bbolt's commit,
+// and, in agents with a write-ahead log (f5edf7d..c9e8f1f), the log's record and a
+// checkpoint, so that scripts/bench -compare against such an agent computes its own part
+// alike.
 var durableWrite = []string{"ledger: log write", "ledger: checkpoint", "ledger: bolt commit"}
 
 // breakdownRows prints the breakdown of the Reserve and Release calls of calls (the

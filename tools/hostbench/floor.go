@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -17,7 +18,6 @@ import (
 	bolt "go.etcd.io/bbolt"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	"github.com/devicehost/devicehost/internal/datasync"
 	"github.com/devicehost/devicehost/internal/steps"
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
@@ -34,17 +34,18 @@ const (
 
 // floorSteps are the figures of one floor run, each in the order measured.
 type floorSteps struct {
-	reserve, release, unary, logged, plugin, commit, logWrite []time.Duration
+	reserve, release, unary, logged, plugin, commit []time.Duration
 }
 
 // floor is the floor scenario (see docs/benchmarks.md#reserve-end-to-end). The floor of a
 // Reserve is a unary round trip to the agent, the plugin's Reserve called directly and
-// one bbolt commit; of a Release, the round trip and the commit. It measures three views:
+// one bbolt commit, the one the ledger makes (its record and its event, in a file opened
+// with the ledger's bbolt options); of a Release, the round trip and the commit. It
+// measures three views:
 //
 //   - alone: each part in a phase of its own, nothing else running (-floor-cycles
 //     Reserve+Release cycles, both timed; as many health Checks, plugin Reserves and
-//     bare commits), and the same floor with, in place of the bbolt commit, the write
-//     the ledger makes since its log (a record into a preallocated file, fdatasync);
+//     bare commits);
 //   - cold: as alone, with -floor-gap of idle before each call timed. Inside a Reserve
 //     each part comes after such a pause (the plugin and the disk idle since the last
 //     cycle, the caller asleep through the call), and on a VM a thread or vCPU woken
@@ -109,25 +110,17 @@ func (b *bench) floor(ctx context.Context) error {
 		return err
 	}
 	defer db.Close()
-	if err := db.Update(func(tx *bolt.Tx) error { _, err := tx.CreateBucket([]byte("b")); return err }); err != nil {
+	if err := db.Update(func(tx *bolt.Tx) error {
+		if _, err := tx.CreateBucket([]byte("b")); err != nil {
+			return err
+		}
+		_, err := tx.CreateBucket([]byte("e"))
+		return err
+	}); err != nil {
 		return err
 	}
 	value := make([]byte, 300) // about a reservation record
-	// And a preallocated file, as the ledger's log (manager/ledger/wal.go): a write of a
-	// record into blocks it has, and its fdatasync.
-	logFile, err := os.OpenFile(filepath.Join(a.dir, "floor.log"), os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return err
-	}
-	defer logFile.Close()
-	const logFileSize = 1 << 20
-	if _, err := logFile.Write(make([]byte, logFileSize)); err != nil {
-		return err
-	}
-	if err := logFile.Sync(); err != nil {
-		return err
-	}
-	var logOff int64
+	event := make([]byte, 200) // about its event
 
 	var s floorSteps
 	i := 0
@@ -158,23 +151,18 @@ func (b *bench) floor(ctx context.Context) error {
 	commit := func() error {
 		i++
 		start := time.Now()
-		err := db.Update(func(tx *bolt.Tx) error { return tx.Bucket([]byte("b")).Put(fmt.Appendf(nil, "k%d", i), value) })
+		err := db.Update(func(tx *bolt.Tx) error {
+			if err := tx.Bucket([]byte("b")).Put(fmt.Appendf(nil, "k%d", i%64), value); err != nil {
+				return err
+			}
+			e := tx.Bucket([]byte("e"))
+			e.FillPercent = 1
+			return e.Put(binary.BigEndian.AppendUint64(nil, uint64(i)), event)
+		})
 		if err != nil {
 			return fmt.Errorf("bbolt commit: %w", err)
 		}
 		s.commit = append(s.commit, time.Since(start))
-		return nil
-	}
-	logWrite := func() error {
-		start := time.Now()
-		if _, err := logFile.WriteAt(value, logOff); err != nil {
-			return fmt.Errorf("log write: %w", err)
-		}
-		if err := datasync.File(logFile); err != nil {
-			return fmt.Errorf("log write: %w", err)
-		}
-		s.logWrite = append(s.logWrite, time.Since(start))
-		logOff = (logOff + int64(len(value))) % (logFileSize - int64(len(value)))
 		return nil
 	}
 	floorStep := func() error {
@@ -252,7 +240,7 @@ func (b *bench) floor(ctx context.Context) error {
 				return f()
 			}
 		}
-		for _, f := range []func() error{func() error { return gappedCycle(gap) }, idle(unary), idle(plugin), idle(commit), idle(logWrite)} {
+		for _, f := range []func() error{func() error { return gappedCycle(gap) }, idle(unary), idle(plugin), idle(commit)} {
 			if err := phase(f); err != nil {
 				return floorSteps{}, err
 			}
@@ -280,14 +268,6 @@ func (b *bench) floor(ctx context.Context) error {
 	fmt.Printf("             Release p50 %.0f µs; floor %.0f µs (unary + commit): x%.2f; p99: Reserve %.0f, Release %.0f, unary %.0f, plugin %.0f, commit %.0f µs; %d of each\n",
 		p50(alone.release), relFl, p50(alone.release)/relFl,
 		p99(alone.reserve), p99(alone.release), p99(alone.unary), p99(alone.plugin), p99(alone.commit), len(alone.reserve))
-	// The same with the write the ledger makes since its log in place of a bbolt commit.
-	lfl, lrelFl := p50(alone.unary)+p50(alone.plugin)+p50(alone.logWrite), p50(alone.unary)+p50(alone.logWrite)
-	row("log write p50, alone", p50(alone.logWrite), "µs")
-	row("Reserve over its floor with a log write, alone", p50(alone.reserve)/lfl, "x")
-	row("Release over its floor with a log write, alone", p50(alone.release)/lrelFl, "x")
-	fmt.Printf("             with a log write (%.0f µs, p99 %.0f) for the commit: Reserve x%.2f of %.0f µs, Release x%.2f of %.0f µs\n",
-		p50(alone.logWrite), p99(alone.logWrite), p50(alone.reserve)/lfl, lfl, p50(alone.release)/lrelFl, lrelFl)
-
 	// The agent's steps, timed untraced through the alone phase's cycles.
 	if bb.steps != "" {
 		records, err := a.takeSteps(bb.steps)
