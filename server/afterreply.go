@@ -22,8 +22,8 @@ type afterReplies struct{}
 // replyWritten is a grpc stats.Handler whose End waits, for a unary call of a listener
 // connection, until the connection has been written to since the handler returned: the
 // reply, unless another stream's message came first. grpc-go's End comes once the reply
-// is queued for the connection's writer goroutine, not written; on one thread (the
-// agent's default max_procs) that goroutine runs only when End's goroutine lets it, and
+// is queued for the connection's writer goroutine, not written; on one thread (max_procs
+// = 1) that goroutine runs only when End's goroutine lets it, and
 // what the other handlers' End do would go first: the call's log line (a write to the
 // log) and the deferred work, which readies goroutines of its own (the watchers' feed,
 // the garbage collector after a Release, which calls the plugin) that run ahead of the

@@ -477,11 +477,11 @@ func TestLoadConfigFileStreamLimits(t *testing.T) {
 	}
 }
 
-// max_procs: one thread by default, any count from the file or -max-procs, 0 for the
-// Go runtime's own choice; a negative count is refused at its line.
+// max_procs: the Go runtime's own choice (0) by default, any count from the file or
+// -max-procs; a negative count is refused at its line.
 func TestMaxProcsSetting(t *testing.T) {
-	if got := defaultAgentConfig().MaxProcs; got != 1 {
-		t.Errorf("default max_procs %d, want 1", got)
+	if got := defaultAgentConfig().MaxProcs; got != 0 {
+		t.Errorf("default max_procs %d, want 0", got)
 	}
 	path := writeConfig(t, "devicehost.hcl", "max_procs = 4\n")
 	cfg := defaultAgentConfig()

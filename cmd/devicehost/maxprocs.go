@@ -7,15 +7,13 @@ import (
 	"github.com/hashicorp/go-hclog"
 )
 
-// defaultMaxProcs is max_procs' default: one thread runs the agent's Go code at a time.
-// The agent's calls are chains of hand-offs (the API connection, the plugin's, the
-// ledger's fsync), not parallel work: with more, each hand-off wakes another thread
-// (a futex call and a cross-core switch, 10 µs and more on a virtual machine), and on
-// a 2-core machine a Reserve's own part cost 1.4 to 1.7 times what it costs with one
-// (docs/benchmarks.md, "One thread"). Blocking system calls still run beside it (the
-// Go runtime hands the thread's turn on), and so do the plugins, processes of their own.
-// A host serving thousands of watchers on a many-core machine may give it more.
-const defaultMaxProcs = 1
+// defaultMaxProcs is max_procs' default: the Go runtime's choice (the cores, or the
+// container's CPU limit). One thread (max_procs = 1) makes a lone Reserve about 8%
+// faster on a 2-core VM (fewer thread wake-ups across its hand-offs), but holds 64
+// concurrent callers to under 2x one caller's cycles: each of the ledger's commit
+// syscalls gives the thread's turn away, and the committing goroutine then waits behind
+// every runnable handler before its next one (docs/benchmarks.md, "Concurrent callers").
+const defaultMaxProcs = 0
 
 // applyMaxProcs puts max_procs in force: n > 0 threads run the agent's Go code at once,
 // 0 gives the choice back to the Go runtime. The GOMAXPROCS environment variable, when

@@ -4,7 +4,7 @@
 // scripts/bench; nothing here passes or fails on a timing. Its scenarios and what each
 // figure means: docs/benchmarks.md#hostbench.
 //
-// Usage: hostbench -agent bin/devicehost [-limits] [-only reserve,rss,fanout,stats,floor,partition,mps]
+// Usage: hostbench -agent bin/devicehost [-limits] [-only reserve,rss,fanout,stats,floor,callers,partition,mps]
 package main
 
 import (
@@ -57,7 +57,8 @@ func main() {
 	traceOut := flag.String("trace", "", "floor scenario: keep the agent's execution trace of the breakdown phase in this `file`; partition scenario: the agent's execution trace during the 49-held loop (an agent built with -tags cpuprofile)")
 	breakdown := flag.Bool("breakdown", true, "floor scenario: trace the agent through -floor-cycles more cycles and print where a Reserve's and a Release's time goes (an agent built with -tags cpuprofile)")
 	timeline := flag.Bool("timeline", false, "floor scenario, with -breakdown: also print what every goroutine of the agent did around the median traced Reserve and Release (tools/calltrace.Timeline)")
-	only := flag.String("only", "reserve,rss,fanout,stats", "scenarios to run, comma-separated (floor: see above)")
+	callersTime := flag.Duration("callers-time", 5*time.Second, "callers scenario: how long each caller count runs (after a warm-up as long)")
+	only := flag.String("only", "reserve,rss,fanout,stats", "scenarios to run, comma-separated (floor, callers: see above)")
 	rowsOut := flag.String("rows", "", "also write each headline figure as a `file` of tab-separated name, value, unit lines (scripts/bench -compare reads them)")
 	grpcWatchers := flag.Bool("grpc-watchers", false, "fanout scenario: the watchers are grpc-go client streams (a goroutine each), not frame-level readers (tools/rawgrpc.Client)")
 	hold := flag.String("hold", "", "internal: hold -streams reading Fingerprint streams on this `socket` until stdin closes")
@@ -75,7 +76,7 @@ func main() {
 	}
 	b := &bench{
 		bin: *agentBin, limits: *limits, streams: *streams, conns: *conns,
-		cycles: *cycles, cycleTime: *cycleTime, grpcWatchers: *grpcWatchers,
+		cycles: *cycles, cycleTime: *cycleTime, grpcWatchers: *grpcWatchers, callersTime: *callersTime,
 		floorCycles: *floorCycles, floorTime: *floorTime, breakdown: *breakdown, timeline: *timeline, floorBlock: max(*floorBlock, 1), floorGap: *floorGap, agentFlags: strings.Fields(*agentFlags), perf: *perfOut, cpuProfile: *cpuProfile, trace: *traceOut,
 	}
 	ctx := context.Background()
@@ -101,6 +102,8 @@ func main() {
 			err = b.stats(ctx, *statsStreams)
 		case "floor":
 			err = b.floor(ctx)
+		case "callers":
+			err = b.callers(ctx)
 		case "partition":
 			err = b.partition(ctx)
 		case "mps":
@@ -141,6 +144,7 @@ type bench struct {
 	cycleTime time.Duration
 	// grpcWatchers: the fanout scenario's watchers are grpc-go streams.
 	grpcWatchers bool
+	callersTime  time.Duration
 
 	floorCycles int
 	floorTime   time.Duration
@@ -171,8 +175,15 @@ func (b *bench) start(ctx context.Context, maxStreams int, extra ...string) (*ag
 	if err != nil {
 		return nil, err
 	}
+	return b.startIn(ctx, dir, maxStreams, append([]string{"-dev"}, extra...)...)
+}
+
+// startIn is start in dir (removed when the agent stops), with the agent flags given:
+// start gives "-dev" and its extra.
+func (b *bench) startIn(ctx context.Context, dir string, maxStreams int, extra ...string) (*agent, error) {
+	var err error
 	a := &agent{dir: dir, sock: filepath.Join(dir, "devicehost.sock")}
-	args := []string{"agent", "-dev", "-listen", "unix://" + a.sock}
+	args := []string{"agent", "-listen", "unix://" + a.sock}
 	for _, e := range extra {
 		args = append(args, strings.ReplaceAll(e, "$DIR", dir))
 	}
