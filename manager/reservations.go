@@ -50,10 +50,9 @@ var _ reservationStore = (*ledger.Ledger)(nil)
 // order: holders (ErrDeviceHeld), the inventory (ErrUnknownDevice: unknown group, devices
 // not in it or spread over two plugins), the plugin (ErrPluginUnavailable) and health
 // (ErrUnhealthyDevice); then the plugin is asked, bounded by ctx, ReserveTimeout and its
-// exit, while the reservation is recorded in the ledger as an intent (its devices
-// durably held); the answer is validated (ErrPluginResponse) and handed to the ledger,
-// which writes it with the next commit (manager/ledger/intent.go); a refusal withdraws
-// the intent. A concurrent Reserve touching the same devices is refused with
+// exit; its answer is validated (ErrPluginResponse) and committed to the ledger with the
+// reservation, in one durable write, before Reserve returns. Every refusal is in the
+// audit trail. A concurrent Reserve touching the same devices is refused with
 // ErrDeviceHeld while the first is in flight.
 //
 // The trust boundary is the host API, not this method: the server (server/api.go)

@@ -58,17 +58,19 @@ type eventLog struct {
 	maxAge time.Duration
 	now    func() time.Time
 
-	mu    sync.Mutex
-	next  uint64        // the Seq of the next event
-	count int           // events in the file
-	wake  chan struct{} // closed when an event is committed
+	mu         sync.Mutex
+	next       uint64        // the Seq of the next event
+	count      int           // events in the file
+	ageChecked time.Time     // when a commit last looked for events past their age
+	wake       chan struct{} // closed when an event is committed
 }
 
 // eventDelta is what a batch's transaction made of events: those it wrote, and how
 // many old ones it dropped.
 type eventDelta struct {
-	events  []device.Event
-	dropped int
+	events     []device.Event
+	dropped    int
+	ageChecked time.Time // when the batch looked for events past their age; zero: it did not
 }
 
 func seqKey(seq uint64) []byte {
@@ -135,30 +137,48 @@ func (l *Ledger) applyEvents(d eventDelta) {
 	ev.mu.Lock()
 	ev.next += uint64(len(d.events))
 	ev.count += len(d.events) - d.dropped
+	if !d.ageChecked.IsZero() {
+		ev.ageChecked = d.ageChecked
+	}
 	close(ev.wake)
 	ev.wake = make(chan struct{})
 	ev.mu.Unlock()
 }
 
 // pruneEvents drops, in the batch's transaction, the oldest events past the trail's
-// bounds once the batch's own are counted (see eventLog); a batch that wrote no event
-// drops none.
+// bounds once the batch's own are counted; a batch that wrote no event drops none. So
+// that most commits touch only the trail's newest page, the file may hold a sixteenth
+// more than max (readers are shown the newest max, see Events) and is brought back to
+// max when it holds more; the events past maxAge are looked for at most once in
+// ageCheckEvery (readers are not shown them either).
 func (w *txn) pruneEvents() error {
 	if len(w.ov.ev.events) == 0 {
 		return nil
 	}
 	ev := w.ev
 	ev.mu.Lock()
-	count := ev.count
+	count, checked := ev.count, ev.ageChecked
 	ev.mu.Unlock()
-	n, err := dropEvents(w, count+len(w.ov.ev.events), ev.max, ev.maxAge, ev.now())
+	count += len(w.ov.ev.events)
+	now := ev.now()
+	byAge := now.Sub(checked) >= ageCheckEvery
+	if count <= ev.max+ev.max/16 && !byAge {
+		return nil
+	}
+	n, err := dropEvents(w, count, ev.max, ev.maxAge, now, byAge)
 	w.ov.ev.dropped = n
+	if byAge {
+		w.ov.ev.ageChecked = now
+	}
 	return err
 }
 
-// dropEvents drops from the file, which holds count events, the oldest past max and
-// those older than maxAge; it returns how many it dropped.
-func dropEvents(w *txn, count, max int, maxAge time.Duration, now time.Time) (int, error) {
+// ageCheckEvery is how often the trail's writes look for events past their age.
+const ageCheckEvery = time.Minute
+
+// dropEvents drops from the file, which holds count events, the oldest past max and,
+// when byAge, those older than maxAge; it returns how many it dropped.
+func dropEvents(w *txn, count, max int, maxAge time.Duration, now time.Time, byAge bool) (int, error) {
 	b := w.tx.Bucket(bucketEvents)
 	if b == nil {
 		return 0, nil
@@ -174,6 +194,9 @@ func dropEvents(w *txn, count, max int, maxAge time.Duration, now time.Time) (in
 			return 0, &storageError{fmt.Errorf("drop the oldest event: %w", err)}
 		}
 		dropped++
+	}
+	if !byAge {
+		return dropped, nil
 	}
 	cutoff := now.Add(-maxAge)
 	for i := 0; i < ageDropMax; i++ {
@@ -222,6 +245,14 @@ func (l *Ledger) Events(_ context.Context, f device.EventFilter) (device.EventsR
 	}
 	ev := l.ev
 	cutoff := ev.now().Add(-ev.maxAge)
+	// The trail's bounds hold for what is shown whether or not a write has dropped the
+	// events past them yet (pruneEvents).
+	ev.mu.Lock()
+	low := uint64(1)
+	if ev.next > uint64(ev.max) {
+		low = ev.next - uint64(ev.max)
+	}
+	ev.mu.Unlock()
 	out := device.EventsResult{Through: f.After}
 	scanned := 0
 	err := l.read(func(tx *bolt.Tx) error {
@@ -231,9 +262,9 @@ func (l *Ledger) Events(_ context.Context, f device.EventFilter) (device.EventsR
 		}
 		c := b.Cursor()
 		if k, _ := c.First(); len(k) == 8 {
-			out.Oldest = binary.BigEndian.Uint64(k)
+			out.Oldest = max(binary.BigEndian.Uint64(k), low)
 		}
-		for k, v := c.Seek(seqKey(f.After + 1)); k != nil; k, v = c.Next() {
+		for k, v := c.Seek(seqKey(max(f.After+1, low))); k != nil; k, v = c.Next() {
 			if len(out.Events) >= limit || scanned >= scanMax {
 				break
 			}

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	bolt "go.etcd.io/bbolt"
+
 	"github.com/devicehost/devicehost/device"
 )
 
@@ -232,4 +234,50 @@ func TestRefusalFloodIsBounded(t *testing.T) {
 	if !strings.Contains(note, "refusals before it not recorded") {
 		t.Errorf("no refusal says how many were not recorded: %v", events[len(events)-3:])
 	}
+}
+
+// The file may hold a sixteenth more events than the bound, dropped in one go, so that
+// most commits write only the trail's newest page; readers are shown the newest
+// MaxEvents all the same, before and after a reopen.
+func TestEventsPastTheBoundDroppedInChunksShownNever(t *testing.T) {
+	path := statePath(t)
+	l, err := Open(path, Options{MaxEvents: 32})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inFile := func(l *Ledger) int {
+		n := 0
+		if err := l.read(func(tx *bolt.Tx) error { n = tx.Bucket(bucketEvents).Stats().KeyN; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	most := 0
+	for i := range 60 {
+		reserve(t, l, fmt.Sprintf("job-%d", i), fmt.Sprintf("GPU-%d", i))
+		most = max(most, inFile(l))
+	}
+	if most != 34 {
+		t.Errorf("the file held at most %d events, want 32 and a sixteenth (34)", most)
+	}
+	check := func(l *Ledger) {
+		t.Helper()
+		got := allEvents(t, l, device.EventFilter{})
+		if len(got) != 32 || got[0].Owner != "job-28" || got[31].Owner != "job-59" {
+			t.Fatalf("shown %d events, from %q, want the newest 32, job-28 to job-59", len(got), got[0].Owner)
+		}
+		if page, err := l.Events(context.Background(), device.EventFilter{Limit: 1}); err != nil || page.Oldest != got[0].Seq {
+			t.Errorf("Oldest = %d (%v), want %d", page.Oldest, err, got[0].Seq)
+		}
+	}
+	check(l)
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	l, err = Open(path, Options{MaxEvents: 32})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	check(l)
 }

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
-
 	berrors "go.etcd.io/bbolt/errors"
 
 	"github.com/devicehost/devicehost/device"
