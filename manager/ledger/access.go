@@ -99,7 +99,7 @@ func (l *Ledger) GrantAccess(ctx context.Context, a device.AdminAccess) (device.
 	}
 	_, err = l.submit(ctx, func(w *txn) (any, error) {
 		if err := w.put(bucketAccess, []byte(a.ID), seal(payload)); err != nil {
-			return nil, &storageError{fmt.Errorf("store admin access %s: %w", a.ID, err)}
+			return nil, &storageError{Err: fmt.Errorf("store admin access %s: %w", a.ID, err)}
 		}
 		return nil, w.event(device.Event{Kind: device.EventAdminAccess, By: device.CallerOf(ctx), Owner: a.OwnerID,
 			Devices: a.DeviceIDs, Reservations: []string{a.ID}})
@@ -150,7 +150,7 @@ func (l *Ledger) RevokeAccess(ctx context.Context, req device.ReleaseRequest) ([
 		}
 		for _, a := range gone {
 			if err := w.del(bucketAccess, []byte(a.ID)); err != nil {
-				return nil, &storageError{fmt.Errorf("delete admin access %s: %w", a.ID, err)}
+				return nil, &storageError{Err: fmt.Errorf("delete admin access %s: %w", a.ID, err)}
 			}
 			if err := w.event(device.Event{Kind: device.EventAdminAccessEnd, By: device.CallerOf(ctx), Owner: a.OwnerID,
 				Devices: a.DeviceIDs, Reservations: []string{a.ID}}); err != nil {

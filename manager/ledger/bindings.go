@@ -45,12 +45,12 @@ func (l *Ledger) RecordDeviceBindings(ctx context.Context, bindings map[string]s
 	_, err := l.submit(ctx, func(w *txn) (any, error) {
 		for id, plugin := range bindings {
 			if err := w.put(bucketBindings, []byte(id), seal([]byte(plugin))); err != nil {
-				return nil, &storageError{fmt.Errorf("store binding of device %q: %w", id, err)}
+				return nil, &storageError{Err: fmt.Errorf("store binding of device %q: %w", id, err)}
 			}
 		}
 		for _, id := range forget {
 			if err := w.del(bucketBindings, []byte(id)); err != nil {
-				return nil, &storageError{fmt.Errorf("delete binding of device %q: %w", id, err)}
+				return nil, &storageError{Err: fmt.Errorf("delete binding of device %q: %w", id, err)}
 			}
 		}
 		return nil, nil

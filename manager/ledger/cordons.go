@@ -49,7 +49,7 @@ func (l *Ledger) Cordon(ctx context.Context, id string, c device.Cordon) (device
 	defer l.cordonMu.Unlock()
 	_, err = l.submit(ctx, func(w *txn) (any, error) {
 		if err := w.put(bucketCordons, []byte(id), seal(payload)); err != nil {
-			return nil, &storageError{fmt.Errorf("store cordon of device %q: %w", id, err)}
+			return nil, &storageError{Err: fmt.Errorf("store cordon of device %q: %w", id, err)}
 		}
 		detail := c.Reason
 		if c.Drain {
@@ -80,7 +80,7 @@ func (l *Ledger) Uncordon(ctx context.Context, id string) (*device.Cordon, error
 			return nil, nil
 		}
 		if err := w.del(bucketCordons, []byte(id)); err != nil {
-			return nil, &storageError{fmt.Errorf("delete cordon of device %q: %w", id, err)}
+			return nil, &storageError{Err: fmt.Errorf("delete cordon of device %q: %w", id, err)}
 		}
 		return nil, w.event(device.Event{Kind: device.EventUncordon, By: device.CallerOf(ctx), Devices: []string{id}, Detail: "was: " + was.Reason})
 	})

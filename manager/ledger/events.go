@@ -114,15 +114,15 @@ func (w *txn) event(e device.Event) error {
 	payload, err := json.Marshal(eventRecord{Time: e.Time, Kind: string(e.Kind), By: e.By, Call: e.Call, Owner: e.Owner,
 		NewOwner: e.NewOwner, Devices: e.Devices, Reservations: e.Reservations, Detail: e.Detail})
 	if err != nil {
-		return &storageError{err}
+		return &storageError{Err: err}
 	}
 	b, err := w.tx.CreateBucketIfNotExists(bucketEvents)
 	if err != nil {
-		return &storageError{fmt.Errorf("events bucket: %w", err)}
+		return &storageError{Err: fmt.Errorf("events bucket: %w", err)}
 	}
 	b.FillPercent = 1 // appended in key order: full pages
 	if err := w.put(bucketEvents, seqKey(e.Seq), seal(payload)); err != nil {
-		return &storageError{fmt.Errorf("store event %d: %w", e.Seq, err)}
+		return &storageError{Err: fmt.Errorf("store event %d: %w", e.Seq, err)}
 	}
 	w.ov.ev.events = append(w.ov.ev.events, e)
 	return nil
@@ -191,7 +191,7 @@ func dropEvents(w *txn, count, max int, maxAge time.Duration, now time.Time, byA
 			break
 		}
 		if err := w.del(bucketEvents, slices.Clone(k)); err != nil {
-			return 0, &storageError{fmt.Errorf("drop the oldest event: %w", err)}
+			return 0, &storageError{Err: fmt.Errorf("drop the oldest event: %w", err)}
 		}
 		dropped++
 	}
@@ -209,7 +209,7 @@ func dropEvents(w *txn, count, max int, maxAge time.Duration, now time.Time, byA
 			break // the oldest is young enough (an unreadable one goes)
 		}
 		if err := w.del(bucketEvents, slices.Clone(k)); err != nil {
-			return 0, &storageError{fmt.Errorf("drop an old event: %w", err)}
+			return 0, &storageError{Err: fmt.Errorf("drop an old event: %w", err)}
 		}
 		dropped++
 	}

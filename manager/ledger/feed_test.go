@@ -97,19 +97,18 @@ func TestFeedNotToldOfDeferredWrites(t *testing.T) {
 	defer stop()
 
 	notify, done := deferredDone()
-	l.submitDeferred(time.Hour, cleanupDoneRun(a.ID), notify)
+	l.submitDeferred(0, cleanupDoneRun(a.ID), notify)
 	notify2, done2 := deferredDone()
-	l.submitDeferred(time.Hour, deleteRun([]string{b.ID}, true, "gc"), notify2)
-	makeDue(l)
-	c := reserve(t, l, "alloc-c", "GPU-2") // the deferred writes ride on its commit
+	l.submitDeferred(0, deleteRun([]string{b.ID}, true, "gc"), notify2)
 	for _, d := range []<-chan error{done, done2} {
 		if err := <-d; err != nil {
 			t.Fatalf("deferred write: %v", err)
 		}
 	}
+	c := reserve(t, l, "alloc-c", "GPU-2")
 	select {
 	case <-f.wake:
-		t.Fatalf("woken by a commit of a Reserve and two deferred writes; drained %v", f.drain())
+		t.Fatalf("woken by two deferred writes and a Reserve; drained %v", f.drain())
 	default:
 	}
 

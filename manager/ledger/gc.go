@@ -14,6 +14,7 @@ import (
 
 	"github.com/devicehost/devicehost/backoff"
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/manager/ledger/store"
 )
 
 // GC defaults, used for zero GCConfig fields.
@@ -159,7 +160,7 @@ func (g *GC) RetryNow() {
 
 // maxCommitting bounds the GC's deferred writes waiting for a commit at once: a tick
 // that destroys thousands writes them a batch at a time.
-const maxCommitting = maxBatch
+const maxCommitting = store.MaxBatch
 
 // gcState is where a marked reservation is in the GC.
 type gcState uint8

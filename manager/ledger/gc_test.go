@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/manager/ledger/store"
 )
 
 // gcHarness runs a GC for a test and lets the test wait on its passes.
@@ -492,7 +493,7 @@ func TestGCBackoff(t *testing.T) {
 // destroys the oldest first.
 func TestGCDestroysManyInFewCommits(t *testing.T) {
 	l := newLedger(t)
-	const n = maxBatch + 44
+	const n = store.MaxBatch + 44
 	var wg sync.WaitGroup
 	for w := range 16 { // concurrent, so that filling the ledger shares commits too
 		wg.Go(func() {
@@ -522,7 +523,7 @@ func TestGCDestroysManyInFewCommits(t *testing.T) {
 	if got := ids(listAll(t, l)); !reflect.DeepEqual(got, ids(newest)) {
 		t.Errorf("after GC the ledger lists %v, want the newest release %v", got, ids(newest))
 	}
-	// One commit per batch of maxBatch, give or take those the CommitDelay split off.
+	// One commit per batch of store.MaxBatch, give or take those the CommitDelay split off.
 	if got := l.Commits() - commits; got > 10 {
 		t.Errorf("destroying %d reservations took %d commits, want them to share a few", n-1, got)
 	}
@@ -565,5 +566,56 @@ func TestGCForgetsAReservationDeletedWhileItsCleanupRuns(t *testing.T) {
 	}
 	if got := ids(listAll(t, l)); !reflect.DeepEqual(got, []string{next.ID}) {
 		t.Errorf("ledger lists %v, want [%s]", got, next.ID)
+	}
+}
+
+// deferredDone returns a notify func for submitDeferred and the channel it reports on.
+func deferredDone() (func(error), <-chan error) {
+	ch := make(chan error, 1)
+	return func(err error) { ch <- err }, ch
+}
+
+// TestGCReserveReleaseCycleCommitsTwice: with a GC running, each Reserve+Release cycle
+// at one caller costs two commits: the GC's cleanup-done records make none of their own
+// (here they wait an hour to ride on one). They are all durable once the ledger is
+// closed.
+func TestGCReserveReleaseCycleCommitsTwice(t *testing.T) {
+	path := statePath(t)
+	l, err := Open(path, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cleaned := make(chan string, 1)
+	h := startGC(t, l, GCConfig{
+		Cleanup:     func(_ context.Context, e GCEntry) error { cleaned <- e.ReservationID; return nil },
+		CommitDelay: time.Hour, // no commit of their own: they can only ride
+	})
+	const cycles = 20
+	commits := l.Commits()
+	for i := range cycles {
+		r := reserve(t, l, fmt.Sprint("o", i), "GPU-1")
+		release(t, l, r.ID, time.Time{})
+		select {
+		case id := <-cleaned:
+			if id != r.ID {
+				t.Fatalf("cleanup of %s, want %s", id, r.ID)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("cycle %d: no cleanup of %s", i, r.ID)
+		}
+	}
+	if got := l.Commits() - commits; got != 2*cycles {
+		t.Errorf("%d Reserve+Release cycles took %d commits, want %d", cycles, got, 2*cycles)
+	}
+	// The last cleanups' done marks have no commit left to ride on: once the GC has
+	// queued them, Close commits them.
+	h.waitUntil(t, "every done mark committed or queued", func() bool { return l.Counts().CleanupPending == l.cm.Waiting() })
+	h.stop()
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	l = openLedger(t, path)
+	if c := l.Counts(); c.Released != cycles || c.CleanupPending != 0 {
+		t.Errorf("after reopening: %+v, want %d released, every cleanup recorded done", c, cycles)
 	}
 }

@@ -214,10 +214,10 @@ func (l *Ledger) shown(r *device.Reservation) (*device.Reservation, bool) {
 func (w *txn) putIntent(r *device.Reservation) error {
 	v, err := encodeReservation(r)
 	if err != nil {
-		return &storageError{err}
+		return &storageError{Err: err}
 	}
 	if err := w.put(bucketIntents, []byte(r.ID), v); err != nil {
-		return &storageError{fmt.Errorf("store intent %q: %w", r.ID, err)}
+		return &storageError{Err: fmt.Errorf("store intent %q: %w", r.ID, err)}
 	}
 	w.ov.put(r)
 	w.ov.setIntent(r.ID, true)
@@ -228,7 +228,7 @@ func (w *txn) putIntent(r *device.Reservation) error {
 // intent in the batch view; its record in the view is the caller's to change.
 func (w *txn) deleteIntentKey(id string) error {
 	if err := w.del(bucketIntents, []byte(id)); err != nil {
-		return &storageError{fmt.Errorf("delete intent %q: %w", id, err)}
+		return &storageError{Err: fmt.Errorf("delete intent %q: %w", id, err)}
 	}
 	w.ov.setIntent(id, false)
 	return nil

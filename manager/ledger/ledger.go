@@ -13,8 +13,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -23,6 +21,7 @@ import (
 	bolt "go.etcd.io/bbolt"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/manager/ledger/store"
 )
 
 // DefaultFileName is the ledger file's name inside the state dir.
@@ -36,13 +35,13 @@ const DefaultLockTimeout = time.Second
 var (
 	// ErrCorrupt: the state file is not a bbolt file, fails its consistency check, or
 	// holds a record that cannot be read. Returned by Open inside a *StateFileError.
-	ErrCorrupt = errors.New("state file corrupt")
+	ErrCorrupt = store.ErrCorrupt
 	// ErrSchemaVersion: the state file was written with a schema this build does not
 	// know. Returned by Open inside a *StateFileError.
-	ErrSchemaVersion = errors.New("unsupported state schema version")
+	ErrSchemaVersion = store.ErrSchemaVersion
 	// ErrLocked: another process (another devicehost) has the state file open.
 	// Returned by Open inside a *StateFileError.
-	ErrLocked = errors.New("state dir in use by another devicehost")
+	ErrLocked = store.ErrLocked
 	// ErrClosed: the ledger was closed. It also matches device.ErrShuttingDown.
 	ErrClosed = fmt.Errorf("ledger closed: %w", device.ErrShuttingDown)
 	// ErrNotReleased: CleanupDone or Delete named a reservation that is still live.
@@ -59,38 +58,12 @@ var (
 var errInternal = errors.New("internal")
 
 // StateFileError is why Open refused a state file: what is wrong with it and what an
-// operator can do about it. It matches its Kind (ErrCorrupt, ErrSchemaVersion or
-// ErrLocked) and its underlying cause under errors.Is.
-type StateFileError struct {
-	Path     string
-	Kind     error  // ErrCorrupt, ErrSchemaVersion or ErrLocked
-	Problem  string // what is wrong, e.g. `reservation record "res-1f..": checksum mismatch`
-	Recovery string // what to do about it
-	Err      error  // the underlying error, if any
-}
+// operator can do about it (see store.StateFileError).
+type StateFileError = store.StateFileError
 
-// Error renders "state file PATH: PROBLEM; RECOVERY".
-func (e *StateFileError) Error() string {
-	return fmt.Sprintf("state file %s: %s; %s", e.Path, e.Problem, e.Recovery)
-}
-
-// Unwrap returns the Kind and the underlying error.
-func (e *StateFileError) Unwrap() []error {
-	if e.Err == nil {
-		return []error{e.Kind}
-	}
-	return []error{e.Kind, e.Err}
-}
-
+// corruptError is the *StateFileError of a damaged file at path, left untouched.
 func corruptError(path, problem string, err error) *StateFileError {
-	return &StateFileError{
-		Path:    path,
-		Kind:    ErrCorrupt,
-		Problem: problem,
-		Recovery: fmt.Sprintf("the file was left untouched: restore it from a backup, or move it aside "+
-			"(mv %s %s.corrupt) to start with an empty ledger (held devices will be forgotten)", path, path),
-		Err: err,
-	}
+	return store.CorruptError(path, problem, err)
 }
 
 // Options configures Open. The zero value is ready to use.
@@ -121,8 +94,8 @@ type Options struct {
 // returns are deep copies the caller may keep and modify; values passed in are copied
 // before they are stored.
 //
-// Writes are group-committed by their callers (see submit): no goroutine runs while the
-// ledger is idle. Writes (Reserve, Release, CleanupDone, Delete, SaveReattach,
+// Writes are group-committed by their callers (store.Committer): no goroutine runs
+// while the ledger is idle. Writes (Reserve, Release, CleanupDone, Delete, SaveReattach,
 // DeleteReattach) take a context: it bounds the wait for the request to be accepted
 // (maxQueued wait for a commit at most) and for a commit to take it up, and is checked
 // once more just before the request is applied; a request that was taken up is not
@@ -133,36 +106,17 @@ type Ledger struct {
 	now  func() time.Time
 	log  hclog.Logger
 
-	quit chan struct{} // closed by Close
-
 	closeOnce sync.Once
 	closeErr  error
-	commits   atomic.Int64                         // successful batches, for tests and the benchmark
-	onCommit  func(took time.Duration, writes int) // Options.OnCommit; nil: none
+	cm        *store.Committer[*txn] // the group commit (writer.go)
 
-	// The group commit (submit): wmu guards the queue and the lead.
-	wmu      sync.Mutex
-	queue    []*request    // accepted, not yet taken into a batch; oldest first
-	queueBuf []*request    // the queue's array, reused whenever it empties
-	leading  bool          // a goroutine leads: commits the queue; it alone writes the file and idx
-	kicked   bool          // deferred writes are due: the leader makes one more round
-	closed   bool          // Close has begun: no more requests
-	idle     *sync.Cond    // on wmu: broadcast when leading ends
-	slots    chan struct{} // one per accepted request until a batch takes it: at most maxQueued
-
-	// mu guards idx. Only the leader mutates idx (under mu.Lock); it may read idx
-	// without mu, since no one else writes it.
+	// mu guards idx. Only the leader of the group commit mutates idx (under mu.Lock); it
+	// may read idx without mu, since no one else writes it.
 	mu  sync.RWMutex
 	idx *index
 
 	subMu sync.Mutex
 	subs  map[*feed]struct{} // told after each commit that changed released reservations (see subscribe)
-
-	deferMu     sync.Mutex
-	deferred    []*request  // deferred writes, oldest first (see submitDeferred)
-	deferDue    time.Time   // when the oldest must be committed; zero: at once
-	deferClosed bool        // Close has stopped taking deferred writes
-	deferTimer  *time.Timer // fires (deferredDue) when the oldest deferred write is due
 
 	// cordonMu serialises Cordon and Uncordon, each a commit and then a new cordons
 	// map; cordons is what Cordons returns (cordons.go).
@@ -185,7 +139,7 @@ type Ledger struct {
 // Open opens the ledger at path (normally filepath.Join(stateDir, DefaultFileName)),
 // creating the file and its directory (mode 0700) when missing, and loads every record,
 // checking each one. A log left beside the file by devicehost c9e8f1f after a stop that
-// was not clean is applied to the file first, once, then removed (migrate.go).
+// was not clean is applied to the file first, once, then removed (store/migrate.go).
 //
 // Open returns a *StateFileError (matching ErrLocked, ErrCorrupt or ErrSchemaVersion)
 // when the file is held by another process past opts.LockTimeout, is damaged (or such a
@@ -201,14 +155,15 @@ func Open(path string, opts Options) (*Ledger, error) {
 	if opts.Logger == nil {
 		opts.Logger = hclog.NewNullLogger()
 	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
-		return nil, fmt.Errorf("state dir of %s: %w", path, err)
-	}
-	db, err := openBolt(path, opts.LockTimeout)
+	db, replayed, err := store.Open(path, store.Options{
+		LockTimeout: opts.LockTimeout,
+		Schema:      schemaVersion,
+		Buckets:     [][]byte{bucketReservations, bucketReattach},
+	})
 	if err != nil {
 		return nil, err
 	}
-	idx, replayed, err := loadOrInit(db, path)
+	idx, err := load(db, path)
 	if err != nil {
 		_ = db.Close() // the load error is the one that matters; nothing was written
 		return nil, err
@@ -247,28 +202,19 @@ func Open(path string, opts Options) (*Ledger, error) {
 		db:   db,
 		now:  opts.Now,
 		log:  opts.Logger,
-		quit: make(chan struct{}),
 		idx:  idx,
 		ev:   ev,
 		subs: make(map[*feed]struct{}),
-
-		onCommit: opts.OnCommit,
-
-		queueBuf: make([]*request, 0, maxQueued),
-		slots:    make(chan struct{}, maxQueued),
 	}
+	l.cm = l.newCommitter(db, opts.OnCommit)
 	l.cordons.Store(&cordons)
 	l.access.Store(newAccessView(access))
-	l.queue = l.queueBuf
-	l.idle = sync.NewCond(&l.wmu)
-	l.deferTimer = time.AfterFunc(time.Hour, l.deferredDue)
-	l.deferTimer.Stop()
 	c := idx.counts()
 	l.log.Info("opened reservation ledger", "path", path, "reservations", c.Total,
 		"live", c.Live, "released", c.Released, "cleanup_pending", c.CleanupPending)
 	if replayed > 0 {
 		l.log.Info("the writes only the log of an earlier devicehost held were applied to the state file, and the log removed",
-			"log", path+logSuffix, "records", replayed)
+			"log", path+store.LogSuffix, "records", replayed)
 	}
 	return l, nil
 }
@@ -278,7 +224,7 @@ func (l *Ledger) Path() string { return l.path }
 
 // Commits returns how many batches of writes the ledger has committed since Open, each
 // one bbolt transaction. For benchmarks and metrics; safe for concurrent use.
-func (l *Ledger) Commits() int64 { return l.commits.Load() }
+func (l *Ledger) Commits() int64 { return l.cm.Commits() }
 
 // Close refuses later writes with ErrClosed, waits until the requests accepted, and the
 // deferred writes waiting, are committed, and closes the file.
@@ -286,8 +232,7 @@ func (l *Ledger) Commits() int64 { return l.commits.Load() }
 // ledger first.
 func (l *Ledger) Close() error {
 	l.closeOnce.Do(func() {
-		close(l.quit)
-		l.stopWrites()
+		l.cm.Close()
 		if err := l.db.Close(); err != nil {
 			l.closeErr = fmt.Errorf("close state file %s: %w", l.path, err)
 		}

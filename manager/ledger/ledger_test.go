@@ -16,6 +16,7 @@ import (
 	bolt "go.etcd.io/bbolt"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/manager/ledger/store"
 )
 
 func TestReopenKeepsEverything(t *testing.T) {
@@ -171,7 +172,7 @@ func putSchema(version uint32) func(tx *bolt.Tx) error {
 	return func(tx *bolt.Tx) error {
 		var v [4]byte
 		binary.BigEndian.PutUint32(v[:], version)
-		return tx.Bucket(bucketMeta).Put(keySchemaVersion, v[:])
+		return tx.Bucket(store.BucketMeta).Put(store.KeySchemaVersion, v[:])
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/manager/ledger/store"
 )
 
 // The state dir in testdata/c9e8f1f-crash was left by devicehost c9e8f1f (the version
@@ -21,6 +22,13 @@ import (
 // GPU-11, and the files were copied as they were on disk then. The state file holds
 // none of it; the log holds all thirteen batches, acknowledged. The log is cut after
 // its last record (c9e8f1f's was 4 MiB of zeros past it).
+
+// logSuffix names a log beside its state file, and logHeader is a log record's header
+// size (store/migrate.go).
+const (
+	logSuffix = store.LogSuffix
+	logHeader = 24
+)
 
 // fixtureDir copies the c9e8f1f state dir into a new temporary dir and returns the
 // state file's path there.
@@ -153,7 +161,7 @@ func TestUndecodableRecordIsACorruptLog(t *testing.T) {
 	rec = binary.BigEndian.AppendUint64(rec, gen)
 	rec = binary.BigEndian.AppendUint64(rec, 1)
 	rec = append(rec, bad...)
-	binary.BigEndian.PutUint32(rec[4:8], crc32.Checksum(rec[8:], castagnoli))
+	binary.BigEndian.PutUint32(rec[4:8], crc32.Checksum(rec[8:], crc32.MakeTable(crc32.Castagnoli)))
 	writeFile(t, path+logSuffix, rec)
 	_, err := Open(path, Options{})
 	if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), path+logSuffix) || !strings.Contains(err.Error(), "unknown operation 9") {
@@ -222,99 +230,4 @@ func TestBackupAfterACleanStopRestoresExactly(t *testing.T) {
 	if err != nil || len(ev.Events) != 1 || ev.Events[0].Seq != 1 || ev.Events[0].Kind != device.EventReserve {
 		t.Errorf("events = %+v, %v; want the backup's one reserve event", ev.Events, err)
 	}
-}
-
-// TestReadLog: the log is read from offset 0 while records are whole, of one
-// generation, one seq apart; records up to the file's log_applied are left out, and a
-// generation other than its own is all after it; a record of the log's generation
-// after the end means damage.
-func TestReadLog(t *testing.T) {
-	op := func(k string) []logOp { return []logOp{{bucket: []byte("b"), key: []byte(k), val: []byte("v")}} }
-	rec := func(gen, seq uint64, k string) []byte {
-		o := op(k)
-		return encodeRecord(nil, gen, seq, o, payloadSize(o))
-	}
-	keys := func(ps [][]byte) []string {
-		var out []string
-		for _, p := range ps {
-			ops, err := decodeOps(p)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, o := range ops {
-				out = append(out, string(o.key))
-			}
-		}
-		return out
-	}
-	log := slices.Concat(rec(7, 1, "a"), rec(7, 2, "b"), rec(7, 3, "c"))
-	stale := slices.Concat(rec(9, 1, "x"), rec(7, 2, "b"), rec(7, 3, "c")) // gen 9 written over gen 7's first
-	gap := slices.Concat(rec(7, 1, "a"), rec(7, 3, "c"))
-	torn := slices.Concat(rec(7, 1, "a"), rec(7, 2, "b"))
-	torn = torn[:len(torn)-2]
-	for _, tc := range []struct {
-		name    string
-		data    []byte
-		applied logPos
-		want    []string
-		pos     logPos
-		damaged bool
-	}{
-		{"nothing applied", log, logPos{}, []string{"a", "b", "c"}, logPos{7, 3}, false},
-		{"applied to seq 2", log, logPos{7, 2}, []string{"c"}, logPos{7, 3}, false},
-		{"all applied", log, logPos{7, 3}, nil, logPos{7, 3}, false},
-		{"another generation applied", log, logPos{5, 9}, []string{"a", "b", "c"}, logPos{7, 3}, false},
-		{"older generation behind a new one", stale, logPos{7, 3}, []string{"x"}, logPos{9, 1}, false},
-		{"a torn last record ends it", torn, logPos{}, []string{"a"}, logPos{7, 1}, false},
-		{"a seq gap is damage", gap, logPos{}, nil, logPos{}, true},
-		{"zeroed header", make([]byte, 100), logPos{}, nil, logPos{}, false},
-	} {
-		got, pos, damaged := readLog(tc.data, tc.applied)
-		if (damaged != nil) != tc.damaged {
-			t.Errorf("%s: damaged = %v, want %v", tc.name, damaged, tc.damaged)
-			continue
-		}
-		if !slices.Equal(keys(got), tc.want) || !tc.damaged && pos != tc.pos {
-			t.Errorf("%s: records %q to %v, want %q to %v", tc.name, keys(got), pos, tc.want, tc.pos)
-		}
-	}
-}
-
-// payloadSize, uvarintField and encodeRecord write a log record as c9e8f1f did.
-func payloadSize(ops []logOp) int {
-	n := 0
-	for _, op := range ops {
-		n += 1 + uvarintField(op.bucket) + uvarintField(op.key)
-		if !op.del {
-			n += uvarintField(op.val)
-		}
-	}
-	return n
-}
-func uvarintField(b []byte) int {
-	var tmp [binary.MaxVarintLen64]byte
-	return binary.PutUvarint(tmp[:], uint64(len(b))) + len(b)
-}
-func encodeRecord(buf []byte, gen, seq uint64, ops []logOp, n int) []byte {
-	buf = binary.BigEndian.AppendUint32(buf, uint32(n))
-	buf = binary.BigEndian.AppendUint32(buf, 0) // the checksum, below
-	buf = binary.BigEndian.AppendUint64(buf, gen)
-	buf = binary.BigEndian.AppendUint64(buf, seq)
-	for _, op := range ops {
-		kind := byte(opPut)
-		if op.del {
-			kind = opDelete
-		}
-		buf = append(buf, kind)
-		buf = binary.AppendUvarint(buf, uint64(len(op.bucket)))
-		buf = append(buf, op.bucket...)
-		buf = binary.AppendUvarint(buf, uint64(len(op.key)))
-		buf = append(buf, op.key...)
-		if !op.del {
-			buf = binary.AppendUvarint(buf, uint64(len(op.val)))
-			buf = append(buf, op.val...)
-		}
-	}
-	binary.BigEndian.PutUint32(buf[4:8], crc32.Checksum(buf[8:], castagnoli))
-	return buf
 }

@@ -346,7 +346,7 @@ func TestConcurrentReservesAllDurableAndShareCommits(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	commits := l.commits.Load()
+	commits := l.Commits()
 	if err := l.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -396,7 +396,7 @@ func TestBatchStorageFailureIsolated(t *testing.T) {
 			defer wg.Done()
 			if i == 3 {
 				_, errs[i] = l.submit(ctx, func(w *txn) (any, error) {
-					return nil, &storageError{errors.New("disk on fire")}
+					return nil, &storageError{Err: errors.New("disk on fire")}
 				})
 				return
 			}

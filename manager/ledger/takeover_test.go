@@ -222,17 +222,43 @@ func TestTakeOverInAFailedBatchIsRetriedWhole(t *testing.T) {
 	a := reserve(t, l, "nomad/a", "GPU-1")
 	rec := res("nomad/b", "GPU-1")
 	rec.State, rec.CreatedAt = device.ReservationActive, t0
-	take := &request{ctx: ctx, run: reserveRun(rec, []string{"nomad/"}, nil, ""), done: make(chan response, 1)}
-	fail := &request{ctx: ctx, done: make(chan response, 1), run: func(*txn) (any, error) {
-		return nil, &storageError{errors.New("disk on fire")}
-	}}
-	// No one leads the group commit (every write so far has been answered), so this
-	// goroutine may run a batch as a leader would.
-	l.commit([]*request{take, fail}, take)
-	if resp := <-fail.done; resp.err == nil {
+	// Both queue behind a held batch, so that they share the next one.
+	entered, unblock := make(chan struct{}), make(chan struct{})
+	held := make(chan error, 1)
+	go func() {
+		_, err := l.submit(ctx, func(*txn) (any, error) { close(entered); <-unblock; return nil, nil })
+		held <- err
+	}()
+	<-entered
+	type answer struct {
+		val any
+		err error
+	}
+	takeDone, failDone := make(chan answer, 1), make(chan answer, 1)
+	go func() {
+		v, err := l.submit(ctx, reserveRun(rec, []string{"nomad/"}, nil, ""))
+		takeDone <- answer{v, err}
+	}()
+	for l.cm.Queued() < 1 {
+		time.Sleep(50 * time.Microsecond) // polling a condition that will hold
+	}
+	go func() {
+		v, err := l.submit(ctx, func(*txn) (any, error) {
+			return nil, &storageError{Err: errors.New("disk on fire")}
+		})
+		failDone <- answer{v, err}
+	}()
+	for l.cm.Queued() < 2 {
+		time.Sleep(50 * time.Microsecond)
+	}
+	close(unblock)
+	if err := <-held; err != nil {
+		t.Fatal(err)
+	}
+	if resp := <-failDone; resp.err == nil {
 		t.Fatal("the failing request succeeded")
 	}
-	resp := <-take.done
+	resp := <-takeDone
 	if resp.err != nil {
 		t.Fatalf("take-over batched with a failing request: %v", resp.err)
 	}
@@ -244,7 +270,7 @@ func TestTakeOverInAFailedBatchIsRetriedWhole(t *testing.T) {
 		t.Errorf("counts %+v, want one live and one released", c)
 	}
 	if n := l.Commits(); n != 2 {
-		t.Errorf("%d commits, want 2: the setup and the take-over alone", n)
+		t.Errorf("%d commits, want 2: the setup and the take-over alone (the held batch wrote nothing)", n)
 	}
 }
 

@@ -2,22 +2,17 @@ package ledger
 
 import (
 	"bytes"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"hash/crc32"
-	"os"
-	"path/filepath"
 	"runtime/debug"
 	"slices"
-	"strings"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
-	berrors "go.etcd.io/bbolt/errors"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/manager/ledger/store"
 )
 
 // The file layout, schema version 1:
@@ -30,46 +25,20 @@ import (
 //	intents/<ID>              a reservation recorded without its plugin's answer, as in
 //	                          reservations/ (intent.go; created by its first write)
 //
-// A record envelope is a 4-byte big-endian CRC-32C of the payload followed by the
-// payload. bbolt checksums only its meta pages, so the CRC is what names a record whose
-// bytes changed under us.
+// A record envelope is a checksum of the payload followed by the payload (store.Seal).
 const schemaVersion uint32 = 1
 
 var (
-	bucketMeta         = []byte("meta")
 	bucketReservations = []byte("reservations")
 	bucketReattach     = []byte("reattach")
-	keySchemaVersion   = []byte("schema_version")
 )
 
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
-
-// maxCheckProblems is how many consistency problems Open names before summarising.
-const maxCheckProblems = 3
-
-func seal(payload []byte) []byte {
-	out := make([]byte, 4, 4+len(payload))
-	return sealIn(append(out, payload...))
-}
-
-// sealIn fills in the checksum of b, a record envelope whose payload follows the 4
-// bytes left for it, and returns b.
-func sealIn(b []byte) []byte {
-	binary.BigEndian.PutUint32(b, crc32.Checksum(b[4:], castagnoli))
-	return b
-}
-
-// unseal checks an envelope and returns its payload, which aliases v.
-func unseal(v []byte) ([]byte, error) {
-	if len(v) < 4 {
-		return nil, fmt.Errorf("%d bytes, shorter than its checksum", len(v))
-	}
-	stored, payload := binary.BigEndian.Uint32(v), v[4:]
-	if got := crc32.Checksum(payload, castagnoli); got != stored {
-		return nil, fmt.Errorf("checksum mismatch (stored %08x, computed %08x)", stored, got)
-	}
-	return payload, nil
-}
+// seal, sealIn and unseal are the storage layer's record envelope.
+var (
+	seal   = store.Seal
+	sealIn = store.SealIn
+	unseal = store.Unseal
+)
 
 // recordV1 is a reservation as schema version 1 stores it. It is kept apart from
 // device.Reservation so that a change to the domain type cannot silently change the
@@ -227,77 +196,18 @@ func checkRecord(owner string, deviceIDs []string) error {
 	return nil
 }
 
-// openBolt opens the bbolt file and turns bbolt's errors into ones that say what to do.
-func openBolt(path string, timeout time.Duration) (db *bolt.DB, err error) {
-	// A damaged file can make bbolt fault on its memory map or panic on a bad page;
-	// either is a corrupt file, not a reason to crash.
-	var file *os.File // kept to release the file and its lock should bbolt panic
-	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
-	defer func() {
-		if r := recover(); r != nil {
-			if file != nil { // bbolt's memory map of it leaks: this path ends the agent
-				unlockFile(file)
-				_ = file.Close() // the panic is the error to report
-			}
-			db, err = nil, corruptError(path, fmt.Sprintf("bbolt cannot read it (%v)", r), nil)
-		}
-	}()
-	db, err = bolt.Open(path, 0o600, &bolt.Options{
-		Timeout: timeout,
-		OpenFile: func(name string, flag int, perm os.FileMode) (*os.File, error) {
-			f, err := os.OpenFile(name, flag, perm)
-			file = f
-			return f, err
-		},
-	})
-	switch {
-	case err == nil:
-		return db, nil
-	case errors.Is(err, berrors.ErrTimeout):
-		return nil, &StateFileError{
-			Path:    path,
-			Kind:    ErrLocked,
-			Problem: fmt.Sprintf("locked by another process (waited %s)", timeout),
-			Recovery: "the state dir is in use by another devicehost: stop that agent, " +
-				"or give this one a different -state-dir",
-			Err: err,
-		}
-	case errors.Is(err, berrors.ErrInvalid), errors.Is(err, berrors.ErrChecksum),
-		errors.Is(err, berrors.ErrVersionMismatch),
-		strings.HasPrefix(err.Error(), "file size too small"): // bbolt has no sentinel for this one
-		return nil, corruptError(path, fmt.Sprintf("not a readable bbolt database (%v)", err), err)
-	default:
-		return nil, fmt.Errorf("open state file %s: %w", path, err)
-	}
-}
-
-// loadOrInit checks the file, applies what an earlier version's log holds that it lacks
-// (replayLog), and
-// loads its reservations, or initialises a new file. It writes nothing else to a file
-// that has buckets.
-func loadOrInit(db *bolt.DB, path string) (idx *index, replayed int, err error) {
+// load reads the reservations and intents of the open file (store.Open checked it).
+func load(db *bolt.DB, path string) (idx *index, err error) {
+	// A damaged page can make bbolt fault on its memory map or panic: a corrupt file,
+	// not a reason to crash.
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if r := recover(); r != nil {
 			idx, err = nil, corruptError(path, fmt.Sprintf("bbolt cannot read it (%v)", r), nil)
 		}
 	}()
-	if err := checkConsistency(db, path); err != nil {
-		return nil, 0, err
-	}
-	if replayed, err = replayLog(db, path); err != nil {
-		return nil, 0, err
-	}
 	idx = newIndex()
-	fresh := false
 	err = db.View(func(tx *bolt.Tx) error {
-		if k, _ := tx.Cursor().First(); k == nil {
-			fresh = true
-			return nil
-		}
-		if err := checkSchema(tx, path); err != nil {
-			return err
-		}
 		err := tx.Bucket(bucketReservations).ForEach(func(k, v []byte) error {
 			r, err := decodeReservation(k, v)
 			if err != nil {
@@ -318,117 +228,11 @@ func loadOrInit(db *bolt.DB, path string) (idx *index, replayed int, err error) 
 	if err != nil {
 		var sfe *StateFileError
 		if errors.As(err, &sfe) {
-			return nil, 0, sfe
+			return nil, sfe
 		}
-		return nil, 0, fmt.Errorf("read state file %s: %w", path, err)
+		return nil, fmt.Errorf("read state file %s: %w", path, err)
 	}
-	if !fresh {
-		return idx, replayed, nil
-	}
-	err = db.Update(func(tx *bolt.Tx) error {
-		meta, err := tx.CreateBucket(bucketMeta)
-		if err != nil {
-			return err
-		}
-		var v [4]byte
-		binary.BigEndian.PutUint32(v[:], schemaVersion)
-		if err := meta.Put(keySchemaVersion, v[:]); err != nil {
-			return err
-		}
-		if _, err := tx.CreateBucket(bucketReservations); err != nil {
-			return err
-		}
-		_, err = tx.CreateBucket(bucketReattach)
-		return err
-	})
-	if err != nil {
-		return nil, 0, fmt.Errorf("initialise state file %s: %w", path, err)
-	}
-	// The file may be new: make its directory entry durable too, or a power cut could
-	// lose the whole file along with the reservations committed to it.
-	if err := syncDir(filepath.Dir(path)); err != nil {
-		return nil, 0, fmt.Errorf("initialise state file %s: %w", path, err)
-	}
-	return idx, replayed, nil
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	err = d.Sync()
-	if cerr := d.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return fmt.Errorf("sync directory %s: %w", dir, err)
-	}
-	return nil
-}
-
-// checkConsistency runs bbolt's page-level check: every page reachable or free, no page
-// twice, keys in order.
-func checkConsistency(db *bolt.DB, path string) error {
-	var problems []string
-	n := 0
-	err := db.View(func(tx *bolt.Tx) error {
-		for e := range tx.Check() { // drained to the end: Check's goroutine closes it
-			if n++; len(problems) < maxCheckProblems {
-				problems = append(problems, e.Error())
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("check state file %s: %w", path, err)
-	}
-	if n == 0 {
-		return nil
-	}
-	msg := "bbolt consistency check failed: " + strings.Join(problems, "; ")
-	if n > len(problems) {
-		msg += fmt.Sprintf(" (and %d more)", n-len(problems))
-	}
-	return corruptError(path, msg, nil)
-}
-
-func checkSchema(tx *bolt.Tx, path string) error {
-	meta := tx.Bucket(bucketMeta)
-	if meta == nil {
-		return corruptError(path, "no devicehost meta bucket: it is not a devicehost state file "+
-			"(or its meta data is lost)", nil)
-	}
-	v := meta.Get(keySchemaVersion)
-	if len(v) != 4 {
-		return corruptError(path, fmt.Sprintf("schema version record is %d bytes, want 4", len(v)), nil)
-	}
-	switch got := binary.BigEndian.Uint32(v); {
-	case got == schemaVersion:
-	case got > schemaVersion:
-		return &StateFileError{
-			Path: path,
-			Kind: ErrSchemaVersion,
-			Problem: fmt.Sprintf("schema version %d is newer than this devicehost understands (%d)",
-				got, schemaVersion),
-			Recovery: "run a newer devicehost, or move the file aside to start with an empty " +
-				"ledger (held devices will be forgotten)",
-		}
-	default:
-		return &StateFileError{
-			Path:    path,
-			Kind:    ErrSchemaVersion,
-			Problem: fmt.Sprintf("schema version %d is not one devicehost ever wrote (this one writes %d)", got, schemaVersion),
-			Recovery: fmt.Sprintf("the file was left untouched: restore it from a backup, or move it aside "+
-				"(mv %s %s.corrupt) to start with an empty ledger (held devices will be forgotten)", path, path),
-		}
-	}
-	for _, b := range [][]byte{bucketReservations, bucketReattach} {
-		if tx.Bucket(b) == nil {
-			return corruptError(path, fmt.Sprintf("schema 1 file without its %s bucket", b), nil)
-		}
-	}
-	return nil
+	return idx, nil
 }
 
 // loadIntents adds the file's intents (see intent.go) to idx, after its reservations.

@@ -1,4 +1,4 @@
-package ledger
+package store
 
 import (
 	"encoding/binary"
@@ -51,8 +51,8 @@ const (
 	opDelete = 2
 )
 
-// logSuffix names the log file: the state file's path and this.
-const logSuffix = "-wal"
+// LogSuffix names the log file: the state file's path and this.
+const LogSuffix = "-wal"
 
 // logOp is one write of a batch: key of bucket set to val, or deleted.
 type logOp struct {
@@ -189,7 +189,7 @@ var keyLogApplied = []byte("log_applied")
 
 // loggedTo returns the state file's log_applied, zero when it has none.
 func loggedTo(tx *bolt.Tx, path string) (logPos, error) {
-	meta := tx.Bucket(bucketMeta)
+	meta := tx.Bucket(BucketMeta)
 	if meta == nil {
 		return logPos{}, nil
 	}
@@ -200,7 +200,7 @@ func loggedTo(tx *bolt.Tx, path string) (logPos, error) {
 	case 16:
 		return logPos{binary.BigEndian.Uint64(v), binary.BigEndian.Uint64(v[8:])}, nil
 	}
-	return logPos{}, corruptError(path, fmt.Sprintf("its %s record is %d bytes, want 16", keyLogApplied, len(v)), nil)
+	return logPos{}, CorruptError(path, fmt.Sprintf("its %s record is %d bytes, want 16", keyLogApplied, len(v)), nil)
 }
 
 // replayLog applies what the log beside the state file at path holds after the file's
@@ -211,8 +211,8 @@ func loggedTo(tx *bolt.Tx, path string) (logPos, error) {
 // in place (loadOrInit then refuses the file). A damaged log (a record that reads whole but does not decode, or one
 // that does not read whole with a whole one of its generation after it) is a
 // *StateFileError naming the log, both files left as they were.
-func replayLog(db *bolt.DB, path string) (replayed int, err error) {
-	lp := path + logSuffix
+func replayLog(db *bolt.DB, path string, opts Options) (replayed int, err error) {
+	lp := path + LogSuffix
 	var fresh, apply bool
 	var pos logPos
 	err = db.View(func(tx *bolt.Tx) error {
@@ -220,7 +220,7 @@ func replayLog(db *bolt.DB, path string) (replayed int, err error) {
 			fresh = true
 			return nil
 		}
-		if checkSchema(tx, path) != nil {
+		if checkSchema(tx, path, opts) != nil {
 			return nil
 		}
 		apply = true
@@ -264,7 +264,7 @@ func replayLog(db *bolt.DB, path string) (replayed int, err error) {
 			if err := applyOps(tx, ops); err != nil {
 				return err
 			}
-			return tx.Bucket(bucketMeta).Put(keyLogApplied, to.encode())
+			return tx.Bucket(BucketMeta).Put(keyLogApplied, to.encode())
 		})
 		if err != nil {
 			return 0, fmt.Errorf("replay the log %s into %s: %w", lp, path, err)
@@ -280,7 +280,7 @@ func removeLog(lp string) error {
 	if err := os.Remove(lp); err != nil {
 		return fmt.Errorf("remove the log %s: %w", lp, err)
 	}
-	if err := syncDir(filepath.Dir(lp)); err != nil {
+	if err := SyncDir(filepath.Dir(lp)); err != nil {
 		return fmt.Errorf("remove the log %s: %w", lp, err)
 	}
 	return nil
