@@ -33,10 +33,9 @@ var (
 	bucketReattach     = []byte("reattach")
 )
 
-// seal, sealIn and unseal are the storage layer's record envelope.
+// seal and unseal are the storage layer's record envelope.
 var (
 	seal   = store.Seal
-	sealIn = store.SealIn
 	unseal = store.Unseal
 )
 
@@ -91,6 +90,54 @@ type deviceSpecV1 struct {
 	HostPath      string `json:"host_path"`
 	ContainerPath string `json:"container_path"`
 	Permissions   string `json:"permissions"`
+}
+
+// encodeReservation returns r as schema version 1 stores it: a record envelope around
+// the JSON of its recordV1. A state or a time the record cannot hold (a year past 9999)
+// is an error naming the reservation.
+func encodeReservation(r *device.Reservation) ([]byte, error) {
+	var state string
+	switch r.State {
+	case device.ReservationActive:
+		state = "active"
+	case device.ReservationReleased:
+		state = "released"
+	default:
+		return nil, fmt.Errorf("reservation %q: cannot store state %v", r.ID, r.State)
+	}
+	rec := recordV1{
+		ID:             r.ID,
+		OwnerID:        r.OwnerID,
+		Group:          groupV1{Vendor: r.Group.Vendor, Type: r.Group.Type, Name: r.Group.Name},
+		Plugin:         r.Plugin,
+		DeviceIDs:      r.DeviceIDs,
+		Container:      containerV1{Envs: r.Container.Envs, CDIDevices: r.Container.CDIDevices},
+		State:          state,
+		CreatedAt:      r.CreatedAt,
+		ReleasedAt:     r.ReleasedAt,
+		CleanupPending: r.CleanupPending,
+		OwnerLabels:    r.OwnerLabels.Map(),
+	}
+	for _, c := range r.Consumes {
+		rec.Consumes = append(rec.Consumes, consumptionV1{Set: c.Set.Name, Counters: c.Counters})
+	}
+	if r.Container.Mounts != nil {
+		rec.Container.Mounts = make([]mountV1, len(r.Container.Mounts))
+		for i, m := range r.Container.Mounts {
+			rec.Container.Mounts[i] = mountV1(m)
+		}
+	}
+	if r.Container.Devices != nil {
+		rec.Container.Devices = make([]deviceSpecV1, len(r.Container.Devices))
+		for i, d := range r.Container.Devices {
+			rec.Container.Devices[i] = deviceSpecV1(d)
+		}
+	}
+	v, err := json.Marshal(rec)
+	if err != nil {
+		return nil, fmt.Errorf("reservation %q: %w", r.ID, err)
+	}
+	return seal(v), nil
 }
 
 // decodeReservation reads the record stored under key, checking its envelope, its

@@ -14,13 +14,7 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // Seal returns payload in a new envelope.
 func Seal(payload []byte) []byte {
-	out := make([]byte, 4, 4+len(payload))
-	return SealIn(append(out, payload...))
-}
-
-// SealIn fills in the checksum of b, an envelope whose payload follows the 4 bytes left
-// for it, and returns b.
-func SealIn(b []byte) []byte {
+	b := append(make([]byte, 4, 4+len(payload)), payload...)
 	binary.BigEndian.PutUint32(b, crc32.Checksum(b[4:], castagnoli))
 	return b
 }
