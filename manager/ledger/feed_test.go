@@ -14,16 +14,16 @@ import (
 // it, so a Reserve does not make the GC run a pass for nothing.
 func TestFeedToldOfReleasedChangesOnly(t *testing.T) {
 	l := newLedger(t)
-	f, stop := l.subscribe(0)
+	f, stop := l.Subscribe(0)
 	defer stop()
 	told := func() []string {
 		t.Helper()
 		select {
-		case <-f.wake:
+		case <-f.Wake():
 		default:
 			return nil
 		}
-		ids := f.drain()
+		ids := f.Drain()
 		slices.Sort(ids)
 		return ids
 	}
@@ -62,11 +62,11 @@ func TestFeedToldOfReleasedChangesOnly(t *testing.T) {
 // reservations than the limit, live ones included: the GC checks MaxReservations then.
 func TestFeedWokenOverItsLimit(t *testing.T) {
 	l := newLedger(t)
-	f, stop := l.subscribe(2)
+	f, stop := l.Subscribe(2)
 	defer stop()
 	woken := func() bool {
 		select {
-		case <-f.wake:
+		case <-f.Wake():
 			return true
 		default:
 			return false
@@ -81,7 +81,7 @@ func TestFeedWokenOverItsLimit(t *testing.T) {
 	if !woken() {
 		t.Fatal("not woken by a Reserve that leaves 3 reservations, over the limit of 2")
 	}
-	if ids := f.drain(); len(ids) != 0 {
+	if ids := f.Drain(); len(ids) != 0 {
 		t.Fatalf("drained %v after live reservations only, want nothing", ids)
 	}
 }
@@ -93,7 +93,7 @@ func TestFeedNotToldOfDeferredWrites(t *testing.T) {
 	l := newLedger(t)
 	a := release(t, l, reserve(t, l, "alloc-a", "GPU-0").ID, t0)
 	b := release(t, l, reserve(t, l, "alloc-b", "GPU-1").ID, t0)
-	f, stop := l.subscribe(0)
+	f, stop := l.Subscribe(0)
 	defer stop()
 
 	notify, done := deferredDone()
@@ -107,16 +107,16 @@ func TestFeedNotToldOfDeferredWrites(t *testing.T) {
 	}
 	c := reserve(t, l, "alloc-c", "GPU-2")
 	select {
-	case <-f.wake:
-		t.Fatalf("woken by two deferred writes and a Reserve; drained %v", f.drain())
+	case <-f.Wake():
+		t.Fatalf("woken by two deferred writes and a Reserve; drained %v", f.Drain())
 	default:
 	}
 
 	if err := l.CleanupDone(context.Background(), release(t, l, c.ID, t0).ID); err != nil {
 		t.Fatal(err)
 	}
-	<-f.wake
-	if ids := f.drain(); !slices.Equal(ids, []string{c.ID}) {
+	<-f.Wake()
+	if ids := f.Drain(); !slices.Equal(ids, []string{c.ID}) {
 		t.Fatalf("after a caller's Release and CleanupDone the feed was told %v, want [%s]", ids, c.ID)
 	}
 }
@@ -127,24 +127,24 @@ func TestFeedNotToldOfDeferredWrites(t *testing.T) {
 func TestFeedWokenAfterTheReply(t *testing.T) {
 	l := newLedger(t)
 	a := reserve(t, l, "alloc-a", "GPU-0")
-	f, stop := l.subscribe(0)
+	f, stop := l.Subscribe(0)
 	defer stop()
 	ctx, run := device.WithAfterReply(context.Background())
 	if _, _, err := l.Release(ctx, device.ReleaseRequest{ReservationID: a.ID}, t0); err != nil {
 		t.Fatal(err)
 	}
 	select {
-	case <-f.wake:
+	case <-f.Wake():
 		t.Fatal("the feed was woken before the Release's reply")
 	default:
 	}
 	run()
 	select {
-	case <-f.wake:
+	case <-f.Wake():
 	default:
 		t.Fatal("the feed was not woken after the Release's reply")
 	}
-	if ids := f.drain(); !slices.Equal(ids, []string{a.ID}) {
+	if ids := f.Drain(); !slices.Equal(ids, []string{a.ID}) {
 		t.Fatalf("the feed was told %v, want [%s]", ids, a.ID)
 	}
 }

@@ -263,7 +263,7 @@ func (g *GC) Run(ctx context.Context) error {
 	}
 	defer g.running.Store(false)
 
-	changes, unsubscribe := g.l.subscribe(g.cfg.MaxReservations)
+	changes, unsubscribe := g.l.Subscribe(g.cfg.MaxReservations)
 	defer unsubscribe()
 	ticker := time.NewTicker(g.cfg.Interval)
 	defer ticker.Stop()
@@ -285,12 +285,12 @@ func (g *GC) Run(ctx context.Context) error {
 	}
 
 	// Subscribed first, so a change made while the ledger is read here is seen again.
-	r.sync(g.l.releasedIDs())
+	r.sync(g.l.ReleasedIDs())
 	dirty, tick := true, false
 	for ctx.Err() == nil { // select may take a finished job over ctx.Done: start nothing after
 		if dirty {
 			now := time.Now()
-			r.sync(changes.drain())
+			r.sync(changes.Drain())
 			r.plan(now)
 			if w := r.waiting.peek(); w != nil {
 				retryTimer.Reset(w.next - now.Sub(r.began))
@@ -305,7 +305,7 @@ func (g *GC) Run(ctx context.Context) error {
 		select {
 		case <-ctx.Done():
 			return nil // the deferred workers.Wait waits for the cleanups in flight
-		case <-changes.wake:
+		case <-changes.Wake():
 		case <-ticker.C:
 			r.cutoff = time.Now().Add(-g.cfg.Interval)
 			tick = true
@@ -332,17 +332,6 @@ func (g *GC) Run(ctx context.Context) error {
 	return nil
 }
 
-// releasedIDs returns the IDs of every released reservation.
-func (l *Ledger) releasedIDs() []string {
-	l.mu.RLock()
-	defer l.mu.RUnlock()
-	out := make([]string, 0, len(l.idx.released))
-	for _, rr := range l.idx.released {
-		out = append(out, rr.id)
-	}
-	return out
-}
-
 // sync brings the items named by ids up to date with the ledger, oldest release first
 // (so "marked for GC" lines come in that order).
 func (r *gcRun) sync(ids []string) {
@@ -354,11 +343,9 @@ func (r *gcRun) sync(ids []string) {
 		rec *device.Reservation // nil: deleted
 	}
 	changes := make([]change, len(ids))
-	r.l.mu.RLock()
-	for i, id := range ids {
-		changes[i] = change{id, r.l.idx.get(id)} // never modified once stored: safe to read unlocked
+	for i, rec := range r.l.LookupAll(ids) {
+		changes[i] = change{ids[i], rec}
 	}
-	r.l.mu.RUnlock()
 	slices.SortFunc(changes, func(a, b change) int {
 		switch {
 		case a.rec == nil && b.rec == nil:
@@ -434,13 +421,6 @@ func entryOf(rec *device.Reservation) GCEntry {
 	}
 }
 
-// lookup returns reservation id as the ledger holds it now, nil when it has none.
-func (l *Ledger) lookup(id string) *device.Reservation {
-	l.mu.RLock()
-	defer l.mu.RUnlock()
-	return l.idx.get(id)
-}
-
 // setIdle makes it idle, in the heap its cleanup state says.
 func (r *gcRun) setIdle(it *gcItem) {
 	r.detach(it)
@@ -490,15 +470,11 @@ func (r *gcRun) plan(now time.Time) {
 	for w := r.waiting.peek(); w != nil && w.next <= now.Sub(r.began); w = r.waiting.peek() {
 		r.setIdle(w)
 	}
-	r.l.mu.RLock()
-	c := r.l.idx.counts()
-	deleting := 0 // deletions in flight that the counts still include
+	ids := make([]string, 0, len(r.deleting))
 	for it := range r.deleting {
-		if r.l.idx.has(it.id) {
-			deleting++
-		}
+		ids = append(ids, it.id)
 	}
-	r.l.mu.RUnlock()
+	c, deleting := r.l.CountsHolding(ids) // deleting: deletions in flight that the counts still include
 	excess := 0
 	switch over := c.Total > r.cfg.MaxReservations; {
 	case over && c.Released == 0:
@@ -542,7 +518,7 @@ func (r *gcRun) start(it *gcItem, del bool) bool {
 	}
 	var e GCEntry
 	if plugin {
-		rec := r.l.lookup(it.id)
+		rec := r.l.Lookup(it.id)
 		if rec == nil { // deleted since the last sync: forget it, as the next sync would
 			r.update(it.id, nil)
 			return true
@@ -587,17 +563,13 @@ func (r *gcRun) record(it *gcItem, cleaned bool) {
 	id := it.id
 	it.state = gcCommitting
 	r.committing++
-	run := cleanupDoneRun(id)
 	var owner string // for the deletion's log line
-	if it.del {
-		run = deleteRun([]string{id}, cleaned, "gc")
-		if r.log.IsDebug() {
-			if rec := r.l.lookup(id); rec != nil {
-				owner = rec.OwnerID
-			}
+	if it.del && r.log.IsDebug() {
+		if rec := r.l.Lookup(id); rec != nil {
+			owner = rec.OwnerID
 		}
 	}
-	r.l.submitDeferred(r.cfg.CommitDelay, run, func(err error) {
+	done := func(err error) {
 		r.committedMu.Lock()
 		r.committed = append(r.committed, gcResult{id: id, err: err, owner: owner})
 		r.committedMu.Unlock()
@@ -605,7 +577,12 @@ func (r *gcRun) record(it *gcItem, cleaned bool) {
 		case r.commitWake <- struct{}{}:
 		default:
 		}
-	})
+	}
+	if it.del {
+		r.l.DeferDelete(r.cfg.CommitDelay, id, cleaned, "gc", done)
+	} else {
+		r.l.DeferCleanupDone(r.cfg.CommitDelay, id, done)
+	}
 }
 
 // recorded handles the commit (or failure) of a deferred write.
@@ -646,7 +623,7 @@ func (r *gcRun) fail(it *gcItem, e *GCEntry, msg string, err error, now time.Tim
 	r.waiting.add(it)
 	if e == nil {
 		e = &GCEntry{ReservationID: it.id}
-		if rec := r.l.lookup(it.id); rec != nil {
+		if rec := r.l.Lookup(it.id); rec != nil {
 			*e = entryOf(rec)
 		}
 	}

@@ -116,7 +116,7 @@ type Ledger struct {
 	idx *index
 
 	subMu sync.Mutex
-	subs  map[*feed]struct{} // told after each commit that changed released reservations (see subscribe)
+	subs  map[*Feed]struct{} // told after each commit that changed released reservations (see subscribe)
 
 	// cordonMu serialises Cordon and Uncordon, each a commit and then a new cordons
 	// map; cordons is what Cordons returns (cordons.go).
@@ -204,7 +204,7 @@ func Open(path string, opts Options) (*Ledger, error) {
 		log:  opts.Logger,
 		idx:  idx,
 		ev:   ev,
-		subs: make(map[*feed]struct{}),
+		subs: make(map[*Feed]struct{}),
 	}
 	l.cm = l.newCommitter(db, opts.OnCommit)
 	l.cordons.Store(&cordons)
@@ -240,52 +240,12 @@ func (l *Ledger) Close() error {
 	return l.closeErr
 }
 
-// feed is one subscriber's view of the commits: the IDs of the reservations that
-// changed since it last drained them, and a coalesced wake-up. It never blocks a
-// commit.
-type feed struct {
-	wake chan struct{} // buffered(1)
-	over int           // also woken after a commit that leaves more reservations than this (0: never)
-	mu   sync.Mutex
-	ids  map[string]struct{}
-}
-
-// drain returns the IDs changed since the last drain, in no order.
-func (f *feed) drain() []string {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	out := make([]string, 0, len(f.ids))
-	for id := range f.ids {
-		out = append(out, id)
-	}
-	clear(f.ids)
-	return out
-}
-
-// subscribe returns a feed told, after every commit that changed released reservations,
-// which ones changed (once the index shows the change), and a func that ends the
-// subscription. A change is a reservation released, deleted or changed while released;
-// a live reservation's making or changing is not told (overlay.feedChanges), but when
-// over > 0 the feed is also woken, with nothing to drain, after every commit that leaves
-// more than over reservations in the ledger (the GC's MaxReservations).
-func (l *Ledger) subscribe(over int) (*feed, func()) {
-	f := &feed{wake: make(chan struct{}, 1), over: over, ids: make(map[string]struct{})}
-	l.subMu.Lock()
-	l.subs[f] = struct{}{}
-	l.subMu.Unlock()
-	return f, func() {
-		l.subMu.Lock()
-		delete(l.subs, f)
-		l.subMu.Unlock()
-	}
-}
-
 // notify tells the feeds of a commit that changed the reservations named by changed
 // and left total in the ledger. Their IDs are theirs to drain at once; their wake-ups
 // (the GC's goroutine) wait until the reply of ctx's call is sent (device.AfterReply):
 // the caller does not wait for the GC to be woken to clean up after its Release.
 func (l *Ledger) notify(ctx context.Context, changed []string, total int) {
-	var wake []*feed
+	var wake []*Feed
 	l.subMu.Lock()
 	for f := range l.subs {
 		if len(changed) == 0 && (f.over <= 0 || total <= f.over) {
