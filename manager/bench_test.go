@@ -16,6 +16,7 @@ import (
 	bolt "go.etcd.io/bbolt"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/manager/gc"
 	"github.com/devicehost/devicehost/manager/ledger"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
@@ -152,8 +153,8 @@ func BenchmarkReserveRelease(b *testing.B) {
 // and host/floor as "x-floor".
 func BenchmarkReserveFloor(b *testing.B) {
 	dir := b.TempDir()
-	prefillLedger(b, filepath.Join(dir, ledger.DefaultFileName), ledger.DefaultGCMaxReservations)
-	m, l := startBenchManager(b, dir, ledger.DefaultGCMaxReservations, "dev-0")
+	prefillLedger(b, filepath.Join(dir, ledger.DefaultFileName), gc.DefaultMaxReservations)
+	m, l := startBenchManager(b, dir, gc.DefaultMaxReservations, "dev-0")
 	p, _ := l.latest("bench")
 	db, err := bolt.Open(filepath.Join(b.TempDir(), "floor.db"), 0o600, nil)
 	if err != nil {

@@ -11,7 +11,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
-	"github.com/devicehost/devicehost/manager/ledger"
+	"github.com/devicehost/devicehost/manager/gc"
 	"github.com/devicehost/devicehost/pluginloader"
 )
 
@@ -34,9 +34,9 @@ const (
 	DefaultPluginDirRescan    = 2 * time.Second
 	DefaultRemovedPluginGrace = 10 * time.Minute
 
-	DefaultGCInterval         = ledger.DefaultGCInterval
-	DefaultGCMaxReservations  = ledger.DefaultGCMaxReservations
-	DefaultGCParallelDestroys = ledger.DefaultGCParallel
+	DefaultGCInterval         = gc.DefaultInterval
+	DefaultGCMaxReservations  = gc.DefaultMaxReservations
+	DefaultGCParallelDestroys = gc.DefaultParallel
 )
 
 // Config configures a Manager. The zero value is a manager with no plugins; every zero

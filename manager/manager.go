@@ -24,6 +24,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/manager/gc"
 	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/manager/ledger"
 	"github.com/devicehost/devicehost/manager/supervise"
@@ -40,7 +41,7 @@ type Manager struct {
 	stats  *inventory.Stats
 	store  reservationStore // ledger, or a test's wrapper of it
 	ledger *ledger.Ledger
-	gc     *ledger.GC // runs on ledger
+	gc     *gc.GC // runs on ledger
 	// tempState is the temporary directory holding ledger when no StateDir is set,
 	// removed once the ledger is closed; "" with a StateDir.
 	tempState string
@@ -169,7 +170,7 @@ func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 		return nil, err
 	}
 	m.store = m.ledger
-	m.gc, err = ledger.NewGC(m.ledger, ledger.GCConfig{
+	m.gc, err = gc.New(m.ledger, gc.Config{
 		Logger:          log.Named("gc"),
 		Cleanup:         m.cleanup,
 		MaxReservations: cfg.GCMaxReservations,
@@ -178,7 +179,7 @@ func newManager(cfg Config, launch supervise.LaunchFunc) (*Manager, error) {
 		CleanupTimeout:  cfg.ReserveTimeout,
 		RetryMin:        cfg.gcRetryMin,
 	})
-	if err != nil { // withDefaults refused what NewGC would
+	if err != nil { // withDefaults refused what gc.New would
 		_ = m.ledger.Close() // nothing was written; the config error is the one to report
 		m.closeDir()
 		_ = m.removeTempState() // the config error is the one to report
@@ -305,7 +306,7 @@ func openLedger(dir string, cfg Config) (*ledger.Ledger, error) {
 // reserved again). A Reserve of the devices waits while the plugin cleans up
 // (claimForCleanup), so the plugin never prepares a device for a new holder while it
 // cleans up after the old one.
-func (m *Manager) cleanup(ctx context.Context, e ledger.GCEntry) error {
+func (m *Manager) cleanup(ctx context.Context, e gc.Entry) error {
 	owed := owingRelease(m.reg.Snapshot(), e.Group, e.DeviceIDs)
 	if len(owed) == 0 {
 		return nil // the plugin keeps nothing for these devices (NothingToRelease)

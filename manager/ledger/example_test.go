@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/manager/gc"
 	"github.com/devicehost/devicehost/manager/ledger"
 )
 
@@ -54,13 +55,13 @@ func Example() {
 
 	// The GC does the cleanup (and, past MaxReservations or on Interval, deletes).
 	cleaned := make(chan string, 1)
-	gc, _ := ledger.NewGC(l, ledger.GCConfig{Cleanup: func(ctx context.Context, e ledger.GCEntry) error {
+	collector, _ := gc.New(l, gc.Config{Cleanup: func(ctx context.Context, e gc.Entry) error {
 		cleaned <- e.OwnerID + " " + e.ReservationID
 		return nil
 	}})
 	gcCtx, stop := context.WithCancel(ctx)
 	done := make(chan error)
-	go func() { done <- gc.Run(gcCtx) }()
+	go func() { done <- collector.Run(gcCtx) }()
 	fmt.Println("cleaned up", <-cleaned)
 	stop()
 	<-done

@@ -112,3 +112,6 @@ func (l *Ledger) DeferCleanupDone(within time.Duration, id string, notify func(e
 func (l *Ledger) DeferDelete(within time.Duration, id string, cleaned bool, by string, notify func(error)) {
 	l.submitDeferred(within, deleteRun([]string{id}, cleaned, by), notify)
 }
+
+// DeferredWaiting returns how many deferred writes wait for a commit.
+func (l *Ledger) DeferredWaiting() int { return l.cm.Waiting() }

@@ -148,3 +148,9 @@ func TestFeedWokenAfterTheReply(t *testing.T) {
 		t.Fatalf("the feed was told %v, want [%s]", ids, a.ID)
 	}
 }
+
+// deferredDone returns a notify func for submitDeferred and the channel it reports on.
+func deferredDone() (func(error), <-chan error) {
+	ch := make(chan error, 1)
+	return func(err error) { ch <- err }, ch
+}

@@ -33,9 +33,7 @@ func statePath(t *testing.T) string {
 // ends.
 func openLedger(t *testing.T, path string) *Ledger {
 	t.Helper()
-	// No audit trail: its writes (at most every eventFlushEvery, riding on the next
-	// commit or making one) would make the commit counts of these tests depend on how
-	// long they take. events_test.go opens ledgers with it.
+	// No audit trail: events_test.go opens ledgers with it.
 	return openWith(t, path, Options{MaxEvents: -1})
 }
 
@@ -146,21 +144,4 @@ type logCapture struct{ logtest.Recorder }
 func newLogCapture() (*logCapture, hclog.Logger) {
 	c := &logCapture{}
 	return c, hclog.New(&hclog.LoggerOptions{Output: c, Level: hclog.Debug, JSONFormat: true})
-}
-
-// lines returns the logged lines whose message is msg (or starts with it, when prefix).
-func (c *logCapture) lines(t *testing.T, msg string, prefix bool) []map[string]any {
-	t.Helper()
-	all, err := c.JSON()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []map[string]any
-	for _, m := range all {
-		got, _ := m["@message"].(string)
-		if got == msg || (prefix && strings.HasPrefix(got, msg)) {
-			out = append(out, m)
-		}
-	}
-	return out
 }

@@ -12,7 +12,7 @@ import (
 // packed is a released reservation, all but its ID, packed into one string.
 //
 // A ledger keeps every released reservation in memory until the GC deletes it, up to
-// GCConfig.MaxReservations of them (100,000 and more on a busy host), so that reads
+// gc.Config.MaxReservations of them (100,000 and more on a busy host), so that reads
 // never wait for the disk. As a device.Reservation each costs about 1.5 KiB in a dozen
 // heap objects, which Go's garbage collector marks on every cycle, so the ledger's CPU
 // per write grew with its size. Packed, one is a single object without pointers, its

@@ -22,7 +22,8 @@ import (
 // Power cuts, not only SIGKILL: a SIGKILL keeps the page cache, a power cut does not,
 // and only a power cut tests what the ledger's fsyncs promise. TestPowerCut runs a
 // ledger in a child process on a cutfs mount (a FUSE file system that remembers what no
-// fsync covered), under a load of Reserve, Release, Reown, take-over and GC from several
+// fsync covered), under a load of Reserve, Release, Reown, take-over and the GC's
+// writes (cleanups recorded done, deletions) from several
 // goroutines and a watcher of the trail, each printing what it was acknowledged; at a
 // random fsync the power goes: that fsync and everything after it fails, the child is
 // killed, and the backing directory is rewritten to what the disk holds (every unsynced
@@ -66,17 +67,7 @@ func TestHelperPowerCut(t *testing.T) {
 	}
 	say("opened")
 	ctx := context.Background()
-	gc, err := NewGC(l, GCConfig{
-		Cleanup:         func(context.Context, GCEntry) error { return nil },
-		MaxReservations: 24,
-		Interval:        20 * time.Millisecond,
-		CommitDelay:     5 * time.Millisecond,
-	})
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(2)
-	}
-	go func() { _ = gc.Run(ctx) }()
+	go powerCutGC(l) // the garbage collector's writes (manager/gc makes the same ones)
 	l.ev.mu.Lock()
 	start := l.ev.next - 1 // the watcher is shown this round's events
 	l.ev.mu.Unlock()
@@ -176,6 +167,32 @@ func TestHelperPowerCut(t *testing.T) {
 		}()
 	}
 	select {} // until killed
+}
+
+// powerCutGC makes the writes the garbage collector makes (manager/gc, which this
+// package's tests cannot import), as deferred writes 5 ms after each change of a
+// released reservation: its cleanup recorded done, then, past 24 reservations, its
+// deletion. It runs until the process is killed.
+func powerCutGC(l *Ledger) {
+	f, _ := l.Subscribe(24)
+	queued := map[string]bool{} // written or waiting: not asked again
+	for range f.Wake() {
+		f.Drain()
+		over := l.Counts().Total - 24
+		for _, id := range l.ReleasedIDs() {
+			r := l.Lookup(id)
+			switch {
+			case r == nil || queued[id+"/delete"]:
+			case r.CleanupPending && !queued[id]:
+				queued[id] = true
+				l.DeferCleanupDone(5*time.Millisecond, id, func(error) {})
+			case !r.CleanupPending && over > 0:
+				over--
+				queued[id+"/delete"] = true
+				l.DeferDelete(5*time.Millisecond, id, false, "gc", func(error) {})
+			}
+		}
+	}
 }
 
 // eventSig is what TestPowerCut compares of an event seen before a cut and read after.
@@ -293,14 +310,14 @@ func powerCutRound(t *testing.T, backing, mnt string, seed uint64, at int, mode 
 			t.Error(err)
 		}
 	}()
+	// The power also goes after the helper's cutAfter-th line, whatever the fsyncs: a
+	// ledger that made none must not escape the cut. Drawn before cutRng is handed over.
+	cutAfter := 1 + cutRng.IntN(2*at)
+	lineRng := rand.New(rand.NewPCG(uint64(at), uint64(cutAfter)))
 	if err := fsys.CutAtSync(at, mode, cutRng); err != nil {
 		t.Fatal(err)
 	}
 	cmd, stdout, stderr := startHelper(t, "TestHelperPowerCut", powerCutHelperEnv, fmt.Sprintf("%d:%s", seed, filepath.Join(mnt, DefaultFileName)))
-	// The power also goes after the helper's cutAfter-th line, whatever the fsyncs: a
-	// ledger that made none must not escape the cut.
-	cutAfter := 1 + cutRng.IntN(2*at)
-	lineRng := rand.New(rand.NewPCG(uint64(at), uint64(cutAfter)))
 	lines := make(chan []string, 1)
 	go func() {
 		var out []string

@@ -329,27 +329,3 @@ func TestTakeOverRace(t *testing.T) {
 		}
 	}
 }
-
-// The GC sees a taken-over reservation like any released one: its plugin cleanup is
-// owed and done, then recorded.
-func TestTakeOverOwesCleanup(t *testing.T) {
-	l := newLedger(t)
-	a := reserve(t, l, "nomad/a", "GPU-1", "GPU-2")
-	cleaned := make(chan GCEntry, 1)
-	h := startGC(t, l, GCConfig{CommitDelay: time.Millisecond, Cleanup: func(_ context.Context, e GCEntry) error {
-		cleaned <- e
-		return nil
-	}})
-	if _, _, err := l.Reserve(context.Background(), res("nomad/b", "GPU-2"), []string{"nomad/"}, nil); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case e := <-cleaned:
-		if e.ReservationID != a.ID || !slices.Equal(e.DeviceIDs, a.DeviceIDs) || e.Plugin != a.Plugin {
-			t.Errorf("cleanup of %+v, want the taken-over %s on %v", e, a.ID, a.DeviceIDs)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("no cleanup for the taken-over reservation")
-	}
-	h.waitUntil(t, "the cleanup recorded", func() bool { return l.Counts().CleanupPending == 0 })
-}

@@ -1,9 +1,11 @@
-package ledger
+package gc
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"reflect"
 	"slices"
 	"strings"
@@ -14,6 +16,7 @@ import (
 	"time"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/manager/ledger"
 	"github.com/devicehost/devicehost/manager/ledger/store"
 )
 
@@ -27,9 +30,9 @@ type gcHarness struct {
 }
 
 // startGC runs a GC on l until the test ends (before l is closed).
-func startGC(t *testing.T, l *Ledger, cfg GCConfig) *gcHarness {
+func startGC(t *testing.T, l *ledger.Ledger, cfg Config) *gcHarness {
 	t.Helper()
-	g, err := NewGC(l, cfg)
+	g, err := New(l, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -84,7 +87,7 @@ func (h *gcHarness) waitTicks(t *testing.T, n int64) {
 }
 
 // releasedN makes n released reservations, released at t0, t0+1s..., and returns them.
-func releasedN(t *testing.T, l *Ledger, n int) []device.Reservation {
+func releasedN(t *testing.T, l *ledger.Ledger, n int) []device.Reservation {
 	t.Helper()
 	out := make([]device.Reservation, n)
 	for i := range n {
@@ -101,9 +104,9 @@ func TestGCParallelBound(t *testing.T) {
 	const n, parallel = 12, 2
 	releasedN(t, l, n)
 	var inflight, most atomic.Int32
-	started := make(chan GCEntry, n)
+	started := make(chan Entry, n)
 	gate := make(chan struct{})
-	cleanup := func(ctx context.Context, e GCEntry) error {
+	cleanup := func(ctx context.Context, e Entry) error {
 		cur := inflight.Add(1)
 		defer inflight.Add(-1)
 		for m := most.Load(); cur > m && !most.CompareAndSwap(m, cur); m = most.Load() {
@@ -118,17 +121,17 @@ func TestGCParallelBound(t *testing.T) {
 	}
 	// MaxReservations 1: eleven are destroyed (cleanup, then deletion), the newest is
 	// only cleaned up.
-	h := startGC(t, l, GCConfig{Cleanup: cleanup, Parallel: parallel, MaxReservations: 1})
+	h := startGC(t, l, Config{Cleanup: cleanup, Parallel: parallel, MaxReservations: 1})
 
 	timeout := time.After(10 * time.Second)
-	next := func() GCEntry {
+	next := func() Entry {
 		t.Helper()
 		select {
 		case e := <-started:
 			return e
 		case <-timeout:
 			t.Fatalf("timed out waiting for a cleanup to start")
-			return GCEntry{}
+			return Entry{}
 		}
 	}
 	var seen []string
@@ -163,7 +166,7 @@ func TestGCOverLimitDestroysOldestReleasedFirst(t *testing.T) {
 	l := newLedger(t)
 	live := []device.Reservation{reserve(t, l, "live-1", "GPU-L1"), reserve(t, l, "live-2", "GPU-L2")}
 	released := releasedN(t, l, 6)
-	h := startGC(t, l, GCConfig{MaxReservations: 5})
+	h := startGC(t, l, Config{MaxReservations: 5})
 	h.waitUntil(t, "the ledger down to the limit, cleanups done", func() bool {
 		c := l.Counts()
 		return c.Total <= 5 && c.CleanupPending == 0
@@ -187,7 +190,7 @@ func TestGCOverLimitDestroysOldestReleasedFirst(t *testing.T) {
 func TestGCOverLimitDeletesDownToLowWater(t *testing.T) {
 	l := newLedger(t)
 	released := releasedN(t, l, 33)
-	h := startGC(t, l, GCConfig{MaxReservations: 32})
+	h := startGC(t, l, Config{MaxReservations: 32})
 	h.waitUntil(t, "the ledger down to 30", func() bool { return l.Counts().Total == 30 })
 	if got, want := ids(listAll(t, l)), ids(released[3:]); !reflect.DeepEqual(got, want) {
 		t.Fatalf("after GC the ledger lists %v, want the 30 newest releases %v", got, want)
@@ -221,7 +224,7 @@ func TestGCIntervalDestroysOldReleases(t *testing.T) {
 		fresh := release(t, l, reserve(t, l, "fresh", "GPU-F").ID, time.Now().Add(time.Hour))
 		later := reserve(t, l, "later", "GPU-R")
 		start := time.Now()
-		h := startGC(t, l, GCConfig{Interval: interval})
+		h := startGC(t, l, Config{Interval: interval})
 		time.Sleep(time.Second)
 		later = release(t, l, later.ID, time.Now()) // 1s after the GC started
 		gone := func(id string) func() bool {
@@ -231,7 +234,7 @@ func TestGCIntervalDestroysOldReleases(t *testing.T) {
 		// The first tick destroys the hour-old release (its deletion is a deferred
 		// write, committed within CommitDelay), not the one 9s old.
 		h.waitUntil(t, "the old release destroyed", gone(old.ID))
-		if took := time.Since(start); took < interval || took > interval+DefaultGCCommitDelay {
+		if took := time.Since(start); took < interval || took > interval+DefaultCommitDelay {
 			t.Errorf("the old release was destroyed %v after the GC started, want at its first tick (%v) + CommitDelay", took, interval)
 		}
 		if got := ids(listAll(t, l)); !reflect.DeepEqual(got, []string{live.ID, fresh.ID, later.ID}) {
@@ -239,7 +242,7 @@ func TestGCIntervalDestroysOldReleases(t *testing.T) {
 		}
 		// The second destroys the one released between them.
 		h.waitUntil(t, "the later release destroyed", gone(later.ID))
-		if listed := time.Since(later.ReleasedAt); listed < interval || listed > 2*interval+DefaultGCCommitDelay {
+		if listed := time.Since(later.ReleasedAt); listed < interval || listed > 2*interval+DefaultCommitDelay {
 			t.Errorf("a release was listed for %v, want between one and two intervals (%v)", listed, interval)
 		}
 		h.waitTicks(t, 3)
@@ -263,21 +266,21 @@ func testGCSkipLoggedOncePerCount(t *testing.T) {
 	for i := range 3 {
 		reserve(t, l, fmt.Sprint("o", i), fmt.Sprint("GPU-", i))
 	}
-	h := startGC(t, l, GCConfig{Logger: logger, MaxReservations: 2, Interval: 10 * time.Second})
+	h := startGC(t, l, Config{Logger: logger, MaxReservations: 2, Interval: 10 * time.Second})
 	const msg = "garbage collection due to number of reservations"
 	want := func(n int) string {
 		return fmt.Sprintf("%s (%d) is over the limit (2) skipped because no released reservations", msg, n)
 	}
 
 	h.waitTicks(t, 5)
-	lines := logs.lines(t, msg, true)
+	lines := logged(t, logs, msg, true)
 	if len(lines) != 1 || lines[0]["@message"] != want(3) || lines[0]["@level"] != "info" {
 		t.Fatalf("after 5 passes over the limit, skip lines = %v; want one at info: %q", lines, want(3))
 	}
 
 	reserve(t, l, "o3", "GPU-3")
 	h.waitTicks(t, 5)
-	lines = logs.lines(t, msg, true)
+	lines = logged(t, logs, msg, true)
 	if len(lines) != 2 || lines[1]["@message"] != want(4) {
 		t.Errorf("after the count changed to 4, skip lines = %v; want a second one: %q", lines, want(4))
 	}
@@ -293,18 +296,18 @@ func testGCMarksOncePerReservation(t *testing.T) {
 	l := newLedger(t)
 	released := releasedN(t, l, 3)
 	var calls sync.Map // reservation ID -> *atomic.Int32
-	cleanup := func(_ context.Context, e GCEntry) error {
+	cleanup := func(_ context.Context, e Entry) error {
 		n, _ := calls.LoadOrStore(e.ReservationID, new(atomic.Int32))
 		if n.(*atomic.Int32).Add(1) <= 2 {
 			return errors.New("plugin down")
 		}
 		return nil
 	}
-	h := startGC(t, l, GCConfig{Logger: logger, Cleanup: cleanup, RetryMin: time.Second, RetryMax: 2 * time.Second})
+	h := startGC(t, l, Config{Logger: logger, Cleanup: cleanup, RetryMin: time.Second, RetryMax: 2 * time.Second})
 	h.waitUntil(t, "every cleanup done", func() bool { return l.Counts().CleanupPending == 0 })
 
 	marked := map[string]int{}
-	for _, line := range logs.lines(t, "marked for GC", false) {
+	for _, line := range logged(t, logs, "marked for GC", false) {
 		if line["@level"] != "info" {
 			t.Errorf("marked for GC logged at %v, want info", line["@level"])
 		}
@@ -317,7 +320,7 @@ func testGCMarksOncePerReservation(t *testing.T) {
 	if !reflect.DeepEqual(marked, want) {
 		t.Errorf("marked for GC lines per reservation = %v, want one each %v", marked, want)
 	}
-	if warns := logs.lines(t, "reservation cleanup failed; will retry", false); len(warns) != 6 {
+	if warns := logged(t, logs, "reservation cleanup failed; will retry", false); len(warns) != 6 {
 		t.Errorf("%d failed-cleanup lines, want 6 (two per reservation)", len(warns))
 	}
 }
@@ -332,7 +335,7 @@ func TestGCRetriesFailedCleanupWithBackoff(t *testing.T) {
 		var mu sync.Mutex
 		var attempts []int
 		var at []time.Time
-		cleanup := func(_ context.Context, e GCEntry) error {
+		cleanup := func(_ context.Context, e Entry) error {
 			mu.Lock()
 			defer mu.Unlock()
 			attempts = append(attempts, e.Attempt)
@@ -345,7 +348,7 @@ func TestGCRetriesFailedCleanupWithBackoff(t *testing.T) {
 			}
 			return nil
 		}
-		h := startGC(t, l, GCConfig{Cleanup: cleanup, RetryMin: time.Second, RetryMax: 4 * time.Second})
+		h := startGC(t, l, Config{Cleanup: cleanup, RetryMin: time.Second, RetryMax: 4 * time.Second})
 		h.waitUntil(t, "the cleanup to succeed", func() bool { return l.Counts().CleanupPending == 0 })
 		mu.Lock()
 		defer mu.Unlock()
@@ -368,14 +371,14 @@ func TestGCRetriesFailedCleanupWithBackoff(t *testing.T) {
 // the GC stops and the ledger is reopened, and the next GC does it.
 func TestGCPendingCleanupSurvivesRestart(t *testing.T) {
 	path := statePath(t)
-	l, err := Open(path, Options{})
+	l, err := ledger.Open(path, ledger.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	r := releasedN(t, l, 1)[0]
 	failed := make(chan struct{}, 1)
-	h := startGC(t, l, GCConfig{
-		Cleanup: func(context.Context, GCEntry) error {
+	h := startGC(t, l, Config{
+		Cleanup: func(context.Context, Entry) error {
 			select {
 			case failed <- struct{}{}:
 			default:
@@ -398,8 +401,8 @@ func TestGCPendingCleanupSurvivesRestart(t *testing.T) {
 	if p := l.PendingCleanups(); len(p) != 1 || p[0].ID != r.ID {
 		t.Fatalf("after a restart pending cleanups = %v, want [%s]", ids(p), r.ID)
 	}
-	done := make(chan GCEntry, 1)
-	h = startGC(t, l, GCConfig{Cleanup: func(_ context.Context, e GCEntry) error { done <- e; return nil }})
+	done := make(chan Entry, 1)
+	h = startGC(t, l, Config{Cleanup: func(_ context.Context, e Entry) error { done <- e; return nil }})
 	h.waitUntil(t, "the cleanup after the restart", func() bool { return l.Counts().CleanupPending == 0 })
 	if e := <-done; e.ReservationID != r.ID || e.OwnerID != r.OwnerID {
 		t.Errorf("cleanup after the restart got %+v, want reservation %s of %s", e, r.ID, r.OwnerID)
@@ -410,8 +413,8 @@ func TestGCRetryNowSkipsBackoff(t *testing.T) {
 	l := newLedger(t)
 	releasedN(t, l, 1)
 	var calls atomic.Int32
-	h := startGC(t, l, GCConfig{
-		Cleanup: func(context.Context, GCEntry) error {
+	h := startGC(t, l, Config{
+		Cleanup: func(context.Context, Entry) error {
 			if calls.Add(1) == 1 {
 				return device.ErrPluginUnavailable
 			}
@@ -429,7 +432,7 @@ func TestGCStopsOnCancel(t *testing.T) {
 	releasedN(t, l, 3)
 	started := make(chan struct{}, 3)
 	var canceled atomic.Int32
-	h := startGC(t, l, GCConfig{Cleanup: func(ctx context.Context, _ GCEntry) error {
+	h := startGC(t, l, Config{Cleanup: func(ctx context.Context, _ Entry) error {
 		started <- struct{}{}
 		<-ctx.Done()
 		canceled.Add(1)
@@ -453,27 +456,27 @@ func TestGCStopsOnCancel(t *testing.T) {
 
 func TestGCRunTwice(t *testing.T) {
 	l := newLedger(t)
-	h := startGC(t, l, GCConfig{})
+	h := startGC(t, l, Config{})
 	h.waitUntil(t, "the first pass", func() bool { return h.passes.Load() > 0 })
 	if err := h.g.Run(context.Background()); err == nil || !strings.Contains(err.Error(), "already running") {
 		t.Errorf("second Run: err = %v, want already running", err)
 	}
 }
 
-func TestNewGCRefusesNegativeConfig(t *testing.T) {
+func TestNewRefusesNegativeConfig(t *testing.T) {
 	l := newLedger(t)
-	for _, cfg := range []GCConfig{
+	for _, cfg := range []Config{
 		{MaxReservations: -1}, {Interval: -time.Second}, {Parallel: -1},
 		{CleanupTimeout: -1}, {RetryMin: -1}, {RetryMax: -1}, {CommitDelay: -1},
 	} {
-		if _, err := NewGC(l, cfg); err == nil {
-			t.Errorf("NewGC(%+v) succeeded, want an error", cfg)
+		if _, err := New(l, cfg); err == nil {
+			t.Errorf("New(%+v) succeeded, want an error", cfg)
 		}
 	}
 }
 
 func TestGCBackoff(t *testing.T) {
-	g, err := NewGC(nil, GCConfig{RetryMin: time.Second, RetryMax: 10 * time.Second})
+	g, err := New(nil, Config{RetryMin: time.Second, RetryMax: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -515,7 +518,7 @@ func TestGCDestroysManyInFewCommits(t *testing.T) {
 	newest = newest[n-1:]
 
 	commits := l.Commits()
-	h := startGC(t, l, GCConfig{MaxReservations: 1, CommitDelay: 50 * time.Millisecond})
+	h := startGC(t, l, Config{MaxReservations: 1, CommitDelay: 50 * time.Millisecond})
 	h.waitUntil(t, "the ledger down to the limit, cleanups done", func() bool {
 		c := l.Counts()
 		return c.Total == 1 && c.CleanupPending == 0
@@ -538,7 +541,7 @@ func TestGCForgetsAReservationDeletedWhileItsCleanupRuns(t *testing.T) {
 	r := releasedN(t, l, 1)[0]
 	entered, gate := make(chan struct{}), make(chan struct{})
 	var calls atomic.Int32
-	h := startGC(t, l, GCConfig{Logger: logger, Cleanup: func(context.Context, GCEntry) error {
+	h := startGC(t, l, Config{Logger: logger, Cleanup: func(context.Context, Entry) error {
 		if calls.Add(1) == 1 {
 			close(entered)
 			<-gate
@@ -561,18 +564,12 @@ func TestGCForgetsAReservationDeletedWhileItsCleanupRuns(t *testing.T) {
 	if got := calls.Load(); got != 2 {
 		t.Errorf("%d cleanups, want 2: the deleted reservation's once, the next one's", got)
 	}
-	if warns := logs.lines(t, "recording garbage collection in the ledger failed; will retry", false); len(warns) != 0 {
+	if warns := logged(t, logs, "recording garbage collection in the ledger failed; will retry", false); len(warns) != 0 {
 		t.Errorf("warnings %v, want none", warns)
 	}
 	if got := ids(listAll(t, l)); !reflect.DeepEqual(got, []string{next.ID}) {
 		t.Errorf("ledger lists %v, want [%s]", got, next.ID)
 	}
-}
-
-// deferredDone returns a notify func for submitDeferred and the channel it reports on.
-func deferredDone() (func(error), <-chan error) {
-	ch := make(chan error, 1)
-	return func(err error) { ch <- err }, ch
 }
 
 // TestGCReserveReleaseCycleCommitsTwice: with a GC running, each Reserve+Release cycle
@@ -581,13 +578,13 @@ func deferredDone() (func(error), <-chan error) {
 // closed.
 func TestGCReserveReleaseCycleCommitsTwice(t *testing.T) {
 	path := statePath(t)
-	l, err := Open(path, Options{})
+	l, err := ledger.Open(path, ledger.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	cleaned := make(chan string, 1)
-	h := startGC(t, l, GCConfig{
-		Cleanup:     func(_ context.Context, e GCEntry) error { cleaned <- e.ReservationID; return nil },
+	h := startGC(t, l, Config{
+		Cleanup:     func(_ context.Context, e Entry) error { cleaned <- e.ReservationID; return nil },
 		CommitDelay: time.Hour, // no commit of their own: they can only ride
 	})
 	const cycles = 20
@@ -609,7 +606,7 @@ func TestGCReserveReleaseCycleCommitsTwice(t *testing.T) {
 	}
 	// The last cleanups' done marks have no commit left to ride on: once the GC has
 	// queued them, Close commits them.
-	h.waitUntil(t, "every done mark committed or queued", func() bool { return l.Counts().CleanupPending == l.cm.Waiting() })
+	h.waitUntil(t, "every done mark committed or queued", func() bool { return l.Counts().CleanupPending == l.DeferredWaiting() })
 	h.stop()
 	if err := l.Close(); err != nil {
 		t.Fatal(err)
@@ -617,5 +614,95 @@ func TestGCReserveReleaseCycleCommitsTwice(t *testing.T) {
 	l = openLedger(t, path)
 	if c := l.Counts(); c.Released != cycles || c.CleanupPending != 0 {
 		t.Errorf("after reopening: %+v, want %d released, every cleanup recorded done", c, cycles)
+	}
+}
+
+// The GC sees a taken-over reservation like any released one: its plugin cleanup is
+// owed and done, then recorded.
+func TestTakeOverOwesCleanup(t *testing.T) {
+	l := newLedger(t)
+	a := reserve(t, l, "nomad/a", "GPU-1", "GPU-2")
+	cleaned := make(chan Entry, 1)
+	h := startGC(t, l, Config{CommitDelay: time.Millisecond, Cleanup: func(_ context.Context, e Entry) error {
+		cleaned <- e
+		return nil
+	}})
+	if _, _, err := l.Reserve(context.Background(), res("nomad/b", "GPU-2"), []string{"nomad/"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case e := <-cleaned:
+		if e.ReservationID != a.ID || !slices.Equal(e.DeviceIDs, a.DeviceIDs) || e.Plugin != a.Plugin {
+			t.Errorf("cleanup of %+v, want the taken-over %s on %v", e, a.ID, a.DeviceIDs)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no cleanup for the taken-over reservation")
+	}
+	h.waitUntil(t, "the cleanup recorded", func() bool { return l.Counts().CleanupPending == 0 })
+}
+
+// TestCrashRedoesCleanupWhoseMarkWasDeferred: the GC records a cleanup as done in a
+// later commit. A crash before that commit (the state file as it is on disk, copied
+// while the done marks wait for a commit) loses nothing acknowledged: every reservation
+// and release is there, and a cleanup whose done mark was lost is still pending and is
+// done again by the next GC, once; the others are not redone.
+func TestCrashRedoesCleanupWhoseMarkWasDeferred(t *testing.T) {
+	const cycles = 5
+	path := statePath(t)
+	l := openLedger(t, path)
+	cleaned := make(chan string)
+	h := startGC(t, l, Config{
+		CommitDelay: time.Hour, // the done marks can only ride on other commits
+		Cleanup:     func(_ context.Context, e Entry) error { cleaned <- e.ReservationID; return nil },
+	})
+	var made []string
+	for i := range cycles {
+		r := reserve(t, l, fmt.Sprint("owner-", i), "GPU-0")
+		release(t, l, r.ID, time.Time{})
+		if id := <-cleaned; id != r.ID {
+			t.Fatalf("cleanup of %s, want %s", id, r.ID)
+		}
+		made = append(made, r.ID)
+	}
+	h.waitUntil(t, "every done mark queued", func() bool { return l.DeferredWaiting() == cycles }) // due in an hour: none rode
+	image := filepath.Join(t.TempDir(), ledger.DefaultFileName)
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(image, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h.stop()
+
+	after := openLedger(t, image)
+	var pending []string
+	for _, id := range made {
+		r, err := after.Get(id)
+		switch {
+		case err != nil:
+			t.Errorf("acknowledged reservation %s lost: %v", id, err)
+		case r.State != device.ReservationReleased:
+			t.Errorf("acknowledged release of %s lost: %+v", id, r)
+		case r.CleanupPending:
+			pending = append(pending, id)
+		}
+	}
+	if !slices.Contains(pending, made[cycles-1]) {
+		t.Fatalf("pending cleanups after the crash %v, want the last one %s among them: its done mark had no commit to ride on", pending, made[cycles-1])
+	}
+	redone := make(chan string, cycles)
+	h = startGC(t, after, Config{Cleanup: func(_ context.Context, e Entry) error { redone <- e.ReservationID; return nil }})
+	h.waitUntil(t, "the lost cleanups redone and recorded", func() bool { return after.Counts().CleanupPending == 0 })
+	h.stop()
+	close(redone)
+	var got []string
+	for id := range redone {
+		got = append(got, id)
+	}
+	slices.Sort(got)
+	slices.Sort(pending)
+	if !slices.Equal(got, pending) {
+		t.Errorf("cleanups redone after the crash: %v, want exactly those still pending, once each: %v", got, pending)
 	}
 }

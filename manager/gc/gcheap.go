@@ -1,4 +1,4 @@
-package ledger
+package gc
 
 import "container/heap"
 

@@ -1,4 +1,8 @@
-package ledger
+// Package gc is the garbage collector of the reservation ledger: it runs the plugin
+// cleanup owed for each released reservation (the manager's cleanup, Config.Cleanup),
+// retries it with backoff, and deletes released reservations past the ledger's bound or
+// age, recording each step in the ledger as a deferred write. See docs/reservations.md.
+package gc
 
 import (
 	"cmp"
@@ -14,23 +18,24 @@ import (
 
 	"github.com/devicehost/devicehost/backoff"
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/manager/ledger"
 	"github.com/devicehost/devicehost/manager/ledger/store"
 )
 
-// GC defaults, used for zero GCConfig fields.
+// GC defaults, used for zero Config fields.
 const (
-	DefaultGCMaxReservations = 1000
-	DefaultGCInterval        = time.Minute
-	DefaultGCParallel        = 2
-	DefaultCleanupTimeout    = 10 * time.Second
-	DefaultRetryMin          = time.Second
-	DefaultRetryMax          = 5 * time.Minute
-	DefaultGCCommitDelay     = 100 * time.Millisecond
+	DefaultMaxReservations = 1000
+	DefaultInterval        = time.Minute
+	DefaultParallel        = 2
+	DefaultCleanupTimeout  = 10 * time.Second
+	DefaultRetryMin        = time.Second
+	DefaultRetryMax        = 5 * time.Minute
+	DefaultCommitDelay     = 100 * time.Millisecond
 )
 
-// GCEntry is a released reservation as the GC hands it to the cleanup func: everything
+// Entry is a released reservation as the GC hands it to the cleanup func: everything
 // the plugin cleanup needs, so no lookup is needed.
-type GCEntry struct {
+type Entry struct {
 	ReservationID  string
 	OwnerID        string
 	Plugin         string
@@ -41,9 +46,9 @@ type GCEntry struct {
 	Attempt        int  // 1 for the first cleanup attempt, 2 for the first retry...
 }
 
-// GCConfig configures a GC. Zero fields take the defaults named; negative ones are an
+// Config configures a GC. Zero fields take the defaults named; negative ones are an
 // error.
-type GCConfig struct {
+type Config struct {
 	// Logger gets "marked for GC" (INFO, once per released reservation), the over-the-
 	// limit skip (INFO, once per change of the count), failed cleanups (WARN, each
 	// attempt) and each deletion (DEBUG). Nil means no logging.
@@ -55,18 +60,18 @@ type GCConfig struct {
 	// stopped or crashed runs again. It may be called from several goroutines at once (at
 	// most Parallel). Nil means there is nothing to clean up: releases are recorded as
 	// cleaned at once.
-	Cleanup func(ctx context.Context, e GCEntry) error
+	Cleanup func(ctx context.Context, e Entry) error
 	// MaxReservations: when the ledger holds more reservations than this (live and
 	// released), the oldest released ones are destroyed until it holds
 	// MaxReservations less a sixteenth of it (rounded down; see gcLowWater). Zero means
-	// DefaultGCMaxReservations.
+	// DefaultMaxReservations.
 	MaxReservations int
 	// Interval: every Interval, the released reservations released at least Interval
 	// ago are destroyed, so a released reservation stays listed between one and two
-	// intervals when the limit is not reached. Zero means DefaultGCInterval.
+	// intervals when the limit is not reached. Zero means DefaultInterval.
 	Interval time.Duration
 	// Parallel bounds how many plugin cleanups run at once, so that releasing thousands
-	// at once causes no spike. Zero means DefaultGCParallel.
+	// at once causes no spike. Zero means DefaultParallel.
 	Parallel int
 	// CleanupTimeout bounds each Cleanup call. Zero means DefaultCleanupTimeout.
 	CleanupTimeout time.Duration
@@ -76,7 +81,7 @@ type GCConfig struct {
 	RetryMin, RetryMax time.Duration
 	// CommitDelay is how long the GC's own ledger writes (a cleanup recorded done, a
 	// released reservation deleted) wait, to share one commit with each other and with
-	// other writes. Zero means DefaultGCCommitDelay.
+	// other writes. Zero means DefaultCommitDelay.
 	CommitDelay time.Duration
 }
 
@@ -109,8 +114,8 @@ type GCConfig struct {
 //
 // Run does the work; RetryNow may be called from any goroutine.
 type GC struct {
-	l       *Ledger
-	cfg     GCConfig
+	l       *ledger.Ledger
+	cfg     Config
 	log     hclog.Logger
 	retry   chan struct{} // RetryNow's wake-up, coalesced
 	running atomic.Bool
@@ -120,8 +125,8 @@ type GC struct {
 	onPass func(tick bool)
 }
 
-// NewGC returns a GC for l; nothing runs until Run.
-func NewGC(l *Ledger, cfg GCConfig) (*GC, error) {
+// New returns a GC for l; nothing runs until Run.
+func New(l *ledger.Ledger, cfg Config) (*GC, error) {
 	switch {
 	case cfg.MaxReservations < 0:
 		return nil, fmt.Errorf("gc: MaxReservations %d is negative", cfg.MaxReservations)
@@ -134,13 +139,13 @@ func NewGC(l *Ledger, cfg GCConfig) (*GC, error) {
 	case cfg.CommitDelay < 0:
 		return nil, fmt.Errorf("gc: CommitDelay %s is negative", cfg.CommitDelay)
 	}
-	cfg.MaxReservations = cmp.Or(cfg.MaxReservations, DefaultGCMaxReservations)
-	cfg.Interval = cmp.Or(cfg.Interval, DefaultGCInterval)
-	cfg.Parallel = cmp.Or(cfg.Parallel, DefaultGCParallel)
+	cfg.MaxReservations = cmp.Or(cfg.MaxReservations, DefaultMaxReservations)
+	cfg.Interval = cmp.Or(cfg.Interval, DefaultInterval)
+	cfg.Parallel = cmp.Or(cfg.Parallel, DefaultParallel)
 	cfg.CleanupTimeout = cmp.Or(cfg.CleanupTimeout, DefaultCleanupTimeout)
 	cfg.RetryMin = cmp.Or(cfg.RetryMin, DefaultRetryMin)
 	cfg.RetryMax = max(cmp.Or(cfg.RetryMax, DefaultRetryMax), cfg.RetryMin)
-	cfg.CommitDelay = cmp.Or(cfg.CommitDelay, DefaultGCCommitDelay)
+	cfg.CommitDelay = cmp.Or(cfg.CommitDelay, DefaultCommitDelay)
 	log := cfg.Logger
 	if log == nil {
 		log = hclog.NewNullLogger()
@@ -174,7 +179,7 @@ const (
 
 // gcItem is what Run remembers about one marked reservation: no more than it needs to
 // order and schedule its jobs, since Run keeps one for every released reservation (the
-// rest of the GCEntry a cleanup gets is read from the ledger when the job starts). Its
+// rest of the Entry a cleanup gets is read from the ledger when the job starts). Its
 // one pointer comes first and the rest is scalars, so Go's garbage collector reads 8
 // bytes of it.
 type gcItem struct {
@@ -194,8 +199,8 @@ type gcItem struct {
 type gcResult struct {
 	id    string
 	err   error
-	entry *GCEntry // the cleanup that ran (a worker's result); nil for a deferred write
-	owner string   // a deletion's owner, for its log line
+	entry *Entry // the cleanup that ran (a worker's result); nil for a deferred write
+	owner string // a deletion's owner, for its log line
 }
 
 // gcRun is the state of one Run call, owned by its goroutine except where noted.
@@ -219,7 +224,7 @@ type gcRun struct {
 	// is retried at once, since RetryNow came after it began.
 	retryEpoch uint64
 
-	spawn func(e GCEntry) // starts a worker running the plugin cleanup of e
+	spawn func(e Entry) // starts a worker running the plugin cleanup of e
 
 	committedMu sync.Mutex    // guards committed; the goroutine committing deferred writes appends to it
 	committed   []gcResult    // outcomes of deferred writes not yet handled
@@ -275,7 +280,7 @@ func (g *GC) Run(ctx context.Context) error {
 	results := make(chan gcResult, g.cfg.Parallel) // never more in flight, so workers never block
 	var workers sync.WaitGroup
 	defer workers.Wait()
-	r.spawn = func(e GCEntry) {
+	r.spawn = func(e Entry) {
 		workers.Go(func() {
 			cctx, cancel := context.WithTimeout(ctx, g.cfg.CleanupTimeout)
 			err := g.cfg.Cleanup(cctx, e)
@@ -409,8 +414,8 @@ func (it *gcItem) set(rec *device.Reservation) {
 }
 
 // entryOf is what the cleanup of rec gets.
-func entryOf(rec *device.Reservation) GCEntry {
-	return GCEntry{
+func entryOf(rec *device.Reservation) Entry {
+	return Entry{
 		ReservationID:  rec.ID,
 		OwnerID:        rec.OwnerID,
 		Plugin:         rec.Plugin,
@@ -516,7 +521,7 @@ func (r *gcRun) start(it *gcItem, del bool) bool {
 	if (plugin && r.running >= r.cfg.Parallel) || r.committing >= maxCommitting {
 		return false
 	}
-	var e GCEntry
+	var e Entry
 	if plugin {
 		rec := r.l.Lookup(it.id)
 		if rec == nil { // deleted since the last sync: forget it, as the next sync would
@@ -612,7 +617,7 @@ func (r *gcRun) recorded(res gcResult, now time.Time) {
 
 // fail schedules the next attempt on it after a failed one, and logs msg. e is the
 // cleanup that failed, if that is what failed.
-func (r *gcRun) fail(it *gcItem, e *GCEntry, msg string, err error, now time.Time) {
+func (r *gcRun) fail(it *gcItem, e *Entry, msg string, err error, now time.Time) {
 	it.attempts++
 	wait := r.backoff(int(it.attempts))
 	if it.epoch < r.retryEpoch {
@@ -622,7 +627,7 @@ func (r *gcRun) fail(it *gcItem, e *GCEntry, msg string, err error, now time.Tim
 	it.state = gcWaiting
 	r.waiting.add(it)
 	if e == nil {
-		e = &GCEntry{ReservationID: it.id}
+		e = &Entry{ReservationID: it.id}
 		if rec := r.l.Lookup(it.id); rec != nil {
 			*e = entryOf(rec)
 		}
