@@ -307,6 +307,21 @@ func (f *FS) enter(write bool) (done func(), errno syscall.Errno) {
 
 // syncPoint counts a sync request; mu is held exclusively. It returns EIO when this
 // sync is the armed one, after cutting the power in place: the request's own goroutine
+// syncRequest serves a sync request: the armed cut when it is this one's turn, else
+// apply, which makes what the request covers durable.
+func (f *FS) syncRequest(apply func()) syscall.Errno {
+	done, errno := f.enter(true)
+	if errno != 0 {
+		return errno
+	}
+	defer done()
+	if errno := f.syncPoint(); errno != 0 {
+		return errno
+	}
+	apply()
+	return 0
+}
+
 // does the cut, so it waits for nobody.
 func (f *FS) syncPoint() syscall.Errno {
 	n := f.syncs.Add(1)

@@ -384,40 +384,31 @@ func TestCleanUnmountKeepsEverything(t *testing.T) {
 
 func TestUnsyncedRmdirIsUndone(t *testing.T) {
 	e := mount(t)
-	if err := os.Mkdir(e.path("d"), 0o750); err != nil {
-		t.Fatal(err)
-	}
-	e.write("d/f", []byte("in d"), true)
-	if err := os.Symlink("f", e.path("d/link")); err != nil {
-		t.Fatal(err)
-	}
-	e.syncDir("d")
-	e.syncDir("")
-	for _, name := range []string{"d/f", "d/link", "d"} {
-		if err := os.Remove(e.path(name)); err != nil {
+	// makeAndRemove makes d with a file and a symlink, durably, then removes all three.
+	makeAndRemove := func() {
+		if err := os.Mkdir(e.path("d"), 0o750); err != nil {
 			t.Fatal(err)
 		}
+		e.write("d/f", []byte("in d"), true)
+		if err := os.Symlink("f", e.path("d/link")); err != nil {
+			t.Fatal(err)
+		}
+		e.syncDir("d")
+		e.syncDir("")
+		for _, name := range []string{"d/f", "d/link", "d"} {
+			if err := os.Remove(e.path(name)); err != nil {
+				t.Fatal(err)
+			}
+		}
 	}
+	makeAndRemove()
 	e.syncDir("") // only d's removal is synced...
 	e.write("d", []byte("a file now"), true)
 	// ...but d's own entries were not: still, d is gone for good.
 	e.powerCycle(cutfs.DropUnsynced, nil)
 	e.wantContent("d", nil)
 
-	if err := os.Mkdir(e.path("d"), 0o750); err != nil {
-		t.Fatal(err)
-	}
-	e.write("d/f", []byte("in d"), true)
-	if err := os.Symlink("f", e.path("d/link")); err != nil {
-		t.Fatal(err)
-	}
-	e.syncDir("d")
-	e.syncDir("")
-	for _, name := range []string{"d/f", "d/link", "d"} {
-		if err := os.Remove(e.path(name)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	makeAndRemove()
 	stats := e.powerCycle(cutfs.DropUnsynced, nil)
 	e.wantContent("d/f", []byte("in d"))
 	e.wantContent("d/link", []byte("in d"))

@@ -79,16 +79,7 @@ func (h *fileHandle) Writev(ctx context.Context, data [][]byte, off int64) (uint
 // Fsync makes the file's data and size durable (with or without the datasync flag),
 // or cuts the power if it is the armed sync.
 func (h *fileHandle) Fsync(ctx context.Context, flags uint32) syscall.Errno {
-	done, errno := h.cfs.enter(true)
-	if errno != 0 {
-		return errno
-	}
-	defer done()
-	if errno := h.cfs.syncPoint(); errno != 0 {
-		return errno
-	}
-	h.cfs.synced(h.k)
-	return 0
+	return h.cfs.syncRequest(func() { h.cfs.synced(h.k) })
 }
 
 func (h *fileHandle) Flush(ctx context.Context) syscall.Errno {
@@ -192,14 +183,5 @@ func (h *dirHandle) Releasedir(ctx context.Context, flags uint32) {
 // Fsyncdir makes the directory's entries durable, or cuts the power if it is the armed
 // sync.
 func (h *dirHandle) Fsyncdir(ctx context.Context, flags uint32) syscall.Errno {
-	done, errno := h.cfs.enter(true)
-	if errno != 0 {
-		return errno
-	}
-	defer done()
-	if errno := h.cfs.syncPoint(); errno != 0 {
-		return errno
-	}
-	h.cfs.dirSynced(h.k)
-	return 0
+	return h.cfs.syncRequest(func() { h.cfs.dirSynced(h.k) })
 }
