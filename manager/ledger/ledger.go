@@ -78,10 +78,11 @@ type Options struct {
 	Now func() time.Time
 	// OnCommit, when set, is called after every transaction the ledger commits (its
 	// fsyncs done), with how long the transaction took, fsyncs included, and how many
-	// writes shared it (group commit: callers' requests and deferred writes, at most
-	// 256). A batch that wrote nothing (every request refused) is not a commit. It is
-	// called on the goroutine that committed (a caller leading the group commit, see
-	// submit), so it must be quick and must not block: every write waits for it.
+	// writes shared it (group commit: up to store.MaxBatch callers' requests and as
+	// many due deferred writes). A batch that wrote nothing (every request refused) is
+	// not a commit. It is called on the goroutine that committed (a caller leading the
+	// group commit, see store.Committer.Submit), so it must be quick and must not
+	// block: every write waits for it.
 	OnCommit func(took time.Duration, writes int)
 	// MaxEvents bounds the audit trail's events (the oldest go first); zero means
 	// DefaultMaxEvents, negative keeps none. MaxEventAge drops those older; zero means
@@ -97,7 +98,7 @@ type Options struct {
 // Writes are group-committed by their callers (store.Committer): no goroutine runs
 // while the ledger is idle. Writes (Reserve, Release, CleanupDone, Delete, SaveReattach,
 // DeleteReattach) take a context: it bounds the wait for the request to be accepted
-// (maxQueued wait for a commit at most) and for a commit to take it up, and is checked
+// (a bounded queue waits for a commit) and for a commit to take it up, and is checked
 // once more just before the request is applied; a request that was taken up is not
 // abandoned, the call returns when the commit is durable or has failed.
 type Ledger struct {
