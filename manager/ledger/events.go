@@ -247,10 +247,14 @@ func (l *Ledger) Events(_ context.Context, f device.EventFilter) (device.EventsR
 	cutoff := ev.now().Add(-ev.maxAge)
 	// The trail's bounds hold for what is shown whether or not a write has dropped the
 	// events past them yet (pruneEvents).
+	// And only committed events: a commit whose fsync failed may have left its pages,
+	// meta page included, where a read transaction finds them; its events were never
+	// given their positions (applyEvents), and a later commit takes them.
 	ev.mu.Lock()
+	next := ev.next
 	low := uint64(1)
-	if ev.next > uint64(ev.max) {
-		low = ev.next - uint64(ev.max)
+	if next > uint64(ev.max) {
+		low = next - uint64(ev.max)
 	}
 	ev.mu.Unlock()
 	out := device.EventsResult{Through: f.After}
@@ -265,7 +269,7 @@ func (l *Ledger) Events(_ context.Context, f device.EventFilter) (device.EventsR
 			out.Oldest = max(binary.BigEndian.Uint64(k), low)
 		}
 		for k, v := c.Seek(seqKey(max(f.After+1, low))); k != nil; k, v = c.Next() {
-			if len(out.Events) >= limit || scanned >= scanMax {
+			if len(out.Events) >= limit || scanned >= scanMax || binary.BigEndian.Uint64(k) >= next {
 				break
 			}
 			scanned++

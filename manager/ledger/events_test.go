@@ -2,6 +2,7 @@ package ledger
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"reflect"
 	"strings"
@@ -280,4 +281,31 @@ func TestEventsPastTheBoundDroppedInChunksShownNever(t *testing.T) {
 	}
 	defer l.Close()
 	check(l)
+}
+
+// A commit whose fsync failed may leave its pages where a read finds them: events past
+// the last position the ledger gave out are not shown, and the next event takes the
+// position and reads as itself.
+func TestEventsPastTheLastCommittedAreNotShown(t *testing.T) {
+	l := openWithEvents(t, Options{})
+	reserve(t, l, "job-0", "GPU-0")
+	// What a failed commit leaves visible: an event record at the next position.
+	stray := device.Event{Kind: device.EventReserve, Owner: "never-acknowledged"}
+	if err := l.db.Update(func(tx *bolt.Tx) error {
+		payload, err := json.Marshal(eventRecord{Time: time.Now().UTC(), Kind: string(stray.Kind), Owner: stray.Owner})
+		if err != nil {
+			return err
+		}
+		return tx.Bucket(bucketEvents).Put(seqKey(2), seal(payload))
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if got := allEvents(t, l, device.EventFilter{}); len(got) != 1 || got[0].Owner != "job-0" {
+		t.Fatalf("events = %v, want job-0's alone: the stray record was never committed by the ledger", got)
+	}
+	reserve(t, l, "job-1", "GPU-1")
+	got := allEvents(t, l, device.EventFilter{})
+	if len(got) != 2 || got[1].Seq != 2 || got[1].Owner != "job-1" {
+		t.Errorf("events = %v, want job-1's at position 2", got)
+	}
 }
