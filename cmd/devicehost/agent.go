@@ -8,10 +8,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -170,8 +172,9 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 	return serveAgent(ctx, cfg, log, mgr.factory, mx, banner, reloadHook{signals: hup, apply: r.reload, rejected: rejected})
 }
 
-// devConfig turns cfg into -dev's: socket and state in dir, no plugin dir, and the
-// bundled nvidia-example plugin simulating a DGX H100. Flags given explicitly win.
+// devConfig turns cfg into -dev's: socket and state in dir, no plugin dir, the
+// bundled nvidia-example plugin simulating a DGX H100, and the other bundled plugins
+// (hostdev) that the config file has a plugin block for. Flags given explicitly win.
 func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
 	if !set["listen"] {
 		cfg.Listen = "unix://" + filepath.Join(dir, devSocketName)
@@ -184,6 +187,11 @@ func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
 		cfg.PluginDir = ""
 	}
 	cfg.Bundled = append(cfg.Bundled, devPluginName)
+	for _, name := range slices.Sorted(maps.Keys(bundledPlugins)) {
+		if _, configured := cfg.Plugins[name]; configured && name != devPluginName {
+			cfg.Bundled = append(cfg.Bundled, name) // e.g. hostdev, with the file's config
+		}
+	}
 	ps, ok := cfg.Plugins[devPluginName]
 	if !ok {
 		ps = pluginSettings{ConfigJSON: []byte(devPluginConfig)}

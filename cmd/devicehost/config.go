@@ -534,11 +534,11 @@ func (d *decoder) patterns(a *hcl.Attribute, out *[]string) {
 
 // configJSON converts a plugin's config block to a JSON object. Its attributes may hold
 // any HCL value (strings, numbers, bools, lists, objects). In the native syntax it may
-// also hold nested blocks, without labels: `name { ... }` is the object
-// `"name": { ... }`, and a name given as several blocks is the list of their objects,
-// in file order (HCL's JSON form reads a list of objects as repeated blocks too). A
-// name that is both an attribute and a block, or a block with a label, is an error at
-// its line.
+// also hold nested blocks: `name { ... }` is the object `"name": { ... }`, and a name
+// given as several blocks is the list of their objects, in file order (HCL's JSON form
+// reads a list of objects as repeated blocks too); with labels, `name "a" { ... }` is
+// `"name": {"a": { ... }}` (see labeledBlock). A name that is both an attribute and a
+// block is an error at its line.
 func (d *decoder) configJSON(body hcl.Body) []byte {
 	var obj map[string]any
 	if sb, ok := body.(*hclsyntax.Body); ok {
@@ -589,7 +589,8 @@ func (d *decoder) blockObject(b *hclsyntax.Body) map[string]any {
 		}
 	}
 	byType := map[string][]any{}
-	var order []string // block types, first seen first
+	var order []string           // block types, first seen first
+	labeled := map[string]bool{} // block types given with labels
 	for _, blk := range b.Blocks {
 		if a, clash := b.Attributes[blk.Type]; clash {
 			d.diags = append(d.diags, &hcl.Diagnostic{
@@ -603,13 +604,15 @@ func (d *decoder) blockObject(b *hclsyntax.Body) map[string]any {
 			continue
 		}
 		if len(blk.Labels) > 0 {
-			d.diags = append(d.diags, &hcl.Diagnostic{
-				Severity: hcl.DiagError,
-				Summary:  "Unsupported block label",
-				Detail: fmt.Sprintf("%s %q: a block in a plugin config takes no labels; write %s = { %q = { ... } } instead",
-					blk.Type, blk.Labels[0], blk.Type, blk.Labels[0]),
-				Subject: blk.LabelRanges[0].Ptr(),
-			})
+			if _, plain := byType[blk.Type]; plain {
+				d.mixedBlocks(blk)
+				continue
+			}
+			d.labeledBlock(obj, blk, labeled)
+			continue
+		}
+		if labeled[blk.Type] {
+			d.mixedBlocks(blk)
 			continue
 		}
 		if _, seen := byType[blk.Type]; !seen {
@@ -625,6 +628,47 @@ func (d *decoder) blockObject(b *hclsyntax.Body) map[string]any {
 		}
 	}
 	return obj
+}
+
+// labeledBlock puts a block with labels into obj: `device "fuse" { ... }` is the
+// object "device": {"fuse": { ... }}, as HCL's JSON form writes it, each label one
+// level deeper; blocks of one type with different labels share the object. A label
+// path given twice, or a type given both with and without labels, is an error at its
+// line.
+func (d *decoder) labeledBlock(obj map[string]any, blk *hclsyntax.Block, labeled map[string]bool) {
+	labeled[blk.Type] = true
+	parent := obj
+	key := blk.Type
+	for i, label := range blk.Labels {
+		next, _ := parent[key].(map[string]any)
+		if next == nil {
+			next = map[string]any{}
+			parent[key] = next
+		}
+		parent, key = next, label
+		if i == len(blk.Labels)-1 {
+			if _, dup := parent[key]; dup {
+				d.diags = append(d.diags, &hcl.Diagnostic{
+					Severity: hcl.DiagError,
+					Summary:  "Duplicate plugin config block",
+					Detail:   fmt.Sprintf("%s %q is given twice; give each once", blk.Type, strings.Join(blk.Labels, `" "`)),
+					Subject:  blk.LabelRanges[i].Ptr(),
+				})
+				return
+			}
+		}
+	}
+	parent[key] = d.blockObject(blk.Body)
+}
+
+// mixedBlocks reports a block type given both with and without labels.
+func (d *decoder) mixedBlocks(blk *hclsyntax.Block) {
+	d.diags = append(d.diags, &hcl.Diagnostic{
+		Severity: hcl.DiagError,
+		Summary:  "Mixed plugin config blocks",
+		Detail:   fmt.Sprintf("%s: given both with labels (%s \"name\" { ... }) and without; use one form", blk.Type, blk.Type),
+		Subject:  blk.TypeRange.Ptr(),
+	})
 }
 
 // ctyToJSON converts a known cty value to what encoding/json marshals to the same JSON.

@@ -194,6 +194,48 @@ func TestPluginConfigNumbers(t *testing.T) {
 // TestPluginConfigBlocks: nested blocks in a plugin's config are JSON objects, a name
 // given as several blocks a list of them in file order, at any depth; the same as the
 // attribute form, numbers staying integers.
+func TestPluginConfigLabeledBlocks(t *testing.T) {
+	labeled := `plugin "hostdev" {
+  config {
+    device "fuse" {
+      paths = ["/dev/fuse"]
+      count = 8
+    }
+    device "zigbee" {
+      usb {
+        vendor  = "10c4"
+        product = "ea60"
+      }
+    }
+    rule "a" "b" { x = 1 }
+    rule "a" "c" { x = 2 }
+  }
+}`
+	// HCL's JSON form of the same config, which the host reads as it is.
+	attrs := `plugin "hostdev" {
+  config {
+    device = {
+      fuse   = { paths = ["/dev/fuse"], count = 8 }
+      zigbee = { usb = { vendor = "10c4", product = "ea60" } }
+    }
+    rule = { a = { b = { x = 1 }, c = { x = 2 } } }
+  }
+}`
+	want := `{"device":{"fuse":{"count":8,"paths":["/dev/fuse"]},"zigbee":{"usb":{"product":"ea60","vendor":"10c4"}}},` +
+		`"rule":{"a":{"b":{"x":1},"c":{"x":2}}}}`
+	for name, file := range map[string]string{"labeled blocks": labeled, "attributes": attrs} {
+		t.Run(name, func(t *testing.T) {
+			cfg := defaultAgentConfig()
+			if err := loadConfigFile(writeConfig(t, "devicehost.hcl", file), &cfg); err != nil {
+				t.Fatal(err)
+			}
+			if got := string(cfg.Plugins["hostdev"].ConfigJSON); got != want {
+				t.Errorf("config JSON:\n got %s\nwant %s", got, want)
+			}
+		})
+	}
+}
+
 func TestPluginConfigBlocks(t *testing.T) {
 	blocks := `plugin "nomad-nvidia" {
   config {
@@ -278,8 +320,10 @@ func TestLoadConfigFileErrors(t *testing.T) {
 			[]string{"Ambiguous plugin config", "limits: given as an attribute at line 3 and as a block here"}},
 		{"plugin config block after a block of one name", "plugin \"p\" {\n  config {\n    a {\n      limits {}\n      limits = 1\n    }\n  }\n}\n", 4,
 			[]string{"Ambiguous plugin config", "limits: given as an attribute at line 5"}},
-		{"plugin config block with a label", "plugin \"p\" {\n  config {\n    volume \"data\" {\n      path = \"/a\"\n    }\n  }\n}\n", 3,
-			[]string{"Unsupported block label", `volume "data": a block in a plugin config takes no labels`}},
+		{"plugin config block label given twice", "plugin \"p\" {\n  config {\n    device \"fuse\" {}\n    device \"fuse\" {}\n  }\n}\n", 4,
+			[]string{"Duplicate plugin config block", `device "fuse" is given twice`}},
+		{"plugin config block with and without labels", "plugin \"p\" {\n  config {\n    device \"fuse\" {}\n    device {}\n  }\n}\n", 4,
+			[]string{"Mixed plugin config blocks", "device: given both with labels"}},
 		{"syntax error", "listen = \n", 1, []string{"Invalid expression"}},
 		{"unknown grant", "listener \"b\" {\n  address = \"unix:///b.sock\"\n  allow = [\"read\", \"reserv:k8s/\"]\n}\n", 3, []string{"allow", `unknown grant "reserv:k8s/"`}},
 		{"listener without allow", "listener \"b\" {\n  address = \"unix:///b.sock\"\n}\n", 1, []string{"Missing allow", `listener "b"`}},

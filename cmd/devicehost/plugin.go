@@ -3,13 +3,16 @@ package main
 import (
 	"context"
 
+	"github.com/devicehost/devicehost/plugins/hostdev/hostdev"
 	"github.com/devicehost/devicehost/plugins/nvidia-example/nvidia"
 )
 
 // bundledPlugins are the plugins built into the devicehost binary, served by
-// `devicehost plugin <name>` when the agent re-executes itself (agent -dev).
+// `devicehost plugin <name>` when the agent re-executes itself (agent -dev: the dev
+// plugin always, the others when the config file has a plugin block for them).
 var bundledPlugins = map[string]func(){
 	"nvidia-example": nvidia.Main,
+	hostdev.Name:     hostdev.Main,
 }
 
 // devPluginName is the bundled plugin agent -dev runs, and devPluginConfig its config.

@@ -4,7 +4,14 @@
 // plugin's hint for its config keys and the agent's hint for its own agree.
 package suggest
 
-import "github.com/agext/levenshtein"
+import (
+	"fmt"
+	"reflect"
+	"strconv"
+	"strings"
+
+	"github.com/agext/levenshtein"
+)
 
 // maxDistance is the largest edit distance a suggestion may be from the given name:
 // HCL's (its nameSuggestion takes a distance below 3).
@@ -24,4 +31,35 @@ func Nearest(given string, known []string) string {
 		}
 	}
 	return best
+}
+
+// UnknownField adds the nearest of known to encoding/json's error for an unknown key
+// (`json: unknown field "mgi"`), which names the key but not the one meant:
+// `json: unknown field "mgi" (did you mean "mig"?)`. Other errors are returned as they
+// are.
+func UnknownField(err error, known []string) error {
+	quoted, ok := strings.CutPrefix(err.Error(), "json: unknown field ")
+	if !ok {
+		return err
+	}
+	name, uerr := strconv.Unquote(quoted)
+	if uerr != nil {
+		return err
+	}
+	if s := Nearest(name, known); s != "" {
+		return fmt.Errorf("%w (did you mean %q?)", err, s)
+	}
+	return err
+}
+
+// JSONKeys are the JSON key names of the fields of struct v, in field order.
+func JSONKeys(v any) []string {
+	t := reflect.TypeOf(v)
+	keys := make([]string, 0, t.NumField())
+	for f := range t.Fields() {
+		if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name != "" && name != "-" {
+			keys = append(keys, name)
+		}
+	}
+	return keys
 }

@@ -8,7 +8,6 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
-	"reflect"
 	"slices"
 	"strconv"
 	"strings"
@@ -231,35 +230,10 @@ type faultSpec struct {
 	action   *nvml.DeviceGpuRecoveryAction // nil: no recovery action
 }
 
-// unknownKeyHint adds the nearest known key to encoding/json's error for an unknown
-// key (`json: unknown field "mgi"`), which names the key but not the one meant:
-// `json: unknown field "mgi" (did you mean "mig"?)`. Other errors are returned as they
-// are. The key may be one of an inject_faults entry's: both sets are candidates.
+// unknownKeyHint is suggest.UnknownField over the config's keys; the key may be one
+// of an inject_faults entry's: both sets are candidates.
 func unknownKeyHint(err error) error {
-	quoted, ok := strings.CutPrefix(err.Error(), "json: unknown field ")
-	if !ok {
-		return err
-	}
-	name, uerr := strconv.Unquote(quoted)
-	if uerr != nil {
-		return err
-	}
-	if s := suggest.Nearest(name, slices.Concat(jsonKeys(Config{}), jsonKeys(FaultConfig{}))); s != "" {
-		return fmt.Errorf("%w (did you mean %q?)", err, s)
-	}
-	return err
-}
-
-// jsonKeys are the JSON key names of struct v's fields, in field order.
-func jsonKeys(v any) []string {
-	t := reflect.TypeOf(v)
-	keys := make([]string, 0, t.NumField())
-	for f := range t.Fields() {
-		if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name != "" && name != "-" {
-			keys = append(keys, name)
-		}
-	}
-	return keys
+	return suggest.UnknownField(err, slices.Concat(suggest.JSONKeys(Config{}), suggest.JSONKeys(FaultConfig{})))
 }
 
 // parseConfig decodes and checks a config block. Every problem is reported, each
