@@ -100,13 +100,24 @@ func ValidateResourceName(name string) error {
 // named after their profile; each profile gets a resource of its own.
 const PartitionType = "mig"
 
+// HostDevVendor is the vendor of the host-device plugin's groups (plugins/hostdev),
+// whose default resource names are in HostDevDomain: "devicehost.io/fuse".
+const (
+	HostDevVendor = "hostdev"
+	HostDevDomain = "devicehost.io"
+)
+
 // DefaultResourceName is the resource name of a group when no resources are
 // configured: "<vendor>.com/<type>", e.g. "nvidia.com/gpu"; for a partition group
 // (PartitionType) "<vendor>.com/mig-<name>", e.g. "nvidia.com/mig-1g.10gb", as
 // NVIDIA's device plugin names MIG profiles in its "mixed" strategy, so a pod asks for
-// the profile it needs.
+// the profile it needs; for a host device (HostDevVendor) "devicehost.io/<type>", e.g.
+// "devicehost.io/fuse" (hostdev.com is not ours to use).
 func DefaultResourceName(vendor, typ, name string) string {
-	if typ == PartitionType {
+	switch {
+	case vendor == HostDevVendor:
+		return HostDevDomain + "/" + typ
+	case typ == PartitionType:
 		return vendor + ".com/" + typ + "-" + name
 	}
 	return vendor + ".com/" + typ

@@ -47,6 +47,24 @@ func TestValidateResourceName(t *testing.T) {
 	}
 }
 
+func TestDefaultResourceName(t *testing.T) {
+	tests := []struct{ vendor, typ, name, want string }{
+		{"nvidia", "gpu", "NVIDIA H100 80GB HBM3", "nvidia.com/gpu"},
+		{"nvidia", PartitionType, "1g.10gb", "nvidia.com/mig-1g.10gb"},
+		{HostDevVendor, "fuse", "fuse", "devicehost.io/fuse"},
+		{HostDevVendor, "tun", "tun", "devicehost.io/tun"},
+	}
+	for _, tt := range tests {
+		got := DefaultResourceName(tt.vendor, tt.typ, tt.name)
+		if got != tt.want {
+			t.Errorf("DefaultResourceName(%q, %q, %q) = %q, want %q", tt.vendor, tt.typ, tt.name, got, tt.want)
+		}
+		if err := ValidateResourceName(got); err != nil {
+			t.Errorf("default name %q is refused: %v", got, err)
+		}
+	}
+}
+
 func TestValidateResources(t *testing.T) {
 	gpu := Resource{Name: "nvidia.com/gpu", Vendor: "nvidia", Type: "gpu"}
 	h100 := Resource{Name: "nvidia.com/h100", Vendor: "nvidia", Type: "gpu", Model: "NVIDIA H100 80GB HBM3"}

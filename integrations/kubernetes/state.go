@@ -89,8 +89,9 @@ func (s *state) update(u client.Update[*pb.FingerprintResponse]) stateChange {
 }
 
 // addDefaultResources adds a resource "<vendor>.com/<type>" for each (vendor, type) of
-// snap not served yet, and "<vendor>.com/mig-<name>" for each partition group
-// (DefaultResourceName). Called with mu held.
+// snap not served yet, "<vendor>.com/mig-<name>" for each partition group and
+// "devicehost.io/<type>" for each host-device type (DefaultResourceName). Called with
+// mu held.
 func (s *state) addDefaultResources(snap *pb.FingerprintResponse) stateChange {
 	var ch stateChange
 	for _, g := range snap.GetGroups() {
