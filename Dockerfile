@@ -1,4 +1,4 @@
-# devicehost: the agent binary, the nvidia-example plugin in the plugin dir, the DRA
+# devicehost: the agent binary, the nvidia-example and hostdev plugins in the plugin dir, the DRA
 # driver (devicehost-dra-plugin, from the integrations/dra module), and
 # grpc_health_probe for the health checks. Builds as docs/operations.md, "Build and Docker", says.
 #
@@ -19,6 +19,7 @@ COPY . .
 ARG VERSION=dev
 RUN go build -trimpath -ldflags "-X main.version=${VERSION}" -o /out/devicehost ./cmd/devicehost \
  && go build -trimpath -o /out/plugins/nvidia-example ./plugins/nvidia-example \
+ && CGO_ENABLED=0 go build -trimpath -o /out/plugins/hostdev ./plugins/hostdev \
  && (cd integrations/dra && CGO_ENABLED=0 go build -trimpath -o /out/devicehost-dra-plugin ./cmd/devicehost-dra-plugin) \
  && GOBIN=/out CGO_ENABLED=0 go install github.com/grpc-ecosystem/grpc-health-probe@v0.4.62
 
@@ -28,7 +29,7 @@ COPY --from=build /out/devicehost-dra-plugin /usr/local/bin/devicehost-dra-plugi
 COPY --from=build /out/grpc-health-probe /usr/local/bin/grpc_health_probe
 COPY --from=build /out/plugins/ /opt/devicehost/plugins/
 RUN mkdir -p /var/lib/devicehost /run/devicehost \
- && chmod 0755 /opt/devicehost/plugins /opt/devicehost/plugins/nvidia-example \
+ && chmod 0755 /opt/devicehost/plugins /opt/devicehost/plugins/nvidia-example /opt/devicehost/plugins/hostdev \
  && chmod 0700 /var/lib/devicehost && chmod 0750 /run/devicehost
 # Plugins are dropped in here; state survives restarts there; the API socket is shared
 # with the host (and the runtime that calls it) through the last.

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io/fs"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -42,6 +43,7 @@ var imageBinaries = []string{
 	"/usr/local/bin/devicehost-dra-plugin",
 	"/usr/local/bin/grpc_health_probe",
 	"/opt/devicehost/plugins/nvidia-example",
+	"/opt/devicehost/plugins/hostdev",
 }
 
 // helmImage is one image archive scripts/image wrote.
@@ -70,6 +72,7 @@ func TestRealNodeHelm(t *testing.T) {
 	t.Run("DevicePlugin", h.caseDevicePlugin)
 	t.Run("DRA", h.caseDRA)
 	t.Run("Both", h.caseBoth)
+	t.Run("HostDevices", h.caseHostDevices)
 }
 
 func startHelm(t *testing.T) *helmStack {
@@ -782,4 +785,81 @@ func (h *helmStack) extendedResourcePod(t *testing.T) {
 		return true, ""
 	})
 	t.Logf("deleted: its GPUs free %v after the delete (%v in all)", time.Since(deleted).Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// caseHostDevices: the chart's default hostdev.devices, enabled by one --set, in mode
+// both: the release's agent serves the node's /dev/fuse and /dev/net/tun (8 holders
+// each) and /dev/kvm (4) beside the GPUs; a claim of fuse.devicehost.io opens /dev/fuse
+// in its container and a pod asking devicehost.io/tun makes a TUN interface.
+func (h *helmStack) caseHostDevices(t *testing.T) {
+	for _, p := range []string{"/dev/fuse", "/dev/net/tun"} {
+		if !charDevice(p) {
+			t.Skipf("%s is not a character device on this node", p)
+		}
+	}
+	start := time.Now()
+	if _, err := h.run(append(h.installArgs("install", "both", h.images[0].tag), "--set", "hostdev.enabled=true")...); err != nil {
+		t.Fatal(err)
+	}
+	pod, dReady := h.waitReady(t, h.image(0), 3*time.Minute)
+	h.s.waitAgentHealthy(t, 60*time.Second)
+	want := map[string]int{"fuse": 8, "tun": 8, "kvm": 0}
+	if charDevice("/dev/kvm") {
+		want["kvm"] = 4
+	}
+	waitFor(t, 60*time.Second, fmt.Sprintf("hostdev devices %v healthy", want), func() (bool, string) {
+		fp, err := h.s.devices()
+		if err != nil {
+			return false, err.Error()
+		}
+		got := map[string]int{"fuse": 0, "tun": 0, "kvm": 0}
+		for _, g := range fp.GetGroups() {
+			for _, d := range g.GetDevices() {
+				if g.GetVendor() == "hostdev" && d.GetHealth() == pb.Health_HEALTH_HEALTHY {
+					got[g.GetType()]++
+				}
+			}
+		}
+		return maps.Equal(got, want), fmt.Sprint(got)
+	})
+	h.d.waitPool(t, 60*time.Second, "8 fuse and 8 tun devices in the pool", func(p pool) (bool, string) {
+		return len(p.ofType("fuse")) == 8 && len(p.ofType("tun")) == 8, p.String()
+	})
+	waitFor(t, 60*time.Second, "node allocatable devicehost.io/tun=8", func() (bool, string) {
+		n, err := h.s.allocatableOf(tunResource)
+		return err == nil && n == 8, fmt.Sprintf("%d (%v)", n, err)
+	})
+	t.Logf("helm install --set hostdev.enabled=true (mode both): pod %s ready %v after it; host devices %v served %v after it",
+		pod.Metadata.Name, dReady.Round(time.Millisecond), want, time.Since(start).Round(time.Millisecond))
+
+	fuseTmpl := h.d.createTemplate(t, "helm-fuse", fuseClass, 1, "")
+	draPod := h.s.hostdevPod(t, "helm-hostdev-dra", func(spec, container map[string]any) {
+		spec["resourceClaims"] = []any{map[string]any{"name": "fuse", "resourceClaimTemplateName": fuseTmpl}}
+		container["resources"] = map[string]any{"claims": []any{map[string]any{"name": "fuse"}}}
+	})
+	dpPod := h.s.hostdevPod(t, "helm-hostdev-dp", func(spec, container map[string]any) {
+		container["resources"] = map[string]any{"limits": map[string]any{tunResource: "1"}}
+	})
+	out, _ := h.s.waitPodReady(t, draPod, 90*time.Second)
+	if v := parseHostdevView(out); v.fuse != "rw" {
+		t.Errorf("claim pod %s: FUSE=%s, want /dev/fuse opened read-write:\n%s", draPod, v.fuse, out)
+	}
+	out, _ = h.s.waitPodReady(t, dpPod, 90*time.Second)
+	if v := parseHostdevView(out); !strings.HasPrefix(v.tun, "dhtun") {
+		t.Errorf("device-plugin pod %s: TUN=%s, want a TUN interface made:\n%s", dpPod, v.tun, out)
+	}
+	dpRes, _ := h.s.waitPodReservation(t, dpPod, 60*time.Second)
+	t.Logf("through the release: claim pod %s opened /dev/fuse, device-plugin pod %s made a TUN interface on %v",
+		draPod, dpPod, dpRes.GetDeviceIds())
+
+	h.s.deletePod(t, draPod)
+	h.s.deletePod(t, dpPod)
+	waitFor(t, 90*time.Second, "the pods' reservations released", func() (bool, string) {
+		rs, err := h.s.reservations("-state", "active")
+		if err != nil {
+			return false, err.Error()
+		}
+		return len(rs) == 0, fmt.Sprintf("%d active: %v", len(rs), rs)
+	})
+	h.uninstall(t)
 }

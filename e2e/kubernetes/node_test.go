@@ -40,6 +40,8 @@ type nodeEnv struct {
 	cdiDir      string
 	devicehost  string // the devicehost binary built for the suite
 	nvidiaEx    string // the nvidia-example plugin binary built for the suite
+	hostdev     string // the hostdev plugin binary built for the suite
+	tuntap      string // the pods' static TUN check (e2e/kubernetes/tuntap), alone in its directory
 }
 
 func TestMain(m *testing.M) { os.Exit(runMain(m)) }
@@ -161,7 +163,8 @@ func (n *nodeEnv) buildDevicehost() error {
 	}
 	n.devicehost = filepath.Join(dir, "devicehost")
 	n.nvidiaEx = filepath.Join(dir, "nvidia-example")
-	for bin, pkg := range map[string]string{n.devicehost: "./cmd/devicehost", n.nvidiaEx: "./plugins/nvidia-example"} {
+	n.hostdev = filepath.Join(dir, "hostdev")
+	for bin, pkg := range map[string]string{n.devicehost: "./cmd/devicehost", n.nvidiaEx: "./plugins/nvidia-example", n.hostdev: "./plugins/hostdev"} {
 		cmd := exec.Command("go", "build", "-race", "-o", bin, pkg)
 		cmd.Dir = n.root
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=1")
@@ -171,6 +174,14 @@ func (n *nodeEnv) buildDevicehost() error {
 		if out, err := cmd.CombinedOutput(); err != nil {
 			return fmt.Errorf("go build %s: %w\n%s", pkg, err, out)
 		}
+	}
+	// Static: it runs in the pods' busybox image, which has no C library.
+	n.tuntap = filepath.Join(n.run, "tuntap", "tuntap")
+	cmd := exec.Command("go", "build", "-o", n.tuntap, "./e2e/kubernetes/tuntap")
+	cmd.Dir = n.root
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("go build ./e2e/kubernetes/tuntap: %w\n%s", err, out)
 	}
 	return nil
 }

@@ -158,12 +158,14 @@ func startStack(t *testing.T) *stack {
 		t.Fatalf("node %s lacks %v of the DaemonSet's nodeSelector: the DaemonSet would not run on it (node.sh's NODE_LABELS)", n.nodeName, miss)
 	}
 	// The install-plugins init container: the image's plugins into the plugin directory.
-	plugin, err := os.ReadFile(n.nvidiaEx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(ds.pluginDir, "nvidia-example"), plugin, 0o755); err != nil {
-		t.Fatal(err)
+	for name, bin := range map[string]string{"nvidia-example": n.nvidiaEx, "hostdev": n.hostdev} {
+		plugin, err := os.ReadFile(bin)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(ds.pluginDir, name), plugin, 0o755); err != nil {
+			t.Fatal(err)
+		}
 	}
 	s := &stack{
 		n:      n,
@@ -270,7 +272,8 @@ func (s *stack) waitAgentHealthy(t *testing.T, limit time.Duration) {
 		healthy := 0
 		for _, g := range fp.GetGroups() {
 			for _, d := range g.GetDevices() {
-				if d.GetHealth() == pb.Health_HEALTH_HEALTHY {
+				// The GPUs: host devices (hostdev) may be served beside them.
+				if g.GetVendor() == "nvidia" && d.GetHealth() == pb.Health_HEALTH_HEALTHY {
 					healthy++
 				}
 			}

@@ -86,8 +86,30 @@ func New(logger hclog.Logger) *Plugin {
 	return &Plugin{logger: logger, rescanPeriod: RescanPeriod, pokes: map[chan struct{}]bool{}}
 }
 
-// Main serves the plugin to the host that launched this process.
-func Main() { deviceplugin.Serve(New(deviceplugin.Logger())) }
+// Main serves the plugin to the host that launched this process, and removes its CDI
+// spec once the host has stopped it (an agent that stops, an uninstall): not when it
+// crashes or is killed, so a restarted plugin's containers keep resolving their names.
+func Main() {
+	p := New(deviceplugin.Logger())
+	deviceplugin.Serve(p)
+	p.Shutdown()
+}
+
+// Shutdown removes the plugin's CDI spec, if it keeps one. Call it once every other
+// call has returned.
+func (p *Plugin) Shutdown() {
+	p.mu.Lock()
+	w := p.cdi
+	p.mu.Unlock()
+	if w == nil {
+		return
+	}
+	if err := w.Remove(); err != nil {
+		p.logger.Warn("CDI spec not removed at shutdown", "error", err)
+		return
+	}
+	p.logger.Info("CDI spec removed at shutdown", "path", w.Path())
+}
 
 // Info names the plugin.
 func (p *Plugin) Info() deviceplugin.Info { return deviceplugin.Info{Name: Name, Version: Version} }

@@ -336,6 +336,11 @@ func TestCDISpecNamesWhatReserveAnswers(t *testing.T) {
 			t.Errorf("CDI spec lacks %q:\n%s", w, spec)
 		}
 	}
+	// Stopped by its host, the plugin takes its spec away.
+	p.Shutdown()
+	if _, err := os.Stat(filepath.Join(cdiDir, "devicehost-hostdev.yaml")); !os.IsNotExist(err) {
+		t.Errorf("CDI spec after Shutdown: %v, want it removed", err)
+	}
 }
 
 func mustSymlink(t *testing.T, target, link string) {

@@ -83,3 +83,56 @@ periodSeconds: {{ .probe.periodSeconds }}
 timeoutSeconds: {{ .probe.timeoutSeconds }}
 failureThreshold: {{ .probe.failureThreshold }}
 {{- end -}}
+
+{{/*
+The agent's plugin block of the hostdev plugin: one device block per hostdev.devices
+entry, in name order.
+*/}}
+{{- define "devicehost.hostdevPlugin" -}}
+plugin "hostdev" {
+  config {
+    {{- range $name, $d := .Values.hostdev.devices }}
+    device {{ $name | quote }} {
+      {{- with $d.paths }}
+      paths = {{ toJson . }}
+      {{- end }}
+      {{- with $d.usb }}
+      usb {
+        vendor  = {{ .vendor | quote }}
+        product = {{ .product | quote }}
+        {{- with .serial }}
+        serial  = {{ . | quote }}
+        {{- end }}
+      }
+      {{- end }}
+      {{- with $d.count }}
+      count = {{ . }}
+      {{- end }}
+      {{- with $d.permissions }}
+      permissions = {{ . | quote }}
+      {{- end }}
+    }
+    {{- end }}
+  }
+}
+{{- end }}
+
+{{/*
+The kubelet bridge's config: kubeletPlugin.config, with a resource block
+devicehost.io/<type> for each host device type put before the closing brace of its
+kubernetes block when hostdev is enabled.
+*/}}
+{{- define "devicehost.kubeletConfig" -}}
+{{- $config := .Values.kubeletPlugin.config | trim -}}
+{{- if .Values.hostdev.enabled -}}
+{{- if not (regexMatch "}$" $config) -}}
+{{- fail "kubeletPlugin.config must end with the closing brace of its kubernetes block, so that hostdev.enabled can add the host devices' resource blocks" -}}
+{{- end -}}
+{{- $blocks := "" -}}
+{{- range $name, $d := .Values.hostdev.devices -}}
+{{- $blocks = printf "%s\n  resource \"devicehost.io/%s\" {\n    vendor = \"hostdev\"\n    type   = %q\n  }\n" $blocks $name $name -}}
+{{- end -}}
+{{- $config = printf "%s%s}" (trimSuffix "}" $config) $blocks -}}
+{{- end -}}
+{{- $config -}}
+{{- end }}
