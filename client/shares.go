@@ -46,3 +46,15 @@ func (sets CounterSets) ShareParent(plugin string, d *pb.Device) (parent string,
 	}
 	return c.GetCounterSet(), true
 }
+
+// HoldersCounter is the counter of a device offered to several holders at once: a
+// counter set with capacity {"holders": N} stands for the device, and each of its N
+// copies consumes {"holders": 1} of it (the hostdev plugin's count).
+const HoldersCounter = "holders"
+
+// IsHolder reports whether d is one copy of a device offered to several holders: it
+// consumes one holder (HoldersCounter) of one counter set, and nothing else.
+func IsHolder(d *pb.Device) bool {
+	c := d.GetConsumes()
+	return len(c) == 1 && len(c[0].GetCounters()) == 1 && c[0].GetCounters()[HoldersCounter] == 1
+}

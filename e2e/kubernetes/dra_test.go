@@ -290,6 +290,11 @@ type sliceDevice struct {
 	Attributes map[string]struct {
 		String *string `json:"string"`
 	} `json:"attributes"`
+	// AllowMultipleAllocations and Capacity: a consumable device's (MPS shares, holders).
+	AllowMultipleAllocations *bool `json:"allowMultipleAllocations"`
+	Capacity                 map[string]struct {
+		Value string `json:"value"`
+	} `json:"capacity"`
 	Taints []struct {
 		Key    string `json:"key"`
 		Value  string `json:"value"`

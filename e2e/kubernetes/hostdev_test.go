@@ -134,8 +134,8 @@ func (d *draStack) caseHostDev(t *testing.T) {
 		}
 		return n["fuse"] == 8 && n["tun"] == 2, fmt.Sprint(n)
 	})
-	dPool := d.waitPool(t, 60*time.Second, "8 fuse and 2 tun devices in the pool", func(p pool) (bool, string) {
-		return len(p.ofType("fuse")) == 8 && len(p.ofType("tun")) == 2, p.String()
+	dPool := d.waitPool(t, 60*time.Second, "one fuse device of 8 holders and one tun device of 2 in the pool", func(p pool) (bool, string) {
+		return holdersDevice(p, "fuse") == "8" && holdersDevice(p, "tun") == "2", p.String()
 	})
 	waitFor(t, 60*time.Second, "node allocatable devicehost.io/fuse=8, tun=2", func() (bool, string) {
 		f, err1 := d.allocatableOf(fuseResource)
@@ -146,32 +146,30 @@ func (d *draStack) caseHostDev(t *testing.T) {
 
 	// Through DRA: a claim of each class; the container opens /dev/fuse and makes a TUN
 	// interface; the ledger names the claims.
-	fuseTmpl := d.createTemplate(t, "fuse", fuseClass, 1, "")
-	tunTmpl := d.createTemplate(t, "tun", tunClass, 1, "")
-	draPod := d.hostdevPod(t, "hostdev-dra", func(spec, container map[string]any) {
-		spec["resourceClaims"] = []any{
-			map[string]any{"name": "fuse", "resourceClaimTemplateName": fuseTmpl},
-			map[string]any{"name": "tun", "resourceClaimTemplateName": tunTmpl},
-		}
-		container["resources"] = map[string]any{"claims": []any{map[string]any{"name": "fuse"}, map[string]any{"name": "tun"}}}
-	})
+	draPod := d.hostdevClaimPod(t, "hostdev-dra", fuseClass, tunClass)
 	out, dRun := d.waitPodReady(t, draPod, 90*time.Second)
 	v := parseHostdevView(out)
-	var draRes []*pb.Reservation
-	waitFor(t, 30*time.Second, "the DRA pod's two claims reserved", func() (bool, string) {
-		rs, err := d.reservations("-owner", claimOwner, "-state", "active")
-		// The pod's claims are named after it: <pod>-<claim>-<suffix>.
-		draRes = slices.DeleteFunc(rs, func(r *pb.Reservation) bool {
-			return !strings.HasPrefix(r.GetOwnerId(), claimOwner+podNamespace+"/"+draPod+"-")
-		})
-		rs = draRes
-		return err == nil && len(hostdevIDs(rs, "fuse")) == 1 && len(hostdevIDs(rs, "tun")) == 1, fmt.Sprintf("%v %v", rs, err)
-	})
+	draRes := d.waitClaimsHolding(t, draPod, map[string]int{"fuse": 1, "tun": 1})
 	t.Logf("DRA pod %s running %v after its create: FUSE=%s TUN=%s; reservations hold %v %v", draPod, dRun.Round(time.Millisecond),
 		v.fuse, v.tun, hostdevIDs(draRes, "fuse"), hostdevIDs(draRes, "tun"))
 	if v.fuse != "rw" || !strings.HasPrefix(v.tun, "dhtun") {
 		t.Errorf("DRA pod %s: FUSE=%s TUN=%s, want /dev/fuse opened read-write and a TUN interface made:\n%s", draPod, v.fuse, v.tun, out)
 	}
+
+	// The tun device's second holder goes to a second claim; a third waits until one
+	// of them is gone (consumable capacity: the scheduler counts the holders).
+	second := d.hostdevClaimPod(t, "hostdev-dra-tun2", tunClass)
+	d.waitPodReady(t, second, 90*time.Second)
+	d.waitClaimsHolding(t, second, map[string]int{"tun": 1})
+	third := d.hostdevClaimPod(t, "hostdev-dra-tun3", tunClass)
+	msg, _ := d.waitUnschedulable(t, third, 60*time.Second)
+	d.deletePod(t, second)
+	out, dFreed := d.waitPodReady(t, third, 90*time.Second)
+	if v := parseHostdevView(out); !strings.HasPrefix(v.tun, "dhtun") {
+		t.Errorf("third tun claim pod %s: TUN=%s once a holder was free", third, v.tun)
+	}
+	t.Logf("tun's 2 holders through DRA: a third claim pod unschedulable (%s), running %v after the second was deleted", msg, dFreed.Round(time.Millisecond))
+	d.deletePod(t, third)
 
 	// A pod without them: the nodes are absent, the TUN interface cannot be made.
 	bare := d.hostdevPod(t, "hostdev-none", func(map[string]any, map[string]any) {})
@@ -205,7 +203,7 @@ func (d *draStack) caseHostDev(t *testing.T) {
 	}
 
 	// count: both tun copies are held, through one path each; a third pod waits.
-	third := d.hostdevPod(t, "hostdev-third-tun", func(spec, container map[string]any) {
+	third = d.hostdevPod(t, "hostdev-third-tun", func(spec, container map[string]any) {
 		container["resources"] = map[string]any{"limits": map[string]any{tunResource: "1"}}
 	})
 	msg, dVerdict := d.waitUnschedulable(t, third, 60*time.Second)
@@ -227,11 +225,62 @@ func (d *draStack) caseHostDev(t *testing.T) {
 	t.Logf("count honoured: third tun pod unschedulable %v after its create (%s); ninth fuse pod: %s", dVerdict.Round(time.Millisecond), msg, msg9)
 	// A holder goes: the waiting pod runs on the copy it frees.
 	d.deletePod(t, six)
-	out, dFreed := d.waitPodReady(t, ninth, 2*time.Minute)
+	out, dFreed = d.waitPodReady(t, ninth, 2*time.Minute)
 	if v := parseHostdevView(out); v.fuse != "rw" {
 		t.Errorf("ninth fuse pod %s: FUSE=%s once a copy was free, want rw", ninth, v.fuse)
 	}
 	t.Logf("the ninth fuse pod ran %v after the pod of 6 was deleted", dFreed.Round(time.Millisecond))
+}
+
+// holdersDevice is the holders capacity of the pool's one device of type typ, if it
+// is one consumable device (allowMultipleAllocations); "" otherwise.
+func holdersDevice(p pool, typ string) string {
+	devs := p.ofType(typ)
+	if len(devs) != 1 || devs[0].AllowMultipleAllocations == nil || !*devs[0].AllowMultipleAllocations {
+		return ""
+	}
+	return devs[0].Capacity["holders"].Value
+}
+
+// hostdevClaimPod creates a hostdevScript pod with one claim of each class, each made
+// from a template of one device.
+func (d *draStack) hostdevClaimPod(t *testing.T, prefix string, classes ...string) string {
+	t.Helper()
+	var claims, uses []any
+	for _, class := range classes {
+		typ, _, _ := strings.Cut(class, ".")
+		tmpl := d.createTemplate(t, typ, class, 1, "")
+		claims = append(claims, map[string]any{"name": typ, "resourceClaimTemplateName": tmpl})
+		uses = append(uses, map[string]any{"name": typ})
+	}
+	return d.hostdevPod(t, prefix, func(spec, container map[string]any) {
+		spec["resourceClaims"] = claims
+		container["resources"] = map[string]any{"claims": uses}
+	})
+}
+
+// waitClaimsHolding waits until the pod's claims (named after it) hold, at the agent,
+// as many hostdev devices of each type as want says, and returns their reservations.
+func (d *draStack) waitClaimsHolding(t *testing.T, podName string, want map[string]int) []*pb.Reservation {
+	t.Helper()
+	var held []*pb.Reservation
+	waitFor(t, 30*time.Second, fmt.Sprintf("pod %s's claims holding %v", podName, want), func() (bool, string) {
+		rs, err := d.reservations("-owner", claimOwner, "-state", "active")
+		if err != nil {
+			return false, err.Error()
+		}
+		// The pod's claims are named after it: <pod>-<claim>-<suffix>.
+		held = slices.DeleteFunc(rs, func(r *pb.Reservation) bool {
+			return !strings.HasPrefix(r.GetOwnerId(), claimOwner+podNamespace+"/"+podName+"-")
+		})
+		for typ, n := range want {
+			if len(hostdevIDs(held, typ)) != n {
+				return false, fmt.Sprint(held)
+			}
+		}
+		return true, ""
+	})
+	return held
 }
 
 // withHostdevResources restarts the bridge with resource blocks for the hostdev types

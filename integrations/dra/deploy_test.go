@@ -210,7 +210,7 @@ func TestMPSSharesExample(t *testing.T) {
 		t.Errorf("pooled device consumes %+v; want all 4 shares' counters", d.ConsumesCounters)
 	}
 	// What the example asks is two shares; a request between steps takes whole shares.
-	p := v.devices[d.Name].mps
+	p := v.devices[d.Name].pool
 	for q, want := range map[string]int{asked.String(): 2, "10Gi": 1, "41Gi": 3} {
 		if got := p.sharesFor(map[resourceapi.QualifiedName]resource.Quantity{"memory": resource.MustParse(q)}); got != want {
 			t.Errorf("%s of shares of 20Gi: %d shares, want %d", q, got, want)
@@ -311,7 +311,7 @@ func TestMIGMPSSharesExample(t *testing.T) {
 		t.Errorf("pooled shares: multiple allocations %v, memory %+v; want consumable 40Gi in steps of 10Gi", d.AllowMultipleAllocations, capMem)
 	}
 	asked := reqs[0].Exactly.Capacity.Requests["memory"]
-	if got := v.devices[d.Name].mps.sharesFor(map[resourceapi.QualifiedName]resource.Quantity{"memory": asked}); got != 2 {
+	if got := v.devices[d.Name].pool.sharesFor(map[resourceapi.QualifiedName]resource.Quantity{"memory": asked}); got != 2 {
 		t.Errorf("the example's %s of shares of 10Gi: %d shares, want 2", asked.String(), got)
 	}
 }

@@ -105,12 +105,12 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 	}
 	var order []reserveKey
 	byGroup := make(map[reserveKey][]string)
-	// MPS shares pooled as one consumable device (mpspool.go): as many shares as the
-	// claim's allocations of it consume, in one Reserve per pooled device.
-	var poolOrder []*mpsPool
-	poolShares := make(map[*mpsPool]int)
+	// Shares pooled as one consumable device (mpspool.go: MPS shares, holders): as many
+	// shares as the claim's allocations of it consume, in one Reserve per pooled device.
+	var poolOrder []*sharePool
+	poolShares := make(map[*sharePool]int)
 	for _, a := range devs {
-		if p := a.ref.mps; p != nil && !a.admin {
+		if p := a.ref.pool; p != nil && !a.admin {
 			if _, ok := poolShares[p]; !ok {
 				poolOrder = append(poolOrder, p)
 			}
@@ -118,7 +118,7 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 			continue
 		}
 		k, ids := reserveKey{a.ref.group, a.admin}, []string{a.ref.id}
-		if p := a.ref.mps; p != nil { // admin access to a pooled device: to all its shares
+		if p := a.ref.pool; p != nil { // admin access to a pooled device: to all its shares
 			k.group, ids = p.group, p.shares
 		}
 		if _, ok := byGroup[k]; !ok {
@@ -139,7 +139,7 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 			return nil, reserveError(ids, err)
 		}
 		reservations = append(reservations, &pb.Reservation{ReservationId: resp.GetReservationId(), Reservation: resp.GetReservation()})
-		id := mpsPoolID(p.parent)
+		id := p.id()
 		cdiByDevice[id] = append(slices.Clone(resp.GetReservation().GetCdiDevices()), d.cdi.id(ref.uid, resp.GetReservationId()))
 	}
 	for _, k := range order {
@@ -171,7 +171,7 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 		}
 	}
 	for _, a := range devs {
-		if p := a.ref.mps; p != nil && a.admin {
+		if p := a.ref.pool; p != nil && a.admin {
 			for _, id := range p.shares {
 				cdiByDevice[a.ref.id] = append(cdiByDevice[a.ref.id], cdiByDevice[id]...)
 			}

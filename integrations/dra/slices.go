@@ -42,7 +42,7 @@ type deviceRef struct {
 	id     string // the agent's device ID
 	health pb.Health
 	reason string
-	mps    *mpsPool // a pooled device of MPS shares (mpspool.go); id is mpsPoolID
+	pool   *sharePool // a pooled device of MPS shares (mpspool.go); id is poolID
 }
 
 // view is what one Fingerprint snapshot gives the driver: the pool's slices, and the
@@ -271,7 +271,7 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 				name = DeviceName(d.GetId())
 			}
 			newRef := func() *deviceRef {
-				return &deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), mps: pools[d.GetId()]}
+				return &deviceRef{name: name, group: key, id: d.GetId(), health: d.GetHealth(), reason: d.GetHealthReason(), pool: pools[d.GetId()]}
 			}
 			if _, dup := v.devices[name]; dup {
 				problems = append(problems, fmt.Sprintf("device %s: its DRA name %s is taken; left out", d.GetId(), name))
@@ -299,7 +299,7 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 					encs = append(encs, c.enc)
 					cds = append(cds, c)
 					next[d.GetId()] = c
-					if c.ref == nil || c.ref.mps != pools[d.GetId()] {
+					if c.ref == nil || c.ref.pool != pools[d.GetId()] {
 						c.ref = newRef()
 					}
 					v.devices[name] = c.ref

@@ -106,8 +106,8 @@ func (d *Driver) writeClaimStatus(ctx context.Context, uid string, pc *preparedC
 			msg = "no reason given"
 		}
 		data := deviceStatusData{UUID: a.ref.id, Product: a.ref.group.name, Type: a.ref.group.typ, CDIDeviceIDs: pc.cdi[a.ref.id]}
-		if a.ref.mps != nil {
-			data.UUID = a.ref.mps.parent // the device its MPS shares divide
+		if p := a.ref.pool; p != nil && p.kind == poolMPS {
+			data.UUID = p.parent // the device its MPS shares divide
 		}
 		if a.ref.group.typ == "mig" || a.ref.group.typ == "mig.mps" { // a MIG device or its pooled shares
 			data.Product, data.MIGProfile = "", a.ref.group.name

@@ -34,6 +34,12 @@ const (
 	Version = "0.1.0"
 )
 
+// HoldersCounter is the counter of the counter set a device offered count times
+// declares (named by the device's ID without the copy suffix): count holders, each copy
+// using one. The DRA driver publishes such a set's copies as one device of count
+// holders that allows multiple allocations.
+const HoldersCounter = "holders"
+
 // RescanPeriod is how often the plugin scans again without a file system event, as
 // a backstop for file systems that send none (sysfs sends none; its USB devices are
 // seen through their /dev/bus/usb nodes, which do).
@@ -249,9 +255,16 @@ func (p *Plugin) scan() (*pb.FingerprintResponse, []string, error) {
 		g := &pb.DeviceGroup{Vendor: Vendor, Type: t.name, Name: t.name, Attributes: groupAttributes(t)}
 		for _, key := range slices.Sorted(maps.Keys(ts.things)) {
 			th := ts.things[key]
+			var holders []*pb.CounterConsumption
+			if t.count > 1 {
+				// The copies are holders of one thing: a counter set of count holders,
+				// one each, so that DRA publishes them as one device of count holders.
+				resp.CounterSets = append(resp.CounterSets, &pb.CounterSet{Name: key, Counters: map[string]int64{HoldersCounter: int64(t.count)}})
+				holders = []*pb.CounterConsumption{{CounterSet: key, Counters: map[string]int64{HoldersCounter: 1}}}
+			}
 			for i := range t.copies() {
 				id := deviceID(key, t, i)
-				d := &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: &pb.Locality{NumaNode: -1}, NothingToRelease: true}
+				d := &pb.Device{Id: id, Health: pb.Health_HEALTH_HEALTHY, Locality: &pb.Locality{NumaNode: -1}, NothingToRelease: true, Consumes: holders}
 				if th.problem != "" {
 					d.Health, d.HealthReason = pb.Health_HEALTH_UNHEALTHY, th.problem
 				} else if p.cdi != nil {

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -106,6 +107,17 @@ func TestCountsGlobsAndGroups(t *testing.T) {
 		}
 	}
 
+	// The copies of a device are its holders: a counter set of count, one each.
+	sets := map[string]map[string]int64{}
+	for _, cs := range r.GetCounterSets() {
+		sets[cs.GetName()] = cs.GetCounters()
+	}
+	if want := map[string]map[string]int64{"fuse": {HoldersCounter: 8}, "tun": {HoldersCounter: 2}}; !reflect.DeepEqual(sets, want) {
+		t.Errorf("counter sets %v, want %v (none for devices offered once)", sets, want)
+	}
+	if c := device(r, "fuse-3").GetConsumes(); len(c) != 1 || c[0].GetCounterSet() != "fuse" || c[0].GetCounters()[HoldersCounter] != 1 {
+		t.Errorf("fuse-3 consumes %v, want one holder of fuse", c)
+	}
 	res, err := s.p.Reserve(context.Background(), []string{"fuse-3", "fuse-5", "audio"})
 	if err != nil {
 		t.Fatalf("Reserve: %v", err)
