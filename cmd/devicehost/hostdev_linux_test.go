@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -215,4 +217,35 @@ func deviceOf(fp *pb.FingerprintResponse, id string) *pb.Device {
 		}
 	}
 	return nil
+}
+
+// A typo in a hostdev block stops the agent at start with the block's file and line
+// and the key the plugin knows.
+func TestAgentExitsOnAHostdevConfigTypo(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the devicehost binary")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	path, addr := writeTypoConfig(t, `log_level = "info"
+
+plugin "hostdev" {
+  config {
+    device "fuse" {
+      pahts = ["/dev/fuse"]
+    }
+  }
+}
+`)
+	agent := startAgentProcess(t, addr, "agent", "-dev", "-config", path, "-listen", addr.String())
+	err := agent.Wait(ctx)
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 1 {
+		t.Fatalf("agent with a hostdev config typo: %v, want exit status 1", err)
+	}
+	stderr := strings.Join(agent.Stderr.Lines(), "\n")
+	want := path + `:3,1: Plugin config rejected; plugin "hostdev": config: json: unknown field "pahts" (did you mean "paths"?)`
+	if !strings.Contains(stderr, want) {
+		t.Errorf("stderr does not say %q:\n%s", want, stderr)
+	}
 }

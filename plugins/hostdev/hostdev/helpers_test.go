@@ -21,14 +21,14 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // tree is a scratch dev root and sys root, with device nodes made by mknod.
 type tree struct {
-	t   *testing.T
+	t   testing.TB
 	dev string
 	sys string
 }
 
 // newTree makes an empty scratch tree; it skips the test where mknod is not allowed
 // (not root).
-func newTree(t *testing.T) *tree {
+func newTree(t testing.TB) *tree {
 	t.Helper()
 	root := t.TempDir()
 	tr := &tree{t: t, dev: filepath.Join(root, "dev"), sys: filepath.Join(root, "sys")}
@@ -138,7 +138,7 @@ type started struct {
 }
 
 // start configures a plugin and runs its Fingerprint stream until the test ends.
-func start(t *testing.T, configJSON []byte) *started {
+func start(t testing.TB, configJSON []byte) *started {
 	t.Helper()
 	p := New(nil)
 	if err := p.SetConfig(context.Background(), configJSON); err != nil {
@@ -162,7 +162,7 @@ func start(t *testing.T, configJSON []byte) *started {
 
 // waitFor returns the first inventory (from the stream, in order) that ok accepts,
 // failing the test after a generous deadline; why says what was awaited.
-func (s *started) waitFor(t *testing.T, why string, ok func(*pb.FingerprintResponse) bool) *pb.FingerprintResponse {
+func (s *started) waitFor(t testing.TB, why string, ok func(*pb.FingerprintResponse) bool) *pb.FingerprintResponse {
 	t.Helper()
 	deadline := time.NewTimer(10 * time.Second)
 	defer deadline.Stop()

@@ -120,12 +120,11 @@ func (p *Plugin) Shutdown() {
 // Info names the plugin.
 func (p *Plugin) Info() deviceplugin.Info { return deviceplugin.Info{Name: Name, Version: Version} }
 
-// CheckConfig says whether SetConfig would accept configJSON, changing nothing.
+// CheckConfig says whether SetConfig would accept configJSON, changing nothing: the
+// error SetConfig would return.
 func (p *Plugin) CheckConfig(_ context.Context, configJSON []byte) error {
-	if _, err := parseConfig(configJSON); err != nil {
-		return status.Error(codes.InvalidArgument, err.Error())
-	}
-	return nil
+	_, err := parseConfig(configJSON)
+	return err
 }
 
 // SetConfig applies a config: the blocks it drops are forgotten, the others keep
@@ -133,12 +132,12 @@ func (p *Plugin) CheckConfig(_ context.Context, configJSON []byte) error {
 func (p *Plugin) SetConfig(_ context.Context, configJSON []byte) error {
 	s, err := parseConfig(configJSON)
 	if err != nil {
-		return status.Error(codes.InvalidArgument, err.Error())
+		return err // the SDK answers INVALID_ARGUMENT with it
 	}
 	var w *cdi.Writer
 	if s.cdiDir != "" {
 		if w, err = cdi.NewWriter(s.cdiDir, "devicehost-hostdev"); err != nil {
-			return status.Error(codes.InvalidArgument, fmt.Sprintf("config: cdi_spec_dir: %v", err))
+			return fmt.Errorf("config: cdi_spec_dir: %w", err)
 		}
 	}
 	p.mu.Lock()
