@@ -2,6 +2,7 @@ package hostdev
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"os"
@@ -381,4 +382,42 @@ func mustListen(t *testing.T, p string) {
 func mustMknod(t *testing.T, p string, major, minor uint32) {
 	t.Helper()
 	(&tree{t: t}).mknodHost(p, major, minor)
+}
+
+// The machine's own nodes, where it has them: /dev/fuse, /dev/net/tun and /dev/kvm are
+// found, healthy, and Reserve answers them as they are.
+func TestRealDeviceNodes(t *testing.T) {
+	blocks := map[string]DeviceConfig{}
+	for typ, p := range map[string]string{"fuse": "/dev/fuse", "tun": "/dev/net/tun", "kvm": "/dev/kvm"} {
+		if fi, err := os.Stat(p); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
+			blocks[typ] = DeviceConfig{Paths: []string{p}, Count: 2}
+		}
+	}
+	if len(blocks) == 0 {
+		t.Skip("none of /dev/fuse, /dev/net/tun, /dev/kvm here")
+	}
+	none := ""
+	cfg, err := json.Marshal(Config{Devices: blocks, CDISpecDir: &none})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := start(t, cfg)
+	r := s.waitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
+	for typ, b := range blocks {
+		d := device(r, typ+"-1")
+		if !healthy(d) {
+			t.Errorf("%s-1: %v, want healthy", typ, d)
+			continue
+		}
+		res, err := s.p.Reserve(context.Background(), []string{typ + "-1"})
+		if err != nil {
+			t.Errorf("Reserve %s-1: %v", typ, err)
+			continue
+		}
+		want := b.Paths[0] + " -> " + b.Paths[0] + " rw"
+		if got := specs(res); !slices.Equal(got, []string{want}) {
+			t.Errorf("Reserve %s-1: %q, want %q", typ, got, want)
+		}
+	}
+	t.Logf("served %d of the machine's nodes: %s", len(blocks), describe(r))
 }
