@@ -72,7 +72,7 @@ func TestNomadAgentMIG(t *testing.T) {
 	tmp := tempDir(t, "dhnam")
 	ports := freePorts(t, 3)
 	nomadAddr := "127.0.0.1:" + ports[0]
-	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, nomadAddr, grace)
+	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, nomadAddr, grace, nomadOptions{})
 	nomad := startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
 	n := &nomadHTTP{t: t, addr: "http://" + nomadAddr}
 	defer n.stopAll()

@@ -40,7 +40,7 @@ func TestNomadAgentMPS(t *testing.T) {
 
 	ports := freePorts(t, 3)
 	nomadAddr := "127.0.0.1:" + ports[0]
-	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, nomadAddr, 2*time.Second)
+	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, nomadAddr, 2*time.Second, nomadOptions{})
 	nomad := startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
 	n := &nomadHTTP{t: t, addr: "http://" + nomadAddr}
 	defer n.stopAll()

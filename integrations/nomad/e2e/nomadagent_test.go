@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -78,7 +79,7 @@ func TestNomadAgent(t *testing.T) {
 	ports := freePorts(t, 3)
 	nomadAddr := "http://127.0.0.1:" + ports[0]
 	proxy := startProxy(t, "127.0.0.1:"+ports[0])
-	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, proxy.addr, grace)
+	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, proxy.addr, grace, nomadOptions{})
 	startNomad := func() *agenttest.Process {
 		return startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
 	}
@@ -328,9 +329,9 @@ func TestNomadAgent(t *testing.T) {
 // a Nomad agent that is server and client (not -dev: a dev agent keeps no state and
 // stops its tasks when it stops, and a client restart needs both) on the three ports
 // (http, rpc, serf) with raw_exec and the shim's config block: the devicehost agent at
-// address, Nomad's API at nomadAPI (host:port) and release_grace. It returns the
-// config's path.
-func writeNomadConfig(t *testing.T, tmp string, ports []string, shimBin, address, nomadAPI string, grace time.Duration) string {
+// address, Nomad's API at nomadAPI (host:port) and release_grace, and opts. It returns
+// the config's path.
+func writeNomadConfig(t *testing.T, tmp string, ports []string, shimBin, address, nomadAPI string, grace time.Duration, opts nomadOptions) string {
 	t.Helper()
 	pluginDir := filepath.Join(tmp, "plugins")
 	if err := os.Mkdir(pluginDir, 0o755); err != nil {
@@ -357,10 +358,11 @@ server {
 }
 client {
   enabled = true
-}
+%s}
 plugin "raw_exec" {
   config {
-    enabled = true
+    enabled    = true
+    no_cgroups = %t
   }
 }
 plugin_dir = %q
@@ -371,8 +373,34 @@ plugin "nomad-device-devicehost" {
     release_grace = %q
   }
 }
-`, filepath.Join(tmp, "nomad-data"), ports[0], ports[1], ports[2], pluginDir, address, nomadAPI, grace))
+`, filepath.Join(tmp, "nomad-data"), ports[0], ports[1], ports[2], opts.chrootBlock(), opts.rawExecNoCgroups, pluginDir, address, nomadAPI, grace))
 	return cfg
+}
+
+// nomadOptions are the optional settings of writeNomadConfig; the zero value keeps
+// Nomad's defaults.
+type nomadOptions struct {
+	// chrootEnv, when not nil, is the client's chroot_env: what exec tasks find in
+	// their chroot (host path to path in the chroot) instead of Nomad's default
+	// (/bin, /etc, /lib, /usr... hard-linked file by file, many seconds a task).
+	chrootEnv map[string]string
+	// rawExecNoCgroups puts raw_exec tasks in no cgroup (on cgroup v2 Nomad's cgroup
+	// lets them open only runc's default devices).
+	rawExecNoCgroups bool
+}
+
+// chrootBlock is the chroot_env block of the client, "" when chrootEnv is nil.
+func (o nomadOptions) chrootBlock() string {
+	if o.chrootEnv == nil {
+		return ""
+	}
+	var b strings.Builder
+	b.WriteString("  chroot_env {\n")
+	for _, host := range slices.Sorted(maps.Keys(o.chrootEnv)) {
+		fmt.Fprintf(&b, "    %q = %q\n", host, o.chrootEnv[host])
+	}
+	b.WriteString("  }\n")
+	return b.String()
 }
 
 // waitFor polls ok every 50 ms until it holds, failing the test after two minutes.
