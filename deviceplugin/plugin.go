@@ -89,3 +89,22 @@ type LiveReservation struct {
 type Reconciler interface {
 	Reconcile(ctx context.Context, live []LiveReservation) error
 }
+
+// NoStats is the Stats of a plugin whose devices have no statistics (device nodes, a
+// kubelet device plugin's devices): an empty StatsResponse every interval, so the host
+// sees the stream alive (it ends one silent for several intervals as stalled), until
+// ctx ends (it then returns nil) or send fails.
+func NoStats(ctx context.Context, interval time.Duration, send func(*pb.StatsResponse) error) error {
+	tick := time.NewTicker(max(interval, time.Millisecond))
+	defer tick.Stop()
+	for {
+		if err := send(&pb.StatsResponse{}); err != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-tick.C:
+		}
+	}
+}

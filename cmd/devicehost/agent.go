@@ -188,7 +188,7 @@ func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
 	}
 	cfg.Bundled = append(cfg.Bundled, devPluginName)
 	for _, name := range slices.Sorted(maps.Keys(bundledPlugins)) {
-		if _, configured := cfg.Plugins[name]; configured && name != devPluginName {
+		if _, configured := cfg.Plugins[name]; configured && name != devPluginName && !slices.Contains(cfg.Bundled, name) {
 			cfg.Bundled = append(cfg.Bundled, name) // e.g. hostdev, with the file's config
 		}
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/zclconf/go-cty/cty/convert"
 
 	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/integrations/kubernetes/hosted"
 	"github.com/devicehost/devicehost/internal/idpattern"
 	"github.com/devicehost/devicehost/manager"
 	"github.com/devicehost/devicehost/server"
@@ -152,35 +153,36 @@ func defaultAgentConfig() agentConfig {
 // fileSchema is the top level of the config file. Every attribute is decoded as an
 // *hcl.Attribute (nil when absent) so that a bad value is reported at its own line.
 type fileSchema struct {
-	Listen             *hcl.Attribute   `hcl:"listen,optional"`
-	PluginDir          *hcl.Attribute   `hcl:"plugin_dir,optional"`
-	StateDir           *hcl.Attribute   `hcl:"state_dir,optional"`
-	StatsInterval      *hcl.Attribute   `hcl:"stats_interval,optional"`
-	LogLevel           *hcl.Attribute   `hcl:"log_level,optional"`
-	LogJSON            *hcl.Attribute   `hcl:"log_json,optional"`
-	ReserveTimeout     *hcl.Attribute   `hcl:"reserve_timeout,optional"`
-	StartTimeout       *hcl.Attribute   `hcl:"start_timeout,optional"`
-	ReadyTimeout       *hcl.Attribute   `hcl:"ready_timeout,optional"`
-	GCInterval         *hcl.Attribute   `hcl:"gc_interval,optional"`
-	GCMaxReservations  *hcl.Attribute   `hcl:"gc_max_reservations,optional"`
-	GCParallelDestroys *hcl.Attribute   `hcl:"gc_parallel_destroys,optional"`
-	EventMaxCount      *hcl.Attribute   `hcl:"event_max_count,optional"`
-	EventMaxAge        *hcl.Attribute   `hcl:"event_max_age,optional"`
-	MaxStreams         *hcl.Attribute   `hcl:"max_streams,optional"`
-	MaxStreamsPerConn  *hcl.Attribute   `hcl:"max_streams_per_connection,optional"`
-	MaxProcs           *hcl.Attribute   `hcl:"max_procs,optional"`
-	TLSCert            *hcl.Attribute   `hcl:"tls_cert,optional"`
-	TLSKey             *hcl.Attribute   `hcl:"tls_key,optional"`
-	TLSCA              *hcl.Attribute   `hcl:"tls_ca,optional"`
-	Insecure           *hcl.Attribute   `hcl:"insecure,optional"`
-	MetricsListen      *hcl.Attribute   `hcl:"metrics_listen,optional"`
-	MetricsTLSCert     *hcl.Attribute   `hcl:"metrics_tls_cert,optional"`
-	MetricsTLSKey      *hcl.Attribute   `hcl:"metrics_tls_key,optional"`
-	MetricsTLSCA       *hcl.Attribute   `hcl:"metrics_tls_ca,optional"`
-	MetricsHolderLabel *hcl.Attribute   `hcl:"metrics_holder_labels,optional"`
-	Plugins            []pluginSchema   `hcl:"plugin,block"`
-	Listeners          []listenerSchema `hcl:"listener,block"`
-	Grants             []grantSchema    `hcl:"grant,block"`
+	Listen             *hcl.Attribute         `hcl:"listen,optional"`
+	PluginDir          *hcl.Attribute         `hcl:"plugin_dir,optional"`
+	StateDir           *hcl.Attribute         `hcl:"state_dir,optional"`
+	StatsInterval      *hcl.Attribute         `hcl:"stats_interval,optional"`
+	LogLevel           *hcl.Attribute         `hcl:"log_level,optional"`
+	LogJSON            *hcl.Attribute         `hcl:"log_json,optional"`
+	ReserveTimeout     *hcl.Attribute         `hcl:"reserve_timeout,optional"`
+	StartTimeout       *hcl.Attribute         `hcl:"start_timeout,optional"`
+	ReadyTimeout       *hcl.Attribute         `hcl:"ready_timeout,optional"`
+	GCInterval         *hcl.Attribute         `hcl:"gc_interval,optional"`
+	GCMaxReservations  *hcl.Attribute         `hcl:"gc_max_reservations,optional"`
+	GCParallelDestroys *hcl.Attribute         `hcl:"gc_parallel_destroys,optional"`
+	EventMaxCount      *hcl.Attribute         `hcl:"event_max_count,optional"`
+	EventMaxAge        *hcl.Attribute         `hcl:"event_max_age,optional"`
+	MaxStreams         *hcl.Attribute         `hcl:"max_streams,optional"`
+	MaxStreamsPerConn  *hcl.Attribute         `hcl:"max_streams_per_connection,optional"`
+	MaxProcs           *hcl.Attribute         `hcl:"max_procs,optional"`
+	TLSCert            *hcl.Attribute         `hcl:"tls_cert,optional"`
+	TLSKey             *hcl.Attribute         `hcl:"tls_key,optional"`
+	TLSCA              *hcl.Attribute         `hcl:"tls_ca,optional"`
+	Insecure           *hcl.Attribute         `hcl:"insecure,optional"`
+	MetricsListen      *hcl.Attribute         `hcl:"metrics_listen,optional"`
+	MetricsTLSCert     *hcl.Attribute         `hcl:"metrics_tls_cert,optional"`
+	MetricsTLSKey      *hcl.Attribute         `hcl:"metrics_tls_key,optional"`
+	MetricsTLSCA       *hcl.Attribute         `hcl:"metrics_tls_ca,optional"`
+	MetricsHolderLabel *hcl.Attribute         `hcl:"metrics_holder_labels,optional"`
+	Plugins            []pluginSchema         `hcl:"plugin,block"`
+	KubeletPlugins     []kubeletPluginsSchema `hcl:"kubernetes_device_plugins,block"`
+	Listeners          []listenerSchema       `hcl:"listener,block"`
+	Grants             []grantSchema          `hcl:"grant,block"`
 }
 
 type listenerSchema struct {
@@ -200,6 +202,14 @@ type grantSchema struct {
 	GID      *hcl.Attribute `hcl:"gid,optional"`
 	Identity *hcl.Attribute `hcl:"identity,optional"`
 	Allow    *hcl.Attribute `hcl:"allow,optional"`
+	DefRange hcl.Range      `hcl:",def_range"`
+}
+
+// kubeletPluginsSchema is the `kubernetes_device_plugins { dir = "..." }` block: the
+// bundled host of the kubelet's device plugins (integrations/kubernetes/hosted), run
+// with the directory of its kubelet.sock.
+type kubeletPluginsSchema struct {
+	Dir      *hcl.Attribute `hcl:"dir,optional"`
 	DefRange hcl.Range      `hcl:",def_range"`
 }
 
@@ -329,10 +339,42 @@ func loadConfig(path string, cfg *agentConfig) (pluginBlocks, error) {
 			}
 		}
 	}
+	d.kubeletPlugins(fs.KubeletPlugins, seen, cfg)
 	if d.diags.HasErrors() {
 		return nil, diagError(path, d.diags)
 	}
 	return seen, nil
+}
+
+// kubeletPlugins applies the kubernetes_device_plugins block: the bundled host of the
+// kubelet's device plugins, run with the block's dir, as if a plugin block of its name
+// were given (which, given too, is an error).
+func (d *decoder) kubeletPlugins(blocks []kubeletPluginsSchema, seen pluginBlocks, cfg *agentConfig) {
+	for i, b := range blocks {
+		if i > 0 {
+			d.diags = append(d.diags, &hcl.Diagnostic{Severity: hcl.DiagError, Summary: "Duplicate kubernetes_device_plugins block",
+				Detail: fmt.Sprintf("kubernetes_device_plugins is already given at line %d.", blocks[0].DefRange.Start.Line), Subject: b.DefRange.Ptr()})
+			continue
+		}
+		if first, dup := seen[hosted.Name]; dup {
+			d.diags = append(d.diags, &hcl.Diagnostic{Severity: hcl.DiagError, Summary: "Duplicate plugin block",
+				Detail:  fmt.Sprintf("kubernetes_device_plugins runs plugin %q, which a plugin block configures at line %d: give one of them.", hosted.Name, first.Start.Line),
+				Subject: b.DefRange.Ptr()})
+			continue
+		}
+		var dir string
+		d.str(b.Dir, &dir)
+		conf, err := json.Marshal(hosted.Config{Dir: dir})
+		if err != nil {
+			d.diags = append(d.diags, &hcl.Diagnostic{Severity: hcl.DiagError, Summary: "Invalid kubernetes_device_plugins", Detail: err.Error(), Subject: b.DefRange.Ptr()})
+			continue
+		}
+		seen[hosted.Name] = b.DefRange
+		cfg.Plugins[hosted.Name] = pluginSettings{ConfigJSON: conf}
+		if !slices.Contains(cfg.Bundled, hosted.Name) {
+			cfg.Bundled = append(cfg.Bundled, hosted.Name)
+		}
+	}
 }
 
 // decoder converts attributes to Go values, collecting diagnostics that point at the

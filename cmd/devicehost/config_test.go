@@ -9,11 +9,13 @@ import (
 	"path/filepath"
 	"reflect"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/devicehost/devicehost/endpoint"
+	"github.com/devicehost/devicehost/integrations/kubernetes/hosted"
 )
 
 // writeConfig writes content to a config file in a temporary directory and returns
@@ -604,6 +606,30 @@ func TestMetricsListenPolicy(t *testing.T) {
 			t.Errorf("%q with %+v: %v, want it accepted", tt.listen, tt.tls, err)
 		case tt.want != "" && (err == nil || !strings.Contains(err.Error(), tt.want)):
 			t.Errorf("%q with %+v: %v, want an error with %q", tt.listen, tt.tls, err, tt.want)
+		}
+	}
+}
+
+func TestKubernetesDevicePluginsBlock(t *testing.T) {
+	cfg := defaultAgentConfig()
+	file := writeConfig(t, "devicehost.hcl", "kubernetes_device_plugins {\n  dir = \"/var/lib/devicehost/device-plugins\"\n}\n")
+	if err := loadConfigFile(file, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	if got := string(cfg.Plugins[hosted.Name].ConfigJSON); got != `{"dir":"/var/lib/devicehost/device-plugins"}` {
+		t.Errorf("%s config %s", hosted.Name, got)
+	}
+	if !slices.Contains(cfg.Bundled, hosted.Name) {
+		t.Errorf("bundled plugins %v, want %s run from this binary", cfg.Bundled, hosted.Name)
+	}
+	for name, content := range map[string]string{
+		"twice":          "kubernetes_device_plugins {}\nkubernetes_device_plugins {}\n",
+		"and its plugin": "plugin \"kubernetes-device-plugins\" {}\nkubernetes_device_plugins {}\n",
+	} {
+		cfg := defaultAgentConfig()
+		err := loadConfigFile(writeConfig(t, "devicehost.hcl", content), &cfg)
+		if err == nil || !strings.Contains(err.Error(), ":2,1: Duplicate") {
+			t.Errorf("%s: %v, want a Duplicate error at line 2", name, err)
 		}
 	}
 }

@@ -178,12 +178,15 @@ func (p *Plugin) Fingerprint(ctx context.Context, send func(*pb.FingerprintRespo
 		if err != nil {
 			return err
 		}
-		updateWatches(w, watched, dirs, p.logger)
+		added := updateWatches(w, watched, dirs, p.logger)
 		if last == nil || !equalFingerprint(last, resp) {
 			if err := send(resp); err != nil {
 				return err
 			}
 			last = resp
+		}
+		if added {
+			continue // a new directory may have changed before its watch began
 		}
 		if !waitEvent(ctx, w, tick.C, poke, p.logger) {
 			return nil
@@ -442,10 +445,9 @@ func (s settings) typeByName(name string) (typeSettings, bool) {
 	return typeSettings{}, false
 }
 
-// Stats sends nothing: a device node has no statistics. It returns when ctx ends.
-func (p *Plugin) Stats(ctx context.Context, _ time.Duration, _ func(*pb.StatsResponse) error) error {
-	<-ctx.Done()
-	return nil
+// Stats: a device node has no statistics (deviceplugin.NoStats).
+func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*pb.StatsResponse) error) error {
+	return deviceplugin.NoStats(ctx, interval, send)
 }
 
 func (p *Plugin) subscribe() chan struct{} {

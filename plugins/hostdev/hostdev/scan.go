@@ -301,7 +301,10 @@ func statNode(devRoot, p string) (node, error) {
 		return node{}, fmt.Errorf("%s: resolves to %s, outside %s", p, resolved, devRoot)
 	}
 	info, err := os.Lstat(resolved)
-	if err != nil {
+	switch {
+	case errors.Is(err, fs.ErrNotExist): // removed since EvalSymlinks
+		return node{}, fmt.Errorf("%s: %w", p, errNotFound)
+	case err != nil:
 		return node{}, fmt.Errorf("%s: %w", p, err)
 	}
 	if info.Mode()&fs.ModeDevice == 0 {

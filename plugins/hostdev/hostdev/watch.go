@@ -17,7 +17,8 @@ import (
 // watchDirs are the directories whose entries make the blocks' devices: each path's
 // directory under the dev root; for USB, /dev/bus/usb and its bus directories (a
 // device's node comes and goes there when it is plugged in and out; sysfs itself
-// sends no events) and the sysfs device list (a scratch tree's does).
+// sends no events), /dev (its interfaces' nodes) and the sysfs device list (a scratch
+// tree's does).
 func watchDirs(s settings) []string {
 	var dirs []string
 	usb := false
@@ -31,8 +32,10 @@ func watchDirs(s settings) []string {
 		}
 	}
 	if usb {
+		// The dev root too: an interface's node (a ttyUSB) is made there, maybe after
+		// the device's own node.
 		bus := hostPath(s.devRoot, "/dev/bus/usb")
-		dirs = append(dirs, bus, filepath.Join(s.sysRoot, usbDevicesDir))
+		dirs = append(dirs, s.devRoot, bus, filepath.Join(s.sysRoot, usbDevicesDir))
 		if names, _, err := readDirNames(bus); err == nil {
 			for _, n := range names {
 				dirs = append(dirs, filepath.Join(bus, n))
@@ -47,8 +50,10 @@ func watchDirs(s settings) []string {
 // parent, so its creation is seen and it is watched on the scan that follows. Every
 // directory is added again on every call: a directory removed and made again loses
 // its watch in the kernel, and adding a watched one changes nothing.
-// watched holds every directory tried, true when it is watched.
-func updateWatches(w *fsnotify.Watcher, watched map[string]bool, dirs []string, logger hclog.Logger) {
+// watched holds every directory tried, true when it is watched. added says whether a
+// directory is watched now that was not: what changed in it before its watch began
+// was seen by no event, so the caller scans again.
+func updateWatches(w *fsnotify.Watcher, watched map[string]bool, dirs []string, logger hclog.Logger) (added bool) {
 	want := map[string]bool{}
 	for _, d := range dirs {
 		want[existingAncestor(d)] = true
@@ -68,8 +73,10 @@ func updateWatches(w *fsnotify.Watcher, watched map[string]bool, dirs []string, 
 				logger.Warn("cannot watch a device directory; its changes are seen by the periodic scan", "dir", d, "error", err)
 			}
 		}
+		added = added || err == nil && !watched[d]
 		watched[d] = err == nil
 	}
+	return added
 }
 
 // existingAncestor is dir, or its nearest parent that exists.
