@@ -132,6 +132,14 @@ build_helm() {
     helm.sh/helm/v4/cmd/helm
 }
 
+# squat/generic-device-plugin, unmodified, from the Go module proxy: the kubelet device
+# plugin the suite runs under devicehost (kubernetes_device_plugins).
+build_generic_device_plugin() {
+  gobuild generic-device-plugin "$GENERIC_DEVICE_PLUGIN_VERSION" \
+    "github.com/squat/generic-device-plugin@$GENERIC_DEVICE_PLUGIN_VERSION" "" \
+    github.com/squat/generic-device-plugin
+}
+
 # pause: the sandbox image's one process. A tiny static Go program, so the image needs no
 # registry; it sleeps until a signal and reaps children, as the upstream pause does.
 build_pause() {
@@ -158,13 +166,15 @@ case "$only" in
     build_containerd
     build_etcd
     build_kubernetes
+    build_generic_device_plugin
     ;;
   debian) debian_packages ;;
+  generic-device-plugin) build_generic_device_plugin ;;
   pause) build_pause ;;
   containerd) build_containerd ;;
   etcd) build_etcd ;;
   kubernetes) build_kubernetes ;;
   helm) build_helm ;;
-  *) echo "usage: $0 [all|debian|pause|containerd|etcd|kubernetes|helm]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|debian|pause|containerd|etcd|kubernetes|generic-device-plugin|helm]" >&2; exit 2 ;;
 esac
 log "done in $((SECONDS - t_all))s"

@@ -7,3 +7,6 @@ ETCD_VERSION=v3.7.0
 HELM_VERSION=v4.3.1
 # Our own pause program: its version is its source's hash, so a change rebuilds it.
 PAUSE_VERSION=$(sha256sum "$(dirname "${BASH_SOURCE[0]}")/pause/main.go" | cut -c1-12)
+# An unmodified kubelet device plugin hosted under devicehost (its newest commit the Go
+# module proxy serves; the project tags no release there).
+GENERIC_DEVICE_PLUGIN_VERSION=v0.0.0-20260515115838-2cc50b05d4d2

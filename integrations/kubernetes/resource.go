@@ -112,9 +112,15 @@ const (
 // (PartitionType) "<vendor>.com/mig-<name>", e.g. "nvidia.com/mig-1g.10gb", as
 // NVIDIA's device plugin names MIG profiles in its "mixed" strategy, so a pod asks for
 // the profile it needs; for a host device (HostDevVendor) "devicehost.io/<type>", e.g.
-// "devicehost.io/fuse" (hostdev.com is not ours to use).
+// "devicehost.io/fuse" (hostdev.com is not ours to use); for a vendor that is a domain
+// (a hosted kubelet device plugin's resource, vendor "devic.es" and type "fuse") the
+// resource's own name, "devic.es/fuse".
 func DefaultResourceName(vendor, typ, name string) string {
 	switch {
+	case strings.Contains(vendor, "."):
+		// A kubelet device plugin's resource DOMAIN/NAME, hosted under devicehost
+		// (package hosted): served under its own name.
+		return vendor + "/" + typ
 	case vendor == HostDevVendor:
 		return HostDevDomain + "/" + typ
 	case typ == PartitionType:

@@ -53,6 +53,8 @@ func TestDefaultResourceName(t *testing.T) {
 		{"nvidia", PartitionType, "1g.10gb", "nvidia.com/mig-1g.10gb"},
 		{HostDevVendor, "fuse", "fuse", "devicehost.io/fuse"},
 		{HostDevVendor, "tun", "tun", "devicehost.io/tun"},
+		{"devic.es", "fuse", "fuse", "devic.es/fuse"},
+		{"intel.com", "qat", "qat", "intel.com/qat"},
 	}
 	for _, tt := range tests {
 		got := DefaultResourceName(tt.vendor, tt.typ, tt.name)
