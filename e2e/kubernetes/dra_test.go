@@ -63,6 +63,7 @@ func TestRealNodeDRA(t *testing.T) {
 	t.Run("MPSDevicePlugin", d.caseMPSDevicePlugin)
 	t.Run("MPSClaims", d.caseMPSClaims)
 	t.Run("HostDevices", d.caseHostDev)
+	t.Run("HostedKubeletPlugin", d.caseHostedPlugin)
 	t.Run("SlicesStoredAsWritten", d.caseStoredAsWritten)
 }
 

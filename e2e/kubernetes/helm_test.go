@@ -822,8 +822,8 @@ func (h *helmStack) caseHostDevices(t *testing.T) {
 		}
 		return maps.Equal(got, want), fmt.Sprint(got)
 	})
-	h.d.waitPool(t, 60*time.Second, "8 fuse and 8 tun devices in the pool", func(p pool) (bool, string) {
-		return len(p.ofType("fuse")) == 8 && len(p.ofType("tun")) == 8, p.String()
+	h.d.waitPool(t, 60*time.Second, "a fuse and a tun device of 8 holders each in the pool", func(p pool) (bool, string) {
+		return holdersDevice(p, "fuse") == "8" && holdersDevice(p, "tun") == "8", p.String()
 	})
 	waitFor(t, 60*time.Second, "node allocatable devicehost.io/tun=8", func() (bool, string) {
 		n, err := h.s.allocatableOf(tunResource)

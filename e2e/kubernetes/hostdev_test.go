@@ -287,13 +287,26 @@ func (d *draStack) waitClaimsHolding(t *testing.T, podName string, want map[stri
 // (as the chart's hostdev.enabled adds them), and its own config back when t ends.
 func (d *draStack) withHostdevResources(t *testing.T) {
 	t.Helper()
+	d.withBridgeResources(t, "hostdev", bridgeResource{fuseResource, "hostdev", "fuse"}, bridgeResource{tunResource, "hostdev", "tun"})
+}
+
+// bridgeResource is a resource block of the bridge's config.
+type bridgeResource struct{ name, vendor, typ string }
+
+// withBridgeResources restarts the bridge with a copy of its config that also has the
+// resource blocks rs (its file named with suffix) and a release grace of 5 s, and its
+// own config back, with the 8 GPUs allocatable, when t ends.
+func (d *draStack) withBridgeResources(t *testing.T, suffix string, rs ...bridgeResource) {
+	t.Helper()
 	plain := d.bridge.c
 	const anchor = "kubernetes {"
 	block := anchor
-	for _, typ := range []string{"fuse", "tun"} {
-		block += fmt.Sprintf("\n  resource \"devicehost.io/%s\" {\n    vendor = \"hostdev\"\n    type   = %q\n  }\n", typ, typ)
+	for _, r := range rs {
+		block += fmt.Sprintf("\n  resource %q {\n    vendor = %q\n    type   = %q\n  }\n", r.name, r.vendor, r.typ)
 	}
-	c := configVariant(t, plain, "hostdev", anchor, block)
+	// A short release grace: the case's cleanup waits for the releases of its pods.
+	c := configVariant(t, plain, suffix+"-grace", `release_grace = "30s"`, `release_grace = "5s"`)
+	c = configVariant(t, c, suffix, anchor, block)
 	restart := func(c hostContainer) {
 		d.bridge.stop(t, syscall.SIGTERM)
 		d.bridge.c = c
