@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	nstructs "github.com/hashicorp/nomad/nomad/structs"
+
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -112,5 +114,29 @@ func TestCordonedDeviceUnhealthyToNomad(t *testing.T) {
 	snap.Groups[0].Devices[0].Cordon = nil
 	if d := groupsToNomad(snap)[0].Devices[0]; !d.Healthy {
 		t.Errorf("uncordoned GPU: unhealthy %q", d.HealthDesc)
+	}
+}
+
+// A kubelet device plugin's resource hosted under devicehost (vendor: its domain) and a
+// host device (vendor hostdev) come to Nomad as groups a job's `device "DOMAIN/NAME"`
+// and `device "hostdev/fuse"` select, by Nomad's own parsing of the name.
+func TestGroupsToNomadHostedAndHostDevices(t *testing.T) {
+	snap := &pb.FingerprintResponse{Groups: []*pb.DeviceGroup{
+		{Vendor: "devic.es", Type: "fuse", Name: "fuse", Devices: []*pb.Device{{Id: "5db9268e", Health: pb.Health_HEALTH_HEALTHY}}},
+		{Vendor: "hostdev", Type: "fuse", Name: "fuse", Devices: []*pb.Device{{Id: "fuse-0", Health: pb.Health_HEALTH_HEALTHY}}},
+	}}
+	groups := groupsToNomad(snap)
+	if len(groups) != 2 {
+		t.Fatalf("groups %+v, want 2", groups)
+	}
+	for i, asked := range []string{"devic.es/fuse", "hostdev/fuse"} {
+		g := groups[i]
+		if err := g.Validate(); err != nil {
+			t.Errorf("group %s/%s/%s: Nomad refuses it: %v", g.Vendor, g.Type, g.Name, err)
+		}
+		req := &nstructs.RequestedDevice{Name: asked, Count: 1}
+		if !(&nstructs.DeviceIdTuple{Vendor: g.Vendor, Type: g.Type, Name: g.Name}).Matches(req.ID()) {
+			t.Errorf("device %q does not select group %s/%s/%s", asked, g.Vendor, g.Type, g.Name)
+		}
 	}
 }
