@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 	dpapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
+	"github.com/devicehost/devicehost/deviceplugin/deviceplugintest"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
@@ -134,7 +135,7 @@ func (f *fakePlugin) PreStartContainer(_ context.Context, req *dpapi.PreStartCon
 type host struct {
 	p   *Plugin
 	dir string
-	inv chan *pb.FingerprintResponse
+	*deviceplugintest.Inventories
 }
 
 func startHost(t *testing.T) *host {
@@ -148,39 +149,8 @@ func startHost(t *testing.T) *host {
 	if err := p.SetConfig(context.Background(), fmt.Appendf(nil, `{"dir":%q}`, dir)); err != nil {
 		t.Fatal(err)
 	}
-	h := &host{p: p, dir: dir, inv: make(chan *pb.FingerprintResponse, 64)}
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		_ = p.Fingerprint(ctx, func(r *pb.FingerprintResponse) error {
-			select {
-			case h.inv <- r:
-			case <-ctx.Done():
-			}
-			return nil
-		})
-	})
-	t.Cleanup(func() { cancel(); wg.Wait(); p.Shutdown() })
-	return h
-}
-
-// waitFor returns the first inventory that ok accepts.
-func (h *host) waitFor(t *testing.T, why string, ok func(*pb.FingerprintResponse) bool) *pb.FingerprintResponse {
-	t.Helper()
-	deadline := time.NewTimer(10 * time.Second)
-	defer deadline.Stop()
-	var last *pb.FingerprintResponse
-	for {
-		select {
-		case r := <-h.inv:
-			if ok(r) {
-				return r
-			}
-			last = r
-		case <-deadline.C:
-			t.Fatalf("no inventory where %s; last: %v", why, last)
-		}
-	}
+	t.Cleanup(p.Shutdown) // after the stream has ended
+	return &host{p: p, dir: dir, Inventories: deviceplugintest.WatchFingerprint(t, p)}
 }
 
 func device(r *pb.FingerprintResponse, id string) *pb.Device {
@@ -213,7 +183,7 @@ func TestRegisteredPluginIsAGroupAndReserveCallsAllocate(t *testing.T) {
 	if err := f.register(); err != nil {
 		t.Fatal(err)
 	}
-	r := h.waitFor(t, "4 healthy fuse devices", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-3")) })
+	r := h.WaitFor(t, "4 healthy fuse devices", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-3")) })
 	if len(r.GetGroups()) != 1 {
 		t.Fatalf("groups %v, want one", r.GetGroups())
 	}
@@ -251,10 +221,10 @@ func TestPluginRestartKeepsItsDevices(t *testing.T) {
 	if err := f.register(); err != nil {
 		t.Fatal(err)
 	}
-	h.waitFor(t, "fuse-1 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-1")) })
+	h.WaitFor(t, "fuse-1 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-1")) })
 
 	f.stop()
-	r := h.waitFor(t, "fuse-1 unhealthy", func(r *pb.FingerprintResponse) bool {
+	r := h.WaitFor(t, "fuse-1 unhealthy", func(r *pb.FingerprintResponse) bool {
 		d := device(r, "fuse-1")
 		return d != nil && !healthy(d)
 	})
@@ -269,7 +239,7 @@ func TestPluginRestartKeepsItsDevices(t *testing.T) {
 	if err := f.register(); err != nil {
 		t.Fatalf("a restarted plugin's registration: %v", err)
 	}
-	h.waitFor(t, "fuse-1 healthy again", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-1")) })
+	h.WaitFor(t, "fuse-1 healthy again", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-1")) })
 }
 
 func TestRegistrationsRefused(t *testing.T) {
@@ -279,7 +249,7 @@ func TestRegistrationsRefused(t *testing.T) {
 	if err := f.register(); err != nil {
 		t.Fatal(err)
 	}
-	h.waitFor(t, "fuse-0 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-0")) })
+	h.WaitFor(t, "fuse-0 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-0")) })
 	tests := []struct {
 		name string
 		req  *dpapi.RegisterRequest
@@ -313,14 +283,14 @@ func TestBoundsOnWhatAPluginSends(t *testing.T) {
 	if err := big.register(); err != nil {
 		t.Fatal(err)
 	}
-	h.waitFor(t, "the big resource", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "big-0")) })
+	h.WaitFor(t, "the big resource", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "big-0")) })
 	// A second resource reporting an ID the first has: left out.
 	dup := newFakePlugin(t, h.dir, "dup.sock", "devic.es/dup", []*dpapi.Device{{ID: "big-0", Health: dpapi.Healthy}, {ID: "dup-0", Health: dpapi.Healthy}})
 	dup.serve()
 	if err := dup.register(); err != nil {
 		t.Fatal(err)
 	}
-	r := h.waitFor(t, "both resources", func(r *pb.FingerprintResponse) bool {
+	r := h.WaitFor(t, "both resources", func(r *pb.FingerprintResponse) bool {
 		return healthy(device(r, "dup-0")) && healthy(device(r, "big-0"))
 	})
 	for _, g := range r.GetGroups() {
@@ -346,7 +316,7 @@ func TestHostStartRemovesPluginSockets(t *testing.T) {
 	if err := f.register(); err != nil {
 		t.Fatal(err)
 	}
-	h.waitFor(t, "fuse-0 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-0")) })
+	h.WaitFor(t, "fuse-0 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-0")) })
 	other := filepath.Join(h.dir, "checkpoint")
 	if err := os.WriteFile(other, []byte("kept"), 0o600); err != nil {
 		t.Fatal(err)

@@ -14,16 +14,16 @@ func BenchmarkHotplug(b *testing.B) {
 	tr := newTree(b)
 	tr.mknod("/dev/fuse", 10, 229)
 	s := start(b, tr.config(map[string]DeviceConfig{"fuse": {Paths: []string{"/dev/fuse"}, Count: 8}}))
-	s.waitFor(b, "fuse-0 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-0")) })
+	s.WaitFor(b, "fuse-0 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-0")) })
 	var gone, back time.Duration
 	b.ResetTimer()
 	for b.Loop() {
 		t0 := time.Now()
 		tr.rm("/dev/fuse")
-		s.waitFor(b, "fuse-0 unhealthy", func(r *pb.FingerprintResponse) bool { return !healthy(device(r, "fuse-0")) })
+		s.WaitFor(b, "fuse-0 unhealthy", func(r *pb.FingerprintResponse) bool { return !healthy(device(r, "fuse-0")) })
 		t1 := time.Now()
 		tr.mknod("/dev/fuse", 10, 229)
-		s.waitFor(b, "fuse-0 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-0")) })
+		s.WaitFor(b, "fuse-0 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-0")) })
 		gone += t1.Sub(t0)
 		back += time.Since(t1)
 	}
@@ -38,17 +38,17 @@ func BenchmarkUSBReplug(b *testing.B) {
 	stick := usbDevice{name: "1-1", vendor: "10c4", product: "ea60", serial: "0001", devnum: 4, tty: "ttyUSB0"}
 	tr.plug(stick)
 	s := start(b, tr.config(map[string]DeviceConfig{"zigbee": {USB: &USBConfig{Vendor: "10c4", Product: "ea60", Serial: "0001"}}}))
-	s.waitFor(b, "the stick", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "zigbee-0001")) })
+	s.WaitFor(b, "the stick", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "zigbee-0001")) })
 	var replug time.Duration
 	b.ResetTimer()
 	for i := 0; b.Loop(); i++ {
 		tr.unplug(stick)
-		s.waitFor(b, "unplugged", func(r *pb.FingerprintResponse) bool { return !healthy(device(r, "zigbee-0001")) })
+		s.WaitFor(b, "unplugged", func(r *pb.FingerprintResponse) bool { return !healthy(device(r, "zigbee-0001")) })
 		// Every other round on the other port, with the next bus number.
 		stick.name, stick.devnum = []string{"1-1", "1-4"}[i%2], 4+(i+1)%200
 		t0 := time.Now()
 		tr.plug(stick)
-		s.waitFor(b, "re-plugged", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "zigbee-0001")) })
+		s.WaitFor(b, "re-plugged", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "zigbee-0001")) })
 		replug += time.Since(t0)
 	}
 	b.ReportMetric(float64(replug.Microseconds())/1000/float64(b.N), "ms/replug")

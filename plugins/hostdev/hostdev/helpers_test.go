@@ -6,14 +6,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
 
+	"github.com/devicehost/devicehost/deviceplugin/deviceplugintest"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
@@ -133,8 +131,8 @@ func (tr *tree) config(devices map[string]DeviceConfig) []byte {
 
 // started is a configured plugin with a Fingerprint stream running.
 type started struct {
-	p   *Plugin
-	inv chan *pb.FingerprintResponse
+	p *Plugin
+	*deviceplugintest.Inventories
 }
 
 // start configures a plugin and runs its Fingerprint stream until the test ends.
@@ -144,40 +142,7 @@ func start(t testing.TB, configJSON []byte) *started {
 	if err := p.SetConfig(context.Background(), configJSON); err != nil {
 		t.Fatalf("SetConfig: %v", err)
 	}
-	s := &started{p: p, inv: make(chan *pb.FingerprintResponse, 64)}
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		_ = p.Fingerprint(ctx, func(r *pb.FingerprintResponse) error {
-			select {
-			case s.inv <- r:
-			case <-ctx.Done():
-			}
-			return nil
-		})
-	})
-	t.Cleanup(func() { cancel(); wg.Wait() })
-	return s
-}
-
-// waitFor returns the first inventory (from the stream, in order) that ok accepts,
-// failing the test after a generous deadline; why says what was awaited.
-func (s *started) waitFor(t testing.TB, why string, ok func(*pb.FingerprintResponse) bool) *pb.FingerprintResponse {
-	t.Helper()
-	deadline := time.NewTimer(10 * time.Second)
-	defer deadline.Stop()
-	var last *pb.FingerprintResponse
-	for {
-		select {
-		case r := <-s.inv:
-			if ok(r) {
-				return r
-			}
-			last = r
-		case <-deadline.C:
-			t.Fatalf("no inventory where %s; last:\n%s", why, describe(last))
-		}
-	}
+	return &started{p: p, Inventories: deviceplugintest.WatchFingerprint(t, p)}
 }
 
 // device finds device id in r; nil when absent.
@@ -209,25 +174,6 @@ func ids(g *pb.DeviceGroup) []string {
 		out = append(out, d.GetId())
 	}
 	return out
-}
-
-// describe prints an inventory: each device with its health and reason.
-func describe(r *pb.FingerprintResponse) string {
-	if r == nil {
-		return "(none)"
-	}
-	var b strings.Builder
-	for _, g := range r.GetGroups() {
-		fmt.Fprintf(&b, "%s/%s:", g.GetVendor(), g.GetType())
-		for _, d := range g.GetDevices() {
-			fmt.Fprintf(&b, " %s=%s", d.GetId(), d.GetHealth())
-			if d.GetHealthReason() != "" {
-				fmt.Fprintf(&b, "(%s)", d.GetHealthReason())
-			}
-		}
-		b.WriteString("\n")
-	}
-	return b.String()
 }
 
 func healthy(d *pb.Device) bool { return d != nil && d.GetHealth() == pb.Health_HEALTH_HEALTHY }

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/devicehost/devicehost/deviceplugin/deviceplugintest"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 	"github.com/devicehost/devicehost/validate"
 )
@@ -78,7 +79,7 @@ func TestCountsGlobsAndGroups(t *testing.T) {
 		"audio":  {Paths: []string{"/dev/snd/pcmC0D0p", "/dev/snd/controlC0"}},
 		"kvm":    {Paths: []string{"/dev/kvm"}, Count: 4}, // absent here
 	}))
-	r := s.waitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
+	r := s.WaitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
 	if err := validate.Fingerprint(r); err != nil {
 		t.Fatalf("the host would refuse the inventory: %v", err)
 	}
@@ -92,7 +93,7 @@ func TestCountsGlobsAndGroups(t *testing.T) {
 	for typ, wantIDs := range want {
 		g := group(r, typ)
 		if g == nil {
-			t.Errorf("no group of type %s:\n%s", typ, describe(r))
+			t.Errorf("no group of type %s:\n%s", typ, deviceplugintest.Describe(r))
 			continue
 		}
 		if g.GetVendor() != Vendor {
@@ -149,10 +150,10 @@ func TestRemovedNodeIsUnhealthyWithItsReasonAndComesBack(t *testing.T) {
 	tr := newTree(t)
 	tr.mknod("/dev/fuse", 10, 229)
 	s := start(t, tr.config(map[string]DeviceConfig{"fuse": {Paths: []string{"/dev/fuse"}, Count: 2}}))
-	s.waitFor(t, "fuse-0 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-0")) })
+	s.WaitFor(t, "fuse-0 healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "fuse-0")) })
 
 	tr.rm("/dev/fuse")
-	r := s.waitFor(t, "fuse-0 unhealthy", func(r *pb.FingerprintResponse) bool {
+	r := s.WaitFor(t, "fuse-0 unhealthy", func(r *pb.FingerprintResponse) bool {
 		d := device(r, "fuse-0")
 		return d != nil && d.GetHealth() == pb.Health_HEALTH_UNHEALTHY
 	})
@@ -166,7 +167,7 @@ func TestRemovedNodeIsUnhealthyWithItsReasonAndComesBack(t *testing.T) {
 	}
 
 	tr.mknod("/dev/fuse", 10, 229)
-	s.waitFor(t, "fuse-0 and fuse-1 healthy again", func(r *pb.FingerprintResponse) bool {
+	s.WaitFor(t, "fuse-0 and fuse-1 healthy again", func(r *pb.FingerprintResponse) bool {
 		return healthy(device(r, "fuse-0")) && healthy(device(r, "fuse-1"))
 	})
 	if _, err := s.p.Reserve(context.Background(), []string{"fuse-0"}); err != nil {
@@ -177,13 +178,13 @@ func TestRemovedNodeIsUnhealthyWithItsReasonAndComesBack(t *testing.T) {
 func TestNodeAppearingLaterIsServed(t *testing.T) {
 	tr := newTree(t)
 	s := start(t, tr.config(map[string]DeviceConfig{"tun": {Paths: []string{"/dev/net/tun"}}}))
-	r := s.waitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
+	r := s.WaitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
 	if g := group(r, "tun"); g == nil || len(g.GetDevices()) != 0 {
-		t.Fatalf("before /dev/net exists: %s, want an empty tun group", describe(r))
+		t.Fatalf("before /dev/net exists: %s, want an empty tun group", deviceplugintest.Describe(r))
 	}
 	// /dev/net does not exist yet: its parent is watched, then /dev/net itself.
 	tr.mknod("/dev/net/tun", 10, 200)
-	s.waitFor(t, "tun healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "tun")) })
+	s.WaitFor(t, "tun healthy", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "tun")) })
 }
 
 func TestUSBDeviceRenumberedKeepsItsID(t *testing.T) {
@@ -197,7 +198,7 @@ func TestUSBDeviceRenumberedKeepsItsID(t *testing.T) {
 		"zigbee": {USB: &USBConfig{Vendor: "10c4", Product: "ea60", Serial: "0001"}},
 		"cp210x": {USB: &USBConfig{Vendor: "10c4", Product: "ea60"}},
 	}))
-	r := s.waitFor(t, "the zigbee stick", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "zigbee-0001")) })
+	r := s.WaitFor(t, "the zigbee stick", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "zigbee-0001")) })
 	if got := ids(group(r, "zigbee")); !slices.Equal(got, []string{"zigbee-0001"}) {
 		t.Errorf("zigbee devices %q, want only the stick of serial 0001", got)
 	}
@@ -218,14 +219,14 @@ func TestUSBDeviceRenumberedKeepsItsID(t *testing.T) {
 
 	tr.unplug(stick)
 	// Its node may go before its sysfs entry: the first reason may be the node's.
-	s.waitFor(t, "the stick unhealthy as unplugged", func(r *pb.FingerprintResponse) bool {
+	s.WaitFor(t, "the stick unhealthy as unplugged", func(r *pb.FingerprintResponse) bool {
 		d := device(r, "zigbee-0001")
 		return d != nil && !healthy(d) && strings.Contains(d.GetHealthReason(), "USB device 10c4:ea60 (zigbee-0001) is unplugged")
 	})
 	// Plugged in again on another port: another sysfs name, bus number and tty.
 	stick.name, stick.devnum, stick.tty = "1-4", 9, "ttyUSB3"
 	tr.plug(stick)
-	s.waitFor(t, "the stick back under its ID", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "zigbee-0001")) })
+	s.WaitFor(t, "the stick back under its ID", func(r *pb.FingerprintResponse) bool { return healthy(device(r, "zigbee-0001")) })
 	res, err = s.p.Reserve(context.Background(), []string{"zigbee-0001"})
 	if err != nil {
 		t.Fatal(err)
@@ -246,7 +247,7 @@ func TestHostileTrees(t *testing.T) {
 			tr.mknod(fmt.Sprintf("/dev/loop%04d", i), 7, uint32(i))
 		}
 		s := start(t, tr.config(map[string]DeviceConfig{"loop": {Paths: []string{"/dev/loop*"}, Count: 4}}))
-		r := s.waitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
+		r := s.WaitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
 		if n := len(group(r, "loop").GetDevices()); n != MaxMatches {
 			t.Errorf("%d devices, want the bound %d", n, MaxMatches)
 		}
@@ -264,7 +265,7 @@ func TestHostileTrees(t *testing.T) {
 		mustSymlink(t, "/etc/passwd", hostPath(tr.dev, "/dev/ttyC"))
 		tr.mknod("/dev/ttyD", 4, 64)
 		s := start(t, tr.config(map[string]DeviceConfig{"tty": {Paths: []string{"/dev/tty*"}}}))
-		r := s.waitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
+		r := s.WaitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
 		if got := ids(group(r, "tty")); !slices.Equal(got, []string{"tty-ttyD"}) {
 			t.Errorf("devices %q, want only the real node ttyD", got)
 		}
@@ -279,7 +280,7 @@ func TestHostileTrees(t *testing.T) {
 		tr := newTree(t)
 		tr.plug(usbDevice{name: "1-1", vendor: "10c4", product: "ea60", serial: "ab\x1b[2Jcd", devnum: 4})
 		s := start(t, tr.config(map[string]DeviceConfig{"z": {USB: &USBConfig{Vendor: "10c4", Product: "ea60"}}}))
-		r := s.waitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
+		r := s.WaitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
 		if n := len(group(r, "z").GetDevices()); n != 0 {
 			t.Errorf("%d devices, want the device of the bad serial refused", n)
 		}
@@ -402,7 +403,7 @@ func TestRealDeviceNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := start(t, cfg)
-	r := s.waitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
+	r := s.WaitFor(t, "the first inventory", func(*pb.FingerprintResponse) bool { return true })
 	for typ, b := range blocks {
 		d := device(r, typ+"-1")
 		if !healthy(d) {
@@ -419,5 +420,5 @@ func TestRealDeviceNodes(t *testing.T) {
 			t.Errorf("Reserve %s-1: %q, want %q", typ, got, want)
 		}
 	}
-	t.Logf("served %d of the machine's nodes: %s", len(blocks), describe(r))
+	t.Logf("served %d of the machine's nodes: %s", len(blocks), deviceplugintest.Describe(r))
 }
