@@ -418,6 +418,10 @@ func TestRefusalsConvertToTheContractsErrors(t *testing.T) {
 		{Set: set, Counter: "memory-slice-0", Capacity: 1, Used: 1, Requested: 1, Users: users(1)},
 		{Set: set, Counter: "memory-slice-1", Capacity: 1, Used: 1, Requested: 1},
 	}}
+	mode := &device.CapacityError{OwnerID: "job-43", Overruns: []device.Overrun{
+		{Set: set, Groups: []string{"mps"}, UsersGroups: []string{"time-slicing"}, Users: users(2)},
+		{Set: device.CounterSetKey{Plugin: "nvidia", Name: "GPU-1"}, Users: users(1)},
+	}}
 	tests := []struct {
 		name               string
 		err                error // what the manager returns
@@ -425,6 +429,7 @@ func TestRefusalsConvertToTheContractsErrors(t *testing.T) {
 	}{
 		{"held", held, held, nil},
 		{"over capacity", capacity, nil, capacity},
+		{"in another sharing mode", mode, nil, mode},
 		{"held, untyped", fmt.Errorf("GPU-0 held: %w", device.ErrDeviceHeld), nil, nil},
 		{"over capacity, untyped", fmt.Errorf("counter full: %w", device.ErrCapacityExceeded), nil, nil},
 		{"unknown device", fmt.Errorf("GPU-9: %w", device.ErrUnknownDevice), nil, nil},

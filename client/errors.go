@@ -4,6 +4,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"slices"
 
 	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
@@ -129,6 +130,7 @@ func CapacityError(err error) (e *device.CapacityError, ok bool) {
 		do := device.Overrun{
 			Set:     device.CounterSetKey{Plugin: o.GetPlugin(), Name: o.GetCounterSet()},
 			Counter: o.GetCounter(), Capacity: o.GetCapacity(), Used: o.GetUsed(), Requested: o.GetRequested(),
+			Groups: slices.Clone(o.GetCompatibilityGroups()), UsersGroups: slices.Clone(o.GetUsersCompatibilityGroups()),
 		}
 		for _, u := range o.GetUsers() {
 			do.Users = append(do.Users, device.Holder{ReservationID: u.GetReservationId(), OwnerID: u.GetOwnerId()})

@@ -10,6 +10,7 @@ package device
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"time"
 
@@ -512,17 +513,48 @@ type CounterSetKey struct {
 	Name   string
 }
 
-// Consumption is what a device or a reservation uses of one counter set, per counter.
+// Consumption is what a device or a reservation uses of one counter set, per counter,
+// and the compatibility groups it shares the set under (Groups).
 type Consumption struct {
 	Set      CounterSetKey
 	Counters map[string]int64
+	// Groups are the compatibility groups of the use, as Kubernetes' DRA names them
+	// (DeviceCounterConsumption.compatibilityGroups): devices that use one counter set
+	// may be held at once only if all their uses of it share at least one group. None
+	// (nil) is a group of its own: such uses share the set only with others that have
+	// none. A plugin offers one GPU time-sliced (group "time-slicing") and in MPS
+	// shares (group "mps") this way: the GPU serves the mode its first holder chose
+	// until it is free again. Sorted, at most MaxCompatibilityGroups.
+	Groups []string
+}
+
+// MaxCompatibilityGroups bounds Consumption.Groups, as Kubernetes does.
+const MaxCompatibilityGroups = 2
+
+// Compatible returns the groups common to a and b, where nil stands for the group of
+// uses that have none; ok is false when they have none in common (they cannot be held
+// at once on one counter set).
+func Compatible(a, b []string) (common []string, ok bool) {
+	if len(a) == 0 || len(b) == 0 {
+		return nil, len(a) == 0 && len(b) == 0
+	}
+	for _, g := range a {
+		if slices.Contains(b, g) {
+			common = append(common, g)
+		}
+	}
+	return common, len(common) > 0
 }
 
 // CounterUse is what live reservations use of one counter set: per counter, the sum
-// and the reservations using it (sorted by reservation ID).
+// and the reservations using it (sorted by reservation ID); and every live reservation
+// that uses the set with the compatibility groups all of them share (Groups, nil when
+// they have none: a new use must have none too).
 type CounterUse struct {
-	Used  map[string]int64
-	Users map[string][]Holder
+	Used     map[string]int64
+	Users    map[string][]Holder
+	SetUsers []Holder // sorted by reservation ID
+	Groups   []string
 }
 
 // Capacity is the capacity of counter sets, per counter.

@@ -3,6 +3,7 @@ package device
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -121,7 +122,9 @@ type CapacityError struct {
 	Overruns []Overrun // sorted by set, then counter
 }
 
-// Overrun is one counter a request would take over its capacity.
+// Overrun is one counter a request would take over its capacity or, with Counter
+// empty, a counter set the request's devices cannot share with its live users: their
+// compatibility groups (Consumption.Groups) have none in common.
 type Overrun struct {
 	Set       CounterSetKey
 	Counter   string
@@ -129,6 +132,8 @@ type Overrun struct {
 	Used      int64    // by live reservations
 	Requested int64    // by the request
 	Users     []Holder // the live reservations using it, sorted by reservation ID
+	// With Counter empty: the request's groups and those its users share (nil: none).
+	Groups, UsersGroups []string
 }
 
 // Error is `owner "<OwnerID>": <Counters>: ` and ErrCapacityExceeded's text.
@@ -163,10 +168,28 @@ func (e *CapacityError) Counters() string {
 		if len(users) > 0 {
 			by = " by " + strings.Join(users, ", ")
 		}
+		if o.Counter == "" {
+			parts = append(parts, fmt.Sprintf("counter set %q (plugin %q) is held %s%s; the request's devices would hold it %s",
+				o.Set.Name, o.Set.Plugin, SharedAs(o.UsersGroups), by, SharedAs(o.Groups)))
+			continue
+		}
 		parts = append(parts, fmt.Sprintf("counter %q of set %q (plugin %q): %d requested, %d of %d used%s",
 			o.Counter, o.Set.Name, o.Set.Plugin, o.Requested, o.Used, o.Capacity, by))
 	}
 	return strings.Join(parts, "; ")
+}
+
+// SharedAs says how a use with compatibility groups shares a counter set, for an
+// error: `shared as "mps"`, `shared as "a" or "b"`, or "unshared" for none.
+func SharedAs(groups []string) string {
+	if len(groups) == 0 {
+		return "unshared"
+	}
+	q := make([]string, len(groups))
+	for i, g := range groups {
+		q[i] = strconv.Quote(g)
+	}
+	return "shared as " + strings.Join(q, " or ")
 }
 
 // Unwrap returns ErrCapacityExceeded.

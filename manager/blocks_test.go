@@ -15,14 +15,19 @@ import (
 
 // twoPartitionedGPUs is plugin "parts" with GPUs G0 and G1, each in counter set
 // "gpu-<i>" of 7 slices with capacity slices: the GPU consumes 7, partitions P<i>-<k>
-// (k < 4) one each, and a double D<i> two.
+// (k < 4) one each, and a double D<i> two; and shares that use one slice each under a
+// compatibility group: T<i>-<k> (k < 2) group "time-slicing", M<i>-<k> group "mps".
 func twoPartitionedGPUs(slicesCap int64) (*fakeDevices, []*pb.DeviceGroup, []*pb.CounterSet) {
-	var gpus, parts, doubles []string
+	var gpus, parts, doubles, slices, shares []string
 	for i := range 2 {
 		gpus = append(gpus, fmt.Sprintf("G%d", i))
 		doubles = append(doubles, fmt.Sprintf("D%d", i))
 		for k := range 4 {
 			parts = append(parts, fmt.Sprintf("P%d-%d", i, k))
+		}
+		for k := range 2 {
+			slices = append(slices, fmt.Sprintf("T%d-%d", i, k))
+			shares = append(shares, fmt.Sprintf("M%d-%d", i, k))
 		}
 	}
 	use := func(id string, n int64) []*pb.CounterConsumption {
@@ -38,14 +43,24 @@ func twoPartitionedGPUs(slicesCap int64) (*fakeDevices, []*pb.DeviceGroup, []*pb
 	for _, d := range dg.Devices {
 		d.Consumes = use(d.Id, 2)
 	}
+	tg, mg := group("acme", "gpu", "ts", slices...), group("acme", "gpu", "mps", shares...)
+	for _, d := range tg.Devices {
+		d.Consumes = use(d.Id, 1)
+		d.Consumes[0].CompatibilityGroups = []string{"time-slicing"}
+	}
+	for _, d := range mg.Devices {
+		d.Consumes = use(d.Id, 1)
+		d.Consumes[0].CompatibilityGroups = []string{"mps"}
+	}
 	sets := []*pb.CounterSet{{Name: "gpu-0", Counters: map[string]int64{"slices": slicesCap}}, {Name: "gpu-1", Counters: map[string]int64{"slices": slicesCap}}}
-	f := newFakeDevices("parts", gg, pg, dg)
+	f := newFakeDevices("parts", gg, pg, dg, tg, mg)
 	f.counterSets = sets
-	return f, []*pb.DeviceGroup{gg, pg, dg}, sets
+	return f, []*pb.DeviceGroup{gg, pg, dg, tg, mg}, sets
 }
 
 // wantBlockers works out, from scratch, which live reservations block each free
-// device of snap: those using a counter the device would take past its capacity.
+// device of snap: those using a counter the device would take past its capacity, or
+// every user of a set the device cannot share with (no compatibility group in common).
 func wantBlockers(snap device.Snapshot, live map[string]device.Reservation) map[string][]string {
 	caps := make(map[device.CounterSetKey]map[string]int64)
 	for _, cs := range snap.Inventory.CounterSets {
@@ -74,6 +89,22 @@ func wantBlockers(snap device.Snapshot, live map[string]device.Reservation) map[
 			}
 			var by []string
 			for _, c := range d.Consumes {
+				common, compatible := c.Groups, true
+				var users []string
+				for id, r := range live {
+					for _, rc := range r.Consumes {
+						if rc.Set == c.Set {
+							users = append(users, id)
+							if compatible {
+								common, compatible = device.Compatible(common, rc.Groups)
+							}
+						}
+					}
+				}
+				if !compatible {
+					by = append(by, users...)
+					continue
+				}
 				for n, want := range c.Counters {
 					if want <= 0 || used[c.Set][n]+want <= caps[c.Set][n] {
 						continue

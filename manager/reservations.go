@@ -123,7 +123,10 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	// at a time, and the capacity is checked before the plugin carves anything, so a
 	// Reserve that cannot fit never makes the plugin create an instance. The ledger
 	// checks it again, atomically with its write.
-	consumes, caps := consumption(snap, req.Group, ids)
+	consumes, caps, err := consumption(snap, req.Group, ids)
+	if err != nil {
+		return refuse(err)
+	}
 	if len(consumes) > 0 {
 		region = steps.Start(ctx, "counter sets")
 		unlock, err := m.lockCounterSets(ctx, consumes)
@@ -344,26 +347,43 @@ func owingRelease(snap device.Snapshot, group device.GroupKey, ids []string) []s
 }
 
 // consumption sums what ids (devices of group and of one plugin, as route found them in
-// snap) use of their plugin's counter sets, by set sorted by name, and returns the
-// capacities of those sets in snap; nothing for devices that share nothing.
-func consumption(snap device.Snapshot, group device.GroupKey, ids []string) ([]device.Consumption, device.Capacity) {
-	sum := make(map[device.CounterSetKey]map[string]int64)
+// snap) use of their plugin's counter sets, by set sorted by name, with the
+// compatibility groups they all share, and returns the capacities of those sets in
+// snap; nothing for devices that share nothing. Devices whose uses of one set have no
+// group in common (a time-sliced replica and an MPS share of one GPU) cannot be held
+// together: an ErrInvalidRequest says which.
+func consumption(snap device.Snapshot, group device.GroupKey, ids []string) ([]device.Consumption, device.Capacity, error) {
+	type setUse struct {
+		counters map[string]int64
+		groups   []string
+		first    string // the first device using the set
+	}
+	sum := make(map[device.CounterSetKey]*setUse)
 	for _, d := range devicesIn(snap, group, ids) {
 		for _, c := range d.Consumes {
-			if sum[c.Set] == nil {
-				sum[c.Set] = make(map[string]int64, len(c.Counters))
+			u := sum[c.Set]
+			if u == nil {
+				u = &setUse{counters: make(map[string]int64, len(c.Counters)), groups: c.Groups, first: d.ID}
+				sum[c.Set] = u
+			} else {
+				common, ok := device.Compatible(u.groups, c.Groups)
+				if !ok {
+					return nil, nil, fmt.Errorf("devices %q and %q use counter set %q %s and %s: one reservation cannot hold both: %w",
+						u.first, d.ID, c.Set.Name, device.SharedAs(u.groups), device.SharedAs(c.Groups), device.ErrInvalidRequest)
+				}
+				u.groups = common
 			}
 			for name, v := range c.Counters {
-				sum[c.Set][name] += v
+				u.counters[name] += v
 			}
 		}
 	}
 	if len(sum) == 0 {
-		return nil, nil
+		return nil, nil, nil
 	}
 	consumes := make([]device.Consumption, 0, len(sum))
 	for _, k := range slices.SortedFunc(maps.Keys(sum), func(a, b device.CounterSetKey) int { return strings.Compare(a.Name, b.Name) }) {
-		consumes = append(consumes, device.Consumption{Set: k, Counters: sum[k]})
+		consumes = append(consumes, device.Consumption{Set: k, Counters: sum[k].counters, Groups: slices.Clone(sum[k].groups)})
 	}
 	caps := make(device.Capacity, len(sum))
 	for _, cs := range snap.Inventory.CounterSets {
@@ -371,7 +391,7 @@ func consumption(snap device.Snapshot, group device.GroupKey, ids []string) ([]d
 			caps[cs.Key] = cs.Capacity
 		}
 	}
-	return consumes, caps
+	return consumes, caps, nil
 }
 
 // devicesIn yields the plugin and the static part of each device of group in snap

@@ -130,7 +130,8 @@ func deviceToProto(d *device.DeviceInfo, ds device.DeviceState) *pb.Device {
 		}
 	}
 	for _, c := range d.Consumes {
-		pd.Consumes = append(pd.Consumes, &pb.CounterConsumption{CounterSet: c.Set.Name, Counters: maps.Clone(c.Counters)})
+		pd.Consumes = append(pd.Consumes, &pb.CounterConsumption{CounterSet: c.Set.Name, Counters: maps.Clone(c.Counters),
+			CompatibilityGroups: slices.Clone(c.Groups)})
 	}
 	for _, h := range ds.BlockedBy {
 		pd.BlockedBy = append(pd.BlockedBy, &pb.Holder{ReservationId: h.ReservationID, OwnerId: h.OwnerID})

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"errors"
+	"slices"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
@@ -137,6 +138,7 @@ func capacityToProto(e *device.CapacityError) *pb.CapacityExceeded {
 		po := &pb.CounterOverrun{
 			Plugin: o.Set.Plugin, CounterSet: o.Set.Name, Counter: o.Counter,
 			Capacity: o.Capacity, Used: o.Used, Requested: o.Requested,
+			CompatibilityGroups: slices.Clone(o.Groups), UsersCompatibilityGroups: slices.Clone(o.UsersGroups),
 		}
 		for _, u := range o.Users {
 			po.Users = append(po.Users, &pb.Holder{ReservationId: u.ReservationID, OwnerId: u.OwnerID})

@@ -17,6 +17,10 @@ func consumes(set string, counters map[string]int64) []*pb.CounterConsumption {
 	return []*pb.CounterConsumption{{CounterSet: set, Counters: counters}}
 }
 
+func grouped(set string, counters map[string]int64, groups ...string) []*pb.CounterConsumption {
+	return []*pb.CounterConsumption{{CounterSet: set, Counters: counters, CompatibilityGroups: groups}}
+}
+
 // partitioned is a fingerprint of one GPU and one of its partitions, both consuming
 // its counter set.
 func partitioned(sets []*pb.CounterSet, whole, part []*pb.CounterConsumption) *pb.FingerprintResponse {
@@ -55,6 +59,14 @@ func TestFingerprintCounterSets(t *testing.T) {
 			[]found{{`counter_set[0] "s": counter "c"`, validate.RuleCounterRange}}},
 		{"absurd capacity", partitioned([]*pb.CounterSet{{Name: "s", Counters: map[string]int64{"c": 1 << 62}}}, nil, nil),
 			[]found{{`counter_set[0] "s": counter "c"`, validate.RuleCounterRange}}},
+		{"compatibility groups", partitioned([]*pb.CounterSet{gpuSet("gpu-0")}, nil, grouped("gpu-0", one, "time-slicing", "mps")), nil},
+		{"three compatibility groups", partitioned([]*pb.CounterSet{gpuSet("gpu-0")}, nil, grouped("gpu-0", one, "a", "b", "c")),
+			[]found{{mig + `: consumes[0] "gpu-0": compatibility_groups`, validate.RuleTooMany}}},
+		{"a compatibility group twice", partitioned([]*pb.CounterSet{gpuSet("gpu-0")}, nil, grouped("gpu-0", one, "mps", "mps")),
+			[]found{{mig + `: consumes[0] "gpu-0": compatibility_group[1] "mps"`, validate.RuleDuplicate}}},
+		{"compatibility groups that are no DNS labels", partitioned([]*pb.CounterSet{gpuSet("gpu-0")}, grouped("gpu-0", full, "Time_Slicing"), grouped("gpu-0", one, "")),
+			[]found{{gpu + `: consumes[0] "gpu-0": compatibility_group[0] "Time_Slicing"`, validate.RuleGroupName},
+				{mig + `: consumes[0] "gpu-0": compatibility_group[0] ""`, validate.RuleGroupName}}},
 		{"a set twice", partitioned([]*pb.CounterSet{gpuSet("gpu-0"), gpuSet("gpu-0")}, nil, nil),
 			[]found{{`counter_set[1] "gpu-0"`, validate.RuleDuplicate}}},
 		{"a set without counters", partitioned([]*pb.CounterSet{{Name: "s"}}, nil, nil),

@@ -8,6 +8,7 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
@@ -164,6 +165,7 @@ func (c *collector) checkConsumption(dItem string, cons []*pb.CounterConsumption
 			continue
 		}
 		seen[cc.GetCounterSet()] = true
+		c.checkGroups(item, cc.GetCompatibilityGroups())
 		names := slices.Sorted(maps.Keys(cc.GetCounters()))
 		if len(names) > MaxCountersPerSet {
 			c.add(at(item, "counters"), RuleTooMany, tooMany(len(names), MaxCountersPerSet))
@@ -183,6 +185,39 @@ func (c *collector) checkConsumption(dItem string, cons []*pb.CounterConsumption
 			}
 		}
 	}
+}
+
+// checkGroups checks a use's compatibility groups: at most
+// device.MaxCompatibilityGroups, each a DNS label (as Kubernetes' k8s-short-name) and
+// named once.
+func (c *collector) checkGroups(item string, groups []string) {
+	if len(groups) > device.MaxCompatibilityGroups {
+		c.add(at(item, "compatibility_groups"), RuleTooMany, tooMany(len(groups), device.MaxCompatibilityGroups))
+		groups = groups[:device.MaxCompatibilityGroups]
+	}
+	for gi, g := range groups {
+		gItem := at(item, fmt.Sprintf("compatibility_group[%d] %s", gi, q(g)))
+		switch {
+		case !dnsLabel(g):
+			c.add(gItem, RuleGroupName, "")
+		case slices.Index(groups, g) < gi:
+			c.add(gItem, RuleDuplicate, "")
+		}
+	}
+}
+
+// dnsLabel reports whether s is an RFC 1123 label: 1 to 63 lowercase letters, digits
+// and "-", starting and ending with a letter or digit.
+func dnsLabel(s string) bool {
+	if s == "" || len(s) > 63 || s[0] == '-' || s[len(s)-1] == '-' {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !('a' <= c && c <= 'z' || '0' <= c && c <= '9' || c == '-') {
+			return false
+		}
+	}
+	return true
 }
 
 // checkCounterValue checks a capacity or a use: 0 to MaxCounterValue.

@@ -50,10 +50,11 @@ const (
 	RuleAdminTakeOver Rule = "not with admin_access" // an admin access takes nothing over
 	RuleOwnerLabel    Rule = "unknown owner label"   // an owner label key not in device.OwnerLabelKeys
 	// Shared capacity (counter sets).
-	RuleUnknownCounterSet Rule = "unknown counter set"       // a device consumes from a set the fingerprint does not declare
-	RuleUnknownCounter    Rule = "unknown counter"           // a device consumes a counter its set does not have
-	RuleCounterRange      Rule = "counter out of range"      // a capacity or use below 0 or over MaxCounterValue
-	RuleOverCapacity      Rule = "consumption over capacity" // one device alone uses more than the set has
+	RuleUnknownCounterSet Rule = "unknown counter set"         // a device consumes from a set the fingerprint does not declare
+	RuleUnknownCounter    Rule = "unknown counter"             // a device consumes a counter its set does not have
+	RuleCounterRange      Rule = "counter out of range"        // a capacity or use below 0 or over MaxCounterValue
+	RuleOverCapacity      Rule = "consumption over capacity"   // one device alone uses more than the set has
+	RuleGroupName         Rule = "invalid compatibility group" // not a DNS label (lowercase letters, digits, "-"; at most 63)
 	// RuleTruncated is reported once, last, when more than MaxViolations violations were
 	// found; its Detail says how many were left out.
 	RuleTruncated Rule = "more violations not shown"

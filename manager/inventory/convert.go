@@ -64,6 +64,7 @@ func fromFingerprint(plugin string, resp *pb.FingerprintResponse) fingerprint {
 				info.Consumes = append(info.Consumes, device.Consumption{
 					Set:      device.CounterSetKey{Plugin: plugin, Name: c.GetCounterSet()},
 					Counters: maps.Clone(c.GetCounters()),
+					Groups:   sortedGroups(c.GetCompatibilityGroups()),
 				})
 			}
 			slices.SortFunc(info.Consumes, func(a, b device.Consumption) int { return cmp.Compare(a.Set.Name, b.Set.Name) })
@@ -143,4 +144,13 @@ func fromStats(resp *pb.StatsResponse, received time.Time) map[string]device.Dev
 		out[d.GetDeviceId()] = st
 	}
 	return out
+}
+
+// sortedGroups is a sorted copy of a use's compatibility groups (validated: unique),
+// nil for none.
+func sortedGroups(groups []string) []string {
+	if len(groups) == 0 {
+		return nil
+	}
+	return slices.Sorted(slices.Values(groups))
 }

@@ -302,9 +302,10 @@ type setBlocks struct {
 }
 
 // sameUse says whether two uses of a counter set are the same sums by the same
-// reservations.
+// reservations under the same groups.
 func sameUse(a, b device.CounterUse) bool {
-	if !maps.Equal(a.Used, b.Used) || len(a.Users) != len(b.Users) {
+	if !maps.Equal(a.Used, b.Used) || len(a.Users) != len(b.Users) ||
+		!slices.Equal(a.SetUsers, b.SetUsers) || !slices.Equal(a.Groups, b.Groups) {
 		return false
 	}
 	for name, hs := range a.Users {
@@ -316,9 +317,13 @@ func sameUse(a, b device.CounterUse) bool {
 }
 
 // blockedBy returns the live reservations that use so much of a counter c needs (the
-// set's capacity caps, its use u) that it does not fit, sorted by reservation ID; none
-// when it fits.
+// set's capacity caps, its use u) that it does not fit, or every user of the set when
+// c's compatibility groups have none in common with theirs, sorted by reservation ID;
+// none when it fits.
 func blockedBy(c device.Consumption, caps map[string]int64, u device.CounterUse) []device.Holder {
+	if _, ok := device.Compatible(c.Groups, u.Groups); !ok && len(u.SetUsers) > 0 {
+		return u.SetUsers // shared with the use: never written
+	}
 	var out []device.Holder
 	for name, want := range c.Counters {
 		if want > 0 && u.Used[name]+want > caps[name] {

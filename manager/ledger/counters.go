@@ -26,6 +26,9 @@ type counterKey struct {
 type counters struct {
 	used  map[counterKey]int64
 	users map[counterKey]map[string]struct{} // live reservation IDs using it (a use above 0)
+	// sets is every live reservation using a set (any use, 0 included), with the
+	// compatibility groups it uses the set under (nil: none).
+	sets map[device.CounterSetKey]map[string][]string
 	// views is Usage's answer per counter set, made when first asked and dropped by add
 	// when the set's use changes, so a Usage after one Reserve builds one set, not all.
 	// add runs under the ledger's write lock; Usage fills it under the read lock and
@@ -36,18 +39,30 @@ type counters struct {
 
 func newCounters() counters {
 	return counters{used: make(map[counterKey]int64), users: make(map[counterKey]map[string]struct{}),
+		sets:   make(map[device.CounterSetKey]map[string][]string),
 		viewMu: new(sync.Mutex), views: make(map[device.CounterSetKey]device.CounterUse)}
 }
 
 // add counts live reservation r's use (sign 1) or takes it back (sign -1).
 func (c counters) add(r *device.Reservation, sign int64) {
 	for _, cons := range r.Consumes {
+		delete(c.views, cons.Set)
+		switch m := c.sets[cons.Set]; {
+		case sign > 0 && m == nil:
+			c.sets[cons.Set] = map[string][]string{r.ID: cons.Groups}
+		case sign > 0:
+			m[r.ID] = cons.Groups
+		default:
+			delete(m, r.ID)
+			if len(m) == 0 {
+				delete(c.sets, cons.Set)
+			}
+		}
 		for name, v := range cons.Counters {
 			if v == 0 {
 				continue
 			}
 			k := counterKey{cons.Set, name}
-			delete(c.views, cons.Set)
 			c.used[k] += sign * v
 			u := c.users[k]
 			switch {
@@ -76,36 +91,71 @@ func (l *Ledger) Usage() map[device.CounterSetKey]device.CounterUse {
 	c.viewMu.Lock()
 	defer c.viewMu.Unlock()
 	var stale map[device.CounterSetKey]device.CounterUse
-	for k, v := range c.used {
-		if _, ok := c.views[k.set]; ok {
+	for set, users := range c.sets {
+		if _, ok := c.views[set]; ok {
 			continue
 		}
 		if stale == nil {
 			stale = make(map[device.CounterSetKey]device.CounterUse)
 		}
+		u := device.CounterUse{Used: make(map[string]int64), Users: make(map[string][]device.Holder)}
+		u.SetUsers = l.holders(slices.Sorted(maps.Keys(users)))
+		u.Groups = sharedGroups(users)
+		stale[set] = u
+	}
+	for k, v := range c.used {
 		u, ok := stale[k.set]
 		if !ok {
-			u = device.CounterUse{Used: make(map[string]int64), Users: make(map[string][]device.Holder)}
-			stale[k.set] = u
+			continue // a view already made
 		}
 		u.Used[k.counter] = v
-		ids := slices.Sorted(maps.Keys(c.users[k]))
-		hs := make([]device.Holder, 0, len(ids))
-		for _, id := range ids {
-			if r := l.idx.live[id]; r != nil {
-				hs = append(hs, device.Holder{ReservationID: id, OwnerID: r.OwnerID})
-			}
-		}
-		u.Users[k.counter] = hs
+		u.Users[k.counter] = l.holders(slices.Sorted(maps.Keys(c.users[k])))
 	}
 	maps.Copy(c.views, stale)
 	return maps.Clone(c.views)
+}
+
+// holders are the live reservations of ids, in their order.
+func (l *Ledger) holders(ids []string) []device.Holder {
+	hs := make([]device.Holder, 0, len(ids))
+	for _, id := range ids {
+		if r := l.idx.live[id]; r != nil {
+			hs = append(hs, device.Holder{ReservationID: id, OwnerID: r.OwnerID})
+		}
+	}
+	return hs
+}
+
+// sharedGroups are the compatibility groups all of users (reservation ID: groups) use
+// a set under: nil when none (the ledger admits no users without one in common).
+func sharedGroups(users map[string][]string) []string {
+	var common []string
+	first := true
+	for _, id := range slices.Sorted(maps.Keys(users)) {
+		if first {
+			common, first = users[id], false
+			continue
+		}
+		if c, ok := device.Compatible(common, users[id]); ok {
+			common = c
+		}
+	}
+	return slices.Clone(common)
 }
 
 // overlayCounters is a batch's change to the counters: deltas over the index's.
 type overlayCounters struct {
 	used  map[counterKey]int64
 	users map[counterKey]map[string]bool // true: added in the batch, false: removed
+	// sets: per set, reservations added to its users in the batch (with their
+	// groups) or removed (absent from the map's value: a nil entry in removed).
+	sets map[device.CounterSetKey]map[string]setChange
+}
+
+// setChange is a batch's change to one reservation's use of a set.
+type setChange struct {
+	in     bool
+	groups []string
 }
 
 func (o *overlay) countersAdd(r *device.Reservation, sign int64) {
@@ -113,9 +163,14 @@ func (o *overlay) countersAdd(r *device.Reservation, sign int64) {
 		return
 	}
 	if o.ctr.used == nil {
-		o.ctr = overlayCounters{used: make(map[counterKey]int64), users: make(map[counterKey]map[string]bool)}
+		o.ctr = overlayCounters{used: make(map[counterKey]int64), users: make(map[counterKey]map[string]bool),
+			sets: make(map[device.CounterSetKey]map[string]setChange)}
 	}
 	for _, cons := range r.Consumes {
+		if o.ctr.sets[cons.Set] == nil {
+			o.ctr.sets[cons.Set] = make(map[string]setChange)
+		}
+		o.ctr.sets[cons.Set][r.ID] = setChange{in: sign > 0, groups: cons.Groups}
 		for name, v := range cons.Counters {
 			if v == 0 {
 				continue
@@ -148,7 +203,26 @@ func (o *overlay) usersOf(k counterKey) []string {
 	return slices.Sorted(maps.Keys(ids))
 }
 
+// setUsersOf is every reservation using set as of the batch, with its groups.
+func (o *overlay) setUsersOf(set device.CounterSetKey) map[string][]string {
+	users := maps.Clone(o.base.ctr.sets[set])
+	for id, ch := range o.ctr.sets[set] {
+		if ch.in {
+			if users == nil {
+				users = make(map[string][]string)
+			}
+			users[id] = ch.groups
+		} else {
+			delete(users, id)
+		}
+	}
+	return users
+}
+
 func (x *index) usedOf(k counterKey) int64 { return x.ctr.used[k] }
+func (x *index) setUsersOf(set device.CounterSetKey) map[string][]string {
+	return x.ctr.sets[set]
+}
 func (x *index) usersOf(k counterKey) []string {
 	return slices.Sorted(maps.Keys(x.ctr.users[k]))
 }
@@ -177,6 +251,12 @@ func decideCapacity(v view, owner string, consumes []device.Consumption, caps de
 	}
 	var e *CapacityError
 	for _, c := range consumes {
+		if o, ok := groupConflict(v, c, gone); !ok {
+			if e == nil {
+				e = &CapacityError{OwnerID: owner}
+			}
+			e.Overruns = append(e.Overruns, o)
+		}
 		for _, name := range slices.Sorted(maps.Keys(c.Counters)) {
 			want := c.Counters[name]
 			if want == 0 {
@@ -210,6 +290,39 @@ func decideCapacity(v view, owner string, consumes []device.Consumption, caps de
 	return e
 }
 
+// groupConflict checks that use c can share its set with the set's live users other
+// than gone: that all their compatibility groups and c's have one in common (none
+// counting as a group of its own). It returns the Overrun that says why not, and false,
+// otherwise.
+func groupConflict(v view, c device.Consumption, gone map[string]bool) (device.Overrun, bool) {
+	users := v.setUsersOf(c.Set)
+	ids := slices.Sorted(maps.Keys(users))
+	ids = slices.DeleteFunc(ids, func(id string) bool { return gone[id] })
+	if len(ids) == 0 {
+		return device.Overrun{}, true
+	}
+	common := c.Groups
+	ok := true
+	for _, id := range ids {
+		if common, ok = device.Compatible(common, users[id]); !ok {
+			break
+		}
+	}
+	if ok {
+		return device.Overrun{}, true
+	}
+	live := make(map[string][]string, len(ids))
+	o := device.Overrun{Set: c.Set, Groups: slices.Clone(c.Groups)}
+	for _, id := range ids {
+		if r := v.get(id); r != nil {
+			live[id] = users[id]
+			o.Users = append(o.Users, device.Holder{ReservationID: id, OwnerID: r.OwnerID})
+		}
+	}
+	o.UsersGroups = sharedGroups(live)
+	return o, false
+}
+
 // checkConsumes checks the invariants of a stored reservation's use of counters: each
 // set of the reservation's plugin, named once, with uses of 0 or more.
 func checkConsumes(plugin string, consumes []device.Consumption) error {
@@ -224,6 +337,11 @@ func checkConsumes(plugin string, consumes []device.Consumption) error {
 			return fmt.Errorf("counter set %q named twice", c.Set.Name)
 		}
 		seen[c.Set.Name] = true
+		if len(c.Groups) > device.MaxCompatibilityGroups || slices.Contains(c.Groups, "") ||
+			!slices.IsSorted(c.Groups) || len(slices.Compact(slices.Clone(c.Groups))) != len(c.Groups) {
+			return fmt.Errorf("counter set %q: compatibility groups %q: not at most %d names, sorted, each once",
+				c.Set.Name, c.Groups, device.MaxCompatibilityGroups)
+		}
 		for name, v := range c.Counters {
 			if name == "" || v < 0 {
 				return fmt.Errorf("counter set %q: counter %q uses %d", c.Set.Name, name, v)

@@ -203,6 +203,9 @@ func TestCheckConsumes(t *testing.T) {
 		{"no set name", []device.Consumption{{Set: device.CounterSetKey{Plugin: "p"}}}, "without a name"},
 		{"another plugin's set", []device.Consumption{{Set: device.CounterSetKey{Plugin: "q", Name: "s"}}}, `of plugin "q" in a reservation of plugin "p"`},
 		{"a set twice", []device.Consumption{{Set: device.CounterSetKey{Plugin: "p", Name: "s"}}, {Set: device.CounterSetKey{Plugin: "p", Name: "s"}}}, "named twice"},
+		{"groups out of order", []device.Consumption{{Set: device.CounterSetKey{Plugin: "p", Name: "s"}, Groups: []string{"mps", "a"}}}, "compatibility groups"},
+		{"three groups", []device.Consumption{{Set: device.CounterSetKey{Plugin: "p", Name: "s"}, Groups: []string{"a", "b", "c"}}}, "at most 2"},
+		{"an empty group", []device.Consumption{{Set: device.CounterSetKey{Plugin: "p", Name: "s"}, Groups: []string{""}}}, "compatibility groups"},
 		{"a negative use", []device.Consumption{{Set: device.CounterSetKey{Plugin: "p", Name: "s"}, Counters: map[string]int64{"c": -1}}}, "uses -1"},
 	} {
 		if err := checkConsumes("p", tc.c); err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -247,8 +250,9 @@ func TestUsageFollowsEveryWrite(t *testing.T) {
 					u, ok := want[c.Set]
 					if !ok {
 						u = device.CounterUse{Used: map[string]int64{}, Users: map[string][]device.Holder{}}
-						want[c.Set] = u
 					}
+					u.SetUsers = append(u.SetUsers, device.Holder{ReservationID: r.ID, OwnerID: r.OwnerID})
+					want[c.Set] = u
 					for n, v := range c.Counters {
 						u.Used[n] += v
 						u.Users[n] = append(u.Users[n], device.Holder{ReservationID: r.ID, OwnerID: r.OwnerID})
@@ -256,6 +260,7 @@ func TestUsageFollowsEveryWrite(t *testing.T) {
 				}
 			}
 			for _, u := range want {
+				slices.SortFunc(u.SetUsers, func(a, b device.Holder) int { return strings.Compare(a.ReservationID, b.ReservationID) })
 				for n := range u.Users {
 					slices.SortFunc(u.Users[n], func(a, b device.Holder) int { return strings.Compare(a.ReservationID, b.ReservationID) })
 				}

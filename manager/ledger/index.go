@@ -406,7 +406,7 @@ func cloneConsumes(cs []device.Consumption) []device.Consumption {
 	}
 	out := make([]device.Consumption, len(cs))
 	for i, c := range cs {
-		out[i] = device.Consumption{Set: c.Set, Counters: maps.Clone(c.Counters)}
+		out[i] = device.Consumption{Set: c.Set, Counters: maps.Clone(c.Counters), Groups: slices.Clone(c.Groups)}
 	}
 	return out
 }

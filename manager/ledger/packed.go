@@ -83,6 +83,7 @@ func pack(r *device.Reservation) packed {
 			p.str(k)
 			p.b = binary.AppendVarint(p.b, cons.Counters[k])
 		}
+		p.strs(cons.Groups)
 	}
 	p.str(r.OwnerLabels.Pod)
 	p.str(r.OwnerLabels.Namespace)
@@ -156,6 +157,7 @@ func (p packed) unpack(id string) *device.Reservation {
 					cons.Counters[k] = u.varint()
 				}
 			}
+			cons.Groups = u.strs()
 			r.Consumes[i] = cons
 		}
 	}

@@ -65,6 +65,9 @@ type recordV1 struct {
 type consumptionV1 struct {
 	Set      string           `json:"set"`
 	Counters map[string]int64 `json:"counters"`
+	// Groups are the use's compatibility groups, left out when none, so that a file
+	// without them stays readable by a version that predates them.
+	Groups []string `json:"groups,omitempty"`
 }
 
 type groupV1 struct {
@@ -119,7 +122,7 @@ func encodeReservation(r *device.Reservation) ([]byte, error) {
 		OwnerLabels:    r.OwnerLabels.Map(),
 	}
 	for _, c := range r.Consumes {
-		rec.Consumes = append(rec.Consumes, consumptionV1{Set: c.Set.Name, Counters: c.Counters})
+		rec.Consumes = append(rec.Consumes, consumptionV1{Set: c.Set.Name, Counters: c.Counters, Groups: c.Groups})
 	}
 	if r.Container.Mounts != nil {
 		rec.Container.Mounts = make([]mountV1, len(r.Container.Mounts))
@@ -169,7 +172,8 @@ func decodeReservation(key, v []byte) (*device.Reservation, error) {
 		OwnerLabels:    device.OwnerLabelsOf(rec.OwnerLabels),
 	}
 	for _, c := range rec.Consumes {
-		r.Consumes = append(r.Consumes, device.Consumption{Set: device.CounterSetKey{Plugin: rec.Plugin, Name: c.Set}, Counters: c.Counters})
+		r.Consumes = append(r.Consumes, device.Consumption{Set: device.CounterSetKey{Plugin: rec.Plugin, Name: c.Set}, Counters: c.Counters,
+			Groups: c.Groups})
 	}
 	if rec.Container.Mounts != nil {
 		r.Container.Mounts = make([]device.Mount, len(rec.Container.Mounts))

@@ -38,6 +38,7 @@ type view interface {
 	holder(dev string) string
 	usedOf(k counterKey) int64
 	usersOf(k counterKey) []string
+	setUsersOf(set device.CounterSetKey) map[string][]string // must not be changed
 }
 
 // decide applies the conflict rules to a request by owner for deviceIDs (valid, no

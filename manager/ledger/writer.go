@@ -133,6 +133,9 @@ func (w *txn) get(id string) *device.Reservation { return w.ov.get(id) }
 func (w *txn) holder(dev string) string          { return w.ov.holder(dev) }
 func (w *txn) usedOf(k counterKey) int64         { return w.ov.usedOf(k) }
 func (w *txn) usersOf(k counterKey) []string     { return w.ov.usersOf(k) }
+func (w *txn) setUsersOf(set device.CounterSetKey) map[string][]string {
+	return w.ov.setUsersOf(set)
+}
 
 // putReservation stores r (never modified afterwards) in the file and the batch view.
 func (w *txn) putReservation(r *device.Reservation) error {

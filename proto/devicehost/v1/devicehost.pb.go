@@ -1005,10 +1005,14 @@ func (x *CounterSet) GetUsed() map[string]int64 {
 type CounterConsumption struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// A counter set of the device's plugin.
-	CounterSet    string           `protobuf:"bytes,1,opt,name=counter_set,json=counterSet,proto3" json:"counter_set,omitempty"`
-	Counters      map[string]int64 `protobuf:"bytes,2,rep,name=counters,proto3" json:"counters,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	CounterSet string           `protobuf:"bytes,1,opt,name=counter_set,json=counterSet,proto3" json:"counter_set,omitempty"`
+	Counters   map[string]int64 `protobuf:"bytes,2,rep,name=counters,proto3" json:"counters,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	// The use's compatibility groups, sorted (as the plugin's): devices that use one
+	// counter set are held at once only if all their uses of it share a group; a use
+	// with none shares the set only with others that have none.
+	CompatibilityGroups []string `protobuf:"bytes,3,rep,name=compatibility_groups,json=compatibilityGroups,proto3" json:"compatibility_groups,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *CounterConsumption) Reset() {
@@ -1051,6 +1055,13 @@ func (x *CounterConsumption) GetCounterSet() string {
 func (x *CounterConsumption) GetCounters() map[string]int64 {
 	if x != nil {
 		return x.Counters
+	}
+	return nil
+}
+
+func (x *CounterConsumption) GetCompatibilityGroups() []string {
+	if x != nil {
+		return x.CompatibilityGroups
 	}
 	return nil
 }
@@ -3022,7 +3033,8 @@ func (x *CapacityExceeded) GetOverruns() []*CounterOverrun {
 	return nil
 }
 
-// CounterOverrun is one counter a Reserve would take over its capacity.
+// CounterOverrun is one counter a Reserve would take over its capacity, or (counter
+// empty) a counter set whose users it cannot share it with.
 type CounterOverrun struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
 	Plugin     string                 `protobuf:"bytes,1,opt,name=plugin,proto3" json:"plugin,omitempty"`
@@ -3034,9 +3046,14 @@ type CounterOverrun struct {
 	// What the request would add.
 	Requested int64 `protobuf:"varint,6,opt,name=requested,proto3" json:"requested,omitempty"`
 	// The live reservations that use it, sorted by reservation ID.
-	Users         []*Holder `protobuf:"bytes,7,rep,name=users,proto3" json:"users,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Users []*Holder `protobuf:"bytes,7,rep,name=users,proto3" json:"users,omitempty"`
+	// With counter empty, the set cannot be shared, not overrun: the compatibility
+	// groups of the request's devices and those common to the set's users (users: all
+	// of them) have none in common. Empty lists mean "no groups".
+	CompatibilityGroups      []string `protobuf:"bytes,8,rep,name=compatibility_groups,json=compatibilityGroups,proto3" json:"compatibility_groups,omitempty"`
+	UsersCompatibilityGroups []string `protobuf:"bytes,9,rep,name=users_compatibility_groups,json=usersCompatibilityGroups,proto3" json:"users_compatibility_groups,omitempty"`
+	unknownFields            protoimpl.UnknownFields
+	sizeCache                protoimpl.SizeCache
 }
 
 func (x *CounterOverrun) Reset() {
@@ -3114,6 +3131,20 @@ func (x *CounterOverrun) GetRequested() int64 {
 func (x *CounterOverrun) GetUsers() []*Holder {
 	if x != nil {
 		return x.Users
+	}
+	return nil
+}
+
+func (x *CounterOverrun) GetCompatibilityGroups() []string {
+	if x != nil {
+		return x.CompatibilityGroups
+	}
+	return nil
+}
+
+func (x *CounterOverrun) GetUsersCompatibilityGroups() []string {
+	if x != nil {
+		return x.UsersCompatibilityGroups
 	}
 	return nil
 }
@@ -3254,11 +3285,12 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\x1a7\n" +
 	"\tUsedEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xbf\x01\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xf2\x01\n" +
 	"\x12CounterConsumption\x12\x1f\n" +
 	"\vcounter_set\x18\x01 \x01(\tR\n" +
 	"counterSet\x12K\n" +
-	"\bcounters\x18\x02 \x03(\v2/.devicehost.v1.CounterConsumption.CountersEntryR\bcounters\x1a;\n" +
+	"\bcounters\x18\x02 \x03(\v2/.devicehost.v1.CounterConsumption.CountersEntryR\bcounters\x121\n" +
+	"\x14compatibility_groups\x18\x03 \x03(\tR\x13compatibilityGroups\x1a;\n" +
 	"\rCountersEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xb7\x02\n" +
@@ -3429,7 +3461,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\tconflicts\x18\x02 \x03(\v2\x1d.devicehost.v1.DeviceConflictR\tconflicts\"h\n" +
 	"\x10CapacityExceeded\x12\x19\n" +
 	"\bowner_id\x18\x01 \x01(\tR\aownerId\x129\n" +
-	"\boverruns\x18\x02 \x03(\v2\x1d.devicehost.v1.CounterOverrunR\boverruns\"\xde\x01\n" +
+	"\boverruns\x18\x02 \x03(\v2\x1d.devicehost.v1.CounterOverrunR\boverruns\"\xcf\x02\n" +
 	"\x0eCounterOverrun\x12\x16\n" +
 	"\x06plugin\x18\x01 \x01(\tR\x06plugin\x12\x1f\n" +
 	"\vcounter_set\x18\x02 \x01(\tR\n" +
@@ -3438,7 +3470,9 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\bcapacity\x18\x04 \x01(\x03R\bcapacity\x12\x12\n" +
 	"\x04used\x18\x05 \x01(\x03R\x04used\x12\x1c\n" +
 	"\trequested\x18\x06 \x01(\x03R\trequested\x12+\n" +
-	"\x05users\x18\a \x03(\v2\x15.devicehost.v1.HolderR\x05users\"\x99\x01\n" +
+	"\x05users\x18\a \x03(\v2\x15.devicehost.v1.HolderR\x05users\x121\n" +
+	"\x14compatibility_groups\x18\b \x03(\tR\x13compatibilityGroups\x12<\n" +
+	"\x1ausers_compatibility_groups\x18\t \x03(\tR\x18usersCompatibilityGroups\"\x99\x01\n" +
 	"\x0eDeviceConflict\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x19\n" +
 	"\bowner_id\x18\x02 \x01(\tR\aownerId\x12\x1d\n" +

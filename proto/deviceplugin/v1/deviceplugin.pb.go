@@ -525,9 +525,16 @@ type CounterConsumption struct {
 	CounterSet string `protobuf:"bytes,1,opt,name=counter_set,json=counterSet,proto3" json:"counter_set,omitempty"`
 	// Use per counter; each counter must be one of the set's, each value at least 0
 	// and at most its capacity.
-	Counters      map[string]int64 `protobuf:"bytes,2,rep,name=counters,proto3" json:"counters,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Counters map[string]int64 `protobuf:"bytes,2,rep,name=counters,proto3" json:"counters,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	// Compatibility groups, as Kubernetes' DRA DeviceCounterConsumption has them:
+	// devices that use one counter set are held at once only if all their uses of it
+	// share at least one group; a use with none shares the set only with others that
+	// have none. At most 2, each unique and a DNS label (lowercase letters, digits and
+	// "-", at most 63). E.g. a GPU's time-sliced replicas ("time-slicing") and its MPS
+	// shares ("mps"): the host never lets the two modes hold one GPU at once.
+	CompatibilityGroups []string `protobuf:"bytes,3,rep,name=compatibility_groups,json=compatibilityGroups,proto3" json:"compatibility_groups,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *CounterConsumption) Reset() {
@@ -570,6 +577,13 @@ func (x *CounterConsumption) GetCounterSet() string {
 func (x *CounterConsumption) GetCounters() map[string]int64 {
 	if x != nil {
 		return x.Counters
+	}
+	return nil
+}
+
+func (x *CounterConsumption) GetCompatibilityGroups() []string {
+	if x != nil {
+		return x.CompatibilityGroups
 	}
 	return nil
 }
@@ -1690,11 +1704,12 @@ const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
 	"\bcounters\x18\x02 \x03(\v2).deviceplugin.v1.CounterSet.CountersEntryR\bcounters\x1a;\n" +
 	"\rCountersEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xc1\x01\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xf4\x01\n" +
 	"\x12CounterConsumption\x12\x1f\n" +
 	"\vcounter_set\x18\x01 \x01(\tR\n" +
 	"counterSet\x12M\n" +
-	"\bcounters\x18\x02 \x03(\v21.deviceplugin.v1.CounterConsumption.CountersEntryR\bcounters\x1a;\n" +
+	"\bcounters\x18\x02 \x03(\v21.deviceplugin.v1.CounterConsumption.CountersEntryR\bcounters\x121\n" +
+	"\x14compatibility_groups\x18\x03 \x03(\tR\x13compatibilityGroups\x1a;\n" +
 	"\rCountersEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x01\"\xa5\x02\n" +
