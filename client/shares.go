@@ -31,13 +31,15 @@ func IndexCounterSets(snap *pb.FingerprintResponse) CounterSets {
 // for a share that draws on part of a set, as a share of an on-demand MIG placement
 // draws on its placement's slices of the GPU's set: no counter set names the device it
 // divides, so such shares cannot be grouped or pooled by device. A share whose set is
-// not among sets is taken at its word.
+// not among sets is taken at its word, and so is one whose use carries compatibility
+// groups: the set is then divided by sharing mode (a GPU offered time-sliced and in
+// MPS shares), each mode drawing on counters of its own, never at once.
 func (sets CounterSets) ShareParent(plugin string, d *pb.Device) (parent string, ok bool) {
 	if len(d.GetConsumes()) != 1 {
 		return "", false
 	}
 	c := d.GetConsumes()[0]
-	if set, known := sets[[2]string{plugin, c.GetCounterSet()}]; known {
+	if set, known := sets[[2]string{plugin, c.GetCounterSet()}]; known && len(c.GetCompatibilityGroups()) == 0 {
 		for name := range set.GetCapacity() {
 			if _, uses := c.GetCounters()[name]; !uses {
 				return "", false

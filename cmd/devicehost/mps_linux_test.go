@@ -232,3 +232,101 @@ func TestAgentMPSSharesOfOnDemandMIG(t *testing.T) {
 		t.Errorf("whole %s after the share's Release: %v", large, err)
 	}
 }
+
+// sharing = ["time-slicing", "mps"] through a real agent: each GPU serves the mode its
+// first holder chose. Two time-sliced replicas share GPU 0 and an MPS share of it is
+// refused, naming the mode that holds it; GPU 1 takes an MPS share and refuses a
+// replica; a SIGKILLed agent keeps both GPUs in their modes (the ledger stores each
+// use's group); with GPU 0's replicas released, GPU 0 takes an MPS share.
+func TestAgentSharingModeChosenByFirstHolder(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the devicehost binary")
+	}
+	t.Setenv("GORACE", "atexit_sleep_ms=0")
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	mpsDir := tempDir(t, "mps")
+	setup := newAgentSetup(t, fmt.Sprintf(`
+plugin "nvidia-example" {
+  config {
+    simulate       = "dgxh100"
+    replicas       = 4
+    sharing        = ["time-slicing", "mps"]
+    mps_dir        = %q
+    sim_state_file = %q
+  }
+}
+`, mpsDir, filepath.Join(tempDir(t, "dhsim"), "sim.json")))
+	agent := setup.start(t)
+	c := agent.client(t, ctx)
+	groups := make(map[string]*pb.DeviceGroup)
+	currentFingerprint(t, ctx, c, "replicas and MPS shares", func(fp *pb.FingerprintResponse) bool {
+		for _, g := range fp.GetGroups() {
+			groups[g.GetType()] = g
+		}
+		return groups["gpu.shared"] != nil && groups["gpu.mps"] != nil &&
+			len(devicesWithHealth(&pb.FingerprintResponse{Groups: []*pb.DeviceGroup{groups["gpu.mps"]}}, pb.Health_HEALTH_HEALTHY)) == 32
+	})
+	gpu0, gpu1 := groups["gpu"].GetDevices()[0].GetId(), groups["gpu"].GetDevices()[1].GetId()
+	replica := func(gpu string, k int) string { return fmt.Sprintf("%s::%d", gpu, k) }
+	share := func(gpu string, k int) string { return fmt.Sprintf("%s::mps::%d", gpu, k) }
+	reserve := func(typ, owner, id string) (*pb.ReserveResponse, error) {
+		return c.Reserve(ctx, reserveRequest(groups[typ], owner, id))
+	}
+	refused := func(what string, err error, mode string) {
+		t.Helper()
+		if status.Code(err) != codes.FailedPrecondition || !strings.Contains(status.Convert(err).Message(), "is held shared as "+mode) {
+			t.Errorf("%s: %v, want refused: held shared as %s", what, err, mode)
+		}
+	}
+	ts1, err := reserve("gpu.shared", "ts-1", replica(gpu0, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts2, err := reserve("gpu.shared", "ts-2", replica(gpu0, 1))
+	if err != nil {
+		t.Fatalf("a second replica of GPU 0: %v", err)
+	}
+	if env := ts1.GetReservation().GetEnvs(); env["NVIDIA_VISIBLE_DEVICES"] != gpu0 || env["CUDA_MPS_PIPE_DIRECTORY"] != "" {
+		t.Errorf("a replica's envs %v, want GPU 0 without MPS", env)
+	}
+	_, err = reserve("gpu.mps", "mps-1", share(gpu0, 0))
+	refused("an MPS share of time-sliced GPU 0", err, `"time-slicing"`)
+	m1, err := reserve("gpu.mps", "mps-1", share(gpu1, 0))
+	if err != nil {
+		t.Fatalf("an MPS share of GPU 1: %v", err)
+	}
+	if env := m1.GetReservation().GetEnvs(); !strings.HasPrefix(env["CUDA_MPS_PIPE_DIRECTORY"], mpsDir+"/") {
+		t.Errorf("an MPS share's envs %v, want its daemon's pipe under %s", env, mpsDir)
+	}
+	_, err = reserve("gpu.shared", "ts-3", replica(gpu1, 0))
+	refused("a replica of GPU 1 in MPS shares", err, `"mps"`)
+
+	agent.kill(t, ctx)
+	agent = setup.start(t)
+	c = agent.client(t, ctx)
+	currentFingerprint(t, ctx, c, "shares back", func(fp *pb.FingerprintResponse) bool {
+		return len(devicesWithHealth(fp, pb.Health_HEALTH_HEALTHY)) > 0
+	})
+	_, err = reserve("gpu.mps", "mps-2", share(gpu0, 1))
+	refused("after the agent's restart, an MPS share of GPU 0", err, `"time-slicing"`)
+	_, err = reserve("gpu.shared", "ts-3", replica(gpu1, 0))
+	refused("after the agent's restart, a replica of GPU 1", err, `"mps"`)
+
+	for _, r := range []*pb.ReserveResponse{ts1, ts2} {
+		if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: r.GetReservationId()}}); err != nil {
+			t.Fatalf("Release: %v", err)
+		}
+	}
+	m2, err := reserve("gpu.mps", "mps-2", share(gpu0, 1))
+	if err != nil {
+		t.Fatalf("an MPS share of GPU 0 once its replicas are released: %v", err)
+	}
+	for _, r := range []*pb.ReserveResponse{m1, m2} {
+		if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: r.GetReservationId()}}); err != nil {
+			t.Fatalf("Release: %v", err)
+		}
+	}
+	liveAfterCleanups(t, ctx, c)
+	agent.stop(t, ctx)
+}

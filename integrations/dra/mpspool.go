@@ -131,7 +131,8 @@ func poolShares(snap *pb.FingerprintResponse) (*pb.FingerprintResponse, map[stri
 				}
 				pools[p.id()] = p
 				byParent[parent] = &pb.Device{Id: p.id(), Health: pb.Health_HEALTH_HEALTHY, Locality: d.GetLocality(),
-					Consumes: []*pb.CounterConsumption{{CounterSet: parent, Counters: map[string]int64{}}}}
+					Consumes: []*pb.CounterConsumption{{CounterSet: parent, Counters: map[string]int64{},
+						CompatibilityGroups: c.GetCompatibilityGroups()}}} // the shares' mode: "mps" on a GPU offered two ways
 				order = append(order, parent)
 			}
 			p.shares = append(p.shares, d.GetId())
@@ -242,21 +243,29 @@ func (d *Driver) reserveShares(ctx context.Context, owner string, labels map[str
 		if err != nil {
 			return nil, nil, fmt.Errorf("read the agent's devices: %w", err)
 		}
-		free := make(map[string]bool)
+		free, blocked := make(map[string]bool), make(map[string]bool)
 		for _, g := range snap.GetGroups() {
 			for _, dv := range g.GetDevices() {
-				if dv.GetHolder() == nil && len(dv.GetBlockedBy()) == 0 && dv.GetHealth() == pb.Health_HEALTH_HEALTHY && dv.GetCordon() == nil {
-					free[dv.GetId()] = true
+				if dv.GetHolder() == nil && dv.GetHealth() == pb.Health_HEALTH_HEALTHY && dv.GetCordon() == nil {
+					free[dv.GetId()] = len(dv.GetBlockedBy()) == 0
+					blocked[dv.GetId()] = len(dv.GetBlockedBy()) > 0
 				}
 			}
 		}
-		var ids []string
+		var ids, others []string
 		for _, id := range p.shares {
-			if free[id] && len(ids) < k {
+			switch {
+			case free[id] && len(ids) < k:
 				ids = append(ids, id)
+			case blocked[id]:
+				others = append(others, id)
 			}
 		}
-		if len(ids) < k {
+		if len(ids) < k && len(ids)+len(others) >= k {
+			// Shares blocked by their device's other users (the GPU held whole, or in
+			// another sharing mode): the agent's refusal names them and why.
+			ids = append(ids, others[:k-len(ids)]...)
+		} else if len(ids) < k {
 			return nil, nil, fmt.Errorf("%d shares of %s asked for; %d are free at the agent", k, p.parent, len(ids))
 		}
 		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: p.group.vendor, Type: p.group.typ, Name: p.group.name, DeviceIds: ids, OwnerLabels: labels})

@@ -30,6 +30,12 @@ func mpsAgentConfig(t testing.TB) string {
 // mpsAgentConfigWith is mpsAgentConfig with more lines in the plugin's config block.
 func mpsAgentConfigWith(t testing.TB, more string) string {
 	t.Helper()
+	return sharingAgentConfig(t, `"mps"`, more)
+}
+
+// sharingAgentConfig is mpsAgentConfigWith with sharing = sharing (HCL).
+func sharingAgentConfig(t testing.TB, sharing, more string) string {
+	t.Helper()
 	dir, err := os.MkdirTemp("", "mps")
 	if err != nil {
 		t.Fatal(err)
@@ -40,12 +46,12 @@ func mpsAgentConfigWith(t testing.TB, more string) string {
   config {
     simulate = "dgxh100"
     replicas = 4
-    sharing  = "mps"
+    sharing  = %s
     mps_dir  = %q
 %s
   }
 }
-`, filepath.Join(dir, "d"), more)), 0o644); err != nil {
+`, sharing, filepath.Join(dir, "d"), more)), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	return file
@@ -324,5 +330,73 @@ func TestOnDemandMIGSharesAreNotPublished(t *testing.T) {
 	}
 	if len(names) != 1 || names[0] != DeviceName("GPU-2::mps") {
 		t.Errorf("published devices %v; want the whole GPU's pooled shares alone, %s", names, DeviceName("GPU-2::mps"))
+	}
+}
+
+// A GPU offered time-sliced and in MPS shares (sharing = ["time-slicing", "mps"]): the
+// slices carry each mode's compatibility group on its devices' counter consumption
+// (replicas "time-slicing", the pooled MPS device "mps", the whole GPU none), which
+// keeps the scheduler from putting both modes on one GPU; where the API server drops
+// them (its feature gate off), the agent refuses such a Prepare, naming the mode that
+// holds the GPU, and the claim's prepare error says so.
+func TestSharingModesCarryCompatibilityGroups(t *testing.T) {
+	t.Setenv("GORACE", "atexit_sleep_ms=0") // the simulated MPS daemon's control clients
+	r := newRigArgs(t, "-config", sharingAgentConfig(t, `["time-slicing", "mps"]`, ""))
+	r.startDriver(nil)
+	k := r.kubelet()
+	devs := r.waitSlices("8 GPUs, 32 replicas and 8 pooled MPS devices", func(d []resourceapi.Device) bool { return len(d) == 48 })
+	var replica, pooled resourceapi.Device
+	byKind := make(map[string]int)
+	for _, dv := range devs {
+		id := *dv.Attributes["id"].StringValue
+		var groups []string
+		for _, c := range dv.ConsumesCounters {
+			groups = append(groups, c.CompatibilityGroups...)
+		}
+		var kind, want string
+		switch {
+		case strings.HasSuffix(id, "::mps"):
+			kind, want, pooled = "pooled", "mps", dv
+		case strings.Contains(id, "::"):
+			kind, want = "replica", "time-slicing"
+			if strings.HasSuffix(id, "::0") && replica.Name == "" {
+				replica = dv
+			}
+		default:
+			kind = "gpu"
+		}
+		byKind[kind]++
+		if want == "" && len(groups) > 0 || want != "" && !slices.Equal(groups, []string{want}) {
+			t.Errorf("%s %s consumes in groups %q, want %q", kind, id, groups, want)
+		}
+	}
+	if byKind["gpu"] != 8 || byKind["replica"] != 32 || byKind["pooled"] != 8 {
+		t.Fatalf("devices by kind %v, want 8 GPUs, 32 replicas, 8 pooled", byKind)
+	}
+	// Both on one GPU, as a scheduler without the feature gate could allocate them.
+	gpu := *replica.Attributes["parent"].StringValue
+	for _, dv := range devs {
+		if strings.HasSuffix(*dv.Attributes["id"].StringValue, "::mps") && *dv.Attributes["parent"].StringValue == gpu {
+			pooled = dv
+		}
+	}
+	a := r.claim("ts", replica.Name)
+	if p := k.prepare(t, a); p.GetError() != "" {
+		t.Fatalf("prepare of a replica: %s", p.GetError())
+	}
+	share := pooled.Capacity["memory"].RequestPolicy.ValidRange.Step
+	b := r.consumingClaim("mps", pooled.Name, share.String())
+	p := k.prepare(t, b)
+	if !strings.Contains(p.GetError(), `is held shared as "time-slicing"`) || !strings.Contains(p.GetError(), `would hold it shared as "mps"`) {
+		t.Errorf("prepare of an MPS share of a time-sliced GPU: %q, want refused naming both modes", p.GetError())
+	}
+	if e := k.unprepare(t, a); e != "" {
+		t.Fatal(e)
+	}
+	if p := k.prepare(t, b); p.GetError() != "" {
+		t.Fatalf("prepare of the MPS share once the replica is unprepared: %s", p.GetError())
+	}
+	if e := k.unprepare(t, b); e != "" {
+		t.Fatal(e)
 	}
 }

@@ -341,7 +341,12 @@ func buildView(snap *pb.FingerprintResponse, o buildOptions) (v *view, problems 
 					problems = append(problems, fmt.Sprintf("device %s: consumes unknown counter set %s; consumption left out", d.GetId(), c.GetCounterSet()))
 					continue
 				}
-				cc := resourceapi.DeviceCounterConsumption{CounterSet: set, Counters: make(map[string]resourceapi.Counter)}
+				// Its compatibility groups, as the agent's ledger keeps them: the scheduler
+				// then never puts a time-sliced claim and an MPS claim on one GPU (with
+				// the DRADeviceCompatibilityGroups feature gate; without it the API
+				// server drops them and the agent refuses such a Prepare instead).
+				cc := resourceapi.DeviceCounterConsumption{CounterSet: set, Counters: make(map[string]resourceapi.Counter),
+					CompatibilityGroups: slices.Clone(c.GetCompatibilityGroups())}
 				for k, n := range c.GetCounters() {
 					cc.Counters[label(k)] = resourceapi.Counter{Value: *resource.NewQuantity(n, resource.DecimalSI)}
 				}

@@ -83,8 +83,13 @@ type Config struct {
 	Replicas int `json:"replicas,omitempty"`
 	// Sharing is how replicas share a device: "time-slicing" (the default when
 	// replicas is set) or "mps": each share is 1/N of the device's memory and compute,
-	// served by an MPS control daemon the plugin runs (see mps.go).
-	Sharing string `json:"sharing,omitempty"`
+	// served by an MPS control daemon the plugin runs (see mps.go). A list of both
+	// (["time-slicing", "mps"]) offers each whole GPU both ways, N replicas and N MPS
+	// shares, and lets the workload choose: a GPU serves the mode its first holder
+	// chose until it is free again (their uses of the GPU's counters carry the
+	// compatibility groups "time-slicing" and "mps", which the host never lets hold one
+	// GPU at once).
+	Sharing SharingModes `json:"sharing,omitempty"`
 	// MPSIsolation, with sharing = "mps": "shared" (the default), one control daemon per
 	// device mediating every holder, each holder's limits set in its environment; or
 	// "per-holder", a control daemon per holder whose default limits are its shares,
@@ -121,6 +126,45 @@ const (
 	MPSShared          = "shared"
 	MPSPerHolder       = "per-holder"
 )
+
+// SharingModes is Config.Sharing: one mode, or several. In a config it is a string
+// ("mps") or a list of strings (["time-slicing", "mps"]).
+type SharingModes []string
+
+// UnmarshalJSON reads a string or a list of strings.
+func (m *SharingModes) UnmarshalJSON(b []byte) error {
+	var one string
+	if err := json.Unmarshal(b, &one); err == nil {
+		*m = SharingModes{one}
+		return nil
+	}
+	var many []string
+	if err := json.Unmarshal(b, &many); err != nil {
+		return errors.New("sharing: want a mode or a list of modes")
+	}
+	*m = many
+	return nil
+}
+
+// MarshalJSON writes one mode as a string, several as a list.
+func (m SharingModes) MarshalJSON() ([]byte, error) {
+	if len(m) == 1 {
+		return json.Marshal(m[0])
+	}
+	return json.Marshal([]string(m))
+}
+
+// String is the modes as a config writes them: "mps" or ["time-slicing", "mps"].
+func (m SharingModes) String() string {
+	q := make([]string, len(m))
+	for i, s := range m {
+		q[i] = strconv.Quote(s)
+	}
+	if len(m) == 1 {
+		return q[0]
+	}
+	return "[" + strings.Join(q, ", ") + "]"
+}
 
 // MaxMPSShares bounds Config.Replicas with sharing = "mps": an MPS server takes at most
 // 48 clients per device on Volta and later.
@@ -341,13 +385,27 @@ func parseConfig(configJSON []byte) (settings, error) {
 // parseSharing reads replicas, sharing and the mps_ keys.
 func parseSharing(c Config, s *settings) []error {
 	var errs []error
-	switch c.Sharing {
-	case "", SharingTimeSlicing:
+	var ts, mps bool
+	for i, m := range c.Sharing {
+		switch {
+		case m != SharingTimeSlicing && m != SharingMPS && len(c.Sharing) == 1:
+			return []error{fmt.Errorf("config: sharing = %q: want %q or %q", m, SharingTimeSlicing, SharingMPS)}
+		case m != SharingTimeSlicing && m != SharingMPS:
+			return []error{fmt.Errorf("config: sharing = %s: %q: want %q or %q", c.Sharing, m, SharingTimeSlicing, SharingMPS)}
+		case slices.Index(c.Sharing, m) < i:
+			return []error{fmt.Errorf("config: sharing = %s: %q named twice", c.Sharing, m)}
+		}
+		ts, mps = ts || m == SharingTimeSlicing, mps || m == SharingMPS
+	}
+	if len(c.Sharing) == 0 {
+		ts = true
+	}
+	if !mps {
 		if c.Replicas != 0 && (c.Replicas < 2 || c.Replicas > MaxReplicas) {
 			errs = append(errs, fmt.Errorf("config: replicas = %d: want 2 to %d, or 0 for none", c.Replicas, MaxReplicas))
 		}
-		if c.Sharing != "" && c.Replicas == 0 {
-			errs = append(errs, fmt.Errorf("config: sharing = %q: needs replicas, the shares per GPU", c.Sharing))
+		if len(c.Sharing) > 0 && c.Replicas == 0 {
+			errs = append(errs, fmt.Errorf("config: sharing = %s: needs replicas, the shares per GPU", c.Sharing))
 		}
 		s.replicas = c.Replicas
 		for key, set := range map[string]bool{"mps_isolation": c.MPSIsolation != "", "mps_dir": c.MPSDir != "", "mps_control": c.MPSControl != ""} {
@@ -357,15 +415,15 @@ func parseSharing(c Config, s *settings) []error {
 		}
 		slices.SortFunc(errs, func(a, b error) int { return strings.Compare(a.Error(), b.Error()) })
 		return errs
-	case SharingMPS:
-	default:
-		return []error{fmt.Errorf("config: sharing = %q: want %q or %q", c.Sharing, SharingTimeSlicing, SharingMPS)}
+	}
+	if ts {
+		s.replicas = c.Replicas // both: as many replicas as MPS shares, bounded below
 	}
 	if c.Replicas < 2 || c.Replicas > MaxMPSShares {
-		errs = append(errs, fmt.Errorf("config: replicas = %d: sharing = %q wants 2 to %d shares per device (an MPS server's clients)", c.Replicas, SharingMPS, MaxMPSShares))
+		errs = append(errs, fmt.Errorf("config: replicas = %d: sharing = %s wants 2 to %d shares per device (an MPS server's clients)", c.Replicas, c.Sharing, MaxMPSShares))
 	} else if c.MIG == MIGOnDemand && c.Replicas > MaxOnDemandMPSShares {
-		errs = append(errs, fmt.Errorf("config: replicas = %d: sharing = %q with mig = %q wants 2 to %d shares per placement (each placement of each profile is offered in shares: more would pass the host's bound of 4096 devices per fingerprint on an 8-GPU machine)",
-			c.Replicas, SharingMPS, MIGOnDemand, MaxOnDemandMPSShares))
+		errs = append(errs, fmt.Errorf("config: replicas = %d: sharing = %s with mig = %q wants 2 to %d shares per placement (each placement of each profile is offered in shares: more would pass the host's bound of 4096 devices per fingerprint on an 8-GPU machine)",
+			c.Replicas, c.Sharing, MIGOnDemand, MaxOnDemandMPSShares))
 	}
 	m := mpsSettings{shares: c.Replicas, isolation: MPSShared, dir: c.MPSDir, control: c.MPSControl}
 	switch c.MPSIsolation {

@@ -368,17 +368,27 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool, m
 			}
 		}
 		add("gpu", d.name, gpuAttrs, device(d.id, whole))
+		// A GPU offered both time-sliced and in MPS shares serves one mode at a time:
+		// each mode's uses of its counters carry a compatibility group of their own.
+		both := plan.mode == modeWhole && plan.replicas > 0 && plan.mps > 0
+		grouped := func(dev *pb.Device, group string) *pb.Device {
+			if both {
+				dev.Consumes[0].CompatibilityGroups = []string{group}
+			}
+			return dev
+		}
 		for k := range plan.replicas {
 			add("gpu.shared", d.name, func() map[string]*pb.Value {
 				a := maps.Clone(d.attrs)
 				a["replicas"] = intValue(int64(plan.replicas), "")
 				return a
-			}, device(replicaID(d.id, k), map[string]int64{counterTimeSlices: 1}))
+			}, grouped(device(replicaID(d.id, k), map[string]int64{counterTimeSlices: 1}), groupTimeSlicing))
 		}
 		if plan.mode == modeWhole {
 			l := mpsShare(plan.memMiB, plan.mps)
 			for k := range plan.mps {
-				add("gpu.mps", d.name, func() map[string]*pb.Value { return shareAttrs(d.attrs, l) }, share(d.id, k, d.id, l.counters()))
+				add("gpu.mps", d.name, func() map[string]*pb.Value { return shareAttrs(d.attrs, l) },
+					grouped(share(d.id, k, d.id, l.counters()), groupMPS))
 			}
 		}
 	}

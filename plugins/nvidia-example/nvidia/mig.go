@@ -60,6 +60,14 @@ const (
 	counterTimeSlices    = "time-slices"
 )
 
+// Compatibility groups of a GPU's uses when it is offered both time-sliced and in MPS
+// shares (sharing = ["time-slicing", "mps"]): the host never lets the two hold one GPU
+// at once. The names are the sharing modes'.
+const (
+	groupTimeSlicing = SharingTimeSlicing
+	groupMPS         = SharingMPS
+)
+
 func memorySliceCounter(i uint32) string { return fmt.Sprintf("memory-slice-%d", i) }
 
 func instancesCounter(profile string) string { return "instances-" + profile }

@@ -216,7 +216,7 @@ func TestMIGFingerprintSize(t *testing.T) {
 			// With the most MPS shares per placement, the fingerprint still passes the
 			// host's checks (fingerprintOf) and its size bound.
 			shared, _ := newTestPlugin(t, Config{Simulate: m, MIG: MIGOnDemand, SimStateFile: ptr(""),
-				Sharing: SharingMPS, Replicas: MaxOnDemandMPSShares, MPSDir: mpsDir(t)})
+				Sharing: SharingModes{SharingMPS}, Replicas: MaxOnDemandMPSShares, MPSDir: mpsDir(t)})
 			if size := proto.Size(fingerprintOf(t, shared)); size > validate.MaxFingerprintBytes {
 				t.Errorf("with %d MPS shares per placement the fingerprint is %d bytes, over %d", MaxOnDemandMPSShares, size, validate.MaxFingerprintBytes)
 			}

@@ -26,7 +26,7 @@ func BenchmarkMPSReserve(b *testing.B) {
 	b.Cleanup(func() { os.RemoveAll(dir) })
 	ctx := context.Background()
 	setup := func(b *testing.B, isolation string) *Plugin {
-		raw, err := json.Marshal(Config{Simulate: "dgxh100", SimStateFile: ptr(""), Replicas: 4, Sharing: SharingMPS, MPSIsolation: isolation, MPSDir: dir})
+		raw, err := json.Marshal(Config{Simulate: "dgxh100", SimStateFile: ptr(""), Replicas: 4, Sharing: SharingModes{SharingMPS}, MPSIsolation: isolation, MPSDir: dir})
 		if err != nil {
 			b.Fatal(err)
 		}

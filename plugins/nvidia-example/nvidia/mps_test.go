@@ -2,6 +2,7 @@ package nvidia
 
 import (
 	"context"
+	"encoding/json"
 	"maps"
 	"os"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/devicehost/devicehost/deviceplugin"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/validate"
 )
 
 // mpsDir is a short directory for a test's control daemons (their pipes must fit a
@@ -32,7 +34,7 @@ func mpsDir(t *testing.T) string {
 }
 
 func mpsConfig(dir, isolation string) Config {
-	return Config{Simulate: "dgxh100", Replicas: 4, Sharing: SharingMPS, MPSIsolation: isolation, MPSDir: dir}
+	return Config{Simulate: "dgxh100", Replicas: 4, Sharing: SharingModes{SharingMPS}, MPSIsolation: isolation, MPSDir: dir}
 }
 
 // newMPSPlugin is a plugin on simulated GPUs with 4 MPS shares per GPU; every share it
@@ -111,16 +113,20 @@ func TestMPSConfigErrors(t *testing.T) {
 		cfg  Config
 		want string
 	}{
-		{"too many shares", Config{Replicas: 49, Sharing: "mps"}, "replicas = 49: sharing = \"mps\" wants 2 to 48"},
-		{"no shares", Config{Sharing: "mps"}, "replicas = 0"},
-		{"too many shares on demand", Config{Replicas: 9, Sharing: "mps", MIG: MIGOnDemand}, `replicas = 9: sharing = "mps" with mig = "on-demand" wants 2 to 8 shares per placement`},
-		{"unknown sharing", Config{Replicas: 2, Sharing: "mig"}, `sharing = "mig": want "time-slicing" or "mps"`},
-		{"time-slicing without replicas", Config{Sharing: "time-slicing"}, "needs replicas"},
-		{"unknown isolation", Config{Replicas: 2, Sharing: "mps", MPSIsolation: "strict"}, `mps_isolation = "strict"`},
-		{"relative dir", Config{Replicas: 2, Sharing: "mps", MPSDir: "mps"}, `mps_dir = "mps": must be an absolute path`},
-		{"long dir", Config{Replicas: 2, Sharing: "mps", MPSDir: "/" + strings.Repeat("d", 70)}, "at most 64"},
-		{"relative control", Config{Replicas: 2, Sharing: "mps", MPSControl: "bin/mps"}, `mps_control = "bin/mps"`},
+		{"too many shares", Config{Replicas: 49, Sharing: SharingModes{"mps"}}, "replicas = 49: sharing = \"mps\" wants 2 to 48"},
+		{"no shares", Config{Sharing: SharingModes{"mps"}}, "replicas = 0"},
+		{"too many shares on demand", Config{Replicas: 9, Sharing: SharingModes{"mps"}, MIG: MIGOnDemand}, `replicas = 9: sharing = "mps" with mig = "on-demand" wants 2 to 8 shares per placement`},
+		{"unknown sharing", Config{Replicas: 2, Sharing: SharingModes{"mig"}}, `sharing = "mig": want "time-slicing" or "mps"`},
+		{"time-slicing without replicas", Config{Sharing: SharingModes{"time-slicing"}}, "needs replicas"},
+		{"unknown isolation", Config{Replicas: 2, Sharing: SharingModes{"mps"}, MPSIsolation: "strict"}, `mps_isolation = "strict"`},
+		{"relative dir", Config{Replicas: 2, Sharing: SharingModes{"mps"}, MPSDir: "mps"}, `mps_dir = "mps": must be an absolute path`},
+		{"long dir", Config{Replicas: 2, Sharing: SharingModes{"mps"}, MPSDir: "/" + strings.Repeat("d", 70)}, "at most 64"},
+		{"relative control", Config{Replicas: 2, Sharing: SharingModes{"mps"}, MPSControl: "bin/mps"}, `mps_control = "bin/mps"`},
 		{"mps keys without mps", Config{Replicas: 2, MPSIsolation: "shared"}, `mps_isolation: only valid with sharing = "mps"`},
+		{"a mode twice", Config{Replicas: 2, Sharing: SharingModes{"mps", "mps"}}, `sharing = ["mps", "mps"]: "mps" named twice`},
+		{"an unknown mode in a list", Config{Replicas: 2, Sharing: SharingModes{"mps", "mig"}}, `sharing = ["mps", "mig"]: "mig": want "time-slicing" or "mps"`},
+		{"both without replicas", Config{Sharing: SharingModes{"time-slicing", "mps"}}, `replicas = 0: sharing = ["time-slicing", "mps"] wants 2 to 48`},
+		{"both, too many", Config{Replicas: 64, Sharing: SharingModes{"time-slicing", "mps"}}, `replicas = 64: sharing = ["time-slicing", "mps"] wants 2 to 48`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -131,7 +137,7 @@ func TestMPSConfigErrors(t *testing.T) {
 		})
 	}
 	p, _ := newUnconfigured(t)
-	err := p.SetConfig(context.Background(), mustJSON(t, Config{Simulate: "dgxh100", Replicas: 2, Sharing: "mps", MPSControl: "/nonexistent/nvidia-cuda-mps-control"}))
+	err := p.SetConfig(context.Background(), mustJSON(t, Config{Simulate: "dgxh100", Replicas: 2, Sharing: SharingModes{"mps"}, MPSControl: "/nonexistent/nvidia-cuda-mps-control"}))
 	if err == nil || !strings.Contains(err.Error(), "not an executable file") {
 		t.Errorf("SetConfig with a missing mps_control: %v, want it refused", err)
 	}
@@ -398,7 +404,7 @@ func TestMPSReserveRefusals(t *testing.T) {
 // placement that overlaps a held one is refused naming it.
 func TestMPSSharesOfOnDemandMIG(t *testing.T) {
 	cfg := onDemand(filepath.Join(t.TempDir(), "sim.json"))
-	cfg.Sharing, cfg.Replicas, cfg.MPSDir = SharingMPS, 2, mpsDir(t)
+	cfg.Sharing, cfg.Replicas, cfg.MPSDir = SharingModes{SharingMPS}, 2, mpsDir(t)
 	p := newMPSPlugin(t, cfg)
 	sim := simOf(t, p)
 	fp := fingerprintOf(t, p)
@@ -484,7 +490,7 @@ func TestMPSSharesOfOnDemandMIG(t *testing.T) {
 // live reservation holds them.
 func TestMPSOnDemandSharesOutliveThePlugin(t *testing.T) {
 	cfg := onDemand(filepath.Join(t.TempDir(), "sim.json"))
-	cfg.Sharing, cfg.Replicas, cfg.MPSDir = SharingMPS, 2, mpsDir(t)
+	cfg.Sharing, cfg.Replicas, cfg.MPSDir = SharingModes{SharingMPS}, 2, mpsDir(t)
 	first := newMPSPlugin(t, cfg)
 	part := onDemandIDs(1, "3g.40gb", 4)[0]
 	share := mpsShareID(part, 1)
@@ -562,6 +568,61 @@ func TestFingerprintSaysWhatReleaseHasNothingFor(t *testing.T) {
 		for typ := range c.want {
 			if seen[typ] == 0 {
 				t.Errorf("%s: no %s device in the fingerprint", c.name, typ)
+			}
+		}
+	}
+}
+
+// With sharing = ["time-slicing", "mps"] each whole GPU is offered both ways, N
+// replicas and N MPS shares, each mode's uses of the GPU's counter set in a
+// compatibility group of its own and the whole GPU in none, taking every counter; the
+// config reads the list from JSON as the agent passes it, and one mode still as a
+// string. With one mode nothing carries a group (the counters say it all).
+func TestBothSharingModesOffered(t *testing.T) {
+	var c Config
+	if err := json.Unmarshal([]byte(`{"replicas": 4, "sharing": ["time-slicing", "mps"]}`), &c); err != nil || !slices.Equal(c.Sharing, []string{"time-slicing", "mps"}) {
+		t.Fatalf("a list of modes reads as %q, %v", c.Sharing, err)
+	}
+	if b, err := json.Marshal(Config{Sharing: SharingModes{"mps"}}); err != nil || !strings.Contains(string(b), `"sharing":"mps"`) {
+		t.Fatalf("one mode writes as %s, %v", b, err)
+	}
+	cfg := mpsConfig(mpsDir(t), MPSShared)
+	cfg.Sharing = SharingModes{SharingTimeSlicing, SharingMPS}
+	p := newMPSPlugin(t, cfg)
+	fp := fingerprintOf(t, p)
+	byType := make(map[string][]*pb.Device)
+	for _, g := range fp.GetGroups() {
+		byType[g.GetType()] = append(byType[g.GetType()], g.GetDevices()...)
+	}
+	if len(byType["gpu"]) != 8 || len(byType["gpu.shared"]) != 32 || len(byType["gpu.mps"]) != 32 {
+		t.Fatalf("devices by type: gpu %d, gpu.shared %d, gpu.mps %d; want 8, 32, 32", len(byType["gpu"]), len(byType["gpu.shared"]), len(byType["gpu.mps"]))
+	}
+	sets := make(map[string]map[string]int64)
+	for _, cs := range fp.GetCounterSets() {
+		sets[cs.GetName()] = cs.GetCounters()
+	}
+	for typ, want := range map[string][]string{"gpu": nil, "gpu.shared": {"time-slicing"}, "gpu.mps": {"mps"}} {
+		for _, d := range byType[typ] {
+			if len(d.GetConsumes()) != 1 || !slices.Equal(d.GetConsumes()[0].GetCompatibilityGroups(), want) {
+				t.Fatalf("%s device %s consumes %v, want one set in groups %q", typ, d.GetId(), d.GetConsumes(), want)
+			}
+		}
+	}
+	g := byType["gpu"][0].GetConsumes()[0]
+	if !maps.Equal(g.GetCounters(), sets[g.GetCounterSet()]) || g.GetCounters()["time-slices"] != 4 || len(g.GetCounters()) < 2 {
+		t.Errorf("the whole GPU consumes %v of %v, want every counter, time slices and MPS shares", g.GetCounters(), sets[g.GetCounterSet()])
+	}
+	if err := validate.Fingerprint(fp); err != nil {
+		t.Errorf("the fingerprint does not validate: %v", err)
+	}
+
+	cfg.Sharing = SharingModes{SharingMPS}
+	for _, g := range fingerprintOf(t, newMPSPlugin(t, cfg)).GetGroups() {
+		for _, d := range g.GetDevices() {
+			for _, c := range d.GetConsumes() {
+				if len(c.GetCompatibilityGroups()) > 0 {
+					t.Fatalf("with MPS alone, %s carries groups %q", d.GetId(), c.GetCompatibilityGroups())
+				}
 			}
 		}
 	}
