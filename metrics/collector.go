@@ -360,11 +360,15 @@ func shareOwner(owner string) string {
 	return owner
 }
 
-// drawsOnAll says whether c draws on every counter of its set (capacity caps): a
-// share of the device the set is named after. A share of an on-demand MIG placement
-// draws on that placement's slices of its GPU's set only; its workload is no share of
-// the GPU's series.
+// drawsOnAll says whether c draws on every counter of its set (capacity caps), or on
+// the set as one sharing mode's (c has compatibility groups: a GPU offered time-sliced
+// and in MPS shares, each mode on counters of its own): a share of the device the set
+// is named after. A share of an on-demand MIG placement draws on that placement's
+// slices of its GPU's set only; its workload is no share of the GPU's series.
 func drawsOnAll(c device.Consumption, caps map[string]int64) bool {
+	if len(c.Groups) > 0 {
+		return true
+	}
 	for k := range caps {
 		if _, ok := c.Counters[k]; !ok {
 			return false

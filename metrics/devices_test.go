@@ -749,3 +749,33 @@ func TestFBUsedPerHolderFromProcesses(t *testing.T) {
 		t.Errorf("processes not visible: GPU-a's DCGM_FI_DEV_FB_USED by pod = %v MiB, want the GPU's on each, %v", got, want)
 	}
 }
+
+// A GPU offered both time-sliced and in MPS shares (each mode's use in a compatibility
+// group, on counters of its own): the workloads holding its replicas still get a set
+// of its series each, with the share they hold, as with one mode.
+func TestSharesOfAGPUInTwoModes(t *testing.T) {
+	snap := gpuSnapshot()
+	gpuA := device.CounterSetKey{Plugin: "nvidia-example", Name: "GPU-a"}
+	slice := []device.Consumption{{Set: gpuA, Counters: map[string]int64{"time-slices": 1}, Groups: []string{"time-slicing"}}}
+	shared := device.GroupKey{Vendor: "nvidia", Type: "gpu.shared", Name: h100.Name}
+	snap.Inventory.Groups = append(snap.Inventory.Groups, device.Group{GroupKey: shared, Plugin: "nvidia-example", Devices: []device.DeviceInfo{
+		{ID: "GPU-a::0", Consumes: slice}, {ID: "GPU-a::1", Consumes: slice},
+	}})
+	snap.Inventory.CounterSets = []device.CounterSet{{Key: gpuA, Capacity: map[string]int64{"time-slices": 4, "mps-memory-mib": 81920, "mps-compute-percent": 100}}}
+	snap.State.Devices = maps.Clone(snap.State.Devices)
+	for id, owner := range map[string]string{"GPU-a::0": "k8s/ml/p1/main", "GPU-a::1": "k8s/ml/p2/main"} {
+		snap.State.Devices[id] = device.DeviceState{Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "res-" + id, OwnerID: owner}}
+	}
+	f := serve(t, metrics.Options{}, newFake(snap, gpuStats())).scrape(t)
+	ratios := map[string]float64{}
+	for _, m := range f["devicehost_share_compute_ratio"].GetMetric() {
+		l := map[string]string{}
+		for _, p := range m.GetLabel() {
+			l[p.GetName()] = p.GetValue()
+		}
+		ratios[l["pod"]] = m.GetGauge().GetValue()
+	}
+	if want := map[string]float64{"p1": 0.25, "p2": 0.25}; !maps.Equal(ratios, want) {
+		t.Errorf("share ratios by pod = %v, want %v", ratios, want)
+	}
+}
