@@ -339,11 +339,14 @@ type DeviceStats struct {
 	Processes []ProcessMemory
 }
 
-// ProcessMemory is one process on a device: its PID (the host's PID namespace) and
-// the device memory it uses.
+// ProcessMemory is one process on a device: its PID (the host's PID namespace), the
+// device memory it uses and, where the plugin reports it (HasSMUtil), the share of the
+// device's SMs it kept busy over the plugin's last sample (SMUtil, 0 to 100 %).
 type ProcessMemory struct {
 	PID       uint32
 	UsedBytes int64
+	SMUtil    uint32
+	HasSMUtil bool
 }
 
 // ReserveRequest asks for devices of one group for one owner.

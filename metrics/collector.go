@@ -195,9 +195,11 @@ func (s *scrape) stats(stats device.StatsSnapshot, snap device.Snapshot) {
 			}
 			// A shared device whose plugin reports its processes: each workload's
 			// DCGM_FI_DEV_FB_USED is what its own processes use.
-			var used map[string]int64
+			// Likewise DCGM_FI_DEV_GPU_UTIL, where the plugin reports each process's
+			// share of the SMs: a workload's is its processes' sum, one with none 0.
+			var used, busy map[string]int64
 			if len(d.Processes) > 0 && sets[0].ratio >= 0 {
-				used = s.c.usedByOwner(d.Processes, owners)
+				used, busy = s.c.usedByOwner(d.Processes, owners)
 			}
 			for _, sh := range sets {
 				ln, lv := l.names, l.values
@@ -223,6 +225,8 @@ func (s *scrape) stats(stats device.StatsSnapshot, snap device.Snapshot) {
 						s.drop(g.Plugin, dropInvalid)
 					case l.use && mapped && name == memoryUsedStat && used != nil:
 						s.dcgmSeries(g.Plugin, f, device.Value{Kind: device.KindInt, Int: used[sh.owner], Unit: "B"}, ln, lv)
+					case l.use && mapped && name == utilizationStat && busy != nil:
+						s.dcgmSeries(g.Plugin, f, device.Value{Kind: device.KindInt, Int: min(busy[sh.owner], 100), Unit: "%"}, ln, lv)
 					case l.use && mapped:
 						s.dcgmSeries(g.Plugin, f, v, ln, lv)
 					case sh == sets[0]: // the devicehost_device_ series once, whatever the holders
@@ -238,13 +242,17 @@ func (s *scrape) stats(stats device.StatsSnapshot, snap device.Snapshot) {
 // whose plugin reports its processes.
 const memoryUsedStat = "memory_used"
 
-// usedByOwner sums the device memory of procs by the workload each belongs to (its
-// reservation's owner, by owners; as sharesOf keys them: "" for owners with no holder
-// labels). A process of no known reservation counts for none. Nil when the agent sees
-// none of the processes (another PID namespace): it cannot tell whose they are, and the
-// device's own figure stands.
-func (c *collector) usedByOwner(procs []device.ProcessMemory, owners map[string]string) map[string]int64 {
-	var used map[string]int64
+// utilizationStat is the stat of DCGM_FI_DEV_GPU_UTIL: per workload on a shared
+// device whose plugin reports its processes' SM utilization.
+const utilizationStat = "gpu_utilization"
+
+// usedByOwner sums the device memory of procs, and their SM utilization (%), by the
+// workload each belongs to (its reservation's owner, by owners; as sharesOf keys them:
+// "" for owners with no holder labels). A process of no known reservation counts for
+// none. used is nil when the agent sees none of the processes (another PID namespace):
+// it cannot tell whose they are, and the device's own figure stands; busy is nil then
+// too, and when the plugin reports no process's utilization.
+func (c *collector) usedByOwner(procs []device.ProcessMemory, owners map[string]string) (used, busy map[string]int64) {
 	for _, p := range procs {
 		res, visible := c.reservationOf(p.PID)
 		if !visible {
@@ -253,11 +261,17 @@ func (c *collector) usedByOwner(procs []device.ProcessMemory, owners map[string]
 		if used == nil {
 			used = make(map[string]int64)
 		}
+		if p.HasSMUtil && busy == nil {
+			busy = make(map[string]int64)
+		}
 		if owner, ok := owners[res]; ok {
 			used[shareOwner(owner)] += p.UsedBytes
+			if p.HasSMUtil {
+				busy[shareOwner(owner)] += int64(p.SMUtil)
+			}
 		}
 	}
-	return used
+	return used, busy
 }
 
 // The share a workload holds of a time-sliced device (devicehost_share_compute_ratio).

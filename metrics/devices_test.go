@@ -779,3 +779,63 @@ func TestSharesOfAGPUInTwoModes(t *testing.T) {
 		t.Errorf("share ratios by pod = %v, want %v", ratios, want)
 	}
 }
+
+// Where the plugin reports each process's share of a shared GPU's SMs, each workload's
+// DCGM_FI_DEV_GPU_UTIL is its own processes' sum, not the GPU's: the workloads' values
+// add up to the GPU's (37 % here), and a workload with no process shows 0. Without the
+// processes' utilization each shows the GPU's, as before.
+func TestGPUUtilPerHolderFromProcesses(t *testing.T) {
+	snap := gpuSnapshot()
+	gpuA := device.CounterSetKey{Plugin: "nvidia-example", Name: "GPU-a"}
+	use := []device.Consumption{{Set: gpuA, Counters: map[string]int64{"mps-memory-mib": 20480, "mps-compute-percent": 25}}}
+	snap.Inventory.Groups = append(snap.Inventory.Groups, device.Group{GroupKey: device.GroupKey{Vendor: "nvidia", Type: "gpu.mps", Name: h100.Name}, Plugin: "nvidia-example",
+		Attributes: map[string]device.Value{"memory": {Kind: device.KindInt, Int: 20480, Unit: "MiB"}},
+		Devices: []device.DeviceInfo{{ID: "GPU-a::mps::0", Consumes: use}, {ID: "GPU-a::mps::1", Consumes: use},
+			{ID: "GPU-a::mps::2", Consumes: use}, {ID: "GPU-a::mps::3", Consumes: use}}})
+	snap.Inventory.CounterSets = []device.CounterSet{{Key: gpuA, Capacity: map[string]int64{"mps-memory-mib": 81920, "mps-compute-percent": 100}}}
+	snap.State.Devices = maps.Clone(snap.State.Devices)
+	for id, h := range map[string]device.Holder{
+		"GPU-a::mps::0": {ReservationID: "res-p1", OwnerID: "k8s/ml/p1/main"}, "GPU-a::mps::1": {ReservationID: "res-p1", OwnerID: "k8s/ml/p1/main"},
+		"GPU-a::mps::2": {ReservationID: "res-p2", OwnerID: "k8s/ml/p2/main"}, "GPU-a::mps::3": {ReservationID: "res-p3", OwnerID: "k8s/ml/p3/main"},
+	} {
+		snap.State.Devices[id] = device.DeviceState{Health: device.HealthHealthy, Holder: &h}
+	}
+	procs := map[uint32]string{101: "res-p1", 102: "res-p1", 103: "res-p2"}
+	seen := func(pid uint32) (string, bool) { return procs[pid], true }
+	utilByPod := func(withUtil bool) map[string]float64 {
+		t.Helper()
+		stats := gpuStats()
+		stats.Groups = slices.Clone(stats.Groups)
+		for i, g := range stats.Groups {
+			if g.GroupKey != h100 {
+				continue
+			}
+			g.Devices = slices.Clone(g.Devices)
+			g.Devices[0].Processes = []device.ProcessMemory{{PID: 101, SMUtil: 20, HasSMUtil: withUtil},
+				{PID: 102, SMUtil: 10, HasSMUtil: withUtil}, {PID: 103, SMUtil: 7, HasSMUtil: withUtil}}
+			stats.Groups[i] = g
+		}
+		f := serve(t, metrics.Options{ProcessReservation: seen}, newFake(snap, stats)).scrape(t)
+		out := map[string]float64{}
+		for _, m := range f["DCGM_FI_DEV_GPU_UTIL"].GetMetric() {
+			l := map[string]string{}
+			for _, p := range m.GetLabel() {
+				l[p.GetName()] = p.GetValue()
+			}
+			if l["UUID"] == "GPU-a" {
+				out[l["pod"]] = m.GetGauge().GetValue()
+			}
+		}
+		return out
+	}
+	got := utilByPod(true)
+	if want := map[string]float64{"p1": 30, "p2": 7, "p3": 0}; !maps.Equal(got, want) {
+		t.Errorf("GPU-a's DCGM_FI_DEV_GPU_UTIL by pod = %v, want %v: each pod's processes", got, want)
+	}
+	if sum := got["p1"] + got["p2"] + got["p3"]; sum != 37 {
+		t.Errorf("the pods' utilization adds up to %v, want the GPU's 37", sum)
+	}
+	if got, want := utilByPod(false), map[string]float64{"p1": 37, "p2": 37, "p3": 37}; !maps.Equal(got, want) {
+		t.Errorf("without the processes' utilization: by pod = %v, want the GPU's on each, %v", got, want)
+	}
+}

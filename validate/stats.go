@@ -56,7 +56,8 @@ func stats(resp *pb.StatsResponse, known func(string) bool) error {
 }
 
 // checkProcesses checks a device's processes: at most MaxProcessesPerDevice, each
-// present, its pid not 0 and not repeated, its memory from 0 to MaxCounterValue bytes.
+// present, its pid not 0 and not repeated, its memory from 0 to MaxCounterValue bytes,
+// its SM utilization at most 100 %.
 func (c *collector) checkProcesses(item string, procs []*pb.ProcessMemory) {
 	if len(procs) > MaxProcessesPerDevice {
 		c.add(at(item, "processes"), RuleTooMany, tooMany(len(procs), MaxProcessesPerDevice))
@@ -73,6 +74,8 @@ func (c *collector) checkProcesses(item string, procs []*pb.ProcessMemory) {
 			c.add(field, RuleEmpty, "pid 0")
 		case p.GetUsedBytes() < 0 || p.GetUsedBytes() > MaxCounterValue:
 			c.add(field, RuleCounterRange, fmt.Sprintf("used_bytes %d, want 0 to %d", p.GetUsedBytes(), int64(MaxCounterValue)))
+		case p.GetSmUtilization() > 100:
+			c.add(field, RuleCounterRange, fmt.Sprintf("sm_utilization %d, want 0 to 100", p.GetSmUtilization()))
 		}
 		if first, dup := seen[p.GetPid()]; dup && p.GetPid() != 0 {
 			c.add(field, RuleDuplicate, fmt.Sprintf("pid %d first at processes[%d]", p.GetPid(), first))

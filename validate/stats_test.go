@@ -6,9 +6,11 @@ import (
 	"strings"
 	"testing"
 
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 	"github.com/devicehost/devicehost/validate"
-	"google.golang.org/protobuf/types/known/timestamppb"
 )
 
 // knownIDs returns a known func for Stats that accepts exactly ids.
@@ -52,20 +54,20 @@ func TestStats(t *testing.T) {
 		{
 			name: "processes",
 			mutate: func(r *pb.StatsResponse) {
-				r.Devices[0].Processes = []*pb.ProcessMemory{{Pid: 4242, UsedBytes: 1 << 30}, {Pid: 4243}}
+				r.Devices[0].Processes = []*pb.ProcessMemory{{Pid: 4242, UsedBytes: 1 << 30, SmUtilization: proto.Uint32(100)}, {Pid: 4243}}
 			},
 			known: known,
 		},
 		{
 			name: "processes broken",
 			mutate: func(r *pb.StatsResponse) {
-				r.Devices[0].Processes = []*pb.ProcessMemory{{Pid: 0}, nil, {Pid: 7, UsedBytes: -1}, {Pid: 8, UsedBytes: 1<<50 + 1}, {Pid: 7}}
+				r.Devices[0].Processes = []*pb.ProcessMemory{{Pid: 0}, nil, {Pid: 7, UsedBytes: -1}, {Pid: 8, UsedBytes: 1<<50 + 1}, {Pid: 7}, {Pid: 9, SmUtilization: proto.Uint32(101)}}
 			},
 			known: known,
 			want: []found{
 				{d0 + ": processes[0]", validate.RuleEmpty}, {d0 + ": processes[1]", validate.RuleMissing},
 				{d0 + ": processes[2]", validate.RuleCounterRange}, {d0 + ": processes[3]", validate.RuleCounterRange},
-				{d0 + ": processes[4]", validate.RuleDuplicate},
+				{d0 + ": processes[4]", validate.RuleDuplicate}, {d0 + ": processes[5]", validate.RuleCounterRange},
 			},
 		},
 		{

@@ -139,7 +139,8 @@ func fromStats(resp *pb.StatsResponse, received time.Time) map[string]device.Dev
 		}
 		st := device.DeviceStats{ID: d.GetDeviceId(), Values: fromValues(d.GetValues()), Time: t}
 		for _, p := range d.GetProcesses() {
-			st.Processes = append(st.Processes, device.ProcessMemory{PID: p.GetPid(), UsedBytes: p.GetUsedBytes()})
+			st.Processes = append(st.Processes, device.ProcessMemory{PID: p.GetPid(), UsedBytes: p.GetUsedBytes(),
+				SMUtil: p.GetSmUtilization(), HasSMUtil: p.SmUtilization != nil})
 		}
 		out[d.GetDeviceId()] = st
 	}

@@ -557,9 +557,34 @@ func processesOf(dev nvml.Device) []*pb.ProcessMemory {
 	if len(pids) > maxProcesses {
 		pids = pids[:maxProcesses]
 	}
+	util := smUtilOf(dev)
 	out := make([]*pb.ProcessMemory, len(pids))
 	for i, pid := range pids {
 		out[i] = &pb.ProcessMemory{Pid: pid, UsedBytes: min(used[pid], 1<<50)}
+		if util != nil { // NVML sampled the device: a process without a sample ran no kernel
+			u := util[pid]
+			out[i].SmUtilization = &u
+		}
+	}
+	return out
+}
+
+// smUtilOf returns each process's share of dev's SMs in NVML's latest utilization
+// sample of it (capped at 100 %); nil where NVML has none (a MIG device, no samples).
+func smUtilOf(dev nvml.Device) map[uint32]uint32 {
+	samples, ret := dev.GetProcessUtilization(0)
+	if ret != nvml.SUCCESS {
+		return nil
+	}
+	latest := make(map[uint32]nvml.ProcessUtilizationSample, len(samples))
+	for _, s := range samples {
+		if l, ok := latest[s.Pid]; !ok || s.TimeStamp > l.TimeStamp {
+			latest[s.Pid] = s
+		}
+	}
+	out := make(map[uint32]uint32, len(latest))
+	for pid, s := range latest {
+		out[pid] = min(s.SmUtil, 100)
 	}
 	return out
 }

@@ -293,10 +293,14 @@ func (d *simDevice) GetMaxPcieLinkWidth() (int, nvml.Return) { return d.spec.pci
 
 func (d *simDevice) GetUtilizationRates() (nvml.Utilization, nvml.Return) {
 	load := d.computeLoad()
-	return nvml.Utilization{
+	u := nvml.Utilization{
 		Gpu:    uint32(math.Round(100 * load)),
 		Memory: uint32(math.Round(60 * load * d.memoryLoad())),
-	}, nvml.SUCCESS
+	}
+	if busy, ok := d.lib.simBusy(d.uuid); ok { // its processes say how busy it is
+		u.Gpu = busy
+	}
+	return u, nvml.SUCCESS
 }
 
 func (d *simDevice) GetTemperature(sensor nvml.TemperatureSensors) (uint32, nvml.Return) {

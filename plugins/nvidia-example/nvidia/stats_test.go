@@ -4,6 +4,7 @@ import (
 	"maps"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -211,4 +212,51 @@ func TestStatsReportSimulatedProcesses(t *testing.T) {
 	if got := mine(s.next(t)); len(got) != 0 {
 		t.Errorf("the process gone, still on %v", got)
 	}
+}
+
+// A simulated process's DEVICEHOST_SIM_SM_UTIL is its NVML process utilization sample,
+// reported as its sm_utilization (0 for a process of the device without it), and the
+// device is as busy as its processes together: its gpu_utilization is their sum.
+func TestStatsReportProcessUtilization(t *testing.T) {
+	p, _ := newTestPlugin(t, Config{Simulate: "dgxh100"})
+	gpu := simulatedUUID("dgxh100", 6)
+	want := map[uint32]uint32{}
+	for _, util := range []string{"30", "45", ""} {
+		cmd := exec.Command("sleep", "60")
+		cmd.Env = []string{"NVIDIA_VISIBLE_DEVICES=" + gpu, "PATH=" + os.Getenv("PATH")}
+		if util != "" {
+			cmd.Env = append(cmd.Env, simSMUtilEnv+"="+util)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { cmd.Process.Kill(); cmd.Wait() }()
+		n, _ := strconv.Atoi(util)
+		want[uint32(cmd.Process.Pid)] = uint32(n)
+	}
+	s := startStats(t, p, time.Second)
+	resp := s.next(t)
+	for _, d := range resp.GetDevices() {
+		if d.GetDeviceId() != gpu {
+			continue
+		}
+		got, sum := map[uint32]uint32{}, uint32(0)
+		for _, pr := range d.GetProcesses() {
+			if pr.SmUtilization == nil {
+				t.Errorf("process %d on %s without sm_utilization", pr.GetPid(), gpu)
+			}
+			sum += pr.GetSmUtilization()
+			if _, mine := want[pr.GetPid()]; mine {
+				got[pr.GetPid()] = pr.GetSmUtilization()
+			}
+		}
+		if !maps.Equal(got, want) {
+			t.Errorf("sm_utilization by process %v, want %v", got, want)
+		}
+		if u := d.GetValues()["gpu_utilization"].GetIntValue(); u != int64(min(sum, 100)) {
+			t.Errorf("gpu_utilization %d, want its processes' sum %d", u, min(sum, 100))
+		}
+		return
+	}
+	t.Fatalf("no stats of %s", gpu)
 }

@@ -1118,12 +1118,17 @@ func (x *DeviceStats) GetProcesses() []*ProcessMemory {
 	return nil
 }
 
-// ProcessMemory is one process on a device: its PID in the host's PID namespace, and
-// the device memory it uses.
+// ProcessMemory is one process on a device: its PID in the host's PID namespace, the
+// device memory it uses, and the share of the device's SMs it used.
 type ProcessMemory struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Pid           uint32                 `protobuf:"varint,1,opt,name=pid,proto3" json:"pid,omitempty"`
-	UsedBytes     int64                  `protobuf:"varint,2,opt,name=used_bytes,json=usedBytes,proto3" json:"used_bytes,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Pid       uint32                 `protobuf:"varint,1,opt,name=pid,proto3" json:"pid,omitempty"`
+	UsedBytes int64                  `protobuf:"varint,2,opt,name=used_bytes,json=usedBytes,proto3" json:"used_bytes,omitempty"`
+	// The share of the device's streaming multiprocessors the process kept busy over the
+	// plugin's last sample, in % from 0 to 100 (NVML's process utilization samples,
+	// smUtil); unset where the plugin cannot say (a MIG device, a GPU without samples).
+	// The host splits a shared device's utilization per holder by it.
+	SmUtilization *uint32 `protobuf:"varint,3,opt,name=sm_utilization,json=smUtilization,proto3,oneof" json:"sm_utilization,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1168,6 +1173,13 @@ func (x *ProcessMemory) GetPid() uint32 {
 func (x *ProcessMemory) GetUsedBytes() int64 {
 	if x != nil {
 		return x.UsedBytes
+	}
+	return 0
+}
+
+func (x *ProcessMemory) GetSmUtilization() uint32 {
+	if x != nil && x.SmUtilization != nil {
+		return *x.SmUtilization
 	}
 	return 0
 }
@@ -1757,11 +1769,13 @@ const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
 	"\tprocesses\x18\x04 \x03(\v2\x1e.deviceplugin.v1.ProcessMemoryR\tprocesses\x1aQ\n" +
 	"\vValuesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12,\n" +
-	"\x05value\x18\x02 \x01(\v2\x16.deviceplugin.v1.ValueR\x05value:\x028\x01\"@\n" +
+	"\x05value\x18\x02 \x01(\v2\x16.deviceplugin.v1.ValueR\x05value:\x028\x01\"\x7f\n" +
 	"\rProcessMemory\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\rR\x03pid\x12\x1d\n" +
 	"\n" +
-	"used_bytes\x18\x02 \x01(\x03R\tusedBytes\"/\n" +
+	"used_bytes\x18\x02 \x01(\x03R\tusedBytes\x12*\n" +
+	"\x0esm_utilization\x18\x03 \x01(\rH\x00R\rsmUtilization\x88\x01\x01B\x11\n" +
+	"\x0f_sm_utilization\"/\n" +
 	"\x0eReserveRequest\x12\x1d\n" +
 	"\n" +
 	"device_ids\x18\x01 \x03(\tR\tdeviceIds\"Z\n" +
@@ -1919,6 +1933,7 @@ func file_deviceplugin_v1_deviceplugin_proto_init() {
 		(*Value_StringValue)(nil),
 		(*Value_BoolValue)(nil),
 	}
+	file_deviceplugin_v1_deviceplugin_proto_msgTypes[17].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
