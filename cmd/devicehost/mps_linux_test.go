@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/devicehost/devicehost/client"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
@@ -236,8 +237,9 @@ func TestAgentMPSSharesOfOnDemandMIG(t *testing.T) {
 // sharing = ["time-slicing", "mps"] through a real agent: each GPU serves the mode its
 // first holder chose. Two time-sliced replicas share GPU 0 and an MPS share of it is
 // refused, naming the mode that holds it; GPU 1 takes an MPS share and refuses a
-// replica; a SIGKILLed agent keeps both GPUs in their modes (the ledger stores each
-// use's group); with GPU 0's replicas released, GPU 0 takes an MPS share.
+// replica; a SIGKILLed agent, then a SIGKILLed plugin, keep both GPUs in their modes
+// (the ledger stores each use's group); with GPU 0's replicas released, GPU 0 takes an
+// MPS share.
 func TestAgentSharingModeChosenByFirstHolder(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds and runs the devicehost binary")
@@ -313,6 +315,38 @@ plugin "nvidia-example" {
 	_, err = reserve("gpu.shared", "ts-3", replica(gpu1, 0))
 	refused("after the agent's restart, a replica of GPU 1", err, `"mps"`)
 
+	// The plugin SIGKILLed under both modes: restarted, it adopts GPU 1's daemon, and
+	// the GPUs keep their modes.
+	pluginPID := childPID(t, agent.Cmd.Process.Pid, "plugin", "nvidia-example")
+	if err := syscall.Kill(pluginPID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	// Until the restarted plugin is back, its devices are unhealthy and a Reserve it
+	// must answer UNAVAILABLE ("restarting"); a second MPS share of GPU 1 then joins its
+	// daemon.
+	var m3 *pb.ReserveResponse
+	for {
+		m3, err = reserve("gpu.mps", "mps-3", share(gpu1, 1))
+		if status.Code(err) != codes.Unavailable && !client.IsUnhealthy(err) || ctx.Err() != nil {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatalf("a second MPS share of GPU 1 after the plugin's restart: %v", err)
+	}
+	if m3.GetReservation().GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"] != m1.GetReservation().GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"] {
+		t.Errorf("GPU 1's second share got daemon %s, the first %s: the restarted plugin did not adopt it",
+			m3.GetReservation().GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"], m1.GetReservation().GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"])
+	}
+	if restarted, _ := findChildPID(agent.Cmd.Process.Pid, "plugin", "nvidia-example"); restarted == pluginPID {
+		t.Errorf("plugin PID %d unchanged after SIGKILL", restarted)
+	}
+	_, err = reserve("gpu.mps", "mps-2", share(gpu0, 1))
+	refused("after the plugin's restart, an MPS share of GPU 0", err, `"time-slicing"`)
+	_, err = reserve("gpu.shared", "ts-3", replica(gpu1, 0))
+	refused("after the plugin's restart, a replica of GPU 1", err, `"mps"`)
+
 	for _, r := range []*pb.ReserveResponse{ts1, ts2} {
 		if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: r.GetReservationId()}}); err != nil {
 			t.Fatalf("Release: %v", err)
@@ -322,7 +356,7 @@ plugin "nvidia-example" {
 	if err != nil {
 		t.Fatalf("an MPS share of GPU 0 once its replicas are released: %v", err)
 	}
-	for _, r := range []*pb.ReserveResponse{m1, m2} {
+	for _, r := range []*pb.ReserveResponse{m1, m2, m3} {
 		if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: r.GetReservationId()}}); err != nil {
 			t.Fatalf("Release: %v", err)
 		}
