@@ -86,3 +86,111 @@ func TestNomadAgentMPS(t *testing.T) {
 		return err == nil && len(entries) == 0
 	}, nomad.Stdout)
 }
+
+// A real Nomad v1.6.3 agent with each GPU offered both time-sliced and in MPS shares
+// (sharing = ["time-slicing", "mps"]): a job asking `device "nvidia/gpu.shared"` runs
+// on a GPU, whose MPS shares and whole GPU then show unhealthy in Nomad's node status
+// (the agent would refuse them: the GPU is in the other mode); a job asking for a whole
+// GPU lands on another GPU, and one asking `device "nvidia/gpu.mps"` on a third, each
+// task's environment showing its mode. Stopped, every GPU is free again.
+func TestNomadAgentSharingModes(t *testing.T) {
+	nomadBin := nomadBinary(t)
+	bins := build(t)
+	tmp := tempDir(t, "dhnmodes")
+	mpsDir := filepath.Join(tempDir(t, "mps"), "d")
+	cfgPath := filepath.Join(tmp, "agent.hcl")
+	writeFile(t, cfgPath, strings.Replace(fmt.Sprintf(mpsAgentConfig, mpsDir), `sharing  = "mps"`, `sharing  = ["time-slicing", "mps"]`, 1))
+	address := "unix://" + filepath.Join(tmp, "dh.sock")
+	startAgent(t, bins[agentName], tmp, "agent", "-dev", "-listen", address, "-config", cfgPath, "-log-json")
+	c := dial(t, address)
+
+	ports := freePorts(t, 3)
+	nomadAddr := "127.0.0.1:" + ports[0]
+	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, nomadAddr, 2*time.Second, nomadOptions{})
+	nomad := startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
+	n := &nomadHTTP{t: t, addr: "http://" + nomadAddr}
+	defer n.stopAll()
+	nodeID := n.waitNodeWithGPUs(8)
+	shared := "nvidia/gpu.shared/" + h100
+	waitFor(t, "32 replicas and 8 MPS share groups of 4 in Nomad's node status", func() bool {
+		devs, err := n.nodeDevices(nodeID)
+		groups := 0
+		for name, ds := range devs {
+			if strings.HasPrefix(name, "nvidia/gpu.mps/") && len(ds) == 4 {
+				groups++
+			}
+		}
+		return err == nil && groups == 8 && len(devs[shared]) == 32
+	}, nomad.Stdout)
+
+	// run starts job name on one device of device, and returns the GPU its task saw and
+	// its MPS pipe directory.
+	run := func(name, device string) (gpu, pipe string) {
+		t.Helper()
+		out := filepath.Join(tmp, name+".env")
+		script := fmt.Sprintf(`printf '%%s|%%s\n' "$NVIDIA_VISIBLE_DEVICES" "$CUDA_MPS_PIPE_DIRECTORY" > %[1]s.tmp && mv %[1]s.tmp %[1]s && exec sleep 3600`, out)
+		allocID := n.runBatchJob(nomadBin, tmp, name, script, device, 1)
+		var line string
+		waitFor(t, "the environment of job "+name, func() bool {
+			b, err := os.ReadFile(out)
+			line = strings.TrimSpace(string(b))
+			return err == nil
+		}, nomad.Stdout)
+		gpu, pipe, _ = strings.Cut(line, "|")
+		r := waitActiveReservation(t, c, shim.AllocOwner("default", name, allocID, "train"), nomad.Stdout)
+		t.Logf("| %s | %s | %s | %v | pipe %q |", name, device, gpu, r.GetDeviceIds(), pipe)
+		return gpu, pipe
+	}
+	// unavailable waits until every device of gpu's group of typ in Nomad's node status
+	// is unhealthy.
+	unavailable := func(gpu, typ string) {
+		t.Helper()
+		var desc string
+		waitFor(t, "GPU "+gpu+"'s "+typ+" devices unhealthy in Nomad's node status", func() bool {
+			devs, err := n.nodeDevices(nodeID)
+			if err != nil {
+				return false
+			}
+			seen := 0
+			for name, ds := range devs {
+				if !strings.HasPrefix(name, "nvidia/"+typ+"/") {
+					continue
+				}
+				for _, d := range ds {
+					if strings.HasPrefix(d.ID, gpu) {
+						if d.Healthy {
+							return false
+						}
+						seen++
+						desc = d.HealthDescription
+					}
+				}
+			}
+			return seen > 0
+		}, nomad.Stdout)
+		t.Logf("GPU %s's %s devices in Nomad: unhealthy, %q", gpu, typ, desc)
+	}
+
+	tsGPU, tsPipe := run("ts", "nvidia/gpu.shared")
+	if !strings.HasPrefix(tsGPU, "GPU-") || tsPipe != "" {
+		t.Fatalf("the time-sliced task saw GPU %q, MPS pipe %q; want a GPU without MPS", tsGPU, tsPipe)
+	}
+	unavailable(tsGPU, "gpu.mps")
+	unavailable(tsGPU, "gpu")
+	wholeGPU, _ := run("whole", "nvidia/gpu")
+	if wholeGPU == tsGPU {
+		t.Errorf("the whole-GPU job landed on %s, which the time-sliced job holds", tsGPU)
+	}
+	unavailable(wholeGPU, "gpu.mps")
+	mpsGPU, mpsPipe := run("mps", "nvidia/gpu.mps")
+	if mpsGPU == tsGPU || mpsGPU == wholeGPU || !strings.HasPrefix(mpsPipe, mpsDir+"/") {
+		t.Errorf("the MPS job on %s with pipe %q; want a third GPU (not %s, %s) and a pipe under %s", mpsGPU, mpsPipe, tsGPU, wholeGPU, mpsDir)
+	}
+	for _, job := range []string{"ts", "whole", "mps"} {
+		n.deleteJob(job)
+	}
+	waitFor(t, "the daemon gone after the jobs stopped", func() bool {
+		entries, err := os.ReadDir(mpsDir)
+		return err == nil && len(entries) == 0
+	}, nomad.Stdout)
+}
