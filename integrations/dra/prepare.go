@@ -96,6 +96,14 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 	if err != nil {
 		return nil, err
 	}
+	// The claim's sharing config, checked before anything is reserved.
+	configFor, err := sharingConfigs(c, d.cfg.DriverName)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkSharing(devs, configFor); err != nil {
+		return nil, err
+	}
 
 	// One Reserve per device group, in the order the groups first appear; the devices
 	// of an admin access request apart (an admin access of the agent: no holder).

@@ -1,0 +1,163 @@
+package dra
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
+
+	resourceapi "k8s.io/api/resource/v1"
+)
+
+// A claim's opaque device config for this driver: devicehost's own parameters object,
+// versioned, checked at Prepare against the devices the claim got.
+//
+//	config:
+//	  - requests: ["gpu"]
+//	    opaque:
+//	      driver: devicehost.io
+//	      parameters:
+//	        apiVersion: devicehost.io/v1alpha1
+//	        kind: SharingConfig
+//	        strategy: TimeSlicing          # Exclusive, TimeSlicing or MPS
+//	        timeSlicing: {interval: Default}
+//
+// How a GPU is shared is chosen by the device the claim asks for (its DeviceClass:
+// gpu.devicehost.io whole, gpu-shared.devicehost.io a time-sliced replica,
+// gpu-mps.devicehost.io MPS shares), never by this config: the scheduler reads
+// classes and selectors, not opaque configs, and it must know the mode so that a GPU
+// held in one mode is not allocated in another (compatibility groups). The config
+// states the mode the workload needs, and a Prepare whose devices are not in it fails
+// with an error naming the request, the device, its mode and the class to ask for, in
+// the pod's events; so does a parameter the plugin cannot honour (a time-slice
+// interval other than Default: the plugin never changes a GPU's settings). MPS limits
+// follow the memory the claim asks (capacity.requests.memory, in whole shares).
+
+// Sharing config identity.
+const (
+	SharingConfigAPIVersion = "devicehost.io/v1alpha1"
+	SharingConfigKind       = "SharingConfig"
+	// maxSharingConfig bounds one config's parameters (Kubernetes allows 10 KiB).
+	maxSharingConfig = 10 << 10
+)
+
+// Sharing strategies of SharingConfig.Strategy.
+const (
+	StrategyExclusive   = "Exclusive"
+	StrategyTimeSlicing = "TimeSlicing"
+	StrategyMPS         = "MPS"
+)
+
+// SharingConfig is the parameters of a claim's opaque config for this driver.
+type SharingConfig struct {
+	APIVersion  string             `json:"apiVersion"`
+	Kind        string             `json:"kind"`
+	Strategy    string             `json:"strategy"`
+	TimeSlicing *TimeSlicingConfig `json:"timeSlicing,omitempty"`
+}
+
+// TimeSlicingConfig is a time-sliced claim's parameters.
+type TimeSlicingConfig struct {
+	// Interval is the GPU's time slice: only "Default" (or empty), the GPU's own.
+	Interval string `json:"interval,omitempty"`
+}
+
+// parseSharingConfig decodes and checks one config's parameters: this version and
+// kind, known fields only, a known strategy with only its own parameters.
+func parseSharingConfig(raw []byte) (*SharingConfig, error) {
+	if len(raw) > maxSharingConfig {
+		return nil, fmt.Errorf("%d bytes, at most %d", len(raw), maxSharingConfig)
+	}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	var c SharingConfig
+	if err := dec.Decode(&c); err != nil {
+		return nil, fmt.Errorf("not a %s %s: %v", SharingConfigAPIVersion, SharingConfigKind, err)
+	}
+	switch {
+	case c.APIVersion != SharingConfigAPIVersion || c.Kind != SharingConfigKind:
+		return nil, fmt.Errorf("apiVersion %q, kind %q: want %q, %q", c.APIVersion, c.Kind, SharingConfigAPIVersion, SharingConfigKind)
+	case !slices.Contains([]string{StrategyExclusive, StrategyTimeSlicing, StrategyMPS}, c.Strategy):
+		return nil, fmt.Errorf("strategy %q: want %s, %s or %s", c.Strategy, StrategyExclusive, StrategyTimeSlicing, StrategyMPS)
+	case c.TimeSlicing != nil && c.Strategy != StrategyTimeSlicing:
+		return nil, fmt.Errorf("timeSlicing is for strategy %s, not %s", StrategyTimeSlicing, c.Strategy)
+	case c.TimeSlicing != nil && c.TimeSlicing.Interval != "" && c.TimeSlicing.Interval != "Default":
+		return nil, fmt.Errorf("timeSlicing.interval %q: only Default (the GPU's own): the plugin never changes a GPU's settings", c.TimeSlicing.Interval)
+	}
+	return &c, nil
+}
+
+// sharingConfigs returns the SharingConfig that applies to each request of c (by
+// request name as the allocation results give it, "<request>" or
+// "<request>/<subrequest>"): the configs for this driver, the class's first and the
+// claim's after them, a later one replacing an earlier one for the requests it names
+// (all when it names none). A config that does not parse fails the claim.
+func sharingConfigs(c *resourceapi.ResourceClaim, driver string) (func(request string) *SharingConfig, error) {
+	type entry struct {
+		requests []string
+		cfg      *SharingConfig
+	}
+	var entries []entry
+	for _, source := range []resourceapi.AllocationConfigSource{resourceapi.AllocationConfigSourceClass, resourceapi.AllocationConfigSourceClaim} {
+		for i, dc := range c.Status.Allocation.Devices.Config {
+			if dc.Source != source || dc.Opaque == nil || dc.Opaque.Driver != driver {
+				continue
+			}
+			cfg, err := parseSharingConfig(dc.Opaque.Parameters.Raw)
+			if err != nil {
+				return nil, fmt.Errorf("device config %d (%s) for %s: %w", i, source, driver, err)
+			}
+			entries = append(entries, entry{dc.Requests, cfg})
+		}
+	}
+	return func(request string) *SharingConfig {
+		var out *SharingConfig
+		main, _, _ := strings.Cut(request, "/")
+		for _, e := range entries {
+			if len(e.requests) == 0 || slices.Contains(e.requests, request) || slices.Contains(e.requests, main) {
+				out = e.cfg
+			}
+		}
+		return out
+	}, nil
+}
+
+// strategyOf is the sharing strategy device a is held in; "" for a device that is no
+// GPU of the nvidia-example plugin's kinds.
+func strategyOf(a allocated) string {
+	switch {
+	case a.ref.pool != nil && a.ref.pool.kind == poolMPS:
+		return StrategyMPS
+	case strings.HasSuffix(a.ref.group.typ, ".shared"):
+		return StrategyTimeSlicing
+	case a.ref.group.typ == "gpu" || a.ref.group.typ == "mig":
+		return StrategyExclusive
+	}
+	return ""
+}
+
+// checkSharing checks each allocated device against the SharingConfig of its request:
+// the device must be held in the strategy the config names.
+func checkSharing(devs []allocated, configFor func(string) *SharingConfig) error {
+	want := map[string]string{
+		StrategyExclusive:   "gpu.devicehost.io (whole GPU) or mig.devicehost.io (MIG device)",
+		StrategyTimeSlicing: "gpu-shared.devicehost.io",
+		StrategyMPS:         "gpu-mps.devicehost.io (or mig-mps.devicehost.io)",
+	}
+	for _, a := range devs {
+		cfg := configFor(a.request)
+		if cfg == nil || a.admin {
+			continue
+		}
+		got := strategyOf(a)
+		switch {
+		case got == "":
+			return fmt.Errorf("request %q: a %s applies to GPUs; device %s is of type %s", a.request, SharingConfigKind, a.ref.name, a.ref.group.typ)
+		case got != cfg.Strategy:
+			return fmt.Errorf("request %q: %s strategy %s, but device %s (type %s) is held %s: for %s ask DeviceClass %s",
+				a.request, SharingConfigKind, cfg.Strategy, a.ref.name, a.ref.group.typ, got, cfg.Strategy, want[cfg.Strategy])
+		}
+	}
+	return nil
+}
