@@ -62,6 +62,7 @@ func TestRealNodeDRA(t *testing.T) {
 	t.Run("AdminAccess", d.caseAdminAccess)
 	t.Run("MPSDevicePlugin", d.caseMPSDevicePlugin)
 	t.Run("MPSClaims", d.caseMPSClaims)
+	t.Run("SharingModes", d.caseSharingModes)
 	t.Run("HostDevices", d.caseHostDev)
 	t.Run("HostedKubeletPlugin", d.caseHostedPlugin)
 	t.Run("SlicesStoredAsWritten", d.caseStoredAsWritten)

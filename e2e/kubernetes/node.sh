@@ -343,6 +343,10 @@ EOF
   kubeconfig "$RUN/kubelet.kubeconfig" kubelet
 }
 
+# Alpha gates the suite needs, on the API server and the scheduler:
+# DRADeviceCompatibilityGroups keeps the compatibility groups of a GPU offered both
+# time-sliced and in MPS shares in its ResourceSlices, and has the scheduler honour them.
+FEATURE_GATES=DRADeviceCompatibilityGroups=true
 start_etcd() {
   spawn etcd "$BIN_ETCD/etcd" --name "$NODE_NAME" --data-dir "$RUN/etcd" \
     --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
@@ -362,7 +366,7 @@ start_kube-apiserver() {
     --kubelet-preferred-address-types InternalIP \
     --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
     --service-account-issuer https://kubernetes.default.svc.cluster.local \
-    --allow-privileged=true --profiling=false --v=1
+    --allow-privileged=true --profiling=false --v=1 --feature-gates "$FEATURE_GATES"
 }
 start_kube-controller-manager() {
   spawn kube-controller-manager "$BIN_K8S/kube-controller-manager" --kubeconfig "$KUBECONFIG_ADMIN" \
@@ -374,7 +378,8 @@ start_kube-controller-manager() {
 start_kube-scheduler() {
   spawn kube-scheduler "$BIN_K8S/kube-scheduler" --kubeconfig "$KUBECONFIG_ADMIN" \
     --authentication-kubeconfig "$KUBECONFIG_ADMIN" --authorization-kubeconfig "$KUBECONFIG_ADMIN" \
-    --leader-elect=false --bind-address 127.0.0.1 --secure-port 0 --profiling=false --v=1
+    --leader-elect=false --bind-address 127.0.0.1 --secure-port 0 --profiling=false --v=1 \
+    --feature-gates "$FEATURE_GATES"
 }
 # kube-proxy in iptables mode: Service IPs (the kubernetes Service, for pods' in-cluster
 # clients) as on a real node. The conntrack table is left as the machine has it.

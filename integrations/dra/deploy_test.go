@@ -77,6 +77,7 @@ func TestDeployManifests(t *testing.T) {
 			{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia", Devices: []*pb.Device{{Id: "GPU-1", Health: pb.Health_HEALTH_HEALTHY}}},
 			{Vendor: "nvidia", Type: "mig", Name: "1g.10gb", Plugin: "nvidia", Devices: []*pb.Device{{Id: "MIG-1", Health: pb.Health_HEALTH_HEALTHY}}},
 			{Vendor: "nvidia", Type: "gpu.mps", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia", Devices: []*pb.Device{{Id: "GPU-1::mps::0", Health: pb.Health_HEALTH_HEALTHY}}},
+			{Vendor: "nvidia", Type: "gpu.shared", Name: "NVIDIA H100 80GB HBM3", Plugin: "nvidia", Devices: []*pb.Device{{Id: "GPU-1::0", Health: pb.Health_HEALTH_HEALTHY}}},
 			{Vendor: "nvidia", Type: "mig", Name: "1g.10gb.mps", Plugin: "nvidia",
 				Attributes: map[string]*pb.Value{"memory": {Kind: &pb.Value_IntValue{IntValue: 5120}, Unit: "MiB"}},
 				Devices:    []*pb.Device{migShare("MIG-2", 0, 2, 10240), migShare("MIG-2", 1, 2, 10240)}},
@@ -91,7 +92,8 @@ func TestDeployManifests(t *testing.T) {
 		devs = append(devs, sl.Devices...)
 	}
 	for class, want := range map[string]string{"gpu.devicehost.io": DeviceName("GPU-1"), "mig.devicehost.io": DeviceName("MIG-1"),
-		"gpu-mps.devicehost.io": DeviceName("GPU-1::mps::0"), "mig-mps.devicehost.io": DeviceName("MIG-2::mps")} {
+		"gpu-mps.devicehost.io": DeviceName("GPU-1::mps::0"), "mig-mps.devicehost.io": DeviceName("MIG-2::mps"),
+		"gpu-shared.devicehost.io": DeviceName("GPU-1::0")} {
 		c := classes[class]
 		if c == nil || len(c.Spec.Selectors) != 1 || c.Spec.Selectors[0].CEL == nil {
 			t.Fatalf("DeviceClass %s: %v; want one with a CEL selector", class, c)
