@@ -9,25 +9,31 @@ import (
 	"time"
 )
 
-// Sharing chosen per claim on the real node: the agent restarted with the nvidia-example
-// plugin's sharing = ["time-slicing", "mps"] (each GPU offered as 4 time-sliced
-// replicas and 4 MPS shares, each mode in a compatibility group of its own), the API
-// server and scheduler with DRADeviceCompatibilityGroups. A time-sliced claim lands on
-// a GPU, a second one pinned to that GPU shares it; an MPS claim pinned to that GPU
-// stays pending (the scheduler sees the GPU in the other mode) while an MPS claim on
-// any GPU lands on another one, and so does a device-plugin pod asking for
-// nvidia.com/gpu.mps (the bridge hides the time-sliced GPU's shares); a time-sliced
-// claim pinned to the MPS GPU and the whole time-sliced GPU stay pending. The ledger
-// and each container's environment show every GPU in one mode.
+// Sharing chosen per workload, every mode on one node of 8 simulated H100s: the agent
+// restarted with the nvidia-example plugin's sharing = ["time-slicing", "mps"] (each
+// whole GPU offered as 4 time-sliced replicas and 4 MPS shares, each mode in a
+// compatibility group of its own) and mig = "on-demand" on GPUs 0 and 1 (MIG mode off on
+// the others); the API server and scheduler with DRADeviceCompatibilityGroups.
+//
+// Two time-sliced claims share a GPU (X); an MPS claim pinned to X stays pending (the
+// scheduler sees X in the other mode); an MPS claim of one share lands on another GPU
+// (Y), and a second one of two shares pinned to Y joins it with its own limits on the
+// same daemon; a device-plugin pod asking nvidia.com/gpu.mps lands anywhere but X (the
+// bridge hides X's shares); an exclusive claim gets a whole GPU of its own, a MIG
+// claim a 1g.10gb partition; a time-sliced claim pinned to Y and the whole X stay
+// pending. The ledger and each container's environment show every GPU in one mode.
 func (d *draStack) caseSharingModes(t *testing.T) {
 	mpsDir := filepath.Join(d.n.run, "ds", "mps")
 	d.withAgentConfig(t, d.agentConfigVariant(t, "modes", `replicas       = 4
         sharing        = ["time-slicing", "mps"]
-        mps_dir        = "`+mpsDir+`"`))
-	dPool := d.waitPool(t, 60*time.Second, "8 GPUs, 32 replicas and 8 shareable MPS devices", func(p pool) (bool, string) {
-		return len(p.ofType("gpu")) == 8 && len(p.ofType("gpu.shared")) == 32 && len(p.ofType("gpu.mps")) == 8, p.String()
+        mps_dir        = "`+mpsDir+`"
+        mig            = "on-demand"
+        sim_mig_mode_off = [2, 3, 4, 5, 6, 7]
+        sim_state_file = "`+filepath.Join(d.n.run, "ds", "nvidia-sim-modes.json")+`"`))
+	dPool := d.waitPool(t, 60*time.Second, "8 GPUs, 24 replicas, 6 shareable MPS devices and MIG placements", func(p pool) (bool, string) {
+		return len(p.ofType("gpu")) == 8 && len(p.ofType("gpu.shared")) == 24 && len(p.ofType("gpu.mps")) == 6 && len(p.ofType("mig")) > 0, p.String()
 	})
-	t.Logf("agent restarted offering both modes: pool ready %v after", dPool.Round(time.Millisecond))
+	t.Logf("agent restarted offering every mode: pool ready %v after", dPool.Round(time.Millisecond))
 	parentIs := func(gpu string) string { return `device.attributes["` + draDriver + `"].parent == "` + gpu + `"` }
 	mpsTemplate := func(prefix, memory, selector string) string {
 		req := map[string]any{"deviceClassName": "gpu-mps.devicehost.io", "capacity": map[string]any{"requests": map[string]any{"memory": memory}}}
@@ -38,77 +44,92 @@ func (d *draStack) caseSharingModes(t *testing.T) {
 	}
 	type row struct{ pod, mode, gpu, devices, env string }
 	var table []row
-	run := func(prefix, tmpl, mode string) (string, map[string]string) {
+	var pods []string
+	defer func() {
+		for _, p := range pods {
+			d.deletePod(t, p)
+		}
+	}()
+	// run runs a pod of one claim from tmpl, checks its reservation is of typ and its
+	// container's environment, and returns the pod and its environment.
+	run := func(prefix, tmpl, mode, typ string) (string, map[string]string) {
 		t.Helper()
 		name := d.submitPod(t, prefix, func(spec, container map[string]any) {
 			spec["resourceClaims"] = []any{map[string]any{"name": "gpus", "resourceClaimTemplateName": tmpl}}
 			container["resources"] = map[string]any{"claims": []any{map[string]any{"name": "gpus"}}}
 			container["command"] = []string{"/bin/sh", "-c", mpsScript}
 		})
+		pods = append(pods, name)
 		out, _ := d.waitPodReady(t, name, 90*time.Second)
 		_, res := d.claimReservation(t, name, 30*time.Second)
 		env := envOf(out)
-		gpu := env["NVIDIA_VISIBLE_DEVICES"]
 		ids := slices.Sorted(slices.Values(res.GetDeviceIds()))
-		want := map[string]string{"time-slicing": "gpu.shared", "mps": "gpu.mps"}[mode]
-		if res.GetType() != want || len(ids) != 1 || !strings.HasPrefix(ids[0], gpu+"::") {
-			t.Errorf("pod %s (%s): reservation %s %v, container on %s; want one %s device of that GPU", name, mode, res.GetType(), ids, gpu, want)
+		if res.GetType() != typ || len(ids) == 0 {
+			t.Errorf("pod %s (%s): reservation %s %v; want %s devices", name, mode, res.GetType(), ids, typ)
 		}
 		if hasPipe := env["PIPE"] != ""; hasPipe != (mode == "mps") {
 			t.Errorf("pod %s (%s): MPS pipe directory %q in its environment", name, mode, env["PIPE"])
 		}
-		table = append(table, row{name, mode, gpu, strings.Join(ids, ","), fmt.Sprintf("THREADS=%s MEM=%s PIPE=%s", env["THREADS"], env["MEM"], env["PIPE"])})
+		table = append(table, row{name, mode, env["NVIDIA_VISIBLE_DEVICES"], strings.Join(ids, ","),
+			fmt.Sprintf("THREADS=%s MEM=%s PIPE=%s", env["THREADS"], env["MEM"], env["PIPE"])})
 		return name, env
 	}
-	tsA, envA := run("modes-ts-a", d.createTemplate(t, "ts-any", "gpu-shared.devicehost.io", 1, ""), "time-slicing")
-	defer d.deletePod(t, tsA)
-	gpu := envA["NVIDIA_VISIBLE_DEVICES"]
-	tsB, envB := run("modes-ts-b", d.createTemplate(t, "ts-on", "gpu-shared.devicehost.io", 1, parentIs(gpu)), "time-slicing")
-	defer d.deletePod(t, tsB)
-	if envB["NVIDIA_VISIBLE_DEVICES"] != gpu {
-		t.Errorf("the second time-sliced pod on %s; want %s", envB["NVIDIA_VISIBLE_DEVICES"], gpu)
+	pending := func(what, prefix, tmpl string) {
+		t.Helper()
+		name := d.createClaimPod(t, prefix, tmpl)
+		pods = append(pods, name)
+		msg, dVerdict := d.waitUnschedulable(t, name, 60*time.Second)
+		t.Logf("%s: unschedulable after %v: %s", what, dVerdict.Round(time.Millisecond), msg)
 	}
 
-	pendingMPS := d.createClaimPod(t, "modes-mps-on-ts", mpsTemplate("mps-on-ts", "20Gi", parentIs(gpu)))
-	defer d.deletePod(t, pendingMPS)
-	msg, dVerdict := d.waitUnschedulable(t, pendingMPS, 60*time.Second)
-	t.Logf("an MPS claim pinned to time-sliced %s: unschedulable after %v: %s", gpu, dVerdict.Round(time.Millisecond), msg)
-	mpsA, envM := run("modes-mps-a", mpsTemplate("mps-any", "20Gi", ""), "mps")
-	defer d.deletePod(t, mpsA)
-	if envM["NVIDIA_VISIBLE_DEVICES"] == gpu {
-		t.Errorf("the MPS pod landed on %s, which two time-sliced pods hold", gpu)
+	_, envA := run("modes-ts-a", d.createTemplate(t, "ts-any", "gpu-shared.devicehost.io", 1, ""), "time-slicing", "gpu.shared")
+	x := envA["NVIDIA_VISIBLE_DEVICES"]
+	_, envB := run("modes-ts-b", d.createTemplate(t, "ts-on", "gpu-shared.devicehost.io", 1, parentIs(x)), "time-slicing", "gpu.shared")
+	if envB["NVIDIA_VISIBLE_DEVICES"] != x {
+		t.Errorf("the second time-sliced pod on %s; want %s", envB["NVIDIA_VISIBLE_DEVICES"], x)
 	}
+	pending("an MPS claim pinned to time-sliced "+x, "modes-mps-on-ts", mpsTemplate("mps-on-ts", "20Gi", parentIs(x)))
+	_, envM := run("modes-mps-a", mpsTemplate("mps-20gi", "20Gi", ""), "mps", "gpu.mps")
+	y := envM["NVIDIA_VISIBLE_DEVICES"]
+	if y == x {
+		t.Errorf("the MPS pod landed on %s, which two time-sliced pods hold", x)
+	}
+	_, envM2 := run("modes-mps-b", mpsTemplate("mps-40gi-on", "40Gi", parentIs(y)), "mps", "gpu.mps")
+	if envM2["NVIDIA_VISIBLE_DEVICES"] != y || envM2["PIPE"] != envM["PIPE"] || envM2["THREADS"] != "50" || envM["THREADS"] != "25" {
+		t.Errorf("two MPS claims on %s: THREADS %s and %s, pipes %s and %s; want 25 and 50 on one daemon", y, envM["THREADS"], envM2["THREADS"], envM["PIPE"], envM2["PIPE"])
+	}
+
 	// The device-plugin path draws on the same GPUs through the ledger: the bridge offers
-	// nvidia.com/gpu.mps without time-sliced GPU X's four shares (blocked) and the share
-	// the MPS claim holds, and a pod asking for one lands beside the MPS claim or on a
-	// free GPU, never on X.
+	// nvidia.com/gpu.mps without X's four shares (blocked) and the three the claims hold.
 	d.withBridgeResource(t, mpsResource, "gpu.mps")
-	dAlloc := waitFor(t, 60*time.Second, "node allocatable "+mpsResource+"=27", func() (bool, string) {
+	dAlloc := waitFor(t, 60*time.Second, "node allocatable "+mpsResource+"=17", func() (bool, string) {
 		n, err := d.allocatableOf(mpsResource)
-		return err == nil && n == 27, fmt.Sprintf("allocatable %d (%v)", n, err)
+		return err == nil && n == 17, fmt.Sprintf("allocatable %d (%v)", n, err)
 	})
-	t.Logf("bridge serving %s: 27 allocatable (32 less %s's 4 blocked and the claim's 1) %v after", mpsResource, gpu, dAlloc.Round(time.Millisecond))
+	t.Logf("bridge serving %s: 17 allocatable (24 less %s's 4 blocked and the claims' 3) %v after", mpsResource, x, dAlloc.Round(time.Millisecond))
 	dp := d.submitPod(t, "modes-dp-mps", func(_, container map[string]any) {
 		container["resources"] = map[string]any{"limits": map[string]any{mpsResource: "1"}}
 		container["command"] = []string{"/bin/sh", "-c", mpsScript}
 	})
-	defer d.deletePod(t, dp)
+	pods = append(pods, dp)
 	out, _ := d.waitPodReady(t, dp, 90*time.Second)
 	envDP := envOf(out)
-	if envDP["NVIDIA_VISIBLE_DEVICES"] == gpu || envDP["PIPE"] == "" {
-		t.Errorf("the device-plugin MPS pod on %s with pipe %q; want a GPU other than time-sliced %s, with MPS", envDP["NVIDIA_VISIBLE_DEVICES"], envDP["PIPE"], gpu)
+	if envDP["NVIDIA_VISIBLE_DEVICES"] == x || envDP["PIPE"] == "" {
+		t.Errorf("the device-plugin MPS pod on %s with pipe %q; want a GPU other than time-sliced %s, with MPS", envDP["NVIDIA_VISIBLE_DEVICES"], envDP["PIPE"], x)
 	}
 	table = append(table, row{dp, "mps (device plugin)", envDP["NVIDIA_VISIBLE_DEVICES"], mpsResource + ": 1",
 		fmt.Sprintf("THREADS=%s MEM=%s PIPE=%s", envDP["THREADS"], envDP["MEM"], envDP["PIPE"])})
 
-	tsOnMPS := d.createClaimPod(t, "modes-ts-on-mps", d.createTemplate(t, "ts-on-mps", "gpu-shared.devicehost.io", 1, parentIs(envM["NVIDIA_VISIBLE_DEVICES"])))
-	defer d.deletePod(t, tsOnMPS)
-	msg2, dVerdict2 := d.waitUnschedulable(t, tsOnMPS, 60*time.Second)
-	t.Logf("a time-sliced claim pinned to %s in MPS shares: unschedulable after %v: %s", envM["NVIDIA_VISIBLE_DEVICES"], dVerdict2.Round(time.Millisecond), msg2)
-	whole := d.createClaimPod(t, "modes-whole", d.createTemplate(t, "whole-of-ts", gpuClass, 1, `device.attributes["`+draDriver+`"].id == "`+gpu+`"`))
-	defer d.deletePod(t, whole)
-	msg3, dVerdict3 := d.waitUnschedulable(t, whole, 60*time.Second)
-	t.Logf("the whole of time-sliced %s: unschedulable after %v: %s", gpu, dVerdict3.Round(time.Millisecond), msg3)
+	_, envW := run("modes-whole", d.createTemplate(t, "whole-any", gpuClass, 1, ""), "exclusive", "gpu")
+	if w := envW["NVIDIA_VISIBLE_DEVICES"]; w == x || w == y || w == envDP["NVIDIA_VISIBLE_DEVICES"] {
+		t.Errorf("the exclusive pod on %s, a GPU another pod shares", w)
+	}
+	_, envMIG := run("modes-mig", d.createTemplate(t, "mig-1g", migClass, 1, `device.attributes["`+draDriver+`"].productName == "1g.10gb"`), "mig", "mig")
+	if !strings.HasPrefix(envMIG["NVIDIA_VISIBLE_DEVICES"], "MIG-") {
+		t.Errorf("the MIG pod sees %q; want a MIG device", envMIG["NVIDIA_VISIBLE_DEVICES"])
+	}
+	pending("a time-sliced claim pinned to "+y+" in MPS shares", "modes-ts-on-mps", d.createTemplate(t, "ts-on-mps", "gpu-shared.devicehost.io", 1, parentIs(y)))
+	pending("the whole of time-sliced "+x, "modes-whole-x", d.createTemplate(t, "whole-of-ts", gpuClass, 1, `device.attributes["`+draDriver+`"].id == "`+x+`"`))
 
 	// The ledger: every GPU held in one mode, whichever path holds it.
 	rs, err := d.reservations("-state", "active")
@@ -119,6 +140,7 @@ func (d *draStack) caseSharingModes(t *testing.T) {
 	for _, r := range rs {
 		for _, id := range r.GetDeviceIds() {
 			g, _, _ := strings.Cut(id, "::")
+			g, _, _ = strings.Cut(g, "-mig-")
 			if modes[g] == nil {
 				modes[g] = make(map[string]bool)
 			}
@@ -131,10 +153,11 @@ func (d *draStack) caseSharingModes(t *testing.T) {
 		}
 	}
 	t.Logf("the ledger's GPUs by mode: %v", modes)
+	t.Log("| pod | mode | GPU (NVIDIA_VISIBLE_DEVICES) | devices | MPS environment |")
 	for _, r := range table {
 		t.Logf("| %s | %s | %s | %s | %s |", r.pod, r.mode, r.gpu, r.devices, r.env)
 	}
-	for _, p := range []string{whole, tsOnMPS, dp, pendingMPS, mpsA, tsB, tsA} {
+	for _, p := range pods {
 		d.deletePod(t, p)
 	}
 	// Every GPU whole again: the claims released at once, the device-plugin pod's
