@@ -338,11 +338,12 @@ func TestOnDemandMIGSharesAreNotPublished(t *testing.T) {
 // (replicas "time-slicing", the pooled MPS device "mps", the whole GPU none), which
 // keeps the scheduler from putting both modes on one GPU; where the API server drops
 // them (its feature gate off), the agent refuses such a Prepare, naming the mode that
-// holds the GPU, and the claim's prepare error says so.
+// holds the GPU, and the claim's prepare error says so, also after a restart of the
+// driver with the first mode's claim prepared.
 func TestSharingModesCarryCompatibilityGroups(t *testing.T) {
 	t.Setenv("GORACE", "atexit_sleep_ms=0") // the simulated MPS daemon's control clients
 	r := newRigArgs(t, "-config", sharingAgentConfig(t, `["time-slicing", "mps"]`, ""))
-	r.startDriver(nil)
+	first := r.startDriver(nil)
 	k := r.kubelet()
 	devs := r.waitSlices("8 GPUs, 32 replicas and 8 pooled MPS devices", func(d []resourceapi.Device) bool { return len(d) == 48 })
 	var replica, pooled resourceapi.Device
@@ -389,6 +390,23 @@ func TestSharingModesCarryCompatibilityGroups(t *testing.T) {
 	p := k.prepare(t, b)
 	if !strings.Contains(p.GetError(), `is held shared as "time-slicing"`) || !strings.Contains(p.GetError(), `would hold it shared as "mps"`) {
 		t.Errorf("prepare of an MPS share of a time-sliced GPU: %q, want refused naming both modes", p.GetError())
+	}
+	// A restarted driver with the replica's claim prepared: the kubelet asking again
+	// gets the same reservation, and the MPS claim is still refused.
+	ownerA := claimRef{a.Namespace, a.Name, string(a.UID)}.owner()
+	before, _ := r.c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: ownerA, State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
+	first.stop(t)
+	r.startDriver(nil)
+	k = r.kubelet()
+	if p := k.prepare(t, a); p.GetError() != "" {
+		t.Fatalf("prepare of the replica asked again of the restarted driver: %s", p.GetError())
+	}
+	after, _ := r.c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: ownerA, State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
+	if len(before) != 1 || len(after) != 1 || before[0].GetReservationId() != after[0].GetReservationId() {
+		t.Errorf("the replica's reservations %v before the driver's restart, %v after; want the same one", before, after)
+	}
+	if p := k.prepare(t, b); !strings.Contains(p.GetError(), `is held shared as "time-slicing"`) {
+		t.Errorf("after the driver's restart, prepare of an MPS share of the time-sliced GPU: %q, want refused", p.GetError())
 	}
 	if e := k.unprepare(t, a); e != "" {
 		t.Fatal(e)
