@@ -3,7 +3,7 @@
 //
 //	devicehost agent -dev                    a working host with 8 simulated H100s
 //	devicehost agent -config /etc/devicehost/devicehost.hcl
-//	devicehost devices | stats | plugins | reserve | release | reservations
+//	devicehost devices | capacity | stats | plugins | reserve | release | reservations
 //	devicehost kubelet-plugin                the Kubernetes device plugin, a client of the agent
 //	devicehost version                       the version it was built from
 package main
@@ -45,6 +45,7 @@ func commands() []command {
 	return []command{
 		{name: "agent", summary: "run the device host (plugins, manager and the gRPC API)", run: runAgent},
 		{name: "devices", summary: "list devices with their health and holder", run: runDevices},
+		{name: "capacity", summary: "per device group: total, free, held (by whom), blocked, unhealthy, cordoned", run: runCapacity},
 		{name: "stats", summary: "show live device statistics", run: runStats},
 		{name: "plugins", summary: "list plugins with their status", run: runPlugins},
 		{name: "reserve", summary: "reserve devices for an owner", run: runReserve},
