@@ -455,7 +455,7 @@ func TestAddressHelpNamesOneDefault(t *testing.T) {
 	for _, tt := range tests {
 		for _, cmd := range []string{"devices", "stats", "kubelet-plugin"} {
 			r := runCLIEnv(t, tt.env, cmd, "-h")
-			_, help, _ := strings.Cut(r.stderr, "-address address\n")
+			_, help, _ := strings.Cut(r.stdout, "-address address\n")
 			help, _, _ = strings.Cut(help, "\n")
 			if r.code != 0 || strings.Count(help, "(default") != 1 || !strings.Contains(help, tt.want) {
 				t.Errorf("%s -h (env %v): exit %d, -address help %q, want one default: %s", cmd, tt.env, r.code, help, tt.want)

@@ -9,13 +9,17 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
 	"os/signal"
+	"runtime"
+	"runtime/debug"
 	"syscall"
 
 	"github.com/devicehost/devicehost/plugins/nvidia-example/nvidia"
@@ -65,13 +69,72 @@ func commands() []command {
 // -ldflags "-X main.version=..." (scripts/image passes the git commit); "dev" otherwise.
 var version = "dev"
 
-// runVersion is `devicehost version`: prints "devicehost VERSION".
+// buildInfo is what `devicehost version` reports: the version set at link time, and
+// from the Go toolchain's build information, the main module's version, the VCS
+// revision and time it was built from and whether the tree had changes.
+type buildInfo struct {
+	Version       string `json:"version"`
+	ModuleVersion string `json:"module_version,omitempty"` // "(devel)" for a build in the source tree
+	Revision      string `json:"vcs_revision,omitempty"`
+	RevisionTime  string `json:"vcs_time,omitempty"`
+	Modified      bool   `json:"vcs_modified,omitempty"`
+	GoVersion     string `json:"go_version"`
+}
+
+// readBuildInfo reads the binary's build information.
+func readBuildInfo() buildInfo {
+	b := buildInfo{Version: version, GoVersion: runtime.Version()}
+	info, ok := debug.ReadBuildInfo()
+	if !ok {
+		return b
+	}
+	b.ModuleVersion = info.Main.Version
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			b.Revision = s.Value
+		case "vcs.time":
+			b.RevisionTime = s.Value
+		case "vcs.modified":
+			b.Modified = s.Value == "true"
+		}
+	}
+	return b
+}
+
+// runVersion is `devicehost version`: "devicehost VERSION", then the module version,
+// the VCS revision (with "+changes" when the tree had some) and the Go version, where
+// the build recorded them; -json prints them as an object.
 func runVersion(_ context.Context, env *cmdEnv, args []string) error {
-	fs := newFlagSet(env, "version", "")
+	fs := newFlagSet(env, "version", "[-json]\n\nPrints the version devicehost was built from.")
+	asJSON := fs.Bool("json", false, "print the build information as JSON")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	fmt.Fprintf(env.stdout, "devicehost %s\n", version)
+	b := readBuildInfo()
+	if *asJSON {
+		out, err := json.MarshalIndent(b, "", "  ")
+		if err != nil {
+			return err
+		}
+		_, err = fmt.Fprintf(env.stdout, "%s\n", out)
+		return err
+	}
+	fmt.Fprintf(env.stdout, "devicehost %s\n", b.Version)
+	if b.ModuleVersion != "" {
+		fmt.Fprintf(env.stdout, "module:   github.com/devicehost/devicehost %s\n", b.ModuleVersion)
+	}
+	if b.Revision != "" {
+		rev := b.Revision
+		if b.Modified {
+			rev += " +changes"
+		}
+		if b.RevisionTime != "" {
+			rev += " (" + b.RevisionTime + ")"
+		}
+		fmt.Fprintf(env.stdout, "revision: %s\n", rev)
+	}
+	fmt.Fprintf(env.stdout, "go:       %s\n", b.GoVersion)
 	return nil
 }
 
@@ -95,11 +158,12 @@ func usagef(format string, args ...any) error { return usageError{fmt.Sprintf(fo
 // run runs the subcommand named by args[0] and returns the exit code: 0 on success, 1
 // on failure, 2 on a usage mistake. ctx ends on SIGINT or SIGTERM.
 func run(ctx context.Context, env *cmdEnv, args []string) int {
-	if len(args) == 0 || args[0] == "-h" || args[0] == "-help" || args[0] == "--help" || args[0] == "help" {
+	if len(args) == 0 {
 		printUsage(env.stderr)
-		if len(args) == 0 {
-			return 2
-		}
+		return 2
+	}
+	if args[0] == "-h" || args[0] == "-help" || args[0] == "--help" || args[0] == "help" {
+		printUsage(env.stdout) // asked for: to stdout, so that `devicehost -h | less` shows it
 		return 0
 	}
 	for _, c := range commands() {
@@ -144,18 +208,42 @@ func printUsage(w io.Writer) {
 // prints its usage to env.stderr.
 func newFlagSet(env *cmdEnv, name, usage string) *flag.FlagSet {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
-	fs.SetOutput(env.stderr)
+	fs.SetOutput(&usageOutput{env: env})
 	fs.Usage = func() {
-		fmt.Fprintf(env.stderr, "Usage: devicehost %s %s\n\nFlags:\n", name, usage)
+		fmt.Fprintf(fs.Output(), "Usage: devicehost %s %s\n\nFlags:\n", name, usage)
 		fs.PrintDefaults()
 	}
 	return fs
 }
 
+// usageOutput holds what the flag package prints while parsing (a flag error, the
+// usage) until parseFlags knows where it goes: help asked for (-h) to stdout, so that
+// `devicehost reserve -h | less` shows it; a mistake to stderr.
+type usageOutput struct {
+	env *cmdEnv
+	buf bytes.Buffer
+}
+
+func (u *usageOutput) Write(p []byte) (int, error) { return u.buf.Write(p) }
+
+// flush writes what was held to stdout (help) or stderr.
+func (u *usageOutput) flush(help bool) {
+	w := u.env.stderr
+	if help {
+		w = u.env.stdout
+	}
+	w.Write(u.buf.Bytes())
+	u.buf.Reset()
+}
+
 // parseFlags parses args, refusing positional arguments. Flag errors are usage errors
 // (already printed by the flag package).
 func parseFlags(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
+	err := fs.Parse(args)
+	if u, ok := fs.Output().(*usageOutput); ok {
+		u.flush(errors.Is(err, flag.ErrHelp))
+	}
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return err
 		}
