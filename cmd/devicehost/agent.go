@@ -499,6 +499,7 @@ func printDevBanner(w io.Writer, a endpoint.Address, stateDir, tmp string) {
 	fmt.Fprintf(w, `devicehost agent -dev: 8 simulated NVIDIA H100 GPUs (nvidia-example plugin, DGX H100)
   API:    %s
   state:  %s
+  PID:    %d (its plugins are its children: pkill -P %d -f 'plugin nvidia-example' stops this agent's alone)
   (%s is removed on exit)
 
 Try, in another terminal:
@@ -510,6 +511,6 @@ Try, in another terminal:
   %s list
   %s devicehost.v1.DeviceHost/Fingerprint
 
-`, addr, stateDir, tmp, addr, self, self, self, self, grpcurl,
+`, addr, stateDir, os.Getpid(), os.Getpid(), tmp, addr, self, self, self, self, grpcurl,
 		strings.Replace(grpcurl, "grpcurl ", fmt.Sprintf("grpcurl -max-time %d ", grpcurlMaxTime), 1))
 }

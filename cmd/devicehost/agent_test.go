@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -199,5 +200,9 @@ func TestDevBannerGrpcurlExamples(t *testing.T) {
 	}
 	if streams == 0 {
 		t.Errorf("no grpcurl example of a stream in the banner:\n%s", buf.String())
+	}
+	// Its PID, so that the tour kills this agent's plugin, not every one on the machine.
+	if want := fmt.Sprintf("  PID:    %d (its plugins are its children: pkill -P %d -f", os.Getpid(), os.Getpid()); !strings.Contains(buf.String(), want) {
+		t.Errorf("the banner does not name the agent's PID (%q):\n%s", want, buf.String())
 	}
 }
