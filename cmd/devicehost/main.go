@@ -49,6 +49,7 @@ func commands() []command {
 	return []command{
 		{name: "agent", summary: "run the device host (plugins, manager and the gRPC API)", run: runAgent},
 		{name: "devices", summary: "list devices with their health and holder", run: runDevices},
+		{name: "health-check", summary: "node-problem-detector custom plugin: exit 0 all devices healthy, 1 not, 2 agent unreachable", run: runHealthCheck},
 		{name: "capacity", summary: "per device group: total, free, held (by whom), blocked, unhealthy, cordoned", run: runCapacity},
 		{name: "stats", summary: "show live device statistics", run: runStats},
 		{name: "plugins", summary: "list plugins with their status", run: runPlugins},
@@ -172,9 +173,12 @@ func run(ctx context.Context, env *cmdEnv, args []string) int {
 		}
 		err := c.run(ctx, env, args[1:])
 		var ue usageError
+		var es exitStatus
 		switch {
 		case err == nil:
 			return 0
+		case errors.As(err, &es):
+			return int(es) // its message is printed
 		case errors.Is(err, flag.ErrHelp):
 			return 0
 		case errors.As(err, &ue):
