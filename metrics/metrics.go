@@ -153,7 +153,9 @@ func New(opts Options) (*Metrics, error) {
 		commitWrites: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "devicehost_ledger_commit_writes",
 			Help:    "Writes that shared one commit of the reservation ledger (group commit).",
-			Buckets: prometheus.ExponentialBuckets(1, 2, 9), // 1 to 256, the most one commit takes
+			// 1 to 1024: a batch carries up to store.MaxBatch (256) requests, some of which
+			// write more than one record, and the deferred writes then due (769 seen).
+			Buckets: prometheus.ExponentialBuckets(1, 2, 11),
 		}),
 		grpc: newGRPCMetrics(),
 	}
