@@ -154,7 +154,9 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 			}
 			release()
 		}()
-		devConfig(&cfg, a.set, dir)
+		for _, line := range devConfig(&cfg, a.set, dir) {
+			log.Warn("dev mode: " + line)
+		}
 		devDir = dir
 		banner = func(addr endpoint.Address) { printDevBanner(env.stdout, addr, cfg.StateDir, dir) }
 	}
@@ -175,16 +177,25 @@ func runAgent(ctx context.Context, env *cmdEnv, args []string) error {
 // devConfig turns cfg into -dev's: socket and state in dir, no plugin dir, the
 // bundled nvidia-example plugin simulating a DGX H100, and the other bundled plugins
 // (hostdev) that the config file has a plugin block for. Flags given explicitly win.
-func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
+// It returns a line for each setting of the config file it replaced, for the log: a
+// file's listen, state_dir or plugin_dir is not used by a dev agent.
+func devConfig(cfg *agentConfig, set map[string]bool, dir string) (replaced []string) {
+	def := defaultAgentConfig()
+	replace := func(key, flagName string, field *string, with string) {
+		if *field != def.fieldOf(key) && *field != with {
+			replaced = append(replaced, fmt.Sprintf("the config's %s %q is not used: -dev uses %q (pass -%s to choose)", key, *field, with, flagName))
+		}
+		*field = with
+	}
 	if !set["listen"] {
-		cfg.Listen = "unix://" + filepath.Join(dir, devSocketName)
+		replace("listen", "listen", &cfg.Listen, "unix://"+filepath.Join(dir, devSocketName))
 		cfg.TLS = endpoint.TLS{} // a config file's tcp settings do not apply to the socket
 	}
 	if !set["state-dir"] {
-		cfg.StateDir = filepath.Join(dir, devStateName)
+		replace("state_dir", "state-dir", &cfg.StateDir, filepath.Join(dir, devStateName))
 	}
 	if !set["plugin-dir"] {
-		cfg.PluginDir = ""
+		replace("plugin_dir", "plugin-dir", &cfg.PluginDir, "")
 	}
 	cfg.Bundled = append(cfg.Bundled, devPluginName)
 	for _, name := range slices.Sorted(maps.Keys(bundledPlugins)) {
@@ -201,6 +212,7 @@ func devConfig(cfg *agentConfig, set map[string]bool, dir string) {
 	}
 	ps.ConfigJSON = devSimState(ps.ConfigJSON, filepath.Join(dir, devSimStateName))
 	cfg.Plugins[devPluginName] = ps
+	return replaced
 }
 
 // devSimState puts the simulated machine's MIG state in the dev agent's own directory

@@ -137,6 +137,19 @@ type pluginSettings struct {
 	DeviceIDs []string
 }
 
+// fieldOf is the value of the path setting key (listen, state_dir, plugin_dir).
+func (c agentConfig) fieldOf(key string) string {
+	switch key {
+	case "listen":
+		return c.Listen
+	case "state_dir":
+		return c.StateDir
+	case "plugin_dir":
+		return c.PluginDir
+	}
+	return ""
+}
+
 func defaultAgentConfig() agentConfig {
 	return agentConfig{
 		Listen:    endpoint.DefaultAddress,

@@ -469,7 +469,12 @@ func TestDevConfig(t *testing.T) {
 	t.Run("defaults", func(t *testing.T) {
 		cfg := defaultAgentConfig()
 		cfg.Listen, cfg.TLS.CA = "tcp://10.0.0.1:7070", "/etc/dh/ca.pem" // from a config file
-		devConfig(&cfg, map[string]bool{}, "/tmp/dev")
+		replaced := devConfig(&cfg, map[string]bool{}, "/tmp/dev")
+		// The file's listen is said to be unused; state_dir and plugin_dir, at their
+		// defaults, are not mentioned.
+		if want := []string{`the config's listen "tcp://10.0.0.1:7070" is not used: -dev uses "unix:///tmp/dev/devicehost.sock" (pass -listen to choose)`}; !reflect.DeepEqual(replaced, want) {
+			t.Errorf("replaced %q, want %q", replaced, want)
+		}
 		if cfg.TLS != (endpoint.TLS{}) {
 			t.Errorf("TLS = %+v, want none for the dev socket", cfg.TLS)
 		}
@@ -491,7 +496,9 @@ func TestDevConfig(t *testing.T) {
 		cfg := defaultAgentConfig()
 		cfg.Listen = "unix:///mine.sock"
 		cfg.Plugins["nvidia-example"] = pluginSettings{ConfigJSON: []byte(`{"simulate":"dgxb200","sim_state_file":""}`), DeviceIDs: []string{"GPU-1*"}}
-		devConfig(&cfg, map[string]bool{"listen": true}, "/tmp/dev")
+		if replaced := devConfig(&cfg, map[string]bool{"listen": true}, "/tmp/dev"); len(replaced) != 0 {
+			t.Errorf("replaced %q, want nothing: -listen was given", replaced)
+		}
 		if cfg.Listen != "unix:///mine.sock" {
 			t.Errorf("listen = %q, want the -listen flag's", cfg.Listen)
 		}
