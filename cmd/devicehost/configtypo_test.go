@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/hashicorp/hcl/v2"
@@ -40,5 +41,31 @@ func TestRejectedConfigErrorNamesTheBlock(t *testing.T) {
 	}
 	if got := configRejections(nil); got != nil {
 		t.Errorf("configRejections(nil) = %v, want none", got)
+	}
+}
+
+// A rejection that names a key of the plugin's config block points at that key's line,
+// not the block's; a message naming no key (or only part of one) points at the block.
+func TestRejectedConfigErrorNamesTheKey(t *testing.T) {
+	path := writeConfig(t, "dh.hcl", `plugin "gpu" {
+  config {
+    simulate       = "dgxh100"
+    mgi            = "on-demand"
+    replicas_extra = 1
+  }
+}
+`)
+	blocks := pluginBlocks{"gpu": {Filename: path, Start: hcl.Pos{Line: 1, Column: 1}}}
+	plugins := map[string]pluginSettings{"gpu": {}}
+	for msg, at := range map[string]string{
+		`json: unknown field "mgi" (did you mean "mig"?)`: ":4,5: ",
+		`config: simulate = "dgxh100": no such machine`:   ":3,5: ",
+		`config: replicas = 99: want 2 to 64`:             ":1,1: ", // replicas_extra is another key
+		`the GPU is on fire`:                              ":1,1: ",
+	} {
+		err := rejectedConfigError(blocks, plugins, []*manager.ConfigRejectedError{{Plugin: "gpu", Err: errors.New(msg)}})
+		if err == nil || !strings.Contains(err.Error(), path+at+"Plugin config rejected") {
+			t.Errorf("%q: %v, want it at %s", msg, err, at)
+		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -118,11 +119,15 @@ func rejectedConfigError(blocks pluginBlocks, plugins map[string]pluginSettings,
 		switch _, configured := plugins[r.Plugin]; {
 		case inFile:
 			path = block.Filename
+			subject := block
+			if key, ok := configKeyRange(block.Filename, r.Plugin, msg); ok {
+				subject = key // the key the plugin's message names
+			}
 			diags = append(diags, &hcl.Diagnostic{
 				Severity: hcl.DiagError,
 				Summary:  "Plugin config rejected",
 				Detail:   fmt.Sprintf("plugin %q: %s", r.Plugin, msg),
-				Subject:  block.Ptr(),
+				Subject:  subject.Ptr(),
 			})
 		case configured:
 			errs = append(errs, fmt.Errorf("plugin %q rejected its config: %s", r.Plugin, msg))
@@ -134,6 +139,53 @@ func rejectedConfigError(blocks pluginBlocks, plugins map[string]pluginSettings,
 		errs = append([]error{diagError(path, diags)}, errs...)
 	}
 	return errors.Join(errs...)
+}
+
+// configKeyRange finds where, in file, the config block of plugin's block sets the key
+// a plugin's rejection msg names ("config: replicas = 99: want 2 to 64"): of the block's
+// keys found in msg as words, the one named first (the longest where several start
+// there). ok is false when msg names none of them, or the file no longer parses.
+func configKeyRange(file, plugin, msg string) (hcl.Range, bool) {
+	var fs fileSchema
+	if _, err := decodeConfigFile(file, &fs); err != nil {
+		return hcl.Range{}, false
+	}
+	for _, p := range fs.Plugins {
+		if p.Name != plugin || p.Config == nil {
+			continue
+		}
+		attrs, _ := p.Config.Body.JustAttributes()
+		var found hcl.Range
+		at, longest := -1, 0
+		for name, a := range attrs {
+			i := wordIndex(msg, name)
+			if i >= 0 && (at < 0 || i < at || i == at && len(name) > longest) {
+				found, at, longest = a.NameRange, i, len(name)
+			}
+		}
+		return found, at >= 0
+	}
+	return hcl.Range{}, false
+}
+
+// wordIndex is the index of the first occurrence of word in s that is not part of a
+// longer name (letters, digits, "_" around it), or -1.
+func wordIndex(s, word string) int {
+	isName := func(c byte) bool {
+		return c == '_' || '0' <= c && c <= '9' || 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z'
+	}
+	for off := 0; ; {
+		i := strings.Index(s[off:], word)
+		if i < 0 {
+			return -1
+		}
+		i += off
+		end := i + len(word)
+		if (i == 0 || !isName(s[i-1])) && (end == len(s) || !isName(s[end])) {
+			return i
+		}
+		off = i + 1
+	}
 }
 
 // rejections collects the errors of configs plugins rejected, reported by the manager
