@@ -227,12 +227,9 @@ func (x *index) usersOf(k counterKey) []string {
 	return slices.Sorted(maps.Keys(x.ctr.users[k]))
 }
 
-// CapacityError is the contract's device.CapacityError.
-type CapacityError = device.CapacityError
-
 // decideCapacity checks that consumes (a request's use, by set) fits, with what v's
 // live reservations use less what victims (taken over in the same write) use, within
-// caps: a *CapacityError naming every counter it would take over and its users
+// caps: a *device.CapacityError naming every counter it would take over and its users
 // otherwise. A set or counter caps does not have counts as a capacity of 0 (a set the
 // plugin no longer reports can take nothing new).
 func decideCapacity(v view, owner string, consumes []device.Consumption, caps device.Capacity, victims []*device.Reservation) error {
@@ -249,11 +246,11 @@ func decideCapacity(v view, owner string, consumes []device.Consumption, caps de
 			}
 		}
 	}
-	var e *CapacityError
+	var e *device.CapacityError
 	for _, c := range consumes {
 		if o, ok := groupConflict(v, c, gone); !ok {
 			if e == nil {
-				e = &CapacityError{OwnerID: owner}
+				e = &device.CapacityError{OwnerID: owner}
 			}
 			e.Overruns = append(e.Overruns, o)
 		}
@@ -269,7 +266,7 @@ func decideCapacity(v view, owner string, consumes []device.Consumption, caps de
 				continue
 			}
 			if e == nil {
-				e = &CapacityError{OwnerID: owner}
+				e = &device.CapacityError{OwnerID: owner}
 			}
 			o := device.Overrun{Set: c.Set, Counter: name, Capacity: capacity, Used: used, Requested: want}
 			for _, id := range v.usersOf(k) {

@@ -48,7 +48,7 @@ func TestReserveWithinSharedCapacity(t *testing.T) {
 		parts = append(parts, r)
 	}
 	_, _, err := l.Reserve(ctx, part("job-7", "MIG-0-7"), nil, gpuCaps)
-	var ce *CapacityError
+	var ce *device.CapacityError
 	if !errors.As(err, &ce) || !errors.Is(err, device.ErrCapacityExceeded) {
 		t.Fatalf("eighth partition: %v, want a capacity error", err)
 	}
@@ -149,7 +149,7 @@ func TestTakeOverFreesCapacity(t *testing.T) {
 func TestUnknownCounterSetHasNoCapacity(t *testing.T) {
 	l := newLedger(t)
 	_, _, err := l.Reserve(context.Background(), part("job", "MIG-0-0"), nil, nil)
-	var ce *CapacityError
+	var ce *device.CapacityError
 	if !errors.As(err, &ce) || ce.Overruns[0].Capacity != 0 {
 		t.Fatalf("Reserve without the set's capacity: %v, want refused with capacity 0", err)
 	}

@@ -64,7 +64,7 @@ func TestModesOnOneGPU(t *testing.T) {
 					}
 					return
 				}
-				var ce *CapacityError
+				var ce *device.CapacityError
 				if !errors.As(err, &ce) || !errors.Is(err, device.ErrCapacityExceeded) {
 					t.Fatalf("%s beside %s: %v, want refused", second, first, err)
 				}

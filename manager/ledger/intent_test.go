@@ -60,7 +60,7 @@ func TestIntentHoldsItsDevicesAndShowsOnceAnswered(t *testing.T) {
 	if h := l.Holders()["d0"]; h.ReservationID != "res-a" || h.OwnerID != "o1" {
 		t.Errorf("holder of d0 = %+v, want res-a of o1", h)
 	}
-	var held *ConflictError
+	var held *device.HeldError
 	if _, _, err := l.Reserve(ctx, res("o2", "d0"), nil, nil); !errors.As(err, &held) || held.Conflicts[0].Holder.ReservationID != "res-a" {
 		t.Errorf("Reserve of d0 by o2 = %v, want a conflict with res-a", err)
 	}

@@ -25,13 +25,6 @@ func randomHex() string {
 	return hex.EncodeToString(b[:])
 }
 
-// ConflictError is the contract's device.HeldError: it says which live reservations
-// hold devices a request asked for, and matches device.ErrDeviceHeld under errors.Is.
-type ConflictError = device.HeldError
-
-// Conflict is one live reservation a request collides with.
-type Conflict = device.Conflict
-
 // view is what the conflict rules read: the index, or a batch's overlay on it.
 type view interface {
 	get(id string) *device.Reservation
@@ -49,8 +42,8 @@ type view interface {
 //     reservation whose owner takeOver matches (device.TakesOver): victims are those
 //     reservations, sorted by ID, to release with the new one's write (none without
 //     holders);
-//   - a *ConflictError otherwise, naming only the holders takeOver does not match;
-//   - and then, for a request that uses shared counters (consumes), a *CapacityError
+//   - a *device.HeldError otherwise, naming only the holders takeOver does not match;
+//   - and then, for a request that uses shared counters (consumes), a *device.CapacityError
 //     when, with the live reservations but the victims, a counter would go over its
 //     capacity in caps (see decideCapacity).
 func decide(v view, owner string, deviceIDs, takeOver []string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, []*device.Reservation, error) {
@@ -84,7 +77,7 @@ func decideDevices(v view, owner string, deviceIDs, takeOver []string) (*device.
 			}
 		}
 	}
-	e := &ConflictError{OwnerID: owner}
+	e := &device.HeldError{OwnerID: owner}
 	var victims []*device.Reservation
 	for id, devs := range overlap {
 		r := v.get(id)
@@ -95,7 +88,7 @@ func decideDevices(v view, owner string, deviceIDs, takeOver []string) (*device.
 		slices.Sort(devs)
 		held := slices.Clone(r.DeviceIDs)
 		slices.Sort(held)
-		e.Conflicts = append(e.Conflicts, Conflict{
+		e.Conflicts = append(e.Conflicts, device.Conflict{
 			Holder:  device.Holder{ReservationID: id, OwnerID: r.OwnerID},
 			Overlap: devs,
 			Held:    held,
@@ -105,7 +98,7 @@ func decideDevices(v view, owner string, deviceIDs, takeOver []string) (*device.
 		slices.SortFunc(victims, func(a, b *device.Reservation) int { return strings.Compare(a.ID, b.ID) })
 		return nil, victims, nil
 	}
-	slices.SortFunc(e.Conflicts, func(a, b Conflict) int {
+	slices.SortFunc(e.Conflicts, func(a, b device.Conflict) int {
 		return strings.Compare(a.Holder.ReservationID, b.Holder.ReservationID)
 	})
 	return nil, nil, e
@@ -115,9 +108,9 @@ func decideDevices(v view, owner string, deviceIDs, takeOver []string) (*device.
 // (r, nil) when ownerID's live reservation r holds exactly deviceIDs (a retried Reserve;
 // an *UnansweredError when r is an intent without its answer, see intent.go),
 // (nil, nil) when none of them is held, or each holder's owner starts with one of
-// takeOver (see Reserve), and a *ConflictError (device.ErrDeviceHeld) otherwise, naming
+// takeOver (see Reserve), and a *device.HeldError (device.ErrDeviceHeld) otherwise, naming
 // the holders takeOver does not match; then, when the devices use shared counters
-// (consumes), a *CapacityError (device.ErrCapacityExceeded) if that use would not fit in
+// (consumes), a *device.CapacityError (device.ErrCapacityExceeded) if that use would not fit in
 // caps with the live reservations'.
 //
 // The request is not checked: it is one the host API's server has validated
@@ -152,11 +145,11 @@ func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string, consumes []
 //     fsync: both are durable or neither is, and no reader or concurrent Reserve ever
 //     sees the devices free in between. Their IDs, sorted, come back in res.TakenOver
 //     (never stored);
-//   - otherwise the error is a *ConflictError naming each holder takeOver does not
+//   - otherwise the error is a *device.HeldError naming each holder takeOver does not
 //     match and the devices in question (device.ErrDeviceHeld), and nothing is written;
 //   - and when r uses shared counters (r.Consumes), it is recorded only if that use fits
 //     in caps with every live reservation's (the victims' aside), checked in the same
-//     atomic write: a *CapacityError (device.ErrCapacityExceeded) names every counter it
+//     atomic write: a *device.CapacityError (device.ErrCapacityExceeded) names every counter it
 //     would take over, and its users, otherwise. Of concurrent Reserves for the last of
 //     a counter, exactly one succeeds.
 //

@@ -98,16 +98,16 @@ func TestConflictRules(t *testing.T) {
 				}
 				return s
 			}
-			var wantConflicts []Conflict
+			var wantConflicts []device.Conflict
 			for _, c := range tt.wantConflict {
 				h := setup[c.holder]
-				wantConflicts = append(wantConflicts, Conflict{
+				wantConflicts = append(wantConflicts, device.Conflict{
 					Holder:  device.Holder{ReservationID: h.ID, OwnerID: h.OwnerID},
 					Overlap: c.overlap,
 					Held:    h.DeviceIDs,
 				})
 			}
-			slices.SortFunc(wantConflicts, func(a, b Conflict) int {
+			slices.SortFunc(wantConflicts, func(a, b device.Conflict) int {
 				return strings.Compare(a.Holder.ReservationID, b.Holder.ReservationID)
 			})
 			before := listAll(t, l)
@@ -119,13 +119,13 @@ func TestConflictRules(t *testing.T) {
 				what string
 				err  error
 			}{{"Check", checkErr}, {"Reserve", err}} {
-				var ce *ConflictError
+				var ce *device.HeldError
 				switch {
 				case wantConflicts == nil && e.err != nil:
 					t.Errorf("%s: unexpected error %v", e.what, e.err)
 				case wantConflicts == nil:
 				case !errors.Is(e.err, device.ErrDeviceHeld) || !errors.As(e.err, &ce):
-					t.Errorf("%s: err = %v, want a *ConflictError matching ErrDeviceHeld", e.what, e.err)
+					t.Errorf("%s: err = %v, want a *device.HeldError matching ErrDeviceHeld", e.what, e.err)
 				default:
 					if !reflect.DeepEqual(ce.Conflicts, wantConflicts) {
 						t.Errorf("%s: conflicts = %+v, want %+v", e.what, ce.Conflicts, wantConflicts)

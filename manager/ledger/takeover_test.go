@@ -74,7 +74,7 @@ func TestTakeOverRules(t *testing.T) {
 			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...), tt.takeOver, nil)
 
 			if tt.wantHolders != nil {
-				var want []Conflict
+				var want []device.Conflict
 				for _, name := range tt.wantHolders {
 					h := setup[name]
 					var overlap []string
@@ -83,16 +83,16 @@ func TestTakeOverRules(t *testing.T) {
 							overlap = append(overlap, d)
 						}
 					}
-					want = append(want, Conflict{Holder: device.Holder{ReservationID: h.ID, OwnerID: h.OwnerID}, Overlap: overlap, Held: h.DeviceIDs})
+					want = append(want, device.Conflict{Holder: device.Holder{ReservationID: h.ID, OwnerID: h.OwnerID}, Overlap: overlap, Held: h.DeviceIDs})
 				}
-				slices.SortFunc(want, func(a, b Conflict) int { return strings.Compare(a.Holder.ReservationID, b.Holder.ReservationID) })
+				slices.SortFunc(want, func(a, b device.Conflict) int { return strings.Compare(a.Holder.ReservationID, b.Holder.ReservationID) })
 				for _, e := range []struct {
 					what string
 					err  error
 				}{{"Check", checkErr}, {"Reserve", err}} {
-					var ce *ConflictError
+					var ce *device.HeldError
 					if !errors.As(e.err, &ce) || !errors.Is(e.err, device.ErrDeviceHeld) || !reflect.DeepEqual(ce.Conflicts, want) {
-						t.Errorf("%s: err = %v, want a ConflictError naming exactly %+v", e.what, e.err, want)
+						t.Errorf("%s: err = %v, want a HeldError naming exactly %+v", e.what, e.err, want)
 					}
 				}
 				if after := listAll(t, l); !reflect.DeepEqual(after, before) || l.Commits() != commits {
@@ -173,9 +173,9 @@ func TestTakeOverEmptyPrefixTakesNothing(t *testing.T) {
 	a := reserve(t, l, "nomad/a", "GPU-1")
 	for _, prefixes := range [][]string{{""}, {"", ""}} {
 		_, _, err := l.Reserve(context.Background(), res("x", "GPU-1"), prefixes, nil)
-		var held *ConflictError
+		var held *device.HeldError
 		if !errors.As(err, &held) || len(held.Conflicts) != 1 || held.Conflicts[0].Holder.ReservationID != a.ID {
-			t.Errorf("prefixes %q: err = %v, want a ConflictError naming %s", prefixes, err, a.ID)
+			t.Errorf("prefixes %q: err = %v, want a HeldError naming %s", prefixes, err, a.ID)
 		}
 		if _, err := l.Check("x", []string{"GPU-1"}, prefixes, nil, nil); !errors.Is(err, device.ErrDeviceHeld) {
 			t.Errorf("Check with prefixes %q: err = %v, want ErrDeviceHeld", prefixes, err)
