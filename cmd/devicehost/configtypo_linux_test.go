@@ -14,11 +14,12 @@ import (
 	"github.com/devicehost/devicehost/endpoint"
 )
 
-// A config the plugin rejects is an error of the agent's config, said where the block
-// is: at start the agent exits 1 with it; on SIGHUP the reload is refused with it.
+// A config the plugin rejects is an error of the agent's config, said at the key the
+// plugin names: at start the agent exits 1 with it; on SIGHUP the reload is refused
+// with it.
 
-// typoConfig's plugin block is on line 3 and its config has a key the nvidia-example
-// plugin does not know, one edit pair away from "mig".
+// typoConfig's plugin block is on line 3 and its config has, on line 6, a key the
+// nvidia-example plugin does not know, one edit pair away from "mig".
 const typoConfig = `log_level = "info"
 
 plugin "nvidia-example" {
@@ -65,7 +66,7 @@ func TestAgentExitsOnAPluginConfigTypo(t *testing.T) {
 		t.Fatalf("agent with a plugin config typo: %v, want exit status 1", err)
 	}
 	stderr := strings.Join(agent.Stderr.Lines(), "\n")
-	want := path + `:3,1: Plugin config rejected; plugin "nvidia-example": config: json: unknown field "mgi" (did you mean "mig"?)`
+	want := path + `:6,5: Plugin config rejected; plugin "nvidia-example": config: json: unknown field "mgi" (did you mean "mig"?)`
 	if !strings.Contains(stderr, want) {
 		t.Errorf("stderr does not say %q:\n%s", want, stderr)
 	}
@@ -98,7 +99,7 @@ func TestAgentRefusesAReloadWithAPluginConfigTypo(t *testing.T) {
 		t.Fatal(err)
 	}
 	refused := agent.waitLog(t, ctx, "configuration reload refused; the running configuration is kept", nil)
-	want := path + `:3,1: Plugin config rejected; plugin "nvidia-example": config: json: unknown field "mgi" (did you mean "mig"?)`
+	want := path + `:6,5: Plugin config rejected; plugin "nvidia-example": config: json: unknown field "mgi" (did you mean "mig"?)`
 	if got := refused.str("error"); !strings.Contains(got, want) {
 		t.Errorf("refusal error %q does not say %q", got, want)
 	}

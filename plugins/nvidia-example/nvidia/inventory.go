@@ -393,12 +393,27 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool, m
 		}
 	}
 	for _, g := range groups {
+		g.Attributes = maps.Clone(g.Attributes) // the GPU's own map is shared between fingerprints
+		g.Attributes["sharing"] = stringValue(sharingOf(g))
 		resp.Groups = append(resp.Groups, g)
 	}
 	slices.SortFunc(resp.Groups, func(a, b *pb.DeviceGroup) int {
 		return cmp.Or(strings.Compare(a.Type, b.Type), strings.Compare(a.Name, b.Name))
 	})
 	return resp, recovery
+}
+
+// sharingOf is how a group's devices are held, as its "sharing" attribute says, so that
+// a selector or constraint can name the mode: "time-slicing" (replicas), "mps" (MPS
+// shares) or "exclusive" (a whole GPU or MIG device).
+func sharingOf(g *pb.DeviceGroup) string {
+	switch {
+	case g.GetType() == "gpu.shared":
+		return SharingTimeSlicing
+	case strings.HasSuffix(g.GetType(), ".mps") || strings.HasSuffix(g.GetName(), ".mps"):
+		return SharingMPS
+	}
+	return "exclusive"
 }
 
 // migGroupName is the group of a MIG device of profile p ("unknown" when the plugin

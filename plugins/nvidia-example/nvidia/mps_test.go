@@ -593,6 +593,10 @@ func TestBothSharingModesOffered(t *testing.T) {
 	byType := make(map[string][]*pb.Device)
 	for _, g := range fp.GetGroups() {
 		byType[g.GetType()] = append(byType[g.GetType()], g.GetDevices()...)
+		want := map[string]string{"gpu": "exclusive", "gpu.shared": "time-slicing", "gpu.mps": "mps"}[g.GetType()]
+		if got := g.GetAttributes()["sharing"].GetStringValue(); got != want {
+			t.Errorf("group %s/%s: sharing %q, want %q", g.GetType(), g.GetName(), got, want)
+		}
 	}
 	if len(byType["gpu"]) != 8 || len(byType["gpu.shared"]) != 32 || len(byType["gpu.mps"]) != 32 {
 		t.Fatalf("devices by type: gpu %d, gpu.shared %d, gpu.mps %d; want 8, 32, 32", len(byType["gpu"]), len(byType["gpu.shared"]), len(byType["gpu.mps"]))
