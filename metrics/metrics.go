@@ -151,8 +151,8 @@ func New(opts Options) (*Metrics, error) {
 			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 16), // 0.1 ms to 3.3 s
 		}),
 		commitWrites: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name:    "devicehost_ledger_commit_writes",
-			Help:    "Writes that shared one commit of the reservation ledger (group commit).",
+			Name: "devicehost_ledger_commit_writes",
+			Help: "Writes that shared one commit of the reservation ledger (group commit).",
 			// 1 to 1024: a batch carries up to store.MaxBatch (256) requests, some of which
 			// write more than one record, and the deferred writes then due (769 seen).
 			Buckets: prometheus.ExponentialBuckets(1, 2, 11),
