@@ -288,36 +288,27 @@ func decideCapacity(v view, owner string, consumes []device.Consumption, caps de
 }
 
 // groupConflict checks that use c can share its set with the set's live users other
-// than gone: that all their compatibility groups and c's have one in common (none
-// counting as a group of its own). It returns the Overrun that says why not, and false,
-// otherwise.
+// than gone: that c's compatibility groups and those the users share (sharedGroups)
+// have one in common (none counting as a group of its own). It returns the Overrun
+// that says why not, and false, otherwise.
 func groupConflict(v view, c device.Consumption, gone map[string]bool) (device.Overrun, bool) {
 	users := v.setUsersOf(c.Set)
-	ids := slices.Sorted(maps.Keys(users))
-	ids = slices.DeleteFunc(ids, func(id string) bool { return gone[id] })
-	if len(ids) == 0 {
-		return device.Overrun{}, true
-	}
-	common := c.Groups
-	ok := true
-	for _, id := range ids {
-		if common, ok = device.Compatible(common, users[id]); !ok {
-			break
-		}
-	}
-	if ok {
-		return device.Overrun{}, true
-	}
-	live := make(map[string][]string, len(ids))
-	o := device.Overrun{Set: c.Set, Groups: slices.Clone(c.Groups)}
-	for _, id := range ids {
-		if r := v.get(id); r != nil {
+	live := make(map[string][]string, len(users))
+	var holders []device.Holder
+	for _, id := range slices.Sorted(maps.Keys(users)) {
+		if r := v.get(id); r != nil && !gone[id] {
 			live[id] = users[id]
-			o.Users = append(o.Users, device.Holder{ReservationID: id, OwnerID: r.OwnerID})
+			holders = append(holders, device.Holder{ReservationID: id, OwnerID: r.OwnerID})
 		}
 	}
-	o.UsersGroups = sharedGroups(live)
-	return o, false
+	if len(live) == 0 {
+		return device.Overrun{}, true
+	}
+	common := sharedGroups(live)
+	if _, ok := device.Compatible(c.Groups, common); ok {
+		return device.Overrun{}, true
+	}
+	return device.Overrun{Set: c.Set, Groups: slices.Clone(c.Groups), UsersGroups: common, Users: holders}, false
 }
 
 // checkConsumes checks the invariants of a stored reservation's use of counters: each
