@@ -127,8 +127,7 @@ func capacityOf(fp *pb.FingerprintResponse) capacityReport {
 	var r capacityReport
 	type setKey struct{ plugin, name string }
 	setHolders := make(map[setKey]map[string]bool)
-	setGroups := make(map[setKey][]string)
-	setSeen := make(map[setKey]bool)
+	setGroups := make(map[setKey][]string) // the holders' common groups (present once one holds it)
 	for _, g := range fp.GetGroups() {
 		gc := groupCapacity{Group: groupName(g.GetVendor(), g.GetType(), g.GetName()), Plugin: g.GetPlugin()}
 		owners := make(map[string]int)
@@ -146,9 +145,9 @@ func capacityOf(fp *pb.FingerprintResponse) capacityReport {
 						setHolders[k] = make(map[string]bool)
 					}
 					setHolders[k][h.GetOwnerId()] = true
-					if !setSeen[k] {
-						setSeen[k], setGroups[k] = true, c.GetCompatibilityGroups()
-					} else if common, ok := device.Compatible(setGroups[k], c.GetCompatibilityGroups()); ok {
+					if held, seen := setGroups[k]; !seen {
+						setGroups[k] = c.GetCompatibilityGroups()
+					} else if common, ok := device.Compatible(held, c.GetCompatibilityGroups()); ok {
 						setGroups[k] = common
 					}
 				}
