@@ -243,21 +243,23 @@ func (d *Driver) reserveShares(ctx context.Context, owner string, labels map[str
 		if err != nil {
 			return nil, nil, fmt.Errorf("read the agent's devices: %w", err)
 		}
-		free, blocked := make(map[string]bool), make(map[string]bool)
+		// Unheld, healthy, uncordoned devices, and whether their shared counters are
+		// taken (blocked).
+		blocked := make(map[string]bool)
 		for _, g := range snap.GetGroups() {
 			for _, dv := range g.GetDevices() {
 				if dv.GetHolder() == nil && dv.GetHealth() == pb.Health_HEALTH_HEALTHY && dv.GetCordon() == nil {
-					free[dv.GetId()] = len(dv.GetBlockedBy()) == 0
 					blocked[dv.GetId()] = len(dv.GetBlockedBy()) > 0
 				}
 			}
 		}
 		var ids, others []string
 		for _, id := range p.shares {
+			b, unheld := blocked[id]
 			switch {
-			case free[id] && len(ids) < k:
+			case unheld && !b && len(ids) < k:
 				ids = append(ids, id)
-			case blocked[id]:
+			case unheld && b:
 				others = append(others, id)
 			}
 		}
