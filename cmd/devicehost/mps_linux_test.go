@@ -56,18 +56,24 @@ func pidRuns(pid int) bool {
 // agent config lines top before the plugin block.
 func newMPSAgentSetup(t *testing.T, top, pluginLines string) (setup agentSetup, mpsDir string) {
 	t.Helper()
+	return newSharingAgentSetup(t, `"mps"`, top, pluginLines)
+}
+
+// newSharingAgentSetup is newMPSAgentSetup with sharing = sharing (HCL).
+func newSharingAgentSetup(t *testing.T, sharing, top, pluginLines string) (setup agentSetup, mpsDir string) {
+	t.Helper()
 	mpsDir = tempDir(t, "mps")
 	return newAgentSetup(t, fmt.Sprintf(`%s
 plugin "nvidia-example" {
   config {
     simulate       = "dgxh100"
-    sharing        = "mps"
+    sharing        = %s
     mps_dir        = %q
     sim_state_file = %q
 %s
   }
 }
-`, top, mpsDir, filepath.Join(tempDir(t, "dhsim"), "sim.json"), pluginLines)), mpsDir
+`, top, sharing, mpsDir, filepath.Join(tempDir(t, "dhsim"), "sim.json"), pluginLines)), mpsDir
 }
 
 // The nvidia-example plugin's MPS shares through a real agent: the ledger keeps shares
@@ -247,18 +253,7 @@ func TestAgentSharingModeChosenByFirstHolder(t *testing.T) {
 	t.Setenv("GORACE", "atexit_sleep_ms=0")
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	mpsDir := tempDir(t, "mps")
-	setup := newAgentSetup(t, fmt.Sprintf(`
-plugin "nvidia-example" {
-  config {
-    simulate       = "dgxh100"
-    replicas       = 4
-    sharing        = ["time-slicing", "mps"]
-    mps_dir        = %q
-    sim_state_file = %q
-  }
-}
-`, mpsDir, filepath.Join(tempDir(t, "dhsim"), "sim.json")))
+	setup, mpsDir := newSharingAgentSetup(t, `["time-slicing", "mps"]`, "", "    replicas       = 4")
 	agent := setup.start(t)
 	c := agent.client(t, ctx)
 	groups := make(map[string]*pb.DeviceGroup)
