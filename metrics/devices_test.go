@@ -723,18 +723,7 @@ func TestFBUsedPerHolderFromProcesses(t *testing.T) {
 	seen := func(pid uint32) (string, bool) { return procs[pid], true }
 	fbByPod := func(opts metrics.Options) map[string]float64 {
 		t.Helper()
-		f := serve(t, opts, newFake(snap, stats)).scrape(t)
-		out := map[string]float64{}
-		for _, m := range f["DCGM_FI_DEV_FB_USED"].GetMetric() {
-			l := map[string]string{}
-			for _, p := range m.GetLabel() {
-				l[p.GetName()] = p.GetValue()
-			}
-			if l["UUID"] == "GPU-a" {
-				out[l["pod"]] = m.GetGauge().GetValue()
-			}
-		}
-		return out
+		return serve(t, opts, newFake(snap, stats)).scrape(t).byPod("DCGM_FI_DEV_FB_USED", "GPU-a")
 	}
 	if got, want := fbByPod(metrics.Options{ProcessReservation: seen}), map[string]float64{"p1": 4096, "p2": 0}; !maps.Equal(got, want) {
 		t.Errorf("GPU-a's DCGM_FI_DEV_FB_USED by pod = %v MiB, want %v: each pod's processes", got, want)
@@ -766,15 +755,7 @@ func TestSharesOfAGPUInTwoModes(t *testing.T) {
 	for id, owner := range map[string]string{"GPU-a::0": "k8s/ml/p1/main", "GPU-a::1": "k8s/ml/p2/main"} {
 		snap.State.Devices[id] = device.DeviceState{Health: device.HealthHealthy, Holder: &device.Holder{ReservationID: "res-" + id, OwnerID: owner}}
 	}
-	f := serve(t, metrics.Options{}, newFake(snap, gpuStats())).scrape(t)
-	ratios := map[string]float64{}
-	for _, m := range f["devicehost_share_compute_ratio"].GetMetric() {
-		l := map[string]string{}
-		for _, p := range m.GetLabel() {
-			l[p.GetName()] = p.GetValue()
-		}
-		ratios[l["pod"]] = m.GetGauge().GetValue()
-	}
+	ratios := serve(t, metrics.Options{}, newFake(snap, gpuStats())).scrape(t).byPod("devicehost_share_compute_ratio", "")
 	if want := map[string]float64{"p1": 0.25, "p2": 0.25}; !maps.Equal(ratios, want) {
 		t.Errorf("share ratios by pod = %v, want %v", ratios, want)
 	}
@@ -815,18 +796,7 @@ func TestGPUUtilPerHolderFromProcesses(t *testing.T) {
 				{PID: 102, SMUtil: 10, HasSMUtil: withUtil}, {PID: 103, SMUtil: 7, HasSMUtil: withUtil}}
 			stats.Groups[i] = g
 		}
-		f := serve(t, metrics.Options{ProcessReservation: seen}, newFake(snap, stats)).scrape(t)
-		out := map[string]float64{}
-		for _, m := range f["DCGM_FI_DEV_GPU_UTIL"].GetMetric() {
-			l := map[string]string{}
-			for _, p := range m.GetLabel() {
-				l[p.GetName()] = p.GetValue()
-			}
-			if l["UUID"] == "GPU-a" {
-				out[l["pod"]] = m.GetGauge().GetValue()
-			}
-		}
-		return out
+		return serve(t, metrics.Options{ProcessReservation: seen}, newFake(snap, stats)).scrape(t).byPod("DCGM_FI_DEV_GPU_UTIL", "GPU-a")
 	}
 	got := utilByPod(true)
 	if want := map[string]float64{"p1": 30, "p2": 7, "p3": 0}; !maps.Equal(got, want) {

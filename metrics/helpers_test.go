@@ -162,6 +162,22 @@ func (f families) series(name string, want map[string]string) []*dto.Metric {
 	return out
 }
 
+// byPod returns the gauge values of family name by their pod label (empty for none),
+// of the series whose UUID label is uuid, or of every series when uuid is empty.
+func (f families) byPod(name, uuid string) map[string]float64 {
+	out := map[string]float64{}
+	for _, m := range f[name].GetMetric() {
+		l := map[string]string{}
+		for _, p := range m.GetLabel() {
+			l[p.GetName()] = p.GetValue()
+		}
+		if uuid == "" || l["UUID"] == uuid {
+			out[l["pod"]] = m.GetGauge().GetValue()
+		}
+	}
+	return out
+}
+
 // value returns the one series of name with labels want (a gauge's, counter's or
 // untyped value, or a histogram's count), failing the test unless there is exactly one.
 func (f families) value(t *testing.T, name string, want map[string]string) float64 {
