@@ -1,6 +1,7 @@
 package nvidia
 
 import (
+	"fmt"
 	"regexp"
 	"testing"
 	"time"
@@ -28,6 +29,7 @@ var wantAttrs = map[string]wantAttr{
 	"memory_clock":       {"MHz", "int"},
 	"pci_bandwidth":      {"MB/s", "int"},
 	"driver_version":     {"", "string"},
+	"cuda_version":       {"", "string"},
 	"compute_capability": {"", "string"},
 }
 
@@ -82,6 +84,13 @@ func TestFingerprintSimulatedMachines(t *testing.T) {
 			}
 			if got := g.GetAttributes()["compute_capability"].GetStringValue(); got != tt.capability {
 				t.Errorf("compute_capability = %q, want %q", got, tt.capability)
+			}
+			cuda, _ := tt.mock().SystemGetCudaDriverVersion() // 12040 is CUDA 12.4
+			if got, want := g.GetAttributes()["cuda_version"].GetStringValue(), fmt.Sprintf("%d.%d", cuda/1000, cuda%1000/10); got != want {
+				t.Errorf("cuda_version = %q, want %q (the mock's %d)", got, want, cuda)
+			}
+			if v, ok := g.GetAttributes()["mig_capable"].GetKind().(*pb.Value_BoolValue); !ok || !v.BoolValue {
+				t.Errorf("mig_capable = %v, want true (every simulated DGX GPU can run MIG)", g.GetAttributes()["mig_capable"])
 			}
 			if got := g.GetAttributes()["power_limit"].GetIntValue(); got != tt.powerW {
 				t.Errorf("power_limit = %d W, want %d", got, tt.powerW)

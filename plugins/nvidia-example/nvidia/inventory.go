@@ -112,9 +112,15 @@ func (rt *runtime) scan() (*inventory, error) {
 		rt.logger.Debug("driver version unknown", "error", ret)
 		driver = ""
 	}
+	cuda := ""
+	if v, ret := rt.lib.SystemGetCudaDriverVersion(); ret == nvml.SUCCESS && v > 0 {
+		cuda = fmt.Sprintf("%d.%d", v/1000, v%1000/10) // 12040 is CUDA 12.4
+	} else {
+		rt.logger.Debug("CUDA version unknown", "error", ret)
+	}
 	inv := &inventory{gpus: gpus, targets: make(map[string]target), at: rt.clock.Now()}
 	for i, g := range gpus {
-		inv.descs = append(inv.descs, rt.describe(g, driver))
+		inv.descs = append(inv.descs, rt.describe(g, driver, cuda))
 		plan := rt.planGPU(g)
 		inv.plans = append(inv.plans, plan)
 		switch plan.mode {
@@ -178,7 +184,9 @@ const (
 // pcieLaneMBps is the usable bandwidth of one PCIe lane in MB/s, by generation.
 var pcieLaneMBps = map[int]int64{1: 250, 2: 500, 3: 985, 4: 1969, 5: 3938, 6: 7563}
 
-func (rt *runtime) describe(g gpu, driver string) gpuDesc {
+// describe reads g's static facts: its name and attributes (driver and cuda, the
+// system's driver and CUDA versions, are attributes of every GPU; "" leaves them out).
+func (rt *runtime) describe(g gpu, driver, cuda string) gpuDesc {
 	d := gpuDesc{id: g.uuid, attrs: make(map[string]*pb.Value)}
 	miss := func(what string, ret nvml.Return) {
 		rt.logger.Debug("GPU attribute unavailable", "gpu", g.uuid, "attribute", what, "error", ret)
@@ -223,6 +231,12 @@ func (rt *runtime) describe(g gpu, driver string) gpuDesc {
 	if driver != "" {
 		d.attrs["driver_version"] = stringValue(driver)
 	}
+	if cuda != "" {
+		d.attrs["cuda_version"] = stringValue(cuda)
+	}
+	// NVML answers MIG mode on GPUs that can run MIG, NOT_SUPPORTED on the others.
+	_, _, ret = g.dev.GetMigMode()
+	d.attrs["mig_capable"] = boolValue(ret == nvml.SUCCESS)
 	if major, minor, ret := g.dev.GetCudaComputeCapability(); ret == nvml.SUCCESS {
 		d.attrs["compute_capability"] = stringValue(fmt.Sprintf("%d.%d", major, minor))
 	} else {
@@ -428,7 +442,7 @@ func migGroupName(p *migProfile) string {
 // migAttrs are the attributes of a MIG profile's group on the GPU d describes.
 func migAttrs(p *migProfile, d gpuDesc) map[string]*pb.Value {
 	a := map[string]*pb.Value{"gpu_model": stringValue(d.name)}
-	for _, k := range []string{"driver_version", "compute_capability"} {
+	for _, k := range []string{"driver_version", "cuda_version", "compute_capability"} {
 		if v, ok := d.attrs[k]; ok {
 			a[k] = v
 		}
@@ -619,6 +633,10 @@ func intValue(n int64, unit string) *pb.Value {
 
 func floatValue(f float64, unit string) *pb.Value {
 	return &pb.Value{Kind: &pb.Value_FloatValue{FloatValue: f}, Unit: unit}
+}
+
+func boolValue(b bool) *pb.Value {
+	return &pb.Value{Kind: &pb.Value_BoolValue{BoolValue: b}}
 }
 
 func stringValue(s string) *pb.Value {
