@@ -23,13 +23,12 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/servertest"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
-
-const testTimeout = 20 * time.Second
 
 var h100 = device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3"}
 
@@ -44,7 +43,7 @@ func startAgent(t *testing.T, mgr device.Manager, path string) *servertest.Agent
 // dial connects a client to path and closes it at cleanup.
 func dial(t *testing.T, path string, opts ...client.Option) *client.Client {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	c, err := client.Dial(ctx, "unix://"+path, opts...)
 	if err != nil {
@@ -85,7 +84,7 @@ func next[T any](t *testing.T, ch <-chan client.Update[T]) client.Update[T] {
 			t.Fatal("watch channel closed; it must stay open until ctx ends")
 		}
 		return u
-	case <-time.After(testTimeout):
+	case <-time.After(testwait.Timeout):
 		t.Fatal("no update from the watch")
 	}
 	panic("unreachable")
@@ -114,7 +113,7 @@ func deviceIDs(fp *pb.FingerprintResponse) []string {
 // waitClosed fails the test unless ch closes (after draining what is left in it).
 func waitClosed[T any](t *testing.T, ch <-chan client.Update[T]) {
 	t.Helper()
-	timeout := time.After(testTimeout)
+	timeout := time.After(testwait.Timeout)
 	for {
 		select {
 		case _, ok := <-ch:
@@ -275,7 +274,7 @@ func TestCloseEndsWatches(t *testing.T) {
 }
 
 func TestDialErrors(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	for _, tt := range []struct {
 		name, address string
@@ -335,7 +334,7 @@ func TestErrorsToBranchOn(t *testing.T) {
 				},
 			}, path)
 			c := dial(t, path)
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 			defer cancel()
 			_, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "job-43", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, DeviceIds: []string{"GPU-0"}})
 			if err == nil {
@@ -377,7 +376,7 @@ func TestIsCapacityExceeded(t *testing.T) {
 		}}})
 	}}, path)
 	c := dial(t, path)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	_, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "job-43", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, DeviceIds: []string{"MIG-0-3"}})
 	ce, ok := client.IsCapacityExceeded(err)
@@ -441,7 +440,7 @@ func TestRefusalsConvertToTheContractsErrors(t *testing.T) {
 				return device.Reservation{}, tt.err
 			}}, path)
 			c := dial(t, path)
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 			defer cancel()
 			_, err := c.Reserve(ctx, &pb.ReserveRequest{OwnerId: "job-43", Vendor: h100.Vendor, Type: h100.Type, Name: h100.Name, DeviceIds: []string{"GPU-0"}})
 			sent := status.Convert(err).Message()
@@ -533,7 +532,7 @@ func TestCalls(t *testing.T) {
 		},
 	}, path)
 	c := dial(t, path)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	if err := c.WaitServing(ctx); err != nil {
 		t.Fatalf("WaitServing: %v", err)
@@ -609,7 +608,7 @@ func TestReservationsPastFourMiB(t *testing.T) {
 		return rs, nil
 	}}, path)
 	c := dial(t, path)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	rs, err := c.Reservations(ctx, nil)
 	if err != nil || len(rs) != 3000 {

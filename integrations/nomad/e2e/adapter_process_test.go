@@ -16,6 +16,7 @@ import (
 	"github.com/devicehost/devicehost/integrations/nomad/adapter"
 	dpb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 	"github.com/devicehost/devicehost/tools/logtest"
+	"github.com/devicehost/devicehost/tools/testwait"
 	"github.com/devicehost/devicehost/validate"
 )
 
@@ -85,7 +86,7 @@ func TestAdapterRefusesConfigs(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a, _ := newAdapter(t, bins[exampleName])
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 			defer cancel()
 			err := a.SetConfig(ctx, adapterConfig(t, bins[exampleName], tc.config, nil))
 			if !errContains(err, tc.want) {
@@ -103,7 +104,7 @@ func TestAdapterRefusesConfigs(t *testing.T) {
 func TestAdapterRefusesNonNomadBinary(t *testing.T) {
 	bins := build(t)
 	a, _ := newAdapter(t, bins[exampleName])
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	// The shim is a Nomad plugin, the adapter is not: it speaks devicehost's protocol.
 	err := a.SetConfig(ctx, adapterConfig(t, bins[adapterName], nil, nil))
@@ -121,7 +122,7 @@ func TestAdapterFingerprintReserve(t *testing.T) {
 	bins := build(t)
 	dir := tempDir(t, "dhnd")
 	a, _ := newAdapter(t, bins[exampleName])
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	cfg := adapterConfig(t, bins[exampleName], map[string]any{"dir": dir, "list_period": "50ms"}, map[string]any{"empty_inventory_after": "100ms"})
 	if err := a.SetConfig(ctx, cfg); err != nil {
@@ -212,7 +213,7 @@ func TestAdapterReportsNomadPluginExit(t *testing.T) {
 		t.Fatal(err)
 	}
 	a, exits := newAdapter(t, bins[exampleName])
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	if err := a.SetConfig(ctx, adapterConfig(t, bins[exampleName], map[string]any{"dir": dir, "list_period": "50ms"}, nil)); err != nil {
 		t.Fatal(err)

@@ -13,6 +13,7 @@ import (
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/tools/agenttest"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 const exampleGroup = "nomad/file/mock" // the example plugin's vendor/type/name
@@ -81,7 +82,7 @@ plugin "nomad-example" {
 func TestNomadExamplePluginUnderAgent(t *testing.T) {
 	e := startExampleUnderAgent(t)
 	c := dial(t, e.address)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 
 	healthy := func(id string) func(*pb.FingerprintResponse) bool {
@@ -116,7 +117,7 @@ func TestNomadExamplePluginUnderAgent(t *testing.T) {
 	}
 
 	// Stats: the file's size in bytes, and the summary.
-	statsCtx, stopStats := context.WithTimeout(ctx, testTimeout)
+	statsCtx, stopStats := context.WithTimeout(ctx, testwait.Timeout)
 	for u := range c.WatchStats(statsCtx, 0) {
 		if v := deviceStat(u.Snapshot, "dev0", "size"); v != nil {
 			if v.GetIntValue() != int64(len("device dev0")) || v.GetUnit() != "B" {
@@ -198,7 +199,7 @@ plugin "nomad-broken" {
 		t.Fatal(err)
 	}
 	agent := startAgent(t, bins[agentName], tmp, "agent", "-config", cfgPath)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	err := agent.Wait(ctx)
 	var exit *exec.ExitError

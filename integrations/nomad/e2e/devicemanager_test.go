@@ -22,6 +22,7 @@ import (
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/tools/logtest"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 const h100 = "NVIDIA H100 80GB HBM3"
@@ -134,7 +135,7 @@ func (r *nodeRecorder) update(devs []*structs.NodeDeviceResource) {
 // accepts.
 func (r *nodeRecorder) wait(t testing.TB, what string, ok func([]*structs.NodeDeviceResource) bool) []*structs.NodeDeviceResource {
 	t.Helper()
-	deadline := time.After(testTimeout)
+	deadline := time.After(testwait.Timeout)
 	for {
 		r.mu.Lock()
 		for ; r.next < len(r.updates); r.next++ {
@@ -211,7 +212,7 @@ func TestNomadDeviceManagerOnDevAgent(t *testing.T) {
 	address := "unix://" + filepath.Join(tmp, "dh.sock")
 	agent := startAgent(t, bins[agentName], tmp, "agent", "-dev", "-listen", address, "-log-json")
 	c := dial(t, address)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 
 	n := startNomadDevices(t, bins[shim.BinaryName], address, hclog.Debug)
@@ -286,7 +287,7 @@ func TestNomadDeviceManagerOnDevAgent(t *testing.T) {
 	}
 
 	// Stats reach Nomad, with a summary per GPU.
-	deadline := time.Now().Add(testTimeout)
+	deadline := time.Now().Add(testwait.Timeout)
 	for {
 		s := statsOf(n.mgr.AllStats(), ids[0])
 		if s != nil && s.Summary != nil && s.Summary.Desc == "gpu_utilization" && s.Stats.Attributes["memory_used"] != nil {

@@ -26,9 +26,8 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/tools/agenttest"
 	"github.com/devicehost/devicehost/tools/proc"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
-
-const testTimeout = 60 * time.Second
 
 // Main packages the tests build, and the file names they get.
 const (
@@ -168,7 +167,7 @@ func startAgent(t testing.TB, bin, tmp string, args ...string) *agenttest.Proces
 // cleanup.
 func dial(t testing.TB, address string) *client.Client {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	c, err := client.Dial(ctx, address, client.WithoutReachCheck())
 	if err != nil {
@@ -184,7 +183,7 @@ func dial(t testing.TB, address string) *client.Client {
 // waitDevices reads the agent's inventory until ok accepts a snapshot, and returns it.
 func waitDevices(t testing.TB, c *client.Client, what string, ok func(*pb.FingerprintResponse) bool) *pb.FingerprintResponse {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	var last *pb.FingerprintResponse
 	for u := range c.WatchDevices(ctx) {
@@ -244,7 +243,7 @@ func equal(a, b []string) bool {
 // onlyProcess waits until exactly one process runs exe with args and returns it.
 func onlyProcess(t testing.TB, exe string, args ...string) int {
 	t.Helper()
-	deadline := time.Now().Add(testTimeout)
+	deadline := time.Now().Add(testwait.Timeout)
 	for {
 		pids := processes(exe, args...)
 		if len(pids) == 1 {

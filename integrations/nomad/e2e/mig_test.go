@@ -17,6 +17,7 @@ import (
 	"github.com/devicehost/devicehost/integrations/nomad/nomadapi/nomadtest"
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // migAgentConfig turns on on-demand MIG on `agent -dev`'s simulated DGX H100: every GPU
@@ -115,7 +116,7 @@ func migAlloc(job, profile string, devices ...string) *structs.Allocation {
 // it.
 func waitOwner(t *testing.T, c *client.Client, device, owner string) *pb.Reservation {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	var last []*pb.Reservation
 	for {
@@ -148,7 +149,7 @@ func waitOwner(t *testing.T, c *client.Client, device, owner string) *pb.Reserva
 func TestNomadShimMIGOnDemand(t *testing.T) {
 	bins := build(t)
 	address, c := startMIGAgent(t, bins[agentName])
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	nomad := nomadtest.New(t, nil)
 	n := startNomadDevicesWith(t, bins[shim.BinaryName], map[string]any{

@@ -18,13 +18,12 @@ import (
 
 	"github.com/devicehost/devicehost/integrations/nomad/nomadapi"
 	"github.com/devicehost/devicehost/integrations/nomad/nomadapi/nomadtest"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
-
-const testTimeout = 20 * time.Second
 
 func newClient(t *testing.T, cfg nomadapi.Config) *nomadapi.Client {
 	t.Helper()
@@ -38,7 +37,7 @@ func newClient(t *testing.T, cfg nomadapi.Config) *nomadapi.Client {
 
 func ctx(t *testing.T) context.Context {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	t.Cleanup(cancel)
 	return ctx
 }
@@ -129,7 +128,7 @@ func TestBlockingQuery(t *testing.T) {
 	var got answer
 	select {
 	case got = <-done:
-	case <-time.After(testTimeout):
+	case <-time.After(testwait.Timeout):
 		t.Fatal("the blocking query did not answer the change")
 	}
 	if got.err != nil || len(got.allocs) != 1 || got.allocs[0].ID != id || got.meta.Index <= meta.Index {
@@ -147,7 +146,7 @@ func TestBlockingQuery(t *testing.T) {
 // waitRequests waits until s has answered (or is answering) n requests.
 func waitRequests(t *testing.T, s *nomadtest.Server, n int) {
 	t.Helper()
-	deadline := time.Now().Add(testTimeout)
+	deadline := time.Now().Add(testwait.Timeout)
 	for len(s.Requests()) < n {
 		if time.Now().After(deadline) {
 			t.Fatalf("%d requests, want %d", len(s.Requests()), n)

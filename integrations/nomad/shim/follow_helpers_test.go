@@ -13,6 +13,7 @@ import (
 	dev "github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/integrations/nomad/nomadapi/nomadtest"
 	"github.com/devicehost/devicehost/tools/logtest"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // fakeClock is a clock that moves only when Advance is called: Now is the real time
@@ -88,7 +89,7 @@ func (e *events) add(ev followEvent) {
 // wait consumes events until one satisfies ok, and returns it and those before it.
 func (e *events) wait(t *testing.T, what string, ok func(followEvent) bool) (followEvent, []followEvent) {
 	t.Helper()
-	deadline := time.After(testTimeout)
+	deadline := time.After(testwait.Timeout)
 	for {
 		e.mu.Lock()
 		for i := e.next; i < len(e.evs); i++ {

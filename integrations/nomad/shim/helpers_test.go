@@ -21,13 +21,12 @@ import (
 	"github.com/devicehost/devicehost/server/servertest"
 
 	dev "github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
-
-const testTimeout = 20 * time.Second
 
 var h100 = dev.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "NVIDIA H100 80GB HBM3"}
 
@@ -259,7 +258,7 @@ func nextFingerprint(t *testing.T, ch <-chan *device.FingerprintResponse) *devic
 			t.Fatal("fingerprint channel closed")
 		}
 		return m
-	case <-time.After(testTimeout):
+	case <-time.After(testwait.Timeout):
 		t.Fatal("no fingerprint message")
 	}
 	panic("unreachable")
@@ -268,7 +267,7 @@ func nextFingerprint(t *testing.T, ch <-chan *device.FingerprintResponse) *devic
 // waitFingerprint reads ch until a message satisfies ok.
 func waitFingerprint(t *testing.T, what string, ch <-chan *device.FingerprintResponse, ok func(*device.FingerprintResponse) bool) *device.FingerprintResponse {
 	t.Helper()
-	deadline := time.After(testTimeout)
+	deadline := time.After(testwait.Timeout)
 	for {
 		select {
 		case m, open := <-ch:

@@ -18,6 +18,7 @@ import (
 
 	dev "github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/device/devicetest"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // A Nomad client sees the agent's groups as Nomad device groups: typed attributes
@@ -94,7 +95,7 @@ func TestFingerprintSendsOnlyVisibleChanges(t *testing.T) {
 		t.Helper()
 		select {
 		case updates <- client.Update[*pb.FingerprintResponse]{Snapshot: snap}:
-		case <-time.After(testTimeout):
+		case <-time.After(testwait.Timeout):
 			t.Fatalf("the shim did not take %s: still sending the previous message?", what)
 		}
 	}
@@ -103,7 +104,7 @@ func TestFingerprintSendsOnlyVisibleChanges(t *testing.T) {
 		select {
 		case m := <-out:
 			return m
-		case <-time.After(testTimeout):
+		case <-time.After(testwait.Timeout):
 			t.Fatalf("no message for %s", what)
 		}
 		panic("unreachable")
@@ -134,7 +135,7 @@ func TestFingerprintSendsOnlyVisibleChanges(t *testing.T) {
 	// Nothing was sent for it: the shim takes the next update at once.
 	select {
 	case updates <- client.Update[*pb.FingerprintResponse]{Err: status.Error(codes.Unavailable, "gone"), RetryIn: time.Second}:
-	case <-time.After(testTimeout):
+	case <-time.After(testwait.Timeout):
 		t.Fatal("the shim did not take the disconnection: did it send a message for an invisible change?")
 	}
 	m = take("the disconnection")
@@ -215,7 +216,7 @@ func TestFingerprintEndsWithContext(t *testing.T) {
 		for ok {
 			_, ok = <-ch
 		}
-	case <-time.After(testTimeout):
+	case <-time.After(testwait.Timeout):
 		t.Fatal("channel still open after ctx ended")
 	}
 }
@@ -250,7 +251,7 @@ func TestStatsTranslates(t *testing.T) {
 	var m *device.StatsResponse
 	select {
 	case m = <-ch:
-	case <-time.After(testTimeout):
+	case <-time.After(testwait.Timeout):
 		t.Fatal("no stats")
 	}
 	if m.Error != nil || len(m.Groups) != 1 {
