@@ -14,6 +14,7 @@ import (
 	"github.com/devicehost/devicehost/manager/inventory"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // These tests check that a plugin cannot take another plugin's devices: an
@@ -63,7 +64,7 @@ func TestProcessDeviceBindingsSurviveRestarts(t *testing.T) {
 	if got, want := deviceIDs(snap.Inventory), []string{"impostor/i0", "original/GPU-a", "original/GPU-b"}; !slices.Equal(got, want) {
 		t.Errorf("inventory = %v, want %v", got, want)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	r, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-1", Group: gpusKey, DeviceIDs: []string{"GPU-a"}})
 	if err != nil || r.Plugin != "original" || r.Container.Envs["FIXTURE_TAG"] != "original" {
@@ -77,12 +78,12 @@ func TestProcessDeviceBindingsSurviveRestarts(t *testing.T) {
 	if err := syscall.Kill(pid(t, m, "original"), syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	waitWithin(t, watch, testTimeout, "the original down", healthIs(device.HealthUnhealthy, "GPU-a", "GPU-b"))
+	waitWithin(t, watch, testwait.Timeout, "the original down", healthIs(device.HealthUnhealthy, "GPU-a", "GPU-b"))
 	_, err = m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-2", Group: gpusKey, DeviceIDs: []string{"GPU-b"}})
 	if !errors.Is(err, device.ErrPluginUnavailable) && !errors.Is(err, device.ErrUnhealthyDevice) {
 		t.Errorf("Reserve GPU-b while its plugin restarts = %v, want it refused as unavailable or unhealthy", err)
 	}
-	snap = waitWithin(t, watch, testTimeout, "the original back", healthIs(device.HealthHealthy, "GPU-a", "GPU-b"))
+	snap = waitWithin(t, watch, testwait.Timeout, "the original back", healthIs(device.HealthHealthy, "GPU-a", "GPU-b"))
 	if got, want := deviceIDs(snap.Inventory), []string{"impostor/i0", "original/GPU-a", "original/GPU-b"}; !slices.Equal(got, want) {
 		t.Errorf("inventory after the original's restart = %v, want %v", got, want)
 	}
@@ -95,7 +96,7 @@ func TestProcessDeviceBindingsSurviveRestarts(t *testing.T) {
 // TestDeviceBindingsInBothStartOrders checks, with in-process plugins whose order the
 // test controls, that who reports first on a later start does not matter.
 func TestDeviceBindingsInBothStartOrders(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 
 	t.Run("impostor reports first after a host restart", func(t *testing.T) {
@@ -245,7 +246,7 @@ func TestDeviceIDPatternsPinPlugins(t *testing.T) {
 	if e := pluginOf(snap, "impostor").LastError; !strings.Contains(e, "GPU-0, GPU-1") {
 		t.Errorf("impostor's last error %q, want it to name GPU-0, GPU-1", e)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	r, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job", Group: device.GroupKey{Vendor: "nvidia", Type: "gpu", Name: "H100"}, DeviceIDs: []string{"GPU-0"}})
 	if err != nil || r.Plugin != "real" {
@@ -266,7 +267,7 @@ func TestIDsContestedAtStartBoundToNeither(t *testing.T) {
 		beta := newFakeDevices("beta", group("acme", "gpu", "A1", "x0", "b0"))
 		cfg, logs := testConfig(t)
 		m, _ := startInprocManager(t, cfg, alpha, beta)
-		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 		defer cancel()
 		waitReady(t, m)
 		// The plugin that reported x0 second gets its error from its own fingerprint's

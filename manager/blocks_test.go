@@ -11,6 +11,7 @@ import (
 
 	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // twoPartitionedGPUs is plugin "parts" with GPUs G0 and G1, each in counter set
@@ -164,7 +165,7 @@ func TestBlockedByFollowsEveryChange(t *testing.T) {
 			cfg, _ := testConfig(t)
 			m, _ := startInprocManager(t, cfg, plugin)
 			waitReady(t, m)
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 			defer cancel()
 			var ids []string
 			keys := make(map[string]device.GroupKey)
@@ -210,7 +211,7 @@ func TestBlockedByFollowsEveryChange(t *testing.T) {
 				f.counterSets = []*pb.CounterSet{{Name: "gpu-0", Counters: map[string]int64{"slices": 9}}, {Name: "gpu-1", Counters: map[string]int64{"slices": 9}}}
 			})
 			plugin.setGroups(groups...)
-			deadline := time.Now().Add(testTimeout)
+			deadline := time.Now().Add(testwait.Timeout)
 			for m.Snapshot().Inventory.CounterSets[0].Capacity["slices"] != 9 {
 				if time.Now().After(deadline) {
 					t.Fatal("the new capacity never reached the snapshot")

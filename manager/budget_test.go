@@ -19,6 +19,7 @@ import (
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/servertest"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/testwait"
 	"github.com/devicehost/devicehost/validate"
 )
 
@@ -113,7 +114,7 @@ func TestSnapshotStaysWithinClientLimit(t *testing.T) {
 	}
 
 	// Every device of "many" held by an owner with the longest ID there may be.
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	if _, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: strings.Repeat("o", validate.MaxNameLen), Group: widgetKey("many"), DeviceIDs: many}); err != nil {
 		t.Fatalf("Reserve every device of many: %v", err)
@@ -157,7 +158,7 @@ func TestStatsStayWithinClientLimit(t *testing.T) {
 	m, _ := startFixtures(t, cfg, fixtures...)
 	waitReady(t, m)
 
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	// Wait until every plugin's stats were taken or refused.
 	var withStats int
@@ -177,7 +178,7 @@ func TestStatsStayWithinClientLimit(t *testing.T) {
 	}
 
 	// Its own deadline: the wait above may have used most of ctx's on a loaded machine.
-	sctx, scancel := context.WithTimeout(context.Background(), testTimeout)
+	sctx, scancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer scancel()
 	stream, err := serveHostAPI(t, m).Stats(sctx, &hostpb.StatsRequest{})
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/deviceplugin"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // partitionedGPU is a plugin "parts" with one GPU that can be had whole or as up to
@@ -48,7 +49,7 @@ func TestReserveWithinSharedCounters(t *testing.T) {
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, plugin)
 	waitReady(t, m)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	var ids []string
 	for i := range 7 {
@@ -106,7 +107,7 @@ func TestConcurrentReservesForTheLastPartitions(t *testing.T) {
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, plugin)
 	waitReady(t, m)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	for i := range 4 {
 		if _, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: fmt.Sprintf("early-%d", i), Group: partKey, DeviceIDs: []string{fmt.Sprintf("P-%02d", i)}}); err != nil {
@@ -155,7 +156,7 @@ func TestPluginToldItsLiveReservationsOnEachStart(t *testing.T) {
 	cfg, _ := testConfig(t)
 	m, l := startInprocManager(t, cfg, plugin)
 	waitReady(t, m)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	if got := plugin.reconcileCalls(); len(got) != 1 || len(got[0]) != 0 {
 		t.Fatalf("first start: Reconcile calls %v, want one with no reservations", got)

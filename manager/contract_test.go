@@ -8,6 +8,7 @@ import (
 
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/device/devicetest"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // TestFakeManagerContract drives every method of device.Manager on devicetest.Fake: the
@@ -145,7 +146,7 @@ func TestFakeManagerContract(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 			defer cancel()
 			var m device.Manager = tc.fake
 			if err := tc.drive(ctx, m); err != nil {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/manager/ledger"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // These tests run the manager on the durable ledger (Config.StateDir) with in-process
@@ -33,7 +34,7 @@ func durableConfig(t *testing.T) (Config, *logRecorder) {
 // waitReady waits for m's first fingerprints.
 func waitReady(t *testing.T, m *Manager) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
 		t.Fatal(err)
@@ -75,13 +76,13 @@ func reservation(t *testing.T, m *Manager, id string) (device.Reservation, bool)
 }
 
 // waitReservation checks reservation id against ok (which gets false for "not listed")
-// until ok accepts it or testTimeout passes. The garbage collector's writes have no event
+// until ok accepts it or testwait.Timeout passes. The garbage collector's writes have no event
 // a test can wait on, so this checks on a short tick, against a deadline.
 func waitReservation(t *testing.T, m *Manager, id, what string, ok func(r device.Reservation, listed bool) bool) device.Reservation {
 	t.Helper()
 	tick := time.NewTicker(10 * time.Millisecond)
 	defer tick.Stop()
-	deadline := time.NewTimer(testTimeout)
+	deadline := time.NewTimer(testwait.Timeout)
 	defer deadline.Stop()
 	for {
 		r, listed := reservation(t, m, id)
@@ -91,7 +92,7 @@ func waitReservation(t *testing.T, m *Manager, id, what string, ok func(r device
 		select {
 		case <-tick.C:
 		case <-deadline.C:
-			t.Fatalf("reservation %s not %s within %v; last: %+v (listed %v)", id, what, testTimeout, r, listed)
+			t.Fatalf("reservation %s not %s within %v; last: %+v (listed %v)", id, what, testwait.Timeout, r, listed)
 		}
 	}
 }
@@ -190,14 +191,14 @@ func TestReserveConflicts(t *testing.T) {
 			alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1", "a2"))
 			m, _ := startInprocManager(t, cfg, alpha)
 			waitReady(t, m)
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 			defer cancel()
 			watch := m.Watch(ctx)
 			<-watch // the current snapshot
 
 			r1 := reserve(t, m, "o1", "a0", "a1")
 			want := device.Holder{ReservationID: r1.ID, OwnerID: "o1"}
-			waitWithin(t, watch, testTimeout, "a0 and a1 held by r1", func(s device.Snapshot) bool {
+			waitWithin(t, watch, testwait.Timeout, "a0 and a1 held by r1", func(s device.Snapshot) bool {
 				h0, h1 := s.State.Devices["a0"].Holder, s.State.Devices["a1"].Holder
 				return h0 != nil && *h0 == want && h1 != nil && *h1 == want && s.State.Devices["a2"].Holder == nil
 			})
@@ -243,7 +244,7 @@ func TestReserveConflicts(t *testing.T) {
 			}
 
 			release(t, m, device.ReleaseRequest{ReservationID: r1.ID})
-			waitWithin(t, watch, testTimeout, "a0 and a1 free", func(s device.Snapshot) bool {
+			waitWithin(t, watch, testwait.Timeout, "a0 and a1 free", func(s device.Snapshot) bool {
 				return s.State.Devices["a0"].Holder == nil && s.State.Devices["a1"].Holder == nil
 			})
 			r2 := reserve(t, m, "o2", "a1")
@@ -414,7 +415,7 @@ func TestGCParallelDestroysBoundsPluginCleanups(t *testing.T) {
 	const parallel, n = 3, 8
 	cfg, _ := durableConfig(t)
 	cfg.GCParallelDestroys = parallel
-	cfg.ReserveTimeout = testTimeout // cleanups wait for the test, not their deadline
+	cfg.ReserveTimeout = testwait.Timeout // cleanups wait for the test, not their deadline
 	ids := make([]string, n)
 	for i := range ids {
 		ids[i] = fmt.Sprintf("a%d", i)
@@ -456,13 +457,13 @@ func TestGCParallelDestroysBoundsPluginCleanups(t *testing.T) {
 		}
 	})
 	release(t, m, device.ReleaseRequest{OwnerID: "o1"})
-	deadline := time.NewTimer(testTimeout)
+	deadline := time.NewTimer(testwait.Timeout)
 	defer deadline.Stop()
 	for range parallel {
 		select {
 		case <-entered:
 		case <-deadline.C:
-			t.Fatalf("fewer than %d plugin cleanups in flight within %v", parallel, testTimeout)
+			t.Fatalf("fewer than %d plugin cleanups in flight within %v", parallel, testwait.Timeout)
 		}
 	}
 	for i := range n {

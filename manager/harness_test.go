@@ -23,16 +23,13 @@ import (
 	"github.com/devicehost/devicehost/pluginloader"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 	"github.com/devicehost/devicehost/tools/logtest"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // This file holds the in-process test harness: fakeDevices, a deviceplugin.Plugin whose
 // devices and misbehaviour a test controls, served by the SDK's real server over
 // go-plugin's in-process test connection; a launcher that starts one per launch; a log recorder; and
 // startManager. Real plugin processes are in process_test.go.
-
-// testTimeout bounds every wait in these tests: a deadline a hang hits, generous for a
-// loaded 2-core machine running the race detector, never a speed check.
-const testTimeout = 30 * time.Second
 
 // fakeDevices is a device plugin whose state outlives its "processes", like hardware: a
 // relaunched plugin reports the same devices. Safe for concurrent use.
@@ -205,7 +202,7 @@ func (f *fakeDevices) reserveCalls() int {
 // returns every reservation ID it cleaned up after, in order.
 func (f *fakeDevices) waitReleased(t *testing.T, ids ...string) []string {
 	t.Helper()
-	deadline := time.NewTimer(testTimeout)
+	deadline := time.NewTimer(testwait.Timeout)
 	defer deadline.Stop()
 	for {
 		f.mu.Lock()
@@ -217,7 +214,7 @@ func (f *fakeDevices) waitReleased(t *testing.T, ids ...string) []string {
 		select {
 		case <-ch:
 		case <-deadline.C:
-			t.Fatalf("plugin %s cleaned up after %v within %v, want %v among them", f.name, got, testTimeout, ids)
+			t.Fatalf("plugin %s cleaned up after %v within %v, want %v among them", f.name, got, testwait.Timeout, ids)
 		}
 	}
 }
@@ -359,11 +356,11 @@ func (r *logRecorder) lines(subs ...string) []string {
 // waitLine waits until a log line holds every one of subs and returns it.
 func (r *logRecorder) waitLine(t *testing.T, subs ...string) string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	line, err := r.Wait(ctx, logtest.Containing(subs...))
 	if err != nil {
-		t.Fatalf("no log line with %q within %v; log:\n%s", subs, testTimeout, r.String())
+		t.Fatalf("no log line with %q within %v; log:\n%s", subs, testwait.Timeout, r.String())
 	}
 	return line
 }
@@ -407,10 +404,10 @@ func startInprocManager(t testing.TB, cfg Config, devices ...*fakeDevices) (*Man
 	return m, l
 }
 
-// shutdown stops m within testTimeout.
+// shutdown stops m within testwait.Timeout.
 func shutdown(t testing.TB, m *Manager) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	if err := m.Shutdown(ctx); err != nil {
 		t.Errorf("Shutdown: %v", err)
@@ -420,7 +417,7 @@ func shutdown(t testing.TB, m *Manager) {
 // waitFor reads snapshots from m until ok accepts one, and returns it.
 func waitFor(t *testing.T, m *Manager, what string, ok func(device.Snapshot) bool) device.Snapshot {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	var last device.Snapshot
 	for snap := range m.Watch(ctx) {
@@ -429,7 +426,7 @@ func waitFor(t *testing.T, m *Manager, what string, ok func(device.Snapshot) boo
 		}
 		last = snap
 	}
-	t.Fatalf("no snapshot with %s within %v; last: %+v", what, testTimeout, last)
+	t.Fatalf("no snapshot with %s within %v; last: %+v", what, testwait.Timeout, last)
 	return device.Snapshot{}
 }
 

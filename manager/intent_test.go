@@ -16,6 +16,7 @@ import (
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/manager/ledger"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // leaveIntents writes into the state file of cfg what devicehost 189008b..c9e8f1f left
@@ -46,7 +47,7 @@ func leaveIntents(t *testing.T, cfg Config, owners, devs []string) []string {
 // waitIntents waits until the manager's ledger holds no intent.
 func waitNoIntents(t *testing.T, m *Manager) {
 	t.Helper()
-	deadline := time.Now().Add(testTimeout)
+	deadline := time.Now().Add(testwait.Timeout)
 	for {
 		all := m.ledger.Intents()
 		if len(all) == 0 {
@@ -194,7 +195,7 @@ func TestCleanupLeavesOutDevicesANewerReservationHolds(t *testing.T) {
 		if !slices.Equal(ids, []string{"a1"}) {
 			t.Errorf("plugin asked to clean up %v after %s, want only a1 (a0 is %s's)", ids, r1.ID, r2.ID)
 		}
-	case <-time.After(testTimeout):
+	case <-time.After(testwait.Timeout):
 		t.Fatal("r1's cleanup never ran")
 	}
 	waitReservation(t, m, r1.ID, "cleaned up", cleanedUp)
@@ -239,7 +240,7 @@ func TestReserveWaitsForTheCleanupOfItsDevices(t *testing.T) {
 	release(t, m, device.ReleaseRequest{ReservationID: r1.ID})
 	select {
 	case <-inCleanup:
-	case <-time.After(testTimeout):
+	case <-time.After(testwait.Timeout):
 		t.Fatal("r1's cleanup never ran")
 	}
 	reserve(t, m, "o2", "a0")

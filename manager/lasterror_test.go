@@ -13,6 +13,7 @@ import (
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/manager/inventory"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // These tests check what a failing plugin leaves in answers and in the log,
@@ -118,7 +119,7 @@ func TestProcessKilledAfterServingIsBackAtOnce(t *testing.T) {
 
 	var killed time.Time
 	for kill := 1; kill <= 6; kill++ {
-		waitWithin(t, watch, testTimeout, "k0, k1 healthy", healthIs(device.HealthHealthy, "k0", "k1"))
+		waitWithin(t, watch, testwait.Timeout, "k0, k1 healthy", healthIs(device.HealthHealthy, "k0", "k1"))
 		// Serving for over ServedReset: the stats stream opens at the first fingerprint
 		// and sends one message per StatsInterval (100ms), so seq 13 is 1.2s in.
 		waitStats(t, stats, func(s device.StatsSnapshot) bool { return statValue(s, "k0", "seq") >= 13 }, "kill %d: 1.2s of stats", kill)
@@ -126,7 +127,7 @@ func TestProcessKilledAfterServingIsBackAtOnce(t *testing.T) {
 		if err := syscall.Kill(pid(t, m, "fx"), syscall.SIGKILL); err != nil {
 			t.Fatal(err)
 		}
-		snap := waitWithin(t, watch, testTimeout, "restarting", func(s device.Snapshot) bool {
+		snap := waitWithin(t, watch, testwait.Timeout, "restarting", func(s device.Snapshot) bool {
 			ps := pluginOf(s, "fx")
 			return ps.Status == device.PluginRestarting && ps.Restarts == kill-1
 		})
@@ -135,6 +136,6 @@ func TestProcessKilledAfterServingIsBackAtOnce(t *testing.T) {
 			t.Errorf("kill %d: restart due after %v, want at most %v (the base delay): it served, so it inherits no backoff", kill, delay, most)
 		}
 	}
-	waitWithin(t, watch, testTimeout, "healthy after the last kill", healthIs(device.HealthHealthy, "k0", "k1"))
+	waitWithin(t, watch, testwait.Timeout, "healthy after the last kill", healthIs(device.HealthHealthy, "k0", "k1"))
 	t.Logf("every device healthy %v after the last of 6 SIGKILLs", time.Since(killed))
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 func TestInventoryAggregatesPluginsAndKeepsDeviceBindings(t *testing.T) {
@@ -131,7 +132,7 @@ func TestStalledWatcherSlowsNobody(t *testing.T) {
 		alpha.setGroups(withUnhealthy(group("acme", "gpu", "A1", "a0"), "a0", fmt.Sprintf("change %d", i)))
 	}
 	wantReason := "change 20"
-	deadline := time.NewTimer(testTimeout)
+	deadline := time.NewTimer(testwait.Timeout)
 	defer deadline.Stop()
 	for i, ch := range live {
 		for seen := false; !seen; {
@@ -139,7 +140,7 @@ func TestStalledWatcherSlowsNobody(t *testing.T) {
 			case snap := <-ch:
 				seen = snap.State.Devices["a0"].Reason == wantReason
 			case <-deadline.C:
-				t.Fatalf("live watcher %d did not see %q within %v", i, wantReason, testTimeout)
+				t.Fatalf("live watcher %d did not see %q within %v", i, wantReason, testwait.Timeout)
 			}
 		}
 	}
@@ -171,10 +172,10 @@ func TestWatchClosesOnCancelAndShutdown(t *testing.T) {
 	}
 }
 
-// waitClosed drains ch until it is closed, failing after testTimeout.
+// waitClosed drains ch until it is closed, failing after testwait.Timeout.
 func waitClosed[T any](t *testing.T, ch <-chan T) {
 	t.Helper()
-	deadline := time.NewTimer(testTimeout)
+	deadline := time.NewTimer(testwait.Timeout)
 	defer deadline.Stop()
 	for {
 		select {
@@ -183,7 +184,7 @@ func waitClosed[T any](t *testing.T, ch <-chan T) {
 				return
 			}
 		case <-deadline.C:
-			t.Fatalf("channel not closed within %v", testTimeout)
+			t.Fatalf("channel not closed within %v", testwait.Timeout)
 		}
 	}
 }
@@ -224,7 +225,7 @@ func TestPermanentLaunchFailureIsNotRetried(t *testing.T) {
 	}
 	select {
 	case <-m.Ready():
-	case <-time.After(testTimeout):
+	case <-time.After(testwait.Timeout):
 		t.Fatal("a failed plugin holds Ready")
 	}
 	logs.waitLine(t, "will not be restarted", "plugin=alpha")
@@ -243,7 +244,7 @@ func TestReadyDoesNotWaitBeyondReadyTimeout(t *testing.T) {
 	cfg.FingerprintTimeout = time.Minute // only ReadyTimeout may end the wait
 	m, _ := startInprocManager(t, cfg, healthy, silent)
 
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	start := time.Now()
 	inv, err := m.WaitForFirstFingerprint(ctx)
@@ -303,7 +304,7 @@ func TestRestartBackoffGrowsAndIsCapped(t *testing.T) {
 	// NextRetry - LastErrorAt is the delay chosen after each failure: 20, 40, 80, 80, 80 ms ±20%.
 	want := []time.Duration{20, 40, 80, 80, 80}
 	var got []time.Duration
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	seen := -1
 	for snap := range m.Watch(ctx) {
@@ -318,7 +319,7 @@ func TestRestartBackoffGrowsAndIsCapped(t *testing.T) {
 		}
 	}
 	if len(got) != len(want) {
-		t.Fatalf("saw %d restarts within %v, want %d", len(got), testTimeout, len(want))
+		t.Fatalf("saw %d restarts within %v, want %d", len(got), testwait.Timeout, len(want))
 	}
 	for i := range want {
 		lo, hi := time.Duration(float64(want[i]*time.Millisecond)*0.8), time.Duration(float64(want[i]*time.Millisecond)*1.2)
@@ -334,7 +335,7 @@ func TestStatsFanOutUsesOneStreamPerPlugin(t *testing.T) {
 	m, _ := startInprocManager(t, cfg, alpha)
 	waitFor(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "a1"))
 
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	watchers := make([]<-chan device.StatsSnapshot, 20)
 	for i := range watchers {
@@ -351,7 +352,7 @@ func TestStatsFanOutUsesOneStreamPerPlugin(t *testing.T) {
 // waitStats reads ch until ok accepts a snapshot.
 func waitStats(t *testing.T, ch <-chan device.StatsSnapshot, ok func(device.StatsSnapshot) bool, format string, args ...any) device.StatsSnapshot {
 	t.Helper()
-	deadline := time.NewTimer(testTimeout)
+	deadline := time.NewTimer(testwait.Timeout)
 	defer deadline.Stop()
 	for {
 		select {
@@ -394,7 +395,7 @@ func TestStatsErrorsBackOffAndAreLogged(t *testing.T) {
 	}
 	// The stream resumes once the plugin is fixed.
 	alpha.set(func(f *fakeDevices) { f.statsErr = "" })
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	waitStats(t, m.WatchStats(ctx, 0), func(s device.StatsSnapshot) bool { return statValue(s, "a0", "seq") >= 1 }, "stats after recovery")
 	if got := pluginOf(m.Snapshot(), "alpha").LastError; !strings.Contains(got, "sensor bus on fire") {
@@ -411,7 +412,7 @@ func TestReserve(t *testing.T) {
 	cfg.ReserveTimeout = 300 * time.Millisecond
 	m, _ := startInprocManager(t, cfg, alpha, beta)
 	waitReady(t, m)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	a1 := device.GroupKey{Vendor: "acme", Type: "gpu", Name: "A1"}
 	a2 := device.GroupKey{Vendor: "acme", Type: "gpu", Name: "A2"}
@@ -574,7 +575,7 @@ func TestReserveNeverAsksThePluginForAHeldDevice(t *testing.T) {
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, alpha)
 	waitReady(t, m)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	gs := &gatedStore{reservationStore: m.store, checked: make(chan struct{}), gate: make(chan struct{})}
 	m.store = gs // before any Reserve; no goroutine of the manager reads m.store

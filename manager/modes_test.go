@@ -8,6 +8,7 @@ import (
 
 	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // sharedGPU is plugin "parts" with GPU-0 offered whole, as time-sliced replicas
@@ -46,7 +47,7 @@ func TestSharingModesThroughTheManager(t *testing.T) {
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, plugin)
 	waitReady(t, m)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	tsKey := device.GroupKey{Vendor: "acme", Type: "gpu", Name: "shared"}
 	mpsKey := device.GroupKey{Vendor: "acme", Type: "gpu", Name: "mps"}

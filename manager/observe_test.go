@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/devicehost/devicehost/device"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // LatestStats reads the latest samples the plugins' own stats streams brought: however
@@ -16,7 +17,7 @@ func TestLatestStatsAsksNoPlugin(t *testing.T) {
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, alpha)
 	waitReady(t, m)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	waitStats(t, m.WatchStats(ctx, 0), func(s device.StatsSnapshot) bool {
 		return statValue(s, "a0", "seq") >= 3

@@ -14,6 +14,7 @@ import (
 
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // These tests run the manager on a watched plugin dir, with the fixture binary (built
@@ -178,7 +179,7 @@ func TestPluginDirReplaceRestartsOnTheNewBinaryKeepingReservations(t *testing.T)
 		t.Fatal(err)
 	}
 
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	watch := m.Watch(ctx)
 	replacements := []struct {
@@ -198,7 +199,7 @@ func TestPluginDirReplaceRestartsOnTheNewBinaryKeepingReservations(t *testing.T)
 	for _, rep := range replacements {
 		old := groupPID(snap, "fx")
 		done := rep.replace()
-		snap = waitWithin(t, watch, testTimeout, "d0 and d1 healthy from a new process", func(s device.Snapshot) bool {
+		snap = waitWithin(t, watch, testwait.Timeout, "d0 and d1 healthy from a new process", func(s device.Snapshot) bool {
 			if !inInventory(s, "d0", "d1") {
 				t.Fatalf("%s: the devices left the inventory during the restart: %v", rep.name, deviceIDs(s.Inventory))
 			}
@@ -478,7 +479,7 @@ func TestPluginDirReserveOfAPluginRemovedMidCall(t *testing.T) {
 	// The call is under way (the fixture hangs in it) when the binary goes.
 	claimed := time.NewTicker(5 * time.Millisecond)
 	defer claimed.Stop()
-	deadline := time.NewTimer(testTimeout)
+	deadline := time.NewTimer(testwait.Timeout)
 	defer deadline.Stop()
 	for !isClaimed(m, "h0") {
 		select {
@@ -497,7 +498,7 @@ func TestPluginDirReserveOfAPluginRemovedMidCall(t *testing.T) {
 		if !errors.Is(res.err, device.ErrPluginUnavailable) {
 			t.Errorf("Reserve on a plugin removed mid-call: %+v, %v; want ErrPluginUnavailable", res.r, res.err)
 		}
-	case <-time.After(testTimeout):
+	case <-time.After(testwait.Timeout):
 		t.Fatal("Reserve still waiting on a removed plugin")
 	}
 	if all, _ := m.Reservations(context.Background(), device.ReservationFilter{}); len(all) != 0 {
@@ -508,7 +509,7 @@ func TestPluginDirReserveOfAPluginRemovedMidCall(t *testing.T) {
 // waitLines waits until n log lines hold every one of subs.
 func waitLines(t *testing.T, r *logRecorder, n int, subs ...string) {
 	t.Helper()
-	deadline := time.NewTimer(testTimeout)
+	deadline := time.NewTimer(testwait.Timeout)
 	defer deadline.Stop()
 	for {
 		changed := r.Changed()
@@ -518,7 +519,7 @@ func waitLines(t *testing.T, r *logRecorder, n int, subs ...string) {
 		select {
 		case <-changed:
 		case <-deadline.C:
-			t.Fatalf("%d log lines with %q within %v, want %d; log:\n%s", len(r.lines(subs...)), subs, testTimeout, n, r.String())
+			t.Fatalf("%d log lines with %q within %v, want %d; log:\n%s", len(r.lines(subs...)), subs, testwait.Timeout, n, r.String())
 		}
 	}
 }
@@ -570,7 +571,7 @@ func BenchmarkPluginDirDropIn(b *testing.B) {
 }
 
 func watchCtx(ctx context.Context, m *Manager) (<-chan device.Snapshot, context.CancelFunc) {
-	ctx, cancel := context.WithTimeout(ctx, testTimeout)
+	ctx, cancel := context.WithTimeout(ctx, testwait.Timeout)
 	return m.Watch(ctx), cancel
 }
 

@@ -9,6 +9,7 @@ import (
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/pluginloader"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 func TestSetPluginsAppliesAddedChangedAndRemovedSettings(t *testing.T) {
@@ -86,7 +87,7 @@ func TestSetPluginsRefusesWhatItCannotHonour(t *testing.T) {
 
 func TestSetPluginsGivesAFailedPluginAnotherTry(t *testing.T) {
 	cfg, _ := testConfig(t)
-	cfg.ReadyTimeout = testTimeout
+	cfg.ReadyTimeout = testwait.Timeout
 	m := startManager(t, cfg, fixture{name: "picky", cfg: fixtureplugin.Config{RejectConfig: "simulate: no such machine"}})
 	waitFor(t, m, "picky failed", func(s device.Snapshot) bool { return pluginOf(s, "picky").Status == device.PluginFailed })
 	if err := m.SetPlugins(map[string]PluginConfig{"picky": {ConfigJSON: fixtureplugin.Config{Groups: widgets("picky", "p0")}.JSON()}}); err != nil {

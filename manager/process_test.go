@@ -14,6 +14,7 @@ import (
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/pluginloader"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // These tests run the fixture plugin as real processes (built once in TestMain).
@@ -108,7 +109,7 @@ func TestProcessSIGKILLIsSeenAtOnceAndRecovers(t *testing.T) {
 	// "At once" is behaviour, not speed: the devices turn unhealthy from the exit itself
 	// (the reason says so), before the plugin is restarted, not from a missed deadline.
 	// How soon is for a benchmark; the wait is bounded only to fail a hang.
-	snap := waitWithin(t, watch, testTimeout, "k0, k1 unhealthy", healthIs(device.HealthUnhealthy, "k0", "k1"))
+	snap := waitWithin(t, watch, testwait.Timeout, "k0, k1 unhealthy", healthIs(device.HealthUnhealthy, "k0", "k1"))
 	seen := time.Since(killed)
 	if got, want := snap.State.Devices["k0"].Reason, "plugin exited: signal: killed"; got != want {
 		t.Errorf("k0 reason = %q, want %q", got, want)
@@ -116,7 +117,7 @@ func TestProcessSIGKILLIsSeenAtOnceAndRecovers(t *testing.T) {
 	if ps := pluginOf(snap, "fx"); ps.Restarts != 0 {
 		t.Errorf("plugin state when its devices turned unhealthy = %+v, want no restart yet", ps)
 	}
-	snap = waitWithin(t, watch, testTimeout, "healthy again", healthIs(device.HealthHealthy, "k0", "k1"))
+	snap = waitWithin(t, watch, testwait.Timeout, "healthy again", healthIs(device.HealthHealthy, "k0", "k1"))
 	t.Logf("SIGKILL: unhealthy seen after %v, healthy again after %v", seen, time.Since(killed))
 	ps := pluginOf(snap, "fx")
 	if ps.Status != device.PluginRunning || ps.Restarts != 1 || ps.LastError != "plugin exited: signal: killed" {
@@ -130,25 +131,25 @@ func TestProcessCrashLoopShowsRestartsAndRecovers(t *testing.T) {
 		Groups:    widgets("crashy", "c0"),
 		ExitAfter: fixtureplugin.Duration(700 * time.Millisecond),
 	}})
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	watch := m.Watch(ctx)
-	waitWithin(t, watch, testTimeout, "c0 healthy", healthIs(device.HealthHealthy, "c0"))
-	snap := waitWithin(t, watch, testTimeout, "c0 unhealthy", healthIs(device.HealthUnhealthy, "c0"))
+	waitWithin(t, watch, testwait.Timeout, "c0 healthy", healthIs(device.HealthHealthy, "c0"))
+	snap := waitWithin(t, watch, testwait.Timeout, "c0 unhealthy", healthIs(device.HealthUnhealthy, "c0"))
 	if got, want := snap.State.Devices["c0"].Reason, "plugin exited: exit status 3"; got != want {
 		t.Errorf("c0 reason = %q, want %q", got, want)
 	}
-	snap = waitWithin(t, watch, testTimeout, "restarting with a next retry", func(s device.Snapshot) bool {
+	snap = waitWithin(t, watch, testwait.Timeout, "restarting with a next retry", func(s device.Snapshot) bool {
 		return pluginOf(s, "crashy").Status == device.PluginRestarting
 	})
 	if ps := pluginOf(snap, "crashy"); ps.NextRetry.IsZero() || ps.LastError != "plugin exited: exit status 3" || ps.LastErrorAt.IsZero() {
 		t.Errorf("restarting plugin state = %+v, want next retry and last error", ps)
 	}
-	snap = waitWithin(t, watch, testTimeout, "healthy after a restart", func(s device.Snapshot) bool {
+	snap = waitWithin(t, watch, testwait.Timeout, "healthy after a restart", func(s device.Snapshot) bool {
 		return healthIs(device.HealthHealthy, "c0")(s) && pluginOf(s, "crashy").Restarts >= 1
 	})
 	// It keeps crashing and keeps being restarted.
-	waitWithin(t, watch, testTimeout, "a second restart", func(s device.Snapshot) bool { return pluginOf(s, "crashy").Restarts >= 2 })
+	waitWithin(t, watch, testwait.Timeout, "a second restart", func(s device.Snapshot) bool { return pluginOf(s, "crashy").Restarts >= 2 })
 }
 
 func TestProcessFingerprintStreamEndIsRetried(t *testing.T) {
@@ -184,7 +185,7 @@ func TestProcessHangsAreBoundedAndIsolated(t *testing.T) {
 		fixture{name: "statshang", cfg: fixtureplugin.Config{Groups: widgets("statshang", "s0"), StatsHang: true}},
 		fixture{name: "reservehang", cfg: fixtureplugin.Config{Groups: widgets("reservehang", "r0"), ReserveHang: true}},
 	)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 
 	// The healthy plugin is not held up.
@@ -246,7 +247,7 @@ func TestProcessStatsAreSampledOncePerPlugin(t *testing.T) {
 		fixture{name: "one", cfg: fixtureplugin.Config{Groups: widgets("one", "o0")}},
 		fixture{name: "two", cfg: fixtureplugin.Config{Groups: widgets("two", "t0")}},
 	)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
 		t.Fatal(err)
@@ -303,7 +304,7 @@ func TestProcessReserve(t *testing.T) {
 		fixture{name: "evil", cfg: fixtureplugin.Config{Groups: widgets("evil", "v0"), ReserveBad: true}},
 		fixture{name: "grumpy", cfg: fixtureplugin.Config{Groups: widgets("grumpy", "u0"), ReserveError: "widget u0 is calibrating"}},
 	)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
 		t.Fatal(err)
@@ -355,7 +356,7 @@ func TestProcessRejectedConfigFailsThePluginOnce(t *testing.T) {
 		fixture{name: "picky", cfg: fixtureplugin.Config{RejectConfig: "simulate: no such machine"}},
 		fixture{name: "fine", cfg: fixtureplugin.Config{Groups: widgets("fine", "n0")}},
 	)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
 		t.Fatalf("a failed plugin held Ready: %v", err)
@@ -443,7 +444,7 @@ func TestProcessGCCleanupReachesThePlugin(t *testing.T) {
 		fixture{name: "busy", cfg: fixtureplugin.Config{Groups: widgets("busy", "b0"), LogRelease: true, ReleaseError: "widget b0 still draining"}},
 	)
 	waitReady(t, m)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	r1, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "o1", Group: widgetKey("fx"), DeviceIDs: []string{"w0", "w1"}})
 	if err != nil {
@@ -480,7 +481,7 @@ func TestProcessNotAPluginFailsOnceWithoutRestarts(t *testing.T) {
 		t.Fatalf("New: %v", err)
 	}
 	t.Cleanup(func() { shutdown(t, m) })
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
 		t.Fatalf("a binary that is not a plugin held Ready: %v", err)

@@ -9,6 +9,7 @@ import (
 
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // These tests check that one broken plugin does not hold the node's readiness for
@@ -70,7 +71,7 @@ func TestBrokenPluginDoesNotHoldReady(t *testing.T) {
 			} else {
 				m, _ = startFixtures(t, cfg, good, tc.broken)
 			}
-			took := readyWithin(t, m, testTimeout)
+			took := readyWithin(t, m, testwait.Timeout)
 			t.Logf("ready after %v", took)
 			snap := m.Snapshot()
 			if st := snap.State.Devices["g0"]; st.Health != device.HealthHealthy {
@@ -95,7 +96,7 @@ func TestHungPluginHoldsReadyOnlyUntilItsOwnDeadline(t *testing.T) {
 	cfg.StartTimeout = 300 * time.Millisecond
 	cfg.RestartBaseDelay, cfg.RestartMaxDelay = time.Minute, time.Minute
 	m, _ := startInprocManager(t, cfg, healthy, stuck)
-	took := readyWithin(t, m, testTimeout)
+	took := readyWithin(t, m, testwait.Timeout)
 	// A deadline kept, not speed: a lower bound, which load only makes easier to meet
 	// (half the deadline, since the launch began before readyWithin's clock did).
 	if took < cfg.StartTimeout/2 {
@@ -129,7 +130,7 @@ func TestConfiguredPluginWithoutBinaryIsListedAsFailed(t *testing.T) {
 		t.Fatalf("New: %v", err)
 	}
 	t.Cleanup(func() { shutdown(t, m) })
-	readyWithin(t, m, testTimeout)
+	readyWithin(t, m, testwait.Timeout)
 	snap := waitFor(t, m, "d0", healthIs(device.HealthHealthy, "d0"))
 	ps := pluginOf(snap, "widgets")
 	want := device.PluginState{Name: "widgets", Path: filepath.Join(dir, "widgets"), Status: device.PluginFailed,

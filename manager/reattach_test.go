@@ -24,6 +24,7 @@ import (
 	"github.com/devicehost/devicehost/pluginloader"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
 	"github.com/devicehost/devicehost/tools/proc"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // These tests keep real plugin processes across a "crash" of the host (PluginConfig.Reattach).
@@ -75,7 +76,7 @@ func (l *procLauncher) killLeft(t *testing.T) {
 	left := l.left
 	l.mu.Unlock()
 	for _, p := range left {
-		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 		p.Kill(ctx)
 		cancel()
 	}
@@ -87,13 +88,13 @@ func (l *procLauncher) waitLeftExited(t *testing.T) {
 	l.mu.Lock()
 	left := l.left
 	l.mu.Unlock()
-	deadline := time.NewTimer(testTimeout)
+	deadline := time.NewTimer(testwait.Timeout)
 	defer deadline.Stop()
 	for _, p := range left {
 		select {
 		case <-p.ExitContext().Done():
 		case <-deadline.C:
-			t.Fatalf("a plugin process left by the crashed host still runs after %v", testTimeout)
+			t.Fatalf("a plugin process left by the crashed host still runs after %v", testwait.Timeout)
 		}
 	}
 }
@@ -304,7 +305,7 @@ func TestProcessReattachOnlyToTheRecordedProcess(t *testing.T) {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() {
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 			defer cancel()
 			p.Kill(ctx)
 		})
@@ -318,8 +319,8 @@ func TestProcessReattachOnlyToTheRecordedProcess(t *testing.T) {
 		t.Helper()
 		select {
 		case <-p.ExitContext().Done():
-		case <-time.After(testTimeout):
-			t.Errorf("recorded plugin process %d still runs after %v, want it killed", p.PID(), testTimeout)
+		case <-time.After(testwait.Timeout):
+			t.Errorf("recorded plugin process %d still runs after %v, want it killed", p.PID(), testwait.Timeout)
 		}
 	}
 

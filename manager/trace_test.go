@@ -9,6 +9,7 @@ import (
 
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/tools/calltrace"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // TestReserveAndReleaseMarkTheirSteps: traced, a Reserve and a Release show their steps as
@@ -19,7 +20,7 @@ func TestReserveAndReleaseMarkTheirSteps(t *testing.T) {
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1")))
 	waitReady(t, m)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 
 	var buf bytes.Buffer

@@ -24,6 +24,7 @@ import (
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // The driver makes its plugin directory where nothing did (a fresh node: the kubelet
@@ -50,7 +51,7 @@ func TestPublishesAgentDevices(t *testing.T) {
 	r.startDriver(nil)
 	k := r.kubelet()
 
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	info, err := k.reg.GetInfo(ctx, &registerpb.InfoRequest{})
 	if err != nil {
@@ -200,7 +201,7 @@ func TestPrepareUnprepare(t *testing.T) {
 		}
 		return m
 	}
-	for deadline := time.Now().Add(testTimeout); len(tmps()) != 1; time.Sleep(5 * time.Millisecond) {
+	for deadline := time.Now().Add(testwait.Timeout); len(tmps()) != 1; time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("temporary files in the CDI dir: %v, want the one made ahead", tmps())
 		}
@@ -317,7 +318,7 @@ func (k *kubelet) watchHealth(t testing.TB) *healthWatch {
 // wait waits for a report in which every device has health want (n devices).
 func (h *healthWatch) wait(t testing.TB, n int, want drahealthpb.HealthStatus) {
 	t.Helper()
-	timeout := time.After(testTimeout)
+	timeout := time.After(testwait.Timeout)
 	for {
 		select {
 		case m, ok := <-h.ch:
@@ -332,7 +333,7 @@ func (h *healthWatch) wait(t testing.TB, n int, want drahealthpb.HealthStatus) {
 				return
 			}
 		case <-timeout:
-			t.Fatalf("no health report with all %d devices %s in %v", n, want, testTimeout)
+			t.Fatalf("no health report with all %d devices %s in %v", n, want, testwait.Timeout)
 		}
 	}
 }
@@ -468,7 +469,7 @@ func TestStaleClaimReleasedAfterGrace(t *testing.T) {
 	const grace = 200 * time.Millisecond
 	r.startDriver(func(c *Config) { c.StaleGrace = grace; c.StaleInterval = 10 * time.Millisecond })
 
-	timeout := time.After(testTimeout)
+	timeout := time.After(testwait.Timeout)
 	next := func() timedRound {
 		t.Helper()
 		select {
@@ -577,7 +578,7 @@ func TestStaleTemporarySpecFilesRemovedAtStart(t *testing.T) {
 		t.Fatal(err)
 	}
 	rd := r.startDriver(nil)
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	if _, err := rd.log.Wait(ctx, func(l string) bool { return strings.Contains(l, "CDI specs match the ledger") }); err != nil {
 		t.Fatalf("the driver did not match the CDI specs to the ledger: %v", err)

@@ -25,6 +25,7 @@ import (
 	"github.com/devicehost/devicehost/device/devicetest"
 	"github.com/devicehost/devicehost/server"
 	"github.com/devicehost/devicehost/server/servertest"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // fakeDevices is a device.Manager whose snapshot the test sets; Watch delivers the
@@ -163,7 +164,7 @@ func newFakeRig(t testing.TB) *fakeRig {
 // waitPool waits for the pool's slices to satisfy ok.
 func (fr *fakeRig) waitPool(t testing.TB, what string, ok func([]resourceapi.ResourceSlice) bool) []resourceapi.ResourceSlice {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	w, err := fr.kube.ResourceV1().ResourceSlices().Watch(ctx, metav1.ListOptions{})
 	if err != nil {

@@ -15,13 +15,14 @@ import (
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/integrations/liveness/livenesstest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // watchProbe follows the driver's health socket as a liveness probe asks it, until
 // the test ends.
 func watchProbe(t *testing.T, sock string) *livenesstest.Watch {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	t.Cleanup(cancel)
 	return livenesstest.NewWatch(t, ctx, sock)
 }

@@ -44,12 +44,12 @@ import (
 	"github.com/devicehost/devicehost/tools/agenttest"
 	"github.com/devicehost/devicehost/tools/logtest"
 	"github.com/devicehost/devicehost/tools/proc"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 const (
-	testTimeout = 60 * time.Second
-	testNode    = "node-a"
-	testDriver  = "devicehost.io"
+	testNode   = "node-a"
+	testDriver = "devicehost.io"
 )
 
 func TestMain(m *testing.M) {
@@ -120,7 +120,7 @@ func (r *rig) startAgent() {
 	})
 	r.agent = a
 	if r.c != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 		defer cancel()
 		if err := r.c.WaitServing(ctx); err != nil {
 			t.Fatal(err)
@@ -131,7 +131,7 @@ func (r *rig) startAgent() {
 func (r *rig) dial() *client.Client {
 	t := r.t
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	c, err := client.Dial(ctx, r.address(), client.WithoutReachCheck(), client.WithBackoff(20*time.Millisecond, 200*time.Millisecond))
 	if err != nil {
@@ -202,7 +202,7 @@ func (rd *runningDriver) stop(t testing.TB) {
 			if err != nil {
 				t.Errorf("Run: %v", err)
 			}
-		case <-time.After(testTimeout):
+		case <-time.After(testwait.Timeout):
 			t.Error("Run did not return after its context ended")
 		}
 	})
@@ -212,7 +212,7 @@ func (rd *runningDriver) stop(t testing.TB) {
 func (r *rig) waitSocket(path string) {
 	t := r.t
 	t.Helper()
-	deadline := time.Now().Add(testTimeout)
+	deadline := time.Now().Add(testwait.Timeout)
 	for {
 		c, err := net.DialTimeout("unix", path, time.Second)
 		if err == nil {
@@ -260,7 +260,7 @@ func claimReq(c *resourceapi.ResourceClaim) *drapb.Claim {
 // prepare calls NodePrepareResources for c and returns its claim's answer.
 func (k *kubelet) prepare(t testing.TB, c *resourceapi.ResourceClaim) *drapb.NodePrepareResourceResponse {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	resp, err := k.dra.NodePrepareResources(ctx, &drapb.NodePrepareResourcesRequest{Claims: []*drapb.Claim{claimReq(c)}})
 	if err != nil {
@@ -276,7 +276,7 @@ func (k *kubelet) prepare(t testing.TB, c *resourceapi.ResourceClaim) *drapb.Nod
 // unprepare calls NodeUnprepareResources for c and returns its claim's error text.
 func (k *kubelet) unprepare(t testing.TB, c *resourceapi.ResourceClaim) string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	resp, err := k.dra.NodeUnprepareResources(ctx, &drapb.NodeUnprepareResourcesRequest{Claims: []*drapb.Claim{claimReq(c)}})
 	if err != nil {
@@ -315,7 +315,7 @@ func (r *rig) claim(name string, devices ...string) *resourceapi.ResourceClaim {
 // only a moment is seen too.
 func (r *rig) waitSlices(what string, ok func([]resourceapi.Device) bool) []resourceapi.Device {
 	r.t.Helper()
-	return r.waitSlicesWithin(testTimeout, what, ok)
+	return r.waitSlicesWithin(testwait.Timeout, what, ok)
 }
 
 // waitSlicesWithin is waitSlices, failing the test after timeout.
@@ -396,7 +396,7 @@ func poolDevices(items []resourceapi.ResourceSlice) []resourceapi.Device {
 func (r *rig) waitDevices(what string, ok func(*pb.FingerprintResponse) bool) *pb.FingerprintResponse {
 	t := r.t
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	var last *pb.FingerprintResponse
 	for u := range r.c.WatchDevices(ctx) {
@@ -407,7 +407,7 @@ func (r *rig) waitDevices(what string, ok func(*pb.FingerprintResponse) bool) *p
 			}
 		}
 	}
-	t.Fatalf("agent: %s: not seen in %v; last %v", what, testTimeout, last)
+	t.Fatalf("agent: %s: not seen in %v; last %v", what, testwait.Timeout, last)
 	return nil
 }
 

@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/uuid"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // mpsAgentConfig is an agent config whose nvidia-example plugin offers each simulated
@@ -259,7 +260,7 @@ func TestStaticMIGSharesAsConsumableCapacity(t *testing.T) {
 	}
 	want := deviceStatusData{UUID: migUUID, Type: "mig.mps", MIGProfile: "3g.40gb"}
 	var got deviceStatusData
-	for deadline := time.Now().Add(testTimeout); ; time.Sleep(10 * time.Millisecond) { // the status is written after the answer
+	for deadline := time.Now().Add(testwait.Timeout); ; time.Sleep(10 * time.Millisecond) { // the status is written after the answer
 		cl, err := r.kube.ResourceV1().ResourceClaims(c.Namespace).Get(ctx, c.Name, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -273,7 +274,7 @@ func TestStaticMIGSharesAsConsumableCapacity(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the claim's device status: none written in %v", testTimeout)
+			t.Fatalf("the claim's device status: none written in %v", testwait.Timeout)
 		}
 	}
 	if fmt.Sprint(got) != fmt.Sprint(want) {

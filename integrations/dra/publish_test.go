@@ -20,6 +20,7 @@ import (
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/tools/logtest"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // pubRig is a publisher on a fake API server, its informer running; the test calls
@@ -88,7 +89,7 @@ func (r *pubRig) sync(v *view) map[string]int32 {
 // forgets what it said meanwhile: a change after it is someone else's.
 func (r *pubRig) caughtUp() {
 	r.t.Helper()
-	deadline := time.Now().Add(testTimeout)
+	deadline := time.Now().Add(testwait.Timeout)
 	for {
 		r.p.mu.Lock()
 		all := true
@@ -115,7 +116,7 @@ func (r *pubRig) waitForeign(what string) {
 	r.t.Helper()
 	select {
 	case <-r.p.foreign:
-	case <-time.After(testTimeout):
+	case <-time.After(testwait.Timeout):
 		r.t.Fatalf("%s: the publisher was not told", what)
 	}
 }

@@ -14,6 +14,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	k8stesting "k8s.io/client-go/testing"
+
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // claimDeviceStatus is a claim's status.devices, as statusOf says them.
@@ -67,7 +69,7 @@ func TestClaimDeviceStatus(t *testing.T) {
 	}
 	// Every stored version of the claim is looked at (a watch), so a state that lasts
 	// only a moment (the plugin down before its restart) is seen too.
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
 	w, err := r.kube.ResourceV1().ResourceClaims(c.Namespace).Watch(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -127,7 +129,7 @@ func TestClaimDeviceStatusRetried(t *testing.T) {
 		t.Fatalf("prepare while status writes fail: %s %v", p.GetError(), p.GetDevices())
 	}
 	want := fmt.Sprintf("[%s/%s/%s Ready=True Healthy=True uuid=%s type=gpu cdi=2]", testDriver, testNode, DeviceName(ids[1]), ids[1])
-	deadline := time.Now().Add(testTimeout)
+	deadline := time.Now().Add(testwait.Timeout)
 	for got := fmt.Sprint(r.claimDeviceStatus(t, c.Namespace, c.Name)); got != want; got = fmt.Sprint(r.claimDeviceStatus(t, c.Namespace, c.Name)) {
 		if time.Now().After(deadline) {
 			t.Fatalf("claim status %s after %d refused writes, want %s", got, refused.Load(), want)
