@@ -531,7 +531,7 @@ func (p *Plugin) RPCError(ctx context.Context, err error) error {
 //
 // It starts no goroutine: the exit is watched by context.AfterFunc on p's exit
 // context, so a call pays a registration, not a goroutine and the thread wake-up that
-// starting one costs (measured on every Reserve: docs/benchmarks.md).
+// starting one costs (measured on every Reserve: docs/benchmarks.md#where-a-reserve-goes).
 func CallContext(ctx context.Context, p Process) (context.Context, context.CancelFunc) {
 	cctx, cancel := context.WithCancelCause(ctx)
 	stop := context.AfterFunc(p.ExitContext(), func() { cancel(ErrExited) })
