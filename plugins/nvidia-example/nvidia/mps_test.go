@@ -11,13 +11,13 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/devicehost/devicehost/deviceplugin"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 	"github.com/devicehost/devicehost/validate"
 )
 
@@ -93,17 +93,6 @@ func release(t *testing.T, p *Plugin, ids ...string) {
 	t.Helper()
 	if err := p.Release(context.Background(), "r", ids); err != nil {
 		t.Fatalf("Release(%v): %v", ids, err)
-	}
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within 10 s: %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }
 
@@ -370,7 +359,7 @@ func TestMPSRestartAdoptsDaemons(t *testing.T) {
 	if err := syscall.Kill(kept.PID, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the adopted daemon restarted", func() bool {
+	testwait.WaitFor(t, "the adopted daemon restarted", func() bool {
 		rec, err := readMPSRecord(filepath.Join(dir, second.mps.keyFor(gpu0, []string{mpsShareID(gpu0, 0)}), mpsDaemonFile))
 		return err == nil && rec.PID != kept.PID && processAlive(rec.PID, rec.Start)
 	})

@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -25,11 +26,18 @@ func missingNVML() nvml.Interface {
 }
 
 // Without NVML and without simulate the plugin reports zero devices, says why once,
-// keeps its streams open without work and ends them when asked.
+// keeps its streams open without work and ends them when asked. In a synctest bubble:
+// "nothing more is sent" is checked once every goroutine of the plugin is blocked, an
+// hour later on both its clock and the bubble's, not after a wall-clock window.
 func TestNoNVMLNoSimulate(t *testing.T) {
+	synctest.Test(t, testNoNVMLNoSimulate)
+}
+
+func testNoNVMLNoSimulate(t *testing.T) {
 	logs := &logtest.Recorder{}
 	p := New(hclog.New(&hclog.LoggerOptions{Output: logs, Level: hclog.Trace}))
-	p.clock = newFakeClock()
+	clock := newFakeClock()
+	p.clock = clock
 	p.openNVML = missingNVML
 	t.Cleanup(p.Close)
 	if err := p.SetConfig(context.Background(), nil); err != nil {
@@ -48,7 +56,13 @@ func TestNoNVMLNoSimulate(t *testing.T) {
 	}
 	st := startStats(t, p, time.Second)
 
-	// Both streams stay open: nothing more is sent and neither returns.
+	// Both streams stay open: nothing more is sent and neither returns, with every
+	// goroutine blocked an hour (3600 stats intervals) later on the plugin's clock and
+	// on the bubble's.
+	synctest.Wait()
+	clock.Advance(time.Hour)
+	time.Sleep(time.Hour)
+	synctest.Wait()
 	select {
 	case m := <-fp.msgs:
 		t.Errorf("second fingerprint %v, want none", m)
@@ -58,7 +72,7 @@ func TestNoNVMLNoSimulate(t *testing.T) {
 		t.Fatalf("Fingerprint returned %v before cancel", err)
 	case err := <-st.done:
 		t.Fatalf("Stats returned %v before cancel", err)
-	case <-time.After(100 * time.Millisecond):
+	default:
 	}
 	if err := fp.stop(t); err != nil {
 		t.Errorf("Fingerprint returned %v after cancel, want nil", err)
