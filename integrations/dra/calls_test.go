@@ -3,6 +3,7 @@ package dra
 import (
 	"context"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"google.golang.org/grpc"
@@ -20,35 +21,39 @@ func deferredDone(ctx context.Context, c *calls, max time.Duration) <-chan time.
 }
 
 // Work that no answer needs waits while the kubelet's call is in flight, and until
-// callGrace after it ends; with none in flight it does not wait at all.
+// callGrace after it ends; with none in flight it does not wait at all. In a synctest
+// bubble: "it waits" is checked once deferred is blocked, a minute later, not after a
+// wall-clock window.
 func TestDeferredWorkWaitsForTheKubeletsCalls(t *testing.T) {
-	ctx := context.Background()
-	c := newCalls()
-	select {
-	case <-deferredDone(ctx, c, time.Hour):
-	case <-time.After(10 * time.Second):
-		t.Fatal("deferred waited with no call ever made")
-	}
-
-	c.enter()
-	c.enter() // two calls: the work waits for both
-	done := deferredDone(ctx, c, time.Hour)
-	c.leave()
-	select {
-	case <-done:
-		t.Fatal("deferred returned while a call was in flight")
-	case <-time.After(50 * time.Millisecond):
-	}
-	c.leave()
-	left := time.Now()
-	select {
-	case at := <-done:
-		if waited := at.Sub(left); waited < callGrace {
-			t.Errorf("deferred returned %v after the last call ended, want at least %v", waited, callGrace)
+	synctest.Test(t, func(t *testing.T) {
+		ctx := t.Context() // ends a deferred left waiting by a failure
+		c := newCalls()
+		done := deferredDone(ctx, c, time.Hour)
+		synctest.Wait()
+		select {
+		case <-done:
+		default:
+			t.Fatal("deferred waited with no call ever made")
 		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("deferred still waiting 10 s after the last call ended")
-	}
+
+		c.enter()
+		c.enter() // two calls: the work waits for both
+		done = deferredDone(ctx, c, time.Hour)
+		c.leave()
+		time.Sleep(time.Minute)
+		synctest.Wait()
+		select {
+		case <-done:
+			t.Fatal("deferred returned while a call was in flight")
+		default:
+		}
+		c.leave()
+		left := time.Now()
+		// On the bubble's clock the wait is callGrace exactly; an hour would be max.
+		if waited := (<-done).Sub(left); waited < callGrace || waited > time.Second {
+			t.Errorf("deferred returned %v after the last call ended, want callGrace (%v) or a little more", waited, callGrace)
+		}
+	})
 }
 
 // A call that does not end delays the work by max at most; a context that ends, not at
