@@ -11,7 +11,6 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
-	berrors "go.etcd.io/bbolt/errors"
 
 	"github.com/devicehost/devicehost/device"
 )
@@ -225,9 +224,6 @@ func loadAccesses(db *bolt.DB, path string) (map[string]device.AdminAccess, erro
 			return nil
 		})
 	})
-	if errors.Is(err, berrors.ErrDatabaseNotOpen) {
-		err = ErrClosed
-	}
 	if err != nil {
 		return nil, fmt.Errorf("read admin accesses from %s: %w", path, err)
 	}

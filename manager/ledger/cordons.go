@@ -10,7 +10,6 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
-	berrors "go.etcd.io/bbolt/errors"
 
 	"github.com/devicehost/devicehost/device"
 )
@@ -126,9 +125,6 @@ func loadCordons(db *bolt.DB, path string) (map[string]device.Cordon, error) {
 			return nil
 		})
 	})
-	if errors.Is(err, berrors.ErrDatabaseNotOpen) {
-		err = ErrClosed
-	}
 	if err != nil {
 		return nil, fmt.Errorf("read cordons from %s: %w", path, err)
 	}

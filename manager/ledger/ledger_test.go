@@ -416,7 +416,10 @@ func TestClosedLedgerRefusesWrites(t *testing.T) {
 	_, _, checks["Reserve"] = l.Reserve(ctx, res("b", "GPU-2"), nil, nil)
 	_, _, checks["Release"] = l.Release(ctx, device.ReleaseRequest{ReservationID: r.ID}, time.Time{})
 	checks["SaveReattach"] = l.SaveReattach(ctx, "p", nil)
+	// Reads of the state file itself (l.read: bbolt's ErrDatabaseNotOpen) say so too.
 	_, _, checks["LoadReattach"] = l.LoadReattach("p")
+	_, checks["ReattachPlugins"] = l.ReattachPlugins()
+	_, checks["Events"] = l.Events(ctx, device.EventFilter{})
 	for name, err := range checks {
 		if !errors.Is(err, ErrClosed) || !errors.Is(err, device.ErrShuttingDown) {
 			t.Errorf("%s after Close: err = %v, want ErrClosed and device.ErrShuttingDown", name, err)
