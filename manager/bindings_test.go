@@ -45,7 +45,7 @@ func TestProcessDeviceBindingsSurviveRestarts(t *testing.T) {
 	cfg, logs := durableConfig(t)
 	orig := fixture{name: "original", cfg: fixtureplugin.Config{Groups: widgets("gpus", "GPU-a", "GPU-b"), ReserveTag: "original"}}
 	first := startManager(t, cfg, orig)
-	waitFor(t, first, "the original's devices", servedBy("original", "GPU-a", "GPU-b"))
+	waitSnapshot(t, first, "the original's devices", servedBy("original", "GPU-a", "GPU-b"))
 	shutdown(t, first)
 
 	impostor := fixture{name: "impostor", cfg: fixtureplugin.Config{
@@ -55,12 +55,12 @@ func TestProcessDeviceBindingsSurviveRestarts(t *testing.T) {
 	}}
 	orig.cfg.FingerprintDelay = fixtureplugin.Duration(2 * time.Second) // the impostor reports first
 	m := startManager(t, cfg, impostor, orig)
-	waitFor(t, m, "the impostor's own device", servedBy("impostor", "i0"))
+	waitSnapshot(t, m, "the impostor's own device", servedBy("impostor", "i0"))
 	logs.waitLine(t, "[ERROR]", "device IDs bound to another plugin refused", "plugin=impostor", "bound_to=original", `devices="GPU-a, GPU-b"`)
 	if got := pluginOf(m.Snapshot(), "impostor").LastError; !strings.Contains(got, `GPU-a, GPU-b bound to plugin "original"`) {
 		t.Errorf("impostor LastError = %q, want it to name the refused IDs and the plugin they are bound to", got)
 	}
-	snap := waitFor(t, m, "the original's devices", healthIs(device.HealthHealthy, "GPU-a", "GPU-b"))
+	snap := waitSnapshot(t, m, "the original's devices", healthIs(device.HealthHealthy, "GPU-a", "GPU-b"))
 	if got, want := deviceIDs(snap.Inventory), []string{"impostor/i0", "original/GPU-a", "original/GPU-b"}; !slices.Equal(got, want) {
 		t.Errorf("inventory = %v, want %v", got, want)
 	}
@@ -102,14 +102,14 @@ func TestDeviceBindingsInBothStartOrders(t *testing.T) {
 	t.Run("impostor reports first after a host restart", func(t *testing.T) {
 		cfg, logs := durableConfig(t)
 		first, _ := startInprocManager(t, cfg, newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1")))
-		waitFor(t, first, "alpha's devices", servedBy("alpha", "a0", "a1"))
+		waitSnapshot(t, first, "alpha's devices", servedBy("alpha", "a0", "a1"))
 		crash(t, first)
 
 		alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
 		alpha.hangFP = true // reports only when the test says
 		beta := newFakeDevices("beta", group("acme", "gpu", "A1", "a0", "b0"))
 		m, _ := startInprocManager(t, cfg, alpha, beta)
-		snap := waitFor(t, m, "beta's own device", servedBy("beta", "b0"))
+		snap := waitSnapshot(t, m, "beta's own device", servedBy("beta", "b0"))
 		if got, want := deviceIDs(snap.Inventory), []string{"beta/b0"}; !slices.Equal(got, want) {
 			t.Errorf("inventory before alpha reports = %v, want %v", got, want)
 		}
@@ -131,7 +131,7 @@ func TestDeviceBindingsInBothStartOrders(t *testing.T) {
 
 		alpha.set(func(f *fakeDevices) { f.hangFP = false })
 		alpha.setGroups(group("acme", "gpu", "A1", "a0", "a1"))
-		waitFor(t, m, "alpha's devices", servedBy("alpha", "a0", "a1"))
+		waitSnapshot(t, m, "alpha's devices", servedBy("alpha", "a0", "a1"))
 		if r := reserve(t, m, "job-1", "a0"); r.Plugin != "alpha" || alpha.reserveCalls() != 1 || beta.reserveCalls() != 0 {
 			t.Errorf("Reserve a0 = plugin %q with %d calls to alpha, %d to beta; want alpha's", r.Plugin, alpha.reserveCalls(), beta.reserveCalls())
 		}
@@ -142,8 +142,8 @@ func TestDeviceBindingsInBothStartOrders(t *testing.T) {
 		alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
 		beta := newFakeDevices("beta", group("acme", "gpu", "A1", "b0"))
 		m, l := startInprocManager(t, cfg, alpha, beta)
-		waitFor(t, m, "both plugins", servedBy("alpha", "a0", "a1"))
-		waitFor(t, m, "both plugins", servedBy("beta", "b0"))
+		waitSnapshot(t, m, "both plugins", servedBy("alpha", "a0", "a1"))
+		waitSnapshot(t, m, "both plugins", servedBy("beta", "b0"))
 
 		// alpha dies and comes back without a0 (its driver has not found it yet);
 		// meanwhile beta reports a0.
@@ -152,7 +152,7 @@ func TestDeviceBindingsInBothStartOrders(t *testing.T) {
 		p.exit("signal: killed")
 		beta.setGroups(group("acme", "gpu", "A1", "a0", "b0"))
 		logs.waitLine(t, "[ERROR]", "device IDs bound to another plugin refused", "plugin=beta", "bound_to=alpha", "devices=a0")
-		waitFor(t, m, "alpha relaunched", func(s device.Snapshot) bool {
+		waitSnapshot(t, m, "alpha relaunched", func(s device.Snapshot) bool {
 			return pluginOf(s, "alpha").Restarts == 1 && healthIs(device.HealthHealthy, "a1")(s)
 		})
 		if got, want := deviceIDs(m.Inventory()), []string{"alpha/a1", "beta/b0"}; !slices.Equal(got, want) {
@@ -164,7 +164,7 @@ func TestDeviceBindingsInBothStartOrders(t *testing.T) {
 		}
 
 		alpha.setGroups(group("acme", "gpu", "A1", "a0", "a1"))
-		waitFor(t, m, "a0 back with alpha", servedBy("alpha", "a0"))
+		waitSnapshot(t, m, "a0 back with alpha", servedBy("alpha", "a0"))
 		if r := reserve(t, m, "job-1", "a0"); r.Plugin != "alpha" || beta.reserveCalls() != 0 {
 			t.Errorf("Reserve a0 = plugin %q, %d calls to beta; want alpha's", r.Plugin, beta.reserveCalls())
 		}
@@ -173,11 +173,11 @@ func TestDeviceBindingsInBothStartOrders(t *testing.T) {
 	t.Run("bound plugin no longer configured", func(t *testing.T) {
 		cfg, logs := durableConfig(t)
 		first, _ := startInprocManager(t, cfg, newFakeDevices("old", group("acme", "gpu", "A1", "a0")))
-		waitFor(t, first, "old's device", servedBy("old", "a0"))
+		waitSnapshot(t, first, "old's device", servedBy("old", "a0"))
 		shutdown(t, first)
 
 		m, _ := startInprocManager(t, cfg, newFakeDevices("new", group("acme", "gpu", "A1", "a0")))
-		waitFor(t, m, "a0 taken over by new", servedBy("new", "a0"))
+		waitSnapshot(t, m, "a0 taken over by new", servedBy("new", "a0"))
 		logs.waitLine(t, "[INFO]", "bound to a plugin this host does not run", "previous_plugin=old", "devices=1")
 		logs.waitLine(t, "[WARN]", "are now bound to this plugin", "plugin=new", "previous_plugin=old", "devices=a0")
 	})
@@ -207,7 +207,7 @@ func TestPluginInventingIDsIsBoundToABoundedNumber(t *testing.T) {
 			churn.setGroups(groups(round)...)
 		}
 		want := fmt.Sprintf("r%d-0000", round)
-		waitFor(t, m, "round "+want, servedBy("churn", want))
+		waitSnapshot(t, m, "round "+want, servedBy("churn", want))
 	}
 	logs.waitLine(t, "[WARN]", "more distinct device IDs than may be bound to one plugin", "plugin=churn", "forgotten=8000")
 	bound := m.reg.Bound("churn")
@@ -235,7 +235,7 @@ func TestDeviceIDPatternsPinPlugins(t *testing.T) {
 		"impostor": {DeviceIDs: []string{"FPGA-*"}},
 	}
 	m, _ := startInprocManager(t, cfg, impostor, real)
-	snap := waitFor(t, m, "both plugins' own devices", func(s device.Snapshot) bool {
+	snap := waitSnapshot(t, m, "both plugins' own devices", func(s device.Snapshot) bool {
 		ids := deviceIDs(s.Inventory)
 		return slices.Contains(ids, "real/GPU-0") && slices.Contains(ids, "impostor/FPGA-0") &&
 			strings.Contains(pluginOf(s, "impostor").LastError, "outside the plugin's device_ids patterns")
@@ -275,7 +275,7 @@ func TestIDsContestedAtStartBoundToNeither(t *testing.T) {
 		named := func(e string) bool {
 			return strings.Contains(e, "x0 were reported by two plugins before the host was ready and are bound to neither") && strings.Contains(e, "device_ids")
 		}
-		waitFor(t, m, "each plugin's own device, and both plugins' errors naming x0", func(s device.Snapshot) bool {
+		waitSnapshot(t, m, "each plugin's own device, and both plugins' errors naming x0", func(s device.Snapshot) bool {
 			return slices.Equal(deviceIDs(s.Inventory), []string{"alpha/a0", "beta/b0"}) &&
 				named(pluginOf(s, "alpha").LastError) && named(pluginOf(s, "beta").LastError)
 		})
@@ -290,7 +290,7 @@ func TestIDsContestedAtStartBoundToNeither(t *testing.T) {
 		cfg, _ := testConfig(t)
 		cfg.Plugins = map[string]PluginConfig{"beta": {DeviceIDs: []string{"x*", "b*"}}}
 		m, _ := startInprocManager(t, cfg, alpha, beta)
-		waitFor(t, m, "x0 with the pinned plugin", func(s device.Snapshot) bool {
+		waitSnapshot(t, m, "x0 with the pinned plugin", func(s device.Snapshot) bool {
 			return slices.Equal(deviceIDs(s.Inventory), []string{"alpha/a0", "beta/b0", "beta/x0"})
 		})
 	})

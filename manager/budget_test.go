@@ -92,7 +92,7 @@ func TestSnapshotStaysWithinClientLimit(t *testing.T) {
 		t.Fatalf("newManager: %v", err)
 	}
 	t.Cleanup(func() { shutdown(t, m) })
-	waitFor(t, m, "many's devices", func(s device.Snapshot) bool { return pluginOf(s, "many").DeviceCount == len(many) })
+	waitSnapshot(t, m, "many's devices", func(s device.Snapshot) bool { return pluginOf(s, "many").DeviceCount == len(many) })
 	close(manyIn)
 	waitReady(t, m)
 

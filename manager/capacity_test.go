@@ -167,7 +167,7 @@ func TestPluginToldItsLiveReservationsOnEachStart(t *testing.T) {
 	}
 	p, _ := l.latest("parts")
 	p.exit("signal: killed")
-	waitFor(t, m, "parts running again", func(s device.Snapshot) bool {
+	waitSnapshot(t, m, "parts running again", func(s device.Snapshot) bool {
 		np, n := l.latest("parts")
 		return n == 2 && np != nil && pluginOf(s, "parts").Status == device.PluginRunning
 	})

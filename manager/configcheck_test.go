@@ -18,7 +18,7 @@ import (
 func TestSetPluginsRefusesAConfigThePluginRejects(t *testing.T) {
 	cfg, logs := testConfig(t)
 	m := startManager(t, cfg, fixture{name: "a", cfg: fixtureplugin.Config{Groups: widgets("a", "a0")}})
-	waitFor(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
+	waitSnapshot(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
 	before := pid(t, m, "a")
 
 	bad := fixtureplugin.Config{Groups: widgets("a", "a0"), RejectConfig: "widgets must be blue"}.JSON()
@@ -59,7 +59,7 @@ func TestOnConfigRejectedAtStart(t *testing.T) {
 	if !errors.As(rej, &ce) || ce.Message != "widgets must be blue" {
 		t.Errorf("rejection %v: want a *pluginloader.ConfigError with the plugin's message", rej)
 	}
-	waitFor(t, m, "a failed", func(s device.Snapshot) bool { return pluginOf(s, "a").Status == device.PluginFailed })
+	waitSnapshot(t, m, "a failed", func(s device.Snapshot) bool { return pluginOf(s, "a").Status == device.PluginFailed })
 	if lines := logs.lines("plugin failed and will not be restarted"); len(lines) > 0 {
 		t.Errorf("the rejection was logged too:\n%s", strings.Join(lines, "\n"))
 	}
@@ -95,7 +95,7 @@ func TestSetPluginsChecksOnTheRunningProcess(t *testing.T) {
 	cfg, _ := testConfig(t)
 	var lc launchCounter
 	m := startWith(t, withFixtures(cfg, fixture{name: "a", cfg: fixtureplugin.Config{Groups: widgets("a", "a0")}}), lc.launch)
-	waitFor(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
+	waitSnapshot(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
 	if n := lc.count("a"); n != 1 {
 		t.Fatalf("launches of a before the reload: %d, want 1", n)
 	}
@@ -112,7 +112,7 @@ func TestSetPluginsChecksOnTheRunningProcess(t *testing.T) {
 	if err := m.SetPlugins(map[string]PluginConfig{"a": {ConfigJSON: good}}); err != nil {
 		t.Fatalf("SetPlugins with a config the plugin accepts: %v", err)
 	}
-	waitFor(t, m, "a1", healthIs(device.HealthHealthy, "a1"))
+	waitSnapshot(t, m, "a1", healthIs(device.HealthHealthy, "a1"))
 	if n := lc.count("a"); n != 2 {
 		t.Errorf("launches of a after an accepted reload: %d, want 2 (the restart only)", n)
 	}
@@ -127,14 +127,14 @@ func TestSetPluginsAppliesAConfigThePluginCannotCheck(t *testing.T) {
 	cfg.OnConfigRejected = func(e *ConfigRejectedError) { got <- e }
 	env := []string{"FIXTURE_NO_CHECK_CONFIG=1"}
 	m := startManager(t, cfg, fixture{name: "a", cfg: fixtureplugin.Config{Groups: widgets("a", "a0")}, env: env})
-	waitFor(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
+	waitSnapshot(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
 	before := pid(t, m, "a")
 
 	good := fixtureplugin.Config{Groups: widgets("a", "a1")}.JSON()
 	if err := m.SetPlugins(map[string]PluginConfig{"a": {ConfigJSON: good, Env: env}}); err != nil {
 		t.Fatalf("SetPlugins with a new config: %v", err)
 	}
-	waitFor(t, m, "a1", healthIs(device.HealthHealthy, "a1"))
+	waitSnapshot(t, m, "a1", healthIs(device.HealthHealthy, "a1"))
 	if after := pid(t, m, "a"); after == before {
 		t.Errorf("the new config was not applied: the plugin runs on as pid %d", before)
 	}
@@ -147,5 +147,5 @@ func TestSetPluginsAppliesAConfigThePluginCannotCheck(t *testing.T) {
 	if rej.Plugin != "a" || !strings.Contains(rej.Error(), "widgets must be blue") {
 		t.Errorf("OnConfigRejected got %v (plugin %q), want plugin a's rejection at its start", rej, rej.Plugin)
 	}
-	waitFor(t, m, "a failed", func(s device.Snapshot) bool { return pluginOf(s, "a").Status == device.PluginFailed })
+	waitSnapshot(t, m, "a failed", func(s device.Snapshot) bool { return pluginOf(s, "a").Status == device.PluginFailed })
 }

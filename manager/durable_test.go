@@ -293,7 +293,7 @@ func TestReservationsSurviveARestart(t *testing.T) {
 				t.Errorf("r1 after a restart = %+v, want its container reservation", all)
 			}
 
-			snap := waitFor(t, second, "a0 held by r1 after the restart", func(s device.Snapshot) bool {
+			snap := waitSnapshot(t, second, "a0 held by r1 after the restart", func(s device.Snapshot) bool {
 				h := s.State.Devices["a0"].Holder
 				return h != nil && *h == device.Holder{ReservationID: r1.ID, OwnerID: "o1"}
 			})
@@ -393,7 +393,7 @@ func TestGCCleanupWaitsForThePlugin(t *testing.T) {
 	alpha.set(func(f *fakeDevices) { f.launchErr = "plugin binary missing" })
 	p, _ := l.latest("alpha")
 	p.exit("signal: killed")
-	waitFor(t, m, "alpha down", func(s device.Snapshot) bool { return pluginOf(s, "alpha").Status != device.PluginRunning })
+	waitSnapshot(t, m, "alpha down", func(s device.Snapshot) bool { return pluginOf(s, "alpha").Status != device.PluginRunning })
 
 	release(t, m, device.ReleaseRequest{ReservationID: r.ID})
 	logs.waitLine(t, "reservation cleanup failed; will retry", "reservation_id="+r.ID, "not running")

@@ -7,13 +7,9 @@ import (
 	"testing"
 
 	"github.com/hashicorp/go-hclog"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
-	"github.com/devicehost/devicehost/deviceplugin"
 	"github.com/devicehost/devicehost/manager/supervise"
 	"github.com/devicehost/devicehost/pluginloader"
-	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 	"github.com/devicehost/devicehost/tools/fixtureplugin"
 )
 
@@ -51,16 +47,9 @@ func (l *fixtureLauncher) launch(ctx context.Context, bin pluginloader.Binary, o
 	}
 	p := &fixtureProc{inproc: in, fx: fx}
 	fx.Exit = func(code int) { in.exit(fmt.Sprintf("exit status %d", code)) }
-	if p.info, err = p.Client().GetPluginInfo(ctx, &pb.GetPluginInfoRequest{}); err != nil {
+	if err := in.handshake(ctx, opts.ConfigJSON); err != nil {
 		p.Kill(ctx)
-		return nil, fmt.Errorf("get plugin info: %w", err)
-	}
-	if _, err := p.Client().SetConfig(ctx, &pb.SetConfigRequest{ConfigJson: opts.ConfigJSON, ProtocolVersion: deviceplugin.ProtocolVersion}); err != nil {
-		p.Kill(ctx)
-		if status.Code(err) == codes.InvalidArgument {
-			return nil, fmt.Errorf("%w: %s", pluginloader.ErrConfigRejected, status.Convert(err).Message())
-		}
-		return nil, fmt.Errorf("set config: %w", err)
+		return nil, err
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -258,6 +259,25 @@ func startInproc(t testing.TB, impl deviceplugin.Plugin) (*inproc, error) {
 	return &inproc{Conn: c}, nil
 }
 
+// handshake is what pluginloader.Launch asks of a plugin once it serves: its info,
+// then SetConfig with configJSON, a refusal wrapping pluginloader.ErrConfigRejected.
+// The launchers of fakeDevices and of fixtures both use it; on an error the caller
+// kills the "process".
+func (p *inproc) handshake(ctx context.Context, configJSON []byte) error {
+	info, err := p.Client().GetPluginInfo(ctx, &pb.GetPluginInfoRequest{})
+	if err != nil {
+		return fmt.Errorf("get plugin info: %w", err)
+	}
+	p.info = info
+	if _, err := p.Client().SetConfig(ctx, &pb.SetConfigRequest{ConfigJson: configJSON, ProtocolVersion: deviceplugin.ProtocolVersion}); err != nil {
+		if status.Code(err) == codes.InvalidArgument {
+			return fmt.Errorf("%w: %s", pluginloader.ErrConfigRejected, status.Convert(err).Message())
+		}
+		return fmt.Errorf("set config: %w", err)
+	}
+	return nil
+}
+
 func (p *inproc) Client() pb.DevicePluginClient   { return p.Conn.Client() }
 func (p *inproc) Info() *pb.GetPluginInfoResponse { return p.info }
 
@@ -309,16 +329,9 @@ func (l *launcher) launch(ctx context.Context, bin pluginloader.Binary, opts plu
 	if err != nil {
 		return nil, err
 	}
-	if p.info, err = p.Client().GetPluginInfo(ctx, &pb.GetPluginInfoRequest{}); err != nil {
+	if err := p.handshake(ctx, opts.ConfigJSON); err != nil {
 		p.Kill(ctx)
-		return nil, fmt.Errorf("get plugin info: %w", err)
-	}
-	if _, err := p.Client().SetConfig(ctx, &pb.SetConfigRequest{ConfigJson: opts.ConfigJSON, ProtocolVersion: deviceplugin.ProtocolVersion}); err != nil {
-		p.Kill(ctx)
-		if status.Code(err) == codes.InvalidArgument {
-			return nil, fmt.Errorf("%w: %s", pluginloader.ErrConfigRejected, status.Convert(err).Message())
-		}
-		return nil, fmt.Errorf("set config: %w", err)
+		return nil, err
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -414,8 +427,9 @@ func shutdown(t testing.TB, m *Manager) {
 	}
 }
 
-// waitFor reads snapshots from m until ok accepts one, and returns it.
-func waitFor(t *testing.T, m *Manager, what string, ok func(device.Snapshot) bool) device.Snapshot {
+// waitSnapshot reads snapshots from m until ok accepts one, and returns it: the wait
+// for an event, where testwait.WaitFor polls for a condition no event announces.
+func waitSnapshot(t *testing.T, m *Manager, what string, ok func(device.Snapshot) bool) device.Snapshot {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
@@ -428,6 +442,31 @@ func waitFor(t *testing.T, m *Manager, what string, ok func(device.Snapshot) boo
 	}
 	t.Fatalf("no snapshot with %s within %v; last: %+v", what, testwait.Timeout, last)
 	return device.Snapshot{}
+}
+
+// blockedIn says whether a goroutine is blocked in a select or a channel operation
+// inside fn, a function as a stack trace names it ("manager.(*Manager).claimForCleanup",
+// inlined or not). It is the barrier of a test that asserts that something waits: the
+// waiter is seen waiting, where a wall-clock window would pass on a slow machine
+// without checking. The manager's tests run one at a time, so the goroutine is the
+// test's own.
+func blockedIn(fn string) bool {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+	for g := range strings.SplitSeq(string(buf), "\n\n") {
+		header, _, _ := strings.Cut(g, "\n")
+		if (strings.Contains(header, " [select") || strings.Contains(header, " [chan ")) && strings.Contains(g, "/"+fn+"(") {
+			return true
+		}
+	}
+	return false
 }
 
 // healthIs reports whether every listed device has health h.

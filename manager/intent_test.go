@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -215,17 +216,19 @@ func TestReserveWaitsForTheCleanupOfItsDevices(t *testing.T) {
 	waitReady(t, m)
 	r1 := reserve(t, m, "o1", "a0")
 
-	inCleanup, reserveAsked := make(chan struct{}), make(chan struct{})
+	inCleanup, reserveAsked, mayEnd := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	end := sync.OnceFunc(func() { close(mayEnd) })
+	t.Cleanup(end) // before the manager's shutdown, should the test fail first
 	var cleanupDone, overlapped atomic.Bool
 	alpha.set(func(f *fakeDevices) {
 		f.release = func(_ context.Context, id string, _ []string) error {
 			if id == r1.ID {
 				close(inCleanup)
-				// A plugin Reserve of a0 would come now, were it not waiting: a
-				// correct host makes this wait run out.
+				// The cleanup lasts until the test has seen the Reserve of a0 wait
+				// for it, or until a host that does not wait asks the plugin.
 				select {
 				case <-reserveAsked:
-				case <-time.After(time.Second):
+				case <-mayEnd:
 				}
 				cleanupDone.Store(true)
 			}
@@ -243,7 +246,30 @@ func TestReserveWaitsForTheCleanupOfItsDevices(t *testing.T) {
 	case <-time.After(testwait.Timeout):
 		t.Fatal("r1's cleanup never ran")
 	}
-	reserve(t, m, "o2", "a0")
+	reserved := make(chan error, 1)
+	go func() {
+		_, err := m.Reserve(context.Background(), device.ReserveRequest{OwnerID: "o2", Group: acmeA1, DeviceIDs: []string{"a0"}})
+		reserved <- err
+	}()
+	// The barrier: the Reserve is blocked waiting for the cleanup (or the plugin was
+	// asked, which fails the test below), not some time has passed.
+	testwait.WaitFor(t, "the Reserve of a0 waiting for r1's cleanup, or the plugin asked", func() bool {
+		select {
+		case <-reserveAsked:
+			return true
+		default:
+			return blockedIn("manager.(*Manager).claimAfterCleanups")
+		}
+	})
+	end()
+	select {
+	case err := <-reserved:
+		if err != nil {
+			t.Fatalf("Reserve(o2, a0): %v", err)
+		}
+	case <-time.After(testwait.Timeout):
+		t.Fatal("the Reserve of a0 still waits after r1's cleanup ended")
+	}
 	if overlapped.Load() {
 		t.Error("the plugin was asked to reserve a0 while it was cleaning up after r1")
 	}
@@ -262,7 +288,9 @@ func TestCleanupsOfOneDeviceRunOneAtATime(t *testing.T) {
 
 	var refuse atomic.Bool
 	var running, most atomic.Int32
-	second := make(chan struct{})
+	second, mayEnd := make(chan struct{}), make(chan struct{})
+	end := sync.OnceFunc(func() { close(mayEnd) })
+	t.Cleanup(end) // before the manager's shutdown, should the test fail first
 	refuse.Store(true)
 	alpha.set(func(f *fakeDevices) {
 		f.release = func(context.Context, string, []string) error {
@@ -275,12 +303,11 @@ func TestCleanupsOfOneDeviceRunOneAtATime(t *testing.T) {
 				most.Store(n)
 			}
 			if n == 1 {
-				// A second cleanup of a0 would come in now, were it not waiting: a
-				// correct host makes this wait run out (well within the cleanup
-				// timeout, ReserveTimeout, which the other's wait counts against).
+				// The first cleanup lasts until the test has seen the second wait
+				// for it, or until a host that does not wait lets the second in.
 				select {
 				case <-second:
-				case <-time.After(300 * time.Millisecond):
+				case <-mayEnd:
 				}
 			} else {
 				close(second)
@@ -297,6 +324,17 @@ func TestCleanupsOfOneDeviceRunOneAtATime(t *testing.T) {
 	}
 	refuse.Store(false)
 	m.gc.RetryNow()
+	// The barrier: one cleanup is blocked waiting for the other (or both ran at once,
+	// which fails the test below), not some time has passed.
+	testwait.WaitFor(t, "a cleanup of a0 waiting for the other, or both in the plugin", func() bool {
+		select {
+		case <-second:
+			return true
+		default:
+			return blockedIn("manager.(*Manager).claimForCleanup")
+		}
+	})
+	end()
 	for _, id := range ids {
 		waitReservation(t, m, id, "cleaned up", cleanedUp)
 	}

@@ -41,10 +41,10 @@ func TestPluginErrorsAreOneBoundedLine(t *testing.T) {
 	cfg, _ := testConfig(t)
 	cfg.RestartBaseDelay, cfg.RestartMaxDelay = time.Minute, time.Minute // stays down
 	m, l := startInprocManager(t, cfg, alpha)
-	waitFor(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
+	waitSnapshot(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
 	p, _ := l.latest("alpha")
 	p.exit(goPluginNoise)
-	snap := waitFor(t, m, "alpha restarting", func(s device.Snapshot) bool { return pluginOf(s, "alpha").Status == device.PluginRestarting })
+	snap := waitSnapshot(t, m, "alpha restarting", func(s device.Snapshot) bool { return pluginOf(s, "alpha").Status == device.PluginRestarting })
 
 	last := pluginOf(snap, "alpha").LastError
 	checkLine(t, "LastError", last, inventory.MaxErrorLen)
@@ -68,7 +68,7 @@ func TestPluginFailingTheSameWayIsLoggedOncePerChange(t *testing.T) {
 	cfg, logs := testConfig(t)
 	cfg.RestartBaseDelay, cfg.RestartMaxDelay = 5*time.Millisecond, 10*time.Millisecond
 	m, _ := startInprocManager(t, cfg, alpha)
-	waitFor(t, m, "5 restarts", func(s device.Snapshot) bool { return pluginOf(s, "alpha").Restarts >= 5 })
+	waitSnapshot(t, m, "5 restarts", func(s device.Snapshot) bool { return pluginOf(s, "alpha").Restarts >= 5 })
 	first := logs.lines("[WARN]", "plugin stopped; restarting", "plugin=alpha")
 	if len(first) != 1 || !strings.Contains(first[0], `error="launch: plugin binary gone; second line"`) {
 		t.Errorf("WARN lines for 5 identical stops = %q, want one, with the error on one line", first)

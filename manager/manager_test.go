@@ -24,11 +24,11 @@ func TestInventoryAggregatesPluginsAndKeepsDeviceBindings(t *testing.T) {
 
 	// Once the host is ready, an ID stays with the plugin that reported it first (before
 	// it is ready, two reporters get neither: TestIDsContestedAtStartBoundToNeither).
-	waitFor(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "shared"))
+	waitSnapshot(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "shared"))
 	waitReady(t, m)
 	beta.setGroups(group("acme", "fpga", "B1", "b0", "shared"))
 	logs.waitLine(t, "[ERROR]", "device IDs bound to another plugin refused", "plugin=beta")
-	snap := waitFor(t, m, "beta's devices", healthIs(device.HealthHealthy, "b0"))
+	snap := waitSnapshot(t, m, "beta's devices", healthIs(device.HealthHealthy, "b0"))
 
 	if got, want := deviceIDs(snap.Inventory), []string{"alpha/a0", "alpha/shared", "beta/b0"}; !slices.Equal(got, want) {
 		t.Errorf("inventory = %v, want %v (a duplicate ID stays bound to the first plugin)", got, want)
@@ -44,11 +44,11 @@ func TestInventoryAggregatesPluginsAndKeepsDeviceBindings(t *testing.T) {
 	// When alpha stops reporting the ID, it is still alpha's: beta, which still reports
 	// it, does not get it.
 	alpha.setGroups(group("acme", "gpu", "A1", "a0"))
-	snap = waitFor(t, m, "alpha without shared", func(s device.Snapshot) bool {
+	snap = waitSnapshot(t, m, "alpha without shared", func(s device.Snapshot) bool {
 		return !slices.Contains(deviceIDs(s.Inventory), "alpha/shared")
 	})
 	beta.setGroups(group("acme", "fpga", "B1", "b0", "shared"), group("acme", "fpga", "B2", "b1"))
-	snap = waitFor(t, m, "beta's new group", healthIs(device.HealthHealthy, "b1"))
+	snap = waitSnapshot(t, m, "beta's new group", healthIs(device.HealthHealthy, "b1"))
 	if got, want := deviceIDs(snap.Inventory), []string{"alpha/a0", "beta/b0", "beta/b1"}; !slices.Equal(got, want) {
 		t.Errorf("inventory after alpha dropped shared = %v, want %v", got, want)
 	}
@@ -66,7 +66,7 @@ func TestOnlyRejectedFingerprintsRestartThePlugin(t *testing.T) {
 	cfg.FingerprintTimeout = 300 * time.Millisecond
 	m, _ := startInprocManager(t, cfg, bad)
 	logs.waitLine(t, "fingerprint rejected", "plugin=bad", "duplicate")
-	snap := waitFor(t, m, "bad restarted", func(s device.Snapshot) bool { return pluginOf(s, "bad").Restarts >= 1 })
+	snap := waitSnapshot(t, m, "bad restarted", func(s device.Snapshot) bool { return pluginOf(s, "bad").Restarts >= 1 })
 	if got := pluginOf(snap, "bad").LastError; !strings.Contains(got, "no fingerprint within") && !strings.Contains(got, "fingerprint rejected") {
 		t.Errorf("last error = %q, want it to say the fingerprint was rejected or never came", got)
 	}
@@ -79,7 +79,7 @@ func TestRejectedFingerprintKeepsLastGoodInventory(t *testing.T) {
 	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
 	cfg, logs := testConfig(t)
 	m, _ := startInprocManager(t, cfg, alpha)
-	good := waitFor(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "a1"))
+	good := waitSnapshot(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "a1"))
 
 	alpha.setGroups(group("acme", "gpu", "A1", "a0", "a0")) // duplicate ID: rejected
 	logs.waitLine(t, "fingerprint rejected", "plugin=alpha", "duplicate")
@@ -89,7 +89,7 @@ func TestRejectedFingerprintKeepsLastGoodInventory(t *testing.T) {
 
 	// A later good fingerprint is taken again.
 	alpha.setGroups(withUnhealthy(group("acme", "gpu", "A1", "a0", "a1"), "a1", "fan stuck"))
-	snap := waitFor(t, m, "a1 unhealthy", healthIs(device.HealthUnhealthy, "a1"))
+	snap := waitSnapshot(t, m, "a1 unhealthy", healthIs(device.HealthUnhealthy, "a1"))
 	if got, want := snap.State.Devices["a1"].Reason, "fan stuck"; got != want {
 		t.Errorf("a1 reason = %q, want %q", got, want)
 	}
@@ -99,10 +99,10 @@ func TestHealthSinceMovesOnlyOnChange(t *testing.T) {
 	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, alpha)
-	first := waitFor(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "a1"))
+	first := waitSnapshot(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "a1"))
 
 	alpha.setGroups(withUnhealthy(group("acme", "gpu", "A1", "a0", "a1"), "a1", "hot"))
-	second := waitFor(t, m, "a1 unhealthy", healthIs(device.HealthUnhealthy, "a1"))
+	second := waitSnapshot(t, m, "a1 unhealthy", healthIs(device.HealthUnhealthy, "a1"))
 	if got, want := second.State.Devices["a0"].Since, first.State.Devices["a0"].Since; !got.Equal(want) {
 		t.Errorf("a0 Since = %v, want unchanged %v", got, want)
 	}
@@ -116,7 +116,7 @@ func TestStalledWatcherSlowsNobody(t *testing.T) {
 	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0"))
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, alpha)
-	waitFor(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0"))
+	waitSnapshot(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0"))
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -193,16 +193,16 @@ func TestPluginExitMarksDevicesUnhealthyAndRestarts(t *testing.T) {
 	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
 	cfg, _ := testConfig(t)
 	m, l := startInprocManager(t, cfg, alpha)
-	waitFor(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "a1"))
+	waitSnapshot(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "a1"))
 
 	p, _ := l.latest("alpha")
 	p.exit("exit status 3")
-	snap := waitFor(t, m, "devices unhealthy", healthIs(device.HealthUnhealthy, "a0", "a1"))
+	snap := waitSnapshot(t, m, "devices unhealthy", healthIs(device.HealthUnhealthy, "a0", "a1"))
 	if got, want := snap.State.Devices["a0"].Reason, "plugin exited: exit status 3"; got != want {
 		t.Errorf("a0 reason = %q, want %q", got, want)
 	}
 
-	snap = waitFor(t, m, "devices healthy after restart", healthIs(device.HealthHealthy, "a0", "a1"))
+	snap = waitSnapshot(t, m, "devices healthy after restart", healthIs(device.HealthHealthy, "a0", "a1"))
 	ps := pluginOf(snap, "alpha")
 	if ps.Status != device.PluginRunning || ps.Restarts != 1 || ps.LastError != "plugin exited: exit status 3" || ps.LastErrorAt.IsZero() {
 		t.Errorf("plugin state after restart = %+v, want running, 1 restart, last error %q", ps, "plugin exited: exit status 3")
@@ -219,7 +219,7 @@ func TestPermanentLaunchFailureIsNotRetried(t *testing.T) {
 	cfg.ReadyTimeout = time.Hour // only the failure may make it ready
 	m, l := startInprocManager(t, cfg, alpha)
 
-	snap := waitFor(t, m, "alpha failed", func(s device.Snapshot) bool { return pluginOf(s, "alpha").Status == device.PluginFailed })
+	snap := waitSnapshot(t, m, "alpha failed", func(s device.Snapshot) bool { return pluginOf(s, "alpha").Status == device.PluginFailed })
 	if got := pluginOf(snap, "alpha").LastError; !strings.Contains(got, "simulate: unknown machine") {
 		t.Errorf("LastError = %q, want the plugin's reason", got)
 	}
@@ -265,13 +265,13 @@ func TestNoFirstFingerprintRestartsThePlugin(t *testing.T) {
 	cfg.FingerprintTimeout = 100 * time.Millisecond
 	m, _ := startInprocManager(t, cfg, silent)
 
-	snap := waitFor(t, m, "a restart", func(s device.Snapshot) bool { return pluginOf(s, "silent").Restarts >= 1 })
+	snap := waitSnapshot(t, m, "a restart", func(s device.Snapshot) bool { return pluginOf(s, "silent").Restarts >= 1 })
 	if got := pluginOf(snap, "silent").LastError; !strings.Contains(got, "no fingerprint within 100ms") {
 		t.Errorf("LastError = %q, want it to say no fingerprint came", got)
 	}
 	// Once the plugin talks, it is taken.
 	silent.set(func(f *fakeDevices) { f.hangFP = false })
-	waitFor(t, m, "s0 healthy", healthIs(device.HealthHealthy, "s0"))
+	waitSnapshot(t, m, "s0 healthy", healthIs(device.HealthHealthy, "s0"))
 }
 
 func TestHangAtStartDoesNotHoldUpOtherPlugins(t *testing.T) {
@@ -282,8 +282,8 @@ func TestHangAtStartDoesNotHoldUpOtherPlugins(t *testing.T) {
 	cfg.StartTimeout = 200 * time.Millisecond
 	m, _ := startInprocManager(t, cfg, healthy, stuck)
 
-	waitFor(t, m, "healthy's device", healthIs(device.HealthHealthy, "a0"))
-	snap := waitFor(t, m, "stuck restarting", func(s device.Snapshot) bool {
+	waitSnapshot(t, m, "healthy's device", healthIs(device.HealthHealthy, "a0"))
+	snap := waitSnapshot(t, m, "stuck restarting", func(s device.Snapshot) bool {
 		ps := pluginOf(s, "stuck")
 		return ps.Status == device.PluginRestarting && !ps.NextRetry.IsZero()
 	})
@@ -333,7 +333,7 @@ func TestStatsFanOutUsesOneStreamPerPlugin(t *testing.T) {
 	alpha := newFakeDevices("alpha", group("acme", "gpu", "A1", "a0", "a1"))
 	cfg, _ := testConfig(t)
 	m, _ := startInprocManager(t, cfg, alpha)
-	waitFor(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "a1"))
+	waitSnapshot(t, m, "alpha's devices", healthIs(device.HealthHealthy, "a0", "a1"))
 
 	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
@@ -541,10 +541,10 @@ func TestReserveWhilePluginDownIsUnavailable(t *testing.T) {
 	cfg.RestartBaseDelay = time.Minute // stays down once it exits
 	cfg.RestartMaxDelay = time.Minute
 	m, l := startInprocManager(t, cfg, alpha)
-	waitFor(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
+	waitSnapshot(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
 	p, _ := l.latest("alpha")
 	p.exit("signal: killed")
-	waitFor(t, m, "alpha restarting", func(s device.Snapshot) bool { return pluginOf(s, "alpha").Status == device.PluginRestarting })
+	waitSnapshot(t, m, "alpha restarting", func(s device.Snapshot) bool { return pluginOf(s, "alpha").Status == device.PluginRestarting })
 
 	_, err := m.Reserve(context.Background(), device.ReserveRequest{OwnerID: "o", Group: device.GroupKey{Vendor: "acme", Type: "gpu", Name: "A1"}, DeviceIDs: []string{"a0"}})
 	if !errors.Is(err, device.ErrPluginUnavailable) || !strings.Contains(err.Error(), "plugin exited: signal: killed") {

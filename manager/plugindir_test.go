@@ -144,10 +144,10 @@ func TestPluginDirDropInIsLaunched(t *testing.T) {
 
 	// A plugin with a config block, and one without (the fixture's default devices).
 	complete := copyIn(t, dir, "fx")
-	waitFor(t, m, "d0, d1 healthy", healthIs(device.HealthHealthy, "d0", "d1"))
+	waitSnapshot(t, m, "d0, d1 healthy", healthIs(device.HealthHealthy, "d0", "d1"))
 	t.Logf("drop-in (settle %v): devices visible %v after the file was complete", DefaultPluginDirSettle, time.Since(complete))
 	complete = copyIn(t, dir, "plain")
-	snap := waitFor(t, m, "w0, w1 healthy", healthIs(device.HealthHealthy, "w0", "w1"))
+	snap := waitSnapshot(t, m, "w0, w1 healthy", healthIs(device.HealthHealthy, "w0", "w1"))
 	t.Logf("drop-in (settle %v): devices visible %v after the file was complete", DefaultPluginDirSettle, time.Since(complete))
 	if ps := pluginOf(snap, "plain"); ps.Status != device.PluginRunning || ps.Restarts != 0 || ps.Path != filepath.Join(dir, "plain") {
 		t.Errorf("plain = %+v, want running from %s, no restarts", ps, filepath.Join(dir, "plain"))
@@ -173,7 +173,7 @@ func TestPluginDirReplaceRestartsOnTheNewBinaryKeepingReservations(t *testing.T)
 	cfg, logs := dirConfig(t, dir)
 	cfg.Plugins = map[string]PluginConfig{"fx": fixtureCfg("fx", "d0", "d1")}
 	m := startDirManager(t, cfg)
-	snap := waitFor(t, m, "d0 healthy", healthIs(device.HealthHealthy, "d0", "d1"))
+	snap := waitSnapshot(t, m, "d0 healthy", healthIs(device.HealthHealthy, "d0", "d1"))
 	r, err := m.Reserve(context.Background(), device.ReserveRequest{OwnerID: "job-1", Group: widgetKey("fx"), DeviceIDs: []string{"d0"}})
 	if err != nil {
 		t.Fatal(err)
@@ -231,14 +231,14 @@ func TestPluginDirChmodOfARunningPluginRestartsNothing(t *testing.T) {
 	cfg, logs := dirConfig(t, dir)
 	cfg.Plugins = map[string]PluginConfig{"fx": fixtureCfg("fx", "d0")}
 	m := startDirManager(t, cfg)
-	waitFor(t, m, "d0 healthy", healthIs(device.HealthHealthy, "d0"))
+	waitSnapshot(t, m, "d0 healthy", healthIs(device.HealthHealthy, "d0"))
 	before := pid(t, m, "fx")
 	if err := os.Chmod(filepath.Join(dir, "fx"), 0o750); err != nil {
 		t.Fatal(err)
 	}
 	// A drop-in after it, seen after the chmod, orders the check.
 	copyIn(t, dir, "later")
-	waitFor(t, m, "the later plugin", healthIs(device.HealthHealthy, "w0"))
+	waitSnapshot(t, m, "the later plugin", healthIs(device.HealthHealthy, "w0"))
 	if after := pid(t, m, "fx"); after != before {
 		t.Errorf("fx restarted by a chmod: pid %d, then %d", before, after)
 	}
@@ -256,7 +256,7 @@ func TestPluginDirRemoveStopsThePluginAndKeepsItsReservations(t *testing.T) {
 	cfg.RemovedPluginGrace = time.Second
 	cfg.Plugins = map[string]PluginConfig{"other": fixtureCfg("other", "o0")}
 	m := startDirManager(t, cfg)
-	waitFor(t, m, "both plugins", healthIs(device.HealthHealthy, "w0", "w1", "o0"))
+	waitSnapshot(t, m, "both plugins", healthIs(device.HealthHealthy, "w0", "w1", "o0"))
 	ctx := context.Background()
 	r, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-1", Group: device.GroupKey{Vendor: "fixture", Type: "widget", Name: "Widget 1000"}, DeviceIDs: []string{"w0"}})
 	if err != nil {
@@ -267,7 +267,7 @@ func TestPluginDirRemoveStopsThePluginAndKeepsItsReservations(t *testing.T) {
 	if err := os.Remove(filepath.Join(dir, "fx")); err != nil {
 		t.Fatal(err)
 	}
-	snap := waitFor(t, m, "fx gone", func(s device.Snapshot) bool { return !hasPlugin(s, "fx") })
+	snap := waitSnapshot(t, m, "fx gone", func(s device.Snapshot) bool { return !hasPlugin(s, "fx") })
 	if inInventory(snap, "w0") || inInventory(snap, "w1") {
 		t.Errorf("inventory after the removal: %v, want w0, w1 gone", deviceIDs(snap.Inventory))
 	}
@@ -311,7 +311,7 @@ func TestPluginDirCleanupWaitsForAConfiguredPluginToComeBack(t *testing.T) {
 	cfg.RemovedPluginGrace = time.Millisecond // not what keeps it: its config block is
 	cfg.Plugins = map[string]PluginConfig{"fx": fixtureCfg("fx", "d0")}
 	m := startDirManager(t, cfg)
-	waitFor(t, m, "d0", healthIs(device.HealthHealthy, "d0"))
+	waitSnapshot(t, m, "d0", healthIs(device.HealthHealthy, "d0"))
 	r, err := m.Reserve(context.Background(), device.ReserveRequest{OwnerID: "job-1", Group: widgetKey("fx"), DeviceIDs: []string{"d0"}})
 	if err != nil {
 		t.Fatal(err)
@@ -319,7 +319,7 @@ func TestPluginDirCleanupWaitsForAConfiguredPluginToComeBack(t *testing.T) {
 	if err := os.Remove(filepath.Join(dir, "fx")); err != nil {
 		t.Fatal(err)
 	}
-	snap := waitFor(t, m, "fx failed without a binary", func(s device.Snapshot) bool {
+	snap := waitSnapshot(t, m, "fx failed without a binary", func(s device.Snapshot) bool {
 		return pluginOf(s, "fx").Status == device.PluginFailed && !inInventory(s, "d0")
 	})
 	if got := pluginOf(snap, "fx").LastError; !strings.Contains(got, "no such plugin binary in "+dir) {
@@ -367,7 +367,7 @@ func TestPluginDirHalfWrittenBinaryWaitsUntilComplete(t *testing.T) {
 		t.Fatal(err)
 	}
 	complete := time.Now()
-	snap := waitFor(t, m, "the completed plugin's devices", healthIs(device.HealthHealthy, "w0", "w1"))
+	snap := waitSnapshot(t, m, "the completed plugin's devices", healthIs(device.HealthHealthy, "w0", "w1"))
 	t.Logf("held open while half written, then completed: devices visible %v after the close", time.Since(complete))
 	if ps := pluginOf(snap, "slow"); ps.Restarts != 0 || ps.LastError != "" {
 		t.Errorf("slow = %+v, want its first launch to have worked (never launched half-written)", ps)
@@ -389,7 +389,7 @@ func TestPluginDirTrustRefusalThenChmodFix(t *testing.T) {
 	if err := os.Chmod(path, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, m, "the fixed plugin's devices", healthIs(device.HealthHealthy, "w0", "w1"))
+	waitSnapshot(t, m, "the fixed plugin's devices", healthIs(device.HealthHealthy, "w0", "w1"))
 }
 
 func TestPluginDirFailedPluginGetsAnotherChanceWhenItsFileChanges(t *testing.T) {
@@ -398,7 +398,7 @@ func TestPluginDirFailedPluginGetsAnotherChanceWhenItsFileChanges(t *testing.T) 
 	cfg, logs := dirConfig(t, dir)
 	cfg.Plugins = map[string]PluginConfig{"fx": fixtureCfg("fx", "d0")}
 	m := startDirManager(t, cfg)
-	snap := waitFor(t, m, "fx failed", func(s device.Snapshot) bool { return pluginOf(s, "fx").Status == device.PluginFailed })
+	snap := waitSnapshot(t, m, "fx failed", func(s device.Snapshot) bool { return pluginOf(s, "fx").Status == device.PluginFailed })
 	if got := pluginOf(snap, "fx").LastError; !strings.Contains(got, "instead of a go-plugin handshake") {
 		t.Errorf("fx last error = %q, want not a plugin", got)
 	}
@@ -411,7 +411,7 @@ func TestPluginDirFailedPluginGetsAnotherChanceWhenItsFileChanges(t *testing.T) 
 	waitLines(t, logs, 2, "will not be restarted until its binary or settings change", "plugin=fx")
 
 	moveIn(t, dir, "fx")
-	snap = waitFor(t, m, "fx running the real plugin", healthIs(device.HealthHealthy, "d0"))
+	snap = waitSnapshot(t, m, "fx running the real plugin", healthIs(device.HealthHealthy, "d0"))
 	if ps := pluginOf(snap, "fx"); ps.Status != device.PluginRunning || ps.LastError != "" {
 		t.Errorf("fx = %+v, want running without the old error", ps)
 	}
@@ -441,12 +441,12 @@ func TestPluginDirRemovedAndMadeAgain(t *testing.T) {
 	cfg, logs := dirConfig(t, dir)
 	cfg.PluginDirRescan = 100 * time.Millisecond
 	m := startDirManager(t, cfg)
-	waitFor(t, m, "fx", healthIs(device.HealthHealthy, "w0"))
+	waitSnapshot(t, m, "fx", healthIs(device.HealthHealthy, "w0"))
 
 	if err := os.RemoveAll(dir); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, m, "fx stopped with its dir", func(s device.Snapshot) bool { return !hasPlugin(s, "fx") })
+	waitSnapshot(t, m, "fx stopped with its dir", func(s device.Snapshot) bool { return !hasPlugin(s, "fx") })
 	logs.waitLine(t, "[WARN]", "plugin dir no longer watched") // removed, or replaced: whichever the watcher saw first
 	logs.waitLine(t, "[ERROR]", "plugin dir is gone; the plugins from it are stopped")
 
@@ -455,7 +455,7 @@ func TestPluginDirRemovedAndMadeAgain(t *testing.T) {
 	}
 	logs.waitLine(t, "watching the plugin dir again")
 	copyIn(t, dir, "fx")
-	waitFor(t, m, "fx back", healthIs(device.HealthHealthy, "w0", "w1"))
+	waitSnapshot(t, m, "fx back", healthIs(device.HealthHealthy, "w0", "w1"))
 }
 
 func TestPluginDirReserveOfAPluginRemovedMidCall(t *testing.T) {
@@ -465,7 +465,7 @@ func TestPluginDirReserveOfAPluginRemovedMidCall(t *testing.T) {
 	cfg.ReserveTimeout = time.Minute
 	cfg.Plugins = map[string]PluginConfig{"hang": {ConfigJSON: fixtureplugin.Config{Groups: widgets("hang", "h0"), ReserveHang: true}.JSON()}}
 	m := startDirManager(t, cfg)
-	waitFor(t, m, "h0", healthIs(device.HealthHealthy, "h0"))
+	waitSnapshot(t, m, "h0", healthIs(device.HealthHealthy, "h0"))
 
 	type result struct {
 		r   device.Reservation

@@ -17,7 +17,7 @@ func TestSetPluginsAppliesAddedChangedAndRemovedSettings(t *testing.T) {
 	cfg.Binaries = []pluginloader.Binary{{Name: "a", Path: fixtureBin}, {Name: "b", Path: fixtureBin}}
 	cfg.Plugins = map[string]PluginConfig{"a": fixtureCfg("a", "a0"), "b": fixtureCfg("b", "b0")}
 	m := startDirManager(t, cfg)
-	snap := waitFor(t, m, "a0, b0", healthIs(device.HealthHealthy, "a0", "b0"))
+	snap := waitSnapshot(t, m, "a0, b0", healthIs(device.HealthHealthy, "a0", "b0"))
 	oldA, oldB := groupPID(snap, "a"), groupPID(snap, "b")
 	ctx := context.Background()
 	r, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "job-1", Group: widgetKey("a"), DeviceIDs: []string{"a0"}})
@@ -31,7 +31,7 @@ func TestSetPluginsAppliesAddedChangedAndRemovedSettings(t *testing.T) {
 	if err != nil {
 		t.Fatalf("SetPlugins: %v", err)
 	}
-	snap = waitFor(t, m, "a restarted with a1, b with the default devices", func(s device.Snapshot) bool {
+	snap = waitSnapshot(t, m, "a restarted with a1, b with the default devices", func(s device.Snapshot) bool {
 		return healthIs(device.HealthHealthy, "a0", "a1", "w0", "w1")(s) && !inInventory(s, "b0")
 	})
 	if groupPID(snap, "a") == oldA {
@@ -59,7 +59,7 @@ func TestSetPluginsAppliesAddedChangedAndRemovedSettings(t *testing.T) {
 	if err := m.SetPlugins(map[string]PluginConfig{"a": fixtureCfg("a", "a0", "a1")}); err != nil {
 		t.Fatal(err)
 	}
-	snap = waitFor(t, m, "c gone", func(s device.Snapshot) bool { return !hasPlugin(s, "c") })
+	snap = waitSnapshot(t, m, "c gone", func(s device.Snapshot) bool { return !hasPlugin(s, "c") })
 	if p := pid(t, m, "a"); p != pidA {
 		t.Errorf("a restarted (pid %d, then %d) by the same settings", pidA, p)
 	}
@@ -69,7 +69,7 @@ func TestSetPluginsAppliesAddedChangedAndRemovedSettings(t *testing.T) {
 func TestSetPluginsRefusesWhatItCannotHonour(t *testing.T) {
 	cfg, _ := testConfig(t)
 	m := startManager(t, cfg, fixture{name: "a", cfg: fixtureplugin.Config{Groups: widgets("a", "a0")}})
-	waitFor(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
+	waitSnapshot(t, m, "a0", healthIs(device.HealthHealthy, "a0"))
 	before := pid(t, m, "a")
 	err := m.SetPlugins(map[string]PluginConfig{"a": {Reattach: true}})
 	if err == nil || !strings.Contains(err.Error(), `plugin "a": Reattach needs a StateDir`) {
@@ -89,11 +89,11 @@ func TestSetPluginsGivesAFailedPluginAnotherTry(t *testing.T) {
 	cfg, _ := testConfig(t)
 	cfg.ReadyTimeout = testwait.Timeout
 	m := startManager(t, cfg, fixture{name: "picky", cfg: fixtureplugin.Config{RejectConfig: "simulate: no such machine"}})
-	waitFor(t, m, "picky failed", func(s device.Snapshot) bool { return pluginOf(s, "picky").Status == device.PluginFailed })
+	waitSnapshot(t, m, "picky failed", func(s device.Snapshot) bool { return pluginOf(s, "picky").Status == device.PluginFailed })
 	if err := m.SetPlugins(map[string]PluginConfig{"picky": {ConfigJSON: fixtureplugin.Config{Groups: widgets("picky", "p0")}.JSON()}}); err != nil {
 		t.Fatal(err)
 	}
-	snap := waitFor(t, m, "picky running with its fixed config", healthIs(device.HealthHealthy, "p0"))
+	snap := waitSnapshot(t, m, "picky running with its fixed config", healthIs(device.HealthHealthy, "p0"))
 	if ps := pluginOf(snap, "picky"); ps.Status != device.PluginRunning || ps.LastError != "" {
 		t.Errorf("picky = %+v, want running with no last error", ps)
 	}

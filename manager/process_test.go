@@ -96,7 +96,7 @@ func waitWithin(t *testing.T, ch <-chan device.Snapshot, d time.Duration, what s
 func TestProcessSIGKILLIsSeenAtOnceAndRecovers(t *testing.T) {
 	cfg, _ := testConfig(t)
 	m := startManager(t, cfg, fixture{name: "fx", cfg: fixtureplugin.Config{Groups: widgets("fx", "k0", "k1")}})
-	waitFor(t, m, "fx healthy", healthIs(device.HealthHealthy, "k0", "k1"))
+	waitSnapshot(t, m, "fx healthy", healthIs(device.HealthHealthy, "k0", "k1"))
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -158,12 +158,12 @@ func TestProcessFingerprintStreamEndIsRetried(t *testing.T) {
 		Groups:              widgets("ender", "e0"),
 		FingerprintEndAfter: 1,
 	}})
-	snap := waitFor(t, m, "two restarts", func(s device.Snapshot) bool { return pluginOf(s, "ender").Restarts >= 2 })
+	snap := waitSnapshot(t, m, "two restarts", func(s device.Snapshot) bool { return pluginOf(s, "ender").Restarts >= 2 })
 	if got := pluginOf(snap, "ender").LastError; !strings.Contains(got, "fingerprint stream ended after 1 messages") {
 		t.Errorf("LastError = %q, want the plugin's stream error", got)
 	}
 	// Each restart fingerprints again.
-	waitFor(t, m, "e0 healthy after restarts", func(s device.Snapshot) bool {
+	waitSnapshot(t, m, "e0 healthy after restarts", func(s device.Snapshot) bool {
 		return healthIs(device.HealthHealthy, "e0")(s) && pluginOf(s, "ender").Restarts >= 2
 	})
 }
@@ -189,7 +189,7 @@ func TestProcessHangsAreBoundedAndIsolated(t *testing.T) {
 	defer cancel()
 
 	// The healthy plugin is not held up.
-	waitFor(t, m, "g0 healthy", healthIs(device.HealthHealthy, "g0"))
+	waitSnapshot(t, m, "g0 healthy", healthIs(device.HealthHealthy, "g0"))
 	t.Logf("healthy plugin fingerprinted after %v", time.Since(start))
 	if _, err := m.Reserve(ctx, device.ReserveRequest{OwnerID: "o1", Group: widgetKey("good"), DeviceIDs: []string{"g0"}}); err != nil {
 		t.Errorf("Reserve on the healthy plugin: %v", err)
@@ -207,7 +207,7 @@ func TestProcessHangsAreBoundedAndIsolated(t *testing.T) {
 	}
 
 	// Reserve on a hung plugin ends at ReserveTimeout.
-	waitFor(t, m, "r0 healthy", healthIs(device.HealthHealthy, "r0"))
+	waitSnapshot(t, m, "r0 healthy", healthIs(device.HealthHealthy, "r0"))
 	// The call's own context never ends, so only ReserveTimeout can end it; the test
 	// context (20 times ReserveTimeout) is where a call without that deadline hangs.
 	called := time.Now()
@@ -229,7 +229,7 @@ func TestProcessHangsAreBoundedAndIsolated(t *testing.T) {
 	// A hung start and a silent fingerprint stream are failed runs, retried. On a loaded
 	// machine one of fphang's runs may fail its launch first (StartTimeout): wait for a
 	// run that failed for its silent stream.
-	waitFor(t, m, "hangstart restarted after a failed launch, fphang after no first fingerprint", func(s device.Snapshot) bool {
+	waitSnapshot(t, m, "hangstart restarted after a failed launch, fphang after no first fingerprint", func(s device.Snapshot) bool {
 		hs, fp := pluginOf(s, "hangstart"), pluginOf(s, "fphang")
 		return hs.Restarts >= 1 && strings.Contains(hs.LastError, "launch") &&
 			fp.Restarts >= 1 && strings.Contains(fp.LastError, "no fingerprint within 1s")
@@ -395,7 +395,7 @@ func TestProcessPluginDirDiscovery(t *testing.T) {
 		t.Fatalf("New: %v", err)
 	}
 	t.Cleanup(func() { shutdown(t, m) })
-	snap := waitFor(t, m, "d0 from the discovered plugin", healthIs(device.HealthHealthy, "d0"))
+	snap := waitSnapshot(t, m, "d0 from the discovered plugin", healthIs(device.HealthHealthy, "d0"))
 	if got := len(snap.State.Plugins); got != 1 {
 		t.Errorf("plugins = %+v, want only the safe one", snap.State.Plugins)
 	}
@@ -421,7 +421,7 @@ func TestShutdownStopsPluginProcesses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, m, "both plugins", healthIs(device.HealthHealthy, "a0", "b0"))
+	waitSnapshot(t, m, "both plugins", healthIs(device.HealthHealthy, "a0", "b0"))
 	pids := []int{pid(t, m, "a"), pid(t, m, "b")}
 	start := time.Now()
 	shutdown(t, m)
@@ -486,7 +486,7 @@ func TestProcessNotAPluginFailsOnceWithoutRestarts(t *testing.T) {
 	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
 		t.Fatalf("a binary that is not a plugin held Ready: %v", err)
 	}
-	snap := waitFor(t, m, "chatty failed", func(s device.Snapshot) bool { return pluginOf(s, "chatty").Status == device.PluginFailed })
+	snap := waitSnapshot(t, m, "chatty failed", func(s device.Snapshot) bool { return pluginOf(s, "chatty").Status == device.PluginFailed })
 	ps := pluginOf(snap, "chatty")
 	if !strings.Contains(ps.LastError, `printed "hello" instead of a go-plugin handshake`) || ps.Restarts != 0 {
 		t.Errorf("chatty = %+v, want failed naming what it printed, no restarts", ps)

@@ -131,7 +131,7 @@ func TestConfiguredPluginWithoutBinaryIsListedAsFailed(t *testing.T) {
 	}
 	t.Cleanup(func() { shutdown(t, m) })
 	readyWithin(t, m, testwait.Timeout)
-	snap := waitFor(t, m, "d0", healthIs(device.HealthHealthy, "d0"))
+	snap := waitSnapshot(t, m, "d0", healthIs(device.HealthHealthy, "d0"))
 	ps := pluginOf(snap, "widgets")
 	want := device.PluginState{Name: "widgets", Path: filepath.Join(dir, "widgets"), Status: device.PluginFailed,
 		LastError: "no such plugin binary in " + dir, LastErrorAt: ps.LastErrorAt}

@@ -224,7 +224,7 @@ func TestProcessReattachAfterHostCrash(t *testing.T) {
 	t.Cleanup(func() { hostA.killLeft(t) }) // last: after both managers shut down
 
 	a := startWith(t, cfg, hostA.launch)
-	snap := waitFor(t, a, "k0 served by a process", servedByProcess("keep", "k0"))
+	snap := waitSnapshot(t, a, "k0 served by a process", servedByProcess("keep", "k0"))
 	pidA := reportedPID(snap, "keep")
 	if got := pid(t, a, "keep"); got != pidA {
 		t.Fatalf("the loader's PID %d is not the fixture's own %d", got, pidA)
@@ -246,7 +246,7 @@ func TestProcessReattachAfterHostCrash(t *testing.T) {
 
 	hostB := &procLauncher{}
 	b := startWith(t, cfg, hostB.launch)
-	snap = waitFor(t, b, "k0 served by a process", servedByProcess("keep", "k0"))
+	snap = waitSnapshot(t, b, "k0 served by a process", servedByProcess("keep", "k0"))
 	if got := reportedPID(snap, "keep"); got != pidA {
 		t.Errorf("host B talks to process %d, want the one host A left: %d", got, pidA)
 	}
@@ -387,7 +387,7 @@ func TestProcessReattachOnlyToTheRecordedProcess(t *testing.T) {
 
 			host := &procLauncher{}
 			m := startWith(t, cfg, host.launch)
-			snap := waitFor(t, m, "k0 served by a process", servedByProcess("keep", "k0"))
+			snap := waitSnapshot(t, m, "k0 served by a process", servedByProcess("keep", "k0"))
 			got := reportedPID(snap, "keep")
 			if got == rec.PID {
 				t.Errorf("the plugin runs as the recorded process %d, want a fresh one", got)

@@ -44,5 +44,5 @@ func TestReserveAndReleasePublishHolderChanges(t *testing.T) {
 
 	// A fingerprint change after the holder changes still reaches the inventory.
 	alpha.setGroups(group("acme", "gpu", "A1", "a0", "a1", "a2"))
-	waitFor(t, m, "a2 in the inventory", func(s device.Snapshot) bool { return len(deviceIDs(s.Inventory)) == 3 })
+	waitSnapshot(t, m, "a2 in the inventory", func(s device.Snapshot) bool { return len(deviceIDs(s.Inventory)) == 3 })
 }
