@@ -108,6 +108,14 @@ type RunConfig struct {
 	Unreachable time.Duration
 	// Retry is the wait after a failed write before the next try.
 	Retry time.Duration
+	// WriteTimeout bounds one write to the API server (zero: 30 s).
+	WriteTimeout time.Duration
+	// Tokens, when set, is a liveness.Monitor loop's token channel: Run takes its tokens
+	// in the select it waits in, so that a stuck write is seen.
+	Tokens <-chan struct{}
+	// Agent, when set, is told on each update of the agent watch whether it is
+	// connected (liveness.Monitor.Agent).
+	Agent func(reachable bool)
 }
 
 // Run publishes what the agent c serves onto p's node until ctx ends: at each inventory
@@ -125,6 +133,9 @@ func Run(ctx context.Context, c *client.Client, p *Publisher, cfg RunConfig) err
 		lostAt  time.Time
 		lostErr error
 	)
+	if cfg.WriteTimeout <= 0 {
+		cfg.WriteTimeout = 30 * time.Second
+	}
 	resync := time.NewTicker(cfg.Resync)
 	defer resync.Stop()
 	var retry, unreachable <-chan time.Time
@@ -132,9 +143,14 @@ func Run(ctx context.Context, c *client.Client, p *Publisher, cfg RunConfig) err
 		select {
 		case <-ctx.Done():
 			return nil
+		case <-cfg.Tokens:
+			continue
 		case u, ok := <-updates:
 			if !ok {
 				return nil
+			}
+			if cfg.Agent != nil {
+				cfg.Agent(!u.Disconnected())
 			}
 			if u.Disconnected() {
 				if lostAt.IsZero() {
@@ -163,7 +179,10 @@ func Run(ctx context.Context, c *client.Client, p *Publisher, cfg RunConfig) err
 		if !pending || retry != nil {
 			continue
 		}
-		if err := p.Apply(ctx, labels, health); err != nil {
+		wctx, cancel := context.WithTimeout(ctx, cfg.WriteTimeout)
+		err := p.Apply(wctx, labels, health)
+		cancel()
+		if err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
@@ -185,7 +204,9 @@ func RemoveAll(ctx context.Context, kube kubernetes.Interface, log hclog.Logger)
 	var cleaned []string
 	var errs []error
 	for _, n := range nodes.Items {
-		if !slices.ContainsFunc(n.ManagedFields, func(f metav1.ManagedFieldsEntry) bool { return f.Manager == LabelsManager || f.Manager == ConditionManager }) {
+		if !slices.ContainsFunc(n.ManagedFields, func(f metav1.ManagedFieldsEntry) bool {
+			return f.Manager == LabelsManager || f.Manager == ConditionManager
+		}) {
 			continue
 		}
 		p := &Publisher{Kube: kube, Node: n.Name, Log: log}

@@ -18,6 +18,7 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -28,6 +29,7 @@ import (
 
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/integrations/dra/nodestatus"
+	"github.com/devicehost/devicehost/integrations/liveness"
 	"github.com/devicehost/devicehost/textline"
 )
 
@@ -46,6 +48,7 @@ type settings struct {
 	address, kubeconfig, nodeName, machineFile string
 	resync, unreachable                        time.Duration
 	removeAll                                  bool
+	healthSocket                               string
 	logLevel                                   string
 	logJSON                                    bool
 }
@@ -58,6 +61,7 @@ func newFlags(s *settings) *flag.FlagSet {
 	fs.StringVar(&s.machineFile, "machine-file", "/sys/class/dmi/id/product_name", "`file` holding the machine type for nvidia.com/gpu.machine (\"\" for none)")
 	fs.DurationVar(&s.resync, "resync", 5*time.Minute, "how often the node is written again though nothing changed")
 	fs.DurationVar(&s.unreachable, "unreachable-after", 30*time.Second, "how long the agent may be unreachable before the condition turns Unknown")
+	fs.StringVar(&s.healthSocket, "health-socket", "", "grpc.health.v1 socket `path` for a liveness probe: NOT_SERVING while a write to the API server has been stuck for a minute or the agent unreachable for 3 (\"\" for none)")
 	fs.BoolVar(&s.removeAll, "remove-all", false, "remove the labels and condition this command wrote from every node, and exit (an uninstall)")
 	fs.StringVar(&s.logLevel, "log-level", "info", "log `level`: trace, debug, info, warn, error")
 	fs.BoolVar(&s.logJSON, "log-json", false, "log in JSON")
@@ -112,10 +116,30 @@ func run(ctx context.Context, args []string) error {
 	}
 	defer c.Close()
 	p := &nodestatus.Publisher{Kube: kube, Node: s.nodeName, Log: log}
+	rc := nodestatus.RunConfig{Machine: readMachine(s.machineFile), Resync: s.resync, Unreachable: s.unreachable, Retry: 5 * time.Second}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	if s.healthSocket != "" {
+		m, err := liveness.New(liveness.Config{Logger: log.Named("liveness")})
+		if err != nil {
+			return err
+		}
+		lis, err := liveness.Listen(s.healthSocket)
+		if err != nil {
+			return err
+		}
+		rc.Tokens, rc.Agent = m.Loop("node status"), m.Agent
+		wg.Go(func() { m.Run(ctx) })
+		wg.Go(func() {
+			if err := m.Serve(ctx, lis); err != nil {
+				log.Error("health socket stopped", "error", err)
+			}
+		})
+	}
 	log.Info("publishing node status", "node", s.nodeName, "agent", s.address, "condition", nodestatus.ConditionType)
-	return nodestatus.Run(ctx, c, p, nodestatus.RunConfig{
-		Machine: readMachine(s.machineFile), Resync: s.resync, Unreachable: s.unreachable, Retry: 5 * time.Second,
-	})
+	return nodestatus.Run(ctx, c, p, rc)
 }
 
 // readMachine is the machine type in file, one line at most 256 bytes; "" when there is
