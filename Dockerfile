@@ -1,5 +1,6 @@
 # devicehost: the agent binary, the nvidia-example and hostdev plugins in the plugin dir, the DRA
-# driver (devicehost-dra-plugin, from the integrations/dra module), and
+# driver (devicehost-dra-plugin, from the integrations/dra module), the node labels and
+# condition writer (devicehost-node-status, from the same module), and
 # grpc_health_probe for the health checks. Builds as docs/operations.md, "Build and Docker", says.
 #
 #   docker build -t devicehost .
@@ -20,12 +21,14 @@ ARG VERSION=dev
 RUN go build -trimpath -ldflags "-X main.version=${VERSION}" -o /out/devicehost ./cmd/devicehost \
  && go build -trimpath -o /out/plugins/nvidia-example ./plugins/nvidia-example \
  && CGO_ENABLED=0 go build -trimpath -o /out/plugins/hostdev ./plugins/hostdev \
- && (cd integrations/dra && CGO_ENABLED=0 go build -trimpath -o /out/devicehost-dra-plugin ./cmd/devicehost-dra-plugin) \
+ && (cd integrations/dra && CGO_ENABLED=0 go build -trimpath -o /out/devicehost-dra-plugin ./cmd/devicehost-dra-plugin \
+     && CGO_ENABLED=0 go build -trimpath -o /out/devicehost-node-status ./cmd/devicehost-node-status) \
  && GOBIN=/out CGO_ENABLED=0 go install github.com/grpc-ecosystem/grpc-health-probe@v0.4.62
 
 FROM debian:trixie-slim
 COPY --from=build /out/devicehost /usr/local/bin/devicehost
 COPY --from=build /out/devicehost-dra-plugin /usr/local/bin/devicehost-dra-plugin
+COPY --from=build /out/devicehost-node-status /usr/local/bin/devicehost-node-status
 COPY --from=build /out/grpc-health-probe /usr/local/bin/grpc_health_probe
 COPY --from=build /out/plugins/ /opt/devicehost/plugins/
 RUN mkdir -p /var/lib/devicehost /run/devicehost \

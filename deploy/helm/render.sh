@@ -69,7 +69,7 @@ render() {
   {
     printf '%s\n' "$header"
     echo "# Generated from deploy/helm/devicehost by deploy/helm/render.sh: edit the chart, not this file."
-    "$HELM" template devicehost "$chart" --namespace kube-system --kube-version "$KUBERNETES_VERSION" "$@" | tidy
+    "$HELM" template devicehost "$chart" --namespace kube-system --kube-version "$KUBERNETES_VERSION" --no-hooks "$@" | tidy
   } >"$tmp/$file"
 }
 

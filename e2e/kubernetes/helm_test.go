@@ -535,6 +535,7 @@ func (h *helmStack) gpuPodsRunning(t *testing.T, when string, pods ...string) {
 func (h *helmStack) caseDevicePlugin(t *testing.T) {
 	pod := h.install(t, "devicePlugin", 0)
 	h.s.waitAllocatable(t, 8, 60*time.Second)
+	h.checkNodeStatus(t)
 	name := h.s.createPod(t, "helm-dp", 2)
 	defer h.s.deletePod(t, name)
 	out, dRun := h.s.waitPodReady(t, name, 90*time.Second)
@@ -551,6 +552,7 @@ func (h *helmStack) caseDevicePlugin(t *testing.T) {
 	h.checkProbes(t, pod.Metadata.Name, "kubelet-plugin")
 
 	h.uninstall(t)
+	h.checkNodeStatusRemoved(t)
 	h.gpuPodsRunning(t, "after the uninstall", name)
 	start := time.Now()
 	pod = h.install(t, "devicePlugin", 0)

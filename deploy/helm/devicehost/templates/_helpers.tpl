@@ -16,6 +16,21 @@ app.kubernetes.io/name: {{ include "devicehost.name" . }}
 {{- if has .Values.mode (list "dra" "both") }}true{{ end -}}
 {{- end -}}
 
+{{/* Whether the node-status container runs. */}}
+{{- define "devicehost.nodeStatus" -}}
+{{- if .Values.nodeStatus.enabled }}true{{ end -}}
+{{- end -}}
+
+{{/* The pod's service account: the DRA driver's (which the node-status container
+shares), the node-status container's alone, or none. */}}
+{{- define "devicehost.serviceAccount" -}}
+{{- if include "devicehost.dra" . -}}
+{{ include "devicehost.name" . }}-dra
+{{- else if include "devicehost.nodeStatus" . -}}
+{{ include "devicehost.name" . }}-node-status
+{{- end -}}
+{{- end -}}
+
 {{/* mode must be one of the three; the schema says so too, this names the value. */}}
 {{- define "devicehost.checkMode" -}}
 {{- if not (has .Values.mode (list "devicePlugin" "dra" "both")) -}}

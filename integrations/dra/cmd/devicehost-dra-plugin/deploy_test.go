@@ -38,9 +38,13 @@ func TestDeployDRADaemonSet(t *testing.T) {
 		case *corev1.ServiceAccount:
 			sa = o.Namespace + "/" + o.Name
 		case *rbacv1.ClusterRole:
-			role = o
+			if strings.HasSuffix(o.Name, "-dra") { // not the node-status container's
+				role = o
+			}
 		case *rbacv1.ClusterRoleBinding:
-			binding = o
+			if strings.HasSuffix(o.Name, "-dra") {
+				binding = o
+			}
 		}
 	}
 	if sa == "" || role == nil || binding == nil {
