@@ -252,9 +252,12 @@ func TestAdapterReportsNomadPluginExit(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("Fingerprint still running after the Nomad plugin died")
 	}
+	// Close waits for the adapter's goroutines, OnExit's callers: after it, any second
+	// OnExit has been sent (exits has room for it).
+	a.Close()
 	select {
 	case err := <-exits:
 		t.Errorf("a second OnExit: %v", err)
-	case <-time.After(100 * time.Millisecond):
+	default:
 	}
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // hostdevAgentConfig serves the host's /dev/fuse as 8 devices of hostdev/fuse beside
@@ -90,7 +91,7 @@ func TestNomadAgentHostDev(t *testing.T) {
 	n := &nomadHTTP{t: t, addr: "http://" + nomadAddr}
 	defer n.stopAll()
 	nodeID := n.waitNodeWithGPUs(8)
-	waitFor(t, "8 healthy hostdev/fuse/fuse devices in Nomad's node status", func() bool {
+	testwait.WaitFor(t, "8 healthy hostdev/fuse/fuse devices in Nomad's node status", func() bool {
 		devs, err := n.nodeDevices(nodeID)
 		healthy := 0
 		for _, d := range devs["hostdev/fuse/fuse"] {
@@ -99,7 +100,7 @@ func TestNomadAgentHostDev(t *testing.T) {
 			}
 		}
 		return err == nil && healthy == 8
-	}, nomad.Stdout)
+	})
 
 	const job = "fuse"
 	submitted := time.Now()
@@ -111,7 +112,7 @@ func TestNomadAgentHostDev(t *testing.T) {
 	}
 	verdicts := time.Since(submitted)
 	var started []string
-	waitFor(t, "every task started in Nomad's allocation", func() bool {
+	testwait.WaitFor(t, "every task started in Nomad's allocation", func() bool {
 		started = started[:0]
 		a := n.alloc(allocID)
 		for _, task := range hostdevTasks {
@@ -122,7 +123,7 @@ func TestNomadAgentHostDev(t *testing.T) {
 			started = append(started, fmt.Sprintf("%s %v", task.name, at.Sub(submitted).Round(time.Millisecond)))
 		}
 		return true
-	}, nomad.Stdout)
+	})
 	t.Logf("job submitted to every task's verdict: %v (tasks started after: %s)",
 		verdicts.Round(time.Millisecond), strings.Join(started, ", "))
 
@@ -147,7 +148,7 @@ func TestNomadAgentHostDev(t *testing.T) {
 			continue
 		}
 		owner := shim.AllocOwner("default", job, allocID, task.name)
-		r := waitActiveReservation(t, c, owner, nomad.Stdout)
+		r := waitActiveReservation(t, c, owner)
 		var nodes []string
 		for _, d := range r.GetReservation().GetDevices() {
 			nodes = append(nodes, d.GetHostPath()+":"+d.GetContainerPath()+":"+d.GetPermissions())
@@ -168,7 +169,7 @@ func TestNomadAgentHostDev(t *testing.T) {
 	n.deleteJob(job)
 	var freed time.Time
 	for _, r := range held {
-		waitFor(t, "the release of "+r.GetReservationId(), func() bool {
+		testwait.WaitFor(t, "the release of "+r.GetReservationId(), func() bool {
 			rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: r.GetOwnerId()})
 			if err == nil && len(rs) == 1 && rs[0].GetState() == pb.ReservationState_RESERVATION_STATE_RELEASED {
 				if at := rs[0].GetReleasedAt().AsTime(); at.After(freed) {
@@ -177,7 +178,7 @@ func TestNomadAgentHostDev(t *testing.T) {
 				return true
 			}
 			return false
-		}, nomad.Stdout)
+		})
 	}
 	n.waitStatus(allocID, "complete")
 	var ended time.Time
@@ -224,10 +225,10 @@ func (n *nomadHTTP) waitTaskVerdict(bin, allocID, task string, log fmt.Stringer)
 		return string(out)
 	}
 	var out string
-	waitFor(t, "a FUSE_ line in the stdout of task "+task+", or its end", func() bool {
+	testwait.WaitFor(t, "a FUSE_ line in the stdout of task "+task+", or its end", func() bool {
 		out = logs()
 		return verdict(out) != "" || n.alloc(allocID).TaskStates[task].State == "dead"
-	}, log)
+	})
 	if verdict(out) == "" {
 		t.Fatalf("task %s ended without a verdict: stdout %q, stderr %q, events %s\nnomad output:\n%s",
 			task, out, logs("-stderr"), n.taskEvents(allocID, task), lastLines(log.String(), 80))

@@ -12,6 +12,7 @@ import (
 	"github.com/devicehost/devicehost/client"
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // nodeDevice is what the test reads of a device instance in Nomad's node status.
@@ -44,16 +45,16 @@ func (n *nomadHTTP) nodeDevices(id string) (map[string][]nodeDevice, error) {
 
 // waitActiveReservation waits until owner has exactly one active reservation at the
 // agent c, and returns it.
-func waitActiveReservation(t *testing.T, c *client.Client, owner string, log fmt.Stringer) *pb.Reservation {
+func waitActiveReservation(t *testing.T, c *client.Client, owner string) *pb.Reservation {
 	t.Helper()
 	var r *pb.Reservation
-	waitFor(t, "a reservation of "+owner, func() bool {
+	testwait.WaitFor(t, "a reservation of "+owner, func() bool {
 		rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: owner, State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
 		if err == nil && len(rs) == 1 {
 			r = rs[0]
 		}
 		return r != nil
-	}, log)
+	})
 	return r
 }
 
@@ -73,12 +74,12 @@ func TestNomadAgentMIG(t *testing.T) {
 	ports := freePorts(t, 3)
 	nomadAddr := "127.0.0.1:" + ports[0]
 	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, nomadAddr, grace, nomadOptions{})
-	nomad := startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
+	startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug") // its output is logged if the test fails
 	n := &nomadHTTP{t: t, addr: "http://" + nomadAddr}
 	defer n.stopAll()
 	nodeID := n.waitNodeWithGPUs(8)
 	const migGroup = "nvidia/mig/" + mig1g10
-	waitFor(t, "56 healthy "+migGroup+" devices in Nomad's node status", func() bool {
+	testwait.WaitFor(t, "56 healthy "+migGroup+" devices in Nomad's node status", func() bool {
 		devs, err := n.nodeDevices(nodeID)
 		healthy := 0
 		for _, d := range devs[migGroup] {
@@ -87,23 +88,23 @@ func TestNomadAgentMIG(t *testing.T) {
 			}
 		}
 		return err == nil && healthy == 56
-	}, nomad.Stdout)
+	})
 
 	out := filepath.Join(tmp, "visible")
 	allocID := n.runBatchJob(nomadBin, tmp, "mig", fmt.Sprintf(`echo "$NVIDIA_VISIBLE_DEVICES" > %[1]s.tmp && mv %[1]s.tmp %[1]s && exec sleep 3600`, out), migGroup, 1)
 
 	// The task sees its MIG device.
 	var visible string
-	waitFor(t, "the task's NVIDIA_VISIBLE_DEVICES", func() bool {
+	testwait.WaitFor(t, "the task's NVIDIA_VISIBLE_DEVICES", func() bool {
 		b, err := os.ReadFile(out)
 		visible = strings.TrimSpace(string(b))
 		return err == nil
-	}, nomad.Stdout)
+	})
 	if !strings.HasPrefix(visible, "MIG-") || strings.Contains(visible, ",") {
 		t.Fatalf("the task's NVIDIA_VISIBLE_DEVICES=%q; want one MIG UUID", visible)
 	}
 	owner := shim.AllocOwner("default", "mig", allocID, "train")
-	r := waitActiveReservation(t, c, owner, nomad.Stdout)
+	r := waitActiveReservation(t, c, owner)
 	part := r.GetDeviceIds()[0]
 	gpu, _, ok := strings.Cut(part, "-mig-")
 	if len(r.GetDeviceIds()) != 1 || !ok || r.GetType() != "mig" || r.GetName() != mig1g10 {
@@ -129,10 +130,10 @@ func TestNomadAgentMIG(t *testing.T) {
 		return nodeDevice{}
 	}
 	var held nodeDevice
-	waitFor(t, gpu+" unhealthy in Nomad's node status, naming "+owner, func() bool {
+	testwait.WaitFor(t, gpu+" unhealthy in Nomad's node status, naming "+owner, func() bool {
 		held = gpuIn()
 		return held.ID != "" && !held.Healthy && strings.Contains(held.HealthDescription, fmt.Sprintf("%q", owner))
-	}, nomad.Stdout)
+	})
 	t.Logf("nomad node status: %s healthy=%v %q", gpu, held.Healthy, held.HealthDescription)
 	devs, err := n.nodeDevices(nodeID)
 	if err != nil {
@@ -150,9 +151,9 @@ func TestNomadAgentMIG(t *testing.T) {
 
 	// The job stops: released after the grace, the GPU healthy again.
 	n.deleteJob("mig")
-	waitFor(t, "the release of "+r.GetReservationId(), func() bool {
+	testwait.WaitFor(t, "the release of "+r.GetReservationId(), func() bool {
 		rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: owner})
 		return err == nil && len(rs) == 1 && rs[0].GetState() == pb.ReservationState_RESERVATION_STATE_RELEASED
-	}, nomad.Stdout)
-	waitFor(t, gpu+" healthy again in Nomad's node status", func() bool { return gpuIn().Healthy }, nomad.Stdout)
+	})
+	testwait.WaitFor(t, gpu+" healthy again in Nomad's node status", func() bool { return gpuIn().Healthy })
 }

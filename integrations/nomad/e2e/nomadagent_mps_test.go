@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // mpsAgentConfig offers `agent -dev`'s simulated GPUs as 4 MPS shares each, one control
@@ -41,11 +42,11 @@ func TestNomadAgentMPS(t *testing.T) {
 	ports := freePorts(t, 3)
 	nomadAddr := "127.0.0.1:" + ports[0]
 	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, nomadAddr, 2*time.Second, nomadOptions{})
-	nomad := startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
+	startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug") // its output is logged if the test fails
 	n := &nomadHTTP{t: t, addr: "http://" + nomadAddr}
 	defer n.stopAll()
 	nodeID := n.waitNodeWithGPUs(8)
-	waitFor(t, "8 MPS share groups of 4 in Nomad's node status", func() bool {
+	testwait.WaitFor(t, "8 MPS share groups of 4 in Nomad's node status", func() bool {
 		devs, err := n.nodeDevices(nodeID)
 		groups := 0
 		for name, ds := range devs {
@@ -54,17 +55,17 @@ func TestNomadAgentMPS(t *testing.T) {
 			}
 		}
 		return err == nil && groups == 8
-	}, nomad.Stdout)
+	})
 
 	out := filepath.Join(tmp, "env")
 	script := fmt.Sprintf(`printf '%%s %%s %%s\n' "$NVIDIA_VISIBLE_DEVICES" "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" > %[1]s.tmp && mv %[1]s.tmp %[1]s && exec sleep 3600`, out)
 	allocID := n.runBatchJob(nomadBin, tmp, "mps", script, "nvidia/gpu.mps", 2)
 	var fields []string
-	waitFor(t, "the task's environment", func() bool {
+	testwait.WaitFor(t, "the task's environment", func() bool {
 		b, err := os.ReadFile(out)
 		fields = strings.Fields(string(b))
 		return err == nil
-	}, nomad.Stdout)
+	})
 	if len(fields) != 3 || !strings.HasPrefix(fields[0], "GPU-") || !strings.HasPrefix(fields[1], mpsDir+"/") || fields[2] != "50" {
 		t.Fatalf("the task saw NVIDIA_VISIBLE_DEVICES, CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = %q; want one GPU, a pipe under %s, 50", fields, mpsDir)
 	}
@@ -72,7 +73,7 @@ func TestNomadAgentMPS(t *testing.T) {
 		t.Errorf("the daemon's control pipe: %v", err)
 	}
 	owner := shim.AllocOwner("default", "mps", allocID, "train")
-	r := waitActiveReservation(t, c, owner, nomad.Stdout)
+	r := waitActiveReservation(t, c, owner)
 	for _, id := range r.GetDeviceIds() {
 		if !strings.HasPrefix(id, fields[0]+"::mps::") {
 			t.Errorf("the task's reservation holds %v; want two shares of %s", r.GetDeviceIds(), fields[0])
@@ -81,10 +82,10 @@ func TestNomadAgentMPS(t *testing.T) {
 	t.Logf("task %s on %v: pipe %s", owner, r.GetDeviceIds(), fields[1])
 
 	n.deleteJob("mps")
-	waitFor(t, "the daemon gone after the job stopped", func() bool {
+	testwait.WaitFor(t, "the daemon gone after the job stopped", func() bool {
 		entries, err := os.ReadDir(mpsDir)
 		return err == nil && len(entries) == 0
-	}, nomad.Stdout)
+	})
 }
 
 // A real Nomad v1.6.3 agent with each GPU offered both time-sliced and in MPS shares
@@ -107,12 +108,12 @@ func TestNomadAgentSharingModes(t *testing.T) {
 	ports := freePorts(t, 3)
 	nomadAddr := "127.0.0.1:" + ports[0]
 	cfg := writeNomadConfig(t, tmp, ports, bins[shim.BinaryName], address, nomadAddr, 2*time.Second, nomadOptions{})
-	nomad := startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug")
+	startAgent(t, nomadBin, tmp, "agent", "-config", cfg, "-log-level", "debug") // its output is logged if the test fails
 	n := &nomadHTTP{t: t, addr: "http://" + nomadAddr}
 	defer n.stopAll()
 	nodeID := n.waitNodeWithGPUs(8)
 	shared := "nvidia/gpu.shared/" + h100
-	waitFor(t, "32 replicas and 8 MPS share groups of 4 in Nomad's node status", func() bool {
+	testwait.WaitFor(t, "32 replicas and 8 MPS share groups of 4 in Nomad's node status", func() bool {
 		devs, err := n.nodeDevices(nodeID)
 		groups := 0
 		for name, ds := range devs {
@@ -121,7 +122,7 @@ func TestNomadAgentSharingModes(t *testing.T) {
 			}
 		}
 		return err == nil && groups == 8 && len(devs[shared]) == 32
-	}, nomad.Stdout)
+	})
 
 	// run starts job name on one device of device, and returns the GPU its task saw and
 	// its MPS pipe directory.
@@ -131,13 +132,13 @@ func TestNomadAgentSharingModes(t *testing.T) {
 		script := fmt.Sprintf(`printf '%%s|%%s\n' "$NVIDIA_VISIBLE_DEVICES" "$CUDA_MPS_PIPE_DIRECTORY" > %[1]s.tmp && mv %[1]s.tmp %[1]s && exec sleep 3600`, out)
 		allocID := n.runBatchJob(nomadBin, tmp, name, script, device, 1)
 		var line string
-		waitFor(t, "the environment of job "+name, func() bool {
+		testwait.WaitFor(t, "the environment of job "+name, func() bool {
 			b, err := os.ReadFile(out)
 			line = strings.TrimSpace(string(b))
 			return err == nil
-		}, nomad.Stdout)
+		})
 		gpu, pipe, _ = strings.Cut(line, "|")
-		r := waitActiveReservation(t, c, shim.AllocOwner("default", name, allocID, "train"), nomad.Stdout)
+		r := waitActiveReservation(t, c, shim.AllocOwner("default", name, allocID, "train"))
 		t.Logf("| %s | %s | %s | %v | pipe %q |", name, device, gpu, r.GetDeviceIds(), pipe)
 		return gpu, pipe
 	}
@@ -146,7 +147,7 @@ func TestNomadAgentSharingModes(t *testing.T) {
 	unavailable := func(gpu, typ string) {
 		t.Helper()
 		var desc string
-		waitFor(t, "GPU "+gpu+"'s "+typ+" devices unhealthy in Nomad's node status", func() bool {
+		testwait.WaitFor(t, "GPU "+gpu+"'s "+typ+" devices unhealthy in Nomad's node status", func() bool {
 			devs, err := n.nodeDevices(nodeID)
 			if err != nil {
 				return false
@@ -167,7 +168,7 @@ func TestNomadAgentSharingModes(t *testing.T) {
 				}
 			}
 			return seen > 0
-		}, nomad.Stdout)
+		})
 		t.Logf("GPU %s's %s devices in Nomad: unhealthy, %q", gpu, typ, desc)
 	}
 
@@ -189,8 +190,8 @@ func TestNomadAgentSharingModes(t *testing.T) {
 	for _, job := range []string{"ts", "whole", "mps"} {
 		n.deleteJob(job)
 	}
-	waitFor(t, "the daemon gone after the jobs stopped", func() bool {
+	testwait.WaitFor(t, "the daemon gone after the jobs stopped", func() bool {
 		entries, err := os.ReadDir(mpsDir)
 		return err == nil && len(entries) == 0
-	}, nomad.Stdout)
+	})
 }

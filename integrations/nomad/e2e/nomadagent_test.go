@@ -22,6 +22,7 @@ import (
 	"github.com/devicehost/devicehost/integrations/nomad/shim"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/tools/agenttest"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // nomadCache is where a Nomad v1.6.3 binary built here is kept between runs (see
@@ -98,26 +99,26 @@ func TestNomadAgent(t *testing.T) {
 		t.Helper()
 		owner := "nomad/default/" + jobID + "/" + allocID + "/train"
 		var r *pb.Reservation
-		waitFor(t, "a reservation of "+owner, func() bool {
+		testwait.WaitFor(t, "a reservation of "+owner, func() bool {
 			rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: owner})
 			if err == nil && len(rs) == 1 && rs[0].GetState() == pb.ReservationState_RESERVATION_STATE_ACTIVE {
 				r = rs[0]
 			}
 			return r != nil
-		}, nomad.Stdout)
+		})
 		return r
 	}
 	// released waits until r is released and returns when.
 	released := func(r *pb.Reservation) time.Time {
 		t.Helper()
 		var at time.Time
-		waitFor(t, "the release of "+r.GetReservationId(), func() bool {
+		testwait.WaitFor(t, "the release of "+r.GetReservationId(), func() bool {
 			rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: r.GetOwnerId()})
 			if err == nil && len(rs) == 1 && rs[0].GetState() == pb.ReservationState_RESERVATION_STATE_RELEASED {
 				at = rs[0].GetReleasedAt().AsTime()
 			}
 			return !at.IsZero()
-		}, nomad.Stdout)
+		})
 		return at
 	}
 
@@ -168,12 +169,12 @@ func TestNomadAgent(t *testing.T) {
 			t.Logf("%s: stop to free %v, task end to free %v: %s", name, free.Sub(stopped).Round(time.Millisecond),
 				free.Sub(finished).Round(time.Millisecond), how)
 			n.deleteJob(name) // and the replacement Nomad placed
-			waitFor(t, "the job's devices free", func() bool {
+			testwait.WaitFor(t, "the job's devices free", func() bool {
 				rs, err := c.Reservations(context.Background(), &pb.ListReservationsRequest{State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
 				return err == nil && !slices.ContainsFunc(rs, func(o *pb.Reservation) bool {
 					return strings.HasPrefix(o.GetOwnerId(), "nomad/default/"+name+"/") || !strings.Contains(strings.TrimPrefix(o.GetOwnerId(), "nomad/"), "/")
 				})
-			}, nomad.Stdout)
+			})
 		}
 		if len(took) > 0 {
 			t.Logf("after nomad alloc stop, task end to devices free: released by the shim in %d of %d runs, median %v, worst %v; taken over by Nomad's replacement in %d",
@@ -401,18 +402,6 @@ func (o nomadOptions) chrootBlock() string {
 	}
 	b.WriteString("  }\n")
 	return b.String()
-}
-
-// waitFor polls ok every 50 ms until it holds, failing the test after two minutes.
-func waitFor(t *testing.T, what string, ok func() bool, log fmt.Stringer) {
-	t.Helper()
-	deadline := time.Now().Add(2 * time.Minute)
-	for !ok() {
-		if time.Now().After(deadline) {
-			t.Fatalf("no %s\nnomad output:\n%s", what, lastLines(log.String(), 80))
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 func lastLines(s string, n int) string {
