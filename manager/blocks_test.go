@@ -7,7 +7,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/devicehost/devicehost/device"
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
@@ -211,13 +210,9 @@ func TestBlockedByFollowsEveryChange(t *testing.T) {
 				f.counterSets = []*pb.CounterSet{{Name: "gpu-0", Counters: map[string]int64{"slices": 9}}, {Name: "gpu-1", Counters: map[string]int64{"slices": 9}}}
 			})
 			plugin.setGroups(groups...)
-			deadline := time.Now().Add(testwait.Timeout)
-			for m.Snapshot().Inventory.CounterSets[0].Capacity["slices"] != 9 {
-				if time.Now().After(deadline) {
-					t.Fatal("the new capacity never reached the snapshot")
-				}
-				time.Sleep(5 * time.Millisecond)
-			}
+			testwait.WaitFor(t, "the new capacity in the snapshot", func() bool {
+				return m.Snapshot().Inventory.CounterSets[0].Capacity["slices"] == 9
+			})
 			check("capacity 7 -> 9")
 		})
 	}

@@ -4,12 +4,12 @@ import (
 	"context"
 	"slices"
 	"testing"
-	"time"
 
 	"github.com/devicehost/devicehost/device"
 	"github.com/devicehost/devicehost/device/devicetest"
 	"github.com/devicehost/devicehost/internal/steps"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // TestCallsAreTimedWhileTimingIsOn: with internal/steps timing on (a benchmark build of
@@ -31,18 +31,15 @@ func TestCallsAreTimedWhileTimingIsOn(t *testing.T) {
 	}
 	// The record is kept once the status is sent, after the client has its answer.
 	var got *steps.Record
-	for deadline := time.Now().Add(10 * time.Second); got == nil && time.Now().Before(deadline); {
+	testwait.WaitFor(t, "a record of the Reserve", func() bool { // kept by the server's stats handler
 		records, _ := steps.Take()
 		for i := range records {
 			if records[i].Method == "/devicehost.v1.DeviceHost/Reserve" {
 				got = &records[i]
 			}
 		}
-		time.Sleep(time.Millisecond) // waiting for the server's stats handler; not a test of time
-	}
-	if got == nil {
-		t.Fatal("no record of the Reserve within 10s")
-	}
+		return got != nil
+	})
 	var names []string
 	for _, s := range got.Steps {
 		names = append(names, s.Name)
