@@ -73,6 +73,7 @@ func TestRealNodeHelm(t *testing.T) {
 	t.Run("DRA", h.caseDRA)
 	t.Run("Both", h.caseBoth)
 	t.Run("HostDevices", h.caseHostDevices)
+	t.Run("Adopt", h.caseAdopt)
 }
 
 func startHelm(t *testing.T) *helmStack {

@@ -96,6 +96,9 @@ type Bridge struct {
 	// reservation the kubelet has just allocated again is never released under it.
 	allocMu  sync.Mutex
 	bookings map[string]*booking // by reservation ID; guarded by allocMu
+	// adoptFailed are the adoptions that failed in the last release pass (resource,
+	// pod, devices), so each failure is logged once; guarded by allocMu.
+	adoptFailed map[string]bool
 
 	// pods is the kubelet's PodResources API, set by Run before anything is served;
 	// nil when its socket cannot be used.

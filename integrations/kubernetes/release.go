@@ -1,8 +1,11 @@
 package kubernetes
 
 import (
+	"cmp"
 	"context"
+	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -202,4 +205,73 @@ func (b *Bridge) releaseUnheld(ctx context.Context, held map[string]map[string]s
 			delete(b.bookings, id)
 		}
 	}
+	b.adoptLocked(ctx, held, rs)
+}
+
+// adoptLocked reserves, for the container that holds them, the devices of the bridge's
+// resources that PodResources says a container holds and no reservation of rs (of any
+// owner) holds: devices another device plugin allocated before the bridge served its
+// resource (a node moving from NVIDIA's device plugin), or a reservation the ledger no
+// longer has. Each becomes a reservation owned by that container (PodName), released
+// when it goes as the bridge's own are; without it the agent would hand the devices of
+// running pods out again. A device the agent does not serve, or holds for another
+// owner, is logged (once) and left alone. Called with allocMu, after releaseUnheld.
+func (b *Bridge) adoptLocked(ctx context.Context, held map[string]map[string]string, rs []*pb.Reservation) {
+	reservedBy := map[string]*pb.Reservation{}
+	for _, r := range rs {
+		for _, id := range r.GetDeviceIds() {
+			reservedBy[id] = r
+		}
+	}
+	v := b.state.view()
+	if v.snap == nil || !v.connected {
+		return // which devices the agent serves is not known yet: the next pass adopts
+	}
+	log := b.log.Named("adopt")
+	seen := map[string]bool{} // the failures of this pass
+	type want struct{ resource, pod string }
+	adopt := map[want][]string{}
+	for _, r := range v.resources {
+		for id, pod := range held[r.Name] {
+			h := reservedBy[id]
+			if h == nil {
+				adopt[want{r.Name, pod}] = append(adopt[want{r.Name, pod}], id)
+				continue
+			}
+			if r.ownedBy(h.GetOwnerId(), groupKey{h.GetVendor(), h.GetType(), h.GetName()}) {
+				continue // the bridge's: releaseUnheld hands it to the pod
+			}
+			key := r.Name + " " + pod + " " + id + " " + h.GetReservationId()
+			seen[key] = true
+			if !b.adoptFailed[key] {
+				log.Warn("the kubelet says a container holds a device that another owner holds at the agent; two workloads may be using it",
+					"pod", pod, "resource", r.Name, "device", id, "holder", h.GetOwnerId(), "reservation", h.GetReservationId())
+			}
+		}
+	}
+	for _, w := range slices.SortedFunc(maps.Keys(adopt), func(a, b want) int {
+		return cmp.Or(strings.Compare(a.resource, b.resource), strings.Compare(a.pod, b.pod))
+	}) {
+		ids := adopt[w]
+		slices.Sort(ids)
+		key := w.resource + " " + w.pod + " " + strings.Join(ids, ",")
+		r, _ := v.resource(w.resource)
+		g, err := v.groupOf(r, ids)
+		if err == nil {
+			var res *pb.ReserveResponse
+			res, err = b.c.Reserve(ctx, &pb.ReserveRequest{OwnerId: w.pod, Vendor: g.GetVendor(), Type: g.GetType(), Name: g.GetName(), DeviceIds: ids})
+			if err == nil {
+				log.Info("adopted devices a container held before the bridge served them (another device plugin's allocation, or a reservation the ledger lost)",
+					"pod", w.pod, "resource", w.resource, "devices", ids, "reservation", res.GetReservationId())
+				b.bookingLocked(res.GetReservationId()).pod = w.pod
+				continue
+			}
+		}
+		seen[key] = true
+		if !b.adoptFailed[key] {
+			log.Warn("the kubelet says a container holds devices the agent cannot reserve for it; they stay as they are",
+				"pod", w.pod, "resource", w.resource, "devices", ids, "error", err)
+		}
+	}
+	b.adoptFailed = seen // a failure is logged again only after it has stopped
 }
