@@ -447,6 +447,11 @@ func (m *Manager) LatestStats() device.StatsSnapshot { return m.stats.Latest(m.I
 // answer have it again (see answerLeftIntents), or ReadyTimeout has passed.
 func (m *Manager) Ready() <-chan struct{} { return m.ready }
 
+// Started is closed once every plugin has been launched (its config accepted), failed a
+// run, or failed for good, or when Ready closes: the moment the agent may serve without
+// a plugin's rejection of its config still to come.
+func (m *Manager) Started() <-chan struct{} { return m.reg.Started() }
+
 // WaitForFirstFingerprint waits for Ready and returns the inventory then. It fails only
 // when ctx ends first.
 func (m *Manager) WaitForFirstFingerprint(ctx context.Context) (device.Inventory, error) {

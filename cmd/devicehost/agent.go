@@ -285,6 +285,26 @@ func serveAgent(ctx context.Context, cfg agentConfig, log hclog.Logger, newManag
 		closeListener(mlis)
 		return fmt.Errorf("start the device manager: %w", err)
 	}
+	// Nothing is served, nor the server made, before every plugin has accepted its
+	// config (or failed to start): a config a plugin rejects stops the agent before a
+	// client saw it serve. The sockets are bound: a client connecting meanwhile waits.
+	if st, ok := mgr.(interface{ Started() <-chan struct{} }); ok {
+		select {
+		case <-st.Started():
+		case <-reload.rejected.ready():
+		case <-ctx.Done():
+		}
+		errs := reload.rejected.take()
+		if len(errs) > 0 || ctx.Err() != nil {
+			if len(errs) == 0 {
+				log.Info("shutting down before serving")
+			}
+			closeAll()
+			closeListener(mlis)
+			shutdownManager(mgr, log)
+			return errors.Join(errs...)
+		}
+	}
 	api := mgr
 	var opts []grpc.ServerOption
 	if mx != nil {

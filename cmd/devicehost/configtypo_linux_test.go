@@ -76,6 +76,12 @@ func TestAgentExitsOnAPluginConfigTypo(t *testing.T) {
 	if strings.Contains(stderr, "[ERROR]") {
 		t.Errorf("stderr has ERROR lines, as if the plugin had crashed; the error is the exit's:\n%s", stderr)
 	}
+	// Nothing was served: the config was refused before the API began to answer.
+	for _, served := range []string{"server: serving", "agent: listening", "devicehost agent -dev:"} {
+		if out := stderr + "\n" + strings.Join(agent.Stdout.Lines(), "\n"); strings.Contains(out, served) {
+			t.Errorf("the agent said %q before it exited on the rejected config:\n%s", served, out)
+		}
+	}
 }
 
 func TestAgentRefusesAReloadWithAPluginConfigTypo(t *testing.T) {

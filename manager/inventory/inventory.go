@@ -39,6 +39,7 @@ type Registry struct {
 
 	watchers broadcast[device.Snapshot]
 	ready    chan struct{} // closed by markReadyLocked
+	started  chan struct{} // closed by markStartedLocked
 
 	// bindMu serialises binding decisions with their write to the store, which is
 	// done without mu so that readers of the snapshot never wait for the disk.
@@ -58,6 +59,7 @@ type Registry struct {
 	published uint64 // the Seq of the snapshot the watchers were last offered
 	snap      device.Snapshot
 	isReady   bool
+	isStarted bool
 }
 
 // Config is what New needs. The zero value is usable: no log, the wall clock, no
@@ -97,6 +99,7 @@ type pluginRecord struct {
 	fp      fingerprint        // last good fingerprint; zero until the first
 	down    string             // non-empty: the plugin is not serving; its devices are unhealthy with this reason
 	settled bool               // fingerprinted or failed once: no longer holds Ready
+	running bool               // launched (its config accepted) once: no longer holds Started
 }
 
 // New returns a registry with no plugins.
@@ -111,6 +114,7 @@ func New(cfg Config) *Registry {
 		store:        cfg.Store,
 		storeTimeout: cfg.StoreTimeout,
 		ready:        make(chan struct{}),
+		started:      make(chan struct{}),
 		plugins:      make(map[string]*pluginRecord),
 		bindings:     maps.Clone(cfg.Bindings),
 		bound:        make(map[string]int),

@@ -106,7 +106,11 @@ func (r *Registry) Running(name, version string) {
 	r.update(name, func(rec *pluginRecord) {
 		rec.state.Status = device.PluginRunning
 		rec.state.Version = version
+		rec.running = true
 	})
+	r.mu.Lock()
+	r.checkStartedLocked()
+	r.mu.Unlock()
 }
 
 // Down marks every device of a plugin unhealthy with reason (made one bounded line), at

@@ -2,7 +2,29 @@ package inventory
 
 // Readiness: Ready is closed once every plugin has settled (fingerprinted, had a
 // fingerprint refused, failed a run, or is configured without a binary), or when the
-// manager forces it. Once closed it stays closed.
+// manager forces it. Started is closed earlier, once every plugin has been launched
+// (and so accepted its config) or settled. Once closed they stay closed.
+
+// Started is closed once every plugin has been launched or has settled, or Ready was
+// forced: each plugin has accepted or rejected its config, or failed to start.
+func (r *Registry) Started() <-chan struct{} { return r.started }
+
+// checkStartedLocked closes started once every plugin has run or settled.
+func (r *Registry) checkStartedLocked() {
+	for _, rec := range r.plugins {
+		if !rec.settled && !rec.running {
+			return
+		}
+	}
+	r.markStartedLocked()
+}
+
+func (r *Registry) markStartedLocked() {
+	if !r.isStarted {
+		r.isStarted = true
+		close(r.started)
+	}
+}
 
 // Ready is closed once every plugin has settled, or ForceReady was called.
 func (r *Registry) Ready() <-chan struct{} { return r.ready }
@@ -29,8 +51,10 @@ func (r *Registry) ForceReady() []string {
 	return waiting
 }
 
-// checkReadyLocked closes ready once every plugin has settled.
+// checkReadyLocked closes ready once every plugin has settled (and started, once every
+// plugin has run or settled).
 func (r *Registry) checkReadyLocked() {
+	r.checkStartedLocked()
 	for _, rec := range r.plugins {
 		if !rec.settled {
 			return
@@ -40,6 +64,7 @@ func (r *Registry) checkReadyLocked() {
 }
 
 func (r *Registry) markReadyLocked() {
+	r.markStartedLocked()
 	if !r.isReady {
 		r.isReady = true
 		close(r.ready)
