@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // adminAccessLabel is the namespace label Kubernetes requires of a claim with admin
@@ -99,7 +101,7 @@ func (d *draStack) caseAdminAccess(t *testing.T) {
 	d.deleteReleased(t, taker, tc, tres)
 
 	d.deletePod(t, name)
-	waitFor(t, 30*time.Second, "the admin access gone after its pod", func() (bool, string) {
+	testwait.Until(t, 30*time.Second, "the admin access gone after its pod", func() (bool, string) {
 		fp, err := d.devices()
 		if err != nil {
 			return false, err.Error()

@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // simulatedGPUs are the IDs of the 8 GPUs of the simulated DGX H100 that the release's
@@ -27,7 +29,7 @@ func (h *helmStack) simulatedGPUs(t *testing.T) []string {
 	defer p.stop(t, syscall.SIGTERM)
 	s := &stack{n: h.n, ds: &daemonSet{agentSocket: sock}}
 	var ids []string
-	waitFor(t, 60*time.Second, "the throwaway agent's 8 GPUs", func() (bool, string) {
+	testwait.Until(t, 60*time.Second, "the throwaway agent's 8 GPUs", func() (bool, string) {
 		fp, err := s.devices()
 		if err != nil {
 			return false, err.Error()

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // waitUnschedulable waits until the scheduler says why pod name cannot be scheduled,
@@ -13,7 +15,7 @@ import (
 func (s *stack) waitUnschedulable(t *testing.T, name string, limit time.Duration) (string, time.Duration) {
 	t.Helper()
 	var msg string
-	d := waitFor(t, limit, "pod "+name+" unschedulable", func() (bool, string) {
+	d := testwait.Until(t, limit, "pod "+name+" unschedulable", func() (bool, string) {
 		p, err := s.getPod(name)
 		if err != nil {
 			return false, err.Error()
@@ -181,7 +183,7 @@ func (d *draStack) caseCordonDrain(t *testing.T) {
 	if rs, err := d.reservations("-owner", hc.owner(), "-state", "active"); err != nil || len(rs) != 0 {
 		t.Errorf("the drained claim's reservations: %v (%v), want none live", rs, err)
 	}
-	waitFor(t, 60*time.Second, "pod "+holder+" gone or failed after the drain", func() (bool, string) {
+	testwait.Until(t, 60*time.Second, "pod "+holder+" gone or failed after the drain", func() (bool, string) {
 		p, err := d.getPod(holder)
 		if err != nil {
 			return strings.Contains(err.Error(), "NotFound") || strings.Contains(err.Error(), "not found"), err.Error()

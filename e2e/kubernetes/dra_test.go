@@ -25,6 +25,7 @@ import (
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/tools/k8smanifest"
 	"github.com/devicehost/devicehost/tools/proc"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // The DRA driver on the real node: devicehost-dra-plugin (integrations/dra, a module of
@@ -151,7 +152,7 @@ func startDRA(t *testing.T, s *stack) *draStack {
 		if _, err := n.kubectl(nil, "-n", podNamespace, "delete", "resourceclaimtemplate", "-l", "app="+podLabel, "--ignore-not-found"); err != nil {
 			t.Errorf("delete the suite's claim templates: %v", err)
 		}
-		if _, err := poll(30*time.Second, func() (bool, string) {
+		if _, err := testwait.Poll(30*time.Second, func() (bool, string) {
 			rs, err := s.reservations("-owner", claimOwner, "-state", "active")
 			if err != nil {
 				return false, err.Error()
@@ -273,7 +274,7 @@ var kubeletConnected = regexp.MustCompile(`"Connection changed".*driverName="` +
 // the driver's DRA socket.
 func (d *draStack) waitKubeletConnected(t *testing.T, off int64, limit time.Duration) time.Duration {
 	t.Helper()
-	return waitFor(t, limit, "the kubelet connected to the DRA driver", func() (bool, string) {
+	return testwait.Until(t, limit, "the kubelet connected to the DRA driver", func() (bool, string) {
 		d.requireDriver(t)
 		for _, l := range linesSince(d.kubeletLog(), off) {
 			if kubeletConnected.MatchString(l.Raw) {
@@ -415,7 +416,7 @@ func (d *draStack) completePool(t *testing.T) pool {
 
 func (d *draStack) waitPool(t *testing.T, limit time.Duration, what string, check func(pool) (bool, string)) time.Duration {
 	t.Helper()
-	return waitFor(t, limit, "the driver's pool: "+what, func() (bool, string) {
+	return testwait.Until(t, limit, "the driver's pool: "+what, func() (bool, string) {
 		p, err := d.pool()
 		if err != nil {
 			return false, err.Error()
@@ -556,7 +557,7 @@ func (d *draStack) createClaimPod(t *testing.T, prefix, template string) string 
 func (d *draStack) podClaim(t *testing.T, podName string, limit time.Duration) *claim {
 	t.Helper()
 	var c claim
-	waitFor(t, limit, "the claim of pod "+podName, func() (bool, string) {
+	testwait.Until(t, limit, "the claim of pod "+podName, func() (bool, string) {
 		p, err := d.getPod(podName)
 		if err != nil {
 			return false, err.Error()
@@ -578,7 +579,7 @@ func (d *draStack) claimReservation(t *testing.T, podName string, limit time.Dur
 	t.Helper()
 	c := d.podClaim(t, podName, limit)
 	var res *pb.Reservation
-	waitFor(t, limit, "a reservation owned by "+c.owner(), func() (bool, string) {
+	testwait.Until(t, limit, "a reservation owned by "+c.owner(), func() (bool, string) {
 		rs, err := d.reservations("-owner", c.owner(), "-state", "active")
 		if err != nil {
 			return false, err.Error()
@@ -660,7 +661,7 @@ func (d *draStack) deleteReleased(t *testing.T, name string, c *claim, res *pb.R
 	dGone := d.deletePod(t, name)
 	gone := deleted.Add(dGone)
 	var rel *pb.Reservation
-	waitFor(t, releaseAtOnce+10*time.Second, "reservation "+res.GetReservationId()+" released", func() (bool, string) {
+	testwait.Until(t, releaseAtOnce+10*time.Second, "reservation "+res.GetReservationId()+" released", func() (bool, string) {
 		rs, err := d.reservations("-owner", c.owner())
 		if err != nil {
 			return false, err.Error()
@@ -809,7 +810,7 @@ func (d *draStack) caseTwoGPUs(t *testing.T) {
 	// named by its first CDI ID (the plugin's for it), Healthy.
 	want := []string{"nvidia.com/gpu=" + ids[0] + " Healthy", "nvidia.com/gpu=" + ids[1] + " Healthy"}
 	var health []string
-	dHealth := waitFor(t, 30*time.Second, "the claim's two GPUs Healthy in the pod's status", func() (bool, string) {
+	dHealth := testwait.Until(t, 30*time.Second, "the claim's two GPUs Healthy in the pod's status", func() (bool, string) {
 		p, err := d.getPod(name)
 		if err != nil {
 			return false, err.Error()
@@ -966,7 +967,7 @@ func (d *draStack) caseBesideBridge(t *testing.T) {
 	// It stays so: watched for a while (the scheduler retries on every slice change).
 	window := 5 * time.Second
 	var got string
-	_, _ = poll(window, func() (bool, string) {
+	_, _ = testwait.Poll(window, func() (bool, string) {
 		p, err := d.getPod(pending)
 		if err != nil {
 			return false, ""
@@ -1318,7 +1319,7 @@ func TestDRAContainer(t *testing.T) {
 func (d *draStack) waitClaimStatus(t *testing.T, c *claim, ids []string) {
 	t.Helper()
 	var status []string
-	dStatus := waitFor(t, 30*time.Second, "the claim's device status", func() (bool, string) {
+	dStatus := testwait.Until(t, 30*time.Second, "the claim's device status", func() (bool, string) {
 		var cs claim
 		if err := d.n.kubectlJSON(&cs, "-n", podNamespace, "get", "resourceclaim", c.Metadata.Name); err != nil {
 			return false, err.Error()

@@ -15,6 +15,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/devicehost/devicehost/tools/proc"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // TestRealNode runs devicehost's agent and kubelet bridge, as the DaemonSet runs them,
@@ -149,7 +150,7 @@ func (s *stack) caseInsufficient(t *testing.T) {
 	big := s.createPod(t, "too-many", 7)
 	defer s.deletePod(t, big)
 	var msg string
-	d := waitFor(t, 60*time.Second, "pod "+big+" unschedulable", func() (bool, string) {
+	d := testwait.Until(t, 60*time.Second, "pod "+big+" unschedulable", func() (bool, string) {
 		p, err := s.getPod(big)
 		if err != nil {
 			return false, err.Error()
@@ -259,7 +260,7 @@ func (s *stack) restartKubelet(t *testing.T, i int, quiet time.Duration) {
 	}()
 	// The new kubelet.sock; then the bridge's "registered" line after it.
 	var sockAt time.Time
-	waitFor(t, 90*time.Second, "a new kubelet.sock", func() (bool, string) {
+	testwait.Until(t, 90*time.Second, "a new kubelet.sock", func() (bool, string) {
 		if made := s.kubeletSocketMade(); made.After(stopped) {
 			sockAt = made
 			return true, ""
@@ -267,7 +268,7 @@ func (s *stack) restartKubelet(t *testing.T, i int, quiet time.Duration) {
 		return false, "the socket from before the restart, or none"
 	})
 	var regAt time.Time
-	d, err := poll(30*time.Second, func() (bool, string) {
+	d, err := testwait.Poll(30*time.Second, func() (bool, string) {
 		for _, l := range linesSince(s.bridge.log, bOff) {
 			if l.Message == "registered with the kubelet" && !l.Time.Before(sockAt) {
 				regAt = l.Time
@@ -284,7 +285,7 @@ func (s *stack) restartKubelet(t *testing.T, i int, quiet time.Duration) {
 	// No failed registration after it; stop at the first one. A failed try while the
 	// kubelet was starting is logged, not counted.
 	var early, errs []string
-	_, _ = poll(quiet, func() (bool, string) {
+	_, _ = testwait.Poll(quiet, func() (bool, string) {
 		early, errs = s.registrationErrors(bOff, kOff, regAt)
 		return len(errs) > 0, ""
 	})
@@ -321,7 +322,7 @@ func (s *stack) pluginPID() int {
 func (s *stack) casePluginKill(t *testing.T) {
 	killed := map[int]bool{}
 	start := time.Now()
-	dDrop := waitFor(t, 60*time.Second, "allocatable down to 0", func() (bool, string) {
+	dDrop := testwait.Until(t, 60*time.Second, "allocatable down to 0", func() (bool, string) {
 		if pid := s.pluginPID(); pid != 0 && !killed[pid] {
 			if err := syscall.Kill(pid, syscall.SIGKILL); err == nil {
 				killed[pid] = true
@@ -372,7 +373,7 @@ func (s *stack) casePodDeleted(t *testing.T) {
 	deleted := time.Now()
 	dGone := s.deletePod(t, name)
 	limit := 3*s.releaseGrace + 30*time.Second
-	waitFor(t, limit, "reservation "+res.GetReservationId()+" released", func() (bool, string) {
+	testwait.Until(t, limit, "reservation "+res.GetReservationId()+" released", func() (bool, string) {
 		rs, err := s.reservations("-owner", res.GetOwnerId())
 		if err != nil {
 			return false, err.Error()
@@ -411,7 +412,7 @@ func (s *stack) caseBridgeRestart(t *testing.T) {
 	off := s.bridge.logOffset()
 	s.bridge.stop(t, syscall.SIGTERM)
 	s.bridge.start(t)
-	dReg := waitFor(t, 30*time.Second, "bridge registered again", func() (bool, string) {
+	dReg := testwait.Until(t, 30*time.Second, "bridge registered again", func() (bool, string) {
 		for _, l := range linesSince(s.bridge.log, off) {
 			if l.Message == "registered with the kubelet" {
 				return true, ""
@@ -423,7 +424,7 @@ func (s *stack) caseBridgeRestart(t *testing.T) {
 	// reservation, the one from before.
 	window := 15 * time.Second
 	var dup []string
-	_, _ = poll(window, func() (bool, string) {
+	_, _ = testwait.Poll(window, func() (bool, string) {
 		for _, id := range before.GetDeviceIds() {
 			rs, err := s.reservations("-device", id, "-state", "active")
 			if err != nil {

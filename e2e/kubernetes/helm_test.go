@@ -17,6 +17,7 @@ import (
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/tools/proc"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // devicehost as its users install it: devicehost's image (scripts/image), imported into
@@ -256,7 +257,7 @@ func (h *helmStack) pods() ([]releasePod, error) {
 func (h *helmStack) waitReady(t *testing.T, image string, limit time.Duration, during ...func()) (releasePod, time.Duration) {
 	t.Helper()
 	var pod releasePod
-	d := waitFor(t, limit, "the release's pod ready with "+image, func() (bool, string) {
+	d := testwait.Until(t, limit, "the release's pod ready with "+image, func() (bool, string) {
 		for _, f := range during {
 			f()
 		}
@@ -301,7 +302,7 @@ func (h *helmStack) install(t *testing.T, mode string, i int) releasePod {
 func (h *helmStack) checkVersion(t *testing.T, pod string, i int) {
 	t.Helper()
 	var got []string
-	waitFor(t, 30*time.Second, "the agent's version in its log", func() (bool, string) {
+	testwait.Until(t, 30*time.Second, "the agent's version in its log", func() (bool, string) {
 		out, err := h.n.kubectl(nil, "-n", helmNamespace, "logs", pod, "-c", "agent")
 		if err != nil {
 			return false, err.Error()
@@ -390,7 +391,7 @@ func (h *helmStack) probeRestart(t *testing.T, pod, container, sub string) {
 		t.Fatal(err)
 	}
 	var rp releasePod
-	d := waitFor(t, 2*time.Minute, "container "+container+" restarted by its liveness probe", func() (bool, string) {
+	d := testwait.Until(t, 2*time.Minute, "container "+container+" restarted by its liveness probe", func() (bool, string) {
 		if err := h.n.kubectlJSON(&rp, "-n", helmNamespace, "get", "pod", pod); err != nil {
 			return false, err.Error()
 		}
@@ -446,7 +447,7 @@ func (h *helmStack) uninstall(t *testing.T) {
 	dHelm := time.Since(start)
 	// The kubelet wipes a DRA driver's ResourceSlices some time after the driver has
 	// unregistered (30 s in 1.37), unless it comes back.
-	d := waitFor(t, 90*time.Second, "nothing of devicehost left on the node", func() (bool, string) {
+	d := testwait.Until(t, 90*time.Second, "nothing of devicehost left on the node", func() (bool, string) {
 		pods, err := h.pods()
 		if err != nil {
 			return false, err.Error()
@@ -467,7 +468,7 @@ func (h *helmStack) uninstall(t *testing.T) {
 func (h *helmStack) deletePodReleased(t *testing.T, name string) {
 	t.Helper()
 	h.s.deletePod(t, name)
-	waitFor(t, 90*time.Second, "pod "+name+"'s reservation released", func() (bool, string) {
+	testwait.Until(t, 90*time.Second, "pod "+name+"'s reservation released", func() (bool, string) {
 		rs, err := h.s.reservations("-owner", podOwner(name), "-state", "active")
 		if err != nil {
 			return false, err.Error()
@@ -595,7 +596,7 @@ func (h *helmStack) caseDRA(t *testing.T) {
 	}
 	start := time.Now()
 	var rp releasePod
-	waitFor(t, 2*time.Minute, "the agent container back after SIGKILL", func() (bool, string) {
+	testwait.Until(t, 2*time.Minute, "the agent container back after SIGKILL", func() (bool, string) {
 		if err := h.n.kubectlJSON(&rp, "-n", helmNamespace, "get", "pod", pod.Metadata.Name); err != nil {
 			return false, err.Error()
 		}
@@ -718,7 +719,7 @@ func (h *helmStack) caseBoth(t *testing.T) {
 
 	h.d.deleteReleased(t, dra, c, draRes)
 	h.s.deletePod(t, dp)
-	waitFor(t, 90*time.Second, "the device-plugin pod's reservation released", func() (bool, string) {
+	testwait.Until(t, 90*time.Second, "the device-plugin pod's reservation released", func() (bool, string) {
 		rs, err := h.s.reservations("-state", "active")
 		if err != nil {
 			return false, err.Error()
@@ -754,7 +755,7 @@ func (h *helmStack) extendedResourcePod(t *testing.T) {
 	out, dRun := h.d.waitPodReady(t, name, 90*time.Second)
 	prefix := claimOwner + podNamespace + "/" + name + "-extended-resources-"
 	var res *pb.Reservation
-	waitFor(t, 60*time.Second, "a reservation of the pod's extended-resource claim", func() (bool, string) {
+	testwait.Until(t, 60*time.Second, "a reservation of the pod's extended-resource claim", func() (bool, string) {
 		rs, err := h.s.reservations("-state", "active")
 		if err != nil {
 			return false, err.Error()
@@ -775,7 +776,7 @@ func (h *helmStack) extendedResourcePod(t *testing.T) {
 		name, dRun.Round(time.Millisecond), res.GetReservationId(), res.GetOwnerId(), ids)
 	deleted := time.Now()
 	h.s.deletePod(t, name)
-	waitFor(t, releaseAtOnce+10*time.Second, "the extended-resource claim released", func() (bool, string) {
+	testwait.Until(t, releaseAtOnce+10*time.Second, "the extended-resource claim released", func() (bool, string) {
 		rs, err := h.s.reservations("-state", "active")
 		if err != nil {
 			return false, err.Error()
@@ -810,7 +811,7 @@ func (h *helmStack) caseHostDevices(t *testing.T) {
 	if charDevice("/dev/kvm") {
 		want["kvm"] = 4
 	}
-	waitFor(t, 60*time.Second, fmt.Sprintf("hostdev devices %v healthy", want), func() (bool, string) {
+	testwait.Until(t, 60*time.Second, fmt.Sprintf("hostdev devices %v healthy", want), func() (bool, string) {
 		fp, err := h.s.devices()
 		if err != nil {
 			return false, err.Error()
@@ -828,7 +829,7 @@ func (h *helmStack) caseHostDevices(t *testing.T) {
 	h.d.waitPool(t, 60*time.Second, "a fuse and a tun device of 8 holders each in the pool", func(p pool) (bool, string) {
 		return holdersDevice(p, "fuse") == "8" && holdersDevice(p, "tun") == "8", p.String()
 	})
-	waitFor(t, 60*time.Second, "node allocatable devicehost.io/tun=8", func() (bool, string) {
+	testwait.Until(t, 60*time.Second, "node allocatable devicehost.io/tun=8", func() (bool, string) {
 		n, err := h.s.allocatableOf(tunResource)
 		return err == nil && n == 8, fmt.Sprintf("%d (%v)", n, err)
 	})
@@ -857,7 +858,7 @@ func (h *helmStack) caseHostDevices(t *testing.T) {
 
 	h.s.deletePod(t, draPod)
 	h.s.deletePod(t, dpPod)
-	waitFor(t, 90*time.Second, "the pods' reservations released", func() (bool, string) {
+	testwait.Until(t, 90*time.Second, "the pods' reservations released", func() (bool, string) {
 		rs, err := h.s.reservations("-state", "active")
 		if err != nil {
 			return false, err.Error()

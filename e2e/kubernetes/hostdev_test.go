@@ -13,6 +13,7 @@ import (
 	"time"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // The node's real /dev/fuse and /dev/net/tun through the hostdev plugin, beside the
@@ -119,7 +120,7 @@ func (d *draStack) caseHostDev(t *testing.T) {
 	d.withHostdevResources(t)
 	d.applyHostdevClasses(t)
 	t.Cleanup(func() { d.releaseHostdevPods(t) }) // before the agent goes back to GPUs alone
-	waitFor(t, 60*time.Second, "8 fuse and 2 tun devices healthy at the agent", func() (bool, string) {
+	testwait.Until(t, 60*time.Second, "8 fuse and 2 tun devices healthy at the agent", func() (bool, string) {
 		fp, err := d.devices()
 		if err != nil {
 			return false, err.Error()
@@ -137,7 +138,7 @@ func (d *draStack) caseHostDev(t *testing.T) {
 	dPool := d.waitPool(t, 60*time.Second, "one fuse device of 8 holders and one tun device of 2 in the pool", func(p pool) (bool, string) {
 		return holdersDevice(p, "fuse") == "8" && holdersDevice(p, "tun") == "2", p.String()
 	})
-	waitFor(t, 60*time.Second, "node allocatable devicehost.io/fuse=8, tun=2", func() (bool, string) {
+	testwait.Until(t, 60*time.Second, "node allocatable devicehost.io/fuse=8, tun=2", func() (bool, string) {
 		f, err1 := d.allocatableOf(fuseResource)
 		n, err2 := d.allocatableOf(tunResource)
 		return err1 == nil && err2 == nil && f == 8 && n == 2, fmt.Sprintf("fuse %d, tun %d (%v %v)", f, n, err1, err2)
@@ -186,7 +187,7 @@ func (d *draStack) caseHostDev(t *testing.T) {
 	out, dRun = d.waitPodReady(t, dpPod, 90*time.Second)
 	// One reservation per resource the container asks for.
 	var dpRes []*pb.Reservation
-	waitFor(t, 60*time.Second, "the device-plugin pod's fuse and tun reserved", func() (bool, string) {
+	testwait.Until(t, 60*time.Second, "the device-plugin pod's fuse and tun reserved", func() (bool, string) {
 		rs, err := d.reservations("-owner", podOwner(dpPod), "-state", "active")
 		dpRes = rs
 		return err == nil && len(hostdevIDs(rs, "fuse")) == 1 && len(hostdevIDs(rs, "tun")) == 1, fmt.Sprintf("%v %v", rs, err)
@@ -264,7 +265,7 @@ func (d *draStack) hostdevClaimPod(t *testing.T, prefix string, classes ...strin
 func (d *draStack) waitClaimsHolding(t *testing.T, podName string, want map[string]int) []*pb.Reservation {
 	t.Helper()
 	var held []*pb.Reservation
-	waitFor(t, 30*time.Second, fmt.Sprintf("pod %s's claims holding %v", podName, want), func() (bool, string) {
+	testwait.Until(t, 30*time.Second, fmt.Sprintf("pod %s's claims holding %v", podName, want), func() (bool, string) {
 		rs, err := d.reservations("-owner", claimOwner, "-state", "active")
 		if err != nil {
 			return false, err.Error()
@@ -355,7 +356,7 @@ func (d *draStack) applyHostdevClasses(t *testing.T) {
 func (d *draStack) releaseHostdevPods(t *testing.T) {
 	t.Helper()
 	d.deleteAllPods(t)
-	waitFor(t, d.releaseGrace+60*time.Second, "no hostdev device held", func() (bool, string) {
+	testwait.Until(t, d.releaseGrace+60*time.Second, "no hostdev device held", func() (bool, string) {
 		rs, err := d.reservations("-state", "active")
 		if err != nil {
 			return false, err.Error()

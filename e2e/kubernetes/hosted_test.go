@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // squat/generic-device-plugin, unmodified (built from the Go module proxy by build.sh),
@@ -51,7 +52,7 @@ func (s *stack) gdpDevices() (map[string]*pb.Device, error) {
 // them.
 func (s *stack) waitGDP(t *testing.T, what string, ok func(map[string]*pb.Device) bool) time.Duration {
 	t.Helper()
-	return waitFor(t, 60*time.Second, what, func() (bool, string) {
+	return testwait.Until(t, 60*time.Second, what, func() (bool, string) {
 		devs, err := s.gdpDevices()
 		if err != nil {
 			return false, err.Error()
@@ -129,7 +130,7 @@ func (d *draStack) caseHostedPlugin(t *testing.T) {
 		}
 		return n == gdpCount, p.String()
 	})
-	dAlloc := waitFor(t, 60*time.Second, "node allocatable devic.es/fuse=4 through the bridge", func() (bool, string) {
+	dAlloc := testwait.Until(t, 60*time.Second, "node allocatable devic.es/fuse=4 through the bridge", func() (bool, string) {
 		n, err := d.allocatableOf(gdpResource)
 		return err == nil && n == gdpCount, fmt.Sprintf("%d (%v)", n, err)
 	})
@@ -209,7 +210,7 @@ func (d *draStack) caseHostedPlugin(t *testing.T) {
 func (d *draStack) releaseClaimsAndPods(t *testing.T) {
 	t.Helper()
 	d.deleteAllPods(t)
-	waitFor(t, d.releaseGrace+60*time.Second, "no reservation of the case left", func() (bool, string) {
+	testwait.Until(t, d.releaseGrace+60*time.Second, "no reservation of the case left", func() (bool, string) {
 		rs, err := d.reservations("-state", "active")
 		if err != nil {
 			return false, err.Error()

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // metricsSocket is where the agent serves /metrics in the MPS cases, inside its
@@ -46,7 +48,7 @@ func (d *draStack) dcgmSeries(t *testing.T, metric, uuid string, want map[string
 	}}
 	defer hc.CloseIdleConnections()
 	var found string
-	waitFor(t, limit, fmt.Sprintf("a %s series of %s with %v", metric, uuid, want), func() (bool, string) {
+	testwait.Until(t, limit, fmt.Sprintf("a %s series of %s with %v", metric, uuid, want), func() (bool, string) {
 		resp, err := hc.Get("http://agent/metrics")
 		if err != nil {
 			return false, err.Error()

@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 const mpsResource = "nvidia.com/gpu.mps"
@@ -28,7 +30,7 @@ func (d *draStack) caseMPSDevicePlugin(t *testing.T) {
         sharing        = "mps"
         mps_dir        = "`+mpsDir+`"`)))
 	d.withBridgeResource(t, mpsResource, "gpu.mps")
-	dReg := waitFor(t, 60*time.Second, "node allocatable "+mpsResource+"=32", func() (bool, string) {
+	dReg := testwait.Until(t, 60*time.Second, "node allocatable "+mpsResource+"=32", func() (bool, string) {
 		n, err := d.allocatableOf(mpsResource)
 		return err == nil && n == 32, fmt.Sprintf("allocatable %d (%v)", n, err)
 	})
@@ -63,7 +65,7 @@ func (d *draStack) caseMPSDevicePlugin(t *testing.T) {
 
 	d.deletePod(t, name)
 	start = time.Now()
-	waitFor(t, d.releaseGrace+60*time.Second, "the daemon stopped after the pod was gone", func() (bool, string) {
+	testwait.Until(t, d.releaseGrace+60*time.Second, "the daemon stopped after the pod was gone", func() (bool, string) {
 		entries, err := os.ReadDir(mpsDir)
 		return err == nil && len(entries) == 0, fmt.Sprintf("%d daemon directories (%v)", len(entries), err)
 	})
@@ -181,7 +183,7 @@ func (d *draStack) caseMPSClaims(t *testing.T) {
 		d.deletePod(t, p)
 	}
 	start = time.Now()
-	waitFor(t, 60*time.Second, "the daemons stopped after the pods were gone", func() (bool, string) {
+	testwait.Until(t, 60*time.Second, "the daemons stopped after the pods were gone", func() (bool, string) {
 		entries, err := os.ReadDir(mpsDir)
 		return err == nil && len(entries) == 0, fmt.Sprintf("%d daemon directories (%v)", len(entries), err)
 	})

@@ -231,30 +231,3 @@ func (n *nodeEnv) kubectlJSON(v any, args ...string) error {
 	}
 	return json.Unmarshal(out, v)
 }
-
-// waitFor polls check every 200 ms until it reports done, and fails t after limit with
-// what check said last. It returns how long it waited.
-func waitFor(t *testing.T, limit time.Duration, what string, check func() (done bool, status string)) time.Duration {
-	t.Helper()
-	d, err := poll(limit, check)
-	if err != nil {
-		t.Fatalf("%s: %v", what, err)
-	}
-	return d
-}
-
-// poll is waitFor's loop, for callers that decide themselves what a timeout means.
-func poll(limit time.Duration, check func() (bool, string)) (time.Duration, error) {
-	start := time.Now()
-	deadline := start.Add(limit)
-	for {
-		done, status := check()
-		if done {
-			return time.Since(start), nil
-		}
-		if time.Now().After(deadline) {
-			return time.Since(start), fmt.Errorf("not within %v; last: %s", limit, status)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-}

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/devicehost/devicehost/tools/proc"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // The condition the release's node-status container writes (integrations/dra/nodestatus).
@@ -101,7 +102,7 @@ func (h *helmStack) node(t *testing.T) nodeView {
 func (h *helmStack) checkNodeStatus(t *testing.T) {
 	t.Helper()
 	var v nodeView
-	d := waitFor(t, 60*time.Second, "the node's GFD labels and condition True", func() (bool, string) {
+	d := testwait.Until(t, 60*time.Second, "the node's GFD labels and condition True", func() (bool, string) {
 		v = h.node(t)
 		got := v.owned()
 		for k, want := range gfdLabels {

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // Sharing chosen per workload, every mode on one node of 8 simulated H100s: the agent
@@ -102,7 +104,7 @@ func (d *draStack) caseSharingModes(t *testing.T) {
 	// The device-plugin path draws on the same GPUs through the ledger: the bridge offers
 	// nvidia.com/gpu.mps without X's four shares (blocked) and the three the claims hold.
 	d.withBridgeResource(t, mpsResource, "gpu.mps")
-	dAlloc := waitFor(t, 60*time.Second, "node allocatable "+mpsResource+"=17", func() (bool, string) {
+	dAlloc := testwait.Until(t, 60*time.Second, "node allocatable "+mpsResource+"=17", func() (bool, string) {
 		n, err := d.allocatableOf(mpsResource)
 		return err == nil && n == 17, fmt.Sprintf("allocatable %d (%v)", n, err)
 	})

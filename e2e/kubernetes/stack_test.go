@@ -20,6 +20,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 const gpuResource = "nvidia.com/gpu"
@@ -264,7 +265,7 @@ func (s *stack) reservations(flags ...string) ([]*pb.Reservation, error) {
 
 func (s *stack) waitAgentHealthy(t *testing.T, limit time.Duration) {
 	t.Helper()
-	waitFor(t, limit, "agent serving 8 healthy GPUs", func() (bool, string) {
+	testwait.Until(t, limit, "agent serving 8 healthy GPUs", func() (bool, string) {
 		fp, err := s.devices()
 		if err != nil {
 			return false, err.Error()
@@ -304,7 +305,7 @@ func (s *stack) allocatableOf(resource string) (int, error) {
 
 func (s *stack) waitAllocatable(t *testing.T, want int, limit time.Duration) time.Duration {
 	t.Helper()
-	return waitFor(t, limit, fmt.Sprintf("node allocatable %s=%d", gpuResource, want), func() (bool, string) {
+	return testwait.Until(t, limit, fmt.Sprintf("node allocatable %s=%d", gpuResource, want), func() (bool, string) {
 		n, err := s.allocatable()
 		if err != nil {
 			return false, err.Error()
@@ -420,7 +421,7 @@ func (s *stack) getPod(name string) (*pod, error) {
 func (s *stack) waitPodReady(t *testing.T, name string, limit time.Duration) (string, time.Duration) {
 	t.Helper()
 	var logs string
-	d := waitFor(t, limit, "pod "+name+" running", func() (bool, string) {
+	d := testwait.Until(t, limit, "pod "+name+" running", func() (bool, string) {
 		p, err := s.getPod(name)
 		if err != nil {
 			return false, err.Error()
@@ -445,7 +446,7 @@ func (s *stack) deletePod(t *testing.T, name string) time.Duration {
 	if _, err := s.n.kubectl(nil, "-n", podNamespace, "delete", "pod", name, "--wait=false", "--ignore-not-found"); err != nil {
 		t.Fatal(err)
 	}
-	return waitFor(t, 90*time.Second, "pod "+name+" gone", func() (bool, string) {
+	return testwait.Until(t, 90*time.Second, "pod "+name+" gone", func() (bool, string) {
 		out, err := s.n.kubectl(nil, "-n", podNamespace, "get", "pod", name, "--ignore-not-found", "-o", "name")
 		if err != nil {
 			return false, err.Error()
@@ -469,7 +470,7 @@ func podOwner(name string) string { return "k8s/" + podNamespace + "/" + name + 
 func (s *stack) waitPodReservation(t *testing.T, name string, limit time.Duration) (*pb.Reservation, time.Duration) {
 	t.Helper()
 	var res *pb.Reservation
-	d := waitFor(t, limit, "a reservation owned by "+podOwner(name), func() (bool, string) {
+	d := testwait.Until(t, limit, "a reservation owned by "+podOwner(name), func() (bool, string) {
 		rs, err := s.reservations("-owner", podOwner(name), "-state", "active")
 		if err != nil {
 			return false, err.Error()

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // createTaintRule creates a DeviceTaintRule (cluster-scoped, resource.k8s.io/v1) that
@@ -102,14 +104,14 @@ func (d *draStack) caseTaintRule(t *testing.T) {
 	// NoExecute: Kubernetes' device-taint eviction controller evicts the holder's pod;
 	// the kubelet unprepares its claim and the ledger frees both GPUs.
 	d.createTaintRule(t, "e2e-held-noexecute", poolName, held, "NoExecute")
-	dFree := waitFor(t, 90*time.Second, "the evicted holder's GPUs free in the ledger", func() (bool, string) {
+	dFree := testwait.Until(t, 90*time.Second, "the evicted holder's GPUs free in the ledger", func() (bool, string) {
 		rs, err := d.reservations("-owner", hc.owner(), "-state", "active")
 		if err != nil {
 			return false, err.Error()
 		}
 		return len(rs) == 0, fmt.Sprintf("%d active: %v", len(rs), rs)
 	})
-	waitFor(t, 60*time.Second, "pod "+holder+" gone or failed after the NoExecute rule", func() (bool, string) {
+	testwait.Until(t, 60*time.Second, "pod "+holder+" gone or failed after the NoExecute rule", func() (bool, string) {
 		p, err := d.getPod(holder)
 		if err != nil {
 			return strings.Contains(err.Error(), "NotFound") || strings.Contains(err.Error(), "not found"), err.Error()

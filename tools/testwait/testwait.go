@@ -44,20 +44,45 @@ func timeout(env string) time.Duration {
 // soon costs no sleep and one that takes long (a process, an HTTP API) is not hammered.
 func WaitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	if !poll(Timeout, cond) {
+	if _, err := poll(Timeout, 50*time.Millisecond, func() (bool, string) { return cond(), "" }); err != nil {
 		t.Fatalf("%s: not within %v", what, Timeout)
 	}
 }
 
-// poll calls cond until it holds (true) or limit has passed after a call that did not
-// (false).
-func poll(limit time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(limit)
-	for pause := time.Millisecond; !cond(); pause = min(2*pause, 50*time.Millisecond) {
+// Until is WaitFor for a wait with a bound of its own (a real node's pod start, a
+// cluster's) whose check says what it saw: it polls check, backing off to every 200 ms
+// (a check there costs a process or an API call), until check is done, and fails t
+// naming what and check's last status once limit has passed. It returns how long it
+// waited.
+func Until(t testing.TB, limit time.Duration, what string, check func() (done bool, status string)) time.Duration {
+	t.Helper()
+	d, err := Poll(limit, check)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	return d
+}
+
+// Poll is Until's loop for a caller that decides itself what a timeout means: how long
+// it waited, and an error with check's last status once limit has passed without
+// check being done.
+func Poll(limit time.Duration, check func() (done bool, status string)) (time.Duration, error) {
+	return poll(limit, 200*time.Millisecond, check)
+}
+
+// poll calls check until it is done, pausing a millisecond at first and doubling up to
+// maxPause, or until limit has passed after a call that was not done.
+func poll(limit, maxPause time.Duration, check func() (bool, string)) (time.Duration, error) {
+	start := time.Now()
+	deadline := start.Add(limit)
+	for pause := time.Millisecond; ; pause = min(2*pause, maxPause) {
+		done, status := check()
+		if done {
+			return time.Since(start), nil
+		}
 		if time.Now().After(deadline) {
-			return false
+			return time.Since(start), fmt.Errorf("not within %v; last: %s", limit, status)
 		}
 		time.Sleep(pause)
 	}
-	return true
 }

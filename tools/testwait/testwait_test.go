@@ -1,6 +1,7 @@
 package testwait
 
 import (
+	"fmt"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -9,7 +10,7 @@ import (
 func TestPollReturnsOnceCondHolds(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		start, calls := time.Now(), 0
-		if !poll(time.Minute, func() bool { calls++; return calls == 4 }) {
+		if _, err := poll(time.Minute, 50*time.Millisecond, func() (bool, string) { calls++; return calls == 4, "" }); err != nil {
 			t.Fatal("poll gave up on a condition that held at its 4th call")
 		}
 		// 1 + 2 + 4 ms of backoff, on synctest's clock.
@@ -22,8 +23,12 @@ func TestPollReturnsOnceCondHolds(t *testing.T) {
 func TestPollGivesUpAfterLimit(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		start, calls := time.Now(), 0
-		if poll(time.Second, func() bool { calls++; return false }) {
+		_, err := poll(time.Second, 50*time.Millisecond, func() (bool, string) { calls++; return false, fmt.Sprintf("call %d", calls) })
+		if err == nil {
 			t.Fatal("poll reported a condition that never held")
+		}
+		if want := fmt.Sprintf("not within 1s; last: call %d", calls); err.Error() != want {
+			t.Errorf("poll's error %q, want %q (the last status)", err, want)
 		}
 		waited := time.Since(start)
 		if waited <= time.Second || waited > time.Second+50*time.Millisecond {
