@@ -1,0 +1,471 @@
+// Command devicehost-fleet is the fleet bench's client (scripts/fleet starts the control
+// plane and kwok, then runs it): it makes N simulated nodes for kwok, publishes for each
+// the ResourceSlices devicehost's DRA driver would publish for a DGX H100 (through the
+// driver's own slice code and publisher, dra.PublishPool), then creates a burst of pods,
+// each with a ResourceClaim, and measures how fast the scheduler binds them. It prints
+// one row: the nodes, the layout, the claim, the pods, claims scheduled per second, p50
+// and p99 from a pod's create to its nodeName set, the API server's CPU seconds and peak
+// RSS during the burst, and the bytes of every ResourceSlice (their JSON, as listed).
+//
+//	devicehost-fleet -kubeconfig admin.kubeconfig -nodes 100 -layout static -pods 200 \
+//	    -apiserver-pid 1234
+//
+// Layouts, each 8 GPUs a node:
+//
+//	plain   the 8 GPUs with their IDs alone (no attributes but the driver's own, no
+//	        counters): the floor any driver pays
+//	static  devicehost's slices of the 8 whole GPUs, as the agent's -dev fingerprint
+//	mig     devicehost's on-demand MIG layout: the 8 GPUs and their 224 placements,
+//	        consuming the GPUs' counter sets
+//
+// The fingerprints are recorded from the agent (fingerprints/): `devicehost devices
+// -json` of `devicehost agent -dev` (dgxh100.json), of the same with the nvidia-example
+// plugin's config { simulate = "dgxh100", mig = "on-demand" } (dgxh100-mig-on-demand.json),
+// and dgxh100.json with each device's ID and health alone, no group attributes, no
+// counter sets (dgxh100-plain.json). The DeviceClasses are deploy/kubernetes/dra.yaml's,
+// which scripts/fleet applies.
+package main
+
+import (
+	"context"
+	"embed"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/devicehost/devicehost/integrations/dra"
+)
+
+//go:embed fingerprints/*.json
+var fingerprints embed.FS
+
+// kwok manages the nodes that carry this annotation (scripts/fleet starts it with
+// --manage-nodes-with-annotation-selector).
+const kwokAnnotation = "kwok.x-k8s.io/node"
+
+const namespace = "fleet"
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:])
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "devicehost-fleet:", err)
+		os.Exit(1)
+	}
+}
+
+type options struct {
+	kubeconfig   string
+	nodes        int
+	layout       string
+	claim        string
+	pods         int
+	apiserverPID int
+	parallel     int
+	timeout      time.Duration
+}
+
+func run(ctx context.Context, args []string) error {
+	var o options
+	fs := flag.NewFlagSet("devicehost-fleet", flag.ContinueOnError)
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "admin kubeconfig `file` of the fleet's API server")
+	fs.IntVar(&o.nodes, "nodes", 100, "simulated nodes")
+	fs.StringVar(&o.layout, "layout", "static", "slice layout: plain, static or mig")
+	fs.StringVar(&o.claim, "claim", "gpu", "each pod's claim: gpu (1 GPU) or mig (one 1g.10gb; layout mig)")
+	fs.IntVar(&o.pods, "pods", 0, "pods in the burst (0: 2 per node)")
+	fs.IntVar(&o.apiserverPID, "apiserver-pid", 0, "the API server's PID, for its CPU and RSS (0: not measured)")
+	fs.IntVar(&o.parallel, "parallel", 32, "API calls in flight while setting up and in the burst")
+	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "how long the burst may take to be scheduled")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if o.pods == 0 {
+		o.pods = 2 * o.nodes
+	}
+	snap, err := fingerprint(o.layout)
+	if err != nil {
+		return err
+	}
+	if o.claim == "mig" && o.layout != "mig" {
+		return errors.New("-claim mig needs -layout mig")
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", o.kubeconfig)
+	if err != nil {
+		return err
+	}
+	// One client for the whole fleet: its drivers' rate limits are theirs each, not
+	// one process's.
+	cfg.QPS, cfg.Burst = 5000, 5000
+	cfg.ContentType = "application/vnd.kubernetes.protobuf"
+	kube, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	t := time.Now()
+	if err := createNodes(ctx, kube, o); err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "fleet: %d nodes Ready in %.1fs\n", o.nodes, time.Since(t).Seconds())
+	t = time.Now()
+	writes, err := publish(ctx, kube, o, snap)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "fleet: %d ResourceSlices published in %.1fs\n", writes, time.Since(t).Seconds())
+	sliceBytes, nslices, err := slicesBytes(ctx, kube)
+	if err != nil {
+		return err
+	}
+	res, err := burst(ctx, kube, o)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("ROW %d %s %s %d %d %.1f %.3f %.3f %.1f %.0f %d %d\n", o.nodes, o.layout, o.claim, o.pods, res.scheduled,
+		res.perSecond, res.p50.Seconds(), res.p99.Seconds(), res.cpu, res.rssMiB, nslices, sliceBytes)
+	return nil
+}
+
+// fingerprint returns the agent's snapshot of a node for layout, as protojson.
+func fingerprint(layout string) ([]byte, error) {
+	file := map[string]string{"plain": "dgxh100-plain.json", "static": "dgxh100.json", "mig": "dgxh100-mig-on-demand.json"}[layout]
+	if file == "" {
+		return nil, fmt.Errorf("-layout %q: want plain, static or mig", layout)
+	}
+	return fingerprints.ReadFile("fingerprints/" + file)
+}
+
+func nodeName(i int) string { return fmt.Sprintf("fleet-%04d", i) }
+
+// createNodes makes the nodes for kwok and waits until kwok has made them all Ready.
+func createNodes(ctx context.Context, kube kubernetes.Interface, o options) error {
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(o.parallel)
+	for i := range o.nodes {
+		g.Go(func() error {
+			n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{
+				Name:        nodeName(i),
+				Annotations: map[string]string{kwokAnnotation: "fake"},
+				Labels:      map[string]string{"type": "kwok", "kubernetes.io/hostname": nodeName(i)},
+			}}
+			_, err := kube.CoreV1().Nodes().Create(gctx, n, metav1.CreateOptions{})
+			if err != nil && !apierrors.IsAlreadyExists(err) {
+				return fmt.Errorf("node %s: %w", n.Name, err)
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		list, err := kube.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: "type=kwok"})
+		if err != nil {
+			return err
+		}
+		ready := 0
+		for _, n := range list.Items {
+			for _, c := range n.Status.Conditions {
+				if c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue {
+					ready++
+				}
+			}
+		}
+		if ready >= o.nodes {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d of %d nodes Ready after 3m: is kwok running?", ready, o.nodes)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// publish writes every node's pool as the driver on that node would.
+func publish(ctx context.Context, kube kubernetes.Interface, o options, snap []byte) (int, error) {
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(o.parallel)
+	var mu sync.Mutex
+	total := 0
+	var problems []string
+	for i := range o.nodes {
+		g.Go(func() error {
+			w, p, err := dra.PublishPool(gctx, kube, nil, dra.DefaultDriverName, nodeName(i), snap, nil)
+			mu.Lock()
+			defer mu.Unlock()
+			total += w
+			if i == 0 {
+				problems = p
+			}
+			if err != nil {
+				return fmt.Errorf("node %s: %w", nodeName(i), err)
+			}
+			return nil
+		})
+	}
+	err := g.Wait()
+	if len(problems) > 0 {
+		fmt.Fprintf(os.Stderr, "fleet: the driver's problems with node 0's fingerprint (%d), first: %s\n", len(problems), problems[0])
+	}
+	return total, err
+}
+
+// slicesBytes is the JSON size of every ResourceSlice, as the API server lists them.
+func slicesBytes(ctx context.Context, kube kubernetes.Interface) (bytes, n int, err error) {
+	list, err := kube.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return 0, 0, err
+	}
+	for i := range list.Items {
+		b, err := json.Marshal(&list.Items[i])
+		if err != nil {
+			return 0, 0, err
+		}
+		bytes += len(b)
+	}
+	return bytes, len(list.Items), nil
+}
+
+type result struct {
+	scheduled int
+	perSecond float64
+	p50, p99  time.Duration
+	cpu       float64 // the API server's CPU seconds during the burst
+	rssMiB    float64 // its peak RSS during the burst
+}
+
+// burst creates the claims, then the pods all at once, and waits until the scheduler
+// has bound them all (or o.timeout).
+func burst(ctx context.Context, kube kubernetes.Interface, o options) (result, error) {
+	_, err := kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: namespace}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		return result{}, err
+	}
+	// The claims first, not timed: the burst is the scheduler's.
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(o.parallel)
+	for i := range o.pods {
+		g.Go(func() error {
+			_, err := kube.ResourceV1().ResourceClaims(namespace).Create(gctx, claim(o.claim, i), metav1.CreateOptions{})
+			if err != nil && !apierrors.IsAlreadyExists(err) {
+				return fmt.Errorf("claim %d: %w", i, err)
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return result{}, err
+	}
+
+	var (
+		mu        sync.Mutex
+		created   = make(map[string]time.Time, o.pods)
+		scheduled = make(map[string]time.Time, o.pods)
+		all       = make(chan struct{})
+	)
+	seen := func(obj any) {
+		p, ok := obj.(*corev1.Pod)
+		if !ok || p.Spec.NodeName == "" {
+			return
+		}
+		now := time.Now()
+		mu.Lock()
+		defer mu.Unlock()
+		if _, done := scheduled[p.Name]; done {
+			return
+		}
+		scheduled[p.Name] = now
+		if len(scheduled) == o.pods {
+			close(all)
+		}
+	}
+	f := informers.NewSharedInformerFactoryWithOptions(kube, 0, informers.WithNamespace(namespace))
+	inf := f.Core().V1().Pods().Informer()
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    seen,
+		UpdateFunc: func(_, obj any) { seen(obj) },
+	}); err != nil {
+		return result{}, err
+	}
+	ictx, stop := context.WithCancel(ctx)
+	defer stop()
+	f.Start(ictx.Done())
+	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+		return result{}, ctx.Err()
+	}
+
+	sampler := startSampler(o.apiserverPID)
+	start := time.Now()
+	g, gctx = errgroup.WithContext(ctx)
+	g.SetLimit(o.parallel)
+	for i := range o.pods {
+		g.Go(func() error {
+			p := pod(i)
+			t := time.Now()
+			mu.Lock()
+			created[p.Name] = t
+			mu.Unlock()
+			if _, err := kube.CoreV1().Pods(namespace).Create(gctx, p, metav1.CreateOptions{}); err != nil {
+				return fmt.Errorf("pod %d: %w", i, err)
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return result{}, err
+	}
+	select {
+	case <-all:
+	case <-time.After(o.timeout):
+	case <-ctx.Done():
+		return result{}, ctx.Err()
+	}
+	cpu, rss := sampler.stop()
+
+	mu.Lock()
+	defer mu.Unlock()
+	var lat []time.Duration
+	var last time.Time
+	for name, t := range scheduled {
+		lat = append(lat, t.Sub(created[name]))
+		if t.After(last) {
+			last = t
+		}
+	}
+	r := result{scheduled: len(scheduled), cpu: cpu, rssMiB: rss}
+	if len(lat) > 0 {
+		slices.Sort(lat)
+		r.p50 = lat[len(lat)/2]
+		r.p99 = lat[min(len(lat)-1, len(lat)*99/100)]
+		r.perSecond = float64(len(lat)) / last.Sub(start).Seconds()
+	}
+	return r, nil
+}
+
+// claim is claim i of kind: one GPU, or one 1g.10gb MIG device.
+func claim(kind string, i int) *resourceapi.ResourceClaim {
+	req := resourceapi.ExactDeviceRequest{DeviceClassName: "gpu.devicehost.io", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1}
+	if kind == "mig" {
+		req.DeviceClassName = "mig.devicehost.io"
+		req.Selectors = []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
+			Expression: `device.attributes["devicehost.io"].productName == "1g.10gb"`}}}
+	}
+	return &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("claim-%05d", i), Namespace: namespace},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
+			Requests: []resourceapi.DeviceRequest{{Name: "dev", Exactly: &req}},
+		}},
+	}
+}
+
+// pod is pod i, with claim i.
+func pod(i int) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("pod-%05d", i), Namespace: namespace},
+		Spec: corev1.PodSpec{
+			Containers: []corev1.Container{{
+				Name: "c", Image: "fleet.invalid/none",
+				Resources: corev1.ResourceRequirements{
+					Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("10m")},
+					Claims:   []corev1.ResourceClaim{{Name: "dev"}},
+				},
+			}},
+			ResourceClaims: []corev1.PodResourceClaim{{Name: "dev", ResourceClaimName: new(fmt.Sprintf("claim-%05d", i))}},
+		},
+	}
+}
+
+// sampler reads a process's CPU time and RSS from /proc.
+type sampler struct {
+	pid  int
+	cpu0 float64
+	done chan struct{}
+	wg   sync.WaitGroup
+	peak float64 // MiB; written by the sampling goroutine until stop
+}
+
+func startSampler(pid int) *sampler {
+	s := &sampler{pid: pid, done: make(chan struct{})}
+	if pid == 0 {
+		return s
+	}
+	s.cpu0 = cpuSeconds(pid)
+	s.wg.Go(func() {
+		tick := time.NewTicker(100 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			s.peak = max(s.peak, rssMiB(pid))
+			select {
+			case <-s.done:
+				return
+			case <-tick.C:
+			}
+		}
+	})
+	return s
+}
+
+// stop ends the sampling: CPU seconds since start, and the peak RSS in MiB.
+func (s *sampler) stop() (cpu, rss float64) {
+	if s.pid == 0 {
+		return 0, 0
+	}
+	close(s.done)
+	s.wg.Wait()
+	return cpuSeconds(s.pid) - s.cpu0, s.peak
+}
+
+// cpuSeconds is utime+stime of pid (USER_HZ is 100 on Linux).
+func cpuSeconds(pid int) float64 {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	s := string(raw)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	if len(f) < 13 {
+		return 0
+	}
+	u, _ := strconv.ParseFloat(f[11], 64)
+	k, _ := strconv.ParseFloat(f[12], 64)
+	return (u + k) / 100
+}
+
+func rssMiB(pid int) float64 {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	for line := range strings.SplitSeq(string(raw), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, _ := strconv.ParseFloat(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 64)
+			return kb / 1024
+		}
+	}
+	return 0
+}
