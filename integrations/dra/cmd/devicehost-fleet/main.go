@@ -12,8 +12,8 @@
 //
 // Layouts, each 8 GPUs a node:
 //
-//	plain   the 8 GPUs with their IDs alone (no attributes but the driver's own, no
-//	        counters): the floor any driver pays
+//	plain   the 8 GPUs with their IDs and NUMA nodes alone (no attributes but the
+//	        driver's own, no counters): the floor any driver pays
 //	static  devicehost's slices of the 8 whole GPUs, as the agent's -dev fingerprint
 //	mig     devicehost's on-demand MIG layout: the 8 GPUs and their 224 placements,
 //	        consuming the GPUs' counter sets
@@ -21,8 +21,8 @@
 // The fingerprints are recorded from the agent (fingerprints/): `devicehost devices
 // -json` of `devicehost agent -dev` (dgxh100.json), of the same with the nvidia-example
 // plugin's config { simulate = "dgxh100", mig = "on-demand" } (dgxh100-mig-on-demand.json),
-// and dgxh100.json with each device's ID and health alone, no group attributes, no
-// counter sets (dgxh100-plain.json). The DeviceClasses are deploy/kubernetes/dra.yaml's,
+// and dgxh100.json with each device's ID, health and NUMA node alone, no group
+// attributes, no counter sets (dgxh100-plain.json). The DeviceClasses are deploy/kubernetes/dra.yaml's,
 // which scripts/fleet applies.
 package main
 
@@ -92,7 +92,7 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "admin kubeconfig `file` of the fleet's API server")
 	fs.IntVar(&o.nodes, "nodes", 100, "simulated nodes")
 	fs.StringVar(&o.layout, "layout", "static", "slice layout: plain, static or mig")
-	fs.StringVar(&o.claim, "claim", "gpu", "each pod's claim: gpu (1 GPU) or mig (one 1g.10gb; layout mig)")
+	fs.StringVar(&o.claim, "claim", "gpu", "each pod's claim: gpu (1 GPU), gpu2 (2 GPUs of one NUMA node: matchAttribute) or mig (one 1g.10gb; layout mig)")
 	fs.IntVar(&o.pods, "pods", 0, "pods in the burst (0: 2 per node)")
 	fs.IntVar(&o.apiserverPID, "apiserver-pid", 0, "the API server's PID, for its CPU and RSS (0: not measured)")
 	fs.IntVar(&o.parallel, "parallel", 32, "API calls in flight while setting up and in the burst")
@@ -107,8 +107,11 @@ func run(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	if o.claim == "mig" && o.layout != "mig" {
+	switch {
+	case o.claim == "mig" && o.layout != "mig":
 		return errors.New("-claim mig needs -layout mig")
+	case o.claim != "gpu" && o.claim != "gpu2" && o.claim != "mig":
+		return fmt.Errorf("-claim %q: want gpu, gpu2 or mig", o.claim)
 	}
 	cfg, err := clientcmd.BuildConfigFromFlags("", o.kubeconfig)
 	if err != nil {
@@ -367,10 +370,17 @@ func burst(ctx context.Context, kube kubernetes.Interface, o options) (result, e
 	return r, nil
 }
 
-// claim is claim i of kind: one GPU, or one 1g.10gb MIG device.
+// claim is claim i of kind: one GPU, two GPUs of one NUMA node (the simulated
+// machines' GPUs have no NVLink domain, and their PCIe roots are not in this host's
+// /sys), or one 1g.10gb MIG device.
 func claim(kind string, i int) *resourceapi.ResourceClaim {
 	req := resourceapi.ExactDeviceRequest{DeviceClassName: "gpu.devicehost.io", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1}
-	if kind == "mig" {
+	var constraints []resourceapi.DeviceConstraint
+	switch kind {
+	case "gpu2":
+		req.Count = 2
+		constraints = []resourceapi.DeviceConstraint{{MatchAttribute: new(resourceapi.FullyQualifiedName("resource.kubernetes.io/numaNode"))}}
+	case "mig":
 		req.DeviceClassName = "mig.devicehost.io"
 		req.Selectors = []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
 			Expression: `device.attributes["devicehost.io"].productName == "1g.10gb"`}}}
@@ -378,7 +388,8 @@ func claim(kind string, i int) *resourceapi.ResourceClaim {
 	return &resourceapi.ResourceClaim{
 		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("claim-%05d", i), Namespace: namespace},
 		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{
-			Requests: []resourceapi.DeviceRequest{{Name: "dev", Exactly: &req}},
+			Requests:    []resourceapi.DeviceRequest{{Name: "dev", Exactly: &req}},
+			Constraints: constraints,
 		}},
 	}
 }
