@@ -45,6 +45,21 @@ grep -q 'dra.extendedResourceName "nvidia.com/gpu": in mode both the kubelet bri
   { echo "helm template's error for the conflicting extended resource does not say so: $bad" >&2; exit 1; }
 "$HELM" template devicehost "$chart" --set mode=both --set dra.extendedResourceName=devicehost.io/gpu >/dev/null
 
+# Metrics off loopback need the agent's TLS Secret, a ServiceMonitor the scraper's: each
+# refused naming the value.
+if bad=$("$HELM" template devicehost "$chart" --set metrics.enabled=true 2>&1); then
+  echo "helm template accepted metrics.enabled without metrics.tls.secretName" >&2; exit 1
+fi
+grep -q "metrics.enabled needs metrics.tls.secretName" <<<"$bad" || { echo "helm template's error for metrics without TLS does not say so: $bad" >&2; exit 1; }
+if bad=$("$HELM" template devicehost "$chart" --set metrics.enabled=true --set metrics.tls.secretName=s --set metrics.serviceMonitor.enabled=true 2>&1); then
+  echo "helm template accepted a ServiceMonitor without metrics.serviceMonitor.clientSecretName" >&2; exit 1
+fi
+grep -q "needs metrics.serviceMonitor.clientSecretName" <<<"$bad" || { echo "helm template's error for the ServiceMonitor does not say so: $bad" >&2; exit 1; }
+"$HELM" template devicehost "$chart" --set metrics.enabled=true --set metrics.tls.secretName=s \
+  --set metrics.serviceMonitor.enabled=true --set metrics.serviceMonitor.clientSecretName=c | grep -q "kind: ServiceMonitor"
+# The real node's example values lint.
+"$HELM" lint --strict --quiet "$chart" -f "$root/deploy/helm/real-node-values.yaml" --kube-version "$KUBERNETES_VERSION"
+
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 

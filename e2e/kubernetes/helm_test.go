@@ -75,6 +75,7 @@ func TestRealNodeHelm(t *testing.T) {
 	t.Run("Both", h.caseBoth)
 	t.Run("HostDevices", h.caseHostDevices)
 	t.Run("Adopt", h.caseAdopt)
+	t.Run("Metrics", h.caseMetrics)
 }
 
 func startHelm(t *testing.T) *helmStack {

@@ -16,6 +16,20 @@ app.kubernetes.io/name: {{ include "devicehost.name" . }}
 {{- if has .Values.mode (list "dra" "both") }}true{{ end -}}
 {{- end -}}
 
+{{/* Whether the agent serves metrics to the cluster; refuses the values that cannot
+work: TCP metrics need the TLS Secret, a ServiceMonitor the scraper's. */}}
+{{- define "devicehost.metrics" -}}
+{{- if .Values.metrics.enabled -}}
+{{- if not .Values.metrics.tls.secretName -}}
+{{- fail "metrics.enabled needs metrics.tls.secretName: the agent serves metrics off loopback only with mutual TLS (a Secret with tls.crt, tls.key and ca.crt)" -}}
+{{- end -}}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.serviceMonitor.clientSecretName) -}}
+{{- fail "metrics.serviceMonitor.enabled needs metrics.serviceMonitor.clientSecretName: the scraper's client certificate (tls.crt, tls.key, ca.crt)" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* Whether the node-status container runs. */}}
 {{- define "devicehost.nodeStatus" -}}
 {{- if .Values.nodeStatus.enabled }}true{{ end -}}
