@@ -2,8 +2,6 @@ package e2e
 
 import (
 	"fmt"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -57,35 +55,7 @@ func TestNomadAgentDeviceConstraints(t *testing.T) {
 	}
 	submit := func(name, model string) {
 		t.Helper()
-		path := filepath.Join(tmp, name+".hcl")
-		writeFile(t, path, fmt.Sprintf(`
-job %q {
-  type        = "batch"
-  datacenters = ["dc1"]
-  group "g" {
-    task "train" {
-      driver = "raw_exec"
-      config {
-        command = "/bin/sh"
-        args    = ["-c", "sleep 3600"]
-      }
-      resources {
-        cpu    = 100
-        memory = 32
-        device "nvidia/gpu" {
-          count = 1
-%s
-        }
-      }
-    }
-  }
-}
-`, name, constraints(model)))
-		cmd := exec.Command(nomadBin, "job", "run", "-detach", path)
-		cmd.Env = append(os.Environ(), "NOMAD_ADDR="+n.addr)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("nomad job run %s: %v\n%s", name, err, out)
-		}
+		n.submitBatchJob(nomadBin, tmp, name, "sleep 3600", "nvidia/gpu", 1, constraints(model))
 	}
 
 	submit("h100", h100)

@@ -313,9 +313,5 @@ job %q {
   }
 }
 `, name, tasks.String()))
-	cmd := exec.Command(bin, "job", "run", "-detach", path)
-	cmd.Env = append(os.Environ(), "NOMAD_ADDR="+n.addr)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("nomad job run %s: %v\n%s", name, err, out)
-	}
+	n.runJobFile(bin, path, name)
 }

@@ -721,8 +721,9 @@ func (n *nomadHTTP) waitPlacementFailed(job string) {
 	}
 }
 
-// submitBatchJob is runBatchJob without waiting for an allocation.
-func (n *nomadHTTP) submitBatchJob(bin, dir, name, script, device string, count int) {
+// submitBatchJob is runBatchJob without waiting for an allocation; deviceBody, if
+// given, goes into the device block after its count (constraints, affinities).
+func (n *nomadHTTP) submitBatchJob(bin, dir, name, script, device string, count int, deviceBody ...string) {
 	t := n.t
 	t.Helper()
 	path := filepath.Join(dir, name+".hcl")
@@ -750,15 +751,22 @@ job %q {
         memory = 32
         device %q {
           count = %d
+%s
         }
       }
     }
   }
 }
-`, name, script, device, count))
+`, name, script, device, count, strings.Join(deviceBody, "\n")))
+	n.runJobFile(bin, path, name)
+}
+
+// runJobFile submits the job file path (detached) with the nomad binary bin.
+func (n *nomadHTTP) runJobFile(bin, path, name string) {
+	n.t.Helper()
 	cmd := exec.Command(bin, "job", "run", "-detach", path)
 	cmd.Env = append(os.Environ(), "NOMAD_ADDR="+n.addr)
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("nomad job run %s: %v\n%s", name, err, out)
+		n.t.Fatalf("nomad job run %s: %v\n%s", name, err, out)
 	}
 }
