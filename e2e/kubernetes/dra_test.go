@@ -3,7 +3,6 @@ package kubernetes
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -1150,39 +1149,19 @@ func (d *draStack) sliceChangeCPU(t *testing.T, id string, rounds int) {
 // one the watch starts with first. stop ends the watch; the channel is then closed.
 func (d *draStack) watchHeld(t *testing.T, id string) (held <-chan bool, stop func()) {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, d.n.kubectlBin, "--kubeconfig", d.n.kubeconfig, "get", "resourceslices",
-		"--field-selector", "spec.nodeName="+d.n.nodeName+",spec.driver="+draDriver, "--watch", "-o", "json")
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
+	// One slice at a time, or a list of them (kubectl's first answer, in some versions).
+	type slice struct {
+		Spec struct {
+			Devices []sliceDevice `json:"devices"`
+		} `json:"spec"`
 	}
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
+	type sliceOrList struct {
+		slice
+		Items []slice `json:"items"`
 	}
 	ch := make(chan bool, 16)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		defer close(ch)
-		dec := json.NewDecoder(out)
-		for {
-			// One slice at a time, or a list of them (kubectl's first answer, in some
-			// versions).
-			type slice struct {
-				Spec struct {
-					Devices []sliceDevice `json:"devices"`
-				} `json:"spec"`
-			}
-			var s struct {
-				slice
-				Items []slice `json:"items"`
-			}
-			if err := dec.Decode(&s); err != nil {
-				return
-			}
+	stopWatch := kubectlWatch(t, d.n, []string{"resourceslices", "--field-selector", "spec.nodeName=" + d.n.nodeName + ",spec.driver=" + draDriver},
+		func(ctx context.Context, s sliceOrList) bool {
 			var devs []sliceDevice
 			for _, sl := range append(s.Items, s.slice) {
 				devs = append(devs, sl.Spec.Devices...)
@@ -1195,18 +1174,12 @@ func (d *draStack) watchHeld(t *testing.T, id string) (held <-chan bool, stop fu
 				select {
 				case ch <- h:
 				case <-ctx.Done():
-					return
+					return false
 				}
 			}
-		}
-	}()
-	return ch, func() {
-		cancel()
-		<-done
-		if err := cmd.Wait(); err != nil && ctx.Err() == nil {
-			t.Errorf("kubectl get --watch: %v: %s", err, bytes.TrimSpace(stderr.Bytes()))
-		}
-	}
+			return true
+		}, func() { close(ch) })
+	return ch, stopWatch
 }
 
 // withAgentConfig restarts the agent in container c (a config variant) and, when t's

@@ -223,6 +223,44 @@ func (n *nodeEnv) kubectl(stdin []byte, args ...string) ([]byte, error) {
 	return out, nil
 }
 
+// kubectlWatch runs kubectl get args --watch -o json and hands each object it prints,
+// decoded into a fresh T, to each (from its own goroutine) until each returns false,
+// kubectl ends or stop is called, and then calls end; stop ends the watch and fails t
+// if kubectl failed before it.
+func kubectlWatch[T any](t *testing.T, n *nodeEnv, args []string, each func(ctx context.Context, v T) bool, end func()) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	cmd := exec.CommandContext(ctx, n.kubectlBin, append(append([]string{"--kubeconfig", n.kubeconfig, "get"}, args...), "--watch", "-o", "json")...)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer end()
+		dec := json.NewDecoder(out)
+		for {
+			var v T
+			if err := dec.Decode(&v); err != nil || !each(ctx, v) {
+				return
+			}
+		}
+	}()
+	return func() {
+		cancel()
+		<-done
+		if err := cmd.Wait(); err != nil && ctx.Err() == nil {
+			t.Errorf("kubectl get --watch: %v: %s", err, bytes.TrimSpace(stderr.Bytes()))
+		}
+	}
+}
+
 // kubectlJSON runs kubectl ... -o json and decodes its answer into v.
 func (n *nodeEnv) kubectlJSON(v any, args ...string) error {
 	out, err := n.kubectl(nil, append(args, "-o", "json")...)

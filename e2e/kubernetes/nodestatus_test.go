@@ -1,10 +1,7 @@
 package kubernetes
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -201,43 +198,17 @@ type conditionSeen struct {
 // each version; stop ends the watch.
 func (h *helmStack) watchCondition(t *testing.T) (<-chan conditionSeen, func()) {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	cmd := exec.CommandContext(ctx, h.n.kubectlBin, "--kubeconfig", h.n.kubeconfig, "get", "node", h.n.nodeName, "--watch", "--output-watch-events=false", "-o", "json")
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
 	ch := make(chan conditionSeen, 64)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		defer close(ch)
-		dec := json.NewDecoder(bufio.NewReader(out))
-		for {
-			var v nodeView
-			if err := dec.Decode(&v); err != nil {
-				return
-			}
-			st, _, msg := v.condition()
-			select {
-			case ch <- conditionSeen{st, msg, time.Now()}:
-			case <-ctx.Done():
-				return
-			}
+	stop := kubectlWatch(t, h.n, []string{"node", h.n.nodeName, "--output-watch-events=false"}, func(ctx context.Context, v nodeView) bool {
+		st, _, msg := v.condition()
+		select {
+		case ch <- conditionSeen{st, msg, time.Now()}:
+			return true
+		case <-ctx.Done():
+			return false
 		}
-	}()
-	return ch, func() {
-		cancel()
-		<-done
-		if err := cmd.Wait(); err != nil && ctx.Err() == nil {
-			t.Errorf("kubectl get --watch: %v: %s", err, bytes.TrimSpace(stderr.Bytes()))
-		}
-	}
+	}, func() { close(ch) })
+	return ch, stop
 }
 
 // checkNodeStatusAccess proves the ValidatingAdmissionPolicy: with a token of the
