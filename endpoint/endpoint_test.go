@@ -2,14 +2,7 @@ package endpoint_test
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"errors"
-	"math/big"
 	"net"
 	"os"
 	"path/filepath"
@@ -26,6 +19,7 @@ import (
 
 	"github.com/devicehost/devicehost/endpoint"
 	"github.com/devicehost/devicehost/tools/h2test"
+	"github.com/devicehost/devicehost/tools/testpki"
 )
 
 func TestMain(m *testing.M) {
@@ -275,79 +269,21 @@ type pki struct {
 func writeTestPKI(t *testing.T) pki {
 	t.Helper()
 	dir := t.TempDir()
-	write := func(name, typ string, der []byte) string {
+	write := func(name string, data []byte) string {
 		p := filepath.Join(dir, name)
-		if err := os.WriteFile(p, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
+		if err := os.WriteFile(p, data, 0o600); err != nil {
 			t.Fatal(err)
 		}
 		return p
 	}
-	newKey := func() *ecdsa.PrivateKey {
-		k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return k
+	ca, stranger := testpki.NewCA(t, "devicehost test CA"), testpki.NewCA(t, "stranger CA")
+	server, client, other := ca.Server(t, "localhost", "127.0.0.1"), ca.Client(t, "runtime"), stranger.Client(t, "stranger")
+	return pki{
+		ca: write("ca.pem", ca.PEM), strangerCA: write("stranger-ca.pem", stranger.PEM),
+		serverCert: write("server.pem", server.Cert), serverKey: write("server-key.pem", server.Key),
+		clientCert: write("runtime.pem", client.Cert), clientKey: write("runtime-key.pem", client.Key),
+		strangerCert: write("stranger.pem", other.Cert), strangerKey: write("stranger-key.pem", other.Key),
 	}
-	serial := int64(0)
-	issue := func(tmpl *x509.Certificate, parent *x509.Certificate, parentKey, key *ecdsa.PrivateKey) *x509.Certificate {
-		serial++
-		tmpl.SerialNumber = big.NewInt(serial)
-		tmpl.NotBefore = time.Now().Add(-time.Hour)
-		tmpl.NotAfter = time.Now().Add(time.Hour)
-		if parent == nil {
-			parent, parentKey = tmpl, key
-		}
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, &key.PublicKey, parentKey)
-		if err != nil {
-			t.Fatal(err)
-		}
-		c, err := x509.ParseCertificate(der)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
-	keyDER := func(k *ecdsa.PrivateKey) []byte {
-		der, err := x509.MarshalPKCS8PrivateKey(k)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return der
-	}
-	newCA := func(name string) (*x509.Certificate, *ecdsa.PrivateKey) {
-		k := newKey()
-		c := issue(&x509.Certificate{
-			Subject: pkix.Name{CommonName: name}, IsCA: true, BasicConstraintsValid: true,
-			KeyUsage: x509.KeyUsageCertSign,
-		}, nil, nil, k)
-		return c, k
-	}
-	var p pki
-	ca, caKey := newCA("devicehost test CA")
-	p.ca = write("ca.pem", "CERTIFICATE", ca.Raw)
-	stranger, strangerKey := newCA("stranger CA")
-	p.strangerCA = write("stranger-ca.pem", "CERTIFICATE", stranger.Raw)
-
-	sk := newKey()
-	sc := issue(&x509.Certificate{
-		Subject: pkix.Name{CommonName: "devicehost"}, DNSNames: []string{"localhost"},
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, KeyUsage: x509.KeyUsageDigitalSignature,
-	}, ca, caKey, sk)
-	p.serverCert, p.serverKey = write("server.pem", "CERTIFICATE", sc.Raw), write("server-key.pem", "PRIVATE KEY", keyDER(sk))
-
-	client := func(name string, parent *x509.Certificate, parentKey *ecdsa.PrivateKey) (string, string) {
-		k := newKey()
-		c := issue(&x509.Certificate{
-			Subject:     pkix.Name{CommonName: name},
-			ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}, KeyUsage: x509.KeyUsageDigitalSignature,
-		}, parent, parentKey, k)
-		return write(name+".pem", "CERTIFICATE", c.Raw), write(name+"-key.pem", "PRIVATE KEY", keyDER(k))
-	}
-	p.clientCert, p.clientKey = client("runtime", ca, caKey)
-	p.strangerCert, p.strangerKey = client("stranger", stranger, strangerKey)
-	return p
 }
 
 // Agents that start together over a stale socket must not both get it: the one that
