@@ -76,6 +76,13 @@ type Config struct {
 	// as many of it as fit on every MIG-capable GPU) or an object from GPU index to a
 	// list of profile names ({"0": ["3g.40gb", "2g.20gb"]}).
 	MIGLayout json.RawMessage `json:"mig_layout,omitempty"`
+	// MIGProfiles, with mig = "on-demand", offers only the placements of these profiles
+	// (and the whole GPU); empty: every profile each GPU has. Fewer profiles are fewer
+	// devices in the node's inventory and DRA slices, which the scheduler evaluates for
+	// every claim (docs/benchmarks.md#fleet): a trade the operator makes, since a claim
+	// for a profile left out cannot be placed. A name no on-demand GPU offers refuses the
+	// config.
+	MIGProfiles []string `json:"mig_profiles,omitempty"`
 	// Replicas N (2 to MaxReplicas) offers each GPU that is not partitioned by MIG as
 	// N time-sliced replicas besides the whole GPU, each consuming one of the GPU's N
 	// shares. 0: off. With Sharing "mps" (2 to MaxMPSShares) the N shares are MPS
@@ -238,6 +245,7 @@ type settings struct {
 	ignored           map[string]bool
 	faults            []faultSpec
 	migOnDemand       bool
+	migProfiles       []string // mig_profiles: the on-demand profiles offered; nil: all
 	layoutAll         string           // mig_layout as one profile for every GPU
 	layout            map[int][]string // mig_layout by GPU index
 	replicas          int              // time-sliced replicas per GPU
@@ -341,6 +349,19 @@ func parseConfig(configJSON []byte) (settings, error) {
 		s.migOnDemand = true
 	default:
 		errs = append(errs, fmt.Errorf("config: mig = %q: want %q or nothing", c.MIG, MIGOnDemand))
+	}
+	if len(c.MIGProfiles) > 0 {
+		if !s.migOnDemand {
+			errs = append(errs, fmt.Errorf("config: mig_profiles %q: only with mig = %q", c.MIGProfiles, MIGOnDemand))
+		}
+		seen := map[string]bool{}
+		for _, n := range c.MIGProfiles {
+			if n == "" || seen[n] {
+				errs = append(errs, fmt.Errorf("config: mig_profiles %q: %q is empty or given twice", c.MIGProfiles, n))
+			}
+			seen[n] = true
+		}
+		s.migProfiles = c.MIGProfiles
 	}
 	if len(c.MIGLayout) > 0 && !bytes.Equal(bytes.TrimSpace(c.MIGLayout), []byte("null")) {
 		errs = append(errs, parseLayout(c.MIGLayout, &s)...)

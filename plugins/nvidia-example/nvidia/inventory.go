@@ -136,7 +136,7 @@ func (rt *runtime) scan() (*inventory, error) {
 			}
 			continue // the whole GPU is carved up
 		case modeOnDemand:
-			for _, prof := range plan.profiles {
+			for _, prof := range plan.offered {
 				share := mpsShare(int64(prof.info.MemorySizeMB), plan.mps)
 				for _, pl := range prof.placements {
 					id := partitionID(g.uuid, prof.name, pl.Start)
@@ -365,7 +365,7 @@ func (inv *inventory) fingerprint(h *healthBook, now time.Time, cdiNames bool, m
 			}
 			continue
 		case modeOnDemand:
-			for _, prof := range plan.profiles {
+			for _, prof := range plan.offered {
 				l := mpsShare(int64(prof.info.MemorySizeMB), plan.mps)
 				for _, pl := range prof.placements {
 					id := partitionID(d.id, prof.name, pl.Start)

@@ -46,6 +46,7 @@ type migDevice struct {
 type gpuPlan struct {
 	mode          gpuMode
 	profiles      []*migProfile // MIG modes only
+	offered       []*migProfile // modeOnDemand: the profiles whose placements are offered (mig_profiles)
 	memSlices     uint32        // the memory slices placements cover
 	computeSlices uint32
 	static        []migDevice // modeStatic: the GPU's MIG devices
@@ -238,6 +239,12 @@ func (rt *runtime) planGPU(g gpu) gpuPlan {
 		p.mps = rt.mps.shares
 	case modeOnDemand:
 		p.mps = rt.mps.shares
+		// The counters above come from every profile: a placement's use of them is
+		// the same whichever profiles are offered.
+		p.offered = p.profiles
+		if rt.migProfiles != nil {
+			p.offered = slices.DeleteFunc(slices.Clone(p.profiles), func(m *migProfile) bool { return !slices.Contains(rt.migProfiles, m.name) })
+		}
 	case modeWhole:
 		p.replicas = rt.replicas
 		if rt.mps.shares > 0 {
@@ -476,17 +483,50 @@ func (rt *runtime) reportMIGModes() {
 	}
 }
 
+// checkOffered refuses a mig_profiles name that no GPU offered on demand has.
+func (rt *runtime) checkOffered(gpus []gpu) error {
+	has := map[string]bool{}
+	var names []string
+	for _, g := range gpus {
+		plan := rt.planGPU(g)
+		if plan.mode != modeOnDemand {
+			continue
+		}
+		for _, p := range plan.profiles {
+			if !has[p.name] {
+				has[p.name] = true
+				names = append(names, p.name)
+			}
+		}
+	}
+	for _, n := range rt.migProfiles {
+		if !has[n] {
+			if len(names) == 0 {
+				return fmt.Errorf("config: mig_profiles: %q: no GPU is offered on demand (MIG mode off or not MIG-capable)", n)
+			}
+			return fmt.Errorf("config: mig_profiles: %q is a profile of no GPU offered on demand (they offer %s)", n, strings.Join(names, ", "))
+		}
+	}
+	return nil
+}
+
 // applyLayout makes the GPUs that mig_layout names hold their layout: instances the
 // layout needs are created, instances already there are kept (those the layout does
 // not name are left alone and logged). A profile a GPU does not offer refuses the
 // config; a GPU whose MIG mode is off is logged and offered whole.
 func (rt *runtime) applyLayout() error {
-	if rt.layoutAll == "" && len(rt.layout) == 0 {
+	if rt.layoutAll == "" && len(rt.layout) == 0 && rt.migProfiles == nil {
 		return nil
 	}
 	gpus, _, err := rt.listGPUs()
 	if err != nil {
 		return err
+	}
+	if err := rt.checkOffered(gpus); err != nil {
+		return err
+	}
+	if rt.layoutAll == "" && len(rt.layout) == 0 {
+		return nil
 	}
 	byIndex := make(map[int]gpu)
 	for _, g := range gpus {
