@@ -245,7 +245,7 @@ type settings struct {
 	ignored           map[string]bool
 	faults            []faultSpec
 	migOnDemand       bool
-	migProfiles       []string // mig_profiles: the on-demand profiles offered; nil: all
+	migProfiles       []string         // mig_profiles: the on-demand profiles offered; nil: all
 	layoutAll         string           // mig_layout as one profile for every GPU
 	layout            map[int][]string // mig_layout by GPU index
 	replicas          int              // time-sliced replicas per GPU
