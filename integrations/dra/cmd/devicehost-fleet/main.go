@@ -17,11 +17,13 @@
 //	static  devicehost's slices of the 8 whole GPUs, as the agent's -dev fingerprint
 //	mig     devicehost's on-demand MIG layout: the 8 GPUs and their 224 placements,
 //	        consuming the GPUs' counter sets
+//	mig-trimmed the same with the plugin's mig_profiles = ["1g.10gb", "3g.40gb",
+//	        "7g.80gb"]: the 8 GPUs and their 80 placements of those profiles
 //
 // The fingerprints are recorded from the agent (fingerprints/): `devicehost devices
 // -json` of `devicehost agent -dev` (dgxh100.json), of the same with the nvidia-example
 // plugin's config { simulate = "dgxh100", mig = "on-demand" } (dgxh100-mig-on-demand.json),
-// and dgxh100.json with each device's ID, health and NUMA node alone, no group
+// of the same with mig_profiles (dgxh100-mig-trimmed.json), and dgxh100.json with each device's ID, health and NUMA node alone, no group
 // attributes, no counter sets (dgxh100-plain.json). The DeviceClasses are deploy/kubernetes/dra.yaml's,
 // which scripts/fleet applies.
 package main
@@ -91,7 +93,7 @@ func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("devicehost-fleet", flag.ContinueOnError)
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "admin kubeconfig `file` of the fleet's API server")
 	fs.IntVar(&o.nodes, "nodes", 100, "simulated nodes")
-	fs.StringVar(&o.layout, "layout", "static", "slice layout: plain, static or mig")
+	fs.StringVar(&o.layout, "layout", "static", "slice layout: plain, static, mig or mig-trimmed")
 	fs.StringVar(&o.claim, "claim", "gpu", "each pod's claim: gpu (1 GPU), gpu2 (2 GPUs of one NUMA node: matchAttribute) or mig (one 1g.10gb; layout mig)")
 	fs.IntVar(&o.pods, "pods", 0, "pods in the burst (0: 2 per node)")
 	fs.IntVar(&o.apiserverPID, "apiserver-pid", 0, "the API server's PID, for its CPU and RSS (0: not measured)")
@@ -108,8 +110,8 @@ func run(ctx context.Context, args []string) error {
 		return err
 	}
 	switch {
-	case o.claim == "mig" && o.layout != "mig":
-		return errors.New("-claim mig needs -layout mig")
+	case o.claim == "mig" && o.layout != "mig" && o.layout != "mig-trimmed":
+		return errors.New("-claim mig needs -layout mig or mig-trimmed")
 	case o.claim != "gpu" && o.claim != "gpu2" && o.claim != "mig":
 		return fmt.Errorf("-claim %q: want gpu, gpu2 or mig", o.claim)
 	}
@@ -151,9 +153,10 @@ func run(ctx context.Context, args []string) error {
 
 // fingerprint returns the agent's snapshot of a node for layout, as protojson.
 func fingerprint(layout string) ([]byte, error) {
-	file := map[string]string{"plain": "dgxh100-plain.json", "static": "dgxh100.json", "mig": "dgxh100-mig-on-demand.json"}[layout]
+	file := map[string]string{"plain": "dgxh100-plain.json", "static": "dgxh100.json", "mig": "dgxh100-mig-on-demand.json",
+		"mig-trimmed": "dgxh100-mig-trimmed.json"}[layout]
 	if file == "" {
-		return nil, fmt.Errorf("-layout %q: want plain, static or mig", layout)
+		return nil, fmt.Errorf("-layout %q: want plain, static, mig or mig-trimmed", layout)
 	}
 	return fingerprints.ReadFile("fingerprints/" + file)
 }
