@@ -140,7 +140,8 @@ func holders(resp *prapi.ListPodResourcesResponse) map[string]map[string]string 
 // (setting its freeSince) is never overtaken by a release decision made before it.
 func (b *Bridge) releaseUnheld(ctx context.Context, held map[string]map[string]string, rs []*pb.Reservation, listed time.Time) {
 	log := b.log.Named("release")
-	resources := b.state.view().resources
+	v := b.state.view() // one view of the agent's devices for the releases and the adoptions
+	resources := v.resources
 	b.allocMu.Lock()
 	defer b.allocMu.Unlock()
 	now := b.now()
@@ -205,7 +206,7 @@ func (b *Bridge) releaseUnheld(ctx context.Context, held map[string]map[string]s
 			delete(b.bookings, id)
 		}
 	}
-	b.adoptLocked(ctx, held, rs)
+	b.adoptLocked(ctx, v, held, rs)
 }
 
 // adoptLocked reserves, for the container that holds them, the devices of the bridge's
@@ -216,14 +217,13 @@ func (b *Bridge) releaseUnheld(ctx context.Context, held map[string]map[string]s
 // when it goes as the bridge's own are; without it the agent would hand the devices of
 // running pods out again. A device the agent does not serve, or holds for another
 // owner, is logged (once) and left alone. Called with allocMu, after releaseUnheld.
-func (b *Bridge) adoptLocked(ctx context.Context, held map[string]map[string]string, rs []*pb.Reservation) {
+func (b *Bridge) adoptLocked(ctx context.Context, v view, held map[string]map[string]string, rs []*pb.Reservation) {
 	reservedBy := map[string]*pb.Reservation{}
 	for _, r := range rs {
 		for _, id := range r.GetDeviceIds() {
 			reservedBy[id] = r
 		}
 	}
-	v := b.state.view()
 	if v.snap == nil || !v.connected {
 		return // which devices the agent serves is not known yet: the next pass adopts
 	}

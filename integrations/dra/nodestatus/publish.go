@@ -130,7 +130,7 @@ func Run(ctx context.Context, c *client.Client, p *Publisher, cfg RunConfig) err
 		labels  map[string]string
 		health  Health
 		pending bool // a state to write
-		lostAt  time.Time
+		lost    bool // the watch is disconnected; unreachable is (or was) armed
 		lostErr error
 	)
 	if cfg.WriteTimeout <= 0 {
@@ -153,14 +153,13 @@ func Run(ctx context.Context, c *client.Client, p *Publisher, cfg RunConfig) err
 				cfg.Agent(!u.Disconnected())
 			}
 			if u.Disconnected() {
-				if lostAt.IsZero() {
-					lostAt = time.Now()
-					unreachable = time.After(cfg.Unreachable)
+				if !lost {
+					lost, unreachable = true, time.After(cfg.Unreachable)
 				}
 				lostErr = u.Err
 				continue
 			}
-			lostAt, unreachable = time.Time{}, nil
+			lost, unreachable = false, nil
 			labels, health, pending = Labels(u.Snapshot, cfg.Machine), HealthOf(u.Snapshot), true
 		case <-unreachable:
 			unreachable = nil
