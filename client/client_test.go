@@ -498,6 +498,7 @@ func TestReasonsAreTheWireStrings(t *testing.T) {
 		{client.ReasonDeviceCordoned, "DEVICE_CORDONED"},
 		{client.ReasonNoCDIDevices, "NO_CDI_DEVICES"},
 		{client.ReasonTooManyAccesses, "TOO_MANY_ADMIN_ACCESSES"},
+		{client.ReasonOptionsDiffer, "PLUGIN_OPTIONS_DIFFER"},
 	}
 	for _, p := range pairs {
 		if p[0] != p[1] {

@@ -30,6 +30,7 @@ var (
 	ReasonDeviceCordoned      = pb.ErrorReason_DEVICE_CORDONED.String()
 	ReasonNoCDIDevices        = pb.ErrorReason_NO_CDI_DEVICES.String()
 	ReasonTooManyAccesses     = pb.ErrorReason_TOO_MANY_ADMIN_ACCESSES.String()
+	ReasonOptionsDiffer       = pb.ErrorReason_PLUGIN_OPTIONS_DIFFER.String()
 )
 
 // Reason returns the ErrorInfo reason of the agent's error err (one of the Reason

@@ -51,8 +51,12 @@ type Manager interface {
 	WatchStats(ctx context.Context, interval time.Duration) <-chan StatsSnapshot
 	// Reserve reserves devices of one group for an owner and returns the reservation,
 	// durable before it returns. Errors wrap ErrInvalidRequest, ErrUnknownDevice,
-	// ErrUnhealthyDevice, ErrDeviceHeld, ErrPluginUnavailable or ErrPluginResponse; a
-	// held device is a *HeldError naming the holders. With
+	// ErrUnhealthyDevice, ErrDeviceHeld, ErrOptionsDiffer, ErrPluginUnavailable or
+	// ErrPluginResponse; a held device is a *HeldError naming the holders, and a plugin
+	// that refuses the request (req.PluginOptions it does not take) ErrInvalidRequest
+	// with its message. A retry (same owner, exactly the devices it holds) gets the
+	// reservation back when it carries the same PluginOptions, an *OptionsDifferError
+	// otherwise. With
 	// req.TakeOverOwnerPrefixes, holders of those owners are released atomically with
 	// the new reservation's record, and their IDs come back in Reservation.TakenOver.
 	Reserve(ctx context.Context, req ReserveRequest) (Reservation, error)
@@ -376,6 +380,12 @@ type ReserveRequest struct {
 	// claim is reserved for, whose owner ID names only the claim. Recorded with the
 	// reservation; a retry keeps the first Reserve's.
 	OwnerLabels map[string]string
+	// PluginOptions are options for the plugin that owns the devices, passed to its
+	// Reserve (a plugin refuses one it does not know) and recorded with the reservation
+	// (Reservation.PluginOptions). A retry must carry the same ones: other options are
+	// an *OptionsDifferError. Not with AdminAccess. The host API's bounds are
+	// validate.ReserveRequest's.
+	PluginOptions map[string]string
 }
 
 // ReservationEnv is the env var the host adds to every reservation's container
@@ -418,6 +428,15 @@ func (l OwnerLabels) Map() map[string]string {
 // MaxOwnerLabelLen bounds, in bytes, one owner label's value (several pod names
 // joined by ",").
 const MaxOwnerLabelLen = 1024
+
+// Bounds of ReserveRequest.PluginOptions (validate.ReserveRequest checks them): at most
+// MaxPluginOptions options, each key PluginOptionKeyPattern, each value at most
+// MaxPluginOptionLen bytes of printable UTF-8.
+const (
+	MaxPluginOptions       = 8
+	MaxPluginOptionLen     = 256
+	PluginOptionKeyPattern = `^[a-z][a-z0-9_]{0,62}$`
+)
 
 // MaxTakeOverPrefixes is the most owner prefixes one Reserve may take devices over from
 // (ReserveRequest.TakeOverOwnerPrefixes). The host API refuses a request with more
@@ -507,6 +526,8 @@ type Reservation struct {
 	TakenOver []string
 	// OwnerLabels are the Reserve's (ReserveRequest.OwnerLabels); zero for none.
 	OwnerLabels OwnerLabels
+	// PluginOptions are the Reserve's (ReserveRequest.PluginOptions); nil for none.
+	PluginOptions map[string]string
 }
 
 // CounterSetKey names a counter set (shared capacity, e.g. one GPU's slices): the plugin

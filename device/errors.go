@@ -3,6 +3,7 @@ package device
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -43,7 +44,63 @@ var (
 	ErrNoCDIDevices = errors.New("no CDI devices")
 	// ErrTooManyAccesses: an admin access to a device that has MaxAdminAccessPerDevice.
 	ErrTooManyAccesses = errors.New("too many admin accesses")
+	// ErrOptionsDiffer: a retried Reserve (its owner, exactly the devices its live
+	// reservation holds) with other plugin options than that reservation's; see
+	// OptionsDifferError.
+	ErrOptionsDiffer = errors.New("plugin options differ")
 )
+
+// OptionsDifferError says that a retried Reserve asks for its owner's live reservation
+// with other plugin options (ReserveRequest.PluginOptions) than the reservation was
+// made with: the plugin prepared the devices for those, so the retry is refused rather
+// than answered with a reservation that does not do what it asks. It matches
+// ErrOptionsDiffer under errors.Is.
+type OptionsDifferError struct {
+	OwnerID       string
+	ReservationID string
+	Held          map[string]string // the reservation's options
+	Requested     map[string]string // the retry's
+}
+
+// Error is `owner "o": reservation res-… holds the devices with plugin options
+// {k="v"}, the request asks for {k="w"} (release it first, or ask with its options):
+// plugin options differ`.
+func (e *OptionsDifferError) Error() string {
+	return fmt.Sprintf("owner %q: reservation %s holds the devices with plugin options %s, the request asks for %s (release it first, or ask with its options): %v",
+		e.OwnerID, e.ReservationID, OptionsString(e.Held), OptionsString(e.Requested), ErrOptionsDiffer)
+}
+
+// Unwrap returns ErrOptionsDiffer.
+func (e *OptionsDifferError) Unwrap() error { return ErrOptionsDiffer }
+
+// OptionsString renders plugin options for a message: `{a="x", b="y"}`, keys sorted,
+// keys and values quoted as Go strings (control characters escaped), or `{}` for none.
+func OptionsString(opts map[string]string) string {
+	keys := make([]string, 0, len(opts))
+	for k := range opts {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = quoteKey(k) + "=" + strconv.Quote(opts[k])
+	}
+	return "{" + strings.Join(parts, ", ") + "}"
+}
+
+// quoteKey leaves a key of the host API's form ([a-z][a-z0-9_]*) bare and quotes any
+// other.
+func quoteKey(k string) string {
+	for i, c := range k {
+		if !(c >= 'a' && c <= 'z' || i > 0 && (c >= '0' && c <= '9' || c == '_')) {
+			return strconv.Quote(k)
+		}
+	}
+	if k == "" {
+		return `""`
+	}
+	return k
+}
 
 // MaxAdminAccessPerDevice bounds the live admin accesses of one device, so that no
 // caller can grow every Fingerprint without end.

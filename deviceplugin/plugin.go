@@ -11,7 +11,14 @@ package deviceplugin
 
 import (
 	"context"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
 	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
@@ -44,7 +51,21 @@ type Plugin interface {
 	// Stats sends device stats every interval.
 	Stats(ctx context.Context, interval time.Duration, send func(*pb.StatsResponse) error) error
 	// Reserve prepares devices for a container. An error naming the bad IDs refuses it.
+	// A plugin that takes reservation options implements OptionReserver too; one that
+	// does not never sees them: a Reserve with options is refused for it (UnknownOptions).
 	Reserve(ctx context.Context, deviceIDs []string) (*pb.ContainerReservation, error)
+}
+
+// OptionReserver is implemented by plugins that take options per reservation (the
+// host API's ReserveRequest.plugin_options, e.g. the nvidia-example plugin's
+// mps_isolation). When a plugin implements it, every Reserve calls ReserveOptions, with
+// options empty when the caller gave none, and never Reserve. ReserveOptions refuses an
+// option it does not know (UnknownOptions says so) or a value it cannot honour with a
+// gRPC INVALID_ARGUMENT status naming the option, before it prepares anything. A
+// plugin without it refuses every Reserve that carries options (UnknownOptions with no
+// known keys).
+type OptionReserver interface {
+	ReserveOptions(ctx context.Context, deviceIDs []string, options map[string]string) (*pb.ContainerReservation, error)
 }
 
 // Releaser is implemented by plugins that clean up after a reservation ends. Plugins
@@ -78,6 +99,9 @@ type ConfigChecker interface {
 type LiveReservation struct {
 	ID        string
 	DeviceIDs []string
+	// Options are the options of the Reserve that made it (OptionReserver); nil for
+	// none. A plugin that rebuilds what it prepared rebuilds it as they asked.
+	Options map[string]string
 }
 
 // Reconciler is implemented by plugins that prepare per-reservation state in Reserve
@@ -107,4 +131,31 @@ func NoStats(ctx context.Context, interval time.Duration, send func(*pb.StatsRes
 		case <-tick.C:
 		}
 	}
+}
+
+// UnknownOptions refuses, with a gRPC INVALID_ARGUMENT status, the options of a Reserve
+// whose keys are not among known: `option "x" is unknown to plugin "widgets",
+// which takes none` (or `which takes a, b`). nil when every key is known. plugin is the
+// plugin's name. The Server answers with it for a plugin without OptionReserver, and
+// a plugin with one calls it first.
+func UnknownOptions(plugin string, options map[string]string, known ...string) error {
+	var unknown []string
+	for k := range options {
+		if !slices.Contains(known, k) {
+			unknown = append(unknown, strconv.Quote(k))
+		}
+	}
+	if len(unknown) == 0 {
+		return nil
+	}
+	slices.Sort(unknown)
+	takes := "none"
+	if len(known) > 0 {
+		takes = strings.Join(known, ", ")
+	}
+	what := "option " + unknown[0] + " is"
+	if len(unknown) > 1 {
+		what = "options " + strings.Join(unknown, ", ") + " are"
+	}
+	return status.Error(codes.InvalidArgument, fmt.Sprintf("%s unknown to plugin %q, which takes %s", what, plugin, takes))
 }

@@ -118,12 +118,20 @@ func (s *Server) Stats(req *pb.StatsRequest, stream grpc.ServerStreamingServer[p
 	return streamError(ctx, err)
 }
 
-// Reserve calls impl.Reserve.
+// Reserve calls impl's ReserveOptions when it implements OptionReserver, else
+// impl.Reserve; a request with options for an impl without OptionReserver is refused
+// (UnknownOptions) before impl is called.
 func (s *Server) Reserve(ctx context.Context, req *pb.ReserveRequest) (*pb.ReserveResponse, error) {
 	if err := s.checkConfigured(); err != nil {
 		return nil, err
 	}
-	r, err := s.impl.Reserve(ctx, req.GetDeviceIds())
+	var r *pb.ContainerReservation
+	var err error
+	if or, ok := s.impl.(OptionReserver); ok {
+		r, err = or.ReserveOptions(ctx, req.GetDeviceIds(), req.GetOptions())
+	} else if err = UnknownOptions(s.impl.Info().Name, req.GetOptions()); err == nil {
+		r, err = s.impl.Reserve(ctx, req.GetDeviceIds())
+	}
 	if err != nil {
 		return nil, rpcError(ctx, err)
 	}
@@ -161,7 +169,7 @@ func (s *Server) Reconcile(ctx context.Context, req *pb.ReconcileRequest) (*pb.R
 	}
 	live := make([]LiveReservation, len(req.GetReservations()))
 	for i, r := range req.GetReservations() {
-		live[i] = LiveReservation{ID: r.GetReservationId(), DeviceIDs: r.GetDeviceIds()}
+		live[i] = LiveReservation{ID: r.GetReservationId(), DeviceIDs: r.GetDeviceIds(), Options: r.GetOptions()}
 	}
 	if err := rec.Reconcile(ctx, live); err != nil {
 		return nil, rpcError(ctx, err)

@@ -377,6 +377,68 @@ func TestReserve(t *testing.T) {
 	}
 }
 
+// optionPlugin adds ReserveOptions to funcPlugin: it takes the option "mode".
+type optionPlugin struct {
+	funcPlugin
+	got chan map[string]string
+}
+
+func (p *optionPlugin) ReserveOptions(_ context.Context, ids []string, options map[string]string) (*pb.ContainerReservation, error) {
+	if err := deviceplugin.UnknownOptions("func", options, "mode"); err != nil {
+		return nil, err
+	}
+	p.got <- options
+	return &pb.ContainerReservation{Envs: map[string]string{"MODE": options["mode"]}}, nil
+}
+
+// A plugin without OptionReserver refuses every Reserve with options, naming them,
+// before its Reserve runs; one with it gets them (and every Reserve) through
+// ReserveOptions, and UnknownOptions names what it does not take.
+func TestReserveOptions(t *testing.T) {
+	t.Run("a plugin that takes none", func(t *testing.T) {
+		called := false
+		c := configured(t, &funcPlugin{reserve: func(context.Context, []string) (*pb.ContainerReservation, error) {
+			called = true
+			return nil, nil
+		}})
+		for _, tt := range []struct {
+			opts map[string]string
+			want string
+		}{
+			{map[string]string{"mode": "fast"}, `option "mode" is unknown to plugin "func", which takes none`},
+			{map[string]string{"b": "1", "a\n": "2"}, `options "a\n", "b" are unknown to plugin "func", which takes none`},
+		} {
+			_, err := c.Reserve(testContext(t), &pb.ReserveRequest{DeviceIds: []string{"a"}, Options: tt.opts})
+			wantCode(t, "Reserve with options", err, codes.InvalidArgument)
+			if got := status.Convert(err).Message(); got != tt.want {
+				t.Errorf("message: got %q, want %q", got, tt.want)
+			}
+		}
+		if called {
+			t.Error("the plugin's Reserve ran for a request with options")
+		}
+		if _, err := c.Reserve(testContext(t), &pb.ReserveRequest{DeviceIds: []string{"a"}}); err != nil || !called {
+			t.Errorf("Reserve without options: %v, called %v", err, called)
+		}
+	})
+	t.Run("a plugin that takes some", func(t *testing.T) {
+		p := &optionPlugin{got: make(chan map[string]string, 2)}
+		c := configured(t, p)
+		got, err := c.Reserve(testContext(t), &pb.ReserveRequest{DeviceIds: []string{"a"}, Options: map[string]string{"mode": "fast"}})
+		if err != nil || got.GetReservation().GetEnvs()["MODE"] != "fast" || (<-p.got)["mode"] != "fast" {
+			t.Fatalf("Reserve with a known option: %v, %v", got, err)
+		}
+		if _, err := c.Reserve(testContext(t), &pb.ReserveRequest{DeviceIds: []string{"a"}}); err != nil || len(<-p.got) != 0 {
+			t.Fatalf("Reserve without options: %v", err)
+		}
+		_, err = c.Reserve(testContext(t), &pb.ReserveRequest{DeviceIds: []string{"a"}, Options: map[string]string{"mode": "x", "speed": "1"}})
+		wantCode(t, "Reserve with an unknown option", err, codes.InvalidArgument)
+		if got, want := status.Convert(err).Message(), `option "speed" is unknown to plugin "func", which takes mode`; got != want {
+			t.Errorf("message: got %q, want %q", got, want)
+		}
+	})
+}
+
 func TestRelease(t *testing.T) {
 	t.Run("unimplemented", func(t *testing.T) {
 		c := configured(t, &funcPlugin{})
@@ -426,7 +488,7 @@ func (p *reconcilingPlugin) Reconcile(ctx context.Context, live []deviceplugin.L
 // plugin without it; a plugin's failure keeps its message.
 func TestReconcile(t *testing.T) {
 	req := &pb.ReconcileRequest{Reservations: []*pb.LiveReservation{
-		{ReservationId: "r1", DeviceIds: []string{"a", "b"}},
+		{ReservationId: "r1", DeviceIds: []string{"a", "b"}, Options: map[string]string{"mode": "fast"}},
 		{ReservationId: "r2", DeviceIds: []string{"c"}},
 	}}
 	t.Run("unimplemented", func(t *testing.T) {
@@ -442,7 +504,7 @@ func TestReconcile(t *testing.T) {
 		if _, err := c.Reconcile(testContext(t), req); err != nil {
 			t.Fatalf("Reconcile: %v", err)
 		}
-		want := []deviceplugin.LiveReservation{{ID: "r1", DeviceIDs: []string{"a", "b"}}, {ID: "r2", DeviceIDs: []string{"c"}}}
+		want := []deviceplugin.LiveReservation{{ID: "r1", DeviceIDs: []string{"a", "b"}, Options: map[string]string{"mode": "fast"}}, {ID: "r2", DeviceIDs: []string{"c"}}}
 		if live := <-got; !reflect.DeepEqual(live, want) {
 			t.Errorf("live reservations: got %+v, want %+v", live, want)
 		}

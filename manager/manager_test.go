@@ -561,8 +561,8 @@ type gatedStore struct {
 	calls   atomic.Int32
 }
 
-func (s *gatedStore) Check(ownerID string, deviceIDs, takeOver []string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, error) {
-	r, err := s.reservationStore.Check(ownerID, deviceIDs, takeOver, consumes, caps)
+func (s *gatedStore) Check(ownerID string, deviceIDs, takeOver []string, opts map[string]string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, error) {
+	r, err := s.reservationStore.Check(ownerID, deviceIDs, takeOver, opts, consumes, caps)
 	if s.calls.Add(1) == 1 {
 		close(s.checked)
 		<-s.gate

@@ -300,7 +300,7 @@ func TestProcessStatsErrorIsLoggedAndRetried(t *testing.T) {
 func TestProcessReserve(t *testing.T) {
 	cfg, _ := testConfig(t)
 	m := startManager(t, cfg,
-		fixture{name: "fx", cfg: fixtureplugin.Config{Groups: widgets("fx", "w0", "w1")}},
+		fixture{name: "fx", cfg: fixtureplugin.Config{Groups: widgets("fx", "w0", "w1", "w2")}},
 		fixture{name: "evil", cfg: fixtureplugin.Config{Groups: widgets("evil", "v0"), ReserveBad: true}},
 		fixture{name: "grumpy", cfg: fixtureplugin.Config{Groups: widgets("grumpy", "u0"), ReserveError: "widget u0 is calibrating"}},
 	)
@@ -346,6 +346,37 @@ func TestProcessReserve(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A plugin that takes no options (the fixture, through the SDK) refuses a Reserve that
+// carries one, naming it; the host answers with ErrInvalidRequest (INVALID_ARGUMENT at
+// the server) and holds nothing. Without options the same devices are reserved, and
+// the options a Reserve carried are the reservation's.
+func TestProcessReserveWithAnUnknownOption(t *testing.T) {
+	cfg, _ := testConfig(t)
+	m := startManager(t, cfg, fixture{name: "fx", cfg: fixtureplugin.Config{Groups: widgets("fx", "w0")}})
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
+	defer cancel()
+	if _, err := m.WaitForFirstFingerprint(ctx); err != nil {
+		t.Fatal(err)
+	}
+	req := device.ReserveRequest{OwnerID: "o", Group: widgetKey("fx"), DeviceIDs: []string{"w0"},
+		PluginOptions: map[string]string{"speed": "fast"}}
+	_, err := m.Reserve(ctx, req)
+	const want = `plugin "fx" refused reserve: option "speed" is unknown to plugin "fixture", which takes none: invalid request`
+	if !errors.Is(err, device.ErrInvalidRequest) || err.Error() != want {
+		t.Fatalf("Reserve with an unknown option: %v\nwant %s", err, want)
+	}
+	if h := m.State().Devices["w0"].Holder; h != nil {
+		t.Errorf("w0 held by %+v after the refusal; want free", h)
+	}
+	if rs, err := m.Reservations(ctx, device.ReservationFilter{}); err != nil || len(rs) != 0 {
+		t.Errorf("reservations after the refusal: %+v, %v; want none", rs, err)
+	}
+	req.PluginOptions = nil
+	if _, err := m.Reserve(ctx, req); err != nil {
+		t.Fatalf("the same Reserve without options: %v", err)
 	}
 }
 

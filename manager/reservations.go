@@ -33,7 +33,7 @@ import (
 // the interface is only the seam a test wraps to hold a Reserve between its steps
 // (gatedStore in manager_test.go).
 type reservationStore interface {
-	Check(ownerID string, deviceIDs, takeOver []string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, error)
+	Check(ownerID string, deviceIDs, takeOver []string, opts map[string]string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, error)
 	Reserve(ctx context.Context, r device.Reservation, takeOver []string, caps device.Capacity) (res device.Reservation, existing bool, err error)
 	Release(ctx context.Context, req device.ReleaseRequest, now time.Time) (released, already []device.Reservation, err error)
 	Reown(ctx context.Context, req device.ReownRequest) (device.Reservation, error)
@@ -45,8 +45,12 @@ type reservationStore interface {
 
 var _ reservationStore = (*ledger.Ledger)(nil)
 
-// Reserve reserves req's devices for req.OwnerID through the plugin they are bound to. A
-// retried request (same owner, same devices) gets the live reservation back. Checks, in
+// Reserve reserves req's devices for req.OwnerID through the plugin they are bound to,
+// passing req.PluginOptions to the plugin's Reserve and recording them with the
+// reservation. A retried request (same owner, same devices, same plugin options) gets
+// the live reservation back; one with other options is a *device.OptionsDifferError.
+// A plugin that refuses the request (INVALID_ARGUMENT: an option it does not take) is
+// device.ErrInvalidRequest with its message, and nothing is held. Checks, in
 // order: holders (ErrDeviceHeld), the inventory (ErrUnknownDevice: unknown group, devices
 // not in it or spread over two plugins), the plugin (ErrPluginUnavailable) and health
 // (ErrUnhealthyDevice); then the plugin is asked, bounded by ctx, ReserveTimeout and its
@@ -100,7 +104,8 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	defer release()
 	takeOver := slices.Clone(req.TakeOverOwnerPrefixes)
 	region = steps.Start(ctx, "ledger check")
-	existing, err := m.store.Check(req.OwnerID, ids, takeOver, nil, nil)
+	opts := maps.Clone(req.PluginOptions)
+	existing, err := m.store.Check(req.OwnerID, ids, takeOver, opts, nil, nil)
 	region.End()
 	if ue := (*ledger.UnansweredError)(nil); errors.As(err, &ue) {
 		// Its owner asks again for a reservation left without its answer by a stop.
@@ -135,7 +140,7 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 			return device.Reservation{}, fmt.Errorf("reserve: %w", err)
 		}
 		defer unlock()
-		_, err = m.store.Check(req.OwnerID, ids, takeOver, consumes, caps)
+		_, err = m.store.Check(req.OwnerID, ids, takeOver, opts, consumes, caps)
 		region.End()
 		if err != nil {
 			return refuse(err)
@@ -156,11 +161,13 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 		State:       device.ReservationActive,
 		CreatedAt:   m.cfg.Now(),
 		OwnerLabels: device.OwnerLabelsOf(req.OwnerLabels), // validated at the server
+		// Validated at the server; the plugin refuses what it does not take.
+		PluginOptions: opts,
 	}
 	// The plugin is asked first; its answer is recorded with the reservation in one
 	// commit, durable before the caller sees it. A stop in between leaves nothing
 	// recorded, and the plugin undoes what it prepared at its next Reconcile.
-	container, err := m.askPlugin(ctx, s, rec.ID, ids)
+	container, err := m.askPlugin(ctx, s, rec.ID, ids, opts)
 	if err != nil {
 		return refuse(err)
 	}
@@ -182,13 +189,13 @@ func (m *Manager) Reserve(ctx context.Context, req device.ReserveRequest) (devic
 	return r, nil
 }
 
-// askPlugin asks plugin s to reserve ids for reservation id and checks its answer: the
-// container reservation to record, which names the reservation (device.ReservationEnv)
-// so that the GPU processes it starts are known as its holder's (metrics: per-holder
-// memory).
-func (m *Manager) askPlugin(ctx context.Context, s *supervise.Supervisor, id string, ids []string) (device.ContainerReservation, error) {
+// askPlugin asks plugin s to reserve ids with the caller's plugin options (nil for
+// none) for reservation id and checks its answer: the container reservation to record,
+// which names the reservation (device.ReservationEnv) so that the GPU processes it
+// starts are known as its holder's (metrics: per-holder memory).
+func (m *Manager) askPlugin(ctx context.Context, s *supervise.Supervisor, id string, ids []string, opts map[string]string) (device.ContainerReservation, error) {
 	region := steps.Start(ctx, "plugin")
-	res, err := s.Reserve(ctx, ids)
+	res, err := s.Reserve(ctx, ids, opts)
 	region.End()
 	if err != nil {
 		return device.ContainerReservation{}, err
@@ -204,17 +211,18 @@ func (m *Manager) askPlugin(ctx context.Context, s *supervise.Supervisor, id str
 	return container, nil
 }
 
-// answerIntent asks intent r's plugin again for the answer the host stopped before
-// writing, and records it in the ledger itself (the caller holds r's claim): r with its answer, or the
-// plugin's error. A plugin that refuses (or breaks the rules) gets the intent withdrawn,
-// its devices freed; one that cannot be reached leaves it for its next start.
+// answerIntent asks intent r's plugin again (with r's plugin options) for the answer
+// the host stopped before writing, and records it in the ledger itself (the caller
+// holds r's claim): r with its answer, or the plugin's error. A plugin that refuses
+// (pluginRefused) gets the intent withdrawn, its devices freed; one that cannot be
+// reached leaves it for its next start.
 func (m *Manager) answerIntent(ctx context.Context, r device.Reservation) (device.Reservation, error) {
 	s := m.supervisor(r.Plugin)
 	if s == nil {
 		return device.Reservation{}, fmt.Errorf("reservation %s waits for its plugin %q, which this host does not run: %w", r.ID, r.Plugin, device.ErrPluginUnavailable)
 	}
-	container, err := m.askPlugin(ctx, s, r.ID, r.DeviceIDs)
-	if errors.Is(err, device.ErrPluginResponse) {
+	container, err := m.askPlugin(ctx, s, r.ID, r.DeviceIDs, r.PluginOptions)
+	if pluginRefused(err) {
 		if werr := m.ledger.Withdraw(context.WithoutCancel(ctx), r.ID); werr != nil {
 			err = errors.Join(err, werr)
 		} else {
@@ -232,6 +240,13 @@ func (m *Manager) answerIntent(ctx context.Context, r device.Reservation) (devic
 	}
 	m.log.Info("a reservation left without its answer by a stop has it again", "reservation_id", r.ID, "owner_id", r.OwnerID, "plugin", r.Plugin)
 	return out, nil
+}
+
+// pluginRefused says whether askPlugin's err is the plugin's answer, not its absence:
+// it refused the request (device.ErrInvalidRequest: an option it does not take) or its
+// answer broke the rules (device.ErrPluginResponse). Asking again gets the same.
+func pluginRefused(err error) bool {
+	return errors.Is(err, device.ErrPluginResponse) || errors.Is(err, device.ErrInvalidRequest)
 }
 
 // intentIDs is the set of the IDs of intents.
@@ -267,7 +282,7 @@ func (m *Manager) answerIntents(ctx context.Context, plugin string, left map[str
 		cancel()
 		release()
 		switch {
-		case err == nil, errors.Is(err, device.ErrPluginResponse), errors.Is(err, device.ErrNotFound):
+		case err == nil, pluginRefused(err), errors.Is(err, device.ErrNotFound):
 			delete(left, r.ID)
 		default:
 			m.log.Warn("a reservation left without its answer by a stop is still without it: its devices stay held, and the plugin is asked again at its next start",
@@ -309,13 +324,14 @@ func (m *Manager) answerLeftIntents(ctx context.Context, left map[string]bool) {
 	}
 }
 
-// liveReservations lists the live reservations of plugin's devices, for its Reconcile:
-// its intents too, answered or not (their devices are held).
+// liveReservations lists the live reservations of plugin's devices, with their plugin
+// options, for its Reconcile: its intents too, answered or not (their devices are
+// held).
 func (m *Manager) liveReservations(_ context.Context, plugin string) ([]*pb.LiveReservation, error) {
 	var out []*pb.LiveReservation
 	for _, r := range m.ledger.Live() {
 		if r.Plugin == plugin {
-			out = append(out, &pb.LiveReservation{ReservationId: r.ID, DeviceIds: r.DeviceIDs})
+			out = append(out, &pb.LiveReservation{ReservationId: r.ID, DeviceIds: r.DeviceIDs, Options: r.PluginOptions})
 		}
 	}
 	return out, nil

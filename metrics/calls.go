@@ -30,6 +30,7 @@ var results = []struct {
 	{device.ErrDeviceCordoned, "device_cordoned"},
 	{device.ErrNoCDIDevices, "no_cdi_devices"},
 	{device.ErrTooManyAccesses, "too_many_admin_accesses"},
+	{device.ErrOptionsDiffer, "plugin_options_differ"},
 	{device.ErrPermissionDenied, "permission_denied"},
 	{device.ErrUnknownDevice, "device_unknown"},
 	{device.ErrUnhealthyDevice, "device_unhealthy"},

@@ -184,6 +184,7 @@ func reserveRequestFromProto(in *pb.ReserveRequest) device.ReserveRequest {
 		TakeOverOwnerPrefixes: append([]string(nil), in.GetTakeOverOwnerPrefixes()...),
 		AdminAccess:           in.GetAdminAccess(),
 		OwnerLabels:           maps.Clone(in.GetOwnerLabels()),
+		PluginOptions:         maps.Clone(in.GetPluginOptions()),
 	}
 }
 
@@ -268,6 +269,7 @@ func reservationToProto(r device.Reservation) *pb.Reservation {
 		CleanupPending: r.CleanupPending,
 		AdminAccess:    r.AdminAccess,
 		OwnerLabels:    r.OwnerLabels.Map(),
+		PluginOptions:  maps.Clone(r.PluginOptions),
 	}
 }
 

@@ -41,6 +41,7 @@ var errorCodes = []struct {
 	{device.ErrTooManyAccesses, codes.ResourceExhausted, pb.ErrorReason_TOO_MANY_ADMIN_ACCESSES},
 	{device.ErrDeviceHeld, codes.FailedPrecondition, pb.ErrorReason_DEVICE_HELD},
 	{device.ErrCapacityExceeded, codes.FailedPrecondition, pb.ErrorReason_CAPACITY_EXCEEDED},
+	{device.ErrOptionsDiffer, codes.FailedPrecondition, pb.ErrorReason_PLUGIN_OPTIONS_DIFFER},
 	{device.ErrPluginUnavailable, codes.Unavailable, pb.ErrorReason_PLUGIN_UNAVAILABLE},
 	// The plugin answered but broke a validation rule. The caller cannot fix that by
 	// changing its request, and an immediate retry usually gets the same answer, so it is

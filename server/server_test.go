@@ -477,6 +477,7 @@ func TestErrorCodes(t *testing.T) {
 		{"held, untyped", fmt.Errorf("GPU-0 held by r1 of alloc-2: %w", device.ErrDeviceHeld), codes.FailedPrecondition, "DEVICE_HELD"},
 		{"held, typed and wrapped", fmt.Errorf("record reservation: %w", held), codes.FailedPrecondition, "DEVICE_HELD"},
 		{"over shared capacity", fmt.Errorf("record reservation: %w", overrun), codes.FailedPrecondition, "CAPACITY_EXCEEDED"},
+		{"retry with other plugin options", &device.OptionsDifferError{OwnerID: "o", ReservationID: "res-1"}, codes.FailedPrecondition, "PLUGIN_OPTIONS_DIFFER"},
 		{"plugin down", fmt.Errorf("plugin nvidia: %w", device.ErrPluginUnavailable), codes.Unavailable, "PLUGIN_UNAVAILABLE"},
 		{"plugin answer rejected", fmt.Errorf("plugin nvidia: env LD_PRELOAD: %w", device.ErrPluginResponse), codes.Internal, "PLUGIN_RESPONSE_INVALID"},
 		{"shutting down", device.ErrShuttingDown, codes.Unavailable, "SHUTTING_DOWN"},

@@ -132,7 +132,55 @@ func reserveRequest(req device.ReserveRequest) error {
 		f.add("take_over_owner_prefixes", RuleAdminTakeOver, "")
 	}
 	f.checkOwnerLabels("owner_labels", req.OwnerLabels)
+	f.checkPluginOptions("plugin_options", req.PluginOptions)
+	if req.AdminAccess && len(req.PluginOptions) > 0 {
+		f.add("plugin_options", RuleAdminTakeOver, "an admin access asks nothing of the plugin")
+	}
 	return f.err()
+}
+
+// checkPluginOptions checks a Reserve's plugin options: at most device.MaxPluginOptions
+// (RuleTooMany, nothing else checked), each key device.PluginOptionKeyPattern
+// (RuleOptionKey), each value at most device.MaxPluginOptionLen bytes, valid UTF-8 and
+// printable. A field is "plugin_options[<key>]", the key escaped and cut to 40 bytes.
+func (f *fields) checkPluginOptions(field string, opts map[string]string) {
+	if len(opts) > device.MaxPluginOptions { // not sorted nor searched: a huge map costs nothing more
+		f.add(field, RuleTooMany, fmt.Sprintf("%d, limit %d", len(opts), device.MaxPluginOptions))
+		return
+	}
+	for _, k := range slices.Sorted(maps.Keys(opts)) {
+		v := opts[k]
+		if optionKeyOK(k) && len(v) <= device.MaxPluginOptionLen && utf8.ValidString(v) && textline.Printable(v) {
+			continue // the fast path: no field name to make
+		}
+		name := fmt.Sprintf("%s[%s]", field, textline.Escape(k, 40))
+		if !optionKeyOK(k) {
+			f.add(name, RuleOptionKey, "want "+device.PluginOptionKeyPattern)
+			continue
+		}
+		switch {
+		case len(v) > device.MaxPluginOptionLen:
+			f.add(name, RuleTooLong, tooLong(len(v), device.MaxPluginOptionLen))
+		case !utf8.ValidString(v):
+			f.add(name, RuleInvalidUTF8, "")
+		case !textline.Printable(v):
+			f.add(name, RuleNotPrintable, "")
+		}
+	}
+}
+
+// optionKeyOK reports whether k matches device.PluginOptionKeyPattern,
+// ^[a-z][a-z0-9_]{0,62}$, without a regexp on the Reserve path.
+func optionKeyOK(k string) bool {
+	if k == "" || len(k) > 63 || k[0] < 'a' || k[0] > 'z' {
+		return false
+	}
+	for i := 1; i < len(k); i++ {
+		if c := k[i]; !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '_') {
+			return false
+		}
+	}
+	return true
 }
 
 // checkOwnerLabels checks a Reserve's owner labels: at most as many as

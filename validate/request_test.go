@@ -163,6 +163,59 @@ func TestReserveRequest(t *testing.T) {
 			want: []device.FieldError{fe("owner_labels", validate.RuleTooMany, "3, limit 2: pod, namespace")},
 		},
 		{
+			name: "plugin options at their bounds",
+			mutate: func(r *device.ReserveRequest) {
+				r.PluginOptions = map[string]string{"mps_isolation": "per-holder", "z" + strings.Repeat("9", 62): strings.Repeat("v", device.MaxPluginOptionLen), "e": ""}
+				for i := range device.MaxPluginOptions - 3 {
+					r.PluginOptions[fmt.Sprintf("o%d", i)] = "a b,c=d é"
+				}
+			},
+		},
+		{
+			name: "too many plugin options",
+			mutate: func(r *device.ReserveRequest) {
+				r.PluginOptions = map[string]string{}
+				for i := range device.MaxPluginOptions + 1 {
+					r.PluginOptions[fmt.Sprintf("o%d", i)] = "v"
+				}
+			},
+			want: []device.FieldError{fe("plugin_options", validate.RuleTooMany, "9, limit 8")},
+		},
+		{
+			name: "plugin option keys off the pattern, escaped",
+			mutate: func(r *device.ReserveRequest) {
+				r.PluginOptions = map[string]string{"Mps": "a", "9a": "b", "": "c", "a-b": "d", "a\x1b": "e", "k\n" + long: "f", "a" + strings.Repeat("b", 63): "g"}
+			},
+			want: []device.FieldError{
+				fe(`plugin_options[]`, validate.RuleOptionKey, "want "+device.PluginOptionKeyPattern),
+				fe(`plugin_options[9a]`, validate.RuleOptionKey, "want "+device.PluginOptionKeyPattern),
+				fe(`plugin_options[Mps]`, validate.RuleOptionKey, "want "+device.PluginOptionKeyPattern),
+				fe(`plugin_options[a\x1b]`, validate.RuleOptionKey, "want "+device.PluginOptionKeyPattern),
+				fe(`plugin_options[a-b]`, validate.RuleOptionKey, "want "+device.PluginOptionKeyPattern),
+				fe(`plugin_options[a`+strings.Repeat("b", 36)+`...]`, validate.RuleOptionKey, "want "+device.PluginOptionKeyPattern),
+				fe(`plugin_options[k\n`+strings.Repeat("o", 34)+`...]`, validate.RuleOptionKey, "want "+device.PluginOptionKeyPattern),
+			},
+		},
+		{
+			name: "plugin option values too long, not UTF-8, not printable",
+			mutate: func(r *device.ReserveRequest) {
+				r.PluginOptions = map[string]string{"a": strings.Repeat("v", device.MaxPluginOptionLen+1), "b": "x\xffy", "c": "shared\n", "d": "a\x1b[2Jb"}
+			},
+			want: []device.FieldError{
+				fe(`plugin_options[a]`, validate.RuleTooLong, "257 bytes, limit 256"),
+				fe(`plugin_options[b]`, validate.RuleInvalidUTF8),
+				fe(`plugin_options[c]`, validate.RuleNotPrintable),
+				fe(`plugin_options[d]`, validate.RuleNotPrintable),
+			},
+		},
+		{
+			name: "plugin options with admin access",
+			mutate: func(r *device.ReserveRequest) {
+				r.AdminAccess, r.PluginOptions = true, map[string]string{"mps_isolation": "shared"}
+			},
+			want: []device.FieldError{fe("plugin_options", validate.RuleAdminTakeOver, "an admin access asks nothing of the plugin")},
+		},
+		{
 			name:   "admin access taking over",
 			mutate: func(r *device.ReserveRequest) { r.AdminAccess, r.TakeOverOwnerPrefixes = true, []string{"nomad/"} },
 			want:   []device.FieldError{fe("take_over_owner_prefixes", validate.RuleAdminTakeOver)},

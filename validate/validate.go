@@ -87,6 +87,10 @@ func Reservation(res *pb.ContainerReservation, requested []string) error {
 // take_over_owner_prefixes may hold up to MaxTakeOverPrefixes prefixes, none repeated,
 // reported as "take_over_owner_prefixes[i]": each follows owner_id's rules, ends with
 // "/", does not start with "/" and has no empty segment (RuleOwnerPrefix).
+// plugin_options may hold up to device.MaxPluginOptions options, reported as
+// "plugin_options[key]": each key matches device.PluginOptionKeyPattern
+// (RuleOptionKey), each value is at most device.MaxPluginOptionLen bytes, valid UTF-8
+// and printable; not with admin_access (RuleAdminTakeOver, on "plugin_options").
 func ReserveRequest(req device.ReserveRequest) error { return reserveRequest(req) }
 
 // ReleaseRequest checks a host API Release request; violations are *device.FieldError.

@@ -47,7 +47,8 @@ const (
 	RuleExactlyOne    Rule = "exactly one of reservation_id and owner_id must be set"
 	RuleState         Rule = "unknown reservation state"
 	RuleOwnerPrefix   Rule = "invalid owner prefix"  // a take-over prefix that is not "segment/.../"
-	RuleAdminTakeOver Rule = "not with admin_access" // an admin access takes nothing over
+	RuleAdminTakeOver Rule = "not with admin_access" // an admin access takes nothing over, and takes no plugin options
+	RuleOptionKey     Rule = "invalid option key"    // a plugin option key that is not device.PluginOptionKeyPattern
 	RuleOwnerLabel    Rule = "unknown owner label"   // an owner label key not in device.OwnerLabelKeys
 	// Shared capacity (counter sets).
 	RuleUnknownCounterSet Rule = "unknown counter set"         // a device consumes from a set the fingerprint does not declare

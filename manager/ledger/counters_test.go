@@ -64,7 +64,7 @@ func TestReserveWithinSharedCapacity(t *testing.T) {
 			t.Errorf("error %q does not say %q", err, want)
 		}
 	}
-	if _, err := l.Check("job-w", []string{"GPU-0"}, nil, whole("job-w").Consumes, gpuCaps); !errors.As(err, &ce) || len(ce.Overruns) != 2 {
+	if _, err := l.Check("job-w", []string{"GPU-0"}, nil, nil, whole("job-w").Consumes, gpuCaps); !errors.As(err, &ce) || len(ce.Overruns) != 2 {
 		t.Fatalf("Check of the whole GPU: %v, want both counters over", err)
 	}
 	if n := len(listAll(t, l)); n != 7 {

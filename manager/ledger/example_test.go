@@ -27,7 +27,7 @@ func Example() {
 	ctx := context.Background()
 
 	// Before calling the plugin: is the request free, a retry, or a conflict?
-	if prior, err := l.Check("alloc-1", []string{"GPU-a", "GPU-b"}, nil, nil, nil); err != nil || prior != nil {
+	if prior, err := l.Check("alloc-1", []string{"GPU-a", "GPU-b"}, nil, nil, nil, nil); err != nil || prior != nil {
 		fmt.Println("not new:", prior, err)
 		return
 	}

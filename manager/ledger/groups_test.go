@@ -152,7 +152,7 @@ func TestUseInTwoGroups(t *testing.T) {
 	}
 	onlyA := modeUse("job-3", "ts", 3)
 	onlyA.Consumes[0].Groups = []string{"a"}
-	_, err := l.Check("job-3", onlyA.DeviceIDs, nil, onlyA.Consumes, modeCaps)
+	_, err := l.Check("job-3", onlyA.DeviceIDs, nil, nil, onlyA.Consumes, modeCaps)
 	if !errors.Is(err, device.ErrCapacityExceeded) || !strings.Contains(err.Error(), `is held shared as "b" by reservation`) || !strings.Contains(err.Error(), `, reservation res-`) {
 		t.Fatalf("Check of a use in a alone: %v, want refused naming both holders", err)
 	}

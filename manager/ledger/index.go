@@ -397,6 +397,7 @@ func clone(r *device.Reservation) device.Reservation {
 	c.Container.Devices = slices.Clone(r.Container.Devices)
 	c.Container.CDIDevices = slices.Clone(r.Container.CDIDevices)
 	c.Consumes = cloneConsumes(r.Consumes)
+	c.PluginOptions = maps.Clone(r.PluginOptions)
 	return c
 }
 

@@ -75,7 +75,7 @@ func (l *Ledger) Intend(ctx context.Context, r device.Reservation, takeOver []st
 // intendRun is the write of Intend for rec (checked, stamped, owned by the run).
 func intendRun(rec device.Reservation, takeOver []string, caps device.Capacity) func(w *txn) (any, error) {
 	return func(w *txn) (any, error) {
-		prior, victims, err := decide(w, rec.OwnerID, rec.DeviceIDs, takeOver, rec.Consumes, caps)
+		prior, victims, err := decide(w, rec.OwnerID, rec.DeviceIDs, takeOver, rec.PluginOptions, rec.Consumes, caps)
 		switch {
 		case err != nil:
 			return nil, err

@@ -71,7 +71,7 @@ func TestIntentHoldsItsDevicesAndShowsOnceAnswered(t *testing.T) {
 		t.Errorf("List = %v, want the unanswered intent left out", ids(rs))
 	}
 	var ue *UnansweredError
-	if _, err := l.Check("o1", []string{"d0"}, nil, nil, nil); !errors.As(err, &ue) || ue.Reservation.ID != "res-a" {
+	if _, err := l.Check("o1", []string{"d0"}, nil, nil, nil, nil); !errors.As(err, &ue) || ue.Reservation.ID != "res-a" {
 		t.Errorf("Check by its owner = %v, want an UnansweredError for res-a", err)
 	}
 

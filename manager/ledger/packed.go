@@ -35,8 +35,8 @@ import (
 // Layout: a flags byte (flagCleanupPending), then in this order the owner, the group
 // (vendor, type, name), the plugin, the device IDs, the creation and release times,
 // the container reservation: envs, mounts, device nodes, CDI names; the use of
-// counter sets: per set its name and its counters (name, varint); and the owner
-// labels. A string is its
+// counter sets: per set its name and its counters (name, varint); the owner
+// labels; and the plugin options. A string is its
 // length (uvarint) and bytes; a list or map is its length plus one (0 for nil, so nil
 // and empty stay apart) and its elements; a time is 0 for the zero time, else 1, its
 // Unix seconds (varint) and nanoseconds (uvarint).
@@ -87,6 +87,7 @@ func pack(r *device.Reservation) packed {
 	}
 	p.str(r.OwnerLabels.Pod)
 	p.str(r.OwnerLabels.Namespace)
+	p.strMap(r.PluginOptions)
 	return packed(p.b)
 }
 
@@ -162,6 +163,7 @@ func (p packed) unpack(id string) *device.Reservation {
 		}
 	}
 	r.OwnerLabels = device.OwnerLabels{Pod: u.str(), Namespace: u.str()}
+	r.PluginOptions = u.strMap()
 	if u.i != len(u.s) {
 		panic("ledger: packed reservation has trailing bytes") // only pack makes them
 	}

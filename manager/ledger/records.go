@@ -59,6 +59,8 @@ type recordV1 struct {
 	// OwnerLabels likewise (ReserveRequest.OwnerLabels, by key), for a version that
 	// predates them.
 	OwnerLabels map[string]string `json:"owner_labels,omitempty"`
+	// PluginOptions likewise (ReserveRequest.PluginOptions).
+	PluginOptions map[string]string `json:"plugin_options,omitempty"`
 }
 
 // consumptionV1 is a reservation's use of one counter set of its plugin.
@@ -120,6 +122,7 @@ func encodeReservation(r *device.Reservation) ([]byte, error) {
 		ReleasedAt:     r.ReleasedAt,
 		CleanupPending: r.CleanupPending,
 		OwnerLabels:    r.OwnerLabels.Map(),
+		PluginOptions:  r.PluginOptions,
 	}
 	for _, c := range r.Consumes {
 		rec.Consumes = append(rec.Consumes, consumptionV1{Set: c.Set.Name, Counters: c.Counters, Groups: c.Groups})
@@ -170,6 +173,7 @@ func decodeReservation(key, v []byte) (*device.Reservation, error) {
 		ReleasedAt:     normTime(rec.ReleasedAt),
 		CleanupPending: rec.CleanupPending,
 		OwnerLabels:    device.OwnerLabelsOf(rec.OwnerLabels),
+		PluginOptions:  nilIfEmpty(rec.PluginOptions),
 	}
 	for _, c := range rec.Consumes {
 		r.Consumes = append(r.Consumes, device.Consumption{Set: device.CounterSetKey{Plugin: rec.Plugin, Name: c.Set}, Counters: c.Counters,
@@ -310,4 +314,13 @@ func loadIntents(tx *bolt.Tx, path string, idx *index) error {
 		idx.intent[r.ID] = struct{}{}
 		return nil
 	})
+}
+
+// nilIfEmpty is m, or nil when it has no entries: a reservation without plugin options
+// has nil ones, however it was made or read.
+func nilIfEmpty(m map[string]string) map[string]string {
+	if len(m) == 0 {
+		return nil
+	}
+	return m
 }

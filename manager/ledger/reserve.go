@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -35,9 +36,11 @@ type view interface {
 }
 
 // decide applies the conflict rules to a request by owner for deviceIDs (valid, no
-// duplicates) that may take devices over from owners starting with one of takeOver:
+// duplicates) with plugin options opts that may take devices over from owners starting
+// with one of takeOver:
 //   - (r, nil, nil) when owner's live reservation r holds exactly deviceIDs (a retry;
-//     nothing is taken over);
+//     nothing is taken over) with opts; a *device.OptionsDifferError when it holds them
+//     with other options (the plugin prepared them for those);
 //   - (nil, victims, nil) when every requested device is free or held by a live
 //     reservation whose owner takeOver matches (device.TakesOver): victims are those
 //     reservations, sorted by ID, to release with the new one's write (none without
@@ -46,10 +49,17 @@ type view interface {
 //   - and then, for a request that uses shared counters (consumes), a *device.CapacityError
 //     when, with the live reservations but the victims, a counter would go over its
 //     capacity in caps (see decideCapacity).
-func decide(v view, owner string, deviceIDs, takeOver []string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, []*device.Reservation, error) {
+func decide(v view, owner string, deviceIDs, takeOver []string, opts map[string]string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, []*device.Reservation, error) {
 	prior, victims, err := decideDevices(v, owner, deviceIDs, takeOver)
-	if err != nil || prior != nil {
-		return prior, nil, err
+	if err != nil {
+		return nil, nil, err
+	}
+	if prior != nil {
+		if !maps.Equal(prior.PluginOptions, opts) {
+			return nil, nil, &device.OptionsDifferError{OwnerID: owner, ReservationID: prior.ID,
+				Held: maps.Clone(prior.PluginOptions), Requested: maps.Clone(opts)}
+		}
+		return prior, nil, nil
 	}
 	if err := decideCapacity(v, owner, consumes, caps, victims); err != nil {
 		return nil, nil, err
@@ -104,9 +114,11 @@ func decideDevices(v view, owner string, deviceIDs, takeOver []string) (*device.
 	return nil, nil, e
 }
 
-// Check applies the conflict rules to ownerID asking for deviceIDs, without writing:
-// (r, nil) when ownerID's live reservation r holds exactly deviceIDs (a retried Reserve;
-// an *UnansweredError when r is an intent without its answer, see intent.go),
+// Check applies the conflict rules to ownerID asking for deviceIDs with plugin options
+// opts, without writing: (r, nil) when ownerID's live reservation r holds exactly
+// deviceIDs with opts (a retried Reserve; an *UnansweredError when r is an intent
+// without its answer, see intent.go; a *device.OptionsDifferError when r has other
+// options),
 // (nil, nil) when none of them is held, or each holder's owner starts with one of
 // takeOver (see Reserve), and a *device.HeldError (device.ErrDeviceHeld) otherwise, naming
 // the holders takeOver does not match; then, when the devices use shared counters
@@ -119,10 +131,10 @@ func decideDevices(v view, owner string, deviceIDs, takeOver []string) (*device.
 //
 // The manager calls Check before it asks the plugin; since another Reserve can commit in
 // between, Reserve checks again atomically with its write.
-func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, error) {
+func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string, opts map[string]string, consumes []device.Consumption, caps device.Capacity) (*device.Reservation, error) {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
-	r, _, err := decide(l.idx, ownerID, deviceIDs, takeOver, consumes, caps)
+	r, _, err := decide(l.idx, ownerID, deviceIDs, takeOver, opts, consumes, caps)
 	if r == nil || err != nil {
 		return nil, err
 	}
@@ -137,7 +149,9 @@ func (l *Ledger) Check(ownerID string, deviceIDs, takeOver []string, consumes []
 // conflict rules atomically with the write:
 //   - when r.OwnerID already holds exactly r.DeviceIDs in a live reservation, that
 //     reservation is returned with existing true and nothing is written (a retried
-//     Reserve creates no duplicate), whatever takeOver says;
+//     Reserve creates no duplicate), whatever takeOver says; if its plugin options are
+//     not r.PluginOptions, the error is a *device.OptionsDifferError
+//     (device.ErrOptionsDiffer) naming it and both sets;
 //   - when every requested device is free, or held by a live reservation whose owner
 //     starts with one of takeOver (device.TakesOver; see device.ReserveRequest), r is
 //     recorded and those holders are marked released (at r's CreatedAt, their plugin
@@ -202,6 +216,7 @@ func (l *Ledger) newRecord(call string, r device.Reservation) (device.Reservatio
 	rec := clone(&r)
 	rec.State = device.ReservationActive
 	rec.ReleasedAt, rec.CleanupPending, rec.TakenOver = time.Time{}, false, nil
+	rec.PluginOptions = nilIfEmpty(rec.PluginOptions)
 	if rec.CreatedAt.IsZero() {
 		rec.CreatedAt = l.now()
 	}
@@ -221,7 +236,7 @@ type reserveResult struct {
 // storage failure decides afresh.
 func reserveRun(rec device.Reservation, takeOver []string, caps device.Capacity, by string) func(w *txn) (any, error) {
 	return func(w *txn) (any, error) {
-		prior, victims, err := decide(w, rec.OwnerID, rec.DeviceIDs, takeOver, rec.Consumes, caps)
+		prior, victims, err := decide(w, rec.OwnerID, rec.DeviceIDs, takeOver, rec.PluginOptions, rec.Consumes, caps)
 		if err != nil || prior != nil {
 			return reserveResult{r: prior, existing: true}, err
 		}

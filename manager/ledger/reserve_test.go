@@ -112,7 +112,7 @@ func TestConflictRules(t *testing.T) {
 			})
 			before := listAll(t, l)
 
-			checked, checkErr := l.Check(tt.owner, tt.devs, nil, nil, nil)
+			checked, checkErr := l.Check(tt.owner, tt.devs, nil, nil, nil, nil)
 			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...), nil, nil)
 
 			for _, e := range []struct {

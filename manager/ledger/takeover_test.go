@@ -70,7 +70,7 @@ func TestTakeOverRules(t *testing.T) {
 			setup := takeOverSetup(t, l)
 			before, commits := listAll(t, l), l.Commits()
 
-			checked, checkErr := l.Check(tt.owner, tt.devs, tt.takeOver, nil, nil)
+			checked, checkErr := l.Check(tt.owner, tt.devs, tt.takeOver, nil, nil, nil)
 			got, existing, err := l.Reserve(context.Background(), res(tt.owner, tt.devs...), tt.takeOver, nil)
 
 			if tt.wantHolders != nil {
@@ -177,7 +177,7 @@ func TestTakeOverEmptyPrefixTakesNothing(t *testing.T) {
 		if !errors.As(err, &held) || len(held.Conflicts) != 1 || held.Conflicts[0].Holder.ReservationID != a.ID {
 			t.Errorf("prefixes %q: err = %v, want a HeldError naming %s", prefixes, err, a.ID)
 		}
-		if _, err := l.Check("x", []string{"GPU-1"}, prefixes, nil, nil); !errors.Is(err, device.ErrDeviceHeld) {
+		if _, err := l.Check("x", []string{"GPU-1"}, prefixes, nil, nil, nil); !errors.Is(err, device.ErrDeviceHeld) {
 			t.Errorf("Check with prefixes %q: err = %v, want ErrDeviceHeld", prefixes, err)
 		}
 	}

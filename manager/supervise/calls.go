@@ -14,15 +14,17 @@ import (
 	pb "github.com/devicehost/devicehost/proto/deviceplugin/v1"
 )
 
-// Reserve asks the running plugin to prepare deviceIDs. The call is bounded by ctx,
-// ReserveTimeout and the plugin's exit; errors wrap device.ErrPluginUnavailable when the
-// plugin is down or silent, and device.ErrPluginResponse when it refused. The answer is
-// not validated here.
-func (s *Supervisor) Reserve(ctx context.Context, deviceIDs []string) (*pb.ContainerReservation, error) {
+// Reserve asks the running plugin to prepare deviceIDs with the caller's options (nil
+// for none). The call is bounded by ctx, ReserveTimeout and the plugin's exit; errors
+// wrap device.ErrPluginUnavailable when the plugin is down or silent,
+// device.ErrInvalidRequest when it refused the request as invalid (INVALID_ARGUMENT: an
+// option it does not know, devices it will not hold together), with its message, and
+// device.ErrPluginResponse when it refused otherwise. The answer is not validated here.
+func (s *Supervisor) Reserve(ctx context.Context, deviceIDs []string, options map[string]string) (*pb.ContainerReservation, error) {
 	var resp *pb.ReserveResponse
 	err := s.call(ctx, "reserve", func(ctx context.Context, c pb.DevicePluginClient) error {
 		var err error
-		resp, err = c.Reserve(ctx, &pb.ReserveRequest{DeviceIds: deviceIDs})
+		resp, err = c.Reserve(ctx, &pb.ReserveRequest{DeviceIds: deviceIDs, Options: options})
 		return err
 	})
 	if err != nil {
@@ -92,6 +94,10 @@ func (s *Supervisor) call(ctx context.Context, what string, rpc func(context.Con
 		return fmt.Errorf("%s on plugin %q: %s: %w", what, s.name, inventory.ErrorLine(err.Error()), device.ErrPluginUnavailable)
 	case codes.Unimplemented:
 		return fmt.Errorf("%s on plugin %q: %w", what, s.name, err)
+	case codes.InvalidArgument:
+		// The request is what the plugin refused (an option it does not know): the
+		// caller's to fix, as the host's own checks' refusals are.
+		return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, inventory.ErrorLine(status.Convert(err).Message()), device.ErrInvalidRequest)
 	}
 	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, inventory.ErrorLine(status.Convert(err).Message()), device.ErrPluginResponse)
 }

@@ -227,6 +227,10 @@ const (
 	// RESOURCE_EXHAUSTED: an admin access to a device that has as many as it may have
 	// (the message says how many); release one first.
 	ErrorReason_TOO_MANY_ADMIN_ACCESSES ErrorReason = 13
+	// FAILED_PRECONDITION: a retried Reserve (same owner, exactly the devices its live
+	// reservation holds) with other plugin_options than that reservation's; the message
+	// names the reservation and both sets. Release it first, or retry with its options.
+	ErrorReason_PLUGIN_OPTIONS_DIFFER ErrorReason = 14
 )
 
 // Enum value maps for ErrorReason.
@@ -246,6 +250,7 @@ var (
 		11: "DEVICE_CORDONED",
 		12: "NO_CDI_DEVICES",
 		13: "TOO_MANY_ADMIN_ACCESSES",
+		14: "PLUGIN_OPTIONS_DIFFER",
 	}
 	ErrorReason_value = map[string]int32{
 		"ERROR_REASON_UNSPECIFIED": 0,
@@ -262,6 +267,7 @@ var (
 		"DEVICE_CORDONED":          11,
 		"NO_CDI_DEVICES":           12,
 		"TOO_MANY_ADMIN_ACCESSES":  13,
+		"PLUGIN_OPTIONS_DIFFER":    14,
 	}
 )
 
@@ -1865,7 +1871,17 @@ type ReserveRequest struct {
 	// at most 1024 bytes of printable UTF-8 (several pods joined by ","). The DRA driver
 	// sets them to the pods its claim is reserved for. Recorded with the reservation;
 	// a retry keeps the first Reserve's, and ReownReservation drops them.
-	OwnerLabels   map[string]string `protobuf:"bytes,8,rep,name=owner_labels,json=ownerLabels,proto3" json:"owner_labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	OwnerLabels map[string]string `protobuf:"bytes,8,rep,name=owner_labels,json=ownerLabels,proto3" json:"owner_labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// Options for the plugin that owns the devices, passed to its Reserve and recorded
+	// with the reservation (Reservation.plugin_options), e.g. {"mps_isolation":
+	// "per-holder"} for the nvidia-example plugin's MPS shares; what a plugin takes is in
+	// its docs. At most 8; each key matches ^[a-z][a-z0-9_]{0,62}$, each value is at most
+	// 256 bytes of printable UTF-8. Not with admin_access. A plugin refuses an option it
+	// does not know, or a value it cannot honour, before it prepares anything: the Reserve
+	// is INVALID_ARGUMENT with the plugin's message, naming the option. A retry (same
+	// owner, exactly the devices it holds) must carry the same options: other options are
+	// FAILED_PRECONDITION, PLUGIN_OPTIONS_DIFFER, naming the reservation and both sets.
+	PluginOptions map[string]string `protobuf:"bytes,9,rep,name=plugin_options,json=pluginOptions,proto3" json:"plugin_options,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1952,6 +1968,13 @@ func (x *ReserveRequest) GetAdminAccess() bool {
 func (x *ReserveRequest) GetOwnerLabels() map[string]string {
 	if x != nil {
 		return x.OwnerLabels
+	}
+	return nil
+}
+
+func (x *ReserveRequest) GetPluginOptions() map[string]string {
+	if x != nil {
+		return x.PluginOptions
 	}
 	return nil
 }
@@ -2369,7 +2392,9 @@ type Reservation struct {
 	// ID starts "acc-"; it is active until released, and then gone.
 	AdminAccess bool `protobuf:"varint,13,opt,name=admin_access,json=adminAccess,proto3" json:"admin_access,omitempty"`
 	// ReserveRequest.owner_labels of the Reserve that made it.
-	OwnerLabels   map[string]string `protobuf:"bytes,14,rep,name=owner_labels,json=ownerLabels,proto3" json:"owner_labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	OwnerLabels map[string]string `protobuf:"bytes,14,rep,name=owner_labels,json=ownerLabels,proto3" json:"owner_labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// ReserveRequest.plugin_options of the Reserve that made it.
+	PluginOptions map[string]string `protobuf:"bytes,15,rep,name=plugin_options,json=pluginOptions,proto3" json:"plugin_options,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2498,6 +2523,13 @@ func (x *Reservation) GetAdminAccess() bool {
 func (x *Reservation) GetOwnerLabels() map[string]string {
 	if x != nil {
 		return x.OwnerLabels
+	}
+	return nil
+}
+
+func (x *Reservation) GetPluginOptions() map[string]string {
+	if x != nil {
+		return x.PluginOptions
 	}
 	return nil
 }
@@ -3361,7 +3393,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\ttimestamp\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\ttimestamp\x1aO\n" +
 	"\vValuesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12*\n" +
-	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\xf9\x02\n" +
+	"\x05value\x18\x02 \x01(\v2\x14.devicehost.v1.ValueR\x05value:\x028\x01\"\x94\x04\n" +
 	"\x0eReserveRequest\x12\x19\n" +
 	"\bowner_id\x18\x01 \x01(\tR\aownerId\x12\x16\n" +
 	"\x06vendor\x18\x02 \x01(\tR\x06vendor\x12\x12\n" +
@@ -3371,8 +3403,12 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"device_ids\x18\x05 \x03(\tR\tdeviceIds\x127\n" +
 	"\x18take_over_owner_prefixes\x18\x06 \x03(\tR\x15takeOverOwnerPrefixes\x12!\n" +
 	"\fadmin_access\x18\a \x01(\bR\vadminAccess\x12Q\n" +
-	"\fowner_labels\x18\b \x03(\v2..devicehost.v1.ReserveRequest.OwnerLabelsEntryR\vownerLabels\x1a>\n" +
+	"\fowner_labels\x18\b \x03(\v2..devicehost.v1.ReserveRequest.OwnerLabelsEntryR\vownerLabels\x12W\n" +
+	"\x0eplugin_options\x18\t \x03(\v20.devicehost.v1.ReserveRequest.PluginOptionsEntryR\rpluginOptions\x1a>\n" +
 	"\x10OwnerLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a@\n" +
+	"\x12PluginOptionsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xbc\x01\n" +
 	"\x0fReserveResponse\x12%\n" +
@@ -3403,7 +3439,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x06target\"\x94\x01\n" +
 	"\x0fReleaseResponse\x128\n" +
 	"\x18released_reservation_ids\x18\x01 \x03(\tR\x16releasedReservationIds\x12G\n" +
-	" already_released_reservation_ids\x18\x02 \x03(\tR\x1dalreadyReleasedReservationIds\"\x98\x05\n" +
+	" already_released_reservation_ids\x18\x02 \x03(\tR\x1dalreadyReleasedReservationIds\"\xb0\x06\n" +
 	"\vReservation\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x19\n" +
 	"\bowner_id\x18\x02 \x01(\tR\aownerId\x12\x16\n" +
@@ -3422,8 +3458,12 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"releasedAt\x12'\n" +
 	"\x0fcleanup_pending\x18\f \x01(\bR\x0ecleanupPending\x12!\n" +
 	"\fadmin_access\x18\r \x01(\bR\vadminAccess\x12N\n" +
-	"\fowner_labels\x18\x0e \x03(\v2+.devicehost.v1.Reservation.OwnerLabelsEntryR\vownerLabels\x1a>\n" +
+	"\fowner_labels\x18\x0e \x03(\v2+.devicehost.v1.Reservation.OwnerLabelsEntryR\vownerLabels\x12T\n" +
+	"\x0eplugin_options\x18\x0f \x03(\v2-.devicehost.v1.Reservation.PluginOptionsEntryR\rpluginOptions\x1a>\n" +
 	"\x10OwnerLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a@\n" +
+	"\x12PluginOptionsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xba\x01\n" +
 	"\x17ListReservationsRequest\x12\x19\n" +
@@ -3493,7 +3533,7 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x16PLUGIN_STATUS_STARTING\x10\x01\x12\x19\n" +
 	"\x15PLUGIN_STATUS_RUNNING\x10\x02\x12\x1c\n" +
 	"\x18PLUGIN_STATUS_RESTARTING\x10\x03\x12\x18\n" +
-	"\x14PLUGIN_STATUS_FAILED\x10\x04*\xd2\x02\n" +
+	"\x14PLUGIN_STATUS_FAILED\x10\x04*\xed\x02\n" +
 	"\vErrorReason\x12\x1c\n" +
 	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fINVALID_REQUEST\x10\x01\x12\x12\n" +
@@ -3509,7 +3549,8 @@ const file_devicehost_v1_devicehost_proto_rawDesc = "" +
 	"\x12\x13\n" +
 	"\x0fDEVICE_CORDONED\x10\v\x12\x12\n" +
 	"\x0eNO_CDI_DEVICES\x10\f\x12\x1b\n" +
-	"\x17TOO_MANY_ADMIN_ACCESSES\x10\r2\xee\x06\n" +
+	"\x17TOO_MANY_ADMIN_ACCESSES\x10\r\x12\x19\n" +
+	"\x15PLUGIN_OPTIONS_DIFFER\x10\x0e2\xee\x06\n" +
 	"\n" +
 	"DeviceHost\x12V\n" +
 	"\vFingerprint\x12!.devicehost.v1.FingerprintRequest\x1a\".devicehost.v1.FingerprintResponse0\x01\x12D\n" +
@@ -3536,7 +3577,7 @@ func file_devicehost_v1_devicehost_proto_rawDescGZIP() []byte {
 }
 
 var file_devicehost_v1_devicehost_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 49)
+var file_devicehost_v1_devicehost_proto_msgTypes = make([]protoimpl.MessageInfo, 51)
 var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	(Health)(0),                      // 0: devicehost.v1.Health
 	(ReservationState)(0),            // 1: devicehost.v1.ReservationState
@@ -3589,20 +3630,22 @@ var file_devicehost_v1_devicehost_proto_goTypes = []any{
 	nil,                              // 48: devicehost.v1.DeviceGroup.AttributesEntry
 	nil,                              // 49: devicehost.v1.DeviceStats.ValuesEntry
 	nil,                              // 50: devicehost.v1.ReserveRequest.OwnerLabelsEntry
-	nil,                              // 51: devicehost.v1.ContainerReservation.EnvsEntry
-	nil,                              // 52: devicehost.v1.Reservation.OwnerLabelsEntry
-	(*timestamppb.Timestamp)(nil),    // 53: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 54: google.protobuf.Duration
+	nil,                              // 51: devicehost.v1.ReserveRequest.PluginOptionsEntry
+	nil,                              // 52: devicehost.v1.ContainerReservation.EnvsEntry
+	nil,                              // 53: devicehost.v1.Reservation.OwnerLabelsEntry
+	nil,                              // 54: devicehost.v1.Reservation.PluginOptionsEntry
+	(*timestamppb.Timestamp)(nil),    // 55: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 56: google.protobuf.Duration
 }
 var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
 	6,  // 0: devicehost.v1.WatchEventsResponse.events:type_name -> devicehost.v1.Event
-	53, // 1: devicehost.v1.Event.time:type_name -> google.protobuf.Timestamp
+	55, // 1: devicehost.v1.Event.time:type_name -> google.protobuf.Timestamp
 	11, // 2: devicehost.v1.CordonDeviceResponse.cordon:type_name -> devicehost.v1.Cordon
 	11, // 3: devicehost.v1.UncordonDeviceResponse.lifted:type_name -> devicehost.v1.Cordon
-	53, // 4: devicehost.v1.Cordon.since:type_name -> google.protobuf.Timestamp
+	55, // 4: devicehost.v1.Cordon.since:type_name -> google.protobuf.Timestamp
 	21, // 5: devicehost.v1.FingerprintRequest.groups:type_name -> devicehost.v1.GroupFilter
 	16, // 6: devicehost.v1.FingerprintResponse.groups:type_name -> devicehost.v1.DeviceGroup
-	53, // 7: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
+	55, // 7: devicehost.v1.FingerprintResponse.timestamp:type_name -> google.protobuf.Timestamp
 	14, // 8: devicehost.v1.FingerprintResponse.counter_sets:type_name -> devicehost.v1.CounterSet
 	45, // 9: devicehost.v1.CounterSet.capacity:type_name -> devicehost.v1.CounterSet.CapacityEntry
 	46, // 10: devicehost.v1.CounterSet.used:type_name -> devicehost.v1.CounterSet.UsedEntry
@@ -3610,67 +3653,69 @@ var file_devicehost_v1_devicehost_proto_depIdxs = []int32{
 	48, // 12: devicehost.v1.DeviceGroup.attributes:type_name -> devicehost.v1.DeviceGroup.AttributesEntry
 	17, // 13: devicehost.v1.DeviceGroup.devices:type_name -> devicehost.v1.Device
 	0,  // 14: devicehost.v1.Device.health:type_name -> devicehost.v1.Health
-	53, // 15: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
+	55, // 15: devicehost.v1.Device.health_since:type_name -> google.protobuf.Timestamp
 	18, // 16: devicehost.v1.Device.locality:type_name -> devicehost.v1.Locality
 	19, // 17: devicehost.v1.Device.holder:type_name -> devicehost.v1.Holder
 	15, // 18: devicehost.v1.Device.consumes:type_name -> devicehost.v1.CounterConsumption
 	19, // 19: devicehost.v1.Device.blocked_by:type_name -> devicehost.v1.Holder
 	11, // 20: devicehost.v1.Device.cordon:type_name -> devicehost.v1.Cordon
 	19, // 21: devicehost.v1.Device.admin_access:type_name -> devicehost.v1.Holder
-	54, // 22: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	56, // 22: devicehost.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
 	21, // 23: devicehost.v1.StatsRequest.groups:type_name -> devicehost.v1.GroupFilter
 	24, // 24: devicehost.v1.StatsResponse.groups:type_name -> devicehost.v1.GroupStats
-	53, // 25: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
+	55, // 25: devicehost.v1.StatsResponse.timestamp:type_name -> google.protobuf.Timestamp
 	25, // 26: devicehost.v1.GroupStats.devices:type_name -> devicehost.v1.DeviceStats
 	49, // 27: devicehost.v1.DeviceStats.values:type_name -> devicehost.v1.DeviceStats.ValuesEntry
-	53, // 28: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	55, // 28: devicehost.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
 	50, // 29: devicehost.v1.ReserveRequest.owner_labels:type_name -> devicehost.v1.ReserveRequest.OwnerLabelsEntry
-	28, // 30: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
-	51, // 31: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
-	29, // 32: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
-	30, // 33: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
-	1,  // 34: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
-	28, // 35: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
-	53, // 36: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
-	53, // 37: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
-	52, // 38: devicehost.v1.Reservation.owner_labels:type_name -> devicehost.v1.Reservation.OwnerLabelsEntry
-	1,  // 39: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
-	33, // 40: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
-	33, // 41: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
-	2,  // 42: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
-	53, // 43: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
-	53, // 44: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
-	39, // 45: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
-	44, // 46: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
-	43, // 47: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
-	19, // 48: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
-	20, // 49: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
-	20, // 50: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
-	12, // 51: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
-	22, // 52: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
-	26, // 53: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
-	31, // 54: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
-	34, // 55: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
-	36, // 56: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
-	38, // 57: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
-	7,  // 58: devicehost.v1.DeviceHost.CordonDevice:input_type -> devicehost.v1.CordonDeviceRequest
-	9,  // 59: devicehost.v1.DeviceHost.UncordonDevice:input_type -> devicehost.v1.UncordonDeviceRequest
-	4,  // 60: devicehost.v1.DeviceHost.WatchEvents:input_type -> devicehost.v1.WatchEventsRequest
-	13, // 61: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
-	23, // 62: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
-	27, // 63: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
-	32, // 64: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
-	35, // 65: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
-	37, // 66: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
-	40, // 67: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
-	8,  // 68: devicehost.v1.DeviceHost.CordonDevice:output_type -> devicehost.v1.CordonDeviceResponse
-	10, // 69: devicehost.v1.DeviceHost.UncordonDevice:output_type -> devicehost.v1.UncordonDeviceResponse
-	5,  // 70: devicehost.v1.DeviceHost.WatchEvents:output_type -> devicehost.v1.WatchEventsResponse
-	61, // [61:71] is the sub-list for method output_type
-	51, // [51:61] is the sub-list for method input_type
-	51, // [51:51] is the sub-list for extension type_name
-	51, // [51:51] is the sub-list for extension extendee
-	0,  // [0:51] is the sub-list for field type_name
+	51, // 30: devicehost.v1.ReserveRequest.plugin_options:type_name -> devicehost.v1.ReserveRequest.PluginOptionsEntry
+	28, // 31: devicehost.v1.ReserveResponse.reservation:type_name -> devicehost.v1.ContainerReservation
+	52, // 32: devicehost.v1.ContainerReservation.envs:type_name -> devicehost.v1.ContainerReservation.EnvsEntry
+	29, // 33: devicehost.v1.ContainerReservation.mounts:type_name -> devicehost.v1.Mount
+	30, // 34: devicehost.v1.ContainerReservation.devices:type_name -> devicehost.v1.DeviceSpec
+	1,  // 35: devicehost.v1.Reservation.state:type_name -> devicehost.v1.ReservationState
+	28, // 36: devicehost.v1.Reservation.reservation:type_name -> devicehost.v1.ContainerReservation
+	55, // 37: devicehost.v1.Reservation.created_at:type_name -> google.protobuf.Timestamp
+	55, // 38: devicehost.v1.Reservation.released_at:type_name -> google.protobuf.Timestamp
+	53, // 39: devicehost.v1.Reservation.owner_labels:type_name -> devicehost.v1.Reservation.OwnerLabelsEntry
+	54, // 40: devicehost.v1.Reservation.plugin_options:type_name -> devicehost.v1.Reservation.PluginOptionsEntry
+	1,  // 41: devicehost.v1.ListReservationsRequest.state:type_name -> devicehost.v1.ReservationState
+	33, // 42: devicehost.v1.ListReservationsResponse.reservations:type_name -> devicehost.v1.Reservation
+	33, // 43: devicehost.v1.ReownReservationResponse.reservation:type_name -> devicehost.v1.Reservation
+	2,  // 44: devicehost.v1.Plugin.status:type_name -> devicehost.v1.PluginStatus
+	55, // 45: devicehost.v1.Plugin.last_error_at:type_name -> google.protobuf.Timestamp
+	55, // 46: devicehost.v1.Plugin.next_retry:type_name -> google.protobuf.Timestamp
+	39, // 47: devicehost.v1.ListPluginsResponse.plugins:type_name -> devicehost.v1.Plugin
+	44, // 48: devicehost.v1.DeviceHeld.conflicts:type_name -> devicehost.v1.DeviceConflict
+	43, // 49: devicehost.v1.CapacityExceeded.overruns:type_name -> devicehost.v1.CounterOverrun
+	19, // 50: devicehost.v1.CounterOverrun.users:type_name -> devicehost.v1.Holder
+	20, // 51: devicehost.v1.DeviceGroup.AttributesEntry.value:type_name -> devicehost.v1.Value
+	20, // 52: devicehost.v1.DeviceStats.ValuesEntry.value:type_name -> devicehost.v1.Value
+	12, // 53: devicehost.v1.DeviceHost.Fingerprint:input_type -> devicehost.v1.FingerprintRequest
+	22, // 54: devicehost.v1.DeviceHost.Stats:input_type -> devicehost.v1.StatsRequest
+	26, // 55: devicehost.v1.DeviceHost.Reserve:input_type -> devicehost.v1.ReserveRequest
+	31, // 56: devicehost.v1.DeviceHost.Release:input_type -> devicehost.v1.ReleaseRequest
+	34, // 57: devicehost.v1.DeviceHost.ListReservations:input_type -> devicehost.v1.ListReservationsRequest
+	36, // 58: devicehost.v1.DeviceHost.ReownReservation:input_type -> devicehost.v1.ReownReservationRequest
+	38, // 59: devicehost.v1.DeviceHost.ListPlugins:input_type -> devicehost.v1.ListPluginsRequest
+	7,  // 60: devicehost.v1.DeviceHost.CordonDevice:input_type -> devicehost.v1.CordonDeviceRequest
+	9,  // 61: devicehost.v1.DeviceHost.UncordonDevice:input_type -> devicehost.v1.UncordonDeviceRequest
+	4,  // 62: devicehost.v1.DeviceHost.WatchEvents:input_type -> devicehost.v1.WatchEventsRequest
+	13, // 63: devicehost.v1.DeviceHost.Fingerprint:output_type -> devicehost.v1.FingerprintResponse
+	23, // 64: devicehost.v1.DeviceHost.Stats:output_type -> devicehost.v1.StatsResponse
+	27, // 65: devicehost.v1.DeviceHost.Reserve:output_type -> devicehost.v1.ReserveResponse
+	32, // 66: devicehost.v1.DeviceHost.Release:output_type -> devicehost.v1.ReleaseResponse
+	35, // 67: devicehost.v1.DeviceHost.ListReservations:output_type -> devicehost.v1.ListReservationsResponse
+	37, // 68: devicehost.v1.DeviceHost.ReownReservation:output_type -> devicehost.v1.ReownReservationResponse
+	40, // 69: devicehost.v1.DeviceHost.ListPlugins:output_type -> devicehost.v1.ListPluginsResponse
+	8,  // 70: devicehost.v1.DeviceHost.CordonDevice:output_type -> devicehost.v1.CordonDeviceResponse
+	10, // 71: devicehost.v1.DeviceHost.UncordonDevice:output_type -> devicehost.v1.UncordonDeviceResponse
+	5,  // 72: devicehost.v1.DeviceHost.WatchEvents:output_type -> devicehost.v1.WatchEventsResponse
+	63, // [63:73] is the sub-list for method output_type
+	53, // [53:63] is the sub-list for method input_type
+	53, // [53:53] is the sub-list for extension type_name
+	53, // [53:53] is the sub-list for extension extendee
+	0,  // [0:53] is the sub-list for field type_name
 }
 
 func init() { file_devicehost_v1_devicehost_proto_init() }
@@ -3694,7 +3739,7 @@ func file_devicehost_v1_devicehost_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_devicehost_v1_devicehost_proto_rawDesc), len(file_devicehost_v1_devicehost_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   49,
+			NumMessages:   51,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -1185,8 +1185,17 @@ func (x *ProcessMemory) GetSmUtilization() uint32 {
 }
 
 type ReserveRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	DeviceIds     []string               `protobuf:"bytes,1,rep,name=device_ids,json=deviceIds,proto3" json:"device_ids,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	DeviceIds []string               `protobuf:"bytes,1,rep,name=device_ids,json=deviceIds,proto3" json:"device_ids,omitempty"`
+	// The caller's options for this reservation (the host API's
+	// ReserveRequest.plugin_options), checked by the host: at most 8, keys
+	// ^[a-z][a-z0-9_]{0,62}$, values at most 256 bytes of printable UTF-8. Empty for none.
+	// A plugin refuses a key it does not know and a value it cannot honour with
+	// INVALID_ARGUMENT naming the option, before preparing anything; a plugin that takes
+	// no options refuses every one. The host records them with the reservation and hands
+	// them back in Reconcile (LiveReservation.options), and a repeated request for a
+	// reservation it already prepared carries the same options.
+	Options       map[string]string `protobuf:"bytes,2,rep,name=options,proto3" json:"options,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1224,6 +1233,13 @@ func (*ReserveRequest) Descriptor() ([]byte, []int) {
 func (x *ReserveRequest) GetDeviceIds() []string {
 	if x != nil {
 		return x.DeviceIds
+	}
+	return nil
+}
+
+func (x *ReserveRequest) GetOptions() map[string]string {
+	if x != nil {
+		return x.Options
 	}
 	return nil
 }
@@ -1602,6 +1618,9 @@ type LiveReservation struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	ReservationId string                 `protobuf:"bytes,1,opt,name=reservation_id,json=reservationId,proto3" json:"reservation_id,omitempty"`
 	DeviceIds     []string               `protobuf:"bytes,2,rep,name=device_ids,json=deviceIds,proto3" json:"device_ids,omitempty"`
+	// The options of the Reserve that made it (ReserveRequest.options): a plugin that
+	// rebuilds what it prepared (after its restart) rebuilds it as they asked.
+	Options       map[string]string `protobuf:"bytes,3,rep,name=options,proto3" json:"options,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1646,6 +1665,13 @@ func (x *LiveReservation) GetReservationId() string {
 func (x *LiveReservation) GetDeviceIds() []string {
 	if x != nil {
 		return x.DeviceIds
+	}
+	return nil
+}
+
+func (x *LiveReservation) GetOptions() map[string]string {
+	if x != nil {
+		return x.Options
 	}
 	return nil
 }
@@ -1775,10 +1801,14 @@ const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
 	"\n" +
 	"used_bytes\x18\x02 \x01(\x03R\tusedBytes\x12*\n" +
 	"\x0esm_utilization\x18\x03 \x01(\rH\x00R\rsmUtilization\x88\x01\x01B\x11\n" +
-	"\x0f_sm_utilization\"/\n" +
+	"\x0f_sm_utilization\"\xb3\x01\n" +
 	"\x0eReserveRequest\x12\x1d\n" +
 	"\n" +
-	"device_ids\x18\x01 \x03(\tR\tdeviceIds\"Z\n" +
+	"device_ids\x18\x01 \x03(\tR\tdeviceIds\x12F\n" +
+	"\aoptions\x18\x02 \x03(\v2,.deviceplugin.v1.ReserveRequest.OptionsEntryR\aoptions\x1a:\n" +
+	"\fOptionsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"Z\n" +
 	"\x0fReserveResponse\x12G\n" +
 	"\vreservation\x18\x01 \x01(\v2%.deviceplugin.v1.ContainerReservationR\vreservation\"\x9c\x02\n" +
 	"\x14ContainerReservation\x12C\n" +
@@ -1805,11 +1835,15 @@ const file_deviceplugin_v1_deviceplugin_proto_rawDesc = "" +
 	"device_ids\x18\x02 \x03(\tR\tdeviceIds\"\x11\n" +
 	"\x0fReleaseResponse\"X\n" +
 	"\x10ReconcileRequest\x12D\n" +
-	"\freservations\x18\x01 \x03(\v2 .deviceplugin.v1.LiveReservationR\freservations\"W\n" +
+	"\freservations\x18\x01 \x03(\v2 .deviceplugin.v1.LiveReservationR\freservations\"\xdc\x01\n" +
 	"\x0fLiveReservation\x12%\n" +
 	"\x0ereservation_id\x18\x01 \x01(\tR\rreservationId\x12\x1d\n" +
 	"\n" +
-	"device_ids\x18\x02 \x03(\tR\tdeviceIds\"\x13\n" +
+	"device_ids\x18\x02 \x03(\tR\tdeviceIds\x12G\n" +
+	"\aoptions\x18\x03 \x03(\v2-.deviceplugin.v1.LiveReservation.OptionsEntryR\aoptions\x1a:\n" +
+	"\fOptionsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x13\n" +
 	"\x11ReconcileResponse*J\n" +
 	"\x06Health\x12\x16\n" +
 	"\x12HEALTH_UNSPECIFIED\x10\x00\x12\x12\n" +
@@ -1838,7 +1872,7 @@ func file_deviceplugin_v1_deviceplugin_proto_rawDescGZIP() []byte {
 }
 
 var file_deviceplugin_v1_deviceplugin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_deviceplugin_v1_deviceplugin_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
+var file_deviceplugin_v1_deviceplugin_proto_msgTypes = make([]protoimpl.MessageInfo, 35)
 var file_deviceplugin_v1_deviceplugin_proto_goTypes = []any{
 	(Health)(0),                   // 0: deviceplugin.v1.Health
 	(*GetPluginInfoRequest)(nil),  // 1: deviceplugin.v1.GetPluginInfoRequest
@@ -1873,9 +1907,11 @@ var file_deviceplugin_v1_deviceplugin_proto_goTypes = []any{
 	nil,                           // 30: deviceplugin.v1.CounterConsumption.CountersEntry
 	nil,                           // 31: deviceplugin.v1.DeviceGroup.AttributesEntry
 	nil,                           // 32: deviceplugin.v1.DeviceStats.ValuesEntry
-	nil,                           // 33: deviceplugin.v1.ContainerReservation.EnvsEntry
-	(*durationpb.Duration)(nil),   // 34: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil), // 35: google.protobuf.Timestamp
+	nil,                           // 33: deviceplugin.v1.ReserveRequest.OptionsEntry
+	nil,                           // 34: deviceplugin.v1.ContainerReservation.EnvsEntry
+	nil,                           // 35: deviceplugin.v1.LiveReservation.OptionsEntry
+	(*durationpb.Duration)(nil),   // 36: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil), // 37: google.protobuf.Timestamp
 }
 var file_deviceplugin_v1_deviceplugin_proto_depIdxs = []int32{
 	11, // 0: deviceplugin.v1.FingerprintResponse.groups:type_name -> deviceplugin.v1.DeviceGroup
@@ -1887,39 +1923,41 @@ var file_deviceplugin_v1_deviceplugin_proto_depIdxs = []int32{
 	0,  // 6: deviceplugin.v1.Device.health:type_name -> deviceplugin.v1.Health
 	13, // 7: deviceplugin.v1.Device.locality:type_name -> deviceplugin.v1.Locality
 	10, // 8: deviceplugin.v1.Device.consumes:type_name -> deviceplugin.v1.CounterConsumption
-	34, // 9: deviceplugin.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
+	36, // 9: deviceplugin.v1.StatsRequest.interval:type_name -> google.protobuf.Duration
 	17, // 10: deviceplugin.v1.StatsResponse.devices:type_name -> deviceplugin.v1.DeviceStats
 	32, // 11: deviceplugin.v1.DeviceStats.values:type_name -> deviceplugin.v1.DeviceStats.ValuesEntry
-	35, // 12: deviceplugin.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
+	37, // 12: deviceplugin.v1.DeviceStats.timestamp:type_name -> google.protobuf.Timestamp
 	18, // 13: deviceplugin.v1.DeviceStats.processes:type_name -> deviceplugin.v1.ProcessMemory
-	21, // 14: deviceplugin.v1.ReserveResponse.reservation:type_name -> deviceplugin.v1.ContainerReservation
-	33, // 15: deviceplugin.v1.ContainerReservation.envs:type_name -> deviceplugin.v1.ContainerReservation.EnvsEntry
-	22, // 16: deviceplugin.v1.ContainerReservation.mounts:type_name -> deviceplugin.v1.Mount
-	23, // 17: deviceplugin.v1.ContainerReservation.devices:type_name -> deviceplugin.v1.DeviceSpec
-	27, // 18: deviceplugin.v1.ReconcileRequest.reservations:type_name -> deviceplugin.v1.LiveReservation
-	14, // 19: deviceplugin.v1.DeviceGroup.AttributesEntry.value:type_name -> deviceplugin.v1.Value
-	14, // 20: deviceplugin.v1.DeviceStats.ValuesEntry.value:type_name -> deviceplugin.v1.Value
-	1,  // 21: deviceplugin.v1.DevicePlugin.GetPluginInfo:input_type -> deviceplugin.v1.GetPluginInfoRequest
-	3,  // 22: deviceplugin.v1.DevicePlugin.SetConfig:input_type -> deviceplugin.v1.SetConfigRequest
-	5,  // 23: deviceplugin.v1.DevicePlugin.CheckConfig:input_type -> deviceplugin.v1.CheckConfigRequest
-	7,  // 24: deviceplugin.v1.DevicePlugin.Fingerprint:input_type -> deviceplugin.v1.FingerprintRequest
-	15, // 25: deviceplugin.v1.DevicePlugin.Stats:input_type -> deviceplugin.v1.StatsRequest
-	19, // 26: deviceplugin.v1.DevicePlugin.Reserve:input_type -> deviceplugin.v1.ReserveRequest
-	24, // 27: deviceplugin.v1.DevicePlugin.Release:input_type -> deviceplugin.v1.ReleaseRequest
-	26, // 28: deviceplugin.v1.DevicePlugin.Reconcile:input_type -> deviceplugin.v1.ReconcileRequest
-	2,  // 29: deviceplugin.v1.DevicePlugin.GetPluginInfo:output_type -> deviceplugin.v1.GetPluginInfoResponse
-	4,  // 30: deviceplugin.v1.DevicePlugin.SetConfig:output_type -> deviceplugin.v1.SetConfigResponse
-	6,  // 31: deviceplugin.v1.DevicePlugin.CheckConfig:output_type -> deviceplugin.v1.CheckConfigResponse
-	8,  // 32: deviceplugin.v1.DevicePlugin.Fingerprint:output_type -> deviceplugin.v1.FingerprintResponse
-	16, // 33: deviceplugin.v1.DevicePlugin.Stats:output_type -> deviceplugin.v1.StatsResponse
-	20, // 34: deviceplugin.v1.DevicePlugin.Reserve:output_type -> deviceplugin.v1.ReserveResponse
-	25, // 35: deviceplugin.v1.DevicePlugin.Release:output_type -> deviceplugin.v1.ReleaseResponse
-	28, // 36: deviceplugin.v1.DevicePlugin.Reconcile:output_type -> deviceplugin.v1.ReconcileResponse
-	29, // [29:37] is the sub-list for method output_type
-	21, // [21:29] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	33, // 14: deviceplugin.v1.ReserveRequest.options:type_name -> deviceplugin.v1.ReserveRequest.OptionsEntry
+	21, // 15: deviceplugin.v1.ReserveResponse.reservation:type_name -> deviceplugin.v1.ContainerReservation
+	34, // 16: deviceplugin.v1.ContainerReservation.envs:type_name -> deviceplugin.v1.ContainerReservation.EnvsEntry
+	22, // 17: deviceplugin.v1.ContainerReservation.mounts:type_name -> deviceplugin.v1.Mount
+	23, // 18: deviceplugin.v1.ContainerReservation.devices:type_name -> deviceplugin.v1.DeviceSpec
+	27, // 19: deviceplugin.v1.ReconcileRequest.reservations:type_name -> deviceplugin.v1.LiveReservation
+	35, // 20: deviceplugin.v1.LiveReservation.options:type_name -> deviceplugin.v1.LiveReservation.OptionsEntry
+	14, // 21: deviceplugin.v1.DeviceGroup.AttributesEntry.value:type_name -> deviceplugin.v1.Value
+	14, // 22: deviceplugin.v1.DeviceStats.ValuesEntry.value:type_name -> deviceplugin.v1.Value
+	1,  // 23: deviceplugin.v1.DevicePlugin.GetPluginInfo:input_type -> deviceplugin.v1.GetPluginInfoRequest
+	3,  // 24: deviceplugin.v1.DevicePlugin.SetConfig:input_type -> deviceplugin.v1.SetConfigRequest
+	5,  // 25: deviceplugin.v1.DevicePlugin.CheckConfig:input_type -> deviceplugin.v1.CheckConfigRequest
+	7,  // 26: deviceplugin.v1.DevicePlugin.Fingerprint:input_type -> deviceplugin.v1.FingerprintRequest
+	15, // 27: deviceplugin.v1.DevicePlugin.Stats:input_type -> deviceplugin.v1.StatsRequest
+	19, // 28: deviceplugin.v1.DevicePlugin.Reserve:input_type -> deviceplugin.v1.ReserveRequest
+	24, // 29: deviceplugin.v1.DevicePlugin.Release:input_type -> deviceplugin.v1.ReleaseRequest
+	26, // 30: deviceplugin.v1.DevicePlugin.Reconcile:input_type -> deviceplugin.v1.ReconcileRequest
+	2,  // 31: deviceplugin.v1.DevicePlugin.GetPluginInfo:output_type -> deviceplugin.v1.GetPluginInfoResponse
+	4,  // 32: deviceplugin.v1.DevicePlugin.SetConfig:output_type -> deviceplugin.v1.SetConfigResponse
+	6,  // 33: deviceplugin.v1.DevicePlugin.CheckConfig:output_type -> deviceplugin.v1.CheckConfigResponse
+	8,  // 34: deviceplugin.v1.DevicePlugin.Fingerprint:output_type -> deviceplugin.v1.FingerprintResponse
+	16, // 35: deviceplugin.v1.DevicePlugin.Stats:output_type -> deviceplugin.v1.StatsResponse
+	20, // 36: deviceplugin.v1.DevicePlugin.Reserve:output_type -> deviceplugin.v1.ReserveResponse
+	25, // 37: deviceplugin.v1.DevicePlugin.Release:output_type -> deviceplugin.v1.ReleaseResponse
+	28, // 38: deviceplugin.v1.DevicePlugin.Reconcile:output_type -> deviceplugin.v1.ReconcileResponse
+	31, // [31:39] is the sub-list for method output_type
+	23, // [23:31] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_deviceplugin_v1_deviceplugin_proto_init() }
@@ -1940,7 +1978,7 @@ func file_deviceplugin_v1_deviceplugin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_deviceplugin_v1_deviceplugin_proto_rawDesc), len(file_deviceplugin_v1_deviceplugin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   33,
+			NumMessages:   35,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

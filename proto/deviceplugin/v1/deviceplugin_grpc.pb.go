@@ -71,6 +71,9 @@ type DevicePluginClient interface {
 	// Stats streams device statistics, one message per interval.
 	Stats(ctx context.Context, in *StatsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[StatsResponse], error)
 	// Reserve prepares the given devices for a container and says how to expose them.
+	// A plugin refuses an option (ReserveRequest.options) it does not know, or a value it
+	// cannot honour, with INVALID_ARGUMENT naming it, before it prepares anything; the host
+	// passes the refusal to its caller as INVALID_ARGUMENT with the plugin's message.
 	Reserve(ctx context.Context, in *ReserveRequest, opts ...grpc.CallOption) (*ReserveResponse, error)
 	// Release cleans up after a reservation has ended. Optional: a plugin may leave it
 	// unimplemented (UNIMPLEMENTED), which the host treats as "nothing to clean".
@@ -222,6 +225,9 @@ type DevicePluginServer interface {
 	// Stats streams device statistics, one message per interval.
 	Stats(*StatsRequest, grpc.ServerStreamingServer[StatsResponse]) error
 	// Reserve prepares the given devices for a container and says how to expose them.
+	// A plugin refuses an option (ReserveRequest.options) it does not know, or a value it
+	// cannot honour, with INVALID_ARGUMENT naming it, before it prepares anything; the host
+	// passes the refusal to its caller as INVALID_ARGUMENT with the plugin's message.
 	Reserve(context.Context, *ReserveRequest) (*ReserveResponse, error)
 	// Release cleans up after a reservation has ended. Optional: a plugin may leave it
 	// unimplemented (UNIMPLEMENTED), which the host treats as "nothing to clean".
