@@ -16,6 +16,7 @@ import (
 
 	"github.com/devicehost/devicehost/client"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
+	"github.com/devicehost/devicehost/tools/testwait"
 )
 
 // mpsDaemons reads the daemon records under the plugin's mps_dir: pid by directory.
@@ -358,4 +359,137 @@ func TestAgentSharingModeChosenByFirstHolder(t *testing.T) {
 	}
 	liveAfterCleanups(t, ctx, c)
 	agent.stop(t, ctx)
+}
+
+// A Reserve chooses its MPS isolation through plugin_options, end to end: on one GPU a
+// shared holder and a per-holder holder get two daemons and two pipe directories; the
+// reservations list their options; an option the plugin does not take, or one on a
+// whole GPU, is INVALID_ARGUMENT naming it, with nothing held; a retry with other
+// options is FAILED_PRECONDITION. The plugin SIGKILLed and restarted is told each live
+// reservation's options at Reconcile and adopts both daemons, each holder keeping its
+// pipe directory.
+func TestAgentMPSIsolationPerReserve(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the devicehost binary")
+	}
+	t.Setenv("GORACE", "atexit_sleep_ms=0")
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	setup, mpsDir := newMPSAgentSetup(t, "", `    replicas       = 4`) // the default isolation: shared
+	agent := setup.start(t)
+	c := agent.client(t, ctx)
+	groups := make(map[string]*pb.DeviceGroup)
+	currentFingerprint(t, ctx, c, "32 healthy MPS shares", func(fp *pb.FingerprintResponse) bool {
+		for _, g := range fp.GetGroups() {
+			groups[g.GetType()] = g
+		}
+		return groups["gpu.mps"] != nil && len(devicesWithHealth(&pb.FingerprintResponse{Groups: []*pb.DeviceGroup{groups["gpu.mps"]}}, pb.Health_HEALTH_HEALTHY)) == 32
+	})
+	gpu0 := groups["gpu"].GetDevices()[0].GetId()
+	share := func(k int) string { return fmt.Sprintf("%s::mps::%d", gpu0, k) }
+	reserve := func(typ, owner string, opts map[string]string, ids ...string) (*pb.ReserveResponse, error) {
+		req := reserveRequest(groups[typ], owner, ids...)
+		req.PluginOptions = opts
+		return c.Reserve(ctx, req)
+	}
+	refusedInvalid := func(what string, err error, want string) {
+		t.Helper()
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(status.Convert(err).Message(), want) {
+			t.Errorf("%s: %v; want INVALID_ARGUMENT with %q", what, err, want)
+			return
+		}
+		t.Logf("%s: %s", what, status.Convert(err).Message())
+	}
+	_, err := reserve("gpu.mps", "typo", map[string]string{"mps_isolaton": "shared"}, share(0))
+	refusedInvalid("an option the plugin does not take", err, `option "mps_isolaton" is unknown to plugin "nvidia-example", which takes mps_isolation`)
+	_, err = reserve("gpu", "whole", map[string]string{"mps_isolation": "per-holder"}, gpu0)
+	refusedInvalid("mps_isolation on a whole GPU", err, "option mps_isolation applies to MPS shares only; "+gpu0+" is a whole GPU")
+	if rs, err := c.ListReservations(ctx, &pb.ListReservationsRequest{}); err != nil || len(rs.GetReservations()) != 0 {
+		t.Fatalf("reservations after the refusals: %v, %v; want none", rs.GetReservations(), err)
+	}
+
+	shared, err := reserve("gpu.mps", "holder-shared", map[string]string{"mps_isolation": "shared"}, share(0))
+	if err != nil {
+		t.Fatalf("a shared share: %v", err)
+	}
+	own, err := reserve("gpu.mps", "holder-own", map[string]string{"mps_isolation": "per-holder"}, share(1), share(2))
+	if err != nil {
+		t.Fatalf("a per-holder holder's shares: %v", err)
+	}
+	pipeS, pipeH := shared.GetReservation().GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"], own.GetReservation().GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"]
+	t.Logf("pipe dirs: shared %s, per-holder %s", pipeS, pipeH)
+	if !strings.HasPrefix(pipeS, mpsDir+"/") || !strings.HasPrefix(pipeH, filepath.Dir(filepath.Dir(pipeS))+"/") ||
+		!strings.Contains(pipeH, "/holder-1/") || pipeS == pipeH {
+		t.Fatalf("pipe dirs %s and %s; want GPU 0's shared daemon's and, under its directory, holder-1's", pipeS, pipeH)
+	}
+	daemons := mpsDaemons(t, mpsDir)
+	pidH := daemons[filepath.Dir(pipeH)]
+	pidS := sharedDaemonPID(t, filepath.Dir(pipeS))
+	if pidH == 0 || pidS == 0 || pidH == pidS {
+		t.Fatalf("daemons: per-holder %d, shared %d; want two", pidH, pidS)
+	}
+	if _, err := reserve("gpu.mps", "holder-own", map[string]string{"mps_isolation": "shared"}, share(1), share(2)); status.Code(err) != codes.FailedPrecondition ||
+		client.Reason(err) != client.ReasonOptionsDiffer || !strings.Contains(err.Error(), own.GetReservationId()) {
+		t.Errorf("a retry with other options: %v; want FAILED_PRECONDITION, PLUGIN_OPTIONS_DIFFER naming %s", err, own.GetReservationId())
+	} else {
+		t.Logf("a retry with other options: %s", status.Convert(err).Message())
+	}
+	if again, err := reserve("gpu.mps", "holder-own", map[string]string{"mps_isolation": "per-holder"}, share(2), share(1)); err != nil || again.GetReservationId() != own.GetReservationId() {
+		t.Errorf("a retry with the same options: %v, %v; want %s back", again.GetReservationId(), err, own.GetReservationId())
+	}
+	rs, err := c.ListReservations(ctx, &pb.ListReservationsRequest{OwnerId: "holder-own"})
+	if err != nil || len(rs.GetReservations()) != 1 || rs.GetReservations()[0].GetPluginOptions()["mps_isolation"] != "per-holder" {
+		t.Errorf("holder-own's reservations %v, %v; want one with its plugin options", rs.GetReservations(), err)
+	}
+
+	pluginPID := childPID(t, agent.Cmd.Process.Pid, "plugin", "nvidia-example")
+	if err := syscall.Kill(pluginPID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	// Back once a new plugin process has reconciled and fingerprinted: a third holder
+	// asking for the shared daemon joins the one it adopted.
+	var third *pb.ReserveResponse
+	testwait.Until(t, time.Minute, "the restarted plugin serving a shared share", func() (bool, string) {
+		third, err = reserve("gpu.mps", "holder-third", map[string]string{"mps_isolation": "shared"}, share(3))
+		return err == nil, fmt.Sprint(err)
+	})
+	if restarted, _ := findChildPID(agent.Cmd.Process.Pid, "plugin", "nvidia-example"); restarted == pluginPID {
+		t.Errorf("plugin PID %d unchanged after SIGKILL", restarted)
+	}
+	if got := third.GetReservation().GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"]; got != pipeS {
+		t.Errorf("after the plugin's restart a shared holder got pipe dir %s; want the adopted shared daemon's %s", got, pipeS)
+	}
+	after := mpsDaemons(t, mpsDir)
+	t.Logf("daemons before the plugin's restart: per-holder %d, shared %d; after: per-holder %d in %s, shared %d", pidH, pidS, after[filepath.Dir(pipeH)], filepath.Dir(pipeH), sharedDaemonPID(t, filepath.Dir(pipeS)))
+	if after[filepath.Dir(pipeH)] != pidH || !pidRuns(pidH) || sharedDaemonPID(t, filepath.Dir(pipeS)) != pidS || !pidRuns(pidS) {
+		t.Errorf("after the plugin's restart: per-holder daemon %d, shared %d; want %d and %d adopted in their directories",
+			after[filepath.Dir(pipeH)], sharedDaemonPID(t, filepath.Dir(pipeS)), pidH, pidS)
+	}
+	for _, r := range []*pb.ReserveResponse{shared, own, third} {
+		if _, err := c.Release(ctx, &pb.ReleaseRequest{Target: &pb.ReleaseRequest_ReservationId{ReservationId: r.GetReservationId()}}); err != nil {
+			t.Fatalf("Release: %v", err)
+		}
+	}
+	liveAfterCleanups(t, ctx, c)
+	agent.stop(t, ctx)
+	if pidRuns(pidH) || pidRuns(pidS) {
+		t.Errorf("daemons left after every Release: per-holder %v, shared %v", pidRuns(pidH), pidRuns(pidS))
+	}
+}
+
+// sharedDaemonPID reads the PID of the daemon.json in dir, a device's shared daemon's
+// directory (mpsDaemons reads the per-holder ones, a level below).
+func sharedDaemonPID(t *testing.T, dir string) int {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(dir, "daemon.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec struct {
+		PID int `json:"pid"`
+	}
+	if err := json.Unmarshal(raw, &rec); err != nil {
+		t.Fatalf("%s: %v", dir, err)
+	}
+	return rec.PID
 }

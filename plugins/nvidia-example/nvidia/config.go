@@ -45,6 +45,7 @@ const (
 //	    replicas            = 4
 //	    sharing             = "mps"        # or "time-slicing" (the default with replicas)
 //	    mps_isolation       = "per-holder" # or "shared" (the default)
+//	    mps_isolation_allowed = ["per-holder"] # what a Reserve's option may ask (default both)
 //	    sim_state_file      = "/var/lib/devicehost/nvidia-sim.json"
 //	  }
 //	}
@@ -97,11 +98,17 @@ type Config struct {
 	// compatibility groups "time-slicing" and "mps", which the host never lets hold one
 	// GPU at once).
 	Sharing SharingModes `json:"sharing,omitempty"`
-	// MPSIsolation, with sharing = "mps": "shared" (the default), one control daemon per
-	// device mediating every holder, each holder's limits set in its environment; or
-	// "per-holder", a control daemon per holder whose default limits are its shares,
-	// which the holder cannot raise.
+	// MPSIsolation, with sharing = "mps", is the isolation of a Reserve of MPS shares
+	// that does not choose one (its option mps_isolation): "shared" (the default), one
+	// control daemon per device mediating its holders, each holder's limits set in its
+	// environment; or "per-holder", a control daemon per holder whose default limits are
+	// its shares, which the holder cannot raise. A device may be served by its shared
+	// daemon and by per-holder daemons at once.
 	MPSIsolation string `json:"mps_isolation,omitempty"`
+	// MPSIsolationAllowed, with sharing = "mps", lists the isolations a Reserve may ask
+	// for in its option mps_isolation ("shared", "per-holder"); a Reserve asking another
+	// is refused. Empty: both. It must hold mps_isolation (the default).
+	MPSIsolationAllowed []string `json:"mps_isolation_allowed,omitempty"`
 	// MPSDir is the absolute directory under which each control daemon gets its pipe
 	// and log directories, mounted into the holders' containers. Unset means
 	// DefaultMPSDir on real NVML, and DefaultSimMPSDir(simulate) with Simulate.
@@ -429,7 +436,8 @@ func parseSharing(c Config, s *settings) []error {
 			errs = append(errs, fmt.Errorf("config: sharing = %s: needs replicas, the shares per GPU", c.Sharing))
 		}
 		s.replicas = c.Replicas
-		for key, set := range map[string]bool{"mps_isolation": c.MPSIsolation != "", "mps_dir": c.MPSDir != "", "mps_control": c.MPSControl != ""} {
+		for key, set := range map[string]bool{"mps_isolation": c.MPSIsolation != "", "mps_isolation_allowed": c.MPSIsolationAllowed != nil,
+			"mps_dir": c.MPSDir != "", "mps_control": c.MPSControl != ""} {
 			if set {
 				errs = append(errs, fmt.Errorf("config: %s: only valid with sharing = %q", key, SharingMPS))
 			}
@@ -446,13 +454,25 @@ func parseSharing(c Config, s *settings) []error {
 		errs = append(errs, fmt.Errorf("config: replicas = %d: sharing = %s with mig = %q wants 2 to %d shares per placement (each placement of each profile is offered in shares: more would pass the host's bound of 4096 devices per fingerprint on an 8-GPU machine)",
 			c.Replicas, c.Sharing, MIGOnDemand, MaxOnDemandMPSShares))
 	}
-	m := mpsSettings{shares: c.Replicas, isolation: MPSShared, dir: c.MPSDir, control: c.MPSControl}
+	m := mpsSettings{shares: c.Replicas, isolation: MPSShared, dir: c.MPSDir, control: c.MPSControl, allowed: []string{MPSShared, MPSPerHolder}}
 	switch c.MPSIsolation {
 	case "", MPSShared:
 	case MPSPerHolder:
 		m.isolation = MPSPerHolder
 	default:
 		errs = append(errs, fmt.Errorf("config: mps_isolation = %q: want %q or %q", c.MPSIsolation, MPSShared, MPSPerHolder))
+	}
+	if c.MPSIsolationAllowed != nil {
+		allowed, err := parseIsolations(c.MPSIsolationAllowed)
+		switch {
+		case err != nil:
+			errs = append(errs, err)
+		case !slices.Contains(allowed, m.isolation):
+			errs = append(errs, fmt.Errorf("config: mps_isolation_allowed = %s leaves out mps_isolation = %q, the isolation of a Reserve that asks for none; set mps_isolation to one it allows",
+				quoteList(c.MPSIsolationAllowed), m.isolation))
+		default:
+			m.allowed = allowed
+		}
 	}
 	switch {
 	case m.dir == "" && c.Simulate != "":
@@ -581,4 +601,32 @@ func machineNames() []string {
 	}
 	slices.Sort(names)
 	return names
+}
+
+// parseIsolations checks mps_isolation_allowed: one or both of MPSShared and
+// MPSPerHolder, none repeated.
+func parseIsolations(list []string) ([]string, error) {
+	var out []string
+	for _, v := range list {
+		switch {
+		case v != MPSShared && v != MPSPerHolder:
+			return nil, fmt.Errorf("config: mps_isolation_allowed = %s: %q is not an isolation; want %q, %q or both", quoteList(list), v, MPSShared, MPSPerHolder)
+		case slices.Contains(out, v):
+			return nil, fmt.Errorf("config: mps_isolation_allowed = %s: %q is listed twice", quoteList(list), v)
+		}
+		out = append(out, v)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("config: mps_isolation_allowed = []: allows no isolation; leave it out for both")
+	}
+	return out, nil
+}
+
+// quoteList writes a list of strings as a config does: ["a", "b"].
+func quoteList(list []string) string {
+	q := make([]string, len(list))
+	for i, s := range list {
+		q[i] = strconv.Quote(s)
+	}
+	return "[" + strings.Join(q, ", ") + "]"
 }

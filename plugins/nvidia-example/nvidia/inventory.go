@@ -89,6 +89,23 @@ const (
 	targetMPS                         // an MPS share of a GPU, a static MIG device or an on-demand placement
 )
 
+// String names the kind for a refusal: "a whole GPU", "an MPS share"...
+func (k targetKind) String() string {
+	switch k {
+	case targetGPU:
+		return "a whole GPU"
+	case targetReplica:
+		return "a time-sliced replica"
+	case targetPartition:
+		return "an on-demand MIG device"
+	case targetStatic:
+		return "a MIG device"
+	case targetMPS:
+		return "an MPS share"
+	}
+	return "a device"
+}
+
 // gpuDesc is what a fingerprint says about one GPU.
 type gpuDesc struct {
 	id       string

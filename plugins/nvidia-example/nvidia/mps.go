@@ -43,6 +43,12 @@ import (
 //     are the holder's shares, set through the control pipe before the answer: a
 //     container that changes its environment cannot raise them.
 //
+// Each Reserve chooses its isolation (its option mps_isolation; the config's
+// mps_isolation when it has none, among mps_isolation_allowed), so a device may be
+// served by its shared daemon, in <mps_dir>/<device>/, and by per-holder daemons, in
+// <mps_dir>/<device>/holder-<k>/, at once. A held share's isolation is its daemon's,
+// and Reconcile rebuilds each live reservation's daemon with the isolation it asked.
+//
 // The plugin supervises each daemon: one that dies is restarted with the same
 // directories and limits, and its shares are unhealthy, with the reason, until it is
 // back. A daemon outlives the plugin process (its workloads use it); the next plugin
@@ -52,7 +58,8 @@ import (
 // mpsSettings is the checked MPS part of the config; shares == 0 means MPS is off.
 type mpsSettings struct {
 	shares    int
-	isolation string
+	isolation string   // a Reserve's when it asks none
+	allowed   []string // what a Reserve may ask (mps_isolation_allowed)
 	dir       string
 	control   string // nvidia-cuda-mps-control; "" for the default
 }
@@ -176,7 +183,8 @@ func simMPSCommand(self, role string) *exec.Cmd {
 	return c
 }
 
-// sameAs says whether the supervisor serves settings m (the share count aside).
+// sameAs says whether the supervisor serves settings m (the share count and the
+// allowed isolations aside: neither changes a running daemon).
 func (s *mpsSupervisor) sameAs(m mpsSettings) bool {
 	return s.settings.dir == m.dir && s.settings.control == m.control && s.settings.isolation == m.isolation
 }
@@ -205,7 +213,8 @@ func (s *mpsSupervisor) notifyLocked() {
 
 // health says whether the daemon that serves share (of device) is up; a share no
 // daemon serves is healthy, and so is one whose daemon is starting for the first time.
-// With isolation "shared", every share of a device follows the device's daemon.
+// A share no holder holds follows the device's shared daemon, when it has one: a
+// Reserve of it with isolation "shared" would join that daemon.
 func (s *mpsSupervisor) health(share, device string) (ok bool, reason string) {
 	if s == nil {
 		return true, ""
@@ -213,8 +222,8 @@ func (s *mpsSupervisor) health(share, device string) (ok bool, reason string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	d := s.byShare[share]
-	if s.settings.isolation == MPSShared {
-		d = s.daemons[s.keyFor(device, nil)]
+	if d == nil {
+		d = s.daemons[s.keyFor(device, nil, MPSShared)]
 	}
 	if d == nil || d.up || !d.wasUp {
 		return true, ""
@@ -245,7 +254,9 @@ type mpsDaemon struct {
 	reason string
 }
 
-func (s *mpsSupervisor) keyFor(device string, shares []string) string {
+// keyFor is the key (the directory under mps_dir) of the daemon that serves shares of
+// device with isolation: the device's own for "shared", the holder's for "per-holder".
+func (s *mpsSupervisor) keyFor(device string, shares []string, isolation string) string {
 	// The device's directory is a short digest of its UUID (daemon.json names the
 	// device): control pipes under it must fit a Unix socket's 108 bytes.
 	dir, ok := s.deviceDirs.Load(device)
@@ -253,7 +264,7 @@ func (s *mpsSupervisor) keyFor(device string, shares []string) string {
 		sum := sha256.Sum256([]byte(device))
 		dir, _ = s.deviceDirs.LoadOrStore(device, hex.EncodeToString(sum[:6]))
 	}
-	if s.settings.isolation == MPSShared {
+	if isolation != MPSPerHolder {
 		return dir.(string)
 	}
 	// One holder's shares are its own, so its lowest share names its daemon.
@@ -286,18 +297,18 @@ type mpsAnswer struct {
 	limits          mpsLimits
 }
 
-// acquire serves shares (all of device, one holder's) with a daemon that is up: the
-// device's (shared), starting it when it is the first, or a new one of the holder's
-// (per-holder). visible is the GPU or MIG device the daemon runs on; limits is what
-// the shares add up to.
-func (s *mpsSupervisor) acquire(ctx context.Context, device, visible string, shares []string, limits mpsLimits) (mpsAnswer, error) {
-	key := s.keyFor(device, shares)
+// acquire serves shares (all of device, one holder's) with a daemon that is up, as
+// isolation asks: the device's (shared), starting it when it is the first, or a new
+// one of the holder's (per-holder). visible is the GPU or MIG device the daemon runs
+// on; limits is what the shares add up to.
+func (s *mpsSupervisor) acquire(ctx context.Context, device, visible string, shares []string, limits mpsLimits, isolation string) (mpsAnswer, error) {
+	key := s.keyFor(device, shares, isolation)
 	s.mu.Lock()
 	d := s.daemons[key]
 	switch {
 	case d == nil:
 		var own *mpsLimits
-		if s.settings.isolation == MPSPerHolder {
+		if isolation == MPSPerHolder {
 			own = &limits
 		}
 		d = s.newDaemonLocked(key, device, visible, own, false)
@@ -457,15 +468,20 @@ func (s *mpsSupervisor) stopStrays(want map[string]mpsWant) error {
 	return errors.Join(errs...)
 }
 
-// removeDir removes a daemon's directory, and its device's directory when that is
-// left empty (per-holder daemons).
+// removeDir removes what a daemon keeps in its directory (its pipe and log
+// directories, its record), then the directory and its device's directory when they
+// are left empty: a device's shared daemon's directory holds its per-holder daemons'
+// directories, which stay while those run.
 func (s *mpsSupervisor) removeDir(dir string) error {
-	if err := os.RemoveAll(dir); err != nil {
-		s.logger.Warn("MPS directory not removed", "dir", dir, "error", err)
-		return fmt.Errorf("mps: removing %s: %w", dir, err)
+	for _, name := range []string{"pipe", "log", mpsDaemonFile, mpsDaemonFile + ".tmp"} {
+		if err := os.RemoveAll(filepath.Join(dir, name)); err != nil {
+			s.logger.Warn("MPS directory not removed", "dir", dir, "error", err)
+			return fmt.Errorf("mps: removing %s: %w", dir, err)
+		}
 	}
+	_ = os.Remove(dir) // fails while per-holder daemons of the device are under it
 	if parent := filepath.Dir(dir); parent != s.settings.dir {
-		_ = os.Remove(parent) // fails while another holder's daemon is there
+		_ = os.Remove(parent) // fails while another daemon of the device is there
 	}
 	return nil
 }
@@ -945,11 +961,12 @@ func mpsRequest(inv *inventory, ids []string) (shares []string, device string, e
 	return shares, device, nil
 }
 
-// reserveShares answers a Reserve of MPS shares of device: its daemon up (started if
-// need be), the holder's limits (k shares: k times one's) in its environment, and the
-// daemon's directories mounted. Shares of an on-demand placement have its MIG instance
-// made first, when no other share has; it goes again when the daemon cannot start.
-func (rt *runtime) reserveShares(ctx context.Context, inv *inventory, device string, shares []string) (*pb.ContainerReservation, error) {
+// reserveShares answers a Reserve of MPS shares of device with isolation: its daemon
+// up (started if need be), the holder's limits (k shares: k times one's) in its
+// environment, and the daemon's directories mounted. Shares of an on-demand placement
+// have its MIG instance made first, when no other share has; it goes again when the
+// daemon cannot start.
+func (rt *runtime) reserveShares(ctx context.Context, inv *inventory, device string, shares []string, isolation string) (*pb.ContainerReservation, error) {
 	t := inv.targets[shares[0]]
 	limits := t.mps.times(len(shares))
 	visible := t.uuid
@@ -975,7 +992,7 @@ func (rt *runtime) reserveShares(ctx context.Context, inv *inventory, device str
 			}
 		}()
 	}
-	ans, err := rt.mpsSup.acquire(ctx, device, visible, shares, limits)
+	ans, err := rt.mpsSup.acquire(ctx, device, visible, shares, limits, isolation)
 	if err != nil {
 		return nil, status.Errorf(codes.Unavailable, "reserve %s: %v", strings.Join(shares, ", "), err)
 	}
@@ -995,10 +1012,11 @@ func (rt *runtime) reserveShares(ctx context.Context, inv *inventory, device str
 	}, nil
 }
 
-// mpsWants are the daemons the live reservations' MPS shares need: one per device
-// (shared), or one per reservation and device (per-holder) with that holder's limits.
-// partitions gives the MIG device UUID of each on-demand placement whose instance
-// exists, by partition ID.
+// mpsWants are the daemons the live reservations' MPS shares need, each with the
+// isolation its reservation asked (its option mps_isolation, else the config's): one
+// per device for the shared ones, and one per reservation and device (per-holder) with
+// that holder's limits. partitions gives the MIG device UUID of each on-demand
+// placement whose instance exists, by partition ID.
 func (rt *runtime) mpsWants(inv *inventory, live []deviceplugin.LiveReservation, partitions map[string]string) map[string]mpsWant {
 	want := make(map[string]mpsWant)
 	for _, r := range live {
@@ -1015,11 +1033,12 @@ func (rt *runtime) mpsWants(inv *inventory, live []deviceplugin.LiveReservation,
 					continue // its instance could not be made: Reconcile says so
 				}
 			}
-			key := rt.mpsSup.keyFor(device, shares)
+			isolation := rt.isolationOf(r.Options)
+			key := rt.mpsSup.keyFor(device, shares, isolation)
 			w := want[key]
 			w.device, w.visible = device, visible
 			w.shares = append(w.shares, shares...)
-			if rt.mps.isolation == MPSPerHolder {
+			if isolation == MPSPerHolder {
 				l := inv.targets[shares[0]].mps.times(len(shares))
 				w.limits = &l
 			}
@@ -1027,4 +1046,41 @@ func (rt *runtime) mpsWants(inv *inventory, live []deviceplugin.LiveReservation,
 		}
 	}
 	return want
+}
+
+// optionMPSIsolation is the Reserve option that chooses a reservation's MPS isolation.
+const optionMPSIsolation = "mps_isolation"
+
+// isolationOf is the MPS isolation a reservation with options asked: its option
+// mps_isolation, else the config's mps_isolation. Reserve refused any other value.
+func (rt *runtime) isolationOf(options map[string]string) string {
+	if v, ok := options[optionMPSIsolation]; ok && (v == MPSShared || v == MPSPerHolder) {
+		return v
+	}
+	return rt.mps.isolation
+}
+
+// checkOptions refuses, with INVALID_ARGUMENT naming the option, what a Reserve of
+// ids asks that the plugin cannot honour, before anything is prepared: an option other
+// than mps_isolation, a value other than "shared" and "per-holder", mps_isolation on
+// devices that are not MPS shares (naming their type), or an isolation the config's
+// mps_isolation_allowed leaves out. shares are the request's MPS shares (mpsRequest).
+func (rt *runtime) checkOptions(inv *inventory, ids, shares []string, options map[string]string) error {
+	if err := deviceplugin.UnknownOptions(Name, options, optionMPSIsolation); err != nil {
+		return err
+	}
+	v, ok := options[optionMPSIsolation]
+	if !ok {
+		return nil
+	}
+	if v != MPSShared && v != MPSPerHolder {
+		return status.Errorf(codes.InvalidArgument, "reserve: option %s = %q: want %q or %q", optionMPSIsolation, v, MPSShared, MPSPerHolder)
+	}
+	if len(shares) == 0 {
+		return status.Errorf(codes.InvalidArgument, "reserve: option %s applies to MPS shares only; %s is %s", optionMPSIsolation, ids[0], inv.targets[ids[0]].kind)
+	}
+	if !slices.Contains(rt.mps.allowed, v) {
+		return status.Errorf(codes.InvalidArgument, "reserve: option %s = %q is not allowed by the plugin's config (mps_isolation_allowed = %s)", optionMPSIsolation, v, quoteList(rt.mps.allowed))
+	}
+	return nil
 }

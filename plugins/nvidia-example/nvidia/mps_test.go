@@ -58,10 +58,18 @@ func releaseAllShares(p *Plugin) {
 	p.mps.release(held)
 }
 
-// daemonOf reads the daemon.json of the daemon that serves share of device.
+// daemonOf reads the daemon.json of the daemon that serves shares of device with the
+// config's isolation.
 func daemonOf(t *testing.T, p *Plugin, device string, shares ...string) (mpsRecord, string) {
 	t.Helper()
-	dir := filepath.Join(p.mps.settings.dir, p.mps.keyFor(device, shares))
+	return daemonWith(t, p, p.mps.settings.isolation, device, shares...)
+}
+
+// daemonWith reads the daemon.json of the daemon that serves shares of device with
+// isolation.
+func daemonWith(t *testing.T, p *Plugin, isolation, device string, shares ...string) (mpsRecord, string) {
+	t.Helper()
+	dir := filepath.Join(p.mps.settings.dir, p.mps.keyFor(device, shares, isolation))
 	rec, err := readMPSRecord(filepath.Join(dir, mpsDaemonFile))
 	if err != nil {
 		t.Fatalf("daemon of %s %v: %v", device, shares, err)
@@ -360,7 +368,7 @@ func TestMPSRestartAdoptsDaemons(t *testing.T) {
 		t.Fatal(err)
 	}
 	testwait.WaitFor(t, "the adopted daemon restarted", func() bool {
-		rec, err := readMPSRecord(filepath.Join(dir, second.mps.keyFor(gpu0, []string{mpsShareID(gpu0, 0)}), mpsDaemonFile))
+		rec, err := readMPSRecord(filepath.Join(dir, second.mps.keyFor(gpu0, []string{mpsShareID(gpu0, 0)}, MPSPerHolder), mpsDaemonFile))
 		return err == nil && rec.PID != kept.PID && processAlive(rec.PID, rec.Start)
 	})
 	release(t, second, mpsShareID(gpu0, 0))

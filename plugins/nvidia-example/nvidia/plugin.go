@@ -474,6 +474,16 @@ func (p *Plugin) Stats(ctx context.Context, interval time.Duration, send func(*p
 // error naming them, as a gRPC status: NOT_FOUND for unknown or ignored IDs, else
 // INVALID_ARGUMENT.
 func (p *Plugin) Reserve(ctx context.Context, deviceIDs []string) (*pb.ContainerReservation, error) {
+	return p.ReserveOptions(ctx, deviceIDs, nil)
+}
+
+// ReserveOptions is Reserve with the Reserve's options: mps_isolation ("shared" or
+// "per-holder") chooses the MPS isolation of a Reserve of MPS shares, among the
+// config's mps_isolation_allowed; the config's mps_isolation when absent. Any other
+// option, another value, the option on devices that are not MPS shares, or an
+// isolation the config does not allow is refused with INVALID_ARGUMENT naming it,
+// before anything is prepared.
+func (p *Plugin) ReserveOptions(ctx context.Context, deviceIDs []string, options map[string]string) (*pb.ContainerReservation, error) {
 	rt, err := p.runtime()
 	if err != nil {
 		return nil, err
@@ -519,10 +529,15 @@ func (p *Plugin) Reserve(ctx context.Context, deviceIDs []string) (*pb.Container
 		return nil, status.Error(code, "reserve: "+strings.Join(problems, "; "))
 	}
 
-	if shares, device, err := mpsRequest(inv, deviceIDs); err != nil {
+	shares, device, err := mpsRequest(inv, deviceIDs)
+	if err != nil {
 		return nil, err
-	} else if len(shares) > 0 {
-		return rt.reserveShares(ctx, inv, device, shares)
+	}
+	if err := rt.checkOptions(inv, deviceIDs, shares, options); err != nil {
+		return nil, err
+	}
+	if len(shares) > 0 {
+		return rt.reserveShares(ctx, inv, device, shares, rt.isolationOf(options))
 	}
 	uuids, err := rt.prepare(inv, deviceIDs)
 	if err != nil {
@@ -704,8 +719,9 @@ func (p *Plugin) Reconcile(ctx context.Context, live []deviceplugin.LiveReservat
 }
 
 var (
-	_ deviceplugin.Releaser   = (*Plugin)(nil)
-	_ deviceplugin.Reconciler = (*Plugin)(nil)
+	_ deviceplugin.Releaser       = (*Plugin)(nil)
+	_ deviceplugin.Reconciler     = (*Plugin)(nil)
+	_ deviceplugin.OptionReserver = (*Plugin)(nil)
 )
 
 // publishCDI writes the CDI spec for inv, when the plugin keeps one.
