@@ -284,6 +284,46 @@ func TestLayoutJSONDropsRandomSpaces(t *testing.T) {
 	}
 }
 
+// -option passes plugin options to the Reserve, and a listing shows the options of the
+// reservations that have some in an OPTIONS column (none: no column).
+func TestReservePluginOptions(t *testing.T) {
+	got := make(chan device.ReserveRequest, 1)
+	mgr := &devicetest.Fake{
+		ReserveFunc: func(_ context.Context, req device.ReserveRequest) (device.Reservation, error) {
+			got <- req
+			return device.Reservation{ID: "r2", PluginOptions: req.PluginOptions}, nil
+		},
+		ReservationsFunc: func(context.Context, device.ReservationFilter) ([]device.Reservation, error) {
+			return []device.Reservation{
+				{ID: "r1", OwnerID: "a", Group: h100, DeviceIDs: []string{"GPU-0::mps::0"}, State: device.ReservationActive},
+				{ID: "r2", OwnerID: "b", Group: h100, DeviceIDs: []string{"GPU-0::mps::1"}, State: device.ReservationActive,
+					PluginOptions: map[string]string{"mps_isolation": "per-holder", "note": "x=y"}},
+			}, nil
+		},
+	}
+	addr := startAgent(t, mgr)
+	mustRunCLI(t, "reserve", "-address", addr, "-owner", "b", "-device", "GPU-0::mps::1", "-vendor", h100.Vendor, "-type", h100.Type, "-name", h100.Name,
+		"-option", "mps_isolation=per-holder", "-option", "note=x=y")
+	if req, want := <-got, map[string]string{"mps_isolation": "per-holder", "note": "x=y"}; !maps.Equal(req.PluginOptions, want) {
+		t.Errorf("Reserve's plugin options %v, want %v", req.PluginOptions, want)
+	}
+	for _, bad := range []string{"mps_isolation", "=shared"} {
+		if r := runCLI(t, "reserve", "-address", addr, "-owner", "b", "-device", "GPU-0", "-option", bad); r.code != 2 || !strings.Contains(r.stderr, "want key=value") {
+			t.Errorf("reserve -option %q: exit %d, stderr %q; want a usage error", bad, r.code, r.stderr)
+		}
+	}
+	list := mustRunCLI(t, "reservations", "-address", addr)
+	want := strings.Join([]string{
+		"RESERVATION  OWNER  GROUP                             DEVICES        STATE   CREATED  RELEASED  OPTIONS",
+		"r1           a      nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0::mps::0  active  -        -         -",
+		"r2           b      nvidia/gpu/NVIDIA H100 80GB HBM3  GPU-0::mps::1  active  -        -         mps_isolation=per-holder,note=x=y",
+		"",
+	}, "\n")
+	if list != want {
+		t.Errorf("reservations:\ngot\n%s\nwant\n%s", list, want)
+	}
+}
+
 func TestReserveInfersGroup(t *testing.T) {
 	got := make(chan device.ReserveRequest, 1)
 	mgr := &devicetest.Fake{

@@ -23,12 +23,42 @@ func (l *stringList) Set(v string) error {
 	return nil
 }
 
-const reserveUsage = `-owner ID -device ID [-device ID...] [-vendor V -type T -name N] [-json]
+// optionMap is a repeatable key=value flag: plugin options (ReserveRequest.plugin_options).
+type optionMap map[string]string
+
+func (m optionMap) String() string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = k + "=" + m[k]
+	}
+	return strings.Join(parts, ",")
+}
+
+func (m optionMap) Set(v string) error {
+	k, val, ok := strings.Cut(v, "=")
+	if !ok || k == "" {
+		return fmt.Errorf("%q: want key=value", v)
+	}
+	if _, dup := m[k]; dup {
+		return fmt.Errorf("%q: option %s given twice", v, k)
+	}
+	m[k] = val
+	return nil
+}
+
+const reserveUsage = `-owner ID -device ID [-device ID...] [-vendor V -type T -name N] [-option KEY=VALUE...] [-json]
 
 Reserves devices of one group for an owner (the allocation that will use them) and
 prints how to expose them to a container. The group is found from the agent's
 inventory when the devices are in exactly one; -vendor, -type and -name narrow it
-(all three skip the look-up).`
+(all three skip the look-up). -option passes an option to the plugin that owns the
+devices (e.g. -option mps_isolation=per-holder for the nvidia-example plugin's MPS
+shares); a plugin refuses one it does not take.`
 
 // runReserve is `devicehost reserve`.
 func runReserve(ctx context.Context, env *cmdEnv, args []string) error {
@@ -39,6 +69,8 @@ func runReserve(ctx context.Context, env *cmdEnv, args []string) error {
 	vendor := fs.String("vendor", "", "group vendor")
 	typ := fs.String("type", "", "group type")
 	name := fs.String("name", "", "group name (model)")
+	options := optionMap{}
+	fs.Var(options, "option", "plugin option `KEY=VALUE` for the Reserve; repeat for more")
 	asJSON := fs.Bool("json", false, "print the response as JSON")
 	if err := parseFlags(fs, args); err != nil {
 		return err
@@ -56,6 +88,9 @@ func runReserve(ctx context.Context, env *cmdEnv, args []string) error {
 	defer done()
 
 	req := &pb.ReserveRequest{OwnerId: *owner, Vendor: *vendor, Type: *typ, Name: *name, DeviceIds: devices}
+	if len(options) > 0 {
+		req.PluginOptions = options
+	}
 	if *vendor == "" || *typ == "" || *name == "" {
 		fp, err := c.Devices(ctx)
 		if err != nil {
@@ -185,7 +220,15 @@ func runReservations(ctx context.Context, env *cmdEnv, args []string) error {
 	if *asJSON {
 		return printJSON(env.stdout, &pb.ListReservationsResponse{Reservations: rs})
 	}
-	t := newTable(env.stdout, "RESERVATION", "OWNER", "GROUP", "DEVICES", "STATE", "CREATED", "RELEASED")
+	withOptions := false
+	for _, r := range rs {
+		withOptions = withOptions || len(r.GetPluginOptions()) > 0
+	}
+	cols := []string{"RESERVATION", "OWNER", "GROUP", "DEVICES", "STATE", "CREATED", "RELEASED"}
+	if withOptions {
+		cols = append(cols, "OPTIONS")
+	}
+	t := newTable(env.stdout, cols...)
 	for _, r := range rs {
 		stateText := reservationStateName(r.GetState())
 		if r.GetCleanupPending() {
@@ -195,8 +238,12 @@ func runReservations(ctx context.Context, env *cmdEnv, args []string) error {
 		if pods := r.GetOwnerLabels()["pod"]; pods != "" { // the pods a DRA claim is reserved for
 			owner += " (pods " + pods + ")"
 		}
-		t.row(r.GetReservationId(), owner, groupName(r.GetVendor(), r.GetType(), r.GetName()),
-			strings.Join(r.GetDeviceIds(), ","), stateText, formatTime(r.GetCreatedAt()), formatTime(r.GetReleasedAt()))
+		row := []string{r.GetReservationId(), owner, groupName(r.GetVendor(), r.GetType(), r.GetName()),
+			strings.Join(r.GetDeviceIds(), ","), stateText, formatTime(r.GetCreatedAt()), formatTime(r.GetReleasedAt())}
+		if withOptions {
+			row = append(row, optionMap(r.GetPluginOptions()).String())
+		}
+		t.row(row...)
 	}
 	return t.flush()
 }
