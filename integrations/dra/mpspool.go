@@ -219,10 +219,11 @@ func (p *sharePool) sharesFor(consumed map[resourceapi.QualifiedName]resource.Qu
 	return max(1, int((q.Value()+p.unit-1)/p.unit))
 }
 
-// reserveShares reserves k shares of p for owner (with its labels) at the agent: the ones a reservation
+// reserveShares reserves k shares of p for owner (with its labels and the plugin options
+// opts of its requests' SharingConfig) at the agent: the ones a reservation
 // of owner already holds (the kubelet asking again), else free ones, retrying with a
 // fresh reading when another claim took one first.
-func (d *Driver) reserveShares(ctx context.Context, owner string, labels map[string]string, p *sharePool, k int) (*pb.ReserveResponse, []string, error) {
+func (d *Driver) reserveShares(ctx context.Context, owner string, labels, opts map[string]string, p *sharePool, k int) (*pb.ReserveResponse, []string, error) {
 	if k > len(p.shares) {
 		return nil, nil, fmt.Errorf("%d shares of %s asked for; it has %d", k, p.parent, len(p.shares))
 	}
@@ -233,7 +234,7 @@ func (d *Driver) reserveShares(ctx context.Context, owner string, labels map[str
 	for _, r := range held {
 		if len(r.GetDeviceIds()) > 0 && slices.Contains(p.shares, r.GetDeviceIds()[0]) {
 			ids := r.GetDeviceIds()
-			resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: p.group.vendor, Type: p.group.typ, Name: p.group.name, DeviceIds: ids, OwnerLabels: labels})
+			resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: p.group.vendor, Type: p.group.typ, Name: p.group.name, DeviceIds: ids, OwnerLabels: labels, PluginOptions: opts})
 			return resp, ids, err
 		}
 	}
@@ -270,7 +271,7 @@ func (d *Driver) reserveShares(ctx context.Context, owner string, labels map[str
 		} else if len(ids) < k {
 			return nil, nil, fmt.Errorf("%d shares of %s asked for; %d are free at the agent", k, p.parent, len(ids))
 		}
-		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: p.group.vendor, Type: p.group.typ, Name: p.group.name, DeviceIds: ids, OwnerLabels: labels})
+		resp, err := d.agent.Reserve(ctx, &pb.ReserveRequest{OwnerId: owner, Vendor: p.group.vendor, Type: p.group.typ, Name: p.group.name, DeviceIds: ids, OwnerLabels: labels, PluginOptions: opts})
 		if _, taken := client.HeldError(err); !taken {
 			return resp, ids, err
 		}

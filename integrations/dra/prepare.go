@@ -3,6 +3,7 @@ package dra
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 
@@ -115,12 +116,24 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 	byGroup := make(map[reserveKey][]string)
 	// Shares pooled as one consumable device (mpspool.go: MPS shares, holders): as many
 	// shares as the claim's allocations of it consume, in one Reserve per pooled device.
+	// Its options are those of the requests' SharingConfig (mps.isolation), which must
+	// agree: one Reserve, one daemon.
 	var poolOrder []*sharePool
 	poolShares := make(map[*sharePool]int)
+	type poolOptions struct {
+		request string
+		opts    map[string]string
+	}
+	poolOpts := make(map[*sharePool]poolOptions)
 	for _, a := range devs {
 		if p := a.ref.pool; p != nil && !a.admin {
+			opts := configFor(a.request).pluginOptions()
 			if _, ok := poolShares[p]; !ok {
 				poolOrder = append(poolOrder, p)
+				poolOpts[p] = poolOptions{a.request, opts}
+			} else if first := poolOpts[p]; !maps.Equal(first.opts, opts) {
+				return nil, fmt.Errorf("requests %q and %q ask shares of device %s with other SharingConfig mps.isolation (%s, %s): a claim's shares of one device are one reservation, served by one MPS daemon; give both requests one isolation",
+					first.request, a.request, a.ref.name, isolationName(first.opts), isolationName(opts))
 			}
 			poolShares[p] += p.sharesFor(a.consumed)
 			continue
@@ -142,7 +155,7 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 	var reservations []*pb.Reservation
 	cdiByDevice := make(map[string][]string) // agent device ID -> CDI IDs
 	for _, p := range poolOrder {
-		resp, ids, err := d.reserveShares(ctx, owner, labels, p, poolShares[p])
+		resp, ids, err := d.reserveShares(ctx, owner, labels, poolOpts[p].opts, p, poolShares[p])
 		if err != nil {
 			return nil, reserveError(ids, err)
 		}

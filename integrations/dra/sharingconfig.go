@@ -22,6 +22,8 @@ import (
 //	        kind: SharingConfig
 //	        strategy: TimeSlicing          # Exclusive, TimeSlicing or MPS
 //	        timeSlicing: {interval: Default}
+//	        # with strategy MPS instead:
+//	        # mps: {isolation: PerHolder}  # Shared or PerHolder; default: the plugin's
 //
 // How a GPU is shared is chosen by the device the claim asks for (its DeviceClass:
 // gpu.devicehost.io whole, gpu-shared.devicehost.io a time-sliced replica,
@@ -33,6 +35,17 @@ import (
 // the pod's events; so does a parameter the plugin cannot honour (a time-slice
 // interval other than Default: the plugin never changes a GPU's settings). MPS limits
 // follow the memory the claim asks (capacity.requests.memory, in whole shares).
+//
+// With strategy MPS, mps.isolation chooses the claim's MPS control daemon: Shared, the
+// device's one daemon mediating every claim that chose it, or PerHolder, a daemon of
+// the claim's own whose default limits are its shares. It reaches the agent as the
+// plugin option mps_isolation ("shared", "per-holder") of the Reserves of that
+// request's shares; absent, the plugin's config (mps_isolation) decides. A value other
+// than these two, or mps with another strategy, fails the claim before anything is
+// reserved; so do two requests of one claim asking shares of one device with two
+// isolations (its shares of a device are one Reserve, served by one daemon). A plugin
+// whose config forbids the isolation (mps_isolation_allowed) refuses the Reserve, and
+// the claim fails with its message.
 
 // Sharing config identity.
 const (
@@ -55,6 +68,35 @@ type SharingConfig struct {
 	Kind        string             `json:"kind"`
 	Strategy    string             `json:"strategy"`
 	TimeSlicing *TimeSlicingConfig `json:"timeSlicing,omitempty"`
+	MPS         *MPSConfig         `json:"mps,omitempty"`
+}
+
+// MPSConfig is an MPS claim's parameters.
+type MPSConfig struct {
+	// Isolation is MPSIsolationShared or MPSIsolationPerHolder; empty: the plugin's
+	// default.
+	Isolation string `json:"isolation,omitempty"`
+}
+
+// Isolations of MPSConfig.Isolation.
+const (
+	MPSIsolationShared    = "Shared"
+	MPSIsolationPerHolder = "PerHolder"
+)
+
+// mpsIsolationOption is the nvidia-example plugin's Reserve option that chooses the
+// isolation, and its value for each of MPSConfig.Isolation's.
+const mpsIsolationOption = "mps_isolation"
+
+var mpsIsolationValues = map[string]string{MPSIsolationShared: "shared", MPSIsolationPerHolder: "per-holder"}
+
+// pluginOptions are the agent's plugin options for the Reserves of a request under c
+// (nil c: none).
+func (c *SharingConfig) pluginOptions() map[string]string {
+	if c == nil || c.MPS == nil || c.MPS.Isolation == "" {
+		return nil
+	}
+	return map[string]string{mpsIsolationOption: mpsIsolationValues[c.MPS.Isolation]}
 }
 
 // TimeSlicingConfig is a time-sliced claim's parameters.
@@ -84,6 +126,10 @@ func parseSharingConfig(raw []byte) (*SharingConfig, error) {
 		return nil, fmt.Errorf("timeSlicing is for strategy %s, not %s", StrategyTimeSlicing, c.Strategy)
 	case c.TimeSlicing != nil && c.TimeSlicing.Interval != "" && c.TimeSlicing.Interval != "Default":
 		return nil, fmt.Errorf("timeSlicing.interval %q: only Default (the GPU's own): the plugin never changes a GPU's settings", c.TimeSlicing.Interval)
+	case c.MPS != nil && c.Strategy != StrategyMPS:
+		return nil, fmt.Errorf("mps is for strategy %s, not %s", StrategyMPS, c.Strategy)
+	case c.MPS != nil && c.MPS.Isolation != "" && mpsIsolationValues[c.MPS.Isolation] == "":
+		return nil, fmt.Errorf("mps.isolation %q: want %s or %s", c.MPS.Isolation, MPSIsolationShared, MPSIsolationPerHolder)
 	}
 	return &c, nil
 }
@@ -160,4 +206,15 @@ func checkSharing(devs []allocated, configFor func(string) *SharingConfig) error
 		}
 	}
 	return nil
+}
+
+// isolationName is the SharingConfig mps.isolation that plugin options opts say, for an
+// error: "Shared", "PerHolder", or "the plugin's default".
+func isolationName(opts map[string]string) string {
+	for name, v := range mpsIsolationValues {
+		if opts[mpsIsolationOption] == v {
+			return name
+		}
+	}
+	return "the plugin's default"
 }

@@ -20,7 +20,13 @@ func TestParseSharingConfig(t *testing.T) {
 		{`{"apiVersion":"devicehost.io/v1","kind":"SharingConfig","strategy":"MPS"}`, `apiVersion "devicehost.io/v1", kind "SharingConfig": want "devicehost.io/v1alpha1"`},
 		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"GpuConfig","strategy":"MPS"}`, `kind "GpuConfig"`},
 		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"Spatial"}`, `strategy "Spatial": want Exclusive, TimeSlicing or MPS`},
-		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{}}`, `unknown field "mps"`},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{}}`, ""},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{"isolation":"PerHolder"}}`, ""},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{"isolation":"Shared"}}`, ""},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{"isolation":"per-holder"}}`, `mps.isolation "per-holder": want Shared or PerHolder`},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{"isolaton":"Shared"}}`, `unknown field "isolaton"`},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"TimeSlicing","mps":{"isolation":"PerHolder"}}`, "mps is for strategy MPS, not TimeSlicing"},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"Exclusive","mps":{}}`, "mps is for strategy MPS, not Exclusive"},
 		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","timeSlicing":{}}`, "timeSlicing is for strategy TimeSlicing, not MPS"},
 		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"TimeSlicing","timeSlicing":{"interval":"Long"}}`, `timeSlicing.interval "Long": only Default`},
 		{`[1]`, "not a devicehost.io/v1alpha1 SharingConfig"},
@@ -100,6 +106,105 @@ func TestSharingConfigCheckedAtPrepare(t *testing.T) {
 		t.Errorf("an interval the plugin cannot set: %q, %d reservations", p.GetError(), held(bad))
 	}
 	for _, c := range []*resourceapi.ResourceClaim{ok, over, other} {
+		if e := k.unprepare(t, c); e != "" {
+			t.Fatal(e)
+		}
+	}
+}
+
+// A claim's SharingConfig mps.isolation reaches the agent as the Reserve's plugin option
+// mps_isolation: PerHolder gets the claim a daemon of its own, Shared the GPU's shared
+// one, and the reservations carry the option; a value other than the two, or mps with
+// another strategy, fails the claim at Prepare naming the field, before anything is
+// reserved; so do two requests of one claim asking shares of one device with two
+// isolations.
+func TestSharingConfigMPSIsolation(t *testing.T) {
+	t.Setenv("GORACE", "atexit_sleep_ms=0") // the simulated MPS daemon's control clients
+	r := newRigArgs(t, "-config", mpsAgentConfig(t))
+	r.startDriver(nil)
+	k := r.kubelet()
+	devs := r.waitSlices("8 GPUs and 8 pooled MPS devices", func(d []resourceapi.Device) bool { return len(d) == 16 })
+	var pooled []resourceapi.Device
+	for _, dv := range devs {
+		if dv.AllowMultipleAllocations != nil && *dv.AllowMultipleAllocations {
+			pooled = append(pooled, dv)
+		}
+	}
+	share := pooled[0].Capacity["memory"].RequestPolicy.ValidRange.Step.String()
+	params := func(strategy, extra string) runtime.RawExtension {
+		return runtime.RawExtension{Raw: []byte(`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"` + strategy + `"` + extra + `}`)}
+	}
+	withConfig := func(c *resourceapi.ResourceClaim, p runtime.RawExtension) *resourceapi.ResourceClaim {
+		c.Status.Allocation.Devices.Config = []resourceapi.DeviceAllocationConfiguration{{Source: resourceapi.AllocationConfigSourceClaim,
+			DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: testDriver, Parameters: p}}}}
+		if err := r.kube.Tracker().Update(resourceapi.SchemeGroupVersion.WithResource("resourceclaims"), c, c.Namespace); err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	reservations := func(c *resourceapi.ResourceClaim) []*pb.Reservation {
+		rs, err := r.c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: claimRef{c.Namespace, c.Name, string(c.UID)}.owner(), State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return rs
+	}
+
+	own := withConfig(r.consumingClaim("own", pooled[0].Name, share), params("MPS", `,"mps":{"isolation":"PerHolder"}`))
+	shared := withConfig(r.consumingClaim("shared", pooled[0].Name, share), params("MPS", `,"mps":{"isolation":"Shared"}`))
+	for _, c := range []*resourceapi.ResourceClaim{own, shared} {
+		if p := k.prepare(t, c); p.GetError() != "" {
+			t.Fatalf("prepare of claim %s: %s", c.Name, p.GetError())
+		}
+	}
+	ro, rsh := reservations(own), reservations(shared)
+	if len(ro) != 1 || len(rsh) != 1 {
+		t.Fatalf("reservations %v and %v; want one each", ro, rsh)
+	}
+	if got := ro[0].GetPluginOptions(); len(got) != 1 || got["mps_isolation"] != "per-holder" {
+		t.Errorf("the PerHolder claim's reservation has plugin options %v; want mps_isolation=per-holder", got)
+	}
+	if got := rsh[0].GetPluginOptions(); len(got) != 1 || got["mps_isolation"] != "shared" {
+		t.Errorf("the Shared claim's reservation has plugin options %v; want mps_isolation=shared", got)
+	}
+	pipeO, pipeS := ro[0].GetReservation().GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"], rsh[0].GetReservation().GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"]
+	if !strings.Contains(pipeO, "/holder-") || strings.Contains(pipeS, "/holder-") || pipeS == "" {
+		t.Errorf("pipe dirs: PerHolder %q, Shared %q; want the holder's own and the GPU's shared daemon's", pipeO, pipeS)
+	}
+	if again := k.prepare(t, own); again.GetError() != "" || reservations(own)[0].GetReservationId() != ro[0].GetReservationId() {
+		t.Errorf("prepare asked again: %q; want the same reservation", again.GetError())
+	}
+
+	for _, tc := range []struct{ name, strategy, extra, want string }{
+		{"bad", "MPS", `,"mps":{"isolation":"Strict"}`, `device config 0 (FromClaim) for ` + testDriver + `: mps.isolation "Strict": want Shared or PerHolder`},
+		{"not-mps", "TimeSlicing", `,"mps":{"isolation":"PerHolder"}`, `device config 0 (FromClaim) for ` + testDriver + `: mps is for strategy MPS, not TimeSlicing`},
+	} {
+		c := withConfig(r.consumingClaim(tc.name, pooled[1].Name, share), params(tc.strategy, tc.extra))
+		p := k.prepare(t, c)
+		if !strings.Contains(p.GetError(), tc.want) || len(reservations(c)) != 0 {
+			t.Errorf("claim %s: %q (%d reservations); want %q and nothing reserved", tc.name, p.GetError(), len(reservations(c)), tc.want)
+		}
+	}
+
+	// Two requests of one claim on one device with two isolations.
+	two := r.consumingClaim("two", pooled[2].Name, share)
+	second := two.Status.Allocation.Devices.Results[0]
+	second.Request = "other"
+	two.Status.Allocation.Devices.Results = append(two.Status.Allocation.Devices.Results, second)
+	two.Status.Allocation.Devices.Config = []resourceapi.DeviceAllocationConfiguration{
+		{Source: resourceapi.AllocationConfigSourceClaim, Requests: []string{"share"},
+			DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: testDriver, Parameters: params("MPS", `,"mps":{"isolation":"PerHolder"}`)}}},
+		{Source: resourceapi.AllocationConfigSourceClaim, Requests: []string{"other"},
+			DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: testDriver, Parameters: params("MPS", `,"mps":{"isolation":"Shared"}`)}}},
+	}
+	if err := r.kube.Tracker().Update(resourceapi.SchemeGroupVersion.WithResource("resourceclaims"), two, two.Namespace); err != nil {
+		t.Fatal(err)
+	}
+	p := k.prepare(t, two)
+	if want := `requests "share" and "other" ask shares of device ` + pooled[2].Name + ` with other SharingConfig mps.isolation (PerHolder, Shared)`; !strings.Contains(p.GetError(), want) || len(reservations(two)) != 0 {
+		t.Errorf("two isolations on one device: %q (%d reservations); want %q and nothing reserved", p.GetError(), len(reservations(two)), want)
+	}
+	for _, c := range []*resourceapi.ResourceClaim{own, shared} {
 		if e := k.unprepare(t, c); e != "" {
 			t.Fatal(e)
 		}
