@@ -1,6 +1,7 @@
 package nodestatus
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -286,6 +287,51 @@ func TestPublisherApplyAndRemove(t *testing.T) {
 	n = getNode(t, kube)
 	if len(n.Labels) != 2 || condition(n) != nil {
 		t.Errorf("after RemoveAll: labels %v, condition %+v; want the two others' labels and no condition", n.Labels, condition(n))
+	}
+}
+
+// A label removed by hand comes back at the next Apply after a Resync (not before: an
+// unchanged set is not written), and a resync is not logged as a change; a real change
+// after it is.
+func TestPublisherResyncRewritesLabels(t *testing.T) {
+	kube := newNode(t)
+	ctx := context.Background()
+	var logged bytes.Buffer
+	p := &Publisher{Kube: kube, Node: "node-1", Log: hclog.New(&hclog.LoggerOptions{Output: &logged})}
+	healthy := Health{"True", ReasonHealthy, "8 devices healthy"}
+	labels := map[string]string{"nvidia.com/gpu.count": "8"}
+	if err := p.Apply(ctx, labels, healthy); err != nil {
+		t.Fatal(err)
+	}
+	removeByHand := func() {
+		n := getNode(t, kube)
+		delete(n.Labels, "nvidia.com/gpu.count")
+		if _, err := kube.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	removeByHand()
+	if err := p.Apply(ctx, labels, healthy); err != nil {
+		t.Fatal(err)
+	}
+	if v, ok := getNode(t, kube).Labels["nvidia.com/gpu.count"]; ok {
+		t.Fatalf("an unchanged Apply without Resync wrote the labels (gpu.count=%s): it must not write the node each pass", v)
+	}
+	p.Resync()
+	if err := p.Apply(ctx, labels, healthy); err != nil {
+		t.Fatal(err)
+	}
+	if v := getNode(t, kube).Labels["nvidia.com/gpu.count"]; v != "8" {
+		t.Fatalf("after Resync and Apply: gpu.count = %q, want the removed label back (8)", v)
+	}
+	if strings.Contains(logged.String(), "node labels changed") {
+		t.Errorf("a resync was logged as a change: %s", logged.String())
+	}
+	if err := p.Apply(ctx, map[string]string{"nvidia.com/gpu.count": "7"}, healthy); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(logged.String(), "node labels changed") {
+		t.Errorf("a change after a resync was not logged: %q", logged.String())
 	}
 }
 

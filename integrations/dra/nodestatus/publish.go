@@ -35,6 +35,7 @@ type Publisher struct {
 	Log  hclog.Logger
 
 	labels map[string]string // last applied; nil before the first
+	stale  bool              // Resync: the next Apply writes the labels, changed or not
 	health Health            // last applied condition; zero before the first
 	since  metav1.Time       // when the condition took its status
 }
@@ -43,14 +44,15 @@ type Publisher struct {
 // condition's lastTransitionTime moves only when its status changes, taken at first from
 // the node as it is; lastHeartbeatTime is now.
 func (p *Publisher) Apply(ctx context.Context, labels map[string]string, h Health) error {
-	if p.labels == nil || !maps.Equal(p.labels, labels) {
+	changed := p.labels != nil && !maps.Equal(p.labels, labels)
+	if p.labels == nil || p.stale || changed {
 		if _, err := p.Kube.CoreV1().Nodes().Apply(ctx, corev1ac.Node(p.Node).WithLabels(labels), applyAs(LabelsManager)); err != nil {
 			return fmt.Errorf("apply the labels of node %s: %w", p.Node, err)
 		}
-		if p.labels != nil {
+		if changed {
 			p.Log.Info("node labels changed", "labels", len(labels))
 		}
-		p.labels = maps.Clone(labels)
+		p.labels, p.stale = maps.Clone(labels), false
 	}
 	now := metav1.Now()
 	if p.health.Status == "" {
@@ -76,6 +78,10 @@ func (p *Publisher) Apply(ctx context.Context, labels map[string]string, h Healt
 	p.health = h
 	return nil
 }
+
+// Resync makes the next Apply write the labels even where they did not change: one a
+// person or another tool removed or changed since comes back.
+func (p *Publisher) Resync() { p.stale = true }
 
 // Remove takes off the node every label and the condition this manager wrote.
 func (p *Publisher) Remove(ctx context.Context) error {
@@ -170,7 +176,7 @@ func Run(ctx context.Context, c *client.Client, p *Publisher, cfg RunConfig) err
 		case <-resync.C:
 			pending = labels != nil
 			if pending {
-				p.labels = nil // write the labels too, though they did not change here
+				p.Resync()
 			}
 		case <-retry:
 			retry = nil
