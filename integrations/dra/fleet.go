@@ -5,8 +5,10 @@ import (
 	"fmt"
 
 	"github.com/hashicorp/go-hclog"
+	"golang.org/x/sync/errgroup"
 	"google.golang.org/protobuf/encoding/protojson"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
@@ -41,4 +43,54 @@ func PublishPool(ctx context.Context, kube kubernetes.Interface, rc rest.Interfa
 	p.store = cache.NewStore(cache.MetaNamespaceKeyFunc) // empty: the pool is new
 	writes, err = p.sync(ctx, v)
 	return writes, problems, err
+}
+
+// RunPool runs node's pool as the driver on that node does, with the snapshots that
+// arrive on snaps in place of the agent's stream: each is built into the pool's view by
+// the driver's slice code with the watch loop's view cache (watchLoop), and the
+// driver's publish loop writes it (publishLoop: the informer of the pool's slices, the
+// republish of someone else's changes, the retries with backoff). It returns nil when
+// ctx ends or snaps is closed, once everything it started has stopped; the pool's
+// slices stay.
+//
+// It is the fleet bench's hook for the driver's writes at rest and under churn (a
+// node's reservations coming and going, as snapshots that differ in their holders),
+// as PublishPool is for one publish; the agent, the kubelet's calls and the claims'
+// status are not in it. kube, meta, rc and log are as in Config (Kube, Meta,
+// ResourceREST, Logger); nil rc: kube's. The PCI attributes are read from the host's
+// /sys, as the driver's (Config.SysfsRoot empty).
+func RunPool(ctx context.Context, kube kubernetes.Interface, meta metadata.Interface, rc rest.Interface, driver, node string, snaps <-chan *pb.FingerprintResponse, log hclog.Logger) error {
+	if rc == nil {
+		rc = kube.ResourceV1().RESTClient()
+	}
+	if log == nil {
+		log = hclog.NewNullLogger()
+	}
+	d := &Driver{
+		cfg:     Config{Kube: kube, Meta: meta, ResourceREST: rc, NodeName: node, DriverName: driver},
+		log:     log,
+		changed: make(chan struct{}),
+		pci:     &pciAttributes{},
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return d.publishLoop(gctx) })
+	g.Go(func() error {
+		defer cancel() // snaps closed: the publish loop ends too
+		cache := newViewCache()
+		for {
+			select {
+			case snap, ok := <-snaps:
+				if !ok {
+					return nil
+				}
+				v, _ := buildView(snap, buildOptions{driver: driver, pool: node, pci: d.pci, cache: cache})
+				d.setView(v)
+			case <-gctx.Done():
+				return nil
+			}
+		}
+	})
+	return g.Wait()
 }
