@@ -1,11 +1,10 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"fmt"
-	"strings"
 
+	"github.com/devicehost/devicehost/client"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/textline"
 )
@@ -26,6 +25,9 @@ func (e exitStatus) Error() string { return fmt.Sprintf("exit status %d", int(e)
 // maxHealthLine bounds the line health-check prints (NPD keeps max_output_length of it,
 // 80 by default; the full list is in `devicehost devices`).
 const maxHealthLine = 512
+
+// maxHealthNamed bounds the devices the line names (", and N more" after them).
+const maxHealthNamed = 16
 
 // runHealthCheck is `devicehost health-check`: one line on stdout and NPD's exit code.
 func runHealthCheck(ctx context.Context, env *cmdEnv, args []string) error {
@@ -50,23 +52,12 @@ func runHealthCheck(ctx context.Context, env *cmdEnv, args []string) error {
 		fmt.Fprintln(env.stdout, textline.Line("devicehost agent unreachable: "+callError("fingerprint", err).Error(), maxHealthLine))
 		return exitStatus(npdUnknown)
 	}
-	total := 0
-	var bad []string
-	for _, g := range fp.GetGroups() {
-		if *vendor != "" && g.GetVendor() != *vendor || *typ != "" && g.GetType() != *typ {
-			continue
-		}
-		for _, d := range g.GetDevices() {
-			total++
-			if d.GetHealth() != pb.Health_HEALTH_HEALTHY {
-				bad = append(bad, fmt.Sprintf("%s (%s)", d.GetId(), cmp.Or(d.GetHealthReason(), healthName(d.GetHealth()))))
-			}
-		}
-	}
-	if len(bad) == 0 {
-		fmt.Fprintf(env.stdout, "%d devices healthy\n", total)
+	h := client.HealthOf(fp, func(g *pb.DeviceGroup) bool {
+		return (*vendor == "" || g.GetVendor() == *vendor) && (*typ == "" || g.GetType() == *typ)
+	})
+	fmt.Fprintln(env.stdout, h.Line(maxHealthNamed, maxHealthLine))
+	if len(h.Unhealthy) == 0 {
 		return nil
 	}
-	fmt.Fprintln(env.stdout, textline.Line(fmt.Sprintf("%d of %d devices unhealthy: %s", len(bad), total, strings.Join(bad, ", ")), maxHealthLine))
 	return exitStatus(npdNonOK)
 }

@@ -1,11 +1,7 @@
 package nodestatus
 
 import (
-	"cmp"
-	"fmt"
-	"slices"
-	"strings"
-
+	"github.com/devicehost/devicehost/client"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/textline"
 )
@@ -26,7 +22,6 @@ const (
 // list is in `devicehost devices`).
 const (
 	maxNamedDevices = 16
-	maxReason       = 48
 	maxMessage      = 1024
 )
 
@@ -35,42 +30,14 @@ type Health struct {
 	Status, Reason, Message string
 }
 
-// HealthOf is the condition fp gives. A device listed in several groups (a GPU and its
-// replicas share nothing of the ID, but a plugin may list one ID twice) is counted once;
-// a cordoned device counts as its health says: cordoning is no health problem.
+// HealthOf is the condition fp gives (client.HealthOf: each device once, a cordoned one
+// as its health says).
 func HealthOf(fp *pb.FingerprintResponse) Health {
-	seen := make(map[string]bool)
-	var bad []string
-	why := make(map[string]string)
-	for _, g := range fp.GetGroups() {
-		for _, d := range g.GetDevices() {
-			if seen[d.GetId()] {
-				continue
-			}
-			seen[d.GetId()] = true
-			if d.GetHealth() != pb.Health_HEALTH_HEALTHY {
-				bad = append(bad, d.GetId())
-				why[d.GetId()] = cmp.Or(d.GetHealthReason(), strings.ToLower(strings.TrimPrefix(d.GetHealth().String(), "HEALTH_")))
-			}
-		}
+	h := client.HealthOf(fp, nil)
+	if len(h.Unhealthy) == 0 {
+		return Health{Status: "True", Reason: ReasonHealthy, Message: h.Line(maxNamedDevices, maxMessage)}
 	}
-	if len(bad) == 0 {
-		return Health{Status: "True", Reason: ReasonHealthy, Message: fmt.Sprintf("%d devices healthy", len(seen))}
-	}
-	slices.Sort(bad)
-	var b strings.Builder
-	fmt.Fprintf(&b, "%d of %d devices unhealthy: ", len(bad), len(seen))
-	for i, id := range bad {
-		if i == maxNamedDevices {
-			fmt.Fprintf(&b, ", and %d more", len(bad)-i)
-			break
-		}
-		if i > 0 {
-			b.WriteString(", ")
-		}
-		fmt.Fprintf(&b, "%s (%s)", textline.Line(id, maxReason), textline.Line(why[id], maxReason))
-	}
-	return Health{Status: "False", Reason: ReasonUnhealthy, Message: textline.Line(b.String(), maxMessage)}
+	return Health{Status: "False", Reason: ReasonUnhealthy, Message: h.Line(maxNamedDevices, maxMessage)}
 }
 
 // Unreachable is the condition while the agent cannot be asked.
