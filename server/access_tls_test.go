@@ -2,13 +2,9 @@ package server_test
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
-	"math/big"
 	"net"
 	"net/url"
 	"strings"
@@ -25,67 +21,19 @@ import (
 	"github.com/devicehost/devicehost/device/devicetest"
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 	"github.com/devicehost/devicehost/server"
+	"github.com/devicehost/devicehost/tools/testpki"
 )
-
-// testCA signs the certificates of a test.
-type testCA struct {
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	pool *x509.CertPool
-}
-
-func newTestCA(t *testing.T) *testCA {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := x509.NewCertPool()
-	pool.AddCert(cert)
-	return &testCA{cert: cert, key: key, pool: pool}
-}
-
-// issue makes a certificate for tmpl's names, signed by the CA.
-func (ca *testCA) issue(t *testing.T, tmpl *x509.Certificate, usage x509.ExtKeyUsage) tls.Certificate {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl.SerialNumber = big.NewInt(time.Now().UnixNano())
-	tmpl.NotBefore, tmpl.NotAfter = time.Now().Add(-time.Hour), time.Now().Add(time.Hour)
-	tmpl.ExtKeyUsage = []x509.ExtKeyUsage{usage}
-	tmpl.KeyUsage = x509.KeyUsageDigitalSignature
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
-}
 
 // Identity grants match a verified client certificate's SANs or common name, on a
 // mutual-TLS listener served beside others by the same server.
 func TestIdentityGrants(t *testing.T) {
-	ca := newTestCA(t)
+	ca := testpki.NewCA(t, "devicehost test CA")
 	spiffe, _ := url.Parse("spiffe://node/dra-driver")
-	serverCert := ca.issue(t, &x509.Certificate{IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}}, x509.ExtKeyUsageServerAuth)
+	serverCert := ca.Server(t, "127.0.0.1").TLS(t)
 	clients := map[string]tls.Certificate{
-		"uri":   ca.issue(t, &x509.Certificate{URIs: []*url.URL{spiffe}}, x509.ExtKeyUsageClientAuth),
-		"cn":    ca.issue(t, &x509.Certificate{Subject: pkix.Name{CommonName: "monitoring"}}, x509.ExtKeyUsageClientAuth),
-		"other": ca.issue(t, &x509.Certificate{Subject: pkix.Name{CommonName: "someone"}, DNSNames: []string{"someone.example"}}, x509.ExtKeyUsageClientAuth),
+		"uri":   ca.ClientWith(t, x509.Certificate{URIs: []*url.URL{spiffe}}).TLS(t),
+		"cn":    ca.Client(t, "monitoring").TLS(t),
+		"other": ca.ClientWith(t, x509.Certificate{Subject: pkix.Name{CommonName: "someone"}, DNSNames: []string{"someone.example"}}).TLS(t),
 	}
 	srv, err := server.New(server.Config{
 		Manager: &devicetest.Fake{ReserveFunc: func(context.Context, device.ReserveRequest) (device.Reservation, error) {
@@ -103,7 +51,7 @@ func TestIdentityGrants(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	serverTLS := &tls.Config{Certificates: []tls.Certificate{serverCert}, ClientCAs: ca.pool, ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13}
+	serverTLS := &tls.Config{Certificates: []tls.Certificate{serverCert}, ClientCAs: ca.Pool(), ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13}
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -117,7 +65,7 @@ func TestIdentityGrants(t *testing.T) {
 		wg.Wait()
 	})
 	dial := func(cert tls.Certificate) pb.DeviceHostClient {
-		creds := credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: ca.pool, MinVersion: tls.VersionTLS13})
+		creds := credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: ca.Pool(), MinVersion: tls.VersionTLS13})
 		conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(creds))
 		if err != nil {
 			t.Fatal(err)

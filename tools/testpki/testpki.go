@@ -1,12 +1,13 @@
 // Package testpki makes a certificate authority and the certificates it issues, as PEM,
-// for tests that need mutual TLS between real processes (the agent's metrics endpoint on
-// the real node).
+// for tests that need mutual TLS: between real processes (the agent's metrics endpoint on
+// the real node) or in one (the server's peer identities).
 package testpki
 
 import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
@@ -68,6 +69,31 @@ func (ca *CA) Server(t testing.TB, hosts ...string) Pair {
 func (ca *CA) Client(t testing.TB, name string) Pair {
 	t.Helper()
 	return ca.issue(t, &x509.Certificate{Subject: pkix.Name{CommonName: name}, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}})
+}
+
+// ClientWith issues a client certificate of tmpl's names (its Subject, URIs, DNS
+// names, IP addresses), for a test of how a server reads a peer's identity.
+func (ca *CA) ClientWith(t testing.TB, tmpl x509.Certificate) Pair {
+	t.Helper()
+	tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
+	return ca.issue(t, &tmpl)
+}
+
+// Pool is a certificate pool of the CA alone.
+func (ca *CA) Pool() *x509.CertPool {
+	pool := x509.NewCertPool()
+	pool.AddCert(ca.cert)
+	return pool
+}
+
+// TLS is p as a crypto/tls certificate.
+func (p Pair) TLS(t testing.TB) tls.Certificate {
+	t.Helper()
+	c, err := tls.X509KeyPair(p.Cert, p.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }
 
 func (ca *CA) issue(t testing.TB, tmpl *x509.Certificate) Pair {
