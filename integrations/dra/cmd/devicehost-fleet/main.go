@@ -4,11 +4,16 @@
 // driver's own slice code and publisher, dra.PublishPool), then creates a burst of pods,
 // each with a ResourceClaim, and measures how fast the scheduler binds them. It prints
 // one row: the nodes, the layout, the claim, the pods, claims scheduled per second, p50
-// and p99 from a pod's create to its nodeName set, the API server's CPU seconds and peak
-// RSS during the burst, and the bytes of every ResourceSlice (their JSON, as listed).
+// and p99 from a pod's create to its nodeName set, the API server's and the scheduler's
+// CPU seconds and peak RSS during the burst, the bytes of every ResourceSlice (their
+// JSON, as listed), and the machine's highest load1 during the burst.
+//
+// With -writes it then runs every node's pool through the driver's publish loop
+// (dra.RunPool) and counts the requests its client makes, at rest and under a churn of
+// reservations (writes.go): a WRITES line for each phase.
 //
 //	devicehost-fleet -kubeconfig admin.kubeconfig -nodes 100 -layout static -pods 200 \
-//	    -apiserver-pid 1234
+//	    -apiserver-pid 1234 -scheduler-pid 1240 -writes 60s
 //
 // Layouts, each 8 GPUs a node:
 //
@@ -19,11 +24,16 @@
 //	        consuming the GPUs' counter sets
 //	mig-trimmed the same with the plugin's mig_profiles = ["1g.10gb", "3g.40gb",
 //	        "7g.80gb"]: the 8 GPUs and their 80 placements of those profiles
+//	sharing the 8 GPUs offered whole, in 4 time-sliced replicas each and as 4 MPS
+//	        shares each (replicas = 4, sharing = ["time-slicing", "mps"]), the MPS
+//	        shares of a GPU published as one device of consumable memory
 //
 // The fingerprints are recorded from the agent (fingerprints/): `devicehost devices
 // -json` of `devicehost agent -dev` (dgxh100.json), of the same with the nvidia-example
 // plugin's config { simulate = "dgxh100", mig = "on-demand" } (dgxh100-mig-on-demand.json),
-// of the same with mig_profiles (dgxh100-mig-trimmed.json), and dgxh100.json with each device's ID, health and NUMA node alone, no group
+// of the same with mig_profiles (dgxh100-mig-trimmed.json), of the same with { simulate =
+// "dgxh100", replicas = 4, sharing = ["time-slicing", "mps"], mps_dir = ... }
+// (dgxh100-sharing.json), and dgxh100.json with each device's ID, health and NUMA node alone, no group
 // attributes, no counter sets (dgxh100-plain.json). The DeviceClasses are deploy/kubernetes/dra.yaml's,
 // which scripts/fleet applies.
 package main
@@ -84,8 +94,13 @@ type options struct {
 	claim        string
 	pods         int
 	apiserverPID int
+	schedulerPID int
 	parallel     int
 	timeout      time.Duration
+	// writes is how long each phase of the driver's writes lasts (0: not measured);
+	// churnInterval how often a node's reservations change in the churn phases.
+	writes        time.Duration
+	churnInterval time.Duration
 }
 
 func run(ctx context.Context, args []string) error {
@@ -93,10 +108,13 @@ func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("devicehost-fleet", flag.ContinueOnError)
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "admin kubeconfig `file` of the fleet's API server")
 	fs.IntVar(&o.nodes, "nodes", 100, "simulated nodes")
-	fs.StringVar(&o.layout, "layout", "static", "slice layout: plain, static, mig or mig-trimmed")
-	fs.StringVar(&o.claim, "claim", "gpu", "each pod's claim: gpu (1 GPU), gpu2 (2 GPUs of one NUMA node: matchAttribute) or mig (one 1g.10gb; layout mig)")
+	fs.StringVar(&o.layout, "layout", "static", "slice layout: plain, static, mig, mig-trimmed or sharing")
+	fs.StringVar(&o.claim, "claim", "gpu", "each pod's claim: gpu (1 GPU), gpu2 (2 GPUs of one NUMA node: matchAttribute), mig (one 1g.10gb; layout mig or mig-trimmed) or mps (an MPS share of 20Gi; layout sharing)")
 	fs.IntVar(&o.pods, "pods", 0, "pods in the burst (0: 2 per node)")
 	fs.IntVar(&o.apiserverPID, "apiserver-pid", 0, "the API server's PID, for its CPU and RSS (0: not measured)")
+	fs.IntVar(&o.schedulerPID, "scheduler-pid", 0, "the scheduler's PID, for its CPU and RSS (0: not measured)")
+	fs.DurationVar(&o.writes, "writes", 0, "after the burst, run every node's pool through the driver's publish loop and count its requests for this long at rest, then as long under each churn (0: not measured)")
+	fs.DurationVar(&o.churnInterval, "churn-interval", 5*time.Second, "in the churn phases, a reservation made or released on each node this often")
 	fs.IntVar(&o.parallel, "parallel", 32, "API calls in flight while setting up and in the burst")
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "how long the burst may take to be scheduled")
 	if err := fs.Parse(args); err != nil {
@@ -112,8 +130,12 @@ func run(ctx context.Context, args []string) error {
 	switch {
 	case o.claim == "mig" && o.layout != "mig" && o.layout != "mig-trimmed":
 		return errors.New("-claim mig needs -layout mig or mig-trimmed")
-	case o.claim != "gpu" && o.claim != "gpu2" && o.claim != "mig":
-		return fmt.Errorf("-claim %q: want gpu, gpu2 or mig", o.claim)
+	case o.claim == "mps" && o.layout != "sharing":
+		return errors.New("-claim mps needs -layout sharing")
+	case o.claim != "gpu" && o.claim != "gpu2" && o.claim != "mig" && o.claim != "mps":
+		return fmt.Errorf("-claim %q: want gpu, gpu2, mig or mps", o.claim)
+	case o.writes > 0 && o.churnInterval <= 0:
+		return errors.New("-churn-interval: want a duration above 0")
 	}
 	cfg, err := clientcmd.BuildConfigFromFlags("", o.kubeconfig)
 	if err != nil {
@@ -146,17 +168,27 @@ func run(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	fmt.Printf("ROW %d %s %s %d %d %.1f %.3f %.3f %.1f %.0f %d %d\n", o.nodes, o.layout, o.claim, o.pods, res.scheduled,
-		res.perSecond, res.p50.Seconds(), res.p99.Seconds(), res.cpu, res.rssMiB, nslices, sliceBytes)
+	fmt.Printf("ROW %d %s %s %d %d %.1f %.3f %.3f %.1f %.0f %.1f %.0f %d %d %.2f\n", o.nodes, o.layout, o.claim, o.pods, res.scheduled,
+		res.perSecond, res.p50.Seconds(), res.p99.Seconds(), res.apiserver.cpu, res.apiserver.rssMiB,
+		res.scheduler.cpu, res.scheduler.rssMiB, nslices, sliceBytes, res.load1)
+	if o.writes > 0 {
+		phases, err := measureWrites(ctx, cfg, o, snap)
+		if err != nil {
+			return fmt.Errorf("the drivers' writes: %w", err)
+		}
+		for _, p := range phases {
+			fmt.Println(p)
+		}
+	}
 	return nil
 }
 
 // fingerprint returns the agent's snapshot of a node for layout, as protojson.
 func fingerprint(layout string) ([]byte, error) {
 	file := map[string]string{"plain": "dgxh100-plain.json", "static": "dgxh100.json", "mig": "dgxh100-mig-on-demand.json",
-		"mig-trimmed": "dgxh100-mig-trimmed.json"}[layout]
+		"mig-trimmed": "dgxh100-mig-trimmed.json", "sharing": "dgxh100-sharing.json"}[layout]
 	if file == "" {
-		return nil, fmt.Errorf("-layout %q: want plain, static, mig or mig-trimmed", layout)
+		return nil, fmt.Errorf("-layout %q: want plain, static, mig, mig-trimmed or sharing", layout)
 	}
 	return fingerprints.ReadFile("fingerprints/" + file)
 }
@@ -261,8 +293,9 @@ type result struct {
 	scheduled int
 	perSecond float64
 	p50, p99  time.Duration
-	cpu       float64 // the API server's CPU seconds during the burst
-	rssMiB    float64 // its peak RSS during the burst
+	// The API server's and the scheduler's CPU seconds and peak RSS during the burst.
+	apiserver, scheduler usage
+	load1                float64 // the machine's highest load1 during the burst
 }
 
 // burst creates the claims, then the pods all at once, and waits until the scheduler
@@ -325,7 +358,7 @@ func burst(ctx context.Context, kube kubernetes.Interface, o options) (result, e
 		return result{}, ctx.Err()
 	}
 
-	sampler := startSampler(o.apiserverPID)
+	sampler := startSampler(o.apiserverPID, o.schedulerPID)
 	start := time.Now()
 	g, gctx = errgroup.WithContext(ctx)
 	g.SetLimit(o.parallel)
@@ -351,7 +384,7 @@ func burst(ctx context.Context, kube kubernetes.Interface, o options) (result, e
 	case <-ctx.Done():
 		return result{}, ctx.Err()
 	}
-	cpu, rss := sampler.stop()
+	use, load1 := sampler.stop()
 
 	mu.Lock()
 	defer mu.Unlock()
@@ -363,7 +396,7 @@ func burst(ctx context.Context, kube kubernetes.Interface, o options) (result, e
 			last = t
 		}
 	}
-	r := result{scheduled: len(scheduled), cpu: cpu, rssMiB: rss}
+	r := result{scheduled: len(scheduled), apiserver: use[0], scheduler: use[1], load1: load1}
 	if len(lat) > 0 {
 		slices.Sort(lat)
 		r.p50 = lat[len(lat)/2]
@@ -375,7 +408,8 @@ func burst(ctx context.Context, kube kubernetes.Interface, o options) (result, e
 
 // claim is claim i of kind: one GPU, two GPUs of one NUMA node (the simulated
 // machines' GPUs have no NVLink domain, and their PCIe roots are not in this host's
-// /sys), or one 1g.10gb MIG device.
+// /sys), one 1g.10gb MIG device, or 20Gi of one GPU's MPS shares (as the real-node
+// suite's MPS claims: consumable capacity of the GPU's pooled shares).
 func claim(kind string, i int) *resourceapi.ResourceClaim {
 	req := resourceapi.ExactDeviceRequest{DeviceClassName: "gpu.devicehost.io", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1}
 	var constraints []resourceapi.DeviceConstraint
@@ -387,6 +421,10 @@ func claim(kind string, i int) *resourceapi.ResourceClaim {
 		req.DeviceClassName = "mig.devicehost.io"
 		req.Selectors = []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
 			Expression: `device.attributes["devicehost.io"].productName == "1g.10gb"`}}}
+	case "mps":
+		req.DeviceClassName = "gpu-mps.devicehost.io"
+		req.Capacity = &resourceapi.CapacityRequirements{Requests: map[resourceapi.QualifiedName]resource.Quantity{
+			"memory": resource.MustParse("20Gi")}}
 	}
 	return &resourceapi.ResourceClaim{
 		ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("claim-%05d", i), Namespace: namespace},
@@ -414,26 +452,38 @@ func pod(i int) *corev1.Pod {
 	}
 }
 
-// sampler reads a process's CPU time and RSS from /proc.
+// usage is a process's CPU seconds over a span and its peak RSS in MiB.
+type usage struct{ cpu, rssMiB float64 }
+
+// sampler reads processes' CPU time and RSS from /proc, and the machine's load1.
 type sampler struct {
-	pid  int
-	cpu0 float64
+	pids []int
+	cpu0 []float64
 	done chan struct{}
 	wg   sync.WaitGroup
-	peak float64 // MiB; written by the sampling goroutine until stop
+	// written by the sampling goroutine until stop
+	peak  []float64 // MiB, by pid
+	load1 float64
 }
 
-func startSampler(pid int) *sampler {
-	s := &sampler{pid: pid, done: make(chan struct{})}
-	if pid == 0 {
-		return s
+// startSampler samples pids (0: none, its usage zero) every 100 ms until stop.
+func startSampler(pids ...int) *sampler {
+	s := &sampler{pids: pids, cpu0: make([]float64, len(pids)), peak: make([]float64, len(pids)), done: make(chan struct{})}
+	for i, pid := range pids {
+		if pid != 0 {
+			s.cpu0[i] = cpuSeconds(pid)
+		}
 	}
-	s.cpu0 = cpuSeconds(pid)
 	s.wg.Go(func() {
 		tick := time.NewTicker(100 * time.Millisecond)
 		defer tick.Stop()
 		for {
-			s.peak = max(s.peak, rssMiB(pid))
+			for i, pid := range pids {
+				if pid != 0 {
+					s.peak[i] = max(s.peak[i], rssMiB(pid))
+				}
+			}
+			s.load1 = max(s.load1, load1())
 			select {
 			case <-s.done:
 				return
@@ -444,14 +494,32 @@ func startSampler(pid int) *sampler {
 	return s
 }
 
-// stop ends the sampling: CPU seconds since start, and the peak RSS in MiB.
-func (s *sampler) stop() (cpu, rss float64) {
-	if s.pid == 0 {
-		return 0, 0
-	}
+// stop ends the sampling: each pid's CPU seconds since start and peak RSS, and the
+// highest load1 seen.
+func (s *sampler) stop() ([]usage, float64) {
 	close(s.done)
 	s.wg.Wait()
-	return cpuSeconds(s.pid) - s.cpu0, s.peak
+	out := make([]usage, len(s.pids))
+	for i, pid := range s.pids {
+		if pid != 0 {
+			out[i] = usage{cpu: cpuSeconds(pid) - s.cpu0[i], rssMiB: s.peak[i]}
+		}
+	}
+	return out, s.load1
+}
+
+// load1 is the machine's load average over a minute (0 if unknown).
+func load1() float64 {
+	raw, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(raw))
+	if len(f) == 0 {
+		return 0
+	}
+	l, _ := strconv.ParseFloat(f[0], 64)
+	return l
 }
 
 // cpuSeconds is utime+stime of pid (USER_HZ is 100 on Linux).
