@@ -829,7 +829,7 @@ func (d *draStack) caseTwoGPUs(t *testing.T) {
 }
 
 // Deleting a DRA pod releases its claim's reservation at the agent at once: the
-// kubelet's NodeUnprepareResources, no grace period (the bridge waits 30 s).
+// kubelet's NodeUnprepareResources, no grace period (the bridge's pods wait its release grace).
 func (d *draStack) caseDeleted(t *testing.T) {
 	tmpl := d.createTemplate(t, "two", gpuClass, 2, "")
 	var lags []time.Duration

@@ -295,8 +295,7 @@ func (d *draStack) withHostdevResources(t *testing.T) {
 type bridgeResource struct{ name, vendor, typ string }
 
 // withBridgeResources restarts the bridge with a copy of its config that also has the
-// resource blocks rs (its file named with suffix) and a release grace of 5 s, and its
-// own config back, with the 8 GPUs allocatable, when t ends.
+// resource blocks rs (its file named with suffix), and its own config back, with the 8 GPUs allocatable, when t ends.
 func (d *draStack) withBridgeResources(t *testing.T, suffix string, rs ...bridgeResource) {
 	t.Helper()
 	plain := d.bridge.c
@@ -305,9 +304,7 @@ func (d *draStack) withBridgeResources(t *testing.T, suffix string, rs ...bridge
 	for _, r := range rs {
 		block += fmt.Sprintf("\n  resource %q {\n    vendor = %q\n    type   = %q\n  }\n", r.name, r.vendor, r.typ)
 	}
-	// A short release grace: the case's cleanup waits for the releases of its pods.
-	c := configVariant(t, plain, suffix+"-grace", `release_grace = "30s"`, `release_grace = "5s"`)
-	c = configVariant(t, c, suffix, anchor, block)
+	c := configVariant(t, plain, suffix, anchor, block)
 	restart := func(c hostContainer) {
 		d.bridge.stop(t, syscall.SIGTERM)
 		d.bridge.c = c

@@ -168,6 +168,10 @@ func startStack(t *testing.T) *stack {
 			t.Fatal(err)
 		}
 	}
+	// The DaemonSet's config but for the bridge's release grace: 5 s instead of its 30 s,
+	// so that a case's clean-up (and PodDeletedReleased's wait) waits 5 s for the pods'
+	// releases, not 30. The cases check the grace is kept, whatever its length.
+	ds.bridge = configVariant(t, ds.bridge, "grace", `release_grace = "30s"`, `release_grace = "5s"`)
 	s := &stack{
 		n:      n,
 		ds:     ds,
