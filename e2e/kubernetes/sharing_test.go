@@ -20,9 +20,10 @@ import (
 // Two time-sliced claims share a GPU (X); an MPS claim pinned to X stays pending (the
 // scheduler sees X in the other mode); an MPS claim of one share lands on another GPU
 // (Y), and a second one of two shares pinned to Y joins it with its own limits on the
-// same daemon; a device-plugin pod asking nvidia.com/gpu.mps lands anywhere but X (the
-// bridge hides X's shares); an exclusive claim gets a whole GPU of its own, a MIG
-// claim a 1g.10gb partition; a time-sliced claim pinned to Y and the whole X stay
+// same daemon (its SharingConfig asks Shared), and a third, pinned to Y and asking
+// PerHolder, gets a daemon of its own there; a device-plugin pod asking nvidia.com/gpu.mps
+// lands anywhere but X (the bridge hides X's shares); an exclusive claim gets a whole GPU
+// of its own, a MIG claim a 1g.10gb partition; a time-sliced claim pinned to Y and the whole X stay
 // pending. The ledger and each container's environment show every GPU in one mode.
 func (d *draStack) caseSharingModes(t *testing.T) {
 	mpsDir := filepath.Join(d.n.run, "ds", "mps")
@@ -37,12 +38,19 @@ func (d *draStack) caseSharingModes(t *testing.T) {
 	})
 	t.Logf("agent restarted offering every mode: pool ready %v after", dPool.Round(time.Millisecond))
 	parentIs := func(gpu string) string { return `device.attributes["` + draDriver + `"].parent == "` + gpu + `"` }
-	mpsTemplate := func(prefix, memory, selector string) string {
+	// mpsTemplate is a claim template of MPS shares of memory; with isolation, its
+	// SharingConfig asks that MPS isolation (Shared, PerHolder) of the plugin.
+	mpsTemplate := func(prefix, memory, selector, isolation string) string {
 		req := map[string]any{"deviceClassName": "gpu-mps.devicehost.io", "capacity": map[string]any{"requests": map[string]any{"memory": memory}}}
 		if selector != "" {
 			req["selectors"] = []any{map[string]any{"cel": map[string]any{"expression": selector}}}
 		}
-		return d.submitTemplate(t, prefix, map[string]any{"devices": map[string]any{"requests": []any{map[string]any{"name": "gpus", "exactly": req}}}})
+		devices := map[string]any{"requests": []any{map[string]any{"name": "gpus", "exactly": req}}}
+		if isolation != "" {
+			devices["config"] = []any{map[string]any{"requests": []any{"gpus"}, "opaque": map[string]any{"driver": draDriver, "parameters": map[string]any{
+				"apiVersion": "devicehost.io/v1alpha1", "kind": "SharingConfig", "strategy": "MPS", "mps": map[string]any{"isolation": isolation}}}}}
+		}
+		return d.submitTemplate(t, prefix, map[string]any{"devices": devices})
 	}
 	type row struct{ pod, mode, gpu, devices, env string }
 	var table []row
@@ -54,7 +62,7 @@ func (d *draStack) caseSharingModes(t *testing.T) {
 	}()
 	// run runs a pod of one claim from tmpl, checks its reservation is of typ and its
 	// container's environment, and returns the pod and its environment.
-	run := func(prefix, tmpl, mode, typ string) (string, map[string]string) {
+	run := func(prefix, tmpl, mode, typ string) (string, map[string]string, map[string]string) {
 		t.Helper()
 		name := d.submitPod(t, prefix, func(spec, container map[string]any) {
 			spec["resourceClaims"] = []any{map[string]any{"name": "gpus", "resourceClaimTemplateName": tmpl}}
@@ -69,12 +77,12 @@ func (d *draStack) caseSharingModes(t *testing.T) {
 		if res.GetType() != typ || len(ids) == 0 {
 			t.Errorf("pod %s (%s): reservation %s %v; want %s devices", name, mode, res.GetType(), ids, typ)
 		}
-		if hasPipe := env["PIPE"] != ""; hasPipe != (mode == "mps") {
+		if hasPipe := env["PIPE"] != ""; hasPipe != strings.HasPrefix(mode, "mps") {
 			t.Errorf("pod %s (%s): MPS pipe directory %q in its environment", name, mode, env["PIPE"])
 		}
 		table = append(table, row{name, mode, env["NVIDIA_VISIBLE_DEVICES"], strings.Join(ids, ","),
 			fmt.Sprintf("THREADS=%s MEM=%s PIPE=%s", env["THREADS"], env["MEM"], env["PIPE"])})
-		return name, env
+		return name, env, res.GetPluginOptions()
 	}
 	pending := func(what, prefix, tmpl string) {
 		t.Helper()
@@ -84,31 +92,38 @@ func (d *draStack) caseSharingModes(t *testing.T) {
 		t.Logf("%s: unschedulable after %v: %s", what, dVerdict.Round(time.Millisecond), msg)
 	}
 
-	_, envA := run("modes-ts-a", d.createTemplate(t, "ts-any", "gpu-shared.devicehost.io", 1, ""), "time-slicing", "gpu.shared")
+	_, envA, _ := run("modes-ts-a", d.createTemplate(t, "ts-any", "gpu-shared.devicehost.io", 1, ""), "time-slicing", "gpu.shared")
 	x := envA["NVIDIA_VISIBLE_DEVICES"]
-	_, envB := run("modes-ts-b", d.createTemplate(t, "ts-on", "gpu-shared.devicehost.io", 1, parentIs(x)), "time-slicing", "gpu.shared")
+	_, envB, _ := run("modes-ts-b", d.createTemplate(t, "ts-on", "gpu-shared.devicehost.io", 1, parentIs(x)), "time-slicing", "gpu.shared")
 	if envB["NVIDIA_VISIBLE_DEVICES"] != x {
 		t.Errorf("the second time-sliced pod on %s; want %s", envB["NVIDIA_VISIBLE_DEVICES"], x)
 	}
-	pending("an MPS claim pinned to time-sliced "+x, "modes-mps-on-ts", mpsTemplate("mps-on-ts", "20Gi", parentIs(x)))
-	_, envM := run("modes-mps-a", mpsTemplate("mps-20gi", "20Gi", ""), "mps", "gpu.mps")
+	pending("an MPS claim pinned to time-sliced "+x, "modes-mps-on-ts", mpsTemplate("mps-on-ts", "20Gi", parentIs(x), ""))
+	_, envM, _ := run("modes-mps-a", mpsTemplate("mps-20gi", "20Gi", "", ""), "mps", "gpu.mps")
 	y := envM["NVIDIA_VISIBLE_DEVICES"]
 	if y == x {
 		t.Errorf("the MPS pod landed on %s, which two time-sliced pods hold", x)
 	}
-	_, envM2 := run("modes-mps-b", mpsTemplate("mps-40gi-on", "40Gi", parentIs(y)), "mps", "gpu.mps")
+	_, envM2, _ := run("modes-mps-b", mpsTemplate("mps-40gi-on", "40Gi", parentIs(y), "Shared"), "mps", "gpu.mps")
 	if envM2["NVIDIA_VISIBLE_DEVICES"] != y || envM2["PIPE"] != envM["PIPE"] || envM2["THREADS"] != "50" || envM["THREADS"] != "25" {
 		t.Errorf("two MPS claims on %s: THREADS %s and %s, pipes %s and %s; want 25 and 50 on one daemon", y, envM["THREADS"], envM2["THREADS"], envM["PIPE"], envM2["PIPE"])
 	}
+	// A third MPS claim on Y asks a daemon of its own (SharingConfig mps.isolation
+	// PerHolder): the same GPU, in the same mode, beside the shared daemon.
+	_, envM3, opts := run("modes-mps-own", mpsTemplate("mps-own-on", "20Gi", parentIs(y), "PerHolder"), "mps per-holder", "gpu.mps")
+	if envM3["NVIDIA_VISIBLE_DEVICES"] != y || envM3["PIPE"] == "" || envM3["PIPE"] == envM["PIPE"] || !strings.Contains(envM3["PIPE"], "/holder-") || envM3["CONTROL"] != "present" || opts["mps_isolation"] != "per-holder" {
+		t.Errorf("a PerHolder MPS claim on %s: GPU %s, pipe %q (control socket %q; the shared daemon's pipe: %q), reservation's plugin options %v; want its own daemon's pipe on %s, its control socket, mps_isolation=per-holder",
+			y, envM3["NVIDIA_VISIBLE_DEVICES"], envM3["PIPE"], envM3["CONTROL"], envM["PIPE"], opts, y)
+	}
 
 	// The device-plugin path draws on the same GPUs through the ledger: the bridge offers
-	// nvidia.com/gpu.mps without X's four shares (blocked) and the three the claims hold.
+	// nvidia.com/gpu.mps without X's four shares (blocked) and the four the claims hold.
 	d.withBridgeResource(t, mpsResource, "gpu.mps")
-	dAlloc := testwait.Until(t, 60*time.Second, "node allocatable "+mpsResource+"=17", func() (bool, string) {
+	dAlloc := testwait.Until(t, 60*time.Second, "node allocatable "+mpsResource+"=16", func() (bool, string) {
 		n, err := d.allocatableOf(mpsResource)
-		return err == nil && n == 17, fmt.Sprintf("allocatable %d (%v)", n, err)
+		return err == nil && n == 16, fmt.Sprintf("allocatable %d (%v)", n, err)
 	})
-	t.Logf("bridge serving %s: 17 allocatable (24 less %s's 4 blocked and the claims' 3) %v after", mpsResource, x, dAlloc.Round(time.Millisecond))
+	t.Logf("bridge serving %s: 16 allocatable (24 less %s's 4 blocked and the claims' 4) %v after", mpsResource, x, dAlloc.Round(time.Millisecond))
 	dp := d.submitPod(t, "modes-dp-mps", func(_, container map[string]any) {
 		container["resources"] = map[string]any{"limits": map[string]any{mpsResource: "1"}}
 		container["command"] = []string{"/bin/sh", "-c", mpsScript}
@@ -122,11 +137,11 @@ func (d *draStack) caseSharingModes(t *testing.T) {
 	table = append(table, row{dp, "mps (device plugin)", envDP["NVIDIA_VISIBLE_DEVICES"], mpsResource + ": 1",
 		fmt.Sprintf("THREADS=%s MEM=%s PIPE=%s", envDP["THREADS"], envDP["MEM"], envDP["PIPE"])})
 
-	_, envW := run("modes-whole", d.createTemplate(t, "whole-any", gpuClass, 1, ""), "exclusive", "gpu")
+	_, envW, _ := run("modes-whole", d.createTemplate(t, "whole-any", gpuClass, 1, ""), "exclusive", "gpu")
 	if w := envW["NVIDIA_VISIBLE_DEVICES"]; w == x || w == y || w == envDP["NVIDIA_VISIBLE_DEVICES"] {
 		t.Errorf("the exclusive pod on %s, a GPU another pod shares", w)
 	}
-	_, envMIG := run("modes-mig", d.createTemplate(t, "mig-1g", migClass, 1, `device.attributes["`+draDriver+`"].productName == "1g.10gb"`), "mig", "mig")
+	_, envMIG, _ := run("modes-mig", d.createTemplate(t, "mig-1g", migClass, 1, `device.attributes["`+draDriver+`"].productName == "1g.10gb"`), "mig", "mig")
 	if !strings.HasPrefix(envMIG["NVIDIA_VISIBLE_DEVICES"], "MIG-") {
 		t.Errorf("the MIG pod sees %q; want a MIG device", envMIG["NVIDIA_VISIBLE_DEVICES"])
 	}
