@@ -78,6 +78,31 @@ func TestRealNodeHelm(t *testing.T) {
 	t.Run("Metrics", h.caseMetrics)
 }
 
+// waitImages waits for run.sh's build of the images, which runs beside the other cases:
+// until it has written its exit status to $DEVICEHOST_E2E_IMAGES_DONE (unset: the images
+// were built before the suite), and fails the test with its log if it failed.
+func waitImages(t *testing.T) {
+	t.Helper()
+	done := os.Getenv("DEVICEHOST_E2E_IMAGES_DONE")
+	if done == "" {
+		return
+	}
+	var status string
+	d := testwait.Until(t, 15*time.Minute, "run.sh's build of the images", func() (bool, string) {
+		b, err := os.ReadFile(done)
+		status = strings.TrimSpace(string(b))
+		return err == nil, fmt.Sprint(err)
+	})
+	if status != "0" {
+		tail, _ := os.ReadFile(os.Getenv("DEVICEHOST_E2E_IMAGES_LOG"))
+		if len(tail) > 8192 {
+			tail = tail[len(tail)-8192:]
+		}
+		t.Fatalf("building the images failed (exit %s):\n%s", status, tail)
+	}
+	t.Logf("images built (waited %v for them)", d.Round(time.Millisecond))
+}
+
 func startHelm(t *testing.T) *helmStack {
 	t.Helper()
 	n := requireNode(t)
@@ -99,6 +124,7 @@ func startHelm(t *testing.T) *helmStack {
 	if h.helm == "" || len(h.images) != 2 {
 		t.Fatal("DEVICEHOST_E2E_HELM and DEVICEHOST_E2E_IMAGES (two TAG=FILE) are unset: run e2e/kubernetes/run.sh, which builds helm and the images")
 	}
+	waitImages(t)
 	// The other cases applied deploy/kubernetes/dra.yaml by hand: the release makes the
 	// same cluster objects, which helm would refuse to take over.
 	if _, err := n.kubectl(nil, "delete", "-f", filepath.Join(n.root, "deploy", "kubernetes", "dra.yaml"), "--ignore-not-found", "--wait=true"); err != nil {

@@ -40,44 +40,61 @@ for role in current next; do
   DEVICEHOST_E2E_IMAGES+="$tag=$images/$role.tar "
 done
 export DEVICEHOST_E2E_IMAGES
+# The images are needed by TestRealNodeHelm alone, which runs last: the other cases run
+# while they build (a source change rebuilds both, about 100 s). The build writes its exit
+# status to $DEVICEHOST_E2E_IMAGES_DONE when it ends, and its log to
+# $DEVICEHOST_E2E_IMAGES_LOG, for TestRealNodeHelm to wait on and report.
 image_log=$(mktemp)
+image_done=$(mktemp -u)
+export DEVICEHOST_E2E_IMAGES_DONE="$image_done" DEVICEHOST_E2E_IMAGES_LOG="$image_log"
 (
   t0=$SECONDS
+  status=0
   # One file per role, overwritten each run (scripts/image keeps its own cache).
   for role in current next; do
     tag=$version
     [ "$role" = next ] && tag+=-next
-    scripts/image -o "$images/$role.tar" -tag "$tag"
+    scripts/image -o "$images/$role.tar" -tag "$tag" || { status=$?; break; }
   done
-  echo "e2e: images ready in $((SECONDS - t0))s: $DEVICEHOST_E2E_IMAGES"
+  [ "$status" = 0 ] && echo "e2e: images ready in $((SECONDS - t0))s: $DEVICEHOST_E2E_IMAGES"
+  echo "$status" >"$image_done.tmp" && mv "$image_done.tmp" "$image_done"
+  exit "$status"
 ) >"$image_log" 2>&1 &
 image_pid=$!
-trap 'kill "$image_pid" 2>/dev/null || true; rm -f "$image_log"' EXIT
+cleanup() { kill "$image_pid" 2>/dev/null || true; rm -f "$image_log" "$image_done"; }
+trap cleanup EXIT
+# wait_images waits for the images' build and prints its log; fails if it failed.
+wait_images() {
+  local status=0
+  wait "$image_pid" || status=$?
+  cat "$image_log"
+  [ "$status" = 0 ] || { echo "e2e: building devicehost's images failed (exit $status)"; return 1; }
+}
 
 t0=$SECONDS
 node_status=0
 { bash e2e/kubernetes/build.sh && bash e2e/kubernetes/build.sh helm; } || node_status=$?
 echo "e2e: node binaries ready in $((SECONDS - t0))s (status $node_status)"
-image_status=0
-wait "$image_pid" || image_status=$?
-trap - EXIT
-cat "$image_log"
-rm -f "$image_log"
 [ "$node_status" = 0 ] || { echo "e2e: building the node's binaries failed (exit $node_status)"; exit 1; }
-[ "$image_status" = 0 ] || { echo "e2e: building devicehost's images failed (exit $image_status)"; exit 1; }
 source e2e/kubernetes/versions.sh
 export DEVICEHOST_E2E_HELM="${DEVICEHOST_E2E_CACHE:-/var/cache/devicehost-e2e}/helm-$HELM_VERSION/bin/helm"
-$prepare && exit 0
+if $prepare; then
+  wait_images
+  exit
+fi
 
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
 # The driver takes the node down itself; this is for a driver that was killed.
-trap 'bash e2e/kubernetes/node.sh down >/dev/null 2>&1 || true' EXIT
+trap 'cleanup; bash e2e/kubernetes/node.sh down >/dev/null 2>&1 || true' EXIT
 t1=$SECONDS
 status=0
 DEVICEHOST_E2E_K8S=1 go test -race -count="${E2E_COUNT:-1}" -timeout "${E2E_TIMEOUT:-20m}" \
   -run "${E2E_RUN:-.}" -v ./e2e/kubernetes/ || status=$?
 echo "e2e: suite finished in $((SECONDS - t1))s (status $status)"
+# A run of cases without TestRealNodeHelm did not wait for the images: they are still
+# checked, so that a broken image build fails the run.
+wait_images || status=1
 if [ "$status" != 0 ]; then
   for f in "$LOGS"/*.log; do
     printf '\n==== last lines of %s\n' "$f"
