@@ -25,19 +25,25 @@ func mpsDaemons(t *testing.T, dir string) map[string]int {
 	files, _ := filepath.Glob(filepath.Join(dir, "*", "*", "daemon.json"))
 	out := map[string]int{}
 	for _, f := range files {
-		raw, err := os.ReadFile(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var rec struct {
-			PID int `json:"pid"`
-		}
-		if err := json.Unmarshal(raw, &rec); err != nil {
-			t.Fatalf("%s: %v", f, err)
-		}
-		out[filepath.Dir(f)] = rec.PID
+		out[filepath.Dir(f)] = daemonPID(t, f)
 	}
 	return out
+}
+
+// daemonPID reads the PID of a daemon's record, file (its daemon.json).
+func daemonPID(t *testing.T, file string) int {
+	t.Helper()
+	raw, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec struct {
+		PID int `json:"pid"`
+	}
+	if err := json.Unmarshal(raw, &rec); err != nil {
+		t.Fatalf("%s: %v", file, err)
+	}
+	return rec.PID
 }
 
 // pidRuns says whether pid runs (a zombie does not).
@@ -481,15 +487,5 @@ func TestAgentMPSIsolationPerReserve(t *testing.T) {
 // directory (mpsDaemons reads the per-holder ones, a level below).
 func sharedDaemonPID(t *testing.T, dir string) int {
 	t.Helper()
-	raw, err := os.ReadFile(filepath.Join(dir, "daemon.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var rec struct {
-		PID int `json:"pid"`
-	}
-	if err := json.Unmarshal(raw, &rec); err != nil {
-		t.Fatalf("%s: %v", dir, err)
-	}
-	return rec.PID
+	return daemonPID(t, filepath.Join(dir, "daemon.json"))
 }
