@@ -407,7 +407,7 @@ func TestAgentMPSIsolationPerReserve(t *testing.T) {
 		t.Logf("%s: %s", what, status.Convert(err).Message())
 	}
 	_, err := reserve("gpu.mps", "typo", map[string]string{"mps_isolaton": "shared"}, share(0))
-	refusedInvalid("an option the plugin does not take", err, `option "mps_isolaton" is unknown to plugin "nvidia-example", which takes mps_isolation`)
+	refusedInvalid("an option the plugin does not take", err, `option "mps_isolaton" is unknown to plugin "nvidia-example", which takes mps_isolation, mps_thread_percentage, mps_memory_limit`)
 	_, err = reserve("gpu", "whole", map[string]string{"mps_isolation": "per-holder"}, gpu0)
 	refusedInvalid("mps_isolation on a whole GPU", err, "option mps_isolation applies to MPS shares only; "+gpu0+" is a whole GPU")
 	if rs, err := c.ListReservations(ctx, &pb.ListReservationsRequest{}); err != nil || len(rs.GetReservations()) != 0 {

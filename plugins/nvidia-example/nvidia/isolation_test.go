@@ -116,7 +116,7 @@ func TestMPSIsolationOptionRefusals(t *testing.T) {
 		{"an unknown value", []string{mpsShareID(gpu0, 0)}, map[string]string{"mps_isolation": "strict"},
 			`reserve: option mps_isolation = "strict": want "shared" or "per-holder"`},
 		{"an unknown option", []string{mpsShareID(gpu0, 0)}, map[string]string{"mps_isolation": "per-holder", "mps_priority": "high"},
-			`option "mps_priority" is unknown to plugin "nvidia-example", which takes mps_isolation`},
+			`option "mps_priority" is unknown to plugin "nvidia-example", which takes mps_isolation, mps_thread_percentage, mps_memory_limit`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -49,6 +49,11 @@ import (
 // <mps_dir>/<device>/holder-<k>/, at once. A held share's isolation is its daemon's,
 // and Reconcile rebuilds each live reservation's daemon with the isolation it asked.
 //
+// A holder's limits are what its shares give unless its Reserve lowers them (options
+// mps_thread_percentage and mps_memory_limit; never above the shares', which the host
+// counted): the lowered values are in its environment and, per-holder, its daemon's
+// default limits, which Reconcile rebuilds from the options the host hands back.
+//
 // The plugin supervises each daemon: one that dies is restarted with the same
 // directories and limits, and its shares are unhealthy, with the reason, until it is
 // back. A daemon outlives the plugin process (its workloads use it); the next plugin
@@ -962,13 +967,18 @@ func mpsRequest(inv *inventory, ids []string) (shares []string, device string, e
 }
 
 // reserveShares answers a Reserve of MPS shares of device with isolation: its daemon
-// up (started if need be), the holder's limits (k shares: k times one's) in its
-// environment, and the daemon's directories mounted. Shares of an on-demand placement
+// up (started if need be), the holder's limits (k shares: k times one's, lowered by
+// the options mps_thread_percentage and mps_memory_limit) in its environment and, with
+// per-holder isolation, as its daemon's default limits, and the daemon's directories
+// mounted. Shares of an on-demand placement
 // have its MIG instance made first, when no other share has; it goes again when the
 // daemon cannot start.
-func (rt *runtime) reserveShares(ctx context.Context, inv *inventory, device string, shares []string, isolation string) (*pb.ContainerReservation, error) {
+func (rt *runtime) reserveShares(ctx context.Context, inv *inventory, device string, shares []string, isolation string, options map[string]string) (*pb.ContainerReservation, error) {
 	t := inv.targets[shares[0]]
-	limits := t.mps.times(len(shares))
+	limits, err := limitsOf(inv, shares, options)
+	if err != nil {
+		return nil, err
+	}
 	visible := t.uuid
 	if t.onDemand() {
 		rt.migMu.Lock()
@@ -1015,7 +1025,8 @@ func (rt *runtime) reserveShares(ctx context.Context, inv *inventory, device str
 // mpsWants are the daemons the live reservations' MPS shares need, each with the
 // isolation its reservation asked (its option mps_isolation, else the config's): one
 // per device for the shared ones, and one per reservation and device (per-holder) with
-// that holder's limits. partitions gives the MIG device UUID of each on-demand
+// that holder's limits (its options mps_thread_percentage and mps_memory_limit
+// applied). partitions gives the MIG device UUID of each on-demand
 // placement whose instance exists, by partition ID.
 func (rt *runtime) mpsWants(inv *inventory, live []deviceplugin.LiveReservation, partitions map[string]string) map[string]mpsWant {
 	want := make(map[string]mpsWant)
@@ -1039,7 +1050,13 @@ func (rt *runtime) mpsWants(inv *inventory, live []deviceplugin.LiveReservation,
 			w.device, w.visible = device, visible
 			w.shares = append(w.shares, shares...)
 			if isolation == MPSPerHolder {
-				l := inv.targets[shares[0]].mps.times(len(shares))
+				l, err := limitsOf(inv, shares, r.Options)
+				if err != nil {
+					// Its Reserve was accepted with other shares (the config changed):
+					// the holder keeps what its shares give.
+					rt.logger.Warn("MPS limits of a live reservation no longer fit its shares; its daemon gets the shares' limits", "reservation", r.ID, "error", err)
+					l = inv.targets[shares[0]].mps.times(len(shares))
+				}
 				w.limits = &l
 			}
 			want[key] = w
@@ -1048,8 +1065,15 @@ func (rt *runtime) mpsWants(inv *inventory, live []deviceplugin.LiveReservation,
 	return want
 }
 
-// optionMPSIsolation is the Reserve option that chooses a reservation's MPS isolation.
-const optionMPSIsolation = "mps_isolation"
+// The Reserve options of MPS shares.
+const (
+	// optionMPSIsolation chooses a reservation's MPS isolation.
+	optionMPSIsolation = "mps_isolation"
+	// optionMPSThreads lowers a holder's thread percentage below its shares'.
+	optionMPSThreads = "mps_thread_percentage"
+	// optionMPSMemory lowers a holder's pinned memory limit (MiB) below its shares'.
+	optionMPSMemory = "mps_memory_limit"
+)
 
 // isolationOf is the MPS isolation a reservation with options asked: its option
 // mps_isolation, else the config's mps_isolation. Reserve refused any other value.
@@ -1060,27 +1084,87 @@ func (rt *runtime) isolationOf(options map[string]string) string {
 	return rt.mps.isolation
 }
 
+// limitsOf is what the holder of shares (MPS shares of one device) may use: what the
+// shares give (k shares: k times one's), lowered by its options mps_thread_percentage
+// (an integer percentage) and mps_memory_limit (an integer number of MiB). A value
+// that is not such an integer, below 1, or above what the shares give is refused with
+// INVALID_ARGUMENT naming the option: a holder may lower its limits, never raise them,
+// since the shares are what the host counted.
+func limitsOf(inv *inventory, shares []string, options map[string]string) (mpsLimits, error) {
+	t := inv.targets[shares[0]]
+	entitled := t.mps.times(len(shares))
+	got := entitled
+	var errs []error
+	if v, ok := options[optionMPSThreads]; ok {
+		n, err := strconv.Atoi(v)
+		switch {
+		case err != nil || n < 1 || n > 100:
+			errs = append(errs, status.Errorf(codes.InvalidArgument, "reserve: option %s = %q: want an integer percentage from 1 to 100", optionMPSThreads, v))
+		case n > entitled.Threads:
+			errs = append(errs, status.Errorf(codes.InvalidArgument, "reserve: option %s = %d is above %d, what the holder's %s; a holder may lower its limits, not raise them",
+				optionMPSThreads, n, entitled.Threads, sharesGive(len(shares), t.divides)))
+		default:
+			got.Threads = n
+		}
+	}
+	if v, ok := options[optionMPSMemory]; ok {
+		n, err := strconv.ParseInt(v, 10, 64)
+		switch {
+		case err != nil || n < 1:
+			errs = append(errs, status.Errorf(codes.InvalidArgument, "reserve: option %s = %q: want an integer number of MiB, at least 1", optionMPSMemory, v))
+		case n > entitled.MemMiB:
+			errs = append(errs, status.Errorf(codes.InvalidArgument, "reserve: option %s = %d (MiB) is above %d, what the holder's %s; a holder may lower its limits, not raise them",
+				optionMPSMemory, n, entitled.MemMiB, sharesGive(len(shares), t.divides)))
+		default:
+			got.MemMiB = n
+		}
+	}
+	switch len(errs) {
+	case 0:
+		return got, nil
+	case 1:
+		return mpsLimits{}, errs[0]
+	}
+	msgs := make([]string, len(errs))
+	for i, err := range errs {
+		msgs[i] = strings.TrimPrefix(status.Convert(err).Message(), "reserve: ")
+	}
+	return mpsLimits{}, status.Error(codes.InvalidArgument, "reserve: "+strings.Join(msgs, "; "))
+}
+
+// sharesGive is "1 MPS share of <device> gives" or "k MPS shares of <device> give".
+func sharesGive(k int, device string) string {
+	if k == 1 {
+		return "1 MPS share of " + device + " gives"
+	}
+	return fmt.Sprintf("%d MPS shares of %s give", k, device)
+}
+
 // checkOptions refuses, with INVALID_ARGUMENT naming the option, what a Reserve of
 // ids asks that the plugin cannot honour, before anything is prepared: an option other
-// than mps_isolation, a value other than "shared" and "per-holder", mps_isolation on
-// devices that are not MPS shares (naming their type), or an isolation the config's
-// mps_isolation_allowed leaves out. shares are the request's MPS shares (mpsRequest).
+// than mps_isolation, mps_thread_percentage and mps_memory_limit; an isolation other
+// than "shared" and "per-holder"; any of them on devices that are not MPS shares
+// (naming their type); an isolation the config's mps_isolation_allowed leaves out; and
+// limits limitsOf refuses. shares are the request's MPS shares (mpsRequest).
 func (rt *runtime) checkOptions(inv *inventory, ids, shares []string, options map[string]string) error {
-	if err := deviceplugin.UnknownOptions(Name, options, optionMPSIsolation); err != nil {
+	if err := deviceplugin.UnknownOptions(Name, options, optionMPSIsolation, optionMPSThreads, optionMPSMemory); err != nil {
 		return err
 	}
-	v, ok := options[optionMPSIsolation]
-	if !ok {
-		return nil
-	}
-	if v != MPSShared && v != MPSPerHolder {
+	v, isolation := options[optionMPSIsolation]
+	if isolation && v != MPSShared && v != MPSPerHolder {
 		return status.Errorf(codes.InvalidArgument, "reserve: option %s = %q: want %q or %q", optionMPSIsolation, v, MPSShared, MPSPerHolder)
 	}
 	if len(shares) == 0 {
-		return status.Errorf(codes.InvalidArgument, "reserve: option %s applies to MPS shares only; %s is %s", optionMPSIsolation, ids[0], inv.targets[ids[0]].kind)
+		for _, key := range []string{optionMPSIsolation, optionMPSThreads, optionMPSMemory} {
+			if _, ok := options[key]; ok {
+				return status.Errorf(codes.InvalidArgument, "reserve: option %s applies to MPS shares only; %s is %s", key, ids[0], inv.targets[ids[0]].kind)
+			}
+		}
+		return nil
 	}
-	if !slices.Contains(rt.mps.allowed, v) {
+	if isolation && !slices.Contains(rt.mps.allowed, v) {
 		return status.Errorf(codes.InvalidArgument, "reserve: option %s = %q is not allowed by the plugin's config (mps_isolation_allowed = %s)", optionMPSIsolation, v, quoteList(rt.mps.allowed))
 	}
-	return nil
+	_, err := limitsOf(inv, shares, options)
+	return err
 }

@@ -477,12 +477,14 @@ func (p *Plugin) Reserve(ctx context.Context, deviceIDs []string) (*pb.Container
 	return p.ReserveOptions(ctx, deviceIDs, nil)
 }
 
-// ReserveOptions is Reserve with the Reserve's options: mps_isolation ("shared" or
-// "per-holder") chooses the MPS isolation of a Reserve of MPS shares, among the
-// config's mps_isolation_allowed; the config's mps_isolation when absent. Any other
-// option, another value, the option on devices that are not MPS shares, or an
-// isolation the config does not allow is refused with INVALID_ARGUMENT naming it,
-// before anything is prepared.
+// ReserveOptions is Reserve with the Reserve's options, all for MPS shares:
+// mps_isolation ("shared" or "per-holder") chooses the MPS isolation, among the
+// config's mps_isolation_allowed (the config's mps_isolation when absent);
+// mps_thread_percentage (1 to 100) and mps_memory_limit (MiB, at least 1) lower the
+// holder's limits below what its shares give. Any other option, a bad value, a limit
+// above the shares', an option on devices that are not MPS shares, or an isolation
+// the config does not allow is refused with INVALID_ARGUMENT naming it, before
+// anything is prepared.
 func (p *Plugin) ReserveOptions(ctx context.Context, deviceIDs []string, options map[string]string) (*pb.ContainerReservation, error) {
 	rt, err := p.runtime()
 	if err != nil {
@@ -537,7 +539,7 @@ func (p *Plugin) ReserveOptions(ctx context.Context, deviceIDs []string, options
 		return nil, err
 	}
 	if len(shares) > 0 {
-		return rt.reserveShares(ctx, inv, device, shares, rt.isolationOf(options))
+		return rt.reserveShares(ctx, inv, device, shares, rt.isolationOf(options), options)
 	}
 	uuids, err := rt.prepare(inv, deviceIDs)
 	if err != nil {
