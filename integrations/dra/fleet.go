@@ -3,6 +3,7 @@ package dra
 import (
 	"context"
 	"fmt"
+	"os"
 
 	"github.com/hashicorp/go-hclog"
 	"golang.org/x/sync/errgroup"
@@ -11,6 +12,7 @@ import (
 	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/dynamic-resource-allocation/deviceattribute"
 
 	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
@@ -26,7 +28,8 @@ import (
 // starts nothing that outlives the call. kube and rc are as in Config (Kube,
 // ResourceREST; nil rc: kube's); log gets the publisher's warnings (nil: none). It
 // returns the number of slices written and what buildView left out or changed (the
-// problems a driver logs).
+// problems a driver logs). The devices' PCI attributes are their bus IDs alone
+// (simulatedPCI).
 func PublishPool(ctx context.Context, kube kubernetes.Interface, rc rest.Interface, driver, node string, fingerprint []byte, log hclog.Logger) (writes int, problems []string, err error) {
 	snap := &pb.FingerprintResponse{}
 	if err := protojson.Unmarshal(fingerprint, snap); err != nil {
@@ -38,7 +41,7 @@ func PublishPool(ctx context.Context, kube kubernetes.Interface, rc rest.Interfa
 	if log == nil {
 		log = hclog.NewNullLogger()
 	}
-	v, problems := buildView(snap, buildOptions{driver: driver, pool: node})
+	v, problems := buildView(snap, buildOptions{driver: driver, pool: node, pci: simulatedPCI()})
 	p := newPublisher(kube, nil, rc, driver, node, log)
 	p.store = cache.NewStore(cache.MetaNamespaceKeyFunc) // empty: the pool is new
 	writes, err = p.sync(ctx, v)
@@ -57,8 +60,8 @@ func PublishPool(ctx context.Context, kube kubernetes.Interface, rc rest.Interfa
 // node's reservations coming and going, as snapshots that differ in their holders),
 // as PublishPool is for one publish; the agent, the kubelet's calls and the claims'
 // status are not in it. kube, meta, rc and log are as in Config (Kube, Meta,
-// ResourceREST, Logger); nil rc: kube's. The PCI attributes are read from the host's
-// /sys, as the driver's (Config.SysfsRoot empty).
+// ResourceREST, Logger); nil rc: kube's. The devices' PCI attributes are their bus IDs
+// alone (simulatedPCI).
 func RunPool(ctx context.Context, kube kubernetes.Interface, meta metadata.Interface, rc rest.Interface, driver, node string, snaps <-chan *pb.FingerprintResponse, log hclog.Logger) error {
 	if rc == nil {
 		rc = kube.ResourceV1().RESTClient()
@@ -70,7 +73,7 @@ func RunPool(ctx context.Context, kube kubernetes.Interface, meta metadata.Inter
 		cfg:     Config{Kube: kube, Meta: meta, ResourceREST: rc, NodeName: node, DriverName: driver},
 		log:     log,
 		changed: make(chan struct{}),
-		pci:     &pciAttributes{},
+		pci:     simulatedPCI(),
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -93,4 +96,11 @@ func RunPool(ctx context.Context, kube kubernetes.Interface, meta metadata.Inter
 		}
 	})
 	return g.Wait()
+}
+
+// simulatedPCI looks up the PCI attributes of a simulated node's devices without this
+// host's /sys: their pciBusID, and no pcieRoot. A recorded machine's bus ID may be one of
+// this host's, whose PCIe root is not the recorded device's.
+func simulatedPCI() *pciAttributes {
+	return &pciAttributes{sysfs: []deviceattribute.MachineModifier{deviceattribute.WithFSFromRoot(os.DevNull)}}
 }

@@ -161,3 +161,36 @@ func TestRunPool(t *testing.T) {
 		t.Fatal("RunPool still running after its snapshots ended")
 	}
 }
+
+// The hooks publish a simulated node's devices with their pciBusID and never a pcieRoot
+// from this host's /sys, even where this host has a device at the recorded bus ID (the
+// driver's own lookup finds its root there).
+func TestPublishPoolNoHostPCIeRoot(t *testing.T) {
+	const bus = "0000:00:00.0" // the host bridge, on most x86 machines
+	if !localPCI(bus).rootOK {
+		t.Skipf("this host has no PCIe root for %s in /sys", bus)
+	}
+	snap := &pb.FingerprintResponse{Groups: []*pb.DeviceGroup{{Vendor: "nvidia", Type: "gpu", Name: "H100", Plugin: "nvidia-example",
+		Devices: []*pb.Device{{Id: "GPU-1", Health: pb.Health_HEALTH_HEALTHY, Locality: &pb.Locality{PciBusId: bus, NumaNode: 0}}}}}}
+	fp, err := protojson.Marshal(snap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kube := newKube()
+	if _, problems, err := PublishPool(context.Background(), kube, resourceREST(t, kube), testDriver, testNode, fp, nil); err != nil {
+		t.Fatalf("PublishPool: %v (problems %v)", err, problems)
+	}
+	devs := (&rig{t: t, kube: kube}).waitSlices("the GPU", func(d []resourceapi.Device) bool { return len(d) == 1 })
+	attrs := devs[0].Attributes
+	if _, ok := attrs["resource.kubernetes.io/pciBusID"]; !ok {
+		t.Errorf("attributes %v: no pciBusID", attrs)
+	}
+	if root, ok := attrs["resource.kubernetes.io/pcieRoot"]; ok && root.StringValue != nil {
+		t.Errorf("pcieRoot %s published from this host's /sys for a simulated device", *root.StringValue)
+	} else if ok {
+		t.Errorf("a pcieRoot published from this host's /sys for a simulated device: %+v", root)
+	}
+}
+
+// localPCI is the driver's own lookup of bus in this host's /sys.
+func localPCI(bus string) pciLookup { return (&pciAttributes{}).lookup(bus) }
