@@ -116,24 +116,27 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 	byGroup := make(map[reserveKey][]string)
 	// Shares pooled as one consumable device (mpspool.go: MPS shares, holders): as many
 	// shares as the claim's allocations of it consume, in one Reserve per pooled device.
-	// Its options are those of the requests' SharingConfig (mps.isolation), which must
-	// agree: one Reserve, one daemon.
+	// Its options are those of the requests' SharingConfig mps, which must agree: one
+	// Reserve, one daemon, one holder's limits.
 	var poolOrder []*sharePool
 	poolShares := make(map[*sharePool]int)
 	type poolOptions struct {
 		request string
+		device  string // the pooled device's name in the slices
+		cfg     *SharingConfig
 		opts    map[string]string
 	}
 	poolOpts := make(map[*sharePool]poolOptions)
 	for _, a := range devs {
 		if p := a.ref.pool; p != nil && !a.admin {
-			opts := configFor(a.request).pluginOptions()
+			cfg := configFor(a.request)
+			opts := cfg.pluginOptions()
 			if _, ok := poolShares[p]; !ok {
 				poolOrder = append(poolOrder, p)
-				poolOpts[p] = poolOptions{a.request, opts}
+				poolOpts[p] = poolOptions{a.request, a.ref.name, cfg, opts}
 			} else if first := poolOpts[p]; !maps.Equal(first.opts, opts) {
-				return nil, fmt.Errorf("requests %q and %q ask shares of device %s with other SharingConfig mps.isolation (%s, %s): a claim's shares of one device are one reservation, served by one MPS daemon; give both requests one isolation",
-					first.request, a.request, a.ref.name, isolationName(first.opts), isolationName(opts))
+				return nil, fmt.Errorf("requests %q and %q ask shares of device %s with other SharingConfig mps (%s; %s): a claim's shares of one device are one reservation, served by one MPS daemon with one holder's limits; give both requests one mps",
+					first.request, a.request, a.ref.name, limitsName(first.opts), limitsName(opts))
 			}
 			poolShares[p] += p.sharesFor(a.consumed)
 			continue
@@ -149,6 +152,22 @@ func (d *Driver) prepare(ctx context.Context, c *resourceapi.ResourceClaim) ([]k
 			if !slices.Contains(byGroup[k], id) {
 				byGroup[k] = append(byGroup[k], id)
 			}
+		}
+	}
+	// A pinned memory limit may lower what the claim's shares of a device take, never
+	// raise it (the scheduler counted the shares).
+	for _, p := range poolOrder {
+		po := poolOpts[p]
+		if po.cfg == nil || po.cfg.MPS == nil || p.kind != poolMPS {
+			continue
+		}
+		if got := resource.NewQuantity(int64(poolShares[p])*p.unit, resource.BinarySI); po.cfg.MPS.pinnedMiB<<20 > got.Value() {
+			shares := "1 MPS share"
+			if n := poolShares[p]; n > 1 {
+				shares = fmt.Sprintf("%d MPS shares", n)
+			}
+			return nil, fmt.Errorf("request %q: SharingConfig mps.pinnedDeviceMemoryLimit %s is above the %s the claim's %s of device %s take (its capacity memory); it may lower the limit, not raise it",
+				po.request, po.cfg.MPS.PinnedDeviceMemoryLimit, got, shares, po.device)
 		}
 	}
 	owner, labels := ref.owner(), ownerLabels(c)

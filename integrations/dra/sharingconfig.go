@@ -3,11 +3,14 @@ package dra
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 )
 
 // A claim's opaque device config for this driver: devicehost's own parameters object,
@@ -23,7 +26,10 @@ import (
 //	        strategy: TimeSlicing          # Exclusive, TimeSlicing or MPS
 //	        timeSlicing: {interval: Default}
 //	        # with strategy MPS instead:
-//	        # mps: {isolation: PerHolder}  # Shared or PerHolder; default: the plugin's
+//	        # mps:
+//	        #   isolation: PerHolder             # Shared or PerHolder; default: the plugin's
+//	        #   activeThreadPercentage: 30       # 1 to 100; default: what the shares give
+//	        #   pinnedDeviceMemoryLimit: 10Gi    # at least 1Mi; default: what the shares give
 //
 // How a GPU is shared is chosen by the device the claim asks for (its DeviceClass:
 // gpu.devicehost.io whole, gpu-shared.devicehost.io a time-sliced replica,
@@ -42,10 +48,24 @@ import (
 // plugin option mps_isolation ("shared", "per-holder") of the Reserves of that
 // request's shares; absent, the plugin's config (mps_isolation) decides. A value other
 // than these two, or mps with another strategy, fails the claim before anything is
-// reserved; so do two requests of one claim asking shares of one device with two
-// isolations (its shares of a device are one Reserve, served by one daemon). A plugin
+// reserved; so do two requests of one claim asking shares of one device with differing
+// mps (its shares of a device are one Reserve, served by one daemon with one holder's
+// limits). A plugin
 // whose config forbids the isolation (mps_isolation_allowed) refuses the Reserve, and
 // the claim fails with its message.
+//
+// mps.activeThreadPercentage and mps.pinnedDeviceMemoryLimit (NVIDIA's DRA driver's
+// MpsConfig names them defaultActiveThreadPercentage and defaultPinnedDeviceMemoryLimit;
+// here they are the claim's own, with no per-device overrides to be a default for)
+// lower the claim's MPS limits below what its shares give: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+// and CUDA_MPS_PINNED_DEVICE_MEM_LIMIT in its containers, and with PerHolder its daemon's
+// default limits. They reach the agent as the plugin options mps_thread_percentage and
+// mps_memory_limit (whole MiB, the quantity rounded down) of the Reserves of that
+// request's shares. They can only lower: the shares are what the scheduler counted. A
+// percentage outside 1 to 100, a quantity below 1Mi or one above the memory the claim's
+// shares of the device take (its requests' capacity), fails the claim at Prepare
+// naming the field; a percentage above what the shares give (100/N each, which the
+// plugin knows) is the plugin's refusal, in the claim's error.
 
 // Sharing config identity.
 const (
@@ -76,6 +96,15 @@ type MPSConfig struct {
 	// Isolation is MPSIsolationShared or MPSIsolationPerHolder; empty: the plugin's
 	// default.
 	Isolation string `json:"isolation,omitempty"`
+	// ActiveThreadPercentage, 1 to 100, lowers the claim's thread percentage below
+	// what its shares give; nil: theirs.
+	ActiveThreadPercentage *int `json:"activeThreadPercentage,omitempty"`
+	// PinnedDeviceMemoryLimit, a quantity ("10Gi") of at least 1Mi, lowers the claim's
+	// pinned device memory limit below what its shares give (rounded down to whole
+	// MiB); empty: theirs.
+	PinnedDeviceMemoryLimit string `json:"pinnedDeviceMemoryLimit,omitempty"`
+
+	pinnedMiB int64 // PinnedDeviceMemoryLimit in MiB, set by parseSharingConfig
 }
 
 // Isolations of MPSConfig.Isolation.
@@ -84,19 +113,37 @@ const (
 	MPSIsolationPerHolder = "PerHolder"
 )
 
-// mpsIsolationOption is the nvidia-example plugin's Reserve option that chooses the
-// isolation, and its value for each of MPSConfig.Isolation's.
-const mpsIsolationOption = "mps_isolation"
+// The nvidia-example plugin's Reserve options for MPS shares: mpsIsolationOption
+// chooses the isolation (its value for each of MPSConfig.Isolation's below), the
+// others lower the holder's limits.
+const (
+	mpsIsolationOption = "mps_isolation"
+	mpsThreadsOption   = "mps_thread_percentage"
+	mpsMemoryOption    = "mps_memory_limit" // MiB
+)
 
 var mpsIsolationValues = map[string]string{MPSIsolationShared: "shared", MPSIsolationPerHolder: "per-holder"}
 
 // pluginOptions are the agent's plugin options for the Reserves of a request under c
 // (nil c: none).
 func (c *SharingConfig) pluginOptions() map[string]string {
-	if c == nil || c.MPS == nil || c.MPS.Isolation == "" {
+	if c == nil || c.MPS == nil {
 		return nil
 	}
-	return map[string]string{mpsIsolationOption: mpsIsolationValues[c.MPS.Isolation]}
+	opts := make(map[string]string)
+	if c.MPS.Isolation != "" {
+		opts[mpsIsolationOption] = mpsIsolationValues[c.MPS.Isolation]
+	}
+	if c.MPS.ActiveThreadPercentage != nil {
+		opts[mpsThreadsOption] = strconv.Itoa(*c.MPS.ActiveThreadPercentage)
+	}
+	if c.MPS.pinnedMiB > 0 {
+		opts[mpsMemoryOption] = strconv.FormatInt(c.MPS.pinnedMiB, 10)
+	}
+	if len(opts) == 0 {
+		return nil
+	}
+	return opts
 }
 
 // TimeSlicingConfig is a time-sliced claim's parameters.
@@ -131,7 +178,52 @@ func parseSharingConfig(raw []byte) (*SharingConfig, error) {
 	case c.MPS != nil && c.MPS.Isolation != "" && mpsIsolationValues[c.MPS.Isolation] == "":
 		return nil, fmt.Errorf("mps.isolation %q: want %s or %s", c.MPS.Isolation, MPSIsolationShared, MPSIsolationPerHolder)
 	}
+	if c.MPS != nil {
+		if err := c.MPS.parseLimits(); err != nil {
+			return nil, err
+		}
+	}
 	return &c, nil
+}
+
+// parseLimits checks m's limits and sets pinnedMiB; the errors name the fields.
+func (m *MPSConfig) parseLimits() error {
+	var errs []error
+	if p := m.ActiveThreadPercentage; p != nil && (*p < 1 || *p > 100) {
+		errs = append(errs, fmt.Errorf("mps.activeThreadPercentage %d: want 1 to 100", *p))
+	}
+	if v := m.PinnedDeviceMemoryLimit; v != "" {
+		q, err := resource.ParseQuantity(v)
+		switch {
+		case err != nil:
+			errs = append(errs, fmt.Errorf("mps.pinnedDeviceMemoryLimit %q: not a quantity (e.g. 10Gi): %v", v, err))
+		case q.Cmp(resource.MustParse("1Mi")) < 0:
+			errs = append(errs, fmt.Errorf("mps.pinnedDeviceMemoryLimit %q: want at least 1Mi", v))
+		default:
+			m.pinnedMiB = q.Value() >> 20
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// limitsName describes the MPS options opts carry, for an error: "isolation PerHolder,
+// activeThreadPercentage 30, pinnedDeviceMemoryLimit 10240Mi", or "the plugin's
+// defaults".
+func limitsName(opts map[string]string) string {
+	var parts []string
+	if _, ok := opts[mpsIsolationOption]; ok {
+		parts = append(parts, "isolation "+isolationName(opts))
+	}
+	if v, ok := opts[mpsThreadsOption]; ok {
+		parts = append(parts, "activeThreadPercentage "+v)
+	}
+	if v, ok := opts[mpsMemoryOption]; ok {
+		parts = append(parts, "pinnedDeviceMemoryLimit "+v+"Mi")
+	}
+	if len(parts) == 0 {
+		return "the plugin's defaults"
+	}
+	return strings.Join(parts, ", ")
 }
 
 // sharingConfigs returns the SharingConfig that applies to each request of c (by

@@ -2,6 +2,7 @@ package dra
 
 import (
 	"context"
+	"maps"
 	"strings"
 	"testing"
 
@@ -29,6 +30,16 @@ func TestParseSharingConfig(t *testing.T) {
 		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"Exclusive","mps":{}}`, "mps is for strategy MPS, not Exclusive"},
 		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","timeSlicing":{}}`, "timeSlicing is for strategy TimeSlicing, not MPS"},
 		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"TimeSlicing","timeSlicing":{"interval":"Long"}}`, `timeSlicing.interval "Long": only Default`},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{"activeThreadPercentage":30,"pinnedDeviceMemoryLimit":"10Gi"}}`, ""},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{"activeThreadPercentage":0}}`, "mps.activeThreadPercentage 0: want 1 to 100"},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{"activeThreadPercentage":101}}`, "mps.activeThreadPercentage 101: want 1 to 100"},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{"activeThreadPercentage":"30"}}`, "mps.activeThreadPercentage of type int"},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{"pinnedDeviceMemoryLimit":"ten gigs"}}`, `mps.pinnedDeviceMemoryLimit "ten gigs": not a quantity (e.g. 10Gi)`},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{"pinnedDeviceMemoryLimit":"512Ki"}}`, `mps.pinnedDeviceMemoryLimit "512Ki": want at least 1Mi`},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","mps":{"activeThreadPercentage":-1,"pinnedDeviceMemoryLimit":"-1Gi"}}`,
+			"mps.activeThreadPercentage -1: want 1 to 100\nmps.pinnedDeviceMemoryLimit \"-1Gi\": want at least 1Mi"},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"TimeSlicing","mps":{"activeThreadPercentage":30}}`, "mps is for strategy MPS, not TimeSlicing"},
+		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"Exclusive","mps":{"pinnedDeviceMemoryLimit":"10Gi"}}`, "mps is for strategy MPS, not Exclusive"},
 		{`[1]`, "not a devicehost.io/v1alpha1 SharingConfig"},
 		{`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS","x":"` + strings.Repeat("a", maxSharingConfig) + `"}`, "bytes, at most 10240"},
 	} {
@@ -201,12 +212,130 @@ func TestSharingConfigMPSIsolation(t *testing.T) {
 		t.Fatal(err)
 	}
 	p := k.prepare(t, two)
-	if want := `requests "share" and "other" ask shares of device ` + pooled[2].Name + ` with other SharingConfig mps.isolation (PerHolder, Shared)`; !strings.Contains(p.GetError(), want) || len(reservations(two)) != 0 {
+	if want := `requests "share" and "other" ask shares of device ` + pooled[2].Name + ` with other SharingConfig mps (isolation PerHolder; isolation Shared)`; !strings.Contains(p.GetError(), want) || len(reservations(two)) != 0 {
 		t.Errorf("two isolations on one device: %q (%d reservations); want %q and nothing reserved", p.GetError(), len(reservations(two)), want)
 	}
 	for _, c := range []*resourceapi.ResourceClaim{own, shared} {
 		if e := k.unprepare(t, c); e != "" {
 			t.Fatal(e)
+		}
+	}
+}
+
+// A SharingConfig's mps becomes the nvidia-example plugin's Reserve options: the
+// memory limit in whole MiB, rounded down; nothing for a config without mps.
+func TestSharingConfigPluginOptions(t *testing.T) {
+	for _, tc := range []struct {
+		mps  string
+		want map[string]string
+	}{
+		{``, nil},
+		{`,"mps":{}`, nil},
+		{`,"mps":{"isolation":"PerHolder"}`, map[string]string{"mps_isolation": "per-holder"}},
+		{`,"mps":{"isolation":"Shared","activeThreadPercentage":30,"pinnedDeviceMemoryLimit":"10Gi"}`,
+			map[string]string{"mps_isolation": "shared", "mps_thread_percentage": "30", "mps_memory_limit": "10240"}},
+		{`,"mps":{"pinnedDeviceMemoryLimit":"1G"}`, map[string]string{"mps_memory_limit": "953"}},
+		{`,"mps":{"activeThreadPercentage":100}`, map[string]string{"mps_thread_percentage": "100"}},
+	} {
+		c, err := parseSharingConfig([]byte(`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"MPS"` + tc.mps + `}`))
+		if err != nil {
+			t.Fatalf("%s: %v", tc.mps, err)
+		}
+		if got := c.pluginOptions(); !maps.Equal(got, tc.want) || (got == nil) != (tc.want == nil) {
+			t.Errorf("mps %s: plugin options %v, want %v", tc.mps, got, tc.want)
+		}
+	}
+}
+
+// A claim's SharingConfig mps.activeThreadPercentage and mps.pinnedDeviceMemoryLimit
+// lower its MPS limits: the Reserve carries them as the plugin options
+// mps_thread_percentage and mps_memory_limit (MiB), and the claim's environment has the
+// lowered values, Shared or PerHolder. A memory limit above what the claim's shares
+// take fails it at Prepare, naming the field, before anything is reserved; a thread
+// percentage above its shares' is the plugin's refusal, in the claim's error.
+func TestSharingConfigMPSLimits(t *testing.T) {
+	t.Setenv("GORACE", "atexit_sleep_ms=0") // the simulated MPS daemon's control clients
+	r := newRigArgs(t, "-config", mpsAgentConfig(t))
+	r.startDriver(nil)
+	k := r.kubelet()
+	devs := r.waitSlices("8 GPUs and 8 pooled MPS devices", func(d []resourceapi.Device) bool { return len(d) == 16 })
+	var pooled []resourceapi.Device
+	for _, dv := range devs {
+		if dv.AllowMultipleAllocations != nil && *dv.AllowMultipleAllocations {
+			pooled = append(pooled, dv)
+		}
+	}
+	share := pooled[0].Capacity["memory"].RequestPolicy.ValidRange.Step // one share: 20Gi
+	twoShares := share.DeepCopy()
+	twoShares.Add(*share)
+	params := func(strategy, mps string) runtime.RawExtension {
+		return runtime.RawExtension{Raw: []byte(`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"` + strategy + `","mps":` + mps + `}`)}
+	}
+	withConfig := func(c *resourceapi.ResourceClaim, p runtime.RawExtension) *resourceapi.ResourceClaim {
+		c.Status.Allocation.Devices.Config = []resourceapi.DeviceAllocationConfiguration{{Source: resourceapi.AllocationConfigSourceClaim,
+			DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: testDriver, Parameters: p}}}}
+		if err := r.kube.Tracker().Update(resourceapi.SchemeGroupVersion.WithResource("resourceclaims"), c, c.Namespace); err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	reservations := func(c *resourceapi.ResourceClaim) []*pb.Reservation {
+		rs, err := r.c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: claimRef{c.Namespace, c.Name, string(c.UID)}.owner(), State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return rs
+	}
+
+	for _, tc := range []struct {
+		name, mps         string
+		wantOpts          map[string]string
+		wantThreads, mem  string
+		wantPerHolderPipe bool
+	}{
+		{"own", `{"isolation":"PerHolder","activeThreadPercentage":30,"pinnedDeviceMemoryLimit":"10Gi"}`,
+			map[string]string{"mps_isolation": "per-holder", "mps_thread_percentage": "30", "mps_memory_limit": "10240"}, "30", "0=10240M", true},
+		{"shared", `{"isolation":"Shared","activeThreadPercentage":10,"pinnedDeviceMemoryLimit":"8Gi"}`,
+			map[string]string{"mps_isolation": "shared", "mps_thread_percentage": "10", "mps_memory_limit": "8192"}, "10", "0=8192M", false},
+	} {
+		c := withConfig(r.consumingClaim(tc.name, pooled[0].Name, twoShares.String()), params("MPS", tc.mps))
+		if p := k.prepare(t, c); p.GetError() != "" {
+			t.Fatalf("prepare of claim %s: %s", c.Name, p.GetError())
+		}
+		rs := reservations(c)
+		if len(rs) != 1 {
+			t.Fatalf("claim %s: reservations %v, want one", tc.name, rs)
+		}
+		if got := rs[0].GetPluginOptions(); !maps.Equal(got, tc.wantOpts) {
+			t.Errorf("claim %s: reservation's plugin options %v, want %v", tc.name, got, tc.wantOpts)
+		}
+		envs := rs[0].GetReservation().GetEnvs()
+		threads, mem := envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
+		t.Logf("claim %s (2 shares, mps %s): CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%s CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=%s", tc.name, tc.mps, threads, mem)
+		if threads != tc.wantThreads || mem != tc.mem || strings.Contains(envs["CUDA_MPS_PIPE_DIRECTORY"], "/holder-") != tc.wantPerHolderPipe {
+			t.Errorf("claim %s: threads %q, memory %q, pipe dir %q; want %q, %q, per-holder %v",
+				tc.name, threads, mem, envs["CUDA_MPS_PIPE_DIRECTORY"], tc.wantThreads, tc.mem, tc.wantPerHolderPipe)
+		}
+		if e := k.unprepare(t, c); e != "" {
+			t.Fatal(e)
+		}
+	}
+
+	// One share: 20Gi and 25%.
+	for _, tc := range []struct{ name, strategy, mps, want string }{
+		{"memory-above", "MPS", `{"pinnedDeviceMemoryLimit":"30Gi"}`,
+			`request "share": SharingConfig mps.pinnedDeviceMemoryLimit 30Gi is above the 20Gi the claim's 1 MPS share of device ` + pooled[1].Name + ` take (its capacity memory); it may lower the limit, not raise it`},
+		{"threads-above", "MPS", `{"activeThreadPercentage":30}`,
+			"option mps_thread_percentage = 30 is above 25, what the holder's 1 MPS share of "},
+		{"threads-zero", "MPS", `{"activeThreadPercentage":0}`, `device config 0 (FromClaim) for ` + testDriver + `: mps.activeThreadPercentage 0: want 1 to 100`},
+		{"memory-bad", "MPS", `{"pinnedDeviceMemoryLimit":"lots"}`, `device config 0 (FromClaim) for ` + testDriver + `: mps.pinnedDeviceMemoryLimit "lots": not a quantity`},
+		{"not-mps", "TimeSlicing", `{"activeThreadPercentage":10}`, `device config 0 (FromClaim) for ` + testDriver + `: mps is for strategy MPS, not TimeSlicing`},
+	} {
+		c := withConfig(r.consumingClaim(tc.name, pooled[1].Name, share.String()), params(tc.strategy, tc.mps))
+		p := k.prepare(t, c)
+		t.Logf("claim %s: %s", tc.name, p.GetError())
+		if !strings.Contains(p.GetError(), tc.want) || len(reservations(c)) != 0 {
+			t.Errorf("claim %s: %q (%d reservations); want %q and nothing reserved", tc.name, p.GetError(), len(reservations(c)), tc.want)
 		}
 	}
 }
