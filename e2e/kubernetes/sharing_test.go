@@ -21,7 +21,7 @@ import (
 // scheduler sees X in the other mode); an MPS claim of one share lands on another GPU
 // (Y), and a second one of two shares pinned to Y joins it with its own limits on the
 // same daemon (its SharingConfig asks Shared), and a third, pinned to Y and asking
-// PerHolder, gets a daemon of its own there; a device-plugin pod asking nvidia.com/gpu.mps
+// PerHolder with lower limits (10%, 8Gi), gets a daemon of its own there with them; a device-plugin pod asking nvidia.com/gpu.mps
 // lands anywhere but X (the bridge hides X's shares); an exclusive claim gets a whole GPU
 // of its own, a MIG claim a 1g.10gb partition; a time-sliced claim pinned to Y and the whole X stay
 // pending. The ledger and each container's environment show every GPU in one mode.
@@ -39,16 +39,21 @@ func (d *draStack) caseSharingModes(t *testing.T) {
 	t.Logf("agent restarted offering every mode: pool ready %v after", dPool.Round(time.Millisecond))
 	parentIs := func(gpu string) string { return `device.attributes["` + draDriver + `"].parent == "` + gpu + `"` }
 	// mpsTemplate is a claim template of MPS shares of memory; with isolation, its
-	// SharingConfig asks that MPS isolation (Shared, PerHolder) of the plugin.
-	mpsTemplate := func(prefix, memory, selector, isolation string) string {
+	// SharingConfig asks that MPS isolation (Shared, PerHolder) of the plugin, and the
+	// limits (field, value pairs of its mps) below what the shares give.
+	mpsTemplate := func(prefix, memory, selector, isolation string, limits ...any) string {
 		req := map[string]any{"deviceClassName": "gpu-mps.devicehost.io", "capacity": map[string]any{"requests": map[string]any{"memory": memory}}}
 		if selector != "" {
 			req["selectors"] = []any{map[string]any{"cel": map[string]any{"expression": selector}}}
 		}
 		devices := map[string]any{"requests": []any{map[string]any{"name": "gpus", "exactly": req}}}
 		if isolation != "" {
+			mps := map[string]any{"isolation": isolation}
+			for i := 0; i+1 < len(limits); i += 2 {
+				mps[limits[i].(string)] = limits[i+1]
+			}
 			devices["config"] = []any{map[string]any{"requests": []any{"gpus"}, "opaque": map[string]any{"driver": draDriver, "parameters": map[string]any{
-				"apiVersion": "devicehost.io/v1alpha1", "kind": "SharingConfig", "strategy": "MPS", "mps": map[string]any{"isolation": isolation}}}}}
+				"apiVersion": "devicehost.io/v1alpha1", "kind": "SharingConfig", "strategy": "MPS", "mps": mps}}}}
 		}
 		return d.submitTemplate(t, prefix, map[string]any{"devices": devices})
 	}
@@ -109,11 +114,15 @@ func (d *draStack) caseSharingModes(t *testing.T) {
 		t.Errorf("two MPS claims on %s: THREADS %s and %s, pipes %s and %s; want 25 and 50 on one daemon", y, envM["THREADS"], envM2["THREADS"], envM["PIPE"], envM2["PIPE"])
 	}
 	// A third MPS claim on Y asks a daemon of its own (SharingConfig mps.isolation
-	// PerHolder): the same GPU, in the same mode, beside the shared daemon.
-	_, envM3, opts := run("modes-mps-own", mpsTemplate("mps-own-on", "20Gi", parentIs(y), "PerHolder"), "mps per-holder", "gpu.mps")
+	// PerHolder), with limits below its one share's 25% and 20Gi: the same GPU, in the
+	// same mode, beside the shared daemon.
+	_, envM3, opts := run("modes-mps-own", mpsTemplate("mps-own-on", "20Gi", parentIs(y), "PerHolder", "activeThreadPercentage", 10, "pinnedDeviceMemoryLimit", "8Gi"), "mps per-holder", "gpu.mps")
 	if envM3["NVIDIA_VISIBLE_DEVICES"] != y || envM3["PIPE"] == "" || envM3["PIPE"] == envM["PIPE"] || !strings.Contains(envM3["PIPE"], "/holder-") || envM3["CONTROL"] != "present" || opts["mps_isolation"] != "per-holder" {
 		t.Errorf("a PerHolder MPS claim on %s: GPU %s, pipe %q (control socket %q; the shared daemon's pipe: %q), reservation's plugin options %v; want its own daemon's pipe on %s, its control socket, mps_isolation=per-holder",
 			y, envM3["NVIDIA_VISIBLE_DEVICES"], envM3["PIPE"], envM3["CONTROL"], envM["PIPE"], opts, y)
+	}
+	if envM3["THREADS"] != "10" || envM3["MEM"] != "0=8192M" || opts["mps_thread_percentage"] != "10" || opts["mps_memory_limit"] != "8192" {
+		t.Errorf("a PerHolder MPS claim asking 10%% and 8Gi: THREADS=%s MEM=%s, plugin options %v; want 10 and 0=8192M", envM3["THREADS"], envM3["MEM"], opts)
 	}
 
 	// The device-plugin path draws on the same GPUs through the ledger: the bridge offers
