@@ -158,14 +158,20 @@ func (f *fields) checkPluginOptions(field string, opts map[string]string) {
 			f.add(name, RuleOptionKey, "want "+device.PluginOptionKeyPattern)
 			continue
 		}
-		switch {
-		case len(v) > device.MaxPluginOptionLen:
-			f.add(name, RuleTooLong, tooLong(len(v), device.MaxPluginOptionLen))
-		case !utf8.ValidString(v):
-			f.add(name, RuleInvalidUTF8, "")
-		case !textline.Printable(v):
-			f.add(name, RuleNotPrintable, "")
-		}
+		f.checkTextValue(name, v, device.MaxPluginOptionLen)
+	}
+}
+
+// checkTextValue checks a map's value v (of field name): at most limit bytes
+// (RuleTooLong), valid UTF-8, printable; the first rule it breaks is added.
+func (f *fields) checkTextValue(name, v string, limit int) {
+	switch {
+	case len(v) > limit:
+		f.add(name, RuleTooLong, tooLong(len(v), limit))
+	case !utf8.ValidString(v):
+		f.add(name, RuleInvalidUTF8, "")
+	case !textline.Printable(v):
+		f.add(name, RuleNotPrintable, "")
 	}
 }
 
@@ -217,16 +223,10 @@ func (f *fields) checkEachOwnerLabel(field string, labels map[string]string) {
 			f.add(name, RuleOwnerLabel, "want one of "+strings.Join(device.OwnerLabelKeys, ", "))
 			continue
 		}
-		v := labels[k]
-		switch {
-		case v == "":
+		if v := labels[k]; v == "" {
 			f.add(name, RuleEmpty, "")
-		case len(v) > device.MaxOwnerLabelLen:
-			f.add(name, RuleTooLong, tooLong(len(v), device.MaxOwnerLabelLen))
-		case !utf8.ValidString(v):
-			f.add(name, RuleInvalidUTF8, "")
-		case !textline.Printable(v):
-			f.add(name, RuleNotPrintable, "")
+		} else {
+			f.checkTextValue(name, v, device.MaxOwnerLabelLen)
 		}
 	}
 }
