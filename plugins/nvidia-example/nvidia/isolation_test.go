@@ -23,6 +23,31 @@ func reserveWith(t *testing.T, p *Plugin, options map[string]string, ids ...stri
 	return res
 }
 
+// refusal is a Reserve with options the plugin must refuse, and the message it must give.
+type refusal struct {
+	name    string
+	ids     []string
+	options map[string]string
+	want    string
+}
+
+// expectRefusals makes each Reserve of tests and checks it is INVALID_ARGUMENT with its
+// message, and that no MPS daemon runs after them.
+func expectRefusals(t *testing.T, p *Plugin, tests []refusal) {
+	t.Helper()
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := p.ReserveOptions(context.Background(), tt.ids, tt.options)
+			if status.Code(err) != codes.InvalidArgument || status.Convert(err).Message() != tt.want {
+				t.Errorf("Reserve(%v, %v) = %v\nwant INVALID_ARGUMENT: %s", tt.ids, tt.options, err, tt.want)
+			}
+		})
+	}
+	if n := p.mps.active(); n != 0 {
+		t.Errorf("%d daemons after refused Reserves, want none", n)
+	}
+}
+
 // A Reserve's option mps_isolation chooses its daemon: on one GPU a shared holder and
 // a per-holder holder get two daemons, in two pipe directories; the shared daemon
 // stopping leaves the per-holder one and its directory alone. A restarted plugin told
@@ -103,12 +128,7 @@ func TestMPSIsolationOptionRefusals(t *testing.T) {
 	cfg.MPSIsolationAllowed = []string{MPSPerHolder}
 	p := newMPSPlugin(t, cfg)
 	gpu0 := simulatedUUID("dgxh100", 0)
-	tests := []struct {
-		name    string
-		ids     []string
-		options map[string]string
-		want    string
-	}{
+	tests := []refusal{
 		{"an option on a whole GPU", []string{gpu0}, map[string]string{"mps_isolation": "per-holder"},
 			"reserve: option mps_isolation applies to MPS shares only; " + gpu0 + " is a whole GPU"},
 		{"a forbidden isolation", []string{mpsShareID(gpu0, 0)}, map[string]string{"mps_isolation": "shared"},
@@ -118,17 +138,7 @@ func TestMPSIsolationOptionRefusals(t *testing.T) {
 		{"an unknown option", []string{mpsShareID(gpu0, 0)}, map[string]string{"mps_isolation": "per-holder", "mps_priority": "high"},
 			`option "mps_priority" is unknown to plugin "nvidia-example", which takes mps_isolation, mps_thread_percentage, mps_memory_limit`},
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			_, err := p.ReserveOptions(context.Background(), tt.ids, tt.options)
-			if status.Code(err) != codes.InvalidArgument || status.Convert(err).Message() != tt.want {
-				t.Errorf("Reserve(%v, %v) = %v\nwant INVALID_ARGUMENT: %s", tt.ids, tt.options, err, tt.want)
-			}
-		})
-	}
-	if n := p.mps.active(); n != 0 {
-		t.Errorf("%d daemons after refused Reserves, want none", n)
-	}
+	expectRefusals(t, p, tests)
 	// The allowed one is served.
 	if got := reserveWith(t, p, map[string]string{"mps_isolation": "per-holder"}, mpsShareID(gpu0, 0)).GetEnvs()["CUDA_MPS_PIPE_DIRECTORY"]; !strings.Contains(got, "/holder-0/") {
 		t.Errorf("a per-holder Reserve's pipe dir %q, want the holder's own", got)

@@ -6,9 +6,6 @@ import (
 	"syscall"
 	"testing"
 
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
-
 	"github.com/devicehost/devicehost/deviceplugin"
 )
 
@@ -105,12 +102,7 @@ func TestMPSLimitsRefusals(t *testing.T) {
 	p := newMPSPlugin(t, mpsConfig(mpsDir(t), ""))
 	gpu0 := simulatedUUID("dgxh100", 0)
 	one := []string{mpsShareID(gpu0, 0)}
-	tests := []struct {
-		name    string
-		ids     []string
-		options map[string]string
-		want    string
-	}{
+	tests := []refusal{
 		{"threads above one share's", one, map[string]string{"mps_thread_percentage": "30"},
 			"reserve: option mps_thread_percentage = 30 is above 25, what the holder's 1 MPS share of " + gpu0 + " gives; a holder may lower its limits, not raise them"},
 		{"memory above one share's", one, map[string]string{"mps_memory_limit": "20481"},
@@ -135,17 +127,7 @@ func TestMPSLimitsRefusals(t *testing.T) {
 		{"memory on a whole GPU", []string{gpu0}, map[string]string{"mps_memory_limit": "1024"},
 			"reserve: option mps_memory_limit applies to MPS shares only; " + gpu0 + " is a whole GPU"},
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			_, err := p.ReserveOptions(context.Background(), tt.ids, tt.options)
-			if status.Code(err) != codes.InvalidArgument || status.Convert(err).Message() != tt.want {
-				t.Errorf("Reserve(%v, %v) = %v\nwant INVALID_ARGUMENT: %s", tt.ids, tt.options, err, tt.want)
-			}
-		})
-	}
-	if n := p.mps.active(); n != 0 {
-		t.Errorf("%d daemons after refused Reserves, want none", n)
-	}
+	expectRefusals(t, p, tests)
 	// At the shares' limits exactly is no raise.
 	two := []string{mpsShareID(gpu0, 1), mpsShareID(gpu0, 2)}
 	if got := reserveWith(t, p, map[string]string{"mps_thread_percentage": "50", "mps_memory_limit": "40960"}, two...).GetEnvs()["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]; got != "50" {
