@@ -123,6 +123,28 @@ func TestSharingConfigCheckedAtPrepare(t *testing.T) {
 	}
 }
 
+// withClaimConfig gives allocated claim c one opaque config of the claim for the test
+// driver, parameters p, in the fake API server; it returns c.
+func (r *rig) withClaimConfig(c *resourceapi.ResourceClaim, p runtime.RawExtension) *resourceapi.ResourceClaim {
+	r.t.Helper()
+	c.Status.Allocation.Devices.Config = []resourceapi.DeviceAllocationConfiguration{{Source: resourceapi.AllocationConfigSourceClaim,
+		DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: testDriver, Parameters: p}}}}
+	if err := r.kube.Tracker().Update(resourceapi.SchemeGroupVersion.WithResource("resourceclaims"), c, c.Namespace); err != nil {
+		r.t.Fatal(err)
+	}
+	return c
+}
+
+// activeReservations are the agent's active reservations of claim c.
+func (r *rig) activeReservations(c *resourceapi.ResourceClaim) []*pb.Reservation {
+	r.t.Helper()
+	rs, err := r.c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: claimRef{c.Namespace, c.Name, string(c.UID)}.owner(), State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return rs
+}
+
 // A claim's SharingConfig mps.isolation reaches the agent as the Reserve's plugin option
 // mps_isolation: PerHolder gets the claim a daemon of its own, Shared the GPU's shared
 // one, and the reservations carry the option; a value other than the two, or mps with
@@ -145,30 +167,15 @@ func TestSharingConfigMPSIsolation(t *testing.T) {
 	params := func(strategy, extra string) runtime.RawExtension {
 		return runtime.RawExtension{Raw: []byte(`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"` + strategy + `"` + extra + `}`)}
 	}
-	withConfig := func(c *resourceapi.ResourceClaim, p runtime.RawExtension) *resourceapi.ResourceClaim {
-		c.Status.Allocation.Devices.Config = []resourceapi.DeviceAllocationConfiguration{{Source: resourceapi.AllocationConfigSourceClaim,
-			DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: testDriver, Parameters: p}}}}
-		if err := r.kube.Tracker().Update(resourceapi.SchemeGroupVersion.WithResource("resourceclaims"), c, c.Namespace); err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
-	reservations := func(c *resourceapi.ResourceClaim) []*pb.Reservation {
-		rs, err := r.c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: claimRef{c.Namespace, c.Name, string(c.UID)}.owner(), State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return rs
-	}
 
-	own := withConfig(r.consumingClaim("own", pooled[0].Name, share), params("MPS", `,"mps":{"isolation":"PerHolder"}`))
-	shared := withConfig(r.consumingClaim("shared", pooled[0].Name, share), params("MPS", `,"mps":{"isolation":"Shared"}`))
+	own := r.withClaimConfig(r.consumingClaim("own", pooled[0].Name, share), params("MPS", `,"mps":{"isolation":"PerHolder"}`))
+	shared := r.withClaimConfig(r.consumingClaim("shared", pooled[0].Name, share), params("MPS", `,"mps":{"isolation":"Shared"}`))
 	for _, c := range []*resourceapi.ResourceClaim{own, shared} {
 		if p := k.prepare(t, c); p.GetError() != "" {
 			t.Fatalf("prepare of claim %s: %s", c.Name, p.GetError())
 		}
 	}
-	ro, rsh := reservations(own), reservations(shared)
+	ro, rsh := r.activeReservations(own), r.activeReservations(shared)
 	if len(ro) != 1 || len(rsh) != 1 {
 		t.Fatalf("reservations %v and %v; want one each", ro, rsh)
 	}
@@ -182,7 +189,7 @@ func TestSharingConfigMPSIsolation(t *testing.T) {
 	if !strings.Contains(pipeO, "/holder-") || strings.Contains(pipeS, "/holder-") || pipeS == "" {
 		t.Errorf("pipe dirs: PerHolder %q, Shared %q; want the holder's own and the GPU's shared daemon's", pipeO, pipeS)
 	}
-	if again := k.prepare(t, own); again.GetError() != "" || reservations(own)[0].GetReservationId() != ro[0].GetReservationId() {
+	if again := k.prepare(t, own); again.GetError() != "" || r.activeReservations(own)[0].GetReservationId() != ro[0].GetReservationId() {
 		t.Errorf("prepare asked again: %q; want the same reservation", again.GetError())
 	}
 
@@ -190,10 +197,10 @@ func TestSharingConfigMPSIsolation(t *testing.T) {
 		{"bad", "MPS", `,"mps":{"isolation":"Strict"}`, `device config 0 (FromClaim) for ` + testDriver + `: mps.isolation "Strict": want Shared or PerHolder`},
 		{"not-mps", "TimeSlicing", `,"mps":{"isolation":"PerHolder"}`, `device config 0 (FromClaim) for ` + testDriver + `: mps is for strategy MPS, not TimeSlicing`},
 	} {
-		c := withConfig(r.consumingClaim(tc.name, pooled[1].Name, share), params(tc.strategy, tc.extra))
+		c := r.withClaimConfig(r.consumingClaim(tc.name, pooled[1].Name, share), params(tc.strategy, tc.extra))
 		p := k.prepare(t, c)
-		if !strings.Contains(p.GetError(), tc.want) || len(reservations(c)) != 0 {
-			t.Errorf("claim %s: %q (%d reservations); want %q and nothing reserved", tc.name, p.GetError(), len(reservations(c)), tc.want)
+		if !strings.Contains(p.GetError(), tc.want) || len(r.activeReservations(c)) != 0 {
+			t.Errorf("claim %s: %q (%d reservations); want %q and nothing reserved", tc.name, p.GetError(), len(r.activeReservations(c)), tc.want)
 		}
 	}
 
@@ -212,8 +219,8 @@ func TestSharingConfigMPSIsolation(t *testing.T) {
 		t.Fatal(err)
 	}
 	p := k.prepare(t, two)
-	if want := `requests "share" and "other" ask shares of device ` + pooled[2].Name + ` with other SharingConfig mps (isolation PerHolder; isolation Shared)`; !strings.Contains(p.GetError(), want) || len(reservations(two)) != 0 {
-		t.Errorf("two isolations on one device: %q (%d reservations); want %q and nothing reserved", p.GetError(), len(reservations(two)), want)
+	if want := `requests "share" and "other" ask shares of device ` + pooled[2].Name + ` with other SharingConfig mps (isolation PerHolder; isolation Shared)`; !strings.Contains(p.GetError(), want) || len(r.activeReservations(two)) != 0 {
+		t.Errorf("two isolations on one device: %q (%d reservations); want %q and nothing reserved", p.GetError(), len(r.activeReservations(two)), want)
 	}
 	for _, c := range []*resourceapi.ResourceClaim{own, shared} {
 		if e := k.unprepare(t, c); e != "" {
@@ -271,21 +278,6 @@ func TestSharingConfigMPSLimits(t *testing.T) {
 	params := func(strategy, mps string) runtime.RawExtension {
 		return runtime.RawExtension{Raw: []byte(`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"` + strategy + `","mps":` + mps + `}`)}
 	}
-	withConfig := func(c *resourceapi.ResourceClaim, p runtime.RawExtension) *resourceapi.ResourceClaim {
-		c.Status.Allocation.Devices.Config = []resourceapi.DeviceAllocationConfiguration{{Source: resourceapi.AllocationConfigSourceClaim,
-			DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{Driver: testDriver, Parameters: p}}}}
-		if err := r.kube.Tracker().Update(resourceapi.SchemeGroupVersion.WithResource("resourceclaims"), c, c.Namespace); err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
-	reservations := func(c *resourceapi.ResourceClaim) []*pb.Reservation {
-		rs, err := r.c.Reservations(context.Background(), &pb.ListReservationsRequest{OwnerId: claimRef{c.Namespace, c.Name, string(c.UID)}.owner(), State: pb.ReservationState_RESERVATION_STATE_ACTIVE})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return rs
-	}
 
 	for _, tc := range []struct {
 		name, mps         string
@@ -298,11 +290,11 @@ func TestSharingConfigMPSLimits(t *testing.T) {
 		{"shared", `{"isolation":"Shared","activeThreadPercentage":10,"pinnedDeviceMemoryLimit":"8Gi"}`,
 			map[string]string{"mps_isolation": "shared", "mps_thread_percentage": "10", "mps_memory_limit": "8192"}, "10", "0=8192M", false},
 	} {
-		c := withConfig(r.consumingClaim(tc.name, pooled[0].Name, twoShares.String()), params("MPS", tc.mps))
+		c := r.withClaimConfig(r.consumingClaim(tc.name, pooled[0].Name, twoShares.String()), params("MPS", tc.mps))
 		if p := k.prepare(t, c); p.GetError() != "" {
 			t.Fatalf("prepare of claim %s: %s", c.Name, p.GetError())
 		}
-		rs := reservations(c)
+		rs := r.activeReservations(c)
 		if len(rs) != 1 {
 			t.Fatalf("claim %s: reservations %v, want one", tc.name, rs)
 		}
@@ -331,11 +323,11 @@ func TestSharingConfigMPSLimits(t *testing.T) {
 		{"memory-bad", "MPS", `{"pinnedDeviceMemoryLimit":"lots"}`, `device config 0 (FromClaim) for ` + testDriver + `: mps.pinnedDeviceMemoryLimit "lots": not a quantity`},
 		{"not-mps", "TimeSlicing", `{"activeThreadPercentage":10}`, `device config 0 (FromClaim) for ` + testDriver + `: mps is for strategy MPS, not TimeSlicing`},
 	} {
-		c := withConfig(r.consumingClaim(tc.name, pooled[1].Name, share.String()), params(tc.strategy, tc.mps))
+		c := r.withClaimConfig(r.consumingClaim(tc.name, pooled[1].Name, share.String()), params(tc.strategy, tc.mps))
 		p := k.prepare(t, c)
 		t.Logf("claim %s: %s", tc.name, p.GetError())
-		if !strings.Contains(p.GetError(), tc.want) || len(reservations(c)) != 0 {
-			t.Errorf("claim %s: %q (%d reservations); want %q and nothing reserved", tc.name, p.GetError(), len(reservations(c)), tc.want)
+		if !strings.Contains(p.GetError(), tc.want) || len(r.activeReservations(c)) != 0 {
+			t.Errorf("claim %s: %q (%d reservations); want %q and nothing reserved", tc.name, p.GetError(), len(r.activeReservations(c)), tc.want)
 		}
 	}
 }
