@@ -35,7 +35,15 @@ func (s *Server) Fingerprint(req *pb.FingerprintRequest, stream grpc.ServerStrea
 		return errServerShutdown
 	}
 	defer sb.Leave()
-	return s.serveStream(ctx, sb, cur, cur)
+	first := cur
+	// The Manager publishes a change once the reply of the call that made it is out
+	// (device.AfterReply), and the feed's goroutine takes it after that: a stream
+	// joining in between would get the snapshot from before a Reserve its client has
+	// seen answered. Its first message is the Manager's current snapshot then.
+	if snap := s.mgr.Snapshot(); cur != nil && snap.Seq > cur.Seq() {
+		first = newSnapshotEncoder(filter).encode(snap)
+	}
+	return s.serveStream(ctx, sb, first, cur)
 }
 
 // Stats sends the stats of the groups the request selects at the requested interval.

@@ -120,6 +120,70 @@ func TestFingerprintStreamsSnapshots(t *testing.T) {
 	}
 }
 
+// A Fingerprint stream opened after a Reserve was answered shows the Reserve, though the
+// Manager publishes the change to its watch only later (after the reply) and another
+// stream's shared feed still holds the snapshot before it; and it then gets the feed's
+// changes after that one, without the one it already had again.
+func TestFingerprintStartsNoOlderThanAnsweredCalls(t *testing.T) {
+	feed := newWatchFeed()
+	var current atomic.Pointer[device.Snapshot]
+	h := startHost(t, &devicetest.Fake{WatchFunc: feed.Watch,
+		SnapshotFunc: func() device.Snapshot { return *current.Load() }})
+	ctx := testContext(t)
+	free := device.Snapshot{Seq: 1, Time: t0, Inventory: testInventory, State: device.State{Devices: map[string]device.DeviceState{
+		"GPU-0": {Health: device.HealthHealthy, Since: t0}, "GPU-1": {Health: device.HealthHealthy, Since: t0}}}}
+	held := free
+	held.Seq, held.Time = 2, t1
+	held.State = device.State{Devices: map[string]device.DeviceState{
+		"GPU-0": {Health: device.HealthHealthy, Since: t0, Holder: &device.Holder{ReservationID: "r1", OwnerID: "alloc-1"}},
+		"GPU-1": {Health: device.HealthHealthy, Since: t0}}}
+	current.Store(&free)
+	feed.snaps <- free
+	recv := func(what string, s pb.DeviceHost_FingerprintClient) *pb.FingerprintResponse {
+		t.Helper()
+		m, err := s.Recv()
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		return m
+	}
+	holderOf := func(m *pb.FingerprintResponse) string {
+		return m.GetGroups()[0].GetDevices()[0].GetHolder().GetReservationId()
+	}
+	a, err := h.client.Fingerprint(ctx, &pb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := recv("stream a's first", a); holderOf(m) != "" {
+		t.Fatalf("stream a's first: GPU-0 held by %q, want free", holderOf(m))
+	}
+
+	current.Store(&held) // a Reserve answered; its change not yet published
+	b, err := h.client.Fingerprint(ctx, &pb.FingerprintRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := recv("stream b's first", b); holderOf(m) != "r1" || !m.GetTimestamp().AsTime().Equal(t1) {
+		t.Fatalf("stream b's first: GPU-0 held by %q at %v, want r1 at %v (the answered Reserve)", holderOf(m), m.GetTimestamp().AsTime(), t1)
+	}
+
+	feed.snaps <- held // published now
+	if m := recv("stream a's second", a); holderOf(m) != "r1" {
+		t.Fatalf("stream a's second: GPU-0 held by %q, want r1", holderOf(m))
+	}
+	sick := held
+	sick.Seq, sick.Time = 3, t1.Add(time.Second)
+	sick.State = device.State{Devices: map[string]device.DeviceState{
+		"GPU-0": held.State.Devices["GPU-0"],
+		"GPU-1": {Health: device.HealthUnhealthy, Reason: "xid 79", Since: sick.Time}}}
+	current.Store(&sick)
+	feed.snaps <- sick
+	m := recv("stream b's second", b)
+	if got := m.GetGroups()[0].GetDevices()[1].GetHealth(); got != pb.Health_HEALTH_UNHEALTHY || !m.GetTimestamp().AsTime().Equal(sick.Time) {
+		t.Fatalf("stream b's second: GPU-1 %v at %v, want unhealthy at %v (not the held snapshot again)", got, m.GetTimestamp().AsTime(), sick.Time)
+	}
+}
+
 // Shared capacity reaches the API: each device's consumption and blockers, and the
 // counter sets listed devices consume, with their use; a set no listed device
 // consumes is left out.

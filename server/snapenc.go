@@ -63,10 +63,16 @@ func newSnapshotEncoder(f streamFilter) *snapshotEncoder {
 		groups: make(map[*device.Group]*encodedPart), sets: make(map[*device.CounterSet]*encodedPart)}
 }
 
-// encode is snapshotToProto and proto.Marshal, with the devices' encodings reused.
-// Inventory entries are keyed by address: a snapshot's inventory is never modified
-// (a new one is new slices), and an entry kept here keeps its array from being reused.
+// encode is snapshotToProto and proto.Marshal, with the devices' encodings reused; the
+// frame is numbered with snap.Seq.
 func (e *snapshotEncoder) encode(snap device.Snapshot) *fanout.Frame {
+	return e.marshal(snap).At(snap.Seq)
+}
+
+// marshal is encode's frame, unnumbered. Inventory entries are keyed by address: a
+// snapshot's inventory is never modified (a new one is new slices), and an entry kept
+// here keeps its array from being reused.
+func (e *snapshotEncoder) marshal(snap device.Snapshot) *fanout.Frame {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.gen++

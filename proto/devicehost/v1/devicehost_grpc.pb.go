@@ -44,8 +44,9 @@ const (
 // reason a caller can branch on: the name of an ErrorReason value.
 type DeviceHostClient interface {
 	// Fingerprint streams the inventory with its state: the first message is the full
-	// current snapshot, then a full snapshot on every change. A slow reader skips to the
-	// latest snapshot.
+	// current snapshot (it shows every change whose call was answered before this one
+	// began), then a full snapshot on every change. A slow reader skips to the latest
+	// snapshot.
 	Fingerprint(ctx context.Context, in *FingerprintRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[FingerprintResponse], error)
 	// Stats streams device statistics from every plugin at the requested interval (at most
 	// 24 hours).
@@ -227,8 +228,9 @@ type DeviceHost_WatchEventsClient = grpc.ServerStreamingClient[WatchEventsRespon
 // reason a caller can branch on: the name of an ErrorReason value.
 type DeviceHostServer interface {
 	// Fingerprint streams the inventory with its state: the first message is the full
-	// current snapshot, then a full snapshot on every change. A slow reader skips to the
-	// latest snapshot.
+	// current snapshot (it shows every change whose call was answered before this one
+	// began), then a full snapshot on every change. A slow reader skips to the latest
+	// snapshot.
 	Fingerprint(*FingerprintRequest, grpc.ServerStreamingServer[FingerprintResponse]) error
 	// Stats streams device statistics from every plugin at the requested interval (at most
 	// 24 hours).

@@ -36,6 +36,10 @@ type Frame struct {
 	// send. A SliceBuffer is never pooled: grpc-go's Ref and Free leave it alone.
 	wire mem.BufferSlice
 	err  error // marshalling failed: the status to end the streams with
+	// seq orders the values frames of one feed were made from (a snapshot's Seq); 0
+	// when they are not ordered. A stream never gets a frame whose seq is not above
+	// one it was sent (see Sub.Start).
+	seq uint64
 }
 
 // NewFrame makes the frame of encoded message data, which the caller must not modify
@@ -43,6 +47,16 @@ type Frame struct {
 func NewFrame(data []byte) *Frame {
 	return &Frame{data: data, wire: mem.BufferSlice{mem.SliceBuffer(data)}}
 }
+
+// At is a copy of f made from the value numbered seq (see Frame.seq).
+func (f *Frame) At(seq uint64) *Frame {
+	c := *f
+	c.seq = seq
+	return &c
+}
+
+// Seq is the number of the value f was made from; 0 when unordered.
+func (f *Frame) Seq() uint64 { return f.seq }
 
 // Data is the encoded message; nil when encoding failed. Not to be modified.
 func (f *Frame) Data() []byte { return f.data }

@@ -162,6 +162,9 @@ type Sub struct {
 	idle    chan struct{} // closed when sending ends, for a handler that waits to leave
 
 	last *Frame // the frame sent last; used by the goroutine holding the stream
+	// sentSeq is the highest seq of a frame sent (see Frame.seq); used by the
+	// goroutine holding the stream.
+	sentSeq uint64
 }
 
 // Join adds stream, of connection conn (an ID the caller gives each client connection)
@@ -345,9 +348,17 @@ func (f *feed[T]) publish(ctx context.Context, v T) (sent int64) {
 // group's frame when the stream joined), and gives the stream over to the rounds.
 // Called at most once by the stream's handler, which holds it since Join; the handler
 // must not send on the stream after. A failed send closes Failed.
+//
+// first may be newer than the feed's frames (a value the handler took from the Manager
+// itself, which the feed's goroutine has yet to publish): the stream then gets no frame
+// of the feed until one with a higher seq, so it never goes back, nor gets one value
+// twice.
 func (s *Sub) Start(first, seen *Frame) {
-	if first != nil && !s.send(first) {
-		return
+	if first != nil {
+		if !s.send(first) {
+			return
+		}
+		s.sentSeq = first.seq
 	}
 	s.last = seen
 	s.flush()
@@ -371,9 +382,12 @@ func (s *Sub) flush() (sent int64) {
 	for {
 		if fr := s.cur.Load(); fr != nil && fr != s.last {
 			s.last = fr
-			sent++
-			if !s.send(fr) {
-				return sent
+			if fr.seq == 0 || fr.seq > s.sentSeq {
+				s.sentSeq = fr.seq
+				sent++
+				if !s.send(fr) {
+					return sent
+				}
 			}
 		}
 		s.mu.Lock()
