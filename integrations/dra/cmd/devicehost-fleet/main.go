@@ -24,6 +24,10 @@
 //	        consuming the GPUs' counter sets
 //	mig-trimmed the same with the plugin's mig_profiles = ["1g.10gb", "3g.40gb",
 //	        "7g.80gb"]: the 8 GPUs and their 80 placements of those profiles
+//	mig-first what publishing placements on demand would start from: the mig layout
+//	        with each GPU's first placement of each profile alone (the 8 GPUs and 56
+//	        placements), the scheduler's floor for that design (a what-if: the
+//	        driver does not publish it; docs/benchmarks.md, "Fleet")
 //	sharing the 8 GPUs offered whole, in 4 time-sliced replicas each and as 4 MPS
 //	        shares each (replicas = 4, sharing = ["time-slicing", "mps"]), the MPS
 //	        shares of a GPU published as one device of consumable memory
@@ -45,6 +49,9 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
+	"maps"
+	"net/http"
 	"os"
 	"os/signal"
 	"slices"
@@ -55,6 +62,7 @@ import (
 	"time"
 
 	"golang.org/x/sync/errgroup"
+	"google.golang.org/protobuf/encoding/protojson"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -62,10 +70,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/devicehost/devicehost/integrations/dra"
+	pb "github.com/devicehost/devicehost/proto/devicehost/v1"
 )
 
 //go:embed fingerprints/*.json
@@ -101,6 +111,10 @@ type options struct {
 	// churnInterval how often a node's reservations change in the churn phases.
 	writes        time.Duration
 	churnInterval time.Duration
+	// profileURL is the scheduler's CPU profile endpoint, fetched for profileSeconds from
+	// the burst's start into profileFile ("": none).
+	profileURL, profileFile string
+	profileSeconds          int
 }
 
 func run(ctx context.Context, args []string) error {
@@ -108,8 +122,11 @@ func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("devicehost-fleet", flag.ContinueOnError)
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "admin kubeconfig `file` of the fleet's API server")
 	fs.IntVar(&o.nodes, "nodes", 100, "simulated nodes")
-	fs.StringVar(&o.layout, "layout", "static", "slice layout: plain, static, mig, mig-trimmed or sharing")
-	fs.StringVar(&o.claim, "claim", "gpu", "each pod's claim: gpu (1 GPU), gpu2 (2 GPUs of one NUMA node: matchAttribute), mig (one 1g.10gb; layout mig or mig-trimmed) or mps (an MPS share of 20Gi; layout sharing)")
+	fs.StringVar(&o.layout, "layout", "static", "slice layout: plain, static, mig, mig-trimmed, mig-first or sharing")
+	fs.StringVar(&o.claim, "claim", "gpu", "each pod's claim: gpu (1 GPU), gpu2 (2 GPUs of one NUMA node: matchAttribute), mig (one 1g.10gb; a mig layout) or mps (an MPS share of 20Gi; layout sharing)")
+	fs.StringVar(&o.profileURL, "scheduler-profile-url", "", "the scheduler's /debug/pprof/profile `URL` (its secure port; the kubeconfig's client certificate is shown, its serving certificate not checked)")
+	fs.StringVar(&o.profileFile, "scheduler-profile", "", "write the scheduler's CPU profile of the burst to this `file` (with -scheduler-profile-url)")
+	fs.IntVar(&o.profileSeconds, "scheduler-profile-seconds", 10, "how long the profile runs from the burst's start")
 	fs.IntVar(&o.pods, "pods", 0, "pods in the burst (0: 2 per node)")
 	fs.IntVar(&o.apiserverPID, "apiserver-pid", 0, "the API server's PID, for its CPU and RSS (0: not measured)")
 	fs.IntVar(&o.schedulerPID, "scheduler-pid", 0, "the scheduler's PID, for its CPU and RSS (0: not measured)")
@@ -128,8 +145,8 @@ func run(ctx context.Context, args []string) error {
 		return err
 	}
 	switch {
-	case o.claim == "mig" && o.layout != "mig" && o.layout != "mig-trimmed":
-		return errors.New("-claim mig needs -layout mig or mig-trimmed")
+	case o.claim == "mig" && !strings.HasPrefix(o.layout, "mig"):
+		return errors.New("-claim mig needs -layout mig, mig-trimmed or mig-first")
 	case o.claim == "mps" && o.layout != "sharing":
 		return errors.New("-claim mps needs -layout sharing")
 	case o.claim != "gpu" && o.claim != "gpu2" && o.claim != "mig" && o.claim != "mps":
@@ -164,7 +181,11 @@ func run(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	res, err := burst(ctx, kube, o)
+	var profile func() func() error
+	if o.profileURL != "" && o.profileFile != "" {
+		profile = func() func() error { return profileScheduler(ctx, cfg, o) }
+	}
+	res, err := burst(ctx, kube, o, profile)
 	if err != nil {
 		return err
 	}
@@ -183,14 +204,85 @@ func run(ctx context.Context, args []string) error {
 	return nil
 }
 
+// profileScheduler fetches the scheduler's CPU profile of the next o.profileSeconds
+// into o.profileFile, with cfg's client certificate; the function it returns waits for
+// that.
+func profileScheduler(ctx context.Context, cfg *rest.Config, o options) func() error {
+	done := make(chan error, 1)
+	go func() {
+		done <- func() error {
+			tlsCfg, err := rest.TLSConfigFor(cfg)
+			if err != nil {
+				return err
+			}
+			tlsCfg.RootCAs, tlsCfg.InsecureSkipVerify = nil, true // the scheduler's own serving certificate, on localhost
+			c := &http.Client{Transport: &http.Transport{TLSClientConfig: tlsCfg}, Timeout: time.Duration(o.profileSeconds+30) * time.Second}
+			u := fmt.Sprintf("%s?seconds=%d", o.profileURL, o.profileSeconds)
+			req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+			if err != nil {
+				return err
+			}
+			resp, err := c.Do(req)
+			if err != nil {
+				return err
+			}
+			defer resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				msg, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+				return fmt.Errorf("%s: %s: %q", u, resp.Status, msg)
+			}
+			f, err := os.Create(o.profileFile)
+			if err != nil {
+				return err
+			}
+			if _, err := io.Copy(f, resp.Body); err != nil {
+				f.Close()
+				return err
+			}
+			return f.Close()
+		}()
+	}()
+	return func() error { return <-done }
+}
+
 // fingerprint returns the agent's snapshot of a node for layout, as protojson.
 func fingerprint(layout string) ([]byte, error) {
 	file := map[string]string{"plain": "dgxh100-plain.json", "static": "dgxh100.json", "mig": "dgxh100-mig-on-demand.json",
-		"mig-trimmed": "dgxh100-mig-trimmed.json", "sharing": "dgxh100-sharing.json"}[layout]
+		"mig-first": "dgxh100-mig-on-demand.json", "mig-trimmed": "dgxh100-mig-trimmed.json", "sharing": "dgxh100-sharing.json"}[layout]
 	if file == "" {
-		return nil, fmt.Errorf("-layout %q: want plain, static, mig, mig-trimmed or sharing", layout)
+		return nil, fmt.Errorf("-layout %q: want plain, static, mig, mig-first, mig-trimmed or sharing", layout)
 	}
-	return fingerprints.ReadFile("fingerprints/" + file)
+	raw, err := fingerprints.ReadFile("fingerprints/" + file)
+	if err != nil || layout != "mig-first" {
+		return raw, err
+	}
+	return firstPlacements(raw)
+}
+
+// firstPlacements keeps, of the MIG placements of a snapshot (protojson), each GPU's
+// first of each profile (the lowest ID: the lowest start) and drops the rest.
+func firstPlacements(raw []byte) ([]byte, error) {
+	snap := &pb.FingerprintResponse{}
+	if err := protojson.Unmarshal(raw, snap); err != nil {
+		return nil, err
+	}
+	for _, g := range snap.GetGroups() {
+		if g.GetType() != "mig" {
+			continue
+		}
+		first := make(map[string]*pb.Device) // by the GPU's counter set
+		for _, d := range g.GetDevices() {
+			if len(d.GetConsumes()) != 1 {
+				return nil, fmt.Errorf("placement %s consumes %d counter sets, want 1", d.GetId(), len(d.GetConsumes()))
+			}
+			set := d.GetConsumes()[0].GetCounterSet()
+			if f := first[set]; f == nil || d.GetId() < f.GetId() {
+				first[set] = d
+			}
+		}
+		g.Devices = slices.SortedFunc(maps.Values(first), func(a, b *pb.Device) int { return strings.Compare(a.GetId(), b.GetId()) })
+	}
+	return protojson.Marshal(snap)
 }
 
 func nodeName(i int) string { return fmt.Sprintf("fleet-%04d", i) }
@@ -299,8 +391,9 @@ type result struct {
 }
 
 // burst creates the claims, then the pods all at once, and waits until the scheduler
-// has bound them all (or o.timeout).
-func burst(ctx context.Context, kube kubernetes.Interface, o options) (result, error) {
+// has bound them all (or o.timeout). profile (nil: none) starts as the pods are
+// created, and what it returns is waited for at the end.
+func burst(ctx context.Context, kube kubernetes.Interface, o options, profile func() func() error) (result, error) {
 	_, err := kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: namespace}}, metav1.CreateOptions{})
 	if err != nil && !apierrors.IsAlreadyExists(err) {
 		return result{}, err
@@ -359,6 +452,14 @@ func burst(ctx context.Context, kube kubernetes.Interface, o options) (result, e
 	}
 
 	sampler := startSampler(o.apiserverPID, o.schedulerPID)
+	if profile != nil {
+		wait := profile()
+		defer func() {
+			if err := wait(); err != nil {
+				fmt.Fprintf(os.Stderr, "fleet: the scheduler's profile: %v\n", err)
+			}
+		}()
+	}
 	start := time.Now()
 	g, gctx = errgroup.WithContext(ctx)
 	g.SetLimit(o.parallel)

@@ -107,6 +107,46 @@ func TestCounter(t *testing.T) {
 	}
 }
 
+// mig-first is the mig layout with each GPU's first placement of each profile alone: 8
+// GPUs and 7 placements each, every one at its profile's lowest start, each GPU's
+// placements consuming its own counter set.
+func TestMIGFirstLayout(t *testing.T) {
+	full, first := loadFingerprint(t, "mig"), loadFingerprint(t, "mig-first")
+	count := func(s *pb.FingerprintResponse) (n int) {
+		for _, g := range s.GetGroups() {
+			n += len(g.GetDevices())
+		}
+		return n
+	}
+	if got, want := count(full), 8+8*28; got != want {
+		t.Fatalf("the mig layout: %d devices, want %d", got, want)
+	}
+	if got, want := count(first), 8+8*7; got != want {
+		t.Errorf("mig-first: %d devices, want %d", got, want)
+	}
+	for _, g := range first.GetGroups() {
+		if g.GetType() != "mig" {
+			if len(g.GetDevices()) != 8 {
+				t.Errorf("mig-first group %s: %d devices, want the 8 GPUs", g.GetName(), len(g.GetDevices()))
+			}
+			continue
+		}
+		sets := make(map[string]bool)
+		for _, d := range g.GetDevices() {
+			sets[d.GetConsumes()[0].GetCounterSet()] = true
+			if !strings.HasSuffix(d.GetId(), "-0") {
+				t.Errorf("mig-first %s: %s is not at start 0", g.GetName(), d.GetId())
+			}
+		}
+		if len(sets) != 8 {
+			t.Errorf("mig-first %s: placements on %d GPUs, want one on each of 8", g.GetName(), len(sets))
+		}
+	}
+	if len(first.GetCounterSets()) != len(full.GetCounterSets()) {
+		t.Errorf("mig-first: %d counter sets, want the mig layout's %d", len(first.GetCounterSets()), len(full.GetCounterSets()))
+	}
+}
+
 func loadFingerprint(t *testing.T, layout string) *pb.FingerprintResponse {
 	t.Helper()
 	raw, err := fingerprint(layout)
