@@ -162,8 +162,8 @@ type Sub struct {
 	idle    chan struct{} // closed when sending ends, for a handler that waits to leave
 
 	last *Frame // the frame sent last; used by the goroutine holding the stream
-	// sentSeq is the highest seq of a frame sent (see Frame.seq); used by the
-	// goroutine holding the stream.
+	// sentSeq is the seq of a first frame newer than the feed's (see Start), until the
+	// feed sends a newer one; 0 otherwise. Used by the goroutine holding the stream.
 	sentSeq uint64
 }
 
@@ -352,13 +352,15 @@ func (f *feed[T]) publish(ctx context.Context, v T) (sent int64) {
 // first may be newer than the feed's frames (a value the handler took from the Manager
 // itself, which the feed's goroutine has yet to publish): the stream then gets no frame
 // of the feed until one with a higher seq, so it never goes back, nor gets one value
-// twice.
+// twice. Past that one, every frame of the feed goes out as it comes.
 func (s *Sub) Start(first, seen *Frame) {
 	if first != nil {
 		if !s.send(first) {
 			return
 		}
-		s.sentSeq = first.seq
+		if first != seen {
+			s.sentSeq = first.seq
+		}
 	}
 	s.last = seen
 	s.flush()
@@ -383,7 +385,7 @@ func (s *Sub) flush() (sent int64) {
 		if fr := s.cur.Load(); fr != nil && fr != s.last {
 			s.last = fr
 			if fr.seq == 0 || fr.seq > s.sentSeq {
-				s.sentSeq = fr.seq
+				s.sentSeq = 0 // caught up with the first frame
 				sent++
 				if !s.send(fr) {
 					return sent
