@@ -182,6 +182,25 @@ func TestFingerprintStartsNoOlderThanAnsweredCalls(t *testing.T) {
 	if got := m.GetGroups()[0].GetDevices()[1].GetHealth(); got != pb.Health_HEALTH_UNHEALTHY || !m.GetTimestamp().AsTime().Equal(sick.Time) {
 		t.Fatalf("stream b's second: GPU-1 %v at %v, want unhealthy at %v (not the held snapshot again)", got, m.GetTimestamp().AsTime(), sick.Time)
 	}
+
+	if m := recv("stream a's third", a); !m.GetTimestamp().AsTime().Equal(sick.Time) {
+		t.Fatalf("stream a's third at %v, want %v", m.GetTimestamp().AsTime(), sick.Time)
+	}
+
+	// Once caught up, a stream takes every change as it comes, even from a Manager
+	// whose Seq went back (one that started counting again).
+	again := free
+	again.Time = t1.Add(time.Minute)
+	current.Store(&again)
+	feed.snaps <- again
+	for _, st := range []struct {
+		name string
+		s    pb.DeviceHost_FingerprintClient
+	}{{"a", a}, {"b", b}} {
+		if m := recv("stream "+st.name+"'s change after Seq went back", st.s); holderOf(m) != "" || !m.GetTimestamp().AsTime().Equal(again.Time) {
+			t.Fatalf("stream %s: GPU-0 held by %q at %v, want free at %v", st.name, holderOf(m), m.GetTimestamp().AsTime(), again.Time)
+		}
+	}
 }
 
 // Shared capacity reaches the API: each device's consumption and blockers, and the
