@@ -37,8 +37,8 @@ type Frame struct {
 	wire mem.BufferSlice
 	err  error // marshalling failed: the status to end the streams with
 	// seq orders the values frames of one feed were made from (a snapshot's Seq); 0
-	// when they are not ordered. A stream never gets a frame whose seq is not above
-	// one it was sent (see Sub.Start).
+	// when they are not ordered. A stream that started from a frame newer than its
+	// feed's skips the feed's frames up to that one's seq (see Sub.Start).
 	seq uint64
 }
 
