@@ -302,7 +302,7 @@ func TestProcessReserve(t *testing.T) {
 	m := startManager(t, cfg,
 		fixture{name: "fx", cfg: fixtureplugin.Config{Groups: widgets("fx", "w0", "w1", "w2")}},
 		fixture{name: "evil", cfg: fixtureplugin.Config{Groups: widgets("evil", "v0"), ReserveBad: true}},
-		fixture{name: "grumpy", cfg: fixtureplugin.Config{Groups: widgets("grumpy", "u0"), ReserveError: "widget u0 is calibrating"}},
+		fixture{name: "grumpy", cfg: fixtureplugin.Config{Groups: widgets("grumpy", "u0"), ReserveError: "reserve: widget u0 is calibrating"}},
 	)
 	ctx, cancel := context.WithTimeout(context.Background(), testwait.Timeout)
 	defer cancel()
@@ -332,7 +332,8 @@ func TestProcessReserve(t *testing.T) {
 		want    []string
 	}{
 		{"LD_PRELOAD in the answer", "evil", "v0", device.ErrPluginResponse, []string{`"evil"`, "LD_PRELOAD", "env name denied"}},
-		{"plugin error", "grumpy", "u0", device.ErrPluginResponse, []string{`"grumpy"`, "widget u0 is calibrating"}},
+		// The plugin's own "reserve: " is not said twice.
+		{"plugin error", "grumpy", "u0", device.ErrPluginResponse, []string{`plugin "grumpy" refused reserve: widget u0 is calibrating`}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

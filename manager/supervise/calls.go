@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -97,9 +98,15 @@ func (s *Supervisor) call(ctx context.Context, what string, rpc func(context.Con
 	case codes.InvalidArgument:
 		// The request is what the plugin refused (an option it does not know): the
 		// caller's to fix, as the host's own checks' refusals are.
-		return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, inventory.ErrorLine(status.Convert(err).Message()), device.ErrInvalidRequest)
+		return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, pluginSaid(err, what), device.ErrInvalidRequest)
 	}
-	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, inventory.ErrorLine(status.Convert(err).Message()), device.ErrPluginResponse)
+	return fmt.Errorf("plugin %q refused %s: %s: %w", s.name, what, pluginSaid(err, what), device.ErrPluginResponse)
+}
+
+// pluginSaid is a plugin's error message as one bounded line, less a leading "what: "
+// (nvidia-example's "reserve: ...") that would repeat the host's own words.
+func pluginSaid(err error, what string) string {
+	return strings.TrimPrefix(inventory.ErrorLine(status.Convert(err).Message()), what+": ")
 }
 
 // reconcile hands p, started but not yet serving Reserves, the live reservations of its
