@@ -145,6 +145,20 @@ func (r *rig) activeReservations(c *resourceapi.ResourceClaim) []*pb.Reservation
 	return rs
 }
 
+// pooledMPSDevices waits for an MPS agent's pool (its 8 GPUs and their 8 pooled MPS
+// devices) and returns the pooled ones (those that allow multiple allocations).
+func (r *rig) pooledMPSDevices() []resourceapi.Device {
+	r.t.Helper()
+	devs := r.waitSlices("8 GPUs and 8 pooled MPS devices", func(d []resourceapi.Device) bool { return len(d) == 16 })
+	var pooled []resourceapi.Device
+	for _, dv := range devs {
+		if dv.AllowMultipleAllocations != nil && *dv.AllowMultipleAllocations {
+			pooled = append(pooled, dv)
+		}
+	}
+	return pooled
+}
+
 // A claim's SharingConfig mps.isolation reaches the agent as the Reserve's plugin option
 // mps_isolation: PerHolder gets the claim a daemon of its own, Shared the GPU's shared
 // one, and the reservations carry the option; a value other than the two, or mps with
@@ -156,13 +170,7 @@ func TestSharingConfigMPSIsolation(t *testing.T) {
 	r := newRigArgs(t, "-config", mpsAgentConfig(t))
 	r.startDriver(nil)
 	k := r.kubelet()
-	devs := r.waitSlices("8 GPUs and 8 pooled MPS devices", func(d []resourceapi.Device) bool { return len(d) == 16 })
-	var pooled []resourceapi.Device
-	for _, dv := range devs {
-		if dv.AllowMultipleAllocations != nil && *dv.AllowMultipleAllocations {
-			pooled = append(pooled, dv)
-		}
-	}
+	pooled := r.pooledMPSDevices()
 	share := pooled[0].Capacity["memory"].RequestPolicy.ValidRange.Step.String()
 	params := func(strategy, extra string) runtime.RawExtension {
 		return runtime.RawExtension{Raw: []byte(`{"apiVersion":"devicehost.io/v1alpha1","kind":"SharingConfig","strategy":"` + strategy + `"` + extra + `}`)}
@@ -265,13 +273,7 @@ func TestSharingConfigMPSLimits(t *testing.T) {
 	r := newRigArgs(t, "-config", mpsAgentConfig(t))
 	r.startDriver(nil)
 	k := r.kubelet()
-	devs := r.waitSlices("8 GPUs and 8 pooled MPS devices", func(d []resourceapi.Device) bool { return len(d) == 16 })
-	var pooled []resourceapi.Device
-	for _, dv := range devs {
-		if dv.AllowMultipleAllocations != nil && *dv.AllowMultipleAllocations {
-			pooled = append(pooled, dv)
-		}
-	}
+	pooled := r.pooledMPSDevices()
 	share := pooled[0].Capacity["memory"].RequestPolicy.ValidRange.Step // one share: 20Gi
 	twoShares := share.DeepCopy()
 	twoShares.Add(*share)
