@@ -53,10 +53,7 @@ func expectRefusals(t *testing.T, p *Plugin, tests []refusal) {
 // stopping leaves the per-holder one and its directory alone. A restarted plugin told
 // each live reservation's options adopts both daemons, as they were.
 func TestMPSIsolationChosenPerReserve(t *testing.T) {
-	dir := mpsDir(t)
-	stateFile := filepath.Join(t.TempDir(), "sim.json")
-	cfg := mpsConfig(dir, "") // the default: shared
-	cfg.SimStateFile = &stateFile
+	cfg := restartableMPSConfig(t, "") // the default: shared
 	first := newMPSPlugin(t, cfg)
 	gpu0 := simulatedUUID("dgxh100", 0)
 	shared := reserveWith(t, first, map[string]string{"mps_isolation": "shared"}, mpsShareID(gpu0, 0))

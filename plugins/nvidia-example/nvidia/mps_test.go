@@ -37,6 +37,16 @@ func mpsConfig(dir, isolation string) Config {
 	return Config{Simulate: "dgxh100", Replicas: 4, Sharing: SharingModes{SharingMPS}, MPSIsolation: isolation, MPSDir: dir}
 }
 
+// restartableMPSConfig is mpsConfig in a new MPS directory, with a simulator state file,
+// so that a second plugin process of it finds the first's GPUs and daemons.
+func restartableMPSConfig(t *testing.T, isolation string) Config {
+	t.Helper()
+	stateFile := filepath.Join(t.TempDir(), "sim.json")
+	cfg := mpsConfig(mpsDir(t), isolation)
+	cfg.SimStateFile = &stateFile
+	return cfg
+}
+
 // newMPSPlugin is a plugin on simulated GPUs with 4 MPS shares per GPU; every share it
 // still holds is released when the test ends, so that no daemon outlives it.
 func newMPSPlugin(t *testing.T, cfg Config) *Plugin {
@@ -334,10 +344,8 @@ func TestMPSDaemonKilledIsRestarted(t *testing.T) {
 // TestMPSRestartAdoptsDaemons: a new plugin process finds the daemons of live shares
 // and adopts them (no second daemon), and stops the ones no live reservation holds.
 func TestMPSRestartAdoptsDaemons(t *testing.T) {
-	dir := mpsDir(t)
-	stateFile := filepath.Join(t.TempDir(), "sim.json")
-	cfg := mpsConfig(dir, MPSPerHolder)
-	cfg.SimStateFile = &stateFile
+	cfg := restartableMPSConfig(t, MPSPerHolder)
+	dir := cfg.MPSDir
 	first := newMPSPlugin(t, cfg)
 	gpu0, gpu1 := simulatedUUID("dgxh100", 0), simulatedUUID("dgxh100", 1)
 	reserve(t, first, mpsShareID(gpu0, 0))

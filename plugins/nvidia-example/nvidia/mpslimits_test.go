@@ -2,7 +2,6 @@ package nvidia
 
 import (
 	"context"
-	"path/filepath"
 	"syscall"
 	"testing"
 
@@ -41,10 +40,7 @@ func TestMPSLimitsLoweredShared(t *testing.T) {
 // daemon that serves them (a daemon with other limits would be replaced) and rebuilds
 // one that died while the plugin was down with them.
 func TestMPSLimitsLoweredPerHolderAcrossRestart(t *testing.T) {
-	dir := mpsDir(t)
-	stateFile := filepath.Join(t.TempDir(), "sim.json")
-	cfg := mpsConfig(dir, MPSPerHolder)
-	cfg.SimStateFile = &stateFile
+	cfg := restartableMPSConfig(t, MPSPerHolder)
 	first := newMPSPlugin(t, cfg)
 	gpu0, gpu1 := simulatedUUID("dgxh100", 0), simulatedUUID("dgxh100", 1)
 	options := map[string]string{"mps_thread_percentage": "30", "mps_memory_limit": "10240"}
